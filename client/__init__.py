@@ -1,0 +1,33 @@
+"""The torchps client: connect to the shards, register modules, pull and push.
+
+    from torchps.client import Cluster, Optimizer, PSClient
+"""
+
+from ..ps_server.cluster import Cluster, TaskSpec
+from ..ps_server.errors import (ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
+                                NonFiniteGradientError, OptimizerSpecError, PSError, ServerUnavailableError,
+                                SpecConflictError, TensorMismatchError, UnknownVariableError, WaitTimeoutError)
+from .client import Optimizer, PSClient
+from .module import ModuleBinding
+from .placement import Placement
+
+__all__ = [
+    "Cluster",
+    "ClusterConfigError",
+    "InternalServerError",
+    "InvalidArgumentError",
+    "MalformedStreamError",
+    "ModuleBinding",
+    "NonFiniteGradientError",
+    "Optimizer",
+    "OptimizerSpecError",
+    "PSClient",
+    "PSError",
+    "Placement",
+    "ServerUnavailableError",
+    "SpecConflictError",
+    "TaskSpec",
+    "TensorMismatchError",
+    "UnknownVariableError",
+    "WaitTimeoutError",
+]

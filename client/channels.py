@@ -1,0 +1,78 @@
+"""One gRPC channel and stub per shard, with readiness waits and retries.
+
+`ShardChannels.call(shard, fn, idempotent=...)` runs `fn(stub)` against a
+shard: it first waits (with gRPC's reconnect backoff) until the shard is
+reachable or `connect_timeout` passes, raising ServerUnavailableError naming
+the address; an idempotent call that then fails with UNAVAILABLE is retried the
+same way until that deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, TypeVar
+
+import grpc
+
+from ..ps_server.errors import ServerUnavailableError
+from ..ps_server.proto import ps_pb2_grpc
+from ..ps_server.server import DEFAULT_MAX_CHUNK_BYTES
+from .errors import error_from_rpc
+
+__all__ = ["ShardChannels"]
+
+T = TypeVar("T")
+_MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + (64 << 10)
+
+
+class ShardChannels:
+    """Channels to every shard of a cluster. Thread-safe (gRPC channels are)."""
+
+    def __init__(self, addresses: list[str], *, connect_timeout: float):
+        self.addresses = list(addresses)
+        self.connect_timeout = connect_timeout
+        options = [
+            ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+            ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self.stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._ready = [False] * len(self.addresses)
+
+    def target(self, shard: int) -> str:
+        return f"ps:{shard} at {self.addresses[shard]}"
+
+    def wait_ready(self, shard: int, deadline: float) -> None:
+        """Blocks until the shard's channel connects; ServerUnavailableError at `deadline` (monotonic)."""
+        try:
+            grpc.channel_ready_future(self._channels[shard]).result(timeout=max(0.0, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            raise ServerUnavailableError(
+                f"could not reach {self.target(shard)} within {self.connect_timeout:g} s; "
+                f"is ps-server running there and is the address right?") from None
+        self._ready[shard] = True
+
+    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub], T], *, idempotent: bool) -> T:
+        """Runs fn(stub) for `shard`, mapping errors to PSError; see the module docstring."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            if not self._ready[shard]:
+                self.wait_ready(shard, deadline)
+            try:
+                return fn(self.stubs[shard])
+            except grpc.RpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise error_from_rpc(exc, self.target(shard)) from exc
+                self._ready[shard] = False
+                if not idempotent:
+                    raise ServerUnavailableError(
+                        f"{self.target(shard)} failed during a push ({exc.details()}); the push may or may "
+                        f"not have been applied") from exc
+                if time.monotonic() >= deadline:
+                    raise error_from_rpc(exc, self.target(shard)) from exc
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()

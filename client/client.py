@@ -1,0 +1,351 @@
+"""PSClient: the Python API training code uses to talk to the shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent import futures
+from typing import Callable, Iterable, Mapping, TypeVar
+
+import numpy as np
+import torch
+
+from ..ps_server import codec
+from ..ps_server.cluster import Cluster, TaskSpec
+from ..ps_server.errors import ClusterConfigError, MalformedStreamError, TensorMismatchError
+from ..ps_server.proto import ps_pb2
+from .channels import ShardChannels
+from .placement import Placement
+
+__all__ = ["PSClient", "Optimizer"]
+
+_LOGGER = logging.getLogger(__name__)
+T = TypeVar("T")
+GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """A server-side optimizer: torch.optim's name and keyword arguments.
+
+        Optimizer("sgd", lr=0.1, momentum=0.9, nesterov=True)
+        Optimizer("adam", lr=1e-3, betas=(0.9, 0.999))
+    """
+
+    name: str
+    hyperparams: Mapping[str, float | bool | tuple]
+
+    def __init__(self, name: str, **hyperparams):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "hyperparams", dict(hyperparams))
+
+    def to_proto(self) -> ps_pb2.OptimizerSpec:
+        return ps_pb2.OptimizerSpec(name=self.name, hyperparams=_wire_hyperparams(self.hyperparams))
+
+
+def _wire_hyperparams(hyperparams: Mapping) -> dict[str, float]:
+    out = {}
+    for key, value in hyperparams.items():
+        if key == "betas":
+            out["beta1"], out["beta2"] = (float(b) for b in value)
+        else:
+            out[key] = float(value)
+    return out
+
+
+class PSClient:
+    """A connection to every shard of a cluster, for one training process.
+
+        with PSClient(cluster) as ps:
+            model = ps.register_module(net, Optimizer("sgd", lr=0.1), create=is_chief)
+            model.pull(); loss.backward(); model.push()
+
+    Connecting is lazy: no call blocks in the constructor. Every call that
+    reaches a shard waits up to `connect_timeout` seconds for it to be
+    reachable (gRPC reconnects with backoff) and then raises
+    ServerUnavailableError naming its address. Calls to several shards run
+    concurrently, one stream per shard. Methods are thread-safe. Errors are
+    PSError subclasses (torchps.ps_server.errors), never grpc.RpcError.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster | None = None,
+        *,
+        task: TaskSpec | None = None,
+        connect_timeout: float = 60.0,
+        chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+        placement: str = "round_robin",
+    ):
+        if cluster is None:
+            cluster, env_task = Cluster.from_tf_config()
+            task = task or env_task
+        if chunk_bytes <= 0:
+            raise ClusterConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.cluster = cluster
+        self.task = task
+        self.chunk_bytes = chunk_bytes
+        self.placement = Placement(cluster.num_ps, placement)
+        self._placement_lock = threading.Lock()
+        self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout)
+        self._pool = futures.ThreadPoolExecutor(max_workers=cluster.num_ps, thread_name_prefix="torchps-client")
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes all channels; in-flight calls are cancelled. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=False)
+            self._channels.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def is_chief(self) -> bool:
+        """True if this client's task is the cluster's chief (chief, or worker 0 without one)."""
+        return self.task is not None and self.task == self.cluster.chief_task
+
+    # -- placement --------------------------------------------------------------------------
+
+    def declare(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, int]]) -> None:
+        """Places names without creating them (in the given order), so later calls know their shard.
+
+        Accepts {name: tensor} or (name, nbytes) pairs. Never blocks; idempotent.
+        """
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        with self._placement_lock:
+            for name, value in items:
+                nbytes = value if isinstance(value, int) else value.numel() * value.element_size()
+                self.placement.add(name, nbytes)
+
+    def placement_report(self) -> str:
+        """variable -> shard and bytes per shard, as printable text."""
+        return self.placement.report(list(self.cluster.ps))
+
+    # -- variables --------------------------------------------------------------------------
+
+    def create_variables(self, tensors: Mapping[str, torch.Tensor], optimizer: Optimizer | None = None) -> dict[str, bool]:
+        """Creates variables with these initial values on their shards; {name: created}.
+
+        Idempotent: a variable that exists with the same spec is kept as it is
+        (False). Blocks until every shard has stored its part. Raises
+        SpecConflictError if one exists with another spec; each shard applies
+        its part all-or-nothing, but if one shard fails the others' parts may
+        already exist (calling again with the right spec completes the job).
+        """
+        self.declare(tensors)
+        spec = (optimizer or Optimizer("none")).to_proto()
+        groups = self.placement.group(tensors)
+
+        def create(shard: int, names: list[str]) -> list[bool]:
+            def requests():
+                for name in names:
+                    value = tensors[name].detach().cpu()
+                    yield ps_pb2.CreateRequest(spec=ps_pb2.VariableSpec(name=name, meta=codec.meta_of(value), optimizer=spec))
+                    for chunk in codec.encode_chunks(name, value, self.chunk_bytes):
+                        yield ps_pb2.CreateRequest(chunk=chunk)
+            reply = self._channels.call(shard, lambda stub: stub.CreateVariables(requests(), wait_for_ready=True),
+                                        idempotent=True)
+            return list(reply.created)
+
+        results = self._each_shard(groups, create)
+        return {name: flag for shard, names in groups.items() for name, flag in zip(names, results[shard])}
+
+    def wait_for_variables(self, names: Iterable[str], timeout: float = 600.0) -> None:
+        """Blocks until every name (placed by declare) exists on its shard.
+
+        Raises WaitTimeoutError naming the missing variables after `timeout` s,
+        or ServerUnavailableError if a shard stays unreachable.
+        """
+        groups = self.placement.group(list(names))
+
+        def wait(shard: int, shard_names: list[str]) -> None:
+            request = ps_pb2.ListRequest(names=shard_names, wait_seconds=timeout)
+            self._channels.call(shard, lambda stub: stub.ListVariables(request, wait_for_ready=True,
+                                                                       timeout=timeout + 30), idempotent=True)
+
+        self._each_shard(groups, wait)
+
+    def list_variables(self) -> list[ps_pb2.VariableInfo]:
+        """Every variable on every shard (spec, version, bytes), shard by shard."""
+        replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+            shard, lambda stub: stub.ListVariables(ps_pb2.ListRequest(), wait_for_ready=True), idempotent=True))
+        return [info for shard in sorted(replies) for info in replies[shard].variables]
+
+    # -- pull and push ------------------------------------------------------------------------
+
+    def pull(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Fetches variables into new CPU tensors: {name: tensor}.
+
+        Each tensor is one consistent version. Blocks until all arrive; on
+        error nothing is returned.
+        """
+        names = list(names)
+        out: dict[str, torch.Tensor] = {}
+
+        def sink(chunk: ps_pb2.TensorChunk) -> np.ndarray:
+            value = torch.empty(tuple(chunk.meta.shape), dtype=codec.torch_dtype(chunk.meta.dtype))
+            out[chunk.name] = value
+            return codec.byte_array(value)
+
+        self._pull(names, sink)
+        return {name: out[name] for name in names}
+
+    def pull_into(self, targets: Mapping[str, torch.Tensor]) -> int:
+        """Overwrites each target tensor in place with its variable; returns the global-step counter.
+
+        Targets may live on CPU or CUDA (CUDA goes through pinned staging
+        memory). Dtype and shape must match (TensorMismatchError). If it
+        raises midway, targets may be partly overwritten: pull again.
+        """
+        staging: dict[str, torch.Tensor] = {}
+
+        def sink(chunk: ps_pb2.TensorChunk) -> np.ndarray:
+            target = targets[chunk.name]
+            if codec.meta_of(target) != chunk.meta:
+                raise TensorMismatchError(
+                    f"{chunk.name!r} is {codec.describe_meta(chunk.meta)} on the shard but the local tensor is "
+                    f"{codec.describe_meta(codec.meta_of(target))}")
+            if target.device.type == "cpu" and target.is_contiguous():
+                return codec.byte_array(target.data)
+            staging[chunk.name] = torch.empty(target.shape, dtype=target.dtype,
+                                              pin_memory=target.device.type == "cuda")
+            return codec.byte_array(staging[chunk.name])
+
+        step = self._pull(list(targets), sink)
+        with torch.no_grad():
+            for name, buffer in staging.items():
+                targets[name].copy_(buffer, non_blocking=True)
+        if any(t.device.type == "cuda" for t in targets.values()):
+            torch.cuda.synchronize()
+        return step
+
+    def _pull(self, names: list[str], sink: Callable[[ps_pb2.TensorChunk], np.ndarray]) -> int:
+        """Streams `names` from their shards; sink(first chunk) gives each tensor's byte buffer.
+
+        Returns the global-step counter seen by shard 0's stream, or -1 if shard 0 was not read.
+        """
+        groups = self.placement.group(names)
+        lock = threading.Lock()
+
+        def pull(shard: int, shard_names: list[str]) -> int:
+            def run(stub) -> int:
+                step, buffer, filled, name = -1, None, 0, None
+                for message in stub.Pull(ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes),
+                                         wait_for_ready=True):
+                    chunk = message.chunk
+                    step = message.step
+                    if chunk.HasField("meta"):
+                        with lock:
+                            buffer, filled, name = sink(chunk), 0, chunk.name
+                    if chunk.name != name or chunk.offset != filled or filled + len(chunk.data) > buffer.size:
+                        raise MalformedStreamError(f"shard sent a malformed chunk of {chunk.name!r}")
+                    buffer[filled:filled + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)
+                    filled += len(chunk.data)
+                return step
+            return self._channels.call(shard, run, idempotent=True)
+
+        steps = self._each_shard(groups, pull)
+        return steps.get(GLOBAL_STEP_SHARD, -1)
+
+    def push(self, grads: Mapping[str, torch.Tensor], *, step: int = 0, advance_step: bool = True) -> int:
+        """Sends gradients; each shard applies its part with the variables' optimizers.
+
+        `step` is the global step the gradients were computed at. With
+        advance_step, shard 0 advances the global step by one (it is sent a
+        stream even if it holds none of these variables). Blocks until every
+        shard has applied its part; returns the global step after the push (or
+        -1 without advance_step and nothing for shard 0). Per shard all-or-
+        nothing: if it raises, shards that reported success have applied their
+        part and the others have not (NaN/Inf, shape errors are found before
+        anything is sent when all gradients are checked locally).
+        """
+        groups = self.placement.group(grads)
+        if advance_step:
+            groups.setdefault(GLOBAL_STEP_SHARD, [])
+        worker = str(self.task) if self.task else ""
+
+        def push(shard: int, names: list[str]) -> int:
+            increment = 1 if advance_step and shard == GLOBAL_STEP_SHARD else 0
+
+            def requests():
+                yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker=worker, step=step, step_increment=increment))
+                for name in names:
+                    for chunk in codec.encode_chunks(name, grads[name].detach().cpu(), self.chunk_bytes):
+                        yield ps_pb2.PushRequest(chunk=chunk)
+            reply = self._channels.call(shard, lambda stub: stub.Push(requests(), wait_for_ready=True),
+                                        idempotent=False)
+            return reply.step
+
+        steps = self._each_shard(groups, push)
+        return steps.get(GLOBAL_STEP_SHARD, -1)
+
+    # -- optimizer and step ---------------------------------------------------------------------
+
+    def set_hyperparams(self, names: Iterable[str] | None = None, **hyperparams) -> int:
+        """Changes optimizer hyperparameters (e.g. lr=0.01) of `names`, or of every trainable variable.
+
+        Takes effect from the next update on each shard. Returns how many variables changed.
+        """
+        wire = _wire_hyperparams(hyperparams)
+        groups = self.placement.group(names) if names is not None else {s: [] for s in range(self.cluster.num_ps)}
+
+        def update(shard: int, shard_names: list[str]) -> int:
+            request = ps_pb2.UpdateOptimizerRequest(names=shard_names, hyperparams=wire)
+            return self._channels.call(shard, lambda stub: stub.UpdateOptimizer(request, wait_for_ready=True),
+                                       idempotent=True).updated
+
+        return sum(self._each_shard(groups, update).values())
+
+    def global_step(self) -> int:
+        """The global step (shard 0's counter of applied pushes). Blocks for one round trip."""
+        return self.status(GLOBAL_STEP_SHARD).step
+
+    def status(self, shard: int) -> ps_pb2.StatusResponse:
+        """One shard's status (index, step, variable count, bytes, pid)."""
+        return self._channels.call(shard, lambda stub: stub.GetStatus(ps_pb2.StatusRequest(), wait_for_ready=True),
+                                   idempotent=True)
+
+    # -- modules --------------------------------------------------------------------------------
+
+    def register_module(self, module: torch.nn.Module, optimizer: Optimizer | None = None, *,
+                        create: bool | None = None, prefix: str = "", wait_timeout: float = 600.0):
+        """Binds a module's parameters to variables named prefix + parameter name.
+
+        With create (default: this client is the chief), creates them from the
+        module's current values; otherwise waits up to `wait_timeout` s for the
+        chief to create them (WaitTimeoutError names the missing ones). Either
+        way, ends with a pull, so the module holds the shared values. Returns a
+        ModuleBinding with pull() and push().
+        """
+        from .module import ModuleBinding
+
+        binding = ModuleBinding(self, module, prefix)
+        params = binding.cpu_values()
+        create = self.is_chief if create is None else create
+        if create:
+            self.create_variables(params, optimizer)
+        else:
+            self.declare(params)
+            _LOGGER.info("waiting up to %g s for %d variables from the chief", wait_timeout, len(params))
+            self.wait_for_variables(params, wait_timeout)
+        binding.pull()
+        return binding
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T]) -> dict[int, T]:
+        """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish."""
+        if len(groups) == 1:
+            ((shard, names),) = groups.items()
+            return {shard: fn(shard, names)}
+        pending = {shard: self._pool.submit(fn, shard, names) for shard, names in groups.items()}
+        futures.wait(pending.values())
+        return {shard: future.result() for shard, future in pending.items()}

@@ -1,0 +1,44 @@
+"""ModuleBinding: a torch.nn.Module's parameters bound to shard variables."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ModuleBinding"]
+
+
+class ModuleBinding:
+    """Pulls into and pushes from one module's parameters. Made by PSClient.register_module.
+
+    Variable names are prefix + the parameter's name in module.named_parameters().
+    Not thread-safe (it shares the module with the training loop).
+    """
+
+    def __init__(self, client, module: torch.nn.Module, prefix: str = ""):
+        self.client = client
+        self.module = module
+        self.params = {prefix + name: p for name, p in module.named_parameters()}
+        self.step = 0  # global step seen by the last pull: the step gradients are computed at
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.params)
+
+    def cpu_values(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().cpu() for name, p in self.params.items()}
+
+    def pull(self) -> int:
+        """Copies the current variables into the parameters in place; returns the global step.
+
+        Blocks until every shard has streamed its part. On error the
+        parameters may be partly overwritten; pull again.
+        """
+        step = self.client.pull_into({name: p.data for name, p in self.params.items()})
+        if step >= 0:
+            self.step = step
+        return self.step
+
+    def push(self) -> int:
+        """Pushes every parameter's .grad (parameters without one are skipped); returns the global step after."""
+        grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
+        return self.client.push(grads, step=self.step)

@@ -1,0 +1,90 @@
+"""`ps-server`: run one parameter-server shard until signalled.
+
+    ps-server --index 0 --cluster '{"ps": ["127.0.0.1:2222"], "worker": [...]}'
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' ps-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+
+from .cluster import Cluster, TaskSpec
+from .errors import ClusterConfigError
+from .server import DEFAULT_MAX_CHUNK_BYTES, create_server
+from .store import VariableStore
+
+_LOGGER = logging.getLogger("torchps.ps_server")
+STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ps-server", description="Run one torchps parameter-server shard.")
+    parser.add_argument("--index", type=int, help="this shard's index in the cluster's ps list "
+                        "(default: TF_CONFIG's task index)")
+    parser.add_argument("--cluster", help="cluster as inline JSON or a JSON file path "
+                        "(TF_CONFIG's 'cluster' shape); default: TF_CONFIG, or none with --index and --bind")
+    parser.add_argument("--bind", help="HOST:PORT to listen on instead of the cluster entry; port 0 picks a free one")
+    parser.add_argument("--port-file", type=pathlib.Path, help="write the bound port to this file once serving")
+    parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
+    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
+                        help="largest chunk accepted or sent (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=32, help="RPC worker threads (default: %(default)s)")
+    parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
+    """(cluster or None, index, address to bind) from flags and TF_CONFIG; ClusterConfigError if inconsistent."""
+    task = None
+    if args.cluster:
+        cluster = Cluster.from_json(args.cluster)
+    elif args.bind and args.index is not None and "TF_CONFIG" not in os.environ:
+        return None, args.index, args.bind  # a standalone shard: --index N --bind HOST:PORT
+    else:
+        cluster, task = Cluster.from_tf_config()
+    if args.index is not None:
+        index = args.index
+    elif task is not None and task.type == "ps":
+        index = task.index
+    else:
+        raise ClusterConfigError("no shard index: pass --index N (or set TF_CONFIG's task to type 'ps')")
+    address = cluster.address(TaskSpec("ps", index))
+    if args.bind:
+        address = args.bind
+    return cluster, index, address
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cluster, index, address = resolve(args)
+        store = VariableStore(allow_nonfinite=args.allow_nonfinite)
+        server, port = create_server(store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads)
+    except (ClusterConfigError, RuntimeError) as exc:
+        print(f"ps-server: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    server.start()
+    if args.port_file:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    host = address.rpartition(":")[0]
+    _LOGGER.info("ps %d serving on %s:%d (pid %d)", index, host, port, os.getpid())
+    stop.wait()
+    _LOGGER.info("ps %d stopping", index)
+    server.stop(STOP_GRACE_SECONDS).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Tensors to and from chunk streams (TensorChunk messages). No gRPC here.
+
+Wire form: dtype + shape + raw little-endian bytes, cut into chunks of at most
+`chunk_bytes`. `encode_chunks` cuts; `ChunkAssembler` glues back and enforces
+the stream rules of ps.proto (contiguous offsets, one tensor at a time, no
+overrun, nothing missing), raising MalformedStreamError otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from .errors import InvalidArgumentError, MalformedStreamError, TensorMismatchError
+from .proto import ps_pb2
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "torch_dtype",
+    "wire_dtype",
+    "meta_of",
+    "meta_nbytes",
+    "describe_meta",
+    "byte_array",
+    "tensor_bytes",
+    "encode_chunks",
+    "ChunkAssembler",
+]
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: the fastest pull chunk in transport.md
+
+if sys.byteorder != "little":  # the wire is little-endian and we send memory as is
+    raise ImportError("torchps supports little-endian hosts only")
+
+_TO_TORCH = {
+    ps_pb2.FLOAT32: torch.float32,
+    ps_pb2.FLOAT64: torch.float64,
+    ps_pb2.FLOAT16: torch.float16,
+    ps_pb2.BFLOAT16: torch.bfloat16,
+    ps_pb2.INT32: torch.int32,
+    ps_pb2.INT64: torch.int64,
+}
+_TO_WIRE = {v: k for k, v in _TO_TORCH.items()}
+
+
+def torch_dtype(wire: int) -> torch.dtype:
+    """The torch dtype of a DType enum value; InvalidArgumentError if unsupported."""
+    try:
+        return _TO_TORCH[wire]
+    except KeyError:
+        raise InvalidArgumentError(f"unsupported or missing dtype {wire!r} (DType enum)") from None
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """The DType enum value of a torch dtype; InvalidArgumentError if unsupported."""
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in _TO_WIRE)
+        raise InvalidArgumentError(f"dtype {dtype} is not supported on the wire; use one of {supported}") from None
+
+
+def meta_of(tensor: torch.Tensor) -> ps_pb2.TensorMeta:
+    """The TensorMeta describing `tensor`."""
+    return ps_pb2.TensorMeta(dtype=wire_dtype(tensor.dtype), shape=list(tensor.shape))
+
+
+def meta_nbytes(meta: ps_pb2.TensorMeta) -> int:
+    """Byte size a meta declares; InvalidArgumentError for bad dtype or shape."""
+    dtype = torch_dtype(meta.dtype)
+    if any(d < 0 for d in meta.shape):
+        raise InvalidArgumentError(f"negative dimension in shape {list(meta.shape)}")
+    return math.prod(meta.shape) * dtype.itemsize
+
+
+def describe_meta(meta: ps_pb2.TensorMeta) -> str:
+    """'float32[3, 4]' for error messages."""
+    name = str(_TO_TORCH.get(meta.dtype, f"dtype#{meta.dtype}")).removeprefix("torch.")
+    return f"{name}{list(meta.shape)}"
+
+
+def byte_array(tensor: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor's memory; writes go to the tensor."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a CPU tensor's memory (of a contiguous copy if it is not contiguous)."""
+    return memoryview(byte_array(tensor.detach().contiguous()))
+
+
+def encode_chunks(
+    name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES, version: int = 0
+) -> Iterator[ps_pb2.TensorChunk]:
+    """Cuts a CPU tensor into TensorChunk messages (at least one, even if empty).
+
+    Each chunk's data is copied out of the tensor as it is produced, so the
+    caller must keep the tensor unchanged until the iterator is exhausted.
+    """
+    if chunk_bytes <= 0:
+        raise InvalidArgumentError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    raw = tensor_bytes(tensor)
+    meta = meta_of(tensor)
+    yield ps_pb2.TensorChunk(name=name, meta=meta, offset=0, data=raw[:chunk_bytes].tobytes(), version=version)
+    for offset in range(chunk_bytes, len(raw), chunk_bytes):
+        yield ps_pb2.TensorChunk(name=name, offset=offset, data=raw[offset:offset + chunk_bytes].tobytes())
+
+
+class ChunkAssembler:
+    """Rebuilds whole tensors from a validated stream of TensorChunk messages.
+
+    `begin(name, meta)` is called with each new tensor's name and meta before
+    any memory is allocated; it may raise (unknown variable, wrong shape) to
+    reject the stream early. Not thread-safe: one assembler per stream.
+    """
+
+    def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None):
+        self._begin = begin
+        self._name: str | None = None
+        self._meta: ps_pb2.TensorMeta | None = None
+        self._buffer: np.ndarray | None = None
+        self._filled = 0
+        self._seen: set[str] = set()
+
+    def add(self, chunk: ps_pb2.TensorChunk, meta: ps_pb2.TensorMeta | None = None) -> tuple[str, torch.Tensor] | None:
+        """Feeds one chunk; returns (name, tensor) when that tensor is complete.
+
+        `meta` stands in for a first chunk that carries none (CreateVariables
+        sends it in the spec).
+        """
+        if self._name is None:
+            self._start(chunk, meta)
+        elif chunk.name != self._name:
+            raise MalformedStreamError(
+                f"chunk for {chunk.name!r} arrived while {self._name!r} had {self._filled} of "
+                f"{len(self._buffer)} bytes: chunks are missing")
+        elif chunk.HasField("meta") or chunk.offset != self._filled:
+            raise MalformedStreamError(
+                f"chunk of {self._name!r} at offset {chunk.offset} (meta set: {chunk.HasField('meta')}) "
+                f"where offset {self._filled} was expected: chunks are missing, duplicated or out of order")
+        data = chunk.data
+        end = self._filled + len(data)
+        if end > len(self._buffer):
+            raise MalformedStreamError(
+                f"chunks of {self._name!r} run to byte {end}, past the {len(self._buffer)} bytes "
+                f"its meta {describe_meta(self._meta)} declares")
+        self._buffer[self._filled:end] = np.frombuffer(data, dtype=np.uint8)
+        self._filled = end
+        if end < len(self._buffer):
+            return None
+        return self._complete()
+
+    def finish(self) -> None:
+        """Raises MalformedStreamError if the stream ended inside a tensor."""
+        if self._name is not None:
+            raise MalformedStreamError(
+                f"stream ended with {self._name!r} incomplete: {self._filled} of {len(self._buffer)} bytes arrived")
+
+    def _start(self, chunk: ps_pb2.TensorChunk, meta: ps_pb2.TensorMeta | None) -> None:
+        if not chunk.name:
+            raise MalformedStreamError("chunk without a variable name")
+        if chunk.offset != 0:
+            raise MalformedStreamError(
+                f"first chunk of {chunk.name!r} has offset {chunk.offset}, expected 0: chunks are missing or out of order")
+        if chunk.name in self._seen:
+            raise MalformedStreamError(f"{chunk.name!r} appears twice in one stream")
+        if chunk.HasField("meta"):
+            if meta is not None and chunk.meta != meta:
+                raise TensorMismatchError(
+                    f"{chunk.name!r}: chunk declares {describe_meta(chunk.meta)} but the spec says {describe_meta(meta)}")
+            meta = chunk.meta
+        if meta is None:
+            raise MalformedStreamError(f"first chunk of {chunk.name!r} carries no meta (dtype and shape)")
+        nbytes = meta_nbytes(meta)
+        if self._begin is not None:
+            self._begin(chunk.name, meta)
+        try:
+            self._buffer = np.empty(nbytes, dtype=np.uint8)
+        except (MemoryError, ValueError):
+            raise InvalidArgumentError(f"cannot allocate {nbytes} bytes for {chunk.name!r}") from None
+        self._name, self._meta, self._filled = chunk.name, meta, 0
+        self._seen.add(chunk.name)
+
+    def _complete(self) -> tuple[str, torch.Tensor]:
+        dtype = torch_dtype(self._meta.dtype)
+        tensor = torch.from_numpy(self._buffer).view(dtype).reshape(tuple(self._meta.shape))
+        result = (self._name, tensor)
+        self._name = self._meta = self._buffer = None
+        self._filled = 0
+        return result
+

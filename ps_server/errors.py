@@ -1,0 +1,112 @@
+"""The one exception hierarchy of torchps, shared by shards and clients.
+
+    PSError                        base of everything torchps raises
+    ├── ClusterConfigError         bad cluster / TF_CONFIG / flags (local, never on the wire)
+    ├── UnknownVariableError       NOT_FOUND: no variable of that name on the shard
+    ├── InvalidArgumentError       INVALID_ARGUMENT: the request is wrong; nothing changed
+    │   ├── TensorMismatchError    wrong dtype or shape for the variable
+    │   ├── NonFiniteGradientError NaN or Inf in a gradient
+    │   ├── MalformedStreamError   chunks missing, out of order, duplicated, oversized
+    │   └── OptimizerSpecError     unknown optimizer or hyperparameter
+    ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
+    ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
+    ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time
+    └── InternalServerError        INTERNAL / anything unexpected: a bug, please report
+
+Each class names its gRPC status code (`grpc_code`, a `grpc.StatusCode` member
+name) so the server edge (ps_server/servicer.py) and the client edge
+(client/errors.py) map in one place. This module imports no gRPC.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PSError",
+    "ClusterConfigError",
+    "UnknownVariableError",
+    "InvalidArgumentError",
+    "TensorMismatchError",
+    "NonFiniteGradientError",
+    "MalformedStreamError",
+    "OptimizerSpecError",
+    "SpecConflictError",
+    "WaitTimeoutError",
+    "ServerUnavailableError",
+    "InternalServerError",
+    "error_class_by_name",
+]
+
+
+class PSError(Exception):
+    """Base class of every error torchps raises."""
+
+    grpc_code = "UNKNOWN"
+
+
+class ClusterConfigError(PSError, ValueError):
+    """The cluster description, TF_CONFIG or command-line flags are invalid."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class UnknownVariableError(PSError, KeyError):
+    """A request named a variable the shard does not hold."""
+
+    grpc_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgumentError(PSError, ValueError):
+    """The request is invalid; the shard changed nothing."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class TensorMismatchError(InvalidArgumentError):
+    """A tensor's dtype or shape does not match the variable's."""
+
+
+class NonFiniteGradientError(InvalidArgumentError):
+    """A gradient holds NaN or Inf (shards reject these unless --allow-nonfinite)."""
+
+
+class MalformedStreamError(InvalidArgumentError):
+    """A chunk stream is incomplete, out of order, duplicated or oversized."""
+
+
+class OptimizerSpecError(InvalidArgumentError):
+    """Unknown optimizer name or hyperparameter."""
+
+
+class SpecConflictError(PSError):
+    """A variable already exists with a different spec."""
+
+    grpc_code = "ALREADY_EXISTS"
+
+
+class WaitTimeoutError(PSError, TimeoutError):
+    """A wait (for variables, for a shard) ran past its deadline."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class ServerUnavailableError(PSError, ConnectionError):
+    """A shard could not be reached before the deadline."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class InternalServerError(PSError):
+    """The shard failed unexpectedly: a bug in torchps."""
+
+    grpc_code = "INTERNAL"
+
+
+def error_class_by_name(name: str) -> type[PSError] | None:
+    """The PSError subclass called `name`, or None (used by the client edge)."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, PSError):
+        return cls
+    return None

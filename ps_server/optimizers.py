@@ -1,0 +1,107 @@
+"""Server-side optimizers: torch.optim's own implementations, one per variable.
+
+A shard keeps, for each trainable variable, a torch.optim optimizer over that
+single tensor, so its updates are torch.optim's updates bit for bit. This
+module only turns an OptimizerSpec (name + hyperparameters as floats) into one
+and back. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Mapping
+
+import torch
+
+from .errors import OptimizerSpecError
+
+__all__ = ["OPTIMIZERS", "normalize_spec", "VariableOptimizer"]
+
+# name -> (torch.optim class, hyperparameters accepted on the wire).
+# Adam's `betas` travels as beta1/beta2 because the wire map holds floats.
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer] | None, tuple[str, ...]]] = {
+    "none": (None, ()),
+    "sgd": (torch.optim.SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")),
+    "adagrad": (torch.optim.Adagrad,
+                ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize")),
+    "adam": (torch.optim.Adam, ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize")),
+    "adamw": (torch.optim.AdamW, ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize")),
+}
+_BOOLEAN = {"nesterov", "amsgrad", "maximize"}
+
+
+def _defaults(cls: type) -> dict[str, float]:
+    params = inspect.signature(cls).parameters
+    out = {k: float(p.default) for k, p in params.items()
+           if k not in ("params", "betas") and isinstance(p.default, (int, float, bool))}
+    if "betas" in params:
+        out["beta1"], out["beta2"] = (float(b) for b in params["betas"].default)
+    return out
+
+
+def normalize_spec(name: str, hyperparams: Mapping[str, float]) -> tuple[str, dict[str, float]]:
+    """(lower-case name, every hyperparameter with torch.optim's defaults filled in).
+
+    Raises OptimizerSpecError for an unknown optimizer or hyperparameter.
+    Two specs are equal exactly when their normalized forms are.
+    """
+    key = (name or "").lower()
+    if key not in OPTIMIZERS:
+        raise OptimizerSpecError(f"unknown optimizer {name!r}; available: {sorted(OPTIMIZERS)}")
+    cls, allowed = OPTIMIZERS[key]
+    unknown = sorted(set(hyperparams) - set(allowed))
+    if unknown:
+        raise OptimizerSpecError(f"optimizer {key!r} has no hyperparameter(s) {unknown}; allowed: {list(allowed)}")
+    if cls is None:
+        return key, {}
+    full = {k: v for k, v in _defaults(cls).items() if k in allowed}
+    full.update({k: float(v) for k, v in hyperparams.items()})
+    return key, full
+
+
+def _torch_kwargs(hyperparams: Mapping[str, float]) -> dict:
+    kwargs = {k: (bool(v) if k in _BOOLEAN else v) for k, v in hyperparams.items() if k not in ("beta1", "beta2")}
+    if "beta1" in hyperparams:
+        kwargs["betas"] = (hyperparams["beta1"], hyperparams["beta2"])
+    return kwargs
+
+
+class VariableOptimizer:
+    """The optimizer of one variable. Not thread-safe: the store holds the lock."""
+
+    def __init__(self, name: str, hyperparams: Mapping[str, float], param: torch.Tensor):
+        self.name, self.hyperparams = normalize_spec(name, hyperparams)
+        self.param = param
+        cls = OPTIMIZERS[self.name][0]
+        self._optimizer = None
+        if cls is not None:
+            if not param.is_floating_point():
+                raise OptimizerSpecError(f"optimizer {self.name!r} needs a floating-point variable, got {param.dtype}")
+            try:
+                self._optimizer = cls([param], **_torch_kwargs(self.hyperparams))
+            except ValueError as exc:  # torch validates ranges: "Invalid learning rate: -1"
+                raise OptimizerSpecError(f"{self.name}: {exc}") from None
+
+    @property
+    def trainable(self) -> bool:
+        return self._optimizer is not None
+
+    def apply(self, grad: torch.Tensor) -> None:
+        """One optimizer step on the variable with `grad` (same dtype and shape)."""
+        self.param.grad = grad
+        self._optimizer.step()
+        self.param.grad = None
+
+    def set_hyperparams(self, updates: Mapping[str, float]) -> None:
+        """Changes hyperparameters from the next step on (e.g. {'lr': 0.01})."""
+        _, allowed = OPTIMIZERS[self.name]
+        unknown = sorted(set(updates) - set(allowed))
+        if unknown:
+            raise OptimizerSpecError(f"optimizer {self.name!r} has no hyperparameter(s) {unknown}; allowed: {list(allowed)}")
+        current = {**self.hyperparams, **{k: float(v) for k, v in updates.items()}}
+        self._optimizer.param_groups[0].update(_torch_kwargs(current))
+        self.hyperparams = current
+
+    def current(self) -> dict[str, float]:
+        """The hyperparameters in force now."""
+        return dict(self.hyperparams)

@@ -1,0 +1,59 @@
+"""Building and running one shard's gRPC server."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .proto import ps_pb2, ps_pb2_grpc
+from .servicer import ParameterServerServicer
+from .store import VariableStore
+
+__all__ = ["create_server", "SERVICE_NAME", "DEFAULT_MAX_CHUNK_BYTES"]
+
+_LOGGER = logging.getLogger(__name__)
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+DEFAULT_MAX_CHUNK_BYTES = 16 << 20  # largest chunk a shard accepts; clients send 1 MiB by default
+_ENVELOPE_BYTES = 64 << 10  # room for names, meta and framing around a chunk's data
+
+
+def create_server(
+    store: VariableStore,
+    index: int,
+    address: str,
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    threads: int = 32,
+) -> tuple[grpc.Server, int]:
+    """A bound, not yet started, server for `store` bound to `address`; returns (server, port).
+
+    Port 0 picks a free port. Raises RuntimeError if the address cannot be
+    bound (in use, or not a local address). Messages above max_chunk_bytes plus
+    a small envelope are refused by gRPC with RESOURCE_EXHAUSTED.
+    """
+    limit = max_chunk_bytes + _ENVELOPE_BYTES
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        ],
+    )
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(
+        ParameterServerServicer(store, index, max_chunk_bytes=max_chunk_bytes), server)
+    health_servicer = health.HealthServicer()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {address}: {exc}") from None
+    if port == 0:
+        raise RuntimeError(f"cannot bind {address}: the port is in use or the host is not local")
+    _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
+    return server, port

@@ -1,0 +1,213 @@
+"""The variable store of one shard: values, optimizer state, versions, step.
+
+Pure core (no gRPC), safe to call from many threads:
+* creating variables is idempotent per name and all-or-nothing per call;
+* `apply` validates every gradient of a push before touching any variable,
+  then updates each variable under its own lock, so a reader never sees half
+  of an update and a failed push changes nothing;
+* `read` runs a caller's copy function under the variable's lock, so the
+  copy is one consistent version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Iterable, Mapping, TypeVar
+
+import torch
+
+from . import codec
+from .errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
+                     UnknownVariableError, WaitTimeoutError)
+from .optimizers import VariableOptimizer, normalize_spec
+from .proto import ps_pb2
+
+__all__ = ["Variable", "VariableStore", "NewVariable"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class NewVariable:
+    """A creation request: the spec fields plus the initial value."""
+
+    name: str
+    value: torch.Tensor
+    optimizer: str = "none"
+    hyperparams: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Variable:
+    """One stored variable. `lock` guards value, optimizer state and version."""
+
+    spec: ps_pb2.VariableSpec  # as created, optimizer hyperparameters normalized
+    value: torch.Tensor
+    optimizer: VariableOptimizer
+    version: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.numel() * self.value.element_size()
+
+
+class VariableStore:
+    """All variables of one shard, in creation order, and the shard's step counter."""
+
+    def __init__(self, *, allow_nonfinite: bool = False):
+        self.allow_nonfinite = allow_nonfinite
+        self._changed = threading.Condition()  # guards _variables and _step; notified on create
+        self._variables: dict[str, Variable] = {}
+        self._step = 0
+
+    # -- creation -------------------------------------------------------------------------
+
+    def spec_for(self, new: NewVariable) -> ps_pb2.VariableSpec:
+        """The normalized spec `new` would be stored with (validates the optimizer)."""
+        name, hyper = normalize_spec(new.optimizer, new.hyperparams)
+        return ps_pb2.VariableSpec(
+            name=new.name, meta=codec.meta_of(new.value),
+            optimizer=ps_pb2.OptimizerSpec(name=name, hyperparams=hyper))
+
+    def create(self, requests: Iterable[NewVariable]) -> list[bool]:
+        """Creates variables; per request True if created, False if it existed with the same spec.
+
+        Blocks only on the store lock. All-or-nothing: raises SpecConflictError
+        (a name exists with another spec, or is repeated with different specs) or
+        OptimizerSpecError before storing any of them. The values are taken over,
+        not copied: the caller must not modify them afterwards.
+        """
+        prepared: list[tuple[ps_pb2.VariableSpec, NewVariable]] = []
+        for new in requests:
+            prepared.append((self.spec_for(new), new))
+        built = [(spec, new, self._build(spec, new)) for spec, new in prepared]
+        created: list[bool] = []
+        with self._changed:
+            pending: dict[str, ps_pb2.VariableSpec] = {}
+            for spec, _, _ in built:
+                existing = self._variables[spec.name].spec if spec.name in self._variables else pending.get(spec.name)
+                if existing is not None and existing != spec:
+                    raise SpecConflictError(
+                        f"variable {spec.name!r} already exists with spec {_show(existing)}; "
+                        f"the request asked for {_show(spec)}. Use another name, or the same spec.")
+                created.append(existing is None)
+                pending[spec.name] = spec
+            for (spec, _, variable), is_new in zip(built, created):
+                if is_new and spec.name not in self._variables:
+                    self._variables[spec.name] = variable
+            self._changed.notify_all()
+        return created
+
+    @staticmethod
+    def _build(spec: ps_pb2.VariableSpec, new: NewVariable) -> Variable:
+        value = new.value.detach()
+        trainable = spec.optimizer.name != "none"
+        if trainable and not value.is_floating_point():
+            raise OptimizerSpecError(
+                f"variable {spec.name!r} is {value.dtype}: only floating-point variables can have an optimizer")
+        param = torch.nn.Parameter(value, requires_grad=trainable)
+        return Variable(spec, param, VariableOptimizer(spec.optimizer.name, spec.optimizer.hyperparams, param))
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def get(self, name: str) -> Variable:
+        """The variable called `name`; UnknownVariableError if absent."""
+        with self._changed:
+            variable = self._variables.get(name)
+        if variable is None:
+            raise UnknownVariableError(
+                f"no variable {name!r} on this shard; create it first (the chief does, via "
+                f"PSClient.register_module or create_variables)")
+        return variable
+
+    def names(self) -> list[str]:
+        with self._changed:
+            return list(self._variables)
+
+    @property
+    def step(self) -> int:
+        with self._changed:
+            return self._step
+
+    def check_gradient(self, name: str, meta: ps_pb2.TensorMeta) -> None:
+        """Raises unless a gradient with `meta` may be pushed to `name`."""
+        variable = self.get(name)
+        if meta != variable.spec.meta:
+            raise TensorMismatchError(
+                f"gradient for {name!r} is {codec.describe_meta(meta)} but the variable is "
+                f"{codec.describe_meta(variable.spec.meta)}")
+        if not variable.optimizer.trainable:
+            raise TensorMismatchError(f"variable {name!r} has no optimizer (optimizer 'none'); it takes no gradients")
+
+    def wait_for(self, names: list[str], timeout: float) -> None:
+        """Blocks until every name exists; WaitTimeoutError naming the missing ones after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                missing = [n for n in names if n not in self._variables]
+                remaining = deadline - time.monotonic()
+                if not missing:
+                    return
+                if remaining <= 0:
+                    shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+                    raise WaitTimeoutError(
+                        f"waited {timeout:g} s for {len(missing)} variable(s) to be created: {shown}. "
+                        f"Is the chief running and creating them?")
+                self._changed.wait(remaining)
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def apply(self, grads: Mapping[str, torch.Tensor], step_increment: int = 0) -> tuple[int, dict[str, int]]:
+        """Applies one gradient per variable; returns (step after, {name: version after}).
+
+        Validates all gradients first (names, dtype/shape, trainable, finite):
+        on any error nothing is applied. Each variable's update holds that
+        variable's lock; the step counter then advances by `step_increment`.
+        """
+        variables = []
+        for name, grad in grads.items():
+            self.check_gradient(name, codec.meta_of(grad))
+            if not self.allow_nonfinite and not bool(torch.isfinite(grad).all()):
+                raise NonFiniteGradientError(
+                    f"gradient for {name!r} contains NaN or Inf; nothing was applied. Fix the loss or "
+                    f"clip gradients (or start ps-server with --allow-nonfinite)")
+            variables.append((self.get(name), grad))
+        versions = {}
+        for variable, grad in variables:
+            with variable.lock:
+                variable.optimizer.apply(grad)
+                variable.version += 1
+                versions[variable.spec.name] = variable.version
+        with self._changed:
+            self._step += step_increment
+            return self._step, versions
+
+    def read(self, name: str, copy: Callable[[torch.Tensor], T]) -> tuple[T, int]:
+        """(copy(value), version), with copy run under the variable's lock."""
+        variable = self.get(name)
+        with variable.lock:
+            return copy(variable.value.detach()), variable.version
+
+    def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
+        """Sets optimizer hyperparameters of `names` (empty: all trainable). Returns how many changed.
+
+        Validates every variable first; on error nothing changes.
+        """
+        targets = [self.get(n) for n in names] if names else [
+            v for v in (self.get(n) for n in self.names()) if v.optimizer.trainable]
+        for variable in targets:
+            if not variable.optimizer.trainable:
+                raise OptimizerSpecError(f"variable {variable.spec.name!r} has no optimizer to update")
+            normalize_spec(variable.optimizer.name, {**variable.optimizer.hyperparams, **updates})
+        for variable in targets:
+            with variable.lock:
+                variable.optimizer.set_hyperparams(updates)
+        return len(targets)
+
+
+def _show(spec: ps_pb2.VariableSpec) -> str:
+    hyper = ", ".join(f"{k}={v:g}" for k, v in sorted(spec.optimizer.hyperparams.items()))
+    return f"{codec.describe_meta(spec.meta)} optimizer={spec.optimizer.name}({hyper})"

@@ -1,0 +1,138 @@
+"""Real ps-server processes on 127.0.0.1 with free ports, for tests, benchmarks and ps-launch.
+
+    with LocalCluster(num_ps=2) as local:
+        with PSClient(local.cluster) as ps: ...
+        local.kill_ps(1); local.start_ps(1)   # same index, same port
+
+Each shard binds port 0 and reports the port it got through --port-file, so
+no port is ever guessed. Stopping sends SIGTERM, then SIGKILL after a grace
+period; no process is left behind, even when the block raises.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..ps_server.cluster import Cluster
+from ..ps_server.errors import ServerUnavailableError
+
+__all__ = ["LocalCluster", "ps_server_command"]
+
+START_TIMEOUT_SECONDS = 30.0  # a shard imports torch and grpc: a few seconds on a loaded 2-core machine
+
+
+def ps_server_command() -> list[str]:
+    """The command that runs ps-server with this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "torchps.ps_server"]
+
+
+class LocalCluster:
+    """`num_ps` ps-server processes on 127.0.0.1, plus the Cluster value naming them.
+
+    Worker and chief addresses are not served by anything here; `workers`
+    only fills the cluster's worker list (placeholders on unused ports) so
+    clients can derive roles from it.
+    """
+
+    def __init__(self, num_ps: int = 1, *, workers: int = 0, chief: bool = False,
+                 server_args: list[str] | None = None, log_dir: str | os.PathLike | None = None):
+        self.num_ps = num_ps
+        self.server_args = list(server_args or ())
+        self._tmp = tempfile.TemporaryDirectory(prefix="torchps-local-")
+        self.log_dir = pathlib.Path(log_dir or self._tmp.name)
+        self.procs: list[subprocess.Popen | None] = [None] * num_ps
+        self.ports: list[int] = [0] * num_ps
+        self._extra = {"worker": workers, "chief": 1 if chief else 0}
+        self.cluster: Cluster | None = None
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> Cluster:
+        """Starts every shard and waits until each serves; returns the cluster."""
+        for index in range(self.num_ps):
+            self._spawn(index)
+        for index in range(self.num_ps):
+            self._wait_port(index)
+        placeholders = iter(range(1, 1 << 16))
+        used = set(self.ports)
+
+        def fake(count: int) -> list[str]:  # distinct, unserved loopback addresses
+            out = []
+            while len(out) < count:
+                port = next(placeholders)
+                if port not in used:
+                    out.append(f"127.0.0.1:{port}")
+                    used.add(port)
+            return out
+
+        self.cluster = Cluster(ps=tuple(f"127.0.0.1:{p}" for p in self.ports),
+                               worker=tuple(fake(self._extra["worker"])), chief=tuple(fake(self._extra["chief"])))
+        return self.cluster
+
+    def _spawn(self, index: int, port: int = 0) -> None:
+        port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
+        port_file.unlink(missing_ok=True)
+        log = open(self.log_dir / f"ps{index}.log", "ab")
+        self.procs[index] = subprocess.Popen(
+            [*ps_server_command(), "--index", str(index), "--bind", f"127.0.0.1:{port}",
+             "--port-file", str(port_file), *self.server_args],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+
+    def _wait_port(self, index: int) -> None:
+        port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while not port_file.exists():
+            if self.procs[index].poll() is not None or time.monotonic() > deadline:
+                raise ServerUnavailableError(f"ps {index} did not start; its log:\n{self.log(index)[-2000:]}")
+            time.sleep(0.02)
+        self.ports[index] = int(port_file.read_text())
+
+    def log(self, index: int) -> str:
+        """Everything shard `index` has printed so far."""
+        path = self.log_dir / f"ps{index}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def kill_ps(self, index: int, sig: int = signal.SIGKILL) -> int:
+        """Sends `sig` to shard `index` and waits for it to exit; returns its exit code."""
+        proc = self.procs[index]
+        proc.send_signal(sig)
+        return proc.wait(timeout=30)
+
+    def start_ps(self, index: int) -> None:
+        """Starts shard `index` again on its previous port (after kill_ps)."""
+        self._spawn(index, self.ports[index])
+        self._wait_port(index)
+
+    def stop(self, grace: float = 5.0) -> list[int | None]:
+        """SIGTERM to every shard, SIGKILL after `grace` s; returns their exit codes."""
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        codes = []
+        for proc in self.procs:
+            if proc is None:
+                codes.append(None)
+                continue
+            try:
+                codes.append(proc.wait(timeout=grace))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+        self._tmp.cleanup()
+        return codes
