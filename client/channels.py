@@ -15,7 +15,8 @@ from typing import Callable, TypeVar
 import grpc
 
 from ..ps_server.errors import ServerUnavailableError
-from ..ps_server.proto import ps_pb2_grpc
+from ..ps_server import wire
+from ..ps_server.proto import ps_pb2, ps_pb2_grpc
 from ..ps_server.server import DEFAULT_MAX_CHUNK_BYTES
 from .errors import error_from_rpc
 
@@ -23,6 +24,20 @@ __all__ = ["ShardChannels"]
 
 T = TypeVar("T")
 _MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + (64 << 10)
+
+
+def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
+    """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
+
+    Pull yields (WireChunk, step) pairs; Push takes already serialized PushRequest bytes.
+    """
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    service = "/" + ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+    stub.Pull = channel.unary_stream(f"{service}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                     response_deserializer=wire.decode_pull_response)
+    stub.Push = channel.stream_unary(f"{service}/Push", request_serializer=None,
+                                     response_deserializer=ps_pb2.PushResponse.FromString)
+    return stub
 
 
 class ShardChannels:
@@ -38,7 +53,7 @@ class ShardChannels:
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        self.stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self.stubs = [_stub(c) for c in self._channels]
         self._ready = [False] * len(self.addresses)
 
     def target(self, shard: int) -> str:

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Mapping, TypeVar
 import numpy as np
 import torch
 
-from ..ps_server import codec
+from ..ps_server import codec, wire
 from ..ps_server.cluster import Cluster, TaskSpec
 from ..ps_server.errors import ClusterConfigError, MalformedStreamError, TensorMismatchError
 from ..ps_server.proto import ps_pb2
@@ -190,7 +190,7 @@ class PSClient:
         names = list(names)
         out: dict[str, torch.Tensor] = {}
 
-        def sink(chunk: ps_pb2.TensorChunk) -> np.ndarray:
+        def sink(chunk: wire.WireChunk) -> np.ndarray:
             value = torch.empty(tuple(chunk.meta.shape), dtype=codec.torch_dtype(chunk.meta.dtype))
             out[chunk.name] = value
             return codec.byte_array(value)
@@ -207,7 +207,7 @@ class PSClient:
         """
         staging: dict[str, torch.Tensor] = {}
 
-        def sink(chunk: ps_pb2.TensorChunk) -> np.ndarray:
+        def sink(chunk: wire.WireChunk) -> np.ndarray:
             target = targets[chunk.name]
             if codec.meta_of(target) != chunk.meta:
                 raise TensorMismatchError(
@@ -227,7 +227,7 @@ class PSClient:
             torch.cuda.synchronize()
         return step
 
-    def _pull(self, names: list[str], sink: Callable[[ps_pb2.TensorChunk], np.ndarray]) -> int:
+    def _pull(self, names: list[str], sink: Callable[[wire.WireChunk], np.ndarray]) -> int:
         """Streams `names` from their shards; sink(first chunk) gives each tensor's byte buffer.
 
         Returns the global-step counter seen by shard 0's stream, or -1 if shard 0 was not read.
@@ -238,17 +238,16 @@ class PSClient:
         def pull(shard: int, shard_names: list[str]) -> int:
             def run(stub) -> int:
                 step, buffer, filled, name = -1, None, 0, None
-                for message in stub.Pull(ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes),
-                                         wait_for_ready=True):
-                    chunk = message.chunk
-                    step = message.step
-                    if chunk.HasField("meta"):
+                for chunk, step in stub.Pull(ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes),
+                                             wait_for_ready=True):
+                    if chunk.meta is not None:
                         with lock:
                             buffer, filled, name = sink(chunk), 0, chunk.name
-                    if chunk.name != name or chunk.offset != filled or filled + len(chunk.data) > buffer.size:
+                    end = filled + len(chunk.data)
+                    if buffer is None or chunk.name != name or chunk.offset != filled or end > buffer.size:
                         raise MalformedStreamError(f"shard sent a malformed chunk of {chunk.name!r}")
-                    buffer[filled:filled + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)
-                    filled += len(chunk.data)
+                    buffer[filled:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+                    filled = end
                 return step
             return self._channels.call(shard, run, idempotent=True)
 
@@ -276,10 +275,13 @@ class PSClient:
             increment = 1 if advance_step and shard == GLOBAL_STEP_SHARD else 0
 
             def requests():
-                yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker=worker, step=step, step_increment=increment))
+                header = ps_pb2.PushHeader(worker=worker, step=step, step_increment=increment)
+                yield ps_pb2.PushRequest(header=header).SerializeToString()
                 for name in names:
-                    for chunk in codec.encode_chunks(name, grads[name].detach().cpu(), self.chunk_bytes):
-                        yield ps_pb2.PushRequest(chunk=chunk)
+                    grad = grads[name].detach().cpu()
+                    meta = codec.meta_of(grad)
+                    for offset, piece in codec.split(grad, self.chunk_bytes):
+                        yield wire.encode_push_chunk(name, meta if offset == 0 else None, offset, piece)
             reply = self._channels.call(shard, lambda stub: stub.Push(requests(), wait_for_ready=True),
                                         idempotent=False)
             return reply.step
