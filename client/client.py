@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import os
+import random
 import threading
 from concurrent import futures
 from typing import Callable, Iterable, Mapping, TypeVar
@@ -13,10 +16,11 @@ import torch
 
 from ..ps_server import codec, wire
 from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import ClusterConfigError, MalformedStreamError, TensorMismatchError
+from ..ps_server.errors import ClusterConfigError, MalformedStreamError, PSError, TensorMismatchError
 from ..ps_server.proto import ps_pb2
 from .channels import ShardChannels
 from .placement import Placement
+from .stats import WorkerStats
 
 __all__ = ["PSClient", "Optimizer"]
 
@@ -91,12 +95,24 @@ class PSClient:
         self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout)
         self._pool = futures.ThreadPoolExecutor(max_workers=cluster.num_ps, thread_name_prefix="torchps-client")
         self._closed = False
+        self.worker = str(task) if task else f"client-{os.getpid()}"
+        self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries
+        self._seq = itertools.count(1)
+        self.mode: ps_pb2.SyncConfig | None = None  # set by join()
+        self.stats = WorkerStats()
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Closes all channels; in-flight calls are cancelled. Idempotent."""
+        """Leaves the job if joined (best effort), then closes all channels. Idempotent."""
         if not self._closed:
+            if self.mode is not None:
+                try:
+                    self.leave()
+                except PSError as exc:
+                    _LOGGER.warning("could not leave cleanly: %s", exc)
             self._closed = True
             self._pool.shutdown(wait=False)
             self._channels.close()
@@ -198,9 +214,11 @@ class PSClient:
         self._pull(names, sink)
         return {name: out[name] for name in names}
 
-    def pull_into(self, targets: Mapping[str, torch.Tensor]) -> int:
+    def pull_into(self, targets: Mapping[str, torch.Tensor], *, min_step: int = 0) -> int:
         """Overwrites each target tensor in place with its variable; returns the global-step counter.
 
+        With min_step, each shard first waits until it has applied that many
+        steps (sync mode: the step this worker was released at).
         Targets may live on CPU or CUDA (CUDA goes through pinned staging
         memory). Dtype and shape must match (TensorMismatchError). If it
         raises midway, targets may be partly overwritten: pull again.
@@ -219,7 +237,7 @@ class PSClient:
                                               pin_memory=target.device.type == "cuda")
             return codec.byte_array(staging[chunk.name])
 
-        step = self._pull(list(targets), sink)
+        step = self._pull(list(targets), sink, min_step)
         with torch.no_grad():
             for name, buffer in staging.items():
                 targets[name].copy_(buffer, non_blocking=True)
@@ -227,7 +245,7 @@ class PSClient:
             torch.cuda.synchronize()
         return step
 
-    def _pull(self, names: list[str], sink: Callable[[wire.WireChunk], np.ndarray]) -> int:
+    def _pull(self, names: list[str], sink: Callable[[wire.WireChunk], np.ndarray], min_step: int = 0) -> int:
         """Streams `names` from their shards; sink(first chunk) gives each tensor's byte buffer.
 
         Returns the global-step counter seen by shard 0's stream, or -1 if shard 0 was not read.
@@ -238,8 +256,8 @@ class PSClient:
         def pull(shard: int, shard_names: list[str]) -> int:
             def run(stub) -> int:
                 step, buffer, filled, name = -1, None, 0, None
-                for chunk, step in stub.Pull(ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes),
-                                             wait_for_ready=True):
+                request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step)
+                for chunk, step in stub.Pull(request, wait_for_ready=True):
                     if chunk.meta is not None:
                         with lock:
                             buffer, filled, name = sink(chunk), 0, chunk.name
@@ -255,39 +273,107 @@ class PSClient:
         return steps.get(GLOBAL_STEP_SHARD, -1)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, step: int = 0, advance_step: bool = True) -> int:
-        """Sends gradients; each shard applies its part with the variables' optimizers.
+        """Sends gradients; each shard applies (async, ssp) or aggregates (sync) its part.
 
-        `step` is the global step the gradients were computed at. With
-        advance_step, shard 0 advances the global step by one (it is sent a
-        stream even if it holds none of these variables). Blocks until every
-        shard has applied its part; returns the global step after the push (or
-        -1 without advance_step and nothing for shard 0). Per shard all-or-
-        nothing: if it raises, shards that reported success have applied their
-        part and the others have not (NaN/Inf, shape errors are found before
-        anything is sent when all gradients are checked locally).
+        `step` is the step the gradients were computed at (the value the last
+        push or join returned). Returns the step to compute at next: in sync
+        mode shard 0 replies only once this worker may go on (its step was
+        applied, or another batch is wanted); in async mode it is the global
+        step after this push. Blocks until every shard has replied.
+
+        In async mode shard 0 counts the push as one global step (advance_step).
+        In sync mode every shard gets the push, empty if it holds none of
+        these variables, since each counts pushes towards its quorum.
+
+        Pushes are numbered, so a push retried after a lost connection is
+        applied once. If it raises, shards that replied have the gradients and
+        the others do not; NaN/Inf and shape errors change nothing anywhere.
         """
+        sync = self.mode is not None and self.mode.mode == "sync"
         groups = self.placement.group(grads)
-        if advance_step:
+        if sync:
+            groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
+        elif advance_step:
             groups.setdefault(GLOBAL_STEP_SHARD, [])
-        worker = str(self.task) if self.task else ""
+        seq = next(self._seq)
 
-        def push(shard: int, names: list[str]) -> int:
+        def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
             increment = 1 if advance_step and shard == GLOBAL_STEP_SHARD else 0
 
             def requests():
-                header = ps_pb2.PushHeader(worker=worker, step=step, step_increment=increment)
+                header = ps_pb2.PushHeader(worker=self.worker, step=step, step_increment=increment,
+                                           incarnation=self.incarnation, seq=seq)
                 yield ps_pb2.PushRequest(header=header).SerializeToString()
                 for name in names:
                     grad = grads[name].detach().cpu()
                     meta = codec.meta_of(grad)
                     for offset, piece in codec.split(grad, self.chunk_bytes):
                         yield wire.encode_push_chunk(name, meta if offset == 0 else None, offset, piece)
-            reply = self._channels.call(shard, lambda stub: stub.Push(requests(), wait_for_ready=True),
-                                        idempotent=False)
-            return reply.step
+            return self._channels.call(shard, lambda stub: stub.Push(requests(), wait_for_ready=True),
+                                       idempotent=True)
 
-        steps = self._each_shard(groups, push)
-        return steps.get(GLOBAL_STEP_SHARD, -1)
+        replies = self._each_shard(groups, push)
+        lead = replies.get(GLOBAL_STEP_SHARD)
+        if lead is None:
+            return -1
+        self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
+                          quorum=lead.quorum)
+        return lead.next_step
+
+    # -- membership --------------------------------------------------------------------------------
+
+    def configure(self, mode: str = "async", *, replicas_to_aggregate: int = 0, total_num_replicas: int = 0,
+                  max_staleness: int = 0, lease_seconds: float = 10.0, startup_grace_seconds: float = 60.0) -> None:
+        """Sets the training mode on every shard (the chief does this before creating variables).
+
+        mode: "async", "sync" (SyncReplicasOptimizer: replicas_to_aggregate R
+        of total_num_replicas N per step) or "ssp" (bounded staleness:
+        max_staleness). Idempotent; ModeConflictError if the shards already
+        run another mode with workers joined. Blocks for one round trip per shard.
+        """
+        config = ps_pb2.SyncConfig(mode=mode, replicas_to_aggregate=replicas_to_aggregate,
+                                   total_num_replicas=total_num_replicas, max_staleness=max_staleness,
+                                   lease_seconds=lease_seconds, startup_grace_seconds=startup_grace_seconds)
+        self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+            shard, lambda stub: stub.Configure(config, wait_for_ready=True), idempotent=True))
+
+    def join(self) -> int:
+        """Announces this worker to every shard and returns the step to start at.
+
+        In sync and ssp modes it then keeps its lease alive with heartbeats
+        from a background thread until leave() or close(). Idempotent.
+        """
+        ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
+        replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+            shard, lambda stub: stub.Join(ref, wait_for_ready=True), idempotent=True))
+        lead = replies[GLOBAL_STEP_SHARD]
+        self.mode = lead.config
+        if lead.config.mode in ("sync", "ssp") and self._heartbeat is None:
+            self._heartbeat_stop.clear()
+            self._heartbeat = threading.Thread(target=self._beat, args=(lead.config.lease_seconds / 3,),
+                                               name="torchps-heartbeat", daemon=True)
+            self._heartbeat.start()
+        return lead.step
+
+    def leave(self) -> None:
+        """Tells every shard this worker is done, so the quorum drops at once. Idempotent."""
+        if self._heartbeat is not None:
+            self._heartbeat_stop.set()
+            self._heartbeat.join()
+            self._heartbeat = None
+        ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
+        self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+            shard, lambda stub: stub.Leave(ref, wait_for_ready=True, timeout=10), idempotent=True))
+        self.mode = None
+
+    def _beat(self, interval: float) -> None:
+        ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
+        while not self._heartbeat_stop.wait(interval):
+            for shard in range(self.cluster.num_ps):
+                try:
+                    self._channels.stubs[shard].Heartbeat(ref, timeout=interval)
+                except Exception as exc:  # noqa: BLE001 - a missed beat is logged, the lease decides
+                    _LOGGER.debug("heartbeat to ps:%d failed: %s", shard, exc)
 
     # -- optimizer and step ---------------------------------------------------------------------
 
@@ -318,14 +404,16 @@ class PSClient:
     # -- modules --------------------------------------------------------------------------------
 
     def register_module(self, module: torch.nn.Module, optimizer: Optimizer | None = None, *,
-                        create: bool | None = None, prefix: str = "", wait_timeout: float = 600.0):
+                        create: bool | None = None, prefix: str = "", wait_timeout: float = 600.0,
+                        join: bool = True):
         """Binds a module's parameters to variables named prefix + parameter name.
 
         With create (default: this client is the chief), creates them from the
         module's current values; otherwise waits up to `wait_timeout` s for the
-        chief to create them (WaitTimeoutError names the missing ones). Either
-        way, ends with a pull, so the module holds the shared values. Returns a
-        ModuleBinding with pull() and push().
+        chief to create them (WaitTimeoutError names the missing ones). With
+        join (workers; not evaluators) it then joins the job (see join()).
+        Either way it ends with a pull, so the module holds the shared values.
+        Returns a ModuleBinding with pull() and push().
         """
         from .module import ModuleBinding
 
@@ -338,6 +426,8 @@ class PSClient:
             self.declare(params)
             _LOGGER.info("waiting up to %g s for %d variables from the chief", wait_timeout, len(params))
             self.wait_for_variables(params, wait_timeout)
+        if join:
+            binding.step = self.join()
         binding.pull()
         return binding
 

@@ -28,17 +28,27 @@ class ModuleBinding:
         return {name: p.detach().cpu() for name, p in self.params.items()}
 
     def pull(self) -> int:
-        """Copies the current variables into the parameters in place; returns the global step.
+        """Copies the current variables into the parameters in place; returns the step to compute at.
 
-        Blocks until every shard has streamed its part. On error the
-        parameters may be partly overwritten; pull again.
+        In sync mode each shard first waits until it has applied the steps
+        before the one this worker was released at. Blocks until every shard
+        has streamed its part. On error the parameters may be partly
+        overwritten; pull again.
         """
-        step = self.client.pull_into({name: p.data for name, p in self.params.items()})
-        if step >= 0:
+        sync = self.client.mode is not None and self.client.mode.mode == "sync"
+        step = self.client.pull_into({name: p.data for name, p in self.params.items()},
+                                     min_step=self.step if sync else 0)
+        if step >= 0 and not sync:
             self.step = step
         return self.step
 
     def push(self) -> int:
-        """Pushes every parameter's .grad (parameters without one are skipped); returns the global step after."""
+        """Pushes every parameter's .grad (parameters without one are skipped); returns the next step.
+
+        See PSClient.push: in sync mode this is where the worker waits for the step's release.
+        """
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
-        return self.client.push(grads, step=self.step)
+        next_step = self.client.push(grads, step=self.step)
+        if next_step >= 0:
+            self.step = next_step
+        return self.step

@@ -9,6 +9,7 @@
     │   ├── MalformedStreamError   chunks missing, out of order, duplicated, oversized
     │   └── OptimizerSpecError     unknown optimizer or hyperparameter
     ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
+    ├── ModeConflictError          FAILED_PRECONDITION: reconfiguring a running job
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
     ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time
     └── InternalServerError        INTERNAL / anything unexpected: a bug, please report
@@ -30,6 +31,7 @@ __all__ = [
     "MalformedStreamError",
     "OptimizerSpecError",
     "SpecConflictError",
+    "ModeConflictError",
     "WaitTimeoutError",
     "ServerUnavailableError",
     "InternalServerError",
@@ -84,6 +86,12 @@ class SpecConflictError(PSError):
     """A variable already exists with a different spec."""
 
     grpc_code = "ALREADY_EXISTS"
+
+
+class ModeConflictError(PSError):
+    """The shard runs with another training mode (sync config) than requested."""
+
+    grpc_code = "FAILED_PRECONDITION"
 
 
 class WaitTimeoutError(PSError, TimeoutError):

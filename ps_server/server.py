@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .proto import ps_pb2
 from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
+from .sync import Coordinator
 
 __all__ = ["create_server", "SERVICE_NAME", "DEFAULT_MAX_CHUNK_BYTES"]
 
@@ -43,7 +44,8 @@ def create_server(
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
         ],
     )
-    add_to_server(ParameterServerServicer(store, index, max_chunk_bytes=max_chunk_bytes), server)
+    coordinator = Coordinator(store, owns_step=index == 0)
+    add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes), server)
     health_servicer = health.HealthServicer()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -8,6 +8,7 @@ bad request never takes the server down.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -19,8 +20,9 @@ from . import codec, wire
 from .errors import InternalServerError, MalformedStreamError, PSError
 from .proto import ps_pb2, ps_pb2_grpc
 from .store import NewVariable, VariableStore
+from .sync import Coordinator, SyncConfig
 
-__all__ = ["ParameterServerServicer", "add_to_server", "ERROR_METADATA_KEY"]
+__all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto", "ERROR_METADATA_KEY"]
 
 _LOGGER = logging.getLogger(__name__)
 ERROR_METADATA_KEY = "torchps-error"
@@ -70,8 +72,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     responses and Push's requests and the generated classes for the rest.
     """
 
-    def __init__(self, store: VariableStore, index: int, *, max_chunk_bytes: int):
+    def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int):
         self.store = store
+        self.coordinator = coordinator
         self.index = index
         self.max_chunk_bytes = max_chunk_bytes
         self._pool = codec.BufferPool()  # gradient buffers, reused across pushes
@@ -108,6 +111,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         names = list(request.names) or self.store.names()
         for name in names:
             self.store.get(name)  # NOT_FOUND before anything is sent
+        if request.min_step > 0:
+            context.add_callback(self.coordinator.wake)
+            self.coordinator.wait_for_step(request.min_step, context.time_remaining(), lambda: not context.is_active())
         chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         step = self.store.step
 
@@ -142,11 +148,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             assembler.finish()
             if header is None:
                 raise MalformedStreamError("empty Push stream: no header")
-            step, versions = self.store.apply(grads, header.step_increment)
+            context.add_callback(self.coordinator.wake)
+            result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
+                                           header.step_increment, cancelled=lambda: not context.is_active())
         finally:
             grads.clear()
             assembler.release()
-        return ps_pb2.PushResponse(step=step, versions=versions)
+        return ps_pb2.PushResponse(
+            step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
+            duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum)
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
@@ -170,9 +180,45 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def GetStatus(self, request, context):
         names = self.store.names()
+        coordinator = self.coordinator
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(names),
-            total_bytes=sum(self.store.get(n).nbytes for n in names), pid=os.getpid())
+            total_bytes=sum(self.store.get(n).nbytes for n in names), pid=os.getpid(),
+            config=config_to_proto(coordinator.config), live_workers=coordinator.live_workers(),
+            quorum=coordinator.quorum, stale_dropped=coordinator.stale_dropped,
+            quorum_changes=coordinator.quorum_changes, workers_expired=coordinator.workers_expired)
+
+    @_map_errors
+    def Configure(self, request, context):
+        return ps_pb2.ConfigureResponse(changed=self.coordinator.configure(config_from_proto(request)))
+
+    @_map_errors
+    def Join(self, request, context):
+        step = self.coordinator.join(request.worker, request.incarnation)
+        return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config))
+
+    @_map_errors
+    def Heartbeat(self, request, context):
+        return ps_pb2.HeartbeatResponse(step=self.coordinator.heartbeat(request.worker, request.incarnation))
+
+    @_map_errors
+    def Leave(self, request, context):
+        self.coordinator.leave(request.worker)
+        return ps_pb2.LeaveResponse()
+
+
+def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
+    """SyncConfig from its message; zero lease and grace take the defaults."""
+    defaults = SyncConfig()
+    return SyncConfig(
+        mode=message.mode or "async", replicas_to_aggregate=message.replicas_to_aggregate,
+        total_num_replicas=message.total_num_replicas, max_staleness=message.max_staleness,
+        lease_seconds=message.lease_seconds or defaults.lease_seconds,
+        startup_grace_seconds=message.startup_grace_seconds or defaults.startup_grace_seconds)
+
+
+def config_to_proto(config: SyncConfig) -> ps_pb2.SyncConfig:
+    return ps_pb2.SyncConfig(**dataclasses.asdict(config))
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
@@ -192,6 +238,14 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.ListVariables, ps_pb2.ListRequest.FromString, ps_pb2.ListResponse.SerializeToString),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
             servicer.GetStatus, ps_pb2.StatusRequest.FromString, ps_pb2.StatusResponse.SerializeToString),
+        "Configure": grpc.unary_unary_rpc_method_handler(
+            servicer.Configure, ps_pb2.SyncConfig.FromString, ps_pb2.ConfigureResponse.SerializeToString),
+        "Join": grpc.unary_unary_rpc_method_handler(
+            servicer.Join, ps_pb2.WorkerRef.FromString, ps_pb2.JoinResponse.SerializeToString),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            servicer.Heartbeat, ps_pb2.WorkerRef.FromString, ps_pb2.HeartbeatResponse.SerializeToString),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            servicer.Leave, ps_pb2.WorkerRef.FromString, ps_pb2.LeaveResponse.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

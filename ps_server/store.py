@@ -160,27 +160,32 @@ class VariableStore:
 
     # -- updates ---------------------------------------------------------------------------
 
-    def apply(self, grads: Mapping[str, torch.Tensor], step_increment: int = 0) -> tuple[int, dict[str, int]]:
-        """Applies one gradient per variable; returns (step after, {name: version after}).
-
-        Validates all gradients first (names, dtype/shape, trainable, finite):
-        on any error nothing is applied. Each variable's update holds that
-        variable's lock; the step counter then advances by `step_increment`.
-        """
-        variables = []
+    def validate(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Raises unless every gradient may be applied: known name, dtype and shape, trainable, finite."""
         for name, grad in grads.items():
             self.check_gradient(name, codec.meta_of(grad))
             if not self.allow_nonfinite and not _all_finite(grad):
                 raise NonFiniteGradientError(
                     f"gradient for {name!r} contains NaN or Inf; nothing was applied. Fix the loss or "
                     f"clip gradients (or start ps-server with --allow-nonfinite)")
-            variables.append((self.get(name), grad))
+
+    def apply(self, grads: Mapping[str, torch.Tensor], step_increment: int = 0, *,
+              validated: bool = False) -> tuple[int, dict[str, int]]:
+        """Applies one gradient per variable; returns (step after, {name: version after}).
+
+        Validates all gradients first (skipped if the caller already did):
+        on any error nothing is applied. Each variable's update holds that
+        variable's lock; the step counter then advances by `step_increment`.
+        """
+        if not validated:
+            self.validate(grads)
         versions = {}
-        for variable, grad in variables:
+        for name, grad in grads.items():
+            variable = self.get(name)
             with variable.lock:
                 variable.optimizer.apply(grad)
                 variable.version += 1
-                versions[variable.spec.name] = variable.version
+                versions[name] = variable.version
         with self._changed:
             self._step += step_increment
             return self._step, versions

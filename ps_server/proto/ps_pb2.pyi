@@ -86,14 +86,18 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    seq: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -104,7 +108,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("step", "versions")
+    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,17 +118,29 @@ class PushResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
     step: int
     versions: _containers.ScalarMap[str, int]
-    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    next_step: int
+    stale: bool
+    duplicate: bool
+    wait_seconds: float
+    quorum: int
+    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("names", "chunk_bytes")
+    __slots__ = ("names", "chunk_bytes", "min_step")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     chunk_bytes: int
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    min_step: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., min_step: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("chunk", "step")
@@ -186,15 +202,75 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
     total_bytes: int
     pid: int
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    config: SyncConfig
+    live_workers: int
+    quorum: int
+    stale_dropped: int
+    quorum_changes: int
+    workers_expired: int
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ...) -> None: ...
+
+class SyncConfig(_message.Message):
+    __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    replicas_to_aggregate: int
+    total_num_replicas: int
+    max_staleness: int
+    lease_seconds: float
+    startup_grace_seconds: float
+    def __init__(self, mode: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., max_staleness: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., startup_grace_seconds: _Optional[float] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
+class WorkerRef(_message.Message):
+    __slots__ = ("worker", "incarnation")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    incarnation: int
+    def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("step", "config")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    config: SyncConfig
+    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

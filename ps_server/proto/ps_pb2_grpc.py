@@ -64,6 +64,26 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Configure = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Configure',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.SyncConfig.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ConfigureResponse.FromString,
+                _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Join',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.JoinResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Heartbeat',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Leave',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -122,6 +142,39 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Configure(self, request, context):
+        """Sets the training mode. Idempotent: the same config again changes
+        nothing; a different one after workers joined fails with
+        FAILED_PRECONDITION. Never blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Join(self, request, context):
+        """A worker announces itself (takes a lease) and learns the step to start at.
+        A known worker with a new incarnation is a restart: it rejoins at the
+        current step. Never blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Renews a worker's lease. Clients send one every lease_seconds / 3.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """A worker is done (finished or out of data): it leaves the quorum at once,
+        so the others are not held back waiting for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +207,26 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.StatusRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.StatusResponse.SerializeToString,
+            ),
+            'Configure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Configure,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.SyncConfig.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ConfigureResponse.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.JoinResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +391,114 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/GetStatus',
             torchps_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Configure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Configure',
+            torchps_dot_v1_dot_ps__pb2.SyncConfig.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ConfigureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Join',
+            torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Heartbeat',
+            torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Leave',
+            torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,53 @@
+"""Per-worker training counters, filled by PSClient from its pushes."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+__all__ = ["WorkerStats"]
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    """What one worker saw: steps/s, time waiting for step release, stale drops, quorum changes.
+
+    Read it any time (`client.stats`); `summary()` gives a log line.
+    """
+
+    pushes: int = 0
+    stale_dropped: int = 0       # this worker's gradients the shards dropped as stale (sync)
+    duplicates: int = 0          # retried pushes the shards recognised and did not re-apply
+    wait_seconds: float = 0.0    # time shard 0 held pushes: step release (sync) or staleness bound (ssp)
+    quorum: int = 0              # the quorum shard 0 last reported (sync)
+    quorum_changes: int = 0      # times that value changed
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, *, stale: bool, duplicate: bool, wait_seconds: float, quorum: int) -> None:
+        with self._lock:
+            self.pushes += 1
+            self.stale_dropped += stale
+            self.duplicates += duplicate
+            self.wait_seconds += wait_seconds
+            if quorum and self.quorum and quorum != self.quorum:
+                self.quorum_changes += 1
+            self.quorum = quorum or self.quorum
+
+    @property
+    def steps_per_second(self) -> float:
+        """Pushes per second since the client started."""
+        elapsed = time.monotonic() - self.started
+        return self.pushes / elapsed if elapsed > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"pushes": self.pushes, "steps_per_second": round(self.steps_per_second, 3),
+                    "wait_seconds": round(self.wait_seconds, 3), "stale_dropped": self.stale_dropped,
+                    "duplicates": self.duplicates, "quorum": self.quorum, "quorum_changes": self.quorum_changes}
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        return (f"{d['pushes']} pushes, {d['steps_per_second']:.1f} steps/s, waited {d['wait_seconds']:.2f} s for "
+                f"release, {d['stale_dropped']} stale dropped, quorum {d['quorum']} ({d['quorum_changes']} changes)")
