@@ -1,0 +1,158 @@
+"""The training loop of one worker and the evaluation loop of the evaluator."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from ..client import ModuleBinding, Optimizer, PSClient
+from .data import batches, shard_indices
+from .models import Task
+
+__all__ = ["TrainOptions", "train", "evaluate", "run_evaluator", "wait_for_workers"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    """How a worker trains (ps-worker's flags)."""
+
+    epochs: int | None = 1           # passes over this worker's shard; None: until `steps`
+    steps: int | None = None         # stop once the global step reaches this
+    batch_size: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    log_every: float = 5.0           # seconds between log lines (no terminal)
+    progress: bool | None = None     # tqdm bar; None: when stderr is a terminal
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = 2000) -> float:
+    """Accuracy of `model` on (x, y)."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(y), batch):
+            logits = model(x[start:start + batch].to(device))
+            correct += int((logits.argmax(1).cpu() == y[start:start + batch]).sum())
+    model.train()
+    return correct / max(1, len(y))
+
+
+def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int, num_replicas: int,
+          options: TrainOptions, on_step: Callable[[dict], None] | None = None) -> dict:
+    """Runs this worker's loop (compute, push, pull) until its epochs or the global steps are done.
+
+    Trains on shard `replica` of `num_replicas` of the training set. Blocks.
+    Returns this worker's numbers; `on_step(record)` sees every step's loss,
+    accuracy, global step and staleness (for TensorBoard).
+    """
+    data, model, device = task.dataset, task.model, options.device
+    mine = shard_indices(len(data.y_train), num_replicas, replica)
+    x, y = data.x_train[mine], data.y_train[mine]
+    epochs = range(options.epochs) if options.epochs else itertools.count()
+    per_epoch = -(-len(y) // options.batch_size)
+    bar = _progress_bar(options, total=per_epoch * options.epochs if options.epochs else options.steps)
+    started = last_log = time.monotonic()
+    local_steps, loss_value = 0, float("nan")
+    done = False
+    for epoch in epochs:
+        for xb, yb in batches(x, y, options.batch_size, options.seed, epoch):
+            if options.steps is not None and binding.step >= options.steps:
+                done = True
+                break
+            xb, yb = xb.to(device), yb.to(device)
+            model.zero_grad(set_to_none=True)
+            logits = model(xb)
+            loss = task.loss(logits, yb)
+            loss.backward()
+            loss, logits = loss.detach(), logits.detach()
+            computed_at = binding.step
+            binding.push()
+            binding.pull()
+            local_steps += 1
+            loss_value = loss.item()
+            record = {"loss": loss_value, "accuracy": float((logits.argmax(1) == yb).float().mean()),
+                      "global_step": binding.step, "epoch": epoch,
+                      "staleness": max(0, binding.step - computed_at - 1), "local_steps": local_steps}
+            if on_step:
+                on_step(record)
+            now = time.monotonic()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}", step=binding.step)
+            elif now - last_log >= options.log_every:
+                last_log = now
+                _LOGGER.info("%s epoch %d step %d loss %.4f | %s", client.worker, epoch, binding.step,
+                             loss_value, client.stats.summary())
+        if done:
+            break
+    if bar is not None:
+        bar.close()
+    wall = time.monotonic() - started
+    return {"local_steps": local_steps, "global_step": binding.step, "last_loss": loss_value,
+            "wall_seconds": wall, "local_steps_per_second": local_steps / wall if wall else 0.0,
+            **{f"sync_{k}": v for k, v in client.stats.as_dict().items()}}
+
+
+def wait_for_workers(client: PSClient, timeout: float) -> None:
+    """Blocks until no worker holds shard 0's membership (all left or expired), or `timeout` s.
+
+    Used by the chief before its final evaluation; checks twice a second.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.status(0).live_workers == 0:
+            return
+        time.sleep(0.5)
+    _LOGGER.warning("some workers were still training after %g s; evaluating anyway", timeout)
+
+
+def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, device: str, interval: float,
+                  target_steps: int | None, timeout: float, on_eval: Callable[[int, float], None] | None = None
+                  ) -> tuple[int, float]:
+    """Every `interval` s: pull, evaluate on the test set, log. Never pushes.
+
+    Stops when the global step reaches target_steps, when the workers that
+    joined have all left, or after `timeout` s. Returns the last (step, accuracy).
+    """
+    data = task.dataset
+    deadline = time.monotonic() + timeout
+    seen_workers = False
+    step, accuracy = 0, float("nan")
+    while True:
+        binding.pull()
+        status = client.status(0)
+        step = status.step
+        accuracy = evaluate(task.model, data.x_test, data.y_test, device)
+        _LOGGER.info("evaluator: global step %d test accuracy %.4f", step, accuracy)
+        if on_eval:
+            on_eval(step, accuracy)
+        seen_workers = seen_workers or status.live_workers > 0
+        finished = (target_steps is not None and step >= target_steps) or (seen_workers and status.live_workers == 0)
+        if finished or time.monotonic() > deadline:
+            return step, accuracy
+        time.sleep(interval)
+
+
+def _progress_bar(options: TrainOptions, total: int | None):
+    show = sys.stderr.isatty() if options.progress is None else options.progress
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+
+def optimizer_from_flags(name: str, lr: float, momentum: float, weight_decay: float) -> Optimizer:
+    """The server-side Optimizer for ps-worker's --optimizer/--lr/--momentum/--weight-decay."""
+    kwargs: dict = {"lr": lr, "weight_decay": weight_decay}
+    if name == "sgd":
+        kwargs["momentum"] = momentum
+    return Optimizer(name, **kwargs)
