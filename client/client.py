@@ -281,24 +281,21 @@ class PSClient:
         applied, or another batch is wanted); in async mode it is the global
         step after this push. Blocks until every shard has replied.
 
-        In async mode shard 0 counts the push as one global step (advance_step).
-        In sync mode every shard gets the push, empty if it holds none of
-        these variables, since each counts pushes towards its quorum.
+        Every shard gets the push, empty if it holds none of these variables:
+        each counts pushes (its step counter, and its quorum in sync mode).
+        With advance_step (default) the push counts as one step; shard 0's
+        count is the global step.
 
         Pushes are numbered, so a push retried after a lost connection is
         applied once. If it raises, shards that replied have the gradients and
         the others do not; NaN/Inf and shape errors change nothing anywhere.
         """
-        sync = self.mode is not None and self.mode.mode == "sync"
         groups = self.placement.group(grads)
-        if sync:
-            groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
-        elif advance_step:
-            groups.setdefault(GLOBAL_STEP_SHARD, [])
+        groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
         seq = next(self._seq)
 
         def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
-            increment = 1 if advance_step and shard == GLOBAL_STEP_SHARD else 0
+            increment = 1 if advance_step else 0
 
             def requests():
                 header = ps_pb2.PushHeader(worker=self.worker, step=step, step_increment=increment,
@@ -313,9 +310,7 @@ class PSClient:
                                        idempotent=True)
 
         replies = self._each_shard(groups, push)
-        lead = replies.get(GLOBAL_STEP_SHARD)
-        if lead is None:
-            return -1
+        lead = replies[GLOBAL_STEP_SHARD]
         self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
                           quorum=lead.quorum)
         return lead.next_step
