@@ -9,7 +9,7 @@ from ..ps_server.errors import (ClusterConfigError, InternalServerError, Invalid
                                 SpecConflictError, TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from .client import Optimizer, PSClient
 from .module import ModuleBinding
-from .placement import Placement
+from ..ps_server.placement import Placement
 
 __all__ = [
     "Cluster",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import random
@@ -16,10 +17,10 @@ import torch
 
 from ..ps_server import codec, wire
 from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import ClusterConfigError, MalformedStreamError, PSError, TensorMismatchError
+from ..ps_server.errors import ClusterConfigError, MalformedStreamError, ModeConflictError, PSError, TensorMismatchError
 from ..ps_server.proto import ps_pb2
 from .channels import ShardChannels
-from .placement import Placement
+from ..ps_server.placement import Placement
 from .stats import WorkerStats
 
 __all__ = ["PSClient", "Optimizer"]
@@ -100,6 +101,8 @@ class PSClient:
         self._seq = itertools.count(1)
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.stats = WorkerStats()
+        self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
+        self.restarts_seen = 0
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -310,10 +313,60 @@ class PSClient:
                                        idempotent=True)
 
         replies = self._each_shard(groups, push)
+        for shard, reply in replies.items():
+            self._note_generation(shard, reply.generation)
         lead = replies[GLOBAL_STEP_SHARD]
         self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
                           quorum=lead.quorum)
         return lead.next_step
+
+    # -- checkpoints, export, lifecycle ------------------------------------------------------------
+
+    def save_checkpoint(self, step: int | None = None, *, keep: int = 3, timeout: float = 600.0) -> int:
+        """Makes every shard save its state at the same step; returns that step.
+
+        step None: the step after the furthest shard's current one (the save
+        happens as training reaches it; retried later if a shard got past it
+        first); 0: each shard's state now (for an idle job, or at shutdown).
+        Blocks until every shard has written its file (atomically). Shards
+        keep their `keep` newest checkpoints. ModeConflictError if a shard has
+        no --checkpoint-dir.
+        """
+        manifest = json.dumps({"strategy": self.placement.strategy, "num_ps": self.cluster.num_ps,
+                               "variables": [[n, b] for n, b in zip(self.placement.names(),
+                                                                     self.placement.nbytes())]})
+        for _ in range(5):
+            target = step if step is not None else 1 + max(
+                self._each_shard({s: [] for s in range(self.cluster.num_ps)},
+                                 lambda shard, _: self.status(shard).step).values())
+            request = ps_pb2.SaveRequest(step=target, manifest_json=manifest, keep=keep)
+            try:
+                replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+                    shard, lambda stub: stub.Save(request, wait_for_ready=True, timeout=timeout), idempotent=True))
+            except ModeConflictError as exc:
+                if step is not None or "past the requested" not in str(exc):
+                    raise
+                continue
+            return replies[GLOBAL_STEP_SHARD].step
+        raise ModeConflictError("shards kept moving past the requested checkpoint step; try step=0 when idle")
+
+    def export_state_dict(self, names: Iterable[str] | None = None, *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+        """The current values of `names` (default: every placed variable) as a plain state_dict.
+
+        `model.load_state_dict(client.export_state_dict(...))` works when the
+        names are the module's parameter names (strip the prefix given to
+        register_module). Blocks for one pull.
+        """
+        values = self.pull(self.placement.names() if names is None else names)
+        return {name.removeprefix(strip_prefix): value for name, value in values.items()}
+
+    def shutdown_cluster(self, reason: str = "job done") -> None:
+        """Tells every shard the job is done: each replies, then exits with code 0. Best effort per shard."""
+        for shard in range(self.cluster.num_ps):
+            try:
+                self._channels.stubs[shard].Shutdown(ps_pb2.ShutdownRequest(reason=reason), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - a shard already gone is fine
+                _LOGGER.info("ps:%d did not confirm shutdown: %s", shard, exc)
 
     # -- membership --------------------------------------------------------------------------------
 
@@ -360,6 +413,14 @@ class PSClient:
         self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
             shard, lambda stub: stub.Leave(ref, wait_for_ready=True, timeout=10), idempotent=True))
         self.mode = None
+
+    def _note_generation(self, shard: int, generation: int) -> None:
+        known = self.generations.get(shard)
+        self.generations[shard] = generation
+        if known is not None and known != generation:
+            _LOGGER.warning("ps:%d restarted (generation %x -> %x): it restored its last checkpoint; "
+                            "the next pull re-reads its variables", shard, known, generation)
+            self.restarts_seen += 1
 
     def _beat(self, interval: float) -> None:
         ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)

@@ -15,7 +15,8 @@ import sys
 import threading
 
 from .cluster import Cluster, TaskSpec
-from .errors import ClusterConfigError
+from . import checkpoint
+from .errors import ClusterConfigError, PSError
 from .server import DEFAULT_MAX_CHUNK_BYTES, create_server
 from .store import VariableStore
 
@@ -35,6 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk accepted or sent (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=32, help="RPC worker threads (default: %(default)s)")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks, and on start restore "
+                        "this shard's newest one")
+    parser.add_argument("--restore-from", help="start from the newest complete checkpoint in this folder, "
+                        "re-laid out for this cluster's number of shards (when --checkpoint-dir has none)")
+    parser.add_argument("--num-ps", type=int, help="shards in the cluster, for --restore-from without --cluster")
     parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -60,17 +66,35 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     return cluster, index, address
 
 
+def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int) -> dict | None:
+    """The checkpoint state to start from: this shard's newest, else a re-layout of --restore-from, else None."""
+    if args.checkpoint_dir:
+        path = checkpoint.latest_shard(args.checkpoint_dir, index)
+        if path is not None:
+            _LOGGER.info("ps %d restoring %s", index, path)
+            return checkpoint.load(path)
+    if args.restore_from:
+        num_ps = cluster.num_ps if cluster is not None else args.num_ps
+        if not num_ps:
+            raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
+        return checkpoint.relayout(args.restore_from, index, num_ps)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cluster, index, address = resolve(args)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
-        server, port = create_server(store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads)
-    except (ClusterConfigError, RuntimeError) as exc:
+        restore = initial_state(args, cluster, index)
+        stop = threading.Event()
+        server, port = create_server(store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
+                                     checkpoint_dir=args.checkpoint_dir, restore=restore,
+                                     on_shutdown=lambda reason: stop.set())
+    except (PSError, RuntimeError, OSError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     server.start()

@@ -102,6 +102,20 @@ class VariableOptimizer:
         self._optimizer.param_groups[0].update(_torch_kwargs(current))
         self.hyperparams = current
 
+    def state_dict(self) -> dict:
+        """The torch optimizer's state (momentum buffers, Adam moments, step counts), copied."""
+        if self._optimizer is None:
+            return {}
+        state = self._optimizer.state_dict()
+        return {"state": {k: {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
+                          for k, v in state["state"].items()},
+                "param_groups": state["param_groups"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what state_dict() returned (hyperparameters included)."""
+        if self._optimizer is not None and state:
+            self._optimizer.load_state_dict(state)
+
     def current(self) -> dict[str, float]:
         """The hyperparameters in force now."""
         return dict(self.hyperparams)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,12 +29,17 @@ def create_server(
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     threads: int = 32,
+    checkpoint_dir: str | None = None,
+    restore: dict | None = None,
+    on_shutdown: Callable[[str], None] | None = None,
 ) -> tuple[grpc.Server, int]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port).
 
     Port 0 picks a free port. Raises RuntimeError if the address cannot be
     bound (in use, or not a local address). Messages above max_chunk_bytes plus
-    a small envelope are refused by gRPC with RESOURCE_EXHAUSTED.
+    a small envelope are refused by gRPC with RESOURCE_EXHAUSTED. `restore`
+    is a checkpoint state to start from; `on_shutdown(reason)` runs after a
+    Shutdown call has been answered.
     """
     limit = max_chunk_bytes + _ENVELOPE_BYTES
     server = grpc.server(
@@ -45,7 +51,10 @@ def create_server(
         ],
     )
     coordinator = Coordinator(store, owns_step=index == 0)
-    add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes), server)
+    if restore is not None:
+        coordinator.restore(restore)
+    add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
+                                          checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown), server)
     health_servicer = health.HealthServicer()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

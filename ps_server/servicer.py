@@ -12,12 +12,15 @@ import dataclasses
 import functools
 import inspect
 import logging
+import json
 import os
+import random
+from typing import Callable
 
 import grpc
 
-from . import codec, wire
-from .errors import InternalServerError, MalformedStreamError, PSError
+from . import checkpoint, codec, wire
+from .errors import InternalServerError, MalformedStreamError, ModeConflictError, PSError
 from .proto import ps_pb2, ps_pb2_grpc
 from .store import NewVariable, VariableStore
 from .sync import Coordinator, SyncConfig
@@ -72,10 +75,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     responses and Push's requests and the generated classes for the rest.
     """
 
-    def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int):
+    def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
+                 checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
+        self.checkpoint_dir = checkpoint_dir
+        self.on_shutdown = on_shutdown
+        self.generation = random.getrandbits(63) or 1  # new on every start: clients notice restarts
         self.max_chunk_bytes = max_chunk_bytes
         self._pool = codec.BufferPool()  # gradient buffers, reused across pushes
 
@@ -156,7 +163,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             assembler.release()
         return ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
-            duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum)
+            duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
+            generation=self.generation)
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
@@ -167,7 +175,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def ListVariables(self, request, context):
         names = list(request.names)
         if names and request.wait_seconds > 0:
-            self.store.wait_for(names, request.wait_seconds)
+            context.add_callback(self.store.wake)
+            self.store.wait_for(names, request.wait_seconds, lambda: not context.is_active())
         wanted = set(names)
         infos = []
         for name in self.store.names():
@@ -186,7 +195,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             total_bytes=sum(self.store.get(n).nbytes for n in names), pid=os.getpid(),
             config=config_to_proto(coordinator.config), live_workers=coordinator.live_workers(),
             quorum=coordinator.quorum, stale_dropped=coordinator.stale_dropped,
-            quorum_changes=coordinator.quorum_changes, workers_expired=coordinator.workers_expired)
+            quorum_changes=coordinator.quorum_changes, workers_expired=coordinator.workers_expired,
+            generation=self.generation, restored_step=coordinator.restored_step)
 
     @_map_errors
     def Configure(self, request, context):
@@ -195,7 +205,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Join(self, request, context):
         step = self.coordinator.join(request.worker, request.incarnation)
-        return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config))
+        return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
+                                   generation=self.generation)
 
     @_map_errors
     def Heartbeat(self, request, context):
@@ -205,6 +216,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Leave(self, request, context):
         self.coordinator.leave(request.worker)
         return ps_pb2.LeaveResponse()
+
+    @_map_errors
+    def Save(self, request, context):
+        if not self.checkpoint_dir:
+            raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
+        context.add_callback(self.coordinator.wake)
+        state = self.coordinator.snapshot_at(request.step, context.time_remaining(), lambda: not context.is_active())
+        path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, state)
+        if request.manifest_json and self.index == 0:
+            checkpoint.write_manifest(self.checkpoint_dir, state["step"], json.loads(request.manifest_json))
+        checkpoint.prune(self.checkpoint_dir, self.index, request.keep)
+        _LOGGER.info("ps %d saved step %d to %s (%d bytes)", self.index, state["step"], path, size)
+        return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size)
+
+    @_map_errors
+    def Shutdown(self, request, context):
+        _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
+        if self.on_shutdown is not None:
+            context.add_callback(lambda: self.on_shutdown(request.reason))
+        return ps_pb2.ShutdownResponse()
 
 
 def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
@@ -246,6 +277,10 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.Heartbeat, ps_pb2.WorkerRef.FromString, ps_pb2.HeartbeatResponse.SerializeToString),
         "Leave": grpc.unary_unary_rpc_method_handler(
             servicer.Leave, ps_pb2.WorkerRef.FromString, ps_pb2.LeaveResponse.SerializeToString),
+        "Save": grpc.unary_unary_rpc_method_handler(
+            servicer.Save, ps_pb2.SaveRequest.FromString, ps_pb2.SaveResponse.SerializeToString),
+        "Shutdown": grpc.unary_unary_rpc_method_handler(
+            servicer.Shutdown, ps_pb2.ShutdownRequest.FromString, ps_pb2.ShutdownResponse.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -123,6 +123,11 @@ class VariableStore:
                 f"PSClient.register_module or create_variables)")
         return variable
 
+    def wake(self) -> None:
+        """Wakes waiters so they re-check their condition (a call was cancelled)."""
+        with self._changed:
+            self._changed.notify_all()
+
     def names(self) -> list[str]:
         with self._changed:
             return list(self._variables)
@@ -142,14 +147,17 @@ class VariableStore:
         if not variable.optimizer.trainable:
             raise TensorMismatchError(f"variable {name!r} has no optimizer (optimizer 'none'); it takes no gradients")
 
-    def wait_for(self, names: list[str], timeout: float) -> None:
-        """Blocks until every name exists; WaitTimeoutError naming the missing ones after `timeout` s."""
+    def wait_for(self, names: list[str], timeout: float, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Blocks until every name exists; WaitTimeoutError naming the missing ones after `timeout` s.
+
+        Returns early once `cancelled()` is true after a wake().
+        """
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 missing = [n for n in names if n not in self._variables]
                 remaining = deadline - time.monotonic()
-                if not missing:
+                if not missing or cancelled():
                     return
                 if remaining <= 0:
                     shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -195,6 +203,44 @@ class VariableStore:
         variable = self.get(name)
         with variable.lock:
             return copy(variable.value.detach(), variable.version)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict]:
+        """Every variable's spec, value, version and optimizer state, copied (each under its lock)."""
+        entries = []
+        for name in self.names():
+            variable = self.get(name)
+            spec = variable.spec
+            with variable.lock:
+                entries.append({
+                    "name": name, "dtype": spec.meta.dtype, "shape": list(spec.meta.shape),
+                    "optimizer": spec.optimizer.name, "hyperparams": dict(spec.optimizer.hyperparams),
+                    "current": variable.optimizer.current(), "value": variable.value.detach().clone(),
+                    "version": variable.version, "optimizer_state": variable.optimizer.state_dict()})
+        return entries
+
+    def restore(self, entries: list[dict], step: int) -> None:
+        """Recreates variables from snapshot() entries and sets the step. For an empty store only."""
+        with self._changed:
+            if self._variables:
+                raise SpecConflictError("restore needs an empty store")
+        for entry in entries:
+            new = NewVariable(entry["name"], entry["value"], entry["optimizer"], entry["hyperparams"])
+            variable = self._build(self.spec_for(new), new)
+            variable.optimizer.load_state_dict(entry["optimizer_state"])
+            if variable.optimizer.trainable:
+                variable.optimizer.set_hyperparams(entry["current"])
+            variable.version = entry["version"]
+            with self._changed:
+                self._variables[entry["name"]] = variable
+        self.set_step(step)
+
+    def set_step(self, step: int) -> None:
+        """Sets the step counter (restores, and a restored shard catching up with the job)."""
+        with self._changed:
+            self._step = step
+            self._changed.notify_all()
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """Sets optimizer hyperparameters of `names` (empty: all trainable). Returns how many changed.

@@ -150,6 +150,10 @@ class Coordinator:
         self.workers_expired = 0
         self._reaper: threading.Thread | None = None
         self._closed = False
+        self.restored_step = -1            # the checkpoint step this shard restored, or -1
+        self._behind = False               # restored: adopt the job's step from the first client that shows it
+        self._saves_due: set[int] = set()  # steps at which a checkpoint snapshot is wanted
+        self._snapshots: dict[int, dict] = {}
 
     # -- configuration and membership -------------------------------------------------------
 
@@ -171,6 +175,54 @@ class Coordinator:
             self._cond.notify_all()
         _LOGGER.info("mode set: %s", config)
         return True
+
+    def restore(self, state: dict) -> None:
+        """Starts from a checkpoint state (checkpoint.load / relayout): variables, step and mode."""
+        self.store.restore(state["variables"], state["step"])
+        with self._cond:
+            self.restored_step = state["step"]
+            self._behind = True
+        self.configure(SyncConfig(**state["config"]))
+
+    def snapshot_at(self, step: int, timeout: float | None, cancelled: Callable[[], bool] = lambda: False) -> dict:
+        """The shard's state (variables, optimizer state, step, mode) taken right when its step reaches `step`.
+
+        0 takes it now. Blocks until then (WaitTimeoutError after `timeout` s);
+        ModeConflictError if the shard is already past `step`.
+        """
+        with self._cond:
+            current = self.store.step
+            if step == 0 or step == current:
+                return self._snapshot()
+            if current > step:
+                raise ModeConflictError(f"this shard is already at step {current}, past the requested {step}; "
+                                        f"ask for a later step")
+            self._saves_due.add(step)
+            done = self._cond.wait_for(lambda: step in self._snapshots or cancelled() or self._closed, timeout)
+            self._saves_due.discard(step)
+            if not done or step not in self._snapshots:
+                raise WaitTimeoutError(f"the shard did not reach step {step} (at {self.store.step}) in time to save")
+            return self._snapshots.pop(step)
+
+    def _snapshot(self) -> dict:
+        return {"step": self.store.step, "config": dataclasses.asdict(self.config), "variables": self.store.snapshot()}
+
+    def _after_apply(self) -> None:
+        """Takes a snapshot a pending save waits for (holds self._cond, right after an apply)."""
+        step = self.store.step
+        if step in self._saves_due:
+            self._saves_due.discard(step)
+            self._snapshots[step] = self._snapshot()
+        self._cond.notify_all()
+
+    def _catch_up(self, step: int) -> None:
+        """A restored shard adopts the job's step the first time a client shows a later one."""
+        if self._behind and step > self.store.step:
+            _LOGGER.warning("restored at step %d; the job is at step %d: catching up (updates in between are lost)",
+                            self.store.step, step)
+            self.store.set_step(step)
+            self._pending.clear()
+        self._behind = False
 
     def join(self, worker: str, incarnation: int) -> int:
         """Takes or renews `worker`'s lease; returns the step it starts at."""
@@ -232,29 +284,32 @@ class Coordinator:
         if mode == "sync":
             result = self._push_sync(worker, step, grads, cancelled)
         else:
-            result = self._push_async(worker, grads, step_increment, ssp=mode == "ssp", cancelled=cancelled)
+            result = self._push_async(worker, step, grads, step_increment, ssp=mode == "ssp", cancelled=cancelled)
         if seq:
             with self._cond:
                 self._last_push[key] = (seq, result)
         return result
 
-    def _push_async(self, worker: str, grads, step_increment: int, *, ssp: bool, cancelled) -> PushResult:
-        step, versions = self.store.apply(grads, step_increment, validated=True)
+    def _push_async(self, worker: str, step: int, grads, step_increment: int, *, ssp: bool, cancelled
+                    ) -> PushResult:
         waited = 0.0
         with self._cond:
+            self._catch_up(step)
+            _, versions = self.store.apply(grads, step_increment, validated=True)
+            self._after_apply()
             member = self._members[worker]
             member.clock += 1
-            self._cond.notify_all()
             if ssp and self.owns_step:
                 bound = self.config.max_staleness
                 start = self._now()
                 self._cond.wait_for(lambda: member.clock - self._min_clock() <= bound or cancelled() or self._closed)
                 waited = self._now() - start
-            step = self.store.step
-        return PushResult(step=step, next_step=step, versions=versions, wait_seconds=waited)
+            current = self.store.step
+        return PushResult(step=current, next_step=current, versions=versions, wait_seconds=waited)
 
     def _push_sync(self, worker: str, step: int, grads, cancelled) -> PushResult:
         with self._cond:
+            self._catch_up(step)
             stale = step < self.store.step
             if stale:
                 self.stale_dropped += 1
@@ -280,6 +335,7 @@ class Coordinator:
     def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = lambda: False) -> int:
         """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s."""
         with self._cond:
+            self._catch_up(min_step)
             done = self._cond.wait_for(lambda: self.store.step >= min_step or cancelled() or self._closed, timeout)
             if not done:
                 raise WaitTimeoutError(
@@ -333,10 +389,19 @@ class Coordinator:
             step = self.store.step
             buffer = self._pending.get(step)
             if buffer is None or buffer.pushes < self._quorum:
-                return
+                # Healthy shards never see a later step complete first (tokens come from shard 0
+                # only after every shard has the current step's pushes); a restored shard does.
+                later = [s for s, b in self._pending.items() if s > step and b.pushes >= self._quorum]
+                if not later:
+                    return
+                _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up", min(later), step)
+                for old in [s for s in self._pending if s < min(later)]:
+                    del self._pending[old]
+                self.store.set_step(min(later))
+                continue
             del self._pending[step]
             self.store.apply(buffer.averages(), step_increment=1, validated=True)
-            self._cond.notify_all()
+            self._after_apply()
 
     def _min_clock(self) -> int:
         clocks = [m.clock for m in self._members.values() if not m.gone]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13torchps/v1/ps.proto\x12\ntorchps.v1\"=\n\nTensorMeta\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.torchps.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"p\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04meta\x18\x02 \x01(\x0b\x32\x16.torchps.v1.TensorMeta\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\x04\"\x92\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12?\n\x0bhyperparams\x18\x02 \x03(\x0b\x32*.torchps.v1.OptimizerSpec.HyperparamsEntry\x1a\x32\n\x10HyperparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"p\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04meta\x18\x02 \x01(\x0b\x32\x16.torchps.v1.TensorMeta\x12,\n\toptimizer\x18\x03 \x01(\x0b\x32\x19.torchps.v1.OptimizerSpec\"_\n\rCreateRequest\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.torchps.v1.VariableSpec\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.torchps.v1.TensorChunk\"!\n\x0e\x43reateResponse\x12\x0f\n\x07\x63reated\x18\x01 \x03(\x08\"d\n\nPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0estep_increment\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"]\n\x0bPushRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.torchps.v1.PushHeader\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.torchps.v1.TensorChunk\"\xe2\x01\n\x0cPushResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x38\n\x08versions\x18\x02 \x03(\x0b\x32&.torchps.v1.PushResponse.VersionsEntry\x12\x11\n\tnext_step\x18\x03 \x01(\x03\x12\r\n\x05stale\x18\x04 \x01(\x08\x12\x11\n\tduplicate\x18\x05 \x01(\x08\x12\x14\n\x0cwait_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06quorum\x18\x07 \x01(\r\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"C\n\x0bPullRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x10\n\x08min_step\x18\x03 \x01(\x03\"D\n\x0cPullResponse\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.torchps.v1.TensorChunk\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xa5\x01\n\x16UpdateOptimizerRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12H\n\x0bhyperparams\x18\x02 \x03(\x0b\x32\x33.torchps.v1.UpdateOptimizerRequest.HyperparamsEntry\x1a\x32\n\x10HyperparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"*\n\x17UpdateOptimizerResponse\x12\x0f\n\x07updated\x18\x01 \x01(\r\"2\n\x0bListRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"W\n\x0cVariableInfo\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.torchps.v1.VariableSpec\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"I\n\x0cListResponse\x12+\n\tvariables\x18\x01 \x03(\x0b\x32\x18.torchps.v1.VariableInfo\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x0f\n\rStatusRequest\"\xfc\x01\n\x0eStatusResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rnum_variables\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12&\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x16.torchps.v1.SyncConfig\x12\x14\n\x0clive_workers\x18\x07 \x01(\r\x12\x0e\n\x06quorum\x18\x08 \x01(\r\x12\x15\n\rstale_dropped\x18\t \x01(\x04\x12\x16\n\x0equorum_changes\x18\n \x01(\x04\x12\x17\n\x0fworkers_expired\x18\x0b \x01(\x04\"\xa2\x01\n\nSyncConfig\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1d\n\x15replicas_to_aggregate\x18\x02 \x01(\r\x12\x1a\n\x12total_num_replicas\x18\x03 \x01(\r\x12\x15\n\rmax_staleness\x18\x04 \x01(\x03\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x1d\n\x15startup_grace_seconds\x18\x06 \x01(\x01\"$\n\x11\x43onfigureResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\"0\n\tWorkerRef\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"D\n\x0cJoinResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x16.torchps.v1.SyncConfig\"!\n\x11HeartbeatResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x0f\n\rLeaveResponse*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x32\xb6\x05\n\x0fParameterServer\x12J\n\x0f\x43reateVariables\x12\x19.torchps.v1.CreateRequest\x1a\x1a.torchps.v1.CreateResponse(\x01\x12;\n\x04Pull\x12\x17.torchps.v1.PullRequest\x1a\x18.torchps.v1.PullResponse0\x01\x12;\n\x04Push\x12\x17.torchps.v1.PushRequest\x1a\x18.torchps.v1.PushResponse(\x01\x12Z\n\x0fUpdateOptimizer\x12\".torchps.v1.UpdateOptimizerRequest\x1a#.torchps.v1.UpdateOptimizerResponse\x12\x42\n\rListVariables\x12\x17.torchps.v1.ListRequest\x1a\x18.torchps.v1.ListResponse\x12\x42\n\tGetStatus\x12\x19.torchps.v1.StatusRequest\x1a\x1a.torchps.v1.StatusResponse\x12\x42\n\tConfigure\x12\x16.torchps.v1.SyncConfig\x1a\x1d.torchps.v1.ConfigureResponse\x12\x37\n\x04Join\x12\x15.torchps.v1.WorkerRef\x1a\x18.torchps.v1.JoinResponse\x12\x41\n\tHeartbeat\x12\x15.torchps.v1.WorkerRef\x1a\x1d.torchps.v1.HeartbeatResponse\x12\x39\n\x05Leave\x12\x15.torchps.v1.WorkerRef\x1a\x19.torchps.v1.LeaveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13torchps/v1/ps.proto\x12\ntorchps.v1\"=\n\nTensorMeta\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.torchps.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"p\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04meta\x18\x02 \x01(\x0b\x32\x16.torchps.v1.TensorMeta\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\x04\"\x92\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12?\n\x0bhyperparams\x18\x02 \x03(\x0b\x32*.torchps.v1.OptimizerSpec.HyperparamsEntry\x1a\x32\n\x10HyperparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"p\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04meta\x18\x02 \x01(\x0b\x32\x16.torchps.v1.TensorMeta\x12,\n\toptimizer\x18\x03 \x01(\x0b\x32\x19.torchps.v1.OptimizerSpec\"_\n\rCreateRequest\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.torchps.v1.VariableSpec\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.torchps.v1.TensorChunk\"!\n\x0e\x43reateResponse\x12\x0f\n\x07\x63reated\x18\x01 \x03(\x08\"d\n\nPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0estep_increment\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"]\n\x0bPushRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.torchps.v1.PushHeader\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.torchps.v1.TensorChunk\"\xf6\x01\n\x0cPushResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x38\n\x08versions\x18\x02 \x03(\x0b\x32&.torchps.v1.PushResponse.VersionsEntry\x12\x11\n\tnext_step\x18\x03 \x01(\x03\x12\r\n\x05stale\x18\x04 \x01(\x08\x12\x11\n\tduplicate\x18\x05 \x01(\x08\x12\x14\n\x0cwait_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06quorum\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"C\n\x0bPullRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x10\n\x08min_step\x18\x03 \x01(\x03\"D\n\x0cPullResponse\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.torchps.v1.TensorChunk\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xa5\x01\n\x16UpdateOptimizerRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12H\n\x0bhyperparams\x18\x02 \x03(\x0b\x32\x33.torchps.v1.UpdateOptimizerRequest.HyperparamsEntry\x1a\x32\n\x10HyperparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"*\n\x17UpdateOptimizerResponse\x12\x0f\n\x07updated\x18\x01 \x01(\r\"2\n\x0bListRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"W\n\x0cVariableInfo\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.torchps.v1.VariableSpec\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"I\n\x0cListResponse\x12+\n\tvariables\x18\x01 \x03(\x0b\x32\x18.torchps.v1.VariableInfo\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x0f\n\rStatusRequest\"\xa7\x02\n\x0eStatusResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rnum_variables\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12&\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x16.torchps.v1.SyncConfig\x12\x14\n\x0clive_workers\x18\x07 \x01(\r\x12\x0e\n\x06quorum\x18\x08 \x01(\r\x12\x15\n\rstale_dropped\x18\t \x01(\x04\x12\x16\n\x0equorum_changes\x18\n \x01(\x04\x12\x17\n\x0fworkers_expired\x18\x0b \x01(\x04\x12\x12\n\ngeneration\x18\x0c \x01(\x04\x12\x15\n\rrestored_step\x18\r \x01(\x03\"\xa2\x01\n\nSyncConfig\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1d\n\x15replicas_to_aggregate\x18\x02 \x01(\r\x12\x1a\n\x12total_num_replicas\x18\x03 \x01(\r\x12\x15\n\rmax_staleness\x18\x04 \x01(\x03\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x1d\n\x15startup_grace_seconds\x18\x06 \x01(\x01\"$\n\x11\x43onfigureResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\"0\n\tWorkerRef\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"X\n\x0cJoinResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12&\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x16.torchps.v1.SyncConfig\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"!\n\x11HeartbeatResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x0f\n\rLeaveResponse\"@\n\x0bSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12\x0c\n\x04keep\x18\x03 \x01(\r\"9\n\x0cSaveResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x12\n\x10ShutdownResponse*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x32\xb8\x06\n\x0fParameterServer\x12J\n\x0f\x43reateVariables\x12\x19.torchps.v1.CreateRequest\x1a\x1a.torchps.v1.CreateResponse(\x01\x12;\n\x04Pull\x12\x17.torchps.v1.PullRequest\x1a\x18.torchps.v1.PullResponse0\x01\x12;\n\x04Push\x12\x17.torchps.v1.PushRequest\x1a\x18.torchps.v1.PushResponse(\x01\x12Z\n\x0fUpdateOptimizer\x12\".torchps.v1.UpdateOptimizerRequest\x1a#.torchps.v1.UpdateOptimizerResponse\x12\x42\n\rListVariables\x12\x17.torchps.v1.ListRequest\x1a\x18.torchps.v1.ListResponse\x12\x42\n\tGetStatus\x12\x19.torchps.v1.StatusRequest\x1a\x1a.torchps.v1.StatusResponse\x12\x42\n\tConfigure\x12\x16.torchps.v1.SyncConfig\x1a\x1d.torchps.v1.ConfigureResponse\x12\x37\n\x04Join\x12\x15.torchps.v1.WorkerRef\x1a\x18.torchps.v1.JoinResponse\x12\x41\n\tHeartbeat\x12\x15.torchps.v1.WorkerRef\x1a\x1d.torchps.v1.HeartbeatResponse\x12\x39\n\x05Leave\x12\x15.torchps.v1.WorkerRef\x1a\x19.torchps.v1.LeaveResponse\x12\x39\n\x04Save\x12\x17.torchps.v1.SaveRequest\x1a\x18.torchps.v1.SaveResponse\x12\x45\n\x08Shutdown\x12\x1b.torchps.v1.ShutdownRequest\x1a\x1c.torchps.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHRESPONSE_VERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEOPTIMIZERREQUEST_HYPERPARAMSENTRY']._loaded_options = None
   _globals['_UPDATEOPTIMIZERREQUEST_HYPERPARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2247
-  _globals['_DTYPE']._serialized_end=2352
+  _globals['_DTYPE']._serialized_start=2510
+  _globals['_DTYPE']._serialized_end=2615
   _globals['_TENSORMETA']._serialized_start=35
   _globals['_TENSORMETA']._serialized_end=96
   _globals['_TENSORCHUNK']._serialized_start=98
@@ -58,41 +58,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHREQUEST']._serialized_start=709
   _globals['_PUSHREQUEST']._serialized_end=802
   _globals['_PUSHRESPONSE']._serialized_start=805
-  _globals['_PUSHRESPONSE']._serialized_end=1031
-  _globals['_PUSHRESPONSE_VERSIONSENTRY']._serialized_start=984
-  _globals['_PUSHRESPONSE_VERSIONSENTRY']._serialized_end=1031
-  _globals['_PULLREQUEST']._serialized_start=1033
-  _globals['_PULLREQUEST']._serialized_end=1100
-  _globals['_PULLRESPONSE']._serialized_start=1102
-  _globals['_PULLRESPONSE']._serialized_end=1170
-  _globals['_UPDATEOPTIMIZERREQUEST']._serialized_start=1173
-  _globals['_UPDATEOPTIMIZERREQUEST']._serialized_end=1338
+  _globals['_PUSHRESPONSE']._serialized_end=1051
+  _globals['_PUSHRESPONSE_VERSIONSENTRY']._serialized_start=1004
+  _globals['_PUSHRESPONSE_VERSIONSENTRY']._serialized_end=1051
+  _globals['_PULLREQUEST']._serialized_start=1053
+  _globals['_PULLREQUEST']._serialized_end=1120
+  _globals['_PULLRESPONSE']._serialized_start=1122
+  _globals['_PULLRESPONSE']._serialized_end=1190
+  _globals['_UPDATEOPTIMIZERREQUEST']._serialized_start=1193
+  _globals['_UPDATEOPTIMIZERREQUEST']._serialized_end=1358
   _globals['_UPDATEOPTIMIZERREQUEST_HYPERPARAMSENTRY']._serialized_start=309
   _globals['_UPDATEOPTIMIZERREQUEST_HYPERPARAMSENTRY']._serialized_end=359
-  _globals['_UPDATEOPTIMIZERRESPONSE']._serialized_start=1340
-  _globals['_UPDATEOPTIMIZERRESPONSE']._serialized_end=1382
-  _globals['_LISTREQUEST']._serialized_start=1384
-  _globals['_LISTREQUEST']._serialized_end=1434
-  _globals['_VARIABLEINFO']._serialized_start=1436
-  _globals['_VARIABLEINFO']._serialized_end=1523
-  _globals['_LISTRESPONSE']._serialized_start=1525
-  _globals['_LISTRESPONSE']._serialized_end=1598
-  _globals['_STATUSREQUEST']._serialized_start=1600
-  _globals['_STATUSREQUEST']._serialized_end=1615
-  _globals['_STATUSRESPONSE']._serialized_start=1618
-  _globals['_STATUSRESPONSE']._serialized_end=1870
-  _globals['_SYNCCONFIG']._serialized_start=1873
-  _globals['_SYNCCONFIG']._serialized_end=2035
-  _globals['_CONFIGURERESPONSE']._serialized_start=2037
-  _globals['_CONFIGURERESPONSE']._serialized_end=2073
-  _globals['_WORKERREF']._serialized_start=2075
-  _globals['_WORKERREF']._serialized_end=2123
-  _globals['_JOINRESPONSE']._serialized_start=2125
-  _globals['_JOINRESPONSE']._serialized_end=2193
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2195
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2228
-  _globals['_LEAVERESPONSE']._serialized_start=2230
-  _globals['_LEAVERESPONSE']._serialized_end=2245
-  _globals['_PARAMETERSERVER']._serialized_start=2355
-  _globals['_PARAMETERSERVER']._serialized_end=3049
+  _globals['_UPDATEOPTIMIZERRESPONSE']._serialized_start=1360
+  _globals['_UPDATEOPTIMIZERRESPONSE']._serialized_end=1402
+  _globals['_LISTREQUEST']._serialized_start=1404
+  _globals['_LISTREQUEST']._serialized_end=1454
+  _globals['_VARIABLEINFO']._serialized_start=1456
+  _globals['_VARIABLEINFO']._serialized_end=1543
+  _globals['_LISTRESPONSE']._serialized_start=1545
+  _globals['_LISTRESPONSE']._serialized_end=1618
+  _globals['_STATUSREQUEST']._serialized_start=1620
+  _globals['_STATUSREQUEST']._serialized_end=1635
+  _globals['_STATUSRESPONSE']._serialized_start=1638
+  _globals['_STATUSRESPONSE']._serialized_end=1933
+  _globals['_SYNCCONFIG']._serialized_start=1936
+  _globals['_SYNCCONFIG']._serialized_end=2098
+  _globals['_CONFIGURERESPONSE']._serialized_start=2100
+  _globals['_CONFIGURERESPONSE']._serialized_end=2136
+  _globals['_WORKERREF']._serialized_start=2138
+  _globals['_WORKERREF']._serialized_end=2186
+  _globals['_JOINRESPONSE']._serialized_start=2188
+  _globals['_JOINRESPONSE']._serialized_end=2276
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2278
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2311
+  _globals['_LEAVERESPONSE']._serialized_start=2313
+  _globals['_LEAVERESPONSE']._serialized_end=2328
+  _globals['_SAVEREQUEST']._serialized_start=2330
+  _globals['_SAVEREQUEST']._serialized_end=2394
+  _globals['_SAVERESPONSE']._serialized_start=2396
+  _globals['_SAVERESPONSE']._serialized_end=2453
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2455
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2488
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2490
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2508
+  _globals['_PARAMETERSERVER']._serialized_start=2618
+  _globals['_PARAMETERSERVER']._serialized_end=3442
 # @@protoc_insertion_point(module_scope)

@@ -108,7 +108,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum")
+    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum", "generation")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class PushResponse(_message.Message):
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     step: int
     versions: _containers.ScalarMap[str, int]
     next_step: int
@@ -130,7 +131,8 @@ class PushResponse(_message.Message):
     duplicate: bool
     wait_seconds: float
     quorum: int
-    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes", "min_step")
@@ -202,7 +204,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +216,8 @@ class StatusResponse(_message.Message):
     STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     QUORUM_CHANGES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -225,7 +229,9 @@ class StatusResponse(_message.Message):
     stale_dropped: int
     quorum_changes: int
     workers_expired: int
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ...) -> None: ...
+    generation: int
+    restored_step: int
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ...) -> None: ...
 
 class SyncConfig(_message.Message):
     __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds")
@@ -258,12 +264,14 @@ class WorkerRef(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("step", "config")
+    __slots__ = ("step", "config", "generation")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     step: int
     config: SyncConfig
-    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ...) -> None: ...
+    generation: int
+    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("step",)
@@ -272,5 +280,35 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("step", "manifest_json", "keep")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    manifest_json: str
+    keep: int
+    def __init__(self, step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., keep: _Optional[int] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("step", "path", "bytes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    bytes: int
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -84,6 +84,16 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Save = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Save',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.SaveResponse.FromString,
+                _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Shutdown',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -175,6 +185,23 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Save(self, request, context):
+        """Writes this shard's variables, optimizer state, versions, step and mode
+        under its --checkpoint-dir, atomically (temporary file, fsync, rename).
+        FAILED_PRECONDITION without --checkpoint-dir. Blocks until written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shutdown(self, request, context):
+        """The chief declares the job done: the shard replies, then stops serving
+        and its process exits with code 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +254,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.WorkerRef.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Save': grpc.unary_unary_rpc_method_handler(
+                    servicer.Save,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.SaveRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.SaveResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ShutdownRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ShutdownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -499,6 +536,60 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/Leave',
             torchps_dot_v1_dot_ps__pb2.WorkerRef.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Save(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Save',
+            torchps_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.SaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Shutdown',
+            torchps_dot_v1_dot_ps__pb2.ShutdownRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,

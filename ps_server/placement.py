@@ -11,7 +11,7 @@ greedy) computes the same map, so no coordination is needed:
 
 from __future__ import annotations
 
-from ..ps_server.errors import ClusterConfigError, UnknownVariableError
+from .errors import ClusterConfigError, UnknownVariableError
 
 __all__ = ["Placement", "STRATEGIES"]
 
@@ -67,6 +67,10 @@ class Placement:
         for name in names:
             out.setdefault(self.shard_of(name), []).append(name)
         return out
+
+    def nbytes(self) -> list[int]:
+        """Bytes of each placed name, in placement order."""
+        return [self._nbytes[n] for n in self._shard]
 
     def bytes_per_shard(self) -> list[int]:
         return list(self._load)
