@@ -5,10 +5,11 @@
 
 from ..ps_server.cluster import Cluster, TaskSpec
 from ..ps_server.errors import (ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
-                                NonFiniteGradientError, OptimizerSpecError, PSError, ServerUnavailableError,
+                                ModeConflictError, NonFiniteGradientError, OptimizerSpecError, PSError, ServerUnavailableError,
                                 SpecConflictError, TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from .client import Optimizer, PSClient
 from .module import ModuleBinding
+from .stats import WorkerStats
 from ..ps_server.placement import Placement
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "InternalServerError",
     "InvalidArgumentError",
     "MalformedStreamError",
+    "ModeConflictError",
     "ModuleBinding",
     "NonFiniteGradientError",
     "Optimizer",
@@ -30,4 +32,5 @@ __all__ = [
     "TensorMismatchError",
     "UnknownVariableError",
     "WaitTimeoutError",
+    "WorkerStats",
 ]

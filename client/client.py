@@ -209,7 +209,7 @@ class PSClient:
         names = list(names)
         out: dict[str, torch.Tensor] = {}
 
-        def sink(chunk: wire.WireChunk) -> np.ndarray:
+        def sink(chunk: codec.WireChunk) -> np.ndarray:
             value = torch.empty(tuple(chunk.meta.shape), dtype=codec.torch_dtype(chunk.meta.dtype))
             out[chunk.name] = value
             return codec.byte_array(value)
@@ -226,9 +226,17 @@ class PSClient:
         memory). Dtype and shape must match (TensorMismatchError). If it
         raises midway, targets may be partly overwritten: pull again.
         """
+        sink, finish = self._target_sink(targets)
+        step = self._pull(list(targets), sink, min_step)
+        finish()
+        return step
+
+    @staticmethod
+    def _target_sink(targets: Mapping[str, torch.Tensor]):
+        """(sink, finish) writing pulled chunks into `targets` in place; finish() completes CUDA copies."""
         staging: dict[str, torch.Tensor] = {}
 
-        def sink(chunk: wire.WireChunk) -> np.ndarray:
+        def sink(chunk: codec.WireChunk) -> np.ndarray:
             target = targets[chunk.name]
             if codec.meta_of(target) != chunk.meta:
                 raise TensorMismatchError(
@@ -240,15 +248,16 @@ class PSClient:
                                               pin_memory=target.device.type == "cuda")
             return codec.byte_array(staging[chunk.name])
 
-        step = self._pull(list(targets), sink, min_step)
-        with torch.no_grad():
-            for name, buffer in staging.items():
-                targets[name].copy_(buffer, non_blocking=True)
-        if any(t.device.type == "cuda" for t in targets.values()):
-            torch.cuda.synchronize()
-        return step
+        def finish() -> None:
+            with torch.no_grad():
+                for name, buffer in staging.items():
+                    targets[name].copy_(buffer, non_blocking=True)
+            if any(t.device.type == "cuda" for t in targets.values()):
+                torch.cuda.synchronize()
 
-    def _pull(self, names: list[str], sink: Callable[[wire.WireChunk], np.ndarray], min_step: int = 0) -> int:
+        return sink, finish
+
+    def _pull(self, names: list[str], sink: Callable[[codec.WireChunk], np.ndarray], min_step: int = 0) -> int:
         """Streams `names` from their shards; sink(first chunk) gives each tensor's byte buffer.
 
         Returns the global-step counter seen by shard 0's stream, or -1 if shard 0 was not read.
@@ -258,22 +267,78 @@ class PSClient:
 
         def pull(shard: int, shard_names: list[str]) -> int:
             def run(stub) -> int:
-                step, buffer, filled, name = -1, None, 0, None
                 request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step)
-                for chunk, step in stub.Pull(request, wait_for_ready=True):
-                    if chunk.meta is not None:
-                        with lock:
-                            buffer, filled, name = sink(chunk), 0, chunk.name
-                    end = filled + len(chunk.data)
-                    if buffer is None or chunk.name != name or chunk.offset != filled or end > buffer.size:
-                        raise MalformedStreamError(f"shard sent a malformed chunk of {chunk.name!r}")
-                    buffer[filled:end] = np.frombuffer(chunk.data, dtype=np.uint8)
-                    filled = end
-                return step
+                return self._receive(stub.Pull(request, wait_for_ready=True), sink, lock)[0]
             return self._channels.call(shard, run, idempotent=True)
 
         steps = self._each_shard(groups, pull)
         return steps.get(GLOBAL_STEP_SHARD, -1)
+
+    @staticmethod
+    def _receive(responses, sink: Callable[[codec.WireChunk], np.ndarray], lock: threading.Lock
+                 ) -> tuple[int, ps_pb2.PushResponse | None]:
+        """Copies a Pull/PushPull response stream into sink's buffers; returns (step, push result)."""
+        step, result, buffer, filled, name = -1, None, None, 0, None
+        for chunks, step, first_result in responses:
+            result = result or first_result
+            for chunk in chunks:
+                if chunk.meta is not None:
+                    with lock:
+                        buffer, filled, name = sink(chunk), 0, chunk.name
+                end = filled + len(chunk.data)
+                if buffer is None or chunk.name != name or chunk.offset != filled or end > buffer.size:
+                    raise MalformedStreamError(f"shard sent a malformed chunk of {chunk.name!r}")
+                buffer[filled:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+                filled = end
+        return step, result
+
+    def _push_messages(self, header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor], names: list[str]):
+        """Serialized PushRequests: the header with the first batch, tensors packed up to chunk_bytes."""
+        pieces = (piece for name in names
+                  for piece in wire.tensor_pieces(name, grads[name].detach().cpu(), self.chunk_bytes))
+        first = True
+        for batch in wire.pack(pieces, self.chunk_bytes):
+            yield wire.encode_push_request(header if first else None, batch)
+            first = False
+        if first:
+            yield wire.encode_push_request(header, [])
+
+    def _header(self, step: int, seq: int, advance_step: bool, pull: list[str] = ()) -> ps_pb2.PushHeader:
+        return ps_pb2.PushHeader(worker=self.worker, step=step, step_increment=int(advance_step),
+                                 incarnation=self.incarnation, seq=seq, pull=pull)
+
+    def _finish_push(self, replies: Mapping[int, ps_pb2.PushResponse]) -> int:
+        for shard, reply in replies.items():
+            self._note_generation(shard, reply.generation)
+        lead = replies[GLOBAL_STEP_SHARD]
+        self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
+                          quorum=lead.quorum)
+        return lead.next_step
+
+    def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
+                  step: int = 0, advance_step: bool = True) -> int:
+        """push(grads) then pull_into(targets), one call per shard: one round trip per step.
+
+        For async and ssp modes (ModeConflictError in sync mode; use push,
+        then pull_into with min_step). Same guarantees as push and pull_into;
+        returns the step to compute at next.
+        """
+        groups = self.placement.group(grads)
+        pulls = self.placement.group(targets)
+        shards = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
+        seq = next(self._seq)
+        sink, finish = self._target_sink(targets)
+        lock = threading.Lock()
+
+        def exchange(shard: int, names: list[str]) -> ps_pb2.PushResponse:
+            header = self._header(step, seq, advance_step, pulls.get(shard, []))
+            responses = lambda stub: stub.PushPull(self._push_messages(header, grads, names), wait_for_ready=True)
+            return self._channels.call(shard, lambda stub: self._receive(responses(stub), sink, lock)[1],
+                                       idempotent=True)
+
+        next_step = self._finish_push(self._each_shard(shards, exchange))
+        finish()
+        return next_step
 
     def push(self, grads: Mapping[str, torch.Tensor], *, step: int = 0, advance_step: bool = True) -> int:
         """Sends gradients; each shard applies (async, ssp) or aggregates (sync) its part.
@@ -296,29 +361,14 @@ class PSClient:
         groups = self.placement.group(grads)
         groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
         seq = next(self._seq)
+        header = self._header(step, seq, advance_step)
 
         def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
-            increment = 1 if advance_step else 0
+            return self._channels.call(
+                shard, lambda stub: stub.Push(self._push_messages(header, grads, names), wait_for_ready=True),
+                idempotent=True)
 
-            def requests():
-                header = ps_pb2.PushHeader(worker=self.worker, step=step, step_increment=increment,
-                                           incarnation=self.incarnation, seq=seq)
-                yield ps_pb2.PushRequest(header=header).SerializeToString()
-                for name in names:
-                    grad = grads[name].detach().cpu()
-                    meta = codec.meta_of(grad)
-                    for offset, piece in codec.split(grad, self.chunk_bytes):
-                        yield wire.encode_push_chunk(name, meta if offset == 0 else None, offset, piece)
-            return self._channels.call(shard, lambda stub: stub.Push(requests(), wait_for_ready=True),
-                                       idempotent=True)
-
-        replies = self._each_shard(groups, push)
-        for shard, reply in replies.items():
-            self._note_generation(shard, reply.generation)
-        lead = replies[GLOBAL_STEP_SHARD]
-        self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
-                          quorum=lead.quorum)
-        return lead.next_step
+        return self._finish_push(self._each_shard(groups, push))
 
     # -- checkpoints, export, lifecycle ------------------------------------------------------------
 

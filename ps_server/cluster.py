@@ -75,7 +75,7 @@ class Cluster:
         unknown = sorted(set(spec) - set(TASK_TYPES))
         if unknown:
             raise ClusterConfigError(f"unknown task type(s) {unknown} in cluster; allowed: {list(TASK_TYPES)}")
-        return cls(**{kind: tuple(spec.get(kind, ())) for kind in TASK_TYPES})
+        return cls(**{kind: spec.get(kind, ()) for kind in TASK_TYPES})
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "Cluster":

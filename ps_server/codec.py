@@ -8,6 +8,7 @@ overrun, nothing missing), raising MalformedStreamError otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import threading
@@ -19,7 +20,6 @@ import torch
 from .errors import InvalidArgumentError, MalformedStreamError, TensorMismatchError
 from .proto import ps_pb2
 
-from .wire import WireChunk
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -32,6 +32,7 @@ __all__ = [
     "tensor_bytes",
     "split",
     "encode_chunks",
+    "WireChunk",
     "BufferPool",
     "ChunkAssembler",
 ]
@@ -115,6 +116,22 @@ def encode_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CH
     meta = meta_of(tensor)
     for offset, piece in split(tensor, chunk_bytes):
         yield ps_pb2.TensorChunk(name=name, meta=meta if offset == 0 else None, offset=offset, data=piece.tobytes())
+
+
+@dataclasses.dataclass
+class WireChunk:
+    """A TensorChunk with `data` as a zero-copy memoryview and `meta` None when absent."""
+
+    name: str
+    meta: ps_pb2.TensorMeta | None
+    offset: int
+    data: memoryview
+    version: int = 0
+
+    @classmethod
+    def from_proto(cls, chunk: ps_pb2.TensorChunk) -> "WireChunk":
+        meta = chunk.meta if chunk.HasField("meta") else None
+        return cls(chunk.name, meta, chunk.offset, memoryview(chunk.data), chunk.version)
 
 
 class BufferPool:
@@ -237,7 +254,10 @@ class ChunkAssembler:
 
     def _complete(self) -> tuple[str, torch.Tensor]:
         dtype = torch_dtype(self._meta.dtype)
-        tensor = torch.from_numpy(self._buffer).view(dtype).reshape(tuple(self._meta.shape))
+        shape = tuple(self._meta.shape)
+        # numpy gives empty arrays a zero stride, which torch cannot reinterpret as another dtype.
+        tensor = (torch.from_numpy(self._buffer).view(dtype).reshape(shape) if self._buffer.size
+                  else torch.empty(shape, dtype=dtype))
         result = (self._name, tensor)
         self._name = self._meta = self._buffer = None
         self._filled = 0

@@ -114,41 +114,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Pull(self, request, context):
-        """Yields serialized PullResponse messages (see wire.py), each variable copied under its lock."""
+        """Yields serialized PullResponse messages (see wire.py); each variable is copied under its lock."""
         names = list(request.names) or self.store.names()
         for name in names:
             self.store.get(name)  # NOT_FOUND before anything is sent
         if request.min_step > 0:
             context.add_callback(self.coordinator.wake)
             self.coordinator.wait_for_step(request.min_step, context.time_remaining(), lambda: not context.is_active())
-        chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
-        step = self.store.step
-
-        def encode(name: str, value, version: int) -> list[bytes]:
-            meta = codec.meta_of(value)
-            return [wire.encode_pull_response(name, meta if offset == 0 else None, offset, piece,
-                                              version if offset == 0 else 0, step)
-                    for offset, piece in codec.split(value, chunk_bytes)]
-
-        for name in names:
-            messages = self.store.read(name, lambda value, version: encode(name, value, version))
-            yield from messages
+        yield from self._read(names, request.chunk_bytes)
 
     @_map_errors
     def Push(self, request_iterator, context):
-        """Consumes decoded (header, chunk) pairs (see wire.py); applies only a complete, valid stream."""
+        """Applies a complete, valid stream of gradients (see Coordinator.push)."""
+        return self._receive_push(request_iterator, context)[1]
+
+    @_map_errors
+    def PushPull(self, request_iterator, context):
+        """Push, then Pull of the header's `pull` names, in one call (async and ssp modes)."""
+        if self.coordinator.config.mode == "sync":
+            raise ModeConflictError("PushPull is for async and ssp modes; in sync mode push, then pull with min_step")
+        header, result = self._receive_push(request_iterator, context)
+        for name in header.pull:
+            self.store.get(name)
+        yield from self._read(list(header.pull), 0, result)
+
+    def _receive_push(self, request_iterator, context) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         header = None
         grads = {}
         assembler = codec.ChunkAssembler(begin=self.store.check_gradient, pool=self._pool)
         try:
-            for message_header, chunk in request_iterator:
+            for message_header, chunks in request_iterator:
                 if message_header is not None:
                     if header is not None:
                         raise MalformedStreamError("a Push stream carries its header twice")
                     header = message_header
                 elif header is None:
                     raise MalformedStreamError("a Push stream must start with a header")
-                if chunk is not None:
+                for chunk in chunks:
                     done = assembler.add(chunk)
                     if done is not None:
                         grads[done[0]] = done[1]
@@ -161,10 +163,44 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         finally:
             grads.clear()
             assembler.release()
-        return ps_pb2.PushResponse(
+        return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
             generation=self.generation)
+
+    def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None):
+        """Serialized PullResponses for `names`, in order; `result` rides on the first message.
+
+        A variable larger than a chunk is encoded straight from its memory
+        under its lock (one copy); smaller ones are copied under their lock
+        and packed several to a message.
+        """
+        chunk_bytes = min(chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
+        step = self.store.step
+        small: list[wire.Piece] = []
+        sent = False
+
+        def message(pieces) -> bytes:
+            nonlocal sent
+            first, sent = not sent, True
+            return wire.encode_pull_response(pieces, step, result if first else None)
+
+        def encode_large(value, version) -> list[bytes]:
+            return [message([piece]) for piece in wire.tensor_pieces(name, value, chunk_bytes, version)]
+
+        for name in names:
+            if self.store.get(name).nbytes > chunk_bytes:
+                if small:
+                    yield from (message(batch) for batch in wire.pack(small, chunk_bytes))
+                    small = []
+                yield from self.store.read(name, encode_large)
+            else:
+                small += self.store.read(name, lambda value, version: wire.tensor_pieces(
+                    name, value.clone(), chunk_bytes, version))
+        if small:
+            yield from (message(batch) for batch in wire.pack(small, chunk_bytes))
+        elif not sent:
+            yield message([])
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
@@ -262,6 +298,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.Pull, ps_pb2.PullRequest.FromString, bytes),  # Pull yields serialized messages
         "Push": grpc.stream_unary_rpc_method_handler(
             servicer.Push, wire.decode_push_request, ps_pb2.PushResponse.SerializeToString),
+        "PushPull": grpc.stream_stream_rpc_method_handler(
+            servicer.PushPull, wire.decode_push_request, bytes),  # yields serialized messages
         "UpdateOptimizer": grpc.unary_unary_rpc_method_handler(
             servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
             ps_pb2.UpdateOptimizerResponse.SerializeToString),

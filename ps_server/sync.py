@@ -100,6 +100,8 @@ class PushResult:
 class _Member:
     incarnation: int
     last_seen: float
+    counts_from: int = 0  # first step whose quorum counts this worker (a late or returning worker:
+                          # the step after the one the shard was at, which it cannot push for)
     clock: int = 0      # pushes applied (ssp)
     gone: bool = False  # left, or lease expired
 
@@ -351,13 +353,16 @@ class Coordinator:
     def _touch(self, worker: str, incarnation: int) -> None:
         now = self._now()
         member = self._members.get(worker)
+        in_grace = now < self._configured_at + self.config.startup_grace_seconds
         if member is None:
-            self._members[worker] = _Member(incarnation, now)
+            counts_from = self.store.step if in_grace else self.store.step + 1
+            self._members[worker] = _Member(incarnation, now, counts_from=counts_from)
             _LOGGER.info("%s joined at step %d", worker, self.store.step)
             self._membership_changed()
         elif member.gone or member.incarnation != incarnation:
             was_gone = member.gone
             member.gone, member.incarnation, member.last_seen = False, incarnation, now
+            member.counts_from = self.store.step + 1
             _LOGGER.info("%s %s at step %d", worker, "rejoined" if was_gone else "restarted", self.store.step)
             self._membership_changed()
         else:
@@ -367,20 +372,24 @@ class Coordinator:
         config = self.config
         if config.mode != "sync":
             return 0
-        active = sum(1 for m in self._members.values() if not m.gone)
+        step = self.store.step
+        active = sum(1 for m in self._members.values() if not m.gone and m.counts_from <= step)
         live = active
         if now < self._configured_at + config.startup_grace_seconds:
             gone = sum(1 for m in self._members.values() if m.gone)
             live = max(active, config.total_num_replicas - gone)
         return max(1, min(config.aggregate, live * config.batches_per_worker))
 
-    def _membership_changed(self) -> None:
+    def _update_quorum(self) -> None:
         quorum = self._compute_quorum(self._now())
         if quorum != self._quorum and self.config.mode == "sync":
             self.quorum_changes += 1
             _LOGGER.warning("quorum %d -> %d (%d live workers) at step %d",
                             self._quorum, quorum, self.live_workers_locked(), self.store.step)
         self._quorum = quorum
+
+    def _membership_changed(self) -> None:
+        self._update_quorum()
         self._apply_ready()
         self._cond.notify_all()
 
@@ -398,10 +407,12 @@ class Coordinator:
                 for old in [s for s in self._pending if s < min(later)]:
                     del self._pending[old]
                 self.store.set_step(min(later))
+                self._update_quorum()
                 continue
             del self._pending[step]
             self.store.apply(buffer.averages(), step_increment=1, validated=True)
             self._after_apply()
+            self._update_quorum()
 
     def _min_clock(self) -> int:
         clocks = [m.clock for m in self._members.values() if not m.gone]

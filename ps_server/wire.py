@@ -4,37 +4,28 @@ Bulk tensor bytes dominate the cost of Pull and Push. The generated classes
 copy a chunk's `data` several times (into the message, into the serialized
 string, out of the parsed message). These functions produce and read exactly
 the bytes ps.proto defines, with one copy when encoding and none when
-decoding (`data` is a memoryview into the received message). Every other
+decoding (`data` is a memoryview into the received message). `pack` puts
+many small tensors into one message, so a small model moves in one message
+per shard each way. Every other
 message, and every client that uses the generated stubs, interoperates
 unchanged: tests check byte equality with the generated classes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Iterable, Iterator
 
+import torch
+
+from . import codec
 from .errors import MalformedStreamError
+from .codec import WireChunk
 from .proto import ps_pb2
 
-__all__ = ["WireChunk", "encode_pull_response", "encode_push_chunk", "decode_pull_response", "decode_push_request"]
+__all__ = ["Piece", "tensor_pieces", "pack", "encode_pull_response", "encode_push_request",
+           "decode_pull_response", "decode_push_request"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-
-
-@dataclasses.dataclass
-class WireChunk:
-    """A TensorChunk with `data` as a zero-copy memoryview and `meta` None when absent."""
-
-    name: str
-    meta: ps_pb2.TensorMeta | None
-    offset: int
-    data: memoryview
-    version: int = 0
-
-    @classmethod
-    def from_proto(cls, chunk: ps_pb2.TensorChunk) -> "WireChunk":
-        meta = chunk.meta if chunk.HasField("meta") else None
-        return cls(chunk.name, meta, chunk.offset, memoryview(chunk.data), chunk.version)
 
 
 def _varint(value: int) -> bytes:
@@ -63,23 +54,56 @@ def _chunk_parts(name: bytes, meta: bytes | None, offset: int, data, version: in
     return b"".join(head), tail
 
 
-def _encode(field: int, name: str, meta: ps_pb2.TensorMeta | None, offset: int, data, version: int,
-            trailer: bytes) -> bytes:
-    head, tail = _chunk_parts(name.encode(), None if meta is None else meta.SerializeToString(), offset, data, version)
-    inner = len(head) + len(data) + len(tail)
-    return b"".join((_key(field, _LEN), _varint(inner), head, data, tail, trailer))
+Piece = tuple  # (name, meta or None, offset, bytes-like data, version): one TensorChunk to encode
 
 
-def encode_pull_response(name: str, meta: ps_pb2.TensorMeta | None, offset: int, data, version: int,
-                         step: int) -> bytes:
-    """Serialized PullResponse{chunk: TensorChunk{...}, step}; `data` is any bytes-like object."""
-    trailer = _key(2, _VARINT) + _varint(step & (1 << 64) - 1) if step else b""
-    return _encode(1, name, meta, offset, data, version, trailer)
+def tensor_pieces(name: str, tensor: torch.Tensor, chunk_bytes: int, version: int = 0) -> list[Piece]:
+    """The pieces of one CPU tensor: meta and version on the first only. Views alias the tensor."""
+    meta = codec.meta_of(tensor)
+    return [(name, meta if offset == 0 else None, offset, view, version if offset == 0 else 0)
+            for offset, view in codec.split(tensor, chunk_bytes)]
 
 
-def encode_push_chunk(name: str, meta: ps_pb2.TensorMeta | None, offset: int, data) -> bytes:
-    """Serialized PushRequest{chunk: TensorChunk{...}}; `data` is any bytes-like object."""
-    return _encode(2, name, meta, offset, data, 0, b"")
+def pack(pieces: Iterable[Piece], chunk_bytes: int) -> Iterator[list[Piece]]:
+    """Groups pieces into messages of at most chunk_bytes of data (a larger piece goes alone)."""
+    batch, size = [], 0
+    for piece in pieces:
+        if batch and size + len(piece[3]) > chunk_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(piece)
+        size += len(piece[3])
+    if batch:
+        yield batch
+
+
+def _encode_chunks(field: int, pieces: Iterable[Piece], out: list) -> None:
+    for name, meta, offset, data, version in pieces:
+        head, tail = _chunk_parts(name.encode(), None if meta is None else meta.SerializeToString(),
+                                  offset, data, version)
+        out += [_key(field, _LEN), _varint(len(head) + len(data) + len(tail)), head, data, tail]
+
+
+def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.PushResponse | None = None) -> bytes:
+    """Serialized PullResponse{chunks, step, result}, copying each piece's data once."""
+    out: list = []
+    _encode_chunks(1, pieces, out)
+    if step:
+        out += [_key(2, _VARINT), _varint(step & (1 << 64) - 1)]
+    if result is not None:
+        raw = result.SerializeToString()
+        out += [_key(3, _LEN), _varint(len(raw)), raw]
+    return b"".join(out)
+
+
+def encode_push_request(header: ps_pb2.PushHeader | None, pieces: Iterable[Piece]) -> bytes:
+    """Serialized PushRequest{header, chunks}, copying each piece's data once."""
+    out: list = []
+    if header is not None:
+        raw = header.SerializeToString()
+        out += [_key(1, _LEN), _varint(len(raw)), raw]
+    _encode_chunks(2, pieces, out)
+    return b"".join(out)
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -141,25 +165,25 @@ def _decode_chunk(buf: memoryview) -> WireChunk:
     return chunk
 
 
-def decode_pull_response(raw: bytes) -> tuple[WireChunk, int]:
-    """(chunk, step) from a serialized PullResponse; `chunk.data` views `raw`."""
-    chunk, step = None, 0
+def decode_pull_response(raw: bytes) -> tuple[list[WireChunk], int, ps_pb2.PushResponse | None]:
+    """(chunks, step, PushPull result or None) from a serialized PullResponse; data views `raw`."""
+    chunks, step, result = [], 0, None
     for field, wire_type, value in _fields(memoryview(raw)):
         if field == 1 and wire_type == _LEN:
-            chunk = _decode_chunk(value)
+            chunks.append(_decode_chunk(value))
         elif field == 2 and wire_type == _VARINT:
             step = value - (1 << 64) if value >= 1 << 63 else value
-    if chunk is None:
-        raise MalformedStreamError("PullResponse without a chunk")
-    return chunk, step
+        elif field == 3 and wire_type == _LEN:
+            result = ps_pb2.PushResponse.FromString(bytes(value))
+    return chunks, step, result
 
 
-def decode_push_request(raw: bytes) -> tuple[ps_pb2.PushHeader | None, WireChunk | None]:
-    """(header or None, chunk or None) from a serialized PushRequest; `chunk.data` views `raw`."""
-    header = chunk = None
+def decode_push_request(raw: bytes) -> tuple[ps_pb2.PushHeader | None, list[WireChunk]]:
+    """(header or None, chunks) from a serialized PushRequest; chunk data views `raw`."""
+    header, chunks = None, []
     for field, wire_type, value in _fields(memoryview(raw)):
         if field == 1 and wire_type == _LEN:
             header = ps_pb2.PushHeader.FromString(bytes(value))
         elif field == 2 and wire_type == _LEN:
-            chunk = _decode_chunk(value)
-    return header, chunk
+            chunks.append(_decode_chunk(value))
+    return header, chunks

@@ -161,7 +161,7 @@ def shard_indices(n: int, num_shards: int, index: int) -> torch.Tensor:
     """Example indices of shard `index`: index, index + num_shards, ... (disjoint, together covering range(n))."""
     if not 0 <= index < num_shards:
         raise ValueError(f"shard index {index} is not in range({num_shards})")
-    return torch.arange(index, n, num_shards)
+    return torch.arange(n)[index::num_shards]
 
 
 def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, epoch: int

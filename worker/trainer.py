@@ -74,8 +74,7 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
             loss.backward()
             loss, logits = loss.detach(), logits.detach()
             computed_at = binding.step
-            binding.push()
-            binding.pull()
+            binding.exchange()
             local_steps += 1
             loss_value = loss.item()
             record = {"loss": loss_value, "accuracy": float((logits.argmax(1) == yb).float().mean()),

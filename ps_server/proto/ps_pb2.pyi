@@ -86,26 +86,28 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
     incarnation: int
     seq: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    pull: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunks")
     HEADER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
-    chunk: TensorChunk
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum", "generation")
@@ -145,12 +147,14 @@ class PullRequest(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., min_step: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("chunk", "step")
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunks", "step", "result")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    chunk: TensorChunk
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     step: int
-    def __init__(self, chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    result: PushResponse
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., step: _Optional[int] = ..., result: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
 
 class UpdateOptimizerRequest(_message.Message):
     __slots__ = ("names", "hyperparams")

@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/torchps.v1.ParameterServer/PushPull',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.UpdateOptimizer = channel.unary_unary(
                 '/torchps.v1.ParameterServer/UpdateOptimizer',
                 request_serializer=torchps_dot_v1_dot_ps__pb2.UpdateOptimizerRequest.SerializeToString,
@@ -124,6 +129,17 @@ class ParameterServerServicer:
         INVALID_ARGUMENT for a wrong dtype or shape, a malformed stream, or a NaN or
         Inf value (unless the shard runs with --allow-nonfinite); NOT_FOUND for an
         unknown variable. A client that goes away mid-stream has nothing applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request_iterator, context):
+        """Push then Pull in one call, for async and ssp modes (one round trip per
+        step): applies the gradients like Push, then streams the variables named
+        in the header's `pull` like Pull. FAILED_PRECONDITION in sync mode, where
+        a worker must learn from shard 0 whether its step was released before it
+        reads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,6 +235,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.PushRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
             ),
             'UpdateOptimizer': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateOptimizer,
@@ -347,6 +368,33 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/Push',
             torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchps.v1.ParameterServer/PushPull',
+            torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,
