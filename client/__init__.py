@@ -10,6 +10,7 @@ from ..ps_server.errors import (ClusterConfigError, InternalServerError, Invalid
 from .client import Optimizer, PSClient
 from .module import ModuleBinding
 from .stats import WorkerStats
+from ..ps_server.memory import tune_malloc
 from ..ps_server.placement import Placement
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "UnknownVariableError",
     "WaitTimeoutError",
     "WorkerStats",
+    "tune_malloc",
 ]

@@ -29,8 +29,8 @@ _MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + (64 << 10)
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
 
-    Pull and PushPull yield (chunks, step, push result) triples; Push and
-    PushPull take already serialized PushRequest bytes.
+    Pull yields and PushPull returns (chunks, step, push result) triples;
+    Push (a stream) and PushPull (one message) take serialized PushRequest bytes.
     """
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     service = "/" + ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -38,8 +38,8 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
                                      response_deserializer=wire.decode_pull_response)
     stub.Push = channel.stream_unary(f"{service}/Push", request_serializer=None,
                                      response_deserializer=ps_pb2.PushResponse.FromString)
-    stub.PushPull = channel.stream_stream(f"{service}/PushPull", request_serializer=None,
-                                          response_deserializer=wire.decode_pull_response)
+    stub.PushPull = channel.unary_unary(f"{service}/PushPull", request_serializer=None,
+                                        response_deserializer=wire.decode_pull_response)
     return stub
 
 

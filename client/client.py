@@ -317,26 +317,39 @@ class PSClient:
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int = 0, advance_step: bool = True) -> int:
-        """push(grads) then pull_into(targets), one call per shard: one round trip per step.
+        """push(grads) then pull_into(targets): one round trip per shard whose part fits in a chunk.
 
-        For async and ssp modes (ModeConflictError in sync mode; use push,
-        then pull_into with min_step). Same guarantees as push and pull_into;
-        returns the step to compute at next.
+        For async and ssp modes (ModeConflictError in sync mode: use push,
+        then pull_into with min_step). Where a shard's gradients or variables
+        exceed chunk_bytes, that shard gets a Push stream followed by a Pull.
+        Same guarantees as push and pull_into; returns the step to compute at next.
         """
         groups = self.placement.group(grads)
         pulls = self.placement.group(targets)
-        shards = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
         seq = next(self._seq)
         sink, finish = self._target_sink(targets)
         lock = threading.Lock()
 
         def exchange(shard: int, names: list[str]) -> ps_pb2.PushResponse:
             header = self._header(step, seq, advance_step, pulls.get(shard, []))
-            responses = lambda stub: stub.PushPull(self._push_messages(header, grads, names), wait_for_ready=True)
-            return self._channels.call(shard, lambda stub: self._receive(responses(stub), sink, lock)[1],
-                                       idempotent=True)
+            push_size = sum(grads[n].numel() * grads[n].element_size() for n in names)
+            pull_size = sum(targets[n].numel() * targets[n].element_size() for n in pulls.get(shard, []))
+            if push_size <= self.chunk_bytes and pull_size <= self.chunk_bytes:
+                (request,) = self._push_messages(header, grads, names)
+                return self._channels.call(
+                    shard, lambda stub: self._receive([stub.PushPull(request, wait_for_ready=True)], sink, lock)[1],
+                    idempotent=True)
+            header.ClearField("pull")
+            result = self._channels.call(
+                shard, lambda stub: stub.Push(self._push_messages(header, grads, names), wait_for_ready=True),
+                idempotent=True)
+            request = ps_pb2.PullRequest(names=pulls.get(shard, []), chunk_bytes=self.chunk_bytes)
+            self._channels.call(shard, lambda stub: self._receive(stub.Pull(request, wait_for_ready=True), sink, lock),
+                                idempotent=True)
+            return result
 
-        next_step = self._finish_push(self._each_shard(shards, exchange))
+        next_step = self._finish_push(self._each_shard(
+            {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}, exchange))
         finish()
         return next_step
 

@@ -17,6 +17,7 @@ import threading
 from .cluster import Cluster, TaskSpec
 from . import checkpoint
 from .errors import ClusterConfigError, PSError
+from .memory import tune_malloc
 from .server import DEFAULT_MAX_CHUNK_BYTES, create_server
 from .store import VariableStore
 
@@ -84,6 +85,7 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tune_malloc()
     try:
         cluster, index, address = resolve(args)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)

@@ -20,7 +20,7 @@ from typing import Callable
 import grpc
 
 from . import checkpoint, codec, wire
-from .errors import InternalServerError, MalformedStreamError, ModeConflictError, PSError
+from .errors import InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError, PSError
 from .proto import ps_pb2, ps_pb2_grpc
 from .store import NewVariable, VariableStore
 from .sync import Coordinator, SyncConfig
@@ -129,14 +129,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._receive_push(request_iterator, context)[1]
 
     @_map_errors
-    def PushPull(self, request_iterator, context):
-        """Push, then Pull of the header's `pull` names, in one call (async and ssp modes)."""
+    def PushPull(self, request, context):
+        """Push of one message, then the header's `pull` variables in one reply (async and ssp modes)."""
         if self.coordinator.config.mode == "sync":
             raise ModeConflictError("PushPull is for async and ssp modes; in sync mode push, then pull with min_step")
-        header, result = self._receive_push(request_iterator, context)
-        for name in header.pull:
-            self.store.get(name)
-        yield from self._read(list(header.pull), 0, result)
+        header, _ = request
+        names = list(header.pull)
+        size = sum(self.store.get(name).nbytes for name in names)
+        if size > self.max_chunk_bytes:
+            raise InvalidArgumentError(f"PushPull's reply would hold {size} bytes, more than this shard's "
+                                       f"{self.max_chunk_bytes}; use Push and Pull")
+        _, result = self._receive_push([request], context)
+        (reply,) = self._read(names, self.max_chunk_bytes, result)
+        return reply
 
     def _receive_push(self, request_iterator, context) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         header = None
@@ -298,8 +303,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.Pull, ps_pb2.PullRequest.FromString, bytes),  # Pull yields serialized messages
         "Push": grpc.stream_unary_rpc_method_handler(
             servicer.Push, wire.decode_push_request, ps_pb2.PushResponse.SerializeToString),
-        "PushPull": grpc.stream_stream_rpc_method_handler(
-            servicer.PushPull, wire.decode_push_request, bytes),  # yields serialized messages
+        "PushPull": grpc.unary_unary_rpc_method_handler(
+            servicer.PushPull, wire.decode_push_request, bytes),  # returns a serialized message
         "UpdateOptimizer": grpc.unary_unary_rpc_method_handler(
             servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
             ps_pb2.UpdateOptimizerResponse.SerializeToString),

@@ -22,6 +22,7 @@ import torch
 from ..client import PSClient, PSError
 from ..ps_server.cluster import Cluster, TaskSpec
 from ..ps_server.errors import ClusterConfigError
+from ..ps_server.memory import tune_malloc
 from ..ps_server.optimizers import OPTIMIZERS
 from .data import DatasetNotFoundError, default_dataset_name
 from .models import MODELS, build_model, load_entry
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    tune_malloc()
     try:
         cluster, task = resolve_task(args)
         device = resolve_device(args.device)

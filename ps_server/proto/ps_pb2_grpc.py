@@ -49,7 +49,7 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
-        self.PushPull = channel.stream_stream(
+        self.PushPull = channel.unary_unary(
                 '/torchps.v1.ParameterServer/PushPull',
                 request_serializer=torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
@@ -134,12 +134,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PushPull(self, request_iterator, context):
-        """Push then Pull in one call, for async and ssp modes (one round trip per
-        step): applies the gradients like Push, then streams the variables named
-        in the header's `pull` like Pull. FAILED_PRECONDITION in sync mode, where
-        a worker must learn from shard 0 whether its step was released before it
-        reads.
+    def PushPull(self, request, context):
+        """Push then Pull in one unary call, for async and ssp modes: the
+        latency-bound step of a small model in one round trip and one message
+        each way. The gradients must fit in the request and the variables named
+        in the header's `pull` in the reply (each at most the shard's
+        --max-chunk-bytes, else INVALID_ARGUMENT: use Push and Pull). Applies the
+        gradients as Push does, then reads the variables as Pull does; the reply
+        carries the push's result. FAILED_PRECONDITION in sync mode, where a
+        worker must learn from shard 0 that its step was released before it reads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,7 +239,7 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
             ),
-            'PushPull': grpc.stream_stream_rpc_method_handler(
+            'PushPull': grpc.unary_unary_rpc_method_handler(
                     servicer.PushPull,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
@@ -379,7 +382,7 @@ class ParameterServer:
             _registered_method=True)
 
     @staticmethod
-    def PushPull(request_iterator,
+    def PushPull(request,
             target,
             options=(),
             channel_credentials=None,
@@ -389,8 +392,8 @@ class ParameterServer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
             '/torchps.v1.ParameterServer/PushPull',
             torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,

@@ -1,0 +1,610 @@
+#!/usr/bin/env python
+"""Transport benchmark: torchps pull/push against bare gRPC, and async training throughput.
+
+    python bench/pullpush.py --json results.json          # full run, a few minutes
+    python bench/pullpush.py --quick --json quick.json    # under a minute
+    python bench/pullpush.py --only bandwidth --repeats 15
+
+Three measurements, each taken beside its baseline in the same run (the
+development machine is shared and noisy, so only ratios measured together mean
+anything):
+
+1. bandwidth: one push of every gradient then one pull of every variable of a
+   25.3M-float32 MLP (784-8192-2304-10, ~101 MB each way) through PSClient over
+   2 shards (LocalCluster(2), server-side SGD), interleaved with the same round
+   trip over bare gRPC between this process and a plain server process (generic
+   handlers, 1 MiB `BytesValue` chunks, numpy copies at both ends, no torchps
+   code). Also over 1 shard. Medians of --repeats.
+2. small: the seed's 784-100-10 sigmoid MLP, 1 ps and 2 async worker processes
+   (forward/backward on a random batch of 100, then push and pull in one call
+   per shard: ModuleBinding.exchange), total steps/s,
+   beside the same model trained in one process with no PS.
+3. big: the 784-8192-2304-10 MLP, 1 ps and 2 async workers, beside one process.
+
+Data are random (this measures transport, not accuracy). Warm-ups run before
+any timing. Only torchps's public client API is used, so transport internals
+may change underneath. The baseline server (`--baseline-server`) imports no
+torch and no torchps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import queue
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent import futures
+
+import grpc
+import numpy as np
+from google.protobuf import wrappers_pb2
+
+SMALL_DIMS = (784, 100, 10)          # the seed's MNIST MLP: 79,510 parameters
+BIG_DIMS = (784, 8192, 2304, 10)     # 25,330,442 parameters, ~101 MB of float32
+BATCH = 100
+BASELINE_CHUNK_BYTES = 1 << 20       # 1 MiB: the brief's (and transport.md's) baseline chunk
+MESSAGE_LIMIT = 64 << 20
+PUSH_METHOD = "/bench.Baseline/Push"
+PULL_METHOD = "/bench.Baseline/Pull"
+READY_TIMEOUT = 180.0                # worker start-up (spawn imports torch) on a loaded 2-core box
+
+REFERENCES = {  # figures from shared/reading/transport.md, same machine
+    "grpc_baseline_seconds": "0.228 s in transport.md (0.207 s with glibc malloc tuning)",
+    "ratio": "target >= 0.8",
+    "mlp_async_steps_per_s": "target >= 350; TF ParameterServerStrategy 176",
+    "mlp_local_steps_per_s": "transport.md: 1,146 (1 thread)",
+    "big_async_steps_per_s": "target: TF ParameterServerStrategy 5.30",
+    "big_local_steps_per_s": "transport.md: 5.1 (1 thread)",
+}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def mlp_numel(dims) -> int:
+    return sum(i * o + o for i, o in zip(dims[:-1], dims[1:]))
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# -- bare gRPC baseline ---------------------------------------------------------------------
+
+def baseline_server_main(port_file: str, nbytes: int, chunk_bytes: int) -> int:
+    """A plain gRPC server: Push copies chunks into a numpy array; Pull slices another to bytes."""
+    values = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    received = np.zeros(nbytes, dtype=np.uint8)  # preallocated and touched
+
+    def push(request_iterator, context):
+        offset = 0
+        for message in request_iterator:
+            data = message.value
+            received[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            offset += len(data)
+        if offset != nbytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"got {offset} of {nbytes} bytes")
+        return wrappers_pb2.BytesValue()
+
+    def pull(request, context):
+        for offset in range(0, nbytes, chunk_bytes):
+            yield wrappers_pb2.BytesValue(value=values[offset:offset + chunk_bytes].tobytes())
+
+    handler = grpc.method_handlers_generic_handler("bench.Baseline", {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            push, request_deserializer=wrappers_pb2.BytesValue.FromString,
+            response_serializer=wrappers_pb2.BytesValue.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            pull, request_deserializer=wrappers_pb2.BytesValue.FromString,
+            response_serializer=wrappers_pb2.BytesValue.SerializeToString),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                                  ("grpc.max_send_message_length", MESSAGE_LIMIT)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    tmp = pathlib.Path(port_file + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(port_file)
+    server.wait_for_termination()
+    return 0
+
+
+class BaselineServer:
+    """The baseline server as a child process of this script (no torch, no torchps)."""
+
+    def __init__(self, nbytes: int, chunk_bytes: int):
+        self._tmp = tempfile.TemporaryDirectory(prefix="torchps-bench-")
+        port_file = os.path.join(self._tmp.name, "port")
+        self.log_path = os.path.join(self._tmp.name, "server.log")
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--baseline-server", port_file,
+                 "--baseline-bytes", str(nbytes), "--baseline-chunk-bytes", str(chunk_bytes)],
+                stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"baseline server did not start: {pathlib.Path(self.log_path).read_text()}")
+            time.sleep(0.02)
+        self.address = f"127.0.0.1:{pathlib.Path(port_file).read_text()}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._tmp.cleanup()
+
+
+class BaselineClient:
+    """Push: numpy slices -> bytes -> BytesValue stream. Pull: BytesValue stream -> copies into numpy."""
+
+    def __init__(self, address: str, nbytes: int, chunk_bytes: int):
+        self.nbytes, self.chunk_bytes = nbytes, chunk_bytes
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                                                               ("grpc.max_send_message_length", MESSAGE_LIMIT)])
+        grpc.channel_ready_future(self.channel).result(timeout=60)
+        self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=wrappers_pb2.BytesValue.SerializeToString,
+                                               response_deserializer=wrappers_pb2.BytesValue.FromString)
+        self._pull = self.channel.unary_stream(PULL_METHOD, request_serializer=wrappers_pb2.BytesValue.SerializeToString,
+                                               response_deserializer=wrappers_pb2.BytesValue.FromString)
+        self.grads = np.random.default_rng(2).standard_normal(nbytes // 4, dtype=np.float32).view(np.uint8)
+        self.values = np.zeros(nbytes, dtype=np.uint8)  # preallocated and touched, as model parameters are
+
+    def push(self) -> None:
+        grads, chunk = self.grads, self.chunk_bytes
+
+        def requests():
+            for offset in range(0, self.nbytes, chunk):
+                yield wrappers_pb2.BytesValue(value=grads[offset:offset + chunk].tobytes())
+        self._push(requests())
+
+    def pull(self) -> None:
+        offset = 0
+        for message in self._pull(wrappers_pb2.BytesValue()):
+            data = message.value
+            self.values[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            offset += len(data)
+        if offset != self.nbytes:
+            raise RuntimeError(f"baseline pull got {offset} of {self.nbytes} bytes")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+# -- models ------------------------------------------------------------------------------------
+
+def make_mlp(dims):
+    """Linear layers with sigmoid between them (the seed's model family); logits out."""
+    import torch
+
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(dims[:-1], dims[1:])):
+        layers.append(torch.nn.Linear(fan_in, fan_out))
+        if i < len(dims) - 2:
+            layers.append(torch.nn.Sigmoid())
+    return torch.nn.Sequential(*layers)
+
+
+# -- 1. bandwidth ---------------------------------------------------------------------------
+
+class OursRoundTrip:
+    """A PSClient bound to the big MLP on `cluster`, with fixed random gradients."""
+
+    def __init__(self, cluster, lr: float, placement: str):
+        import torch
+        from torchps.client import Optimizer, PSClient
+
+        torch.manual_seed(0)
+        self.model = make_mlp(BIG_DIMS)
+        self.client = PSClient(cluster, placement=placement)
+        self.binding = self.client.register_module(self.model, Optimizer("sgd", lr=lr), create=True)
+        self.placement = self.client.placement_report()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.grad = torch.randn_like(p) * 1e-3
+
+    def push(self) -> None:
+        self.binding.push()
+
+    def pull(self) -> None:
+        self.binding.pull()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def timed_round_trip(target) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    target.push()
+    t1 = time.perf_counter()
+    target.pull()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def bench_bandwidth(args) -> dict:
+    from torchps.worker.local_cluster import LocalCluster
+
+    nbytes = mlp_numel(BIG_DIMS) * 4
+    variants: dict[str, object] = {}
+    closers = []
+    log(f"bandwidth: starting 2-shard and 1-shard clusters and the bare gRPC server ({nbytes / 1e6:.1f} MB model)")
+    setup_started = time.monotonic()
+    try:
+        two = LocalCluster(2)
+        two.__enter__()
+        closers.append(two.stop)
+        one = None
+        if not args.no_1ps:
+            one = LocalCluster(1)
+            one.__enter__()
+            closers.append(one.stop)
+        server = BaselineServer(nbytes, args.chunk_bytes)
+        closers.append(server.close)
+        baseline = BaselineClient(server.address, nbytes, args.chunk_bytes)
+        closers.append(baseline.close)
+        variants["ours_2ps"] = OursRoundTrip(two.cluster, args.lr_big, args.placement)
+        closers.append(variants["ours_2ps"].close)
+        placement = variants["ours_2ps"].placement
+        if one is not None:
+            variants["ours_1ps"] = OursRoundTrip(one.cluster, args.lr_big, args.placement)
+            closers.append(variants["ours_1ps"].close)
+        variants["baseline"] = baseline
+        log(f"bandwidth: set up in {time.monotonic() - setup_started:.1f} s; 2-shard placement ({args.placement}):\n"
+            + placement)
+
+        names = list(variants)
+        for _ in range(args.warmup):
+            for name in names:
+                timed_round_trip(variants[name])
+        raw = {name: {"push": [], "pull": [], "total": []} for name in names}
+        for r in range(args.repeats):
+            order = names[r % len(names):] + names[:r % len(names)]  # rotate to cancel drift
+            for name in order:
+                push_s, pull_s = timed_round_trip(variants[name])
+                raw[name]["push"].append(push_s)
+                raw[name]["pull"].append(pull_s)
+                raw[name]["total"].append(push_s + pull_s)
+            log("bandwidth repeat %d/%d: %s" % (r + 1, args.repeats, ", ".join(
+                f"{n} {raw[n]['total'][-1]:.3f} s" for n in names)))
+    finally:
+        for close in reversed(closers):
+            close()
+
+    med = {name: {k: median(v) for k, v in parts.items()} for name, parts in raw.items()}
+    out = {
+        "pullpush_seconds": med["ours_2ps"]["total"],
+        "grpc_baseline_seconds": med["baseline"]["total"],
+        "ratio": med["baseline"]["total"] / med["ours_2ps"]["total"],
+        "bandwidth_detail": {
+            "bytes_each_way": nbytes,
+            "placement": args.placement,
+            "placement_report": placement,
+            "median_seconds": med,
+            "round_trip_GBps": {n: 2 * nbytes / m["total"] / 1e9 for n, m in med.items()},
+        },
+        "bandwidth_raw": raw,
+    }
+    if "ours_1ps" in med:
+        out["pullpush_1ps_seconds"] = med["ours_1ps"]["total"]
+    return out
+
+
+# -- 2 and 3. training throughput -------------------------------------------------------------
+
+def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
+    """One training process: 'ps' (fwd/bwd -> push+pull in one call per shard) or 'local' (fwd/bwd -> torch.optim.SGD)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        torch.set_num_threads(1)
+        torch.manual_seed(100 + index)
+        model = make_mlp(dims)
+        xs = torch.rand(4, BATCH, dims[0])
+        ys = torch.randint(0, dims[-1], (4, BATCH))
+        client = None
+        if mode == "ps":
+            from torchps.client import PSClient, TaskSpec
+
+            client = PSClient(cluster, task=TaskSpec("worker", index))
+            binding = client.register_module(model, create=False)
+
+            def step(i: int) -> float:
+                model.zero_grad()
+                loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+                loss.backward()
+                binding.exchange()
+                return loss.item()
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+            def step(i: int) -> float:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+                loss.backward()
+                opt.step()
+                return loss.item()
+
+        for i in range(warmup):
+            step(i)
+        res_q.put(("ready", index, None))
+        while True:
+            cmd = cmd_q.get()
+            if cmd is None:
+                break
+            start_at, duration = cmd
+            while time.time() < start_at:
+                time.sleep(min(0.01, max(0.0, start_at - time.time())))
+            end, steps, loss = start_at + duration, 0, float("nan")
+            while time.time() < end:
+                loss = step(steps)
+                steps += 1
+            res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss}))
+        if client is not None:
+            client.close()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        res_q.put(("error", index, traceback.format_exc()))
+
+
+class TrainerPool:
+    """`count` persistent training processes (spawned once, warmed up, then run on command)."""
+
+    def __init__(self, mode: str, dims, cluster, count: int, lr: float, warmup: int):
+        ctx = mp.get_context("spawn")
+        self.res_q = ctx.Queue()
+        self.cmd_qs = [ctx.Queue() for _ in range(count)]
+        self.procs = [ctx.Process(target=trainer_main, daemon=True, name=f"bench-{mode}-{i}",
+                                  args=(mode, dims, cluster, i, lr, warmup, self.cmd_qs[i], self.res_q))
+                      for i in range(count)]
+        for proc in self.procs:
+            proc.start()
+        self._collect("ready", READY_TIMEOUT)
+
+    def _collect(self, kind: str, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        results = [None] * len(self.procs)
+        for _ in self.procs:
+            try:
+                got, index, payload = self.res_q.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"trainer processes did not report '{kind}' within {timeout:.0f} s") from None
+            if got == "error":
+                raise RuntimeError(f"trainer {index} failed:\n{payload}")
+            results[index] = payload
+        return results
+
+    def run(self, duration: float) -> list[dict]:
+        start_at = time.time() + 0.2
+        for q in self.cmd_qs:
+            q.put((start_at, duration))
+        return self._collect("result", duration + 120)
+
+    def close(self) -> None:
+        for q in self.cmd_qs:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+
+
+def bench_training(label: str, dims, args, duration: float, lr: float, with_local: bool) -> dict:
+    """1 ps + 2 async workers, interleaved with a 1-process no-PS run; steps/s (medians)."""
+    import torch
+    from torchps.client import Optimizer, PSClient
+    from torchps.worker.local_cluster import LocalCluster
+
+    log(f"{label}: starting 1 ps, creating {mlp_numel(dims):,} parameters, spawning workers")
+    raw: dict[str, list] = {"async": []}
+    pools: dict[str, TrainerPool] = {}
+    with LocalCluster(1, workers=args.workers) as local:
+        torch.manual_seed(0)
+        with PSClient(local.cluster) as chief:
+            chief.register_module(make_mlp(dims), Optimizer("sgd", lr=lr), create=True)
+        try:
+            pools["async"] = TrainerPool("ps", dims, local.cluster, args.workers, lr, args.train_warmup)
+            if with_local:
+                raw["local"] = []
+                pools["local"] = TrainerPool("local", dims, None, 1, lr, args.train_warmup)
+            names = list(pools)
+            for r in range(args.train_repeats):
+                order = names if r % 2 == 0 else names[::-1]
+                for name in order:
+                    results = pools[name].run(duration)
+                    raw[name].append(results)
+                summary = ", ".join(f"{n} {sum(w['steps'] / w['seconds'] for w in raw[n][-1]):.1f} steps/s"
+                                    for n in names)
+                log(f"{label} repeat {r + 1}/{args.train_repeats}: {summary}")
+        finally:
+            for pool in pools.values():
+                pool.close()
+    rates = {name: [sum(w["steps"] / w["seconds"] for w in run) for run in runs] for name, runs in raw.items()}
+    return {"rates": rates, "medians": {n: median(v) for n, v in rates.items()}, "raw": raw}
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def environment() -> dict:
+    import google.protobuf
+    import torch
+    from google.protobuf.internal import api_implementation
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    cpu = None
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "machine": {"nproc": os.cpu_count(), "sched_affinity": len(os.sched_getaffinity(0)), "cpu": cpu,
+                    "platform": platform.platform(), "loadavg_start": os.getloadavg()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "grpcio": grpc.__version__,
+                     "protobuf": google.protobuf.__version__, "protobuf_impl": api_implementation.Type(),
+                     "numpy": np.__version__},
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "git": {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))},
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+    }
+
+
+def table(results: dict) -> str:
+    rows = [("metric", "ours", "reference / target"), ("---", "---", "---")]
+
+    def add(key, label, fmt, ref):
+        if key in results:
+            rows.append((label, fmt.format(results[key]), ref))
+
+    detail = results.get("bandwidth_detail", {})
+    gbps = detail.get("round_trip_GBps", {})
+    if "pullpush_seconds" in results:
+        med = detail["median_seconds"]
+        rows.append(("push + pull 101 MB, 2 shards (s)",
+                     f"{results['pullpush_seconds']:.3f} (push {med['ours_2ps']['push']:.3f} + pull "
+                     f"{med['ours_2ps']['pull']:.3f}; {gbps['ours_2ps']:.2f} GB/s)",
+                     f"bare gRPC, same run: {results['grpc_baseline_seconds']:.3f} (push "
+                     f"{med['baseline']['push']:.3f} + pull {med['baseline']['pull']:.3f}; "
+                     f"{gbps['baseline']:.2f} GB/s); transport.md 0.228"))
+        if "ours_1ps" in med:
+            rows.append(("push + pull 101 MB, 1 shard (s)",
+                         f"{results['pullpush_1ps_seconds']:.3f} (push {med['ours_1ps']['push']:.3f} + pull "
+                         f"{med['ours_1ps']['pull']:.3f})", "-"))
+        add("ratio", "ratio = baseline / ours (2 shards)", "{:.2f}", REFERENCES["ratio"])
+    add("mlp_async_steps_per_s", "small MLP, 1 ps + 2 async workers (steps/s)", "{:.0f}",
+        REFERENCES["mlp_async_steps_per_s"])
+    add("mlp_local_steps_per_s", "small MLP, 1 process, no PS (steps/s)", "{:.0f}", REFERENCES["mlp_local_steps_per_s"])
+    add("big_async_steps_per_s", "big MLP, 1 ps + 2 async workers (steps/s)", "{:.2f}",
+        REFERENCES["big_async_steps_per_s"])
+    add("big_local_steps_per_s", "big MLP, 1 process, no PS (steps/s)", "{:.2f}", REFERENCES["big_local_steps_per_s"])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--json", type=pathlib.Path, help="write all results and raw timings here")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and shorter runs, no 1-shard or 1-process big-model variants (about a minute)")
+    parser.add_argument("--repeats", type=int, help="bandwidth round trips timed per variant (default 11; quick 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed bandwidth round trips per variant first")
+    parser.add_argument("--train-repeats", type=int, help="timed training runs per setup (default 3; quick 1)")
+    parser.add_argument("--small-seconds", type=float, help="wall time of one small-model run (default 5; quick 3)")
+    parser.add_argument("--big-seconds", type=float, help="wall time of one big-model run (default 10; quick 5)")
+    parser.add_argument("--train-warmup", type=int, default=3, help="untimed steps per training process first")
+    parser.add_argument("--workers", type=int, default=2, help="async workers (default 2)")
+    parser.add_argument("--only", default="bandwidth,small,big",
+                        help="comma-separated sections to run: bandwidth, small, big (default: all)")
+    parser.add_argument("--no-1ps", action="store_true", help="skip the 1-shard bandwidth variant")
+    parser.add_argument("--no-big-local", action="store_true", help="skip the 1-process big-model run")
+    parser.add_argument("--placement", default="greedy", choices=("greedy", "round_robin"),
+                        help="PSClient placement for the 2-shard bandwidth case (default greedy: round_robin "
+                             "puts every weight matrix of the MLP on shard 0 and only biases on shard 1)")
+    parser.add_argument("--chunk-bytes", type=int, default=BASELINE_CHUNK_BYTES,
+                        help="baseline gRPC chunk size (default 1 MiB); torchps uses its client's default")
+    parser.add_argument("--lr-small", type=float, default=0.05, help="SGD learning rate, small model")
+    parser.add_argument("--lr-big", type=float, default=1e-3, help="SGD learning rate, big model")
+    # internal: the bare gRPC server process
+    parser.add_argument("--no-malloc-tuning", action="store_true",
+                        help="leave glibc malloc at its defaults in every process (default: tune all of them alike)")
+    parser.add_argument("--baseline-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-chunk-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.repeats = args.repeats or (3 if quick else 11)
+    args.train_repeats = args.train_repeats or (1 if quick else 3)
+    args.small_seconds = args.small_seconds or (3.0 if quick else 5.0)
+    args.big_seconds = args.big_seconds or (4.0 if quick else 10.0)
+    if quick:  # start-up (processes importing torch, 100 MB creates) dominates a quick run
+        args.no_1ps = args.no_big_local = True
+    args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.sections) - {"bandwidth", "small", "big"}
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.baseline_server:
+        return baseline_server_main(args.baseline_server, args.baseline_bytes, args.baseline_chunk_bytes)
+
+    if not args.no_malloc_tuning:
+        # Every process of the run, ours and the baseline's alike, gets the same allocator settings.
+        from torchps.client import tune_malloc
+        from torchps.ps_server.memory import malloc_env
+
+        os.environ.update(malloc_env())
+        tune_malloc()
+    started = time.monotonic()
+    results: dict = {"config": {k: v for k, v in vars(args).items() if not k.startswith("baseline")
+                                and k != "json"}, **environment()}
+    results["config"]["json"] = str(args.json) if args.json else None
+    results["references"] = REFERENCES
+    sections = results["section_seconds"] = {}
+    if "bandwidth" in args.sections:
+        t0 = time.monotonic()
+        results.update(bench_bandwidth(args))
+        sections["bandwidth"] = time.monotonic() - t0
+    if "small" in args.sections:
+        t0 = time.monotonic()
+        small = bench_training("small", SMALL_DIMS, args, args.small_seconds, args.lr_small, with_local=True)
+        results["mlp_async_steps_per_s"] = small["medians"]["async"]
+        results["mlp_local_steps_per_s"] = small["medians"]["local"]
+        results["small_raw"] = small["raw"]
+        results["small_rates"] = small["rates"]
+        sections["small"] = time.monotonic() - t0
+    if "big" in args.sections:
+        t0 = time.monotonic()
+        big = bench_training("big", BIG_DIMS, args, args.big_seconds, args.lr_big, with_local=not args.no_big_local)
+        results["big_async_steps_per_s"] = big["medians"]["async"]
+        if "local" in big["medians"]:
+            results["big_local_steps_per_s"] = big["medians"]["local"]
+        results["big_raw"] = big["raw"]
+        results["big_rates"] = big["rates"]
+        sections["big"] = time.monotonic() - t0
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["wall_seconds"] = time.monotonic() - started
+
+    print(table(results))
+    print(f"\n{results['machine']['nproc']} CPUs, torch {results['versions']['torch']}, grpcio "
+          f"{results['versions']['grpcio']}, protobuf {results['versions']['protobuf']} "
+          f"({results['versions']['protobuf_impl']}); load {results['machine']['loadavg_start'][0]:.1f} -> "
+          f"{results['machine']['loadavg_end'][0]:.1f}; {results['wall_seconds']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
