@@ -52,8 +52,14 @@ class ShardChannels:
         options = [
             ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
             ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+            # Reconnect to a restarted shard within a second or two; gRPC's defaults wait
+            # at least 20 s between attempts, which stalls every worker that long.
             ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            # Notice a shard that vanished without closing its connections (host lost).
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
         ]
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         self.stubs = [_stub(c) for c in self._channels]

@@ -94,12 +94,16 @@ class PSClient:
         self.placement = Placement(cluster.num_ps, placement)
         self._placement_lock = threading.Lock()
         self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout)
+        # Per-shard calls of one client call run in this pool. Calls that may block for long
+        # (saves, waits for variables) run in threads of their own, so they never hold the
+        # pool against the pushes they wait for.
         self._pool = futures.ThreadPoolExecutor(max_workers=cluster.num_ps, thread_name_prefix="torchps-client")
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries
         self._seq = itertools.count(1)
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
+        self.step = 0  # the step this worker computes at: set by join(), then by every push
         self.stats = WorkerStats()
         self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
         self.restarts_seen = 0
@@ -190,7 +194,7 @@ class PSClient:
             self._channels.call(shard, lambda stub: stub.ListVariables(request, wait_for_ready=True,
                                                                        timeout=timeout + 30), idempotent=True)
 
-        self._each_shard(groups, wait)
+        self._each_shard(groups, wait, own_threads=True)
 
     def list_variables(self) -> list[ps_pb2.VariableInfo]:
         """Every variable on every shard (spec, version, bytes), shard by shard."""
@@ -313,10 +317,11 @@ class PSClient:
         lead = replies[GLOBAL_STEP_SHARD]
         self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
                           quorum=lead.quorum)
+        self.step = lead.next_step
         return lead.next_step
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
-                  step: int = 0, advance_step: bool = True) -> int:
+                  step: int | None = None, advance_step: bool = True) -> int:
         """push(grads) then pull_into(targets): one round trip per shard whose part fits in a chunk.
 
         For async and ssp modes (ModeConflictError in sync mode: use push,
@@ -327,6 +332,7 @@ class PSClient:
         groups = self.placement.group(grads)
         pulls = self.placement.group(targets)
         seq = next(self._seq)
+        step = self.step if step is None else step
         sink, finish = self._target_sink(targets)
         lock = threading.Lock()
 
@@ -353,11 +359,12 @@ class PSClient:
         finish()
         return next_step
 
-    def push(self, grads: Mapping[str, torch.Tensor], *, step: int = 0, advance_step: bool = True) -> int:
+    def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True) -> int:
         """Sends gradients; each shard applies (async, ssp) or aggregates (sync) its part.
 
-        `step` is the step the gradients were computed at (the value the last
-        push or join returned). Returns the step to compute at next: in sync
+        `step` is the step the gradients were computed at (default: self.step,
+        what the last push or join returned). Returns the step to compute at
+        next, and keeps it in self.step: in sync
         mode shard 0 replies only once this worker may go on (its step was
         applied, or another batch is wanted); in async mode it is the global
         step after this push. Blocks until every shard has replied.
@@ -374,7 +381,7 @@ class PSClient:
         groups = self.placement.group(grads)
         groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
         seq = next(self._seq)
-        header = self._header(step, seq, advance_step)
+        header = self._header(self.step if step is None else step, seq, advance_step)
 
         def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
             return self._channels.call(
@@ -405,7 +412,8 @@ class PSClient:
             request = ps_pb2.SaveRequest(step=target, manifest_json=manifest, keep=keep)
             try:
                 replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-                    shard, lambda stub: stub.Save(request, wait_for_ready=True, timeout=timeout), idempotent=True))
+                    shard, lambda stub: stub.Save(request, wait_for_ready=True, timeout=timeout), idempotent=True),
+                    own_threads=True)
             except ModeConflictError as exc:
                 if step is not None or "past the requested" not in str(exc):
                     raise
@@ -454,11 +462,16 @@ class PSClient:
         In sync and ssp modes it then keeps its lease alive with heartbeats
         from a background thread until leave() or close(). Idempotent.
         """
-        ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
-        replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.Join(ref, wait_for_ready=True), idempotent=True))
-        lead = replies[GLOBAL_STEP_SHARD]
+        def join(shard: int, step: int) -> ps_pb2.JoinResponse:
+            ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=step)
+            return self._channels.call(shard, lambda stub: stub.Join(ref, wait_for_ready=True), idempotent=True)
+
+        lead = join(GLOBAL_STEP_SHARD, 0)  # shard 0 first: the others learn the step this worker starts at
+        others = {s: [] for s in range(self.cluster.num_ps) if s != GLOBAL_STEP_SHARD}
+        if others:
+            self._each_shard(others, lambda shard, _: join(shard, lead.step))
         self.mode = lead.config
+        self.step = lead.step
         if lead.config.mode in ("sync", "ssp") and self._heartbeat is None:
             self._heartbeat_stop.clear()
             self._heartbeat = threading.Thread(target=self._beat, args=(lead.config.lease_seconds / 3,),
@@ -486,8 +499,8 @@ class PSClient:
             self.restarts_seen += 1
 
     def _beat(self, interval: float) -> None:
-        ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
         while not self._heartbeat_stop.wait(interval):
+            ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=self.step)
             for shard in range(self.cluster.num_ps):
                 try:
                     self._channels.stubs[shard].Heartbeat(ref, timeout=interval)
@@ -546,17 +559,25 @@ class PSClient:
             _LOGGER.info("waiting up to %g s for %d variables from the chief", wait_timeout, len(params))
             self.wait_for_variables(params, wait_timeout)
         if join:
-            binding.step = self.join()
+            self.join()
         binding.pull()
         return binding
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T]) -> dict[int, T]:
-        """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish."""
-        if len(groups) == 1:
+    def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T], *,
+                    own_threads: bool = False) -> dict[int, T]:
+        """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish.
+
+        own_threads: in fresh threads instead of the shared pool (for calls that can block for long).
+        """
+        if len(groups) == 1 and not own_threads:
             ((shard, names),) = groups.items()
             return {shard: fn(shard, names)}
-        pending = {shard: self._pool.submit(fn, shard, names) for shard, names in groups.items()}
-        futures.wait(pending.values())
+        if own_threads:
+            with futures.ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="torchps-wait") as pool:
+                pending = {shard: pool.submit(fn, shard, names) for shard, names in groups.items()}
+        else:
+            pending = {shard: self._pool.submit(fn, shard, names) for shard, names in groups.items()}
+            futures.wait(pending.values())
         return {shard: future.result() for shard, future in pending.items()}

@@ -18,7 +18,11 @@ class ModuleBinding:
         self.client = client
         self.module = module
         self.params = {prefix + name: p for name, p in module.named_parameters()}
-        self.step = 0  # global step seen by the last pull: the step gradients are computed at
+
+    @property
+    def step(self) -> int:
+        """The step this worker computes at (kept by the client, shared by all its modules)."""
+        return self.client.step
 
     @property
     def names(self) -> list[str]:
@@ -39,7 +43,7 @@ class ModuleBinding:
         step = self.client.pull_into({name: p.data for name, p in self.params.items()},
                                      min_step=self.step if sync else 0)
         if step >= 0 and not sync:
-            self.step = step
+            self.client.step = step
         return self.step
 
     def exchange(self) -> int:
@@ -51,8 +55,7 @@ class ModuleBinding:
             self.push()
             return self.pull()
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
-        self.step = self.client.push_pull(grads, {name: p.data for name, p in self.params.items()}, step=self.step)
-        return self.step
+        return self.client.push_pull(grads, {name: p.data for name, p in self.params.items()})
 
     def push(self) -> int:
         """Pushes every parameter's .grad (parameters without one are skipped); returns the next step.
@@ -60,7 +63,4 @@ class ModuleBinding:
         See PSClient.push: in sync mode this is where the worker waits for the step's release.
         """
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
-        next_step = self.client.push(grads, step=self.step)
-        if next_step >= 0:
-            self.step = next_step
-        return self.step
+        return self.client.push(grads)

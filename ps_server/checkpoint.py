@@ -49,13 +49,19 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 
 def _write_atomic(path: pathlib.Path, write) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    for attempt in (1, 2):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            break
+        except FileNotFoundError:  # another shard pruned the step folder between mkdir and open
+            if attempt == 2:
+                raise
     _fsync_dir(path.parent)
     return path.stat().st_size
 
@@ -137,5 +143,5 @@ def prune(directory: str | os.PathLike, index: int, keep: int) -> None:
     for step in mine[:-keep]:
         shard_path(directory, step, index).unlink(missing_ok=True)
         folder = _step_dir(directory, step)
-        if not any(p.suffix == ".pt" for p in folder.iterdir()):
+        if all(p.name == "manifest.json" for p in folder.iterdir()):  # no shard file, finished or in progress
             shutil.rmtree(folder, ignore_errors=True)

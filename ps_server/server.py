@@ -48,6 +48,9 @@ def create_server(
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+            # Accept the clients' keepalive pings (every 10 s) during long waits with no data.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ],
     )
     coordinator = Coordinator(store, owns_step=index == 0)

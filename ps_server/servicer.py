@@ -48,6 +48,12 @@ def _handle(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
         _abort(context, InternalServerError(f"{method} failed on the shard: {type(exc).__name__}: {exc}"))
 
 
+def _remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left before the call's deadline, or None without one (gRPC then reports a huge value)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e7 else max(0.0, remaining)
+
+
 def _map_errors(method):
     """Maps exceptions of a unary or streaming-response handler to gRPC statuses."""
     if inspect.isgeneratorfunction(method):
@@ -120,7 +126,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.store.get(name)  # NOT_FOUND before anything is sent
         if request.min_step > 0:
             context.add_callback(self.coordinator.wake)
-            self.coordinator.wait_for_step(request.min_step, context.time_remaining(), lambda: not context.is_active())
+            self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
         yield from self._read(names, request.chunk_bytes)
 
     @_map_errors
@@ -245,13 +251,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Join(self, request, context):
-        step = self.coordinator.join(request.worker, request.incarnation)
+        step = self.coordinator.join(request.worker, request.incarnation, request.step)
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
                                    generation=self.generation)
 
     @_map_errors
     def Heartbeat(self, request, context):
-        return ps_pb2.HeartbeatResponse(step=self.coordinator.heartbeat(request.worker, request.incarnation))
+        return ps_pb2.HeartbeatResponse(step=self.coordinator.heartbeat(request.worker, request.incarnation,
+                                                                        request.step))
 
     @_map_errors
     def Leave(self, request, context):
@@ -263,7 +270,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not self.checkpoint_dir:
             raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
         context.add_callback(self.coordinator.wake)
-        state = self.coordinator.snapshot_at(request.step, context.time_remaining(), lambda: not context.is_active())
+        state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active())
         path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, state)
         if request.manifest_json and self.index == 0:
             checkpoint.write_manifest(self.checkpoint_dir, state["step"], json.loads(request.manifest_json))

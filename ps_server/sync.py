@@ -100,10 +100,20 @@ class PushResult:
 class _Member:
     incarnation: int
     last_seen: float
-    counts_from: int = 0  # first step whose quorum counts this worker (a late or returning worker:
-                          # the step after the one the shard was at, which it cannot push for)
+    counts_from: int = 0  # first step whose quorum counts this worker (a late or returning worker
+                          # counts from the step it starts at, not for one this shard is finishing)
     clock: int = 0      # pushes applied (ssp)
     gone: bool = False  # left, or lease expired
+
+
+@dataclasses.dataclass
+class _PushRecord:
+    """A worker's last push, for dedup of retries (same incarnation and seq)."""
+
+    seq: int
+    step: int
+    stale: bool = False
+    result: PushResult | None = None  # None while the push is still being handled
 
 
 class _StepBuffer:
@@ -145,7 +155,7 @@ class Coordinator:
         self._configured_at = clock()
         self._members: dict[str, _Member] = {}
         self._pending: dict[int, _StepBuffer] = {}
-        self._last_push: dict[tuple[str, int], tuple[int, PushResult]] = {}
+        self._last_push: dict[tuple[str, int], _PushRecord] = {}
         self._quorum = 0
         self.stale_dropped = 0
         self.quorum_changes = 0
@@ -226,15 +236,21 @@ class Coordinator:
             self._pending.clear()
         self._behind = False
 
-    def join(self, worker: str, incarnation: int) -> int:
-        """Takes or renews `worker`'s lease; returns the step it starts at."""
+    def join(self, worker: str, incarnation: int, start_step: int = 0) -> int:
+        """Takes or renews `worker`'s lease; returns the shard's step.
+
+        `start_step` is the step the worker starts at, as shard 0 told it (the
+        client joins shard 0 first): a worker arriving after the startup grace,
+        or back after its lease expired, counts towards this shard's quorum from
+        that step on, not for a step this shard is still finishing without it.
+        """
         with self._cond:
-            self._touch(worker, incarnation)
+            self._touch(worker, incarnation, start_step)
             return self.store.step
 
-    def heartbeat(self, worker: str, incarnation: int) -> int:
-        """Renews `worker`'s lease; returns the shard's step."""
-        return self.join(worker, incarnation)
+    def heartbeat(self, worker: str, incarnation: int, step: int = 0) -> int:
+        """Renews `worker`'s lease (it is at `step`); returns the shard's step."""
+        return self.join(worker, incarnation, step)
 
     def leave(self, worker: str) -> None:
         """`worker` is done: it stops counting towards the quorum and the staleness bound at once."""
@@ -279,18 +295,33 @@ class Coordinator:
         self.store.validate(grads)
         key = (worker, incarnation)
         with self._cond:
-            if seq and key in self._last_push and self._last_push[key][0] >= seq:
-                return dataclasses.replace(self._last_push[key][1], duplicate=True, wait_seconds=0.0)
-            self._touch(worker, incarnation)
+            record = self._last_push.get(key) if seq else None
+            if record is not None and record.seq >= seq:
+                return self._duplicate(record, seq, worker, cancelled)
+            self._touch(worker, incarnation, step)
             mode = self.config.mode
+            if seq:
+                record = self._last_push[key] = _PushRecord(seq, step)
         if mode == "sync":
-            result = self._push_sync(worker, step, grads, cancelled)
+            result = self._push_sync(worker, step, grads, cancelled, record)
         else:
             result = self._push_async(worker, step, grads, step_increment, ssp=mode == "ssp", cancelled=cancelled)
-        if seq:
+        if record is not None:
             with self._cond:
-                self._last_push[key] = (seq, result)
+                record.result = result
+                self._cond.notify_all()
         return result
+
+    def _duplicate(self, record: "_PushRecord", seq: int, worker: str, cancelled) -> PushResult:
+        """The reply to a retried push (holds self._cond): never applied twice, released as the original."""
+        if record.seq == seq and self.config.mode == "sync" and not record.stale:
+            return dataclasses.replace(self._await_release(worker, record.step, cancelled), duplicate=True)
+        if record.seq == seq:
+            self._cond.wait_for(lambda: record.result is not None or cancelled() or self._closed)
+        if record.seq != seq or record.result is None:
+            current = self.store.step
+            return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
+        return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
 
     def _push_async(self, worker: str, step: int, grads, step_increment: int, *, ssp: bool, cancelled
                     ) -> PushResult:
@@ -309,30 +340,36 @@ class Coordinator:
             current = self.store.step
         return PushResult(step=current, next_step=current, versions=versions, wait_seconds=waited)
 
-    def _push_sync(self, worker: str, step: int, grads, cancelled) -> PushResult:
+    def _push_sync(self, worker: str, step: int, grads, cancelled, record: "_PushRecord | None") -> PushResult:
         with self._cond:
             self._catch_up(step)
-            stale = step < self.store.step
-            if stale:
+            if step < self.store.step:
                 self.stale_dropped += 1
+                if record is not None:
+                    record.stale = True
                 _LOGGER.debug("dropped a stale gradient from %s (step %d < %d)", worker, step, self.store.step)
-            else:
-                self._pending.setdefault(step, _StepBuffer()).add(worker, grads)
-                self._apply_ready()
-            start = self._now()
-            if self.owns_step and not stale:
-                per_worker = self.config.batches_per_worker
+                current = self.store.step
+                return PushResult(step=current, next_step=current, stale=True, quorum=self._quorum)
+            self._pending.setdefault(step, _StepBuffer()).add(worker, grads)
+            self._apply_ready()
+            return self._await_release(worker, step, cancelled)
 
-                def may_go_on() -> bool:
-                    if self.store.step > step or cancelled() or self._closed:
-                        return True
-                    buffer = self._pending.get(step)
-                    return buffer is not None and buffer.by_worker[worker] < per_worker
+    def _await_release(self, worker: str, step: int, cancelled) -> PushResult:
+        """On shard 0, waits (holding self._cond) until `worker` may go on after pushing for `step`."""
+        start = self._now()
+        if self.owns_step:
+            per_worker = self.config.batches_per_worker
 
-                self._cond.wait_for(may_go_on)
-            current = self.store.step
-            return PushResult(step=current, next_step=max(current, step) if not stale else current, stale=stale,
-                              wait_seconds=self._now() - start, quorum=self._quorum)
+            def may_go_on() -> bool:
+                if self.store.step > step or cancelled() or self._closed:
+                    return True
+                buffer = self._pending.get(step)
+                return buffer is not None and buffer.by_worker[worker] < per_worker
+
+            self._cond.wait_for(may_go_on)
+        current = self.store.step
+        return PushResult(step=current, next_step=max(current, step), wait_seconds=self._now() - start,
+                          quorum=self._quorum)
 
     def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = lambda: False) -> int:
         """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s."""
@@ -350,21 +387,23 @@ class Coordinator:
 
     # -- internals (hold self._cond) -------------------------------------------------------------
 
-    def _touch(self, worker: str, incarnation: int) -> None:
+    def _touch(self, worker: str, incarnation: int, start_step: int = 0) -> None:
         now = self._now()
         member = self._members.get(worker)
         in_grace = now < self._configured_at + self.config.startup_grace_seconds
         if member is None:
-            counts_from = self.store.step if in_grace else self.store.step + 1
+            counts_from = self.store.step if in_grace else max(self.store.step, start_step)
             self._members[worker] = _Member(incarnation, now, counts_from=counts_from)
             _LOGGER.info("%s joined at step %d", worker, self.store.step)
             self._membership_changed()
-        elif member.gone or member.incarnation != incarnation:
-            was_gone = member.gone
+        elif member.gone:
             member.gone, member.incarnation, member.last_seen = False, incarnation, now
-            member.counts_from = self.store.step + 1
-            _LOGGER.info("%s %s at step %d", worker, "rejoined" if was_gone else "restarted", self.store.step)
+            member.counts_from = max(self.store.step, start_step)
+            _LOGGER.info("%s rejoined at step %d", worker, self.store.step)
             self._membership_changed()
+        elif member.incarnation != incarnation:  # a quick restart: it never stopped counting
+            member.incarnation, member.last_seen = incarnation, now
+            _LOGGER.info("%s restarted at step %d", worker, self.store.step)
         else:
             member.last_seen = now
 
@@ -377,7 +416,8 @@ class Coordinator:
         live = active
         if now < self._configured_at + config.startup_grace_seconds:
             gone = sum(1 for m in self._members.values() if m.gone)
-            live = max(active, config.total_num_replicas - gone)
+            not_yet = sum(1 for m in self._members.values() if not m.gone and m.counts_from > step)
+            live = max(active, config.total_num_replicas - gone - not_yet)
         return max(1, min(config.aggregate, live * config.batches_per_worker))
 
     def _update_quorum(self) -> None:

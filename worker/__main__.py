@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -26,10 +27,10 @@ from ..ps_server.memory import tune_malloc
 from ..ps_server.optimizers import OPTIMIZERS
 from .data import DatasetNotFoundError, default_dataset_name
 from .models import MODELS, build_model, load_entry
-from .trainer import TrainOptions, evaluate, optimizer_from_flags, run_evaluator, train, wait_for_workers
+from .chief import Checkpointer, finish_job
+from .trainer import TrainOptions, evaluate, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
-FINAL_WAIT_SECONDS = 600.0  # how long the chief waits for the other workers before its final evaluation
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,15 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logdir", help="write TensorBoard scalars here")
     g.add_argument("--log-every", type=float, default=5.0, help="seconds between log lines (default: %(default)s)")
     g.add_argument("--eval-interval", type=float, default=5.0, help="evaluator: seconds between evaluations")
+    c = parser.add_argument_group("checkpoints and export (chief)")
+    c.add_argument("--checkpoint-every-steps", type=int, default=0, help="save every N global steps "
+                   "(the ps-servers need --checkpoint-dir)")
+    c.add_argument("--checkpoint-every-seconds", type=float, default=0.0, help="save every T seconds")
+    c.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints each shard keeps (default: %(default)s)")
+    c.add_argument("--export", type=pathlib.Path, help="write the final model as a plain PyTorch state_dict here")
+    c.add_argument("--init-from", type=pathlib.Path, help="start from this state_dict file instead of a fresh init")
+    c.add_argument("--keep-ps", action="store_true", help="leave the ps-servers running when the job ends "
+                   "(default: the chief shuts them down, and they exit with code 0)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-worker: error: {exc}", file=sys.stderr)
         return 2
     job.model.to(device)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with PSClient(cluster, task=task) as client:
             summary = run_task(client, cluster, task, job, args, device)
@@ -142,12 +153,20 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     if client.is_chief:
         client.configure(args.mode, replicas_to_aggregate=args.replicas_to_aggregate, total_num_replicas=replicas,
                          max_staleness=args.max_staleness, lease_seconds=args.lease_seconds)
+        if args.init_from:
+            job.model.load_state_dict(torch.load(args.init_from, map_location=device, weights_only=True))
     binding = client.register_module(job.model, optimizer, create=client.is_chief)
     replica = task.index + (len(cluster.chief) if task.type == "worker" else 0)
     _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %s", task, replica, replicas, args.mode,
                  job.dataset, client.placement_report().splitlines()[0])
+    checkpointer = None
+    if client.is_chief and (args.checkpoint_every_steps or args.checkpoint_every_seconds):
+        checkpointer = Checkpointer(client, every_steps=args.checkpoint_every_steps,
+                                    every_seconds=args.checkpoint_every_seconds, keep=args.keep_checkpoints).start()
 
     def on_step(record: dict) -> None:
+        if checkpointer is not None:
+            checkpointer.note_step(record["global_step"])
         if writer is not None:
             for key in ("loss", "accuracy", "staleness"):
                 writer.add_scalar(f"train/{key}", record[key], record["global_step"])
@@ -156,21 +175,36 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     options = TrainOptions(epochs=args.epochs if args.epochs or args.steps else 1, steps=args.steps,
                            batch_size=args.batch_size, seed=args.seed + replica, device=device,
                            log_every=args.log_every, progress=args.progress)
-    result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options, on_step=on_step)
+    try:
+        result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options,
+                       on_step=on_step)
+    except Terminated:
+        _LOGGER.warning("%s: SIGTERM; %s", task, "saving a last checkpoint" if checkpointer else "stopping")
+        if checkpointer is not None:
+            checkpointer.stop(final=True)
+        return None
     client.leave()
     _LOGGER.info("%s finished: %d local steps, %s", task, result["local_steps"], client.stats.summary())
     if writer is not None:
         writer.close()
     if not client.is_chief:
         return None
-    wait_for_workers(client, FINAL_WAIT_SECONDS)
-    binding.pull()
-    global_step = client.global_step()
+    global_step = finish_job(client, binding, export=args.export, checkpointer=checkpointer,
+                             shutdown=not args.keep_ps)
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     wall = time.monotonic() - started
     return {**result, "role": str(task), "mode": args.mode, "dataset": job.dataset.name, "test_accuracy": accuracy,
             "global_step": global_step, "wall_seconds": wall, "steps_per_second": global_step / wall,
-            "workers": replicas, "ps": cluster.num_ps}
+            "workers": replicas, "ps": cluster.num_ps,
+            "checkpoints": checkpointer.saved_steps if checkpointer else []}
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the chief saves a last checkpoint and stops."""
+
+
+def _raise_terminated(*_) -> None:
+    raise Terminated()
 
 
 def _tensorboard(logdir: str | None, task: TaskSpec):

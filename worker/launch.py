@@ -36,6 +36,8 @@ DEMO_FLAGS = ["--model", "mlp", "--epochs", "5", "--lr", "0.1", "--momentum", "0
 START_TIMEOUT_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10.0
 TAIL_LINES = 15
+MAX_RESTARTS = 3  # per task, with --restart-on-failure
+DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
 
 
 @dataclasses.dataclass
@@ -56,9 +58,14 @@ class Launcher:
     """Starts, watches and stops the processes of a local cluster."""
 
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
-                 metrics_out: pathlib.Path | None, out=sys.stdout):
+                 metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
+                 out=sys.stdout):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
         self.worker_args = worker_args
+        self.ps_args = list(ps_args)
+        self.restart_on_failure = restart_on_failure
+        self.restarts: collections.Counter[TaskSpec] = collections.Counter()
+        self.ports: list[int] = []
         self.metrics_out = metrics_out
         self.out = out
         self.procs: dict[TaskSpec, Proc] = {}
@@ -90,27 +97,34 @@ class Launcher:
 
     def start_ps(self) -> Cluster:
         """Starts the ps-servers on free ports and builds the cluster naming them."""
-        ports = []
         for index in range(self.num_ps):
-            port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
-            self._spawn(TaskSpec("ps", index), [*ps_server_command(), "--index", str(index),
-                                                "--bind", "127.0.0.1:0", "--port-file", str(port_file)])
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        for index in range(self.num_ps):
-            port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
-            while not port_file.exists():
-                proc = self.procs[TaskSpec("ps", index)]
-                if proc.popen.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"ps:{index} did not start:\n" + "\n".join(proc.tail))
-                time.sleep(0.05)
-            ports.append(int(port_file.read_text()))
+            self._spawn_ps(index, 0)
+        self.ports = [self._wait_port(index) for index in range(self.num_ps)]
         # Workers serve nothing; TF_CONFIG still names an address for each, so give distinct unused ones.
-        spare = (p for p in range(20000, 65535) if p not in ports)
-        self.cluster = Cluster(ps=tuple(f"127.0.0.1:{p}" for p in ports),
+        spare = (p for p in range(20000, 65535) if p not in self.ports)
+        self.cluster = Cluster(ps=tuple(f"127.0.0.1:{p}" for p in self.ports),
                                chief=tuple(f"127.0.0.1:{next(spare)}" for _ in range(int(self.chief))),
                                worker=tuple(f"127.0.0.1:{next(spare)}" for _ in range(self.workers)),
                                evaluator=tuple(f"127.0.0.1:{next(spare)}" for _ in range(int(self.evaluator))))
         return self.cluster
+
+    def _port_file(self, index: int) -> pathlib.Path:
+        return pathlib.Path(self._tmp.name) / f"ps{index}.port"
+
+    def _spawn_ps(self, index: int, port: int) -> Proc:
+        self._port_file(index).unlink(missing_ok=True)
+        return self._spawn(TaskSpec("ps", index), [*ps_server_command(), "--index", str(index), "--num-ps",
+                                                    str(self.num_ps), "--bind", f"127.0.0.1:{port}",
+                                                    "--port-file", str(self._port_file(index)), *self.ps_args])
+
+    def _wait_port(self, index: int) -> int:
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        proc = self.procs[TaskSpec("ps", index)]
+        while not self._port_file(index).exists():
+            if proc.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ps:{index} did not start:\n" + "\n".join(proc.tail))
+            time.sleep(0.05)
+        return int(self._port_file(index).read_text())
 
     def training_tasks(self) -> list[TaskSpec]:
         tasks = [TaskSpec("chief", 0)] if self.chief else []
@@ -141,22 +155,30 @@ class Launcher:
 
     def _watch(self) -> int:
         training = self.training_tasks()
-        reported = set()
-        while True:
-            for task, proc in self.procs.items():
+        failed: dict[TaskSpec, Proc] = {}
+        while not all(self.procs[t].popen.poll() is not None for t in training):
+            for task, proc in list(self.procs.items()):
                 code = proc.popen.poll()
-                if code not in (None, 0) and task not in reported:
-                    reported.add(task)
-                    self.say(f"[launch] {task} exited with code {code}; the others go on")
-                elif code is None and task.type == "ps":
+                if code in (None, 0) or task in failed:
                     continue
-            if all(self.procs[t].popen.poll() is not None for t in training):
-                break
+                if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS:
+                    self.restarts[task] += 1
+                    self.say(f"[launch] {task} exited with code {code}; restarting it "
+                             f"({self.restarts[task]} of {MAX_RESTARTS})")
+                    if task.type == "ps":
+                        self._spawn_ps(task.index, self.ports[task.index])
+                        self._wait_port(task.index)
+                    else:
+                        self.start_task(task)
+                else:
+                    failed[task] = proc
+                    self.say(f"[launch] {task} exited with code {code}; the others go on")
             time.sleep(0.2)
         if self.evaluator:
             self._wait(self.procs[TaskSpec("evaluator", 0)], STOP_GRACE_SECONDS * 3)
-        failed = [p for p in self.procs.values() if p.task.type != "ps" and p.popen.poll() not in (None, 0)]
-        for proc in failed:
+        failed.update({p.task: p for p in self.procs.values()
+                       if p.task.type != "ps" and p.popen.poll() not in (None, 0)})
+        for proc in failed.values():
             self.say(f"[launch] {proc.name} failed (exit {proc.popen.returncode}); its last lines:")
             for line in proc.tail:
                 self.say(f"[launch]   | {line}")
@@ -194,6 +216,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--chief", action="store_true", help="add a separate chief task (else worker 0 is chief)")
     parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
     parser.add_argument("--metrics-out", type=pathlib.Path, help="the chief's summary JSON goes here")
+    parser.add_argument("--checkpoint-dir", help="the ps-servers save checkpoints here (and restore from it when "
+                        "restarted); the chief saves every 100 steps unless --checkpoint-every-* says otherwise")
+    parser.add_argument("--restore-from", help="start the ps-servers from the newest checkpoint in this folder, "
+                        "whatever number of shards wrote it")
+    parser.add_argument("--restart-on-failure", action="store_true",
+                        help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
     return parser.parse_known_args(argv)
 
 
@@ -206,8 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.ps < 1 or args.workers + int(args.chief) < 1:
         print("ps-launch: error: need --ps >= 1 and at least one training task", file=sys.stderr)
         return 2
+    ps_args = []
+    if args.checkpoint_dir:
+        ps_args += ["--checkpoint-dir", args.checkpoint_dir]
+        if not any(a.startswith("--checkpoint-every") for a in worker_args):
+            worker_args = [*worker_args, "--checkpoint-every-steps", str(DEFAULT_CHECKPOINT_STEPS)]
+    if args.restore_from:
+        ps_args += ["--restore-from", args.restore_from]
     launcher = Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
-                        worker_args=worker_args, metrics_out=args.metrics_out)
+                        worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
+                        restart_on_failure=args.restart_on_failure)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     code = launcher.run()
     if launcher.summary:

@@ -11,11 +11,11 @@ from typing import Callable
 
 import torch
 
-from ..client import ModuleBinding, Optimizer, PSClient
+from ..client import ModuleBinding, Optimizer, PSClient, ServerUnavailableError
 from .data import batches, shard_indices
 from .models import Task
 
-__all__ = ["TrainOptions", "train", "evaluate", "run_evaluator", "wait_for_workers"]
+__all__ = ["TrainOptions", "train", "evaluate", "run_evaluator", "optimizer_from_flags"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -100,19 +100,6 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
             **{f"sync_{k}": v for k, v in client.stats.as_dict().items()}}
 
 
-def wait_for_workers(client: PSClient, timeout: float) -> None:
-    """Blocks until no worker holds shard 0's membership (all left or expired), or `timeout` s.
-
-    Used by the chief before its final evaluation; checks twice a second.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if client.status(0).live_workers == 0:
-            return
-        time.sleep(0.5)
-    _LOGGER.warning("some workers were still training after %g s; evaluating anyway", timeout)
-
-
 def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, device: str, interval: float,
                   target_steps: int | None, timeout: float, on_eval: Callable[[int, float], None] | None = None
                   ) -> tuple[int, float]:
@@ -126,8 +113,14 @@ def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, devic
     seen_workers = False
     step, accuracy = 0, float("nan")
     while True:
-        binding.pull()
-        status = client.status(0)
+        try:
+            binding.pull()
+            status = client.status(0)
+        except ServerUnavailableError:
+            if not seen_workers:
+                raise
+            _LOGGER.info("evaluator: the shards are gone; the job has ended")
+            return step, accuracy
         step = status.step
         accuracy = evaluate(task.model, data.x_test, data.y_test, device)
         _LOGGER.info("evaluator: global step %d test accuracy %.4f", step, accuracy)

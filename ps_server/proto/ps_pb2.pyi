@@ -260,12 +260,14 @@ class ConfigureResponse(_message.Message):
     def __init__(self, changed: _Optional[bool] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker", "incarnation")
+    __slots__ = ("worker", "incarnation", "step")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     worker: str
     incarnation: int
-    def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    step: int
+    def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("step", "config", "generation")

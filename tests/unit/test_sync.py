@@ -1,0 +1,554 @@
+"""Coordinator (ps_server/sync.py) over a VariableStore, with threads and no sockets.
+
+Sync mode must behave like TensorFlow's SyncReplicasOptimizer (average of a
+step's quorum applied once, stale gradients dropped and counted, backup
+workers, R > N), with leases that lower the quorum instead of hanging; ssp
+bounds how far a worker runs ahead of the slowest one; async never blocks.
+Where leases matter the clock is a fake one; the lease reaper waits with a
+real timeout computed from it, so tests call coordinator.wake() after moving it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from torchps.ps_server.errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
+from torchps.ps_server.store import NewVariable, VariableStore
+from torchps.ps_server.sync import Coordinator, PushResult, SyncConfig
+
+BLOCKED_PROBE = 0.2   # seconds a thread that must block is watched (a negative check: never flaky)
+RELEASE_TIMEOUT = 10  # seconds a thread that must be released gets (generous on a loaded machine)
+
+
+class FakeClock:
+    """Monotonic seconds that move only when told to."""
+
+    def __init__(self, start: float = 1000.0):
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+
+class Call:
+    """Runs fn in a thread; result() joins it and returns its value or raises its exception."""
+
+    def __init__(self, fn, *args, **kwargs):
+        self._value = self._error = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, args, kwargs):
+        try:
+            self._value = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            self._error = exc
+
+    def is_blocked(self, probe: float = BLOCKED_PROBE) -> bool:
+        self.thread.join(probe)
+        return self.thread.is_alive()
+
+    def result(self, timeout: float = RELEASE_TIMEOUT):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the call did not return within {timeout} s"
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@pytest.fixture
+def coordinators():
+    """Factory: coordinator(config, owns_step=True, clock=None, lr=1.0) -> Coordinator over a fresh store.
+
+    Every store holds one SGD variable "w" = zeros(3) with the given lr, so
+    after an applied step w == -lr * (average gradient). Coordinators are
+    closed after the test (stops the lease reapers, wakes waiters).
+    """
+    made: list[Coordinator] = []
+
+    def make(config: SyncConfig | None = None, *, owns_step: bool = True, clock=None, lr: float = 1.0) -> Coordinator:
+        store = VariableStore()
+        store.create([NewVariable("w", torch.zeros(3), "sgd", {"lr": lr})])
+        coordinator = Coordinator(store, owns_step=owns_step, **({"clock": clock} if clock else {}))
+        made.append(coordinator)
+        if config is not None:
+            assert coordinator.configure(config) is True
+        return coordinator
+
+    yield make
+    for coordinator in made:
+        coordinator.close()
+
+
+def sync(n: int, r: int = 0, **kwargs) -> SyncConfig:
+    return SyncConfig(mode="sync", total_num_replicas=n, replicas_to_aggregate=r, **kwargs)
+
+
+def g(*values: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor(values, dtype=torch.float32)}
+
+
+def w(coordinator: Coordinator) -> torch.Tensor:
+    return coordinator.store.read("w", lambda value, version: value.clone())
+
+
+def version(coordinator: Coordinator) -> int:
+    return coordinator.store.read("w", lambda value, version: version)
+
+
+def push(coordinator: Coordinator, worker: str, step: int, grads, *, seq: int = 0, incarnation: int = 1,
+         **kwargs) -> PushResult:
+    return coordinator.push(worker, incarnation, seq, step, grads, **kwargs)
+
+
+def expire_leases(coordinator: Coordinator, clock: FakeClock, seconds: float, expected_expired: int) -> None:
+    """Moves the fake clock and wakes the reaper until it has expired `expected_expired` leases in all."""
+    clock.advance(seconds)
+    deadline = time.monotonic() + RELEASE_TIMEOUT
+    while coordinator.workers_expired < expected_expired:
+        assert time.monotonic() < deadline, f"the reaper expired {coordinator.workers_expired} leases, " \
+                                            f"expected {expected_expired}"
+        coordinator.wake()
+        time.sleep(0.01)
+
+
+# -- sync: SyncReplicasOptimizer semantics ---------------------------------------------------------
+
+def test_sync_first_push_waits_for_the_second_and_the_average_is_applied_once(coordinators):
+    c = coordinators(sync(2))
+    for worker in ("worker:0", "worker:1"):
+        assert c.join(worker, 1) == 0
+    assert c.quorum == 2
+    first = Call(push, c, "worker:0", 0, g(1, 2, 3))
+    assert first.is_blocked(), "the first push of a step with quorum 2 returned before the second arrived"
+    assert c.store.step == 0 and version(c) == 0, "something was applied with only one of two gradients"
+    second = push(c, "worker:1", 0, g(3, 4, 5))
+    released = first.result()
+    assert c.store.step == 1, "one aggregated update advances the step by exactly 1"
+    assert version(c) == 1, "the average must be applied once, not once per gradient"
+    assert torch.equal(w(c), -torch.tensor([2.0, 3.0, 4.0]))
+    for result in (released, second):
+        assert (result.next_step, result.step, result.stale, result.quorum) == (1, 1, False, 2)
+    assert released.wait_seconds >= 0 and c.stale_dropped == 0
+
+
+def test_sync_stale_gradients_are_dropped_counted_and_never_applied(coordinators):
+    c = coordinators(sync(1))
+    c.join("worker:0", 1)
+    assert push(c, "worker:0", 0, g(1, 1, 1)).next_step == 1
+    before = w(c)
+    for n in (1, 2):
+        result = push(c, "worker:0", 0, g(100, 100, 100))
+        assert result.stale and result.next_step == 1 and result.step == 1
+        assert c.stale_dropped == n
+    assert torch.equal(w(c), before) and version(c) == 1 and c.store.step == 1
+    # nothing stale lingers in a buffer either: the next step takes only its own gradient
+    push(c, "worker:0", 1, g(1, 1, 1))
+    assert torch.equal(w(c), before - 1) and c.store.step == 2
+
+
+def test_sync_backup_workers_fastest_r_win_the_last_is_stale(coordinators):
+    c = coordinators(sync(3, 2))
+    for i in range(3):
+        c.join(f"worker:{i}", 1)
+    assert c.quorum == 2
+    first = Call(push, c, "worker:0", 0, g(2, 2, 2))
+    assert first.is_blocked()
+    second = push(c, "worker:1", 0, g(4, 4, 4))
+    assert first.result().next_step == 1 and second.next_step == 1
+    late = push(c, "worker:2", 0, g(1000, 1000, 1000))
+    assert late.stale and late.next_step == 1, "the backup worker must be told the step it computes at next"
+    assert c.stale_dropped == 1
+    assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0])) and version(c) == 1 and c.store.step == 1
+
+
+def test_sync_r_greater_than_n_each_worker_contributes_k_batches(coordinators):
+    c = coordinators(sync(2, 4))  # k = 2 batches per worker and step
+    for i in range(2):
+        c.join(f"worker:{i}", 1)
+    assert c.quorum == 4
+    a1 = push(c, "worker:0", 0, g(1, 0, 0))
+    assert (a1.next_step, a1.stale) == (0, False), "the first of k batches must return at once, same step"
+    a2 = Call(push, c, "worker:0", 0, g(2, 0, 0))
+    assert a2.is_blocked(), "a worker that gave its k batches must wait for the step"
+    b1 = push(c, "worker:1", 0, g(3, 0, 0))
+    assert b1.next_step == 0 and a2.is_blocked(0.05)
+    assert c.store.step == 0 and version(c) == 0
+    b2 = push(c, "worker:1", 0, g(6, 0, 0))
+    assert a2.result().next_step == 1 and b2.next_step == 1
+    assert c.store.step == 1 and version(c) == 1, "the 4 gradients are one update"
+    assert torch.equal(w(c), -torch.tensor([3.0, 0.0, 0.0])), "average of the 4 batches: (1+2+3+6)/4"
+
+
+def test_sync_pushes_ahead_of_the_step_wait_in_their_own_buffer(coordinators):
+    """A non-owner shard (no tokens, never blocks) sums step s+1 apart from step s."""
+    c = coordinators(sync(2), owns_step=False)
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    assert push(c, "worker:0", 0, g(2, 0, 0)).next_step == 0
+    assert push(c, "worker:0", 1, g(0, 100, 0)).next_step == 1  # worker 0 is ahead (shard 0 released it)
+    assert c.store.step == 0 and version(c) == 0
+    push(c, "worker:1", 0, g(4, 0, 0))
+    assert c.store.step == 1 and torch.equal(w(c), -torch.tensor([3.0, 0.0, 0.0]))
+    push(c, "worker:1", 1, g(0, 200, 0))
+    assert c.store.step == 2 and torch.equal(w(c), -torch.tensor([3.0, 150.0, 0.0]))
+    assert c.stale_dropped == 0
+
+
+# -- leases, leaving and restarts -----------------------------------------------------------------
+
+def test_sync_expired_lease_lowers_the_quorum_and_releases_the_waiter(coordinators):
+    clock = FakeClock()
+    c = coordinators(sync(2, lease_seconds=1.0), clock=clock)
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    clock.advance(0.5)
+    waiting = Call(push, c, "worker:0", 0, g(2, 4, 6))  # renews worker 0's lease at t = 0.5
+    assert waiting.is_blocked()
+    assert c.workers_expired == 0
+    expire_leases(c, clock, 0.7, expected_expired=1)  # t = 1.2: worker 1 (seen at 0) is out, worker 0 is not
+    result = waiting.result()
+    assert result.next_step == 1 and result.quorum == 1 and not result.stale
+    assert c.workers_expired == 1 and c.quorum_changes >= 1 and c.quorum == 1
+    assert c.live_workers() == 1
+    assert torch.equal(w(c), -torch.tensor([2.0, 4.0, 6.0])) and c.store.step == 1
+
+
+def test_sync_real_short_lease_releases_the_waiter(coordinators):
+    """Same with the real clock: nothing but the lease (0.5 s) ends the wait."""
+    c = coordinators(sync(2, lease_seconds=0.5))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    start = time.monotonic()
+    result = Call(push, c, "worker:0", 0, g(1, 1, 1)).result(timeout=RELEASE_TIMEOUT)
+    assert time.monotonic() - start >= 0.3, "released before the other worker's lease could have run out"
+    # worker 0's own lease runs out at about the same time (no heartbeats here): 1 or 2 expired
+    assert result.next_step == 1 and result.quorum == 1 and c.workers_expired >= 1
+
+
+def test_sync_heartbeats_keep_a_lease(coordinators):
+    clock = FakeClock()
+    c = coordinators(sync(2, lease_seconds=1.0), clock=clock)
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    waiting = Call(push, c, "worker:0", 0, g(1, 1, 1))
+    assert waiting.is_blocked()
+    for _ in range(5):  # 2.5 s of fake time, both heartbeating every 0.5 s
+        clock.advance(0.5)
+        c.heartbeat("worker:0", 1)
+        c.heartbeat("worker:1", 1)
+        c.wake()
+    assert waiting.is_blocked() and c.workers_expired == 0 and c.quorum == 2
+    push(c, "worker:1", 0, g(1, 1, 1))
+    assert waiting.result().next_step == 1
+
+
+def test_sync_leave_lowers_the_quorum_at_once_and_releases_a_waiter(coordinators):
+    """TF issue 20342: a worker that runs out of data must not hang the others."""
+    c = coordinators(sync(2, lease_seconds=1000.0))  # only leave() can release the waiter
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    waiting = Call(push, c, "worker:0", 0, g(2, 2, 2))
+    assert waiting.is_blocked()
+    c.leave("worker:1")
+    result = waiting.result()
+    assert result.next_step == 1 and result.quorum == 1
+    assert c.quorum == 1 and c.quorum_changes >= 1 and c.workers_expired == 0 and c.live_workers() == 1
+    assert torch.equal(w(c), -torch.tensor([2.0, 2.0, 2.0]))
+    c.leave("worker:1")  # idempotent
+    assert push(c, "worker:0", 1, g(1, 1, 1)).next_step == 2, "the one left goes on alone"
+
+
+def test_sync_restarted_worker_rejoins_and_counts_again(coordinators):
+    clock = FakeClock()
+    c = coordinators(sync(2, lease_seconds=1.0), clock=clock)
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    old = Call(push, c, "worker:1", 0, g(0, 0, 0), seq=1)  # incarnation 1 pushed seq 1 ...
+    assert old.is_blocked(0.05)
+    push(c, "worker:0", 0, g(0, 0, 0), seq=1)
+    assert old.result().next_step == 1 and c.store.step == 1
+    clock.advance(0.5)
+    c.heartbeat("worker:0", 1)
+    expire_leases(c, clock, 0.7, expected_expired=1)  # ... and died
+    assert c.quorum == 1
+    assert push(c, "worker:0", 1, g(1, 1, 1), seq=2).next_step == 2, "alone while worker 1 is gone"
+    changes = c.quorum_changes
+    assert c.join("worker:1", 2) == 2, "a restart joins at the current step"
+    assert c.quorum == 2 and c.quorum_changes == changes + 1 and c.live_workers() == 2
+    waiting = Call(push, c, "worker:0", 2, g(2, 2, 2), seq=3)
+    assert waiting.is_blocked(), "the restarted worker must count towards the quorum again"
+    # seq 1 again, but from the new incarnation: a new push, not a retry of the old one
+    fresh = push(c, "worker:1", 2, g(4, 4, 4), seq=1, incarnation=2)
+    assert not fresh.duplicate and fresh.next_step == 3
+    assert waiting.result().next_step == 3
+    assert torch.equal(w(c), -torch.tensor([4.0, 4.0, 4.0])), "step 1 alone (1), step 2 averaged (3)"
+
+
+def test_sync_restart_without_lease_expiry_keeps_the_quorum(coordinators):
+    """A new incarnation of a live worker (crash and quick restart) replaces it; the quorum stays N."""
+    c = coordinators(sync(2))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    assert c.join("worker:1", 7) == 0
+    assert c.live_workers() == 2 and c.quorum == 2
+    waiting = Call(push, c, "worker:0", 0, g(1, 1, 1))
+    assert waiting.is_blocked()
+    push(c, "worker:1", 0, g(3, 3, 3), incarnation=7)
+    assert waiting.result().next_step == 1 and torch.equal(w(c), -torch.tensor([2.0, 2.0, 2.0]))
+
+
+@pytest.mark.parametrize("during_grace", [True, False], ids=["during-startup-grace", "after-startup-grace"])
+def test_sync_rejoin_seen_by_shards_at_different_times_does_not_hang_a_shard(coordinators, during_grace):
+    """Shard 1 sees a replacement's Join while it still finishes a step shard 0 has applied.
+
+    Shard 0 applied step 0 with the lowered quorum, so the replacement starts
+    at step 1 (shard 0's answer, which the client passes on to the other
+    shards). Shard 1 must still be able to finish step 0:
+    the replacement will never push a gradient tagged 0. Otherwise workers 0
+    and 1, released at step 1 by shard 0, wait for shard 1 to reach step 1
+    in their next pull, forever, while their heartbeats keep every lease alive.
+    """
+    grace = 1000.0 if during_grace else 0.5
+    clock0, clock1 = FakeClock(), FakeClock()
+    shard0 = coordinators(sync(3, lease_seconds=1.0, startup_grace_seconds=grace), clock=clock0)
+    shard1 = coordinators(sync(3, lease_seconds=1.0, startup_grace_seconds=grace), owns_step=False, clock=clock1)
+    for shard, clock in ((shard0, clock0), (shard1, clock1)):
+        for i in range(3):
+            shard.join(f"worker:{i}", 1)
+        clock.advance(0.6)
+        shard.heartbeat("worker:0", 1)
+        shard.heartbeat("worker:1", 1)
+        expire_leases(shard, clock, 0.6, expected_expired=1)  # worker 2 died
+        assert shard.quorum == 2
+    first = Call(push, shard0, "worker:0", 0, g(1, 1, 1))
+    push(shard0, "worker:1", 0, g(1, 1, 1))
+    assert first.result().next_step == 1
+    start_step = shard0.join("worker:2", 2)  # the client joins shard 0 first: it starts at step 1 ...
+    assert start_step == 1
+    assert shard1.join("worker:2", 2, start_step) == 0  # ... and tells shard 1, still at step 0
+    push(shard1, "worker:0", 0, g(1, 1, 1))
+    push(shard1, "worker:1", 0, g(1, 1, 1))
+    push(shard1, "worker:2", start_step, g(1, 1, 1))  # its first push is tagged 1
+    try:
+        shard1.wait_for_step(1, timeout=2.0)  # workers 0 and 1 pull with min_step 1
+    except WaitTimeoutError as exc:
+        pytest.fail(f"shard 1 is stuck at step 0 waiting for a third gradient that will never come: {exc}")
+    assert torch.equal(w(shard1), -torch.ones(3)), "shard 1's step 0 is the average of workers 0 and 1"
+
+
+# -- idempotent pushes ---------------------------------------------------------------------------------
+
+def test_sync_duplicate_push_is_not_applied_twice(coordinators):
+    c = coordinators(sync(2))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    first = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
+    assert first.is_blocked()
+    second = push(c, "worker:1", 0, g(4, 4, 4), seq=1)
+    original = first.result()
+    assert not original.duplicate and not second.duplicate
+    retry = push(c, "worker:0", 0, g(2, 2, 2), seq=1)
+    assert retry.duplicate and retry.next_step == original.next_step == 1 and not retry.stale
+    assert retry.wait_seconds < 1.0
+    assert push(c, "worker:1", 0, g(4, 4, 4), seq=1).duplicate
+    assert c.store.step == 1 and version(c) == 1 and c.stale_dropped == 0, "a retry is neither applied nor stale"
+    assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0]))
+
+
+def test_async_duplicate_push_is_not_applied_twice(coordinators):
+    c = coordinators()
+    for _ in range(2):
+        result = push(c, "worker:0", 0, g(1, 1, 1), seq=5, step_increment=1)
+    assert result.duplicate and result.versions == {"w": 1} and result.step == 1
+    assert push(c, "worker:0", 0, g(1, 1, 1), seq=4, step_increment=1).duplicate, "an older seq is a retry too"
+    assert version(c) == 1 and c.store.step == 1
+    push(c, "worker:0", 0, g(1, 1, 1), seq=0, step_increment=1)
+    push(c, "worker:0", 0, g(1, 1, 1), seq=0, step_increment=1)
+    assert version(c) == 3, "seq 0 means no dedup"
+
+
+def test_sync_retry_of_a_push_still_waiting_is_not_counted_twice(coordinators):
+    """A retry that arrives while the original push is still held (its reply lost on the way) is the same push.
+
+    With R = N = 2 it must not complete the step on its own: the step needs
+    worker 1's gradient, and the average must be (worker 0 + worker 1) / 2.
+    """
+    c = coordinators(sync(2))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    original = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
+    assert original.is_blocked()
+    retry = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
+    retry.is_blocked()
+    assert c.store.step == 0, "the retry of a held push was counted as a second gradient and completed the step"
+    push(c, "worker:1", 0, g(4, 4, 4), seq=1)
+    original.result(), retry.result()
+    assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0]))
+
+
+def test_sync_retry_after_a_cancelled_wait_still_waits_for_the_release(coordinators):
+    """The client's call was cancelled while held (connection lost); its retry must wait like the original.
+
+    Answering the retry at once with the cached next_step (the step not yet
+    applied) tells the worker to compute at step 0 again, so its next
+    gradient is counted as a second one of the same worker for step 0.
+    """
+    c = coordinators(sync(2))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    cancelled = threading.Event()
+    held = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1, cancelled=cancelled.is_set)
+    assert held.is_blocked()
+    cancelled.set()
+    c.wake()  # what the servicer's context callback does
+    held.result()
+    retry = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
+    if not retry.is_blocked():
+        result = retry.result()
+        assert result.next_step == 1, (
+            f"the retry returned at once with next_step={result.next_step} while step 0 still waits for "
+            f"worker 1: the worker would compute at step 0 again and be counted twice")
+    push(c, "worker:1", 0, g(4, 4, 4), seq=1)
+    assert retry.result().next_step == 1
+    assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0]))
+
+
+# -- ssp and async -----------------------------------------------------------------------------------------
+
+def ssp(n: int, s: int, **kwargs) -> SyncConfig:
+    return SyncConfig(mode="ssp", total_num_replicas=n, max_staleness=s, **kwargs)
+
+
+def test_ssp_worker_too_far_ahead_waits_for_the_slowest(coordinators):
+    c = coordinators(ssp(2, 1))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    assert push(c, "worker:0", 0, g(1, 1, 1), step_increment=1).wait_seconds < 0.1, "within the bound: no wait"
+    assert c.store.step == 1, "ssp applies pushes at once"
+    ahead = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+    assert ahead.is_blocked(), "2 pushes ahead of a worker with 0 and max_staleness 1: must wait"
+    assert c.store.step == 2 and version(c) == 2, "the push is applied; only the reply waits"
+    assert push(c, "worker:1", 0, g(1, 1, 1), step_increment=1).step == 3
+    ahead.result()
+    # now 2 vs 1: one more push by worker 0 is within the bound of 1? 3 - 1 = 2 > 1: waits again
+    again = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+    assert again.is_blocked()
+    push(c, "worker:1", 0, g(1, 1, 1), step_increment=1)
+    again.result()
+    assert c.store.step == 5 and version(c) == 5
+
+
+def test_ssp_zero_staleness_is_lock_step(coordinators):
+    c = coordinators(ssp(2, 0))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    for round_ in range(3):
+        fast = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+        assert fast.is_blocked(), f"round {round_}: with s=0 a push waits for the other worker's"
+        push(c, "worker:1", 0, g(1, 1, 1), step_increment=1)
+        fast.result()
+    assert c.store.step == 6
+
+
+def test_ssp_bound_ignores_a_worker_that_left(coordinators):
+    c = coordinators(ssp(2, 0))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    ahead = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+    assert ahead.is_blocked()
+    c.leave("worker:1")
+    ahead.result()
+    for _ in range(3):
+        push(c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+
+
+def test_async_never_blocks(coordinators):
+    c = coordinators()  # never configured: async
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    calls = [Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1) for _ in range(5)]
+    for call in calls:
+        result = call.result(timeout=RELEASE_TIMEOUT)
+        assert result.wait_seconds == 0.0 and not result.stale
+    assert c.store.step == 5 and version(c) == 5 and c.quorum == 0
+    c2 = coordinators(SyncConfig(mode="async", total_num_replicas=2))
+    for i in range(4):
+        assert push(c2, "worker:0", 0, g(1, 1, 1), step_increment=1).step == i + 1
+
+
+# -- configuration -------------------------------------------------------------------------------------------
+
+def test_configure_is_idempotent_and_refuses_a_change_once_workers_joined(coordinators):
+    c = coordinators()
+    assert c.configure(SyncConfig()) is False, "an unconfigured shard already runs the default (async)"
+    config = sync(2, lease_seconds=2.0)
+    assert c.configure(config) is True
+    assert c.configure(sync(2, lease_seconds=2.0)) is False, "the same config again changes nothing"
+    assert c.configure(sync(3)) is True, "changing before any worker joined is allowed"
+    c.join("worker:0", 1)
+    assert c.configure(sync(3)) is False, "same config is fine even with workers joined"
+    for other in (sync(2), SyncConfig(), ssp(3, 1), sync(3, lease_seconds=2.0)):
+        with pytest.raises(ModeConflictError):
+            c.configure(other)
+    assert c.config == sync(3)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(mode="bogus"),
+    dict(mode="sync"),                                  # no N
+    dict(mode="ssp", total_num_replicas=0),
+    dict(mode="sync", total_num_replicas=2, replicas_to_aggregate=-1),
+    dict(mode="ssp", total_num_replicas=2, max_staleness=-1),
+    dict(mode="sync", total_num_replicas=2, lease_seconds=0),
+    dict(mode="sync", total_num_replicas=2, lease_seconds=-1.0),
+    dict(mode="sync", total_num_replicas=2, startup_grace_seconds=-1.0),
+])
+def test_invalid_sync_config_is_rejected(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        SyncConfig(**kwargs)
+
+
+def test_quorum_formula():
+    """quorum = max(1, min(R, live * k)), k = ceil(R / N); unjoined workers count during the startup grace.
+
+    After the grace, a worker that joins counts from the step it starts at (shard 0's answer,
+    passed to every shard), never for a step a shard is still finishing without it.
+    """
+    assert SyncConfig(mode="sync", total_num_replicas=2, replicas_to_aggregate=5).batches_per_worker == 3
+    assert SyncConfig(mode="sync", total_num_replicas=3).aggregate == 3
+    c = Coordinator(VariableStore(), owns_step=True)
+    try:
+        c.configure(sync(4))
+        assert c.quorum == 4, "during the startup grace workers not joined yet count as live"
+    finally:
+        c.close()
+    store = VariableStore()
+    store.create([NewVariable("w", torch.zeros(3), "sgd", {"lr": 1.0})])
+    c = Coordinator(store, owns_step=True)
+    try:
+        c.configure(sync(2, 5, startup_grace_seconds=0.0))
+        assert c.quorum == 1, "nobody live, grace over: 1, never 0"
+        c.join("worker:0", 1)
+        assert c.quorum == 3, "a worker joining after the grace counts from the step it starts at: 1 live * k = 3"
+        for batch in range(3):
+            result = push(c, "worker:0", 0, g(1, 1, 1))
+        assert result.next_step == 1 and c.store.step == 1
+        c.join("worker:1", 1, 2)
+        assert c.quorum == 3, "a worker starting at step 2 does not count for step 1"
+        for batch in range(3):
+            result = push(c, "worker:0", 1, g(1, 1, 1))
+        assert result.next_step == 2 and c.store.step == 2
+        assert c.quorum == 5, "min(R = 5, 2 live * 3)"
+    finally:
+        c.close()
