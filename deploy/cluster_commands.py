@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Prints, for every task of a cluster, the environment and command that starts it on its host.
+
+    python deploy/cluster_commands.py --ps h3:2222 h4:2222 --workers h1:2222 h2:2222 --chief h0:2222 \\
+        -- --mode sync --epochs 10 --checkpoint-dir /shared/ckpt
+
+Run each printed line on the host it names (by ssh, a scheduler, or a
+container entrypoint). Flags after `--` go to every ps-worker, except
+--checkpoint-dir, which goes to the ps-servers. Every process gets the same
+TF_CONFIG cluster and its own task, exactly as a Kubeflow TFJob sets it.
+"""
+
+import argparse
+import shlex
+import sys
+
+from torchps.client import Cluster, TaskSpec
+
+
+def commands(cluster: Cluster, worker_args: list[str]) -> list[tuple[str, str]]:
+    """(host, shell line) for every task."""
+    ps_args, rest = [], list(worker_args)
+    if "--checkpoint-dir" in rest:
+        at = rest.index("--checkpoint-dir")
+        ps_args, rest = rest[at:at + 2], rest[:at] + rest[at + 2:]
+    lines = []
+    for task, address in cluster.tasks():
+        program = ["ps-server", *ps_args] if task.type == "ps" else ["ps-worker", *rest]
+        env = f"TF_CONFIG={shlex.quote(cluster.tf_config(TaskSpec(task.type, task.index)))}"
+        lines.append((address.rpartition(":")[0], f"{env} {shlex.join(program)}"))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, worker_args = argv, []
+    if "--" in argv:
+        at = argv.index("--")
+        ours, worker_args = argv[:at], argv[at + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ps", nargs="+", required=True, metavar="HOST:PORT")
+    parser.add_argument("--workers", nargs="*", default=[], metavar="HOST:PORT")
+    parser.add_argument("--chief", metavar="HOST:PORT")
+    parser.add_argument("--evaluator", metavar="HOST:PORT")
+    args = parser.parse_args(ours)
+    cluster = Cluster(ps=args.ps, worker=args.workers, chief=[args.chief] if args.chief else [],
+                      evaluator=[args.evaluator] if args.evaluator else [])
+    for host, line in commands(cluster, worker_args):
+        print(f"# on {host}\n{line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
