@@ -322,40 +322,43 @@ class PSClient:
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int | None = None, advance_step: bool = True) -> int:
-        """push(grads) then pull_into(targets): one round trip per shard whose part fits in a chunk.
+        """push(grads) then pull_into(targets), in one round trip per shard (PushPull) in every mode.
 
-        For async and ssp modes (ModeConflictError in sync mode: use push,
-        then pull_into with min_step). Where a shard's gradients or variables
-        exceed chunk_bytes, that shard gets a Push stream followed by a Pull.
-        Same guarantees as push and pull_into; returns the step to compute at next.
+        Used when each shard's gradients and variables fit in one chunk_bytes
+        message; otherwise this is push() then pull_into(). In sync mode every
+        shard holds its reply until this worker may go on, and a shard whose
+        values predate the step shard 0 released is read again (min_step), so
+        the guarantees are those of push then pull_into. Returns the next step.
         """
         groups = self.placement.group(grads)
         pulls = self.placement.group(targets)
+        sync = self.mode is not None and self.mode.mode == "sync"
+
+        def nbytes(tensors: Mapping[str, torch.Tensor], names: list[str]) -> int:
+            return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+
+        if any(nbytes(grads, groups.get(s, [])) > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
+               for s in range(self.cluster.num_ps)):
+            self.push(grads, step=step, advance_step=advance_step)
+            self.pull_into(targets, min_step=self.step if sync else 0)
+            return self.step
         seq = next(self._seq)
         step = self.step if step is None else step
         sink, finish = self._target_sink(targets)
         lock = threading.Lock()
 
-        def exchange(shard: int, names: list[str]) -> ps_pb2.PushResponse:
-            header = self._header(step, seq, advance_step, pulls.get(shard, []))
-            push_size = sum(grads[n].numel() * grads[n].element_size() for n in names)
-            pull_size = sum(targets[n].numel() * targets[n].element_size() for n in pulls.get(shard, []))
-            if push_size <= self.chunk_bytes and pull_size <= self.chunk_bytes:
-                (request,) = self._push_messages(header, grads, names)
-                return self._channels.call(
-                    shard, lambda stub: self._receive([stub.PushPull(request, wait_for_ready=True)], sink, lock)[1],
-                    idempotent=True)
-            header.ClearField("pull")
-            result = self._channels.call(
-                shard, lambda stub: stub.Push(self._push_messages(header, grads, names), wait_for_ready=True),
+        def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
+            (request,) = self._push_messages(self._header(step, seq, advance_step, pulls.get(shard, [])), grads, names)
+            return self._channels.call(
+                shard, lambda stub: self._receive([stub.PushPull(request, wait_for_ready=True)], sink, lock),
                 idempotent=True)
-            request = ps_pb2.PullRequest(names=pulls.get(shard, []), chunk_bytes=self.chunk_bytes)
-            self._channels.call(shard, lambda stub: self._receive(stub.Pull(request, wait_for_ready=True), sink, lock),
-                                idempotent=True)
-            return result
 
-        next_step = self._finish_push(self._each_shard(
-            {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}, exchange))
+        replies = self._each_shard({s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange)
+        next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})
+        behind = [name for shard, (read_at, _) in replies.items() if sync and read_at < next_step
+                  for name in pulls.get(shard, [])]
+        if behind:
+            self._pull(behind, sink, min_step=next_step)
         finish()
         return next_step
 

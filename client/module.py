@@ -47,13 +47,10 @@ class ModuleBinding:
         return self.step
 
     def exchange(self) -> int:
-        """push() then pull(): one round trip per shard in async and ssp modes (PSClient.push_pull).
+        """push() then pull(), in one round trip per shard for small models (PSClient.push_pull).
 
         The usual step of a training loop, after backward(). Returns the next step.
         """
-        if self.client.mode is not None and self.client.mode.mode == "sync":
-            self.push()
-            return self.pull()
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
         return self.client.push_pull(grads, {name: p.data for name, p in self.params.items()})
 

@@ -136,20 +136,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def PushPull(self, request, context):
-        """Push of one message, then the header's `pull` variables in one reply (async and ssp modes)."""
-        if self.coordinator.config.mode == "sync":
-            raise ModeConflictError("PushPull is for async and ssp modes; in sync mode push, then pull with min_step")
+        """Push of one message, then the header's `pull` variables in one reply.
+
+        In sync mode the reply waits until the worker may go on, as shard 0's
+        reply to a Push does, so it carries the released step's values.
+        """
         header, _ = request
         names = list(header.pull)
         size = sum(self.store.get(name).nbytes for name in names)
         if size > self.max_chunk_bytes:
             raise InvalidArgumentError(f"PushPull's reply would hold {size} bytes, more than this shard's "
                                        f"{self.max_chunk_bytes}; use Push and Pull")
-        _, result = self._receive_push([request], context)
+        _, result = self._receive_push([request], context, hold=True)
         (reply,) = self._read(names, self.max_chunk_bytes, result)
         return reply
 
-    def _receive_push(self, request_iterator, context) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
+    def _receive_push(self, request_iterator, context, *, hold: bool = False
+                      ) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         header = None
         grads = {}
         assembler = codec.ChunkAssembler(begin=self.store.check_gradient, pool=self._pool)
@@ -170,7 +173,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise MalformedStreamError("empty Push stream: no header")
             context.add_callback(self.coordinator.wake)
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
-                                           header.step_increment, cancelled=lambda: not context.is_active())
+                                           header.step_increment, cancelled=lambda: not context.is_active(),
+                                           hold=hold)
         finally:
             grads.clear()
             assembler.release()

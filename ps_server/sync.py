@@ -285,25 +285,27 @@ class Coordinator:
     # -- pushes and pulls ---------------------------------------------------------------------
 
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
-             step_increment: int = 0, cancelled: Callable[[], bool] = lambda: False) -> PushResult:
+             step_increment: int = 0, cancelled: Callable[[], bool] = lambda: False, *,
+             hold: bool = False) -> PushResult:
         """Handles one validated-or-not push according to the mode; see the module docstring.
 
         Raises (changing nothing) if a gradient is invalid. Blocks on shard 0
-        in sync mode until the worker may go on, and in ssp mode while it is
-        too far ahead, or until `cancelled()` turns true after a wake().
+        (on every shard with `hold`, for PushPull) in sync mode until the
+        worker may go on, on shard 0 in ssp mode while it is too far ahead,
+        or until `cancelled()` turns true after a wake().
         """
         self.store.validate(grads)
         key = (worker, incarnation)
         with self._cond:
             record = self._last_push.get(key) if seq else None
             if record is not None and record.seq >= seq:
-                return self._duplicate(record, seq, worker, cancelled)
+                return self._duplicate(record, seq, worker, cancelled, hold)
             self._touch(worker, incarnation, step)
             mode = self.config.mode
             if seq:
                 record = self._last_push[key] = _PushRecord(seq, step)
         if mode == "sync":
-            result = self._push_sync(worker, step, grads, cancelled, record)
+            result = self._push_sync(worker, step, grads, cancelled, record, hold)
         else:
             result = self._push_async(worker, step, grads, step_increment, ssp=mode == "ssp", cancelled=cancelled)
         if record is not None:
@@ -312,10 +314,10 @@ class Coordinator:
                 self._cond.notify_all()
         return result
 
-    def _duplicate(self, record: "_PushRecord", seq: int, worker: str, cancelled) -> PushResult:
+    def _duplicate(self, record: "_PushRecord", seq: int, worker: str, cancelled, hold: bool) -> PushResult:
         """The reply to a retried push (holds self._cond): never applied twice, released as the original."""
         if record.seq == seq and self.config.mode == "sync" and not record.stale:
-            return dataclasses.replace(self._await_release(worker, record.step, cancelled), duplicate=True)
+            return dataclasses.replace(self._await_release(worker, record.step, cancelled, hold), duplicate=True)
         if record.seq == seq:
             self._cond.wait_for(lambda: record.result is not None or cancelled() or self._closed)
         if record.seq != seq or record.result is None:
@@ -340,7 +342,8 @@ class Coordinator:
             current = self.store.step
         return PushResult(step=current, next_step=current, versions=versions, wait_seconds=waited)
 
-    def _push_sync(self, worker: str, step: int, grads, cancelled, record: "_PushRecord | None") -> PushResult:
+    def _push_sync(self, worker: str, step: int, grads, cancelled, record: "_PushRecord | None",
+                   hold: bool) -> PushResult:
         with self._cond:
             self._catch_up(step)
             if step < self.store.step:
@@ -352,12 +355,16 @@ class Coordinator:
                 return PushResult(step=current, next_step=current, stale=True, quorum=self._quorum)
             self._pending.setdefault(step, _StepBuffer()).add(worker, grads)
             self._apply_ready()
-            return self._await_release(worker, step, cancelled)
+            return self._await_release(worker, step, cancelled, hold)
 
-    def _await_release(self, worker: str, step: int, cancelled) -> PushResult:
-        """On shard 0, waits (holding self._cond) until `worker` may go on after pushing for `step`."""
+    def _await_release(self, worker: str, step: int, cancelled, hold: bool = False) -> PushResult:
+        """On shard 0 (any shard with `hold`), waits until `worker` may go on after pushing for `step`.
+
+        Holds self._cond. The worker may go on once this shard has applied
+        `step`, or while the step still wants more of its batches (R > N).
+        """
         start = self._now()
-        if self.owns_step:
+        if self.owns_step or hold:
             per_worker = self.config.batches_per_worker
 
             def may_go_on() -> bool:

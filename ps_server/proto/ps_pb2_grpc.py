@@ -135,14 +135,15 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushPull(self, request, context):
-        """Push then Pull in one unary call, for async and ssp modes: the
-        latency-bound step of a small model in one round trip and one message
-        each way. The gradients must fit in the request and the variables named
-        in the header's `pull` in the reply (each at most the shard's
-        --max-chunk-bytes, else INVALID_ARGUMENT: use Push and Pull). Applies the
-        gradients as Push does, then reads the variables as Pull does; the reply
-        carries the push's result. FAILED_PRECONDITION in sync mode, where a
-        worker must learn from shard 0 that its step was released before it reads.
+        """Push then Pull in one unary call: the latency-bound step of a small
+        model in one round trip and one message each way. The gradients must fit
+        in the request and the variables named in the header's `pull` in the
+        reply (each at most the shard's --max-chunk-bytes, else INVALID_ARGUMENT:
+        use Push and Pull). Applies the gradients as Push does, then reads the
+        variables as Pull does; the reply carries the push's result. In sync mode
+        every shard (not only shard 0) holds the reply until the worker may go on;
+        a client whose reply from some shard has `step` below shard 0's
+        `next_step` reads that shard again with min_step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,10 +42,12 @@ def _client(cluster, index: int) -> PSClient:
 
 
 def exact_worker(cluster, index: int, num_workers: int, batch: int, steps: int, optimizers: list[str],
-                 lease_seconds: float) -> None:
+                 lease_seconds: float, exchange: bool = False) -> None:
     """Sync R = N: trains one fresh model per optimizer (prefix '<opt>/') for `steps` steps.
 
-    Worker i takes rows i*b:(i+1)*b of each global batch of N*b rows.
+    Worker i takes rows i*b:(i+1)*b of each global batch of N*b rows. With
+    `exchange`, each step is ModuleBinding.exchange (PushPull held on every
+    shard) instead of push then pull.
     """
     x, y = make_data(steps, num_workers * batch)
     rows = slice(index * batch, (index + 1) * batch)
@@ -60,8 +62,11 @@ def exact_worker(cluster, index: int, num_workers: int, batch: int, steps: int, 
                                              wait_timeout=60.0)
             for k in range(steps):
                 backward(model, x[k, rows], y[k, rows])
-                binding.push()
-                binding.pull()
+                if exchange:
+                    binding.exchange()
+                else:
+                    binding.push()
+                    binding.pull()
 
 
 def steady_worker(cluster, index: int, *, mode: str, num_workers: int, replicas: int, lease_seconds: float,
