@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Iterable, Mapping, TypeVar
 
@@ -17,7 +18,8 @@ import torch
 
 from ..ps_server import codec, wire
 from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import ClusterConfigError, MalformedStreamError, ModeConflictError, PSError, TensorMismatchError
+from ..ps_server.errors import (ClusterConfigError, MalformedStreamError, ModeConflictError, PSError, TensorMismatchError,
+                                WaitTimeoutError)
 from ..ps_server.proto import ps_pb2
 from .channels import ShardChannels
 from ..ps_server.placement import Placement
@@ -28,6 +30,7 @@ __all__ = ["PSClient", "Optimizer"]
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
+WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for variables; the client repeats until its deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +172,10 @@ class PSClient:
 
         def create(shard: int, names: list[str]) -> list[bool]:
             def requests():
-                for name in names:
+                for i, name in enumerate(names):
                     value = tensors[name].detach().cpu()
-                    yield ps_pb2.CreateRequest(spec=ps_pb2.VariableSpec(name=name, meta=codec.meta_of(value), optimizer=spec))
+                    yield ps_pb2.CreateRequest(spec=ps_pb2.VariableSpec(name=name, meta=codec.meta_of(value), optimizer=spec),
+                                               count=len(names) if i == 0 else 0)
                     for chunk in codec.encode_chunks(name, value, self.chunk_bytes):
                         yield ps_pb2.CreateRequest(chunk=chunk)
             reply = self._channels.call(shard, lambda stub: stub.CreateVariables(requests(), wait_for_ready=True),
@@ -188,11 +192,20 @@ class PSClient:
         or ServerUnavailableError if a shard stays unreachable.
         """
         groups = self.placement.group(list(names))
+        deadline = time.monotonic() + timeout
 
         def wait(shard: int, shard_names: list[str]) -> None:
-            request = ps_pb2.ListRequest(names=shard_names, wait_seconds=timeout)
-            self._channels.call(shard, lambda stub: stub.ListVariables(request, wait_for_ready=True,
-                                                                       timeout=timeout + 30), idempotent=True)
+            while True:  # short server-side waits, so waiting workers never hold a shard's threads for long
+                remaining = deadline - time.monotonic()
+                request = ps_pb2.ListRequest(names=shard_names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
+                try:
+                    self._channels.call(shard, lambda stub: stub.ListVariables(
+                        request, wait_for_ready=True, timeout=WAIT_SLICE_SECONDS + 30), idempotent=True)
+                    return
+                except WaitTimeoutError as exc:
+                    if time.monotonic() >= deadline:
+                        raise WaitTimeoutError(str(exc).replace(f"waited {request.wait_seconds:g} s",
+                                                                f"waited {timeout:g} s")) from None
 
         self._each_shard(groups, wait, own_threads=True)
 
@@ -307,9 +320,10 @@ class PSClient:
         if first:
             yield wire.encode_push_request(header, [])
 
-    def _header(self, step: int, seq: int, advance_step: bool, pull: list[str] = ()) -> ps_pb2.PushHeader:
+    def _header(self, step: int, seq: int, advance_step: bool, tensors: int, pull: list[str] = ()
+                ) -> ps_pb2.PushHeader:
         return ps_pb2.PushHeader(worker=self.worker, step=step, step_increment=int(advance_step),
-                                 incarnation=self.incarnation, seq=seq, pull=pull)
+                                 incarnation=self.incarnation, seq=seq, pull=pull, tensors=tensors)
 
     def _finish_push(self, replies: Mapping[int, ps_pb2.PushResponse]) -> int:
         for shard, reply in replies.items():
@@ -348,7 +362,8 @@ class PSClient:
         lock = threading.Lock()
 
         def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
-            (request,) = self._push_messages(self._header(step, seq, advance_step, pulls.get(shard, [])), grads, names)
+            header = self._header(step, seq, advance_step, len(names), pulls.get(shard, []))
+            (request,) = self._push_messages(header, grads, names)
             return self._channels.call(
                 shard, lambda stub: self._receive([stub.PushPull(request, wait_for_ready=True)], sink, lock),
                 idempotent=True)
@@ -384,9 +399,10 @@ class PSClient:
         groups = self.placement.group(grads)
         groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
         seq = next(self._seq)
-        header = self._header(self.step if step is None else step, seq, advance_step)
+        step = self.step if step is None else step
 
         def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
+            header = self._header(step, seq, advance_step, len(names))
             return self._channels.call(
                 shard, lambda stub: stub.Push(self._push_messages(header, grads, names), wait_for_ready=True),
                 idempotent=True)

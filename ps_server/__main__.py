@@ -18,7 +18,7 @@ from .cluster import Cluster, TaskSpec
 from . import checkpoint
 from .errors import ClusterConfigError, PSError
 from .memory import tune_malloc
-from .server import DEFAULT_MAX_CHUNK_BYTES, create_server
+from .server import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_THREADS, create_server
 from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")
@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk accepted or sent (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=32, help="RPC worker threads (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help="RPC threads; a sync job needs more than twice its workers (default: %(default)s)")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks, and on start restore "
                         "this shard's newest one")
     parser.add_argument("--restore-from", help="start from the newest complete checkpoint in this folder, "
@@ -108,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     _LOGGER.info("ps %d serving on %s:%d (pid %d)", index, host, port, os.getpid())
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
-    server.stop(STOP_GRACE_SECONDS).wait()
+    if not server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5):
+        _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
+        logging.shutdown()
+        os._exit(0)  # handler threads that never return must not keep a stopped shard alive
     return 0
 
 

@@ -240,7 +240,10 @@ class ChunkAssembler:
             meta = chunk.meta
         if meta is None:
             raise MalformedStreamError(f"first chunk of {chunk.name!r} carries no meta (dtype and shape)")
-        nbytes = meta_nbytes(meta)
+        try:
+            nbytes = meta_nbytes(meta)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{chunk.name!r}: {exc}") from None
         if self._begin is not None:
             self._begin(chunk.name, meta)
         try:

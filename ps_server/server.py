@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from concurrent import futures
 from typing import Callable
 
@@ -14,12 +16,15 @@ from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
 from .sync import Coordinator
 
-__all__ = ["create_server", "SERVICE_NAME", "DEFAULT_MAX_CHUNK_BYTES"]
+__all__ = ["create_server", "SERVICE_NAME", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_THREADS"]
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 DEFAULT_MAX_CHUNK_BYTES = 16 << 20  # largest chunk a shard accepts; clients send 1 MiB by default
 _ENVELOPE_BYTES = 64 << 10  # room for names, meta and framing around a chunk's data
+# Every worker held for a sync release, or waiting in a min_step pull, occupies one RPC thread:
+# a sync job needs more threads than twice its workers.
+DEFAULT_THREADS = 128
 
 
 def create_server(
@@ -28,7 +33,7 @@ def create_server(
     address: str,
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    threads: int = 32,
+    threads: int = DEFAULT_THREADS,
     checkpoint_dir: str | None = None,
     restore: dict | None = None,
     on_shutdown: Callable[[str], None] | None = None,
@@ -41,6 +46,7 @@ def create_server(
     is a checkpoint state to start from; `on_shutdown(reason)` runs after a
     Shutdown call has been answered.
     """
+    _check_free(address)
     limit = max_chunk_bytes + _ENVELOPE_BYTES
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
@@ -70,3 +76,21 @@ def create_server(
         raise RuntimeError(f"cannot bind {address}: the port is in use or the host is not local")
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     return server, port
+
+
+def _check_free(address: str) -> None:
+    """RuntimeError with the reason if `address` cannot be bound (gRPC only says that it failed)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, ValueError) as exc:
+        raise RuntimeError(f"cannot bind {address}: {exc}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            hint = " (is another ps-server running there?)" if exc.errno == errno.EADDRINUSE else ""
+            raise RuntimeError(f"cannot bind {address}: {exc.strerror}{hint}") from None

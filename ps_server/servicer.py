@@ -18,6 +18,7 @@ import random
 from typing import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from . import checkpoint, codec, wire
 from .errors import InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError, PSError
@@ -29,6 +30,7 @@ __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "con
 
 _LOGGER = logging.getLogger(__name__)
 ERROR_METADATA_KEY = "torchps-error"
+MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; clients repeat shorter waits
 
 
 def _abort(context: grpc.ServicerContext, exc: PSError) -> None:
@@ -52,6 +54,27 @@ def _remaining(context: grpc.ServicerContext) -> float | None:
     """Seconds left before the call's deadline, or None without one (gRPC then reports a huge value)."""
     remaining = context.time_remaining()
     return None if remaining is None or remaining > 1e7 else max(0.0, remaining)
+
+
+def _decode(decode, raw: bytes):
+    """decode(raw), with any parse failure as MalformedStreamError (INVALID_ARGUMENT)."""
+    try:
+        return decode(raw)
+    except DecodeError as exc:
+        raise MalformedStreamError(f"malformed protobuf message: {exc}") from None
+
+
+def _decoded(request_iterator, decode):
+    """Decodes a request stream in the handler, not in gRPC: gRPC would end a stream whose next
+    message does not parse as if it had simply finished, and the handler would apply a prefix."""
+    for raw in request_iterator:
+        yield _decode(decode, raw)
+
+
+def _require_active(context: grpc.ServicerContext) -> None:
+    """Raises unless the call is still alive: gRPC may have cut the stream (an oversized message)."""
+    if not context.is_active():
+        raise MalformedStreamError("the call ended before the stream was complete; nothing was applied")
 
 
 def _map_errors(method):
@@ -96,8 +119,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def CreateVariables(self, request_iterator, context):
         requests: list[NewVariable] = []
         pending = None  # the spec whose initial value is arriving
+        declared = None
         assembler = codec.ChunkAssembler()
-        for message in request_iterator:
+        for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
+            if declared is None:
+                declared = message.count
             if message.HasField("spec"):
                 if pending is not None:
                     raise MalformedStreamError(f"no complete initial value for {pending.name!r} before the next spec")
@@ -115,6 +141,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     pending = None
         if pending is not None:
             raise MalformedStreamError(f"stream ended before the initial value of {pending.name!r} was complete")
+        if declared and len(requests) != declared:
+            raise MalformedStreamError(f"the stream declared {declared} variables but {len(requests)} arrived")
+        _require_active(context)
         created = self.store.create(requests)
         return ps_pb2.CreateResponse(created=created)
 
@@ -141,7 +170,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         In sync mode the reply waits until the worker may go on, as shard 0's
         reply to a Push does, so it carries the released step's values.
         """
-        header, _ = request
+        header, _ = _decode(wire.decode_push_request, request)
+        if header is None:
+            raise MalformedStreamError("a PushPull request must carry a header")
         names = list(header.pull)
         size = sum(self.store.get(name).nbytes for name in names)
         if size > self.max_chunk_bytes:
@@ -157,7 +188,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         grads = {}
         assembler = codec.ChunkAssembler(begin=self.store.check_gradient, pool=self._pool)
         try:
-            for message_header, chunks in request_iterator:
+            for message_header, chunks in _decoded(request_iterator, wire.decode_push_request):
                 if message_header is not None:
                     if header is not None:
                         raise MalformedStreamError("a Push stream carries its header twice")
@@ -171,6 +202,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             assembler.finish()
             if header is None:
                 raise MalformedStreamError("empty Push stream: no header")
+            if header.tensors and len(grads) != header.tensors:
+                raise MalformedStreamError(f"the push declared {header.tensors} tensors but {len(grads)} arrived "
+                                           f"complete; nothing was applied")
+            _require_active(context)
             context.add_callback(self.coordinator.wake)
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
@@ -227,7 +262,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         names = list(request.names)
         if names and request.wait_seconds > 0:
             context.add_callback(self.store.wake)
-            self.store.wait_for(names, request.wait_seconds, lambda: not context.is_active())
+            self.store.wait_for(names, min(request.wait_seconds, MAX_LIST_WAIT_SECONDS), lambda: not context.is_active())
         wanted = set(names)
         infos = []
         for name in self.store.names():
@@ -308,14 +343,15 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
     """Registers every RPC of ps.proto's ParameterServer service on `server`."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
     handlers = {
+        # Streams of requests, and PushPull, are decoded by the handlers (see _decoded).
         "CreateVariables": grpc.stream_unary_rpc_method_handler(
-            servicer.CreateVariables, ps_pb2.CreateRequest.FromString, ps_pb2.CreateResponse.SerializeToString),
+            servicer.CreateVariables, None, ps_pb2.CreateResponse.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, ps_pb2.PullRequest.FromString, bytes),  # Pull yields serialized messages
         "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push, wire.decode_push_request, ps_pb2.PushResponse.SerializeToString),
+            servicer.Push, None, ps_pb2.PushResponse.SerializeToString),
         "PushPull": grpc.unary_unary_rpc_method_handler(
-            servicer.PushPull, wire.decode_push_request, bytes),  # returns a serialized message
+            servicer.PushPull, None, bytes),  # returns a serialized message
         "UpdateOptimizer": grpc.unary_unary_rpc_method_handler(
             servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
             ps_pb2.UpdateOptimizerResponse.SerializeToString),

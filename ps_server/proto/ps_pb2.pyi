@@ -72,12 +72,14 @@ class VariableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("spec", "chunk")
+    __slots__ = ("spec", "chunk", "count")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     spec: VariableSpec
     chunk: TensorChunk
-    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    count: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class CreateResponse(_message.Message):
     __slots__ = ("created",)
@@ -86,20 +88,22 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "tensors")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
     incarnation: int
     seq: int
     pull: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensors: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., tensors: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunks")

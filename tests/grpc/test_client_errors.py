@@ -1,0 +1,239 @@
+"""Errors as PSClient users see them: torchps exceptions that say what to do, never grpc.RpcError.
+
+Also the client's patience: an unreachable shard fails after connect_timeout
+naming its address, a shard that starts late is waited for, and workers
+waiting for the chief's variables time out clearly or go on once they exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from torchps.client import (Cluster, NonFiniteGradientError, Optimizer, OptimizerSpecError, PSClient, PSError,
+                            ServerUnavailableError, SpecConflictError, TaskSpec, TensorMismatchError,
+                            UnknownVariableError, WaitTimeoutError)
+
+SLOW_CALL = 30.0  # loose upper bound in seconds for anything that "waits about the timeout" on a loaded machine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def raises_ps(error_class: type[PSError], *fragments: str):
+    """Like pytest.raises, also asserting the error is a PSError (not grpc.RpcError) whose message has `fragments`."""
+    with pytest.raises(Exception) as info:  # noqa: PT011 - checked precisely below
+        yield info
+    exc = info.value
+    assert not isinstance(exc, grpc.RpcError), f"grpc.RpcError reached the user: {exc!r}"
+    assert isinstance(exc, error_class), f"expected {error_class.__name__}, got {type(exc).__name__}: {exc}"
+    assert isinstance(exc, PSError)
+    for fragment in fragments:
+        assert fragment in str(exc), f"{str(exc)!r} should mention {fragment!r}"
+
+
+def sgd() -> Optimizer:
+    return Optimizer("sgd", lr=1.0)
+
+
+# -- server-side errors through the public API ----------------------------------------------
+
+
+def test_pull_of_name_never_declared(client):
+    with raises_ps(UnknownVariableError, "'ce/never'", "register"):
+        client.pull(["ce/never"])
+
+
+def test_pull_and_push_of_variable_never_created(client):
+    client.declare({"ce/ghost": torch.zeros(3)})
+    with raises_ps(UnknownVariableError, "'ce/ghost'", "create it first"):
+        client.pull(["ce/ghost"])
+    with raises_ps(UnknownVariableError, "'ce/ghost'"):
+        client.push({"ce/ghost": torch.ones(3)})
+
+
+@pytest.mark.parametrize("grad, error_class, fragments", [
+    pytest.param(torch.ones(2, 3), TensorMismatchError, ["float32[2, 3]", "float32[6]"], id="shape"),
+    pytest.param(torch.ones(6, dtype=torch.float64), TensorMismatchError, ["float64[6]", "float32[6]"], id="dtype"),
+    pytest.param(torch.tensor([1.0, float("nan"), 1, 1, 1, 1]), NonFiniteGradientError,
+                 ["NaN or Inf", "nothing was applied", "--allow-nonfinite"], id="nan"),
+    pytest.param(torch.tensor([1.0, 1, 1, 1, 1, float("inf")]), NonFiniteGradientError, ["NaN or Inf"], id="inf"),
+])
+def test_bad_push_raises_and_changes_nothing(client, request, grad, error_class, fragments):
+    name = f"ce/push-{request.node.callspec.id}"
+    client.create_variables({name: torch.arange(6, dtype=torch.float32)}, sgd())
+    step = client.global_step()
+    with raises_ps(error_class, repr(name), *fragments):
+        client.push({name: grad})
+    assert torch.equal(client.pull([name])[name], torch.arange(6, dtype=torch.float32))
+    assert client.global_step() == step
+
+
+def test_create_with_another_spec_shows_both(client):
+    client.create_variables({"ce/spec": torch.zeros(4)}, sgd())
+    assert client.create_variables({"ce/spec": torch.ones(4)}, sgd()) == {"ce/spec": False}
+    with raises_ps(SpecConflictError, "'ce/spec'", "float32[4]", "float32[5]", "Use another name"):
+        client.create_variables({"ce/spec": torch.zeros(5)}, sgd())
+    with raises_ps(SpecConflictError, "lr=1", "lr=0.5"):
+        client.create_variables({"ce/spec": torch.zeros(4)}, Optimizer("sgd", lr=0.5))
+    assert torch.equal(client.pull(["ce/spec"])["ce/spec"], torch.zeros(4))
+
+
+def test_unknown_optimizer_and_hyperparameter(client):
+    with raises_ps(OptimizerSpecError, "'rmsprop'", "available"):
+        client.create_variables({"ce/opt": torch.zeros(2)}, Optimizer("rmsprop", lr=0.1))
+    with raises_ps(OptimizerSpecError, "betaz", "allowed"):
+        client.create_variables({"ce/opt": torch.zeros(2)}, Optimizer("sgd", lr=0.1, betaz=0.5))
+    client.create_variables({"ce/opt": torch.zeros(2)}, sgd())
+    with raises_ps(OptimizerSpecError, "betaz", "allowed"):
+        client.set_hyperparams(["ce/opt"], betaz=0.5)
+
+
+def test_pull_into_wrong_local_tensor(client):
+    client.create_variables({"ce/into": torch.zeros(4)}, sgd())
+    with raises_ps(TensorMismatchError, "'ce/into'", "float32[4]", "float32[2, 2]"):
+        client.pull_into({"ce/into": torch.empty(2, 2)})
+
+
+# -- reachability ----------------------------------------------------------------------------
+
+
+def test_unreachable_shard_raises_server_unavailable_naming_it():
+    address = f"127.0.0.1:{free_port()}"
+    with PSClient(Cluster(ps=(address,)), connect_timeout=2) as ps:
+        for call in (lambda: ps.create_variables({"w": torch.zeros(2)}, sgd()),
+                     lambda: ps.push({"w": torch.ones(2)})):
+            start = time.monotonic()
+            with raises_ps(ServerUnavailableError, address, "ps-server"):
+                call()
+            elapsed = time.monotonic() - start
+            assert 1.0 <= elapsed < SLOW_CALL, f"raised after {elapsed:.1f} s with connect_timeout=2"
+
+
+def test_shard_that_starts_late_is_waited_for(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "late-ps.log", "wb")
+    procs: list[subprocess.Popen] = []
+    delay = 2.0
+
+    def start_late():
+        time.sleep(delay)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", f"127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+
+    starter = threading.Thread(target=start_late)
+    try:
+        with PSClient(Cluster(ps=(f"127.0.0.1:{port}",)), connect_timeout=60) as ps:
+            start = time.monotonic()
+            starter.start()
+            assert ps.create_variables({"late/w": torch.arange(4.0)}, sgd()) == {"late/w": True}
+            assert time.monotonic() - start >= delay
+            assert torch.equal(ps.pull(["late/w"])["late/w"], torch.arange(4.0))
+    finally:
+        starter.join()
+        log.close()
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# -- waiting for the chief -------------------------------------------------------------------
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+
+
+def test_non_chief_wait_times_out_naming_missing_variable(shared_cluster):
+    with PSClient(shared_cluster.cluster, task=TaskSpec("worker", 1), connect_timeout=10) as worker:
+        assert not worker.is_chief
+        start = time.monotonic()
+        with raises_ps(WaitTimeoutError, "'wt/0.weight'", "chief"):
+            worker.register_module(_model(), sgd(), prefix="wt/", wait_timeout=1.0, join=False)
+        assert time.monotonic() - start < SLOW_CALL
+        worker.declare({"wt/extra": torch.zeros(1)})
+        with raises_ps(WaitTimeoutError, "'wt/extra'"):
+            worker.wait_for_variables(["wt/extra"], timeout=0.5)
+
+
+def test_non_chief_wait_succeeds_once_chief_creates(shared_cluster):
+    cluster = shared_cluster.cluster
+    results: dict[str, object] = {}
+
+    def worker_side():
+        try:
+            with PSClient(cluster, task=TaskSpec("worker", 1), connect_timeout=10) as worker:
+                module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))  # other initial values
+                worker.register_module(module, sgd(), prefix="ws/", wait_timeout=SLOW_CALL, join=False)
+                results["values"] = [p.detach().clone() for p in module.parameters()]
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            results["error"] = exc
+
+    waiter = threading.Thread(target=worker_side)
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive(), f"the worker did not wait: {results}"
+    with PSClient(cluster, task=TaskSpec("worker", 0), connect_timeout=10) as chief:
+        model = _model()
+        chief.register_module(model, sgd(), create=True, prefix="ws/", join=False)
+    waiter.join(SLOW_CALL + 10)
+    assert not waiter.is_alive()
+    assert "error" not in results, results.get("error")
+    assert time.monotonic() - start < SLOW_CALL
+    for got, want in zip(results["values"], model.parameters()):
+        assert torch.equal(got, want.detach())
+
+
+def test_many_waiting_workers_do_not_starve_the_chief(local_cluster):
+    """Workers blocked waiting for variables must not take every RPC thread the chief's create needs."""
+    local = local_cluster(1, server_args=["--threads", "2"])
+    names = {"starve/w": torch.arange(3.0)}
+    errors: list[BaseException] = []
+
+    def wait():
+        try:
+            with PSClient(local.cluster, task=TaskSpec("worker", 1), connect_timeout=10) as worker:
+                worker.declare(names)
+                worker.wait_for_variables(names, timeout=12)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    waiters = [threading.Thread(target=wait) for _ in range(3)]
+    for thread in waiters:
+        thread.start()
+    time.sleep(1.0)
+    with PSClient(local.cluster, connect_timeout=10) as chief:
+        created: dict = {}
+        creator = threading.Thread(target=lambda: created.update(chief.create_variables(names, sgd())))
+        start = time.monotonic()
+        creator.start()
+        creator.join(6)
+        finished = not creator.is_alive()
+        creator.join(60)
+        for thread in waiters:
+            thread.join(60)
+    assert finished, (f"create_variables was still blocked after 6 s (it took {time.monotonic() - start:.1f} s): "
+                      f"the waiting workers hold every RPC thread of the shard")
+    assert created == {"starve/w": True}
+    assert not errors, errors

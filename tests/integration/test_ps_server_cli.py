@@ -1,0 +1,227 @@
+"""The `ps-server` command line, run as a real process (`python -m torchps.ps_server`).
+
+Configuration mistakes must end the process with a non-zero code and ONE clear
+line on stderr ("ps-server: error: ..."), never a traceback; a good
+configuration serves on the right address, reports its port and a ready line,
+and SIGTERM / SIGINT end it promptly with code 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from torchps.ps_server.proto import ps_pb2, ps_pb2_grpc
+
+PS_SERVER = [sys.executable, "-m", "torchps.ps_server"]
+START_TIMEOUT = 60.0  # seconds for a shard to import torch and grpc on a loaded 2-core machine
+EXIT_TIMEOUT = 10.0  # "exits within a few seconds" (STOP_GRACE_SECONDS is 2)
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (bound to 127.0.0.1:0, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def environ(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TORCHPS_LOG_LEVEL")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_to_exit(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*PS_SERVER, *args], env=env or environ(), capture_output=True, text=True,
+                          timeout=START_TIMEOUT, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert result.returncode != 0, f"expected failure, got exit 0; stderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{result.stderr}"
+    (line,) = lines
+    assert line.startswith("ps-server: error: "), line
+    for fragment in fragments:
+        assert fragment in line, f"{line!r} should mention {fragment!r}"
+    return line
+
+
+@contextlib.contextmanager
+def ps_server(args: list[str], tmp_path: pathlib.Path, env: dict[str, str] | None = None):
+    """A running ps-server process; its stderr goes to a file (read it with `log_of`). Killed at exit."""
+    log_path = tmp_path / f"ps-server-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*PS_SERVER, *args], env=env or environ(), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    proc.log_path = log_path
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def log_of(proc) -> str:
+    return proc.log_path.read_text(errors="replace")
+
+
+def wait_for_log(proc, pattern: str, timeout: float = START_TIMEOUT) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while True:
+        match = re.search(pattern, log_of(proc), re.MULTILINE)
+        if match:
+            return match
+        assert proc.poll() is None, f"ps-server exited with {proc.returncode} before logging {pattern!r}:\n{log_of(proc)}"
+        assert time.monotonic() < deadline, f"ps-server never logged {pattern!r}:\n{log_of(proc)}"
+        time.sleep(0.05)
+
+
+def status(address: str) -> ps_pb2.StatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).GetStatus(ps_pb2.StatusRequest(), timeout=10,
+                                                                  wait_for_ready=True)
+
+
+def stop_with(proc, signum: int) -> int:
+    proc.send_signal(signum)
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=EXIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ps-server still running {EXIT_TIMEOUT:g} s after {signal.Signals(signum).name}:\n{log_of(proc)}")
+    assert time.monotonic() - start < EXIT_TIMEOUT
+    return code
+
+
+def test_console_script_installed():
+    script = pathlib.Path(sys.executable).parent / "ps-server"
+    assert script.is_file() and os.access(script, os.X_OK), f"{script} missing: is torchps installed?"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=START_TIMEOUT,
+                            env=environ())
+    assert result.returncode == 0, result.stderr
+    for flag in ("--index", "--cluster", "--bind", "--port-file", "--allow-nonfinite", "--max-chunk-bytes"):
+        assert flag in result.stdout
+
+
+ONE_PS = '{"ps": ["127.0.0.1:5001"]}'
+TWO_PS = '{"ps": ["127.0.0.1:5001", "127.0.0.1:5002"]}'
+
+
+@pytest.mark.parametrize("args, env, fragments", [
+    pytest.param(["--index", "0", "--cluster", '{"ps": ["127.0.0.1:5001",'], {}, ["does not parse"],
+                 id="unparsable-json"),
+    pytest.param(["--index", "2", "--cluster", TWO_PS], {}, ["ps:2", "2 ps task"], id="index-out-of-range"),
+    pytest.param(["--index", "-1", "--cluster", TWO_PS], {}, ["ps:-1"], id="negative-index"),
+    pytest.param(["--index", "0", "--cluster", '{"ps": ["127.0.0.1:5001"], "worker": ["127.0.0.1:5001"]}'], {},
+                 ["127.0.0.1:5001", "twice"], id="duplicate-address"),
+    pytest.param(["--cluster", TWO_PS], {}, ["--index"], id="missing-index"),
+    pytest.param([], {"TF_CONFIG": json.dumps({"cluster": {**json.loads(TWO_PS), "worker": ["127.0.0.1:5003"]},
+                                              "task": {"type": "worker", "index": 0}})},
+                 ["--index"], id="tf-config-task-not-ps"),
+    pytest.param([], {"TF_CONFIG": '{"cluster": {"ps": ['}, ["TF_CONFIG"], id="tf-config-unparsable"),
+    pytest.param([], {}, ["TF_CONFIG"], id="no-cluster-at-all"),
+    pytest.param(["--index", "0", "--cluster", "/nonexistent/cluster.json"], {}, ["/nonexistent/cluster.json"],
+                 id="cluster-file-missing"),
+    pytest.param(["--index", "0", "--cluster", '{"ps": ["no-port-here"]}'], {}, ["'no-port-here'", "host:port"],
+                 id="bad-address"),
+])
+def test_bad_cluster_is_one_clear_line(args, env, fragments):
+    assert_one_line_error(run_to_exit(args, environ(**env)), *fragments)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum):
+    port_file = tmp_path / "ps.port"
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
+        ready = wait_for_log(proc, r"^.*serving.*$")
+        assert port_file.exists(), "the port file must be written before the ready line"
+        port = int(port_file.read_text())
+        assert 0 < port < 65536
+        assert not port_file.with_suffix(".tmp").exists()
+        line = ready.group(0)
+        for fragment in ("ps 0", f"127.0.0.1:{port}", f"pid {proc.pid}"):
+            assert fragment in line, f"ready line {line!r} should mention {fragment!r}"
+        assert log_of(proc).count("serving") == 1, log_of(proc)
+        reply = status(f"127.0.0.1:{port}")
+        assert reply.index == 0 and reply.pid == proc.pid
+        assert stop_with(proc, signum) == 0, log_of(proc)
+        assert "Traceback" not in log_of(proc), log_of(proc)
+
+
+def test_sigterm_with_a_call_waiting(tmp_path):
+    """A worker blocked in a long ListVariables wait must not keep the shard from stopping."""
+    port_file = tmp_path / "ps.port"
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
+        wait_for_log(proc, "serving")
+        address = f"127.0.0.1:{port_file.read_text()}"
+        with grpc.insecure_channel(address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            waiting = stub.ListVariables.future(ps_pb2.ListRequest(names=["never"], wait_seconds=120), timeout=150)
+            time.sleep(0.5)
+            assert not waiting.done()
+            assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
+            with pytest.raises(grpc.RpcError):
+                waiting.result(timeout=30)
+
+
+def test_sigterm_after_garbage_input(tmp_path):
+    """Streams whose bytes are not protobuf (gRPC fails to deserialize them) must not keep the shard from stopping."""
+    port_file = tmp_path / "ps.port"
+    junk = b"\xff" * 12 + b"not a protobuf"
+    header = ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="w")).SerializeToString()
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
+        wait_for_log(proc, "serving")
+        with grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as channel:
+            for method, messages in (("CreateVariables", [junk]), ("Push", [header, junk])):
+                call = channel.stream_unary(f"/torchps.v1.ParameterServer/{method}", request_serializer=lambda b: b,
+                                            response_deserializer=lambda b: b)
+                for _ in range(10):  # each such call leaves the shard unable to stop with some probability
+                    with pytest.raises(grpc.RpcError):
+                        call(iter(messages), timeout=10)
+            assert status(f"127.0.0.1:{port_file.read_text()}").pid == proc.pid  # still serving
+        assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
+
+
+def test_tf_config_serves_on_own_entry(tmp_path):
+    ports = [free_port(), free_port()]
+    while ports[0] == ports[1]:
+        ports[1] = free_port()
+    cluster = {"ps": [f"127.0.0.1:{p}" for p in ports], "worker": ["127.0.0.1:1"]}
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 1}})
+    with ps_server([], tmp_path, env=environ(TF_CONFIG=tf_config)) as proc:
+        line = wait_for_log(proc, r"^.*serving.*$").group(0)
+        assert "ps 1" in line and f"127.0.0.1:{ports[1]}" in line, line
+        reply = status(cluster["ps"][1])
+        assert reply.index == 1 and reply.pid == proc.pid
+        with grpc.insecure_channel(cluster["ps"][0]) as other:  # ps 0's entry is not ours to serve
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(other).result(timeout=0.5)
+        assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
+
+
+@pytest.mark.parametrize("how", ["bind", "cluster"])
+def test_port_in_use_is_one_clear_line(how):
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", 0))
+        occupant.listen()
+        address = f"127.0.0.1:{occupant.getsockname()[1]}"
+        if how == "bind":
+            args = ["--index", "0", "--bind", address]
+        else:
+            args = ["--index", "0", "--cluster", json.dumps({"ps": [address]})]
+        assert_one_line_error(run_to_exit(args), "cannot bind", address, "in use")
