@@ -478,8 +478,8 @@ class PSClient:
     def join(self) -> int:
         """Announces this worker to every shard and returns the step to start at.
 
-        In sync and ssp modes it then keeps its lease alive with heartbeats
-        from a background thread until leave() or close(). Idempotent.
+        It then keeps its lease alive with heartbeats from a background
+        thread until leave() or close(). Idempotent.
         """
         def join(shard: int, step: int) -> ps_pb2.JoinResponse:
             ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=step)
@@ -491,7 +491,7 @@ class PSClient:
             self._each_shard(others, lambda shard, _: join(shard, lead.step))
         self.mode = lead.config
         self.step = lead.step
-        if lead.config.mode in ("sync", "ssp") and self._heartbeat is None:
+        if self._heartbeat is None:
             self._heartbeat_stop.clear()
             self._heartbeat = threading.Thread(target=self._beat, args=(lead.config.lease_seconds / 3,),
                                                name="torchps-heartbeat", daemon=True)

@@ -181,9 +181,7 @@ class Coordinator:
             self.config = config
             self._configured_at = self._now()
             self._quorum = self._compute_quorum(self._configured_at)
-            if config.mode != "async" and self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
-                self._reaper.start()
+            self._ensure_reaper()
             self._cond.notify_all()
         _LOGGER.info("mode set: %s", config)
         return True
@@ -394,7 +392,15 @@ class Coordinator:
 
     # -- internals (hold self._cond) -------------------------------------------------------------
 
+    def _ensure_reaper(self) -> None:
+        """Starts the lease reaper (holds self._cond): leases hold in every mode, so that async jobs
+        too notice a dead worker (the chief waits for live workers before it ends the job)."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+            self._reaper.start()
+
     def _touch(self, worker: str, incarnation: int, start_step: int = 0) -> None:
+        self._ensure_reaper()
         now = self._now()
         member = self._members.get(worker)
         in_grace = now < self._configured_at + self.config.startup_grace_seconds
