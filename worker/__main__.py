@@ -27,10 +27,11 @@ from ..ps_server.memory import tune_malloc
 from ..ps_server.optimizers import OPTIMIZERS
 from .data import DatasetNotFoundError, default_dataset_name
 from .models import MODELS, build_model, load_entry
-from .chief import Checkpointer, finish_job
+from .chief import FINAL_WAIT_SECONDS, Checkpointer, finish_job
 from .trainer import TrainOptions, evaluate, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
+EVALUATOR_CONNECT_SECONDS = 10.0
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     job.model.to(device)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with PSClient(cluster, task=task) as client:
+        # An evaluator gives up on unreachable shards sooner: after the job they are gone for good.
+        with PSClient(cluster, task=task, connect_timeout=EVALUATOR_CONNECT_SECONDS if task.type == "evaluator"
+                      else 60.0) as client:
             summary = run_task(client, cluster, task, job, args, device)
     except PSError as exc:
         print(f"ps-worker: {task}: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -143,12 +146,20 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     optimizer = optimizer_from_flags(args.optimizer, args.lr, args.momentum, args.weight_decay)
     replicas = len(cluster.chief) + len(cluster.worker)
     if task.type == "evaluator":
-        binding = client.register_module(job.model, create=False, join=False)
-        step, accuracy = run_evaluator(
-            client, job, binding, device=device, interval=args.eval_interval, target_steps=args.steps,
-            timeout=24 * 3600,
-            on_eval=(lambda s, a: writer.add_scalar("eval/accuracy", a, s)) if writer else None)
-        return {"role": str(task), "global_step": step, "test_accuracy": accuracy,
+        binding = client.register_module(job.model, create=False, join=False, wait_timeout=FINAL_WAIT_SECONDS)
+        last = [0, float("nan")]
+
+        def on_eval(step: int, accuracy: float) -> None:
+            last[:] = [step, accuracy]
+            if writer is not None:
+                writer.add_scalar("eval/accuracy", accuracy, step)
+
+        try:
+            run_evaluator(client, job, binding, device=device, interval=args.eval_interval,
+                          target_steps=args.steps, timeout=24 * 3600, on_eval=on_eval)
+        except Terminated:
+            _LOGGER.info("evaluator: SIGTERM; stopping")
+        return {"role": str(task), "global_step": last[0], "test_accuracy": last[1],
                 "wall_seconds": time.monotonic() - started}
     if client.is_chief:
         client.configure(args.mode, replicas_to_aggregate=args.replicas_to_aggregate, total_num_replicas=replicas,

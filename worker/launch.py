@@ -174,8 +174,12 @@ class Launcher:
                     failed[task] = proc
                     self.say(f"[launch] {task} exited with code {code}; the others go on")
             time.sleep(0.2)
-        if self.evaluator:
-            self._wait(self.procs[TaskSpec("evaluator", 0)], STOP_GRACE_SECONDS * 3)
+        if self.evaluator:  # it ends by itself once the workers are gone; else SIGTERM makes it report
+            evaluator = self.procs[TaskSpec("evaluator", 0)]
+            self._wait(evaluator, STOP_GRACE_SECONDS)
+            if evaluator.popen.poll() is None:
+                evaluator.popen.send_signal(signal.SIGTERM)
+                self._wait(evaluator, STOP_GRACE_SECONDS)
         failed.update({p.task: p for p in self.procs.values()
                        if p.task.type != "ps" and p.popen.poll() not in (None, 0)})
         for proc in failed.values():
@@ -192,18 +196,21 @@ class Launcher:
             pass
 
     def stop(self) -> None:
-        """SIGTERM to every live process, SIGKILL after a grace period; no process is left behind."""
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for proc in self.procs.values():
-            self._wait(proc, max(0.0, deadline - time.monotonic()))
-            if proc.popen.poll() is None:
-                proc.popen.kill()
-                proc.popen.wait()
-            if proc.reader is not None:
-                proc.reader.join(timeout=5)
+        """Stops every live process: workers and evaluator first (they leave the job while the shards
+        still answer), then the shards; SIGTERM, then SIGKILL after a grace period. None is left behind."""
+        for group in ([p for p in self.procs.values() if p.task.type != "ps"],
+                      [p for p in self.procs.values() if p.task.type == "ps"]):
+            for proc in group:
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            for proc in group:
+                self._wait(proc, max(0.0, deadline - time.monotonic()))
+                if proc.popen.poll() is None:
+                    proc.popen.kill()
+                    proc.popen.wait()
+                if proc.reader is not None:
+                    proc.reader.join(timeout=5)
         self._tmp.cleanup()
 
 

@@ -1,0 +1,51 @@
+"""A tests-only `--entry` for ps-worker whose loss raises in one chosen task after some steps.
+
+    TORCHPS_TEST_FAIL_TASK=worker:1 TORCHPS_TEST_FAIL_AFTER=5 PYTHONPATH=tests/integration \
+        ps-launch --entry failing_entry:task ...
+
+ps-launch gives every process the same environment, so the task tells itself
+apart by the --task-type/--index that ps-launch puts on its command line (or
+by TF_CONFIG's task when started that way). The model and data are ps-worker's
+built-in MLP on mnist5k; the loss of the chosen task raises FAILURE_MESSAGE on
+its call number TORCHPS_TEST_FAIL_AFTER + 1, so that task has pushed exactly
+TORCHPS_TEST_FAIL_AFTER gradients before it dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from torch import nn
+
+from torchps.worker.models import build_model
+
+FAILURE_MESSAGE = "injected failure for the test"
+
+
+def this_task() -> str:
+    argv = sys.argv
+    if "--task-type" in argv:
+        kind = argv[argv.index("--task-type") + 1]
+        index = argv[argv.index("--index") + 1] if "--index" in argv else "0"
+        return f"{kind}:{index}"
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    return f"{task.get('type')}:{task.get('index', 0)}"
+
+
+def task():
+    job = build_model("mlp", "mnist5k", 100)
+    if this_task() != os.environ.get("TORCHPS_TEST_FAIL_TASK"):
+        return job.model, job.dataset, nn.functional.cross_entropy
+    fail_after = int(os.environ.get("TORCHPS_TEST_FAIL_AFTER", "5"))
+    calls = 0
+
+    def loss(logits, labels):
+        nonlocal calls
+        calls += 1
+        if calls > fail_after:
+            raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} after {fail_after} steps)")
+        return nn.functional.cross_entropy(logits, labels)
+
+    return job.model, job.dataset, loss

