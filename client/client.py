@@ -178,7 +178,7 @@ class PSClient:
                                                count=len(names) if i == 0 else 0)
                     for chunk in codec.encode_chunks(name, value, self.chunk_bytes):
                         yield ps_pb2.CreateRequest(chunk=chunk)
-            reply = self._channels.call(shard, lambda stub: stub.CreateVariables(requests(), wait_for_ready=True),
+            reply = self._channels.call(shard, lambda stub: stub.CreateVariables(requests()),
                                         idempotent=True)
             return list(reply.created)
 
@@ -200,7 +200,7 @@ class PSClient:
                 request = ps_pb2.ListRequest(names=shard_names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
                 try:
                     self._channels.call(shard, lambda stub: stub.ListVariables(
-                        request, wait_for_ready=True, timeout=WAIT_SLICE_SECONDS + 30), idempotent=True)
+                        request, timeout=WAIT_SLICE_SECONDS + 30), idempotent=True)
                     return
                 except WaitTimeoutError as exc:
                     if time.monotonic() >= deadline:
@@ -212,7 +212,7 @@ class PSClient:
     def list_variables(self) -> list[ps_pb2.VariableInfo]:
         """Every variable on every shard (spec, version, bytes), shard by shard."""
         replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.ListVariables(ps_pb2.ListRequest(), wait_for_ready=True), idempotent=True))
+            shard, lambda stub: stub.ListVariables(ps_pb2.ListRequest()), idempotent=True))
         return [info for shard in sorted(replies) for info in replies[shard].variables]
 
     # -- pull and push ------------------------------------------------------------------------
@@ -285,7 +285,7 @@ class PSClient:
         def pull(shard: int, shard_names: list[str]) -> int:
             def run(stub) -> int:
                 request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step)
-                return self._receive(stub.Pull(request, wait_for_ready=True), sink, lock)[0]
+                return self._receive(stub.Pull(request), sink, lock)[0]
             return self._channels.call(shard, run, idempotent=True)
 
         steps = self._each_shard(groups, pull)
@@ -365,7 +365,7 @@ class PSClient:
             header = self._header(step, seq, advance_step, len(names), pulls.get(shard, []))
             (request,) = self._push_messages(header, grads, names)
             return self._channels.call(
-                shard, lambda stub: self._receive([stub.PushPull(request, wait_for_ready=True)], sink, lock),
+                shard, lambda stub: self._receive([stub.PushPull(request)], sink, lock),
                 idempotent=True)
 
         replies = self._each_shard({s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange)
@@ -404,7 +404,7 @@ class PSClient:
         def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
             header = self._header(step, seq, advance_step, len(names))
             return self._channels.call(
-                shard, lambda stub: stub.Push(self._push_messages(header, grads, names), wait_for_ready=True),
+                shard, lambda stub: stub.Push(self._push_messages(header, grads, names)),
                 idempotent=True)
 
         return self._finish_push(self._each_shard(groups, push))
@@ -431,7 +431,7 @@ class PSClient:
             request = ps_pb2.SaveRequest(step=target, manifest_json=manifest, keep=keep)
             try:
                 replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-                    shard, lambda stub: stub.Save(request, wait_for_ready=True, timeout=timeout), idempotent=True),
+                    shard, lambda stub: stub.Save(request, timeout=timeout), idempotent=True),
                     own_threads=True)
             except ModeConflictError as exc:
                 if step is not None or "past the requested" not in str(exc):
@@ -473,7 +473,7 @@ class PSClient:
                                    total_num_replicas=total_num_replicas, max_staleness=max_staleness,
                                    lease_seconds=lease_seconds, startup_grace_seconds=startup_grace_seconds)
         self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.Configure(config, wait_for_ready=True), idempotent=True))
+            shard, lambda stub: stub.Configure(config), idempotent=True))
 
     def join(self) -> int:
         """Announces this worker to every shard and returns the step to start at.
@@ -483,7 +483,7 @@ class PSClient:
         """
         def join(shard: int, step: int) -> ps_pb2.JoinResponse:
             ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=step)
-            return self._channels.call(shard, lambda stub: stub.Join(ref, wait_for_ready=True), idempotent=True)
+            return self._channels.call(shard, lambda stub: stub.Join(ref), idempotent=True)
 
         lead = join(GLOBAL_STEP_SHARD, 0)  # shard 0 first: the others learn the step this worker starts at
         others = {s: [] for s in range(self.cluster.num_ps) if s != GLOBAL_STEP_SHARD}
@@ -506,7 +506,7 @@ class PSClient:
             self._heartbeat = None
         ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
         self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.Leave(ref, wait_for_ready=True, timeout=10), idempotent=True))
+            shard, lambda stub: stub.Leave(ref, timeout=10), idempotent=True))
         self.mode = None
 
     def _note_generation(self, shard: int, generation: int) -> None:
@@ -538,7 +538,7 @@ class PSClient:
 
         def update(shard: int, shard_names: list[str]) -> int:
             request = ps_pb2.UpdateOptimizerRequest(names=shard_names, hyperparams=wire)
-            return self._channels.call(shard, lambda stub: stub.UpdateOptimizer(request, wait_for_ready=True),
+            return self._channels.call(shard, lambda stub: stub.UpdateOptimizer(request),
                                        idempotent=True).updated
 
         return sum(self._each_shard(groups, update).values())
@@ -549,7 +549,7 @@ class PSClient:
 
     def status(self, shard: int) -> ps_pb2.StatusResponse:
         """One shard's status (index, step, variable count, bytes, pid)."""
-        return self._channels.call(shard, lambda stub: stub.GetStatus(ps_pb2.StatusRequest(), wait_for_ready=True),
+        return self._channels.call(shard, lambda stub: stub.GetStatus(ps_pb2.StatusRequest()),
                                    idempotent=True)
 
     # -- modules --------------------------------------------------------------------------------

@@ -143,5 +143,8 @@ def prune(directory: str | os.PathLike, index: int, keep: int) -> None:
     for step in mine[:-keep]:
         shard_path(directory, step, index).unlink(missing_ok=True)
         folder = _step_dir(directory, step)
-        if all(p.name == "manifest.json" for p in folder.iterdir()):  # no shard file, finished or in progress
-            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            if all(p.name == "manifest.json" for p in folder.iterdir()):  # no shard file, done or in progress
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:  # another shard pruned it first
+            continue

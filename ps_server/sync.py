@@ -197,8 +197,9 @@ class Coordinator:
     def snapshot_at(self, step: int, timeout: float | None, cancelled: Callable[[], bool] = lambda: False) -> dict:
         """The shard's state (variables, optimizer state, step, mode) taken right when its step reaches `step`.
 
-        0 takes it now. Blocks until then (WaitTimeoutError after `timeout` s);
-        ModeConflictError if the shard is already past `step`.
+        0 takes it now, and so does a job whose workers have all gone (nobody
+        would take the shard to `step`). Blocks until then (WaitTimeoutError
+        after `timeout` s); ModeConflictError if the shard is already past `step`.
         """
         with self._cond:
             current = self.store.step
@@ -208,11 +209,18 @@ class Coordinator:
                 raise ModeConflictError(f"this shard is already at step {current}, past the requested {step}; "
                                         f"ask for a later step")
             self._saves_due.add(step)
-            done = self._cond.wait_for(lambda: step in self._snapshots or cancelled() or self._closed, timeout)
+
+            def idle() -> bool:  # the job has ended: no worker will take the shard to `step`
+                return self._members and not self.live_workers_locked() and not self._pending
+
+            done = self._cond.wait_for(lambda: step in self._snapshots or idle() or cancelled() or self._closed,
+                                       timeout)
             self._saves_due.discard(step)
-            if not done or step not in self._snapshots:
-                raise WaitTimeoutError(f"the shard did not reach step {step} (at {self.store.step}) in time to save")
-            return self._snapshots.pop(step)
+            if step in self._snapshots:
+                return self._snapshots.pop(step)
+            if done and idle():
+                return self._snapshot()
+            raise WaitTimeoutError(f"the shard did not reach step {step} (at {self.store.step}) in time to save")
 
     def _snapshot(self) -> dict:
         return {"step": self.store.step, "config": dataclasses.asdict(self.config), "variables": self.store.snapshot()}
