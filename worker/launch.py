@@ -32,7 +32,7 @@ from .local_cluster import ps_server_command
 
 __all__ = ["main", "Launcher"]
 
-DEMO_FLAGS = ["--model", "mlp", "--epochs", "5", "--lr", "0.1", "--momentum", "0.9"]
+DEMO_FLAGS = ["--model", "mlp", "--epochs", "10", "--lr", "0.1", "--momentum", "0.9"]
 START_TIMEOUT_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10.0
 TAIL_LINES = 15
