@@ -4,7 +4,7 @@
 """
 
 from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import (ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
+from ..ps_server.errors import (CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
                                 ModeConflictError, NonFiniteGradientError, OptimizerSpecError, PSError, ServerUnavailableError,
                                 SpecConflictError, TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from .client import Optimizer, PSClient
@@ -14,6 +14,7 @@ from ..ps_server.memory import tune_malloc
 from ..ps_server.placement import Placement
 
 __all__ = [
+    "CheckpointError",
     "Cluster",
     "ClusterConfigError",
     "InternalServerError",

@@ -1,10 +1,12 @@
 """One gRPC channel and stub per shard, with readiness waits and retries.
 
-`ShardChannels.call(shard, fn, idempotent=...)` runs `fn(stub)` against a
-shard: it first waits (with gRPC's reconnect backoff) until the shard is
-reachable or `connect_timeout` passes, raising ServerUnavailableError naming
-the address; an idempotent call that then fails with UNAVAILABLE is retried the
-same way until that deadline.
+`ShardChannels.call(shard, fn)` runs `fn(stub)` against a shard: it first
+waits (with gRPC's reconnect backoff) until the shard is reachable or
+`connect_timeout` passes, raising ServerUnavailableError naming the address; a
+call that then fails with UNAVAILABLE is retried the same way, for up to
+`connect_timeout` from the failure. Every call torchps makes may be retried:
+creates and optimizer updates are idempotent, and pushes carry numbers that
+shards deduplicate.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class ShardChannels:
                 f"is ps-server running there and is the address right?") from None
         self._ready[shard] = True
 
-    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub], T], *, idempotent: bool) -> T:
+    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub], T]) -> T:
         """Runs fn(stub) for `shard`, mapping errors to PSError; see the module docstring."""
         deadline = time.monotonic() + self.connect_timeout
+        failed = False
         while True:
             if not self._ready[shard]:
                 self.wait_ready(shard, deadline)
@@ -90,10 +93,8 @@ class ShardChannels:
                 if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise error_from_rpc(exc, self.target(shard)) from exc
                 self._ready[shard] = False
-                if not idempotent:
-                    raise ServerUnavailableError(
-                        f"{self.target(shard)} failed during a push ({exc.details()}); the push may or may "
-                        f"not have been applied") from exc
+                if not failed:  # a long call (a held push, a save) gets its full reconnect time from here
+                    failed, deadline = True, max(deadline, time.monotonic() + self.connect_timeout)
                 if time.monotonic() >= deadline:
                     raise error_from_rpc(exc, self.target(shard)) from exc
 

@@ -105,6 +105,9 @@ class PSClient:
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries
         self._seq = itertools.count(1)
+        # One push at a time per client: shards keep only each worker's latest push number for dedup,
+        # so two concurrent pushes could reach a shard out of order and the older look like a retry.
+        self._push_lock = threading.Lock()
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.step = 0  # the step this worker computes at: set by join(), then by every push
         self.stats = WorkerStats()
@@ -178,8 +181,7 @@ class PSClient:
                                                count=len(names) if i == 0 else 0)
                     for chunk in codec.encode_chunks(name, value, self.chunk_bytes):
                         yield ps_pb2.CreateRequest(chunk=chunk)
-            reply = self._channels.call(shard, lambda stub: stub.CreateVariables(requests()),
-                                        idempotent=True)
+            reply = self._channels.call(shard, lambda stub: stub.CreateVariables(requests()))
             return list(reply.created)
 
         results = self._each_shard(groups, create)
@@ -200,7 +202,7 @@ class PSClient:
                 request = ps_pb2.ListRequest(names=shard_names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
                 try:
                     self._channels.call(shard, lambda stub: stub.ListVariables(
-                        request, timeout=WAIT_SLICE_SECONDS + 30), idempotent=True)
+                        request, timeout=WAIT_SLICE_SECONDS + 30))
                     return
                 except WaitTimeoutError as exc:
                     if time.monotonic() >= deadline:
@@ -212,7 +214,7 @@ class PSClient:
     def list_variables(self) -> list[ps_pb2.VariableInfo]:
         """Every variable on every shard (spec, version, bytes), shard by shard."""
         replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.ListVariables(ps_pb2.ListRequest()), idempotent=True))
+            shard, lambda stub: stub.ListVariables(ps_pb2.ListRequest())))
         return [info for shard in sorted(replies) for info in replies[shard].variables]
 
     # -- pull and push ------------------------------------------------------------------------
@@ -235,7 +237,8 @@ class PSClient:
         return {name: out[name] for name in names}
 
     def pull_into(self, targets: Mapping[str, torch.Tensor], *, min_step: int = 0) -> int:
-        """Overwrites each target tensor in place with its variable; returns the global-step counter.
+        """Overwrites each target tensor in place with its variable; returns shard 0's step counter
+        (-1 if shard 0 holds none of the targets).
 
         With min_step, each shard first waits until it has applied that many
         steps (sync mode: the step this worker was released at).
@@ -286,7 +289,7 @@ class PSClient:
             def run(stub) -> int:
                 request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step)
                 return self._receive(stub.Pull(request), sink, lock)[0]
-            return self._channels.call(shard, run, idempotent=True)
+            return self._channels.call(shard, run)
 
         steps = self._each_shard(groups, pull)
         return steps.get(GLOBAL_STEP_SHARD, -1)
@@ -356,6 +359,10 @@ class PSClient:
             self.push(grads, step=step, advance_step=advance_step)
             self.pull_into(targets, min_step=self.step if sync else 0)
             return self.step
+        with self._push_lock:
+            return self._push_pull(grads, targets, groups, pulls, sync, step, advance_step)
+
+    def _push_pull(self, grads, targets, groups, pulls, sync: bool, step: int | None, advance_step: bool) -> int:
         seq = next(self._seq)
         step = self.step if step is None else step
         sink, finish = self._target_sink(targets)
@@ -365,8 +372,7 @@ class PSClient:
             header = self._header(step, seq, advance_step, len(names), pulls.get(shard, []))
             (request,) = self._push_messages(header, grads, names)
             return self._channels.call(
-                shard, lambda stub: self._receive([stub.PushPull(request)], sink, lock),
-                idempotent=True)
+                shard, lambda stub: self._receive([stub.PushPull(request)], sink, lock))
 
         replies = self._each_shard({s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange)
         next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})
@@ -396,6 +402,10 @@ class PSClient:
         applied once. If it raises, shards that replied have the gradients and
         the others do not; NaN/Inf and shape errors change nothing anywhere.
         """
+        with self._push_lock:
+            return self._push(grads, step, advance_step)
+
+    def _push(self, grads: Mapping[str, torch.Tensor], step: int | None, advance_step: bool) -> int:
         groups = self.placement.group(grads)
         groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
         seq = next(self._seq)
@@ -404,8 +414,7 @@ class PSClient:
         def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
             header = self._header(step, seq, advance_step, len(names))
             return self._channels.call(
-                shard, lambda stub: stub.Push(self._push_messages(header, grads, names)),
-                idempotent=True)
+                shard, lambda stub: stub.Push(self._push_messages(header, grads, names)))
 
         return self._finish_push(self._each_shard(groups, push))
 
@@ -431,7 +440,7 @@ class PSClient:
             request = ps_pb2.SaveRequest(step=target, manifest_json=manifest, keep=keep)
             try:
                 replies = self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-                    shard, lambda stub: stub.Save(request, timeout=timeout), idempotent=True),
+                    shard, lambda stub: stub.Save(request, timeout=timeout)),
                     own_threads=True)
             except ModeConflictError as exc:
                 if step is not None or "past the requested" not in str(exc):
@@ -473,7 +482,7 @@ class PSClient:
                                    total_num_replicas=total_num_replicas, max_staleness=max_staleness,
                                    lease_seconds=lease_seconds, startup_grace_seconds=startup_grace_seconds)
         self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.Configure(config), idempotent=True))
+            shard, lambda stub: stub.Configure(config)))
 
     def join(self) -> int:
         """Announces this worker to every shard and returns the step to start at.
@@ -483,7 +492,7 @@ class PSClient:
         """
         def join(shard: int, step: int) -> ps_pb2.JoinResponse:
             ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=step)
-            return self._channels.call(shard, lambda stub: stub.Join(ref), idempotent=True)
+            return self._channels.call(shard, lambda stub: stub.Join(ref))
 
         lead = join(GLOBAL_STEP_SHARD, 0)  # shard 0 first: the others learn the step this worker starts at
         others = {s: [] for s in range(self.cluster.num_ps) if s != GLOBAL_STEP_SHARD}
@@ -506,7 +515,7 @@ class PSClient:
             self._heartbeat = None
         ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
         self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, lambda stub: stub.Leave(ref, timeout=10), idempotent=True))
+            shard, lambda stub: stub.Leave(ref, timeout=10)))
         self.mode = None
 
     def _note_generation(self, shard: int, generation: int) -> None:
@@ -538,8 +547,7 @@ class PSClient:
 
         def update(shard: int, shard_names: list[str]) -> int:
             request = ps_pb2.UpdateOptimizerRequest(names=shard_names, hyperparams=wire)
-            return self._channels.call(shard, lambda stub: stub.UpdateOptimizer(request),
-                                       idempotent=True).updated
+            return self._channels.call(shard, lambda stub: stub.UpdateOptimizer(request)).updated
 
         return sum(self._each_shard(groups, update).values())
 
@@ -549,8 +557,7 @@ class PSClient:
 
     def status(self, shard: int) -> ps_pb2.StatusResponse:
         """One shard's status (index, step, variable count, bytes, pid)."""
-        return self._channels.call(shard, lambda stub: stub.GetStatus(ps_pb2.StatusRequest()),
-                                   idempotent=True)
+        return self._channels.call(shard, lambda stub: stub.GetStatus(ps_pb2.StatusRequest()))
 
     # -- modules --------------------------------------------------------------------------------
 

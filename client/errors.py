@@ -1,31 +1,28 @@
 """The client edge of error mapping: grpc.RpcError never reaches users.
 
-`map_rpc_errors(target)` turns a failed call into the PSError subclass the
-shard raised (named in the `torchps-error` trailing metadata), or, for
-transport failures, into ServerUnavailableError / WaitTimeoutError naming the
-shard's address.
+`error_from_rpc(exc, target)` turns a failed call into the PSError subclass
+the shard raised (named in the `torchps-error` trailing metadata), or, for
+failures with no such name (transport, gRPC's own limits), into the class
+that matches the status code, naming the shard's address.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import grpc
 
-from ..ps_server.errors import (InternalServerError, InvalidArgumentError, PSError, ServerUnavailableError,
-                                SpecConflictError, UnknownVariableError, WaitTimeoutError, error_class_by_name)
+from ..ps_server.errors import (InternalServerError, InvalidArgumentError, ModeConflictError, PSError,
+                                ServerUnavailableError, SpecConflictError, UnknownVariableError, WaitTimeoutError,
+                                error_class_by_name)
 from ..ps_server.servicer import ERROR_METADATA_KEY
 
-__all__ = ["map_rpc_errors", "error_from_rpc"]
+__all__ = ["error_from_rpc"]
 
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     grpc.StatusCode.NOT_FOUND: UnknownVariableError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.ALREADY_EXISTS: SpecConflictError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: WaitTimeoutError,
-    grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: ModeConflictError,
+    grpc.StatusCode.CANCELLED: ServerUnavailableError,
 }
 
 
@@ -44,12 +41,3 @@ def error_from_rpc(exc: grpc.RpcError, target: str) -> PSError:
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return InvalidArgumentError(f"shard {target} refused a message as too large: {details}. Use smaller chunk_bytes")
     return _BY_CODE.get(code, InternalServerError)(f"shard {target}: {code.name}: {details}")
-
-
-@contextlib.contextmanager
-def map_rpc_errors(target: str) -> Iterator[None]:
-    """Re-raises grpc.RpcError from the block as the matching PSError."""
-    try:
-        yield
-    except grpc.RpcError as exc:
-        raise error_from_rpc(exc, target) from exc

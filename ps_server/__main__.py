@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         restore = initial_state(args, cluster, index)
         stop = threading.Event()
-        server, port = create_server(store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
+        server, port, coordinator = create_server(store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
                                      checkpoint_dir=args.checkpoint_dir, restore=restore,
                                      on_shutdown=lambda reason: stop.set())
     except (PSError, RuntimeError, OSError) as exc:
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     _LOGGER.info("ps %d serving on %s:%d (pid %d)", index, host, port, os.getpid())
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
+    coordinator.close()  # releases held sync pushes and min_step pulls at once
     if not server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5):
         _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
         logging.shutdown()

@@ -10,6 +10,7 @@
     │   └── OptimizerSpecError     unknown optimizer or hyperparameter
     ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
     ├── ModeConflictError          FAILED_PRECONDITION: reconfiguring a running job
+    ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
     ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time
     └── InternalServerError        INTERNAL / anything unexpected: a bug, please report
@@ -32,6 +33,7 @@ __all__ = [
     "OptimizerSpecError",
     "SpecConflictError",
     "ModeConflictError",
+    "CheckpointError",
     "WaitTimeoutError",
     "ServerUnavailableError",
     "InternalServerError",
@@ -90,6 +92,12 @@ class SpecConflictError(PSError):
 
 class ModeConflictError(PSError):
     """The shard runs with another training mode (sync config) than requested."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class CheckpointError(PSError):
+    """A checkpoint could not be written or read (disk full, permissions, a damaged file)."""
 
     grpc_code = "FAILED_PRECONDITION"
 

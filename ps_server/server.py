@@ -37,8 +37,8 @@ def create_server(
     checkpoint_dir: str | None = None,
     restore: dict | None = None,
     on_shutdown: Callable[[str], None] | None = None,
-) -> tuple[grpc.Server, int]:
-    """A bound, not yet started, server for `store` bound to `address`; returns (server, port).
+) -> tuple[grpc.Server, int, Coordinator]:
+    """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
     Port 0 picks a free port. Raises RuntimeError if the address cannot be
     bound (in use, or not a local address). Messages above max_chunk_bytes plus
@@ -75,7 +75,7 @@ def create_server(
     if port == 0:
         raise RuntimeError(f"cannot bind {address}: the port is in use or the host is not local")
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
-    return server, port
+    return server, port, coordinator
 
 
 def _check_free(address: str) -> None:

@@ -21,7 +21,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from . import checkpoint, codec, wire
-from .errors import InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError, PSError
+from .errors import (CheckpointError, InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError,
+                     PSError)
 from .proto import ps_pb2, ps_pb2_grpc
 from .store import NewVariable, VariableStore
 from .sync import Coordinator, SyncConfig
@@ -161,7 +162,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Push(self, request_iterator, context):
         """Applies a complete, valid stream of gradients (see Coordinator.push)."""
-        return self._receive_push(request_iterator, context)[1]
+        return self._receive_push(_decoded(request_iterator, wire.decode_push_request), context)[1]
 
     @_map_errors
     def PushPull(self, request, context):
@@ -170,7 +171,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         In sync mode the reply waits until the worker may go on, as shard 0's
         reply to a Push does, so it carries the released step's values.
         """
-        header, _ = _decode(wire.decode_push_request, request)
+        header, chunks = _decode(wire.decode_push_request, request)
         if header is None:
             raise MalformedStreamError("a PushPull request must carry a header")
         names = list(header.pull)
@@ -178,17 +179,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if size > self.max_chunk_bytes:
             raise InvalidArgumentError(f"PushPull's reply would hold {size} bytes, more than this shard's "
                                        f"{self.max_chunk_bytes}; use Push and Pull")
-        _, result = self._receive_push([request], context, hold=True)
+        _, result = self._receive_push([(header, chunks)], context, hold=True)
         (reply,) = self._read(names, self.max_chunk_bytes, result)
         return reply
 
-    def _receive_push(self, request_iterator, context, *, hold: bool = False
-                      ) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
+    def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
+        """Assembles decoded (header, chunks) messages, then hands the push to the coordinator."""
         header = None
         grads = {}
         assembler = codec.ChunkAssembler(begin=self.store.check_gradient, pool=self._pool)
         try:
-            for message_header, chunks in _decoded(request_iterator, wire.decode_push_request):
+            for message_header, chunks in messages:
                 if message_header is not None:
                     if header is not None:
                         raise MalformedStreamError("a Push stream carries its header twice")
@@ -309,11 +310,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not self.checkpoint_dir:
             raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
         context.add_callback(self.coordinator.wake)
+        try:
+            manifest = json.loads(request.manifest_json) if request.manifest_json else None
+        except ValueError as exc:
+            raise InvalidArgumentError(f"manifest_json does not parse: {exc}") from None
         state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active())
-        path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, state)
-        if request.manifest_json and self.index == 0:
-            checkpoint.write_manifest(self.checkpoint_dir, state["step"], json.loads(request.manifest_json))
-        checkpoint.prune(self.checkpoint_dir, self.index, request.keep)
+        try:
+            path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, state)
+            if manifest is not None and self.index == 0:
+                checkpoint.write_manifest(self.checkpoint_dir, state["step"], manifest)
+            checkpoint.prune(self.checkpoint_dir, self.index, request.keep)
+        except OSError as exc:
+            raise CheckpointError(f"ps {self.index} could not write its checkpoint under {self.checkpoint_dir}: "
+                                  f"{exc}") from None
         _LOGGER.info("ps %d saved step %d to %s (%d bytes)", self.index, state["step"], path, size)
         return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size)
 

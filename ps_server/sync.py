@@ -162,10 +162,11 @@ class Coordinator:
         self.workers_expired = 0
         self._reaper: threading.Thread | None = None
         self._closed = False
+        self._grace_seen_end = 0.0         # the startup grace end the reaper has acted on
         self.restored_step = -1            # the checkpoint step this shard restored, or -1
         self._behind = False               # restored: adopt the job's step from the first client that shows it
-        self._saves_due: set[int] = set()  # steps at which a checkpoint snapshot is wanted
-        self._snapshots: dict[int, dict] = {}
+        self._saves_due: Counter[int] = Counter()  # step -> saves waiting for a snapshot taken at it
+        self._snapshots: dict[int, dict] = {}       # kept until the last of those saves has it
 
     # -- configuration and membership -------------------------------------------------------
 
@@ -208,19 +209,27 @@ class Coordinator:
             if current > step:
                 raise ModeConflictError(f"this shard is already at step {current}, past the requested {step}; "
                                         f"ask for a later step")
-            self._saves_due.add(step)
+            self._saves_due[step] += 1
 
             def idle() -> bool:  # the job has ended: no worker will take the shard to `step`
                 return self._members and not self.live_workers_locked() and not self._pending
 
-            done = self._cond.wait_for(lambda: step in self._snapshots or idle() or cancelled() or self._closed,
-                                       timeout)
-            self._saves_due.discard(step)
-            if step in self._snapshots:
-                return self._snapshots.pop(step)
-            if done and idle():
-                return self._snapshot()
-            raise WaitTimeoutError(f"the shard did not reach step {step} (at {self.store.step}) in time to save")
+            try:
+                done = self._cond.wait_for(lambda: step in self._snapshots or self.store.step > step or idle()
+                                           or cancelled() or self._closed, timeout)
+                if step in self._snapshots:
+                    return self._snapshots[step]
+                if self.store.step > step:  # jumped over it (a restored shard catching up)
+                    raise ModeConflictError(f"this shard moved from before step {step} to {self.store.step} "
+                                            f"without stopping at it; ask for a later step")
+                if done and idle():
+                    return self._snapshot()
+                raise WaitTimeoutError(f"the shard did not reach step {step} (at {self.store.step}) in time to save")
+            finally:
+                self._saves_due[step] -= 1
+                if not self._saves_due[step]:
+                    del self._saves_due[step]
+                    self._snapshots.pop(step, None)
 
     def _snapshot(self) -> dict:
         return {"step": self.store.step, "config": dataclasses.asdict(self.config), "variables": self.store.snapshot()}
@@ -228,8 +237,7 @@ class Coordinator:
     def _after_apply(self) -> None:
         """Takes a snapshot a pending save waits for (holds self._cond, right after an apply)."""
         step = self.store.step
-        if step in self._saves_due:
-            self._saves_due.discard(step)
+        if step in self._saves_due and step not in self._snapshots:
             self._snapshots[step] = self._snapshot()
         self._cond.notify_all()
 
@@ -414,15 +422,19 @@ class Coordinator:
         in_grace = now < self._configured_at + self.config.startup_grace_seconds
         if member is None:
             counts_from = self.store.step if in_grace else max(self.store.step, start_step)
-            self._members[worker] = _Member(incarnation, now, counts_from=counts_from)
+            level = self._min_clock()  # an ssp newcomer starts level with the slowest, not behind them all
+            self._members[worker] = _Member(incarnation, now, clock=level, counts_from=counts_from)
             _LOGGER.info("%s joined at step %d", worker, self.store.step)
             self._membership_changed()
         elif member.gone:
+            self._last_push.pop((worker, member.incarnation), None)
+            member.clock = max(member.clock, self._min_clock())
             member.gone, member.incarnation, member.last_seen = False, incarnation, now
             member.counts_from = max(self.store.step, start_step)
             _LOGGER.info("%s rejoined at step %d", worker, self.store.step)
             self._membership_changed()
         elif member.incarnation != incarnation:  # a quick restart: it never stopped counting
+            self._last_push.pop((worker, member.incarnation), None)
             member.incarnation, member.last_seen = incarnation, now
             _LOGGER.info("%s restarted at step %d", worker, self.store.step)
         else:
@@ -493,7 +505,10 @@ class Coordinator:
                     self.workers_expired += 1
                     _LOGGER.warning("%s sent nothing for %g s: lease expired, continuing without it", worker, lease)
                 grace_end = self._configured_at + self.config.startup_grace_seconds
-                if expired or (grace_end <= now and self._quorum != self._compute_quorum(now)):
+                grace_ended = grace_end <= now and self._grace_seen_end != grace_end
+                if grace_ended:
+                    self._grace_seen_end = grace_end  # unjoined workers stop counting, in every mode
+                if expired or grace_ended:
                     self._membership_changed()
                 deadlines = [m.last_seen + lease for m in self._members.values() if not m.gone]
                 if grace_end > now:

@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except PSError as exc:
         print(f"ps-worker: {task}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except Terminated:  # SIGTERM outside the training loop (which handles it itself): a clean stop
+        _LOGGER.info("%s: SIGTERM; stopped", task)
+        return 0
     if summary is not None:
         print("summary " + json.dumps(summary, sort_keys=True), flush=True)
         if args.metrics_out:

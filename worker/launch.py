@@ -156,23 +156,20 @@ class Launcher:
     def _watch(self) -> int:
         training = self.training_tasks()
         failed: dict[TaskSpec, Proc] = {}
-        while not all(self.procs[t].popen.poll() is not None for t in training):
+        while True:
+            restarted = False
             for task, proc in list(self.procs.items()):
                 code = proc.popen.poll()
                 if code in (None, 0) or task in failed:
                     continue
                 if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS:
-                    self.restarts[task] += 1
-                    self.say(f"[launch] {task} exited with code {code}; restarting it "
-                             f"({self.restarts[task]} of {MAX_RESTARTS})")
-                    if task.type == "ps":
-                        self._spawn_ps(task.index, self.ports[task.index])
-                        self._wait_port(task.index)
-                    else:
-                        self.start_task(task)
-                else:
-                    failed[task] = proc
-                    self.say(f"[launch] {task} exited with code {code}; the others go on")
+                    restarted = self._restart(task, code) or restarted
+                    if task in self.procs and self.procs[task].popen.poll() is None:
+                        continue
+                failed[task] = proc
+                self.say(f"[launch] {task} exited with code {code}; the others go on")
+            if not restarted and all(self.procs[t].popen.poll() is not None for t in training):
+                break
             time.sleep(0.2)
         if self.evaluator:  # it ends by itself once the workers are gone; else SIGTERM makes it report
             evaluator = self.procs[TaskSpec("evaluator", 0)]
@@ -187,6 +184,21 @@ class Launcher:
             for line in proc.tail:
                 self.say(f"[launch]   | {line}")
         return 1 if failed else 0
+
+    def _restart(self, task: TaskSpec, code: int) -> bool:
+        """Starts `task` again (a ps on its old port); False if it would not come up."""
+        self.restarts[task] += 1
+        self.say(f"[launch] {task} exited with code {code}; restarting it ({self.restarts[task]} of {MAX_RESTARTS})")
+        try:
+            if task.type == "ps":
+                self._spawn_ps(task.index, self.ports[task.index])
+                self._wait_port(task.index)
+            else:
+                self.start_task(task)
+        except RuntimeError as exc:
+            self.say(f"[launch] {task} did not come back: {exc}")
+            return False
+        return True
 
     @staticmethod
     def _wait(proc: Proc, timeout: float) -> None:

@@ -115,8 +115,8 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Reads variables, streaming their bytes in chunks. Does not block on
-        training. NOT_FOUND if a name is unknown (before any chunk is sent).
+        """Reads variables, streaming their bytes in chunks. Waits only for
+        min_step. NOT_FOUND if a name is unknown (before any chunk is sent).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,7 +166,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Cheap shard status, including the step counter. Never blocks.
+        """Cheap shard status, including the step counter. Never waits for training.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
