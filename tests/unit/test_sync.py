@@ -552,3 +552,59 @@ def test_quorum_formula():
         assert c.quorum == 5, "min(R = 5, 2 live * 3)"
     finally:
         c.close()
+
+
+# -- found in review: waits that must be woken, saves of a moving shard -------------------------------
+
+def test_ssp_waiter_is_released_when_the_startup_grace_ends(coordinators):
+    """An expected worker that never joins stops holding back the others once the grace is over."""
+    c = coordinators(ssp(2, 0, lease_seconds=30.0, startup_grace_seconds=0.5))
+    c.join("worker:0", 1)
+    held = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+    assert held.is_blocked(0.1), "during the grace, worker 1 counts at clock 0"
+    assert held.result(5.0).wait_seconds > 0, "the reaper wakes it when the grace ends, no other event needed"
+
+
+def test_ssp_returning_worker_starts_level_with_the_slowest(coordinators):
+    """A worker back after its lease expired does not hold the others back until it catches up."""
+    clock = FakeClock()
+    c = coordinators(ssp(2, 1, lease_seconds=1.0, startup_grace_seconds=0.0), clock=clock)
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    push(c, "worker:1", 0, g(1, 1, 1), step_increment=1)
+    for _ in range(2):
+        push(c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+    clock.advance(0.6)
+    c.heartbeat("worker:0", 1)
+    expire_leases(c, clock, 0.6, expected_expired=1)
+    for _ in range(5):
+        push(c, "worker:0", 0, g(1, 1, 1), step_increment=1)  # alone, unbounded
+    c.join("worker:1", 2)  # back, with a new incarnation
+    assert not Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1).is_blocked(), \
+        "worker 1 came back at the slowest live clock, not at its old one"
+
+
+def test_a_save_for_a_step_the_shard_jumps_over_fails_as_past(coordinators):
+    """A restored shard catching up skips steps; a save waiting for one of them says so at once."""
+    state = coordinators(sync(1, lease_seconds=30.0)).snapshot_at(0, 1.0)  # a checkpoint at step 0
+    c = Coordinator(VariableStore(), owns_step=True)
+    try:
+        c.restore(state)
+        save = Call(c.snapshot_at, 3, 5.0)
+        assert save.is_blocked()
+        c.join("worker:0", 1)
+        push(c, "worker:0", 10, g(1, 1, 1), seq=1)  # the job is at step 10: the shard jumps 0 -> 10, applies -> 11
+        assert c.store.step == 11
+        with pytest.raises(ModeConflictError, match="ask for a later step"):
+            save.result(2.0)
+    finally:
+        c.close()
+
+
+def test_two_saves_of_the_same_step_both_get_the_snapshot(coordinators):
+    c = coordinators(sync(1, lease_seconds=30.0))
+    c.join("worker:0", 1)
+    saves = [Call(c.snapshot_at, 1, 5.0) for _ in range(2)]
+    assert all(save.is_blocked() for save in saves)
+    push(c, "worker:0", 0, g(1, 1, 1))
+    assert [save.result()["step"] for save in saves] == [1, 1]
