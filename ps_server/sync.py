@@ -433,10 +433,14 @@ class Coordinator:
             member.counts_from = max(self.store.step, start_step)
             _LOGGER.info("%s rejoined at step %d", worker, self.store.step)
             self._membership_changed()
-        elif member.incarnation != incarnation:  # a quick restart: it never stopped counting
+        elif member.incarnation != incarnation:  # a quick restart, before its lease ran out
             self._last_push.pop((worker, member.incarnation), None)
             member.incarnation, member.last_seen = incarnation, now
+            # The old incarnation may have died half-way through a push, leaving this shard a step
+            # behind shard 0 with a gradient that will never come: count the new one from its start.
+            member.counts_from = max(self.store.step, start_step)
             _LOGGER.info("%s restarted at step %d", worker, self.store.step)
+            self._membership_changed()
         else:
             member.last_seen = now
 

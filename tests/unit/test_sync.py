@@ -608,3 +608,26 @@ def test_two_saves_of_the_same_step_both_get_the_snapshot(coordinators):
     assert all(save.is_blocked() for save in saves)
     push(c, "worker:0", 0, g(1, 1, 1))
     assert [save.result()["step"] for save in saves] == [1, 1]
+
+
+def test_sync_quick_restart_after_a_half_done_push_does_not_hang_the_lagging_shard(coordinators):
+    """Worker 1 died after its step-0 push reached shard 0 but not shard 1, and restarted before its lease ran out.
+
+    Its new incarnation starts at step 1 (shard 0's answer, passed to shard 1 by the client's join), so
+    shard 1 must finish step 0 without it instead of waiting forever for a gradient nobody will send.
+    """
+    shard0, shard1 = coordinators(sync(2, lease_seconds=30.0)), coordinators(sync(2, lease_seconds=30.0), owns_step=False)
+    for shard in (shard0, shard1):
+        shard.join("worker:0", 1)
+        shard.join("worker:1", 1)
+    held = Call(push, shard0, "worker:0", 0, g(1, 1, 1))
+    push(shard0, "worker:1", 0, g(1, 1, 1))  # ... and worker 1 is killed before its push reaches shard 1
+    assert held.result().next_step == 1
+    push(shard1, "worker:0", 0, g(1, 1, 1))
+    start = shard0.join("worker:1", 2)  # the restarted worker: shard 0 first, then the others with its answer
+    assert start == 1
+    shard1.join("worker:1", 2, start)
+    try:
+        shard1.wait_for_step(1, timeout=2.0)
+    except WaitTimeoutError as exc:
+        pytest.fail(f"shard 1 waits for the dead incarnation's step-0 gradient: {exc}")
