@@ -25,6 +25,7 @@ from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import sync_workers  # noqa: E402 - needs the path above under any import mode
+from helpers import wait_until
 
 EXIT_TIMEOUT = 10.0  # "exits within a few seconds"
 
@@ -58,16 +59,6 @@ def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
     for name, value in expected.items():
         assert torch.equal(got[name], value), \
             f"{what}: {name!r} differs (max abs diff {(got[name] - value).abs().max().item():.3g})"
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(interval)
 
 
 def kill_and_restart(local: LocalCluster, *indices: int) -> None:

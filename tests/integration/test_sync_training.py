@@ -26,6 +26,7 @@ from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import sync_workers  # noqa: E402 - needs the path above under any import mode
+from helpers import wait_until
 
 # Fresh worker processes, never forked from this (gRPC-threaded) test process. 'forkserver' forks them
 # from one clean helper process that imported torch once: the same isolation as 'spawn' without paying
@@ -80,16 +81,6 @@ def wait_exit(processes, timeout: float, what: str) -> None:
     assert not hung, f"{what}: {hung} still running after {timeout} s (hung?)"
     failed = {p.name: p.exitcode for p in processes if p.exitcode != 0}
     assert not failed, f"{what}: worker processes failed (exit codes {failed}); their tracebacks are above"
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(interval)
 
 
 def drain(results, count: int, timeout: float = 10.0) -> dict[int, list[dict]]:
