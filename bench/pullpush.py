@@ -21,6 +21,12 @@ anything):
    beside the same model trained in one process with no PS.
 3. big: the 784-8192-2304-10 MLP, 1 ps and 2 async workers, beside one process.
 
+Each also records CPU time (Linux /proc): per round trip, client and servers,
+ours and the baseline's; per training step, compute, exchange and the ps. From
+those comes the big model's ceiling: the steps/s two workers could reach if a
+step cost only the one-process step's CPU plus the bare gRPC round trip's, with
+every core busy.
+
 Data are random (this measures transport, not accuracy). Warm-ups run before
 any timing. Only torchps's public client API is used, so transport internals
 may change underneath. The baseline server (`--baseline-server`) imports no
@@ -79,6 +85,19 @@ def mlp_numel(dims) -> int:
 
 def median(values) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def cpu_seconds(pids) -> float | None:
+    """User + system CPU seconds used so far by the processes `pids`, all their threads (Linux /proc); None elsewhere."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
 
 # -- bare gRPC baseline ---------------------------------------------------------------------
@@ -232,13 +251,16 @@ class OursRoundTrip:
         self.client.close()
 
 
-def timed_round_trip(target) -> tuple[float, float]:
+def timed_round_trip(target, server_pids=()) -> tuple[float, float, float, float | None]:
+    """(push seconds, pull seconds, this process's CPU seconds, the servers' CPU seconds or None)."""
+    s0, c0 = cpu_seconds(server_pids), time.process_time()
     t0 = time.perf_counter()
     target.push()
     t1 = time.perf_counter()
     target.pull()
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    c1, s1 = time.process_time(), cpu_seconds(server_pids)
+    return t1 - t0, t2 - t1, c1 - c0, (s1 - s0 if s0 is not None and s1 is not None else None)
 
 
 def bench_bandwidth(args) -> dict:
@@ -246,6 +268,7 @@ def bench_bandwidth(args) -> dict:
 
     nbytes = mlp_numel(BIG_DIMS) * 4
     variants: dict[str, object] = {}
+    server_pids: dict[str, list[int]] = {}
     closers = []
     log(f"bandwidth: starting 2-shard and 1-shard clusters and the bare gRPC server ({nbytes / 1e6:.1f} MB model)")
     setup_started = time.monotonic()
@@ -262,11 +285,13 @@ def bench_bandwidth(args) -> dict:
         closers.append(server.close)
         baseline = BaselineClient(server.address, nbytes, args.chunk_bytes)
         closers.append(baseline.close)
+        server_pids = {"ours_2ps": [p.pid for p in two.procs], "baseline": [server.proc.pid]}
         variants["ours_2ps"] = OursRoundTrip(two.cluster, args.lr_big, args.placement)
         closers.append(variants["ours_2ps"].close)
         placement = variants["ours_2ps"].placement
         if one is not None:
             variants["ours_1ps"] = OursRoundTrip(one.cluster, args.lr_big, args.placement)
+            server_pids["ours_1ps"] = [p.pid for p in one.procs]
             closers.append(variants["ours_1ps"].close)
         variants["baseline"] = baseline
         log(f"bandwidth: set up in {time.monotonic() - setup_started:.1f} s; 2-shard placement ({args.placement}):\n"
@@ -276,14 +301,17 @@ def bench_bandwidth(args) -> dict:
         for _ in range(args.warmup):
             for name in names:
                 timed_round_trip(variants[name])
-        raw = {name: {"push": [], "pull": [], "total": []} for name in names}
+        raw = {name: {"push": [], "pull": [], "total": [], "client_cpu": [], "server_cpu": []} for name in names}
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate to cancel drift
             for name in order:
-                push_s, pull_s = timed_round_trip(variants[name])
+                push_s, pull_s, client_cpu, server_cpu = timed_round_trip(variants[name], server_pids[name])
                 raw[name]["push"].append(push_s)
                 raw[name]["pull"].append(pull_s)
                 raw[name]["total"].append(push_s + pull_s)
+                raw[name]["client_cpu"].append(client_cpu)
+                if server_cpu is not None:
+                    raw[name]["server_cpu"].append(server_cpu)
             log("bandwidth repeat %d/%d: %s" % (r + 1, args.repeats, ", ".join(
                 f"{n} {raw[n]['total'][-1]:.3f} s" for n in names)))
     finally:
@@ -306,6 +334,10 @@ def bench_bandwidth(args) -> dict:
     }
     if "ours_1ps" in med:
         out["pullpush_1ps_seconds"] = med["ours_1ps"]["total"]
+    if all(raw[name]["server_cpu"] for name in names):
+        # CPU seconds of one round trip, client + servers: what the transport costs a CPU-bound host.
+        out["grpc_baseline_cpu_seconds"] = med["baseline"]["client_cpu"] + med["baseline"]["server_cpu"]
+        out["pullpush_cpu_seconds"] = med["ours_2ps"]["client_cpu"] + med["ours_2ps"]["server_cpu"]
     return out
 
 
@@ -323,6 +355,7 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
         xs = torch.rand(4, BATCH, dims[0])
         ys = torch.randint(0, dims[-1], (4, BATCH))
         client = None
+        cpu = [0.0]  # minus the CPU seconds spent in exchange() (or opt.step()) so far
         if mode == "ps":
             from torchps.client import PSClient, TaskSpec
 
@@ -333,7 +366,9 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
                 model.zero_grad()
                 loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
                 loss.backward()
+                cpu[0] += time.process_time()
                 binding.exchange()
+                cpu[0] -= time.process_time()
                 return loss.item()
         else:
             opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -342,7 +377,9 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
                 opt.zero_grad()
                 loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
                 loss.backward()
+                cpu[0] += time.process_time()
                 opt.step()
+                cpu[0] -= time.process_time()
                 return loss.item()
 
         for i in range(warmup):
@@ -356,10 +393,13 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
             while time.time() < start_at:
                 time.sleep(min(0.01, max(0.0, start_at - time.time())))
             end, steps, loss = start_at + duration, 0, float("nan")
+            cpu[0], started_cpu = 0.0, time.process_time()
             while time.time() < end:
                 loss = step(steps)
                 steps += 1
-            res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss}))
+            used = time.process_time() - started_cpu
+            res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
+                                         "cpu_seconds": used, "update_cpu_seconds": -cpu[0]}))
         if client is not None:
             client.close()
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -417,8 +457,10 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
 
     log(f"{label}: starting 1 ps, creating {mlp_numel(dims):,} parameters, spawning workers")
     raw: dict[str, list] = {"async": []}
+    server_cpu: list[float] = []  # the ps's CPU seconds during each async run
     pools: dict[str, TrainerPool] = {}
     with LocalCluster(1, workers=args.workers) as local:
+        server_pids = [p.pid for p in local.procs]
         torch.manual_seed(0)
         with PSClient(local.cluster) as chief:
             chief.register_module(make_mlp(dims), Optimizer("sgd", lr=lr), create=True)
@@ -431,8 +473,12 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
             for r in range(args.train_repeats):
                 order = names if r % 2 == 0 else names[::-1]
                 for name in order:
+                    before = cpu_seconds(server_pids)
                     results = pools[name].run(duration)
+                    after = cpu_seconds(server_pids)
                     raw[name].append(results)
+                    if name == "async" and before is not None and after is not None:
+                        server_cpu.append(after - before)
                 summary = ", ".join(f"{n} {sum(w['steps'] / w['seconds'] for w in raw[n][-1]):.1f} steps/s"
                                     for n in names)
                 log(f"{label} repeat {r + 1}/{args.train_repeats}: {summary}")
@@ -440,7 +486,28 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
             for pool in pools.values():
                 pool.close()
     rates = {name: [sum(w["steps"] / w["seconds"] for w in run) for run in runs] for name, runs in raw.items()}
-    return {"rates": rates, "medians": {n: median(v) for n, v in rates.items()}, "raw": raw}
+    cpu = {name: cpu_per_step(runs, server_cpu if name == "async" else None) for name, runs in raw.items()}
+    return {"rates": rates, "medians": {n: median(v) for n, v in rates.items()}, "raw": raw, "cpu": cpu}
+
+
+def cpu_per_step(runs: list[list[dict]], server_cpu: list[float] | None) -> dict:
+    """Where a training step's CPU time goes, in ms per step over all runs, and how many cores were busy.
+
+    compute: forward and backward; update: exchange() with the PS (client side,
+    all threads) or opt.step() with none; server: the ps process.
+    """
+    steps = sum(w["steps"] for run in runs for w in run)
+    wall = sum(max(w["seconds"] for w in run) for run in runs)
+    worker = sum(w["cpu_seconds"] for run in runs for w in run)
+    update = sum(w["update_cpu_seconds"] for run in runs for w in run)
+    out = {"compute_ms": 1e3 * (worker - update) / steps, "update_ms": 1e3 * update / steps}
+    busy = worker
+    if server_cpu is not None and len(server_cpu) == len(runs):
+        out["server_ms"] = 1e3 * sum(server_cpu) / steps
+        busy += sum(server_cpu)
+    out["total_ms"] = 1e3 * busy / steps
+    out["cores_busy"] = busy / wall
+    return out
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -499,12 +566,23 @@ def table(results: dict) -> str:
                          f"{results['pullpush_1ps_seconds']:.3f} (push {med['ours_1ps']['push']:.3f} + pull "
                          f"{med['ours_1ps']['pull']:.3f})", "-"))
         add("ratio", "ratio = baseline / ours (2 shards)", "{:.2f}", REFERENCES["ratio"])
+        if "pullpush_cpu_seconds" in results:
+            rows.append(("CPU per push + pull, client + shards (ms)", f"{1e3 * results['pullpush_cpu_seconds']:.0f}",
+                         f"bare gRPC, same run: {1e3 * results['grpc_baseline_cpu_seconds']:.0f}"))
     add("mlp_async_steps_per_s", "small MLP, 1 ps + 2 async workers (steps/s)", "{:.0f}",
         REFERENCES["mlp_async_steps_per_s"])
     add("mlp_local_steps_per_s", "small MLP, 1 process, no PS (steps/s)", "{:.0f}", REFERENCES["mlp_local_steps_per_s"])
     add("big_async_steps_per_s", "big MLP, 1 ps + 2 async workers (steps/s)", "{:.2f}",
         REFERENCES["big_async_steps_per_s"])
     add("big_local_steps_per_s", "big MLP, 1 process, no PS (steps/s)", "{:.2f}", REFERENCES["big_local_steps_per_s"])
+    for label, key in (("small", "small_cpu_per_step"), ("big", "big_cpu_per_step")):
+        cpu = results.get(key, {}).get("async")
+        if cpu and "server_ms" in cpu:
+            rows.append((f"{label} MLP async, CPU per step (ms)",
+                         f"{cpu['total_ms']:.1f} = compute {cpu['compute_ms']:.1f} + exchange {cpu['update_ms']:.1f} "
+                         f"+ ps {cpu['server_ms']:.1f}; {cpu['cores_busy']:.2f} cores busy", "-"))
+    add("big_ceiling_steps_per_s", "big MLP ceiling at bare gRPC's CPU cost (steps/s)", "{:.2f}",
+        "cores / (1-process step CPU + bare gRPC round-trip CPU)")
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
@@ -580,6 +658,7 @@ def main(argv=None) -> int:
         results["mlp_async_steps_per_s"] = small["medians"]["async"]
         results["mlp_local_steps_per_s"] = small["medians"]["local"]
         results["small_raw"] = small["raw"]
+        results["small_cpu_per_step"] = small["cpu"]
         results["small_rates"] = small["rates"]
         sections["small"] = time.monotonic() - t0
     if "big" in args.sections:
@@ -589,6 +668,12 @@ def main(argv=None) -> int:
         if "local" in big["medians"]:
             results["big_local_steps_per_s"] = big["medians"]["local"]
         results["big_raw"] = big["raw"]
+        results["big_cpu_per_step"] = big["cpu"]
+        if "local" in big["cpu"] and "grpc_baseline_cpu_seconds" in results:
+            # Throughput if every step cost the 1-process step's CPU plus bare gRPC's round trip and
+            # every core were busy all the time: no transport over Python gRPC can go above it here.
+            per_step = big["cpu"]["local"]["total_ms"] / 1e3 + results["grpc_baseline_cpu_seconds"]
+            results["big_ceiling_steps_per_s"] = results["machine"]["nproc"] / per_step
         results["big_rates"] = big["rates"]
         sections["big"] = time.monotonic() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
