@@ -25,7 +25,8 @@ Each also records CPU time (Linux /proc): per round trip, client and servers,
 ours and the baseline's; per training step, compute, exchange and the ps. From
 those comes the big model's ceiling: the steps/s two workers could reach if a
 step cost only the one-process step's CPU plus the bare gRPC round trip's, with
-every core busy.
+every core busy; and the same with gRPC's floor (raw bytes, no protobuf, no
+copies) in place of the baseline.
 
 Data are random (this measures transport, not accuracy). Warm-ups run before
 any timing. Only torchps's public client API is used, so transport internals
@@ -63,6 +64,8 @@ BASELINE_CHUNK_BYTES = 1 << 20       # 1 MiB: the brief's (and transport.md's) b
 MESSAGE_LIMIT = 64 << 20
 PUSH_METHOD = "/bench.Baseline/Push"
 PULL_METHOD = "/bench.Baseline/Pull"
+RAW_PUSH_METHOD = "/bench.Baseline/PushRaw"
+RAW_PULL_METHOD = "/bench.Baseline/PullRaw"
 READY_TIMEOUT = 180.0                # worker start-up (spawn imports torch) on a loaded 2-core box
 
 REFERENCES = {  # figures from shared/reading/transport.md, same machine
@@ -103,9 +106,14 @@ def cpu_seconds(pids) -> float | None:
 # -- bare gRPC baseline ---------------------------------------------------------------------
 
 def baseline_server_main(port_file: str, nbytes: int, chunk_bytes: int) -> int:
-    """A plain gRPC server: Push copies chunks into a numpy array; Pull slices another to bytes."""
+    """A plain gRPC server: Push copies chunks into a numpy array; Pull slices another to bytes.
+
+    PushRaw and PullRaw are gRPC's floor: raw bytes messages, no protobuf, no
+    copies; PushRaw drops what it receives and PullRaw sends prebuilt bytes.
+    """
     values = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
     received = np.zeros(nbytes, dtype=np.uint8)  # preallocated and touched
+    raw_messages = [values[offset:offset + chunk_bytes].tobytes() for offset in range(0, nbytes, chunk_bytes)]
 
     def push(request_iterator, context):
         offset = 0
@@ -121,6 +129,12 @@ def baseline_server_main(port_file: str, nbytes: int, chunk_bytes: int) -> int:
         for offset in range(0, nbytes, chunk_bytes):
             yield wrappers_pb2.BytesValue(value=values[offset:offset + chunk_bytes].tobytes())
 
+    def push_raw(request_iterator, context):
+        size = sum(len(message) for message in request_iterator)
+        if size != nbytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"got {size} of {nbytes} bytes")
+        return b""
+
     handler = grpc.method_handlers_generic_handler("bench.Baseline", {
         "Push": grpc.stream_unary_rpc_method_handler(
             push, request_deserializer=wrappers_pb2.BytesValue.FromString,
@@ -128,6 +142,8 @@ def baseline_server_main(port_file: str, nbytes: int, chunk_bytes: int) -> int:
         "Pull": grpc.unary_stream_rpc_method_handler(
             pull, request_deserializer=wrappers_pb2.BytesValue.FromString,
             response_serializer=wrappers_pb2.BytesValue.SerializeToString),
+        "PushRaw": grpc.stream_unary_rpc_method_handler(push_raw),
+        "PullRaw": grpc.unary_stream_rpc_method_handler(lambda request, context: iter(raw_messages)),
     })
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
@@ -209,6 +225,31 @@ class BaselineClient:
         self.channel.close()
 
 
+class RawClient:
+    """gRPC's floor: prebuilt bytes messages out, received messages dropped; no protobuf, no copies."""
+
+    def __init__(self, address: str, nbytes: int, chunk_bytes: int):
+        self.nbytes = nbytes
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                                                               ("grpc.max_send_message_length", MESSAGE_LIMIT)])
+        grpc.channel_ready_future(self.channel).result(timeout=60)
+        self._push = self.channel.stream_unary(RAW_PUSH_METHOD)
+        self._pull = self.channel.unary_stream(RAW_PULL_METHOD)
+        grads = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)
+        self.messages = [grads[offset:offset + chunk_bytes].tobytes() for offset in range(0, nbytes, chunk_bytes)]
+
+    def push(self) -> None:
+        self._push(iter(self.messages))
+
+    def pull(self) -> None:
+        size = sum(len(message) for message in self._pull(b""))
+        if size != self.nbytes:
+            raise RuntimeError(f"raw pull got {size} of {self.nbytes} bytes")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 # -- models ------------------------------------------------------------------------------------
 
 def make_mlp(dims):
@@ -285,7 +326,10 @@ def bench_bandwidth(args) -> dict:
         closers.append(server.close)
         baseline = BaselineClient(server.address, nbytes, args.chunk_bytes)
         closers.append(baseline.close)
-        server_pids = {"ours_2ps": [p.pid for p in two.procs], "baseline": [server.proc.pid]}
+        raw_floor = RawClient(server.address, nbytes, args.chunk_bytes)
+        closers.append(raw_floor.close)
+        server_pids = {"ours_2ps": [p.pid for p in two.procs], "baseline": [server.proc.pid],
+                       "raw": [server.proc.pid]}
         variants["ours_2ps"] = OursRoundTrip(two.cluster, args.lr_big, args.placement)
         closers.append(variants["ours_2ps"].close)
         placement = variants["ours_2ps"].placement
@@ -294,6 +338,7 @@ def bench_bandwidth(args) -> dict:
             server_pids["ours_1ps"] = [p.pid for p in one.procs]
             closers.append(variants["ours_1ps"].close)
         variants["baseline"] = baseline
+        variants["raw"] = raw_floor
         log(f"bandwidth: set up in {time.monotonic() - setup_started:.1f} s; 2-shard placement ({args.placement}):\n"
             + placement)
 
@@ -322,6 +367,7 @@ def bench_bandwidth(args) -> dict:
     out = {
         "pullpush_seconds": med["ours_2ps"]["total"],
         "grpc_baseline_seconds": med["baseline"]["total"],
+        "grpc_raw_seconds": med["raw"]["total"],
         "ratio": med["baseline"]["total"] / med["ours_2ps"]["total"],
         "bandwidth_detail": {
             "bytes_each_way": nbytes,
@@ -337,6 +383,7 @@ def bench_bandwidth(args) -> dict:
     if all(raw[name]["server_cpu"] for name in names):
         # CPU seconds of one round trip, client + servers: what the transport costs a CPU-bound host.
         out["grpc_baseline_cpu_seconds"] = med["baseline"]["client_cpu"] + med["baseline"]["server_cpu"]
+        out["grpc_raw_cpu_seconds"] = med["raw"]["client_cpu"] + med["raw"]["server_cpu"]
         out["pullpush_cpu_seconds"] = med["ours_2ps"]["client_cpu"] + med["ours_2ps"]["server_cpu"]
     return out
 
@@ -568,7 +615,9 @@ def table(results: dict) -> str:
         add("ratio", "ratio = baseline / ours (2 shards)", "{:.2f}", REFERENCES["ratio"])
         if "pullpush_cpu_seconds" in results:
             rows.append(("CPU per push + pull, client + shards (ms)", f"{1e3 * results['pullpush_cpu_seconds']:.0f}",
-                         f"bare gRPC, same run: {1e3 * results['grpc_baseline_cpu_seconds']:.0f}"))
+                         f"bare gRPC, same run: {1e3 * results['grpc_baseline_cpu_seconds']:.0f}; raw bytes, "
+                         f"no copies: {1e3 * results['grpc_raw_cpu_seconds']:.0f} "
+                         f"({results['grpc_raw_seconds']:.3f} s)"))
     add("mlp_async_steps_per_s", "small MLP, 1 ps + 2 async workers (steps/s)", "{:.0f}",
         REFERENCES["mlp_async_steps_per_s"])
     add("mlp_local_steps_per_s", "small MLP, 1 process, no PS (steps/s)", "{:.0f}", REFERENCES["mlp_local_steps_per_s"])
@@ -583,6 +632,8 @@ def table(results: dict) -> str:
                          f"+ ps {cpu['server_ms']:.1f}; {cpu['cores_busy']:.2f} cores busy", "-"))
     add("big_ceiling_steps_per_s", "big MLP ceiling at bare gRPC's CPU cost (steps/s)", "{:.2f}",
         "cores / (1-process step CPU + bare gRPC round-trip CPU)")
+    add("big_ceiling_raw_steps_per_s", "big MLP ceiling at raw gRPC's CPU cost (steps/s)", "{:.2f}",
+        "cores / (1-process step CPU + raw-bytes round-trip CPU)")
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
@@ -672,8 +723,9 @@ def main(argv=None) -> int:
         if "local" in big["cpu"] and "grpc_baseline_cpu_seconds" in results:
             # Throughput if every step cost the 1-process step's CPU plus bare gRPC's round trip and
             # every core were busy all the time: no transport over Python gRPC can go above it here.
-            per_step = big["cpu"]["local"]["total_ms"] / 1e3 + results["grpc_baseline_cpu_seconds"]
-            results["big_ceiling_steps_per_s"] = results["machine"]["nproc"] / per_step
+            step_cpu, cores = big["cpu"]["local"]["total_ms"] / 1e3, results["machine"]["nproc"]
+            results["big_ceiling_steps_per_s"] = cores / (step_cpu + results["grpc_baseline_cpu_seconds"])
+            results["big_ceiling_raw_steps_per_s"] = cores / (step_cpu + results["grpc_raw_cpu_seconds"])
         results["big_rates"] = big["rates"]
         sections["big"] = time.monotonic() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
