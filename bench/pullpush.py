@@ -189,14 +189,20 @@ class BaselineServer:
         self._tmp.cleanup()
 
 
+def baseline_channel(address: str) -> grpc.Channel:
+    """A connected channel to the baseline server, with its message limits."""
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                                                      ("grpc.max_send_message_length", MESSAGE_LIMIT)])
+    grpc.channel_ready_future(channel).result(timeout=60)
+    return channel
+
+
 class BaselineClient:
     """Push: numpy slices -> bytes -> BytesValue stream. Pull: BytesValue stream -> copies into numpy."""
 
     def __init__(self, address: str, nbytes: int, chunk_bytes: int):
         self.nbytes, self.chunk_bytes = nbytes, chunk_bytes
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
-                                                               ("grpc.max_send_message_length", MESSAGE_LIMIT)])
-        grpc.channel_ready_future(self.channel).result(timeout=60)
+        self.channel = baseline_channel(address)
         self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=wrappers_pb2.BytesValue.SerializeToString,
                                                response_deserializer=wrappers_pb2.BytesValue.FromString)
         self._pull = self.channel.unary_stream(PULL_METHOD, request_serializer=wrappers_pb2.BytesValue.SerializeToString,
@@ -230,9 +236,7 @@ class RawClient:
 
     def __init__(self, address: str, nbytes: int, chunk_bytes: int):
         self.nbytes = nbytes
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT),
-                                                               ("grpc.max_send_message_length", MESSAGE_LIMIT)])
-        grpc.channel_ready_future(self.channel).result(timeout=60)
+        self.channel = baseline_channel(address)
         self._push = self.channel.stream_unary(RAW_PUSH_METHOD)
         self._pull = self.channel.unary_stream(RAW_PULL_METHOD)
         grads = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)
@@ -402,32 +406,24 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
         xs = torch.rand(4, BATCH, dims[0])
         ys = torch.randint(0, dims[-1], (4, BATCH))
         client = None
-        cpu = [0.0]  # minus the CPU seconds spent in exchange() (or opt.step()) so far
+        update_cpu = 0.0  # CPU seconds spent in update() since the timed run began
         if mode == "ps":
             from torchps.client import PSClient, TaskSpec
 
             client = PSClient(cluster, task=TaskSpec("worker", index))
-            binding = client.register_module(model, create=False)
-
-            def step(i: int) -> float:
-                model.zero_grad()
-                loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
-                loss.backward()
-                cpu[0] += time.process_time()
-                binding.exchange()
-                cpu[0] -= time.process_time()
-                return loss.item()
+            update = client.register_module(model, create=False).exchange
         else:
-            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            update = torch.optim.SGD(model.parameters(), lr=lr).step
 
-            def step(i: int) -> float:
-                opt.zero_grad()
-                loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
-                loss.backward()
-                cpu[0] += time.process_time()
-                opt.step()
-                cpu[0] -= time.process_time()
-                return loss.item()
+        def step(i: int) -> float:
+            nonlocal update_cpu
+            model.zero_grad()
+            loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+            loss.backward()
+            started = time.process_time()
+            update()
+            update_cpu += time.process_time() - started
+            return loss.item()
 
         for i in range(warmup):
             step(i)
@@ -440,13 +436,13 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
             while time.time() < start_at:
                 time.sleep(min(0.01, max(0.0, start_at - time.time())))
             end, steps, loss = start_at + duration, 0, float("nan")
-            cpu[0], started_cpu = 0.0, time.process_time()
+            update_cpu, started_cpu = 0.0, time.process_time()
             while time.time() < end:
                 loss = step(steps)
                 steps += 1
             used = time.process_time() - started_cpu
             res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
-                                         "cpu_seconds": used, "update_cpu_seconds": -cpu[0]}))
+                                         "cpu_seconds": used, "update_cpu_seconds": update_cpu}))
         if client is not None:
             client.close()
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -520,11 +516,11 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
             for r in range(args.train_repeats):
                 order = names if r % 2 == 0 else names[::-1]
                 for name in order:
-                    before = cpu_seconds(server_pids)
-                    results = pools[name].run(duration)
-                    after = cpu_seconds(server_pids)
-                    raw[name].append(results)
-                    if name == "async" and before is not None and after is not None:
+                    pids = server_pids if name == "async" else []
+                    before = cpu_seconds(pids)
+                    raw[name].append(pools[name].run(duration))
+                    after = cpu_seconds(pids)
+                    if pids and before is not None and after is not None:
                         server_cpu.append(after - before)
                 summary = ", ".join(f"{n} {sum(w['steps'] / w['seconds'] for w in raw[n][-1]):.1f} steps/s"
                                     for n in names)
