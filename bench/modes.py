@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.repeats, args.small_steps, args.big_steps = 1, 500, 8
     from torchps.client import tune_malloc
-    from torchps.ps_server.memory import malloc_env
+    from torchps.memory import malloc_env
 
     os.environ.update(malloc_env())
     tune_malloc()

@@ -685,7 +685,7 @@ def main(argv=None) -> int:
     if not args.no_malloc_tuning:
         # Every process of the run, ours and the baseline's alike, gets the same allocator settings.
         from torchps.client import tune_malloc
-        from torchps.ps_server.memory import malloc_env
+        from torchps.memory import malloc_env
 
         os.environ.update(malloc_env())
         tune_malloc()

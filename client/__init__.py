@@ -3,15 +3,16 @@
     from torchps.client import Cluster, Optimizer, PSClient
 """
 
-from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import (CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
+from ..cluster import Cluster, TaskSpec
+from ..errors import (CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
                                 ModeConflictError, NonFiniteGradientError, OptimizerSpecError, PSError, ServerUnavailableError,
                                 SpecConflictError, TensorMismatchError, UnknownVariableError, WaitTimeoutError)
-from .client import Optimizer, PSClient
+from .client import PSClient
+from ..specs import Optimizer
 from .module import ModuleBinding
 from .stats import WorkerStats
-from ..ps_server.memory import tune_malloc
-from ..ps_server.placement import Placement
+from ..memory import tune_malloc
+from ..placement import Placement
 
 __all__ = [
     "CheckpointError",

@@ -16,16 +16,16 @@ from typing import Callable, TypeVar
 
 import grpc
 
-from ..ps_server.errors import ServerUnavailableError
-from ..ps_server import wire
-from ..ps_server.proto import ps_pb2, ps_pb2_grpc
-from ..ps_server.server import DEFAULT_MAX_CHUNK_BYTES
+from ..errors import ServerUnavailableError
+from .. import wire
+from ..proto import ps_pb2, ps_pb2_grpc
+from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
 from .errors import error_from_rpc
 
 __all__ = ["ShardChannels"]
 
 T = TypeVar("T")
-_MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + (64 << 10)
+_MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + ENVELOPE_BYTES
 
 
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:

@@ -16,50 +16,22 @@ from typing import Callable, Iterable, Mapping, TypeVar
 import numpy as np
 import torch
 
-from ..ps_server import codec, wire
-from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import (ClusterConfigError, MalformedStreamError, ModeConflictError, PSError, TensorMismatchError,
+from .. import codec, wire
+from ..cluster import Cluster, TaskSpec
+from ..errors import (ClusterConfigError, MalformedStreamError, ModeConflictError, PSError, TensorMismatchError,
                                 WaitTimeoutError)
-from ..ps_server.proto import ps_pb2
+from ..proto import ps_pb2
 from .channels import ShardChannels
-from ..ps_server.placement import Placement
+from ..placement import Placement
 from .stats import WorkerStats
+from ..specs import Optimizer, wire_hyperparams
 
-__all__ = ["PSClient", "Optimizer"]
+__all__ = ["PSClient"]
 
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
 WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for variables; the client repeats until its deadline
-
-
-@dataclasses.dataclass(frozen=True)
-class Optimizer:
-    """A server-side optimizer: torch.optim's name and keyword arguments.
-
-        Optimizer("sgd", lr=0.1, momentum=0.9, nesterov=True)
-        Optimizer("adam", lr=1e-3, betas=(0.9, 0.999))
-    """
-
-    name: str
-    hyperparams: Mapping[str, float | bool | tuple]
-
-    def __init__(self, name: str, **hyperparams):
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "hyperparams", dict(hyperparams))
-
-    def to_proto(self) -> ps_pb2.OptimizerSpec:
-        return ps_pb2.OptimizerSpec(name=self.name, hyperparams=_wire_hyperparams(self.hyperparams))
-
-
-def _wire_hyperparams(hyperparams: Mapping) -> dict[str, float]:
-    out = {}
-    for key, value in hyperparams.items():
-        if key == "betas":
-            out["beta1"], out["beta2"] = (float(b) for b in value)
-        else:
-            out[key] = float(value)
-    return out
 
 
 class PSClient:
@@ -74,7 +46,7 @@ class PSClient:
     reachable (gRPC reconnects with backoff) and then raises
     ServerUnavailableError naming its address. Calls to several shards run
     concurrently, one stream per shard. Methods are thread-safe. Errors are
-    PSError subclasses (torchps.ps_server.errors), never grpc.RpcError.
+    PSError subclasses (torchps.errors), never grpc.RpcError.
     """
 
     def __init__(
@@ -542,7 +514,7 @@ class PSClient:
 
         Takes effect from the next update on each shard. Returns how many variables changed.
         """
-        wire = _wire_hyperparams(hyperparams)
+        wire = wire_hyperparams(hyperparams)
         groups = self.placement.group(names) if names is not None else {s: [] for s in range(self.cluster.num_ps)}
 
         def update(shard: int, shard_names: list[str]) -> int:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import grpc
 
-from ..ps_server.errors import (InternalServerError, InvalidArgumentError, ModeConflictError, PSError,
+from ..errors import (ERROR_METADATA_KEY, InternalServerError, InvalidArgumentError, ModeConflictError, PSError,
                                 ServerUnavailableError, SpecConflictError, UnknownVariableError, WaitTimeoutError,
                                 error_class_by_name)
-from ..ps_server.servicer import ERROR_METADATA_KEY
 
 __all__ = ["error_from_rpc"]
 

@@ -14,11 +14,12 @@ import signal
 import sys
 import threading
 
-from .cluster import Cluster, TaskSpec
+from ..cluster import Cluster, TaskSpec
 from . import checkpoint
-from .errors import ClusterConfigError, PSError
-from .memory import tune_malloc
-from .server import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_THREADS, create_server
+from ..errors import ClusterConfigError, PSError
+from ..memory import tune_malloc
+from ..codec import DEFAULT_MAX_CHUNK_BYTES
+from .server import DEFAULT_THREADS, create_server
 from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidArgumentError
-from .placement import Placement
+from ..errors import InvalidArgumentError
+from ..placement import Placement
 
 __all__ = ["FORMAT", "shard_path", "write_shard", "write_manifest", "latest_shard", "load", "relayout", "prune"]
 

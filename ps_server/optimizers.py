@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from .errors import OptimizerSpecError
+from ..errors import OptimizerSpecError
 
 __all__ = ["OPTIMIZERS", "normalize_spec", "VariableOptimizer"]
 

@@ -11,17 +11,16 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .proto import ps_pb2
+from .. import codec
+from ..proto import ps_pb2
 from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
 from .sync import Coordinator
 
-__all__ = ["create_server", "SERVICE_NAME", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_THREADS"]
+__all__ = ["create_server", "SERVICE_NAME", "DEFAULT_THREADS"]
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-DEFAULT_MAX_CHUNK_BYTES = 16 << 20  # largest chunk a shard accepts; clients send 1 MiB by default
-_ENVELOPE_BYTES = 64 << 10  # room for names, meta and framing around a chunk's data
 # Every worker held for a sync release, or waiting in a min_step pull, occupies one RPC thread:
 # a sync job needs more threads than twice its workers.
 DEFAULT_THREADS = 128
@@ -32,7 +31,7 @@ def create_server(
     index: int,
     address: str,
     *,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    max_chunk_bytes: int = codec.DEFAULT_MAX_CHUNK_BYTES,
     threads: int = DEFAULT_THREADS,
     checkpoint_dir: str | None = None,
     restore: dict | None = None,
@@ -47,7 +46,7 @@ def create_server(
     Shutdown call has been answered.
     """
     _check_free(address)
-    limit = max_chunk_bytes + _ENVELOPE_BYTES
+    limit = max_chunk_bytes + codec.ENVELOPE_BYTES
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
         options=[

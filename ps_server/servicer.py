@@ -20,17 +20,17 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from . import checkpoint, codec, wire
-from .errors import (CheckpointError, InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError,
+from .. import codec, wire
+from . import checkpoint
+from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError,
                      PSError)
-from .proto import ps_pb2, ps_pb2_grpc
+from ..proto import ps_pb2, ps_pb2_grpc
 from .store import NewVariable, VariableStore
 from .sync import Coordinator, SyncConfig
 
-__all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto", "ERROR_METADATA_KEY"]
+__all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
 _LOGGER = logging.getLogger(__name__)
-ERROR_METADATA_KEY = "torchps-error"
 MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; clients repeat shorter waits
 
 

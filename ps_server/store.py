@@ -18,11 +18,11 @@ from typing import Callable, Iterable, Mapping, TypeVar
 
 import torch
 
-from . import codec
-from .errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
+from .. import codec
+from ..errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
                      UnknownVariableError, WaitTimeoutError)
 from .optimizers import VariableOptimizer, normalize_spec
-from .proto import ps_pb2
+from ..proto import ps_pb2
 
 __all__ = ["Variable", "VariableStore", "NewVariable"]
 

@@ -42,7 +42,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
+from ..errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
 from .store import VariableStore
 
 __all__ = ["MODES", "SyncConfig", "PushResult", "Coordinator"]

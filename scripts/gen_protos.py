@@ -1,6 +1,6 @@
 """Regenerates the committed gRPC stubs from protos/ (run after editing the .proto).
 
-Usage: python scripts/gen_protos.py [OUT_DIR]   (default: ps_server/proto)
+Usage: python scripts/gen_protos.py [OUT_DIR]   (default: torchps/proto)
 
 The stubs are committed so that installs need no build step;
 tests/test_protos_uptodate.py regenerates them into a temporary folder and
@@ -38,4 +38,4 @@ def generate(out_dir: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "ps_server" / "proto")
+    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "torchps" / "proto")

@@ -22,6 +22,6 @@ def test_stub_is_up_to_date(tmp_path_factory, name):
     if not (out / name).exists():
         _gen_protos().generate(out)
     generated = (out / name).read_bytes()
-    committed = (ROOT / "ps_server" / "proto" / name).read_bytes()
+    committed = (ROOT / "torchps" / "proto" / name).read_bytes()
     assert generated == committed, (
-        f"ps_server/proto/{name} is stale: run `python scripts/gen_protos.py` after editing protos/")
+        f"torchps/proto/{name} is stale: run `python scripts/gen_protos.py` after editing protos/")

@@ -9,7 +9,7 @@ import pytest
 
 import torchps.client
 import torchps.ps_server
-import torchps.ps_server.errors as errors
+import torchps.errors as errors
 
 # Submodules of torchps.client whose public classes and functions users need (all exported from
 # torchps.client), and those that are plumbing. A new submodule must be put in one of the two.
@@ -61,11 +61,12 @@ def test_shared_types_are_reexported_from_client(name):
 
 
 def test_errors_all_is_complete():
-    """ps_server.errors.__all__ lists exactly the public classes and functions defined there."""
+    """torchps.errors.__all__ lists exactly the public classes, functions and constants defined there."""
     defined = {name for name, obj in vars(errors).items()
                if not name.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
                and obj.__module__ == errors.__name__}
-    assert set(errors.__all__) == defined
+    constants = {name for name in vars(errors) if name.isupper()}
+    assert set(errors.__all__) == defined | constants
     assert len(errors.__all__) == len(set(errors.__all__))
 
 
@@ -87,7 +88,7 @@ def test_error_class_by_name():
     assert errors.error_class_by_name("") is None
 
 
-@pytest.mark.parametrize("package", [torchps.client, torchps.ps_server])
+@pytest.mark.parametrize("package", [torchps, torchps.client, torchps.ps_server])
 def test_every_module_all_names_exist(package):
     """Each submodule's __all__ names only things that exist."""
     for info in pkgutil.iter_modules(package.__path__):

@@ -21,10 +21,10 @@ import time
 import torch
 
 from ..client import PSClient, PSError
-from ..ps_server.cluster import Cluster, TaskSpec
-from ..ps_server.errors import ClusterConfigError
-from ..ps_server.memory import tune_malloc
-from ..ps_server.optimizers import OPTIMIZERS
+from ..cluster import Cluster, TaskSpec
+from ..errors import ClusterConfigError
+from ..memory import tune_malloc
+from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, default_dataset_name
 from .models import MODELS, build_model, load_entry
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, finish_job
@@ -46,7 +46,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int, default=None, help="passes over each worker's shard (default: 1)")
     g.add_argument("--steps", type=int, default=None, help="stop at this global step instead of after epochs")
     g.add_argument("--batch-size", type=int, default=100)
-    g.add_argument("--optimizer", default="sgd", choices=sorted(set(OPTIMIZERS) - {"none"}))
+    g.add_argument("--optimizer", default="sgd", choices=sorted(set(OPTIMIZER_NAMES) - {"none"}))
     g.add_argument("--lr", type=float, default=0.1)
     g.add_argument("--momentum", type=float, default=0.0, help="sgd momentum")
     g.add_argument("--weight-decay", type=float, default=0.0)

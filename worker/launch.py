@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from ..ps_server.cluster import Cluster, TaskSpec
+from ..cluster import Cluster, TaskSpec
 from .local_cluster import ps_server_command
 
 __all__ = ["main", "Launcher"]

@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-from ..ps_server.cluster import Cluster
-from ..ps_server.errors import ServerUnavailableError
+from ..cluster import Cluster
+from ..errors import ServerUnavailableError
 
 __all__ = ["LocalCluster", "ps_server_command"]
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from torchps.ps_server import codec
-from torchps.ps_server.proto import ps_pb2, ps_pb2_grpc
+from torchps import codec
+from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.server import SERVICE_NAME
 
 TIMEOUT = 30.0  # seconds per RPC: a hang fails the test quickly instead of at pytest's timeout
@@ -591,7 +591,7 @@ def test_cancelled_push_applies_nothing(shard, big_var):
 _DOOMED_CLIENT = textwrap.dedent("""
     import sys, time
     import grpc
-    from torchps.ps_server.proto import ps_pb2, ps_pb2_grpc
+    from torchps.proto import ps_pb2, ps_pb2_grpc
 
     address, name, n, fraction = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address))

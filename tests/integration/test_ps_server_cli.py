@@ -22,7 +22,7 @@ import time
 import grpc
 import pytest
 
-from torchps.ps_server.proto import ps_pb2, ps_pb2_grpc
+from torchps.proto import ps_pb2, ps_pb2_grpc
 
 PS_SERVER = [sys.executable, "-m", "torchps.ps_server"]
 START_TIMEOUT = 60.0  # seconds for a shard to import torch and grpc on a loaded 2-core machine

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from torchps.client import Optimizer, PSClient, TaskSpec
-from torchps.ps_server import codec
-from torchps.ps_server.proto import ps_pb2, ps_pb2_grpc
+from torchps import codec
+from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

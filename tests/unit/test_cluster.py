@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from torchps.ps_server.cluster import Cluster, TaskSpec
-from torchps.ps_server.errors import ClusterConfigError
+from torchps.cluster import Cluster, TaskSpec
+from torchps.errors import ClusterConfigError
 
 SPEC = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"], "ps": ["h3:2222", "h4:2223"]}
 

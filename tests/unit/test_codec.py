@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from torchps.ps_server import codec
-from torchps.ps_server.errors import (InvalidArgumentError, MalformedStreamError, TensorMismatchError,
+from torchps import codec
+from torchps.errors import (InvalidArgumentError, MalformedStreamError, TensorMismatchError,
                                       UnknownVariableError)
-from torchps.ps_server.proto import ps_pb2
+from torchps.proto import ps_pb2
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from torchps.ps_server.errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError,
+from torchps.errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError,
                                       TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from torchps.ps_server.store import NewVariable, VariableStore
 

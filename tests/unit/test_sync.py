@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from torchps.ps_server.errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
+from torchps.errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
 from torchps.ps_server.store import NewVariable, VariableStore
 from torchps.ps_server.sync import Coordinator, PushResult, SyncConfig
 

@@ -38,7 +38,11 @@ __all__ = [
     "ServerUnavailableError",
     "InternalServerError",
     "error_class_by_name",
+    "ERROR_METADATA_KEY",
 ]
+
+# Trailing metadata key naming the PSError subclass a shard raised, so the client raises the same one.
+ERROR_METADATA_KEY = "torchps-error"
 
 
 class PSError(Exception):

@@ -23,6 +23,8 @@ from .proto import ps_pb2
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "ENVELOPE_BYTES",
     "torch_dtype",
     "wire_dtype",
     "meta_of",
@@ -38,6 +40,8 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: the fastest pull chunk in transport.md
+DEFAULT_MAX_CHUNK_BYTES = 16 << 20  # largest chunk a shard accepts by default (ps-server --max-chunk-bytes)
+ENVELOPE_BYTES = 64 << 10  # room for names, meta and framing around a chunk's data in one message
 
 if sys.byteorder != "little":  # the wire is little-endian and we send memory as is
     raise ImportError("torchps supports little-endian hosts only")
