@@ -283,7 +283,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             config=config_to_proto(coordinator.config), live_workers=coordinator.live_workers(),
             quorum=coordinator.quorum, stale_dropped=coordinator.stale_dropped,
             quorum_changes=coordinator.quorum_changes, workers_expired=coordinator.workers_expired,
-            generation=self.generation, restored_step=coordinator.restored_step)
+            generation=self.generation, restored_step=coordinator.restored_step,
+            checkpoints=bool(self.checkpoint_dir))
 
     @_map_errors
     def Configure(self, request, context):
