@@ -9,6 +9,7 @@ and back. No gRPC here.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Mapping
 
 import torch
@@ -42,7 +43,9 @@ def _defaults(cls: type) -> dict[str, float]:
 def normalize_spec(name: str, hyperparams: Mapping[str, float]) -> tuple[str, dict[str, float]]:
     """(lower-case name, every hyperparameter with torch.optim's defaults filled in).
 
-    Raises OptimizerSpecError for an unknown optimizer or hyperparameter.
+    Raises OptimizerSpecError for an unknown optimizer or hyperparameter, a
+    value that is not finite, a flag other than 0 or 1, or one torch.optim
+    itself refuses (a negative learning rate, betas outside [0, 1), ...).
     Two specs are equal exactly when their normalized forms are.
     """
     key = (name or "").lower()
@@ -56,7 +59,20 @@ def normalize_spec(name: str, hyperparams: Mapping[str, float]) -> tuple[str, di
         return key, {}
     full = {k: v for k, v in _defaults(cls).items() if k in allowed}
     full.update({k: float(v) for k, v in hyperparams.items()})
+    _check_values(key, cls, full)
     return key, full
+
+
+def _check_values(name: str, cls: type, hyperparams: Mapping[str, float]) -> None:
+    """OptimizerSpecError unless every value is finite, flags are 0 or 1, and torch.optim accepts them all."""
+    bad = {k: v for k, v in hyperparams.items() if not math.isfinite(v) or (k in _BOOLEAN and v not in (0.0, 1.0))}
+    if bad:
+        raise OptimizerSpecError(f"{name}: hyperparameters must be finite numbers (flags 0 or 1). Received: {bad}")
+    probe = torch.zeros(1, requires_grad=True)
+    try:
+        cls([probe], **_torch_kwargs(hyperparams))
+    except (ValueError, TypeError, RuntimeError) as exc:  # torch's own range checks: "Invalid learning rate: -1"
+        raise OptimizerSpecError(f"{name}: {exc}") from None
 
 
 def _torch_kwargs(hyperparams: Mapping[str, float]) -> dict:
@@ -94,11 +110,7 @@ class VariableOptimizer:
 
     def set_hyperparams(self, updates: Mapping[str, float]) -> None:
         """Changes hyperparameters from the next step on (e.g. {'lr': 0.01})."""
-        _, allowed = OPTIMIZERS[self.name]
-        unknown = sorted(set(updates) - set(allowed))
-        if unknown:
-            raise OptimizerSpecError(f"optimizer {self.name!r} has no hyperparameter(s) {unknown}; allowed: {list(allowed)}")
-        current = {**self.hyperparams, **{k: float(v) for k, v in updates.items()}}
+        _, current = normalize_spec(self.name, {**self.hyperparams, **updates})
         self._optimizer.param_groups[0].update(_torch_kwargs(current))
         self.hyperparams = current
 

@@ -15,14 +15,14 @@ from .. import codec
 from ..proto import ps_pb2
 from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
-from .sync import Coordinator
+from .coordinator import Coordinator
 
-__all__ = ["create_server", "SERVICE_NAME", "DEFAULT_THREADS"]
+__all__ = ["create_server", "default_max_waiting_calls", "SERVICE_NAME", "DEFAULT_THREADS"]
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-# Every worker held for a sync release, or waiting in a min_step pull, occupies one RPC thread:
-# a sync job needs more threads than twice its workers.
+# Every worker held for a sync release, or waiting in a min_step pull, occupies one RPC thread; at most
+# max_waiting_calls of them wait at once, so the rest always serve status, heartbeats and plain calls.
 DEFAULT_THREADS = 128
 
 
@@ -33,6 +33,7 @@ def create_server(
     *,
     max_chunk_bytes: int = codec.DEFAULT_MAX_CHUNK_BYTES,
     threads: int = DEFAULT_THREADS,
+    max_waiting_calls: int | None = None,
     checkpoint_dir: str | None = None,
     restore: dict | None = None,
     on_shutdown: Callable[[str], None] | None = None,
@@ -58,7 +59,12 @@ def create_server(
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
-    coordinator = Coordinator(store, owns_step=index == 0)
+    if max_waiting_calls is None:
+        max_waiting_calls = default_max_waiting_calls(threads)
+    if not 1 <= max_waiting_calls < max(2, threads):
+        raise RuntimeError(f"--max-waiting-calls must be at least 1 and below --threads ({threads}). "
+                           f"Received: {max_waiting_calls}")
+    coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls)
     if restore is not None:
         coordinator.restore(restore)
     add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
@@ -75,6 +81,11 @@ def create_server(
         raise RuntimeError(f"cannot bind {address}: the port is in use or the host is not local")
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     return server, port, coordinator
+
+
+def default_max_waiting_calls(threads: int) -> int:
+    """Three quarters of the RPC threads may wait; the rest serve calls that never do."""
+    return max(1, threads - max(1, threads // 4))
 
 
 def _check_free(address: str) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import logging
 import json
+import logging
+import math
 import os
 import random
+import threading
 from typing import Callable
 
 import grpc
@@ -22,11 +24,12 @@ from google.protobuf.message import DecodeError
 
 from .. import codec, wire
 from . import checkpoint
-from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError, MalformedStreamError, ModeConflictError,
-                     PSError)
+from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
+                      MalformedStreamError, ModeConflictError, PSError)
 from ..proto import ps_pb2, ps_pb2_grpc
+from .coordinator import Coordinator
+from .modes import SyncConfig
 from .store import NewVariable, VariableStore
-from .sync import Coordinator, SyncConfig
 
 __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
@@ -79,7 +82,7 @@ def _require_active(context: grpc.ServicerContext) -> None:
 
 
 def _map_errors(method):
-    """Maps exceptions of a unary or streaming-response handler to gRPC statuses."""
+    """Maps exceptions of a unary or streaming-response handler to gRPC statuses; counts finished calls."""
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def streaming(self, request, context):
@@ -87,6 +90,8 @@ def _map_errors(method):
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - the edge maps everything
                 _handle(context, method.__name__, exc)
+            finally:
+                self.calls_done.add()
         return streaming
 
     @functools.wraps(method)
@@ -95,7 +100,21 @@ def _map_errors(method):
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             _handle(context, method.__name__, exc)
+        finally:
+            self.calls_done.add()
     return unary
+
+
+class _Count:
+    """A thread-safe counter (calls finished, bytes received) for GetStatus."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, amount: int = 1) -> None:
+        with self._lock:
+            self.value += amount
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -115,6 +134,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.generation = random.getrandbits(63) or 1  # new on every start: clients notice restarts
         self.max_chunk_bytes = max_chunk_bytes
         self._pool = codec.BufferPool()  # gradient buffers, reused across pushes
+        self.calls_done = _Count()       # handlers returned, whatever the outcome: tests wait on it
+        self.push_bytes = _Count()       # gradient bytes taken in, complete or not
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):
@@ -145,7 +166,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if declared and len(requests) != declared:
             raise MalformedStreamError(f"the stream declared {declared} variables but {len(requests)} arrived")
         _require_active(context)
-        created = self.store.create(requests)
+        created = self.coordinator.create(requests)
         return ps_pb2.CreateResponse(created=created)
 
     @_map_errors
@@ -154,7 +175,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         names = list(request.names) or self.store.names()
         for name in names:
             self.store.get(name)  # NOT_FOUND before anything is sent
-        if request.min_step > 0:
+        if request.chunk_bytes:
+            codec.check_chunk_bytes(request.chunk_bytes, max(self.max_chunk_bytes, codec.MIN_CHUNK_BYTES))
+        if request.min_step:
             context.add_callback(self.coordinator.wake)
             self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
         yield from self._read(names, request.chunk_bytes)
@@ -197,6 +220,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 elif header is None:
                     raise MalformedStreamError("a Push stream must start with a header")
                 for chunk in chunks:
+                    self.push_bytes.add(len(chunk.data))
                     done = assembler.add(chunk)
                     if done is not None:
                         grads[done[0]] = done[1]
@@ -210,7 +234,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             context.add_callback(self.coordinator.wake)
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
-                                           hold=hold)
+                                           hold=hold, timeout=_remaining(context))
         finally:
             grads.clear()
             assembler.release()
@@ -222,9 +246,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None):
         """Serialized PullResponses for `names`, in order; `result` rides on the first message.
 
-        A variable larger than a chunk is encoded straight from its memory
-        under its lock (one copy); smaller ones are copied under their lock
-        and packed several to a message.
+        Each variable is copied under its lock (one consistent version), then
+        encoded one message at a time as gRPC asks for them, so no lock is held
+        while bytes go out. Small variables are packed several to a message.
         """
         chunk_bytes = min(chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         step = self.store.step
@@ -236,18 +260,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             first, sent = not sent, True
             return wire.encode_pull_response(pieces, step, result if first else None)
 
-        def encode_large(value, version) -> list[bytes]:
-            return [message([piece]) for piece in wire.tensor_pieces(name, value, chunk_bytes, version)]
-
         for name in names:
+            pieces = self.store.read(name, lambda value, version: wire.tensor_pieces(
+                name, value.clone(), chunk_bytes, version))
             if self.store.get(name).nbytes > chunk_bytes:
                 if small:
                     yield from (message(batch) for batch in wire.pack(small, chunk_bytes))
                     small = []
-                yield from self.store.read(name, encode_large)
+                yield from (message([piece]) for piece in pieces)
             else:
-                small += self.store.read(name, lambda value, version: wire.tensor_pieces(
-                    name, value.clone(), chunk_bytes, version))
+                small += pieces
         if small:
             yield from (message(batch) for batch in wire.pack(small, chunk_bytes))
         elif not sent:
@@ -255,15 +277,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
-        updated = self.store.set_hyperparams(list(request.names), dict(request.hyperparams))
+        updated = self.coordinator.set_hyperparams(list(request.names), dict(request.hyperparams))
         return ps_pb2.UpdateOptimizerResponse(updated=updated)
 
     @_map_errors
     def ListVariables(self, request, context):
         names = list(request.names)
+        if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
+            raise InvalidArgumentError(f"wait_seconds must be finite and >= 0. Received: {request.wait_seconds}")
         if names and request.wait_seconds > 0:
             context.add_callback(self.store.wake)
-            self.store.wait_for(names, min(request.wait_seconds, MAX_LIST_WAIT_SECONDS), lambda: not context.is_active())
+            with self.coordinator.waits.slot("list"):
+                self.store.wait_for(names, min(request.wait_seconds, MAX_LIST_WAIT_SECONDS),
+                                    lambda: not context.is_active())
         wanted = set(names)
         infos = []
         for name in self.store.names():
@@ -280,11 +306,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(names),
             total_bytes=sum(self.store.get(n).nbytes for n in names), pid=os.getpid(),
-            config=config_to_proto(coordinator.config), live_workers=coordinator.live_workers(),
-            quorum=coordinator.quorum, stale_dropped=coordinator.stale_dropped,
-            quorum_changes=coordinator.quorum_changes, workers_expired=coordinator.workers_expired,
-            generation=self.generation, restored_step=coordinator.restored_step,
-            checkpoints=bool(self.checkpoint_dir))
+            config=config_to_proto(coordinator.config), generation=self.generation,
+            restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
+            calls_done=self.calls_done.value, push_bytes_received=self.push_bytes.value, **coordinator.counters())
 
     @_map_errors
     def Configure(self, request, context):
@@ -303,7 +327,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Leave(self, request, context):
-        self.coordinator.leave(request.worker)
+        self.coordinator.leave(request.worker, request.incarnation)
         return ps_pb2.LeaveResponse()
 
     @_map_errors
@@ -315,7 +339,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             manifest = json.loads(request.manifest_json) if request.manifest_json else None
         except ValueError as exc:
             raise InvalidArgumentError(f"manifest_json does not parse: {exc}") from None
-        state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active())
+        if request.step < 0:
+            raise InvalidArgumentError(f"step must be >= 0. Received: {request.step}")
+        state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
+                                             now=request.step == 0)
         try:
             path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, state)
             if manifest is not None and self.index == 0:
@@ -336,13 +363,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
 
 def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
-    """SyncConfig from its message; zero lease and grace take the defaults."""
+    """SyncConfig from its message; zero lease, grace and progress timeout take the defaults."""
     defaults = SyncConfig()
     return SyncConfig(
         mode=message.mode or "async", replicas_to_aggregate=message.replicas_to_aggregate,
         total_num_replicas=message.total_num_replicas, max_staleness=message.max_staleness,
         lease_seconds=message.lease_seconds or defaults.lease_seconds,
-        startup_grace_seconds=message.startup_grace_seconds or defaults.startup_grace_seconds)
+        startup_grace_seconds=message.startup_grace_seconds or defaults.startup_grace_seconds,
+        progress_seconds=message.progress_seconds or defaults.progress_seconds)
 
 
 def config_to_proto(config: SyncConfig) -> ps_pb2.SyncConfig:

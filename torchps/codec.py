@@ -25,6 +25,8 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_CHUNK_BYTES",
     "ENVELOPE_BYTES",
+    "MIN_CHUNK_BYTES",
+    "check_chunk_bytes",
     "torch_dtype",
     "wire_dtype",
     "meta_of",
@@ -42,6 +44,9 @@ __all__ = [
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: the fastest pull chunk in transport.md
 DEFAULT_MAX_CHUNK_BYTES = 16 << 20  # largest chunk a shard accepts by default (ps-server --max-chunk-bytes)
 ENVELOPE_BYTES = 64 << 10  # room for names, meta and framing around a chunk's data in one message
+# Every chunk but a tensor's last carries at least this much: a stream of 1-byte chunks would cost a
+# shard one message, a lock and a copy per byte.
+MIN_CHUNK_BYTES = 64 << 10
 
 if sys.byteorder != "little":  # the wire is little-endian and we send memory as is
     raise ImportError("torchps supports little-endian hosts only")
@@ -55,6 +60,12 @@ _TO_TORCH = {
     ps_pb2.INT64: torch.int64,
 }
 _TO_WIRE = {v: k for k, v in _TO_TORCH.items()}
+
+
+def check_chunk_bytes(chunk_bytes: int, maximum: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+    """InvalidArgumentError unless MIN_CHUNK_BYTES <= chunk_bytes <= maximum."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= maximum:
+        raise InvalidArgumentError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {maximum}]. Received: {chunk_bytes}")
 
 
 def torch_dtype(wire: int) -> torch.dtype:
@@ -168,16 +179,23 @@ class BufferPool:
 
 
 class ChunkAssembler:
-    """Rebuilds whole tensors from a validated stream of chunks (wire.WireChunk).
+    """Rebuilds whole tensors from a validated stream of chunks (wire.WireChunk); shards and clients alike.
 
     `begin(name, meta)` is called with each new tensor's name and meta before
     any memory is allocated; it may raise (unknown variable, wrong shape) to
-    reject the stream early. Not thread-safe: one assembler per stream.
+    reject the stream early. Bytes go into `sink(name, meta)`'s uint8 buffer
+    (of exactly the tensor's size) if given, else into one from `pool`, else
+    into fresh memory. Every chunk but a tensor's last must carry at least
+    `min_chunk` bytes. Not thread-safe: one assembler per stream.
     """
 
-    def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None, pool: BufferPool | None = None):
+    def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None, pool: BufferPool | None = None,
+                 *, sink: Callable[[str, ps_pb2.TensorMeta], np.ndarray] | None = None,
+                 min_chunk: int = MIN_CHUNK_BYTES):
         self._begin = begin
         self.pool = pool
+        self._sink = sink
+        self.min_chunk = min_chunk
         self.buffers: list[np.ndarray] = []  # every buffer taken from the pool, to give back
         self._name: str | None = None
         self._meta: ps_pb2.TensorMeta | None = None
@@ -210,11 +228,20 @@ class ChunkAssembler:
             raise MalformedStreamError(
                 f"chunks of {self._name!r} run to byte {end}, past the {len(self._buffer)} bytes "
                 f"its meta {describe_meta(self._meta)} declares")
+        if end < len(self._buffer) and len(data) < self.min_chunk:
+            raise MalformedStreamError(
+                f"a chunk of {self._name!r} carries {len(data)} bytes and is not its last: chunks must carry at "
+                f"least {self.min_chunk} bytes")
         self._buffer[self._filled:end] = np.frombuffer(data, dtype=np.uint8)
         self._filled = end
         if end < len(self._buffer):
             return None
         return self._complete()
+
+    @property
+    def seen(self) -> set[str]:
+        """Names of the tensors started so far."""
+        return self._seen
 
     def release(self) -> None:
         """Gives every buffer back to the pool; tensors returned by add() must no longer be used."""
@@ -250,12 +277,18 @@ class ChunkAssembler:
             raise InvalidArgumentError(f"{chunk.name!r}: {exc}") from None
         if self._begin is not None:
             self._begin(chunk.name, meta)
-        try:
-            self._buffer = self.pool.take(nbytes) if self.pool else np.empty(nbytes, dtype=np.uint8)
-        except (MemoryError, ValueError):
-            raise InvalidArgumentError(f"cannot allocate {nbytes} bytes for {chunk.name!r}") from None
-        if self.pool:
-            self.buffers.append(self._buffer)
+        if self._sink is not None:
+            self._buffer = self._sink(chunk.name, meta)
+            if self._buffer.size != nbytes:
+                raise MalformedStreamError(f"{chunk.name!r}: the stream declares {nbytes} bytes where "
+                                           f"{self._buffer.size} are expected")
+        else:
+            try:
+                self._buffer = self.pool.take(nbytes) if self.pool else np.empty(nbytes, dtype=np.uint8)
+            except (MemoryError, ValueError):
+                raise InvalidArgumentError(f"cannot allocate {nbytes} bytes for {chunk.name!r}") from None
+            if self.pool:
+                self.buffers.append(self._buffer)
         self._name, self._meta, self._filled = chunk.name, meta, 0
         self._seen.add(chunk.name)
 

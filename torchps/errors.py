@@ -11,8 +11,11 @@
     ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
     ├── ModeConflictError          FAILED_PRECONDITION: reconfiguring a running job
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
+    ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
-    ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time
+    ├── ResourceExhaustedError     RESOURCE_EXHAUSTED: a shard limit was reached (names it); nothing changed
+    ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time, or is stopping
+    │   └── ShardLostError         a shard restarted empty and nobody refilled it (client side only)
     └── InternalServerError        INTERNAL / anything unexpected: a bug, please report
 
 Each class names its gRPC status code (`grpc_code`, a `grpc.StatusCode` member
@@ -34,8 +37,11 @@ __all__ = [
     "SpecConflictError",
     "ModeConflictError",
     "CheckpointError",
+    "WorkerReplacedError",
     "WaitTimeoutError",
+    "ResourceExhaustedError",
     "ServerUnavailableError",
+    "ShardLostError",
     "InternalServerError",
     "error_class_by_name",
     "ERROR_METADATA_KEY",
@@ -106,16 +112,32 @@ class CheckpointError(PSError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class WorkerReplacedError(PSError):
+    """A newer process of the same task (a new incarnation) joined: this one is fenced off and must stop."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class WaitTimeoutError(PSError, TimeoutError):
     """A wait (for variables, for a shard) ran past its deadline."""
 
     grpc_code = "DEADLINE_EXCEEDED"
 
 
+class ResourceExhaustedError(PSError):
+    """A shard refused a call at one of its limits (named in the message); nothing changed."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
 class ServerUnavailableError(PSError, ConnectionError):
-    """A shard could not be reached before the deadline."""
+    """A shard could not be reached before the deadline, or answered that it is stopping."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class ShardLostError(ServerUnavailableError):
+    """A shard restarted without its state (no checkpoint directory) and was not refilled in time."""
 
 
 class InternalServerError(PSError):

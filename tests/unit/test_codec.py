@@ -27,7 +27,7 @@ def _assert_bit_equal(actual, expected):
 
 def _round_trip(name, tensor, chunk_bytes):
     chunks = list(codec.encode_chunks(name, tensor, chunk_bytes))
-    assembler = codec.ChunkAssembler()
+    assembler = codec.ChunkAssembler(min_chunk=1)
     results = [assembler.add(c) for c in chunks]
     assembler.finish()
     assert all(r is None for r in results[:-1])
@@ -121,7 +121,7 @@ def test_unsupported_dtype_is_refused():
 def test_several_tensors_in_one_stream():
     """Tensors follow one another; each completes on its last chunk."""
     a, b = torch.arange(10, dtype=torch.int32), torch.ones(3, 3)
-    assembler = codec.ChunkAssembler()
+    assembler = codec.ChunkAssembler(min_chunk=1)
     done = [r for c in [*codec.encode_chunks("a", a, 8), *codec.encode_chunks("b", b, 8)]
             if (r := assembler.add(c)) is not None]
     assembler.finish()
@@ -136,7 +136,7 @@ def _chunks(name="v", n=16, chunk_bytes=16):
 
 
 def _feed(chunks, assembler=None):
-    assembler = assembler or codec.ChunkAssembler()
+    assembler = assembler or codec.ChunkAssembler(min_chunk=1)
     for chunk in chunks:
         assembler.add(chunk)
     assembler.finish()
@@ -183,7 +183,7 @@ def test_overrun_past_declared_size():
 def test_stream_ends_mid_tensor():
     """finish() refuses a stream that stopped inside a tensor; add() alone never completes it."""
     c = _chunks()
-    assembler = codec.ChunkAssembler()
+    assembler = codec.ChunkAssembler(min_chunk=1)
     assert all(assembler.add(chunk) is None for chunk in c[:3])
     with pytest.raises(MalformedStreamError, match="incomplete: 48 of 64 bytes"):
         assembler.finish()
@@ -201,7 +201,7 @@ def test_meta_given_by_the_caller():
     tensor = torch.arange(16, dtype=torch.float32)
     c = list(codec.encode_chunks("v", tensor, 16))
     c[0].ClearField("meta")
-    assembler = codec.ChunkAssembler()
+    assembler = codec.ChunkAssembler(min_chunk=1)
     out = [assembler.add(chunk, meta=codec.meta_of(tensor)) for chunk in c]
     assert torch.equal(out[-1][1], tensor)
 
@@ -209,7 +209,7 @@ def test_meta_given_by_the_caller():
 def test_chunk_meta_contradicting_the_given_meta():
     c = _chunks()
     with pytest.raises(TensorMismatchError, match="spec says float32\\[4\\]"):
-        codec.ChunkAssembler().add(c[0], meta=codec.meta_of(torch.zeros(4)))
+        codec.ChunkAssembler(min_chunk=1).add(c[0], meta=codec.meta_of(torch.zeros(4)))
 
 
 def test_name_appearing_twice():
@@ -227,12 +227,12 @@ def test_chunk_without_name():
 def test_bad_meta_in_first_chunk():
     chunk = ps_pb2.TensorChunk(name="v", meta=ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, shape=[-4]))
     with pytest.raises(InvalidArgumentError, match="negative dimension"):
-        codec.ChunkAssembler().add(chunk)
+        codec.ChunkAssembler(min_chunk=1).add(chunk)
 
 
 def test_begin_sees_each_tensor_once():
     seen = []
-    assembler = codec.ChunkAssembler(begin=lambda name, meta: seen.append((name, codec.describe_meta(meta))))
+    assembler = codec.ChunkAssembler(begin=lambda name, meta: seen.append((name, codec.describe_meta(meta))), min_chunk=1)
     _feed([*_chunks("a"), *_chunks("b", n=2)], assembler)
     assert seen == [("a", "float32[16]"), ("b", "float32[2]")]
 
@@ -247,9 +247,27 @@ def test_begin_rejects_before_allocation(monkeypatch):
         raise UnknownVariableError(f"no variable {name!r}")
 
     huge = ps_pb2.TensorChunk(name="huge", meta=ps_pb2.TensorMeta(dtype=ps_pb2.INT64, shape=[1 << 40, 1 << 20]))
-    assembler = codec.ChunkAssembler(begin=begin)
+    assembler = codec.ChunkAssembler(begin=begin, min_chunk=1)
     with pytest.raises(UnknownVariableError, match="'huge'"):
         assembler.add(huge)
     assert allocations == []
     with pytest.raises(InvalidArgumentError, match="cannot allocate"):  # without begin: refused, not a crash
-        codec.ChunkAssembler().add(huge)
+        codec.ChunkAssembler(min_chunk=1).add(huge)
+
+
+def test_chunks_below_the_minimum_are_refused_unless_last():
+    """Every chunk of a tensor but its last carries at least min_chunk bytes (ps.proto)."""
+    tensor = torch.arange(64, dtype=torch.float32)  # 256 bytes
+    with pytest.raises(MalformedStreamError, match="at least 128 bytes"):
+        for chunk in codec.encode_chunks("v", tensor, 64):
+            codec.ChunkAssembler(min_chunk=128).add(chunk)
+    assembler = codec.ChunkAssembler(min_chunk=128)
+    done = [assembler.add(c) for c in codec.encode_chunks("v", tensor, 200)]  # 200 + a last chunk of 56
+    assert done[0] is None and torch.equal(done[1][1], tensor)
+
+
+def test_check_chunk_bytes_bounds():
+    codec.check_chunk_bytes(codec.MIN_CHUNK_BYTES)
+    for bad in (0, 1, codec.MIN_CHUNK_BYTES - 1, codec.DEFAULT_MAX_CHUNK_BYTES + 1):
+        with pytest.raises(InvalidArgumentError, match="chunk_bytes must be in"):
+            codec.check_chunk_bytes(bad)

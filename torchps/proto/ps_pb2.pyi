@@ -212,7 +212,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,11 @@ class StatusResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_DONE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_STALLED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -241,23 +246,30 @@ class StatusResponse(_message.Message):
     generation: int
     restored_step: int
     checkpoints: bool
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ...) -> None: ...
+    calls_done: int
+    push_bytes_received: int
+    workers_stalled: int
+    duplicates: int
+    waiting_calls: int
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ...) -> None: ...
 
 class SyncConfig(_message.Message):
-    __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds")
+    __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds", "progress_seconds")
     MODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STARTUP_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     replicas_to_aggregate: int
     total_num_replicas: int
     max_staleness: int
     lease_seconds: float
     startup_grace_seconds: float
-    def __init__(self, mode: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., max_staleness: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., startup_grace_seconds: _Optional[float] = ...) -> None: ...
+    progress_seconds: float
+    def __init__(self, mode: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., max_staleness: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., startup_grace_seconds: _Optional[float] = ..., progress_seconds: _Optional[float] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("changed",)

@@ -1,0 +1,556 @@
+"""How a shard combines pushes from many workers: the one object the servicer drives. No gRPC.
+
+    membership.py   leases, progress, incarnations     ledger.py   exactly-once pushes
+    aggregation.py  sync mode's pending sums            gate.py     changes vs snapshots
+    snapshots.py    states for checkpoints and journal  waits.py    the cap on waiting calls
+
+Locks. `_cond` guards the bookkeeping (membership, ledger, pending steps,
+counters) and is held only for that: never while a gradient is applied or
+summed, a value copied, or a file written. Applies take their variables' locks
+under the apply gate (shared); snapshots take the gate alone. So status,
+joins, heartbeats and leaves never wait behind an apply or a save.
+
+Sync mode (SyncReplicasOptimizer, with leases) is in modes.py and
+aggregation.py: a step's average is applied by one applier thread; shard 0
+holds each worker's push until its step is released (the "token"), so a sync
+step costs no extra round trip; a worker's next pull waits (min_step) until
+every shard has applied the step. In ssp mode shard 0 holds a push while its
+worker is more than max_staleness pushes ahead of the slowest live worker.
+
+Every wait ends: at the call's deadline (at most MAX_WAIT_SECONDS) with
+WaitTimeoutError, at close() with ServerUnavailableError, or when the caller
+went away (`cancelled()`, checked after wake()).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Mapping
+
+import torch
+
+from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableError, WaitTimeoutError
+from .aggregation import PendingSteps
+from .gate import ApplyGate
+from .ledger import PushLedger, PushRecord
+from .membership import Membership
+from .modes import PushResult, SyncConfig, quorum_for
+from .snapshots import Saves, state_of
+from .store import NewVariable, VariableStore
+from .waits import WaitLimit
+
+__all__ = ["Coordinator", "MAX_WAIT_SECONDS"]
+
+_LOGGER = logging.getLogger(__name__)
+MAX_WAIT_SECONDS = 3600.0       # the longest any call waits when it brings no deadline
+MAX_STEP = 1 << 62              # steps beyond this are nonsense, in every mode
+_NEVER = lambda: False  # noqa: E731
+
+
+class Coordinator:
+    """Applies pushes to a VariableStore according to the shard's SyncConfig. Thread-safe.
+
+    `owns_step` is true on shard 0: it hands out sync tokens and enforces the
+    ssp bound. `clock` is injectable for tests (monotonic seconds). `journal`
+    (journal.Journal or None) records every change before it is acknowledged.
+    """
+
+    def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
+                 max_waiting_calls: int = 96, journal=None):
+        self.store = store
+        self.owns_step = owns_step
+        self.journal = journal
+        self.waits = WaitLimit(max_waiting_calls)
+        self.gate = ApplyGate()
+        self._now = clock
+        self._cond = threading.Condition()
+        self.config = SyncConfig()
+        self._configured_at = clock()
+        self.membership = Membership()
+        self.ledger = PushLedger()
+        self.pending = PendingSteps()
+        self.saves = Saves(self)
+        self._quorum = 0
+        self.stale_dropped = 0
+        self.quorum_changes = 0
+        self.duplicates = 0
+        self.restored_step = -1       # the checkpoint step this shard restored, or -1
+        self._behind = True           # no state of the job yet: adopt the step the first client shows
+        self._closed = False
+        self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
+        self._ordered = threading.Lock() if journal is not None else contextlib.nullcontext()
+        self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+        self._applier: threading.Thread | None = None
+        self._reaper.start()
+
+    # -- state changes that are not pushes -----------------------------------------------------
+
+    def configure(self, config: SyncConfig) -> bool:
+        """Sets the mode; False if it was already this config. ModeConflictError once workers joined."""
+        with self.gate.change(), self._cond:
+            if config == self.config:
+                return False
+            if self.membership.members or self.pending.buffers:
+                raise ModeConflictError(
+                    f"this shard already runs {self.config} with workers joined; it cannot switch to {config}. "
+                    f"Restart the job to change the mode")
+            self._set_config(config)
+            self._log("configure", {"config": dataclasses.asdict(config)})
+        _LOGGER.info("mode set: %s", config)
+        return True
+
+    def _set_config(self, config: SyncConfig) -> None:
+        self.config = config
+        self._configured_at = self._now()
+        self._quorum = self._compute_quorum()
+        if config.mode == "sync" and self._applier is None:
+            self._applier = threading.Thread(target=self._apply_steps, name="sync-applier", daemon=True)
+            self._applier.start()
+        self._cond.notify_all()
+
+    def create(self, requests: list[NewVariable]) -> list[bool]:
+        """store.create, recorded in the journal."""
+        with self.gate.change():
+            created = self.store.create(requests)
+            self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
+                                                "hyperparams": dict(r.hyperparams)}
+                                               for r, new in zip(requests, created) if new]},
+                      {r.name: r.value for r, new in zip(requests, created) if new})
+        return created
+
+    def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
+        """store.set_hyperparams, recorded in the journal."""
+        with self.gate.change():
+            count = self.store.set_hyperparams(names, updates)
+            self._log("hyperparams", {"names": names, "updates": dict(updates)})
+        return count
+
+    def restore(self, state: dict, *, exact: bool = False) -> None:
+        """Starts from a saved state (snapshots.state_of). `exact`: it is this shard's own latest state
+        (journal), not an older checkpoint, so the shard does not need to catch up with the job."""
+        self.store.restore(state["variables"], state["step"])
+        with self._cond:
+            self.ledger.restore(state.get("ledger", []))
+            self.membership.restore(state.get("membership", {}), self._now())
+            self.pending.restore(state.get("pending", {}))
+            self.restored_step = state["step"]
+            self._behind = not exact
+            self._set_config(SyncConfig(**state["config"]))
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def join(self, worker: str, incarnation: int, start_step: int = 0) -> int:
+        """Takes or renews `worker`'s lease; returns the shard's step. Never blocks on training.
+
+        `start_step` is the step the worker starts at, as shard 0 told it (the
+        client joins shard 0 first): a worker arriving after the startup grace,
+        or back after its lease expired, counts towards this shard's quorum from
+        that step on. WorkerReplacedError if a newer incarnation took over.
+        """
+        self._check_step(start_step, "join step")
+        with self._cond:
+            self._check_open()
+            self._catch_up(start_step)
+            self._check_ahead(start_step, "join step")
+            retired = self._touch(worker, incarnation, start_step, progress=False)
+            step = self.store.step
+        self._log_retired(worker, retired)
+        return step
+
+    heartbeat = join  # a heartbeat renews the lease exactly as a join does
+
+    def leave(self, worker: str, incarnation: int) -> None:
+        """`worker` is done: it stops counting towards the quorum and the staleness bound at once.
+
+        WorkerReplacedError if `incarnation` was replaced (a dying old process
+        cannot evict its successor); a no-op for an unknown worker.
+        """
+        with self._cond:
+            if self.membership.leave(worker, incarnation):
+                _LOGGER.info("%s left", worker)
+                self._membership_changed()
+
+    def live_workers(self) -> int:
+        with self._cond:
+            return self.membership.live()
+
+    @property
+    def quorum(self) -> int:
+        with self._cond:
+            return self._quorum
+
+    def counters(self) -> dict[str, int]:
+        """Status counters, read under the bookkeeping lock only."""
+        with self._cond:
+            return {"live_workers": self.membership.live(), "quorum": self._quorum,
+                    "stale_dropped": self.stale_dropped, "quorum_changes": self.quorum_changes,
+                    "workers_expired": self.membership.expired, "workers_stalled": self.membership.stalls,
+                    "duplicates": self.duplicates, "waiting_calls": self.waits.waiting()}
+
+    def close(self) -> None:
+        """Ends every wait (ServerUnavailableError) and stops the reaper and the applier."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wakes waiters so they re-check their condition (a call was cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- pushes and pulls ---------------------------------------------------------------------
+
+    def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
+             step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
+             timeout: float | None = None) -> PushResult:
+        """Handles one push according to the mode, at most once per (worker, incarnation, seq).
+
+        Raises (changing nothing) for invalid gradients or numbers, or a
+        replaced incarnation. Blocks on shard 0 (on every shard with `hold`,
+        for PushPull) in sync mode until the worker may go on, on shard 0 in
+        ssp mode while it is too far ahead; a retry waits for its original.
+        """
+        self._check_step(step, "push step")
+        if step_increment not in (0, 1):
+            raise InvalidArgumentError(f"step_increment must be 0 or 1. Received: {step_increment}")
+        self.store.validate(grads)
+        deadline = self._deadline(timeout)
+        kind = self._hold_kind(hold)
+        with self.waits.slot(kind) if kind else contextlib.nullcontext():  # refused before anything changes
+            return self._push(worker, incarnation, seq, step, grads, step_increment, cancelled, hold, deadline)
+
+    def _hold_kind(self, hold: bool) -> str | None:
+        """The kind of waiting slot a push needs if it can be held (sync release, ssp bound), else None."""
+        mode = self.config.mode
+        if mode == "sync" and (self.owns_step or hold):
+            return "release"
+        if mode == "ssp" and self.owns_step:
+            return "ssp"
+        return None
+
+    def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, step_increment: int, cancelled,
+              hold: bool, deadline: float) -> PushResult:
+        while True:
+            with self._cond:
+                self._check_open()
+                self.membership.check(worker, incarnation)
+                record = self.ledger.seen(worker, incarnation, seq)
+                if record is not None:
+                    result = self._duplicate(worker, incarnation, record, seq, cancelled, hold, deadline)
+                    if result is None:
+                        continue  # the original failed before changing anything: apply this one
+                    self.duplicates += 1
+                    return result
+                self._catch_up(step)
+                mode = self.config.mode
+                if mode == "sync":
+                    self._check_ahead(step, "push step")
+                retired = self._touch(worker, incarnation, step, progress=True)
+                self.membership.pushed(worker, self._now())
+                if mode == "sync" and step < self.pending.open_step(self.store.step):
+                    return self._stale(worker, incarnation, seq, step)
+                record = self.ledger.begin(worker, incarnation, seq, step)
+                buffer = self.pending.reserve(step) if mode == "sync" else None
+            self._log_retired(worker, retired)
+            try:
+                if buffer is not None:
+                    return self._push_sync(worker, step, grads, record, buffer, cancelled, hold, deadline)
+                return self._push_async(worker, step, grads, step_increment, record, mode == "ssp", cancelled,
+                                        deadline)
+            except BaseException:
+                with self._cond:
+                    if record is None or not record.applied:
+                        self.ledger.abort(worker, incarnation, record)
+                        if buffer is not None:
+                            self.pending.unreserve(buffer)
+                    self._cond.notify_all()
+                raise
+
+    def _stale(self, worker: str, incarnation: int, seq: int, step: int) -> PushResult:
+        record = self.ledger.begin(worker, incarnation, seq, step)
+        if record is not None:
+            record.stale = True
+        self.stale_dropped += 1
+        current = self.store.step
+        _LOGGER.debug("dropped a stale gradient from %s (step %d < %d)", worker, step, current)
+        result = PushResult(step=current, next_step=current, stale=True, quorum=self._quorum)
+        if record is not None:
+            record.result = result
+        return result
+
+    def _duplicate(self, worker: str, incarnation: int, record: PushRecord, seq: int, cancelled, hold: bool,
+                   deadline: float) -> PushResult | None:
+        """The reply to a repeated push (holds _cond); None if its original failed and it must be applied."""
+        current = self.store.step
+        if record.seq != seq or record.step < 0:  # a straggler of an older push: never applied now
+            return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
+        if not record.stale:
+            unslotted = self._hold_kind(hold) is None  # a retry waiting for its original needs a slot of its own
+            with self.waits.slot("retry") if unslotted else contextlib.nullcontext():
+                done = self._cond.wait_for(lambda: record.applied or record.result is not None or self._closed
+                                           or self.ledger.seen(worker, incarnation, seq) is not record
+                                           or cancelled(), self._left(deadline))
+            self._check_open()
+            if self.ledger.seen(worker, incarnation, seq) is not record:
+                return None
+            if not done:
+                raise WaitTimeoutError(f"a retried push from {worker} waited for its original, still running")
+        if self.config.mode == "sync" and not record.stale:
+            return dataclasses.replace(self._await_release(worker, record.step, cancelled, hold, deadline),
+                                       duplicate=True)
+        if record.result is None:  # cancelled before the original finished
+            return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
+        return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
+
+    def _push_async(self, worker: str, step: int, grads, step_increment: int, record: PushRecord | None,
+                    ssp: bool, cancelled, deadline: float) -> PushResult:
+        with self.gate.change():
+            with self._ordered:  # with a journal, applies are recorded in the order they happened
+                step_after, versions = self.store.apply(grads, step_increment, validated=True)
+                self._log("apply", {"step_increment": step_increment, **self._push_meta(worker, record)}, grads)
+            with self._cond:
+                if record is not None:
+                    record.applied = True
+        with self._cond:
+            member = self.membership.members[worker]
+            member.clock += 1
+            result = PushResult(step=step_after, next_step=step_after, versions=versions)
+            if record is not None:
+                record.result = result
+            self._cond.notify_all()
+            if not (ssp and self.owns_step):
+                return result
+            bound = self.config.max_staleness
+            start = self._now()
+            self._hold(worker, lambda: member.clock - self._min_clock() <= bound or cancelled(), deadline,
+                       lambda: f"{worker} is {member.clock - self._min_clock()} pushes ahead of the slowest live "
+                               f"worker (bound {bound})")
+            current = self.store.step
+            return dataclasses.replace(result, step=current, next_step=current, wait_seconds=self._now() - start)
+
+    def _push_sync(self, worker: str, step: int, grads, record: PushRecord | None, buffer, cancelled, hold: bool,
+                   deadline: float) -> PushResult:
+        with self.gate.change():
+            buffer.add(grads, lambda: self._log("add", {"step": step, **self._push_meta(worker, record)}, grads))
+            with self._cond:
+                if record is not None:
+                    record.applied = record.pending = True
+                self.pending.counted(buffer, worker)
+                self._cond.notify_all()
+        with self._cond:
+            result = self._await_release(worker, step, cancelled, hold, deadline)
+            if record is not None:
+                record.result = result
+            return result
+
+    def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float) -> PushResult:
+        """On shard 0 (any shard with `hold`), waits until `worker` may go on after pushing for `step`.
+
+        Holds _cond. The worker may go on once this shard has applied `step`,
+        or while the step still wants more of its batches (R > N).
+        """
+        start = self._now()
+        if self.owns_step or hold:
+            per_worker = self.config.batches_per_worker
+
+            def may_go_on() -> bool:
+                if self.store.step > step or cancelled():
+                    return True
+                buffer = self.pending.buffers.get(step)
+                return buffer is not None and self.pending.applying != step and buffer.by_worker[worker] < per_worker
+
+            self._hold(worker, may_go_on, deadline,
+                       lambda: f"step {step} was not released (shard at step {self.store.step}, quorum "
+                               f"{self._quorum}, {self.membership.live()} live workers)")
+        current = self.store.step
+        return PushResult(step=current, next_step=max(current, step), wait_seconds=self._now() - start,
+                          quorum=self._quorum)
+
+    def _hold(self, worker: str, condition: Callable[[], bool], deadline: float, describe: Callable[[], str]) -> None:
+        """Waits (holds _cond, and the push's waiting slot) until `condition()`, counting as a held push of
+        `worker` (never a stall)."""
+        member = self.membership.members.get(worker)
+        if member is not None:
+            member.held += 1
+        try:
+            done = self._cond.wait_for(lambda: condition() or self._closed, self._left(deadline))
+        finally:
+            if member is not None:
+                member.held -= 1
+                member.last_progress = self._now()
+        self._check_open()
+        if not done:
+            raise WaitTimeoutError(describe())
+
+    def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER) -> int:
+        """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s."""
+        self._check_step(min_step, "min_step")
+        deadline = self._deadline(timeout)
+        with self._cond:
+            self._check_open()
+            self._catch_up(min_step)
+            if self.store.step < min_step:
+                with self.waits.slot("pull"):
+                    self._cond.wait_for(lambda: self.store.step >= min_step or cancelled() or self._closed,
+                                        self._left(deadline))
+            self._check_open()
+            if self.store.step < min_step and not cancelled():
+                raise WaitTimeoutError(
+                    f"waited for step {min_step}; the shard is at step {self.store.step} "
+                    f"(quorum {self._quorum}, {self.membership.live()} live workers)")
+            return self.store.step
+
+    def snapshot_at(self, step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
+                    now: bool = False) -> dict:
+        """The shard's state for a checkpoint of step `step`; see snapshots.Saves.snapshot_at."""
+        return self.saves.snapshot_at(step, self._deadline(timeout), cancelled, now=now)
+
+    def state(self, *, with_pending: bool) -> dict:
+        """The whole state now (takes the apply gate alone while it copies)."""
+        with self.gate.snapshot():
+            return state_of(self, with_pending=with_pending)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _deadline(self, timeout: float | None) -> float:
+        return self._now() + min(MAX_WAIT_SECONDS, MAX_WAIT_SECONDS if timeout is None else timeout)
+
+    def _left(self, deadline: float) -> float:
+        return max(0.0, deadline - self._now())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServerUnavailableError("this shard is stopping; retry against its replacement")
+
+    @staticmethod
+    def _check_step(step: int, what: str) -> None:
+        if not 0 <= step <= MAX_STEP:
+            raise InvalidArgumentError(f"{what} must be in [0, {MAX_STEP}]. Received: {step}")
+
+    def _check_ahead(self, step: int, what: str) -> None:
+        """Sync: a step more than one past the open step is never legitimate on a shard that has its state."""
+        limit = self.pending.open_step(self.store.step) + 1
+        if self.config.mode == "sync" and step > limit:
+            raise InvalidArgumentError(
+                f"{what} {step} is ahead of this shard's step {self.store.step} by more than one; "
+                f"nothing was changed")
+
+    def _push_meta(self, worker: str, record: PushRecord | None) -> dict:
+        return {"worker": worker, "seq": 0 if record is None else record.seq,
+                "step": 0 if record is None else record.step}
+
+    def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Appends a journal record (callers hold the apply gate shared)."""
+        if self.journal is not None:
+            self.journal.append(kind, meta, tensors or {})
+
+    def _log_retired(self, worker: str, incarnation: int | None) -> None:
+        if incarnation is not None and self.journal is not None:
+            with self.gate.change():
+                self._log("retire", {"worker": worker, "incarnation": incarnation})
+
+    def _catch_up(self, step: int) -> None:
+        """A shard without the job's latest state adopts the job's step the first time a client shows one."""
+        if self._behind and step > self.store.step:
+            _LOGGER.warning("this shard is at step %d and the job at step %d: catching up (updates in between "
+                            "are lost)", self.store.step, step)
+            self.store.set_step(step)
+            self.pending.clear()
+            self._log("set_step", {"step": step})
+        self._behind = False
+
+    def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> int | None:
+        now = self._now()
+        event, retired = self.membership.touch(
+            worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
+            in_grace=self._in_grace(now), level=self._min_clock(), progress=progress)
+        if retired is not None:
+            self.ledger.forget(worker, retired)
+        if event is not None:
+            _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
+            self._membership_changed()
+        return retired
+
+    def _in_grace(self, now: float) -> bool:
+        return now < self._configured_at + self.config.startup_grace_seconds
+
+    def _compute_quorum(self) -> int:
+        step = self.store.step
+        live = self.membership.counted(step)
+        if self._in_grace(self._now()):  # workers that have not joined yet count as live
+            waiting = self.config.total_num_replicas - self.membership.absent() - self.membership.not_yet_counted(step)
+            live = max(live, waiting)
+        return quorum_for(self.config, live)
+
+    def _update_quorum(self) -> None:
+        quorum = self._compute_quorum()
+        if quorum != self._quorum and self.config.mode == "sync":
+            self.quorum_changes += 1
+            _LOGGER.warning("quorum %d -> %d (%d live workers) at step %d",
+                            self._quorum, quorum, self.membership.live(), self.store.step)
+        self._quorum = quorum
+
+    def _membership_changed(self) -> None:
+        self._update_quorum()
+        self._cond.notify_all()
+
+    def _min_clock(self) -> int:
+        waiting_for_joiners = (self._in_grace(self._now())
+                               and len(self.membership.members) < self.config.total_num_replicas)
+        return 0 if waiting_for_joiners else self.membership.min_clock()
+
+    def _apply_steps(self) -> None:
+        """The sync applier (thread body): applies each step once its quorum has counted in."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self.pending.next_ready(self.store.step, self._quorum))
+                if self._closed:
+                    return
+                kind, step = self.pending.next_ready(self.store.step, self._quorum)
+                self.pending.applying = step
+                buffer = self.pending.buffers[step] if kind == "apply" else None
+                save_due = buffer is not None and self.saves.due(step)
+            if save_due:  # a checkpoint of this step waits: take it before the step moves on
+                self.saves.take(step)
+            with self.gate.change():
+                if buffer is not None:
+                    self.store.apply(buffer.averages(), step_increment=1, validated=True)
+                    self._log("step", {"step": step})
+                with self._cond:
+                    if kind == "jump":
+                        _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up",
+                                        step, self.store.step)
+                        self.store.set_step(step)
+                        self._log("set_step", {"step": step})
+                    self.pending.drop_before(self.store.step)
+                    self.pending.applying = None
+                    self._update_quorum()
+                    self._cond.notify_all()
+
+    def _reap(self) -> None:
+        """Expires leases and progress when they run out (thread body); wakes at the next deadline."""
+        with self._cond:
+            while not self._closed:
+                now = self._now()
+                config = self.config
+                expired, stalled = self.membership.expire(now, config.lease_seconds, config.progress_seconds)
+                for worker in expired:
+                    _LOGGER.warning("%s sent nothing for %g s: lease expired, continuing without it",
+                                    worker, config.lease_seconds)
+                for worker in stalled:
+                    _LOGGER.warning("%s pushed nothing for %.3g s although it still heartbeats (progress timeout): "
+                                    "continuing without it until it pushes again", worker,
+                                    self.membership.progress_timeout(config.progress_seconds))
+                grace_end = self._configured_at + config.startup_grace_seconds
+                grace_ended = grace_end <= now and self._grace_seen_end != grace_end
+                if grace_ended:
+                    self._grace_seen_end = grace_end  # unjoined workers stop counting, in every mode
+                if expired or stalled or grace_ended:
+                    self._membership_changed()
+                deadlines = [d for d in (self.membership.next_deadline(config.lease_seconds, config.progress_seconds),
+                                         grace_end if grace_end > now else None) if d is not None]
+                self._cond.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)

@@ -1,0 +1,202 @@
+"""Who takes part in the job, as one shard sees it: leases, progress, incarnations. No gRPC, no locking.
+
+A worker is *live* while both hold:
+* its lease: it sent something (push, join, heartbeat) within lease_seconds;
+* its progress: it pushed within the progress timeout, or a shard is holding
+  one of its pushes (waiting for a sync release or the ssp bound is not a stall).
+    progress timeout = max(progress_seconds, PROGRESS_MULTIPLE x median push interval)
+
+Each client process draws a random incarnation. A known worker arriving with
+a new incarnation is a restart: the old incarnation is retired, and every later
+call from it (a push, a heartbeat, a leave) is refused with
+WorkerReplacedError, so a dying old process can neither evict its successor
+nor have a retried push applied. A worker that left, or whose lease or
+progress ran out, and that comes back with the same incarnation simply
+rejoins: nothing about its pushes is forgotten.
+
+The coordinator's lock guards every call here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import statistics
+
+from ..errors import WorkerReplacedError
+
+__all__ = ["Member", "Membership", "PROGRESS_MULTIPLE"]
+
+_LOGGER = logging.getLogger(__name__)
+PROGRESS_MULTIPLE = 20.0   # median push intervals without a push before a heartbeating worker is stalled
+RETIRED_PER_WORKER = 64    # replaced incarnations remembered per task (restarts of one task, job-long)
+_INTERVALS_KEPT = 256      # push intervals the median is taken over
+
+
+@dataclasses.dataclass
+class Member:
+    """One worker as this shard knows it."""
+
+    incarnation: int
+    last_seen: float          # any call: renews the lease
+    last_progress: float      # a push arrived, or one of its held pushes was released
+    counts_from: int = 0      # first step whose quorum counts it (a late or returning worker
+                              # counts from the step it starts at, not for one being finished)
+    clock: int = 0            # pushes applied (ssp)
+    gone: bool = False        # left, or its lease ran out
+    stalled: bool = False     # heartbeats, but pushed nothing for the progress timeout
+    held: int = 0             # its pushes this shard is holding right now
+    last_push: float | None = None
+
+    @property
+    def live(self) -> bool:
+        return not self.gone and not self.stalled
+
+
+class Membership:
+    """The workers of the job on one shard (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, Member] = {}
+        self.retired: dict[str, collections.deque[int]] = {}
+        self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVALS_KEPT)
+        self.expired = 0   # leases that ran out
+        self.stalls = 0    # progress timeouts
+
+    # -- calls from workers ----------------------------------------------------------------------
+
+    def check(self, worker: str, incarnation: int) -> None:
+        """WorkerReplacedError if `incarnation` of `worker` was replaced by a newer one."""
+        if incarnation in self.retired.get(worker, ()):
+            current = self.members[worker].incarnation if worker in self.members else 0
+            raise WorkerReplacedError(
+                f"{worker} incarnation {incarnation:x} was replaced by a newer process (incarnation {current:x}); "
+                f"this process must stop")
+
+    def touch(self, worker: str, incarnation: int, *, now: float, step: int, start_step: int, in_grace: bool,
+              level: int, progress: bool) -> tuple[str | None, int | None]:
+        """Renews `worker`'s lease (and progress if it pushed); returns (what changed, retired incarnation).
+
+        What changed is None, "joined", "rejoined", "restarted" or "resumed"
+        (back from a stall). `step` is the shard's open step, `start_step` the
+        step the worker is at, `level` the ssp clock a newcomer starts at.
+        Raises WorkerReplacedError for a retired incarnation.
+        """
+        self.check(worker, incarnation)
+        member = self.members.get(worker)
+        if member is None:
+            counts_from = step if in_grace else max(step, start_step)
+            self.members[worker] = Member(incarnation, now, now, counts_from=counts_from, clock=level)
+            return "joined", None
+        retired = None
+        if member.incarnation != incarnation:
+            retired = member.incarnation
+            self._retire(worker, retired)
+            member.incarnation, member.last_push, member.held = incarnation, None, 0
+            event = "restarted"
+        elif member.gone:
+            event = "rejoined"
+        elif member.stalled and progress:
+            event = "resumed"
+        else:
+            member.last_seen = now
+            if progress:
+                member.last_progress = now
+            return None, None
+        member.gone = member.stalled = False
+        member.last_seen = member.last_progress = now
+        member.counts_from = max(step, start_step)
+        member.clock = max(member.clock, level)
+        return event, retired
+
+    def pushed(self, worker: str, now: float) -> None:
+        """Records a push's arrival time (for the median push interval)."""
+        member = self.members[worker]
+        if member.last_push is not None:
+            self._intervals.append(now - member.last_push)
+        member.last_push = now
+
+    def leave(self, worker: str, incarnation: int) -> bool:
+        """Marks `worker` gone; True if that changed anything. WorkerReplacedError for a retired incarnation."""
+        self.check(worker, incarnation)
+        member = self.members.get(worker)
+        if member is None or member.incarnation != incarnation or member.gone:
+            return False
+        member.gone = True
+        return True
+
+    def _retire(self, worker: str, incarnation: int) -> None:
+        self.retired.setdefault(worker, collections.deque(maxlen=RETIRED_PER_WORKER)).append(incarnation)
+
+    # -- the passing of time ---------------------------------------------------------------------
+
+    def progress_timeout(self, floor: float) -> float:
+        """Seconds without a push after which a heartbeating worker counts as stalled."""
+        if not self._intervals:
+            return floor
+        return max(floor, PROGRESS_MULTIPLE * statistics.median(self._intervals))
+
+    def expire(self, now: float, lease: float, progress_floor: float) -> tuple[list[str], list[str]]:
+        """Marks workers whose lease or progress ran out; returns (expired, stalled) names."""
+        timeout = self.progress_timeout(progress_floor)
+        expired, stalled = [], []
+        for worker, member in self.members.items():
+            if not member.live:
+                continue
+            if now - member.last_seen > lease:
+                member.gone = True
+                expired.append(worker)
+            elif member.held == 0 and now - member.last_progress > timeout:
+                member.stalled = True
+                stalled.append(worker)
+        self.expired += len(expired)
+        self.stalls += len(stalled)
+        return expired, stalled
+
+    def next_deadline(self, lease: float, progress_floor: float) -> float | None:
+        """The earliest moment a lease or a progress timeout can run out, or None."""
+        timeout = self.progress_timeout(progress_floor)
+        deadlines = []
+        for member in self.members.values():
+            if member.live:
+                deadlines.append(member.last_seen + lease)
+                if member.held == 0:
+                    deadlines.append(member.last_progress + timeout)
+        return min(deadlines, default=None)
+
+    # -- counts ----------------------------------------------------------------------------------
+
+    def live(self) -> int:
+        return sum(1 for m in self.members.values() if m.live)
+
+    def counted(self, step: int) -> int:
+        """Live workers counted in step `step`'s quorum."""
+        return sum(1 for m in self.members.values() if m.live and m.counts_from <= step)
+
+    def absent(self) -> int:
+        """Workers that joined and are not live now."""
+        return sum(1 for m in self.members.values() if not m.live)
+
+    def not_yet_counted(self, step: int) -> int:
+        return sum(1 for m in self.members.values() if m.live and m.counts_from > step)
+
+    def min_clock(self) -> int:
+        return min((m.clock for m in self.members.values() if m.live), default=0)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def export(self) -> dict:
+        """What a checkpoint keeps: each member's incarnation, clock and first counted step, and the
+        retired incarnations (leases start afresh on restore)."""
+        return {"members": {w: {"incarnation": m.incarnation, "clock": m.clock, "counts_from": m.counts_from,
+                                "gone": m.gone} for w, m in self.members.items()},
+                "retired": {w: list(incs) for w, incs in self.retired.items()}}
+
+    def restore(self, state: dict, now: float) -> None:
+        for worker, entry in state.get("members", {}).items():
+            self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
+                                          clock=entry["clock"], gone=entry["gone"])
+        for worker, incarnations in state.get("retired", {}).items():
+            for incarnation in incarnations:
+                self._retire(worker, incarnation)
