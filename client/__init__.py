@@ -4,15 +4,17 @@
 """
 
 from ..cluster import Cluster, TaskSpec
-from ..errors import (CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError, MalformedStreamError,
-                                ModeConflictError, NonFiniteGradientError, OptimizerSpecError, PSError, ServerUnavailableError,
-                                SpecConflictError, TensorMismatchError, UnknownVariableError, WaitTimeoutError)
-from .client import PSClient
-from ..specs import Optimizer
-from .module import ModuleBinding
-from .stats import WorkerStats
+from ..errors import (CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError,
+                      MalformedStreamError, ModeConflictError, NonFiniteGradientError, OptimizerSpecError, PSError,
+                      ResourceExhaustedError, ServerUnavailableError, ShardLostError, SpecConflictError,
+                      StepPassedError, TensorMismatchError, UnknownVariableError, WaitTimeoutError,
+                      WorkerReplacedError)
 from ..memory import tune_malloc
 from ..placement import Placement
+from ..specs import Optimizer
+from .client import PSClient
+from .module import ModuleBinding
+from .stats import WorkerStats
 
 __all__ = [
     "CheckpointError",
@@ -29,12 +31,16 @@ __all__ = [
     "PSClient",
     "PSError",
     "Placement",
+    "ResourceExhaustedError",
     "ServerUnavailableError",
+    "ShardLostError",
     "SpecConflictError",
+    "StepPassedError",
     "TaskSpec",
     "TensorMismatchError",
     "UnknownVariableError",
     "WaitTimeoutError",
+    "WorkerReplacedError",
     "WorkerStats",
     "tune_malloc",
 ]

@@ -1,31 +1,37 @@
-"""One gRPC channel and stub per shard, with readiness waits and retries.
+"""One gRPC channel and stub per shard, with deadlines, readiness waits and retries.
 
-`ShardChannels.call(shard, fn)` runs `fn(stub)` against a shard: it first
-waits (with gRPC's reconnect backoff) until the shard is reachable or
-`connect_timeout` passes, raising ServerUnavailableError naming the address; a
-call that then fails with UNAVAILABLE is retried the same way, for up to
-`connect_timeout` from the failure. Every call torchps makes may be retried:
-creates and optimizer updates are idempotent, and pushes carry numbers that
-shards deduplicate.
+`ShardChannels.call(shard, fn, timeout)` runs `fn(stub, deadline_seconds)`
+against a shard; `fn` must pass the deadline to its stub call, so no attempt
+waits longer than `timeout`. A shard that cannot be reached (UNAVAILABLE), or
+that refuses a call at its waiting-call limit (RESOURCE_EXHAUSTED, which
+changes nothing), is retried with exponential backoff and jitter for up to
+`connect_timeout` from the first failure, then ServerUnavailableError (or
+ResourceExhaustedError) names the address. Every call torchps makes may be
+retried: creates and optimizer updates are idempotent, and pushes carry
+numbers that shards deduplicate.
 """
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from typing import Callable, TypeVar
 
 import grpc
 
-from ..errors import ServerUnavailableError
 from .. import wire
-from ..proto import ps_pb2, ps_pb2_grpc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
+from ..errors import ResourceExhaustedError, ServerUnavailableError
+from ..proto import ps_pb2, ps_pb2_grpc
 from .errors import error_from_rpc
 
-__all__ = ["ShardChannels"]
+__all__ = ["ShardChannels", "Backoff"]
 
 T = TypeVar("T")
 _MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + ENVELOPE_BYTES
+BACKOFF_FIRST_SECONDS = 0.05   # first pause after a failed attempt
+BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a random factor in [0.5, 1.5)
 
 
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
@@ -43,6 +49,33 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     stub.PushPull = channel.unary_unary(f"{service}/PushPull", request_serializer=None,
                                         response_deserializer=wire.decode_pull_response)
     return stub
+
+
+class Backoff:
+    """Pauses between attempts: doubling from BACKOFF_FIRST_SECONDS, jittered, never past `deadline`."""
+
+    def __init__(self, deadline: float, rng: random.Random | None = None):
+        self.deadline = deadline
+        self._next = BACKOFF_FIRST_SECONDS
+        self._rng = rng or random.Random()
+
+    def pause(self) -> bool:
+        """Sleeps before the next attempt; False (without sleeping) once the deadline has passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(left, self._next * self._rng.uniform(0.5, 1.5)))
+        self._next = min(BACKOFF_MAX_SECONDS, self._next * 2)
+        return True
+
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    code = exc.code()
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return True
+    # RESOURCE_EXHAUSTED from a shard's waiting-call limit changed nothing; gRPC's own (a message over
+    # the size limit) carries no torchps-error and is not retried.
+    return code is grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(error_from_rpc(exc, ""), ResourceExhaustedError)
 
 
 class ShardChannels:
@@ -66,6 +99,7 @@ class ShardChannels:
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         self.stubs = [_stub(c) for c in self._channels]
         self._ready = [False] * len(self.addresses)
+        self._closed = threading.Event()
 
     def target(self, shard: int) -> str:
         return f"ps:{shard} at {self.addresses[shard]}"
@@ -80,24 +114,31 @@ class ShardChannels:
                 f"is ps-server running there and is the address right?") from None
         self._ready[shard] = True
 
-    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub], T]) -> T:
-        """Runs fn(stub) for `shard`, mapping errors to PSError; see the module docstring."""
-        deadline = time.monotonic() + self.connect_timeout
-        failed = False
+    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub, float], T], timeout: float) -> T:
+        """Runs fn(stub, timeout) for `shard`, retrying as the module docstring says; errors are PSErrors.
+
+        Blocks for at most `timeout` per attempt, plus up to `connect_timeout`
+        of retries after the first failure.
+        """
+        backoff = None
         while True:
-            if not self._ready[shard]:
-                self.wait_ready(shard, deadline)
+            if self._closed.is_set():
+                raise ServerUnavailableError(f"this client is closed; {self.target(shard)} was not called")
             try:
-                return fn(self.stubs[shard])
+                if not self._ready[shard]:
+                    self.wait_ready(shard, time.monotonic() + self.connect_timeout if backoff is None
+                                    else backoff.deadline)
+                return fn(self.stubs[shard], timeout)
             except grpc.RpcError as exc:
-                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                if not _retryable(exc):
                     raise error_from_rpc(exc, self.target(shard)) from exc
-                self._ready[shard] = False
-                if not failed:  # a long call (a held push, a save) gets its full reconnect time from here
-                    failed, deadline = True, max(deadline, time.monotonic() + self.connect_timeout)
-                if time.monotonic() >= deadline:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._ready[shard] = False
+                backoff = backoff or Backoff(time.monotonic() + self.connect_timeout)
+                if not backoff.pause():
                     raise error_from_rpc(exc, self.target(shard)) from exc
 
     def close(self) -> None:
+        self._closed.set()
         for channel in self._channels:
             channel.close()

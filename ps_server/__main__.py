@@ -20,6 +20,7 @@ from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server
+from .journal import Journal
 from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")
@@ -38,12 +39,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk accepted or sent (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help="RPC threads; a sync job needs more than twice its workers (default: %(default)s)")
-    parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks, and on start restore "
-                        "this shard's newest one")
-    parser.add_argument("--restore-from", help="start from the newest complete checkpoint in this folder, "
+                        help="RPC threads (default: %(default)s)")
+    parser.add_argument("--max-waiting-calls", type=int, default=None,
+                        help="calls that may wait at once (held sync pushes, min_step pulls, saves, ...); past it a "
+                        "call gets RESOURCE_EXHAUSTED at once (default: three quarters of --threads)")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks (a folder every shard "
+                        "shares), and on start restore the newest committed one")
+    parser.add_argument("--restore-from", help="start from the newest committed checkpoint in this folder, "
                         "re-laid out for this cluster's number of shards (when --checkpoint-dir has none)")
     parser.add_argument("--num-ps", type=int, help="shards in the cluster, for --restore-from without --cluster")
+    parser.add_argument("--journal-dir", help="record every change here before acknowledging it, and recover from it "
+                        "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
+    parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
+                        "newest committed checkpoint, and what was acknowledged after it is lost")
     parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -70,18 +78,30 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
 
 
 def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int) -> dict | None:
-    """The checkpoint state to start from: this shard's newest, else a re-layout of --restore-from, else None."""
-    if args.checkpoint_dir:
-        path = checkpoint.latest_shard(args.checkpoint_dir, index)
-        if path is not None:
-            _LOGGER.info("ps %d restoring %s", index, path)
-            return checkpoint.load(path)
+    """The state to start from: the newest committed checkpoint under --checkpoint-dir, else one of
+    --restore-from (re-laid out for this cluster), else None. Without a shard count (a standalone
+    shard) the checkpoint is taken as written for this layout."""
+    num_ps = cluster.num_ps if cluster is not None else args.num_ps
+    if args.restore_from and not num_ps:
+        raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
+    for directory in (args.checkpoint_dir, args.restore_from):
+        if directory:
+            if index == 0 and directory == args.checkpoint_dir:
+                checkpoint.clean_partial(directory)
+            state = checkpoint.restore_state(directory, index, num_ps)
+            if state is not None:
+                return state
     if args.restore_from:
-        num_ps = cluster.num_ps if cluster is not None else args.num_ps
-        if not num_ps:
-            raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
-        return checkpoint.relayout(args.restore_from, index, num_ps)
+        raise ClusterConfigError(f"--restore-from {args.restore_from}: no committed checkpoint there")
     return None
+
+
+def open_journal(args: argparse.Namespace, index: int) -> Journal | None:
+    """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal."""
+    if args.no_journal:
+        return None
+    directory = args.journal_dir or (args.checkpoint_dir and os.path.join(args.checkpoint_dir, "journal", f"ps-{index}"))
+    return Journal(directory) if directory else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster, index, address = resolve(args)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
-        restore = initial_state(args, cluster, index)
+        journal = open_journal(args, index)
+        restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None
         stop = threading.Event()
-        server, port, coordinator = create_server(store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
-                                     checkpoint_dir=args.checkpoint_dir, restore=restore,
-                                     on_shutdown=lambda reason: stop.set())
+        server, port, coordinator = create_server(
+            store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
+            max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
+            journal=journal, on_shutdown=lambda reason: stop.set())
     except (PSError, RuntimeError, OSError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
@@ -110,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     _LOGGER.info("ps %d serving on %s:%d (pid %d)", index, host, port, os.getpid())
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
-    coordinator.close()  # releases held sync pushes and min_step pulls at once
-    if not server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5):
+    coordinator.close()  # answers held sync pushes and min_step pulls UNAVAILABLE at once
+    stopped = server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5)
+    if journal is not None:
+        journal.close()
+    if not stopped:
         _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
         logging.shutdown()
         os._exit(0)  # handler threads that never return must not keep a stopped shard alive

@@ -1,14 +1,16 @@
-"""Shard checkpoints on disk: atomic writes, pruning, finding the latest, re-layout. No gRPC.
+"""Checkpoints on disk: shard files, then a manifest that commits them; restore and re-layout. No gRPC.
 
-Layout under a checkpoint directory (shared by every shard of a job):
+Layout under a checkpoint directory shared by every shard of a job:
 
-    step-000000001200/ps-0.pt      shard 0's state at step 1200
+    step-000000001200/ps-0.pt          shard 0's state for the checkpoint of step 1200
     step-000000001200/ps-1.pt
-    step-000000001200/manifest.json   the client's placement (written by shard 0)
+    step-000000001200/manifest.json    written last, by shard 0 at commit: only now does it count
 
-A file is written to a temporary name, fsynced, renamed, and its folder
-fsynced, so a process killed during a save leaves the previous checkpoint
-intact and never a partial file under the final name.
+Every file is written under a unique temporary name, fsynced, renamed, and its
+folder fsynced, so a process killed at any moment leaves either the whole
+file or none of it, and two saves of one step never publish each other's
+half-written file. A folder without a manifest is partial: never restored,
+deleted once a newer checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -17,27 +19,27 @@ import json
 import logging
 import os
 import pathlib
+import secrets
 import shutil
 from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import CheckpointError, InvalidArgumentError
 from ..placement import Placement
 
-__all__ = ["FORMAT", "shard_path", "write_shard", "write_manifest", "latest_shard", "load", "relayout", "prune"]
+__all__ = ["FORMAT", "MANIFEST_FORMAT", "write_shard", "commit", "latest_committed", "load", "restore_state",
+           "relayout", "clean_partial"]
 
 _LOGGER = logging.getLogger(__name__)
-FORMAT = "torchps-shard-v1"
+FORMAT = "torchps-shard-v2"
+MANIFEST_FORMAT = "torchps-checkpoint-v2"
+MANIFEST = "manifest.json"
 _STEP_PREFIX = "step-"
 
 
-def _step_dir(directory: pathlib.Path, step: int) -> pathlib.Path:
-    return directory / f"{_STEP_PREFIX}{step:012d}"
-
-
-def shard_path(directory: str | os.PathLike, step: int, index: int) -> pathlib.Path:
-    return _step_dir(pathlib.Path(directory), step) / f"ps-{index}.pt"
+def step_dir(directory: str | os.PathLike, step: int) -> pathlib.Path:
+    return pathlib.Path(directory) / f"{_STEP_PREFIX}{step:012d}"
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
@@ -49,102 +51,147 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 
 def _write_atomic(path: pathlib.Path, write) -> int:
-    tmp = path.with_name(path.name + ".tmp")
-    for attempt in (1, 2):
+    """Writes `path` whole or not at all (see the module docstring); returns its size."""
+    if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            break
-        except FileNotFoundError:  # another shard pruned the step folder between mkdir and open
-            if attempt == 2:
-                raise
+        _fsync_dir(path.parent.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
     return path.stat().st_size
 
 
-def write_shard(directory: str | os.PathLike, index: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
-    """Writes one shard's state (from Coordinator.snapshot) atomically; returns (path, bytes)."""
-    path = shard_path(directory, state["step"], index)
+def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
+    """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes)."""
+    path = step_dir(directory, step) / f"ps-{index}.pt"
     size = _write_atomic(path, lambda f: torch.save({"format": FORMAT, "index": index, **state}, f))
     return path, size
 
 
-def write_manifest(directory: str | os.PathLike, step: int, manifest: dict) -> None:
-    """Stores the client's placement beside the shard files of `step`."""
-    path = _step_dir(pathlib.Path(directory), step) / "manifest.json"
-    _write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+def commit(directory: str | os.PathLike, step: int, manifest: dict, shards: list[tuple[int, int, int]],
+           keep: int) -> pathlib.Path:
+    """Phase 2: checks every shard's file (index, bytes, state step), writes the manifest, prunes.
+
+    CheckpointError names a missing or different file: the checkpoint is then not committed.
+    """
+    folder = step_dir(directory, step)
+    indices = sorted(index for index, _, _ in shards)
+    if indices != list(range(manifest["num_ps"])):
+        raise CheckpointError(f"checkpoint {step}: shard files {indices} do not cover the {manifest['num_ps']} shards")
+    for index, nbytes, _ in shards:
+        path = folder / f"ps-{index}.pt"
+        size = path.stat().st_size if path.is_file() else None
+        if size != nbytes:
+            raise CheckpointError(
+                f"checkpoint {step}: {path} is {'missing' if size is None else f'{size} bytes'} where shard {index} "
+                f"wrote {nbytes}; every shard must share one --checkpoint-dir")
+    body = {**manifest, "format": MANIFEST_FORMAT, "step": step,
+            "shards": [{"index": i, "file": f"ps-{i}.pt", "bytes": b, "state_step": s} for i, b, s in sorted(shards)]}
+    path = folder / MANIFEST
+    _write_atomic(path, lambda f: f.write(json.dumps(body, indent=1).encode()))
+    _prune(pathlib.Path(directory), keep)
+    return path
 
 
 def _steps(directory: pathlib.Path) -> list[int]:
     if not directory.is_dir():
         return []
-    steps = []
-    for child in directory.iterdir():
-        if child.is_dir() and child.name.startswith(_STEP_PREFIX) and child.name[len(_STEP_PREFIX):].isdigit():
-            steps.append(int(child.name[len(_STEP_PREFIX):]))
-    return sorted(steps)
+    return sorted(int(child.name[len(_STEP_PREFIX):]) for child in directory.iterdir()
+                  if child.is_dir() and child.name.startswith(_STEP_PREFIX) and child.name[len(_STEP_PREFIX):].isdigit())
 
 
-def latest_shard(directory: str | os.PathLike, index: int) -> pathlib.Path | None:
-    """This shard's newest complete file, or None."""
+def _manifest(directory: pathlib.Path, step: int) -> dict | None:
+    """The manifest of checkpoint `step` if it is committed and every file it names is there, else None."""
+    path = step_dir(directory, step) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None
+    files = [step_dir(directory, step) / shard["file"] for shard in manifest.get("shards", [])]
+    return manifest if files and all(f.is_file() for f in files) else None
+
+
+def latest_committed(directory: str | os.PathLike) -> tuple[int, dict] | None:
+    """(step, manifest) of the newest committed checkpoint, or None."""
     directory = pathlib.Path(directory)
     for step in reversed(_steps(directory)):
-        path = shard_path(directory, step, index)
-        if path.is_file():
-            return path
+        manifest = _manifest(directory, step)
+        if manifest is not None:
+            return step, manifest
     return None
 
 
+def _prune(directory: pathlib.Path, keep: int) -> None:
+    """Deletes committed checkpoints beyond the `keep` newest (0: keep all) and partial ones older than the newest."""
+    committed = [s for s in _steps(directory) if _manifest(directory, s) is not None]
+    if not committed:
+        return
+    doomed = [s for s in _steps(directory) if s < committed[-1] and s not in committed]
+    if keep > 0:
+        doomed += committed[:-keep]
+    for step in doomed:
+        shutil.rmtree(step_dir(directory, step), ignore_errors=True)
+    if doomed:
+        _fsync_dir(directory)
+
+
+def clean_partial(directory: str | os.PathLike) -> None:
+    """Deletes partial checkpoints older than the newest committed one (a shard killed mid-save left them)."""
+    _prune(pathlib.Path(directory), 0)
+
+
 def load(path: str | os.PathLike) -> dict[str, Any]:
-    """A shard state written by write_shard; InvalidArgumentError if it is not one."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    """A shard state written by write_shard; CheckpointError if it is not one or cannot be read."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file, whatever torch raises
+        raise CheckpointError(f"{path} cannot be read as a torchps shard checkpoint: {exc}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise InvalidArgumentError(f"{path} is not a torchps shard checkpoint ({FORMAT})")
+        raise CheckpointError(f"{path} is not a torchps shard checkpoint ({FORMAT})")
     return state
 
 
+def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None) -> dict[str, Any] | None:
+    """The state shard `index` of `num_ps` starts from: the newest committed checkpoint in `directory`
+    (its own file when the shard count is the same or not given, else a re-layout), or None if there is none."""
+    found = latest_committed(directory)
+    if found is None:
+        return None
+    step, manifest = found
+    if num_ps is None or manifest["num_ps"] == num_ps:
+        path = step_dir(directory, step) / f"ps-{index}.pt"
+        _LOGGER.info("ps %d restoring %s (the newest committed checkpoint)", index, path)
+        return load(path)
+    return relayout(directory, index, num_ps)
+
+
 def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str, Any]:
-    """The state shard `index` of `num_ps` should start from, taken from the newest checkpoint in
-    `directory` that has a manifest and every old shard's file, whatever the old number of shards.
+    """The state shard `index` of `num_ps` should start from, taken from the newest committed checkpoint
+    in `directory`, whatever the old number of shards.
 
     Variables are placed as the manifest's strategy places its names (in
     creation order) over `num_ps` shards, which is what every client computes.
+    The push ledger and membership start empty: a restore onto another
+    layout starts a new job from the checkpoint's values.
     """
-    directory = pathlib.Path(directory)
-    for step in reversed(_steps(directory)):
-        manifest_path = _step_dir(directory, step) / "manifest.json"
-        if not manifest_path.is_file():
-            continue
-        manifest = json.loads(manifest_path.read_text())
-        old = [shard_path(directory, step, i) for i in range(manifest["num_ps"])]
-        if not all(p.is_file() for p in old):
-            continue
-        placement = Placement(num_ps, manifest["strategy"])
-        mine = {name for name, nbytes in manifest["variables"] if placement.add(name, nbytes) == index}
-        states = [load(p) for p in old]
-        by_name = {v["name"]: v for state in states for v in state["variables"]}
-        variables = [by_name[name] for name, _ in manifest["variables"] if name in mine and name in by_name]
-        _LOGGER.info("re-layout: step %d from %d shards -> shard %d of %d takes %d variables",
-                     step, manifest["num_ps"], index, num_ps, len(variables))
-        return {"step": step, "config": states[0]["config"], "variables": variables}
-    raise InvalidArgumentError(f"no complete checkpoint with a manifest under {directory}")
-
-
-def prune(directory: str | os.PathLike, index: int, keep: int) -> None:
-    """Deletes this shard's files beyond the `keep` newest; removes step folders left empty."""
-    directory = pathlib.Path(directory)
-    if keep <= 0:
-        return
-    mine = [s for s in _steps(directory) if shard_path(directory, s, index).is_file()]
-    for step in mine[:-keep]:
-        shard_path(directory, step, index).unlink(missing_ok=True)
-        folder = _step_dir(directory, step)
-        try:
-            if all(p.name == "manifest.json" for p in folder.iterdir()):  # no shard file, done or in progress
-                shutil.rmtree(folder, ignore_errors=True)
-        except FileNotFoundError:  # another shard pruned it first
-            continue
+    found = latest_committed(directory)
+    if found is None:
+        raise InvalidArgumentError(f"no committed checkpoint under {directory}")
+    step, manifest = found
+    placement = Placement(num_ps, manifest["strategy"])
+    mine = {name for name, nbytes in manifest["variables"] if placement.add(name, nbytes) == index}
+    states = [load(step_dir(directory, step) / shard["file"]) for shard in manifest["shards"]]
+    by_name = {v["name"]: v for state in states for v in state["variables"]}
+    variables = [by_name[name] for name, _ in manifest["variables"] if name in mine and name in by_name]
+    _LOGGER.info("re-layout: checkpoint %d from %d shards -> shard %d of %d takes %d variables",
+                 step, manifest["num_ps"], index, num_ps, len(variables))
+    return {"step": states[0]["step"], "config": states[0]["config"], "variables": variables}

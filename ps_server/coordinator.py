@@ -43,7 +43,7 @@ from .snapshots import Saves, state_of
 from .store import NewVariable, VariableStore
 from .waits import WaitLimit
 
-__all__ = ["Coordinator", "MAX_WAIT_SECONDS"]
+__all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP"]
 
 _LOGGER = logging.getLogger(__name__)
 MAX_WAIT_SECONDS = 3600.0       # the longest any call waits when it brings no deadline
@@ -57,13 +57,15 @@ class Coordinator:
     `owns_step` is true on shard 0: it hands out sync tokens and enforces the
     ssp bound. `clock` is injectable for tests (monotonic seconds). `journal`
     (journal.Journal or None) records every change before it is acknowledged.
+    With start=False its threads wait for start() or attach_journal(), so a
+    recovering shard can restore() and replay() first.
     """
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
-                 max_waiting_calls: int = 96, journal=None):
+                 max_waiting_calls: int = 96, journal=None, start: bool = True):
         self.store = store
         self.owns_step = owns_step
-        self.journal = journal
+        self.journal = None
         self.waits = WaitLimit(max_waiting_calls)
         self.gate = ApplyGate()
         self._now = clock
@@ -82,10 +84,29 @@ class Coordinator:
         self._behind = True           # no state of the job yet: adopt the step the first client shows
         self._closed = False
         self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
-        self._ordered = threading.Lock() if journal is not None else contextlib.nullcontext()
+        self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
+        self._compacting = False
+        self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         self._applier: threading.Thread | None = None
-        self._reaper.start()
+        if journal is not None:
+            self.attach_journal(journal)
+        elif start:
+            self.start()
+
+    def start(self) -> None:
+        """Starts the lease reaper and (sync mode) the applier: the shard serves from now on."""
+        with self._cond:
+            if not self._started:
+                self._started = True
+                self._reaper.start()
+                self._start_applier()
+
+    def attach_journal(self, journal) -> None:
+        """Records every change from now on in `journal` (after replay()), then start()s."""
+        self.journal = journal
+        self._ordered = threading.Lock()  # with a journal, async applies are recorded in the order they happen
+        self.start()
 
     # -- state changes that are not pushes -----------------------------------------------------
 
@@ -107,10 +128,14 @@ class Coordinator:
         self.config = config
         self._configured_at = self._now()
         self._quorum = self._compute_quorum()
-        if config.mode == "sync" and self._applier is None:
+        if self._started:
+            self._start_applier()
+        self._cond.notify_all()
+
+    def _start_applier(self) -> None:
+        if self.config.mode == "sync" and self._applier is None:
             self._applier = threading.Thread(target=self._apply_steps, name="sync-applier", daemon=True)
             self._applier.start()
-        self._cond.notify_all()
 
     def create(self, requests: list[NewVariable]) -> list[bool]:
         """store.create, recorded in the journal."""
@@ -130,8 +155,8 @@ class Coordinator:
         return count
 
     def restore(self, state: dict, *, exact: bool = False) -> None:
-        """Starts from a saved state (snapshots.state_of). `exact`: it is this shard's own latest state
-        (journal), not an older checkpoint, so the shard does not need to catch up with the job."""
+        """Starts from a saved state (snapshots.state_of), before start(). `exact`: it is this shard's own
+        latest state (journal), not an older checkpoint, so the shard need not catch up with the job."""
         self.store.restore(state["variables"], state["step"])
         with self._cond:
             self.ledger.restore(state.get("ledger", []))
@@ -258,8 +283,10 @@ class Coordinator:
             self._log_retired(worker, retired)
             try:
                 if buffer is not None:
-                    return self._push_sync(worker, step, grads, record, buffer, cancelled, hold, deadline)
-                return self._push_async(worker, step, grads, step_increment, record, mode == "ssp", cancelled,
+                    return self._push_sync(worker, incarnation, seq, step, grads, record, buffer, cancelled, hold,
+                                           deadline)
+                return self._push_async(worker, incarnation, seq, step, grads, step_increment, record, mode == "ssp",
+                                        cancelled,
                                         deadline)
             except BaseException:
                 with self._cond:
@@ -306,12 +333,13 @@ class Coordinator:
             return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
         return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
 
-    def _push_async(self, worker: str, step: int, grads, step_increment: int, record: PushRecord | None,
-                    ssp: bool, cancelled, deadline: float) -> PushResult:
+    def _push_async(self, worker: str, incarnation: int, seq: int, step: int, grads, step_increment: int,
+                    record: PushRecord | None, ssp: bool, cancelled, deadline: float) -> PushResult:
         with self.gate.change():
             with self._ordered:  # with a journal, applies are recorded in the order they happened
                 step_after, versions = self.store.apply(grads, step_increment, validated=True)
-                self._log("apply", {"step_increment": step_increment, **self._push_meta(worker, record)}, grads)
+                self._log("apply", {"step_increment": step_increment,
+                                   **self._push_meta(worker, incarnation, seq, step)}, grads)
             with self._cond:
                 if record is not None:
                     record.applied = True
@@ -332,10 +360,10 @@ class Coordinator:
             current = self.store.step
             return dataclasses.replace(result, step=current, next_step=current, wait_seconds=self._now() - start)
 
-    def _push_sync(self, worker: str, step: int, grads, record: PushRecord | None, buffer, cancelled, hold: bool,
-                   deadline: float) -> PushResult:
+    def _push_sync(self, worker: str, incarnation: int, seq: int, step: int, grads, record: PushRecord | None,
+                   buffer, cancelled, hold: bool, deadline: float) -> PushResult:
         with self.gate.change():
-            buffer.add(grads, lambda: self._log("add", {"step": step, **self._push_meta(worker, record)}, grads))
+            buffer.add(grads, lambda: self._log("add", self._push_meta(worker, incarnation, seq, step), grads))
             with self._cond:
                 if record is not None:
                     record.applied = record.pending = True
@@ -439,14 +467,67 @@ class Coordinator:
                 f"{what} {step} is ahead of this shard's step {self.store.step} by more than one; "
                 f"nothing was changed")
 
-    def _push_meta(self, worker: str, record: PushRecord | None) -> dict:
-        return {"worker": worker, "seq": 0 if record is None else record.seq,
-                "step": 0 if record is None else record.step}
+    @staticmethod
+    def _push_meta(worker: str, incarnation: int, seq: int, step: int) -> dict:
+        return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
 
     def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Appends a journal record (callers hold the apply gate shared)."""
-        if self.journal is not None:
-            self.journal.append(kind, meta, tensors or {})
+        """Appends a journal record (callers hold the apply gate shared); compacts the journal when it is due."""
+        if self.journal is None:
+            return
+        self.journal.append(kind, meta, tensors or {})
+        if self.journal.wants_compaction() and not self._compacting:
+            self._compacting = True
+            threading.Thread(target=self._compact, name="journal-compaction", daemon=True).start()
+
+    def _compact(self) -> None:
+        """Writes the whole state as the journal's new base, so its log starts afresh (thread body)."""
+        try:
+            with self.gate.snapshot():
+                state = state_of(self, with_pending=True, then=self.journal.rotate)
+            self.journal.finish_compaction(state.pop("then"), state)
+        except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
+            _LOGGER.exception("journal compaction failed")
+        finally:
+            self._compacting = False
+
+    def replay(self, record) -> None:
+        """Re-applies one journal record (journal.Record) during recovery, before start()."""
+        kind, meta, tensors = record.kind, record.meta, record.tensors
+        if kind == "configure":
+            self._set_config(SyncConfig(**meta["config"]))
+        elif kind == "create":
+            self.store.create([NewVariable(v["name"], tensors[v["name"]], v["optimizer"], v["hyperparams"])
+                               for v in meta["variables"]])
+        elif kind == "hyperparams":
+            self.store.set_hyperparams(meta["names"], meta["updates"])
+        elif kind == "apply":
+            step, versions = self.store.apply(tensors, meta["step_increment"], validated=True)
+            self._replayed_push(meta, PushResult(step=step, next_step=step, versions=versions))
+        elif kind == "add":
+            buffer = self.pending.reserve(meta["step"])
+            buffer.add(tensors)
+            self.pending.counted(buffer, meta["worker"])
+            record = self._replayed_push(meta, None)
+            if record is not None:
+                record.pending = True
+        elif kind == "step":
+            self.store.apply(self.pending.buffers[meta["step"]].averages(), step_increment=1, validated=True)
+            self.pending.drop_before(self.store.step)
+        elif kind == "set_step":
+            self.store.set_step(meta["step"])
+            self.pending.clear() if meta.get("clear") else self.pending.drop_before(meta["step"])
+        elif kind == "retire":
+            self.membership.retire(meta["worker"], meta["incarnation"])
+            self.ledger.forget(meta["worker"], meta["incarnation"])
+        else:
+            raise ValueError(f"unknown journal record {kind!r}")
+
+    def _replayed_push(self, meta: dict, result: PushResult | None) -> PushRecord | None:
+        record = self.ledger.begin(meta["worker"], meta["incarnation"], meta["seq"], meta["step"])
+        if record is not None:
+            record.applied, record.result = True, result
+        return record
 
     def _log_retired(self, worker: str, incarnation: int | None) -> None:
         if incarnation is not None and self.journal is not None:
@@ -460,7 +541,7 @@ class Coordinator:
                             "are lost)", self.store.step, step)
             self.store.set_step(step)
             self.pending.clear()
-            self._log("set_step", {"step": step})
+            self._log("set_step", {"step": step, "clear": True})
         self._behind = False
 
     def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> int | None:

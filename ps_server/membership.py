@@ -92,7 +92,7 @@ class Membership:
         retired = None
         if member.incarnation != incarnation:
             retired = member.incarnation
-            self._retire(worker, retired)
+            self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
             event = "restarted"
         elif member.gone:
@@ -126,8 +126,11 @@ class Membership:
         member.gone = True
         return True
 
-    def _retire(self, worker: str, incarnation: int) -> None:
-        self.retired.setdefault(worker, collections.deque(maxlen=RETIRED_PER_WORKER)).append(incarnation)
+    def retire(self, worker: str, incarnation: int) -> None:
+        """Fences `incarnation` of `worker` off for good (idempotent)."""
+        retired = self.retired.setdefault(worker, collections.deque(maxlen=RETIRED_PER_WORKER))
+        if incarnation not in retired:
+            retired.append(incarnation)
 
     # -- the passing of time ---------------------------------------------------------------------
 
@@ -199,4 +202,4 @@ class Membership:
                                           clock=entry["clock"], gone=entry["gone"])
         for worker, incarnations in state.get("retired", {}).items():
             for incarnation in incarnations:
-                self._retire(worker, incarnation)
+                self.retire(worker, incarnation)

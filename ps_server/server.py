@@ -16,8 +16,9 @@ from ..proto import ps_pb2
 from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
 from .coordinator import Coordinator
+from .journal import Journal
 
-__all__ = ["create_server", "default_max_waiting_calls", "SERVICE_NAME", "DEFAULT_THREADS"]
+__all__ = ["create_server", "recover", "default_max_waiting_calls", "SERVICE_NAME", "DEFAULT_THREADS"]
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -36,15 +37,17 @@ def create_server(
     max_waiting_calls: int | None = None,
     checkpoint_dir: str | None = None,
     restore: dict | None = None,
+    journal: Journal | None = None,
     on_shutdown: Callable[[str], None] | None = None,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
     Port 0 picks a free port. Raises RuntimeError if the address cannot be
     bound (in use, or not a local address). Messages above max_chunk_bytes plus
-    a small envelope are refused by gRPC with RESOURCE_EXHAUSTED. `restore`
-    is a checkpoint state to start from; `on_shutdown(reason)` runs after a
-    Shutdown call has been answered.
+    a small envelope are refused by gRPC with RESOURCE_EXHAUSTED. The shard
+    starts from its journal if that holds a state, else from `restore` (a
+    checkpoint state), else empty; `on_shutdown(reason)` runs after a Shutdown
+    call has been answered.
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -64,9 +67,8 @@ def create_server(
     if not 1 <= max_waiting_calls < max(2, threads):
         raise RuntimeError(f"--max-waiting-calls must be at least 1 and below --threads ({threads}). "
                            f"Received: {max_waiting_calls}")
-    coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls)
-    if restore is not None:
-        coordinator.restore(restore)
+    coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False)
+    recover(coordinator, journal, restore)
     add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                           checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown), server)
     health_servicer = health.HealthServicer()
@@ -81,6 +83,29 @@ def create_server(
         raise RuntimeError(f"cannot bind {address}: the port is in use or the host is not local")
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     return server, port, coordinator
+
+
+def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | None) -> None:
+    """Brings a new shard's state back: its journal's (exactly what it had acknowledged), else `restore`'s;
+    then starts the coordinator (recording into the journal from now on)."""
+    recovered = journal.recover() if journal is not None else None
+    if recovered is not None:
+        base, records = recovered
+        if base is not None:
+            coordinator.restore(base, exact=True)
+        count = 0
+        for record in records:
+            coordinator.replay(record)
+            count += 1
+        _LOGGER.info("recovered from the journal in %s: %s, %d records replayed, step %d", journal.directory,
+                     "a base state" if base is not None else "no base", count, coordinator.store.step)
+    elif restore is not None:
+        coordinator.restore(restore)
+    if journal is None:
+        coordinator.start()
+        return
+    journal.start(None if recovered is not None else coordinator.state(with_pending=True))
+    coordinator.attach_journal(journal)
 
 
 def default_max_waiting_calls(threads: int) -> int:

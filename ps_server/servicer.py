@@ -27,7 +27,7 @@ from . import checkpoint
 from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
                       MalformedStreamError, ModeConflictError, PSError)
 from ..proto import ps_pb2, ps_pb2_grpc
-from .coordinator import Coordinator
+from .coordinator import MAX_STEP, Coordinator
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
 
@@ -167,7 +167,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise MalformedStreamError(f"the stream declared {declared} variables but {len(requests)} arrived")
         _require_active(context)
         created = self.coordinator.create(requests)
-        return ps_pb2.CreateResponse(created=created)
+        return ps_pb2.CreateResponse(created=created, generation=self.generation)
 
     @_map_errors
     def Pull(self, request, context):
@@ -297,7 +297,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 continue
             variable = self.store.get(name)
             infos.append(ps_pb2.VariableInfo(spec=variable.spec, version=variable.version, nbytes=variable.nbytes))
-        return ps_pb2.ListResponse(variables=infos, step=self.store.step)
+        return ps_pb2.ListResponse(variables=infos, step=self.store.step, generation=self.generation)
 
     @_map_errors
     def GetStatus(self, request, context):
@@ -322,8 +322,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Heartbeat(self, request, context):
-        return ps_pb2.HeartbeatResponse(step=self.coordinator.heartbeat(request.worker, request.incarnation,
-                                                                        request.step))
+        step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step)
+        return ps_pb2.HeartbeatResponse(step=step, generation=self.generation)
 
     @_map_errors
     def Leave(self, request, context):
@@ -332,27 +332,44 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Save(self, request, context):
-        if not self.checkpoint_dir:
-            raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
+        self._require_checkpoints()
+        if not 0 <= request.step <= MAX_STEP:
+            raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         context.add_callback(self.coordinator.wake)
-        try:
-            manifest = json.loads(request.manifest_json) if request.manifest_json else None
-        except ValueError as exc:
-            raise InvalidArgumentError(f"manifest_json does not parse: {exc}") from None
-        if request.step < 0:
-            raise InvalidArgumentError(f"step must be >= 0. Received: {request.step}")
         state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
-                                             now=request.step == 0)
+                                             now=request.now)
         try:
-            path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, state)
-            if manifest is not None and self.index == 0:
-                checkpoint.write_manifest(self.checkpoint_dir, state["step"], manifest)
-            checkpoint.prune(self.checkpoint_dir, self.index, request.keep)
+            path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, request.step, state)
         except OSError as exc:
             raise CheckpointError(f"ps {self.index} could not write its checkpoint under {self.checkpoint_dir}: "
                                   f"{exc}") from None
-        _LOGGER.info("ps %d saved step %d to %s (%d bytes)", self.index, state["step"], path, size)
-        return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size)
+        _LOGGER.info("ps %d saved its state at step %d for checkpoint %d (%s, %d bytes)", self.index, state["step"],
+                     request.step, path, size)
+        return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size, index=self.index)
+
+    @_map_errors
+    def CommitCheckpoint(self, request, context):
+        self._require_checkpoints()
+        if self.index != 0:
+            raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
+        try:
+            manifest = json.loads(request.manifest_json)
+            num_ps = manifest["num_ps"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"manifest_json is not a placement manifest: {exc}") from None
+        if not isinstance(num_ps, int) or not 1 <= num_ps <= 100_000:
+            raise InvalidArgumentError(f"manifest num_ps must be in [1, 100000]. Received: {num_ps!r}")
+        shards = [(s.index, s.bytes, s.step) for s in request.shards]
+        try:
+            path = checkpoint.commit(self.checkpoint_dir, request.step, manifest, shards, request.keep)
+        except OSError as exc:
+            raise CheckpointError(f"ps 0 could not commit checkpoint {request.step}: {exc}") from None
+        _LOGGER.info("checkpoint %d committed (%s)", request.step, path)
+        return ps_pb2.CommitResponse(path=str(path))
+
+    def _require_checkpoints(self) -> None:
+        if not self.checkpoint_dir:
+            raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
 
     @_map_errors
     def Shutdown(self, request, context):
@@ -407,6 +424,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.Leave, ps_pb2.WorkerRef.FromString, ps_pb2.LeaveResponse.SerializeToString),
         "Save": grpc.unary_unary_rpc_method_handler(
             servicer.Save, ps_pb2.SaveRequest.FromString, ps_pb2.SaveResponse.SerializeToString),
+        "CommitCheckpoint": grpc.unary_unary_rpc_method_handler(
+            servicer.CommitCheckpoint, ps_pb2.CommitRequest.FromString, ps_pb2.CommitResponse.SerializeToString),
         "Shutdown": grpc.unary_unary_rpc_method_handler(
             servicer.Shutdown, ps_pb2.ShutdownRequest.FromString, ps_pb2.ShutdownResponse.SerializeToString),
     }

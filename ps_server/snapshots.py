@@ -8,7 +8,7 @@ A checkpoint of step s is taken when the shard's step reaches s: exactly at s
 in sync mode, where every shard passes through every step (the applier takes
 it before applying step s if a save waits for it); at s or later in async and
 ssp modes, where shards count their own pushes. A shard already past s in sync
-mode fails with ModeConflictError (the client asks again with a later step).
+mode fails with StepPassedError (the client asks again with a later step).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import ModeConflictError, WaitTimeoutError
+from ..errors import StepPassedError, WaitTimeoutError
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["state_of", "Saves"]
 
 
-def state_of(coordinator: "Coordinator", *, with_pending: bool) -> dict:
-    """The shard's state (call under coordinator.gate.snapshot())."""
+def state_of(coordinator: "Coordinator", *, with_pending: bool, then: Callable[[], object] | None = None) -> dict:
+    """The shard's state (call under coordinator.gate.snapshot()); `then()` runs at the same instant, under
+    the bookkeeping lock (a journal rotation), its value under the key "then"."""
     variables = coordinator.store.snapshot()
     with coordinator._cond:
         step = coordinator.store.step
@@ -35,6 +36,8 @@ def state_of(coordinator: "Coordinator", *, with_pending: bool) -> dict:
                  "membership": coordinator.membership.export()}
         if with_pending:
             state["pending"] = coordinator.pending.export()
+        if then is not None:
+            state["then"] = then()
     return state
 
 
@@ -75,7 +78,7 @@ class Saves:
         with c._cond:
             c._check_open()
             if sync and c.store.step > step:
-                raise ModeConflictError(f"this shard is already at step {c.store.step}, past the checkpoint's "
+                raise StepPassedError(f"this shard is already at step {c.store.step}, past the checkpoint's "
                                         f"step {step}")
             self._due[step] += 1
             try:
@@ -87,7 +90,7 @@ class Saves:
                     if step in self._taken:
                         return self._taken[step]
                     if sync and c.store.step > step:  # jumped over it (a shard catching up)
-                        raise ModeConflictError(f"this shard moved from before step {step} to {c.store.step} "
+                        raise StepPassedError(f"this shard moved from before step {step} to {c.store.step} "
                                                 f"without stopping at it")
                     if not (c.store.step >= step or self._idle() or cancelled()):
                         raise WaitTimeoutError(f"the shard did not reach step {step} (at {c.store.step}) in time "

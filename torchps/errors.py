@@ -10,6 +10,7 @@
     │   └── OptimizerSpecError     unknown optimizer or hyperparameter
     ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
     ├── ModeConflictError          FAILED_PRECONDITION: reconfiguring a running job
+    │   └── StepPassedError        a checkpoint's step the shard already went past
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
@@ -36,6 +37,7 @@ __all__ = [
     "OptimizerSpecError",
     "SpecConflictError",
     "ModeConflictError",
+    "StepPassedError",
     "CheckpointError",
     "WorkerReplacedError",
     "WaitTimeoutError",
@@ -104,6 +106,10 @@ class ModeConflictError(PSError):
     """The shard runs with another training mode (sync config) than requested."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class StepPassedError(ModeConflictError):
+    """A checkpoint asked for a step the shard already went past: ask again with a later one."""
 
 
 class CheckpointError(PSError):

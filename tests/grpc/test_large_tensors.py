@@ -4,6 +4,7 @@ import gc
 
 import torch
 
+from torchps import codec
 from torchps.client import Optimizer, PSClient
 
 BIG_ELEMENTS = 134_217_728  # 512 MiB of float32: 512 chunks of the default 1 MiB
@@ -48,19 +49,19 @@ def _bits(tensor):
 
 def test_dtypes_round_trip_bit_exactly(shared_cluster):
     """'none' variables of every wire dtype come back bit for bit, special float values included,
-    through chunks that split elements (chunk_bytes=1001)."""
+    through chunks that split elements (chunk_bytes one byte over the 64 KiB minimum)."""
     specials = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, 6e-8, -65504.0, 3.0e38]
     values = {
-        "dt/bf16": torch.cat([torch.tensor(specials), torch.linspace(-5, 5, 3000)]).to(torch.bfloat16).reshape(-1, 3),
-        "dt/f16": torch.cat([torch.tensor(specials), torch.linspace(-5, 5, 3000)]).to(torch.float16).reshape(3, -1),
-        "dt/f32": torch.cat([torch.tensor(specials), torch.linspace(-5, 5, 3000)]),
-        "dt/f64": torch.cat([torch.tensor(specials, dtype=torch.float64), torch.rand(500, dtype=torch.float64)]),
-        "dt/i64": torch.tensor([-(2 ** 63), 2 ** 63 - 1, 0, -1, 2 ** 53 + 1] * 300, dtype=torch.int64),
-        "dt/i32": torch.tensor([-(2 ** 31), 2 ** 31 - 1, 0, -1, 123456789] * 300, dtype=torch.int32).reshape(30, 50),
+        "dt/bf16": torch.cat([torch.tensor(specials), torch.linspace(-5, 5, 60000)]).to(torch.bfloat16).reshape(-1, 3),
+        "dt/f16": torch.cat([torch.tensor(specials), torch.linspace(-5, 5, 60000)]).to(torch.float16).reshape(3, -1),
+        "dt/f32": torch.cat([torch.tensor(specials), torch.linspace(-5, 5, 60000)]),
+        "dt/f64": torch.cat([torch.tensor(specials, dtype=torch.float64), torch.rand(20000, dtype=torch.float64)]),
+        "dt/i64": torch.tensor([-(2 ** 63), 2 ** 63 - 1, 0, -1, 2 ** 53 + 1] * 4000, dtype=torch.int64),
+        "dt/i32": torch.tensor([-(2 ** 31), 2 ** 31 - 1, 0, -1, 123456789] * 6000, dtype=torch.int32).reshape(300, 100),
     }
     nan_payload = torch.tensor([0x7E01], dtype=torch.int16).view(torch.float16)  # a non-canonical NaN
     values["dt/f16"].view(-1)[0] = nan_payload[0]
-    with PSClient(shared_cluster.cluster, connect_timeout=30, chunk_bytes=1001) as ps:
+    with PSClient(shared_cluster.cluster, connect_timeout=30, chunk_bytes=codec.MIN_CHUNK_BYTES + 1) as ps:
         assert all(ps.create_variables(values).values())
         pulled = ps.pull(values)
         into = {name: torch.empty_like(v) for name, v in values.items()}

@@ -82,10 +82,12 @@ class CreateRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class CreateResponse(_message.Message):
-    __slots__ = ("created",)
+    __slots__ = ("created", "generation")
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     created: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, created: _Optional[_Iterable[bool]] = ...) -> None: ...
+    generation: int
+    def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "tensors")
@@ -200,12 +202,14 @@ class VariableInfo(_message.Message):
     def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., version: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("variables", "step")
+    __slots__ = ("variables", "step", "generation")
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     step: int
-    def __init__(self, variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -298,34 +302,54 @@ class JoinResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "generation")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("step", "manifest_json", "keep")
+    __slots__ = ("step", "now")
     STEP_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
-    KEEP_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
     step: int
-    manifest_json: str
-    keep: int
-    def __init__(self, step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., keep: _Optional[int] = ...) -> None: ...
+    now: bool
+    def __init__(self, step: _Optional[int] = ..., now: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("step", "path", "bytes")
+    __slots__ = ("step", "path", "bytes", "index")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     bytes: int
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("step", "manifest_json", "shards", "keep")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    manifest_json: str
+    shards: _containers.RepeatedCompositeFieldContainer[SaveResponse]
+    keep: int
+    def __init__(self, step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[SaveResponse, _Mapping]]] = ..., keep: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("reason",)

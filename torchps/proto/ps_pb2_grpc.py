@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.SaveResponse.FromString,
                 _registered_method=True)
+        self.CommitCheckpoint = channel.unary_unary(
+                '/torchps.v1.ParameterServer/CommitCheckpoint',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.CommitRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/torchps.v1.ParameterServer/Shutdown',
                 request_serializer=torchps_dot_v1_dot_ps__pb2.ShutdownRequest.SerializeToString,
@@ -206,9 +211,18 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Save(self, request, context):
-        """Writes this shard's variables, optimizer state, versions, step and mode
-        under its --checkpoint-dir, atomically (temporary file, fsync, rename).
+        """Phase 1 of a checkpoint (see SaveRequest): writes this shard's variables,
+        optimizer state, versions, step, mode, push ledger and membership.
         FAILED_PRECONDITION without --checkpoint-dir. Blocks until written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitCheckpoint(self, request, context):
+        """Phase 2, on shard 0: checks every shard's file, writes the manifest that
+        makes the checkpoint count, and deletes checkpoints beyond `keep` and
+        partial ones older than it. FAILED_PRECONDITION if a file is missing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -284,6 +298,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.SaveRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.SaveResponse.SerializeToString,
+            ),
+            'CommitCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCheckpoint,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.CommitRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.CommitResponse.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -615,6 +634,33 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/Save',
             torchps_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.SaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/CommitCheckpoint',
+            torchps_dot_v1_dot_ps__pb2.CommitRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

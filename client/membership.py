@@ -1,0 +1,75 @@
+"""A worker's place in the job: join, heartbeats to every shard at once, leave.
+
+Heartbeats run in a background thread every lease / 3 and go to all shards
+concurrently, each with a deadline of one interval, so a slow or dead shard
+never delays the others' leases. A shard that answers WorkerReplacedError (a
+newer process of this task joined) fences this client: its next call raises
+that error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from ..errors import PSError, WorkerReplacedError
+from ..proto import ps_pb2
+from .channels import ShardChannels
+from .errors import error_from_rpc
+
+__all__ = ["Heartbeats"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Heartbeats:
+    """The background thread that keeps a worker's leases alive on every shard."""
+
+    def __init__(self, channels: ShardChannels, ref: Callable[[], ps_pb2.WorkerRef],
+                 on_reply: Callable[[int, ps_pb2.HeartbeatResponse], None]):
+        self._channels = channels
+        self._ref = ref
+        self._on_reply = on_reply
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fenced: WorkerReplacedError | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self, interval: float) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, args=(interval,), name="torchps-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def beat(self, timeout: float) -> None:
+        """One heartbeat to every shard at once; waits at most `timeout` for the replies."""
+        ref = self._ref()
+        calls = {shard: stub.Heartbeat.future(ref, timeout=timeout) for shard, stub in enumerate(self._channels.stubs)}
+        for shard, call in calls.items():
+            try:
+                self._on_reply(shard, call.result())
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, self._channels.target(shard))
+                if isinstance(error, WorkerReplacedError):
+                    self.fenced = error
+                    _LOGGER.error("%s", error)
+                else:  # a missed beat is logged; the lease decides
+                    _LOGGER.debug("heartbeat to %s failed: %s", self._channels.target(shard), error)
+            except PSError as exc:
+                _LOGGER.debug("heartbeat to ps:%d: %s", shard, exc)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.beat(interval)

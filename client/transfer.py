@@ -1,0 +1,95 @@
+"""Tensor bytes between a client and one shard: push requests out, pull responses in.
+
+Responses are checked with the same rules a shard applies to requests
+(codec.ChunkAssembler): chunks in order, none missing, none too small, every
+asked-for variable complete, nothing else. Bytes land directly in the
+caller's memory (a new tensor, or the target tensor in place).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .. import codec, wire
+from ..errors import MalformedStreamError, TensorMismatchError
+from ..proto import ps_pb2
+
+__all__ = ["push_requests", "read_stream", "NewTensors", "IntoTargets"]
+
+Sink = Callable[[str, ps_pb2.TensorMeta], np.ndarray]
+
+
+def push_requests(header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor], names: list[str],
+                  chunk_bytes: int) -> Iterator[bytes]:
+    """Serialized PushRequests: the header with the first batch, tensors packed up to chunk_bytes."""
+    pieces = (piece for name in names for piece in wire.tensor_pieces(name, grads[name].detach().cpu(), chunk_bytes))
+    first = True
+    for batch in wire.pack(pieces, chunk_bytes):
+        yield wire.encode_push_request(header if first else None, batch)
+        first = False
+    if first:
+        yield wire.encode_push_request(header, [])
+
+
+def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str) -> tuple[int, ps_pb2.PushResponse | None]:
+    """Copies a Pull or PushPull response stream into sink's buffers; returns (step, push result).
+
+    MalformedStreamError if the shard's stream breaks the contract or lacks a variable asked for.
+    """
+    assembler = codec.ChunkAssembler(sink=sink)
+    step, result = -1, None
+    for chunks, message_step, first_result in responses:
+        step = message_step
+        result = result or first_result
+        for chunk in chunks:
+            assembler.add(chunk)
+    assembler.finish()
+    if assembler.seen != set(names):
+        missing, extra = sorted(set(names) - assembler.seen), sorted(assembler.seen - set(names))
+        raise MalformedStreamError(f"{shard} sent an incomplete pull: missing {missing}, unexpected {extra}")
+    return step, result
+
+
+class NewTensors:
+    """A sink that makes a new CPU tensor per variable (PSClient.pull)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, meta: ps_pb2.TensorMeta) -> np.ndarray:
+        value = torch.empty(tuple(meta.shape), dtype=codec.torch_dtype(meta.dtype))
+        self.tensors[name] = value
+        return codec.byte_array(value)
+
+
+class IntoTargets:
+    """A sink writing into target tensors in place (PSClient.pull_into); finish() completes CUDA copies.
+
+    Contiguous CPU targets receive the bytes directly; others (CUDA, strided)
+    go through a staging tensor (pinned memory for CUDA).
+    """
+
+    def __init__(self, targets: Mapping[str, torch.Tensor]):
+        self.targets = targets
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, meta: ps_pb2.TensorMeta) -> np.ndarray:
+        target = self.targets[name]
+        if codec.meta_of(target) != meta:
+            raise TensorMismatchError(f"{name!r} is {codec.describe_meta(meta)} on the shard but the local tensor is "
+                                      f"{codec.describe_meta(codec.meta_of(target))}")
+        if target.device.type == "cpu" and target.is_contiguous():
+            return codec.byte_array(target.data)
+        staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=target.device.type == "cuda")
+        self._staging[name] = staging
+        return codec.byte_array(staging)
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for name, buffer in self._staging.items():
+                self.targets[name].copy_(buffer, non_blocking=True)
+        if any(t.device.type == "cuda" for t in self.targets.values()):
+            torch.cuda.synchronize()
