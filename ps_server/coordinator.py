@@ -493,7 +493,10 @@ class Coordinator:
 
     def replay(self, record) -> None:
         """Re-applies one journal record (journal.Record) during recovery, before start()."""
-        kind, meta, tensors = record.kind, record.meta, record.tensors
+        with self._cond:  # nothing runs concurrently yet; the lock only satisfies the bookkeeping's rules
+            self._replay(record.kind, record.meta, record.tensors)
+
+    def _replay(self, kind: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         if kind == "configure":
             self._set_config(SyncConfig(**meta["config"]))
         elif kind == "create":

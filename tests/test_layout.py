@@ -12,8 +12,9 @@ import pytest
 from torchps.specs import OPTIMIZER_NAMES
 
 # The shard's pure core: tested with threads, never imports grpc.
-CORE = ["torchps.ps_server.store", "torchps.ps_server.optimizers", "torchps.ps_server.sync",
-        "torchps.ps_server.checkpoint"]
+CORE = [f"torchps.ps_server.{name}" for name in (
+    "store", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
+    "coordinator", "checkpoint", "journal")]
 
 
 def loaded_after(statement: str) -> list[str]:
