@@ -85,7 +85,8 @@ class Coordinator:
         self._closed = False
         self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
         self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
-        self._compacting = False
+        self._compaction_lock = threading.Lock()
+        self._compactor: threading.Thread | None = None
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         self._applier: threading.Thread | None = None
@@ -181,10 +182,8 @@ class Coordinator:
             self._check_open()
             self._catch_up(start_step)
             self._check_ahead(start_step, "join step")
-            retired = self._touch(worker, incarnation, start_step, progress=False)
-            step = self.store.step
-        self._log_retired(worker, retired)
-        return step
+            self._touch(worker, incarnation, start_step, progress=False)
+            return self.store.step
 
     heartbeat = join  # a heartbeat renews the lease exactly as a join does
 
@@ -197,7 +196,7 @@ class Coordinator:
         with self._cond:
             if self.membership.leave(worker, incarnation):
                 _LOGGER.info("%s left", worker)
-                self._membership_changed()
+                self._membership_changed(worker)
 
     def live_workers(self) -> int:
         with self._cond:
@@ -217,10 +216,12 @@ class Coordinator:
                     "duplicates": self.duplicates, "waiting_calls": self.waits.waiting()}
 
     def close(self) -> None:
-        """Ends every wait (ServerUnavailableError) and stops the reaper and the applier."""
+        """Ends every wait (ServerUnavailableError), stops the reaper and the applier, and lets a journal
+        compaction in progress finish."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self.wait_for_compaction(MAX_WAIT_SECONDS)
 
     def wake(self) -> None:
         """Wakes waiters so they re-check their condition (a call was cancelled)."""
@@ -274,13 +275,12 @@ class Coordinator:
                 mode = self.config.mode
                 if mode == "sync":
                     self._check_ahead(step, "push step")
-                retired = self._touch(worker, incarnation, step, progress=True)
+                self._touch(worker, incarnation, step, progress=True)
                 self.membership.pushed(worker, self._now())
                 if mode == "sync" and step < self.pending.open_step(self.store.step):
                     return self._stale(worker, incarnation, seq, step)
                 record = self.ledger.begin(worker, incarnation, seq, step)
                 buffer = self.pending.reserve(step) if mode == "sync" else None
-            self._log_retired(worker, retired)
             try:
                 if buffer is not None:
                     return self._push_sync(worker, incarnation, seq, step, grads, record, buffer, cancelled, hold,
@@ -472,13 +472,15 @@ class Coordinator:
         return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
 
     def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Appends a journal record (callers hold the apply gate shared); compacts the journal when it is due."""
+        """Appends a journal record; compacts the journal when it is due. Callers hold the apply gate shared
+        when the record changes the store, or _cond when it changes only bookkeeping."""
         if self.journal is None:
             return
         self.journal.append(kind, meta, tensors or {})
-        if self.journal.wants_compaction() and not self._compacting:
-            self._compacting = True
-            threading.Thread(target=self._compact, name="journal-compaction", daemon=True).start()
+        with self._compaction_lock:
+            if self.journal.wants_compaction() and (self._compactor is None or not self._compactor.is_alive()):
+                self._compactor = threading.Thread(target=self._compact, name="journal-compaction", daemon=True)
+                self._compactor.start()
 
     def _compact(self) -> None:
         """Writes the whole state as the journal's new base, so its log starts afresh (thread body)."""
@@ -488,8 +490,13 @@ class Coordinator:
             self.journal.finish_compaction(state.pop("then"), state)
         except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
             _LOGGER.exception("journal compaction failed")
-        finally:
-            self._compacting = False
+
+    def wait_for_compaction(self, timeout: float | None = None) -> None:
+        """Returns once no journal compaction is running (at most `timeout` s)."""
+        with self._compaction_lock:
+            compactor = self._compactor
+        if compactor is not None:
+            compactor.join(timeout)
 
     def replay(self, record) -> None:
         """Re-applies one journal record (journal.Record) during recovery, before start()."""
@@ -507,6 +514,8 @@ class Coordinator:
         elif kind == "apply":
             step, versions = self.store.apply(tensors, meta["step_increment"], validated=True)
             self._replayed_push(meta, PushResult(step=step, next_step=step, versions=versions))
+            if meta["worker"] in self.membership.members:
+                self.membership.members[meta["worker"]].clock += 1
         elif kind == "add":
             buffer = self.pending.reserve(meta["step"])
             buffer.add(tensors)
@@ -520,9 +529,13 @@ class Coordinator:
         elif kind == "set_step":
             self.store.set_step(meta["step"])
             self.pending.clear() if meta.get("clear") else self.pending.drop_before(meta["step"])
-        elif kind == "retire":
-            self.membership.retire(meta["worker"], meta["incarnation"])
-            self.ledger.forget(meta["worker"], meta["incarnation"])
+        elif kind == "member":
+            worker = meta["worker"]
+            self.membership.restore_member(worker, meta, self._now())
+            for incarnation in meta["retired"]:
+                self.membership.retire(worker, incarnation)
+                self.ledger.forget(worker, incarnation)
+            self._update_quorum()
         else:
             raise ValueError(f"unknown journal record {kind!r}")
 
@@ -532,10 +545,6 @@ class Coordinator:
             record.applied, record.result = True, result
         return record
 
-    def _log_retired(self, worker: str, incarnation: int | None) -> None:
-        if incarnation is not None and self.journal is not None:
-            with self.gate.change():
-                self._log("retire", {"worker": worker, "incarnation": incarnation})
 
     def _catch_up(self, step: int) -> None:
         """A shard without the job's latest state adopts the job's step the first time a client shows one."""
@@ -547,7 +556,7 @@ class Coordinator:
             self._log("set_step", {"step": step, "clear": True})
         self._behind = False
 
-    def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> int | None:
+    def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:
         now = self._now()
         event, retired = self.membership.touch(
             worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
@@ -556,8 +565,7 @@ class Coordinator:
             self.ledger.forget(worker, retired)
         if event is not None:
             _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
-            self._membership_changed()
-        return retired
+            self._membership_changed(worker)
 
     def _in_grace(self, now: float) -> bool:
         return now < self._configured_at + self.config.startup_grace_seconds
@@ -578,7 +586,12 @@ class Coordinator:
                             self._quorum, quorum, self.membership.live(), self.store.step)
         self._quorum = quorum
 
-    def _membership_changed(self) -> None:
+    def _membership_changed(self, *workers: str) -> None:
+        """Recomputes the quorum; journals the members that changed (holds _cond: bookkeeping only, which a
+        compaction reads and rotates under this same lock)."""
+        for worker in workers:
+            self._log("member", {"worker": worker, **self.membership.export_member(worker),
+                                 "retired": list(self.membership.retired.get(worker, ()))})
         self._update_quorum()
         self._cond.notify_all()
 
@@ -634,7 +647,7 @@ class Coordinator:
                 if grace_ended:
                     self._grace_seen_end = grace_end  # unjoined workers stop counting, in every mode
                 if expired or stalled or grace_ended:
-                    self._membership_changed()
+                    self._membership_changed(*expired, *stalled)
                 deadlines = [d for d in (self.membership.next_deadline(config.lease_seconds, config.progress_seconds),
                                          grace_end if grace_end > now else None) if d is not None]
                 self._cond.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)

@@ -192,14 +192,22 @@ class Membership:
     def export(self) -> dict:
         """What a checkpoint keeps: each member's incarnation, clock and first counted step, and the
         retired incarnations (leases start afresh on restore)."""
-        return {"members": {w: {"incarnation": m.incarnation, "clock": m.clock, "counts_from": m.counts_from,
-                                "gone": m.gone} for w, m in self.members.items()},
+        return {"members": {w: self.export_member(w) for w in self.members},
                 "retired": {w: list(incs) for w, incs in self.retired.items()}}
+
+    def export_member(self, worker: str) -> dict:
+        m = self.members[worker]
+        return {"incarnation": m.incarnation, "clock": m.clock, "counts_from": m.counts_from,
+                "gone": m.gone or m.stalled}
+
+    def restore_member(self, worker: str, entry: dict, now: float) -> None:
+        """Sets one member as export_member() gave it, with a fresh lease."""
+        self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
+                                      clock=entry["clock"], gone=entry["gone"])
 
     def restore(self, state: dict, now: float) -> None:
         for worker, entry in state.get("members", {}).items():
-            self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
-                                          clock=entry["clock"], gone=entry["gone"])
+            self.restore_member(worker, entry, now)
         for worker, incarnations in state.get("retired", {}).items():
             for incarnation in incarnations:
                 self.retire(worker, incarnation)

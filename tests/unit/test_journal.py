@@ -1,0 +1,218 @@
+"""The journal (ps_server/journal.py): what a shard acknowledged survives its process, exactly. No sockets.
+
+Each test runs a Coordinator with a journal, drops it without closing anything
+(a killed process leaves the same files: records are written with one system
+call each on an unbuffered file), recovers a fresh Coordinator from the folder
+with server.recover(), and compares everything a client can observe.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+
+import pytest
+import torch
+
+from torchps.ps_server.coordinator import Coordinator
+from torchps.ps_server.journal import Journal
+from torchps.ps_server.modes import SyncConfig
+from torchps.ps_server.server import recover
+from torchps.ps_server.store import NewVariable, VariableStore
+
+SHAPES = {"a": (6, 5), "b": (7,)}
+
+
+def grads(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def shard(directory: pathlib.Path, *, owns_step: bool = True, compact_bytes: int = 1 << 30) -> Coordinator:
+    """A coordinator recovered from (or started with) the journal in `directory`."""
+    coordinator = Coordinator(VariableStore(), owns_step=owns_step, start=False)
+    recover(coordinator, Journal(directory, compact_bytes=compact_bytes), None)
+    return coordinator
+
+
+def observed(c: Coordinator) -> dict:
+    """What clients can see: values, versions, optimizer state, step, hyperparameters."""
+    out = {"step": c.store.step}
+    for entry in c.store.snapshot():
+        out[entry["name"]] = (entry["value"], entry["version"], entry["optimizer_state"], entry["current"])
+    return out
+
+
+def assert_same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    assert got["step"] == expected["step"]
+    for name in SHAPES:
+        (value, version, state, hyper), (value2, version2, state2, hyper2) = got[name], expected[name]
+        assert torch.equal(value, value2) and version == version2 and hyper == hyper2, name
+        for key, moments in state["state"].items():
+            for slot, tensor in moments.items():
+                assert torch.equal(tensor, state2["state"][key][slot]), (name, slot)
+
+
+def create(c: Coordinator, optimizer: str = "adam", **hyper) -> None:
+    c.create([NewVariable(name, torch.zeros(shape), optimizer, hyper or {"lr": 0.1}) for name, shape in SHAPES.items()])
+
+
+def test_async_state_and_ledger_survive_a_crash(tmp_path):
+    c = shard(tmp_path)
+    create(c)
+    for seq in range(1, 6):
+        c.push("worker:0", 7, seq, 0, grads(seq), step_increment=1)
+    c.set_hyperparams([], {"lr": 0.05})
+    c.push("worker:0", 7, 6, 0, grads(6), step_increment=1)
+    expected = observed(c)
+    c.close()
+
+    back = shard(tmp_path)
+    assert_same(observed(back), expected)
+    retry = back.push("worker:0", 7, 6, 0, grads(6), step_increment=1)
+    assert retry.duplicate and back.store.step == 6, "the last acknowledged push is known: its retry is not applied"
+    fresh = back.push("worker:0", 7, 7, 0, grads(7), step_increment=1)
+    assert not fresh.duplicate and back.store.step == 7
+    back.close()
+
+
+def test_sync_pending_sums_and_applied_steps_survive_a_crash(tmp_path):
+    """Step 0 applied, step 1 half full when the shard dies: after recovery the second push completes step 1
+    with both gradients, and a retry of the first is not counted again."""
+    c = shard(tmp_path, owns_step=False)  # a non-zero shard replies at once: the test needs no threads
+    c.configure(SyncConfig(mode="sync", total_num_replicas=2, startup_grace_seconds=0))
+    create(c, "sgd", lr=1.0)
+    for worker in ("worker:0", "worker:1"):
+        c.join(worker, 1)
+    c.push("worker:0", 1, 1, 0, grads(1))
+    c.push("worker:1", 1, 1, 0, grads(2))
+    c.wait_for_step(1, timeout=10)
+    c.push("worker:0", 1, 2, 1, grads(3))
+    expected = observed(c)
+    c.close()
+
+    back = shard(tmp_path, owns_step=False)
+    assert_same(observed(back), expected)
+    assert back.push("worker:0", 1, 2, 1, grads(3)).duplicate, "the pending push is known after recovery"
+    for worker in ("worker:0", "worker:1"):
+        back.join(worker, 1, 1)
+    back.push("worker:1", 1, 2, 1, grads(4))
+    assert back.wait_for_step(2, timeout=10) == 2
+    w = back.store.read("b", lambda value, version: value.clone())
+    average = lambda seeds: sum(grads(s)["b"] for s in seeds) / len(seeds)  # noqa: E731
+    assert torch.allclose(w, -(average([1, 2]) + average([3, 4])), atol=1e-6), "step 1 averaged both, once"
+    back.close()
+
+
+def test_a_torn_record_at_the_end_is_cut_off_and_appends_go_on(tmp_path):
+    c = shard(tmp_path)
+    create(c, "sgd", lr=1.0)
+    c.push("worker:0", 1, 1, 0, {"b": torch.ones(7)}, step_increment=1)
+    c.close()
+    (log,) = sorted(tmp_path.glob("log-*.bin"))
+    whole = log.stat().st_size
+    c = shard(tmp_path)
+    c.push("worker:0", 1, 2, 0, {"b": torch.ones(7)}, step_increment=1)
+    c.close()
+    with open(log, "r+b") as f:  # the process died in the middle of writing the second push
+        f.truncate(whole + (log.stat().st_size - whole) // 2)
+
+    back = shard(tmp_path)
+    assert back.store.step == 1 and torch.equal(back.store.read("b", lambda v, _: v.clone()), -torch.ones(7))
+    assert log.stat().st_size == whole, "the torn record was cut off"
+    assert not back.push("worker:0", 1, 2, 0, {"b": torch.ones(7)}, step_increment=1).duplicate, \
+        "the torn push was never acknowledged: its retry is applied"
+    back.close()
+    again = shard(tmp_path)
+    assert again.store.step == 2
+    again.close()
+
+
+def test_a_damaged_record_stops_the_replay_there(tmp_path):
+    c = shard(tmp_path)
+    create(c, "sgd", lr=1.0)
+    c.push("worker:0", 1, 1, 0, {"b": torch.ones(7)}, step_increment=1)
+    c.close()
+    (log,) = sorted(tmp_path.glob("log-*.bin"))
+    data = bytearray(log.read_bytes())
+    data[-12] ^= 0xFF  # a byte of the push's gradient
+    log.write_bytes(bytes(data))
+    back = shard(tmp_path)
+    assert back.store.step == 0 and back.store.names() == list(SHAPES), "created, then the damaged push dropped"
+    back.close()
+
+
+def test_compaction_writes_a_new_base_deletes_the_old_files_and_recovers_exactly(tmp_path):
+    c = shard(tmp_path, compact_bytes=4096)
+    create(c)
+    for seq in range(1, 40):
+        c.push("worker:0", 3, seq, 0, grads(seq), step_increment=1)
+    c.wait_for_compaction()
+    expected = observed(c)
+    c.close()
+    bases = sorted(p.name for p in tmp_path.glob("base-*.pt"))
+    logs = sorted(p.name for p in tmp_path.glob("log-*.bin"))
+    assert len(bases) <= 2 and bases[-1] != "base-000000.pt", f"compacted: {bases} {logs}"
+    assert all(name >= bases[0].replace("base", "log").replace(".pt", ".bin") for name in logs), logs
+    back = shard(tmp_path)
+    assert_same(observed(back), expected)
+    assert back.push("worker:0", 3, 39, 0, grads(39), step_increment=1).duplicate
+    back.close()
+
+
+def test_a_crash_between_rotation_and_the_new_base_recovers_from_the_older_base(tmp_path):
+    c = shard(tmp_path)
+    create(c)
+    c.push("worker:0", 1, 1, 0, grads(1), step_increment=1)
+    with c.gate.snapshot():  # the rotation of a compaction, whose base write never happens
+        c.journal.rotate()
+    c.push("worker:0", 1, 2, 0, grads(2), step_increment=1)
+    expected = observed(c)
+    c.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
+        ["base-000000.pt", "log-000000.bin", "log-000001.bin"]
+    back = shard(tmp_path)
+    assert_same(observed(back), expected)
+    back.close()
+
+
+def test_concurrent_async_pushes_replay_to_the_same_values(tmp_path):
+    """Applies are recorded in the order they happened, so Adam's order-dependent state replays exactly."""
+    c = shard(tmp_path)
+    create(c)
+
+    def pusher(worker: str, seeds: range) -> None:
+        for seq, seed in enumerate(seeds, start=1):
+            c.push(worker, 1, seq, 0, grads(seed), step_increment=1)
+
+    threads = [threading.Thread(target=pusher, args=(f"worker:{i}", range(100 * i, 100 * i + 30))) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    expected = observed(c)
+    c.close()
+    back = shard(tmp_path)
+    assert_same(observed(back), expected)
+    back.close()
+
+
+@pytest.mark.parametrize("kind", ["configure", "retire"])
+def test_mode_and_retired_incarnations_survive_a_crash(tmp_path, kind):
+    from torchps.errors import WorkerReplacedError
+
+    c = shard(tmp_path)
+    if kind == "configure":
+        c.configure(SyncConfig(mode="ssp", total_num_replicas=3, max_staleness=4))
+    else:
+        c.join("worker:1", 1)
+        c.join("worker:1", 2)  # a restart: incarnation 1 is retired
+    c.close()
+    back = shard(tmp_path)
+    if kind == "configure":
+        assert back.config == SyncConfig(mode="ssp", total_num_replicas=3, max_staleness=4)
+    else:
+        with pytest.raises(WorkerReplacedError):
+            back.heartbeat("worker:1", 1)
+    back.close()
