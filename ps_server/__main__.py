@@ -86,8 +86,6 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
         raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
     for directory in (args.checkpoint_dir, args.restore_from):
         if directory:
-            if index == 0 and directory == args.checkpoint_dir:
-                checkpoint.clean_partial(directory)
             state = checkpoint.restore_state(directory, index, num_ps)
             if state is not None:
                 return state
@@ -112,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster, index, address = resolve(args)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, index)
+        if args.checkpoint_dir:
+            checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None
         stop = threading.Event()
         server, port, coordinator = create_server(

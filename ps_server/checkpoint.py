@@ -144,9 +144,16 @@ def _prune(directory: pathlib.Path, keep: int) -> None:
         _fsync_dir(directory)
 
 
-def clean_partial(directory: str | os.PathLike) -> None:
-    """Deletes partial checkpoints older than the newest committed one (a shard killed mid-save left them)."""
-    _prune(pathlib.Path(directory), 0)
+def clean_partial(directory: str | os.PathLike, index: int) -> None:
+    """At a shard's start: deletes the temporary files a killed predecessor with this index left, and
+    (shard 0) partial checkpoints older than the newest committed one."""
+    directory = pathlib.Path(directory)
+    patterns = [f"{_STEP_PREFIX}*/.ps-{index}.pt.*.tmp"] + ([f"{_STEP_PREFIX}*/.{MANIFEST}.*.tmp"] if index == 0 else [])
+    for pattern in patterns:
+        for path in directory.glob(pattern):
+            path.unlink(missing_ok=True)
+    if index == 0:
+        _prune(directory, 0)
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
