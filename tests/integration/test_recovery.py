@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from torchps.client import Optimizer, PSClient, ServerUnavailableError
+from torchps.ps_server.checkpoint import latest_committed
 from torchps.worker.local_cluster import LocalCluster
 from torchps.worker.models import build_model
 from torchps.worker.trainer import evaluate
@@ -226,8 +227,10 @@ def test_job_completes_and_every_ps_server_exits_with_the_job(uninterrupted):
 def test_ps_killed_mid_run_is_restarted_recovers_and_the_job_matches_an_uninterrupted_run(launch, uninterrupted,
                                                                                        tmp_path):
     assert uninterrupted["code"] == 0, "the reference run failed (see test_job_completes_...)"
-    run = launch(*JOB, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every-steps", str(CHECKPOINT_EVERY),
-                 "--restart-on-failure", "--metrics-out", str(tmp_path / "metrics.json"))
+    ckpt = tmp_path / "ckpt"
+    run = launch(*JOB, "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", str(CHECKPOINT_EVERY),
+                 "--restart-on-failure", "--metrics-out", str(tmp_path / "metrics.json"),
+                 "--export", str(tmp_path / "model.pt"))
     pid = int(run.wait_for(r"^\[ps:1\] .*ps 1 serving on \S+ \(pid (\d+)\)").group(1))
     saved = int(run.wait_for(r"^\[worker:0\] .*checkpoint of step (\d+) saved on every shard",
                              accept=lambda m: int(m.group(1)) >= 0.3 * STEPS).group(1))
@@ -246,6 +249,21 @@ def test_ps_killed_mid_run_is_restarted_recovers_and_the_job_matches_an_uninterr
     assert saved < STEPS and int(restored.group(1)) < STEPS, "the kill happened mid-run"
     assert abs(summary["test_accuracy"] - reference["test_accuracy"]) <= ACCURACY_TOLERANCE, \
         f"final accuracy {summary['test_accuracy']:.4f} vs {reference['test_accuracy']:.4f} uninterrupted"
+
+    # The job's last checkpoint is complete (every shard, one step, committed) and --restore-from brings back
+    # exactly the model the chief exported, onto another number of shards too.
+    step, manifest = latest_committed(ckpt)
+    assert step == STEPS and [s["state_step"] for s in manifest["shards"]] == [STEPS, STEPS], manifest["shards"]
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    for num_ps in (2, 1):
+        with LocalCluster(num_ps, server_args=["--restore-from", str(ckpt), "--num-ps", str(num_ps)]) as local, \
+                PSClient(local.cluster, connect_timeout=20) as client:
+            client.declare([(name, nbytes) for name, nbytes in manifest["variables"]])
+            restored = client.pull([name for name, _ in manifest["variables"]])
+            assert restored.keys() == exported.keys()
+            assert all(torch.equal(restored[name], exported[name]) for name in exported), \
+                f"--restore-from onto {num_ps} shards must give the exported values exactly"
+            assert client.global_step() == STEPS
 
 
 # -- a worker dies -------------------------------------------------------------------------------------
