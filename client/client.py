@@ -176,13 +176,15 @@ class PSClient:
             shard, {name: tensors[name] for name in names}, spec))
         return {name: flag for shard, names in groups.items() for name, flag in zip(names, results[shard])}
 
-    def _create_on(self, shard: int, tensors: Mapping[str, torch.Tensor], spec: ps_pb2.OptimizerSpec) -> list[bool]:
-        """CreateVariables of `tensors` on one shard; the per-variable `created` flags."""
+    def _create_on(self, shard: int, tensors: Mapping[str, torch.Tensor], spec: ps_pb2.OptimizerSpec,
+                   job_step: int = 0) -> list[bool]:
+        """CreateVariables of `tensors` on one shard; the per-variable `created` flags. `job_step`: a refill."""
         def requests():
             for i, (name, tensor) in enumerate(tensors.items()):
                 value = tensor.detach().cpu()
+                first = {"count": len(tensors), "step": job_step} if i == 0 else {}
                 yield ps_pb2.CreateRequest(spec=ps_pb2.VariableSpec(name=name, meta=codec.meta_of(value), optimizer=spec),
-                                           count=len(tensors) if i == 0 else 0)
+                                           **first)
                 for chunk in codec.encode_chunks(name, value, self.chunk_bytes):
                     yield ps_pb2.CreateRequest(chunk=chunk)
 

@@ -95,7 +95,7 @@ class ShardRefill:
             by_optimizer.setdefault(self._owned[name][1].SerializeToString(deterministic=True), []).append(name)
         for key, group in by_optimizer.items():
             spec = ps_pb2.OptimizerSpec.FromString(key)
-            client._create_on(shard, {name: self._owned[name][0]() for name in group}, spec)
+            client._create_on(shard, {name: self._owned[name][0]() for name in group}, spec, job_step=client.step)
         self.refills += 1
         _LOGGER.warning("%s restarted without its state: refilled its %d variables from this client's copy (their "
                         "optimizer state starts afresh)", client._channels.target(shard), len(names))

@@ -81,7 +81,7 @@ class Coordinator:
         self.quorum_changes = 0
         self.duplicates = 0
         self.restored_step = -1       # the checkpoint step this shard restored, or -1
-        self._behind = True           # no state of the job yet: adopt the step the first client shows
+        self._behind = False          # restored from an older checkpoint: adopt the step the first client shows
         self._closed = False
         self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
         self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -138,9 +138,16 @@ class Coordinator:
             self._applier = threading.Thread(target=self._apply_steps, name="sync-applier", daemon=True)
             self._applier.start()
 
-    def create(self, requests: list[NewVariable]) -> list[bool]:
-        """store.create, recorded in the journal."""
+    def create(self, requests: list[NewVariable], *, job_step: int = 0) -> list[bool]:
+        """store.create, recorded in the journal. `job_step`: a refill of a shard that restarted without its
+        state; if it holds no variables yet it takes that step (the job's) as its own."""
+        self._check_step(job_step, "step")
         with self.gate.change():
+            with self._cond:
+                if job_step > self.store.step and not self.store.names():
+                    _LOGGER.warning("refilled while the job is at step %d: this shard starts there", job_step)
+                    self.store.set_step(job_step)
+                    self._log("set_step", {"step": job_step, "clear": True})
             created = self.store.create(requests)
             self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
                                                 "hyperparams": dict(r.hyperparams)}

@@ -141,11 +141,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def CreateVariables(self, request_iterator, context):
         requests: list[NewVariable] = []
         pending = None  # the spec whose initial value is arriving
-        declared = None
+        declared = job_step = None
         assembler = codec.ChunkAssembler()
         for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
             if declared is None:
-                declared = message.count
+                declared, job_step = message.count, message.step
             if message.HasField("spec"):
                 if pending is not None:
                     raise MalformedStreamError(f"no complete initial value for {pending.name!r} before the next spec")
@@ -166,7 +166,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if declared and len(requests) != declared:
             raise MalformedStreamError(f"the stream declared {declared} variables but {len(requests)} arrived")
         _require_active(context)
-        created = self.coordinator.create(requests)
+        created = self.coordinator.create(requests, job_step=job_step or 0)
         return ps_pb2.CreateResponse(created=created, generation=self.generation)
 
     @_map_errors

@@ -1,9 +1,17 @@
-"""Shared fixtures: real ps-server processes on 127.0.0.1 (see torchps.worker.local_cluster)."""
+"""Shared fixtures: real ps-server processes on 127.0.0.1 (see torchps.worker.local_cluster).
+
+tests/ is put on sys.path, so every test module can `from helpers import wait_until`.
+"""
+
+import pathlib
+import sys
 
 import pytest
 
 from torchps.client import PSClient
 from torchps.worker.local_cluster import LocalCluster
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
 @pytest.fixture

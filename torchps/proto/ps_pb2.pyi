@@ -72,14 +72,16 @@ class VariableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("spec", "chunk", "count")
+    __slots__ = ("spec", "chunk", "count", "step")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     spec: VariableSpec
     chunk: TensorChunk
     count: int
-    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
+    step: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., count: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CreateResponse(_message.Message):
     __slots__ = ("created", "generation")

@@ -1,4 +1,4 @@
-"""Small helpers shared by the integration tests."""
+"""Small helpers shared by the tests (tests/conftest.py puts this folder on sys.path)."""
 
 import time
 

@@ -1,0 +1,188 @@
+"""Nothing waits for ever: client deadlines, threads that never starve each other, heartbeats that reach
+every shard at once, status that never waits behind applies, and shards that come back empty.
+
+Real ps-server processes on 127.0.0.1; a shard that must stall is SIGSTOPped (it then answers nothing,
+the way a hung host does) and always SIGCONTed in a finally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+
+from torchps.client import (Optimizer, PSClient, ServerUnavailableError, ShardLostError, TaskSpec,
+                            UnknownVariableError, WaitTimeoutError)
+from torchps.client.channels import Backoff
+
+from helpers import wait_until
+
+
+@contextlib.contextmanager
+def stopped(proc):
+    """The shard process SIGSTOPped for the block (a hung host), resumed after it whatever happens."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_every_call_has_a_deadline_even_against_a_shard_that_answers_nothing(local_cluster):
+    local = local_cluster(1)
+    with PSClient(local.cluster, connect_timeout=1, timeout=1.5) as client:
+        client.create_variables({"dl/v": torch.zeros(4)}, Optimizer("sgd", lr=1.0))
+        with stopped(local.procs[0]):
+            for call in (lambda: client.push({"dl/v": torch.ones(4)}), lambda: client.pull(["dl/v"]),
+                         lambda: client.status(0)):
+                started = time.monotonic()
+                with pytest.raises((WaitTimeoutError, ServerUnavailableError)):
+                    call()
+                assert time.monotonic() - started < 1.5 + 1 + 5, "a call outlived its deadline and retry window"
+        assert torch.equal(client.pull(["dl/v"])["dl/v"], -torch.ones(4)) or \
+            torch.equal(client.pull(["dl/v"])["dl/v"], torch.zeros(4)), "the shard serves again once resumed"
+
+
+def test_a_prefetching_pull_waiting_for_a_step_never_starves_a_push_from_another_thread(local_cluster):
+    """The issue's hang: pull_into(min_step=far) in one thread, push in another, same client."""
+    local = local_cluster(2)
+    with PSClient(local.cluster, connect_timeout=10, timeout=20) as client:
+        names = {"st/a": torch.zeros(3), "st/b": torch.zeros(3)}  # one per shard
+        client.create_variables(names, Optimizer("sgd", lr=1.0))
+        targets = {n: torch.empty(3) for n in names}
+        prefetch_errors: list[BaseException] = []
+
+        def prefetch():
+            try:
+                client.pull_into(targets, min_step=5)
+            except BaseException as exc:  # noqa: BLE001
+                prefetch_errors.append(exc)
+
+        prefetchers = [threading.Thread(target=prefetch, daemon=True) for _ in range(4)]
+        for thread in prefetchers:
+            thread.start()
+        wait_until(lambda: client.status(0).waiting_calls >= 4 and client.status(1).waiting_calls >= 4, 20,
+                   "four prefetching pulls to wait on both shards")
+        for _ in range(5):  # these pushes are what the prefetching pulls wait for
+            client.push({n: torch.ones(3) for n in names})
+        for thread in prefetchers:
+            thread.join(20)
+        assert not any(t.is_alive() for t in prefetchers) and not prefetch_errors, prefetch_errors
+        assert all(torch.equal(t, -5 * torch.ones(3)) for t in targets.values())
+
+
+def test_heartbeats_reach_every_shard_while_one_hangs(local_cluster):
+    """With shard 0 hung, shard 1 still gets heartbeats in time: the lease there holds."""
+    local = local_cluster(2, workers=1)
+    with PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=5) as client:
+        client.configure("sync", total_num_replicas=1, lease_seconds=1.5)
+        client.create_variables({"hb/a": torch.zeros(2), "hb/b": torch.zeros(2)}, Optimizer("sgd", lr=1.0))
+        client.join()
+        with PSClient(local.cluster, connect_timeout=5) as observer:
+            with stopped(local.procs[0]):
+                time_limit = time.monotonic() + 4 * 1.5
+                while time.monotonic() < time_limit:  # four lease periods, watched from outside
+                    assert observer.status(1).live_workers == 1, "the lease on ps 1 ran out while ps 0 hung"
+            assert observer.status(1).workers_expired == 0
+
+
+def test_status_never_waits_behind_applies(local_cluster):
+    """GetStatus stays fast while 40 MB Adam updates are applied back to back (it never takes their locks)."""
+    local = local_cluster(1)
+    size = 10 << 20  # float32: 40 MB
+    with PSClient(local.cluster, connect_timeout=10, timeout=60) as client:
+        client.create_variables({"lk/big": torch.zeros(size)}, Optimizer("adam", lr=0.01))
+        grad = {"lk/big": torch.full((size,), 0.5)}
+        stop = threading.Event()
+        apply_seconds: list[float] = []
+
+        def pushes():
+            while not stop.is_set():
+                started = time.monotonic()
+                client.push(grad)
+                apply_seconds.append(time.monotonic() - started)
+
+        pusher = threading.Thread(target=pushes, daemon=True)
+        pusher.start()
+        latencies = []
+        with PSClient(local.cluster, connect_timeout=10) as observer:
+            wait_until(lambda: observer.status(0).step >= 2, 60, "two pushes applied")
+            while len(apply_seconds) < 10:
+                started = time.monotonic()
+                observer.status(0)
+                latencies.append(time.monotonic() - started)
+        stop.set()
+        pusher.join(60)
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    push = statistics.median(apply_seconds)
+    assert p99 < push / 4, f"GetStatus p99 {p99 * 1e3:.1f} ms vs a push of {push * 1e3:.0f} ms: it waited behind applies"
+
+
+def test_backoff_doubles_with_jitter_and_stops_at_the_deadline():
+    import random
+
+    pauses = []
+    backoff = Backoff(time.monotonic() + 0.6, rng=random.Random(0))
+    while True:
+        started = time.monotonic()
+        if not backoff.pause():
+            break
+        pauses.append(time.monotonic() - started)
+    assert 3 <= len(pauses) <= 8 and sum(pauses) <= 0.6 + 0.05
+    assert pauses[1] > pauses[0] * 1.1 or pauses[2] > pauses[1] * 1.1, f"pauses grow: {pauses}"
+
+
+# -- a shard that comes back without its state (no --checkpoint-dir) ------------------------------------
+
+def test_a_shard_restarted_empty_is_refilled_by_the_chief_and_training_goes_on(local_cluster):
+    """ps 1 restarts without its state (no --checkpoint-dir): a worker's push waits for the refill instead of
+    failing; the chief's next push refills ps 1 from its copy (the values it last pulled); both pushes are
+    then applied once each."""
+    local = local_cluster(2, workers=2)
+    names = {"re/a": torch.zeros(3), "re/b": torch.zeros(3)}  # re/b lives on ps 1
+    ones = {n: torch.ones(3) for n in names}
+    with PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=10) as chief, \
+            PSClient(local.cluster, task=TaskSpec("worker", 1), connect_timeout=10, refill_timeout=30) as worker:
+        chief.configure("async")
+        chief.create_variables(names, Optimizer("sgd", lr=1.0))
+        worker.declare(names)
+        worker.wait_for_variables(names, 10)
+        chief.join(), worker.join()
+        chief.push(ones), worker.push(ones)
+        chief.pull_into(names)  # the chief's copy, as a training loop keeps it
+        assert local.kill_ps(1) == -signal.SIGKILL
+        local.start_ps(1)
+        result: list = []
+        pushing = threading.Thread(target=lambda: result.append(worker.push(ones)), daemon=True)
+        pushing.start()
+        wait_until(lambda: chief.status(1).waiting_calls >= 1, 20, "the worker to wait for the refill on ps 1")
+        chief.push(ones)  # finds ps 1 empty, refills it, pushes again
+        pushing.join(30)
+        assert result, "the worker's push went through after the refill"
+        values = chief.pull(list(names))
+        assert torch.equal(values["re/a"], -4 * torch.ones(3)), "ps 0 applied each push once"
+        assert torch.equal(values["re/b"], -4 * torch.ones(3)), "ps 1: the chief's copy (-2), then both pushes"
+        assert worker.restarts_seen == chief.restarts_seen == 1
+
+
+def test_a_shard_restarted_empty_that_nobody_refills_fails_fast_with_one_clear_error(local_cluster):
+    local = local_cluster(1)
+    with PSClient(local.cluster, connect_timeout=10) as creator:
+        creator.create_variables({"lost/v": torch.zeros(3)}, Optimizer("sgd", lr=1.0))
+    with PSClient(local.cluster, connect_timeout=10, refill_timeout=1) as worker:
+        worker.declare({"lost/v": torch.zeros(3)})
+        worker.wait_for_variables(["lost/v"], 10)
+        assert local.kill_ps(0) == -signal.SIGKILL
+        local.start_ps(0)
+        with pytest.raises(ShardLostError, match="restarted without its variables"):
+            worker.push({"lost/v": torch.ones(3)})
+    with PSClient(local.cluster, connect_timeout=10) as newcomer:
+        newcomer.declare({"never/v": torch.zeros(1)})
+        with pytest.raises(UnknownVariableError):  # a name that was never created is not a lost shard
+            newcomer.pull(["never/v"])
