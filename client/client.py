@@ -106,6 +106,7 @@ class PSClient:
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.step = 0  # the step this worker computes at: set by join(), then by every push
         self.stats = WorkerStats()
+        self.last_replies: dict[int, ps_pb2.PushResponse] = {}  # shard -> its reply to this client's last push
         self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
         self.restarts_seen = 0
         self._heartbeats = Heartbeats(self._channels, self._worker_ref, self._on_heartbeat)
@@ -346,6 +347,7 @@ class PSClient:
                                  step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq))
 
     def _finish_push(self, replies: Mapping[int, ps_pb2.PushResponse]) -> int:
+        self.last_replies = dict(replies)
         for shard, reply in replies.items():
             self._note_generation(shard, reply.generation)
         lead = replies[GLOBAL_STEP_SHARD]

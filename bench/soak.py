@@ -1,0 +1,390 @@
+#!/usr/bin/env python
+"""Chaos soak: real shards and workers under random faults, then an audit of exactly-once and checkpoints.
+
+    python bench/soak.py --minutes 10 --json soak.json     # the full soak
+    python bench/soak.py --minutes 1                        # what the test suite runs
+
+Two phases (async, then sync; half the time each), each a fresh job: 2 ps-server
+shards with a checkpoint folder (so each keeps a journal) and 4 worker
+processes that push counters as fast as they can. Shard 1 is reached through a
+small TCP proxy. Meanwhile a chaos loop injects, at random:
+  kill-worker      SIGKILL a worker, start it again (a new incarnation)
+  kill-shard       SIGKILL a shard, start it again on its port (it recovers from its journal)
+  pause-worker     SIGSTOP a worker for longer than its lease, then SIGCONT it
+  pause-shard      SIGSTOP a shard for a few seconds, then SIGCONT it
+  cut-connections  the proxy drops every connection to shard 1 at once
+Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
+
+Every worker logs each push before sending it ("sent") and once acknowledged
+("acked"), so for each worker and shard the applied count (its counter
+variable, one per worker on each shard, updated by SGD with lr 1) must lie
+between the two: below the acknowledged count an acknowledged push was lost,
+above the sent count one was applied twice. In sync mode a shared counter on
+each shard must equal minus the global step (every shard applied every
+released step exactly once). A phase ends with every worker asked to stop: a
+process that does not end within its deadline, or a stretch of
+STALL_SECONDS with faults over and no push acknowledged, is a hang. Last, the
+job's final checkpoint must be committed for both shards and restore, through
+`ps-server --restore-from` onto one shard, to exactly the values served.
+
+Keys: faults_injected (by kind), pushes_acked, lost, duplicated, hangs,
+checkpoint_complete; per phase the same and more. Target: lost = duplicated =
+hangs = 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKERS, SHARDS = 4, 2
+LEASE_SECONDS = 3.0
+PROGRESS_SECONDS = 10.0
+CHECKPOINT_EVERY = 200
+STALL_SECONDS = 60.0         # no acknowledged push for this long, outside faults: a hang
+EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
+FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
+KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections")
+
+
+# -- the worker process ------------------------------------------------------------------------------
+
+def counter_names(index: int) -> list[str]:
+    return [f"w{index}/a", f"w{index}/b"]  # created in this order: a on ps 0, b on ps 1
+
+
+ALL_NAMES = [name for i in range(WORKERS) for name in counter_names(i)] + ["ones/a", "ones/b"]
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One worker: push ones into its own counters and the shared ones, log each push, until told to stop."""
+    import torch
+    from torchps.client import Cluster, Optimizer, PSClient, PSError, TaskSpec
+
+    cluster = Cluster.from_json(args.cluster)
+    rng = random.Random(args.index * 7919 + os.getpid())
+    mine = {name: torch.ones(1) for name in counter_names(args.index) + ["ones/a", "ones/b"]}
+    log = open(args.log, "a", buffering=1)
+    from torchps.worker.chief import Checkpointer
+
+    with PSClient(cluster, task=TaskSpec("worker", args.index), connect_timeout=15, timeout=60,
+                  refill_timeout=60) as ps:
+        if args.index == 0:
+            ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
+                         progress_seconds=PROGRESS_SECONDS)
+            ps.create_variables({name: torch.zeros(1) for name in ALL_NAMES}, Optimizer("sgd", lr=1.0))
+        else:
+            ps.declare({name: torch.zeros(1) for name in ALL_NAMES})
+            ps.wait_for_variables(ALL_NAMES, timeout=120)
+        ps.join()
+        targets = {name: torch.zeros(1) for name in mine}
+        checkpointer = Checkpointer(ps, every_steps=CHECKPOINT_EVERY, keep=2).start() if args.index == 0 else None
+        while not os.path.exists(args.stop_file):
+            log.write("sent\n")
+            try:
+                if rng.random() < 0.5:
+                    ps.push_pull(mine, targets)
+                else:
+                    ps.push(mine)
+                    ps.pull_into(targets, min_step=ps.step if args.mode == "sync" else 0)
+            except PSError as exc:
+                log.write(f"error {type(exc).__name__}: {str(exc)[:200]}\n")
+                continue
+            stale = " ".join(str(int(ps.last_replies[s].stale)) for s in range(len(cluster.ps)))
+            log.write(f"acked {ps.step} {stale}\n")
+            if checkpointer is not None:
+                checkpointer.note_step(ps.step)
+        if checkpointer is not None:
+            checkpointer.stop(final=False)
+    log.write("exit\n")
+    return 0
+
+
+# -- a TCP proxy whose connections can be cut --------------------------------------------------------
+
+class Proxy:
+    """Forwards 127.0.0.1:port to a shard; cut() drops every connection at once (clients reconnect)."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for s in (source, sink):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> int:
+        with self._lock:
+            doomed, self._open = self._open, []
+        for s in doomed:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+                s.close()
+            except OSError:
+                pass
+        return len(doomed) // 2
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
+
+
+# -- one phase -----------------------------------------------------------------------------------------
+
+class Phase:
+    """One job (mode) under chaos for `seconds`, then its audit."""
+
+    def __init__(self, mode: str, seconds: float, workdir: pathlib.Path, rng: random.Random):
+        from torchps.worker.local_cluster import LocalCluster
+
+        self.mode, self.seconds, self.rng = mode, seconds, rng
+        self.dir = workdir / mode
+        self.dir.mkdir(parents=True)
+        self.ckpt = self.dir / "ckpt"
+        self.stop_file = self.dir / "stop"
+        self.shards = LocalCluster(SHARDS, server_args=["--checkpoint-dir", str(self.ckpt)], log_dir=self.dir)
+        self.faults: collections.Counter[str] = collections.Counter()
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.hangs: list[str] = []
+        self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
+        self._order: list[str] = []
+
+    def log_path(self, index: int) -> pathlib.Path:
+        return self.dir / f"worker{index}.log"
+
+    def start_worker(self, index: int) -> None:
+        out = open(self.dir / f"worker{index}.out", "ab")
+        self.workers[index] = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--cluster", json.dumps(self.cluster.to_dict()), "--index",
+             str(index), "--mode", self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out.close()
+
+    def acked(self) -> int:
+        return sum(self._counts(i)[1] for i in range(WORKERS) if self.log_path(i).exists())
+
+    def run(self) -> dict:
+        from torchps.cluster import Cluster
+
+        started = time.monotonic()
+        self.shards.start()
+        self.proxy = Proxy(("127.0.0.1", self.shards.ports[1]))
+        self.cluster = Cluster(ps=(f"127.0.0.1:{self.shards.ports[0]}", f"127.0.0.1:{self.proxy.port}"),
+                               worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + WORKERS)))
+        try:
+            for index in range(WORKERS):
+                self.start_worker(index)
+            self._chaos(started + self.seconds)
+            self._stop_workers()
+            return self._audit(time.monotonic() - started)
+        finally:
+            for proc in self.workers.values():
+                if proc.poll() is None:
+                    proc.kill()
+            self.proxy.close()
+            self.shards.stop()
+
+    def _chaos(self, until: float) -> None:
+        last_acked, last_progress = 0, time.monotonic()
+        while time.monotonic() < until:
+            time.sleep(self.rng.uniform(*FAULT_EVERY))
+            self._check_workers()
+            if not self._order:  # every kind once per round, in a random order
+                self._order = self.rng.sample(KINDS, len(KINDS))
+            kind = self._order.pop()
+            self._inject(kind)
+            self.faults[kind] += 1
+            acked = self.acked()
+            if acked > last_acked:
+                last_acked, last_progress = acked, time.monotonic()
+            elif time.monotonic() - last_progress > STALL_SECONDS:
+                self.hangs.append(f"no push acknowledged for {STALL_SECONDS:g} s (at {acked})")
+                return
+
+    def _check_workers(self) -> None:
+        """Records and restarts a worker that ended by itself (the chaos loop only ever kills them)."""
+        for index, proc in self.workers.items():
+            if proc.poll() is not None:
+                tail = (self.dir / f"worker{index}.out").read_text(errors="replace").splitlines()[-5:]
+                self.failures.append(f"worker {index} exited with code {proc.returncode}: " + " | ".join(tail))
+                self.start_worker(index)
+
+    def _inject(self, kind: str) -> None:
+        if kind == "kill-worker":
+            index = self.rng.randrange(WORKERS)
+            self.workers[index].kill()
+            self.workers[index].wait()
+            self.start_worker(index)
+        elif kind == "kill-shard":
+            index = self.rng.randrange(SHARDS)
+            self.shards.kill_ps(index)
+            self.shards.start_ps(index)
+        elif kind in ("pause-worker", "pause-shard"):
+            proc = (self.workers[self.rng.randrange(WORKERS)] if kind == "pause-worker"
+                    else self.shards.procs[self.rng.randrange(SHARDS)])
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(LEASE_SECONDS * 1.7 if kind == "pause-worker" else self.rng.uniform(0.5, 3.0))
+            proc.send_signal(signal.SIGCONT)
+        else:
+            self.proxy.cut()
+
+    def _stop_workers(self) -> None:
+        self.stop_file.touch()
+        deadline = time.monotonic() + EXIT_SECONDS
+        for index, proc in self.workers.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.hangs.append(f"worker {index} did not end within {EXIT_SECONDS:g} s of being asked")
+                proc.kill()
+                continue
+            if proc.returncode != 0:
+                self.failures.append(f"worker {index} ended with code {proc.returncode} when asked to stop")
+
+    def _audit(self, wall: float) -> dict:
+        import torch
+        from torchps.client import PSClient
+        from torchps.ps_server.checkpoint import latest_committed
+
+        counts = [self._counts(index) for index in range(WORKERS)]
+        lost = duplicated = 0
+        with PSClient(self.cluster, connect_timeout=30) as admin:
+            admin.declare([(name, 4) for name in ALL_NAMES])
+            values = admin.pull(ALL_NAMES)
+            global_step = admin.global_step()
+            for index, (sent, _, applied_by_shard) in enumerate(counts):
+                for shard, name in enumerate(counter_names(index)):
+                    applied = int(round(-values[name].item()))
+                    lost += max(0, applied_by_shard[shard] - applied)
+                    duplicated += max(0, applied - sent)
+            steps_ok = None
+            if self.mode == "sync":  # every shard applied every released step exactly once
+                applied_steps = [int(round(-values[n].item())) for n in ("ones/a", "ones/b")]
+                steps_ok = applied_steps == [global_step, global_step]
+                lost += sum(max(0, global_step - s) for s in applied_steps)
+                duplicated += sum(max(0, s - global_step) for s in applied_steps)
+            final = admin.save_checkpoint(0, keep=2, timeout=120)
+            admin.shutdown_cluster("the soak phase is over")
+        found = latest_committed(self.ckpt)
+        complete = found is not None and found[0] == final and len(found[1]["shards"]) == SHARDS
+        restored_equal = complete and self._restores_exactly(values)
+        return {"mode": self.mode, "seconds": round(wall, 1), "faults_injected": dict(self.faults),
+                "pushes_acked": sum(a for _, a, _ in counts), "pushes_sent": sum(s for s, _, _ in counts),
+                "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
+                "hang_reasons": self.hangs, "worker_failures": self.failures, "sync_steps_applied_once": steps_ok,
+                "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final}
+
+    def _counts(self, index: int) -> tuple[int, int, list[int]]:
+        """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, acknowledged as applied by
+        each shard: a push a shard dropped as stale counts only on the others)."""
+        sent = acked = 0
+        applied = [0] * SHARDS
+        for line in self.log_path(index).read_text().splitlines():
+            fields = line.split()
+            if fields[0] == "sent":
+                sent += 1
+            elif fields[0] == "acked":
+                acked += 1
+                for shard, stale in enumerate(fields[2:2 + SHARDS]):
+                    applied[shard] += stale == "0"
+        return sent, acked, applied
+
+    def _restores_exactly(self, values: dict) -> bool:
+        import torch
+        from torchps.client import PSClient
+        from torchps.worker.local_cluster import LocalCluster
+
+        with LocalCluster(1, server_args=["--restore-from", str(self.ckpt), "--num-ps", "1", "--no-journal"]) as one, \
+                PSClient(one.cluster, connect_timeout=30) as client:
+            client.declare([(name, 4) for name in ALL_NAMES])
+            restored = client.pull(ALL_NAMES)
+        return all(torch.equal(restored[name], values[name]) for name in ALL_NAMES)
+
+
+# -- the driver -----------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Chaos soak of torchps (see the module docstring).")
+    parser.add_argument("--minutes", type=float, default=10.0, help="total time, split between async and sync")
+    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    parser.add_argument("--seed", type=int, default=0, help="the chaos loop's random seed")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file"):
+        parser.add_argument(flag, help=argparse.SUPPRESS, type=int if flag == "--index" else str)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.worker:
+        return worker_main(args)
+    rng = random.Random(args.seed)
+    phases = []
+    with tempfile.TemporaryDirectory(prefix="torchps-soak-") as tmp:
+        for mode in ("async", "sync"):
+            print(f"[soak] {mode} phase: {args.minutes * 30:.0f} s of chaos", flush=True)
+            phases.append(Phase(mode, args.minutes * 30, pathlib.Path(tmp), rng).run())
+    faults = collections.Counter()
+    for phase in phases:
+        faults.update(phase["faults_injected"])
+    result = {"minutes": args.minutes, "seed": args.seed, "faults_injected": dict(faults),
+              "pushes_acked": sum(p["pushes_acked"] for p in phases), "lost": sum(p["lost"] for p in phases),
+              "duplicated": sum(p["duplicated"] for p in phases), "hangs": sum(p["hangs"] for p in phases),
+              "checkpoint_complete": all(p["checkpoint_complete"] for p in phases),
+              "worker_failures": sum(len(p["worker_failures"]) for p in phases), "phases": phases}
+    print(f"{'phase':<6} {'faults':>6} {'acked':>7} {'lost':>5} {'dup':>4} {'hangs':>5} {'checkpoint':>10}")
+    for p in phases:
+        print(f"{p['mode']:<6} {sum(p['faults_injected'].values()):>6} {p['pushes_acked']:>7} {p['lost']:>5} "
+              f"{p['duplicated']:>4} {p['hangs']:>5} {str(p['checkpoint_complete']):>10}")
+    print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+    print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    for phase in phases:
+        for problem in phase["hang_reasons"] + phase["worker_failures"]:
+            print(f"[soak] {phase['mode']}: {problem}")
+    ok = (result["lost"] == result["duplicated"] == result["hangs"] == result["worker_failures"] == 0
+          and result["checkpoint_complete"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
