@@ -1,8 +1,9 @@
 """How a shard combines pushes from many workers: the one object the servicer drives. No gRPC.
 
-    membership.py   leases, progress, incarnations     ledger.py   exactly-once pushes
-    aggregation.py  sync mode's pending sums            gate.py     changes vs snapshots
-    snapshots.py    states for checkpoints and journal  waits.py    the cap on waiting calls
+    membership.py   leases, progress, incarnations     ledger.py      exactly-once pushes
+    aggregation.py  sync mode's pending sums            gate.py        changes vs snapshots
+    snapshots.py    states for checkpoints and journal  waits.py       the cap on waiting calls
+    background.py   the lease reaper, the sync applier  recording.py   journal records and replay
 
 Locks. `_cond` guards the bookkeeping (membership, ledger, pending steps,
 counters) and is held only for that: never while a gradient is applied or
@@ -35,10 +36,12 @@ import torch
 
 from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableError, WaitTimeoutError
 from .aggregation import PendingSteps
+from .background import apply_steps, reap
 from .gate import ApplyGate
 from .ledger import PushLedger, PushRecord
 from .membership import Membership
 from .modes import PushResult, SyncConfig, quorum_for
+from .recording import Recorder, replay
 from .snapshots import Saves, state_of
 from .store import NewVariable, VariableStore
 from .waits import WaitLimit
@@ -65,7 +68,7 @@ class Coordinator:
                  max_waiting_calls: int = 96, journal=None, start: bool = True):
         self.store = store
         self.owns_step = owns_step
-        self.journal = None
+        self.recorder: Recorder | None = None
         self.waits = WaitLimit(max_waiting_calls)
         self.gate = ApplyGate()
         self._now = clock
@@ -85,10 +88,8 @@ class Coordinator:
         self._closed = False
         self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
         self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
-        self._compaction_lock = threading.Lock()
-        self._compactor: threading.Thread | None = None
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
-        self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+        self._reaper = threading.Thread(target=reap, args=(self,), name="lease-reaper", daemon=True)
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -105,7 +106,7 @@ class Coordinator:
 
     def attach_journal(self, journal) -> None:
         """Records every change from now on in `journal` (after replay()), then start()s."""
-        self.journal = journal
+        self.recorder = Recorder(self, journal)
         self._ordered = threading.Lock()  # with a journal, async applies are recorded in the order they happen
         self.start()
 
@@ -135,7 +136,7 @@ class Coordinator:
 
     def _start_applier(self) -> None:
         if self.config.mode == "sync" and self._applier is None:
-            self._applier = threading.Thread(target=self._apply_steps, name="sync-applier", daemon=True)
+            self._applier = threading.Thread(target=apply_steps, args=(self,), name="sync-applier", daemon=True)
             self._applier.start()
 
     def create(self, requests: list[NewVariable], *, job_step: int = 0) -> list[bool]:
@@ -479,78 +480,18 @@ class Coordinator:
         return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
 
     def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Appends a journal record; compacts the journal when it is due. Callers hold the apply gate shared
-        when the record changes the store, or _cond when it changes only bookkeeping."""
-        if self.journal is None:
-            return
-        self.journal.append(kind, meta, tensors or {})
-        with self._compaction_lock:
-            if self.journal.wants_compaction() and (self._compactor is None or not self._compactor.is_alive()):
-                self._compactor = threading.Thread(target=self._compact, name="journal-compaction", daemon=True)
-                self._compactor.start()
-
-    def _compact(self) -> None:
-        """Writes the whole state as the journal's new base, so its log starts afresh (thread body)."""
-        try:
-            with self.gate.snapshot():
-                state = state_of(self, with_pending=True, then=self.journal.rotate)
-            self.journal.finish_compaction(state.pop("then"), state)
-        except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
-            _LOGGER.exception("journal compaction failed")
+        """A journal record, if the shard keeps a journal (see recording.Recorder.log for the locking rules)."""
+        if self.recorder is not None:
+            self.recorder.log(kind, meta, tensors or {})
 
     def wait_for_compaction(self, timeout: float | None = None) -> None:
         """Returns once no journal compaction is running (at most `timeout` s)."""
-        with self._compaction_lock:
-            compactor = self._compactor
-        if compactor is not None:
-            compactor.join(timeout)
+        if self.recorder is not None:
+            self.recorder.wait(timeout)
 
     def replay(self, record) -> None:
         """Re-applies one journal record (journal.Record) during recovery, before start()."""
-        with self._cond:  # nothing runs concurrently yet; the lock only satisfies the bookkeeping's rules
-            self._replay(record.kind, record.meta, record.tensors)
-
-    def _replay(self, kind: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        if kind == "configure":
-            self._set_config(SyncConfig(**meta["config"]))
-        elif kind == "create":
-            self.store.create([NewVariable(v["name"], tensors[v["name"]], v["optimizer"], v["hyperparams"])
-                               for v in meta["variables"]])
-        elif kind == "hyperparams":
-            self.store.set_hyperparams(meta["names"], meta["updates"])
-        elif kind == "apply":
-            step, versions = self.store.apply(tensors, meta["step_increment"], validated=True)
-            self._replayed_push(meta, PushResult(step=step, next_step=step, versions=versions))
-            if meta["worker"] in self.membership.members:
-                self.membership.members[meta["worker"]].clock += 1
-        elif kind == "add":
-            buffer = self.pending.reserve(meta["step"])
-            buffer.add(tensors)
-            self.pending.counted(buffer, meta["worker"])
-            record = self._replayed_push(meta, None)
-            if record is not None:
-                record.pending = True
-        elif kind == "step":
-            self.store.apply(self.pending.buffers[meta["step"]].averages(), step_increment=1, validated=True)
-            self.pending.drop_before(self.store.step)
-        elif kind == "set_step":
-            self.store.set_step(meta["step"])
-            self.pending.clear() if meta.get("clear") else self.pending.drop_before(meta["step"])
-        elif kind == "member":
-            worker = meta["worker"]
-            self.membership.restore_member(worker, meta, self._now())
-            for incarnation in meta["retired"]:
-                self.membership.retire(worker, incarnation)
-                self.ledger.forget(worker, incarnation)
-            self._update_quorum()
-        else:
-            raise ValueError(f"unknown journal record {kind!r}")
-
-    def _replayed_push(self, meta: dict, result: PushResult | None) -> PushRecord | None:
-        record = self.ledger.begin(meta["worker"], meta["incarnation"], meta["seq"], meta["step"])
-        if record is not None:
-            record.applied, record.result = True, result
-        return record
+        replay(self, record)
 
 
     def _catch_up(self, step: int) -> None:
@@ -606,55 +547,3 @@ class Coordinator:
         waiting_for_joiners = (self._in_grace(self._now())
                                and len(self.membership.members) < self.config.total_num_replicas)
         return 0 if waiting_for_joiners else self.membership.min_clock()
-
-    def _apply_steps(self) -> None:
-        """The sync applier (thread body): applies each step once its quorum has counted in."""
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._closed or self.pending.next_ready(self.store.step, self._quorum))
-                if self._closed:
-                    return
-                kind, step = self.pending.next_ready(self.store.step, self._quorum)
-                self.pending.applying = step
-                buffer = self.pending.buffers[step] if kind == "apply" else None
-                save_due = buffer is not None and self.saves.due(step)
-            if save_due:  # a checkpoint of this step waits: take it before the step moves on
-                self.saves.take(step)
-            with self.gate.change():
-                if buffer is not None:
-                    self.store.apply(buffer.averages(), step_increment=1, validated=True)
-                    self._log("step", {"step": step})
-                with self._cond:
-                    if kind == "jump":
-                        _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up",
-                                        step, self.store.step)
-                        self.store.set_step(step)
-                        self._log("set_step", {"step": step})
-                    self.pending.drop_before(self.store.step)
-                    self.pending.applying = None
-                    self._update_quorum()
-                    self._cond.notify_all()
-
-    def _reap(self) -> None:
-        """Expires leases and progress when they run out (thread body); wakes at the next deadline."""
-        with self._cond:
-            while not self._closed:
-                now = self._now()
-                config = self.config
-                expired, stalled = self.membership.expire(now, config.lease_seconds, config.progress_seconds)
-                for worker in expired:
-                    _LOGGER.warning("%s sent nothing for %g s: lease expired, continuing without it",
-                                    worker, config.lease_seconds)
-                for worker in stalled:
-                    _LOGGER.warning("%s pushed nothing for %.3g s although it still heartbeats (progress timeout): "
-                                    "continuing without it until it pushes again", worker,
-                                    self.membership.progress_timeout(config.progress_seconds))
-                grace_end = self._configured_at + config.startup_grace_seconds
-                grace_ended = grace_end <= now and self._grace_seen_end != grace_end
-                if grace_ended:
-                    self._grace_seen_end = grace_end  # unjoined workers stop counting, in every mode
-                if expired or stalled or grace_ended:
-                    self._membership_changed(*expired, *stalled)
-                deadlines = [d for d in (self.membership.next_deadline(config.lease_seconds, config.progress_seconds),
-                                         grace_end if grace_end > now else None) if d is not None]
-                self._cond.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)

@@ -166,7 +166,7 @@ def test_a_crash_between_rotation_and_the_new_base_recovers_from_the_older_base(
     create(c)
     c.push("worker:0", 1, 1, 0, grads(1), step_increment=1)
     with c.gate.snapshot():  # the rotation of a compaction, whose base write never happens
-        c.journal.rotate()
+        c.recorder._journal.rotate()
     c.push("worker:0", 1, 2, 0, grads(2), step_increment=1)
     expected = observed(c)
     c.close()
