@@ -283,7 +283,6 @@ class Phase:
                 self.failures.append(f"worker {index} ended with code {proc.returncode} when asked to stop")
 
     def _audit(self, wall: float) -> dict:
-        import torch
         from torchps.client import PSClient
         from torchps.ps_server.checkpoint import latest_committed
 

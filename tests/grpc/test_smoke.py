@@ -1,6 +1,6 @@
 import torch
 
-from torchps.client import Optimizer, PSClient
+from torchps.client import Optimizer
 
 
 def test_register_push_pull_roundtrip(client):

@@ -1,0 +1,153 @@
+"""PSClient's data path: pull, pull_into, push and push_pull (exchange), one stream per shard, all at once.
+
+A mixin of PSClient: it uses the client's channels, placement, pool, refill
+and push lock (see PSClient.__init__).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from ..proto import ps_pb2
+from .transfer import IntoTargets, NewTensors, push_requests, read_stream
+
+__all__ = ["DataPath", "GLOBAL_STEP_SHARD"]
+
+GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
+
+
+class DataPath:
+    """pull, pull_into, push, push_pull: the calls of a training step (PSClient inherits them)."""
+
+    def pull(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Fetches variables into new CPU tensors: {name: tensor}.
+
+        Each tensor is one consistent version. Blocks until all arrive (at
+        most `timeout` per attempt); on error nothing is returned.
+        """
+        names = list(names)
+        sink = NewTensors()
+        self._refill.guard(names, lambda: self._pull(names, sink))
+        return {name: sink.tensors[name] for name in names}
+
+    def pull_into(self, targets: Mapping[str, torch.Tensor], *, min_step: int = 0) -> int:
+        """Overwrites each target tensor in place with its variable; returns shard 0's step counter
+        (-1 if shard 0 holds none of the targets).
+
+        With min_step, each shard first waits until it has applied that many
+        steps (sync mode: the step this worker was released at). Targets may
+        live on CPU or CUDA (CUDA goes through pinned staging memory). Dtype
+        and shape must match (TensorMismatchError). Blocks for at most
+        `timeout` per attempt. If it raises midway, targets may be partly
+        overwritten: pull again.
+        """
+        sink = IntoTargets(targets)
+        step = self._refill.guard(targets, lambda: self._pull(list(targets), sink, min_step))
+        sink.finish()
+        return step
+
+    def _pull(self, names: list[str], sink, min_step: int = 0) -> int:
+        """Streams `names` from their shards into sink; shard 0's step, or -1 if shard 0 was not read."""
+        def pull(shard: int, shard_names: list[str]) -> int:
+            request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step)
+            return self._channels.call(shard, lambda stub, t: read_stream(
+                stub.Pull(request, timeout=t), shard_names, sink, self._channels.target(shard))[0], self.timeout)
+
+        return self._each_shard(self.placement.group(names), pull).get(GLOBAL_STEP_SHARD, -1)
+
+    def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True) -> int:
+        """Sends gradients; each shard applies (async, ssp) or aggregates (sync) its part.
+
+        `step` is the step the gradients were computed at (default: self.step,
+        what the last push or join returned). Returns the step to compute at
+        next, and keeps it in self.step: in sync mode shard 0 replies only once
+        this worker may go on (its step was applied, or another batch is
+        wanted); in async mode it is the global step after this push. Blocks
+        until every shard has replied (at most `timeout` per attempt).
+
+        Every shard gets the push, empty if it holds none of these variables:
+        each counts pushes (its step counter, and its quorum in sync mode).
+        With advance_step (default) the push counts as one step; shard 0's
+        count is the global step.
+
+        Exactly once: the push carries this client's incarnation and a number,
+        and every retry (lost connection, restarted shard) repeats them, so a
+        shard applies it at most once. If it raises, shards that replied have
+        the gradients and the others do not; NaN/Inf and shape errors change
+        nothing anywhere.
+        """
+        with self._push_lock:
+            self._check_fenced()
+            groups = self.placement.group(grads)
+            groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
+            header = self._header(step, advance_step)
+
+            def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
+                shard_header = ps_pb2.PushHeader(tensors=len(names))
+                shard_header.MergeFrom(header)
+                return self._channels.call(shard, lambda stub, t: stub.Push(
+                    push_requests(shard_header, grads, names, self.chunk_bytes), timeout=t), self.timeout)
+
+            return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push)))
+
+    def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
+                  step: int | None = None, advance_step: bool = True) -> int:
+        """push(grads) then pull_into(targets), in one round trip per shard (PushPull) in every mode.
+
+        Used when each shard's gradients and variables fit in one chunk_bytes
+        message; otherwise this is push() then pull_into(). In sync mode every
+        shard holds its reply until this worker may go on, and a shard whose
+        values predate the step shard 0 released is read again (min_step), so
+        the guarantees are those of push then pull_into. Returns the next step.
+        """
+        groups = self.placement.group(grads)
+        pulls = self.placement.group(targets)
+        sync = self.mode is not None and self.mode.mode == "sync"
+
+        def nbytes(tensors: Mapping[str, torch.Tensor], names: list[str]) -> int:
+            return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+
+        if any(nbytes(grads, groups.get(s, [])) > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
+               for s in range(self.cluster.num_ps)):
+            self.push(grads, step=step, advance_step=advance_step)
+            self.pull_into(targets, min_step=self.step if sync else 0)
+            return self.step
+        with self._push_lock:
+            self._check_fenced()
+            sink = IntoTargets(targets)
+            header = self._header(step, advance_step)
+
+            def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
+                shard_header = ps_pb2.PushHeader(tensors=len(names), pull=pulls.get(shard, []))
+                shard_header.MergeFrom(header)
+                (request,) = push_requests(shard_header, grads, names, self.chunk_bytes)
+                return self._channels.call(shard, lambda stub, t: read_stream(
+                    [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._channels.target(shard)),
+                    self.timeout)
+
+            replies = self._refill.guard({**grads, **targets}, lambda: self._each_shard(
+                {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange))
+            next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})
+            behind = [name for shard, (read_at, _) in replies.items() if sync and read_at < next_step
+                      for name in pulls.get(shard, [])]
+            if behind:
+                self._pull(behind, sink, min_step=next_step)
+            sink.finish()
+            return next_step
+
+    def _header(self, step: int | None, advance_step: bool) -> ps_pb2.PushHeader:
+        """The header of a new push: this client's incarnation and the push's number (kept by retries)."""
+        return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
+                                 step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq))
+
+    def _finish_push(self, replies: Mapping[int, ps_pb2.PushResponse]) -> int:
+        self.last_replies = dict(replies)
+        for shard, reply in replies.items():
+            self._note_generation(shard, reply.generation)
+        lead = replies[GLOBAL_STEP_SHARD]
+        self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
+                          quorum=lead.quorum)
+        self.step = lead.next_step
+        return lead.next_step
