@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 
+from helpers import wait_until
 from torchps.client import (Cluster, NonFiniteGradientError, Optimizer, OptimizerSpecError, PSClient, PSError,
                             ServerUnavailableError, SpecConflictError, TaskSpec, TensorMismatchError,
                             UnknownVariableError, WaitTimeoutError)
@@ -191,10 +192,12 @@ def test_non_chief_wait_succeeds_once_chief_creates(shared_cluster):
 
     waiter = threading.Thread(target=worker_side)
     start = time.monotonic()
-    waiter.start()
-    time.sleep(1.0)
-    assert waiter.is_alive(), f"the worker did not wait: {results}"
     with PSClient(cluster, task=TaskSpec("worker", 0), connect_timeout=10) as chief:
+        before = sum(chief.status(s).waiting_calls for s in (0, 1))
+        waiter.start()
+        wait_until(lambda: sum(chief.status(s).waiting_calls for s in (0, 1)) > before or not waiter.is_alive(),
+                   SLOW_CALL, "the worker to wait on a shard for the chief's variables")
+        assert waiter.is_alive(), f"the worker did not wait: {results}"
         model = _model()
         chief.register_module(model, sgd(), create=True, prefix="ws/", join=False)
     waiter.join(SLOW_CALL + 10)
@@ -220,10 +223,10 @@ def test_many_waiting_workers_do_not_starve_the_chief(local_cluster):
             errors.append(exc)
 
     waiters = [threading.Thread(target=wait) for _ in range(3)]
-    for thread in waiters:
-        thread.start()
-    time.sleep(1.0)
     with PSClient(local.cluster, connect_timeout=10) as chief:
+        for thread in waiters:
+            thread.start()
+        wait_until(lambda: chief.status(0).waiting_calls >= 1, SLOW_CALL, "a worker to wait on the shard")
         created: dict = {}
         creator = threading.Thread(target=lambda: created.update(chief.create_variables(names, sgd())))
         start = time.monotonic()

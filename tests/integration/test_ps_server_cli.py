@@ -172,7 +172,9 @@ def test_sigterm_with_a_call_waiting(tmp_path):
         with grpc.insecure_channel(address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             waiting = stub.ListVariables.future(ps_pb2.ListRequest(names=["never"], wait_seconds=120), timeout=150)
-            time.sleep(0.5)
+            deadline = time.monotonic() + START_TIMEOUT
+            while status(address).waiting_calls < 1:  # the shard holds the call: the scenario is set up
+                assert time.monotonic() < deadline and not waiting.done(), "the ListVariables call never waited"
             assert not waiting.done()
             assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
             with pytest.raises(grpc.RpcError):
