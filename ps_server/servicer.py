@@ -26,6 +26,7 @@ from .. import codec, wire
 from . import checkpoint
 from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
                       MalformedStreamError, ModeConflictError, PSError)
+from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from .coordinator import MAX_STEP, Coordinator
 from .modes import SyncConfig
@@ -352,13 +353,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._require_checkpoints()
         if self.index != 0:
             raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
-        try:
-            manifest = json.loads(request.manifest_json)
-            num_ps = manifest["num_ps"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidArgumentError(f"manifest_json is not a placement manifest: {exc}") from None
-        if not isinstance(num_ps, int) or not 1 <= num_ps <= 100_000:
-            raise InvalidArgumentError(f"manifest num_ps must be in [1, 100000]. Received: {num_ps!r}")
+        manifest = _placement_manifest(request.manifest_json)
         shards = [(s.index, s.bytes, s.step) for s in request.shards]
         try:
             path = checkpoint.commit(self.checkpoint_dir, request.step, manifest, shards, request.keep)
@@ -377,6 +372,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if self.on_shutdown is not None:
             context.add_callback(lambda: self.on_shutdown(request.reason))
         return ps_pb2.ShutdownResponse()
+
+
+def _placement_manifest(text: str) -> dict:
+    """The client's placement manifest, checked the way a restore will read it; InvalidArgumentError if not."""
+    try:
+        manifest = json.loads(text)
+        num_ps, strategy, variables = manifest["num_ps"], manifest["strategy"], manifest["variables"]
+        if not isinstance(num_ps, int) or not 1 <= num_ps <= 100_000:
+            raise ValueError(f"num_ps must be in [1, 100000], got {num_ps!r}")
+        placement = Placement(num_ps, strategy)
+        for name, nbytes in variables:
+            if not isinstance(name, str) or not isinstance(nbytes, int) or nbytes < 0:
+                raise ValueError(f"variables must be [name, bytes] pairs, got {[name, nbytes]!r}")
+            placement.add(name, nbytes)
+    except (ValueError, KeyError, TypeError, PSError) as exc:
+        raise InvalidArgumentError(f"manifest_json is not a placement manifest: {exc}") from None
+    return manifest
 
 
 def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
