@@ -19,7 +19,9 @@ from concurrent import futures
 import pytest
 import torch
 
-from torchps.client import ModeConflictError, Optimizer, PSClient, TaskSpec
+from torchps.client import (CheckpointError, InvalidArgumentError, ModeConflictError, Optimizer, PSClient,
+                            TaskSpec)
+from torchps.proto import ps_pb2
 from torchps.client.transfer import push_requests
 from torchps.worker.chief import Checkpointer
 from torchps.ps_server.checkpoint import latest_committed
@@ -483,3 +485,29 @@ def test_checkpointer_stop_does_not_wait_for_a_step_the_finished_job_never_reach
         assert not hung, "Checkpointer.stop(final=True) blocked on the save of a step the finished job never reaches"
         assert checkpointer.saved_steps and checkpointer.saved_steps[-1] == 10, checkpointer.saved_steps
         assert load_shard(ckpt, 10, 0)["step"] == 10, "the final checkpoint holds the last step"
+
+
+def test_a_commit_that_does_not_add_up_is_refused_and_commits_nothing(tmp_path):
+    """CommitCheckpoint checks the manifest and every shard's file before writing anything."""
+    ckpt = tmp_path / "ckpt"
+    with LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt)]) as local, \
+            PSClient(local.cluster, connect_timeout=20) as client:
+        client.create_variables({"c/a": torch.zeros(2), "c/b": torch.zeros(2)})
+        good = json.dumps({"strategy": "round_robin", "num_ps": 2, "variables": [["c/a", 8], ["c/b", 8]]})
+        saves = [client._channels.stubs[i].Save(ps_pb2.SaveRequest(step=5, now=True), timeout=20) for i in (0, 1)]
+        cases = {
+            "a manifest that is not one": (0, "not json", saves, InvalidArgumentError),
+            "an unknown strategy": (0, good.replace("round_robin", "random"), saves, InvalidArgumentError),
+            "a shard's file missing": (0, good, saves[:1], CheckpointError),
+            "a size that differs": (0, good, [saves[0], ps_pb2.SaveResponse(index=1, bytes=3, step=0)],
+                                    CheckpointError),
+            "shard 1 asked to commit": (1, good, saves, ModeConflictError),
+        }
+        for what, (shard, manifest, shards, error) in cases.items():
+            request = ps_pb2.CommitRequest(step=5, manifest_json=manifest, shards=shards, keep=3)
+            with pytest.raises(error):
+                client._channels.call(shard, lambda stub, t: stub.CommitCheckpoint(request, timeout=t), 20)
+            assert not (step_dir(ckpt, 5) / "manifest.json").exists(), f"{what}: nothing may be committed"
+        request = ps_pb2.CommitRequest(step=5, manifest_json=good, shards=saves, keep=3)
+        client._channels.call(0, lambda stub, t: stub.CommitCheckpoint(request, timeout=t), 20)
+        assert latest_committed(ckpt)[0] == 5
