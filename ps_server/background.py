@@ -68,4 +68,4 @@ def reap(c: "Coordinator") -> None:
                 c._membership_changed(*expired, *stalled)
             deadlines = [d for d in (c.membership.next_deadline(config.lease_seconds, config.progress_seconds),
                                      grace_end if grace_end > now else None) if d is not None]
-            c._cond.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)
+            c._reaper_wake.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)

@@ -72,7 +72,11 @@ class Coordinator:
         self.waits = WaitLimit(max_waiting_calls)
         self.gate = ApplyGate()
         self._now = clock
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The lease reaper waits on its own condition over the same lock, woken only when a deadline may
+        # have moved earlier (membership, mode, a held push released, close), not by every notify of _cond.
+        self._reaper_wake = threading.Condition(lock)
         self.config = SyncConfig()
         self._configured_at = clock()
         self.membership = Membership()
@@ -133,6 +137,7 @@ class Coordinator:
         if self._started:
             self._start_applier()
         self._cond.notify_all()
+        self._reaper_wake.notify()
 
     def _start_applier(self) -> None:
         if self.config.mode == "sync" and self._applier is None:
@@ -229,12 +234,14 @@ class Coordinator:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._reaper_wake.notify()
         self.wait_for_compaction(MAX_WAIT_SECONDS)
 
     def wake(self) -> None:
-        """Wakes waiters so they re-check their condition (a call was cancelled)."""
+        """Wakes waiters, the lease reaper too, so they re-check their condition (a call was cancelled)."""
         with self._cond:
             self._cond.notify_all()
+            self._reaper_wake.notify()
 
     # -- pushes and pulls ---------------------------------------------------------------------
 
@@ -418,6 +425,8 @@ class Coordinator:
             if member is not None:
                 member.held -= 1
                 member.last_progress = self._now()
+                if not member.held:
+                    self._reaper_wake.notify()  # its progress deadline counts again
         self._check_open()
         if not done:
             raise WaitTimeoutError(describe())
@@ -542,6 +551,7 @@ class Coordinator:
                                  "retired": list(self.membership.retired.get(worker, ()))})
         self._update_quorum()
         self._cond.notify_all()
+        self._reaper_wake.notify()
 
     def _min_clock(self) -> int:
         waiting_for_joiners = (self._in_grace(self._now())

@@ -32,6 +32,7 @@ _LOGGER = logging.getLogger(__name__)
 PROGRESS_MULTIPLE = 20.0   # median push intervals without a push before a heartbeating worker is stalled
 RETIRED_PER_WORKER = 64    # replaced incarnations remembered per task (restarts of one task, job-long)
 _INTERVALS_KEPT = 256      # push intervals the median is taken over
+_MEDIAN_EVERY = 16         # new intervals between two computations of the median
 
 
 @dataclasses.dataclass
@@ -61,6 +62,8 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.retired: dict[str, collections.deque[int]] = {}
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVALS_KEPT)
+        self._median = 0.0         # of the intervals, recomputed every _MEDIAN_EVERY new ones
+        self._since_median = 0
         self.expired = 0   # leases that ran out
         self.stalls = 0    # progress timeouts
 
@@ -115,6 +118,9 @@ class Membership:
         member = self.members[worker]
         if member.last_push is not None:
             self._intervals.append(now - member.last_push)
+            self._since_median += 1
+            if self._since_median >= _MEDIAN_EVERY or len(self._intervals) < _MEDIAN_EVERY:
+                self._median, self._since_median = statistics.median(self._intervals), 0
         member.last_push = now
 
     def leave(self, worker: str, incarnation: int) -> bool:
@@ -136,9 +142,7 @@ class Membership:
 
     def progress_timeout(self, floor: float) -> float:
         """Seconds without a push after which a heartbeating worker counts as stalled."""
-        if not self._intervals:
-            return floor
-        return max(floor, PROGRESS_MULTIPLE * statistics.median(self._intervals))
+        return max(floor, PROGRESS_MULTIPLE * self._median)
 
     def expire(self, now: float, lease: float, progress_floor: float) -> tuple[list[str], list[str]]:
         """Marks workers whose lease or progress ran out; returns (expired, stalled) names."""
