@@ -204,8 +204,8 @@ class ChunkAssembler:
         self._seen: set[str] = set()
 
     def add(self, chunk: WireChunk | ps_pb2.TensorChunk, meta: ps_pb2.TensorMeta | None = None
-            ) -> tuple[str, torch.Tensor] | None:
-        """Feeds one chunk; returns (name, tensor) when that tensor is complete.
+            ) -> tuple[str, torch.Tensor | None] | None:
+        """Feeds one chunk; returns (name, tensor) when that tensor is complete (tensor None with a sink).
 
         `meta` stands in for a first chunk that carries none (CreateVariables
         sends it in the spec).
@@ -292,7 +292,10 @@ class ChunkAssembler:
         self._name, self._meta, self._filled = chunk.name, meta, 0
         self._seen.add(chunk.name)
 
-    def _complete(self) -> tuple[str, torch.Tensor]:
+    def _complete(self) -> tuple[str, torch.Tensor | None]:
+        if self._sink is not None:  # the bytes are in the caller's own tensor already
+            name, self._name, self._meta, self._buffer, self._filled = self._name, None, None, None, 0
+            return name, None
         dtype = torch_dtype(self._meta.dtype)
         shape = tuple(self._meta.shape)
         # numpy gives empty arrays a zero stride, which torch cannot reinterpret as another dtype.
