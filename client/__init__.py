@@ -4,19 +4,22 @@
 """
 
 from ..cluster import Cluster, TaskSpec
-from ..errors import (CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError,
-                      MalformedStreamError, ModeConflictError, NonFiniteGradientError, OptimizerSpecError, PSError,
+from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError,
+                      MalformedStreamError, ModeConflictError, NonFiniteGradientError, OptimizerSpecError,
+                      PermissionDeniedError, PSError,
                       ResourceExhaustedError, ServerUnavailableError, ShardLostError, SpecConflictError,
                       StepPassedError, TensorMismatchError, UnknownVariableError, WaitTimeoutError,
                       WorkerReplacedError)
 from ..memory import tune_malloc
 from ..placement import Placement
+from ..security import Security
 from ..specs import Optimizer
 from .client import PSClient
 from .module import ModuleBinding
 from .stats import WorkerStats
 
 __all__ = [
+    "AuthenticationError",
     "CheckpointError",
     "Cluster",
     "ClusterConfigError",
@@ -30,8 +33,10 @@ __all__ = [
     "OptimizerSpecError",
     "PSClient",
     "PSError",
+    "PermissionDeniedError",
     "Placement",
     "ResourceExhaustedError",
+    "Security",
     "ServerUnavailableError",
     "ShardLostError",
     "SpecConflictError",

@@ -24,6 +24,7 @@ from .. import wire
 from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
 from ..errors import ResourceExhaustedError, ServerUnavailableError
 from ..proto import ps_pb2, ps_pb2_grpc
+from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose_tls
 from .errors import error_from_rpc
 
 __all__ = ["ShardChannels", "Backoff"]
@@ -32,6 +33,7 @@ T = TypeVar("T")
 _MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + ENVELOPE_BYTES
 BACKOFF_FIRST_SECONDS = 0.05   # first pause after a failed attempt
 BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a random factor in [0.5, 1.5)
+DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a TLS mismatch
 
 
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
@@ -78,12 +80,36 @@ def _retryable(exc: grpc.RpcError) -> bool:
     return code is grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(error_from_rpc(exc, ""), ResourceExhaustedError)
 
 
-class ShardChannels:
-    """Channels to every shard of a cluster. Thread-safe (gRPC channels are)."""
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the job (or admin) token to every call's metadata."""
 
-    def __init__(self, addresses: list[str], *, connect_timeout: float):
+    def __init__(self, token: str):
+        self._entry = (TOKEN_METADATA_KEY, token)
+
+    def _details(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self._entry])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class ShardChannels:
+    """Channels to every shard of a cluster, secured as `security` says. Thread-safe (gRPC channels are)."""
+
+    def __init__(self, addresses: list[str], *, connect_timeout: float, security: Security = INSECURE):
         self.addresses = list(addresses)
         self.connect_timeout = connect_timeout
+        self.security = security
         options = [
             ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
             ("grpc.max_send_message_length", _MESSAGE_LIMIT),
@@ -96,8 +122,16 @@ class ShardChannels:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
         ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        self.stubs = [_stub(c) for c in self._channels]
+        if security.tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates=security.ca, private_key=security.key,
+                                                       certificate_chain=security.cert)
+            self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]
+        else:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        token = security.call_token()
+        stub_channels = [grpc.intercept_channel(c, _TokenMetadata(token)) for c in self._channels] if token \
+            else self._channels
+        self.stubs = [_stub(c) for c in stub_channels]
         self._ready = [False] * len(self.addresses)
         self._closed = threading.Event()
 
@@ -105,13 +139,21 @@ class ShardChannels:
         return f"ps:{shard} at {self.addresses[shard]}"
 
     def wait_ready(self, shard: int, deadline: float) -> None:
-        """Blocks until the shard's channel connects; ServerUnavailableError at `deadline` (monotonic)."""
+        """Blocks until the shard's channel connects; ServerUnavailableError at `deadline` (monotonic), or
+        at once, naming the cause, when the shard answers but TLS cannot work (see security.diagnose_tls)."""
+        ready = grpc.channel_ready_future(self._channels[shard])
         try:
-            grpc.channel_ready_future(self._channels[shard]).result(timeout=max(0.0, deadline - time.monotonic()))
+            ready.result(timeout=max(0.0, min(DIAGNOSE_AFTER_SECONDS, deadline - time.monotonic())))
         except grpc.FutureTimeoutError:
-            raise ServerUnavailableError(
-                f"could not reach {self.target(shard)} within {self.connect_timeout:g} s; "
-                f"is ps-server running there and is the address right?") from None
+            cause = diagnose_tls(self.addresses[shard], self.security)
+            if cause is not None:
+                raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {cause}") from None
+            try:
+                ready.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise ServerUnavailableError(
+                    f"could not reach {self.target(shard)} within {self.connect_timeout:g} s; "
+                    f"is ps-server running there and is the address right?") from None
         self._ready[shard] = True
 
     def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub, float], T], timeout: float) -> T:

@@ -24,6 +24,7 @@ from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError, InvalidArgumentError, PSError, WaitTimeoutError
 from ..placement import Placement
 from ..proto import ps_pb2
+from ..security import Security
 from ..specs import Optimizer, wire_hyperparams
 from . import checkpoints
 from .channels import ShardChannels
@@ -61,6 +62,11 @@ class PSClient(DataPath):
     A shard that restarts without its state (no --checkpoint-dir) is refilled
     by the client that created its variables; other clients wait up to
     `refill_timeout` for that, then raise ShardLostError.
+
+    `security` (torchps.security.Security: the task's certificate, key, the
+    job's CA and tokens) secures every channel; by default it is read from
+    the TORCHPS_TLS_CERT/KEY/CA and TORCHPS_TOKEN_FILE (TORCHPS_ADMIN_TOKEN_FILE)
+    environment variables, and is plaintext without them.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class PSClient(DataPath):
         chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
         placement: str = "round_robin",
         refill_timeout: float = 120.0,
+        security: Security | None = None,
     ):
         if cluster is None:
             cluster, env_task = Cluster.from_tf_config()
@@ -92,7 +99,8 @@ class PSClient(DataPath):
         self.control_timeout = min(timeout, CONTROL_TIMEOUT_SECONDS)
         self.placement = Placement(cluster.num_ps, placement)
         self._placement_lock = threading.Lock()
-        self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout)
+        self.security = Security.load() if security is None else security
+        self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout, security=self.security)
         # Shards of one call run here (the caller's thread takes one of them). Threads are made as
         # needed, up to the limit, so a call that waits long never holds up another thread's call.
         self._pool = futures.ThreadPoolExecutor(max_workers=8 * cluster.num_ps + 8, thread_name_prefix="torchps")

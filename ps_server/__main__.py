@@ -20,6 +20,7 @@ from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server
+from ..security import Security
 from .journal import Journal
 from .store import VariableStore
 
@@ -52,6 +53,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
     parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
                         "newest committed checkpoint, and what was acknowledged after it is lost")
+    s = parser.add_argument_group("security (see torchps.security; ps-certs makes the files)")
+    s.add_argument("--tls-cert", help="this shard's certificate (PEM), signed by the job's CA ($TORCHPS_TLS_CERT)")
+    s.add_argument("--tls-key", help="its private key ($TORCHPS_TLS_KEY)")
+    s.add_argument("--tls-ca", help="the job's CA certificate: clients must present a certificate it signed "
+                   "($TORCHPS_TLS_CA)")
+    s.add_argument("--token-file", help="the job token every call must carry ($TORCHPS_TOKEN_FILE)")
+    s.add_argument("--admin-token-file", help="the chief's admin token: without TLS, admin calls need it "
+                   "($TORCHPS_ADMIN_TOKEN_FILE)")
+    s.add_argument("--insecure", action="store_true", help="serve plaintext to anyone (a trusted network only); "
+                   "needed when no TLS files and no token are given")
     parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -94,6 +105,18 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
     return None
 
 
+def load_security(args: argparse.Namespace) -> Security:
+    """The shard's credentials; ClusterConfigError unless it has some or was told --insecure."""
+    security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                             token_file=args.token_file, admin_token_file=args.admin_token_file)
+    if security.insecure and not args.insecure:
+        raise ClusterConfigError("no credentials: pass --tls-cert/--tls-key/--tls-ca and/or --token-file (ps-certs "
+                                 "makes them; ps-launch does it for you), or --insecure on a trusted network")
+    if args.insecure and not security.insecure:
+        raise ClusterConfigError("--insecure contradicts the TLS or token flags given")
+    return security
+
+
 def open_journal(args: argparse.Namespace, index: int) -> Journal | None:
     """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal."""
     if args.no_journal:
@@ -108,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     try:
         cluster, index, address = resolve(args)
+        security = load_security(args)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, index)
         if args.checkpoint_dir:
@@ -117,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         server, port, coordinator = create_server(
             store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
             max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
-            journal=journal, on_shutdown=lambda reason: stop.set())
+            journal=journal, on_shutdown=lambda reason: stop.set(), security=security)
     except (PSError, RuntimeError, OSError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return 2
@@ -129,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     host = address.rpartition(":")[0]
-    _LOGGER.info("ps %d serving on %s:%d (pid %d)", index, host, port, os.getpid())
+    mode = ("mutual TLS" if security.tls else "plaintext") + (", job token" if security.token else "")
+    _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
+                 "INSECURE: no TLS, no token" if security.insecure else mode)
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
     coordinator.close()  # answers held sync pushes and min_step pulls UNAVAILABLE at once

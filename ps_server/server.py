@@ -15,6 +15,8 @@ from .. import codec
 from ..proto import ps_pb2
 from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
+from ..security import INSECURE, Security
+from .auth import TokenInterceptor
 from .coordinator import Coordinator
 from .journal import Journal
 
@@ -39,6 +41,7 @@ def create_server(
     restore: dict | None = None,
     journal: Journal | None = None,
     on_shutdown: Callable[[str], None] | None = None,
+    security: Security = INSECURE,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -47,12 +50,14 @@ def create_server(
     a small envelope are refused by gRPC with RESOURCE_EXHAUSTED. The shard
     starts from its journal if that holds a state, else from `restore` (a
     checkpoint state), else empty; `on_shutdown(reason)` runs after a Shutdown
-    call has been answered.
+    call has been answered. With `security` it serves mutual TLS and checks
+    tokens and roles (ps_server/auth.py).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
+        interceptors=[TokenInterceptor(security, index)] if security.token else None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -70,13 +75,18 @@ def create_server(
     coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False)
     recover(coordinator, journal, restore)
     add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
-                                          checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown), server)
+                                          checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
+                                          security=security), server)
     health_servicer = health.HealthServicer()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(address)
+        if security.tls:
+            port = server.add_secure_port(address, grpc.ssl_server_credentials(
+                [(security.key, security.cert)], root_certificates=security.ca, require_client_auth=True))
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind {address}: {exc}") from None
     if port == 0:

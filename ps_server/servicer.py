@@ -28,6 +28,8 @@ from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, 
                       MalformedStreamError, ModeConflictError, PSError)
 from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
+from ..security import INSECURE, Security
+from .auth import Authority
 from .coordinator import MAX_STEP, Coordinator
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
@@ -83,11 +85,13 @@ def _require_active(context: grpc.ServicerContext) -> None:
 
 
 def _map_errors(method):
-    """Maps exceptions of a unary or streaming-response handler to gRPC statuses; counts finished calls."""
+    """Checks the caller's role, then maps exceptions of a unary or streaming-response handler to gRPC
+    statuses; counts finished calls."""
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def streaming(self, request, context):
             try:
+                self.authority.caller(method.__name__, context)
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - the edge maps everything
                 _handle(context, method.__name__, exc)
@@ -98,6 +102,7 @@ def _map_errors(method):
     @functools.wraps(method)
     def unary(self, request, context):
         try:
+            self.authority.caller(method.__name__, context)
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             _handle(context, method.__name__, exc)
@@ -126,10 +131,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """
 
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
-                 checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None):
+                 checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
+                 security: Security = INSECURE):
         self.store = store
         self.coordinator = coordinator
         self.index = index
+        self.authority = Authority(security, index)
         self.checkpoint_dir = checkpoint_dir
         self.on_shutdown = on_shutdown
         self.generation = random.getrandbits(63) or 1  # new on every start: clients notice restarts
@@ -232,6 +239,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise MalformedStreamError(f"the push declared {header.tensors} tensors but {len(grads)} arrived "
                                            f"complete; nothing was applied")
             _require_active(context)
+            self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
@@ -315,19 +323,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Configure(self, request, context):
         return ps_pb2.ConfigureResponse(changed=self.coordinator.configure(config_from_proto(request)))
 
+    def _check_self(self, context: grpc.ServicerContext, worker: str, method: str) -> None:
+        """PermissionDeniedError if a certified worker names another worker in its request."""
+        self.authority.check_self(self.authority.caller(method, context), worker, method)
+
     @_map_errors
     def Join(self, request, context):
+        self._check_self(context, request.worker, "Join")
         step = self.coordinator.join(request.worker, request.incarnation, request.step)
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
                                    generation=self.generation)
 
     @_map_errors
     def Heartbeat(self, request, context):
+        self._check_self(context, request.worker, "Heartbeat")
         step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step)
         return ps_pb2.HeartbeatResponse(step=step, generation=self.generation)
 
     @_map_errors
     def Leave(self, request, context):
+        self._check_self(context, request.worker, "Leave")
         self.coordinator.leave(request.worker, request.incarnation)
         return ps_pb2.LeaveResponse()
 

@@ -13,6 +13,8 @@
     │   └── StepPassedError        a checkpoint's step the shard already went past
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
+    ├── AuthenticationError        UNAUTHENTICATED: no token, or a wrong one
+    ├── PermissionDeniedError      PERMISSION_DENIED: the caller's role may not make this call
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
     ├── ResourceExhaustedError     RESOURCE_EXHAUSTED: a shard limit was reached (names it); nothing changed
     ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time, or is stopping
@@ -40,6 +42,8 @@ __all__ = [
     "StepPassedError",
     "CheckpointError",
     "WorkerReplacedError",
+    "AuthenticationError",
+    "PermissionDeniedError",
     "WaitTimeoutError",
     "ResourceExhaustedError",
     "ServerUnavailableError",
@@ -122,6 +126,18 @@ class WorkerReplacedError(PSError):
     """A newer process of the same task (a new incarnation) joined: this one is fenced off and must stop."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class AuthenticationError(PSError):
+    """The call carried no job token, or a wrong one; the shard changed nothing."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(PSError):
+    """The caller's role (from its certificate or token) may not make this call; nothing changed."""
+
+    grpc_code = "PERMISSION_DENIED"
 
 
 class WaitTimeoutError(PSError, TimeoutError):

@@ -114,7 +114,7 @@ class Launcher:
     def _spawn_ps(self, index: int, port: int) -> Proc:
         self._port_file(index).unlink(missing_ok=True)
         return self._spawn(TaskSpec("ps", index), [*ps_server_command(), "--index", str(index), "--num-ps",
-                                                    str(self.num_ps), "--bind", f"127.0.0.1:{port}",
+                                                    str(self.num_ps), "--bind", f"127.0.0.1:{port}", "--insecure",
                                                     "--port-file", str(self._port_file(index)), *self.ps_args])
 
     def _wait_port(self, index: int) -> int:

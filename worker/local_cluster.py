@@ -37,7 +37,8 @@ class LocalCluster:
 
     Worker and chief addresses are not served by anything here; `workers`
     only fills the cluster's worker list (placeholders on unused ports) so
-    clients can derive roles from it.
+    clients can derive roles from it. Shards run `--insecure` (loopback, tests
+    and benchmarks) unless `server_args` give TLS files or a token.
     """
 
     def __init__(self, num_ps: int = 1, *, workers: int = 0, chief: bool = False,
@@ -88,9 +89,10 @@ class LocalCluster:
         port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
         port_file.unlink(missing_ok=True)
         log = open(self.log_dir / f"ps{index}.log", "ab")
+        secured = any(a.startswith(("--tls-", "--token-file")) for a in self.server_args)
         self.procs[index] = subprocess.Popen(
             [*ps_server_command(), "--index", str(index), "--bind", f"127.0.0.1:{port}",
-             "--port-file", str(port_file), *self.server_args],
+             "--port-file", str(port_file), *([] if secured else ["--insecure"]), *self.server_args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
 

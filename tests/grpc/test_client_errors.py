@@ -133,7 +133,7 @@ def test_shard_that_starts_late_is_waited_for(tmp_path):
     def start_late():
         time.sleep(delay)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", f"127.0.0.1:{port}", "--insecure"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}))
 

@@ -24,7 +24,7 @@ import pytest
 
 from torchps.proto import ps_pb2, ps_pb2_grpc
 
-PS_SERVER = [sys.executable, "-m", "torchps.ps_server"]
+PS_SERVER = [sys.executable, "-m", "torchps.ps_server", "--insecure"]  # test_security.py covers the rest
 START_TIMEOUT = 60.0  # seconds for a shard to import torch and grpc on a loaded 2-core machine
 EXIT_TIMEOUT = 10.0  # "exits within a few seconds" (STOP_GRACE_SECONDS is 2)
 
@@ -227,3 +227,11 @@ def test_port_in_use_is_one_clear_line(how):
         else:
             args = ["--index", "0", "--cluster", json.dumps({"ps": [address]})]
         assert_one_line_error(run_to_exit(args), "cannot bind", address, "in use")
+
+
+def test_a_shard_without_credentials_refuses_to_start_unless_told_insecure():
+    result = subprocess.run([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", "127.0.0.1:0"],
+                            env=environ(), capture_output=True, text=True, timeout=START_TIMEOUT,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2
+    assert_one_line_error(result, "no credentials", "--tls-cert", "--token-file", "--insecure")

@@ -1,0 +1,165 @@
+"""A job's credentials, made with the `cryptography` package: a CA, one certificate per task, tokens.
+
+    ps-certs DIR --cluster cluster.json          # files for every task of a cluster (several hosts)
+    ps-certs DIR --cluster cluster.json --kubernetes-secret NAME > secret.yaml
+
+Each task's certificate is signed by the job's CA. Its common name is the task
+("worker:1"), its organizational unit the role the shards grant it ("chief"
+for the cluster's chief, else the task type), and its subject alternative
+names the host of the task's address (and localhost for local jobs). The job
+token and the admin token are random 256-bit secrets. Keys are written with
+mode 0600 in a folder of mode 0700.
+
+    DIR/ca.crt  DIR/ca.key        the CA (keep ca.key off the cluster)
+    DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0
+    DIR/token  DIR/admin-token    the job token (every task) and the chief's admin token
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import datetime
+import ipaddress
+import os
+import pathlib
+import secrets
+import sys
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .cluster import Cluster, TaskSpec
+from .errors import ClusterConfigError
+
+__all__ = ["TaskCredentials", "make_job_credentials", "role_of", "main"]
+
+VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
+TOKEN_BYTES = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCredentials:
+    """The files of one task: its certificate and key, the CA, the job token (and the admin token)."""
+
+    cert: pathlib.Path
+    key: pathlib.Path
+    ca: pathlib.Path
+    token: pathlib.Path
+    admin_token: pathlib.Path | None = None  # the chief's only
+
+    def flags(self) -> list[str]:
+        """ps-server / ps-worker flags that use these files."""
+        out = ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca),
+               "--token-file", str(self.token)]
+        return out + (["--admin-token-file", str(self.admin_token)] if self.admin_token else [])
+
+
+def role_of(cluster: Cluster, task: TaskSpec) -> str:
+    """The role shards grant `task`: "chief" for the cluster's chief, else its type."""
+    return "chief" if task == cluster.chief_task else task.type
+
+
+def _name(common: str, unit: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "torchps job"),
+                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _alt_names(host: str) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    try:
+        names.append(x509.IPAddress(ipaddress.ip_address(host)))
+    except ValueError:
+        names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(list(dict.fromkeys(names)))
+
+
+def _write(path: pathlib.Path, data: bytes, secret: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
+                         ) -> dict[TaskSpec, TaskCredentials]:
+    """Writes a CA, a certificate per task and the tokens into `directory` (made with mode 0700)."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name("torchps job CA", "ca")
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(start).not_valid_after(end)
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    _write(directory / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM), secret=False)
+    _write(directory / "ca.key", _pem_key(ca_key), secret=True)
+    _write(directory / "token", secrets.token_urlsafe(TOKEN_BYTES).encode(), secret=True)
+    _write(directory / "admin-token", secrets.token_urlsafe(TOKEN_BYTES).encode(), secret=True)
+    out = {}
+    for task, address in cluster.tasks():
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(_name(str(task), role_of(cluster, task)))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(end)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(_alt_names(address.rpartition(":")[0]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        stem = f"{task.type}-{task.index}"
+        _write(directory / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM), secret=False)
+        _write(directory / f"{stem}.key", _pem_key(key), secret=True)
+        chief = role_of(cluster, task) == "chief"
+        out[task] = TaskCredentials(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt",
+                                    directory / "token", directory / "admin-token" if chief else None)
+    return out
+
+
+def kubernetes_secret(directory: pathlib.Path, name: str) -> str:
+    """A Kubernetes Secret (YAML) holding every file of `directory` but the CA's key."""
+    lines = ["apiVersion: v1", "kind: Secret", "metadata:", f"  name: {name}", "type: Opaque", "data:"]
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != "ca.key":
+            lines.append(f"  {path.name}: {base64.b64encode(path.read_bytes()).decode()}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ps-certs", description="Make a job's CA, per-task certificates and "
+                                     "tokens (see torchps.certs).")
+    parser.add_argument("directory", help="the folder to write (created with mode 0700)")
+    parser.add_argument("--cluster", required=True, help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")
+    parser.add_argument("--days", type=int, default=VALID_DAYS, help="validity (default: %(default)s)")
+    parser.add_argument("--kubernetes-secret", metavar="NAME", help="also print a Secret holding the files")
+    args = parser.parse_args(argv)
+    try:
+        cluster = Cluster.from_json(args.cluster)
+        if args.days < 1:
+            raise ClusterConfigError(f"--days must be >= 1. Received: {args.days}")
+        made = make_job_credentials(args.directory, cluster, days=args.days)
+    except (ClusterConfigError, OSError) as exc:
+        print(f"ps-certs: error: {exc}", file=sys.stderr)
+        return 2
+    if args.kubernetes_secret:
+        print(kubernetes_secret(pathlib.Path(args.directory), args.kubernetes_secret), end="")
+    else:
+        for task, files in made.items():
+            print(f"{task}: {' '.join(files.flags())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
