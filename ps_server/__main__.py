@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from . import checkpoint
 from ..errors import ClusterConfigError, PSError
@@ -29,7 +30,7 @@ STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before t
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ps-server", description="Run one torchps parameter-server shard.")
+    parser = ArgumentParser(prog="ps-server", description="Run one torchps parameter-server shard.")
     parser.add_argument("--index", type=int, help="this shard's index in the cluster's ps list "
                         "(default: TF_CONFIG's task index)")
     parser.add_argument("--cluster", help="cluster as inline JSON or a JSON file path "
@@ -76,9 +77,11 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
         return None, args.index, args.bind  # a standalone shard: --index N --bind HOST:PORT
     else:
         cluster, task = Cluster.from_tf_config()
+    if task is not None and task.type != "ps":
+        raise ClusterConfigError(f"TF_CONFIG's task is {task}: run ps-worker for it, not ps-server")
     if args.index is not None:
         index = args.index
-    elif task is not None and task.type == "ps":
+    elif task is not None:
         index = task.index
     else:
         raise ClusterConfigError("no shard index: pass --index N (or set TF_CONFIG's task to type 'ps')")
@@ -144,9 +147,18 @@ def main(argv: list[str] | None = None) -> int:
             journal=journal, on_shutdown=lambda reason: stop.set(), security=security)
     except (PSError, RuntimeError, OSError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
-        return 2
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("ps-server: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    interrupted = []
+
+    def on_signal(signum, _frame) -> None:  # SIGTERM, SIGHUP: a clean stop (0); SIGINT (Ctrl-C): 130
+        interrupted.append(signum == signal.SIGINT)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     server.start()
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
@@ -166,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
         logging.shutdown()
         os._exit(0)  # handler threads that never return must not keep a stopped shard alive
+    if interrupted and interrupted[0]:
+        print("ps-server: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

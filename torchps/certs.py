@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .cli import ArgumentParser
 from .cluster import Cluster, TaskSpec
 from .errors import ClusterConfigError
 
@@ -138,7 +139,7 @@ def kubernetes_secret(directory: pathlib.Path, name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ps-certs", description="Make a job's CA, per-task certificates and "
+    parser = ArgumentParser(prog="ps-certs", description="Make a job's CA, per-task certificates and "
                                      "tokens (see torchps.certs).")
     parser.add_argument("directory", help="the folder to write (created with mode 0700)")
     parser.add_argument("--cluster", required=True, help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")

@@ -3,7 +3,7 @@
 Configuration mistakes must end the process with a non-zero code and ONE clear
 line on stderr ("ps-server: error: ..."), never a traceback; a good
 configuration serves on the right address, reports its port and a ready line,
-and SIGTERM / SIGINT end it promptly with code 0.
+and SIGTERM / SIGHUP end it promptly with code 0, SIGINT (Ctrl-C) with 130 and one line.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ TWO_PS = '{"ps": ["127.0.0.1:5001", "127.0.0.1:5002"]}'
     pytest.param(["--cluster", TWO_PS], {}, ["--index"], id="missing-index"),
     pytest.param([], {"TF_CONFIG": json.dumps({"cluster": {**json.loads(TWO_PS), "worker": ["127.0.0.1:5003"]},
                                               "task": {"type": "worker", "index": 0}})},
-                 ["--index"], id="tf-config-task-not-ps"),
+                 ["worker:0", "run ps-worker for it"], id="tf-config-task-not-ps"),
     pytest.param([], {"TF_CONFIG": '{"cluster": {"ps": ['}, ["TF_CONFIG"], id="tf-config-unparsable"),
     pytest.param([], {}, ["TF_CONFIG"], id="no-cluster-at-all"),
     pytest.param(["--index", "0", "--cluster", "/nonexistent/cluster.json"], {}, ["/nonexistent/cluster.json"],
@@ -144,8 +144,9 @@ def test_bad_cluster_is_one_clear_line(args, env, fragments):
     assert_one_line_error(run_to_exit(args, environ(**env)), *fragments)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum):
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 0), (signal.SIGHUP, 0), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT"])
+def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum, code):
     port_file = tmp_path / "ps.port"
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
         ready = wait_for_log(proc, r"^.*serving.*$")
@@ -159,8 +160,10 @@ def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum):
         assert log_of(proc).count("serving") == 1, log_of(proc)
         reply = status(f"127.0.0.1:{port}")
         assert reply.index == 0 and reply.pid == proc.pid
-        assert stop_with(proc, signum) == 0, log_of(proc)
+        assert stop_with(proc, signum) == code, log_of(proc)
         assert "Traceback" not in log_of(proc), log_of(proc)
+        if code == 130:
+            assert log_of(proc).rstrip().endswith("ps-server: interrupted"), log_of(proc)
 
 
 def test_sigterm_with_a_call_waiting(tmp_path):
