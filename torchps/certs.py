@@ -12,7 +12,8 @@ mode 0600 in a folder of mode 0700.
 
     DIR/ca.crt  DIR/ca.key        the CA (keep ca.key off the cluster)
     DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0
-    DIR/token  DIR/admin-token    the job token (every task) and the chief's admin token
+    DIR/token  DIR/admin-token    the job token (every task) and the admin token (the chief, and the
+                                  shards that check it)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class TaskCredentials:
     key: pathlib.Path
     ca: pathlib.Path
     token: pathlib.Path
-    admin_token: pathlib.Path | None = None  # the chief's only
+    admin_token: pathlib.Path | None = None  # the chief's (it sends it) and the shards' (they check it)
 
     def flags(self) -> list[str]:
         """ps-server / ps-worker flags that use these files."""
@@ -123,9 +124,9 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
         stem = f"{task.type}-{task.index}"
         _write(directory / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM), secret=False)
         _write(directory / f"{stem}.key", _pem_key(key), secret=True)
-        chief = role_of(cluster, task) == "chief"
+        knows_admin = role_of(cluster, task) in ("chief", "ps")
         out[task] = TaskCredentials(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt",
-                                    directory / "token", directory / "admin-token" if chief else None)
+                                    directory / "token", directory / "admin-token" if knows_admin else None)
     return out
 
 

@@ -5,6 +5,9 @@
 
 The chief (task 'chief', else worker 0) configures the mode and creates the
 variables; other workers wait for them; the evaluator only pulls and evaluates.
+
+Exit codes: 0 done; 1 the task failed (one line naming the error); 2 a usage or
+configuration error (one line, before anything starts); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import pathlib
 import signal
@@ -20,22 +24,24 @@ import time
 
 import torch
 
-from ..client import PSClient, PSError
+from ..client import PSClient, PSError, Security
+from ..cli import ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..memory import tune_malloc
 from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, default_dataset_name
-from .models import MODELS, build_model, load_entry
+from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, finish_job
-from .trainer import TrainOptions, evaluate, optimizer_from_flags, run_evaluator, train
+from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
 EVALUATOR_CONNECT_SECONDS = 10.0
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags ps-launch passes through to every worker."""
+    """The flags ps-launch passes through to every worker. Left out, --epochs, --lr and --momentum take the
+    model's defaults (models.MODEL_DEFAULTS)."""
     g = parser.add_argument_group("training")
     g.add_argument("--model", default="mlp", choices=sorted(MODELS), help="built-in model (default: %(default)s)")
     g.add_argument("--hidden", type=int, default=100, help="hidden units of the mlp (default: %(default)s)")
@@ -43,17 +49,23 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", "--data-dir", dest="dataset", default=None,
                    help="'fashion-mnist', 'mnist5k' or a folder of MNIST idx files "
                         "(default: fashion-mnist if installed, else mnist5k)")
-    g.add_argument("--epochs", type=int, default=None, help="passes over each worker's shard (default: 1)")
+    g.add_argument("--epochs", type=int, default=None,
+                   help="passes over each worker's shard (default: the model's: "
+                        + ", ".join(f"{m} {d['epochs']}" for m, d in MODEL_DEFAULTS.items()) + ")")
     g.add_argument("--steps", type=int, default=None, help="stop at this global step instead of after epochs")
     g.add_argument("--batch-size", type=int, default=100)
     g.add_argument("--optimizer", default="sgd", choices=sorted(set(OPTIMIZER_NAMES) - {"none"}))
-    g.add_argument("--lr", type=float, default=0.1)
-    g.add_argument("--momentum", type=float, default=0.0, help="sgd momentum")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's and optimizer's: "
+                   + ", ".join(f"{m} {d['sgd_lr']:g}" for m, d in MODEL_DEFAULTS.items()) + " with sgd; 0.001 adam)")
+    g.add_argument("--momentum", type=float, default=None, help="sgd momentum (default: 0.9)")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--mode", default="async", choices=["async", "sync", "ssp"])
     g.add_argument("--replicas-to-aggregate", type=int, default=0, help="sync: R (default: every worker)")
     g.add_argument("--max-staleness", type=int, default=2, help="ssp: the bound s (default: %(default)s)")
-    g.add_argument("--lease-seconds", type=float, default=10.0, help="sync/ssp: a silent worker is dropped after this")
+    g.add_argument("--lease-seconds", type=float, default=10.0, help="a silent worker is dropped after this")
+    g.add_argument("--progress-timeout", type=float, default=60.0,
+                   help="a worker that heartbeats but pushes nothing for max(this, 20 x the median step time) is "
+                        "dropped until it pushes again (default: %(default)s s)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: %(default)s)")
@@ -62,17 +74,66 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=float, default=5.0, help="evaluator: seconds between evaluations")
     c = parser.add_argument_group("checkpoints and export (chief)")
     c.add_argument("--checkpoint-every-steps", type=int, default=0, help="save every N global steps "
-                   "(the ps-servers need --checkpoint-dir)")
+                   "(the ps-servers need --checkpoint-dir; with one, the chief also saves at the end and on SIGTERM)")
     c.add_argument("--checkpoint-every-seconds", type=float, default=0.0, help="save every T seconds")
-    c.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints each shard keeps (default: %(default)s)")
+    c.add_argument("--keep-checkpoints", type=int, default=3, help="committed checkpoints kept (default: %(default)s)")
     c.add_argument("--export", type=pathlib.Path, help="write the final model as a plain PyTorch state_dict here")
     c.add_argument("--init-from", type=pathlib.Path, help="start from this state_dict file instead of a fresh init")
     c.add_argument("--keep-ps", action="store_true", help="leave the ps-servers running when the job ends "
                    "(default: the chief shuts them down, and they exit with code 0)")
 
 
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("security (ps-certs makes the files; the TORCHPS_* variables stand in)")
+    s.add_argument("--tls-cert", help="this task's certificate ($TORCHPS_TLS_CERT)")
+    s.add_argument("--tls-key", help="its key ($TORCHPS_TLS_KEY)")
+    s.add_argument("--tls-ca", help="the job's CA certificate ($TORCHPS_TLS_CA)")
+    s.add_argument("--token-file", help="the job token ($TORCHPS_TOKEN_FILE)")
+    s.add_argument("--admin-token-file", help="the admin token, the chief's only ($TORCHPS_ADMIN_TOKEN_FILE)")
+
+
+def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the flags left out with the model's defaults and checks every value; ClusterConfigError names
+    the first bad one. Cheap: ps-launch calls it before starting anything."""
+    model = args.model if not args.entry else "mlp"
+    defaults = MODEL_DEFAULTS[model]
+    if args.epochs is None and args.steps is None:
+        args.epochs = defaults["epochs"]
+    if args.lr is None:
+        args.lr = default_lr(model, args.optimizer)
+    if args.momentum is None:
+        args.momentum = defaults["momentum"] if args.optimizer == "sgd" else 0.0
+    checks = [
+        ("--epochs", args.epochs is None or args.epochs >= 1, ">= 1"),
+        ("--steps", args.steps is None or args.steps >= 1, ">= 1"),
+        ("--batch-size", args.batch_size >= 1, ">= 1"),
+        ("--hidden", args.hidden >= 1, ">= 1"),
+        ("--lr", math.isfinite(args.lr) and args.lr > 0, "a finite number > 0"),
+        ("--momentum", 0 <= args.momentum < 1, "in [0, 1)"),
+        ("--weight-decay", math.isfinite(args.weight_decay) and args.weight_decay >= 0, ">= 0"),
+        ("--replicas-to-aggregate", args.replicas_to_aggregate >= 0, ">= 0"),
+        ("--max-staleness", args.max_staleness >= 0, ">= 0"),
+        ("--lease-seconds", math.isfinite(args.lease_seconds) and args.lease_seconds > 0, "> 0"),
+        ("--progress-timeout", math.isfinite(args.progress_timeout) and args.progress_timeout > 0, "> 0"),
+        ("--threads", args.threads >= 1, ">= 1"),
+        ("--log-every", args.log_every > 0, "> 0"),
+        ("--eval-interval", args.eval_interval > 0, "> 0"),
+        ("--checkpoint-every-steps", args.checkpoint_every_steps >= 0, ">= 0"),
+        ("--checkpoint-every-seconds", args.checkpoint_every_seconds >= 0, ">= 0"),
+        ("--keep-checkpoints", args.keep_checkpoints >= 1, ">= 1"),
+    ]
+    for flag, ok, wanted in checks:
+        if not ok:
+            raise ClusterConfigError(f"{flag} must be {wanted}. Received: {getattr(args, flag[2:].replace('-', '_'))}")
+    if args.init_from is not None and not args.init_from.is_file():
+        raise ClusterConfigError(f"--init-from {args.init_from}: no such file")
+    if args.dataset not in (None, "fashion-mnist", "mnist5k") and not pathlib.Path(args.dataset).is_dir():
+        raise ClusterConfigError(f"--dataset {args.dataset}: neither 'fashion-mnist', 'mnist5k' nor a folder")
+    return args
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ps-worker", description="Train as one task of a torchps cluster.")
+    parser = ArgumentParser(prog="ps-worker", description="Train as one task of a torchps cluster.")
     parser.add_argument("--cluster", help="cluster JSON or file (default: TF_CONFIG)")
     parser.add_argument("--task-type", choices=["chief", "worker", "evaluator"], help="default: TF_CONFIG's task")
     parser.add_argument("--index", type=int, default=None, help="task index (default: TF_CONFIG's, or 0)")
@@ -80,11 +141,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="tqdm progress bar (default: when stderr is a terminal)")
     add_training_flags(parser)
+    add_security_flags(parser)
     return parser.parse_args(argv)
 
 
 def resolve_task(args: argparse.Namespace) -> tuple[Cluster, TaskSpec]:
-    """(cluster, this task) from --cluster/--task-type/--index or TF_CONFIG."""
+    """(cluster, this task) from --cluster/--task-type/--index or TF_CONFIG; ClusterConfigError if it is no
+    task ps-worker serves."""
     env_task = None
     if args.cluster:
         cluster = Cluster.from_json(args.cluster)
@@ -95,6 +158,8 @@ def resolve_task(args: argparse.Namespace) -> tuple[Cluster, TaskSpec]:
         raise ClusterConfigError("no task: pass --task-type (and --index) or set TF_CONFIG's task")
     index = args.index if args.index is not None else (env_task.index if env_task else 0)
     task = TaskSpec(kind, index)
+    if kind == "ps":
+        raise ClusterConfigError(f"this task is {task}: run ps-server for it, not ps-worker")
     cluster.address(task)
     return cluster, task
 
@@ -112,29 +177,41 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     tune_malloc()
+    task = None
     try:
+        finish_training_flags(args)
         cluster, task = resolve_task(args)
         device = resolve_device(args.device)
+        security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                 token_file=args.token_file, admin_token_file=args.admin_token_file)
         torch.set_num_threads(args.threads)
         torch.manual_seed(args.seed)
         job = load_entry(args.entry) if args.entry else build_model(args.model, args.dataset or default_dataset_name(),
                                                                     args.hidden)
-    except (ClusterConfigError, DatasetNotFoundError, ValueError, ImportError) as exc:
-        print(f"ps-worker: error: {exc}", file=sys.stderr)
+        if args.init_from and task == cluster.chief_task:
+            job.model.load_state_dict(torch.load(args.init_from, map_location="cpu", weights_only=True))
+    except (ClusterConfigError, DatasetNotFoundError, ValueError, ImportError, RuntimeError) as exc:
+        print(f"ps-worker: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ps-worker: interrupted", file=sys.stderr)
+        return 130
     job.model.to(device)
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    _terminate_once()
     try:
         # An evaluator gives up on unreachable shards sooner: after the job they are gone for good.
-        with PSClient(cluster, task=task, connect_timeout=EVALUATOR_CONNECT_SECONDS if task.type == "evaluator"
-                      else 60.0) as client:
+        with PSClient(cluster, task=task, security=security, connect_timeout=EVALUATOR_CONNECT_SECONDS
+                      if task.type == "evaluator" else 60.0) as client:
             summary = run_task(client, cluster, task, job, args, device)
     except PSError as exc:
-        print(f"ps-worker: {task}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"ps-worker: {task}: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 1
     except Terminated:  # SIGTERM outside the training loop (which handles it itself): a clean stop
         _LOGGER.info("%s: SIGTERM; stopped", task)
         return 0
+    except KeyboardInterrupt:
+        print(f"ps-worker: {task}: interrupted", file=sys.stderr)
+        return 130
     if summary is not None:
         print("summary " + json.dumps(summary, sort_keys=True), flush=True)
         if args.metrics_out:
@@ -146,35 +223,22 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     """Runs this task's role; returns the summary (chief, evaluator) or None (other workers)."""
     started = time.monotonic()
     writer = _tensorboard(args.logdir, task)
+    if task.type == "evaluator":
+        return _evaluate(client, task, job, args, device, writer, started)
     optimizer = optimizer_from_flags(args.optimizer, args.lr, args.momentum, args.weight_decay)
     replicas = len(cluster.chief) + len(cluster.worker)
-    if task.type == "evaluator":
-        binding = client.register_module(job.model, create=False, join=False, wait_timeout=FINAL_WAIT_SECONDS)
-        last = [0, float("nan")]
-
-        def on_eval(step: int, accuracy: float) -> None:
-            last[:] = [step, accuracy]
-            if writer is not None:
-                writer.add_scalar("eval/accuracy", accuracy, step)
-
-        try:
-            run_evaluator(client, job, binding, device=device, interval=args.eval_interval,
-                          target_steps=args.steps, timeout=24 * 3600, on_eval=on_eval)
-        except Terminated:
-            _LOGGER.info("evaluator: SIGTERM; stopping")
-        return {"role": str(task), "global_step": last[0], "test_accuracy": last[1],
-                "wall_seconds": time.monotonic() - started}
     if client.is_chief:
         client.configure(args.mode, replicas_to_aggregate=args.replicas_to_aggregate, total_num_replicas=replicas,
-                         max_staleness=args.max_staleness, lease_seconds=args.lease_seconds)
-        if args.init_from:
-            job.model.load_state_dict(torch.load(args.init_from, map_location=device, weights_only=True))
+                         max_staleness=args.max_staleness, lease_seconds=args.lease_seconds,
+                         progress_seconds=args.progress_timeout)
     binding = client.register_module(job.model, optimizer, create=client.is_chief)
+    start_step = binding.step  # a restarted task joins a job already under way
     replica = task.index + (len(cluster.chief) if task.type == "worker" else 0)
-    _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %s", task, replica, replicas, args.mode,
-                 job.dataset, client.placement_report().splitlines()[0])
+    _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %d variables over %d shard(s) (%s placement)%s",
+                 task, replica, replicas, args.mode, job.dataset, len(binding.names), cluster.num_ps,
+                 client.placement.strategy, f", joining at global step {start_step}" if start_step else "")
     checkpointer = None
-    if client.is_chief and (args.checkpoint_every_steps or args.checkpoint_every_seconds):
+    if client.is_chief and any(client.status(s).checkpoints for s in range(cluster.num_ps)):
         checkpointer = Checkpointer(client, every_steps=args.checkpoint_every_steps,
                                     every_seconds=args.checkpoint_every_seconds, keep=args.keep_checkpoints).start()
 
@@ -186,9 +250,10 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
                 writer.add_scalar(f"train/{key}", record[key], record["global_step"])
             writer.add_scalar("train/steps_per_second", client.stats.steps_per_second, record["global_step"])
 
-    options = TrainOptions(epochs=args.epochs if args.epochs or args.steps else 1, steps=args.steps,
-                           batch_size=args.batch_size, seed=args.seed + replica, device=device,
-                           log_every=args.log_every, progress=args.progress)
+    done_before = _batches_done(start_step, args, replicas)
+    options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                           seed=args.seed + replica, device=device, log_every=args.log_every, progress=args.progress,
+                           skip_batches=done_before)
     try:
         result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options,
                        on_step=on_step)
@@ -208,17 +273,58 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     wall = time.monotonic() - started
     return {**result, "role": str(task), "mode": args.mode, "dataset": job.dataset.name, "test_accuracy": accuracy,
-            "global_step": global_step, "wall_seconds": wall, "steps_per_second": global_step / wall,
-            "workers": replicas, "ps": cluster.num_ps,
+            "global_step": global_step, "start_step": start_step, "wall_seconds": wall,
+            "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": cluster.num_ps,
             "checkpoints": checkpointer.saved_steps if checkpointer else []}
+
+
+def _batches_done(start_step: int, args, replicas: int) -> int:
+    """The batches this task's earlier incarnation worked through, judged from the global step it rejoins at:
+    in sync mode each step takes k = ceil(R / N) batches from every worker, otherwise steps count every
+    worker's pushes."""
+    if args.mode == "sync":
+        aggregate = args.replicas_to_aggregate or replicas
+        return start_step * max(1, -(-aggregate // replicas))
+    return start_step // max(1, replicas)
+
+
+def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, started: float) -> dict:
+    binding = client.register_module(job.model, create=False, join=False, wait_timeout=FINAL_WAIT_SECONDS)
+    last = [0, float("nan")]
+
+    def on_eval(step: int, accuracy: float) -> None:
+        last[:] = [step, accuracy]
+        if writer is not None:
+            writer.add_scalar("eval/accuracy", accuracy, step)
+
+    try:
+        run_evaluator(client, job, binding, device=device, interval=args.eval_interval, target_steps=args.steps,
+                      timeout=24 * 3600, on_eval=on_eval)
+    except Terminated:  # asked to stop (ps-launch does once training is over): evaluate what is there now
+        _LOGGER.info("evaluator: SIGTERM; a last evaluation")
+        try:
+            on_eval(*evaluate_once(client, job, binding, device)[:2])
+        except PSError as exc:
+            _LOGGER.info("evaluator: no last evaluation: %s", exc)
+    return {"role": str(task), "global_step": last[0], "test_accuracy": last[1],
+            "wall_seconds": time.monotonic() - started}
 
 
 class Terminated(Exception):
     """SIGTERM arrived: the chief saves a last checkpoint and stops."""
 
 
-def _raise_terminated(*_) -> None:
-    raise Terminated()
+def _terminate_once() -> None:
+    """SIGTERM raises Terminated once; a second one while the first is handled is ignored."""
+    def handler(*_) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _tensorboard(logdir: str | None, task: TaskSpec):

@@ -60,7 +60,7 @@ class Checkpointer:
             _LOGGER.warning("checkpoint failed (will retry at the next trigger): %s", exc)
             return
         self.saved_steps.append(saved)
-        _LOGGER.info("checkpoint of step %d saved on every shard", saved)
+        _LOGGER.info("checkpoint of step %d saved on every shard and committed", saved)
 
     def stop(self, *, final: bool) -> None:
         """Stops the thread; with final, saves once more: the state now (the job is idle, or stopping)."""

@@ -6,16 +6,23 @@
 Starts `--ps` ps-servers on 127.0.0.1 with free ports, then the chief
 (worker 0, or a separate chief with --chief), the other workers and, with
 --evaluator, an evaluator, each a separate process whose log lines are
-prefixed with its role. Every flag it does not know is passed to ps-worker.
-A worker that dies does not stop the others; when training ends, or on
-Ctrl-C, everything is stopped. The exit code is non-zero if any process
-failed (its last lines are shown).
+prefixed with its role. ps-worker's flags are accepted and passed to every
+worker (checked first: a bad flag or value stops ps-launch before anything
+starts). Secure by default: a throw-away CA, a certificate per task and the
+tokens are made in a private folder for the job (--insecure: plaintext).
+
+A worker that dies does not stop the others; the chief failing, the end of
+training, Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also
+dies with the launcher if it is killed (the parent-death signal). The exit
+code is 0, 1 if a process failed and was not restarted (its last lines are
+shown), 2 for a usage error, 130 if interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import dataclasses
 import json
 import os
@@ -27,12 +34,16 @@ import tempfile
 import threading
 import time
 
+from ..certs import TaskCredentials, make_job_credentials
+from ..cli import ArgumentParser
 from ..cluster import Cluster, TaskSpec
+from ..errors import ClusterConfigError
+from ..security import ENV
+from .__main__ import add_training_flags, finish_training_flags
 from .local_cluster import ps_server_command
 
 __all__ = ["main", "Launcher"]
 
-DEMO_FLAGS = ["--model", "mlp", "--epochs", "10", "--lr", "0.1", "--momentum", "0.9"]
 START_TIMEOUT_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10.0
 TAIL_LINES = 15
@@ -59,9 +70,9 @@ class Launcher:
 
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
-                 out=sys.stdout):
+                 secure: bool = True, out=sys.stdout):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
-        self.worker_args = worker_args
+        self.worker_args = worker_args + (["--keep-ps"] if evaluator else [])  # the evaluator sees the end too
         self.ps_args = list(ps_args)
         self.restart_on_failure = restart_on_failure
         self.restarts: collections.Counter[TaskSpec] = collections.Counter()
@@ -70,17 +81,32 @@ class Launcher:
         self.out = out
         self.procs: dict[TaskSpec, Proc] = {}
         self._print_lock = threading.Lock()
-        self._tmp = tempfile.TemporaryDirectory(prefix="ps-launch-")
+        self._tmp = tempfile.TemporaryDirectory(prefix="ps-launch-")  # mode 0700
         self.cluster: Cluster | None = None
         self.summary: dict | None = None  # the chief's final summary line, parsed
+        self.credentials: dict[TaskSpec, TaskCredentials] | None = None
+        if secure:  # certificates name tasks, not ports, so they can be made before any port is known
+            tasks = Cluster(ps=tuple(f"127.0.0.1:{i + 1}" for i in range(num_ps)),
+                            chief=("127.0.0.1:0",) if chief else (),
+                            worker=tuple(f"127.0.0.1:{100 + i}" for i in range(workers)),
+                            evaluator=("127.0.0.1:99",) if evaluator else ())
+            self.credentials = make_job_credentials(pathlib.Path(self._tmp.name) / "credentials", tasks, days=1)
 
     def say(self, line: str) -> None:
         with self._print_lock:
             print(line, file=self.out, flush=True)
 
     def _spawn(self, task: TaskSpec, argv: list[str]) -> Proc:
+        env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
+        if self.credentials is not None:
+            files = self.credentials[task]
+            env.update({ENV["tls_cert"]: str(files.cert), ENV["tls_key"]: str(files.key), ENV["tls_ca"]: str(files.ca),
+                        ENV["token_file"]: str(files.token)})
+            if files.admin_token is not None:
+                env[ENV["admin_token_file"]] = str(files.admin_token)
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                 env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                 preexec_fn=_die_with_parent)
         proc = Proc(task, popen)
         proc.reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
         proc.reader.start()
@@ -113,8 +139,9 @@ class Launcher:
 
     def _spawn_ps(self, index: int, port: int) -> Proc:
         self._port_file(index).unlink(missing_ok=True)
+        insecure = [] if self.credentials else ["--insecure"]
         return self._spawn(TaskSpec("ps", index), [*ps_server_command(), "--index", str(index), "--num-ps",
-                                                    str(self.num_ps), "--bind", f"127.0.0.1:{port}", "--insecure",
+                                                    str(self.num_ps), "--bind", f"127.0.0.1:{port}", *insecure,
                                                     "--port-file", str(self._port_file(index)), *self.ps_args])
 
     def _wait_port(self, index: int) -> int:
@@ -152,11 +179,13 @@ class Launcher:
             return 130
         finally:
             self.stop()
+            self._tmp.cleanup()
 
     def _watch(self) -> int:
         training = self.training_tasks()
         failed: dict[TaskSpec, Proc] = {}
-        while True:
+        chief_failed = False
+        while not chief_failed:
             restarted = False
             for task, proc in list(self.procs.items()):
                 code = proc.popen.poll()
@@ -167,18 +196,26 @@ class Launcher:
                     if task in self.procs and self.procs[task].popen.poll() is None:
                         continue
                 failed[task] = proc
+                if task == self.cluster.chief_task:  # nobody else creates, checkpoints or ends the job
+                    self.say(f"[launch] {task} (the chief) exited with code {code}: stopping the job")
+                    chief_failed = True
+                    break
                 self.say(f"[launch] {task} exited with code {code}; the others go on")
-            if not restarted and all(self.procs[t].popen.poll() is not None for t in training):
+            if chief_failed or (not restarted and all(self.procs[t].popen.poll() is not None for t in training)):
                 break
             time.sleep(0.2)
-        if self.evaluator:  # it ends by itself once the workers are gone; else SIGTERM makes it report
+        if self.evaluator and not chief_failed:  # it ends by itself once the workers are gone; else SIGTERM
+            # makes it evaluate once more and report (the shards stay up: the chief runs with --keep-ps)
             evaluator = self.procs[TaskSpec("evaluator", 0)]
             self._wait(evaluator, STOP_GRACE_SECONDS)
             if evaluator.popen.poll() is None:
                 evaluator.popen.send_signal(signal.SIGTERM)
                 self._wait(evaluator, STOP_GRACE_SECONDS)
+        if chief_failed:
+            self.stop()
         failed.update({p.task: p for p in self.procs.values()
-                       if p.task.type != "ps" and p.popen.poll() not in (None, 0)})
+                       if p.task.type != "ps" and p.popen.poll() not in (None, 0) and
+                       (not chief_failed or p.task == self.cluster.chief_task)})
         for proc in failed.values():
             self.say(f"[launch] {proc.name} failed (exit {proc.popen.returncode}); its last lines:")
             for line in proc.tail:
@@ -223,36 +260,63 @@ class Launcher:
                     proc.popen.wait()
                 if proc.reader is not None:
                     proc.reader.join(timeout=5)
-        self._tmp.cleanup()
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="ps-launch", description="Run a whole torchps cluster on 127.0.0.1. Unknown flags go to ps-worker "
-        "(see ps-worker --help). With no arguments: the README demo.")
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(ps-launch's own flags, the ps-worker flags to pass on); a usage error (exit 2) for any other flag
+    or a bad value, before anything starts."""
+    parser = ArgumentParser(
+        prog="ps-launch", description="Run a whole torchps cluster on 127.0.0.1. ps-worker's training flags "
+        "(below) go to every worker. With no arguments: the README demo.")
     parser.add_argument("--ps", type=int, default=2, help="ps-servers (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="training workers (default: %(default)s)")
     parser.add_argument("--chief", action="store_true", help="add a separate chief task (else worker 0 is chief)")
     parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
     parser.add_argument("--metrics-out", type=pathlib.Path, help="the chief's summary JSON goes here")
-    parser.add_argument("--checkpoint-dir", help="the ps-servers save checkpoints here (and restore from it when "
-                        "restarted); the chief saves every 100 steps unless --checkpoint-every-* says otherwise")
-    parser.add_argument("--restore-from", help="start the ps-servers from the newest checkpoint in this folder, "
-                        "whatever number of shards wrote it")
+    parser.add_argument("--checkpoint-dir", help="the ps-servers save checkpoints here and keep their journals "
+                        "under it (and recover from them when restarted); the chief saves every "
+                        f"{DEFAULT_CHECKPOINT_STEPS} steps unless --checkpoint-every-* says otherwise, and at the end")
+    parser.add_argument("--restore-from", help="start the ps-servers from the newest committed checkpoint in this "
+                        "folder, whatever number of shards wrote it")
     parser.add_argument("--restart-on-failure", action="store_true",
                         help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
-    return parser.parse_known_args(argv)
+    parser.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
+                        "certificates and tokens made for this job)")
+    own, rest = parser.parse_known_args(argv)
+    worker = ArgumentParser(prog="ps-launch", add_help=False)
+    add_training_flags(worker)
+    add_training_flags(parser)  # so --help shows them
+    unknown = worker.parse_known_args(rest)[1]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if own.ps < 1 or own.workers + int(own.chief) < 1:
+        parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
+    try:
+        finish_training_flags(worker.parse_args(rest))
+    except ClusterConfigError as exc:
+        parser.error(str(exc))
+    return own, rest
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the launcher dies, whatever kills it (Linux's parent-death
+    signal); a launcher already gone by now means exit at once."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the launcher's own handlers stop the children
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, worker_args = parse_args(argv)
     if not argv:
-        worker_args = DEMO_FLAGS
-        print(f"[launch] demo: {args.ps} ps, {args.workers} workers, ps-worker {' '.join(worker_args)}", flush=True)
-    if args.ps < 1 or args.workers + int(args.chief) < 1:
-        print("ps-launch: error: need --ps >= 1 and at least one training task", file=sys.stderr)
-        return 2
+        print(f"[launch] demo: {args.ps} ps, {args.workers} workers, the MLP on "
+              f"{'fashion-mnist' if pathlib.Path('/usr/share/datasets/fashion-mnist').is_dir() else 'mnist5k'}",
+              flush=True)
     ps_args = []
     if args.checkpoint_dir:
         ps_args += ["--checkpoint-dir", args.checkpoint_dir]
@@ -262,10 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         ps_args += ["--restore-from", args.restore_from]
     launcher = Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                         worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
-                        restart_on_failure=args.restart_on_failure)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+                        restart_on_failure=args.restart_on_failure, secure=not args.insecure)
+
+    def stop(signum, _frame) -> None:  # SIGTERM, SIGHUP (the terminal closed): as Ctrl-C, once
+        for other in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(other, signal.SIG_IGN)
+        raise KeyboardInterrupt()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     code = launcher.run()
-    if launcher.summary:
+    if launcher.summary and code != 130:
         s = launcher.summary
         print(f"[launch] test accuracy {s['test_accuracy']:.4f} on {s['dataset']} after {s['global_step']} global steps "
               f"in {s['wall_seconds']:.1f} s ({s['steps_per_second']:.0f} steps/s, {s['mode']})", flush=True)

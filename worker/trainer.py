@@ -15,7 +15,7 @@ from ..client import ModuleBinding, Optimizer, PSClient, ServerUnavailableError
 from .data import batches, shard_indices
 from .models import Task
 
-__all__ = ["TrainOptions", "train", "evaluate", "run_evaluator", "optimizer_from_flags"]
+__all__ = ["TrainOptions", "train", "evaluate", "evaluate_once", "run_evaluator", "optimizer_from_flags"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class TrainOptions:
     device: str = "cpu"
     log_every: float = 5.0           # seconds between log lines (no terminal)
     progress: bool | None = None     # tqdm bar; None: when stderr is a terminal
+    skip_batches: int = 0            # batches an earlier incarnation of this task already trained on
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = 2000) -> float:
@@ -56,14 +57,21 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
     data, model, device = task.dataset, task.model, options.device
     mine = shard_indices(len(data.y_train), num_replicas, replica)
     x, y = data.x_train[mine], data.y_train[mine]
-    epochs = range(options.epochs) if options.epochs else itertools.count()
     per_epoch = -(-len(y) // options.batch_size)
-    bar = _progress_bar(options, total=per_epoch * options.epochs if options.epochs else options.steps)
+    first_epoch, skip = divmod(options.skip_batches, per_epoch)
+    epochs = range(first_epoch, options.epochs) if options.epochs else itertools.count(first_epoch)
+    if options.skip_batches:
+        _LOGGER.info("%s goes on from epoch %d, batch %d (what its earlier incarnation trained is not redone)",
+                     client.worker, first_epoch, skip)
+    bar = _progress_bar(options, total=per_epoch * options.epochs - options.skip_batches if options.epochs
+                        else options.steps)
     started = last_log = time.monotonic()
     local_steps, loss_value = 0, float("nan")
     done = False
     for epoch in epochs:
-        for xb, yb in batches(x, y, options.batch_size, options.seed, epoch):
+        for batch, (xb, yb) in enumerate(batches(x, y, options.batch_size, options.seed, epoch)):
+            if epoch == first_epoch and batch < skip:
+                continue
             if options.steps is not None and binding.step >= options.steps:
                 done = True
                 break
@@ -106,31 +114,37 @@ def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, devic
     """Every `interval` s: pull, evaluate on the test set, log. Never pushes.
 
     Stops when the global step reaches target_steps, when the workers that
-    joined have all left, or after `timeout` s. Returns the last (step, accuracy).
+    joined have all left, or after `timeout` s. The status is read before
+    the pull, so the evaluation that sees the workers gone is of the final
+    model. Returns the last (step, accuracy).
     """
-    data = task.dataset
     deadline = time.monotonic() + timeout
     seen_workers = False
     step, accuracy = 0, float("nan")
     while True:
         try:
-            binding.pull()
-            status = client.status(0)
+            step, accuracy, live = evaluate_once(client, task, binding, device)
         except ServerUnavailableError:
             if not seen_workers:
                 raise
             _LOGGER.info("evaluator: the shards are gone; the job has ended")
             return step, accuracy
-        step = status.step
-        accuracy = evaluate(task.model, data.x_test, data.y_test, device)
-        _LOGGER.info("evaluator: global step %d test accuracy %.4f", step, accuracy)
         if on_eval:
             on_eval(step, accuracy)
-        seen_workers = seen_workers or status.live_workers > 0
-        finished = (target_steps is not None and step >= target_steps) or (seen_workers and status.live_workers == 0)
+        seen_workers = seen_workers or live > 0
+        finished = (target_steps is not None and step >= target_steps) or (seen_workers and live == 0)
         if finished or time.monotonic() > deadline:
             return step, accuracy
         time.sleep(interval)
+
+
+def evaluate_once(client: PSClient, task: Task, binding: ModuleBinding, device: str) -> tuple[int, float, int]:
+    """(global step, test accuracy, live workers): the status first, then the values, then the evaluation."""
+    status = client.status(0)
+    binding.pull()
+    accuracy = evaluate(task.model, task.dataset.x_test, task.dataset.y_test, device)
+    _LOGGER.info("evaluator: global step %d test accuracy %.4f", status.step, accuracy)
+    return status.step, accuracy, status.live_workers
 
 
 def _progress_bar(options: TrainOptions, total: int | None):

@@ -285,10 +285,13 @@ def test_killed_worker_is_restarted_and_rejoins_the_job(launch, tmp_path):
                         accept=lambda m: int(m.group(1)) > 0, timeout=60)
     resumed = int(back.group(1))
     assert resumed >= killed_at, "the new worker:1 joins at the job's step"
+    went_on = run.wait_for(r"^\[worker:1\] .*worker:1 goes on from epoch (\d+), batch (\d+)")
+    assert int(went_on.group(1)) * 20 + int(went_on.group(2)) == resumed, "it skips the batches of the steps done"
     assert run.finish() == 0, run.tail()
     summary = summary_of(tmp_path / "metrics.json")
-    # the new worker:1 trains all its epochs from `resumed`, alone once the chief has finished
-    assert summary["global_step"] >= resumed + STEPS - 1, summary
+    # the new worker:1 goes on from where the job is instead of redoing its epochs (which took the job
+    # past STEPS + resumed global steps before)
+    assert STEPS <= summary["global_step"] < STEPS + (resumed - killed_at) + 20, summary
 
 
 def test_killed_chief_is_restarted_and_resumes_from_the_shards_step(launch, tmp_path):
@@ -303,9 +306,12 @@ def test_killed_chief_is_restarted_and_resumes_from_the_shards_step(launch, tmp_
     assert int(first.group(1)) > resumed
     assert run.finish() == 0, run.tail()
     summary = summary_of(tmp_path / "metrics.json")
-    assert summary["role"] == "worker:0" and summary["local_steps"] == STEPS, summary
+    assert summary["role"] == "worker:0" and summary["start_step"] == resumed, summary
+    assert summary["local_steps"] == STEPS - resumed, "the restarted chief does only the batches not yet done"
     assert summary["global_step"] >= resumed + summary["local_steps"] - 1, \
         f"the restarted chief's steps continue the shards' count from {resumed}: {summary}"
+    assert summary["steps_per_second"] == pytest.approx((summary["global_step"] - resumed) / summary["wall_seconds"]), \
+        "steps/s counts the steps this incarnation saw, not the restored ones"
 
 
 # -- a shard that never comes back ------------------------------------------------------------------------
