@@ -104,9 +104,12 @@ class Launcher:
                         ENV["token_file"]: str(files.token)})
             if files.admin_token is not None:
                 env[ENV["admin_token_file"]] = str(files.admin_token)
+        # If the launcher dies without stopping them (SIGKILL), shards get SIGTERM (a clean stop; their journal
+        # keeps what they acknowledged) and workers SIGKILL (no final save against shards that are stopping).
+        death = signal.SIGTERM if task.type == "ps" else signal.SIGKILL
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                  env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=lambda: _die_with_parent(death))
         proc = Proc(task, popen)
         proc.reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
         proc.reader.start()
@@ -263,47 +266,44 @@ class Launcher:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(ps-launch's own flags, the ps-worker flags to pass on); a usage error (exit 2) for any other flag
-    or a bad value, before anything starts."""
-    parser = ArgumentParser(
-        prog="ps-launch", description="Run a whole torchps cluster on 127.0.0.1. ps-worker's training flags "
-        "(below) go to every worker. With no arguments: the README demo.")
-    parser.add_argument("--ps", type=int, default=2, help="ps-servers (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=2, help="training workers (default: %(default)s)")
-    parser.add_argument("--chief", action="store_true", help="add a separate chief task (else worker 0 is chief)")
-    parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
-    parser.add_argument("--metrics-out", type=pathlib.Path, help="the chief's summary JSON goes here")
-    parser.add_argument("--checkpoint-dir", help="the ps-servers save checkpoints here and keep their journals "
-                        "under it (and recover from them when restarted); the chief saves every "
-                        f"{DEFAULT_CHECKPOINT_STEPS} steps unless --checkpoint-every-* says otherwise, and at the end")
-    parser.add_argument("--restore-from", help="start the ps-servers from the newest committed checkpoint in this "
-                        "folder, whatever number of shards wrote it")
-    parser.add_argument("--restart-on-failure", action="store_true",
-                        help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
-    parser.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
-                        "certificates and tokens made for this job)")
-    own, rest = parser.parse_known_args(argv)
-    worker = ArgumentParser(prog="ps-launch", add_help=False)
-    add_training_flags(worker)
-    add_training_flags(parser)  # so --help shows them
-    unknown = worker.parse_known_args(rest)[1]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if own.ps < 1 or own.workers + int(own.chief) < 1:
+    """(ps-launch's own flags, the ps-worker flags to pass on); a usage error (exit 2, one line) for any
+    other flag or a bad value, before anything starts."""
+    own = argparse.ArgumentParser(add_help=False)
+    g = own.add_argument_group("the cluster")
+    g.add_argument("--ps", type=int, default=2, help="ps-servers (default: %(default)s)")
+    g.add_argument("--workers", type=int, default=2, help="training workers (default: %(default)s)")
+    g.add_argument("--chief", action="store_true", help="add a separate chief task (else worker 0 is chief)")
+    g.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+    g.add_argument("--metrics-out", type=pathlib.Path, help="the chief's summary JSON goes here")
+    g.add_argument("--checkpoint-dir", help="the ps-servers save checkpoints here and keep their journals under "
+                   "it (and recover from them when restarted); the chief saves every "
+                   f"{DEFAULT_CHECKPOINT_STEPS} steps unless --checkpoint-every-* says otherwise, and at the end")
+    g.add_argument("--restore-from", help="start the ps-servers from the newest committed checkpoint in this "
+                   "folder, whatever number of shards wrote it")
+    g.add_argument("--restart-on-failure", action="store_true",
+                   help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
+    g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
+                   "certificates and tokens made for this job)")
+    parser = ArgumentParser(prog="ps-launch", parents=[own], description="Run a whole torchps cluster on "
+                            "127.0.0.1. ps-worker's training flags go to every worker. With no arguments: the "
+                            "README demo.")
+    add_training_flags(parser)
+    everything = parser.parse_args(argv)  # unknown flags and bad types stop here
+    if everything.ps < 1 or everything.workers + int(everything.chief) < 1:
         parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
     try:
-        finish_training_flags(worker.parse_args(rest))
+        finish_training_flags(everything)
     except ClusterConfigError as exc:
         parser.error(str(exc))
-    return own, rest
+    return own.parse_known_args(argv)
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the launcher dies, whatever kills it (Linux's parent-death
+def _die_with_parent(signum: int) -> None:
+    """In a child, before exec: `signum` when the launcher dies, whatever kills it (Linux's parent-death
     signal); a launcher already gone by now means exit at once."""
     parent = os.getppid()
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return  # not Linux: the launcher's own handlers stop the children
     if os.getppid() != parent:

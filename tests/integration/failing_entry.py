@@ -8,7 +8,8 @@ apart by the --task-type/--index that ps-launch puts on its command line (or
 by TF_CONFIG's task when started that way). The model and data are ps-worker's
 built-in MLP on mnist5k; the loss of the chosen task raises FAILURE_MESSAGE on
 its call number TORCHPS_TEST_FAIL_AFTER + 1, so that task has pushed exactly
-TORCHPS_TEST_FAIL_AFTER gradients before it dies.
+TORCHPS_TEST_FAIL_AFTER gradients before it dies. With TORCHPS_TEST_FAIL_AT_START
+set, the chosen task fails before it creates or waits for anything.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def this_task() -> str:
 
 
 def task():
+    if this_task() == os.environ.get("TORCHPS_TEST_FAIL_TASK") and os.environ.get("TORCHPS_TEST_FAIL_AT_START"):
+        raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} at start)")
     job = build_model("mlp", "mnist5k", 100)
     if this_task() != os.environ.get("TORCHPS_TEST_FAIL_TASK"):
         return job.model, job.dataset, nn.functional.cross_entropy

