@@ -30,6 +30,19 @@ def test_every_task_gets_the_cluster_and_its_own_task():
     assert seen == [
         ("chief", 0, ["ps-worker", "--mode", "sync"]),
         ("worker", 0, ["ps-worker", "--mode", "sync"]),
-        ("ps", 0, ["ps-server", "--checkpoint-dir", "/ckpt"]),
-        ("ps", 1, ["ps-server", "--checkpoint-dir", "/ckpt"]),
+        ("ps", 0, ["ps-server", "--checkpoint-dir", "/ckpt", "--insecure"]),
+        ("ps", 1, ["ps-server", "--checkpoint-dir", "/ckpt", "--insecure"]),
     ]
+
+
+def test_with_credentials_every_task_names_its_own_files_and_ps_certs_comes_first():
+    cluster = Cluster(ps=["h3:2222"], worker=["h1:2222", "h2:2222"])
+    (first, *lines) = load_module().commands(cluster, ["--epochs", "2"], "/etc/job")
+    assert shlex.split(first[1])[:2] == ["ps-certs", "/etc/job"]
+    assert Cluster.from_json(shlex.split(first[1])[3]) == cluster
+    flags = {json.loads(shlex.split(line)[0].removeprefix("TF_CONFIG="))["task"]["index"] if "ps-worker" in line
+             else "ps": shlex.split(line)[2:] for _, line in lines}
+    assert flags["ps"][flags["ps"].index("--tls-cert") + 1] == "/etc/job/ps-0.crt"
+    assert flags[0][flags[0].index("--tls-key") + 1] == "/etc/job/worker-0.key"
+    assert "--admin-token-file" in flags[0] and "--admin-token-file" in flags["ps"], "the chief and the shards"
+    assert "--admin-token-file" not in flags[1], "worker 1 is no chief"
