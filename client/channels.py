@@ -121,6 +121,9 @@ class ShardChannels:
             # Notice a shard that vanished without closing its connections (host lost).
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
+            # Connections of our own, not shared with other clients in this process: a shard tells clients
+            # apart by connection when they have no certificate (--max-calls-per-client).
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if security.tls:
             credentials = grpc.ssl_channel_credentials(root_certificates=security.ca, private_key=security.key,

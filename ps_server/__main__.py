@@ -23,6 +23,7 @@ from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server
 from ..security import Security
 from .journal import Journal
+from .quotas import Quotas, parse_bytes
 from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")
@@ -54,6 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
     parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
                         "newest committed checkpoint, and what was acknowledged after it is lost")
+    q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
+    q.add_argument("--max-memory", type=_size, default=0, help="bytes of values and optimizer state this shard "
+                   "may hold, e.g. 8G (default: no limit)")
+    q.add_argument("--max-variable-bytes", type=_size, default=0, help="largest variable, e.g. 2G (default: none)")
+    q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
+                   "else a connection) may have in progress at once (default: no limit)")
     s = parser.add_argument_group("security (see torchps.security; ps-certs makes the files)")
     s.add_argument("--tls-cert", help="this shard's certificate (PEM), signed by the job's CA ($TORCHPS_TLS_CERT)")
     s.add_argument("--tls-key", help="its private key ($TORCHPS_TLS_KEY)")
@@ -66,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "needed when no TLS files and no token are given")
     parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M or a number of bytes)") from None
 
 
 def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
@@ -144,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         server, port, coordinator = create_server(
             store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
             max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
-            journal=journal, on_shutdown=lambda reason: stop.set(), security=security)
+            journal=journal, on_shutdown=lambda reason: stop.set(), security=security,
+            quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
+                          max_calls_per_client=args.max_calls_per_client))
     except (PSError, RuntimeError, OSError) as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

@@ -19,6 +19,7 @@ from ..security import INSECURE, Security
 from .auth import TokenInterceptor
 from .coordinator import Coordinator
 from .journal import Journal
+from .quotas import Quotas
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "SERVICE_NAME", "DEFAULT_THREADS"]
 
@@ -42,6 +43,7 @@ def create_server(
     journal: Journal | None = None,
     on_shutdown: Callable[[str], None] | None = None,
     security: Security = INSECURE,
+    quotas: Quotas | None = None,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -76,7 +78,7 @@ def create_server(
     recover(coordinator, journal, restore)
     add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                           checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
-                                          security=security), server)
+                                          security=security, quotas=quotas), server)
     health_servicer = health.HealthServicer()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

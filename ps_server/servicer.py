@@ -31,6 +31,7 @@ from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
 from .auth import Authority
 from .coordinator import MAX_STEP, Coordinator
+from .quotas import Quotas, state_bytes
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
 
@@ -91,8 +92,9 @@ def _map_errors(method):
         @functools.wraps(method)
         def streaming(self, request, context):
             try:
-                self.authority.caller(method.__name__, context)
-                yield from method(self, request, context)
+                caller = self.authority.caller(method.__name__, context)
+                with self.quotas.call(caller.name or context.peer()):
+                    yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - the edge maps everything
                 _handle(context, method.__name__, exc)
             finally:
@@ -102,8 +104,9 @@ def _map_errors(method):
     @functools.wraps(method)
     def unary(self, request, context):
         try:
-            self.authority.caller(method.__name__, context)
-            return method(self, request, context)
+            caller = self.authority.caller(method.__name__, context)
+            with self.quotas.call(caller.name or context.peer()):
+                return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             _handle(context, method.__name__, exc)
         finally:
@@ -132,11 +135,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
-                 security: Security = INSECURE):
+                 security: Security = INSECURE, quotas: Quotas | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
         self.authority = Authority(security, index)
+        self.quotas = quotas or Quotas()
         self.checkpoint_dir = checkpoint_dir
         self.on_shutdown = on_shutdown
         self.generation = random.getrandbits(63) or 1  # new on every start: clients notice restarts
@@ -151,6 +155,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         pending = None  # the spec whose initial value is arriving
         declared = job_step = None
         assembler = codec.ChunkAssembler()
+        existing = set(self.store.names())
+        held = sum(state_bytes(self.store.get(name).spec) for name in existing)
+        incoming = 0
         for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
             if declared is None:
                 declared, job_step = message.count, message.step
@@ -159,6 +166,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise MalformedStreamError(f"no complete initial value for {pending.name!r} before the next spec")
                 if not message.spec.name:
                     raise MalformedStreamError("a VariableSpec without a name")
+                if message.spec.name not in existing:  # checked before a byte of its value is taken in
+                    incoming += self.quotas.check_variable(message.spec, held, incoming)
                 pending = message.spec
             if message.HasField("chunk"):
                 if pending is None or message.chunk.name != pending.name:

@@ -1,0 +1,85 @@
+"""A shard's limits: memory for values and optimizer state, the size of one variable, calls per client.
+
+Sizes are checked against what a CreateVariables stream declares (each
+spec's dtype and shape), before any of its bytes are received or allocated;
+a call over a limit gets RESOURCE_EXHAUSTED naming the limit, nothing is
+created, and the shard keeps serving everyone else. No gRPC.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+
+from .. import codec
+from ..errors import ResourceExhaustedError
+from ..proto import ps_pb2
+
+__all__ = ["Quotas", "state_bytes", "parse_bytes"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4G', '512M', '1048576' -> bytes (binary units); ValueError for anything else."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+    number = float(text[:-1] if unit else text)
+    if not number >= 0:
+        raise ValueError(f"a size must be >= 0: {text!r}")
+    return int(number * _UNITS[unit])
+
+
+def state_bytes(spec: ps_pb2.VariableSpec) -> int:
+    """Bytes a variable takes on a shard: its value and its optimizer's per-element state."""
+    optimizer = spec.optimizer
+    hyper = dict(optimizer.hyperparams)
+    slots = {"sgd": 1 if hyper.get("momentum", 0.0) else 0, "adagrad": 1,
+             "adam": 3 if hyper.get("amsgrad", 0.0) else 2, "adamw": 3 if hyper.get("amsgrad", 0.0) else 2
+             }.get(optimizer.name.lower(), 0)
+    return codec.meta_nbytes(spec.meta) * (1 + slots)
+
+
+class Quotas:
+    """The limits of one shard (0: none) and the bookkeeping they need. Thread-safe."""
+
+    def __init__(self, *, max_memory: int = 0, max_variable_bytes: int = 0, max_calls_per_client: int = 0):
+        self.max_memory = max_memory
+        self.max_variable_bytes = max_variable_bytes
+        self.max_calls_per_client = max_calls_per_client
+        self._lock = threading.Lock()
+        self._calls: collections.Counter[str] = collections.Counter()
+
+    def check_variable(self, spec: ps_pb2.VariableSpec, held: int, incoming: int) -> int:
+        """The bytes `spec` would take; ResourceExhaustedError if it is over a limit with `held` bytes already
+        on the shard and `incoming` declared earlier in the same stream."""
+        nbytes = codec.meta_nbytes(spec.meta)
+        if self.max_variable_bytes and nbytes > self.max_variable_bytes:
+            raise ResourceExhaustedError(
+                f"variable {spec.name!r} declares {nbytes} bytes, over this shard's --max-variable-bytes "
+                f"{self.max_variable_bytes}; nothing was created")
+        total = state_bytes(spec)
+        if self.max_memory and held + incoming + total > self.max_memory:
+            raise ResourceExhaustedError(
+                f"variable {spec.name!r} with its optimizer state needs {total} bytes; this shard holds {held} "
+                f"and its --max-memory is {self.max_memory}; nothing was created (add shards, or raise the limit)")
+        return total
+
+    @contextlib.contextmanager
+    def call(self, client: str):
+        """Held while `client` has a call in progress; ResourceExhaustedError past --max-calls-per-client."""
+        if not self.max_calls_per_client:
+            yield
+            return
+        with self._lock:
+            if self._calls[client] >= self.max_calls_per_client:
+                raise ResourceExhaustedError(
+                    f"{client} already has {self._calls[client]} calls in progress on this shard, its "
+                    f"--max-calls-per-client; this one was refused and changed nothing")
+            self._calls[client] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls[client] -= 1
