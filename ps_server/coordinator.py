@@ -286,7 +286,7 @@ class Coordinator:
                         continue  # the original failed before changing anything: apply this one
                     self.duplicates += 1
                     return result
-                self._catch_up(step)
+                self._catch_up(step, pushed=True)
                 mode = self.config.mode
                 if mode == "sync":
                     self._check_ahead(step, "push step")
@@ -503,15 +503,20 @@ class Coordinator:
         replay(self, record)
 
 
-    def _catch_up(self, step: int) -> None:
-        """A shard without the job's latest state adopts the job's step the first time a client shows one."""
-        if self._behind and step > self.store.step:
+    def _catch_up(self, step: int, *, pushed: bool = False) -> None:
+        """A shard without the job's latest state (restored from an older checkpoint) adopts the job's step the
+        first time a client shows a later one; a push at its own step shows it is not behind either."""
+        if not self._behind:
+            return
+        if step > self.store.step:
             _LOGGER.warning("this shard is at step %d and the job at step %d: catching up (updates in between "
                             "are lost)", self.store.step, step)
             self.store.set_step(step)
             self.pending.clear()
             self._log("set_step", {"step": step, "clear": True})
-        self._behind = False
+            self._behind = False
+        elif pushed and step == self.store.step:
+            self._behind = False
 
     def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:
         now = self._now()

@@ -1,4 +1,4 @@
-"""Coordinator (ps_server/sync.py) over a VariableStore, with threads and no sockets.
+"""Coordinator (ps_server/coordinator.py) over a VariableStore, with threads and no sockets.
 
 Sync mode must behave like TensorFlow's SyncReplicasOptimizer (average of a
 step's quorum applied once, stale gradients dropped and counted, backup
@@ -6,6 +6,10 @@ workers, R > N), with leases that lower the quorum instead of hanging; ssp
 bounds how far a worker runs ahead of the slowest one; async never blocks.
 Where leases matter the clock is a fake one; the lease reaper waits with a
 real timeout computed from it, so tests call coordinator.wake() after moving it.
+
+A call that must block is shown to wait by an event, never by watching it for
+a while: the coordinator counts it as held (a push held for its release or by
+the ssp bound) or waiting (a pull, a save, a retry), and its thread is alive.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import time
 import pytest
 import torch
 
-from torchps.errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
+from helpers import wait_until
+from torchps.errors import (InvalidArgumentError, ModeConflictError, ResourceExhaustedError, ServerUnavailableError,
+                            StepPassedError, WaitTimeoutError, WorkerReplacedError)
+from torchps.ps_server.coordinator import Coordinator
+from torchps.ps_server.modes import PushResult, SyncConfig
 from torchps.ps_server.store import NewVariable, VariableStore
-from torchps.ps_server.sync import Coordinator, PushResult, SyncConfig
 
-BLOCKED_PROBE = 0.2   # seconds a thread that must block is watched (a negative check: never flaky)
 RELEASE_TIMEOUT = 10  # seconds a thread that must be released gets (generous on a loaded machine)
 
 
@@ -40,11 +46,18 @@ class FakeClock:
             self._now += seconds
 
 
+def waiting(c: Coordinator) -> int:
+    """Calls blocked in `c` right now: pushes it holds (release, ssp bound) and other waits (pull, save, retry)."""
+    held = sum(m.held for m in list(c.membership.members.values()))
+    return held + sum(c.waits.waiting(kind) for kind in ("pull", "save", "retry", "list"))
+
+
 class Call:
     """Runs fn in a thread; result() joins it and returns its value or raises its exception."""
 
     def __init__(self, fn, *args, **kwargs):
         self._value = self._error = None
+        self.coordinator = getattr(fn, "__self__", None) or next((a for a in args if isinstance(a, Coordinator)), None)
         self.thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
         self.thread.start()
 
@@ -54,8 +67,11 @@ class Call:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             self._error = exc
 
-    def is_blocked(self, probe: float = BLOCKED_PROBE) -> bool:
-        self.thread.join(probe)
+    def waits(self, blocked: int = 1) -> bool:
+        """True once the coordinator counts `blocked` calls blocked (this one among them) while this call is
+        still running; False if the call returned instead. Fails the test if neither happens in time."""
+        wait_until(lambda: waiting(self.coordinator) >= blocked or not self.thread.is_alive(), RELEASE_TIMEOUT,
+                   f"{blocked} blocked call(s) in the coordinator")
         return self.thread.is_alive()
 
     def result(self, timeout: float = RELEASE_TIMEOUT):
@@ -115,11 +131,11 @@ def expire_leases(coordinator: Coordinator, clock: FakeClock, seconds: float, ex
     """Moves the fake clock and wakes the reaper until it has expired `expected_expired` leases in all."""
     clock.advance(seconds)
     deadline = time.monotonic() + RELEASE_TIMEOUT
-    while coordinator.workers_expired < expected_expired:
-        assert time.monotonic() < deadline, f"the reaper expired {coordinator.workers_expired} leases, " \
+    while coordinator.membership.expired < expected_expired:
+        assert time.monotonic() < deadline, f"the reaper expired {coordinator.membership.expired} leases, " \
                                             f"expected {expected_expired}"
         coordinator.wake()
-        time.sleep(0.01)
+        time.sleep(0.01)  # polling the reaper's count, with a deadline
 
 
 # -- sync: SyncReplicasOptimizer semantics ---------------------------------------------------------
@@ -130,7 +146,7 @@ def test_sync_first_push_waits_for_the_second_and_the_average_is_applied_once(co
         assert c.join(worker, 1) == 0
     assert c.quorum == 2
     first = Call(push, c, "worker:0", 0, g(1, 2, 3))
-    assert first.is_blocked(), "the first push of a step with quorum 2 returned before the second arrived"
+    assert first.waits(), "the first push of a step with quorum 2 returned before the second arrived"
     assert c.store.step == 0 and version(c) == 0, "something was applied with only one of two gradients"
     second = push(c, "worker:1", 0, g(3, 4, 5))
     released = first.result()
@@ -163,7 +179,7 @@ def test_sync_backup_workers_fastest_r_win_the_last_is_stale(coordinators):
         c.join(f"worker:{i}", 1)
     assert c.quorum == 2
     first = Call(push, c, "worker:0", 0, g(2, 2, 2))
-    assert first.is_blocked()
+    assert first.waits()
     second = push(c, "worker:1", 0, g(4, 4, 4))
     assert first.result().next_step == 1 and second.next_step == 1
     late = push(c, "worker:2", 0, g(1000, 1000, 1000))
@@ -180,9 +196,9 @@ def test_sync_r_greater_than_n_each_worker_contributes_k_batches(coordinators):
     a1 = push(c, "worker:0", 0, g(1, 0, 0))
     assert (a1.next_step, a1.stale) == (0, False), "the first of k batches must return at once, same step"
     a2 = Call(push, c, "worker:0", 0, g(2, 0, 0))
-    assert a2.is_blocked(), "a worker that gave its k batches must wait for the step"
+    assert a2.waits(), "a worker that gave its k batches must wait for the step"
     b1 = push(c, "worker:1", 0, g(3, 0, 0))
-    assert b1.next_step == 0 and a2.is_blocked(0.05)
+    assert b1.next_step == 0 and a2.waits()
     assert c.store.step == 0 and version(c) == 0
     b2 = push(c, "worker:1", 0, g(6, 0, 0))
     assert a2.result().next_step == 1 and b2.next_step == 1
@@ -199,8 +215,10 @@ def test_sync_pushes_ahead_of_the_step_wait_in_their_own_buffer(coordinators):
     assert push(c, "worker:0", 1, g(0, 100, 0)).next_step == 1  # worker 0 is ahead (shard 0 released it)
     assert c.store.step == 0 and version(c) == 0
     push(c, "worker:1", 0, g(4, 0, 0))
+    c.wait_for_step(1, RELEASE_TIMEOUT)  # the applier applies a complete step
     assert c.store.step == 1 and torch.equal(w(c), -torch.tensor([3.0, 0.0, 0.0]))
     push(c, "worker:1", 1, g(0, 200, 0))
+    c.wait_for_step(2, RELEASE_TIMEOUT)
     assert c.store.step == 2 and torch.equal(w(c), -torch.tensor([3.0, 150.0, 0.0]))
     assert c.stale_dropped == 0
 
@@ -214,12 +232,12 @@ def test_sync_expired_lease_lowers_the_quorum_and_releases_the_waiter(coordinato
     c.join("worker:1", 1)
     clock.advance(0.5)
     waiting = Call(push, c, "worker:0", 0, g(2, 4, 6))  # renews worker 0's lease at t = 0.5
-    assert waiting.is_blocked()
-    assert c.workers_expired == 0
+    assert waiting.waits()
+    assert c.membership.expired == 0
     expire_leases(c, clock, 0.7, expected_expired=1)  # t = 1.2: worker 1 (seen at 0) is out, worker 0 is not
     result = waiting.result()
     assert result.next_step == 1 and result.quorum == 1 and not result.stale
-    assert c.workers_expired == 1 and c.quorum_changes >= 1 and c.quorum == 1
+    assert c.membership.expired == 1 and c.quorum_changes >= 1 and c.quorum == 1
     assert c.live_workers() == 1
     assert torch.equal(w(c), -torch.tensor([2.0, 4.0, 6.0])) and c.store.step == 1
 
@@ -233,7 +251,7 @@ def test_sync_real_short_lease_releases_the_waiter(coordinators):
     result = Call(push, c, "worker:0", 0, g(1, 1, 1)).result(timeout=RELEASE_TIMEOUT)
     assert time.monotonic() - start >= 0.3, "released before the other worker's lease could have run out"
     # worker 0's own lease runs out at about the same time (no heartbeats here): 1 or 2 expired
-    assert result.next_step == 1 and result.quorum == 1 and c.workers_expired >= 1
+    assert result.next_step == 1 and result.quorum == 1 and c.membership.expired >= 1
 
 
 def test_sync_heartbeats_keep_a_lease(coordinators):
@@ -242,13 +260,13 @@ def test_sync_heartbeats_keep_a_lease(coordinators):
     c.join("worker:0", 1)
     c.join("worker:1", 1)
     waiting = Call(push, c, "worker:0", 0, g(1, 1, 1))
-    assert waiting.is_blocked()
+    assert waiting.waits()
     for _ in range(5):  # 2.5 s of fake time, both heartbeating every 0.5 s
         clock.advance(0.5)
         c.heartbeat("worker:0", 1)
         c.heartbeat("worker:1", 1)
         c.wake()
-    assert waiting.is_blocked() and c.workers_expired == 0 and c.quorum == 2
+    assert waiting.waits() and c.membership.expired == 0 and c.quorum == 2
     push(c, "worker:1", 0, g(1, 1, 1))
     assert waiting.result().next_step == 1
 
@@ -259,13 +277,13 @@ def test_sync_leave_lowers_the_quorum_at_once_and_releases_a_waiter(coordinators
     c.join("worker:0", 1)
     c.join("worker:1", 1)
     waiting = Call(push, c, "worker:0", 0, g(2, 2, 2))
-    assert waiting.is_blocked()
-    c.leave("worker:1")
+    assert waiting.waits()
+    c.leave("worker:1", 1)
     result = waiting.result()
     assert result.next_step == 1 and result.quorum == 1
-    assert c.quorum == 1 and c.quorum_changes >= 1 and c.workers_expired == 0 and c.live_workers() == 1
+    assert c.quorum == 1 and c.quorum_changes >= 1 and c.membership.expired == 0 and c.live_workers() == 1
     assert torch.equal(w(c), -torch.tensor([2.0, 2.0, 2.0]))
-    c.leave("worker:1")  # idempotent
+    c.leave("worker:1", 1)  # idempotent
     assert push(c, "worker:0", 1, g(1, 1, 1)).next_step == 2, "the one left goes on alone"
 
 
@@ -275,7 +293,7 @@ def test_sync_restarted_worker_rejoins_and_counts_again(coordinators):
     c.join("worker:0", 1)
     c.join("worker:1", 1)
     old = Call(push, c, "worker:1", 0, g(0, 0, 0), seq=1)  # incarnation 1 pushed seq 1 ...
-    assert old.is_blocked(0.05)
+    assert old.waits()
     push(c, "worker:0", 0, g(0, 0, 0), seq=1)
     assert old.result().next_step == 1 and c.store.step == 1
     clock.advance(0.5)
@@ -287,7 +305,7 @@ def test_sync_restarted_worker_rejoins_and_counts_again(coordinators):
     assert c.join("worker:1", 2) == 2, "a restart joins at the current step"
     assert c.quorum == 2 and c.quorum_changes == changes + 1 and c.live_workers() == 2
     waiting = Call(push, c, "worker:0", 2, g(2, 2, 2), seq=3)
-    assert waiting.is_blocked(), "the restarted worker must count towards the quorum again"
+    assert waiting.waits(), "the restarted worker must count towards the quorum again"
     # seq 1 again, but from the new incarnation: a new push, not a retry of the old one
     fresh = push(c, "worker:1", 2, g(4, 4, 4), seq=1, incarnation=2)
     assert not fresh.duplicate and fresh.next_step == 3
@@ -303,7 +321,7 @@ def test_sync_restart_without_lease_expiry_keeps_the_quorum(coordinators):
     assert c.join("worker:1", 7) == 0
     assert c.live_workers() == 2 and c.quorum == 2
     waiting = Call(push, c, "worker:0", 0, g(1, 1, 1))
-    assert waiting.is_blocked()
+    assert waiting.waits()
     push(c, "worker:1", 0, g(3, 3, 3), incarnation=7)
     assert waiting.result().next_step == 1 and torch.equal(w(c), -torch.tensor([2.0, 2.0, 2.0]))
 
@@ -339,7 +357,7 @@ def test_sync_rejoin_seen_by_shards_at_different_times_does_not_hang_a_shard(coo
     assert shard1.join("worker:2", 2, start_step) == 0  # ... and tells shard 1, still at step 0
     push(shard1, "worker:0", 0, g(1, 1, 1))
     push(shard1, "worker:1", 0, g(1, 1, 1))
-    push(shard1, "worker:2", start_step, g(1, 1, 1))  # its first push is tagged 1
+    push(shard1, "worker:2", start_step, g(1, 1, 1), incarnation=2)  # its first push is tagged 1
     try:
         shard1.wait_for_step(1, timeout=2.0)  # workers 0 and 1 pull with min_step 1
     except WaitTimeoutError as exc:
@@ -354,7 +372,7 @@ def test_sync_duplicate_push_is_not_applied_twice(coordinators):
     c.join("worker:0", 1)
     c.join("worker:1", 1)
     first = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
-    assert first.is_blocked()
+    assert first.waits()
     second = push(c, "worker:1", 0, g(4, 4, 4), seq=1)
     original = first.result()
     assert not original.duplicate and not second.duplicate
@@ -388,9 +406,9 @@ def test_sync_retry_of_a_push_still_waiting_is_not_counted_twice(coordinators):
     c.join("worker:0", 1)
     c.join("worker:1", 1)
     original = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
-    assert original.is_blocked()
+    assert original.waits()
     retry = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
-    retry.is_blocked()
+    assert retry.waits(2), "the retry of a held push waits for the same release"
     assert c.store.step == 0, "the retry of a held push was counted as a second gradient and completed the step"
     push(c, "worker:1", 0, g(4, 4, 4), seq=1)
     original.result(), retry.result()
@@ -409,16 +427,12 @@ def test_sync_retry_after_a_cancelled_wait_still_waits_for_the_release(coordinat
     c.join("worker:1", 1)
     cancelled = threading.Event()
     held = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1, cancelled=cancelled.is_set)
-    assert held.is_blocked()
+    assert held.waits()
     cancelled.set()
     c.wake()  # what the servicer's context callback does
     held.result()
     retry = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
-    if not retry.is_blocked():
-        result = retry.result()
-        assert result.next_step == 1, (
-            f"the retry returned at once with next_step={result.next_step} while step 0 still waits for "
-            f"worker 1: the worker would compute at step 0 again and be counted twice")
+    assert retry.waits(), "a retry answered at once would make the worker compute at step 0 again"
     push(c, "worker:1", 0, g(4, 4, 4), seq=1)
     assert retry.result().next_step == 1
     assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0]))
@@ -437,13 +451,13 @@ def test_ssp_worker_too_far_ahead_waits_for_the_slowest(coordinators):
     assert push(c, "worker:0", 0, g(1, 1, 1), step_increment=1).wait_seconds < 0.1, "within the bound: no wait"
     assert c.store.step == 1, "ssp applies pushes at once"
     ahead = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
-    assert ahead.is_blocked(), "2 pushes ahead of a worker with 0 and max_staleness 1: must wait"
+    assert ahead.waits(), "2 pushes ahead of a worker with 0 and max_staleness 1: must wait"
     assert c.store.step == 2 and version(c) == 2, "the push is applied; only the reply waits"
     assert push(c, "worker:1", 0, g(1, 1, 1), step_increment=1).step == 3
     ahead.result()
     # now 2 vs 1: one more push by worker 0 is within the bound of 1? 3 - 1 = 2 > 1: waits again
     again = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
-    assert again.is_blocked()
+    assert again.waits()
     push(c, "worker:1", 0, g(1, 1, 1), step_increment=1)
     again.result()
     assert c.store.step == 5 and version(c) == 5
@@ -455,7 +469,7 @@ def test_ssp_zero_staleness_is_lock_step(coordinators):
     c.join("worker:1", 1)
     for round_ in range(3):
         fast = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
-        assert fast.is_blocked(), f"round {round_}: with s=0 a push waits for the other worker's"
+        assert fast.waits(), f"round {round_}: with s=0 a push waits for the other worker's"
         push(c, "worker:1", 0, g(1, 1, 1), step_increment=1)
         fast.result()
     assert c.store.step == 6
@@ -466,8 +480,8 @@ def test_ssp_bound_ignores_a_worker_that_left(coordinators):
     c.join("worker:0", 1)
     c.join("worker:1", 1)
     ahead = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
-    assert ahead.is_blocked()
-    c.leave("worker:1")
+    assert ahead.waits()
+    c.leave("worker:1", 1)
     ahead.result()
     for _ in range(3):
         push(c, "worker:0", 0, g(1, 1, 1), step_increment=1)
@@ -561,7 +575,7 @@ def test_ssp_waiter_is_released_when_the_startup_grace_ends(coordinators):
     c = coordinators(ssp(2, 0, lease_seconds=30.0, startup_grace_seconds=0.5))
     c.join("worker:0", 1)
     held = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
-    assert held.is_blocked(0.1), "during the grace, worker 1 counts at clock 0"
+    assert held.waits(), "during the grace, worker 1 counts at clock 0"
     assert held.result(5.0).wait_seconds > 0, "the reaper wakes it when the grace ends, no other event needed"
 
 
@@ -580,7 +594,7 @@ def test_ssp_returning_worker_starts_level_with_the_slowest(coordinators):
     for _ in range(5):
         push(c, "worker:0", 0, g(1, 1, 1), step_increment=1)  # alone, unbounded
     c.join("worker:1", 2)  # back, with a new incarnation
-    assert not Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1).is_blocked(), \
+    assert Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1).result(RELEASE_TIMEOUT).wait_seconds < 1, \
         "worker 1 came back at the slowest live clock, not at its old one"
 
 
@@ -591,11 +605,11 @@ def test_a_save_for_a_step_the_shard_jumps_over_fails_as_past(coordinators):
     try:
         c.restore(state)
         save = Call(c.snapshot_at, 3, 5.0)
-        assert save.is_blocked()
+        assert save.waits()
         c.join("worker:0", 1)
         push(c, "worker:0", 10, g(1, 1, 1), seq=1)  # the job is at step 10: the shard jumps 0 -> 10, applies -> 11
         assert c.store.step == 11
-        with pytest.raises(ModeConflictError, match="ask for a later step"):
+        with pytest.raises(StepPassedError, match="without stopping at it"):
             save.result(2.0)
     finally:
         c.close()
@@ -605,7 +619,7 @@ def test_two_saves_of_the_same_step_both_get_the_snapshot(coordinators):
     c = coordinators(sync(1, lease_seconds=30.0))
     c.join("worker:0", 1)
     saves = [Call(c.snapshot_at, 1, 5.0) for _ in range(2)]
-    assert all(save.is_blocked() for save in saves)
+    assert saves[0].waits(2) and saves[1].waits(2)
     push(c, "worker:0", 0, g(1, 1, 1))
     assert [save.result()["step"] for save in saves] == [1, 1]
 
@@ -631,3 +645,141 @@ def test_sync_quick_restart_after_a_half_done_push_does_not_hang_the_lagging_sha
         shard1.wait_for_step(1, timeout=2.0)
     except WaitTimeoutError as exc:
         pytest.fail(f"shard 1 waits for the dead incarnation's step-0 gradient: {exc}")
+
+
+# -- exactly once, fencing, validation, locks, limits (issue #9) -----------------------------------------
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_retry_after_lease_expiry_and_rejoin_is_still_a_duplicate(coordinators, mode):
+    """Cut off longer than its lease, a worker's heartbeat gets through before its retried push: it rejoins
+    with the same incarnation, and the retry (same seq) is not applied again."""
+    clock = FakeClock()
+    config = sync(2, lease_seconds=1.0, startup_grace_seconds=0.0) if mode == "sync" else \
+        SyncConfig(lease_seconds=1.0, startup_grace_seconds=0.0)
+    c = coordinators(config, clock=clock)
+    c.join("worker:0", 1), c.join("worker:1", 1)
+    if mode == "sync":
+        held = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
+        assert held.waits()
+        push(c, "worker:1", 0, g(4, 4, 4), seq=1)
+        assert held.result().next_step == 1
+    else:
+        push(c, "worker:0", 0, g(1, 1, 1), seq=1, step_increment=1)
+    before = (w(c), c.store.step, version(c))
+    clock.advance(0.5)
+    c.heartbeat("worker:1", 1)
+    expire_leases(c, clock, 0.7, expected_expired=1)  # worker 0's lease ran out
+    c.heartbeat("worker:0", 1)  # back: rejoins with the same incarnation
+    retry = push(c, "worker:0", 0, g(2, 2, 2) if mode == "sync" else g(1, 1, 1), seq=1, step_increment=1)
+    assert retry.duplicate and not retry.stale
+    assert torch.equal(w(c), before[0]) and (c.store.step, version(c)) == before[1:], "applied once"
+    assert c.stale_dropped == 0
+
+
+def test_an_old_incarnation_can_neither_push_nor_heartbeat_nor_leave_for_its_successor(coordinators):
+    c = coordinators(sync(2, lease_seconds=30.0))
+    c.join("worker:0", 1), c.join("worker:1", 1)
+    c.join("worker:1", 2)  # worker 1 restarted
+    for call in (lambda: c.heartbeat("worker:1", 1), lambda: c.leave("worker:1", 1),
+                 lambda: push(c, "worker:1", 0, g(1, 1, 1), seq=9, incarnation=1)):
+        with pytest.raises(WorkerReplacedError, match="replaced by a newer process"):
+            call()
+    assert c.live_workers() == 2 and c.quorum == 2 and c.store.step == 0 and version(c) == 0
+    held = Call(push, c, "worker:0", 0, g(1, 1, 1))
+    assert held.waits(), "the new incarnation still counts"
+    push(c, "worker:1", 0, g(3, 3, 3), incarnation=2)
+    assert held.result().next_step == 1
+
+
+@pytest.mark.parametrize("bad", [
+    dict(step=-1), dict(step=1 << 63), dict(step_increment=2), dict(step_increment=-1000),
+    dict(step=10 ** 12, worker="made-up:1"),
+])
+def test_client_numbers_out_of_range_are_refused_and_change_nothing(coordinators, bad):
+    c = coordinators(sync(1, lease_seconds=30.0))
+    c.join("worker:0", 1)
+    kwargs = {"worker": "worker:0", "step": 0, "step_increment": 1, **bad}
+    with pytest.raises(InvalidArgumentError):
+        c.push(kwargs["worker"], 1, 1, kwargs["step"], g(1, 1, 1), kwargs["step_increment"])
+    assert (c.store.step, version(c), dict(c.pending.buffers), c.live_workers()) == (0, 0, {}, 1)
+    with pytest.raises(InvalidArgumentError):
+        c.wait_for_step(-1, 1.0)
+    assert push(c, "worker:0", 0, g(1, 1, 1), seq=1).next_step == 1, "the real worker goes on"
+
+
+def test_status_and_membership_never_wait_behind_an_apply_or_a_snapshot(coordinators):
+    c = coordinators()
+    entered, release = threading.Event(), threading.Event()
+    apply = c.store.apply
+
+    def slow_apply(*args, **kwargs):
+        entered.set()
+        assert release.wait(RELEASE_TIMEOUT)
+        return apply(*args, **kwargs)
+
+    c.store.apply = slow_apply  # an apply that takes as long as the test wants (a 40 MB Adam step, say)
+    pushing = Call(push, c, "worker:0", 0, g(1, 1, 1), step_increment=1)
+    assert entered.wait(RELEASE_TIMEOUT)
+    quick = Call(lambda: (c.join("worker:1", 1), c.heartbeat("worker:1", 1), c.counters(), c.live_workers(),
+                          c.leave("worker:1", 1)))
+    quick.result(RELEASE_TIMEOUT)
+    assert pushing.thread.is_alive(), "the apply was still running the whole time"
+    release.set()
+    assert pushing.result().step == 1
+    with c.gate.snapshot():  # a checkpoint copying the state
+        Call(lambda: (c.heartbeat("worker:0", 1), c.counters())).result(RELEASE_TIMEOUT)
+
+
+def test_the_waiting_call_limit_refuses_a_held_push_before_counting_it(coordinators):
+    store = VariableStore()
+    store.create([NewVariable("w", torch.zeros(3), "sgd", {"lr": 1.0})])
+    c = Coordinator(store, owns_step=True, max_waiting_calls=1)
+    try:
+        c.configure(sync(3, lease_seconds=30.0))
+        for i in range(3):
+            c.join(f"worker:{i}", 1)
+        held = Call(push, c, "worker:0", 0, g(1, 1, 1), seq=1)
+        assert held.waits()
+        with pytest.raises(ResourceExhaustedError, match="max-waiting-calls 1"):
+            push(c, "worker:1", 0, g(5, 5, 5), seq=1)
+        assert c.pending.buffers[0].pushes == 1, "the refused push was not counted"
+        c.leave("worker:2", 1)
+        c.close()
+        with pytest.raises(ServerUnavailableError, match="stopping"):
+            held.result()
+    finally:
+        c.close()
+
+
+def test_a_state_taken_while_pushes_run_holds_each_push_once_after_a_restore(coordinators):
+    """Three workers push while a checkpoint's state is taken; restored into a new shard, every push sent
+    again (as clients retry after a restart) is applied exactly once over the two shards' lifetimes."""
+    c = coordinators()
+    taken, states = threading.Event(), []
+
+    def pusher(worker: str) -> None:
+        for seq in range(1, 31):
+            push(c, worker, 0, g(1, 1, 1), seq=seq, step_increment=1)
+            if worker == "worker:0" and seq == 15:
+                taken.set()
+
+    threads = [threading.Thread(target=pusher, args=(f"worker:{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    assert taken.wait(RELEASE_TIMEOUT)
+    states.append(c.state(with_pending=False))
+    for thread in threads:
+        thread.join(RELEASE_TIMEOUT)
+    assert torch.equal(w(c), -90 * torch.ones(3))
+    restored = Coordinator(VariableStore(), owns_step=True, start=False)
+    try:
+        restored.restore(states[0], exact=True)
+        restored.start()
+        at_restore = -w(restored)[0].item()
+        assert 0 < at_restore < 90 and restored.store.step == at_restore
+        for i in range(3):
+            for seq in range(1, 31):
+                push(restored, f"worker:{i}", 0, g(1, 1, 1), seq=seq, step_increment=1)
+        assert torch.equal(w(restored), -90 * torch.ones(3)), "each of the 90 pushes applied exactly once"
+    finally:
+        restored.close()
