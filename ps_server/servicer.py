@@ -91,6 +91,7 @@ def _map_errors(method):
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def streaming(self, request, context):
+            self.calls_started.add()
             try:
                 caller = self.authority.caller(method.__name__, context)
                 with self.quotas.call(caller.name or context.peer()):
@@ -103,6 +104,7 @@ def _map_errors(method):
 
     @functools.wraps(method)
     def unary(self, request, context):
+        self.calls_started.add()
         try:
             caller = self.authority.caller(method.__name__, context)
             with self.quotas.call(caller.name or context.peer()):
@@ -146,7 +148,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.generation = random.getrandbits(63) or 1  # new on every start: clients notice restarts
         self.max_chunk_bytes = max_chunk_bytes
         self._pool = codec.BufferPool()  # gradient buffers, reused across pushes
-        self.calls_done = _Count()       # handlers returned, whatever the outcome: tests wait on it
+        self.calls_started = _Count()    # handlers entered, and returned whatever the outcome:
+        self.calls_done = _Count()       # tests wait on them
         self.push_bytes = _Count()       # gradient bytes taken in, complete or not
 
     @_map_errors
@@ -192,8 +195,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         names = list(request.names) or self.store.names()
         for name in names:
             self.store.get(name)  # NOT_FOUND before anything is sent
-        if request.chunk_bytes:
-            codec.check_chunk_bytes(request.chunk_bytes, max(self.max_chunk_bytes, codec.MIN_CHUNK_BYTES))
+        if request.chunk_bytes and request.chunk_bytes < codec.MIN_CHUNK_BYTES:  # above the shard's limit: cut to it
+            raise InvalidArgumentError(f"chunk_bytes must be 0 or at least {codec.MIN_CHUNK_BYTES}. "
+                                       f"Received: {request.chunk_bytes}")
         if request.min_step:
             context.add_callback(self.coordinator.wake)
             self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
@@ -326,7 +330,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             total_bytes=sum(self.store.get(n).nbytes for n in names), pid=os.getpid(),
             config=config_to_proto(coordinator.config), generation=self.generation,
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
-            calls_done=self.calls_done.value, push_bytes_received=self.push_bytes.value, **coordinator.counters())
+            calls_started=self.calls_started.value, calls_done=self.calls_done.value,
+            push_bytes_received=self.push_bytes.value, **coordinator.counters())
 
     @_map_errors
     def Configure(self, request, context):
@@ -357,9 +362,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Save(self, request, context):
-        self._require_checkpoints()
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
+        self._require_checkpoints()
         context.add_callback(self.coordinator.wake)
         state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
                                              now=request.now)
