@@ -3,7 +3,7 @@
 glibc's malloc serves every large block with a fresh mmap and returns freed
 memory to the kernel, so each 1 MiB message and each gradient buffer
 page-faults anew: copies into fresh memory ran 8x slower than into touched
-memory on the development machine (../shared/reading/transport.md), and the
+memory on the development machine (docs/peers.md), and the
 transport benchmark moved 10-90% faster with the settings below. They keep
 freed memory in the process for reuse, at the price of a larger resident
 size. ps-server and ps-worker call this at start; library users may call it.
