@@ -29,7 +29,7 @@ from ..errors import CheckpointError, InvalidArgumentError
 from ..placement import Placement
 
 __all__ = ["FORMAT", "MANIFEST_FORMAT", "write_shard", "commit", "latest_committed", "load", "restore_state",
-           "relayout", "clean_partial"]
+           "relayout", "clean_partial", "write_atomic", "fsync_dir"]
 
 _LOGGER = logging.getLogger(__name__)
 FORMAT = "torchps-shard-v2"
@@ -42,7 +42,8 @@ def step_dir(directory: str | os.PathLike, step: int) -> pathlib.Path:
     return pathlib.Path(directory) / f"{_STEP_PREFIX}{step:012d}"
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
+def fsync_dir(path: pathlib.Path) -> None:
+    """Makes a folder's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -50,11 +51,11 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: pathlib.Path, write) -> int:
+def write_atomic(path: pathlib.Path, write) -> int:
     """Writes `path` whole or not at all (see the module docstring); returns its size."""
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(path.parent.parent)
+        fsync_dir(path.parent.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -64,14 +65,14 @@ def _write_atomic(path: pathlib.Path, write) -> int:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path.stat().st_size
 
 
 def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
     """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes)."""
     path = step_dir(directory, step) / f"ps-{index}.pt"
-    size = _write_atomic(path, lambda f: torch.save({"format": FORMAT, "index": index, **state}, f))
+    size = write_atomic(path, lambda f: torch.save({"format": FORMAT, "index": index, **state}, f))
     return path, size
 
 
@@ -95,7 +96,7 @@ def commit(directory: str | os.PathLike, step: int, manifest: dict, shards: list
     body = {**manifest, "format": MANIFEST_FORMAT, "step": step,
             "shards": [{"index": i, "file": f"ps-{i}.pt", "bytes": b, "state_step": s} for i, b, s in sorted(shards)]}
     path = folder / MANIFEST
-    _write_atomic(path, lambda f: f.write(json.dumps(body, indent=1).encode()))
+    write_atomic(path, lambda f: f.write(json.dumps(body, indent=1).encode()))
     _prune(pathlib.Path(directory), keep)
     return path
 
@@ -141,7 +142,7 @@ def _prune(directory: pathlib.Path, keep: int) -> None:
     for step in doomed:
         shutil.rmtree(step_dir(directory, step), ignore_errors=True)
     if doomed:
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def clean_partial(directory: str | os.PathLike, index: int) -> None:

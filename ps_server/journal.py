@@ -37,6 +37,7 @@ import torch
 
 from .. import codec
 from ..errors import CheckpointError
+from .checkpoint import fsync_dir, write_atomic
 
 __all__ = ["Journal", "Record", "DEFAULT_COMPACT_BYTES"]
 
@@ -175,7 +176,7 @@ class Journal:
             if older < number:
                 for path in (self._base_path(older), self._log_path(older)):
                     path.unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def close(self) -> None:
         self._closed.set()
@@ -197,14 +198,7 @@ class Journal:
         return self.directory / f"log-{number:06d}.bin"
 
     def _write_base(self, number: int, state: dict) -> None:
-        path = self._base_path(number)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.directory)
+        write_atomic(self._base_path(number), lambda f: torch.save(state, f))
 
     def _sync_loop(self) -> None:
         while not self._closed.is_set():
@@ -220,14 +214,6 @@ def _write_all(f, view: memoryview) -> None:
     while len(view):
         written = f.write(view)
         view = view[written:]
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _decode(view: memoryview, offset: int) -> tuple[Record | None, int]:
