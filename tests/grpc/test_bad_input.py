@@ -1,11 +1,23 @@
-"""Bad input, sent straight through the generated stubs to real ps-server processes.
+"""Bad input, sent straight through the generated stubs to a real ps-server process.
 
 The standard (ps.proto): bad input gets a clear error with the right gRPC
 status code and changes nothing; a shard never crashes on input. So after each
 bad call we check (a) the status code, (b) that the details say what is wrong
 (naming the variable where there is one), (c) the `torchps-error` trailing
-metadata, (d) that the shard's values, versions, variable set and step are
-unchanged, and (e) that the shard still serves and its process is alive.
+metadata, (d) that the shard's versions, variable set, specs and step (and the
+values of the variables the call aimed at) are unchanged, and (e) that the
+shard still serves and its process is alive.
+
+Nothing here is ordered by sleeping. Before comparing, a check waits for the
+event itself: the failed call's handler has returned (GetStatus's
+calls_started / calls_done), or the bytes a vanishing client sent have arrived
+(GetStatus's push_bytes_received).
+
+Variables: small ones (float32[64], 256 bytes) travel as one chunk and serve
+every check that is not about the shape of a chunk stream; the stream-shape
+checks (missing, out-of-order, duplicated, overrunning, too small chunks...)
+use a multi-chunk variable of 4 x codec.MIN_CHUNK_BYTES, the smallest a shard
+takes for every chunk but a tensor's last.
 
 Every hand-made push starts with a header whose step_increment is 1, so a push
 that was wrongly (even partly) applied also shows in the step counter.
@@ -18,23 +30,24 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from helpers import wait_until
+from torchps.ps_server.server import SERVICE_NAME
+from torchps.worker.local_cluster import LocalCluster
 
 from torchps import codec
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.ps_server.server import SERVICE_NAME
 
-TIMEOUT = 30.0  # seconds per RPC: a hang fails the test quickly instead of at pytest's timeout
-CHUNK = codec.MIN_CHUNK_BYTES  # bytes per chunk in hand-made streams (the smallest a shard takes but a last one)
-N = CHUNK  # float32 elements of the test variables: N * 4 bytes, 4 chunks of CHUNK bytes
+TIMEOUT = 30.0  # seconds per RPC and per awaited event: a hang fails the test quickly, naming what it awaited
+MIN = codec.MIN_CHUNK_BYTES  # 64 KiB: the smallest chunk a shard takes, but for a tensor's last
+N = 64  # float32 elements of the small test variables: 256 bytes, always one chunk
 B = 4 * N  # their bytes
+M = MIN  # float32 elements of the multi-chunk variables: 4 * MIN bytes, 4 chunks of MIN
+MB = 4 * M  # their bytes
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # Not a protobuf: a varint that never ends.
 JUNK = b"\xff" * 12 + b"this is not a protobuf"
@@ -46,10 +59,10 @@ class Shard:
     channel: grpc.Channel
     proc: subprocess.Popen
     address: str
-    local: object  # the LocalCluster, for its logs
+    local: LocalCluster  # for its logs
 
 
-def _connect(local, index: int = 0) -> Shard:
+def _connect(local: LocalCluster, index: int = 0) -> Shard:
     address = local.cluster.ps[index]
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=TIMEOUT)
@@ -57,11 +70,12 @@ def _connect(local, index: int = 0) -> Shard:
 
 
 @pytest.fixture(scope="module")
-def shard(shared_cluster):
-    """Raw stub on shard 0 of the module's shared cluster."""
-    connected = _connect(shared_cluster)
-    yield connected
-    connected.channel.close()
+def shard():
+    """Raw stub on the module's own one-shard cluster (async, never configured)."""
+    with LocalCluster(1) as local:
+        connected = _connect(local)
+        yield connected
+        connected.channel.close()
 
 
 # -- helpers: building streams ----------------------------------------------------------------
@@ -72,13 +86,13 @@ def spec_of(name: str, value: torch.Tensor, optimizer: str = "sgd", **hyper) -> 
                                optimizer=ps_pb2.OptimizerSpec(name=optimizer, hyperparams=hyper))
 
 
-def create_requests(name: str, value: torch.Tensor, optimizer: str = "sgd", chunk_bytes: int = CHUNK,
+def create_requests(name: str, value: torch.Tensor, optimizer: str = "sgd", chunk_bytes: int = MIN,
                     **hyper) -> list[ps_pb2.CreateRequest]:
     return [ps_pb2.CreateRequest(spec=spec_of(name, value, optimizer, **hyper))] + [
         ps_pb2.CreateRequest(chunk=c) for c in codec.encode_chunks(name, value, chunk_bytes)]
 
 
-def create(stub, name: str, value: torch.Tensor, optimizer: str = "sgd", chunk_bytes: int = CHUNK,
+def create(stub, name: str, value: torch.Tensor, optimizer: str = "sgd", chunk_bytes: int = MIN,
            **hyper) -> list[bool]:
     hyper = hyper or ({"lr": 1.0} if optimizer == "sgd" else {})
     reply = stub.CreateVariables(iter(create_requests(name, value, optimizer, chunk_bytes, **hyper)), timeout=TIMEOUT)
@@ -90,8 +104,21 @@ def header(step_increment: int = 1, tensors: int = 0) -> ps_pb2.PushRequest:
                                                        tensors=tensors))
 
 
-def chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = CHUNK) -> list[ps_pb2.TensorChunk]:
+def chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MIN) -> list[ps_pb2.TensorChunk]:
+    """The tensor in chunks of chunk_bytes: one for a small variable, four of MIN for a multi-chunk one."""
     return list(codec.encode_chunks(name, tensor, chunk_bytes))
+
+
+def cut(name: str, tensor: torch.Tensor, sizes: list[int]) -> list[ps_pb2.TensorChunk]:
+    """The tensor in chunks of exactly these byte sizes (they must add up to its bytes)."""
+    raw = codec.tensor_bytes(tensor).tobytes()
+    assert sum(sizes) == len(raw), (sizes, len(raw))
+    out, offset = [], 0
+    for size in sizes:
+        out.append(ps_pb2.TensorChunk(name=name, meta=codec.meta_of(tensor) if offset == 0 else None, offset=offset,
+                                      data=raw[offset:offset + size]))
+        offset += size
+    return out
 
 
 def push_msgs(*items) -> list[ps_pb2.PushRequest]:
@@ -129,15 +156,19 @@ def push(stub, messages) -> ps_pb2.PushResponse:
     return stub.Push(iter(messages), timeout=TIMEOUT)
 
 
-def good_grad() -> torch.Tensor:
-    return torch.ones(N, dtype=torch.float32)
+def good_grad(n: int = N) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.float32)
 
 
-def initial_value() -> torch.Tensor:
-    return torch.arange(N, dtype=torch.float32)
+def initial_value(n: int = N) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32)
 
 
 # -- helpers: observing the shard -------------------------------------------------------------
+
+
+def status_of(stub) -> ps_pb2.StatusResponse:
+    return stub.GetStatus(ps_pb2.StatusRequest(), timeout=TIMEOUT)
 
 
 def pull_all(stub, names=(), chunk_bytes: int = 0) -> dict[str, tuple[bytes, int]]:
@@ -155,12 +186,43 @@ def value_of(stub, name: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32).clone()
 
 
+def quiesce(stub, what: str) -> None:
+    """Returns once every handler the shard entered has returned (the polling GetStatus aside). Use it once
+    the call awaited is known to have entered its handler (e.g. its bytes arrived)."""
+    wait_until(lambda: (lambda s: s.calls_done >= s.calls_started - 1)(status_of(stub)), TIMEOUT,
+               f"{what} (GetStatus calls_done to catch up with calls_started)")
+
+
+def settle(stub, mark: ps_pb2.StatusResponse, handlers: int, what: str) -> None:
+    """Waits until exactly `handlers` calls made after the status reading `mark` have entered their handler on
+    the shard and every handler has returned: a handler that wrongly went on after its call failed would
+    otherwise change the shard after we look. Fails naming `what` if that never happens."""
+    polls, entered = 0, []
+
+    def settled() -> bool:
+        nonlocal polls
+        polls += 1
+        status = status_of(stub)
+        entered[:] = [status.calls_started - mark.calls_started - polls]  # handlers entered, our polls aside
+        return entered[0] >= handlers and status.calls_done >= status.calls_started - 1
+
+    wait_until(settled, TIMEOUT, f"{what}: {handlers} handler(s) to be entered and return on the shard "
+                                 f"(GetStatus calls_started / calls_done)")
+    assert entered[0] == handlers, f"{what}: {entered[0]} handlers ran on the shard, expected {handlers}"
+
+
+def wait_received(stub, at_least: int, what: str) -> None:
+    """Returns once the shard has taken in `at_least` gradient bytes in all (GetStatus.push_bytes_received)."""
+    wait_until(lambda: status_of(stub).push_bytes_received >= at_least, TIMEOUT,
+               f"the shard to take in {what} (push_bytes_received >= {at_least})")
+
+
 def snapshot(stub, names=()) -> dict:
     """Everything a bad call must leave alone: versions (any applied update bumps them), specs, the variable
-    set, the step, and the values of `names` (the variables the call aimed at)."""
-    wait_quiescent(stub)
+    set, the step, the push counters, and the values of `names` (the variables the call aimed at)."""
+    quiesce(stub, "every call on the shard to finish before a snapshot")
     listing = stub.ListVariables(ps_pb2.ListRequest(), timeout=TIMEOUT)
-    status = stub.GetStatus(ps_pb2.StatusRequest(), timeout=TIMEOUT)
+    status = status_of(stub)
     return {
         "values": pull_all(stub, names) if names else {},
         "versions": {info.spec.name: info.version for info in listing.variables},
@@ -169,18 +231,10 @@ def snapshot(stub, names=()) -> dict:
         "step": status.step,
         "num_variables": status.num_variables,
         "total_bytes": status.total_bytes,
+        "duplicates": status.duplicates,
+        "stale_dropped": status.stale_dropped,
+        "waiting_calls": status.waiting_calls,
     }
-
-
-def status_of(stub) -> ps_pb2.StatusResponse:
-    return stub.GetStatus(ps_pb2.StatusRequest(), timeout=TIMEOUT)
-
-
-def wait_quiescent(stub) -> None:
-    """Returns once every call the shard took has finished (its handler returned), the status call aside:
-    a handler that wrongly went on after a failed call would otherwise change the shard after we look."""
-    wait_until(lambda: (lambda s: s.calls_done >= s.calls_started - 1)(status_of(stub)), TIMEOUT,
-               "every call on the shard to finish")
 
 
 def versions(stub) -> dict[str, int]:
@@ -207,9 +261,9 @@ def assert_serving(shard: Shard, good_push: str | None = None) -> None:
         before_value = value_of(shard.stub, good_push)
         (info,) = shard.stub.ListVariables(ps_pb2.ListRequest(names=[good_push]), timeout=TIMEOUT).variables
         before = info.version
-        step = shard.stub.GetStatus(ps_pb2.StatusRequest(), timeout=TIMEOUT).step
+        step = status_of(shard.stub).step
         grad = torch.ones(tuple(info.spec.meta.shape))
-        reply = push(shard.stub, push_msgs(header(), *chunks(good_push, grad, 1 << 18)))
+        reply = push(shard.stub, push_msgs(header(), *chunks(good_push, grad)))
         assert reply.versions[good_push] == before + 1
         assert reply.step == step + 1
         assert torch.equal(value_of(shard.stub, good_push), before_value - 1)
@@ -234,12 +288,15 @@ def assert_unchanged(before: dict, after: dict, what: str) -> None:
 
 
 def check_rejected(shard: Shard, call, code: grpc.StatusCode, error_class: str | None, *fragments: str,
-                   good_push: str | None = None) -> grpc.RpcError:
-    """Runs a bad `call`; asserts its status, that nothing changed, and that the shard still serves."""
+                   good_push: str | None = None, handlers: int = 1) -> grpc.RpcError:
+    """Runs a bad `call` (`handlers` RPCs that reach the servicer); asserts its status, that its handlers
+    returned and changed nothing, and that the shard still serves."""
     names = [good_push] if good_push else []
     before = snapshot(shard.stub, names)
+    mark = status_of(shard.stub)
     with pytest.raises(grpc.RpcError) as info:
         call()
+    settle(shard.stub, mark, handlers, f"a call rejected with {info.value.code().name}")
     assert_status(info.value, code, error_class, *fragments)
     assert_unchanged(before, snapshot(shard.stub, names), f"a call rejected with {info.value.code().name}")
     assert_serving(shard, good_push)
@@ -248,9 +305,17 @@ def check_rejected(shard: Shard, call, code: grpc.StatusCode, error_class: str |
 
 @pytest.fixture
 def var(shard, request) -> str:
-    """A fresh float32[N] variable (sgd, lr=1) on the shard, named after the test."""
+    """A fresh float32[N] variable (sgd, lr=1), one chunk on the wire, named after the test."""
     name = "bad/" + request.node.name
     assert create(shard.stub, name, initial_value()) == [True]
+    return name
+
+
+@pytest.fixture
+def multi(shard, request) -> str:
+    """A fresh float32[M] variable (sgd, lr=1): 4 chunks of MIN bytes on the wire, named after the test."""
+    name = "multi/" + request.node.name
+    assert create(shard.stub, name, initial_value(M)) == [True]
     return name
 
 
@@ -263,6 +328,13 @@ def test_health_check_serving(shard):
     with pytest.raises(grpc.RpcError) as info:
         health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_variables_have_the_chunk_counts_the_checks_rely_on(shard, var, multi):
+    """The premise of this file: small variables are one chunk, the multi-chunk one four chunks of MIN."""
+    assert len(chunks(var, good_grad())) == 1 and len(chunks(var, good_grad())[0].data) == B
+    assert [len(c.data) for c in chunks(multi, good_grad(M))] == [MIN] * 4
+    assert versions(shard.stub)[var] == versions(shard.stub)[multi] == 0
 
 
 # -- unknown variables ------------------------------------------------------------------------
@@ -312,6 +384,14 @@ def test_push_bad_gradient(shard, var, grad, code, error_class, fragments):
                    good_push=var)
 
 
+def test_push_nan_in_the_last_chunk_of_a_multi_chunk_gradient(shard, multi):
+    grad = good_grad(M)
+    grad[-1] = float("nan")
+    messages = push_msgs(header(), *chunks(multi, grad))
+    check_rejected(shard, lambda: push(shard.stub, messages), INVALID, "NonFiniteGradientError", repr(multi),
+                   "NaN or Inf", good_push=multi)
+
+
 def test_push_to_variable_without_optimizer(shard):
     name = "bad/frozen"
     assert create(shard.stub, name, initial_value(), optimizer="none") == [True]
@@ -342,47 +422,128 @@ def test_nonfinite_accepted_with_allow_nonfinite(local_cluster):
 
 
 @pytest.mark.parametrize("second, code, error_class, fragment", [
-    pytest.param(lambda b: chunks(b, torch.ones(N, dtype=torch.float64)), INVALID, "TensorMismatchError",
-                 f"float64[{N}]", id="wrong-dtype"),
-    pytest.param(lambda b: chunks(b, torch.full((N,), float("nan"))), INVALID, "NonFiniteGradientError",
+    pytest.param(lambda b: chunks(b, torch.ones(M, dtype=torch.float64)), INVALID, "TensorMismatchError",
+                 f"float64[{M}]", id="wrong-dtype"),
+    pytest.param(lambda b: chunks(b, torch.full((M,), float("nan"))), INVALID, "NonFiniteGradientError",
                  "NaN or Inf", id="nan"),
-    pytest.param(lambda b: chunks(b, good_grad())[:2], INVALID, "MalformedStreamError", "incomplete",
+    pytest.param(lambda b: chunks(b, good_grad(M))[:2], INVALID, "MalformedStreamError", "incomplete",
                  id="truncated"),
+    pytest.param(lambda b: cut(b, good_grad(M), [MIN - 4, 3 * MIN + 4]), INVALID, "MalformedStreamError",
+                 f"at least {MIN} bytes", id="chunk-below-the-minimum"),
     pytest.param(lambda b: chunks("nope/second", good_grad()), grpc.StatusCode.NOT_FOUND, "UnknownVariableError",
                  "'nope/second'", id="unknown"),
 ])
 def test_push_second_variable_bad_applies_neither(shard, var, second, code, error_class, fragment):
-    other = var + "/second"
-    assert create(shard.stub, other, initial_value()) == [True]
+    other = var + "/second"  # multi-chunk
+    assert create(shard.stub, other, initial_value(M)) == [True]
     messages = push_msgs(header(), *chunks(var, good_grad()), *second(other))
     check_rejected(shard, lambda: push(shard.stub, messages), code, error_class, fragment, good_push=var)
     assert versions(shard.stub)[var] == 1  # only the good push of check_rejected
+    assert versions(shard.stub)[other] == 0
+
+
+# -- the minimum chunk: every chunk but a tensor's last carries at least MIN bytes ---------------
+
+
+@pytest.mark.parametrize("sizes, fragments", [
+    pytest.param([MIN - 4, MIN + 4, MIN, MIN], [f"carries {MIN - 4} bytes and is not its last"], id="first-4-short"),
+    pytest.param([MIN, MIN - 1, MIN + 1, MIN], [f"carries {MIN - 1} bytes"], id="second-1-byte-short"),
+    pytest.param([1] * 16 + [MB - 16], ["carries 1 bytes"], id="one-byte-chunks"),
+    pytest.param([0, MB], ["carries 0 bytes"], id="empty-chunk-first"),
+    pytest.param([MIN // 2] * 8, [f"carries {MIN // 2} bytes"], id="half-minimum-chunks"),
+])
+def test_push_chunk_below_the_minimum_is_malformed(shard, multi, sizes, fragments):
+    messages = push_msgs(header(), *cut(multi, good_grad(M), sizes))
+    check_rejected(shard, lambda: push(shard.stub, messages), INVALID, "MalformedStreamError", repr(multi),
+                   f"at least {MIN} bytes", *fragments, good_push=multi)
+
+
+@pytest.mark.parametrize("sizes", [
+    pytest.param([MIN] * 4, id="four-of-the-minimum"),
+    pytest.param([MB], id="one-chunk"),
+    pytest.param([MIN + 8] * 3 + [MIN - 24], id="short-last-chunk"),
+    pytest.param([MB - 4, 4], id="4-byte-last-chunk"),
+    pytest.param([2 * MIN, MIN, MIN], id="uneven"),
+])
+def test_push_chunks_at_or_above_the_minimum_are_applied(shard, multi, sizes):
+    """The controls of the cases above: the same gradient in legal chunks is applied, once."""
+    before = value_of(shard.stub, multi)
+    step = status_of(shard.stub).step
+    reply = push(shard.stub, push_msgs(header(), *cut(multi, good_grad(M), sizes)))
+    assert reply.versions[multi] == 1 and reply.step == step + 1
+    assert torch.equal(value_of(shard.stub, multi), before - 1)
+
+
+def test_a_small_variable_is_one_short_chunk_and_is_applied(shard, var):
+    reply = push(shard.stub, push_msgs(header(), *cut(var, good_grad(), [B])))
+    assert reply.versions[var] == 1
+    assert torch.equal(value_of(shard.stub, var), initial_value() - 1)
+
+
+def test_create_with_a_chunk_below_the_minimum_creates_nothing(shard, var):
+    fresh = var + "/short-chunks"
+    requests = [ps_pb2.CreateRequest(spec=spec_of(fresh, initial_value(M), lr=1.0))] + [
+        ps_pb2.CreateRequest(chunk=c) for c in cut(fresh, initial_value(M), [MIN - 4, MIN + 4, MIN, MIN])]
+    check_rejected(shard, lambda: shard.stub.CreateVariables(iter(requests), timeout=TIMEOUT), INVALID,
+                   "MalformedStreamError", repr(fresh), f"carries {MIN - 4} bytes", f"at least {MIN} bytes",
+                   good_push=var)
+    assert fresh not in versions(shard.stub)
+    # The control: the same value in chunks at or above the minimum (a short last one) creates it, intact.
+    requests = [ps_pb2.CreateRequest(spec=spec_of(fresh, initial_value(M), lr=1.0))] + [
+        ps_pb2.CreateRequest(chunk=c) for c in cut(fresh, initial_value(M), [MIN + 8] * 3 + [MIN - 24])]
+    assert list(shard.stub.CreateVariables(iter(requests), timeout=TIMEOUT).created) == [True]
+    assert torch.equal(value_of(shard.stub, fresh), initial_value(M))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4096, MIN - 1])
+def test_pull_chunk_bytes_below_the_minimum_is_invalid(shard, multi, chunk_bytes):
+    request = ps_pb2.PullRequest(names=[multi], chunk_bytes=chunk_bytes)
+    check_rejected(shard, lambda: list(shard.stub.Pull(request, timeout=TIMEOUT)), INVALID, "InvalidArgumentError",
+                   "chunk_bytes", str(MIN), str(chunk_bytes), good_push=multi)
+
+
+@pytest.mark.parametrize("chunk_bytes, expected", [
+    pytest.param(0, [MB], id="default"),
+    pytest.param(MIN, [MIN] * 4, id="minimum"),
+    pytest.param(MIN + 4, [MIN + 4] * 3 + [MB - 3 * (MIN + 4)], id="minimum-plus-4"),
+    pytest.param(3 * MIN, [3 * MIN, MIN], id="three-minimums"),
+])
+def test_pull_chunks_obey_the_minimum_too(shard, multi, var, chunk_bytes, expected):
+    """A shard's own pull streams follow the rule it enforces (clients check them with the same assembler)."""
+    messages = list(shard.stub.Pull(ps_pb2.PullRequest(names=[multi, var], chunk_bytes=chunk_bytes),
+                                    timeout=TIMEOUT))
+    sizes = [len(c.data) for m in messages for c in m.chunks if c.name == multi]
+    assert sizes == expected
+    assembler = codec.ChunkAssembler()
+    got = dict(done for m in messages for c in m.chunks if (done := assembler.add(c)) is not None)
+    assembler.finish()
+    assert torch.equal(got[multi], initial_value(M)) and torch.equal(got[var], initial_value())
 
 
 # -- malformed chunk streams ------------------------------------------------------------------
 
-# Each case: var name -> push messages. The gradient is ones(64) float32 in 4 chunks c[0..3].
+# Each case: multi-chunk variable name -> push messages. The gradient is ones(M) float32 in 4 chunks c[0..3] of MIN.
 def _c(name):
-    return chunks(name, good_grad())
+    return chunks(name, good_grad(M))
 
 
 STREAMS = {
     "missing-chunk": (lambda v: push_msgs(header(), *[_c(v)[i] for i in (0, 2, 3)]),
-                      "MalformedStreamError", [f"offset {2 * CHUNK}", f"offset {CHUNK} was expected"]),
+                      "MalformedStreamError", [f"offset {2 * MIN}", f"offset {MIN} was expected"]),
     "out-of-order": (lambda v: push_msgs(header(), *[_c(v)[i] for i in (0, 2, 1, 3)]),
-                     "MalformedStreamError", [f"offset {2 * CHUNK}"]),
+                     "MalformedStreamError", [f"offset {2 * MIN}"]),
     "duplicated-chunk": (lambda v: push_msgs(header(), *[_c(v)[i] for i in (0, 1, 1, 2, 3)]),
-                         "MalformedStreamError", [f"offset {CHUNK}", f"offset {2 * CHUNK} was expected"]),
-    "overrun-last-chunk": (lambda v: push_msgs(header(), *_c(v)[:3], edited(_c(v)[3], data=bytes(2 * CHUNK))),
-                           "MalformedStreamError", [f"past the {B} bytes", f"float32[{N}]"]),
-    "overrun-single-chunk": (lambda v: push_msgs(header(), edited(_c(v)[0], data=bytes(8 * N))),
-                             "MalformedStreamError", [f"byte {2 * B}", f"past the {B} bytes"]),
-    "overrun-extra-chunk": (lambda v: push_msgs(header(), *_c(v), edited(_c(v)[1], offset=4 * N)),
-                            "MalformedStreamError", [f"offset {B}"]),
+                         "MalformedStreamError", [f"offset {MIN}", f"offset {2 * MIN} was expected"]),
+    "overrun-last-chunk": (lambda v: push_msgs(header(), *_c(v)[:3], edited(_c(v)[3], data=bytes(2 * MIN))),
+                           "MalformedStreamError", [f"past the {MB} bytes", f"float32[{M}]"]),
+    "overrun-single-chunk": (lambda v: push_msgs(header(), edited(_c(v)[0], data=bytes(2 * MB))),
+                             "MalformedStreamError", [f"byte {2 * MB}", f"past the {MB} bytes"]),
+    "overrun-extra-chunk": (lambda v: push_msgs(header(), *_c(v), edited(_c(v)[1], offset=MB)),
+                            "MalformedStreamError", [f"offset {MB}"]),
     "truncated": (lambda v: push_msgs(header(), *_c(v)[:2]),
-                  "MalformedStreamError", ["incomplete", f"{2 * CHUNK} of {B} bytes"]),
+                  "MalformedStreamError", ["incomplete", f"{2 * MIN} of {MB} bytes"]),
     "truncated-to-meta-only": (lambda v: push_msgs(header(), edited(_c(v)[0], data=b"")),
-                               "MalformedStreamError", [f"carries 0 bytes and is not its last", f"at least {CHUNK} bytes"]),
+                               "MalformedStreamError", ["carries 0 bytes and is not its last", f"at least {MIN} bytes"]),
     "first-chunk-without-meta": (lambda v: push_msgs(header(), no_meta(_c(v)[0]), *_c(v)[1:]),
                                  "MalformedStreamError", ["no meta"]),
     "meta-in-later-chunk": (lambda v: push_msgs(header(), _c(v)[0], edited(_c(v)[1], meta=_c(v)[0].meta), *_c(v)[2:]),
@@ -390,7 +551,7 @@ STREAMS = {
     "chunk-without-name": (lambda v: push_msgs(header(), *[edited(c, name="") for c in _c(v)]),
                            "MalformedStreamError", ["without a variable name"]),
     "interleaved-variables": (lambda v: push_msgs(header(), _c(v)[0], _c(v + "/other")[0], *_c(v)[1:]),
-                              "MalformedStreamError", ["/other'", f"{CHUNK} of {B} bytes"]),
+                              "MalformedStreamError", ["/other'", f"{MIN} of {MB} bytes"]),
     "same-variable-twice": (lambda v: push_msgs(header(), *_c(v), *_c(v)),
                             "MalformedStreamError", ["appears twice"]),
     "no-header": (lambda v: push_msgs(*_c(v)), "MalformedStreamError", ["must start with a header"]),
@@ -399,29 +560,39 @@ STREAMS = {
     "header-twice-later": (lambda v: push_msgs(header(), *_c(v)[:2], header(), *_c(v)[2:]),
                            "MalformedStreamError", ["header twice"]),
     "empty-stream": (lambda v: [], "MalformedStreamError", ["no header"]),
+    "declared-more-tensors": (lambda v: push_msgs(header(tensors=2), *_c(v)),
+                              "MalformedStreamError", ["declared 2 tensors but 1 arrived"]),
     "packed-missing-chunk": (lambda v: [header(), packed(*[_c(v)[i] for i in (0, 2, 3)])],
-                             "MalformedStreamError", [f"offset {2 * CHUNK}"]),
+                             "MalformedStreamError", [f"offset {2 * MIN}"]),
     "packed-duplicated-chunk": (lambda v: [header(), packed(*_c(v)[:2]), packed(*_c(v)[1:])],
-                                "MalformedStreamError", [f"offset {CHUNK}"]),
+                                "MalformedStreamError", [f"offset {MIN}"]),
     "packed-with-header-truncated": (lambda v: [packed(*_c(v)[:3], with_header=True)],
-                                     "MalformedStreamError", ["incomplete", f"{3 * CHUNK} of {B} bytes"]),
+                                     "MalformedStreamError", ["incomplete", f"{3 * MIN} of {MB} bytes"]),
     "packed-second-variable-interleaved": (lambda v: [header(), packed(_c(v)[0], _c(v + "/other")[0], *_c(v)[1:])],
                                            "MalformedStreamError", ["/other'"]),
     "negative-dimension": (lambda v: push_msgs(header(), edited(_c(v)[0], meta=ps_pb2.TensorMeta(
-        dtype=ps_pb2.FLOAT32, shape=[-1, -64])), *_c(v)[1:]), "InvalidArgumentError", ["negative dimension"]),
-    "unspecified-dtype": (lambda v: push_msgs(header(), edited(_c(v)[0], meta=ps_pb2.TensorMeta(shape=[N])),
+        dtype=ps_pb2.FLOAT32, shape=[-1, -M])), *_c(v)[1:]), "InvalidArgumentError", ["negative dimension"]),
+    "unspecified-dtype": (lambda v: push_msgs(header(), edited(_c(v)[0], meta=ps_pb2.TensorMeta(shape=[M])),
                                               *_c(v)[1:]), "InvalidArgumentError", ["dtype"]),
 }
+_NAMELESS = ("no-header", "empty-stream", "header-twice-at-start", "header-twice-later", "chunk-without-name",
+             "negative-dimension", "unspecified-dtype", "declared-more-tensors")
 
 
 @pytest.mark.parametrize("case", list(STREAMS))
-def test_push_malformed_stream(shard, var, case):
+def test_push_malformed_stream(shard, multi, case):
     build, error_class, fragments = STREAMS[case]
-    messages = build(var)
-    name_fragment = [] if case in ("no-header", "empty-stream", "header-twice-at-start", "header-twice-later",
-                                   "chunk-without-name", "negative-dimension", "unspecified-dtype") else [repr(var)]
+    messages = build(multi)
+    name_fragment = [] if case in _NAMELESS else [repr(multi)]
     check_rejected(shard, lambda: push(shard.stub, messages), INVALID, error_class, *name_fragment, *fragments,
-                   good_push=var)
+                   good_push=multi)
+
+
+def test_the_stream_cases_are_malformed_only_by_their_defect(shard, multi):
+    """The control of the cases above: the gradient they cut up, in its own four chunks, is a good push."""
+    reply = push(shard.stub, push_msgs(header(tensors=1), *_c(multi)))
+    assert reply.versions[multi] == 1
+    assert torch.equal(value_of(shard.stub, multi), initial_value(M) - 1)
 
 
 # -- PushPull: the same rules in one unary call ------------------------------------------------
@@ -434,39 +605,45 @@ def pushpull(*items: ps_pb2.TensorChunk, pull=(), with_header: bool = True) -> p
     return request
 
 
-PUSHPULL = {
-    "good-control": (lambda v: pushpull(*_c(v), pull=[v]), None, None, []),
-    "unknown-variable": (lambda v: pushpull(*_c("nope/pp"), pull=[v]), grpc.StatusCode.NOT_FOUND,
+PUSHPULL = {  # name -> (request for the small variable v or the multi-chunk one m, code, error class, fragments)
+    "good-control": (lambda v, m: pushpull(*_c(m), pull=[m, v]), None, None, []),
+    "unknown-variable": (lambda v, m: pushpull(*chunks("nope/pp", good_grad()), pull=[v]), grpc.StatusCode.NOT_FOUND,
                          "UnknownVariableError", ["'nope/pp'"]),
-    "pull-unknown-variable": (lambda v: pushpull(*_c(v), pull=[v, "nope/pp-pull"]), grpc.StatusCode.NOT_FOUND,
-                              "UnknownVariableError", ["'nope/pp-pull'"]),
-    "wrong-shape": (lambda v: pushpull(*chunks(v, torch.ones(8, 8)), pull=[v]), INVALID, "TensorMismatchError",
+    "pull-unknown-variable": (lambda v, m: pushpull(*chunks(v, good_grad()), pull=[v, "nope/pp-pull"]),
+                              grpc.StatusCode.NOT_FOUND, "UnknownVariableError", ["'nope/pp-pull'"]),
+    "wrong-shape": (lambda v, m: pushpull(*chunks(v, torch.ones(8, 8)), pull=[v]), INVALID, "TensorMismatchError",
                     ["float32[8, 8]"]),
-    "nan": (lambda v: pushpull(*chunks(v, torch.full((N,), float("nan"))), pull=[v]), INVALID,
+    "nan": (lambda v, m: pushpull(*chunks(v, torch.full((N,), float("nan"))), pull=[v]), INVALID,
             "NonFiniteGradientError", ["NaN or Inf"]),
-    "missing-chunk": (lambda v: pushpull(*[_c(v)[i] for i in (0, 1, 3)], pull=[v]), INVALID, "MalformedStreamError",
-                      [f"offset {3 * CHUNK}"]),
-    "truncated": (lambda v: pushpull(*_c(v)[:3], pull=[v]), INVALID, "MalformedStreamError", ["incomplete"]),
-    "no-header": (lambda v: pushpull(*_c(v), with_header=False), INVALID, "MalformedStreamError", ["header"]),
+    "missing-chunk": (lambda v, m: pushpull(*[_c(m)[i] for i in (0, 1, 3)], pull=[m]), INVALID,
+                      "MalformedStreamError", [f"offset {3 * MIN}"]),
+    "truncated": (lambda v, m: pushpull(*_c(m)[:3], pull=[m]), INVALID, "MalformedStreamError", ["incomplete"]),
+    "chunk-below-the-minimum": (lambda v, m: pushpull(*cut(m, good_grad(M), [MIN - 4, 3 * MIN + 4]), pull=[m]),
+                                INVALID, "MalformedStreamError", [f"at least {MIN} bytes"]),
+    "no-header": (lambda v, m: pushpull(*chunks(v, good_grad()), with_header=False), INVALID, "MalformedStreamError",
+                  ["header"]),
 }
 
 
 @pytest.mark.parametrize("case", list(PUSHPULL))
-def test_pushpull_bad_input(shard, var, case):
+def test_pushpull_bad_input(shard, var, multi, case):
     build, code, error_class, fragments = PUSHPULL[case]
-    request = build(var)
-    if code is None:  # the control: the same request, well formed, is applied and read back
+    request = build(var, multi)
+    if code is None:  # the control: the same kind of request, well formed, is applied and read back
         reply = shard.stub.PushPull(request, timeout=TIMEOUT)
-        assert reply.result.versions[var] == 1
-        assert b"".join(c.data for c in reply.chunks) == (initial_value() - 1).numpy().tobytes()
+        assert reply.result.versions[multi] == 1
+        data = {c.name: c.data for c in reply.chunks}
+        assert data == {multi: (initial_value(M) - 1).numpy().tobytes(), var: initial_value().numpy().tobytes()}
         return
+    target = multi if case in ("missing-chunk", "truncated", "chunk-below-the-minimum") else var
     check_rejected(shard, lambda: shard.stub.PushPull(request, timeout=TIMEOUT), code, error_class, *fragments,
-                   good_push=var)
+                   good_push=target)
+    assert versions(shard.stub)[multi if target == var else var] == 0
 
 
 def test_header_only_push_is_valid(shard):
     """Not bad input (shard 0 gets a header-only stream to advance the step): the control for the cases above."""
-    step = shard.stub.GetStatus(ps_pb2.StatusRequest(), timeout=TIMEOUT).step
+    step = status_of(shard.stub).step
     assert push(shard.stub, [header()]).step == step + 1
 
 
@@ -474,30 +651,30 @@ def test_header_only_push_is_valid(shard):
 
 
 def test_chunk_over_max_chunk_bytes_is_resource_exhausted(local_cluster):
-    local = local_cluster(1, server_args=["--max-chunk-bytes", "65536"])
+    local = local_cluster(1, server_args=["--max-chunk-bytes", str(MIN)])
     small = _connect(local)
     try:
-        name, n = "limited/w", 1 << 18  # float32[262144]: 1 MiB
-        value = torch.zeros(n)
-        assert create(small.stub, name, value, chunk_bytes=65536) == [True]
-        one_mib_chunk = push_msgs(header(tensors=1), *chunks(name, torch.ones(n), 1 << 20))
-        assert len(one_mib_chunk) == 2 and len(one_mib_chunk[1].chunks[0].data) == 1 << 20
+        name = "limited/w"  # float32[M]: 4 * MIN bytes
+        assert create(small.stub, name, initial_value(M)) == [True]
+        one_chunk = push_msgs(header(tensors=1), *chunks(name, good_grad(M), MB))
+        assert len(one_chunk) == 2 and len(one_chunk[1].chunks[0].data) == MB  # above MIN + the envelope
         # gRPC ends the shard's request stream when it refuses the message, racing with the cancellation the
         # handler must notice; five tries make a handler that takes the cut stream for a whole one show.
-        # The header declares its one tensor, as PSClient's do: a stream cut after the header is not a push.
+        # The header declares its one tensor, as clients do: a stream cut after the header is not a push.
         for _ in range(5):
-            err = check_rejected(small, lambda: push(small.stub, one_mib_chunk), grpc.StatusCode.RESOURCE_EXHAUSTED,
+            err = check_rejected(small, lambda: push(small.stub, one_chunk), grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  None)
             assert "torchps-error" not in dict(err.trailing_metadata() or ())  # refused by gRPC, before the servicer
-        # Creating with a 1 MiB chunk is refused the same way and creates nothing.
-        check_rejected(small, lambda: create(small.stub, "limited/new", value, chunk_bytes=1 << 20),
+        # Creating with a chunk over the limit is refused the same way and creates nothing.
+        check_rejected(small, lambda: create(small.stub, "limited/new", initial_value(M), chunk_bytes=MB),
                        grpc.StatusCode.RESOURCE_EXHAUSTED, None)
-        # The same gradient in chunks within the limit is applied, and pulls are cut to the limit too.
-        reply = push(small.stub, push_msgs(header(), *chunks(name, torch.ones(n), 65536)))
+        assert "limited/new" not in versions(small.stub)
+        # The same gradient in chunks within the limit is applied, and pulls asking more are cut to the limit.
+        reply = push(small.stub, push_msgs(header(), *chunks(name, good_grad(M), MIN)))
         assert reply.versions[name] == 1
-        messages = list(small.stub.Pull(ps_pb2.PullRequest(names=[name], chunk_bytes=1 << 20), timeout=TIMEOUT))
-        assert max(len(c.data) for m in messages for c in m.chunks) <= 65536
-        assert_serving(small)
+        messages = list(small.stub.Pull(ps_pb2.PullRequest(names=[name], chunk_bytes=MB), timeout=TIMEOUT))
+        assert [len(c.data) for m in messages for c in m.chunks] == [MIN] * 4
+        assert_serving(small, good_push=name)
     finally:
         small.channel.close()
 
@@ -511,26 +688,28 @@ def _raw(channel, method: str, kind: str, response_type):
     return factory(path, request_serializer=lambda b: b, response_deserializer=response_type.FromString)
 
 
-@pytest.mark.parametrize("method, kind, response_type, requests", [
-    pytest.param("Push", "stream_unary", ps_pb2.PushResponse, lambda v: [JUNK], id="push-junk"),
+# handlers: 1 where the servicer decodes the request itself (streams, PushPull), 0 where gRPC's own decoding
+# refuses it before any handler runs.
+@pytest.mark.parametrize("method, kind, response_type, requests, handlers", [
+    pytest.param("Push", "stream_unary", ps_pb2.PushResponse, lambda v: [JUNK], 1, id="push-junk"),
     pytest.param("Push", "stream_unary", ps_pb2.PushResponse,
-                 lambda v: [m.SerializeToString() for m in push_msgs(header(), *_c(v)[:2])] + [JUNK],
+                 lambda v: [m.SerializeToString() for m in push_msgs(header(), *_c(v)[:2])] + [JUNK], 1,
                  id="push-junk-mid-stream"),
     pytest.param("Push", "stream_unary", ps_pb2.PushResponse,
-                 lambda v: [m.SerializeToString() for m in push_msgs(header(), *_c(v))] + [JUNK],
+                 lambda v: [m.SerializeToString() for m in push_msgs(header(), *_c(v))] + [JUNK], 1,
                  id="push-junk-after-complete-gradient"),
     pytest.param("CreateVariables", "stream_unary", ps_pb2.CreateResponse,
-                 lambda v: [m.SerializeToString() for m in create_requests(v + "/new", initial_value())] + [JUNK],
+                 lambda v: [m.SerializeToString() for m in create_requests(v + "/new", initial_value(M))] + [JUNK], 1,
                  id="create-junk-after-complete-variable"),
-    pytest.param("Pull", "unary_stream", ps_pb2.PullResponse, lambda v: JUNK, id="pull-junk"),
-    pytest.param("PushPull", "unary_unary", ps_pb2.PullResponse, lambda v: JUNK, id="pushpull-junk"),
-    pytest.param("ListVariables", "unary_unary", ps_pb2.ListResponse, lambda v: JUNK, id="list-junk"),
-    pytest.param("UpdateOptimizer", "unary_unary", ps_pb2.UpdateOptimizerResponse, lambda v: JUNK,
+    pytest.param("Pull", "unary_stream", ps_pb2.PullResponse, lambda v: JUNK, 0, id="pull-junk"),
+    pytest.param("PushPull", "unary_unary", ps_pb2.PullResponse, lambda v: JUNK, 1, id="pushpull-junk"),
+    pytest.param("ListVariables", "unary_unary", ps_pb2.ListResponse, lambda v: JUNK, 0, id="list-junk"),
+    pytest.param("UpdateOptimizer", "unary_unary", ps_pb2.UpdateOptimizerResponse, lambda v: JUNK, 0,
                  id="update-junk"),
 ])
-def test_garbage_bytes(shard, var, method, kind, response_type, requests):
+def test_garbage_bytes(shard, multi, method, kind, response_type, requests, handlers):
     call = _raw(shard.channel, method, kind, response_type)
-    payload = requests(var)
+    payload = requests(multi)
 
     def run():
         if kind == "unary_stream":
@@ -539,58 +718,44 @@ def test_garbage_bytes(shard, var, method, kind, response_type, requests):
             return call(iter(payload), timeout=TIMEOUT)
         return call(payload, timeout=TIMEOUT)
 
-    before = snapshot(shard.stub, [var])
+    before = snapshot(shard.stub, [multi])
+    mark = status_of(shard.stub)
     with pytest.raises(grpc.RpcError) as info:
         run()
     assert info.value.code() not in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), info.value.details()
-    assert_unchanged(before, snapshot(shard.stub, [var]),  # snapshot() waits for the handler to finish
-                     f"a call that failed with {info.value.code().name} ({info.value.details()!r})")
-    assert_serving(shard, good_push=var)
+    what = f"a call that failed with {info.value.code().name} ({info.value.details()!r})"
+    settle(shard.stub, mark, handlers, what)
+    assert_unchanged(before, snapshot(shard.stub, [multi]), what)
+    assert multi + "/new" not in versions(shard.stub)
+    assert_serving(shard, good_push=multi)
 
 
 # -- clients that vanish mid-stream -----------------------------------------------------------
 
-BIG_N = 1 << 20  # float32[1048576]: 4 MiB, pushed in 16 chunks of 256 KiB
 
-
-@pytest.fixture
-def big_var(shard, request) -> str:
-    name = "big/" + request.node.name
-    assert create(shard.stub, name, torch.zeros(BIG_N), chunk_bytes=1 << 20) == [True]
-    return name
-
-
-def wait_received(stub, at_least: int) -> None:
-    """Returns once the shard has taken in `at_least` gradient bytes in all (GetStatus.push_bytes_received)."""
-    wait_until(lambda: status_of(stub).push_bytes_received >= at_least, TIMEOUT,
-               f"the shard to take in {at_least} gradient bytes")
-
-
-def test_cancelled_push_applies_nothing(shard, big_var):
-    sent, release = threading.Event(), threading.Event()
+def test_cancelled_push_applies_nothing(shard, multi):
+    parts = _c(multi)
+    release = threading.Event()
 
     def requests():
         yield header()
-        for i, chunk in enumerate(chunks(big_var, torch.ones(BIG_N), 1 << 18)):
-            if i == 8:
-                sent.set()
-                release.wait(TIMEOUT)
-                return
-            yield ps_pb2.PushRequest(chunks=[chunk])
+        yield from (ps_pb2.PushRequest(chunks=[c]) for c in parts[:2])  # half the gradient, then nothing more
+        release.wait(TIMEOUT)
 
-    before = snapshot(shard.stub, [big_var])
+    before = snapshot(shard.stub, [multi])
     received = status_of(shard.stub).push_bytes_received
     future = shard.stub.Push.future(requests(), timeout=TIMEOUT)
     try:
-        assert sent.wait(TIMEOUT)
-        wait_received(shard.stub, received + 8 * (1 << 18))  # the first half of the gradient is in
+        wait_received(shard.stub, received + 2 * MIN, "the first half of the gradient")
         assert future.cancel()
     finally:
         release.set()
     with pytest.raises(grpc.FutureCancelledError):
         future.result(timeout=TIMEOUT)
-    assert_unchanged(before, snapshot(shard.stub, [big_var]), "a vanished push")
-    assert_serving(shard, good_push=big_var)
+    quiesce(shard.stub, "the cancelled push's handler to return")
+    assert status_of(shard.stub).push_bytes_received == received + 2 * MIN
+    assert_unchanged(before, snapshot(shard.stub, [multi]), "a vanished push")
+    assert_serving(shard, good_push=multi)
 
 
 _DOOMED_CLIENT = textwrap.dedent("""
@@ -598,42 +763,62 @@ _DOOMED_CLIENT = textwrap.dedent("""
     import grpc
     from torchps.proto import ps_pb2, ps_pb2_grpc
 
-    address, name, n, fraction = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    address, name, n, piece, pieces = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address))
-    piece = 1 << 18
     ones = b"\\x00\\x00\\x80\\x3f" * (piece // 4)
 
     def requests():
         yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="doomed", step_increment=1))
         meta = ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, shape=[n])
-        for offset in range(0, int(4 * n * fraction), piece):
+        for offset in range(0, pieces * piece, piece):
             fields = dict(name=name, offset=offset, data=ones)
             if offset == 0:
                 fields["meta"] = meta
             yield ps_pb2.PushRequest(chunks=[ps_pb2.TensorChunk(**fields)])
         print("sent", flush=True)
-        time.sleep(600)  # never closes the stream: SIGKILL comes first
+        time.sleep(600)  # never closes the stream: the test's SIGKILL comes first
 
     stub.Push(requests())
 """)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0], ids=["half-the-gradient", "whole-gradient-stream-not-closed"])
-def test_killed_client_mid_push_applies_nothing(shard, big_var, fraction):
-    before = snapshot(shard.stub, [big_var])
+def _kill_mid_push(shard: Shard, name: str, pieces: int) -> None:
+    """A child process pushes `pieces` chunks of MIN to `name` without closing its stream and is SIGKILLed once
+    the shard has taken them in; returns once the shard's handler for that push has returned."""
     received = status_of(shard.stub).push_bytes_received
-    child = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, shard.address, big_var, str(BIG_N), str(fraction)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, shard.address, name, str(M), str(MIN),
+                              str(pieces)], stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline()  # the child is killed by the finally below if this hangs past pytest's timeout
         assert line.strip() == "sent", line
-        wait_received(shard.stub, received + int(4 * BIG_N * fraction))  # everything it sent is in
+        wait_received(shard.stub, received + pieces * MIN, f"the {pieces} chunks the client sent")
     finally:
         child.kill()
         child.wait(timeout=TIMEOUT)
         child.stdout.close()
-    assert_unchanged(before, snapshot(shard.stub, [big_var]), "a push whose client was killed")
-    assert_serving(shard, good_push=big_var)
+    quiesce(shard.stub, "the killed client's push handler to return")
+    assert status_of(shard.stub).push_bytes_received == received + pieces * MIN
+
+
+def test_killed_client_mid_push_applies_nothing(shard, multi):
+    before = snapshot(shard.stub, [multi])
+    _kill_mid_push(shard, multi, 2)  # half the gradient
+    assert_unchanged(before, snapshot(shard.stub, [multi]), "a push whose client was killed")
+    assert_serving(shard, good_push=multi)
+
+
+@pytest.mark.xfail(reason="BUG: a push whose client sent every chunk of its gradient (no `tensors` declared) and was "
+                          "then killed without closing its stream is often applied: the handler's request iterator "
+                          "ends (StopIteration) before gRPC marks the call cancelled, so _require_active() passes; "
+                          "about 7 in 10 kills with a 256 KiB gradient, 1 in 10 with 4 MiB", strict=True)
+def test_killed_client_that_sent_its_whole_gradient_without_closing_the_stream_applies_nothing(shard, multi):
+    """The race is lost only some of the time, so the scenario runs ten times: nothing may ever be applied."""
+    before = snapshot(shard.stub, [multi])
+    for attempt in range(10):
+        _kill_mid_push(shard, multi, 4)  # every byte of the gradient, but the stream was never closed
+        assert_unchanged(before, snapshot(shard.stub, [multi]),
+                         f"a push whose client was killed before closing its stream (attempt {attempt + 1})")
+    assert_serving(shard, good_push=multi)
 
 
 # -- CreateVariables --------------------------------------------------------------------------
@@ -669,35 +854,43 @@ def test_create_stream_with_conflict_creates_none(shard, var):
 
 
 def _spec_msg(name, value=None, optimizer="sgd", **hyper):
-    value = initial_value() if value is None else value
+    value = initial_value(M) if value is None else value
     return ps_pb2.CreateRequest(spec=spec_of(name, value, optimizer, **hyper))
 
 
 def _chunk_msgs(name, value=None):
-    value = initial_value() if value is None else value
-    return [ps_pb2.CreateRequest(chunk=c) for c in codec.encode_chunks(name, value, CHUNK)]
+    value = initial_value(M) if value is None else value
+    return [ps_pb2.CreateRequest(chunk=c) for c in codec.encode_chunks(name, value, MIN)]
+
+
+def _multi_requests(name):
+    return create_requests(name, initial_value(M))
 
 
 CREATE_CASES = {
-    # name -> (requests for a fresh name n, error class, fragments)
-    "chunk-before-spec": (lambda n: _chunk_msgs(n) + create_requests(n, initial_value()),
-                          "MalformedStreamError", ["does not follow a spec"]),
+    # name -> (requests for a fresh name n, error class, fragments); values are multi-chunk where the case
+    # is about the chunk stream, small otherwise.
+    "chunk-before-spec": (lambda n: _chunk_msgs(n) + _multi_requests(n), "MalformedStreamError", ["does not follow a spec"]),
     "spec-without-value": (lambda n: [_spec_msg(n)], "MalformedStreamError", ["stream ended before"]),
     "spec-with-partial-value": (lambda n: [_spec_msg(n), *_chunk_msgs(n)[:2]], "MalformedStreamError",
                                 ["initial value"]),
-    "partial-value-then-next-spec": (lambda n: [_spec_msg(n), *_chunk_msgs(n)[:2]] + create_requests(n + "/b", initial_value()),
+    "partial-value-then-next-spec": (lambda n: [_spec_msg(n), *_chunk_msgs(n)[:2]] + _multi_requests(n + "/b"),
                                      "MalformedStreamError", ["initial value"]),
-    "spec-without-value-then-next-variable": (lambda n: [_spec_msg(n)] + create_requests(n + "/b", initial_value()),
+    "spec-without-value-then-next-variable": (lambda n: [_spec_msg(n)] + _multi_requests(n + "/b"),
                                               "MalformedStreamError", ["initial value"]),
+    "value-missing-chunk": (lambda n: [_spec_msg(n), *[_chunk_msgs(n)[i] for i in (0, 2, 3)]], "MalformedStreamError",
+                            [f"offset {2 * MIN}", f"offset {MIN} was expected"]),
     "value-overrun-last-chunk": (lambda n: [_spec_msg(n), *_chunk_msgs(n)[:3], ps_pb2.CreateRequest(
-        chunk=ps_pb2.TensorChunk(name=n, offset=3 * CHUNK, data=bytes(2 * CHUNK)))], "MalformedStreamError",
-        [f"past the {B} bytes"]),
+        chunk=ps_pb2.TensorChunk(name=n, offset=3 * MIN, data=bytes(2 * MIN)))], "MalformedStreamError",
+        [f"past the {MB} bytes"]),
     "value-overrun-extra-chunk": (lambda n: [_spec_msg(n), *_chunk_msgs(n), ps_pb2.CreateRequest(
-        chunk=ps_pb2.TensorChunk(name=n, offset=4 * N, data=b"1234"))], "MalformedStreamError", ["does not follow"]),
+        chunk=ps_pb2.TensorChunk(name=n, offset=MB, data=b"1234"))], "MalformedStreamError", ["does not follow"]),
     "chunk-for-other-name": (lambda n: [_spec_msg(n), *_chunk_msgs(n + "/other")], "MalformedStreamError",
                              ["/other'", "does not follow"]),
     "chunk-meta-disagrees": (lambda n: [_spec_msg(n), *_chunk_msgs(n, torch.zeros(8, 8))], "TensorMismatchError",
-                             ["float32[8, 8]", f"float32[{N}]"]),
+                             ["float32[8, 8]", f"float32[{M}]"]),
+    "declared-more-variables": (lambda n: [edited_create(_spec_msg(n), count=2), *_chunk_msgs(n)],
+                                "MalformedStreamError", ["declared 2 variables but 1 arrived"]),
     "spec-without-name": (lambda n: create_requests("", initial_value()), "MalformedStreamError", ["without a name"]),
     "unknown-optimizer": (lambda n: create_requests(n, initial_value(), "rmsprop"), "OptimizerSpecError",
                           ["'rmsprop'", "adam"]),
@@ -710,6 +903,16 @@ CREATE_CASES = {
                                       + create_requests(n, initial_value(), "rmsprop"),
                                       "OptimizerSpecError", ["'rmsprop'"]),
 }
+_CREATE_NAMELESS = ("spec-without-name", "unknown-optimizer", "second-variable-bad-optimizer", "invalid-lr",
+                    "unknown-hyperparameter", "chunk-for-other-name", "declared-more-variables")
+
+
+def edited_create(request: ps_pb2.CreateRequest, **fields) -> ps_pb2.CreateRequest:
+    out = ps_pb2.CreateRequest()
+    out.CopyFrom(request)
+    for key, value in fields.items():
+        setattr(out, key, value)
+    return out
 
 
 @pytest.mark.parametrize("case", list(CREATE_CASES))
@@ -717,8 +920,7 @@ def test_create_bad_stream(shard, var, case):
     build, error_class, fragments = CREATE_CASES[case]
     fresh = f"new/{case}"
     requests = build(fresh)
-    name_fragment = [] if case in ("spec-without-name", "unknown-optimizer", "second-variable-bad-optimizer",
-                                   "invalid-lr", "unknown-hyperparameter", "chunk-for-other-name") else [repr(fresh)]
+    name_fragment = [] if case in _CREATE_NAMELESS else [repr(fresh)]
     check_rejected(shard, lambda: shard.stub.CreateVariables(iter(requests), timeout=TIMEOUT), INVALID, error_class,
                    *name_fragment, *fragments, good_push=var)
     existing = versions(shard.stub)
@@ -772,69 +974,3 @@ def test_update_optimizer_on_variable_without_optimizer(shard):
     request = ps_pb2.UpdateOptimizerRequest(names=[name], hyperparams={"lr": 0.5})
     check_rejected(shard, lambda: shard.stub.UpdateOptimizer(request, timeout=TIMEOUT), INVALID,
                    "OptimizerSpecError", repr(name), "no optimizer")
-
-
-# -- numbers out of range ------------------------------------------------------------------------
-
-
-def _header_with(**fields) -> ps_pb2.PushRequest:
-    return ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="worker:7", **{"step_increment": 1, **fields}))
-
-
-NUMBERS = {
-    "pull-chunk-below-the-minimum": (lambda s, v: list(s.Pull(ps_pb2.PullRequest(names=[v], chunk_bytes=1),
-                                                               timeout=TIMEOUT)), "chunk_bytes"),
-    "pull-negative-min-step": (lambda s, v: list(s.Pull(ps_pb2.PullRequest(names=[v], min_step=-5), timeout=TIMEOUT)),
-                               "min_step"),
-    "push-step-increment-2": (lambda s, v: push(s, push_msgs(_header_with(step_increment=2), *chunks(v, good_grad()))),
-                              "step_increment"),
-    "push-step-increment-minus-1000": (lambda s, v: push(s, push_msgs(_header_with(step_increment=-1000),
-                                                                      *chunks(v, good_grad()))), "step_increment"),
-    "push-negative-step": (lambda s, v: push(s, push_msgs(_header_with(step=-1), *chunks(v, good_grad()))),
-                           "push step"),
-    "list-wait-nan": (lambda s, v: s.ListVariables(ps_pb2.ListRequest(names=["x"], wait_seconds=float("nan")),
-                                                   timeout=TIMEOUT), "wait_seconds"),
-    "configure-lease-nan": (lambda s, v: s.Configure(ps_pb2.SyncConfig(mode="sync", total_num_replicas=2,
-                                                                       lease_seconds=float("nan")), timeout=TIMEOUT),
-                            "lease_seconds"),
-    "configure-huge-replicas": (lambda s, v: s.Configure(ps_pb2.SyncConfig(mode="sync", total_num_replicas=10 ** 9),
-                                                         timeout=TIMEOUT), "total_num_replicas"),
-    "update-lr-nan": (lambda s, v: s.UpdateOptimizer(ps_pb2.UpdateOptimizerRequest(names=[v], hyperparams={
-        "lr": float("nan")}), timeout=TIMEOUT), "finite"),
-    "update-lr-negative": (lambda s, v: s.UpdateOptimizer(ps_pb2.UpdateOptimizerRequest(names=[v], hyperparams={
-        "lr": -1.0}), timeout=TIMEOUT), "Invalid learning rate"),
-    "update-nesterov-2": (lambda s, v: s.UpdateOptimizer(ps_pb2.UpdateOptimizerRequest(names=[v], hyperparams={
-        "nesterov": 2.0}), timeout=TIMEOUT), "flags 0 or 1"),
-    "create-lr-nan": (lambda s, v: create(s, v + "/nan", initial_value(), lr=float("nan")), "finite"),
-    "save-negative-step": (lambda s, v: s.Save(ps_pb2.SaveRequest(step=-3), timeout=TIMEOUT), "step must be"),
-}
-
-
-@pytest.mark.parametrize("case", list(NUMBERS))
-def test_numbers_out_of_range_are_invalid_and_change_nothing(shard, var, case):
-    call, fragment = NUMBERS[case]
-    check_rejected(shard, lambda: call(shard.stub, var), INVALID, None, fragment, good_push=var)
-
-
-def test_shutdown_answers_a_waiting_pull_unavailable_never_with_values(local_cluster):
-    local = local_cluster(1)
-    doomed = _connect(local)
-    try:
-        assert create(doomed.stub, "w", initial_value()) == [True]
-        result: list = []
-        thread = threading.Thread(target=lambda: result.append(_pull_or_error(doomed.stub, "w", 10)), daemon=True)
-        thread.start()
-        wait_until(lambda: status_of(doomed.stub).waiting_calls == 1, TIMEOUT, "the pull to wait for step 10")
-        doomed.stub.Shutdown(ps_pb2.ShutdownRequest(reason="the test"), timeout=TIMEOUT)
-        thread.join(TIMEOUT)
-        assert isinstance(result[0], grpc.RpcError), f"the waiting pull returned {result[0]!r} below its min_step"
-        assert result[0].code() == grpc.StatusCode.UNAVAILABLE, result[0].details()
-    finally:
-        doomed.channel.close()
-
-
-def _pull_or_error(stub, name: str, min_step: int):
-    try:
-        return list(stub.Pull(ps_pb2.PullRequest(names=[name], min_step=min_step), timeout=TIMEOUT))
-    except grpc.RpcError as exc:
-        return exc
