@@ -30,8 +30,8 @@ from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..memory import tune_malloc
 from ..specs import OPTIMIZER_NAMES
-from .data import DatasetNotFoundError, default_dataset_name
-from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry
+from .data import DatasetNotFoundError, check_dataset, default_dataset_name
+from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, finish_job
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
@@ -40,8 +40,8 @@ EVALUATOR_CONNECT_SECONDS = 10.0
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags ps-launch passes through to every worker. Left out, --epochs, --lr and --momentum take the
-    model's defaults (models.MODEL_DEFAULTS)."""
+    """The flags ps-launch passes through to every worker. Left out, --epochs, --optimizer, --lr and --momentum
+    take the model's defaults (models.MODEL_DEFAULTS)."""
     g = parser.add_argument_group("training")
     g.add_argument("--model", default="mlp", choices=sorted(MODELS), help="built-in model (default: %(default)s)")
     g.add_argument("--hidden", type=int, default=100, help="hidden units of the mlp (default: %(default)s)")
@@ -54,9 +54,12 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                         + ", ".join(f"{m} {d['epochs']}" for m, d in MODEL_DEFAULTS.items()) + ")")
     g.add_argument("--steps", type=int, default=None, help="stop at this global step instead of after epochs")
     g.add_argument("--batch-size", type=int, default=100)
-    g.add_argument("--optimizer", default="sgd", choices=sorted(set(OPTIMIZER_NAMES) - {"none"}))
+    g.add_argument("--optimizer", default=None, choices=sorted(set(OPTIMIZER_NAMES) - {"none"}),
+                   help="server-side optimizer (default: the model's: "
+                        + ", ".join(f"{m} {d['optimizer']}" for m, d in MODEL_DEFAULTS.items()) + ")")
     g.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's and optimizer's: "
-                   + ", ".join(f"{m} {d['sgd_lr']:g}" for m, d in MODEL_DEFAULTS.items()) + " with sgd; 0.001 adam)")
+                   + ", ".join(f"{m} {d['sgd_lr']:g}" for m, d in MODEL_DEFAULTS.items()) + " with sgd; 0.001 adam and "
+                   "adamw; 0.01 adagrad)")
     g.add_argument("--momentum", type=float, default=None, help="sgd momentum (default: 0.9)")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--mode", default="async", choices=["async", "sync", "ssp"])
@@ -93,12 +96,15 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the flags left out with the model's defaults and checks every value; ClusterConfigError names
-    the first bad one. Cheap: ps-launch calls it before starting anything."""
+    """Fills the flags left out with the model's defaults and checks every value and the dataset;
+    ClusterConfigError or DatasetNotFoundError names the first problem. Cheap: ps-launch calls it before
+    starting anything. --init-from is the chief's alone (load_init)."""
     model = args.model if not args.entry else "mlp"
     defaults = MODEL_DEFAULTS[model]
     if args.epochs is None and args.steps is None:
         args.epochs = defaults["epochs"]
+    if args.optimizer is None:
+        args.optimizer = defaults["optimizer"]
     if args.lr is None:
         args.lr = default_lr(model, args.optimizer)
     if args.momentum is None:
@@ -125,11 +131,16 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
     for flag, ok, wanted in checks:
         if not ok:
             raise ClusterConfigError(f"{flag} must be {wanted}. Received: {getattr(args, flag[2:].replace('-', '_'))}")
-    if args.init_from is not None and not args.init_from.is_file():
-        raise ClusterConfigError(f"--init-from {args.init_from}: no such file")
-    if args.dataset not in (None, "fashion-mnist", "mnist5k") and not pathlib.Path(args.dataset).is_dir():
-        raise ClusterConfigError(f"--dataset {args.dataset}: neither 'fashion-mnist', 'mnist5k' nor a folder")
+    if not args.entry:
+        check_dataset(args.dataset or default_dataset_name())
+    check_output("--export", args.export)
     return args
+
+
+def check_output(flag: str, path: pathlib.Path | None) -> None:
+    """ClusterConfigError unless the folder `path` (a file written at the end of the job) goes in exists."""
+    if path is not None and not path.parent.is_dir():
+        raise ClusterConfigError(f"{flag} {path}: no folder {path.parent} to write it in")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -180,16 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     task = None
     try:
         finish_training_flags(args)
+        check_output("--metrics-out", args.metrics_out)
         cluster, task = resolve_task(args)
         device = resolve_device(args.device)
         security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                  token_file=args.token_file, admin_token_file=args.admin_token_file)
+        # The chief's alone (the others pull what it creates); a bad file is refused before the data is read.
+        init = read_init(args.init_from) if args.init_from and task == cluster.chief_task else None
         torch.set_num_threads(args.threads)
         torch.manual_seed(args.seed)
         job = load_entry(args.entry) if args.entry else build_model(args.model, args.dataset or default_dataset_name(),
                                                                     args.hidden)
-        if args.init_from and task == cluster.chief_task:
-            job.model.load_state_dict(torch.load(args.init_from, map_location="cpu", weights_only=True))
+        if init is not None:
+            load_init(job.model, init, args.init_from)
     except (ClusterConfigError, DatasetNotFoundError, ValueError, ImportError, RuntimeError) as exc:
         print(f"ps-worker: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -223,8 +237,18 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     """Runs this task's role; returns the summary (chief, evaluator) or None (other workers)."""
     started = time.monotonic()
     writer = _tensorboard(args.logdir, task)
-    if task.type == "evaluator":
-        return _evaluate(client, task, job, args, device, writer, started)
+    try:
+        if task.type == "evaluator":
+            return _evaluate(client, task, job, args, device, writer, started)
+        return _train(client, cluster, task, job, args, device, writer, started)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device: str, writer,
+           started: float) -> dict | None:
+    """A chief's or worker's part: train, then (the chief) end the job; the chief's summary, else None."""
     optimizer = optimizer_from_flags(args.optimizer, args.lr, args.momentum, args.weight_decay)
     replicas = len(cluster.chief) + len(cluster.worker)
     if client.is_chief:
@@ -264,8 +288,6 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
         return None
     client.leave()
     _LOGGER.info("%s finished: %d local steps, %s", task, result["local_steps"], client.stats.summary())
-    if writer is not None:
-        writer.close()
     if not client.is_chief:
         return None
     global_step = finish_job(client, binding, export=args.export, checkpointer=checkpointer,
@@ -310,8 +332,9 @@ def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, 
             "wall_seconds": time.monotonic() - started}
 
 
-class Terminated(Exception):
-    """SIGTERM arrived: the chief saves a last checkpoint and stops."""
+class Terminated(BaseException):
+    """SIGTERM arrived: the chief saves a last checkpoint and stops. A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` it is raised through (logging's, a retry loop's) swallows it."""
 
 
 def _terminate_once() -> None:

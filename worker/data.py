@@ -28,8 +28,10 @@ __all__ = [
     "DatasetNotFoundError",
     "IdxFormatError",
     "batches",
+    "check_dataset",
     "default_dataset_name",
     "load_dataset",
+    "idx_files",
     "load_idx_dir",
     "load_mnist5k",
     "mnist5k_path",
@@ -102,16 +104,22 @@ def _dataset(name: str, x_train, y_train, x_test, y_test) -> Dataset:
     return Dataset(name, images(x_train), labels(y_train), images(x_test), labels(y_test))
 
 
-def load_idx_dir(folder: str | os.PathLike, name: str | None = None) -> Dataset:
-    """Loads the 4 standard MNIST-format idx files (plain or .gz) from `folder`."""
+def idx_files(folder: str | os.PathLike) -> dict[str, pathlib.Path]:
+    """{Dataset field: path} of the 4 standard MNIST-format idx files (plain or .gz) in `folder`."""
     folder = pathlib.Path(folder)
-    arrays = {}
+    files = {}
     for field, stem in IDX_FILES.items():
         found = [folder / f for f in (stem, stem + ".gz") if (folder / f).is_file()]
         if not found:
             raise DatasetNotFoundError(f"{folder / stem}[.gz] not found: the folder must hold "
                                        f"{', '.join(IDX_FILES.values())} (each plain or .gz)")
-        arrays[field] = read_idx(found[0])
+        files[field] = found[0]
+    return files
+
+
+def load_idx_dir(folder: str | os.PathLike, name: str | None = None) -> Dataset:
+    """Loads the 4 standard MNIST-format idx files (plain or .gz) from `folder`."""
+    arrays = {field: read_idx(path) for field, path in idx_files(folder).items()}
     return _dataset(name or str(folder), **arrays)
 
 
@@ -142,18 +150,29 @@ def default_dataset_name() -> str:
     return "fashion-mnist" if FASHION_MNIST_DIR.is_dir() else "mnist5k"
 
 
-def load_dataset(name_or_dir: str | os.PathLike = "fashion-mnist") -> Dataset:
-    """Loads 'fashion-mnist', 'mnist5k', or a folder of MNIST-format idx files."""
+def check_dataset(name_or_dir: str | os.PathLike) -> None:
+    """Raises DatasetNotFoundError, naming what provides them, unless the dataset's files are there.
+    Reads nothing: ps-launch calls it before starting any process."""
     if name_or_dir == "mnist5k":
-        return load_mnist5k()
-    if name_or_dir == "fashion-mnist":
+        mnist5k_path()
+    elif name_or_dir == "fashion-mnist":
         if not FASHION_MNIST_DIR.is_dir():
             raise DatasetNotFoundError(f"dataset 'fashion-mnist' is not installed ({FASHION_MNIST_DIR} is missing): "
                                        "apt-get install dataset-fashion-mnist")
-        return load_idx_dir(FASHION_MNIST_DIR, name="fashion-mnist")
-    if not pathlib.Path(name_or_dir).is_dir():
+    elif not pathlib.Path(name_or_dir).is_dir():
         raise DatasetNotFoundError(f"no dataset {str(name_or_dir)!r}: give one of {list(DATASETS)} "
                                    "or a folder holding the 4 MNIST idx files")
+    else:
+        idx_files(name_or_dir)
+
+
+def load_dataset(name_or_dir: str | os.PathLike = "fashion-mnist") -> Dataset:
+    """Loads 'fashion-mnist', 'mnist5k', or a folder of MNIST-format idx files."""
+    check_dataset(name_or_dir)
+    if name_or_dir == "mnist5k":
+        return load_mnist5k()
+    if name_or_dir == "fashion-mnist":
+        return load_idx_dir(FASHION_MNIST_DIR, name="fashion-mnist")
     return load_idx_dir(name_or_dir)
 
 

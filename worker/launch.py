@@ -15,7 +15,8 @@ A worker that dies does not stop the others; the chief failing, the end of
 training, Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also
 dies with the launcher if it is killed (the parent-death signal). The exit
 code is 0, 1 if a process failed and was not restarted (its last lines are
-shown), 2 for a usage error, 130 if interrupted.
+shown), 2 for a usage error (one line, nothing started; or a shard refusing
+its configuration), 130 if interrupted.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ import threading
 import time
 
 from ..certs import TaskCredentials, make_job_credentials
-from ..cli import ArgumentParser
+from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..security import ENV
-from .__main__ import add_training_flags, finish_training_flags
+from .__main__ import add_training_flags, check_output, finish_training_flags
+from .data import DatasetNotFoundError, default_dataset_name
 from .local_cluster import ps_server_command
+from .models import load_init, new_model, read_init
 
 __all__ = ["main", "Launcher"]
 
@@ -49,6 +52,14 @@ STOP_GRACE_SECONDS = 10.0
 TAIL_LINES = 15
 MAX_RESTARTS = 3  # per task, with --restart-on-failure
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
+
+
+class StartError(Exception):
+    """A ps-server exited, or never reported its port, while starting."""
+
+    def __init__(self, proc: "Proc"):
+        super().__init__(f"{proc.name} did not start (exit {proc.popen.poll()})")
+        self.proc = proc
 
 
 @dataclasses.dataclass
@@ -104,12 +115,14 @@ class Launcher:
                         ENV["token_file"]: str(files.token)})
             if files.admin_token is not None:
                 env[ENV["admin_token_file"]] = str(files.admin_token)
-        # If the launcher dies without stopping them (SIGKILL), shards get SIGTERM (a clean stop; their journal
-        # keeps what they acknowledged) and workers SIGKILL (no final save against shards that are stopping).
-        death = signal.SIGTERM if task.type == "ps" else signal.SIGKILL
+        # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops workers before
+        # shards. Should the launcher die without stopping them, the kernel kills them all (the parent-death
+        # signal is SIGKILL: a shard that had to be stopped cleanly could hang, and its journal keeps what it
+        # acknowledged; a worker must not save against shards that are going).
+        parent = os.getpid()
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                  env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                                 preexec_fn=lambda: _die_with_parent(death))
+                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL, parent))
         proc = Proc(task, popen)
         proc.reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
         proc.reader.start()
@@ -152,7 +165,11 @@ class Launcher:
         proc = self.procs[TaskSpec("ps", index)]
         while not self._port_file(index).exists():
             if proc.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ps:{index} did not start:\n" + "\n".join(proc.tail))
+                if proc.popen.poll() is None:
+                    proc.popen.kill()
+                proc.popen.wait()
+                proc.reader.join(timeout=5)  # every line it printed is in its tail
+                raise StartError(proc)
             time.sleep(0.05)
         return int(self._port_file(index).read_text())
 
@@ -170,7 +187,11 @@ class Launcher:
     def run(self) -> int:
         """Runs the job to the end; returns the exit code. Always stops every process."""
         try:
-            self.start_ps()
+            try:
+                self.start_ps()
+            except StartError as exc:  # a shard refusing its flags (exit 2) is the user's configuration
+                self._show_tail(exc.proc)
+                return USAGE_ERROR if exc.proc.popen.returncode == USAGE_ERROR else 1
             self.say(f"[launch] cluster: {json.dumps(self.cluster.to_dict())}")
             for task in self.training_tasks():
                 self.start_task(task)
@@ -179,10 +200,19 @@ class Launcher:
             return self._watch()
         except KeyboardInterrupt:
             self.say("[launch] interrupted: stopping every process")
-            return 130
+            return INTERRUPTED
         finally:
-            self.stop()
-            self._tmp.cleanup()
+            self.close()
+
+    def close(self) -> None:
+        """Stops every process and removes the job's private folder."""
+        self.stop()
+        self._tmp.cleanup()
+
+    def _show_tail(self, proc: Proc) -> None:
+        self.say(f"[launch] {proc.name} failed (exit {proc.popen.returncode}); its last lines:")
+        for line in proc.tail:
+            self.say(f"[launch]   | {line}")
 
     def _watch(self) -> int:
         training = self.training_tasks()
@@ -220,9 +250,7 @@ class Launcher:
                        if p.task.type != "ps" and p.popen.poll() not in (None, 0) and
                        (not chief_failed or p.task == self.cluster.chief_task)})
         for proc in failed.values():
-            self.say(f"[launch] {proc.name} failed (exit {proc.popen.returncode}); its last lines:")
-            for line in proc.tail:
-                self.say(f"[launch]   | {line}")
+            self._show_tail(proc)
         return 1 if failed else 0
 
     def _restart(self, task: TaskSpec, code: int) -> bool:
@@ -235,7 +263,7 @@ class Launcher:
                 self._wait_port(task.index)
             else:
                 self.start_task(task)
-        except RuntimeError as exc:
+        except StartError as exc:
             self.say(f"[launch] {task} did not come back: {exc}")
             return False
         return True
@@ -293,30 +321,73 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
     try:
         finish_training_flags(everything)
-    except ClusterConfigError as exc:
+        check_output("--metrics-out", everything.metrics_out)
+        if everything.init_from:  # what the chief would find at startup, found before anything starts
+            state = read_init(everything.init_from)
+            if not everything.entry:
+                load_init(new_model(everything.model, everything.hidden), state, everything.init_from)
+        if everything.restore_from and not pathlib.Path(everything.restore_from).is_dir():
+            raise ClusterConfigError(f"--restore-from {everything.restore_from}: no such folder")
+    except (ClusterConfigError, DatasetNotFoundError) as exc:
         parser.error(str(exc))
     return own.parse_known_args(argv)
 
 
-def _die_with_parent(signum: int) -> None:
+def _load_prctl():
+    """libc's prctl, loaded in the launcher (a child between fork and exec must not load libraries)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the launcher's own handlers stop the children
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(signum: int, parent: int) -> None:
     """In a child, before exec: `signum` when the launcher dies, whatever kills it (Linux's parent-death
     signal); a launcher already gone by now means exit at once."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: the launcher's own handlers stop the children
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signum))
     if os.getppid() != parent:
         os._exit(1)
 
 
+def _stop_once(signum, _frame) -> None:
+    """SIGINT (Ctrl-C), SIGTERM, SIGHUP (the terminal closed): one KeyboardInterrupt, the rest ignored, so
+    stopping is never cut short and a second Ctrl-C prints no traceback."""
+    for other in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(other, signal.SIG_IGN)
+    raise KeyboardInterrupt()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args, worker_args = parse_args(argv)
-    if not argv:
-        print(f"[launch] demo: {args.ps} ps, {args.workers} workers, the MLP on "
-              f"{'fashion-mnist' if pathlib.Path('/usr/share/datasets/fashion-mnist').is_dir() else 'mnist5k'}",
-              flush=True)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_once)
+    launcher = None
+    try:
+        args, worker_args = parse_args(argv)
+        launcher = _launcher(args, worker_args, demo=not argv)
+        code = launcher.run()
+    except KeyboardInterrupt:  # before the processes started (run() answers it from then on)
+        if launcher is not None:
+            launcher.close()
+        print("ps-launch: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
+    if launcher.summary and code != INTERRUPTED:
+        s = launcher.summary
+        print(f"[launch] test accuracy {s['test_accuracy']:.4f} on {s['dataset']} after {s['global_step']} global steps "
+              f"in {s['wall_seconds']:.1f} s ({s['steps_per_second']:.0f} steps/s, {s['mode']})", flush=True)
+    print(f"[launch] done, exit code {code}", flush=True)
+    return code
+
+
+def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> Launcher:
+    """The Launcher for ps-launch's flags; ps-worker's flags go to every worker as they are."""
+    if demo:
+        print(f"[launch] demo: {args.ps} ps, {args.workers} workers, the MLP on {default_dataset_name()}", flush=True)
     ps_args = []
     if args.checkpoint_dir:
         ps_args += ["--checkpoint-dir", args.checkpoint_dir]
@@ -324,24 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             worker_args = [*worker_args, "--checkpoint-every-steps", str(DEFAULT_CHECKPOINT_STEPS)]
     if args.restore_from:
         ps_args += ["--restore-from", args.restore_from]
-    launcher = Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
-                        worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
-                        restart_on_failure=args.restart_on_failure, secure=not args.insecure)
-
-    def stop(signum, _frame) -> None:  # SIGTERM, SIGHUP (the terminal closed): as Ctrl-C, once
-        for other in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(other, signal.SIG_IGN)
-        raise KeyboardInterrupt()
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
-    code = launcher.run()
-    if launcher.summary and code != 130:
-        s = launcher.summary
-        print(f"[launch] test accuracy {s['test_accuracy']:.4f} on {s['dataset']} after {s['global_step']} global steps "
-              f"in {s['wall_seconds']:.1f} s ({s['steps_per_second']:.0f} steps/s, {s['mode']})", flush=True)
-    print(f"[launch] done, exit code {code}", flush=True)
-    return code
+    return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
+                    worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
+                    restart_on_failure=args.restart_on_failure, secure=not args.insecure)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import pickle
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..errors import ClusterConfigError
 from .data import Dataset, load_dataset
 
-__all__ = ["MODELS", "MODEL_DEFAULTS", "Task", "build_model", "load_entry", "mlp", "cnn", "default_lr"]
+__all__ = ["MODELS", "MODEL_DEFAULTS", "Task", "build_model", "load_entry", "mlp", "cnn", "default_lr", "new_model",
+           "read_init", "load_init"]
 
 
 def mlp(hidden: int = 100) -> nn.Module:
@@ -31,12 +35,13 @@ def cnn() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "cnn": cnn}
 
 # What trains each built-in model well, used for the flags a user leaves out (any flag changes only itself).
-# mlp: 0.87 on Fashion-MNIST in 10 epochs with 2 workers (the README's demo); cnn: 0.92-0.94 on mnist5k in
-# 5 epochs with 2 workers (3 seeds; lr 0.05 diverged once, 0.01 reached 0.91).
+# mlp: 0.87 on Fashion-MNIST in 10 epochs with 2 async workers (the README's demo). cnn: Adam at lr 0.001 gave
+# 0.93-0.95 on mnist5k in 5 epochs with 2 async workers (5 runs); SGD with momentum 0.9 varied from run to run
+# (lr 0.02: 0.81-0.94, lr 0.01: 0.86-0.91, 4 runs each), so sgd_lr is only what --optimizer sgd starts from.
 # An --entry model gets the mlp's.
 MODEL_DEFAULTS = {
-    "mlp": {"epochs": 10, "sgd_lr": 0.1, "momentum": 0.9},
-    "cnn": {"epochs": 5, "sgd_lr": 0.02, "momentum": 0.9},
+    "mlp": {"epochs": 10, "optimizer": "sgd", "sgd_lr": 0.1, "momentum": 0.9},
+    "cnn": {"epochs": 5, "optimizer": "adam", "sgd_lr": 0.02, "momentum": 0.9},
 }
 _OTHER_LR = {"adam": 1e-3, "adamw": 1e-3, "adagrad": 1e-2}  # the usual starting points of torch.optim's others
 
@@ -56,12 +61,39 @@ class Task:
         default_factory=lambda: nn.functional.cross_entropy)
 
 
-def build_model(name: str, dataset: str, hidden: int = 100) -> Task:
-    """A built-in model on a named dataset (or idx folder) with cross-entropy loss."""
+def new_model(name: str, hidden: int = 100) -> nn.Module:
+    """A freshly initialised built-in model."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; built in: {sorted(MODELS)} (or use --entry module:function)")
-    model = mlp(hidden) if name == "mlp" else MODELS[name]()
-    return Task(model, load_dataset(dataset))
+    return mlp(hidden) if name == "mlp" else MODELS[name]()
+
+
+def build_model(name: str, dataset: str, hidden: int = 100) -> Task:
+    """A built-in model on a named dataset (or idx folder) with cross-entropy loss."""
+    return Task(new_model(name, hidden), load_dataset(dataset))
+
+
+def read_init(path: str | os.PathLike) -> dict:
+    """The state_dict saved in `path` (--init-from); ClusterConfigError in one line if the file is
+    missing or holds no state_dict torch.load reads."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ClusterConfigError(f"--init-from {path}: no such file") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        raise ClusterConfigError(f"--init-from {path}: not a file torch.load can read ({type(exc).__name__})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ClusterConfigError(f"--init-from {path}: not a state_dict (a dict of tensors, as "
+                                 "torch.save(model.state_dict(), path) writes)")
+    return state
+
+
+def load_init(model: nn.Module, state: dict, path: str | os.PathLike) -> None:
+    """Loads `state` (read from `path`) into `model`; ClusterConfigError in one line if it does not fit."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ClusterConfigError(f"--init-from {path} does not fit the model: {' '.join(str(exc).split())}") from None
 
 
 def load_entry(spec: str) -> Task:

@@ -18,6 +18,7 @@ from .models import Task
 __all__ = ["TrainOptions", "train", "evaluate", "evaluate_once", "run_evaluator", "optimizer_from_flags"]
 
 _LOGGER = logging.getLogger(__name__)
+STATUS_POLL_SECONDS = 0.5  # the evaluator's status calls between evaluations: one small unary call each
 
 
 @dataclasses.dataclass
@@ -114,28 +115,42 @@ def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, devic
     """Every `interval` s: pull, evaluate on the test set, log. Never pushes.
 
     Stops when the global step reaches target_steps, when the workers that
-    joined have all left, or after `timeout` s. The status is read before
-    the pull, so the evaluation that sees the workers gone is of the final
-    model. Returns the last (step, accuracy).
+    joined have all left, or after `timeout` s. Between evaluations it asks
+    shard 0 every STATUS_POLL_SECONDS whether workers are left, so the end
+    of training is met at once; the status is read before the pull, so the
+    last evaluation is of the final model. Returns the last (step, accuracy).
     """
     deadline = time.monotonic() + timeout
     seen_workers = False
     step, accuracy = 0, float("nan")
-    while True:
-        try:
+    try:
+        while True:
             step, accuracy, live = evaluate_once(client, task, binding, device)
-        except ServerUnavailableError:
-            if not seen_workers:
-                raise
-            _LOGGER.info("evaluator: the shards are gone; the job has ended")
-            return step, accuracy
-        if on_eval:
-            on_eval(step, accuracy)
-        seen_workers = seen_workers or live > 0
-        finished = (target_steps is not None and step >= target_steps) or (seen_workers and live == 0)
-        if finished or time.monotonic() > deadline:
-            return step, accuracy
-        time.sleep(interval)
+            if on_eval:
+                on_eval(step, accuracy)
+            seen_workers = seen_workers or live > 0
+            finished = (target_steps is not None and step >= target_steps) or (seen_workers and live == 0)
+            if finished or time.monotonic() > deadline:
+                return step, accuracy
+            seen_workers = _until_next_evaluation(client, min(deadline, time.monotonic() + interval), seen_workers)
+    except ServerUnavailableError:
+        if not seen_workers:
+            raise
+        _LOGGER.info("evaluator: the shards are gone; the job has ended")
+        return step, accuracy
+
+
+def _until_next_evaluation(client: PSClient, due: float, seen_workers: bool) -> bool:
+    """Waits until `due` (monotonic) or, once workers have been seen, until none is left; returns whether
+    workers have been seen."""
+    while (now := time.monotonic()) < due:
+        live = client.status(0).live_workers
+        if live:
+            seen_workers = True
+        elif seen_workers:
+            break
+        time.sleep(min(STATUS_POLL_SECONDS, due - now))
+    return seen_workers
 
 
 def evaluate_once(client: PSClient, task: Task, binding: ModuleBinding, device: str) -> tuple[int, float, int]:
