@@ -90,13 +90,16 @@ class PendingSteps:
         buffer.adding -= 1
 
     def next_ready(self, store_step: int, quorum: int) -> tuple[str, int] | None:
-        """("apply", s) when step s (the store's step) can be applied; ("jump", s) when a later step s
-        is complete first (only a shard that lost its place sees that); else None."""
+        """("apply", s) when step s (the store's step) can be applied; ("jump", s) when a later step s is
+        complete while nothing at all was counted for the store's step (a shard that lost its place: nobody
+        will push for it); else None. A gradient counted for the store's step is never jumped over."""
         if self.applying is not None:
             return None
         buffer = self.buffers.get(store_step)
         if buffer is not None and buffer.pushes >= quorum and not buffer.adding:
             return "apply", store_step
+        if buffer is not None and (buffer.pushes or buffer.adding):
+            return None
         later = [s for s, b in self.buffers.items() if s > store_step and b.pushes >= quorum and not b.adding]
         return ("jump", min(later)) if later else None
 

@@ -235,6 +235,7 @@ class Coordinator:
             self._closed = True
             self._cond.notify_all()
             self._reaper_wake.notify()
+        self.store.close()  # waits for variables end too
         self.wait_for_compaction(MAX_WAIT_SECONDS)
 
     def wake(self) -> None:
@@ -260,21 +261,31 @@ class Coordinator:
             raise InvalidArgumentError(f"step_increment must be 0 or 1. Received: {step_increment}")
         self.store.validate(grads)
         deadline = self._deadline(timeout)
-        kind = self._hold_kind(hold)
-        with self.waits.slot(kind) if kind else contextlib.nullcontext():  # refused before anything changes
-            return self._push(worker, incarnation, seq, step, grads, step_increment, cancelled, hold, deadline)
+        slot: list[str] = []  # the waiting slot this push took, if it will be held
+        try:
+            return self._push(worker, incarnation, seq, step, grads, step_increment, cancelled, hold, deadline, slot)
+        finally:
+            if slot:
+                self.waits.release(slot[0])
 
-    def _hold_kind(self, hold: bool) -> str | None:
-        """The kind of waiting slot a push needs if it can be held (sync release, ssp bound), else None."""
+    def _hold_kind(self, worker: str, step: int, hold: bool) -> str | None:
+        """The waiting slot a new push needs if it will be held (holds _cond): a sync push that neither
+        completes its step's quorum nor owes the step another batch, an ssp push past the bound; else None."""
         mode = self.config.mode
         if mode == "sync" and (self.owns_step or hold):
-            return "release"
+            buffer = self.pending.buffers.get(step)
+            counted = buffer.pushes + buffer.adding if buffer else 0
+            mine = buffer.by_worker[worker] if buffer else 0
+            completes = step == self.pending.open_step(self.store.step) and counted + 1 >= self._quorum
+            return None if completes or mine + 1 < self.config.batches_per_worker else "release"
         if mode == "ssp" and self.owns_step:
-            return "ssp"
+            member = self.membership.members.get(worker)
+            clock = member.clock + 1 if member is not None else self._min_clock() + 1
+            return "ssp" if clock - self._min_clock() > self.config.max_staleness else None
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, step_increment: int, cancelled,
-              hold: bool, deadline: float) -> PushResult:
+              hold: bool, deadline: float, slot: list[str]) -> PushResult:
         while True:
             with self._cond:
                 self._check_open()
@@ -290,6 +301,16 @@ class Coordinator:
                 mode = self.config.mode
                 if mode == "sync":
                     self._check_ahead(step, "push step")
+                if mode == "sync" and step >= self.pending.open_step(self.store.step):
+                    kind = self._hold_kind(worker, step, hold)
+                    if kind is not None:  # refused here, before the push changes anything
+                        self.waits.acquire(kind)
+                        slot.append(kind)
+                elif mode == "ssp":
+                    kind = self._hold_kind(worker, step, hold)
+                    if kind is not None:
+                        self.waits.acquire(kind)
+                        slot.append(kind)
                 self._touch(worker, incarnation, step, progress=True)
                 self.membership.pushed(worker, self._now())
                 if mode == "sync" and step < self.pending.open_step(self.store.step):
@@ -330,9 +351,8 @@ class Coordinator:
         current = self.store.step
         if record.seq != seq or record.step < 0:  # a straggler of an older push: never applied now
             return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
-        if not record.stale:
-            unslotted = self._hold_kind(hold) is None  # a retry waiting for its original needs a slot of its own
-            with self.waits.slot("retry") if unslotted else contextlib.nullcontext():
+        if not record.stale and not (record.applied or record.result is not None):
+            with self.waits.slot("retry"):  # a retry waiting for its original, still being handled
                 done = self._cond.wait_for(lambda: record.applied or record.result is not None or self._closed
                                            or self.ledger.seen(worker, incarnation, seq) is not record
                                            or cancelled(), self._left(deadline))
@@ -342,8 +362,10 @@ class Coordinator:
             if not done:
                 raise WaitTimeoutError(f"a retried push from {worker} waited for its original, still running")
         if self.config.mode == "sync" and not record.stale:
-            return dataclasses.replace(self._await_release(worker, record.step, cancelled, hold, deadline),
-                                       duplicate=True)
+            held = (self.owns_step or hold) and self.store.step <= record.step
+            with self.waits.slot("release") if held else contextlib.nullcontext():
+                released = self._await_release(worker, record.step, cancelled, hold, deadline)
+            return dataclasses.replace(released, duplicate=True)
         if record.result is None:  # cancelled before the original finished
             return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
         return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)

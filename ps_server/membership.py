@@ -6,8 +6,8 @@ A worker is *live* while both hold:
   one of its pushes (waiting for a sync release or the ssp bound is not a stall).
     progress timeout = max(progress_seconds, PROGRESS_MULTIPLE x median push interval)
 
-Each client process draws a random incarnation. A known worker arriving with
-a new incarnation is a restart: the old incarnation is retired, and every later
+Each client process draws a random incarnation (never 0; 0 means none was
+given, and fences nothing). A known worker arriving with a new incarnation is a restart: the old incarnation is retired, and every later
 call from it (a push, a heartbeat, a leave) is refused with
 WorkerReplacedError, so a dying old process can neither evict its successor
 nor have a retried push applied. A worker that left, or whose lease or
@@ -93,7 +93,9 @@ class Membership:
             self.members[worker] = Member(incarnation, now, now, counts_from=counts_from, clock=level)
             return "joined", None
         retired = None
-        if member.incarnation != incarnation:
+        if incarnation and not member.incarnation:  # known so far only from calls that gave none
+            member.incarnation = incarnation
+        if incarnation and member.incarnation != incarnation:
             retired = member.incarnation
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0

@@ -69,9 +69,12 @@ def create_server(
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
+    if threads < 2:
+        raise RuntimeError(f"--threads must be at least 2 (one always free for calls that never wait). "
+                           f"Received: {threads}")
     if max_waiting_calls is None:
         max_waiting_calls = default_max_waiting_calls(threads)
-    if not 1 <= max_waiting_calls < max(2, threads):
+    if not 1 <= max_waiting_calls < threads:
         raise RuntimeError(f"--max-waiting-calls must be at least 1 and below --threads ({threads}). "
                            f"Received: {max_waiting_calls}")
     coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False)

@@ -380,6 +380,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def CommitCheckpoint(self, request, context):
         self._require_checkpoints()
+        if not 0 <= request.step <= MAX_STEP:
+            raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         if self.index != 0:
             raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
         manifest = _placement_manifest(request.manifest_json)

@@ -19,8 +19,8 @@ from typing import Callable, Iterable, Mapping, TypeVar
 import torch
 
 from .. import codec
-from ..errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
-                     UnknownVariableError, WaitTimeoutError)
+from ..errors import (NonFiniteGradientError, OptimizerSpecError, ServerUnavailableError, SpecConflictError,
+                      TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from .optimizers import VariableOptimizer, normalize_spec
 from ..proto import ps_pb2
 
@@ -62,6 +62,7 @@ class VariableStore:
         self._changed = threading.Condition()  # guards _variables and _step; notified on create
         self._variables: dict[str, Variable] = {}
         self._step = 0
+        self._closed = False
 
     # -- creation -------------------------------------------------------------------------
 
@@ -128,6 +129,12 @@ class VariableStore:
         with self._changed:
             self._changed.notify_all()
 
+    def close(self) -> None:
+        """Ends every wait_for at once with ServerUnavailableError (the shard is stopping)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
     def names(self) -> list[str]:
         with self._changed:
             return list(self._variables)
@@ -157,6 +164,8 @@ class VariableStore:
             while True:
                 missing = [n for n in names if n not in self._variables]
                 remaining = deadline - time.monotonic()
+                if self._closed:
+                    raise ServerUnavailableError("this shard is stopping; retry against its replacement")
                 if not missing or cancelled():
                     return
                 if remaining <= 0:

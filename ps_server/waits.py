@@ -30,19 +30,26 @@ class WaitLimit:
     @contextlib.contextmanager
     def slot(self, kind: str):
         """Held while a call of `kind` waits; ResourceExhaustedError (naming the limit) if none is free."""
+        self.acquire(kind)
+        try:
+            yield
+        finally:
+            self.release(kind)
+
+    def acquire(self, kind: str) -> None:
+        """Takes a slot for a call of `kind` (release() gives it back); ResourceExhaustedError if none is free."""
         with self._lock:
             total = sum(self._waiting.values())
             if total >= self.limit:
                 raise ResourceExhaustedError(
                     f"this shard already holds {total} waiting calls, its limit (ps-server --max-waiting-calls "
-                    f"{self.limit}); the {kind} call was refused and changed nothing: retry later, or raise the "
-                    f"limit with --threads")
+                    f"{self.limit}); the {kind} call was refused and changed nothing: retry later, or raise "
+                    f"--max-waiting-calls (with --threads)")
             self._waiting[kind] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._waiting[kind] -= 1
+
+    def release(self, kind: str) -> None:
+        with self._lock:
+            self._waiting[kind] -= 1
 
     def waiting(self, kind: str | None = None) -> int:
         """Calls waiting now, of `kind` or of every kind."""

@@ -259,12 +259,6 @@ def test_max_waiting_calls_refuses_every_kind_of_wait_before_it_changes_anything
         assert saved.step == 1 and saved.bytes > 0
 
 
-@pytest.mark.xfail(reason="BUG: the push that completes a sync step's quorum is refused RESOURCE_EXHAUSTED when the "
-                          "waiting slots are full, although it would not wait (Coordinator.push takes a 'release' "
-                          "slot for every sync push on shard 0 before knowing whether it will be held). With "
-                          "--max-waiting-calls L, a sync job of more than L workers (default: 97 workers at "
-                          "--threads 128) never completes a step: L pushes are held and the last one is refused "
-                          "until their deadlines", strict=True)
 def test_the_push_that_completes_a_sync_step_is_not_refused_by_the_limit(local_cluster):
     local = local_cluster(1, server_args=["--max-waiting-calls", "1"])
     channel, stub = connect(local)
@@ -329,11 +323,6 @@ def test_sigterm_answers_waiting_calls_unavailable(local_cluster, tmp_path):
         assert local.procs[0].wait(TIMEOUT) == 0
 
 
-@pytest.mark.xfail(reason="BUG: a ListVariables waiting for variables (it holds a waiting slot) is not answered "
-                          "when the shard stops: Coordinator.close() wakes the coordinator's waits but not "
-                          "VariableStore.wait_for, so the call is cut by gRPC after ps-server's 2 s stop grace "
-                          "('Cancelling all calls', no torchps-error) instead of ServerUnavailableError at once",
-                   strict=True)
 def test_shutdown_answers_a_list_waiting_for_variables_unavailable(local_cluster):
     local = local_cluster(1)
     channel, stub = connect(local)

@@ -403,12 +403,6 @@ def _outcome(call, results: list, index: int) -> None:
         results[index] = exc
 
 
-@pytest.mark.xfail(reason="BUG: in sync mode, two other workers' pushes for step s+1 (one past the open step, so "
-                          "legal numbers) that reach the quorum before step s make shard 0 jump over step s "
-                          "(aggregation.next_ready's 'jump'): the gradient already counted for step s is dropped "
-                          "and its worker's held push is answered as released (next_step 1, not stale); the "
-                          "issue's 'silently drop a real worker's pending gradient', with step 1 instead of 10^12",
-                   strict=True)
 def test_pushes_one_step_ahead_never_drop_a_gradient_counted_for_the_open_step(local_cluster):
     local = local_cluster(1)
     with grpc.insecure_channel(local.cluster.ps[0]) as channel:

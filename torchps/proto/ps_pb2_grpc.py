@@ -133,7 +133,9 @@ class ParameterServerServicer:
         applied or none is. Each variable's update is atomic and bumps its version.
         INVALID_ARGUMENT for a wrong dtype or shape, a malformed stream, or a NaN or
         Inf value (unless the shard runs with --allow-nonfinite); NOT_FOUND for an
-        unknown variable. A client that goes away mid-stream has nothing applied.
+        unknown variable. A client that goes away before every tensor it carries
+        arrived has nothing applied; one that sent them all and died before closing
+        its stream may have it applied (at most once: its retry is a duplicate).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
