@@ -157,29 +157,32 @@ class ShardChannels:
                 raise ServerUnavailableError(
                     f"could not reach {self.target(shard)} within {self.connect_timeout:g} s; "
                     f"is ps-server running there and is the address right?") from None
+        finally:
+            ready.cancel()  # however this ends (an interrupt too), gRPC's watcher stops before the channel closes
         self._ready[shard] = True
 
-    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub, float], T], timeout: float) -> T:
+    def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub, float], T], timeout: float,
+             retry_for: float | None = None) -> T:
         """Runs fn(stub, timeout) for `shard`, retrying as the module docstring says; errors are PSErrors.
 
-        Blocks for at most `timeout` per attempt, plus up to `connect_timeout`
-        of retries after the first failure.
+        Blocks for at most `timeout` per attempt, plus up to `retry_for`
+        (default: connect_timeout) of retries after the first failure.
         """
+        retry_for = self.connect_timeout if retry_for is None else retry_for
         backoff = None
         while True:
             if self._closed.is_set():
                 raise ServerUnavailableError(f"this client is closed; {self.target(shard)} was not called")
             try:
                 if not self._ready[shard]:
-                    self.wait_ready(shard, time.monotonic() + self.connect_timeout if backoff is None
-                                    else backoff.deadline)
+                    self.wait_ready(shard, time.monotonic() + retry_for if backoff is None else backoff.deadline)
                 return fn(self.stubs[shard], timeout)
             except grpc.RpcError as exc:
                 if not _retryable(exc):
                     raise error_from_rpc(exc, self.target(shard)) from exc
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self._ready[shard] = False
-                backoff = backoff or Backoff(time.monotonic() + self.connect_timeout)
+                backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if not backoff.pause():
                     raise error_from_rpc(exc, self.target(shard)) from exc
 

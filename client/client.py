@@ -39,6 +39,7 @@ _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for variables; the client repeats until its deadline
 CONTROL_TIMEOUT_SECONDS = 30.0  # deadline of calls that never wait for training (status, join, configure, ...)
+LEAVE_ON_CLOSE_SECONDS = 3.0    # close() does not wait longer for shards to hear it leave: leases expire anyway
 
 
 class PSClient(DataPath):
@@ -123,11 +124,12 @@ class PSClient(DataPath):
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leaves the job if joined (best effort), then closes all channels. Idempotent."""
+        """Leaves the job if joined (best effort: LEAVE_ON_CLOSE_SECONDS at most, the leases do the rest),
+        then closes all channels. Idempotent."""
         if not self._closed:
             if self.mode is not None:
                 try:
-                    self.leave()
+                    self.leave(retry_for=LEAVE_ON_CLOSE_SECONDS)
                 except PSError as exc:
                     _LOGGER.warning("could not leave cleanly: %s", exc)
             self._heartbeats.stop()
@@ -313,11 +315,13 @@ class PSClient(DataPath):
         self._heartbeats.start(lead.config.lease_seconds / 3)
         return lead.step
 
-    def leave(self) -> None:
-        """Tells every shard this worker is done, so the quorum drops at once. Idempotent."""
+    def leave(self, *, retry_for: float | None = None) -> None:
+        """Tells every shard this worker is done, so the quorum drops at once. Idempotent. An unreachable
+        shard is retried for `retry_for` seconds (default: connect_timeout)."""
         self._heartbeats.stop()
         ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
-        self._on_every_shard(lambda stub, t: stub.Leave(ref, timeout=t))
+        self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+            shard, lambda stub, t: stub.Leave(ref, timeout=t), self.control_timeout, retry_for))
         self.mode = None
 
     def _worker_ref(self) -> ps_pb2.WorkerRef:
@@ -417,8 +421,12 @@ class PSClient(DataPath):
         error: BaseException | None = None
         try:
             results[first_shard] = fn(first_shard, first_names)
-        except BaseException as exc:  # noqa: BLE001 - raised once the others are done
+        except Exception as exc:  # noqa: BLE001 - raised once the others are done
             error = exc
+        except BaseException:  # an interrupt (Ctrl-C, SIGTERM): no waiting for the other shards' calls
+            for future in pending.values():
+                future.cancel()
+            raise
         for shard, future in pending.items():
             try:
                 results[shard] = future.result()

@@ -1,11 +1,13 @@
-"""What every torchps command line shares: usage errors in one line, with the documented exit code 2."""
+"""What every torchps command line shares: usage errors in one line with exit code 2, and the console
+scripts' entry points, which answer a Ctrl-C during their (slow: torch, gRPC) imports with one line and 130."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-__all__ = ["ArgumentParser", "USAGE_ERROR", "INTERRUPTED"]
+__all__ = ["ArgumentParser", "USAGE_ERROR", "INTERRUPTED", "ps_server", "ps_worker", "ps_launch", "ps_certs"]
 
 USAGE_ERROR = 2    # a bad flag or value, or a configuration that cannot work: nothing was started
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -17,3 +19,29 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(USAGE_ERROR)
+
+
+def _run(prog: str, module: str) -> None:
+    try:
+        main = importlib.import_module(module).main
+        code = main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        code = INTERRUPTED
+    sys.exit(code)
+
+
+def ps_server() -> None:
+    _run("ps-server", "torchps.ps_server.__main__")
+
+
+def ps_worker() -> None:
+    _run("ps-worker", "torchps.worker.__main__")
+
+
+def ps_launch() -> None:
+    _run("ps-launch", "torchps.worker.launch")
+
+
+def ps_certs() -> None:
+    _run("ps-certs", "torchps.certs")
