@@ -14,13 +14,15 @@ import signal
 import sys
 import threading
 
+from grpc_health.v1 import health
+
 from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from . import checkpoint
 from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
-from .server import DEFAULT_THREADS, create_server
+from .server import DEFAULT_THREADS, create_server, serve_health, set_health
 from ..security import Security
 from .journal import Journal
 from .quotas import Quotas, parse_bytes
@@ -38,6 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(TF_CONFIG's 'cluster' shape); default: TF_CONFIG, or none with --index and --bind")
     parser.add_argument("--bind", help="HOST:PORT to listen on instead of the cluster entry; port 0 picks a free one")
     parser.add_argument("--port-file", type=pathlib.Path, help="write the bound port to this file once serving")
+    parser.add_argument("--health-port", type=int, help="also serve the gRPC health service alone, in plaintext, "
+                        "on this port of the bind host (for Kubernetes gRPC probes; 0 picks a free one): NOT_SERVING "
+                        "while restoring or stopping, SERVING otherwise; it reveals nothing else")
+    parser.add_argument("--health-port-file", type=pathlib.Path, help="write the health port here once it serves")
     parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk accepted or sent (default: %(default)s)")
@@ -142,13 +148,30 @@ def open_journal(args: argparse.Namespace, index: int) -> Journal | None:
     return Journal(directory) if directory else None
 
 
+def _write_port(path: pathlib.Path, port: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)
+
+
+def _stop(health_server) -> None:
+    if health_server is not None:
+        health_server.stop(None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc()
+    health_servicer, health_server = health.HealthServicer(), None
+    set_health(health_servicer, serving=False)
     try:
         cluster, index, address = resolve(args)
         security = load_security(args)
+        if args.health_port is not None:
+            health_server, health_port = serve_health(health_servicer, f"{address.rpartition(':')[0]}:{args.health_port}")
+            if args.health_port_file:
+                _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, index)
         if args.checkpoint_dir:
@@ -160,11 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
             journal=journal, on_shutdown=lambda reason: stop.set(), security=security,
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
-                          max_calls_per_client=args.max_calls_per_client))
+                          max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer)
     except (PSError, RuntimeError, OSError) as exc:
+        _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
+        _stop(health_server)
         print("ps-server: interrupted", file=sys.stderr)
         return INTERRUPTED
     interrupted = []
@@ -176,20 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
     server.start()
+    set_health(health_servicer, serving=True)
     if args.port_file:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(args.port_file)
+        _write_port(args.port_file, port)
     host = address.rpartition(":")[0]
     mode = ("mutual TLS" if security.tls else "plaintext") + (", job token" if security.token else "")
     _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                  "INSECURE: no TLS, no token" if security.insecure else mode)
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
+    set_health(health_servicer, serving=False)
     coordinator.close()  # answers held sync pushes and min_step pulls UNAVAILABLE at once
     stopped = server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5)
     if journal is not None:
         journal.close()
+    _stop(health_server)
     if not stopped:
         _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
         logging.shutdown()

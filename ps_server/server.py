@@ -21,7 +21,8 @@ from .coordinator import Coordinator
 from .journal import Journal
 from .quotas import Quotas
 
-__all__ = ["create_server", "recover", "default_max_waiting_calls", "SERVICE_NAME", "DEFAULT_THREADS"]
+__all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
+           "DEFAULT_THREADS"]
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -44,6 +45,7 @@ def create_server(
     on_shutdown: Callable[[str], None] | None = None,
     security: Security = INSECURE,
     quotas: Quotas | None = None,
+    health_servicer: health.HealthServicer | None = None,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -53,7 +55,8 @@ def create_server(
     starts from its journal if that holds a state, else from `restore` (a
     checkpoint state), else empty; `on_shutdown(reason)` runs after a Shutdown
     call has been answered. With `security` it serves mutual TLS and checks
-    tokens and roles (ps_server/auth.py).
+    tokens and roles (ps_server/auth.py). The gRPC health service answers from `health_servicer` (whose
+    status the caller sets, see set_health), else SERVING.
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -82,9 +85,9 @@ def create_server(
     add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                           checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
                                           security=security, quotas=quotas), server)
-    health_servicer = health.HealthServicer()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if health_servicer is None:
+        health_servicer = health.HealthServicer()
+        set_health(health_servicer, serving=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         if security.tls:
@@ -121,6 +124,31 @@ def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | N
         return
     journal.start(None if recovered is not None else coordinator.state(with_pending=True))
     coordinator.attach_journal(journal)
+
+
+def set_health(health_servicer: health.HealthServicer, *, serving: bool) -> None:
+    """SERVING or NOT_SERVING for the whole server ("") and the ParameterServer service."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, status)
+
+
+def serve_health(health_servicer: health.HealthServicer, address: str) -> tuple[grpc.Server, int]:
+    """A started plaintext server at `address` with nothing but the health service (for Kubernetes gRPC
+    probes, which speak neither TLS nor tokens); returns (server, port). It reveals only SERVING or
+    NOT_SERVING. RuntimeError if the address cannot be bound."""
+    _check_free(address)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4096)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind the health port {address}: {exc}") from None
+    if port == 0:
+        raise RuntimeError(f"cannot bind the health port {address}: the port is in use or the host is not local")
+    server.start()
+    return server, port
 
 
 def default_max_waiting_calls(threads: int) -> int:

@@ -21,8 +21,12 @@ import time
 
 import grpc
 import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from torchps.proto import ps_pb2, ps_pb2_grpc
+
+from helpers import wait_until
 
 PS_SERVER = [sys.executable, "-m", "torchps.ps_server", "--insecure"]  # test_security.py covers the rest
 START_TIMEOUT = 60.0  # seconds for a shard to import torch and grpc on a loaded 2-core machine
@@ -238,3 +242,51 @@ def test_a_shard_without_credentials_refuses_to_start_unless_told_insecure():
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 2
     assert_one_line_error(result, "no credentials", "--tls-cert", "--token-file", "--insecure")
+
+
+def health_of(address: str) -> int:
+    """The plaintext health port's status for the whole server ("") and the ParameterServer service (equal)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        statuses = {stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10, wait_for_ready=True).status
+                    for service in ("", ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name)}
+    assert len(statuses) == 1, statuses
+    return statuses.pop()
+
+
+def test_health_port_is_not_serving_while_restoring_and_reveals_nothing_else(tmp_path):
+    """--health-port serves the health service alone in plaintext: NOT_SERVING while the shard restores
+    a checkpoint (held here by a manifest that is a FIFO nobody has written yet), then SERVING; its port
+    answers no ParameterServer call."""
+    from torchps.client import Optimizer, PSClient
+    from torchps.cluster import Cluster
+
+    saved, port_file = tmp_path / "saved", tmp_path / "ps.port"
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+                    "--checkpoint-dir", str(saved)], tmp_path) as proc:
+        wait_for_log(proc, "serving")
+        with PSClient(Cluster(ps=(f"127.0.0.1:{port_file.read_text()}",)), connect_timeout=10) as chief:
+            chief.create_variables({"w": torch.arange(3.0)}, Optimizer("sgd", lr=1.0))
+            step = chief.save_checkpoint(0)
+        stop_with(proc, signal.SIGTERM)
+    (step_folder,) = saved.glob("step-*")
+    manifest = (step_folder / "manifest.json").read_bytes()
+    (step_folder / "manifest.json").unlink()
+    os.mkfifo(step_folder / "manifest.json")
+    port_file.unlink()
+    health_file = tmp_path / "health.port"
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--num-ps", "1", "--restore-from", str(saved),
+                    "--port-file", str(port_file), "--health-port", "0", "--health-port-file", str(health_file)],
+                   tmp_path) as proc:
+        wait_until(health_file.exists, START_TIMEOUT, "the health port file")
+        health = f"127.0.0.1:{health_file.read_text()}"
+        assert health_of(health) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not port_file.exists(), "the shard must not serve before its checkpoint is read"
+        with grpc.insecure_channel(health) as channel, pytest.raises(grpc.RpcError) as info:
+            ps_pb2_grpc.ParameterServerStub(channel).GetStatus(ps_pb2.StatusRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, "the health port serves nothing else"
+        with open(step_folder / "manifest.json", "wb") as fifo:  # the restore goes on
+            fifo.write(manifest)
+        wait_until(lambda: health_of(health) == health_pb2.HealthCheckResponse.SERVING, START_TIMEOUT, "SERVING")
+        assert port_file.exists() and status(f"127.0.0.1:{port_file.read_text()}").step == step
+        assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
