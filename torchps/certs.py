@@ -1,7 +1,7 @@
 """A job's credentials, made with the `cryptography` package: a CA, one certificate per task, tokens.
 
     ps-certs DIR --cluster cluster.json          # files for every task of a cluster (several hosts)
-    ps-certs DIR --cluster cluster.json --kubernetes-secret NAME > secret.yaml
+    ps-certs DIR --cluster cluster.json --kubernetes-secret NAME > secrets.yaml  # one per task
 
 Each task's certificate is signed by the job's CA. Its common name is the task
 ("worker:1"), its organizational unit the role the shards grant it ("chief"
@@ -37,7 +37,7 @@ from .cli import ArgumentParser
 from .cluster import Cluster, TaskSpec
 from .errors import ClusterConfigError
 
-__all__ = ["TaskCredentials", "make_job_credentials", "role_of", "main"]
+__all__ = ["TaskCredentials", "make_job_credentials", "kubernetes_secrets", "role_of", "main"]
 
 VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
 TOKEN_BYTES = 32
@@ -130,13 +130,21 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
     return out
 
 
-def kubernetes_secret(directory: pathlib.Path, name: str) -> str:
-    """A Kubernetes Secret (YAML) holding every file of `directory` but the CA's key."""
-    lines = ["apiVersion: v1", "kind: Secret", "metadata:", f"  name: {name}", "type: Opaque", "data:"]
-    for path in sorted(directory.iterdir()):
-        if path.is_file() and path.name != "ca.key":
-            lines.append(f"  {path.name}: {base64.b64encode(path.read_bytes()).decode()}")
-    return "\n".join(lines) + "\n"
+def kubernetes_secrets(made: dict[TaskSpec, TaskCredentials], name: str) -> str:
+    """Kubernetes Secrets (one YAML document per task, named NAME-TYPE-INDEX) holding only what that task
+    needs: the CA certificate, the job token, its own certificate and key as tls.crt/tls.key, and the
+    admin token for the chief and the shards. The CA's key is in none of them."""
+    documents = []
+    for task, files in made.items():
+        entries = {"ca.crt": files.ca, "token": files.token, "tls.crt": files.cert, "tls.key": files.key}
+        if files.admin_token is not None:
+            entries["admin-token"] = files.admin_token
+        lines = ["apiVersion: v1", "kind: Secret", "metadata:", f"  name: {name}-{task.type}-{task.index}",
+                 "  labels:", f"    torchps/job: {name}", f"    torchps/task: {task.type}-{task.index}",
+                 "type: Opaque", "data:"]
+        lines += [f"  {key}: {base64.b64encode(path.read_bytes()).decode()}" for key, path in entries.items()]
+        documents.append("\n".join(lines) + "\n")
+    return "---\n".join(documents)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", help="the folder to write (created with mode 0700)")
     parser.add_argument("--cluster", required=True, help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")
     parser.add_argument("--days", type=int, default=VALID_DAYS, help="validity (default: %(default)s)")
-    parser.add_argument("--kubernetes-secret", metavar="NAME", help="also print a Secret holding the files")
+    parser.add_argument("--kubernetes-secret", metavar="NAME", help="print Kubernetes Secrets instead of flags: "
+                        "NAME-TYPE-INDEX per task, each with only that task's files (mount one per pod)")
     args = parser.parse_args(argv)
     try:
         cluster = Cluster.from_json(args.cluster)
@@ -156,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-certs: error: {exc}", file=sys.stderr)
         return 2
     if args.kubernetes_secret:
-        print(kubernetes_secret(pathlib.Path(args.directory), args.kubernetes_secret), end="")
+        print(kubernetes_secrets(made, args.kubernetes_secret), end="")
     else:
         for task, files in made.items():
             print(f"{task}: {' '.join(files.flags())}")

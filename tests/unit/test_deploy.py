@@ -1,9 +1,12 @@
 """deploy/cluster_commands.py: one TF_CONFIG and command per task."""
 
+import base64
 import importlib.util
 import json
 import pathlib
 import shlex
+import subprocess
+import sys
 
 from torchps.client import Cluster
 
@@ -46,3 +49,29 @@ def test_with_credentials_every_task_names_its_own_files_and_ps_certs_comes_firs
     assert flags[0][flags[0].index("--tls-key") + 1] == "/etc/job/worker-0.key"
     assert "--admin-token-file" in flags[0] and "--admin-token-file" in flags["ps"], "the chief and the shards"
     assert "--admin-token-file" not in flags[1], "worker 1 is no chief"
+
+
+def test_ps_certs_kubernetes_secrets_give_each_task_only_its_own_files(tmp_path):
+    cluster = Cluster(ps=["h3:2222"], chief=["h0:2222"], worker=["h1:2222"])
+    result = subprocess.run([sys.executable, "-m", "torchps.certs", str(tmp_path / "job"), "--cluster",
+                             json.dumps(cluster.to_dict()), "--kubernetes-secret", "mnist"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    secrets = {}
+    for document in result.stdout.split("---\n"):
+        lines = document.splitlines()
+        assert lines[:2] == ["apiVersion: v1", "kind: Secret"], document
+        name = next(line.split(": ")[1] for line in lines if line.startswith("  name: "))
+        data = lines[lines.index("data:") + 1:]
+        secrets[name] = {key.strip(): base64.b64decode(value) for key, value in (line.split(": ") for line in data)}
+    assert sorted(secrets) == ["mnist-chief-0", "mnist-ps-0", "mnist-worker-0"]
+    job = tmp_path / "job"
+    for task, name in (("chief-0", "mnist-chief-0"), ("worker-0", "mnist-worker-0"), ("ps-0", "mnist-ps-0")):
+        files = secrets[name]
+        assert files["tls.crt"] == (job / f"{task}.crt").read_bytes()
+        assert files["tls.key"] == (job / f"{task}.key").read_bytes()
+        assert files["ca.crt"] == (job / "ca.crt").read_bytes() and files["token"] == (job / "token").read_bytes()
+    assert "admin-token" in secrets["mnist-chief-0"] and "admin-token" in secrets["mnist-ps-0"]
+    assert "admin-token" not in secrets["mnist-worker-0"], "a worker must not hold the admin token"
+    ca_key = (job / "ca.key").read_bytes()
+    assert all(ca_key not in value for files in secrets.values() for value in files.values())
