@@ -9,7 +9,8 @@ Starts `--ps` ps-servers on 127.0.0.1 with free ports, then the chief
 prefixed with its role. ps-worker's flags are accepted and passed to every
 worker (checked first: a bad flag or value stops ps-launch before anything
 starts). Secure by default: a throw-away CA, a certificate per task and the
-tokens are made in a private folder for the job (--insecure: plaintext).
+tokens are made in a private folder for the job (--tokens-only: tokens without TLS;
+--insecure: plaintext, no tokens).
 
 A worker that dies does not stop the others; the chief failing, the end of
 training, Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also
@@ -81,7 +82,7 @@ class Launcher:
 
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
-                 secure: bool = True, out=sys.stdout):
+                 secure: bool = True, tls: bool = True, out=sys.stdout):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
         self.worker_args = worker_args + (["--keep-ps"] if evaluator else [])  # the evaluator sees the end too
         self.ps_args = list(ps_args)
@@ -96,6 +97,7 @@ class Launcher:
         self.cluster: Cluster | None = None
         self.summary: dict | None = None  # the chief's final summary line, parsed
         self.credentials: dict[TaskSpec, TaskCredentials] | None = None
+        self.tls = tls
         if secure:  # certificates name tasks, not ports, so they can be made before any port is known
             tasks = Cluster(ps=tuple(f"127.0.0.1:{i + 1}" for i in range(num_ps)),
                             chief=("127.0.0.1:0",) if chief else (),
@@ -111,8 +113,10 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
         if self.credentials is not None:
             files = self.credentials[task]
-            env.update({ENV["tls_cert"]: str(files.cert), ENV["tls_key"]: str(files.key), ENV["tls_ca"]: str(files.ca),
-                        ENV["token_file"]: str(files.token)})
+            env[ENV["token_file"]] = str(files.token)
+            if self.tls:
+                env.update({ENV["tls_cert"]: str(files.cert), ENV["tls_key"]: str(files.key),
+                            ENV["tls_ca"]: str(files.ca)})
             if files.admin_token is not None:
                 env[ENV["admin_token_file"]] = str(files.admin_token)
         # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops workers before
@@ -312,6 +316,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
     g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
                    "certificates and tokens made for this job)")
+    g.add_argument("--tokens-only", action="store_true", help="job and admin tokens without TLS: the same "
+                   "protection on one host (only root reads loopback traffic, and root reads the keys too) "
+                   "without TLS's cost per byte")
     parser = ArgumentParser(prog="ps-launch", parents=[own], description="Run a whole torchps cluster on "
                             "127.0.0.1. ps-worker's training flags go to every worker. With no arguments: the "
                             "README demo.")
@@ -319,6 +326,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     everything = parser.parse_args(argv)  # unknown flags and bad types stop here
     if everything.ps < 1 or everything.workers + int(everything.chief) < 1:
         parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
+    if everything.insecure and everything.tokens_only:
+        parser.error("--tokens-only and --insecure contradict each other (tokens, or nothing)")
     try:
         finish_training_flags(everything)
         check_output("--metrics-out", everything.metrics_out)
@@ -397,7 +406,7 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
         ps_args += ["--restore-from", args.restore_from]
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
-                    restart_on_failure=args.restart_on_failure, secure=not args.insecure)
+                    restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only)
 
 
 if __name__ == "__main__":

@@ -142,14 +142,14 @@ def test_keep_prunes_older_committed_checkpoints(tmp_path):
     with LocalCluster(3, server_args=["--checkpoint-dir", str(ckpt)]) as local, \
             PSClient(local.cluster, connect_timeout=20) as client:
         client.create_variables({n: torch.zeros(3) for n in names}, Optimizer("sgd", lr=1.0))
-        for k in range(1, 13):
+        for k in range(1, 6):
             client.push({n: -torch.ones(3) for n in names})
             assert client.save_checkpoint(0, keep=2) == k
             assert saved_steps(ckpt) == list(range(max(1, k - 1), k + 1)), f"after save {k}"
-        for step in (11, 12):
+        for step in (4, 5):
             assert sorted(p.name for p in step_dir(ckpt, step).iterdir()) == \
                 ["manifest.json", "ps-0.pt", "ps-1.pt", "ps-2.pt"]
-        assert float(load_shard(ckpt, 12, 2)["variables"][0]["value"][0]) == 12
+        assert float(load_shard(ckpt, 5, 2)["variables"][0]["value"][0]) == 5
 
 
 def test_two_saves_of_one_step_at_once_publish_whole_files(tmp_path):

@@ -229,6 +229,34 @@ def test_launch_trains_and_reports(tmp_path):
 
     assert len(run.pids) >= 4, f"expected 2 ps and 2 worker processes, saw {run.pids}"
     assert_nothing_left(run.pids)
+    serving = [line for line in run.lines if SERVING.search(line)]
+    assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
+
+
+@pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, job token", True),
+                                           (["--tokens-only"], "plaintext, job token", False),
+                                           (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
+def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
+    """The shards say how they are secured; the credentials' folder is mode 0700 while the job runs and
+    gone when ps-launch has ended."""
+    folders, tls_files = [], []
+
+    def on_line(line: str, _launcher: int) -> None:
+        if (serving := SERVING.search(line)) and not folders:
+            variables = dict(v.decode().split("=", 1) for v in
+                             pathlib.Path(f"/proc/{serving[1]}/environ").read_bytes().split(b"\0") if b"=" in v)
+            tls_files.extend(v for k, v in variables.items() if k.startswith("TORCHPS_TLS_"))
+            if "TORCHPS_TOKEN_FILE" in variables:
+                folders.append(pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent)
+                assert folders[0].stat().st_mode & 0o777 == 0o700, oct(folders[0].stat().st_mode)
+
+    run = launch(["--ps", "1", "--workers", "1", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line)
+    assert run.code == 0, run.output
+    serving = [line for line in run.lines if SERVING.search(line)]
+    assert len(serving) == 1 and mode in serving[0], serving
+    assert len(folders) == (0 if "--insecure" in flags else 1) and bool(tls_files) == tls, (folders, tls_files)
+    assert not any(folder.exists() for folder in folders), "the credentials outlive the job"
+    assert_nothing_left(run.pids)
 
 
 def test_a_failing_worker_does_not_stop_the_others(tmp_path):
