@@ -4,6 +4,7 @@
     python bench/pullpush.py --json results.json          # full run, a few minutes
     python bench/pullpush.py --quick --json quick.json    # under a minute
     python bench/pullpush.py --only bandwidth --repeats 15
+    python bench/pullpush.py --security plain            # as before security existed
 
 Three measurements, each taken beside its baseline in the same run (the
 development machine is shared and noisy, so only ratios measured together mean
@@ -20,6 +21,18 @@ anything):
    per shard: ModuleBinding.exchange), total steps/s,
    beside the same model trained in one process with no PS.
 3. big: the 784-8192-2304-10 MLP, 1 ps and 2 async workers, beside one process.
+
+Security (--security both, the default): the 2-shard round trip of 1 and the
+async run of 2 are also measured against shards started with mutual TLS and the
+job token (credentials from torchps.certs, as ps-certs makes them: a CA, one
+certificate per task, the job and admin tokens; the shards get the ps task's
+--tls-cert/--tls-key/--tls-ca/--token-file/--admin-token-file, the clients the
+chief's or their worker's files through Security.load), interleaved with the
+plaintext runs (--insecure shards) repetition by repetition, and reported side
+by side with secure / plaintext ratios of bandwidth and steps/s beside the
+issue's targets (TLS costs at most 15% of bandwidth, 10% of small-model
+steps/s). --secure-big adds the big model's async run. Each shard's log is
+checked for the security it reports serving with.
 
 Each also records CPU time (Linux /proc): per round trip, client and servers,
 ours and the baseline's; per training step, compute, exchange and the ps. From
@@ -74,7 +87,10 @@ REFERENCES = {  # figures from shared/reading/transport.md, same machine
     "mlp_local_steps_per_s": "transport.md: 1,146 (1 thread)",
     "big_async_steps_per_s": "target: TF ParameterServerStrategy 5.30",
     "big_local_steps_per_s": "transport.md: 5.1 (1 thread)",
+    "secure_bandwidth_ratio": "target >= 0.85 (TLS costs at most 15% of bandwidth)",
+    "secure_mlp_steps_ratio": "target >= 0.90 (TLS costs at most 10% of small-model steps/s)",
 }
+SECURE_TARGETS = {"secure_bandwidth_ratio": 0.85, "secure_mlp_steps_ratio": 0.90}
 
 
 def log(message: str) -> None:
@@ -253,6 +269,69 @@ class RawClient:
         self.channel.close()
 
 
+# -- security ----------------------------------------------------------------------------------
+
+class JobSecurity:
+    """A job's credentials made by torchps.certs in a temporary folder: shard flags and clients' Security values.
+
+    The certificates name 127.0.0.1 (and localhost) whatever the cluster's ports,
+    so one set serves every LocalCluster of the run; every shard uses the ps
+    task's files (its certificate, the job token, the admin token it checks).
+    """
+
+    def __init__(self, num_ps: int, workers: int):
+        from torchps.certs import make_job_credentials
+        from torchps.cluster import Cluster
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="torchps-bench-job-")
+        ports = iter(range(1, 1 << 16))
+        job = Cluster(ps=tuple(f"127.0.0.1:{next(ports)}" for _ in range(num_ps)), chief=(f"127.0.0.1:{next(ports)}",),
+                      worker=tuple(f"127.0.0.1:{next(ports)}" for _ in range(workers)))
+        self.files = make_job_credentials(pathlib.Path(self._tmp.name) / "job", job)
+
+    def server_args(self) -> list[str]:
+        from torchps.cluster import TaskSpec
+
+        return self.files[TaskSpec("ps", 0)].flags()
+
+    def security(self, task):
+        """`task`'s Security (certificate, key, CA, job token; the chief's also the admin token)."""
+        from torchps.security import Security
+
+        f = self.files[task]
+        return Security.load(tls_cert=str(f.cert), tls_key=str(f.key), tls_ca=str(f.ca), token_file=str(f.token),
+                             admin_token_file=str(f.admin_token) if f.admin_token else None, environ={})
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
+def start_cluster(num_ps: int, job: JobSecurity | None, **kwargs):
+    """A started LocalCluster: --insecure shards without `job`, mutual TLS + job token with it."""
+    from torchps.worker.local_cluster import LocalCluster
+
+    local = LocalCluster(num_ps, server_args=job.server_args() if job else None, **kwargs)
+    local.__enter__()
+    return local
+
+
+def check_shard_security(local, secure: bool) -> list[str]:
+    """The line each shard logged about its security; RuntimeError unless it is what was asked for."""
+    want = "mutual TLS, job token" if secure else "INSECURE: no TLS, no token"
+    lines = []
+    for index in range(local.num_ps):
+        deadline = time.monotonic() + 10
+        while True:  # the shard logs it right after writing its port file
+            found = [ln for ln in local.log(index).splitlines() if "serving on" in ln]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not found or want not in found[-1]:
+            raise RuntimeError(f"ps {index} should serve with {want!r}; its log:\n{local.log(index)[-2000:]}")
+        lines.append(found[-1].split(": ", 1)[-1] if ": " in found[-1] else found[-1])
+    return lines
+
+
 # -- models ------------------------------------------------------------------------------------
 
 def make_mlp(dims):
@@ -272,13 +351,18 @@ def make_mlp(dims):
 class OursRoundTrip:
     """A PSClient bound to the big MLP on `cluster`, with fixed random gradients."""
 
-    def __init__(self, cluster, lr: float, placement: str):
+    def __init__(self, cluster, lr: float, placement: str, job: JobSecurity | None = None):
         import torch
-        from torchps.client import Optimizer, PSClient
+        from torchps.client import Optimizer, PSClient, TaskSpec
+        from torchps.security import INSECURE
 
         torch.manual_seed(0)
         self.model = make_mlp(BIG_DIMS)
-        self.client = PSClient(cluster, placement=placement)
+        if job is None:
+            self.client = PSClient(cluster, placement=placement, security=INSECURE)
+        else:  # the chief: it creates the variables (admin token), then pushes and pulls
+            chief = TaskSpec("chief", 0)
+            self.client = PSClient(cluster, task=chief, placement=placement, security=job.security(chief))
         self.binding = self.client.register_module(self.model, Optimizer("sgd", lr=lr), create=True)
         self.placement = self.client.placement_report()
         with torch.no_grad():
@@ -307,39 +391,43 @@ def timed_round_trip(target, server_pids=()) -> tuple[float, float, float, float
     return t1 - t0, t2 - t1, c1 - c0, (s1 - s0 if s0 is not None and s1 is not None else None)
 
 
-def bench_bandwidth(args) -> dict:
-    from torchps.worker.local_cluster import LocalCluster
-
+def bench_bandwidth(args, job: JobSecurity | None) -> dict:
     nbytes = mlp_numel(BIG_DIMS) * 4
     variants: dict[str, object] = {}
     server_pids: dict[str, list[int]] = {}
+    shard_security: dict[str, list[str]] = {}
     closers = []
-    log(f"bandwidth: starting 2-shard and 1-shard clusters and the bare gRPC server ({nbytes / 1e6:.1f} MB model)")
+    plain, secure = args.security in ("both", "plain"), args.security in ("both", "secure")
+    starting = [n for n, on in (("plaintext 2-shard", plain), ("secure 2-shard", secure),
+                                ("1-shard", plain and not args.no_1ps)) if on]
+    log(f"bandwidth: starting {', '.join(starting)} clusters and the bare gRPC server ({nbytes / 1e6:.1f} MB model)")
     setup_started = time.monotonic()
+    placement = None
     try:
-        two = LocalCluster(2)
-        two.__enter__()
-        closers.append(two.stop)
-        one = None
-        if not args.no_1ps:
-            one = LocalCluster(1)
-            one.__enter__()
-            closers.append(one.stop)
+        clusters = {}
+        if plain:
+            clusters["ours_2ps"] = start_cluster(2, None)
+            closers.append(clusters["ours_2ps"].stop)
+        if secure:
+            clusters["ours_2ps_secure"] = start_cluster(2, job)
+            closers.append(clusters["ours_2ps_secure"].stop)
+        if plain and not args.no_1ps:
+            clusters["ours_1ps"] = start_cluster(1, None)
+            closers.append(clusters["ours_1ps"].stop)
         server = BaselineServer(nbytes, args.chunk_bytes)
         closers.append(server.close)
         baseline = BaselineClient(server.address, nbytes, args.chunk_bytes)
         closers.append(baseline.close)
         raw_floor = RawClient(server.address, nbytes, args.chunk_bytes)
         closers.append(raw_floor.close)
-        server_pids = {"ours_2ps": [p.pid for p in two.procs], "baseline": [server.proc.pid],
-                       "raw": [server.proc.pid]}
-        variants["ours_2ps"] = OursRoundTrip(two.cluster, args.lr_big, args.placement)
-        closers.append(variants["ours_2ps"].close)
-        placement = variants["ours_2ps"].placement
-        if one is not None:
-            variants["ours_1ps"] = OursRoundTrip(one.cluster, args.lr_big, args.placement)
-            server_pids["ours_1ps"] = [p.pid for p in one.procs]
-            closers.append(variants["ours_1ps"].close)
+        server_pids = {"baseline": [server.proc.pid], "raw": [server.proc.pid]}
+        for name, local in clusters.items():
+            variants[name] = OursRoundTrip(local.cluster, args.lr_big, args.placement,
+                                           job if name.endswith("_secure") else None)
+            closers.append(variants[name].close)
+            server_pids[name] = [p.pid for p in local.procs]
+            shard_security[name] = check_shard_security(local, name.endswith("_secure"))
+            placement = placement or variants[name].placement
         variants["baseline"] = baseline
         variants["raw"] = raw_floor
         log(f"bandwidth: set up in {time.monotonic() - setup_started:.1f} s; 2-shard placement ({args.placement}):\n"
@@ -368,32 +456,44 @@ def bench_bandwidth(args) -> dict:
 
     med = {name: {k: median(v) for k, v in parts.items()} for name, parts in raw.items()}
     out = {
-        "pullpush_seconds": med["ours_2ps"]["total"],
         "grpc_baseline_seconds": med["baseline"]["total"],
         "grpc_raw_seconds": med["raw"]["total"],
-        "ratio": med["baseline"]["total"] / med["ours_2ps"]["total"],
         "bandwidth_detail": {
             "bytes_each_way": nbytes,
             "placement": args.placement,
             "placement_report": placement,
+            "shard_security": shard_security,
             "median_seconds": med,
             "round_trip_GBps": {n: 2 * nbytes / m["total"] / 1e9 for n, m in med.items()},
         },
         "bandwidth_raw": raw,
     }
+    if "ours_2ps" in med:
+        out["pullpush_seconds"] = med["ours_2ps"]["total"]
+        out["ratio"] = med["baseline"]["total"] / med["ours_2ps"]["total"]
+    if "ours_2ps_secure" in med:
+        out["pullpush_secure_seconds"] = med["ours_2ps_secure"]["total"]
+    if "ours_2ps" in med and "ours_2ps_secure" in med:
+        # secure bandwidth / plaintext bandwidth (same bytes, so plaintext seconds / secure seconds); also the
+        # median of the per-repeat ratios (each repeat times both within a second or two of each other)
+        out["secure_bandwidth_ratio"] = med["ours_2ps"]["total"] / med["ours_2ps_secure"]["total"]
+        out["secure_bandwidth_ratio_paired"] = median(
+            [p / s for p, s in zip(raw["ours_2ps"]["total"], raw["ours_2ps_secure"]["total"])])
     if "ours_1ps" in med:
         out["pullpush_1ps_seconds"] = med["ours_1ps"]["total"]
     if all(raw[name]["server_cpu"] for name in names):
         # CPU seconds of one round trip, client + servers: what the transport costs a CPU-bound host.
         out["grpc_baseline_cpu_seconds"] = med["baseline"]["client_cpu"] + med["baseline"]["server_cpu"]
         out["grpc_raw_cpu_seconds"] = med["raw"]["client_cpu"] + med["raw"]["server_cpu"]
-        out["pullpush_cpu_seconds"] = med["ours_2ps"]["client_cpu"] + med["ours_2ps"]["server_cpu"]
+        for name, key in (("ours_2ps", "pullpush_cpu_seconds"), ("ours_2ps_secure", "pullpush_secure_cpu_seconds")):
+            if name in med:
+                out[key] = med[name]["client_cpu"] + med[name]["server_cpu"]
     return out
 
 
 # -- 2 and 3. training throughput -------------------------------------------------------------
 
-def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
+def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q, security=None) -> None:
     """One training process: 'ps' (fwd/bwd -> push+pull in one call per shard) or 'local' (fwd/bwd -> torch.optim.SGD)."""
     try:
         import torch
@@ -408,8 +508,9 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
         update_cpu = 0.0  # CPU seconds spent in update() since the timed run began
         if mode == "ps":
             from torchps.client import PSClient, TaskSpec
+            from torchps.security import INSECURE
 
-            client = PSClient(cluster, task=TaskSpec("worker", index))
+            client = PSClient(cluster, task=TaskSpec("worker", index), security=security or INSECURE)
             update = client.register_module(model, create=False).exchange
         else:
             update = torch.optim.SGD(model.parameters(), lr=lr).step
@@ -451,12 +552,16 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q) -> None:
 class TrainerPool:
     """`count` persistent training processes (spawned once, warmed up, then run on command)."""
 
-    def __init__(self, mode: str, dims, cluster, count: int, lr: float, warmup: int):
+    def __init__(self, mode: str, dims, cluster, count: int, lr: float, warmup: int,
+                 job: JobSecurity | None = None):
+        from torchps.client import TaskSpec
+
         ctx = mp.get_context("spawn")
         self.res_q = ctx.Queue()
         self.cmd_qs = [ctx.Queue() for _ in range(count)]
+        securities = [job.security(TaskSpec("worker", i)) if job else None for i in range(count)]
         self.procs = [ctx.Process(target=trainer_main, daemon=True, name=f"bench-{mode}-{i}",
-                                  args=(mode, dims, cluster, i, lr, warmup, self.cmd_qs[i], self.res_q))
+                                  args=(mode, dims, cluster, i, lr, warmup, self.cmd_qs[i], self.res_q, securities[i]))
                       for i in range(count)]
         for proc in self.procs:
             proc.start()
@@ -491,45 +596,63 @@ class TrainerPool:
                 proc.join()
 
 
-def bench_training(label: str, dims, args, duration: float, lr: float, with_local: bool) -> dict:
-    """1 ps + 2 async workers, interleaved with a 1-process no-PS run; steps/s (medians)."""
-    import torch
-    from torchps.client import Optimizer, PSClient
-    from torchps.worker.local_cluster import LocalCluster
+def bench_training(label: str, dims, args, duration: float, lr: float, with_local: bool, setups=("async",),
+                   job: JobSecurity | None = None) -> dict:
+    """1 ps + 2 async workers per setup ("async": --insecure shard; "async_secure": mutual TLS + job token),
+    interleaved with each other and with a 1-process no-PS run; steps/s (medians)."""
+    import contextlib
 
-    log(f"{label}: starting 1 ps, creating {mlp_numel(dims):,} parameters, spawning workers")
-    raw: dict[str, list] = {"async": []}
-    server_cpu: list[float] = []  # the ps's CPU seconds during each async run
+    import torch
+    from torchps.client import Optimizer, PSClient, TaskSpec
+    from torchps.security import INSECURE
+
+    log(f"{label}: starting {len(setups)} ps ({', '.join(setups)}), creating {mlp_numel(dims):,} parameters, "
+        f"spawning workers")
+    raw: dict[str, list] = {name: [] for name in setups}
+    server_cpu: dict[str, list[float]] = {name: [] for name in setups}  # each ps's CPU seconds during its runs
+    server_pids: dict[str, list[int]] = {}
+    shard_security: dict[str, list[str]] = {}
     pools: dict[str, TrainerPool] = {}
-    with LocalCluster(1, workers=args.workers) as local:
-        server_pids = [p.pid for p in local.procs]
-        torch.manual_seed(0)
-        with PSClient(local.cluster) as chief:
-            chief.register_module(make_mlp(dims), Optimizer("sgd", lr=lr), create=True)
-        try:
-            pools["async"] = TrainerPool("ps", dims, local.cluster, args.workers, lr, args.train_warmup)
-            if with_local:
-                raw["local"] = []
-                pools["local"] = TrainerPool("local", dims, None, 1, lr, args.train_warmup)
-            names = list(pools)
-            for r in range(args.train_repeats):
-                order = names if r % 2 == 0 else names[::-1]
-                for name in order:
-                    pids = server_pids if name == "async" else []
-                    before = cpu_seconds(pids)
-                    raw[name].append(pools[name].run(duration))
-                    after = cpu_seconds(pids)
-                    if pids and before is not None and after is not None:
-                        server_cpu.append(after - before)
-                summary = ", ".join(f"{n} {sum(w['steps'] / w['seconds'] for w in raw[n][-1]):.1f} steps/s"
-                                    for n in names)
-                log(f"{label} repeat {r + 1}/{args.train_repeats}: {summary}")
-        finally:
-            for pool in pools.values():
-                pool.close()
+    with contextlib.ExitStack() as stack:
+        for name in setups:
+            secure = name.endswith("_secure")
+            local = start_cluster(1, job if secure else None, workers=args.workers)
+            stack.callback(local.stop)
+            server_pids[name] = [p.pid for p in local.procs]
+            shard_security[name] = check_shard_security(local, secure)
+            torch.manual_seed(0)
+            chief = TaskSpec("chief", 0)
+            with PSClient(local.cluster, task=chief if secure else None,
+                          security=job.security(chief) if secure else INSECURE) as client:
+                client.register_module(make_mlp(dims), Optimizer("sgd", lr=lr), create=True)
+            pools[name] = TrainerPool("ps", dims, local.cluster, args.workers, lr, args.train_warmup,
+                                      job if secure else None)
+            stack.callback(pools[name].close)
+        if with_local:
+            raw["local"] = []
+            pools["local"] = TrainerPool("local", dims, None, 1, lr, args.train_warmup)
+            stack.callback(pools["local"].close)
+        names = list(pools)
+        for r in range(args.train_repeats):
+            order = names[r % len(names):] + names[:r % len(names)]  # rotate to cancel drift
+            for name in order:
+                pids = server_pids.get(name, [])
+                before = cpu_seconds(pids)
+                raw[name].append(pools[name].run(duration))
+                after = cpu_seconds(pids)
+                if pids and before is not None and after is not None:
+                    server_cpu[name].append(after - before)
+            summary = ", ".join(f"{n} {sum(w['steps'] / w['seconds'] for w in raw[n][-1]):.1f} steps/s"
+                                for n in names)
+            log(f"{label} repeat {r + 1}/{args.train_repeats}: {summary}")
     rates = {name: [sum(w["steps"] / w["seconds"] for w in run) for run in runs] for name, runs in raw.items()}
-    cpu = {name: cpu_per_step(runs, server_cpu if name == "async" else None) for name, runs in raw.items()}
-    return {"rates": rates, "medians": {n: median(v) for n, v in rates.items()}, "raw": raw, "cpu": cpu}
+    cpu = {name: cpu_per_step(runs, server_cpu.get(name)) for name, runs in raw.items()}
+    out = {"rates": rates, "medians": {n: median(v) for n, v in rates.items()}, "raw": raw, "cpu": cpu,
+           "shard_security": shard_security}
+    if "async" in rates and "async_secure" in rates:
+        out["secure_ratio"] = out["medians"]["async_secure"] / out["medians"]["async"]
+        out["secure_ratio_paired"] = median([s / p for p, s in zip(rates["async"], rates["async_secure"])])
+    return out
 
 
 def cpu_per_step(runs: list[list[dict]], server_cpu: list[float] | None) -> dict:
@@ -595,7 +718,7 @@ def table(results: dict) -> str:
 
     detail = results.get("bandwidth_detail", {})
     gbps = detail.get("round_trip_GBps", {})
-    if "pullpush_seconds" in results:
+    if "pullpush_seconds" in results:  # plaintext figures (absent with --security secure)
         med = detail["median_seconds"]
         rows.append(("push + pull 101 MB, 2 shards (s)",
                      f"{results['pullpush_seconds']:.3f} (push {med['ours_2ps']['push']:.3f} + pull "
@@ -632,6 +755,60 @@ def table(results: dict) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def security_table(results: dict) -> str:
+    """Plaintext and secure figures side by side, the secure / plaintext ratio, and the issue's target."""
+    rows = [("metric", "plaintext", "mutual TLS + token", "secure / plaintext", "target"), ("---",) * 5]
+
+    def ratio(key: str) -> str:  # ratio of the medians, and the median of the per-repeat ratios
+        if key not in results:
+            return "-"
+        paired = results.get(key + "_paired")
+        return f"{results[key]:.3f}" + (f" (paired {paired:.3f})" if paired is not None else "")
+
+    def target(key: str) -> str:
+        if key not in SECURE_TARGETS:
+            return "-"
+        if key not in results:
+            return f">= {SECURE_TARGETS[key]:.2f}"
+        return f">= {SECURE_TARGETS[key]:.2f}: {'met' if results[key] >= SECURE_TARGETS[key] else 'NOT met'}"
+
+    def step_cpu(c: dict | None) -> str:
+        return f"{c['total_ms']:.1f} (exchange {c['update_ms']:.1f} + ps {c['server_ms']:.1f})" \
+            if c and "server_ms" in c else "-"
+
+    detail = results.get("bandwidth_detail", {})
+    med, gbps = detail.get("median_seconds", {}), detail.get("round_trip_GBps", {})
+
+    def round_trip(name: str) -> str:
+        return f"{med[name]['total']:.3f} s ({gbps[name]:.2f} GB/s)" if name in med else "-"
+
+    if "ours_2ps_secure" in med:
+        rows.append(("push + pull 101 MB, 2 shards: s (GB/s); ratio of bandwidth", round_trip("ours_2ps"),
+                     round_trip("ours_2ps_secure"), ratio("secure_bandwidth_ratio"),
+                     target("secure_bandwidth_ratio")))
+        plain_cpu, secure_cpu = results.get("pullpush_cpu_seconds"), results.get("pullpush_secure_cpu_seconds")
+        if secure_cpu is not None:
+            rows.append(("CPU per push + pull, client + shards (ms)",
+                         f"{1e3 * plain_cpu:.0f}" if plain_cpu else "-", f"{1e3 * secure_cpu:.0f}",
+                         f"{secure_cpu / plain_cpu:.3f}" if plain_cpu else "-", "-"))
+    for label, plain_key, secure_key, ratio_key, fmt in (
+            ("small", "mlp_async_steps_per_s", "mlp_async_secure_steps_per_s", "secure_mlp_steps_ratio", "{:.0f}"),
+            ("big", "big_async_steps_per_s", "big_async_secure_steps_per_s", "secure_big_steps_ratio", "{:.2f}")):
+        if secure_key not in results:
+            continue
+        rows.append((f"{label} MLP, 1 ps + {results['config']['workers']} async workers (steps/s)",
+                     fmt.format(results[plain_key]) if plain_key in results else "-",
+                     fmt.format(results[secure_key]), ratio(ratio_key), target(ratio_key)))
+        cpu = results.get(f"{label}_cpu_per_step", {})
+        plain_cpu, secure_cpu = cpu.get("async"), cpu.get("async_secure")
+        if secure_cpu and "server_ms" in secure_cpu:
+            rows.append((f"{label} MLP async, CPU per step (ms)", step_cpu(plain_cpu), step_cpu(secure_cpu),
+                         f"{secure_cpu['total_ms'] / plain_cpu['total_ms']:.3f}" if plain_cpu else "-", "-"))
+    if len(rows) == 2:
+        return ""
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -648,6 +825,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated sections to run: bandwidth, small, big (default: all)")
     parser.add_argument("--no-1ps", action="store_true", help="skip the 1-shard bandwidth variant")
     parser.add_argument("--no-big-local", action="store_true", help="skip the 1-process big-model run")
+    parser.add_argument("--security", default="both", choices=("both", "plain", "secure"),
+                        help="shards and clients in plaintext (--insecure), with mutual TLS + the job token, or "
+                             "both, interleaved, with secure/plaintext ratios (default both)")
+    parser.add_argument("--secure-big", action="store_true",
+                        help="with --security both, also run the big model's async setup secured (about 45 s more)")
     parser.add_argument("--placement", default="greedy", choices=("greedy", "round_robin"),
                         help="PSClient placement for the 2-shard bandwidth case (default greedy: round_robin "
                              "puts every weight matrix of the MLP on shard 0 and only biases on shard 1)")
@@ -693,40 +875,74 @@ def main(argv=None) -> int:
                                 and k != "json"}, **environment()}
     results["config"]["json"] = str(args.json) if args.json else None
     results["references"] = REFERENCES
+    plain, secure = args.security in ("both", "plain"), args.security in ("both", "secure")
+    results["security"] = {
+        "mode": args.security,
+        "secure_setup": "ps-server --tls-cert/--tls-key/--tls-ca (ps task's files) --token-file --admin-token-file; "
+                        "clients: Security.load(the chief's or their worker's certificate, key, CA, token) - "
+                        "mutual TLS on 127.0.0.1 and the job token on every call (torchps.certs, ECDSA P-256)",
+        "plain_setup": "ps-server --insecure; clients security=INSECURE",
+        "targets": SECURE_TARGETS,
+    }
+    job = JobSecurity(num_ps=2, workers=args.workers) if secure else None
     sections = results["section_seconds"] = {}
-    if "bandwidth" in args.sections:
-        t0 = time.monotonic()
-        results.update(bench_bandwidth(args))
-        sections["bandwidth"] = time.monotonic() - t0
-    if "small" in args.sections:
-        t0 = time.monotonic()
-        small = bench_training("small", SMALL_DIMS, args, args.small_seconds, args.lr_small, with_local=True)
-        results["mlp_async_steps_per_s"] = small["medians"]["async"]
-        results["mlp_local_steps_per_s"] = small["medians"]["local"]
-        results["small_raw"] = small["raw"]
-        results["small_cpu_per_step"] = small["cpu"]
-        results["small_rates"] = small["rates"]
-        sections["small"] = time.monotonic() - t0
-    if "big" in args.sections:
-        t0 = time.monotonic()
-        big = bench_training("big", BIG_DIMS, args, args.big_seconds, args.lr_big, with_local=not args.no_big_local)
-        results["big_async_steps_per_s"] = big["medians"]["async"]
-        if "local" in big["medians"]:
-            results["big_local_steps_per_s"] = big["medians"]["local"]
-        results["big_raw"] = big["raw"]
-        results["big_cpu_per_step"] = big["cpu"]
-        if "local" in big["cpu"] and "grpc_baseline_cpu_seconds" in results:
-            # Throughput if every step cost the 1-process step's CPU plus bare gRPC's round trip and
-            # every core were busy all the time: no transport over Python gRPC can go above it here.
-            step_cpu, cores = big["cpu"]["local"]["total_ms"] / 1e3, results["machine"]["nproc"]
-            results["big_ceiling_steps_per_s"] = cores / (step_cpu + results["grpc_baseline_cpu_seconds"])
-            results["big_ceiling_raw_steps_per_s"] = cores / (step_cpu + results["grpc_raw_cpu_seconds"])
-        results["big_rates"] = big["rates"]
-        sections["big"] = time.monotonic() - t0
+    try:
+        if "bandwidth" in args.sections:
+            t0 = time.monotonic()
+            results.update(bench_bandwidth(args, job))
+            sections["bandwidth"] = time.monotonic() - t0
+        setups = (("async",) if plain else ()) + (("async_secure",) if secure else ())
+        if "small" in args.sections:
+            t0 = time.monotonic()
+            small = bench_training("small", SMALL_DIMS, args, args.small_seconds, args.lr_small, with_local=True,
+                                   setups=setups, job=job)
+            for name, key in (("async", "mlp_async_steps_per_s"), ("async_secure", "mlp_async_secure_steps_per_s"),
+                              ("local", "mlp_local_steps_per_s")):
+                if name in small["medians"]:
+                    results[key] = small["medians"][name]
+            if "secure_ratio" in small:
+                results["secure_mlp_steps_ratio"] = small["secure_ratio"]
+                results["secure_mlp_steps_ratio_paired"] = small["secure_ratio_paired"]
+            results["small_raw"] = small["raw"]
+            results["small_cpu_per_step"] = small["cpu"]
+            results["small_rates"] = small["rates"]
+            results["small_shard_security"] = small["shard_security"]
+            sections["small"] = time.monotonic() - t0
+        if "big" in args.sections:
+            t0 = time.monotonic()
+            big_setups = setups if args.secure_big or not plain else ("async",)
+            big = bench_training("big", BIG_DIMS, args, args.big_seconds, args.lr_big,
+                                 with_local=not args.no_big_local, setups=big_setups, job=job)
+            for name, key in (("async", "big_async_steps_per_s"), ("async_secure", "big_async_secure_steps_per_s"),
+                              ("local", "big_local_steps_per_s")):
+                if name in big["medians"]:
+                    results[key] = big["medians"][name]
+            if "secure_ratio" in big:
+                results["secure_big_steps_ratio"] = big["secure_ratio"]
+                results["secure_big_steps_ratio_paired"] = big["secure_ratio_paired"]
+            results["big_raw"] = big["raw"]
+            results["big_cpu_per_step"] = big["cpu"]
+            results["big_shard_security"] = big["shard_security"]
+            if "local" in big["cpu"] and "grpc_baseline_cpu_seconds" in results:
+                # Throughput if every step cost the 1-process step's CPU plus bare gRPC's round trip and
+                # every core were busy all the time: no transport over Python gRPC can go above it here.
+                step_cpu, cores = big["cpu"]["local"]["total_ms"] / 1e3, results["machine"]["nproc"]
+                results["big_ceiling_steps_per_s"] = cores / (step_cpu + results["grpc_baseline_cpu_seconds"])
+                results["big_ceiling_raw_steps_per_s"] = cores / (step_cpu + results["grpc_raw_cpu_seconds"])
+            results["big_rates"] = big["rates"]
+            sections["big"] = time.monotonic() - t0
+    finally:
+        if job is not None:
+            job.close()
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["wall_seconds"] = time.monotonic() - started
 
     print(table(results))
+    secure_rows = security_table(results)
+    if secure_rows:
+        print("\nSecurity: plaintext (--insecure) vs mutual TLS + job token, interleaved in this run\n"
+              if args.security == "both" else "\nSecurity: mutual TLS + job token only (--security secure)\n")
+        print(secure_rows)
     print(f"\n{results['machine']['nproc']} CPUs, torch {results['versions']['torch']}, grpcio "
           f"{results['versions']['grpcio']}, protobuf {results['versions']['protobuf']} "
           f"({results['versions']['protobuf_impl']}); load {results['machine']['loadavg_start'][0]:.1f} -> "
