@@ -16,7 +16,7 @@ from .. import codec
 from ..errors import ResourceExhaustedError
 from ..proto import ps_pb2
 
-__all__ = ["Quotas", "state_bytes", "parse_bytes"]
+__all__ = ["Quotas", "state_bytes", "optimizer_slots", "parse_bytes"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -31,14 +31,17 @@ def parse_bytes(text: str) -> int:
     return int(number * _UNITS[unit])
 
 
+def optimizer_slots(name: str, hyperparams) -> int:
+    """Tensors of a variable's size that optimizer `name` keeps per variable."""
+    hyper = dict(hyperparams)
+    return {"sgd": 1 if hyper.get("momentum", 0.0) else 0, "adagrad": 1,
+            "adam": 3 if hyper.get("amsgrad", 0.0) else 2, "adamw": 3 if hyper.get("amsgrad", 0.0) else 2
+            }.get(name.lower(), 0)
+
+
 def state_bytes(spec: ps_pb2.VariableSpec) -> int:
     """Bytes a variable takes on a shard: its value and its optimizer's per-element state."""
-    optimizer = spec.optimizer
-    hyper = dict(optimizer.hyperparams)
-    slots = {"sgd": 1 if hyper.get("momentum", 0.0) else 0, "adagrad": 1,
-             "adam": 3 if hyper.get("amsgrad", 0.0) else 2, "adamw": 3 if hyper.get("amsgrad", 0.0) else 2
-             }.get(optimizer.name.lower(), 0)
-    return codec.meta_nbytes(spec.meta) * (1 + slots)
+    return codec.meta_nbytes(spec.meta) * (1 + optimizer_slots(spec.optimizer.name, spec.optimizer.hyperparams))
 
 
 class Quotas:
@@ -65,6 +68,14 @@ class Quotas:
                 f"variable {spec.name!r} with its optimizer state needs {total} bytes; this shard holds {held} "
                 f"and its --max-memory is {self.max_memory}; nothing was created (add shards, or raise the limit)")
         return total
+
+    def check_total(self, held: int, adding: dict[str, int]) -> None:
+        """The last check before variables are created (one stream at a time): ResourceExhaustedError if
+        `adding` (bytes by new name) on top of `held` is over --max-memory, as when streams ran at once."""
+        if self.max_memory and held + sum(adding.values()) > self.max_memory:
+            raise ResourceExhaustedError(
+                f"variables {sorted(adding)} with their optimizer state need {sum(adding.values())} bytes; this "
+                f"shard now holds {held} and its --max-memory is {self.max_memory}; nothing was created")
 
     @contextlib.contextmanager
     def call(self, client: str):

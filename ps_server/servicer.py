@@ -25,13 +25,13 @@ from google.protobuf.message import DecodeError
 from .. import codec, wire
 from . import checkpoint
 from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
-                      MalformedStreamError, ModeConflictError, PSError)
+                      MalformedStreamError, ModeConflictError, PSError, SpecConflictError)
 from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
 from .auth import Authority
 from .coordinator import MAX_STEP, Coordinator
-from .quotas import Quotas, state_bytes
+from .quotas import Quotas, optimizer_slots, state_bytes
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
 
@@ -77,6 +77,14 @@ def _decoded(request_iterator, decode):
     message does not parse as if it had simply finished, and the handler would apply a prefix."""
     for raw in request_iterator:
         yield _decode(decode, raw)
+
+
+def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -> None:
+    """SpecConflictError if a stream re-declares a held variable with another dtype or shape."""
+    if declared.meta != held.meta:
+        raise SpecConflictError(f"variable {held.name!r} already exists as {codec.describe_meta(held.meta)}; the "
+                                f"request declared {codec.describe_meta(declared.meta)}. Use another name, or the "
+                                f"same spec.")
 
 
 def _require_active(context: grpc.ServicerContext) -> None:
@@ -151,6 +159,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.calls_started = _Count()    # handlers entered, and returned whatever the outcome:
         self.calls_done = _Count()       # tests wait on them
         self.push_bytes = _Count()       # gradient bytes taken in, complete or not
+        self._creating = threading.Lock()
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):
@@ -171,6 +180,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise MalformedStreamError("a VariableSpec without a name")
                 if message.spec.name not in existing:  # checked before a byte of its value is taken in
                     incoming += self.quotas.check_variable(message.spec, held, incoming)
+                else:  # the same spec, or a conflict: refused before its value is taken in
+                    _check_same_meta(message.spec, self.store.get(message.spec.name).spec)
                 pending = message.spec
             if message.HasField("chunk"):
                 if pending is None or message.chunk.name != pending.name:
@@ -186,7 +197,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if declared and len(requests) != declared:
             raise MalformedStreamError(f"the stream declared {declared} variables but {len(requests)} arrived")
         _require_active(context)
-        created = self.coordinator.create(requests, job_step=job_step or 0)
+        with self._creating:  # the memory check again, now that no other stream can create in between
+            names = set(self.store.names())
+            self.quotas.check_total(sum(state_bytes(self.store.get(name).spec) for name in names),
+                                    {r.name: r.value.nbytes * (1 + optimizer_slots(r.optimizer, r.hyperparams))
+                                     for r in requests if r.name not in names})
+            created = self.coordinator.create(requests, job_step=job_step or 0)
         return ps_pb2.CreateResponse(created=created, generation=self.generation)
 
     @_map_errors

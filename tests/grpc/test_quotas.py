@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 import torch
 
 from torchps.client import Optimizer, PSClient, ResourceExhaustedError
+from torchps.proto import ps_pb2
 
 from helpers import wait_until
 
@@ -37,6 +39,41 @@ def test_max_memory_counts_values_and_optimizer_state_before_allocating(local_cl
             {"adam": False}, "re-creating an existing variable needs no new memory"
 
 
+def memory_kib(pid: int) -> dict[str, int]:
+    """The process's resident (VmRSS) and peak virtual (VmPeak) memory in KiB, from /proc."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmPeak")}
+
+
+def declared(name: str, elements: int) -> list[ps_pb2.CreateRequest]:
+    """A CreateVariables stream declaring `elements` float32 (sgd), with the first MiB of its value."""
+    spec = ps_pb2.VariableSpec(name=name, meta=ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, shape=[elements]),
+                               optimizer=ps_pb2.OptimizerSpec(name="sgd", hyperparams={"lr": 0.1}))
+    return [ps_pb2.CreateRequest(count=1, spec=spec),
+            ps_pb2.CreateRequest(chunk=ps_pb2.TensorChunk(name=name, offset=0, data=bytes(1 << 20)))]
+
+
+def test_a_variable_declared_far_over_max_memory_is_refused_before_anything_is_allocated(local_cluster):
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        client.create_variables({"plain": torch.zeros(QUARTER)}, Optimizer("sgd", lr=0.1))
+        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
+                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
+                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as warm:  # the refusal's code path runs once before measuring
+            create(iter(declared("warm-up", QUARTER * 8)), timeout=10)
+        assert warm.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        before = memory_kib(local.procs[0].pid)
+        with pytest.raises(grpc.RpcError) as info:
+            create(iter(declared("huge", 1 << 30)), timeout=10)  # 4 GiB
+        after = memory_kib(local.procs[0].pid)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert "'huge'" in info.value.details() and "--max-memory" in info.value.details()
+        assert after["VmRSS"] - before["VmRSS"] < 8 << 10, f"the shard's RSS grew: {before} -> {after}"
+        assert after["VmPeak"] - before["VmPeak"] < 1 << 20, f"the shard reserved the 4 GiB: {before} -> {after}"
+        assert names_on(client) == ["plain"] and client.status(0).total_bytes == 4 * QUARTER
+
+
 def test_max_variable_bytes_refuses_one_variable_too_big(local_cluster):
     local = local_cluster(1, server_args=["--max-variable-bytes", "64K"])
     with PSClient(local.cluster, connect_timeout=2) as client:
@@ -59,3 +96,52 @@ def test_max_calls_per_client_refuses_the_extra_call_not_the_others(local_cluste
         other.push({"v": torch.ones(2)})  # another client is served, and releases the waiting pull
         waiting.join(20)
         assert not waiting.is_alive() and client.status(0).step == 1
+
+
+def test_a_held_name_redeclared_bigger_is_refused_before_its_value_is_taken_in(local_cluster):
+    """A stream re-declaring a held variable with another shape is a conflict at its spec: the shard does
+    not reserve the declared 4 GiB for the value that would follow."""
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        client.create_variables({"plain": torch.zeros(QUARTER)}, Optimizer("sgd", lr=0.1))
+        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
+                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
+                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        before = memory_kib(local.procs[0].pid)
+        with pytest.raises(grpc.RpcError) as info:
+            create(iter(declared("plain", 1 << 30)), timeout=10)
+        after = memory_kib(local.procs[0].pid)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, info.value.details()
+        assert "already exists" in info.value.details() and "'plain'" in info.value.details()
+        assert after["VmPeak"] - before["VmPeak"] < 1 << 20, f"the shard reserved the 4 GiB: {before} -> {after}"
+        assert torch.equal(client.pull(["plain"])["plain"], torch.zeros(QUARTER))
+
+
+def test_two_creations_at_once_cannot_pass_max_memory_together(local_cluster):
+    """Stream A declares 768 KiB and waits; stream B creates 768 KiB meanwhile; A's value then arrives:
+    the limit is checked again when A creates, so A is refused and the shard holds B alone."""
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    elements = 3 << 16
+    first_spec, first_value = declared("a", elements)
+    first_value.chunk.data = bytes(4 * elements)
+    release = threading.Event()
+
+    def stream_a():
+        yield first_spec
+        release.wait(30)
+        yield first_value
+
+    with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
+                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
+                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        calls_before = client.status(0).calls_started
+        a = create.future(stream_a(), timeout=30)
+        wait_until(lambda: client.status(0).calls_started >= calls_before + 2, 10, "stream A's handler running")
+        client.create_variables({"b": torch.zeros(elements)}, Optimizer("sgd", lr=0.1))
+        release.set()
+        with pytest.raises(grpc.RpcError) as info:
+            a.result()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in info.value.details()
+        assert "now holds" in info.value.details(), f"refused at its spec, before B existed? {info.value.details()}"
+        assert names_on(client) == ["b"] and client.status(0).total_bytes == 4 * elements

@@ -1,0 +1,325 @@
+"""Every RPC of the ParameterServer service against every kind of intruder, on one secure shard.
+
+The methods come from ps.proto's descriptor, so an RPC added later is covered without touching this
+file. One shard (mutual TLS, job token and admin token, --checkpoint-dir in a tmp folder) serves the
+whole module: its chief configured it, created `w`, worker:1 joined and pushed once, and the chief
+committed a checkpoint. Then, per RPC, raw gRPC calls (no PSClient: nothing retries or rewrites them)
+carry a request that would change the shard if it were served (but the reads, see READS), with:
+
+    no-token         the chief's certificate, no token metadata              UNAUTHENTICATED
+    wrong-token      the chief's certificate, a wrong token                  UNAUTHENTICATED
+    worker-admin     worker:0's valid credentials on an admin RPC            PERMISSION_DENIED
+    evaluator        evaluator:0's valid credentials on an RPC it may not    PERMISSION_DENIED
+                     call (not in ROLES["evaluator"])
+    other-ca         a certificate of another CA, with the admin token       UNAVAILABLE: no connection (the
+                     (the client trusts the job's CA: only the shard refuses) shard refuses the handshake)
+    plaintext        no TLS at all, with the admin token                     UNAVAILABLE: no connection
+
+and after each, the shard's state is what it was when the module started: values, versions, specs,
+step, membership, mode, counters of pushed bytes and waiting calls, the process and its generation,
+and every file under the checkpoint dir (journal included) by name, size, mtime and inode.
+`test_the_chiefs_own_requests_do_change_the_shard` shows, on a second shard, that the same requests
+sent with the chief's credentials do change that state, so the matrix cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import struct
+
+import grpc
+import pytest
+import torch
+from google.protobuf import json_format, message_factory
+
+from torchps.certs import make_job_credentials
+from torchps.client import Optimizer, PSClient, TaskSpec
+from torchps.cluster import Cluster
+from torchps.proto import ps_pb2
+from torchps.security import ADMIN_METHODS, ROLES, TOKEN_METADATA_KEY, Security
+from torchps.worker.local_cluster import LocalCluster
+
+SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+METHODS = {method.name: method for method in SERVICE.methods}
+DEADLINE = 10.0  # seconds, every raw call
+PLACEHOLDER = Cluster(ps=("127.0.0.1:1",), chief=("127.0.0.1:2",), worker=("127.0.0.1:3", "127.0.0.1:4"),
+                      evaluator=("127.0.0.1:5",))
+CHIEF, WORKER0, WORKER1, EVALUATOR, PS = (TaskSpec("chief", 0), TaskSpec("worker", 0), TaskSpec("worker", 1),
+                                          TaskSpec("evaluator", 0), TaskSpec("ps", 0))
+INCARNATION = 41     # worker:1's, as it joined
+SAVE_STEP = 7        # a checkpoint folder nobody made
+LONG = 3600.0        # lease, startup grace and progress timeout: no membership event during the module
+STATUS_FIELDS = ("index", "step", "num_variables", "total_bytes", "pid", "live_workers", "quorum", "stale_dropped",
+                 "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints",
+                 "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls")
+# RPCs whose request below cannot change the shard when served (they read). Every other request does,
+# but Configure: with worker:1 joined, the shard refuses another mode (FAILED_PRECONDITION) even to the
+# chief, so its denial shows in its status code alone.
+READS = frozenset({"Pull", "ListVariables", "GetStatus"})
+
+
+def _ones(n: int) -> bytes:
+    return struct.pack(f"<{n}f", *([1.0] * n))
+
+
+META = ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, shape=[2])
+GRADIENT = ps_pb2.TensorChunk(name="w", meta=META, offset=0, data=_ones(2))
+
+
+def requests_for(shard: "Shard") -> dict[str, list]:
+    """Per RPC, the request messages a served call would act on (one, or a stream's)."""
+    push = ps_pb2.PushHeader(worker="worker:1", step=1, step_increment=1, tensors=1)
+    push_pull = ps_pb2.PushHeader(worker="worker:1", step=1, step_increment=1, tensors=1, pull=["w"])
+    return {
+        "CreateVariables": [ps_pb2.CreateRequest(
+            count=1, spec=ps_pb2.VariableSpec(name="intruder", meta=META, optimizer=ps_pb2.OptimizerSpec(name="sgd")),
+            chunk=ps_pb2.TensorChunk(name="intruder", offset=0, data=_ones(2)))],
+        "Pull": [ps_pb2.PullRequest(names=["w"])],
+        "Push": [ps_pb2.PushRequest(header=push, chunks=[GRADIENT])],
+        "PushPull": [ps_pb2.PushRequest(header=push_pull, chunks=[GRADIENT])],
+        "UpdateOptimizer": [ps_pb2.UpdateOptimizerRequest(hyperparams={"lr": 5.0})],
+        "ListVariables": [ps_pb2.ListRequest()],
+        "GetStatus": [ps_pb2.StatusRequest()],
+        "Configure": [ps_pb2.SyncConfig(mode="sync", total_num_replicas=1)],
+        "Join": [ps_pb2.WorkerRef(worker="worker:0", incarnation=5, step=1)],
+        "Heartbeat": [ps_pb2.WorkerRef(worker="worker:2", incarnation=6, step=1)],
+        "Leave": [ps_pb2.WorkerRef(worker="worker:1", incarnation=INCARNATION)],
+        "Save": [ps_pb2.SaveRequest(step=SAVE_STEP, now=True)],
+        "CommitCheckpoint": [shard.commit_again],
+        "Shutdown": [ps_pb2.ShutdownRequest(reason="an intruder")],
+    }
+
+
+def request(shard: "Shard", method) -> list:
+    """The request(s) for `method`; an empty message for an RPC this file does not know yet."""
+    known = requests_for(shard).get(method.name)
+    return known if known is not None else [message_factory.GetMessageClass(method.input_type)()]
+
+
+# -- raw calls -------------------------------------------------------------------------------------
+
+
+def channel(address: str, cert: pathlib.Path | None, key: pathlib.Path | None, ca: pathlib.Path | None):
+    """A channel of its own (no subchannel shared with another test's), TLS if `ca` is given."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if ca is None:
+        return grpc.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes(), private_key=key.read_bytes(),
+                                               certificate_chain=cert.read_bytes())
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def call(chan: grpc.Channel, method, requests: list, token: str | None) -> tuple[grpc.StatusCode, str, list]:
+    """(status, details, replies) of one call of `method` with a deadline; never raises for a status."""
+    kind = {(False, False): chan.unary_unary, (False, True): chan.unary_stream,
+            (True, False): chan.stream_unary, (True, True): chan.stream_stream}
+    stub = kind[(method.client_streaming, method.server_streaming)](
+        f"/{SERVICE.full_name}/{method.name}",
+        request_serializer=lambda message: message.SerializeToString(),
+        response_deserializer=message_factory.GetMessageClass(method.output_type).FromString)
+    metadata = ((TOKEN_METADATA_KEY, token),) if token is not None else None
+    argument = iter(requests) if method.client_streaming else requests[0]
+    try:
+        reply = stub(argument, timeout=DEADLINE, metadata=metadata)
+        replies = list(reply) if method.server_streaming else [reply]
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or "", []
+    return grpc.StatusCode.OK, "", replies
+
+
+# -- the shard -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Shard:
+    local: LocalCluster
+    files: dict            # TaskSpec -> TaskCredentials, the job's
+    foreign: dict          # the same, made by another CA
+    chief: PSClient
+    checkpoint_dir: pathlib.Path
+    commit_again: ps_pb2.CommitRequest  # the chief's commit of its checkpoint, as it sent it
+    tokens: dict[str, str]
+
+    @property
+    def address(self) -> str:
+        return self.local.cluster.ps[0]
+
+    def as_task(self, task: TaskSpec, files: dict | None = None) -> grpc.Channel:
+        f = (files or self.files)[task]
+        return channel(self.address, f.cert, f.key, f.ca if files is None else self.files[task].ca)
+
+
+def start_shard(tmp: pathlib.Path) -> Shard:
+    """A secure shard with a job on it; the caller stops `local` and closes `chief`."""
+    files = make_job_credentials(tmp / "job", PLACEHOLDER)
+    foreign = make_job_credentials(tmp / "other-ca", PLACEHOLDER)
+    checkpoint_dir = tmp / "checkpoints"
+    f = files[PS]
+    local = LocalCluster(1, server_args=["--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca),
+                                         "--token-file", str(f.token), "--admin-token-file", str(f.admin_token),
+                                         "--checkpoint-dir", str(checkpoint_dir)])
+    local.start()
+    try:
+        c = files[CHIEF]
+        chief = PSClient(local.cluster, task=CHIEF, connect_timeout=DEADLINE, timeout=DEADLINE, security=Security.load(
+            tls_cert=str(c.cert), tls_key=str(c.key), tls_ca=str(c.ca), token_file=str(c.token),
+            admin_token_file=str(c.admin_token), environ={}))
+        chief.configure("async", lease_seconds=LONG, startup_grace_seconds=LONG, progress_seconds=LONG)
+        chief.create_variables({"w": torch.zeros(2)}, Optimizer("sgd", lr=1.0))
+        tokens = {"job": c.token.read_text().strip(), "admin": c.admin_token.read_text().strip()}
+        shard = Shard(local, files, foreign, chief, checkpoint_dir, ps_pb2.CommitRequest(), tokens)
+        with shard.as_task(WORKER1) as worker:
+            joined = call(worker, METHODS["Join"], [ps_pb2.WorkerRef(worker="worker:1", incarnation=INCARNATION)],
+                          tokens["job"])
+            pushed = call(worker, METHODS["Push"], requests_for(shard)["Push"], tokens["job"])
+        assert joined[0] == pushed[0] == grpc.StatusCode.OK, (joined, pushed)
+        assert chief.save_checkpoint(1) == 1
+        (manifest_path,) = checkpoint_dir.glob("step-*1/manifest.json")
+        manifest = json.loads(manifest_path.read_text())
+        shard.commit_again = ps_pb2.CommitRequest(
+            step=1, keep=3, manifest_json=json.dumps({k: manifest[k] for k in ("strategy", "num_ps", "variables")}),
+            shards=[ps_pb2.SaveResponse(index=s["index"], bytes=s["bytes"], step=s["state_step"])
+                    for s in manifest["shards"]])
+        return shard
+    except BaseException:
+        local.stop()
+        raise
+
+
+def files_under(folder: pathlib.Path) -> list[tuple]:
+    """Every file under `folder`: (path, size, mtime, inode), sorted; a rewrite or an append shows."""
+    out = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            st = path.stat()
+            out.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns, st.st_ino))
+    return out
+
+
+def snapshot(shard: Shard) -> dict:
+    """What a served intruder's call could change, read with the chief's credentials."""
+    if shard.local.procs[0].poll() is not None:
+        return {"running": False}  # at once: an earlier case stopped the shard
+    status = shard.chief.status(0)
+    return {
+        "running": shard.local.procs[0].poll() is None,
+        "values": {name: value.tolist() for name, value in shard.chief.pull(["w"]).items()},
+        "variables": [json_format.MessageToDict(info) for info in shard.chief.list_variables()],
+        "status": {field: getattr(status, field) for field in STATUS_FIELDS},
+        "config": json_format.MessageToDict(status.config),
+        "files": files_under(shard.checkpoint_dir),
+    }
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """The module's shard, and its state before any intruder called: (Shard, snapshot)."""
+    made = start_shard(tmp_path_factory.mktemp("secure-shard"))
+    try:
+        with made.chief:
+            before = snapshot(made)
+            assert before["status"]["step"] == 1 and before["status"]["live_workers"] == 1, before
+            assert before["values"] == {"w": [-1.0, -1.0]} and before["config"]["mode"] == "async", before
+            assert any(name.endswith("manifest.json") for name, *_ in before["files"]), before["files"]
+            yield made, before
+    finally:
+        made.local.stop()
+
+
+def changes(before: dict, after: dict) -> dict:
+    """{what: (before, after)} for each part of a snapshot that differs."""
+    return {key: (before.get(key), after.get(key)) for key in before.keys() | after.keys()
+            if before.get(key) != after.get(key)}
+
+
+# -- the matrix ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Intruder:
+    """Who calls: a channel maker, the token sent, the status expected and words its details must hold."""
+
+    name: str
+    applies: object      # method name -> bool
+    connect: object      # Shard -> grpc.Channel
+    token: object        # Shard -> str | None
+    code: grpc.StatusCode
+    says: object         # method name -> words the details must hold
+
+
+INTRUDERS = [
+    Intruder("no-token", lambda m: True, lambda s: s.as_task(CHIEF), lambda s: None,
+             grpc.StatusCode.UNAUTHENTICATED, lambda m: ["carries no job token"]),
+    Intruder("wrong-token", lambda m: True, lambda s: s.as_task(CHIEF), lambda s: s.tokens["job"][::-1],
+             grpc.StatusCode.UNAUTHENTICATED, lambda m: ["carries a wrong token"]),
+    Intruder("worker-admin", lambda m: m in ADMIN_METHODS, lambda s: s.as_task(WORKER0), lambda s: s.tokens["job"],
+             grpc.StatusCode.PERMISSION_DENIED, lambda m: [f"refused {m} from worker:0", "the worker role"]),
+    Intruder("evaluator", lambda m: m not in ROLES["evaluator"], lambda s: s.as_task(EVALUATOR),
+             lambda s: s.tokens["job"], grpc.StatusCode.PERMISSION_DENIED,
+             lambda m: [f"refused {m} from evaluator:0", "the evaluator role"]),
+    Intruder("other-ca", lambda m: True, lambda s: s.as_task(CHIEF, s.foreign), lambda s: s.tokens["admin"],
+             grpc.StatusCode.UNAVAILABLE, lambda m: ["failed to connect"]),
+    Intruder("plaintext", lambda m: True, lambda s: channel(s.address, None, None, None), lambda s: s.tokens["admin"],
+             grpc.StatusCode.UNAVAILABLE, lambda m: ["failed to connect"]),
+]
+CASES = [pytest.param(intruder, name, id=f"{intruder.name}-{name}")
+         for intruder in INTRUDERS for name in METHODS if intruder.applies(name)]
+
+
+@pytest.mark.parametrize("intruder,method", CASES)
+def test_an_intruder_gets_its_status_and_changes_nothing(shard, intruder, method):
+    made, before = shard
+    with intruder.connect(made) as chan:
+        code, details, replies = call(chan, METHODS[method], request(made, METHODS[method]), intruder.token(made))
+    assert code == intruder.code, f"{intruder.name} calling {method}: {code} {details!r} {replies}"
+    for words in intruder.says(method):
+        assert words in details, details
+    assert not changes(before, snapshot(made)), f"{intruder.name} calling {method} changed the shard"
+
+
+def test_the_matrix_covers_every_rpc_and_role():
+    assert set(METHODS) >= ADMIN_METHODS | ROLES["worker"], "security.py names an RPC that ps.proto does not have"
+    assert {m for i, m in (c.values for c in CASES) if i.name == "no-token"} == set(METHODS)
+    assert {m for i, m in (c.values for c in CASES) if i.name == "worker-admin"} == set(ADMIN_METHODS)
+
+
+def test_the_same_channels_serve_the_tasks_allowed(shard):
+    """The channels and tokens the intruders use do work for a call their role allows: a refusal above is
+    the shard's doing, not a broken channel."""
+    made, before = shard
+    for task, token in ((CHIEF, made.tokens["admin"]), (CHIEF, made.tokens["job"]), (WORKER0, made.tokens["job"]),
+                        (EVALUATOR, made.tokens["job"])):
+        with made.as_task(task) as chan:
+            code, details, replies = call(chan, METHODS["GetStatus"], [ps_pb2.StatusRequest()], token)
+        assert code == grpc.StatusCode.OK and replies[0].step == 1, (task, code, details)
+    assert not changes(before, snapshot(made))
+
+
+def test_the_chiefs_own_requests_do_change_the_shard(tmp_path):
+    """On a shard of its own: each request of the matrix, sent with the chief's credentials, is served and
+    changes what snapshot() reads (but the reads, and Configure, see READS); Shutdown last stops it."""
+    made = start_shard(tmp_path)
+    try:
+        with made.chief, made.as_task(CHIEF) as chan:
+            order = sorted(METHODS, key=lambda name: name == "Shutdown")
+            for name in order:
+                before = snapshot(made)
+                code, details, replies = call(chan, METHODS[name], request(made, METHODS[name]), made.tokens["admin"])
+                if name == "Shutdown":
+                    assert code == grpc.StatusCode.OK, details
+                    assert made.local.procs[0].wait(timeout=30) == 0
+                    continue
+                if name == "Configure":
+                    assert code == grpc.StatusCode.FAILED_PRECONDITION and "workers joined" in details, details
+                    continue
+                assert code == grpc.StatusCode.OK, f"{name}: {code} {details} (a new RPC? see requests_for)"
+                after = snapshot(made)
+                if name in READS:
+                    assert replies and not changes(before, after), name
+                else:
+                    assert changes(before, after), \
+                        f"the chief's {name} changed nothing, an intruder's would not show: see requests_for and READS"
+    finally:
+        made.local.stop()
