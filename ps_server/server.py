@@ -89,16 +89,9 @@ def create_server(
         health_servicer = health.HealthServicer()
         set_health(health_servicer, serving=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        if security.tls:
-            port = server.add_secure_port(address, grpc.ssl_server_credentials(
-                [(security.key, security.cert)], root_certificates=security.ca, require_client_auth=True))
-        else:
-            port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind {address}: {exc}") from None
-    if port == 0:
-        raise RuntimeError(f"cannot bind {address}: the port is in use or the host is not local")
+    credentials = grpc.ssl_server_credentials([(security.key, security.cert)], root_certificates=security.ca,
+                                              require_client_auth=True) if security.tls else None
+    port = _add_port(server, address, credentials, address)
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     return server, port, coordinator
 
@@ -141,12 +134,7 @@ def serve_health(health_servicer: health.HealthServicer, address: str) -> tuple[
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
                          options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4096)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind the health port {address}: {exc}") from None
-    if port == 0:
-        raise RuntimeError(f"cannot bind the health port {address}: the port is in use or the host is not local")
+    port = _add_port(server, address, None, f"the health port {address}")
     server.start()
     return server, port
 
@@ -154,6 +142,17 @@ def serve_health(health_servicer: health.HealthServicer, address: str) -> tuple[
 def default_max_waiting_calls(threads: int) -> int:
     """Three quarters of the RPC threads may wait; the rest serve calls that never do."""
     return max(1, threads - max(1, threads // 4))
+
+
+def _add_port(server: grpc.Server, address: str, credentials, what: str) -> int:
+    """The port `server` bound at `address` (TLS with `credentials`); RuntimeError naming `what` if none."""
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {what}: {exc}") from None
+    if port == 0:
+        raise RuntimeError(f"cannot bind {what}: the port is in use or the host is not local")
+    return port
 
 
 def _check_free(address: str) -> None:

@@ -53,13 +53,17 @@ def declared(name: str, elements: int) -> list[ps_pb2.CreateRequest]:
             ps_pb2.CreateRequest(chunk=ps_pb2.TensorChunk(name=name, offset=0, data=bytes(1 << 20)))]
 
 
+def create_variables_call(channel: grpc.Channel):
+    return channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
+                                request_serializer=ps_pb2.CreateRequest.SerializeToString,
+                                response_deserializer=ps_pb2.CreateResponse.FromString)
+
+
 def test_a_variable_declared_far_over_max_memory_is_refused_before_anything_is_allocated(local_cluster):
     local = local_cluster(1, server_args=["--max-memory", "1M"])
     with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
         client.create_variables({"plain": torch.zeros(QUARTER)}, Optimizer("sgd", lr=0.1))
-        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
-                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
-                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        create = create_variables_call(channel)
         with pytest.raises(grpc.RpcError) as warm:  # the refusal's code path runs once before measuring
             create(iter(declared("warm-up", QUARTER * 8)), timeout=10)
         assert warm.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -104,9 +108,7 @@ def test_a_held_name_redeclared_bigger_is_refused_before_its_value_is_taken_in(l
     local = local_cluster(1, server_args=["--max-memory", "1M"])
     with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
         client.create_variables({"plain": torch.zeros(QUARTER)}, Optimizer("sgd", lr=0.1))
-        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
-                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
-                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        create = create_variables_call(channel)
         before = memory_kib(local.procs[0].pid)
         with pytest.raises(grpc.RpcError) as info:
             create(iter(declared("plain", 1 << 30)), timeout=10)
@@ -132,9 +134,7 @@ def test_two_creations_at_once_cannot_pass_max_memory_together(local_cluster):
         yield first_value
 
     with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
-        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
-                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
-                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        create = create_variables_call(channel)
         calls_before = client.status(0).calls_started
         a = create.future(stream_a(), timeout=30)
         wait_until(lambda: client.status(0).calls_started >= calls_before + 2, 10, "stream A's handler running")
