@@ -4,7 +4,10 @@ scripts' entry points, which answer a Ctrl-C during their (slow: torch, gRPC) im
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
+import os
 import sys
 
 __all__ = ["ArgumentParser", "USAGE_ERROR", "INTERRUPTED", "ps_server", "ps_worker", "ps_launch", "ps_certs"]
@@ -22,13 +25,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _run(prog: str, module: str) -> None:
+    """Runs `module`.main and ends the process with its code as soon as it returns: a thread still in a
+    call (a client closed after an interrupt leaves within 3 s, its retries may not) cannot hold it."""
     try:
         main = importlib.import_module(module).main
         code = main()
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         code = INTERRUPTED
-    sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader that went away
+            stream.flush()
+    os._exit(code or 0)
 
 
 def ps_server() -> None:
