@@ -36,8 +36,13 @@ def stopped(proc):
 
 def test_every_call_has_a_deadline_even_against_a_shard_that_answers_nothing(local_cluster):
     local = local_cluster(1)
-    with PSClient(local.cluster, connect_timeout=1, timeout=1.5) as client:
-        client.create_variables({"dl/v": torch.zeros(4)}, Optimizer("sgd", lr=1.0))
+    # Setting up and checking afterwards get generous deadlines (a loaded CI machine can take seconds to
+    # create the first variable); only the calls made while the shard is stopped use the short ones.
+    with PSClient(local.cluster, connect_timeout=30, timeout=30) as patient, \
+            PSClient(local.cluster, connect_timeout=1, timeout=1.5) as client:
+        patient.create_variables({"dl/v": torch.zeros(4)}, Optimizer("sgd", lr=1.0))
+        client.declare({"dl/v": torch.zeros(4)})  # the same placement, without a call
+        client.status(0)  # its channel is up while the shard still answers
         with stopped(local.procs[0]):
             for call in (lambda: client.push({"dl/v": torch.ones(4)}), lambda: client.pull(["dl/v"]),
                          lambda: client.status(0)):
@@ -45,8 +50,9 @@ def test_every_call_has_a_deadline_even_against_a_shard_that_answers_nothing(loc
                 with pytest.raises((WaitTimeoutError, ServerUnavailableError)):
                     call()
                 assert time.monotonic() - started < 1.5 + 1 + 5, "a call outlived its deadline and retry window"
-        assert torch.equal(client.pull(["dl/v"])["dl/v"], -torch.ones(4)) or \
-            torch.equal(client.pull(["dl/v"])["dl/v"], torch.zeros(4)), "the shard serves again once resumed"
+        value = patient.pull(["dl/v"])["dl/v"]
+        assert torch.equal(value, -torch.ones(4)) or torch.equal(value, torch.zeros(4)), \
+            "the shard serves again once resumed"
 
 
 def test_a_prefetching_pull_waiting_for_a_step_never_starves_a_push_from_another_thread(local_cluster):
