@@ -80,7 +80,7 @@ RAW_PUSH_METHOD = "/bench.Baseline/PushRaw"
 RAW_PULL_METHOD = "/bench.Baseline/PullRaw"
 READY_TIMEOUT = 180.0                # worker start-up (spawn imports torch) on a loaded 2-core box
 
-REFERENCES = {  # figures from shared/reading/transport.md, same machine
+REFERENCES = {  # transport figures measured on this machine earlier (docs/peers.md)
     "grpc_baseline_seconds": "0.228 s in transport.md (0.207 s with glibc malloc tuning)",
     "ratio": "target >= 0.8",
     "mlp_async_steps_per_s": "target >= 350; TF ParameterServerStrategy 176",
