@@ -233,6 +233,20 @@ def test_launch_trains_and_reports(tmp_path):
     assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
 
 
+@pytest.mark.parametrize("flags,mode", [(["--mode", "sync"], "sync"),
+                                        (["--mode", "ssp", "--max-staleness", "1"], "ssp")], ids=["sync", "ssp"])
+def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
+    """The other two modes, secured as ps-launch secures every job unless told otherwise."""
+    run = launch(["--ps", "2", "--workers", "2", *SMALL, *flags])
+    assert run.code == 0, run.output
+    final = run.final()
+    assert final[6] == mode and int(final[3]) > 0, final[0]
+    assert float(final[1]) >= 0.5, f"{mode} over TLS did not learn: {final[0]}"
+    serving = [line for line in run.lines if SERVING.search(line)]
+    assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
+    assert_nothing_left(run.pids)
+
+
 @pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, job token", True),
                                            (["--tokens-only"], "plaintext, job token", False),
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
