@@ -154,8 +154,10 @@ def diagnose_tls(address: str, security: Security, timeout: float = 3.0) -> str 
     else:
         context.verify_mode = ssl.CERT_NONE
     context.set_alpn_protocols(["h2"])
+    handshaken = False
     try:
         with context.wrap_socket(raw, server_hostname=host) as tls:
+            handshaken = True
             tls.settimeout(timeout)
             try:  # a gRPC server answers HTTP/2's preface; one that refused our certificate closes instead
                 tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
@@ -169,6 +171,8 @@ def diagnose_tls(address: str, security: Security, timeout: float = 3.0) -> str 
             return f"the shard's certificate has expired ({reason})"
         return f"the shard's certificate does not verify against this client's --tls-ca ({reason})"
     except ssl.SSLError as exc:
+        if isinstance(exc, ssl.SSLEOFError) and not handshaken:
+            return None  # the connection was dropped mid-handshake (a proxy, a restart): no TLS mismatch
         reason = exc.reason or str(exc)
         if not security.tls:
             return None if "WRONG_VERSION_NUMBER" in reason else \

@@ -174,3 +174,29 @@ def expired(files, tmp_path: pathlib.Path) -> Security:
     path.write_bytes(old.public_bytes(serialization.Encoding.PEM))
     return Security.load(tls_cert=str(path), tls_key=str(files[WORKER].key), tls_ca=str(files[WORKER].ca),
                          token_file=str(files[WORKER].token), environ={})
+
+
+def test_a_connection_dropped_mid_handshake_is_not_called_a_tls_mismatch(job):
+    """A proxy or a restarting shard that accepts and closes at once: no TLS problem is named (the client
+    reports the shard unreachable instead), with or without TLS on the client."""
+    import socket
+    import threading
+
+    from torchps.security import INSECURE, diagnose_tls
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def close_each():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.close()
+
+    closer = threading.Thread(target=close_each, daemon=True)
+    closer.start()
+    try:
+        assert diagnose_tls(f"127.0.0.1:{port}", INSECURE) is None
+        assert diagnose_tls(f"127.0.0.1:{port}", job[1](WORKER)) is None
+    finally:
+        closer.join(10)
+        listener.close()
