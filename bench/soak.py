@@ -15,13 +15,22 @@ small TCP proxy. Meanwhile a chaos loop injects, at random:
   cut-connections  the proxy drops every connection to shard 1 at once
 Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
 
-Every worker logs each push before sending it ("sent") and once acknowledged
-("acked"), so for each worker and shard the applied count (its counter
-variable, one per worker on each shard, updated by SGD with lr 1) must lie
-between the two: below the acknowledged count an acknowledged push was lost,
-above the sent count one was applied twice. In sync mode a shared counter on
-each shard must equal minus the global step (every shard applied every
-released step exactly once). A phase ends with every worker asked to stop: a
+Every push of a worker has a number of its own, kept across its restarts, and
+adds 1 to that number's slot (SLOTS of them, more than a worker pushes in a
+phase) of the worker's counter variables (one on each shard, SGD with lr 1).
+The worker logs each push before sending it ("sent N") and once acknowledged
+("acked N ..."), so every slot of every counter is checked on its own: an
+acknowledged push must be there exactly once (not at all where the shard
+dropped it as stale), one that was sent but never acknowledged at most once.
+Anything below is lost, anything above duplicated. In sync mode a step applies
+the mean of the gradients it counted, and a worker can have two pushes counted
+in one step on a shard (one it was told failed because another shard did not
+answer, then its next, at the same step): each then holds 1/2 of its slot. So
+there a push counts as present when its slot is above 0, and as duplicated
+when its slot is above 1 (sync_slots_averaged counts the shared slots). In async mode the global
+step (every push counts one on shard 0) lies between the pushes acknowledged
+and sent; in sync mode a shared counter on each shard must equal minus the
+global step (every shard applied every released step exactly once). A phase ends with every worker asked to stop: a
 process that does not end within its deadline, or a stretch of
 STALL_SECONDS with faults over and no push acknowledged, is a hang. Last, the
 job's final checkpoint must be committed for both shards and restore, through
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -57,6 +67,8 @@ STALL_SECONDS = 60.0         # no acknowledged push for this long, outside fault
 EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
 FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
 KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections")
+SLOTS = 1 << 15              # one per push of a worker; a 10-minute soak pushes ~4,000 per worker and phase
+EPS = 1e-4                   # the counters hold sums of ones (async) or of shares 1/c (sync): far above this
 
 
 # -- the worker process ------------------------------------------------------------------------------
@@ -68,6 +80,16 @@ def counter_names(index: int) -> list[str]:
 ALL_NAMES = [name for i in range(WORKERS) for name in counter_names(i)] + ["ones/a", "ones/b"]
 
 
+def sizes() -> dict[str, int]:
+    """Every variable's number of float32 elements: slots for the workers' counters, one for the shared ones."""
+    return {name: 1 if name.startswith("ones/") else SLOTS for name in ALL_NAMES}
+
+
+def pushes_logged(log: pathlib.Path) -> int:
+    """How many pushes earlier incarnations of a worker sent: its next push's number."""
+    return sum(line.startswith("sent") for line in log.read_text().splitlines()) if log.exists() else 0
+
+
 def worker_main(args: argparse.Namespace) -> int:
     """One worker: push ones into its own counters and the shared ones, log each push, until told to stop."""
     import torch
@@ -75,7 +97,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     cluster = Cluster.from_json(args.cluster)
     rng = random.Random(args.index * 7919 + os.getpid())
-    mine = {name: torch.ones(1) for name in counter_names(args.index) + ["ones/a", "ones/b"]}
+    number = pushes_logged(pathlib.Path(args.log))
     log = open(args.log, "a", buffering=1)
     from torchps.worker.chief import Checkpointer
 
@@ -84,15 +106,21 @@ def worker_main(args: argparse.Namespace) -> int:
         if args.index == 0:
             ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
                          progress_seconds=PROGRESS_SECONDS)
-            ps.create_variables({name: torch.zeros(1) for name in ALL_NAMES}, Optimizer("sgd", lr=1.0))
+            ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
         else:
-            ps.declare({name: torch.zeros(1) for name in ALL_NAMES})
+            ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
             ps.wait_for_variables(ALL_NAMES, timeout=120)
         ps.join()
-        targets = {name: torch.zeros(1) for name in mine}
+        shared = {"ones/a": torch.ones(1), "ones/b": torch.ones(1)}
+        targets = {name: torch.zeros(n) for name, n in sizes().items() if name in shared or
+                   name in counter_names(args.index)}
         checkpointer = Checkpointer(ps, every_steps=CHECKPOINT_EVERY, keep=2).start() if args.index == 0 else None
         while not os.path.exists(args.stop_file):
-            log.write("sent\n")
+            one_hot = torch.zeros(SLOTS)
+            one_hot[number % SLOTS] = 1.0
+            mine = {**{name: one_hot for name in counter_names(args.index)}, **shared}
+            log.write(f"sent {number}\n")
+            number += 1
             try:
                 if rng.random() < 0.5:
                     ps.push_pull(mine, targets)
@@ -103,7 +131,7 @@ def worker_main(args: argparse.Namespace) -> int:
                 log.write(f"error {type(exc).__name__}: {str(exc)[:200]}\n")
                 continue
             stale = " ".join(str(int(ps.last_replies[s].stale)) for s in range(len(cluster.ps)))
-            log.write(f"acked {ps.step} {stale}\n")
+            log.write(f"acked {number - 1} {ps.step} {stale}\n")
             if checkpointer is not None:
                 checkpointer.note_step(ps.step)
         if checkpointer is not None:
@@ -286,18 +314,34 @@ class Phase:
         from torchps.client import PSClient
         from torchps.ps_server.checkpoint import latest_committed
 
+        import torch
+
         counts = [self._counts(index) for index in range(WORKERS)]
         lost = duplicated = 0
+        misses: list[str] = []  # the first few slots that did not add up, for the report
+        averaged = 0
         with PSClient(self.cluster, connect_timeout=30) as admin:
-            admin.declare([(name, 4) for name in ALL_NAMES])
+            admin.declare([(name, 4 * n) for name, n in sizes().items()])
             values = admin.pull(ALL_NAMES)
             global_step = admin.global_step()
-            for index, (sent, _, applied_by_shard) in enumerate(counts):
+            for index, (sent, _, must, may) in enumerate(counts):
                 for shard, name in enumerate(counter_names(index)):
-                    applied = int(round(-values[name].item()))
-                    lost += max(0, applied_by_shard[shard] - applied)
-                    duplicated += max(0, applied - sent)
+                    applied = -values[name].double()
+                    if self.mode == "sync":  # a share 1/c of a step that counted c of this worker's pushes
+                        averaged += int(((applied > EPS) & (applied < 1 - EPS)).sum())
+                        missing = (must[shard] > 0) & (applied <= EPS)
+                    else:
+                        missing = applied < must[shard] - EPS
+                    extra = applied > may[shard] + EPS
+                    lost += int(missing.sum())
+                    duplicated += int(extra.sum())
+                    for slot in (missing | extra).nonzero().flatten()[:5].tolist():
+                        misses.append(f"worker {index} push {slot} on ps {shard}: applied {float(applied[slot]):g}, "
+                                      f"must {int(must[shard][slot])}, may {int(may[shard][slot])}")
             steps_ok = None
+            if self.mode == "async":  # each push counted once on shard 0
+                lost += max(0, sum(a for _, a, _, _ in counts) - global_step)
+                duplicated += max(0, global_step - sum(s for s, _, _, _ in counts))
             if self.mode == "sync":  # every shard applied every released step exactly once
                 applied_steps = [int(round(-values[n].item())) for n in ("ones/a", "ones/b")]
                 steps_ok = applied_steps == [global_step, global_step]
@@ -309,25 +353,34 @@ class Phase:
         complete = found is not None and found[0] == final and len(found[1]["shards"]) == SHARDS
         restored_equal = complete and self._restores_exactly(values)
         return {"mode": self.mode, "seconds": round(wall, 1), "faults_injected": dict(self.faults),
-                "pushes_acked": sum(a for _, a, _ in counts), "pushes_sent": sum(s for s, _, _ in counts),
+                "pushes_acked": sum(a for _, a, _, _ in counts), "pushes_sent": sum(s for s, _, _, _ in counts),
                 "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
-                "hang_reasons": self.hangs, "worker_failures": self.failures, "sync_steps_applied_once": steps_ok,
+                "hang_reasons": self.hangs, "worker_failures": self.failures, "audit_misses": misses[:20],
+                "sync_slots_averaged": averaged if self.mode == "sync" else None, "sync_steps_applied_once": steps_ok,
                 "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final}
 
-    def _counts(self, index: int) -> tuple[int, int, list[int]]:
-        """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, acknowledged as applied by
-        each shard: a push a shard dropped as stale counts only on the others)."""
+    def _counts(self, index: int) -> tuple[int, int, list, list]:
+        """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, and for each shard, per
+        slot, how many pushes must be there and how many may: acknowledged ones exactly once unless the shard
+        dropped them as stale, sent ones that were never acknowledged at most once)."""
+        import torch
+
         sent = acked = 0
-        applied = [0] * SHARDS
+        must = [torch.zeros(SLOTS, dtype=torch.long) for _ in range(SHARDS)]
+        may = [torch.zeros(SLOTS, dtype=torch.long) for _ in range(SHARDS)]
         for line in self.log_path(index).read_text().splitlines():
             fields = line.split()
             if fields[0] == "sent":
                 sent += 1
+                for shard in range(SHARDS):
+                    may[shard][int(fields[1]) % SLOTS] += 1
             elif fields[0] == "acked":
                 acked += 1
-                for shard, stale in enumerate(fields[2:2 + SHARDS]):
-                    applied[shard] += stale == "0"
-        return sent, acked, applied
+                for shard, stale in enumerate(fields[3:3 + SHARDS]):
+                    slot = int(fields[1]) % SLOTS
+                    must[shard][slot] += int(stale == "0")
+                    may[shard][slot] -= int(stale != "0")
+        return sent, acked, must, may
 
     def _restores_exactly(self, values: dict) -> bool:
         import torch
@@ -336,7 +389,7 @@ class Phase:
 
         with LocalCluster(1, server_args=["--restore-from", str(self.ckpt), "--num-ps", "1", "--no-journal"]) as one, \
                 PSClient(one.cluster, connect_timeout=30) as client:
-            client.declare([(name, 4) for name in ALL_NAMES])
+            client.declare([(name, 4 * n) for name, n in sizes().items()])
             restored = client.pull(ALL_NAMES)
         return all(torch.equal(restored[name], values[name]) for name in ALL_NAMES)
 
@@ -348,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="total time, split between async and sync")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help="the chaos loop's random seed")
+    parser.add_argument("--modes", default="async,sync", choices=["async,sync", "async", "sync"],
+                        help="the phases, in order; --minutes is split between them")
+    parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file"):
         parser.add_argument(flag, help=argparse.SUPPRESS, type=int if flag == "--index" else str)
@@ -357,10 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args)
     rng = random.Random(args.seed)
     phases = []
-    with tempfile.TemporaryDirectory(prefix="torchps-soak-") as tmp:
-        for mode in ("async", "sync"):
-            print(f"[soak] {mode} phase: {args.minutes * 30:.0f} s of chaos", flush=True)
-            phases.append(Phase(mode, args.minutes * 30, pathlib.Path(tmp), rng).run())
+    modes = args.modes.split(",")
+    workdir = contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="torchps-soak-")
+    with workdir as tmp:
+        for mode in modes:
+            seconds = args.minutes * 60 / len(modes)
+            print(f"[soak] {mode} phase: {seconds:.0f} s of chaos", flush=True)
+            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng).run())
     faults = collections.Counter()
     for phase in phases:
         faults.update(phase["faults_injected"])
@@ -378,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     for phase in phases:
-        for problem in phase["hang_reasons"] + phase["worker_failures"]:
+        for problem in phase["hang_reasons"] + phase["worker_failures"] + phase["audit_misses"]:
             print(f"[soak] {phase['mode']}: {problem}")
     ok = (result["lost"] == result["duplicated"] == result["hangs"] == result["worker_failures"] == 0
           and result["checkpoint_complete"])
