@@ -18,7 +18,6 @@ mode 0600 in a folder of mode 0700.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import dataclasses
 import datetime
