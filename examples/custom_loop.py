@@ -9,6 +9,11 @@ workers). Worker 0 is the chief: it creates the variables, prints progress,
 waits for the others' last pushes, then pulls the final parameters and tests
 them on the full test set.
 
+The job is secured the way ps-launch secures one: a CA, a certificate per task
+and the job and admin tokens made for it in a private temporary folder, gone
+at the end; every shard requires them (mutual TLS + token) and every PSClient
+presents its task's (`--insecure` runs in plaintext instead).
+
     python examples/custom_loop.py                        # Fashion-MNIST if installed, else mnist5k
     python examples/custom_loop.py --dataset mnist5k --epochs 2 --workers 3 --ps 1
 """
@@ -17,13 +22,17 @@ import argparse
 import math
 import multiprocessing
 import multiprocessing.connection
+import pathlib
 import sys
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-from torchps.client import Cluster, Optimizer, PSClient, TaskSpec
+from torchps.certs import TaskCredentials, make_job_credentials
+from torchps.client import Cluster, Optimizer, PSClient, Security, TaskSpec
+from torchps.security import INSECURE
 from torchps.worker.data import DatasetNotFoundError, batches, default_dataset_name, load_dataset, shard_indices
 from torchps.worker.local_cluster import LocalCluster
 
@@ -45,15 +54,24 @@ def steps_per_worker(n: int, args: argparse.Namespace) -> list[int]:
             for i in range(args.workers)]
 
 
-def train(index: int, cluster: Cluster, args: argparse.Namespace) -> None:
-    """One worker process: task ('worker', index) of `cluster`; worker 0 is the chief."""
+def security_of(files: TaskCredentials | None) -> Security:
+    """A task's credentials as PSClient takes them (plaintext without files)."""
+    if files is None:
+        return INSECURE
+    return Security.load(tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(files.ca),
+                         token_file=str(files.token),
+                         admin_token_file=str(files.admin_token) if files.admin_token else None)
+
+
+def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCredentials | None) -> None:
+    """One worker process: task ('worker', index) of `cluster`, with its credentials; worker 0 is the chief."""
     torch.set_num_threads(1)  # ps shards and workers share the machine's cores
     torch.manual_seed(args.seed)  # initial values; only the chief's are used
     data = load_dataset(args.dataset)
     mine = shard_indices(len(data.y_train), args.workers, index)
     x, y = data.x_train[mine], data.y_train[mine]
     model = make_model(args.hidden)
-    with PSClient(cluster, task=TaskSpec("worker", index)) as ps:
+    with PSClient(cluster, task=TaskSpec("worker", index), security=security_of(files)) as ps:
         # The chief creates the variables; the others wait for them. Either way the model ends up pulled.
         binding = ps.register_module(model, Optimizer("sgd", lr=args.lr))
         start = last_time = time.monotonic()
@@ -89,10 +107,11 @@ def train(index: int, cluster: Cluster, args: argparse.Namespace) -> None:
               f"train_seconds={elapsed:.1f} steps_per_s={total / elapsed:.1f} test_accuracy={final:.4f}", flush=True)
 
 
-def run_workers(cluster: Cluster, args: argparse.Namespace) -> int:
+def run_workers(cluster: Cluster, args: argparse.Namespace, credentials: dict | None) -> int:
     """Starts every worker process; stops the rest as soon as one fails. Returns 0 if all succeeded."""
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=train, args=(i, cluster, args), name=f"worker-{i}") for i in range(args.workers)]
+    procs = [context.Process(target=train, name=f"worker-{i}", args=(
+        i, cluster, args, credentials[TaskSpec("worker", i)] if credentials else None)) for i in range(args.workers)]
     for proc in procs:
         proc.start()
     try:
@@ -124,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="worker processes; worker 0 is the chief")
     parser.add_argument("--ps", type=int, default=2, help="ps-server processes (shards)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--insecure", action="store_true", help="plaintext shards, no certificates or tokens")
     args = parser.parse_args(argv)
     if args.workers < 1 or args.ps < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--workers, --ps, --epochs and --batch-size must be at least 1")
@@ -135,9 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     steps = steps_per_worker(len(data.y_train), args)
     print(f"dataset {data}; {args.workers} workers x {steps[0]} steps, {args.ps} ps", flush=True)
     del data  # each worker loads its own copy
-    with LocalCluster(num_ps=args.ps, workers=args.workers) as local:
-        print(f"ps shards on {', '.join(local.cluster.ps)}", flush=True)
-        return run_workers(local.cluster, args)
+    with tempfile.TemporaryDirectory(prefix="custom-loop-") as private:  # mode 0700, removed at the end
+        credentials, shard_flags = None, []
+        if not args.insecure:  # the tasks as they will be (addresses matter only as 127.0.0.1 in certificates)
+            tasks = Cluster(ps=tuple(f"127.0.0.1:{1 + i}" for i in range(args.ps)),
+                            worker=tuple(f"127.0.0.1:{1 + args.ps + i}" for i in range(args.workers)))
+            credentials = make_job_credentials(pathlib.Path(private) / "credentials", tasks, days=1)
+            # every shard serves with ps:0's certificate: LocalCluster gives all shards the same flags
+            shard, chief = credentials[TaskSpec("ps", 0)], credentials[TaskSpec("worker", 0)]
+            shard_flags = ["--tls-cert", str(shard.cert), "--tls-key", str(shard.key), "--tls-ca", str(shard.ca),
+                           "--token-file", str(shard.token), "--admin-token-file", str(chief.admin_token)]
+        with LocalCluster(num_ps=args.ps, workers=args.workers, server_args=shard_flags) as local:
+            print(f"ps shards on {', '.join(local.cluster.ps)} "
+                  f"({'plaintext, INSECURE' if args.insecure else 'mutual TLS + job token'})", flush=True)
+            return run_workers(local.cluster, args, credentials)
 
 
 if __name__ == "__main__":

