@@ -1,0 +1,62 @@
+"""Progress leases in ps_server/membership.py: the timeout is max(floor, PROGRESS_MULTIPLE x the median push
+interval), a heartbeating worker that stops pushing past it is stalled, a held push never stalls its worker.
+Time is given explicitly (the `now` arguments), so nothing here sleeps."""
+
+from torchps.ps_server.membership import PROGRESS_MULTIPLE, Membership
+
+LEASE = 1e9  # leases never run out here: only progress is under test
+
+
+def touch(members: Membership, worker: str, now: float, *, progress: bool) -> None:
+    members.touch(worker, 1, now=now, step=0, start_step=0, in_grace=False, level=0, progress=progress)
+
+
+def pushing(members: Membership, worker: str, start: float, interval: float, pushes: int) -> float:
+    """`worker` pushes every `interval` s from `start`; returns the time of its last push."""
+    now = start
+    for _ in range(pushes):
+        touch(members, worker, now, progress=True)
+        members.pushed(worker, now)
+        now += interval
+    return now - interval
+
+
+def test_the_timeout_follows_the_median_push_interval_above_the_floor():
+    members = Membership()
+    assert members.progress_timeout(5.0) == 5.0  # no pushes yet: the floor
+    pushing(members, "worker:0", 0.0, 1.0, 40)
+    pushing(members, "worker:1", 0.5, 1.0, 40)
+    assert members.progress_timeout(5.0) == PROGRESS_MULTIPLE * 1.0
+    assert members.progress_timeout(60.0) == 60.0  # a floor above it wins
+
+
+def test_a_heartbeating_worker_stalls_only_past_the_timeout_and_resumes_when_it_pushes():
+    members = Membership()
+    last = max(pushing(members, "worker:0", 0.0, 0.5, 40), pushing(members, "worker:1", 0.25, 0.5, 40))
+    timeout = members.progress_timeout(1.0)
+    assert timeout == PROGRESS_MULTIPLE * 0.5
+    stuck_since = members.members["worker:1"].last_progress
+    now = last
+    while now < stuck_since + timeout - 0.5:  # worker:1 only heartbeats; worker:0 keeps pushing
+        now += 0.5
+        touch(members, "worker:1", now, progress=False)
+        touch(members, "worker:0", now, progress=True)
+        members.pushed("worker:0", now)
+        assert members.expire(now, LEASE, 1.0) == ([], []), f"stalled too early, {now - stuck_since:.1f} s"
+    now = stuck_since + timeout + 0.1
+    touch(members, "worker:0", now, progress=True)
+    assert members.expire(now, LEASE, 1.0) == ([], ["worker:1"])
+    assert members.members["worker:1"].stalled and members.stalls == 1
+    assert members.members["worker:0"].live and not members.members["worker:0"].stalled
+    event, _ = members.touch("worker:1", 1, now=now + 1, step=0, start_step=0, in_grace=False, level=0,
+                             progress=True)
+    assert event == "resumed" and not members.members["worker:1"].stalled
+
+
+def test_a_worker_whose_push_is_held_never_stalls():
+    members = Membership()
+    pushing(members, "worker:0", 0.0, 1.0, 20)
+    members.members["worker:0"].held = 1  # shard 0 holds its push (a sync step not yet released)
+    assert members.expire(1e6, LEASE, 1.0) == ([], [])
+    members.members["worker:0"].held = 0
+    assert members.expire(1e6, LEASE, 1.0) == ([], ["worker:0"])
