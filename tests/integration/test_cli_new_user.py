@@ -218,6 +218,37 @@ def test_the_several_machines_recipe_ends_with_a_committed_checkpoint(tmp_path):
                 p.kill()
 
 
+def test_a_chief_stopped_by_sigterm_saves_a_last_committed_checkpoint(tmp_path):
+    """The chief, SIGTERMed mid-training against a shard with --checkpoint-dir and no checkpoint flag of its
+    own (so no periodic saves), saves the step it reached on every shard, committed, and exits 0."""
+    from torchps.ps_server.checkpoint import latest_committed
+    from test_ps_server_cli import free_port
+
+    cluster = json.dumps({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]})
+    shard = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--cluster", cluster,
+                              "--insecure", "--checkpoint-dir", str(tmp_path / "ckpt")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=environ())
+    chief = subprocess.Popen([*PS_WORKER, "--cluster", cluster, "--task-type", "worker", "--index", "0",
+                              "--dataset", "mnist5k", "--epochs", "1000", "--log-every", "0.2", "--keep-ps"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                             env=environ())
+    try:
+        wait_for_line(chief.stdout, r"epoch 1 step [1-9]\d* loss")  # training, nothing saved yet
+        assert latest_committed(tmp_path / "ckpt") is None
+        chief.send_signal(signal.SIGTERM)
+        rest = chief.communicate(timeout=60)[0]
+        assert chief.returncode == 0 and "Traceback" not in rest, rest
+        saved = re.search(r"checkpoint of step (\d+) saved on every shard and committed", rest)
+        assert saved and int(saved[1]) > 0, rest
+        step, manifest = latest_committed(tmp_path / "ckpt")
+        assert step == int(saved[1]) and len(manifest["shards"]) == 1
+    finally:
+        for proc in (chief, shard):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
 def test_ctrl_c_while_the_launcher_still_imports_is_one_line_and_130():
     """The console scripts answer a Ctrl-C that comes during their imports (torch, gRPC) too."""
     proc = subprocess.Popen([*PS_LAUNCH, "--dataset", "mnist5k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
