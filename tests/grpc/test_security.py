@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+import threading
 
-import grpc
 import pytest
 import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from torchps.certs import make_job_credentials
-from torchps.client import (AuthenticationError, Optimizer, PermissionDeniedError, PSClient, ServerUnavailableError,
-                            TaskSpec)
+from torchps.client import (AuthenticationError, Optimizer, PermissionDeniedError, PSClient, ResourceExhaustedError,
+                            ServerUnavailableError, TaskSpec)
 from torchps.cluster import Cluster
 from torchps.security import Security
+
+from helpers import wait_until
 
 PLACEHOLDER = Cluster(ps=("127.0.0.1:1",), chief=("127.0.0.1:2",), worker=("127.0.0.1:3", "127.0.0.1:4"),
                       evaluator=("127.0.0.1:5",))
@@ -138,6 +140,25 @@ def test_a_worker_acts_in_its_own_name_only(local_cluster, job):
             with pytest.raises(PermissionDeniedError, match="own name"):
                 call()
         assert chief.status(0).step == 0 and chief.status(0).live_workers == 0
+
+
+def test_max_calls_per_client_counts_a_certificate_across_its_connections(local_cluster, job):
+    """Under TLS the quota is per certificate: a second connection with worker:0's key shares worker:0's
+    calls and is refused while its first waits; worker:1 is served, and its push releases the wait."""
+    files, security = job
+    local = local_cluster(1, server_args=[*shard_flags(files), "--max-calls-per-client", "1"])
+    with start_job(local, security) as chief, client(local, WORKER, security(WORKER)) as first, \
+            client(local, WORKER, security(WORKER)) as second, client(local, OTHER, security(OTHER)) as other:
+        for c in (first, second, other):
+            c.declare({"w": torch.zeros(2)})
+        waiting = threading.Thread(target=lambda: first.pull_into({"w": torch.zeros(2)}, min_step=1), daemon=True)
+        waiting.start()
+        wait_until(lambda: chief.status(0).waiting_calls == 1, 20, "worker:0's pull to wait")
+        with pytest.raises(ResourceExhaustedError, match="worker:0 already has 1 calls"):
+            second.pull(["w"])  # another connection, the same certificate
+        other.push({"w": torch.ones(2)})  # worker:1's own quota
+        waiting.join(20)
+        assert not waiting.is_alive() and chief.status(0).step == 1
 
 
 def test_tls_mismatches_fail_fast_with_one_line_naming_the_cause(local_cluster, job, tmp_path):
