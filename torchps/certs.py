@@ -36,7 +36,8 @@ from .cli import ArgumentParser
 from .cluster import Cluster, TaskSpec
 from .errors import ClusterConfigError
 
-__all__ = ["TaskCredentials", "make_job_credentials", "kubernetes_secrets", "role_of", "main"]
+__all__ = ["TaskCredentials", "make_job_credentials", "read_job_credentials", "kubernetes_secrets", "role_of",
+           "main"]
 
 VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
 TOKEN_BYTES = 32
@@ -126,6 +127,36 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
         knows_admin = role_of(cluster, task) in ("chief", "ps")
         out[task] = TaskCredentials(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt",
                                     directory / "token", directory / "admin-token" if knows_admin else None)
+    return out
+
+
+def read_job_credentials(directory: str | os.PathLike, cluster: Cluster) -> dict[TaskSpec, TaskCredentials]:
+    """The files ps-certs wrote into `directory`, for every task of `cluster`.
+
+    ClusterConfigError (one line) naming the first file missing, or a
+    certificate whose role is not the one `cluster` gives its task (a folder
+    made for a cluster with a separate chief, used for one whose chief is
+    worker 0, say): found before anything starts, not as PERMISSION_DENIED.
+    """
+    directory = pathlib.Path(directory)
+    out = {}
+    for task, _ in cluster.tasks():
+        stem, role = f"{task.type}-{task.index}", role_of(cluster, task)
+        files = TaskCredentials(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt",
+                                directory / "token", directory / "admin-token" if role in ("chief", "ps") else None)
+        for path in (files.cert, files.key, files.ca, files.token, files.admin_token):
+            if path is not None and not path.is_file():
+                raise ClusterConfigError(f"{directory} has no {path.name} for {task}: make it with ps-certs "
+                                         "--cluster naming every task of this job")
+        try:
+            subject = x509.load_pem_x509_certificate(files.cert.read_bytes()).subject
+        except (OSError, ValueError) as exc:
+            raise ClusterConfigError(f"{files.cert}: not a PEM certificate ({exc})") from None
+        units = [a.value for a in subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)]
+        if units != [role]:
+            raise ClusterConfigError(f"{files.cert} gives {task} the role {units[0] if units else 'none'!r}, this "
+                                     f"job needs {role!r}: make the folder for this job's tasks")
+        out[task] = files
     return out
 
 

@@ -9,8 +9,9 @@ Starts `--ps` ps-servers on 127.0.0.1 with free ports, then the chief
 prefixed with its role. ps-worker's flags are accepted and passed to every
 worker (checked first: a bad flag or value stops ps-launch before anything
 starts). Secure by default: a throw-away CA, a certificate per task and the
-tokens are made in a private folder for the job (--tokens-only: tokens without TLS;
---insecure: plaintext, no tokens).
+tokens are made in a private folder for the job (--credentials DIR: a folder
+ps-certs made instead; --tokens-only: tokens without TLS; --insecure:
+plaintext, no tokens).
 
 A worker that dies does not stop the others; the chief failing, the end of
 training, Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also
@@ -36,7 +37,7 @@ import tempfile
 import threading
 import time
 
-from ..certs import TaskCredentials, make_job_credentials
+from ..certs import TaskCredentials, make_job_credentials, read_job_credentials
 from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
@@ -77,12 +78,26 @@ class Proc:
         return str(self.task)
 
 
+def job_tasks(num_ps: int, workers: int, chief: bool, evaluator: bool) -> Cluster:
+    """The job's tasks, on placeholder addresses: certificates name tasks, not ports, so they can be made or
+    checked before any port is known."""
+    return Cluster(ps=tuple(f"127.0.0.1:{i + 1}" for i in range(num_ps)), chief=("127.0.0.1:0",) if chief else (),
+                   worker=tuple(f"127.0.0.1:{100 + i}" for i in range(workers)),
+                   evaluator=("127.0.0.1:99",) if evaluator else ())
+
+
 class Launcher:
-    """Starts, watches and stops the processes of a local cluster."""
+    """Starts, watches and stops the processes of a local cluster.
+
+    Credentials: a throw-away set made for the job (`secure`), or the folder
+    ps-certs wrote (`credentials`), or none; with `tls` False only the tokens
+    are used.
+    """
 
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
-                 secure: bool = True, tls: bool = True, out=sys.stdout):
+                 secure: bool = True, tls: bool = True, credentials: str | os.PathLike | None = None,
+                 out=sys.stdout):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
         self.worker_args = worker_args + (["--keep-ps"] if evaluator else [])  # the evaluator sees the end too
         self.ps_args = list(ps_args)
@@ -98,12 +113,11 @@ class Launcher:
         self.summary: dict | None = None  # the chief's final summary line, parsed
         self.credentials: dict[TaskSpec, TaskCredentials] | None = None
         self.tls = tls
-        if secure:  # certificates name tasks, not ports, so they can be made before any port is known
-            tasks = Cluster(ps=tuple(f"127.0.0.1:{i + 1}" for i in range(num_ps)),
-                            chief=("127.0.0.1:0",) if chief else (),
-                            worker=tuple(f"127.0.0.1:{100 + i}" for i in range(workers)),
-                            evaluator=("127.0.0.1:99",) if evaluator else ())
-            self.credentials = make_job_credentials(pathlib.Path(self._tmp.name) / "credentials", tasks, days=1)
+        if credentials is not None:
+            self.credentials = read_job_credentials(credentials, job_tasks(num_ps, workers, chief, evaluator))
+        elif secure:
+            self.credentials = make_job_credentials(pathlib.Path(self._tmp.name) / "credentials",
+                                                    job_tasks(num_ps, workers, chief, evaluator), days=1)
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -316,6 +330,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
     g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
                    "certificates and tokens made for this job)")
+    g.add_argument("--credentials", metavar="DIR", help="use the CA, certificates and tokens ps-certs wrote into "
+                   "DIR for this job's tasks instead of making throw-away ones")
     g.add_argument("--tokens-only", action="store_true", help="job and admin tokens without TLS: the same "
                    "protection on one host (only root reads loopback traffic, and root reads the keys too) "
                    "without TLS's cost per byte")
@@ -328,6 +344,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
     if everything.insecure and everything.tokens_only:
         parser.error("--tokens-only and --insecure contradict each other (tokens, or nothing)")
+    if everything.insecure and everything.credentials:
+        parser.error("--credentials and --insecure contradict each other (a job's credentials, or nothing)")
     try:
         finish_training_flags(everything)
         check_output("--metrics-out", everything.metrics_out)
@@ -337,6 +355,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                 load_init(new_model(everything.model, everything.hidden), state, everything.init_from)
         if everything.restore_from and not pathlib.Path(everything.restore_from).is_dir():
             raise ClusterConfigError(f"--restore-from {everything.restore_from}: no such folder")
+        if everything.credentials:
+            read_job_credentials(everything.credentials, job_tasks(everything.ps, everything.workers,
+                                                                   everything.chief, everything.evaluator))
     except (ClusterConfigError, DatasetNotFoundError) as exc:
         parser.error(str(exc))
     return own.parse_known_args(argv)
@@ -406,7 +427,8 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
         ps_args += ["--restore-from", args.restore_from]
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
-                    restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only)
+                    restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,
+                    credentials=args.credentials)
 
 
 if __name__ == "__main__":

