@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     phases = []
     modes = args.modes.split(",")
-    workdir = contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="torchps-soak-")
+    workdir = (contextlib.nullcontext(str(args.keep)) if args.keep
+               else tempfile.TemporaryDirectory(prefix="torchps-soak-"))
     with workdir as tmp:
         for mode in modes:
             seconds = args.minutes * 60 / len(modes)

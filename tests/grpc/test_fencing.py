@@ -228,3 +228,32 @@ def test_a_retry_after_the_lease_ran_out_and_the_worker_came_back_is_still_a_dup
     after = {key: value for key, value in state(stub, name).items() if key in kept}
     assert after == {**before, "duplicates": before["duplicates"] + 1}, "the retry was applied again"
     assert torch.equal(value_of(stub, name), -torch.ones(N))
+
+
+def test_a_retry_after_the_shard_restored_its_checkpoint_is_still_a_duplicate(tmp_path):
+    """The ledger travels in the checkpoint: a shard SIGKILLed and restarted without a journal restores the
+    committed checkpoint, and the retry of the push it holds is answered as a duplicate, not applied again;
+    the worker's next push is applied."""
+    from torchps.client import PSClient
+
+    name, worker = "once/restored", "worker:0"
+    flags = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--no-journal"]
+    with LocalCluster(1, workers=1, server_args=flags) as local, PSClient(local.cluster, connect_timeout=20) as chief:
+        channel = grpc.insecure_channel(local.cluster.ps[0])
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        assert stub.Configure(ps_pb2.SyncConfig(mode="async", lease_seconds=LONG, progress_seconds=LONG),
+                              timeout=TIMEOUT).changed
+        create(stub, name)
+        stub.Join(ref(worker, OLD), timeout=TIMEOUT)
+        first = push(stub, name, worker, OLD, 1)
+        assert not first.duplicate and first.versions[name] == 1
+        assert chief.save_checkpoint(1) == 1
+        assert local.kill_ps(0) == -9
+        local.start_ps(0)
+        wait_until(lambda: status_of(stub).restored_step == 1, TIMEOUT, "the shard to restore the checkpoint of step 1")
+        retry = push(stub, name, worker, OLD, 1)
+        assert retry.duplicate and retry.versions[name] == 1, retry
+        assert torch.equal(value_of(stub, name), -torch.ones(N)), "the retry was applied again after the restore"
+        assert not push(stub, name, worker, OLD, 2).duplicate
+        assert torch.equal(value_of(stub, name), -2 * torch.ones(N))
+        channel.close()
