@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="total time, split between async and sync")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help="the chaos loop's random seed")
-    parser.add_argument("--modes", default="async,sync", choices=["async,sync", "async", "sync"],
+    parser.add_argument("--modes", default="async,sync", choices=["async,sync", "async", "sync"], metavar="MODES",
                         help="the phases, in order; --minutes is split between them")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
