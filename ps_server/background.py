@@ -32,8 +32,9 @@ def apply_steps(c: "Coordinator") -> None:
             c.saves.take(step)
         with c.gate.change():
             if buffer is not None:
-                c.store.apply(buffer.averages(), step_increment=1, validated=True)
-                c._log("step", {"step": step})
+                with c._ordered:  # after the hyperparameters it was applied with, in the journal too
+                    c.store.apply(buffer.averages(), step_increment=1, validated=True)
+                    c._log("step", {"step": step})
             with c._cond:
                 if kind == "jump":
                     _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up",

@@ -113,7 +113,9 @@ class Coordinator(PushPath):
     def attach_journal(self, journal) -> None:
         """Records every change from now on in `journal` (after replay()), then start()s."""
         self.recorder = Recorder(self, journal)
-        self._ordered = threading.Lock()  # with a journal, async applies are recorded in the order they happen
+        # With a journal, every change to variables (creations, applies, steps, hyperparameters) is made and
+        # recorded under this lock, so the journal replays them in the order they happened.
+        self._ordered = threading.Lock()
         self.start()
 
     # -- state changes that are not pushes -----------------------------------------------------
@@ -150,7 +152,7 @@ class Coordinator(PushPath):
         """store.create, recorded in the journal. `job_step`: a refill of a shard that restarted without its
         state; if it holds no variables yet it takes that step (the job's) as its own."""
         self._check_step(job_step, "step")
-        with self.gate.change():
+        with self.gate.change(), self._ordered:  # recorded before any push to the new variables can be
             with self._cond:
                 if job_step > self.store.step and not self.store.names():
                     _LOGGER.warning("refilled while the job is at step %d: this shard starts there", job_step)
@@ -165,7 +167,7 @@ class Coordinator(PushPath):
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
-        with self.gate.change():
+        with self.gate.change(), self._ordered:  # in the order the applies around it see it
             count = self.store.set_hyperparams(names, updates)
             self._log("hyperparams", {"names": names, "updates": dict(updates)})
         return count

@@ -1,8 +1,11 @@
 """The coordinator's journal glue: records written as changes happen, compactions, and replay. No gRPC.
 
 Locking rules for a record (they keep a compaction's base and the new log in
-agreement): a record of a change to variables or the step is appended under
-the apply gate (shared) together with the change; a record of bookkeeping
+agreement, and the log in the order things happened): a record of a change to
+variables or the step is appended under the apply gate (shared) together with
+the change, and, for creations, applies, sync steps and hyperparameters, under
+the coordinator's `_ordered` lock too, so no push to a variable is recorded
+before its creation and no apply on the wrong side of an lr change; a record of bookkeeping
 only (membership, a step adopted while catching up) under the coordinator's
 lock. A compaction copies the state under the gate alone and rotates the log
 under the coordinator's lock in the same instant (snapshots.state_of(then=)).

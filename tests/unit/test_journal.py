@@ -216,3 +216,37 @@ def test_mode_and_retired_incarnations_survive_a_crash(tmp_path, kind):
         with pytest.raises(WorkerReplacedError):
             back.heartbeat("worker:1", 1)
     back.close()
+
+
+def test_a_push_racing_the_creation_of_its_variables_is_recorded_after_them(tmp_path):
+    """Found by the chaos soak: a worker pushes the moment the chief's variables exist. The creation's record
+    must come first in the journal (else the restarted shard fails replaying a push to a variable it does
+    not have yet), and so must a hyperparameter change come in the order the applies saw it."""
+    c = shard(tmp_path)
+    real_create, real_set = c.store.create, c.store.set_hyperparams
+    racer: list[threading.Thread] = []
+
+    def race(then):  # the instant the change is made and not yet recorded, a push arrives from another thread
+        def wrapped(*args, **kwargs):
+            out = then(*args, **kwargs)
+            thread = threading.Thread(target=lambda: c.push("worker:0", 1, len(racer) + 1, 0, grads(len(racer)),
+                                                            step_increment=1))
+            racer.append(thread)
+            thread.start()
+            thread.join(2.0)  # long enough to finish if nothing holds it back
+            return out
+        return wrapped
+
+    c.store.create, c.store.set_hyperparams = race(real_create), race(real_set)
+    create(c)
+    c.set_hyperparams(list(SHAPES), {"lr": 0.5})
+    for thread in racer:
+        thread.join(10)
+    expected = observed(c)
+    c.close()
+    kinds = [record.kind for record in Journal(tmp_path).recover()[1] if record.kind != "member"]
+    assert kinds[0] == "create" and sorted(kinds[1:]) == ["apply", "apply", "hyperparams"], kinds
+    assert c.store.snapshot()[0]["version"] == 2  # both racing pushes were applied
+    back = shard(tmp_path)
+    assert_same(observed(back), expected)
+    back.close()
