@@ -9,7 +9,8 @@ by TF_CONFIG's task when started that way). The model and data are ps-worker's
 built-in MLP on mnist5k; the loss of the chosen task raises FAILURE_MESSAGE on
 its call number TORCHPS_TEST_FAIL_AFTER + 1, so that task has pushed exactly
 TORCHPS_TEST_FAIL_AFTER gradients before it dies. With TORCHPS_TEST_FAIL_AT_START
-set, the chosen task fails before it creates or waits for anything.
+set, the chosen task fails before it creates or waits for anything; with
+TORCHPS_TEST_FAIL_ONCE=FILE too, only the first time (the file marks it done).
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def this_task() -> str:
 
 def task():
     if this_task() == os.environ.get("TORCHPS_TEST_FAIL_TASK") and os.environ.get("TORCHPS_TEST_FAIL_AT_START"):
-        raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} at start)")
+        once = os.environ.get("TORCHPS_TEST_FAIL_ONCE")
+        if not once or not os.path.exists(once):
+            if once:
+                open(once, "w").close()
+            raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} at start)")
     job = build_model("mlp", "mnist5k", 100)
     if this_task() != os.environ.get("TORCHPS_TEST_FAIL_TASK"):
         return job.model, job.dataset, nn.functional.cross_entropy

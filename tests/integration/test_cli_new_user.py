@@ -70,6 +70,19 @@ def test_a_chief_that_fails_at_startup_ends_the_job_at_once():
     assert_nothing_left(run.pids)
 
 
+def test_a_chief_that_fails_at_startup_is_restarted_with_restart_on_failure_and_the_job_completes(tmp_path):
+    env = environ([HERE], TORCHPS_TEST_FAIL_TASK="worker:0", TORCHPS_TEST_FAIL_AT_START="1",
+                  TORCHPS_TEST_FAIL_ONCE=str(tmp_path / "failed-once"))
+    run = launch(["--ps", "1", "--workers", "2", "--entry", "failing_entry:task", "--dataset", "mnist5k",
+                  "--epochs", "1", "--restart-on-failure"], env=env)
+    assert run.code == 0, run.output
+    assert "[launch] worker:0 exited with code 2; restarting it (1 of 3)" in run.lines, run.output
+    assert not any("stopping the job" in line for line in run.lines), run.output
+    assert (tmp_path / "failed-once").exists(), "the first chief did fail"
+    assert run.final()[6] == "async"
+    assert_nothing_left(run.pids)
+
+
 def test_a_shard_that_refuses_its_flags_is_shown_and_nothing_else_starts(tmp_path):
     """What only a shard can check (here: a --restore-from folder with no committed checkpoint)."""
     run = launch(["--restore-from", str(tmp_path), "--dataset", "mnist5k"])
