@@ -296,11 +296,7 @@ class JobSecurity:
 
     def security(self, task):
         """`task`'s Security (certificate, key, CA, job token; the chief's also the admin token)."""
-        from torchps.security import Security
-
-        f = self.files[task]
-        return Security.load(tls_cert=str(f.cert), tls_key=str(f.key), tls_ca=str(f.ca), token_file=str(f.token),
-                             admin_token_file=str(f.admin_token) if f.admin_token else None, environ={})
+        return self.files[task].security()
 
     def close(self) -> None:
         self._tmp.cleanup()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from torchps.certs import TaskCredentials, make_job_credentials
-from torchps.client import Cluster, Optimizer, PSClient, Security, TaskSpec
+from torchps.client import Cluster, Optimizer, PSClient, TaskSpec
 from torchps.security import INSECURE
 from torchps.worker.data import DatasetNotFoundError, batches, default_dataset_name, load_dataset, shard_indices
 from torchps.worker.local_cluster import LocalCluster
@@ -54,15 +54,6 @@ def steps_per_worker(n: int, args: argparse.Namespace) -> list[int]:
             for i in range(args.workers)]
 
 
-def security_of(files: TaskCredentials | None) -> Security:
-    """A task's credentials as PSClient takes them (plaintext without files)."""
-    if files is None:
-        return INSECURE
-    return Security.load(tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(files.ca),
-                         token_file=str(files.token),
-                         admin_token_file=str(files.admin_token) if files.admin_token else None)
-
-
 def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCredentials | None) -> None:
     """One worker process: task ('worker', index) of `cluster`, with its credentials; worker 0 is the chief."""
     torch.set_num_threads(1)  # ps shards and workers share the machine's cores
@@ -71,7 +62,7 @@ def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCre
     mine = shard_indices(len(data.y_train), args.workers, index)
     x, y = data.x_train[mine], data.y_train[mine]
     model = make_model(args.hidden)
-    with PSClient(cluster, task=TaskSpec("worker", index), security=security_of(files)) as ps:
+    with PSClient(cluster, task=TaskSpec("worker", index), security=files.security() if files else INSECURE) as ps:
         # The chief creates the variables; the others wait for them. Either way the model ends up pulled.
         binding = ps.register_module(model, Optimizer("sgd", lr=args.lr))
         start = last_time = time.monotonic()
@@ -162,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                             worker=tuple(f"127.0.0.1:{1 + args.ps + i}" for i in range(args.workers)))
             credentials = make_job_credentials(pathlib.Path(private) / "credentials", tasks, days=1)
             # every shard serves with ps:0's certificate: LocalCluster gives all shards the same flags
-            shard, chief = credentials[TaskSpec("ps", 0)], credentials[TaskSpec("worker", 0)]
-            shard_flags = ["--tls-cert", str(shard.cert), "--tls-key", str(shard.key), "--tls-ca", str(shard.ca),
-                           "--token-file", str(shard.token), "--admin-token-file", str(chief.admin_token)]
+            shard_flags = credentials[TaskSpec("ps", 0)].flags()
         with LocalCluster(num_ps=args.ps, workers=args.workers, server_args=shard_flags) as local:
             print(f"ps shards on {', '.join(local.cluster.ps)} "
                   f"({'plaintext, INSECURE' if args.insecure else 'mutual TLS + job token'})", flush=True)

@@ -35,6 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from .cli import ArgumentParser
 from .cluster import Cluster, TaskSpec
 from .errors import ClusterConfigError
+from .security import Security
 
 __all__ = ["TaskCredentials", "make_job_credentials", "read_job_credentials", "kubernetes_secrets", "role_of",
            "main"]
@@ -52,6 +53,20 @@ class TaskCredentials:
     ca: pathlib.Path
     token: pathlib.Path
     admin_token: pathlib.Path | None = None  # the chief's (it sends it) and the shards' (they check it)
+
+    @classmethod
+    def of(cls, directory: pathlib.Path, cluster: Cluster, task: TaskSpec) -> "TaskCredentials":
+        """Where `task`'s files lie in a job's credentials folder (the admin token for the chief and shards)."""
+        stem = f"{task.type}-{task.index}"
+        knows_admin = role_of(cluster, task) in ("chief", "ps")
+        return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", directory / "token",
+                   directory / "admin-token" if knows_admin else None)
+
+    def security(self) -> Security:
+        """These files as a client's Security (read now; the TORCHPS_* variables are not consulted)."""
+        return Security.load(tls_cert=str(self.cert), tls_key=str(self.key), tls_ca=str(self.ca),
+                             token_file=str(self.token),
+                             admin_token_file=str(self.admin_token) if self.admin_token else None, environ={})
 
     def flags(self) -> list[str]:
         """ps-server / ps-worker flags that use these files."""
@@ -121,12 +136,9 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(ca_key, hashes.SHA256()))
-        stem = f"{task.type}-{task.index}"
-        _write(directory / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM), secret=False)
-        _write(directory / f"{stem}.key", _pem_key(key), secret=True)
-        knows_admin = role_of(cluster, task) in ("chief", "ps")
-        out[task] = TaskCredentials(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt",
-                                    directory / "token", directory / "admin-token" if knows_admin else None)
+        out[task] = files = TaskCredentials.of(directory, cluster, task)
+        _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), secret=False)
+        _write(files.key, _pem_key(key), secret=True)
     return out
 
 
@@ -141,9 +153,7 @@ def read_job_credentials(directory: str | os.PathLike, cluster: Cluster) -> dict
     directory = pathlib.Path(directory)
     out = {}
     for task, _ in cluster.tasks():
-        stem, role = f"{task.type}-{task.index}", role_of(cluster, task)
-        files = TaskCredentials(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt",
-                                directory / "token", directory / "admin-token" if role in ("chief", "ps") else None)
+        role, files = role_of(cluster, task), TaskCredentials.of(directory, cluster, task)
         for path in (files.cert, files.key, files.ca, files.token, files.admin_token):
             if path is not None and not path.is_file():
                 raise ClusterConfigError(f"{directory} has no {path.name} for {task}: make it with ps-certs "
