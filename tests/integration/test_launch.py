@@ -96,6 +96,12 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+def environ_of(pid: int | str) -> dict[str, str]:
+    """The environment process `pid` was started with (its /proc entry)."""
+    return dict(v.decode().split("=", 1) for v in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if b"=" in v)
+
+
 def assert_nothing_left(pids: set[int], grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
@@ -257,8 +263,7 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
 
     def on_line(line: str, _launcher: int) -> None:
         if (serving := SERVING.search(line)) and not folders:
-            variables = dict(v.decode().split("=", 1) for v in
-                             pathlib.Path(f"/proc/{serving[1]}/environ").read_bytes().split(b"\0") if b"=" in v)
+            variables = environ_of(serving[1])
             tls_files.extend(v for k, v in variables.items() if k.startswith("TORCHPS_TLS_"))
             if "TORCHPS_TOKEN_FILE" in variables:
                 folders.append(pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent)

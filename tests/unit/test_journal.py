@@ -218,22 +218,50 @@ def test_mode_and_retired_incarnations_survive_a_crash(tmp_path, kind):
     back.close()
 
 
+class ContendedLock:
+    """A lock that, when a thread named in `contended` finds it taken, sets that thread's event first."""
+
+    def __init__(self, lock):
+        self.lock, self.contended = lock, {}
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            event = self.contended.get(threading.current_thread().name)
+            if event is not None:
+                event.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
 def test_a_push_racing_the_creation_of_its_variables_is_recorded_after_them(tmp_path):
     """Found by the chaos soak: a worker pushes the moment the chief's variables exist. The creation's record
     must come first in the journal (else the restarted shard fails replaying a push to a variable it does
     not have yet), and so must a hyperparameter change come in the order the applies saw it."""
     c = shard(tmp_path)
     real_create, real_set = c.store.create, c.store.set_hyperparams
+    ordering = ContendedLock(c._ordered)
+    c._ordered = ordering
     racer: list[threading.Thread] = []
 
     def race(then):  # the instant the change is made and not yet recorded, a push arrives from another thread
         def wrapped(*args, **kwargs):
             out = then(*args, **kwargs)
-            thread = threading.Thread(target=lambda: c.push("worker:0", 1, len(racer) + 1, 0, grads(len(racer)),
-                                                            step_increment=1))
+            settled = threading.Event()  # the push finished, or waits for the ordering lock
+
+            def push():
+                try:
+                    c.push("worker:0", 1, len(racer), 0, grads(len(racer)), step_increment=1)
+                finally:
+                    settled.set()
+
+            thread = threading.Thread(target=push, name="racer")
             racer.append(thread)
+            ordering.contended[thread.name] = settled
             thread.start()
-            thread.join(2.0)  # long enough to finish if nothing holds it back
+            assert settled.wait(30), "the racing push neither finished nor waited for the ordering lock"
             return out
         return wrapped
 
