@@ -57,14 +57,9 @@ class PushPath:
                 mode = self.config.mode
                 if mode == "sync":
                     self._check_ahead(step, "push step")
-                if mode == "sync" and step >= self.pending.open_step(self.store.step):
+                if mode == "ssp" or (mode == "sync" and step >= self.pending.open_step(self.store.step)):
                     kind = self._hold_kind(worker, step, hold)
                     if kind is not None:  # refused here, before the push changes anything
-                        self.waits.acquire(kind)
-                        slot.append(kind)
-                elif mode == "ssp":
-                    kind = self._hold_kind(worker, step, hold)
-                    if kind is not None:
                         self.waits.acquire(kind)
                         slot.append(kind)
                 self._touch(worker, incarnation, step, progress=True)
@@ -78,8 +73,7 @@ class PushPath:
                     return self._push_sync(worker, incarnation, seq, step, grads, record, buffer, cancelled, hold,
                                            deadline)
                 return self._push_async(worker, incarnation, seq, step, grads, step_increment, record, mode == "ssp",
-                                        cancelled,
-                                        deadline)
+                                        cancelled, deadline)
             except BaseException:
                 with self._cond:
                     if record is None or not record.applied:
