@@ -242,31 +242,40 @@ def test_a_chief_stopped_by_sigterm_saves_a_last_committed_checkpoint(tmp_path):
     """The chief, SIGTERMed mid-training against a shard with --checkpoint-dir and no checkpoint flag of its
     own (so no periodic saves), saves the step it reached on every shard, committed, and exits 0."""
     from torchps.ps_server.checkpoint import latest_committed
-    from test_ps_server_cli import free_port
+    from torchps.worker.local_cluster import LocalCluster
 
-    cluster = json.dumps({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]})
-    shard = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--cluster", cluster,
-                              "--insecure", "--checkpoint-dir", str(tmp_path / "ckpt")], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=environ())
-    chief = subprocess.Popen([*PS_WORKER, "--cluster", cluster, "--task-type", "worker", "--index", "0",
-                              "--dataset", "mnist5k", "--epochs", "1000", "--log-every", "0.2", "--keep-ps"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-                             env=environ())
-    try:
-        wait_for_line(chief.stdout, r"epoch 1 step [1-9]\d* loss")  # training, nothing saved yet
-        assert latest_committed(tmp_path / "ckpt") is None
-        chief.send_signal(signal.SIGTERM)
-        rest = chief.communicate(timeout=60)[0]
-        assert chief.returncode == 0 and "Traceback" not in rest, rest
-        saved = re.search(r"checkpoint of step (\d+) saved on every shard and committed", rest)
-        assert saved and int(saved[1]) > 0, rest
-        step, manifest = latest_committed(tmp_path / "ckpt")
-        assert step == int(saved[1]) and len(manifest["shards"]) == 1
-    finally:
-        for proc in (chief, shard):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
+    with LocalCluster(1, workers=1, server_args=["--checkpoint-dir", str(tmp_path / "ckpt")]) as local:
+        chief = subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(local.cluster.to_dict()), "--task-type",
+                                  "worker", "--index", "0", "--dataset", "mnist5k", "--epochs", "1000",
+                                  "--log-every", "0.2", "--keep-ps"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, env=environ())
+        lines: list[str] = []
+        training = threading.Event()
+
+        def read() -> None:
+            for line in chief.stdout:
+                lines.append(line)
+                if re.search(r"epoch \d+ step [1-9]\d* loss", line):
+                    training.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert training.wait(120), f"the chief never logged a training step:\n{''.join(lines)}\n{local.log(0)}"
+            assert latest_committed(tmp_path / "ckpt") is None  # nothing saved while it trains
+            chief.send_signal(signal.SIGTERM)
+            chief.wait(timeout=60)
+            reader.join(10)
+            output = "".join(lines)
+            assert chief.returncode == 0 and "Traceback" not in output, output
+            saved = re.search(r"checkpoint of step (\d+) saved on every shard and committed", output)
+            assert saved and int(saved[1]) > 0, output
+            step, manifest = latest_committed(tmp_path / "ckpt")
+            assert step == int(saved[1]) and len(manifest["shards"]) == 1
+        finally:
+            if chief.poll() is None:
+                chief.kill()
+            chief.wait(timeout=10)
 
 
 def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_path):
