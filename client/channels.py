@@ -143,23 +143,30 @@ class ShardChannels:
 
     def wait_ready(self, shard: int, deadline: float) -> None:
         """Blocks until the shard's channel connects; ServerUnavailableError at `deadline` (monotonic), or
-        at once, naming the cause, when the shard answers but TLS cannot work (see security.diagnose_tls)."""
-        ready = grpc.channel_ready_future(self._channels[shard])
-        try:
-            ready.result(timeout=max(0.0, min(DIAGNOSE_AFTER_SECONDS, deadline - time.monotonic())))
-        except grpc.FutureTimeoutError:
+        at once, naming the cause, when the shard answers but TLS cannot work (see security.diagnose_tls).
+
+        The wait is a GetStatus call that waits for the connection (wait_for_ready): any answer, a refusal
+        included, means connected. Not grpc.channel_ready_future: its watcher thread outlives a cancel by
+        up to 0.2 s and, if the channel closes meanwhile (an interrupted client), prints a traceback."""
+        if not self._probe(shard, min(DIAGNOSE_AFTER_SECONDS, deadline - time.monotonic())):
             cause = diagnose_tls(self.addresses[shard], self.security)
             if cause is not None:
-                raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {cause}") from None
-            try:
-                ready.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError:
+                raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {cause}")
+            if not self._probe(shard, deadline - time.monotonic()):
                 raise ServerUnavailableError(
                     f"could not reach {self.target(shard)} within {self.connect_timeout:g} s; "
-                    f"is ps-server running there and is the address right?") from None
-        finally:
-            ready.cancel()  # however this ends (an interrupt too), gRPC's watcher stops before the channel closes
+                    f"is ps-server running there and is the address right?")
         self._ready[shard] = True
+
+    def _probe(self, shard: int, timeout: float) -> bool:
+        """True if the shard answers (anything) within `timeout` s. A blocking call, which gRPC lets a
+        signal (Ctrl-C, SIGTERM) interrupt cleanly on the main thread; a future's bookkeeping may not be."""
+        try:
+            self.stubs[shard].GetStatus(ps_pb2.StatusRequest(), timeout=max(0.0, timeout), wait_for_ready=True)
+        except grpc.RpcError as exc:
+            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.CANCELLED)
+        return True
 
     def call(self, shard: int, fn: Callable[[ps_pb2_grpc.ParameterServerStub, float], T], timeout: float,
              retry_for: float | None = None) -> T:
