@@ -162,7 +162,7 @@ def _stop(health_server) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tune_malloc()
+    tune_malloc("shard")
     health_servicer, health_server = health.HealthServicer(), None
     set_health(health_servicer, serving=False)
     try:

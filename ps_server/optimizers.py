@@ -1,9 +1,14 @@
 """Server-side optimizers: torch.optim's own implementations, one per variable.
 
 A shard keeps, for each trainable variable, a torch.optim optimizer over that
-single tensor, so its updates are torch.optim's updates bit for bit. This
-module only turns an OptimizerSpec (name + hyperparameters as floats) into one
-and back. No gRPC here.
+variable, so its updates are torch.optim's updates bit for bit. The optimizer
+sees the variable as pieces of PIECE_ELEMENTS elements (views of its memory;
+every optimizer here works element by element), so the temporaries of a step
+(Adam's square root and quotient, a weight decay's sum) are a piece's size,
+not the variable's; state_dict and load_state_dict speak for the whole
+variable, as torch.optim over one tensor would. This module also turns an
+OptimizerSpec (name + hyperparameters as floats) into one and back. No gRPC
+here.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer] | None, tuple[str, ...]]
     "adamw": (torch.optim.AdamW, ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize")),
 }
 _BOOLEAN = {"nesterov", "amsgrad", "maximize"}
+PIECE_ELEMENTS = 1 << 20  # 4 MiB of float32: a step's temporaries stay this small
+_SCALAR_STATE = {"step"}  # torch.optim state entries that are per parameter, not per element
 
 
 def _defaults(cls: type) -> dict[str, float]:
@@ -75,6 +82,14 @@ def _check_values(name: str, cls: type, hyperparams: Mapping[str, float]) -> Non
         raise OptimizerSpecError(f"{name}: {exc}") from None
 
 
+def _piece_of(key: str, value, start: int, end: int):
+    """A piece's own copy of one entry of a whole variable's optimizer state (a step counter whole: every
+    piece counts its own steps, and a shared tensor would be counted once per piece)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.clone() if key in _SCALAR_STATE else value.reshape(-1)[start:end].clone()
+
+
 def _torch_kwargs(hyperparams: Mapping[str, float]) -> dict:
     kwargs = {k: (bool(v) if k in _BOOLEAN else v) for k, v in hyperparams.items() if k not in ("beta1", "beta2")}
     if "beta1" in hyperparams:
@@ -90,11 +105,16 @@ class VariableOptimizer:
         self.param = param
         cls = OPTIMIZERS[self.name][0]
         self._optimizer = None
+        flat = param.detach().view(-1)
+        self._bounds = [(start, min(start + PIECE_ELEMENTS, flat.numel()))
+                        for start in range(0, max(flat.numel(), 1), PIECE_ELEMENTS)]
+        self._pieces: list[torch.nn.Parameter] = []
         if cls is not None:
             if not param.is_floating_point():
                 raise OptimizerSpecError(f"optimizer {self.name!r} needs a floating-point variable, got {param.dtype}")
+            self._pieces = [torch.nn.Parameter(flat[start:end]) for start, end in self._bounds]  # views: no copy
             try:
-                self._optimizer = cls([param], **_torch_kwargs(self.hyperparams))
+                self._optimizer = cls(self._pieces, **_torch_kwargs(self.hyperparams))
             except ValueError as exc:  # torch validates ranges: "Invalid learning rate: -1"
                 raise OptimizerSpecError(f"{self.name}: {exc}") from None
 
@@ -104,9 +124,12 @@ class VariableOptimizer:
 
     def apply(self, grad: torch.Tensor) -> None:
         """One optimizer step on the variable with `grad` (same dtype and shape)."""
-        self.param.grad = grad
+        flat = grad.reshape(-1)
+        for piece, (start, end) in zip(self._pieces, self._bounds):
+            piece.grad = flat[start:end]
         self._optimizer.step()
-        self.param.grad = None
+        for piece in self._pieces:
+            piece.grad = None
 
     def set_hyperparams(self, updates: Mapping[str, float]) -> None:
         """Changes hyperparameters from the next step on (e.g. {'lr': 0.01})."""
@@ -115,18 +138,33 @@ class VariableOptimizer:
         self.hyperparams = current
 
     def state_dict(self) -> dict:
-        """The torch optimizer's state (momentum buffers, Adam moments, step counts), copied."""
+        """The torch optimizer's state (momentum buffers, Adam moments, step counts), copied, as torch.optim
+        over the variable as one tensor would give it: {"state": {0: ...}, "param_groups": [...]}."""
         if self._optimizer is None:
             return {}
         state = self._optimizer.state_dict()
-        return {"state": {k: {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
-                          for k, v in state["state"].items()},
-                "param_groups": state["param_groups"]}
+        pieces = [state["state"].get(i, {}) for i in range(len(self._pieces))]
+        whole = {}
+        for key, value in pieces[0].items():
+            if isinstance(value, torch.Tensor) and key not in _SCALAR_STATE:
+                whole[key] = torch.cat([p[key].reshape(-1) for p in pieces]).view(self.param.shape)
+            else:
+                whole[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        (group,) = state["param_groups"]
+        return {"state": {0: whole} if whole else {}, "param_groups": [{**group, "params": [0]}]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores what state_dict() returned (hyperparameters included)."""
-        if self._optimizer is not None and state:
-            self._optimizer.load_state_dict(state)
+        if self._optimizer is None or not state:
+            return
+        whole = state["state"].get(0, state["state"].get("0", {}))
+        pieces = {}
+        if whole:
+            for i, (start, end) in enumerate(self._bounds):
+                pieces[i] = {key: _piece_of(key, value, start, end) for key, value in whole.items()}
+        (group,) = state["param_groups"]
+        self._optimizer.load_state_dict({"state": pieces,
+                                         "param_groups": [{**group, "params": list(range(len(self._pieces)))}]})
 
     def current(self) -> dict[str, float]:
         """The hyperparameters in force now."""

@@ -26,6 +26,7 @@ from .. import codec, wire
 from . import checkpoint
 from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
                       MalformedStreamError, ModeConflictError, PSError, SpecConflictError)
+from ..memory import memory_usage
 from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
@@ -155,7 +156,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.on_shutdown = on_shutdown
         self.generation = random.getrandbits(63) or 1  # new on every start: clients notice restarts
         self.max_chunk_bytes = max_chunk_bytes
-        self._pool = codec.BufferPool()  # gradient buffers, reused across pushes
         self.calls_started = _Count()    # handlers entered, and returned whatever the outcome:
         self.calls_done = _Count()       # tests wait on them
         self.push_bytes = _Count()       # gradient bytes taken in, complete or not
@@ -247,7 +247,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """Assembles decoded (header, chunks) messages, then hands the push to the coordinator."""
         header = None
         grads = {}
-        assembler = codec.ChunkAssembler(begin=self.store.check_gradient, pool=self._pool)
+        assembler = codec.ChunkAssembler(begin=self.store.check_gradient)
         try:
             for message_header, chunks in messages:
                 if message_header is not None:
@@ -274,8 +274,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                            header.step_increment, cancelled=lambda: not context.is_active(),
                                            hold=hold, timeout=_remaining(context))
         finally:
-            grads.clear()
-            assembler.release()
+            grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
@@ -284,13 +283,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None):
         """Serialized PullResponses for `names`, in order; `result` rides on the first message.
 
-        Each variable is copied under its lock (one consistent version), then
-        encoded one message at a time as gRPC asks for them, so no lock is held
-        while bytes go out. Small variables are packed several to a message.
+        Each variable is sent as one consistent version with at most one
+        message's worth of copies: a variable larger than a chunk is encoded a
+        chunk at a time under its lock (reads.VersionedRead: an update racing
+        the read first saves the unread bytes); smaller ones are copied under
+        their lock and packed several to a message. No lock is held while
+        bytes go out.
         """
         chunk_bytes = min(chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         step = self.store.step
         small: list[wire.Piece] = []
+        small_bytes = 0
         sent = False
 
         def message(pieces) -> bytes:
@@ -299,19 +302,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return wire.encode_pull_response(pieces, step, result if first else None)
 
         for name in names:
+            variable = self.store.get(name)
+            if variable.nbytes > chunk_bytes:
+                meta = variable.spec.meta
+                with self.store.versioned_read(name) as read:
+                    while read.offset < read.nbytes:
+                        yield read.take(chunk_bytes, lambda view, offset: message(
+                            [(name, meta if offset == 0 else None, offset, view, read.version if offset == 0 else 0)]))
+                continue
             pieces = self.store.read(name, lambda value, version: wire.tensor_pieces(
                 name, value.clone(), chunk_bytes, version))
-            if self.store.get(name).nbytes > chunk_bytes:
-                if small:
-                    yield from (message(batch) for batch in wire.pack(small, chunk_bytes))
-                    small = []
-                yield from (message([piece]) for piece in pieces)
-            else:
-                small += pieces
-        if small:
-            yield from (message(batch) for batch in wire.pack(small, chunk_bytes))
-        elif not sent:
-            yield message([])
+            if small and small_bytes + variable.nbytes > chunk_bytes:
+                yield message(small)
+                small, small_bytes = [], 0
+            small += pieces
+            small_bytes += variable.nbytes
+        if small or not sent:
+            yield message(small)
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
@@ -339,11 +346,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def GetStatus(self, request, context):
-        names = self.store.names()
+        variables = [self.store.get(n) for n in self.store.names()]
         coordinator = self.coordinator
+        values = sum(v.nbytes for v in variables)
         return ps_pb2.StatusResponse(
-            index=self.index, step=self.store.step, num_variables=len(names),
-            total_bytes=sum(self.store.get(n).nbytes for n in names), pid=os.getpid(),
+            index=self.index, step=self.store.step, num_variables=len(variables), total_bytes=values,
+            state_bytes=sum(state_bytes(v.spec) for v in variables) - values, pid=os.getpid(),
+            memory=ps_pb2.MemoryUsage(**memory_usage()),
             config=config_to_proto(coordinator.config), generation=self.generation,
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,

@@ -6,7 +6,8 @@ Pure core (no gRPC), safe to call from many threads:
   then updates each variable under its own lock, so a reader never sees half
   of an update and a failed push changes nothing;
 * `read` runs a caller's copy function under the variable's lock, so the
-  copy is one consistent version.
+  copy is one consistent version; `versioned_read` reads a big variable a
+  chunk at a time as one version without copying it whole (reads.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .. import codec
 from ..errors import (NonFiniteGradientError, OptimizerSpecError, ServerUnavailableError, SpecConflictError,
                       TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from .optimizers import VariableOptimizer, normalize_spec
+from .reads import VersionedRead
 from ..proto import ps_pb2
 
 __all__ = ["Variable", "VariableStore", "NewVariable"]
@@ -48,6 +50,7 @@ class Variable:
     optimizer: VariableOptimizer
     version: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    readers: list = dataclasses.field(default_factory=list)  # reads.VersionedRead in progress (under lock)
 
     @property
     def nbytes(self) -> int:
@@ -200,6 +203,8 @@ class VariableStore:
         for name, grad in grads.items():
             variable = self.get(name)
             with variable.lock:
+                for reader in variable.readers:
+                    reader.preserve()
                 variable.optimizer.apply(grad)
                 variable.version += 1
                 versions[name] = variable.version
@@ -212,6 +217,10 @@ class VariableStore:
         variable = self.get(name)
         with variable.lock:
             return copy(variable.value.detach(), variable.version)
+
+    def versioned_read(self, name: str) -> VersionedRead:
+        """An unopened VersionedRead of `name` (use it as a context manager); UnknownVariableError if absent."""
+        return VersionedRead(self.get(name))
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import threading
 from typing import Callable, Iterator
 
 import numpy as np
@@ -37,7 +36,6 @@ __all__ = [
     "split",
     "encode_chunks",
     "WireChunk",
-    "BufferPool",
     "ChunkAssembler",
 ]
 
@@ -149,54 +147,24 @@ class WireChunk:
         return cls(chunk.name, meta, chunk.offset, memoryview(chunk.data), chunk.version)
 
 
-class BufferPool:
-    """Reusable byte buffers by size, so steady-state pushes do not page-fault fresh memory.
-
-    transport.md measured copies into freshly allocated memory 8x slower than
-    into memory already touched. Thread-safe; keeps at most `per_size` free
-    buffers of each size.
-    """
-
-    def __init__(self, per_size: int = 2):
-        self.per_size = per_size
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 buffer of exactly `nbytes` (contents undefined)."""
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                return free.pop()
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def give(self, buffer: np.ndarray) -> None:
-        """Returns a buffer from take(); the caller must hold no view of it any more."""
-        with self._lock:
-            free = self._free.setdefault(buffer.size, [])
-            if len(free) < self.per_size:
-                free.append(buffer)
-
-
 class ChunkAssembler:
     """Rebuilds whole tensors from a validated stream of chunks (wire.WireChunk); shards and clients alike.
 
     `begin(name, meta)` is called with each new tensor's name and meta before
     any memory is allocated; it may raise (unknown variable, wrong shape) to
     reject the stream early. Bytes go into `sink(name, meta)`'s uint8 buffer
-    (of exactly the tensor's size) if given, else into one from `pool`, else
-    into fresh memory. Every chunk but a tensor's last must carry at least
+    (of exactly the tensor's size) if given, else into fresh memory, which
+    goes back to the allocator with the last tensor using it (a big block back
+    to the kernel: see torchps.memory). Every chunk but a tensor's last must carry at least
     `min_chunk` bytes. Not thread-safe: one assembler per stream.
     """
 
-    def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None, pool: BufferPool | None = None,
+    def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None,
                  *, sink: Callable[[str, ps_pb2.TensorMeta], np.ndarray] | None = None,
                  min_chunk: int = MIN_CHUNK_BYTES):
         self._begin = begin
-        self.pool = pool
         self._sink = sink
         self.min_chunk = min_chunk
-        self.buffers: list[np.ndarray] = []  # every buffer taken from the pool, to give back
         self._name: str | None = None
         self._meta: ps_pb2.TensorMeta | None = None
         self._buffer: np.ndarray | None = None
@@ -243,13 +211,6 @@ class ChunkAssembler:
         """Names of the tensors started so far."""
         return self._seen
 
-    def release(self) -> None:
-        """Gives every buffer back to the pool; tensors returned by add() must no longer be used."""
-        if self.pool:
-            for buffer in self.buffers:
-                self.pool.give(buffer)
-        self.buffers = []
-
     def finish(self) -> None:
         """Raises MalformedStreamError if the stream ended inside a tensor."""
         if self._name is not None:
@@ -284,11 +245,9 @@ class ChunkAssembler:
                                            f"{self._buffer.size} are expected")
         else:
             try:
-                self._buffer = self.pool.take(nbytes) if self.pool else np.empty(nbytes, dtype=np.uint8)
+                self._buffer = np.empty(nbytes, dtype=np.uint8)
             except (MemoryError, ValueError):
                 raise InvalidArgumentError(f"cannot allocate {nbytes} bytes for {chunk.name!r}") from None
-            if self.pool:
-                self.buffers.append(self._buffer)
         self._name, self._meta, self._filled = chunk.name, meta, 0
         self._seen.add(chunk.name)
 

@@ -1,46 +1,94 @@
-"""Process-wide allocator tuning for bulk tensor traffic (glibc only; a no-op elsewhere).
+"""Process memory: the allocator settings torchps runs with, and where the bytes are (glibc and Linux only;
+elsewhere the settings are a no-op and the figures 0).
 
-glibc's malloc serves every large block with a fresh mmap and returns freed
-memory to the kernel, so each 1 MiB message and each gradient buffer
-page-faults anew: copies into fresh memory ran 8x slower than into touched
-memory on the development machine (docs/peers.md), and the
-transport benchmark moved 10-90% faster with the settings below. They keep
-freed memory in the process for reuse, at the price of a larger resident
-size. ps-server and ps-worker call this at start; library users may call it.
+glibc's malloc serves a block from a heap, whose freed memory it keeps for
+reuse, or, from a size up, from a mapping of its own that goes back to the
+kernel when freed. The two roles want different settings, chosen with
+bench/memory.py and bench/pullpush.py (docs/memory.md):
+
+- a shard (tune_malloc("shard")) must stay near what it holds: blocks of
+  4 MiB and more (a gradient being received, an update's temporaries, a pulled
+  remainder) are mapped on their own and given back after each push; smaller
+  ones (the 1 MiB messages of a stream) come from at most two heaps, which
+  keep up to 4 MiB of freed memory at their top and grow 4 MiB at a time.
+  glibc's default would raise the 4 MiB threshold as big blocks are freed (up
+  to 32 MiB), after which they stay in a heap for good;
+- a worker (tune_malloc("worker"), the default) allocates the same gradient
+  and activation blocks every step: it keeps freed memory (blocks below 1 GiB
+  from the heap, never trimmed, grown 512 MiB at a time) instead of faulting
+  them in afresh each step.
+
+ps-server and ps-worker call tune_malloc at start; library users may call it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 
-__all__ = ["tune_malloc", "malloc_env"]
+__all__ = ["tune_malloc", "malloc_env", "memory_usage"]
 
 _LOGGER = logging.getLogger(__name__)
-# (mallopt parameter from glibc's malloc.h, the same setting's environment variable, value)
-_SETTINGS = (
-    (-3, "MALLOC_MMAP_THRESHOLD_", 1 << 30),       # blocks below 1 GiB come from the heap, whose pages stay mapped
-    (-1, "MALLOC_TRIM_THRESHOLD_", (1 << 31) - 1),  # keep freed heap memory instead of returning it at once
-    (-2, "MALLOC_TOP_PAD_", 512 << 20),             # grow the heap in big steps
-)
+# role -> (mallopt parameter from glibc's malloc.h, the same setting's environment variable, value)
+_SETTINGS = {
+    "shard": (
+        (-3, "MALLOC_MMAP_THRESHOLD_", 4 << 20),  # blocks from 4 MiB up: mapped on their own, returned when freed
+        (-1, "MALLOC_TRIM_THRESHOLD_", 4 << 20),  # return freed memory at a heap's top beyond 4 MiB
+        (-2, "MALLOC_TOP_PAD_", 4 << 20),         # grow a heap 4 MiB at a time
+        (-8, "MALLOC_ARENA_MAX", 2),              # at most 2 heaps: freed memory is found again by other threads
+    ),
+    "worker": (
+        (-3, "MALLOC_MMAP_THRESHOLD_", 1 << 30),       # blocks below 1 GiB come from the heap, whose pages stay
+        (-1, "MALLOC_TRIM_THRESHOLD_", (1 << 31) - 1),  # keep freed heap memory instead of returning it
+        (-2, "MALLOC_TOP_PAD_", 512 << 20),             # grow the heap in big steps
+    ),
+}
 
 
-def malloc_env() -> dict[str, str]:
-    """The same settings as environment variables, for processes that do not call tune_malloc."""
-    return {name: str(value) for _, name, value in _SETTINGS}
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def tune_malloc() -> bool:
-    """Applies the settings above to this process; True if glibc accepted them."""
-    name = ctypes.util.find_library("c")
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The symbols this process has loaded (libc's among them), or None."""
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        mallopt = None
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def malloc_env(role: str = "worker") -> dict[str, str]:
+    """A role's settings as environment variables, for processes that do not call tune_malloc."""
+    return {name: str(value) for _, name, value in _SETTINGS[role]}
+
+
+def tune_malloc(role: str = "worker") -> bool:
+    """Applies `role`'s settings ("shard" or "worker") to this process; True if glibc accepted them all."""
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
-    ok = all(mallopt(param, value) == 1 for param, _, value in _SETTINGS)
-    _LOGGER.debug("malloc tuning %s", "applied" if ok else "refused")
-    return ok
+    results = [mallopt(param, value) == 1 for param, _, value in _SETTINGS[role]]
+    _LOGGER.debug("malloc tuning %s", "applied" if all(results) else "partly refused")
+    return all(results)
+
+
+def memory_usage() -> dict[str, int]:
+    """This process's memory now, as ps.proto's MemoryUsage fields; 0 for what the platform does not tell."""
+    usage = dict(rss_bytes=0, peak_rss_bytes=0, heap_in_use_bytes=0, heap_free_bytes=0, mapped_bytes=0)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    usage["rss_bytes" if key == "VmRSS" else "peak_rss_bytes"] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)  # glibc 2.33+
+    if mallinfo2 is not None:
+        mallinfo2.restype = _MallInfo2
+        info = mallinfo2()  # sums over all of malloc's heaps (arenas)
+        usage.update(heap_in_use_bytes=info.uordblks, heap_free_bytes=info.fordblks, mapped_bytes=info.hblkhd)
+    return usage

@@ -295,3 +295,60 @@ def test_set_hyperparams_unknown_variable():
     with pytest.raises(UnknownVariableError):
         store.set_hyperparams(["a", "zzz"], {"lr": 0.5})
     assert store.get("a").optimizer.current()["lr"] == 1.0
+
+
+# -- versioned reads: a big variable read a chunk at a time, as one version ---------------------
+
+def _read_all(read, chunk):
+    parts = []
+    while read.offset < read.nbytes:
+        parts.append(read.take(chunk, lambda view, offset: bytes(view)))
+    return b"".join(parts)
+
+
+def test_a_versioned_read_keeps_its_version_when_an_update_lands_mid_read():
+    store = VariableStore()
+    store.create([_sgd("w", torch.arange(1024, dtype=torch.float32))])
+    before = _value(store, "w")
+    with store.versioned_read("w") as read:
+        first = read.take(1000, lambda view, offset: bytes(view))
+        store.apply({"w": torch.ones(1024)})  # lr 1: every element drops by one
+        rest = _read_all(read, 1000)
+        assert read.version == 0
+    got = torch.frombuffer(bytearray(first + rest), dtype=torch.float32)
+    assert torch.equal(got, before)
+    assert torch.equal(_value(store, "w"), before - 1)
+    assert store.get("w").readers == []
+
+
+def test_a_versioned_read_copies_nothing_when_no_update_races_it():
+    store = VariableStore()
+    store.create([_sgd("w", torch.arange(1024, dtype=torch.float32))])
+    with store.versioned_read("w") as read:
+        read.take(1000, lambda view, offset: None)
+        assert read._frozen is None
+        store.apply({"w": torch.ones(1024)})
+        assert read._frozen is not None and read._frozen.nbytes == 4096 - 1000  # only the unread bytes
+    store.apply({"w": torch.ones(1024)})  # the read is closed: nothing is preserved for it any more
+    assert store.get("w").readers == [] and read._frozen is None
+
+
+def test_reads_and_updates_in_threads_never_see_a_torn_version():
+    """Every element of a version equals the same number: a read mixing two versions would show two."""
+    store = VariableStore()
+    store.create([_sgd("w", torch.zeros(1 << 16))])
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            with store.versioned_read("w") as read:
+                values = torch.frombuffer(bytearray(_read_all(read, 4096 * 3)), dtype=torch.float32)
+            seen.append(values.unique().numel())
+
+    def updater():
+        for _ in range(300):
+            store.apply({"w": torch.ones(1 << 16)})
+        stop.set()
+
+    _run_threads([reader, reader, updater])
+    assert seen and set(seen) == {1}

@@ -1,0 +1,68 @@
+"""A shard's memory: what GetStatus reports, gradients given back after each push, pulls without whole copies."""
+
+import threading
+
+import torch
+
+from torchps.client import Optimizer, PSClient
+
+MIB = 1 << 20
+
+
+def test_status_reports_optimizer_state_and_the_process_memory(client):
+    client.create_variables({"mem/adam": torch.zeros(2 * MIB // 4)}, Optimizer("adam", lr=1e-3))
+    client.create_variables({"mem/big": torch.zeros(8 * MIB // 4)}, Optimizer("sgd", lr=0.1))
+    assert client.status(client.placement.shard_of("mem/adam")).state_bytes >= 2 * 2 * MIB  # Adam's two moments
+    memory = client.status(client.placement.shard_of("mem/big")).memory
+    assert memory.peak_rss_bytes >= memory.rss_bytes > 8 * MIB
+    assert memory.mapped_bytes >= 8 * MIB  # an 8 MiB value is a block of its own (torchps.memory's threshold)
+    assert memory.heap_in_use_bytes > 0
+
+
+def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
+    """Pushes of a 64 MiB gradient leave the shard's RSS where creation left it (within a quarter of one)."""
+    local = local_cluster(1)
+    with PSClient(local.cluster) as ps:
+        ps.create_variables({"g": torch.zeros(64 * MIB // 4)}, Optimizer("sgd", lr=0.1))
+        ps.pull(["g"])
+        before = ps.status(0).memory.rss_bytes
+        grad = torch.full((64 * MIB // 4,), 1e-3)
+        for _ in range(3):
+            ps.push({"g": grad})
+            ps.pull(["g"])
+        after = ps.status(0).memory
+    assert after.peak_rss_bytes - before >= 64 * MIB  # a push's gradient was held whole while it arrived
+    assert after.rss_bytes - before < 16 * MIB, (before, after)
+
+
+def test_pulls_racing_pushes_always_get_one_version(local_cluster):
+    """A 4 MiB variable goes out a chunk at a time while pushes change it: every pull is one version."""
+    local = local_cluster(1)
+    n = 4 * MIB // 4
+    with PSClient(local.cluster) as ps, PSClient(local.cluster) as reader:
+        ps.create_variables({"v": torch.zeros(n)}, Optimizer("sgd", lr=1.0))
+        reader.declare([("v", n * 4)])
+        done, stop = threading.Event(), threading.Event()
+        versions = set()
+
+        def push():
+            ones = torch.ones(n)
+            for _ in range(40):
+                if stop.is_set():
+                    break
+                ps.push({"v": ones}, advance_step=False)
+            done.set()
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        try:
+            pulls = 0
+            while not done.is_set() or pulls < 5:
+                value = reader.pull(["v"])["v"]
+                assert value.unique().numel() == 1, value.unique()
+                versions.add(float(value[0]))
+                pulls += 1
+        finally:
+            stop.set()
+            pusher.join(60)
+    assert len(versions) > 1  # the pulls did see the pushes land
