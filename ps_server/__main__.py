@@ -25,6 +25,7 @@ from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server, serve_health, set_health
 from ..security import Security
 from .journal import Journal
+from .metrics import ShardMetrics
 from .quotas import Quotas, parse_bytes
 from .store import VariableStore
 
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "on this port of the bind host (for Kubernetes gRPC probes; 0 picks a free one): NOT_SERVING "
                         "while restoring or stopping, SERVING otherwise; it reveals nothing else")
     parser.add_argument("--health-port-file", type=pathlib.Path, help="write the health port here once it serves")
+    parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics over HTTP at /metrics on this "
+                        "port, on --bind's host (0: a free one, reported by GetStatus; default: none)")
     parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk accepted or sent (default: %(default)s)")
@@ -79,6 +82,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "needed when no TLS files and no token are given")
     parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 picks a free one)")
+    return port
 
 
 def _size(text: str) -> int:
@@ -183,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
             journal=journal, on_shutdown=lambda reason: stop.set(), security=security,
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
-                          max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer)
+                          max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
+            metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

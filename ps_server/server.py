@@ -19,6 +19,7 @@ from ..security import INSECURE, Security
 from .auth import TokenInterceptor
 from .coordinator import Coordinator
 from .journal import Journal
+from .metrics import ShardMetrics
 from .quotas import Quotas
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
@@ -46,6 +47,7 @@ def create_server(
     security: Security = INSECURE,
     quotas: Quotas | None = None,
     health_servicer: health.HealthServicer | None = None,
+    metrics: ShardMetrics | None = None,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -56,7 +58,8 @@ def create_server(
     checkpoint state), else empty; `on_shutdown(reason)` runs after a Shutdown
     call has been answered. With `security` it serves mutual TLS and checks
     tokens and roles (ps_server/auth.py). The gRPC health service answers from `health_servicer` (whose
-    status the caller sets, see set_health), else SERVING.
+    status the caller sets, see set_health), else SERVING. With `metrics` (metrics.ShardMetrics) the
+    shard's Prometheus figures are served over HTTP on the address's host, at metrics.port.
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -82,9 +85,10 @@ def create_server(
                            f"Received: {max_waiting_calls}")
     coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False)
     recover(coordinator, journal, restore)
-    add_to_server(ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
-                                          checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
-                                          security=security, quotas=quotas), server)
+    servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
+                                       checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
+                                       security=security, quotas=quotas, metrics=metrics)
+    add_to_server(servicer, server)
     if health_servicer is None:
         health_servicer = health.HealthServicer()
         set_health(health_servicer, serving=True)
@@ -93,6 +97,8 @@ def create_server(
                                               require_client_auth=True) if security.tls else None
     port = _add_port(server, address, credentials, address)
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
+    if metrics is not None:
+        servicer.metrics_port = metrics.serve(address.rpartition(":")[0])
     return server, port, coordinator
 
 

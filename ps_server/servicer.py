@@ -17,6 +17,7 @@ import math
 import os
 import random
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -31,6 +32,7 @@ from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
 from .auth import Authority
+from .metrics import ShardMetrics
 from .coordinator import MAX_STEP, Coordinator
 from .quotas import Quotas, optimizer_slots, state_bytes
 from .modes import SyncConfig
@@ -146,7 +148,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
-                 security: Security = INSECURE, quotas: Quotas | None = None):
+                 security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -159,6 +161,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.calls_started = _Count()    # handlers entered, and returned whatever the outcome:
         self.calls_done = _Count()       # tests wait on them
         self.push_bytes = _Count()       # gradient bytes taken in, complete or not
+        self.pull_bytes = _Count()       # value bytes encoded into replies
+        self.metrics = metrics           # Prometheus (ps-server --metrics-port), or None
+        self.metrics_port = 0            # its HTTP port once served, for GetStatus
+        if metrics is not None:
+            metrics.watch(self)
         self._creating = threading.Lock()
 
     @_map_errors
@@ -245,6 +252,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         """Assembles decoded (header, chunks) messages, then hands the push to the coordinator."""
+        started = time.monotonic()
         header = None
         grads = {}
         assembler = codec.ChunkAssembler(begin=self.store.check_gradient)
@@ -270,9 +278,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _require_active(context)
             self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
+            staleness = self.store.step - header.step
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
                                            hold=hold, timeout=_remaining(context))
+            if self.metrics is not None:
+                self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
         return header, ps_pb2.PushResponse(
@@ -299,6 +310,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         def message(pieces) -> bytes:
             nonlocal sent
             first, sent = not sent, True
+            self.pull_bytes.add(sum(len(piece[3]) for piece in pieces))
             return wire.encode_pull_response(pieces, step, result if first else None)
 
         for name in names:
@@ -352,7 +364,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(variables), total_bytes=values,
             state_bytes=sum(state_bytes(v.spec) for v in variables) - values, pid=os.getpid(),
-            memory=ps_pb2.MemoryUsage(**memory_usage()),
+            memory=ps_pb2.MemoryUsage(**memory_usage()), metrics_port=self.metrics_port,
             config=config_to_proto(coordinator.config), generation=self.generation,
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,
@@ -390,6 +402,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         self._require_checkpoints()
+        started = time.monotonic()
         context.add_callback(self.coordinator.wake)
         state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
                                              now=request.now)
@@ -400,6 +413,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                   f"{exc}") from None
         _LOGGER.info("ps %d saved its state at step %d for checkpoint %d (%s, %d bytes)", self.index, state["step"],
                      request.step, path, size)
+        if self.metrics is not None:
+            self.metrics.saved(time.monotonic() - started)
         return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size, index=self.index)
 
     @_map_errors

@@ -13,7 +13,7 @@ from torchps.specs import OPTIMIZER_NAMES
 
 # The shard's pure core: tested with threads, never imports grpc.
 CORE = [f"torchps.ps_server.{name}" for name in (
-    "store", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
+    "store", "reads", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
     "coordinator", "pushes", "background", "recording", "checkpoint", "journal")]
 
 

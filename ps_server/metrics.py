@@ -1,0 +1,114 @@
+"""Prometheus metrics of one shard, served over HTTP at /metrics by `ps-server --metrics-port`.
+
+Names follow Prometheus's conventions: a `torchps_` prefix, base units
+(`_seconds`, `_bytes`), `_total` on counters, and no per-variable or
+per-worker labels (the scrape target names the shard). Counters and gauges
+are read from the shard's own figures when scraped (the ones GetStatus
+reports); histograms are observed as pushes and checkpoint saves happen.
+Each shard has its own registry: nothing here is process-global.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..memory import memory_usage
+from .quotas import state_bytes
+
+__all__ = ["ShardMetrics"]
+
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+
+
+class ShardMetrics:
+    """The metrics of one shard; `watch(servicer)` connects the scrape-time figures, `serve` the endpoint."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.port = port  # where `serve` listens (0: a free port)
+        self.registry = CollectorRegistry()
+        self.push_seconds = Histogram(
+            "torchps_push_seconds", "Push calls, from the handler's start to its reply (waits included)",
+            registry=self.registry)
+        self.apply_seconds = Histogram(
+            "torchps_apply_seconds", "Time a push spent being counted and applied: its call less its wait",
+            registry=self.registry)
+        self.wait_seconds = Histogram(
+            "torchps_push_wait_seconds", "Time a push was held: a sync step's release, the ssp bound",
+            registry=self.registry)
+        self.staleness = Histogram(
+            "torchps_push_staleness_steps", "Steps between the step a gradient was computed at and the shard's",
+            buckets=STALENESS_BUCKETS, registry=self.registry)
+        self.checkpoint_seconds = Histogram(
+            "torchps_checkpoint_save_seconds", "Time to snapshot and write this shard's part of a checkpoint",
+            registry=self.registry)
+        self.last_checkpoint: float | None = None  # wall clock of the last successful save
+
+    def pushed(self, seconds: float, wait_seconds: float, staleness: int, duplicate: bool) -> None:
+        """One push answered (a duplicate is timed, but its staleness and apply are the original's)."""
+        self.push_seconds.observe(seconds)
+        if not duplicate:
+            self.wait_seconds.observe(wait_seconds)
+            self.apply_seconds.observe(max(0.0, seconds - wait_seconds))
+            self.staleness.observe(max(0, staleness))
+
+    def saved(self, seconds: float) -> None:
+        self.checkpoint_seconds.observe(seconds)
+        self.last_checkpoint = time.time()
+
+    def watch(self, servicer) -> None:
+        """Adds the scrape-time figures of `servicer` (a ParameterServerServicer) to the registry."""
+        self.registry.register(_ShardCollector(servicer, self))
+
+    def serve(self, host: str) -> int:
+        """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got."""
+        server, _thread = start_http_server(self.port, addr=host.strip("[]"), registry=self.registry)
+        self.port = server.server_port
+        return self.port
+
+
+class _ShardCollector:
+    """Reads the shard's counters, sizes and memory at scrape time."""
+
+    def __init__(self, servicer, metrics: ShardMetrics):
+        self.servicer = servicer
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # figures are read when scraped; nothing to check at registration
+
+    def collect(self):
+        s = self.servicer
+        variables = [s.store.get(name) for name in s.store.names()]
+        values = sum(v.nbytes for v in variables)
+        counters = s.coordinator.counters()
+        memory = memory_usage()
+        for name, doc, value in (
+                ("torchps_push_received_bytes", "Gradient bytes taken in by Push and PushPull", s.push_bytes.value),
+                ("torchps_pull_sent_bytes", "Value bytes encoded into Pull and PushPull replies", s.pull_bytes.value),
+                ("torchps_calls_started", "RPC handlers entered", s.calls_started.value),
+                ("torchps_calls_finished", "RPC handlers returned, whatever the outcome", s.calls_done.value),
+                ("torchps_stale_gradients_dropped", "Sync gradients dropped as stale", counters["stale_dropped"]),
+                ("torchps_duplicate_pushes", "Retried pushes recognised and not applied again",
+                 counters["duplicates"]),
+                ("torchps_workers_expired", "Worker leases that ran out", counters["workers_expired"]),
+                ("torchps_workers_stalled", "Workers left out for making no progress", counters["workers_stalled"]),
+                ("torchps_quorum_changes", "Times the sync quorum changed", counters["quorum_changes"])):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+                ("torchps_step", "The shard's step counter", s.store.step),
+                ("torchps_variables", "Variables held", len(variables)),
+                ("torchps_values_bytes", "Bytes of variable values held", values),
+                ("torchps_optimizer_state_bytes", "Bytes of optimizer state held",
+                 sum(state_bytes(v.spec) for v in variables) - values),
+                ("torchps_resident_bytes", "The process's resident set size", memory["rss_bytes"]),
+                ("torchps_live_workers", "Workers holding a lease", counters["live_workers"]),
+                ("torchps_quorum", "Gradients a sync step needs now", counters["quorum"]),
+                ("torchps_waiting_calls", "Calls waiting now (held pushes, min_step pulls, saves)",
+                 counters["waiting_calls"])):
+            yield GaugeMetricFamily(name, doc, value=value)
+        if self.metrics.last_checkpoint is not None:
+            yield GaugeMetricFamily("torchps_checkpoint_age_seconds", "Seconds since this shard's last save",
+                                    value=time.time() - self.metrics.last_checkpoint)
