@@ -232,6 +232,11 @@ class Coordinator(PushPath):
                     "workers_expired": self.membership.expired, "workers_stalled": self.membership.stalls,
                     "duplicates": self.duplicates, "waiting_calls": self.waits.waiting()}
 
+    def paces(self) -> dict[str, tuple[float, float]]:
+        """{worker: (push interval seconds, straggler score)}: see Membership.paces."""
+        with self._cond:
+            return self.membership.paces()
+
     def close(self) -> None:
         """Ends every wait (ServerUnavailableError), stops the reaper and the applier, and lets a journal
         compaction in progress finish."""

@@ -6,6 +6,9 @@ A worker is *live* while both hold:
   one of its pushes (waiting for a sync release or the ssp bound is not a stall).
     progress timeout = max(progress_seconds, PROGRESS_MULTIPLE x median push interval)
 
+Each worker's pace (a moving average of its push intervals) gives it a
+straggler score: its interval over the median of the other live workers'.
+
 Each client process draws a random incarnation (never 0; 0 means none was
 given, and fences nothing). A known worker arriving with a new incarnation is a restart: the old incarnation is retired, and every later
 call from it (a push, a heartbeat, a leave) is refused with
@@ -26,10 +29,11 @@ import statistics
 
 from ..errors import WorkerReplacedError
 
-__all__ = ["Member", "Membership", "PROGRESS_MULTIPLE"]
+__all__ = ["Member", "Membership", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
 
 _LOGGER = logging.getLogger(__name__)
 PROGRESS_MULTIPLE = 20.0   # median push intervals without a push before a heartbeating worker is stalled
+PACE_WEIGHT = 0.2          # weight of a new interval in a worker's moving average of them
 RETIRED_PER_WORKER = 64    # replaced incarnations remembered per task (restarts of one task, job-long)
 _INTERVALS_KEPT = 256      # push intervals the median is taken over
 _MEDIAN_EVERY = 16         # new intervals between two computations of the median
@@ -49,6 +53,7 @@ class Member:
     stalled: bool = False     # heartbeats, but pushed nothing for the progress timeout
     held: int = 0             # its pushes this shard is holding right now
     last_push: float | None = None
+    interval: float | None = None  # moving average of its push intervals (its step time, as seen here)
 
     @property
     def live(self) -> bool:
@@ -119,7 +124,10 @@ class Membership:
         """Records a push's arrival time (for the median push interval)."""
         member = self.members[worker]
         if member.last_push is not None:
-            self._intervals.append(now - member.last_push)
+            gap = now - member.last_push
+            member.interval = gap if member.interval is None else \
+                (1 - PACE_WEIGHT) * member.interval + PACE_WEIGHT * gap
+            self._intervals.append(gap)
             self._since_median += 1
             if self._since_median >= _MEDIAN_EVERY or len(self._intervals) < _MEDIAN_EVERY:
                 self._median, self._since_median = statistics.median(self._intervals), 0
@@ -189,6 +197,18 @@ class Membership:
 
     def not_yet_counted(self, step: int) -> int:
         return sum(1 for m in self.members.values() if m.live and m.counts_from > step)
+
+    def paces(self) -> dict[str, tuple[float, float]]:
+        """{worker: (its push interval, straggler score)} for live workers that pushed twice or more; the
+        score is its interval over the median of the other such workers' (1: typical, or alone; 2: twice as
+        slow as the others)."""
+        intervals = {w: m.interval for w, m in self.members.items() if m.live and m.interval is not None}
+        paces = {}
+        for worker, interval in sorted(intervals.items()):
+            others = [i for w, i in intervals.items() if w != worker]
+            median = statistics.median(others) if others else interval
+            paces[worker] = (interval, interval / median if median > 0 else 1.0)
+        return paces
 
     def min_clock(self) -> int:
         return min((m.clock for m in self.members.values() if m.live), default=0)

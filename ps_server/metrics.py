@@ -1,8 +1,9 @@
 """Prometheus metrics of one shard, served over HTTP at /metrics by `ps-server --metrics-port`.
 
 Names follow Prometheus's conventions: a `torchps_` prefix, base units
-(`_seconds`, `_bytes`), `_total` on counters, and no per-variable or
-per-worker labels (the scrape target names the shard). Counters and gauges
+(`_seconds`, `_bytes`), `_total` on counters, and no per-variable labels (the
+scrape target names the shard); only the workers' pace carries a `worker`
+label, one series per worker of the job. Counters and gauges
 are read from the shard's own figures when scraped (the ones GetStatus
 reports); histograms are observed as pushes and checkpoint saves happen.
 Each shard has its own registry: nothing here is process-global.
@@ -109,6 +110,16 @@ class _ShardCollector:
                 ("torchps_waiting_calls", "Calls waiting now (held pushes, min_step pulls, saves)",
                  counters["waiting_calls"])):
             yield GaugeMetricFamily(name, doc, value=value)
+        paces = s.coordinator.paces()
+        interval = GaugeMetricFamily("torchps_worker_push_interval_seconds",
+                                     "A live worker's pace: moving average of its push intervals", labels=["worker"])
+        score = GaugeMetricFamily("torchps_worker_straggler_score",
+                                  "A live worker's push interval over the median of the others'", labels=["worker"])
+        for worker, (seconds, ratio) in paces.items():
+            interval.add_metric([worker], seconds)
+            score.add_metric([worker], ratio)
+        yield interval
+        yield score
         if self.metrics.last_checkpoint is not None:
             yield GaugeMetricFamily("torchps_checkpoint_age_seconds", "Seconds since this shard's last save",
                                     value=time.time() - self.metrics.last_checkpoint)

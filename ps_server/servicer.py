@@ -365,6 +365,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             index=self.index, step=self.store.step, num_variables=len(variables), total_bytes=values,
             state_bytes=sum(state_bytes(v.spec) for v in variables) - values, pid=os.getpid(),
             memory=ps_pb2.MemoryUsage(**memory_usage()), metrics_port=self.metrics_port,
+            paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
+                   for w, (i, score) in coordinator.paces().items()],
             config=config_to_proto(coordinator.config), generation=self.generation,
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,

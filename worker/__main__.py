@@ -32,7 +32,7 @@ from ..memory import tune_malloc
 from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
-from .chief import FINAL_WAIT_SECONDS, Checkpointer, finish_job
+from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
@@ -69,6 +69,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--progress-timeout", type=float, default=60.0,
                    help="a worker that heartbeats but pushes nothing for max(this, 20 x the median step time) is "
                         "dropped until it pushes again (default: %(default)s s)")
+    g.add_argument("--straggler-threshold", type=float, default=2.0,
+                   help="chief: log a worker whose pushes arrive this many times less often than the others' "
+                        "median (shard 0's view, checked every 10 s; 0: never; default: %(default)s)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: %(default)s)")
@@ -121,6 +124,8 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         ("--max-staleness", args.max_staleness >= 0, ">= 0"),
         ("--lease-seconds", math.isfinite(args.lease_seconds) and args.lease_seconds > 0, "> 0"),
         ("--progress-timeout", math.isfinite(args.progress_timeout) and args.progress_timeout > 0, "> 0"),
+        ("--straggler-threshold", math.isfinite(args.straggler_threshold) and
+         (args.straggler_threshold == 0 or args.straggler_threshold > 1), "0 (off) or a number > 1"),
         ("--threads", args.threads >= 1, ">= 1"),
         ("--log-every", args.log_every > 0, "> 0"),
         ("--eval-interval", args.eval_interval > 0, "> 0"),
@@ -265,6 +270,8 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if client.is_chief and any(client.status(s).checkpoints for s in range(cluster.num_ps)):
         checkpointer = Checkpointer(client, every_steps=args.checkpoint_every_steps,
                                     every_seconds=args.checkpoint_every_seconds, keep=args.keep_checkpoints).start()
+    stragglers = StragglerWatch(client, args.straggler_threshold).start() \
+        if client.is_chief and args.straggler_threshold and replicas > 1 else None
 
     def on_step(record: dict) -> None:
         if checkpointer is not None:
@@ -286,6 +293,9 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         if checkpointer is not None:
             checkpointer.stop(final=True)
         return None
+    finally:
+        if stragglers is not None:
+            stragglers.stop()
     client.leave()
     _LOGGER.info("%s finished: %d local steps, %s", task, result["local_steps"], client.stats.summary())
     if not client.is_chief:

@@ -1,4 +1,5 @@
-"""What only the chief does: periodic step-consistent checkpoints, and the end of the job."""
+"""What only the chief does: periodic step-consistent checkpoints, watching for stragglers, and the end of
+the job."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 
 from ..client import ModuleBinding, PSClient, PSError
 
-__all__ = ["Checkpointer", "finish_job"]
+__all__ = ["Checkpointer", "StragglerWatch", "finish_job"]
 
 _LOGGER = logging.getLogger(__name__)
 FINAL_WAIT_SECONDS = 600.0  # how long the chief waits for the other workers before its final evaluation
+STRAGGLER_CHECK_SECONDS = 10.0  # between two looks at the workers' paces
 
 
 class Checkpointer:
@@ -69,6 +71,48 @@ class Checkpointer:
         self._thread.join()
         if final:
             self._save(0, timeout=60.0)
+
+
+class StragglerWatch:
+    """Names the workers whose pushes arrive `threshold` times less often than the other workers' median,
+    as shard 0 sees them (GetStatus's paces): once when a worker becomes a straggler, once when it is no
+    longer one. Runs in a background thread (`start`, `stop`), or a look at a time (`check`)."""
+
+    def __init__(self, client: PSClient, threshold: float, every: float = STRAGGLER_CHECK_SECONDS):
+        self.client = client
+        self.threshold = threshold
+        self.every = every
+        self.stragglers: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="straggler-watch", daemon=True)
+
+    def check(self) -> set[str]:
+        """One look: logs the changes and returns the stragglers now. Raises PSError if shard 0 does not answer."""
+        paces = self.client.status(0).paces
+        now = {p.worker for p in paces if p.straggler_score >= self.threshold}
+        for pace in paces:
+            if pace.worker in now - self.stragglers:
+                _LOGGER.warning("%s is a straggler: a push every %.2f s, %.1f x the other workers' median",
+                                pace.worker, pace.push_interval_seconds, pace.straggler_score)
+        for worker in sorted(self.stragglers - now):
+            _LOGGER.info("%s is no longer a straggler", worker)
+        self.stragglers = now
+        return now
+
+    def start(self) -> "StragglerWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.check()
+            except PSError as exc:  # shard 0 restarting: look again later
+                _LOGGER.debug("straggler check skipped: %s", exc)
 
 
 def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path | None,

@@ -49,6 +49,7 @@ def one_line(stream: str, prefix: str) -> str:
 @pytest.mark.parametrize("args,fragment", [
     (["--wrokers", "3"], "unrecognized arguments: --wrokers 3"),
     (["--mode", "ssp", "--max-staleness", "-1"], "--max-staleness must be >= 0"),
+    (["--straggler-threshold", "0.5"], "--straggler-threshold must be 0 (off) or a number > 1"),
     (["--init-from", "missing.pt"], "--init-from missing.pt: no such file"),
     (["--init-from", "GARBAGE"], "not a file torch.load can read (UnpicklingError)"),
     (["--dataset", "nowhere"], "no dataset 'nowhere'"),

@@ -60,3 +60,25 @@ def test_a_worker_whose_push_is_held_never_stalls():
     assert members.expire(1e6, LEASE, 1.0) == ([], [])
     members.members["worker:0"].held = 0
     assert members.expire(1e6, LEASE, 1.0) == ([], ["worker:0"])
+
+
+def test_each_worker_s_pace_and_straggler_score_against_the_others():
+    members = Membership()
+    assert members.paces() == {}
+    pushing(members, "worker:0", 0.0, 1.0, 30)
+    pushing(members, "worker:1", 0.0, 1.0, 30)
+    pushing(members, "worker:2", 0.0, 3.0, 30)
+    paces = {w: (round(i, 9), round(score, 9)) for w, (i, score) in members.paces().items()}
+    assert paces["worker:0"] == (1.0, 0.5)  # against the median of 1.0 and 3.0
+    assert paces["worker:2"] == (3.0, 3.0)  # three times slower than the others
+    members.members["worker:2"].gone = True  # only live workers count
+    assert set(members.paces()) == {"worker:0", "worker:1"}
+    assert [round(score, 9) for _, score in members.paces().values()] == [1.0, 1.0]
+
+
+def test_a_pace_is_a_moving_average_that_follows_a_worker_slowing_down():
+    members = Membership()
+    last = pushing(members, "worker:0", 0.0, 1.0, 10)
+    pushing(members, "worker:0", last + 4.0, 4.0, 30)
+    interval, _ = members.paces()["worker:0"]
+    assert 3.9 < interval <= 4.0

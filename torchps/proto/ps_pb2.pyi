@@ -218,7 +218,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class StatusResponse(_message.Message):
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    PACES_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -265,7 +266,18 @@ class StatusResponse(_message.Message):
     state_bytes: int
     memory: MemoryUsage
     metrics_port: int
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    paces: _containers.RepeatedCompositeFieldContainer[WorkerPace]
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ...) -> None: ...
+
+class WorkerPace(_message.Message):
+    __slots__ = ("worker", "push_interval_seconds", "straggler_score")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    PUSH_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_SCORE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    push_interval_seconds: float
+    straggler_score: float
+    def __init__(self, worker: _Optional[str] = ..., push_interval_seconds: _Optional[float] = ..., straggler_score: _Optional[float] = ...) -> None: ...
 
 class MemoryUsage(_message.Message):
     __slots__ = ("rss_bytes", "peak_rss_bytes", "heap_in_use_bytes", "heap_free_bytes", "mapped_bytes")
