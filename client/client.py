@@ -115,6 +115,9 @@ class PSClient(DataPath):
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.step = 0  # the step this worker computes at: set by join(), then by every push
         self.stats = WorkerStats()
+        # tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull and push_pull call,
+        # when set (ps-worker --trace-out); called from the threads making the calls.
+        self.tracer: Callable[[str, int, float, float], None] | None = None
         self.last_replies: dict[int, ps_pb2.PushResponse] = {}  # shard -> its reply to this client's last push
         self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
         self.restarts_seen = 0
@@ -410,11 +413,23 @@ class PSClient(DataPath):
         return self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
             shard, fn, self.control_timeout))
 
-    def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T]) -> dict[int, T]:
-        """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish."""
+    def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T],
+                    phase: str | None = None) -> dict[int, T]:
+        """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish.
+        With a `tracer` set, each shard's call of a data-path `phase` (push, pull, push_pull) is reported to it."""
         items = list(groups.items())
         if not items:
             return {}
+        tracer = self.tracer
+        if tracer is not None and phase is not None:
+            untraced = fn
+
+            def fn(shard: int, names: list[str]) -> T:
+                started = time.monotonic()
+                try:
+                    return untraced(shard, names)
+                finally:
+                    tracer(phase, shard, started, time.monotonic())
         pending = {shard: self._pool.submit(fn, shard, names) for shard, names in items[1:]}
         first_shard, first_names = items[0]
         results: dict[int, T] = {}

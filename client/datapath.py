@@ -55,7 +55,7 @@ class DataPath:
             return self._channels.call(shard, lambda stub, t: read_stream(
                 stub.Pull(request, timeout=t), shard_names, sink, self._channels.target(shard))[0], self.timeout)
 
-        return self._each_shard(self.placement.group(names), pull).get(GLOBAL_STEP_SHARD, -1)
+        return self._each_shard(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True) -> int:
         """Sends gradients; each shard applies (async, ssp) or aggregates (sync) its part.
@@ -90,7 +90,7 @@ class DataPath:
                 return self._channels.call(shard, lambda stub, t: stub.Push(
                     push_requests(shard_header, grads, names, self.chunk_bytes), timeout=t), self.timeout)
 
-            return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push)))
+            return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push, "push")))
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int | None = None, advance_step: bool = True) -> int:
@@ -128,7 +128,7 @@ class DataPath:
                     self.timeout)
 
             replies = self._refill.guard({**grads, **targets}, lambda: self._each_shard(
-                {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange))
+                {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange, "push_pull"))
             next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})
             behind = [name for shard, (read_at, _) in replies.items() if sync and read_at < next_step
                       for name in pulls.get(shard, [])]

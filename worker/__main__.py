@@ -33,6 +33,7 @@ from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job
+from .observe import StepObserver, Timeline, WorkerMetrics, parse_step_range
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
@@ -76,6 +77,12 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: %(default)s)")
     g.add_argument("--logdir", help="write TensorBoard scalars here")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port, on the "
+                   "task's host (0: a free one, logged; with ps-launch use 0; default: none)")
+    g.add_argument("--trace-out", type=pathlib.Path, help="write a timeline of --trace-steps (Chrome-trace JSON, "
+                   "for ui.perfetto.dev) to DIR/TASK.trace.json, e.g. worker-0.trace.json")
+    g.add_argument("--trace-steps", default="10-20", help="this worker's steps the timeline covers, FIRST-LAST "
+                   "(default: %(default)s)")
     g.add_argument("--log-every", type=float, default=5.0, help="seconds between log lines (default: %(default)s)")
     g.add_argument("--eval-interval", type=float, default=5.0, help="evaluator: seconds between evaluations")
     c = parser.add_argument_group("checkpoints and export (chief)")
@@ -133,6 +140,11 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         ("--checkpoint-every-seconds", args.checkpoint_every_seconds >= 0, ">= 0"),
         ("--keep-checkpoints", args.keep_checkpoints >= 1, ">= 1"),
     ]
+    try:
+        parse_step_range(args.trace_steps)
+    except ValueError as exc:
+        raise ClusterConfigError(f"--trace-steps: {exc}") from None
+    checks.append(("--metrics-port", args.metrics_port is None or 0 <= args.metrics_port <= 65535, "in 0-65535"))
     for flag, ok, wanted in checks:
         if not ok:
             raise ClusterConfigError(f"{flag} must be {wanted}. Received: {getattr(args, flag[2:].replace('-', '_'))}")
@@ -251,6 +263,25 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
             writer.close()
 
 
+def _observer(cluster: Cluster, task: TaskSpec, args) -> StepObserver | None:
+    """The metrics endpoint and the timeline the flags ask for, or None."""
+    if args.metrics_port is None and args.trace_out is None:
+        return None
+    metrics = timeline = None
+    if args.metrics_port is not None:
+        metrics = WorkerMetrics()
+        host = cluster.address(task).rpartition(":")[0]
+        try:
+            port = metrics.serve(host, args.metrics_port)
+        except OSError as exc:
+            raise ClusterConfigError(f"--metrics-port {args.metrics_port} on {host}: {exc}") from None
+        _LOGGER.info("%s: metrics on http://%s:%d/metrics", task, host, port)
+    if args.trace_out is not None:
+        first, last = parse_step_range(args.trace_steps)
+        timeline = Timeline(args.trace_out / f"{task.type}-{task.index}.trace.json", str(task), first, last)
+    return StepObserver(metrics, timeline)
+
+
 def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device: str, writer,
            started: float) -> dict | None:
     """A chief's or worker's part: train, then (the chief) end the job; the chief's summary, else None."""
@@ -285,9 +316,12 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                            seed=args.seed + replica, device=device, log_every=args.log_every, progress=args.progress,
                            skip_batches=done_before)
+    observer = _observer(cluster, task, args)
+    if observer is not None and observer.timeline is not None:
+        client.tracer = observer.tracer
     try:
         result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options,
-                       on_step=on_step)
+                       on_step=on_step, observer=observer)
     except Terminated:
         _LOGGER.warning("%s: SIGTERM; %s", task, "saving a last checkpoint" if checkpointer else "stopping")
         if checkpointer is not None:

@@ -14,6 +14,7 @@ import torch
 from ..client import ModuleBinding, Optimizer, PSClient, ServerUnavailableError
 from .data import batches, shard_indices
 from .models import Task
+from .observe import StepObserver
 
 __all__ = ["TrainOptions", "train", "evaluate", "evaluate_once", "run_evaluator", "optimizer_from_flags"]
 
@@ -48,12 +49,14 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: s
 
 
 def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int, num_replicas: int,
-          options: TrainOptions, on_step: Callable[[dict], None] | None = None) -> dict:
+          options: TrainOptions, on_step: Callable[[dict], None] | None = None,
+          observer: StepObserver | None = None) -> dict:
     """Runs this worker's loop (compute, push, pull) until its epochs or the global steps are done.
 
     Trains on shard `replica` of `num_replicas` of the training set. Blocks.
     Returns this worker's numbers; `on_step(record)` sees every step's loss,
-    accuracy, global step and staleness (for TensorBoard).
+    accuracy, global step and staleness (for TensorBoard); `observer` each
+    step's phase times (metrics, timeline: observe.py).
     """
     data, model, device = task.dataset, task.model, options.device
     mine = shard_indices(len(data.y_train), num_replicas, replica)
@@ -76,19 +79,28 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
             if options.steps is not None and binding.step >= options.steps:
                 done = True
                 break
+            step_started = time.monotonic()
+            if observer is not None:
+                observer.begin(local_steps + 1)
             xb, yb = xb.to(device), yb.to(device)
             model.zero_grad(set_to_none=True)
             logits = model(xb)
             loss = task.loss(logits, yb)
             loss.backward()
             loss, logits = loss.detach(), logits.detach()
-            computed_at = binding.step
+            computed_at, computed = binding.step, time.monotonic()
+            waited, stale = client.stats.wait_seconds, client.stats.stale_dropped
             binding.exchange()
+            exchanged = time.monotonic()
             local_steps += 1
             loss_value = loss.item()
             record = {"loss": loss_value, "accuracy": float((logits.argmax(1) == yb).float().mean()),
                       "global_step": binding.step, "epoch": epoch,
                       "staleness": max(0, binding.step - computed_at - 1), "local_steps": local_steps}
+            if observer is not None:
+                observer.step(started=step_started, computed=computed, ended=exchanged,
+                              wait_seconds=client.stats.wait_seconds - waited,
+                              stale=client.stats.stale_dropped - stale, record=record)
             if on_step:
                 on_step(record)
             now = time.monotonic()
@@ -103,6 +115,8 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
             break
     if bar is not None:
         bar.close()
+    if observer is not None:
+        observer.close()
     wall = time.monotonic() - started
     return {"local_steps": local_steps, "global_step": binding.step, "last_loss": loss_value,
             "wall_seconds": wall, "local_steps_per_second": local_steps / wall if wall else 0.0,
