@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "on this port of the bind host (for Kubernetes gRPC probes; 0 picks a free one): NOT_SERVING "
                         "while restoring or stopping, SERVING otherwise; it reveals nothing else")
     parser.add_argument("--health-port-file", type=pathlib.Path, help="write the health port here once it serves")
+    parser.add_argument("--reflection", action="store_true", help="answer gRPC reflection, so `grpcurl list` "
+                        "and `grpcurl describe` work (with the job's credentials, as every call)")
     parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics over HTTP at /metrics on this "
                         "port, on --bind's host (0: a free one, reported by GetStatus; default: none)")
     parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             journal=journal, on_shutdown=lambda reason: stop.set(), security=security,
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
-            metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None)
+            metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None,
+            reflection=args.reflection)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection as reflection_service
 
 from .. import codec
 from ..proto import ps_pb2
@@ -48,6 +49,7 @@ def create_server(
     quotas: Quotas | None = None,
     health_servicer: health.HealthServicer | None = None,
     metrics: ShardMetrics | None = None,
+    reflection: bool = False,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -59,7 +61,9 @@ def create_server(
     call has been answered. With `security` it serves mutual TLS and checks
     tokens and roles (ps_server/auth.py). The gRPC health service answers from `health_servicer` (whose
     status the caller sets, see set_health), else SERVING. With `metrics` (metrics.ShardMetrics) the
-    shard's Prometheus figures are served over HTTP on the address's host, at metrics.port.
+    shard's Prometheus figures are served over HTTP on the address's host, at metrics.port. With
+    `reflection` the server answers gRPC reflection (`grpcurl list`), under the same credentials as the
+    rest of the service.
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -93,6 +97,9 @@ def create_server(
         health_servicer = health.HealthServicer()
         set_health(health_servicer, serving=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflection:
+        reflection_service.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection_service.SERVICE_NAME), server)
     credentials = grpc.ssl_server_credentials([(security.key, security.cert)], root_certificates=security.ca,
                                               require_client_auth=True) if security.tls else None
     port = _add_port(server, address, credentials, address)
