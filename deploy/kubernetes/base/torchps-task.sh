@@ -1,0 +1,27 @@
+# The command of every pod of the plain-Kubernetes manifests: `sh /etc/torchps/job/torchps-task.sh CLI ARGS`
+# (this file and cluster.json reach the pods in the ConfigMap torchps-job, mounted at /etc/torchps/job).
+#
+# 1. TF_CONFIG, the same as Kubeflow's operator would write: the cluster of cluster.json and the pod's
+#    task, its type from TORCHPS_TASK_TYPE (set by its Job) and its index from JOB_COMPLETION_INDEX (set
+#    by its Indexed Job; the suffix of the pod's hostname, torchps-TYPE-INDEX).
+# 2. Its own credentials: every pod of a type mounts the Secrets of all replicas of that type (they share
+#    a pod template) at /etc/torchps/TYPE-INDEX; the TORCHPS_* variables name this task's files to
+#    ps-server and ps-worker (the admin token is in the chief's and the shards' Secrets only).
+# 3. exec the command: it gets the pod's signals, and its exit code is the container's.
+set -eu
+: "${TORCHPS_TASK_TYPE:?set by the Job}" "${JOB_COMPLETION_INDEX:?set by an Indexed Job}"
+TF_CONFIG=$(python -c '
+import json, os, sys
+with open(sys.argv[1]) as f:
+    cluster = json.load(f)
+task = {"type": os.environ["TORCHPS_TASK_TYPE"], "index": int(os.environ["JOB_COMPLETION_INDEX"])}
+print(json.dumps({"cluster": cluster, "task": task, "environment": "cloud"}, separators=(",", ":")))
+' "$(dirname "$0")/cluster.json")
+export TF_CONFIG
+task=$TORCHPS_TASK_TYPE-$JOB_COMPLETION_INDEX
+d=/etc/torchps/$task
+[ -d "$d" ] || { echo "no credentials for $task: mount the Secret torchps-$task at $d" >&2; exit 2; }
+export TORCHPS_TLS_CERT="$d/tls.crt" TORCHPS_TLS_KEY="$d/tls.key" TORCHPS_TLS_CA="$d/ca.crt" \
+       TORCHPS_TOKEN_FILE="$d/token"
+if [ -f "$d/admin-token" ]; then export TORCHPS_ADMIN_TOKEN_FILE="$d/admin-token"; fi
+exec "$@"
