@@ -33,7 +33,7 @@ from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job
-from .observe import StepObserver, Timeline, WorkerMetrics, parse_step_range
+from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range, serve
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
@@ -256,11 +256,24 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
     writer = _tensorboard(args.logdir, task)
     try:
         if task.type == "evaluator":
-            return _evaluate(client, task, job, args, device, writer, started)
+            metrics = _serve_metrics(EvaluatorMetrics(), cluster, task, args.metrics_port) \
+                if args.metrics_port is not None else None
+            return _evaluate(client, task, job, args, device, writer, started, metrics)
         return _train(client, cluster, task, job, args, device, writer, started)
     finally:
         if writer is not None:
             writer.close()
+
+
+def _serve_metrics(metrics, cluster: Cluster, task: TaskSpec, port: int):
+    """Serves `metrics`' registry on the task's host at `port` and logs where; ClusterConfigError if it cannot."""
+    host = cluster.address(task).rpartition(":")[0]
+    try:
+        port = serve(metrics.registry, host, port)
+    except OSError as exc:
+        raise ClusterConfigError(f"--metrics-port {port} on {host}: {exc}") from None
+    _LOGGER.info("%s: metrics on http://%s:%d/metrics", task, host, port)
+    return metrics
 
 
 def _observer(cluster: Cluster, task: TaskSpec, args) -> StepObserver | None:
@@ -269,13 +282,7 @@ def _observer(cluster: Cluster, task: TaskSpec, args) -> StepObserver | None:
         return None
     metrics = timeline = None
     if args.metrics_port is not None:
-        metrics = WorkerMetrics()
-        host = cluster.address(task).rpartition(":")[0]
-        try:
-            port = metrics.serve(host, args.metrics_port)
-        except OSError as exc:
-            raise ClusterConfigError(f"--metrics-port {args.metrics_port} on {host}: {exc}") from None
-        _LOGGER.info("%s: metrics on http://%s:%d/metrics", task, host, port)
+        metrics = _serve_metrics(WorkerMetrics(), cluster, task, args.metrics_port)
     if args.trace_out is not None:
         first, last = parse_step_range(args.trace_steps)
         timeline = Timeline(args.trace_out / f"{task.type}-{task.index}.trace.json", str(task), first, last)
@@ -354,12 +361,15 @@ def _batches_done(start_step: int, args, replicas: int) -> int:
     return start_step // max(1, replicas)
 
 
-def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, started: float) -> dict:
+def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, started: float,
+              metrics: EvaluatorMetrics | None) -> dict:
     binding = client.register_module(job.model, create=False, join=False, wait_timeout=FINAL_WAIT_SECONDS)
     last = [0, float("nan")]
 
     def on_eval(step: int, accuracy: float) -> None:
         last[:] = [step, accuracy]
+        if metrics is not None:
+            metrics.evaluated(step, accuracy)
         if writer is not None:
             writer.add_scalar("eval/accuracy", accuracy, step)
 

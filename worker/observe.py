@@ -1,5 +1,6 @@
 """What a worker shows of its steps: Prometheus metrics (ps-worker --metrics-port) and a timeline
-(ps-worker --trace-out), a Chrome-trace JSON of chosen steps' phases as BytePS's timeline has them.
+(ps-worker --trace-out), a Chrome-trace JSON of chosen steps' phases as BytePS's timeline has them;
+and an evaluator's metrics (its evaluations, accuracy and step).
 
 The trainer reports each step's compute and exchange times (`StepObserver.step`); the client reports
 every shard's push, pull and push_pull call (`StepObserver.tracer`, set as PSClient.tracer). The
@@ -18,7 +19,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["StepObserver", "WorkerMetrics", "Timeline", "parse_step_range"]
+__all__ = ["StepObserver", "WorkerMetrics", "EvaluatorMetrics", "Timeline", "parse_step_range", "serve"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -33,6 +34,29 @@ def parse_step_range(text: str) -> tuple[int, int]:
     if not sep or not 1 <= a <= b:
         raise ValueError(f"not a step range: {text!r} (FIRST-LAST, 1 <= FIRST <= LAST)")
     return a, b
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Starts /metrics for `registry` (a daemon thread) on host:port (0: a free port); returns the port."""
+    server, _thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    return server.server_port
+
+
+class EvaluatorMetrics:
+    """An evaluator's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.evaluations = Counter("torchps_evaluator_evaluations", "Evaluations made", registry=self.registry)
+        self.accuracy = Gauge("torchps_evaluator_accuracy", "Test accuracy at the last evaluation",
+                              registry=self.registry)
+        self.global_step = Gauge("torchps_evaluator_global_step", "The global step the last evaluation was of",
+                                 registry=self.registry)
+
+    def evaluated(self, step: int, accuracy: float) -> None:
+        self.evaluations.inc()
+        self.accuracy.set(accuracy)
+        self.global_step.set(step)
 
 
 class WorkerMetrics:
@@ -55,12 +79,6 @@ class WorkerMetrics:
         self.global_step = Gauge("torchps_worker_global_step", "The global step after this worker's last push",
                                  registry=r)
         self.loss = Gauge("torchps_worker_loss", "The training loss of this worker's last step", registry=r)
-
-    def serve(self, host: str, port: int) -> int:
-        """Starts /metrics (a daemon thread) on host:port (0: a free port); returns the port."""
-        server, _thread = start_http_server(port, addr=host.strip("[]"), registry=self.registry)
-        return server.server_port
-
 
 class Timeline:
     """Chrome-trace events of this worker's steps `first`..`last`, written to `path` by `write`."""

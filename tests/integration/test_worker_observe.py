@@ -91,3 +91,29 @@ def test_a_worker_serves_its_step_metrics_and_writes_a_timeline(local_cluster, t
     compute = next(e for e in spans if e["name"] == "compute" and e["args"]["step"] == 4)
     exchange = next(e for e in spans if e["name"] == "exchange" and e["args"]["step"] == 4)
     assert compute["ts"] + compute["dur"] <= exchange["ts"] + 1  # compute, then exchange (microseconds)
+
+
+def test_an_evaluator_serves_its_evaluations(local_cluster, tmp_path):
+    """The evaluator's --metrics-port: how many evaluations, the last accuracy and the step it was of."""
+    local = local_cluster(1, workers=1)
+    cluster = {**local.cluster.to_dict(), "evaluator": ["127.0.0.1:3"]}  # its address is never listened on
+    common = ["--cluster", json.dumps(cluster), "--dataset", "mnist5k"]
+    chief = subprocess.Popen([*PS_WORKER, *common, "--task-type", "worker", "--index", "0", "--steps", "400"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environ())
+    evaluator = subprocess.Popen([*PS_WORKER, *common, "--task-type", "evaluator", "--index", "0",
+                                  "--metrics-port", "0", "--eval-interval", "0.2"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ())
+    try:
+        out = Lines(evaluator.stdout)
+        port = int(out.wait(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")[1])
+        out.wait(r"evaluator: global step \d+ test accuracy")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            samples = {s.name: s.value for f in text_string_to_metric_families(reply.read().decode())
+                       for s in f.samples}
+        assert chief.wait(120) == 0
+        assert evaluator.wait(120) == 0, "".join(out.lines)[-3000:]
+    finally:
+        chief.kill()
+        evaluator.kill()
+    assert samples["torchps_evaluator_evaluations_total"] >= 1
+    assert 0 <= samples["torchps_evaluator_accuracy"] <= 1 and samples["torchps_evaluator_global_step"] >= 0
