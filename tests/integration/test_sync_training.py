@@ -301,7 +301,10 @@ def test_ssp_fast_worker_stays_within_the_bound(cluster, procs, staleness):
     assert fast["pushes"] == slow["pushes"] == steps
     assert fast["max_ahead"] <= staleness + 1, \
         f"max_staleness={staleness}: the fast worker got {fast['max_ahead']} pushes ahead of the slow one"
-    assert fast["max_ahead"] >= 1
+    if staleness:  # its second push is not held and the slow worker is asleep: it is ahead then
+        assert fast["max_ahead"] >= 1
+    # (with s = 0 each fast push is released by the slow worker's, and which of the two counts itself first
+    # is a race: being held is the evidence that the bound acted)
     assert fast["stats"]["wait_seconds"] > 0.3, "the fast worker must have been held back by the bound"
     if staleness == 0:
         assert slow["max_ahead"] <= 1, "lock-step: neither worker gets more than one push ahead"
