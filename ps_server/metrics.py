@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..memory import memory_usage
-from .quotas import state_bytes
+from ..metrics_http import serve_metrics
 
 __all__ = ["ShardMetrics"]
 
@@ -65,8 +65,7 @@ class ShardMetrics:
 
     def serve(self, host: str) -> int:
         """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got."""
-        server, _thread = start_http_server(self.port, addr=host.strip("[]"), registry=self.registry)
-        self.port = server.server_port
+        self.port = serve_metrics(self.registry, host, self.port)
         return self.port
 
 
@@ -82,8 +81,7 @@ class _ShardCollector:
 
     def collect(self):
         s = self.servicer
-        variables = [s.store.get(name) for name in s.store.names()]
-        values = sum(v.nbytes for v in variables)
+        values, state = s.held_bytes()
         counters = s.coordinator.counters()
         memory = memory_usage()
         for name, doc, value in (
@@ -100,10 +98,9 @@ class _ShardCollector:
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, value in (
                 ("torchps_step", "The shard's step counter", s.store.step),
-                ("torchps_variables", "Variables held", len(variables)),
+                ("torchps_variables", "Variables held", len(s.store.names())),
                 ("torchps_values_bytes", "Bytes of variable values held", values),
-                ("torchps_optimizer_state_bytes", "Bytes of optimizer state held",
-                 sum(state_bytes(v.spec) for v in variables) - values),
+                ("torchps_optimizer_state_bytes", "Bytes of optimizer state held", state),
                 ("torchps_resident_bytes", "The process's resident set size", memory["rss_bytes"]),
                 ("torchps_live_workers", "Workers holding a lease", counters["live_workers"]),
                 ("torchps_quorum", "Gradients a sync step needs now", counters["quorum"]),

@@ -175,7 +175,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         declared = job_step = None
         assembler = codec.ChunkAssembler()
         existing = set(self.store.names())
-        held = sum(state_bytes(self.store.get(name).spec) for name in existing)
+        held = sum(self.held_bytes())
         incoming = 0
         for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
             if declared is None:
@@ -206,7 +206,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         _require_active(context)
         with self._creating:  # the memory check again, now that no other stream can create in between
             names = set(self.store.names())
-            self.quotas.check_total(sum(state_bytes(self.store.get(name).spec) for name in names),
+            self.quotas.check_total(sum(self.held_bytes()),
                                     {r.name: r.value.nbytes * (1 + optimizer_slots(r.optimizer, r.hyperparams))
                                      for r in requests if r.name not in names})
             created = self.coordinator.create(requests, job_step=job_step or 0)
@@ -278,7 +278,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _require_active(context)
             self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
-            staleness = self.store.step - header.step
+            staleness = self.store.step - header.step if self.metrics is not None else 0
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
                                            hold=hold, timeout=_remaining(context))
@@ -356,14 +356,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             infos.append(ps_pb2.VariableInfo(spec=variable.spec, version=variable.version, nbytes=variable.nbytes))
         return ps_pb2.ListResponse(variables=infos, step=self.store.step, generation=self.generation)
 
+    def held_bytes(self) -> tuple[int, int]:
+        """(bytes of values, bytes of optimizer state) the shard holds: what its memory quota counts."""
+        variables = [self.store.get(name) for name in self.store.names()]
+        values = sum(v.nbytes for v in variables)
+        return values, sum(state_bytes(v.spec) for v in variables) - values
+
     @_map_errors
     def GetStatus(self, request, context):
-        variables = [self.store.get(n) for n in self.store.names()]
         coordinator = self.coordinator
-        values = sum(v.nbytes for v in variables)
+        values, state = self.held_bytes()
         return ps_pb2.StatusResponse(
-            index=self.index, step=self.store.step, num_variables=len(variables), total_bytes=values,
-            state_bytes=sum(state_bytes(v.spec) for v in variables) - values, pid=os.getpid(),
+            index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
+            state_bytes=state, pid=os.getpid(),
             memory=ps_pb2.MemoryUsage(**memory_usage()), metrics_port=self.metrics_port,
             paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
                    for w, (i, score) in coordinator.paces().items()],

@@ -29,11 +29,12 @@ from ..cli import ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..memory import tune_malloc
+from ..metrics_http import serve_metrics
 from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job
-from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range, serve
+from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
@@ -269,7 +270,7 @@ def _serve_metrics(metrics, cluster: Cluster, task: TaskSpec, port: int):
     """Serves `metrics`' registry on the task's host at `port` and logs where; ClusterConfigError if it cannot."""
     host = cluster.address(task).rpartition(":")[0]
     try:
-        port = serve(metrics.registry, host, port)
+        port = serve_metrics(metrics.registry, host, port)
     except OSError as exc:
         raise ClusterConfigError(f"--metrics-port {port} on {host}: {exc}") from None
     _LOGGER.info("%s: metrics on http://%s:%d/metrics", task, host, port)

@@ -17,9 +17,9 @@ import pathlib
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["StepObserver", "WorkerMetrics", "EvaluatorMetrics", "Timeline", "parse_step_range", "serve"]
+__all__ = ["StepObserver", "WorkerMetrics", "EvaluatorMetrics", "Timeline", "parse_step_range"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ def parse_step_range(text: str) -> tuple[int, int]:
     if not sep or not 1 <= a <= b:
         raise ValueError(f"not a step range: {text!r} (FIRST-LAST, 1 <= FIRST <= LAST)")
     return a, b
-
-
-def serve(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Starts /metrics for `registry` (a daemon thread) on host:port (0: a free port); returns the port."""
-    server, _thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
-    return server.server_port
 
 
 class EvaluatorMetrics:
@@ -162,6 +156,5 @@ class StepObserver:
 
     def close(self) -> None:
         """Writes the timeline if its last step was never reached (a short run)."""
-        if self.timeline is not None and self.local_step < self.timeline.last and self.local_step >= \
-                self.timeline.first:
+        if self.timeline is not None and self.timeline.first <= self.local_step < self.timeline.last:
             self.timeline.write()
