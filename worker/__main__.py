@@ -380,7 +380,7 @@ def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, 
     except Terminated:  # asked to stop (ps-launch does once training is over): evaluate what is there now
         _LOGGER.info("evaluator: SIGTERM; a last evaluation")
         try:
-            on_eval(*evaluate_once(client, job, binding, device)[:2])
+            evaluate_once(client, job, binding, device, on_eval)
         except PSError as exc:
             _LOGGER.info("evaluator: no last evaluation: %s", exc)
     return {"role": str(task), "global_step": last[0], "test_accuracy": last[1],

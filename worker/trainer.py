@@ -139,9 +139,7 @@ def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, devic
     step, accuracy = 0, float("nan")
     try:
         while True:
-            step, accuracy, live = evaluate_once(client, task, binding, device)
-            if on_eval:
-                on_eval(step, accuracy)
+            step, accuracy, live = evaluate_once(client, task, binding, device, on_eval)
             seen_workers = seen_workers or live > 0
             finished = (target_steps is not None and step >= target_steps) or (seen_workers and live == 0)
             if finished or time.monotonic() > deadline:
@@ -167,11 +165,15 @@ def _until_next_evaluation(client: PSClient, due: float, seen_workers: bool) -> 
     return seen_workers
 
 
-def evaluate_once(client: PSClient, task: Task, binding: ModuleBinding, device: str) -> tuple[int, float, int]:
-    """(global step, test accuracy, live workers): the status first, then the values, then the evaluation."""
+def evaluate_once(client: PSClient, task: Task, binding: ModuleBinding, device: str,
+                  on_eval: Callable[[int, float], None] | None = None) -> tuple[int, float, int]:
+    """(global step, test accuracy, live workers): the status first, then the values, then the evaluation;
+    `on_eval(step, accuracy)` runs before the log line, which is the evaluation's last act."""
     status = client.status(0)
     binding.pull()
     accuracy = evaluate(task.model, task.dataset.x_test, task.dataset.y_test, device)
+    if on_eval:
+        on_eval(status.step, accuracy)
     _LOGGER.info("evaluator: global step %d test accuracy %.4f", status.step, accuracy)
     return status.step, accuracy, status.live_workers
 
