@@ -14,7 +14,7 @@ from torchps.specs import OPTIMIZER_NAMES
 # The shard's pure core: tested with threads, never imports grpc.
 CORE = [f"torchps.ps_server.{name}" for name in (
     "store", "reads", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
-    "coordinator", "pushes", "background", "recording", "checkpoint", "journal")]
+    "coordinator", "pushes", "background", "recording", "checkpoint", "journal", "row_optimizers", "embeddings")]
 
 
 def loaded_after(statement: str) -> list[str]:

@@ -1,0 +1,674 @@
+"""Sparse embedding tables: one shard's rows of a table and their lazy optimizer state (row_optimizers.py).
+
+A table's rows are spread over its shards by id: "modulo" puts id on shard
+id mod n (floor modulo: non-negative for negative ids), "hash" on shard
+splitmix64(id) mod n, where splitmix64 is SplitMix64's output function of the
+id read as uint64 (z = id + 0x9E3779B97F4A7C15; z = (z ^ z>>30) *
+0xBF58476D1CE4E5B9; z = (z ^ z>>27) * 0x94D049BB133111EB; z ^ z>>31).
+shard_of() gives the same answer to a client.
+
+* Fixed tables (num_embeddings=N) hold every owned id of [0, N) in one
+  preallocated tensor, from construction on.
+* Dynamic tables (num_embeddings=None) take any int64 id. A row is created at
+  its id's min_count-th admitting lookup (min_count=1: the first); before
+  that the lookup returns zeros and stores nothing but a counter.
+  evict(step) drops rows not updated in more than max_age steps, then the
+  least recently updated (ties: lowest id) above capacity; counters age and
+  are capped alike. Rows live in slabs (each new one max(1024 rows, an
+  eighth of those allocated); eviction moves the last rows into the holes and
+  frees emptied slabs), ids in an open-addressing index of int32 slots, so
+  nbytes() is at most ~1.125 x payload + 34 bytes per row from ~8k rows on:
+  within 1.3 x (row + optimizer state) for payloads from ~220 bytes (dim 32
+  float32 with Adagrad or SparseAdam, dim 64 with SGD; measured worst 1.25).
+
+Every row, wherever and whenever created, starts as initial_rows(seed, id):
+a counter-based SplitMix64 stream, N(0, init_scale^2) (nn.Embedding's N(0, 1)
+by default) or U(-init_scale, init_scale), so all shards and restarts agree.
+apply() is one optimizer step of the shard's part of the table: Adagrad's
+lr_decay and SparseAdam's bias corrections count steps per table as torch
+does, so a client matching torch.optim on a whole table calls apply() on every
+shard at every training step, with no ids where a shard has none.
+state_dict() / load_state_dict() checkpoint a shard; relayout() builds shard
+i of n from all shards' states of another layout.
+
+Thread safety: each table has one lock, held for the whole of every public
+method, so lookups, applies, evictions and checkpoints of a table run one at
+a time and each sees the others whole; returned tensors are copies. A call
+that raises has changed nothing. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, NonFiniteGradientError, TensorMismatchError
+from .row_optimizers import RowOptimizer, coalesce
+
+__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "PARTITIONS", "INITS"]
+
+PARTITIONS = ("modulo", "hash")
+INITS = ("normal", "uniform")
+STATE_FORMAT = 1
+_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_INDEX_SALT = np.uint64(0x5851F42D4C957F2D)  # decorrelates index buckets from hash partitioning
+_MIN_SLAB = 1024  # rows in a dynamic table's first slab; also the least spare room of its id arrays
+_GROWTH = 8  # a new slab holds at least 1/_GROWTH of the rows already allocated
+_INIT_CHUNK = 1 << 14  # rows initialized at once (bounds the generator's temporaries)
+_STRUCTURAL = ("dim", "num_embeddings", "shard_index", "num_shards", "partition", "optimizer", "init", "init_scale",
+               "seed", "dtype")
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = z + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def _owner(ids: np.ndarray, num_shards: int, partition: str) -> np.ndarray:
+    if partition == "hash":
+        return (_splitmix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+    return np.mod(ids, num_shards)
+
+
+def shard_of(ids: torch.Tensor, num_shards: int, partition: str = "modulo") -> torch.Tensor:
+    """The shard (0 .. num_shards-1) of each int64 id under `partition`."""
+    if partition not in PARTITIONS or num_shards < 1:
+        raise InvalidArgumentError(f"partition must be one of {PARTITIONS} over >= 1 shards; "
+                                   f"got {partition!r} over {num_shards}")
+    return torch.from_numpy(_owner(_ids_array(ids), num_shards, partition))
+
+
+def initial_rows(ids: np.ndarray, dim: int, *, seed: int = 0, init: str = "normal", init_scale: float = 1.0,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(len(ids), dim) rows, each a function of (seed, id) only: element j of id's row comes from SplitMix64
+    seeded with splitmix64(id ^ splitmix64(seed)); Box-Muller over two draws for "normal"."""
+    ids = np.asarray(ids, dtype=np.int64).view(np.uint64)
+    out = torch.empty(len(ids), dim, dtype=dtype)
+    draws = 2 * dim if init == "normal" else dim
+    with np.errstate(over="ignore"):
+        counters = np.arange(draws, dtype=np.uint64) * _GOLDEN
+        key = _splitmix64(np.array([seed % (1 << 64)], dtype=np.uint64))
+        for start in range(0, len(ids), _INIT_CHUNK):
+            base = _splitmix64(ids[start:start + _INIT_CHUNK] ^ key)
+            bits = (_splitmix64(base[:, None] + counters[None, :]) >> np.uint64(11)).astype(np.float64)
+            if init == "normal":
+                u1, u2 = (bits[:, 0::2] + 1.0) * 2.0 ** -53, bits[:, 1::2] * 2.0 ** -53
+                rows = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2) * init_scale
+            else:
+                rows = (bits * 2.0 ** -52 - 1.0) * init_scale
+            out[start:start + len(base)] = torch.from_numpy(rows)
+    return out
+
+
+def _ids_array(ids) -> np.ndarray:
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+        raise InvalidArgumentError(f"ids must be a 1-D int64 tensor, got {getattr(ids, 'dtype', type(ids))} of "
+                                   f"shape {tuple(getattr(ids, 'shape', ()))}")
+    return ids.detach().cpu().contiguous().numpy()
+
+
+def _resized(array: np.ndarray, size: int, used: int) -> np.ndarray:
+    out = np.empty(size, dtype=array.dtype)
+    out[:used] = array[:used]
+    return out
+
+
+class _IdIndex:
+    """id -> slot for the ids in keys[:n] (an array its owner keeps): linear probing over a power-of-two
+    int32 bucket array at most half full. Buckets hold slots (-1: empty) and ids are read from keys, so an
+    entry costs 8 to 16 bytes. Removing ids means rebuild()."""
+
+    def __init__(self):
+        self.buckets = np.full(64, -1, dtype=np.int32)
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        shift = np.uint64(65 - len(self.buckets).bit_length())  # the hash's top log2(buckets) bits
+        return (_splitmix64(ids.view(np.uint64) ^ _INDEX_SALT) >> shift).astype(np.int64)
+
+    def find(self, keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Each id's slot, -1 where absent."""
+        slots = np.full(len(ids), -1, dtype=np.int64)
+        active, pos, mask = np.arange(len(ids)), self._home(ids), len(self.buckets) - 1
+        while active.size:
+            slot = self.buckets[pos]
+            used = slot >= 0
+            hit = np.zeros(len(active), dtype=bool)
+            hit[used] = keys[slot[used]] == ids[active[used]]
+            slots[active[hit]] = slot[hit]
+            going = used & ~hit
+            active, pos = active[going], (pos[going] + 1) & mask
+        return slots
+
+    def insert(self, keys: np.ndarray, slots: np.ndarray, n: int) -> None:
+        """Indexes keys[slots] (absent ids), keys[:n] being all ids afterwards."""
+        if 2 * n > len(self.buckets):
+            self.rebuild(keys, n)
+        else:
+            self._place(keys[slots], slots)
+
+    def rebuild(self, keys: np.ndarray, n: int) -> None:
+        self.buckets = np.full(max(64, 1 << (2 * n - 1).bit_length()), -1, dtype=np.int32)
+        self._place(keys[:n], np.arange(n))
+
+    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        pending, pos, mask = np.arange(len(ids)), self._home(ids), len(self.buckets) - 1
+        while pending.size:
+            free = np.flatnonzero(self.buckets[pos] < 0)
+            cells, first = np.unique(pos[free], return_index=True)  # one winner per free bucket
+            self.buckets[cells] = slots[pending[free[first]]]
+            left = np.ones(len(pending), dtype=bool)
+            left[free[first]] = False
+            pending, pos = pending[left], (pos[left] + 1) & mask
+
+    @property
+    def nbytes(self) -> int:
+        return self.buckets.nbytes
+
+
+class _Keyed:
+    """Records keyed by unique int64 ids in numpy columns ("ids" first) with an _IdIndex; appended at the
+    end, removed by moving the last records into the holes."""
+
+    def __init__(self, **dtypes):
+        self.cols = {"ids": np.empty(0, dtype=np.int64), **{k: np.empty(0, dtype=d) for k, d in dtypes.items()}}
+        self.n = 0
+        self.index = _IdIndex()
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        return self.index.find(self.cols["ids"], ids)
+
+    def append(self, ids: np.ndarray, **values) -> np.ndarray:
+        """Slots of the new records (ids absent from the table)."""
+        n = self.n + len(ids)
+        if n > len(self.cols["ids"]):
+            size = max(n, len(self.cols["ids"]) * (_GROWTH + 1) // _GROWTH, _MIN_SLAB)
+            self.cols = {k: _resized(col, size, self.n) for k, col in self.cols.items()}
+        slots = np.arange(self.n, n)
+        for key, value in {"ids": ids, **values}.items():
+            self.cols[key][slots] = value
+        self.n = n
+        self.index.insert(self.cols["ids"], slots, n)
+        return slots
+
+    def remove(self, gone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drops the records at slots `gone` (distinct); returns (src, dst): the slots moved into holes."""
+        if not len(gone):
+            return gone, gone
+        n = self.n - len(gone)
+        dead = np.zeros(self.n, dtype=bool)
+        dead[gone] = True
+        dst, src = np.flatnonzero(dead[:n]), n + np.flatnonzero(~dead[n:])
+        for col in self.cols.values():
+            col[dst] = col[src]
+        if len(self.cols["ids"]) > n + n // 4 + _MIN_SLAB:
+            self.cols = {k: _resized(col, n + n // _GROWTH + _MIN_SLAB, n) for k, col in self.cols.items()}
+        self.n = n
+        self.index.rebuild(self.cols["ids"], n)
+        return src, dst
+
+    @property
+    def nbytes(self) -> int:
+        return sum(col.nbytes for col in self.cols.values()) + self.index.nbytes
+
+
+class _Slabs:
+    """Rows [0, capacity) of values and per-row optimizer state, in slabs of whole rows (a dict of
+    (rows, columns) tensors per slab), every tensor in the same slot order."""
+
+    def __init__(self, columns: Mapping[str, int], dtype: torch.dtype):
+        self.columns, self.dtype = dict(columns), dtype
+        self.slabs: list[dict[str, torch.Tensor]] = []
+        self.starts = np.empty(0, dtype=np.int64)
+        self.capacity = 0
+
+    def reserve(self, n: int, exact: bool = False) -> None:
+        """Room for rows [0, n): slabs of max(_MIN_SLAB, an eighth of the capacity) rows each (exact: one slab of
+        the rows missing), so that release() can give back all but an eighth."""
+        while n > self.capacity:
+            size = n - self.capacity if exact else max(_MIN_SLAB, self.capacity // _GROWTH)
+            self.slabs.append({k: torch.empty(size, w, dtype=self.dtype) for k, w in self.columns.items()})
+            self.starts = np.append(self.starts, self.capacity)
+            self.capacity += size
+
+    def release(self, n: int) -> None:
+        """Frees the slabs wholly beyond row n."""
+        keep = int(np.searchsorted(self.starts, n, side="left"))
+        if keep < len(self.slabs):
+            self.capacity = int(self.starts[keep])
+            del self.slabs[keep:]
+            self.starts = self.starts[:keep].copy()
+
+    def groups(self, slots: np.ndarray) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
+        """(slab, rows within it, positions in `slots`) for each slab that `slots` touch."""
+        if len(self.slabs) == 1:
+            return [(self.slabs[0], torch.from_numpy(slots), torch.arange(len(slots)))] if len(slots) else []
+        which = np.searchsorted(self.starts, slots, side="right") - 1
+        order = np.argsort(which, kind="stable")
+        out = []
+        for part in np.split(order, np.flatnonzero(np.diff(which[order])) + 1):
+            if part.size:
+                k = which[part[0]]
+                out.append((self.slabs[k], torch.from_numpy(slots[part] - self.starts[k]), torch.from_numpy(part)))
+        return out
+
+    def gather(self, key: str, slots: np.ndarray) -> torch.Tensor:
+        out = torch.empty(len(slots), self.columns[key], dtype=self.dtype)
+        for slab, rows, positions in self.groups(slots):
+            out[positions] = slab[key].index_select(0, rows)
+        return out
+
+    def scatter(self, key: str, slots: np.ndarray, data: torch.Tensor) -> None:
+        for slab, rows, positions in self.groups(slots):
+            slab[key].index_copy_(0, rows, data[positions])
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts.nbytes + sum(t.untyped_storage().nbytes() for slab in self.slabs for t in slab.values())
+
+
+def _check_config(c: Mapping) -> None:
+    def whole(value, least):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    problems = [name for name, ok in [
+        ("dim", whole(c["dim"], 1)),
+        ("num_embeddings", c["num_embeddings"] is None or whole(c["num_embeddings"], 1)),
+        ("num_shards", whole(c["num_shards"], 1)),
+        ("shard_index", whole(c["shard_index"], 0) and c["shard_index"] < c["num_shards"]),
+        ("partition", c["partition"] in PARTITIONS),
+        ("init", c["init"] in INITS),
+        ("init_scale", isinstance(c["init_scale"], (int, float)) and math.isfinite(c["init_scale"])
+         and c["init_scale"] >= 0),
+        ("seed", whole(c["seed"], 0)),
+        ("dtype", isinstance(getattr(torch, c["dtype"], None), torch.dtype) and getattr(torch, c["dtype"])
+         .is_floating_point),
+        ("min_count", whole(c["min_count"], 1)),
+        ("max_age", c["max_age"] is None or whole(c["max_age"], 0)),
+        ("capacity", c["capacity"] is None or whole(c["capacity"], 1)),
+        ("fixed-size tables take no min_count, max_age or capacity", c["num_embeddings"] is None
+         or (c["min_count"], c["max_age"], c["capacity"]) == (1, None, None)),
+    ] if not ok]
+    if problems:
+        raise InvalidArgumentError(f"bad embedding table settings {problems}: {dict(c)}")
+
+
+class EmbeddingTable:
+    """One shard's part of an embedding table (see the module docstring). Raises InvalidArgumentError for bad
+    settings and OptimizerSpecError for a bad optimizer."""
+
+    def __init__(self, dim: int, *, num_embeddings: int | None = None, shard_index: int = 0, num_shards: int = 1,
+                 partition: str = "modulo", optimizer: str = "sgd", hyperparams: Mapping[str, float] | None = None,
+                 init: str = "normal", init_scale: float = 1.0, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 min_count: int = 1, max_age: int | None = None, capacity: int | None = None):
+        dtype_name = str(dtype).removeprefix("torch.")
+        self._config = dict(dim=dim, num_embeddings=num_embeddings, shard_index=shard_index, num_shards=num_shards,
+                            partition=partition, init=init, init_scale=init_scale, seed=seed, dtype=dtype_name,
+                            min_count=min_count, max_age=max_age, capacity=capacity)
+        _check_config(self._config)
+        self.optimizer = RowOptimizer(optimizer, hyperparams)
+        self.dim, self.dtype, self.fixed = dim, getattr(torch, dtype_name), num_embeddings is not None
+        self._spec = self.optimizer.state_spec(dim)
+        self._lock = threading.Lock()
+        self._step = 0
+        self._events = {"admitted": 0, "evicted_by_age": 0, "evicted_by_capacity": 0}
+        self._owned = None  # fixed "hash" tables: the owned ids, sorted (slot = position)
+        if self.fixed:
+            owned = np.arange(shard_index, num_embeddings, num_shards, dtype=np.int64)
+            if partition == "hash":
+                every = np.arange(num_embeddings, dtype=np.int64)
+                owned = self._owned = every[_owner(every, num_shards, partition) == shard_index]
+            self._slabs = self._new_slabs(len(owned))
+            self._write_new(np.arange(len(owned)), owned)
+        else:
+            self._slabs = self._new_slabs(0)
+            self._rows = _Keyed(updated=np.int64)
+            self._pending = _Keyed(counts=np.int32, seen=np.int64)
+            self._pending_dead = 0  # pending records of ids admitted since (count -1), dropped in bulk
+
+    # -- settings -------------------------------------------------------------------------------
+
+    def config(self) -> dict:
+        """The constructor's arguments (dtype by name, the optimizer's current hyperparameters): JSON-able."""
+        return {**self._config, "optimizer": self.optimizer.name, "hyperparams": dict(self.optimizer.hyperparams)}
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row and its optimizer state."""
+        return (self.dim + sum(w for w, _ in self._spec.values())) * self.dtype.itemsize
+
+    def _new_slabs(self, rows: int) -> _Slabs:
+        slabs = _Slabs({"values": self.dim, **{k: w for k, (w, _) in self._spec.items()}}, self.dtype)
+        slabs.reserve(rows, exact=self.fixed)
+        return slabs
+
+    def _write_new(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        for start in range(0, len(ids), _INIT_CHUNK):
+            part = slots[start:start + _INIT_CHUNK]
+            c = self._config
+            self._slabs.scatter("values", part, initial_rows(ids[start:start + _INIT_CHUNK], self.dim, seed=c["seed"],
+                                                              init=c["init"], init_scale=c["init_scale"],
+                                                              dtype=self.dtype))
+            for key, (width, value) in self._spec.items():
+                self._slabs.scatter(key, part, torch.full((len(part), width), value, dtype=self.dtype))
+
+    # -- ids ------------------------------------------------------------------------------------
+
+    def _checked_ids(self, ids, unique: bool) -> np.ndarray:
+        out = _ids_array(ids)
+        if unique and len(np.unique(out)) != len(out):
+            raise InvalidArgumentError("lookup ids must be unique")
+        self._check_owned(out)
+        return out
+
+    def _check_owned(self, ids: np.ndarray) -> None:
+        c = self._config
+        if self.fixed:
+            bad = ids[(ids < 0) | (ids >= c["num_embeddings"])]
+            if bad.size:
+                raise InvalidArgumentError(f"ids must be in [0, {c['num_embeddings']}); got {bad[:5].tolist()}")
+        bad = ids[_owner(ids, c["num_shards"], c["partition"]) != c["shard_index"]]
+        if bad.size:
+            raise InvalidArgumentError(f"ids {bad[:5].tolist()} are not on shard {c['shard_index']} of "
+                                       f"{c['num_shards']} ({c['partition']} partitioning)")
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        if not self.fixed:
+            return self._rows.find(ids)
+        if self._owned is not None:
+            return np.searchsorted(self._owned, ids)
+        return ids // self._config["num_shards"]
+
+    # -- lookups and updates --------------------------------------------------------------------
+
+    def lookup(self, ids: torch.Tensor, *, admit: bool = True) -> torch.Tensor:
+        """(len(ids), dim) copies of the rows of `ids` (unique, owned by this shard). In a dynamic table, with
+        admit, an absent id counts one occurrence and its row is created at the min_count-th; absent ids get
+        zeros. Raises InvalidArgumentError for ids that are not 1-D int64, unique and this shard's."""
+        with self._lock:
+            ids = self._checked_ids(ids, unique=True)
+            slots = self._find(ids)
+            missing = np.flatnonzero(slots < 0)
+            if admit and missing.size:
+                new = missing[self._count(ids[missing])]
+                slots[new] = self._create(ids[new])
+            present = np.flatnonzero(slots >= 0)
+            if present.size == len(ids):
+                return self._slabs.gather("values", slots)
+            out = torch.zeros(len(ids), self.dim, dtype=self.dtype)
+            out[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
+            return out
+
+    def _count(self, ids: np.ndarray) -> np.ndarray:
+        """Counts one occurrence of each (absent) id; True where it reaches min_count (its record is retired)."""
+        if self._config["min_count"] <= 1:
+            return np.ones(len(ids), dtype=bool)
+        pending = self._pending
+        slots = pending.find(ids)
+        known = slots[slots >= 0]
+        old = pending.cols["counts"][known]
+        self._pending_dead -= int(np.count_nonzero(old < 0))
+        pending.cols["counts"][known] = np.maximum(old, 0) + 1
+        pending.cols["seen"][known] = self._step
+        fresh = np.flatnonzero(slots < 0)
+        slots[fresh] = pending.append(ids[fresh], counts=1, seen=self._step)
+        counts = pending.cols["counts"]  # after append: it may have moved
+        reached = counts[slots] >= self._config["min_count"]
+        counts[slots[reached]] = -1
+        self._pending_dead += int(np.count_nonzero(reached))
+        if self._pending_dead > max(_MIN_SLAB, pending.n // 2):
+            pending.remove(np.flatnonzero(counts[:pending.n] < 0))
+            self._pending_dead = 0
+        return reached
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        self._slabs.reserve(self._rows.n + len(ids))
+        slots = self._rows.append(ids, updated=self._step)
+        self._write_new(slots, ids)
+        self._events["admitted"] += len(ids)
+        return slots
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, step: int) -> int:
+        """One optimizer step at training step `step` with grads[i] the gradient of row ids[i] (repeated ids are
+        summed first); returns the number of rows updated. Absent ids of a dynamic table are skipped (the step
+        still counts). Raises InvalidArgumentError (bad ids or step), TensorMismatchError (grads not
+        (len(ids), dim) of the table's dtype) or NonFiniteGradientError."""
+        with self._lock:
+            step = self._checked_step(step)
+            if not isinstance(grads, torch.Tensor) or grads.dtype != self.dtype or grads.dim() != 2 \
+                    or grads.shape[1] != self.dim:
+                raise TensorMismatchError(f"gradients must be (len(ids), {self.dim}) {self.dtype}; got "
+                                          f"{getattr(grads, 'dtype', type(grads))} "
+                                          f"{tuple(getattr(grads, 'shape', ()))}")
+            ids, summed = coalesce(torch.from_numpy(self._checked_ids(ids, unique=False)), grads.detach().cpu())
+            if not torch.isfinite(summed).all():
+                raise NonFiniteGradientError("embedding gradients hold NaN or Inf")
+            slots = self._find(ids.numpy())
+            present = np.flatnonzero(slots >= 0)
+            if present.size < len(slots):
+                slots, summed = slots[present], summed[torch.from_numpy(present)]
+            self.optimizer.step([(slab["values"], {k: slab[k] for k in self._spec}, rows, summed[positions])
+                                 for slab, rows, positions in self._slabs.groups(slots)])
+            if not self.fixed:
+                self._rows.cols["updated"][slots] = step
+            self._step = max(self._step, step)
+            return len(slots)
+
+    @staticmethod
+    def _checked_step(step) -> int:
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
+        return int(step)
+
+    # -- eviction and accounting ----------------------------------------------------------------
+
+    def evict(self, step: int) -> dict[str, int]:
+        """Drops rows (and occurrence counters) older than max_age steps at `step`, then the least recently
+        updated above capacity; returns {"by_age": n, "by_capacity": n} rows dropped (fixed tables: none)."""
+        with self._lock:
+            step = self._checked_step(step)
+            self._step = max(self._step, step)
+            if self.fixed:
+                return {"by_age": 0, "by_capacity": 0}
+            by_age, by_capacity = self._stale(self._rows, "updated", step)
+            gone = np.concatenate([by_age, by_capacity])
+            if gone.size:
+                src, dst = self._rows.remove(gone)
+                for key in self._slabs.columns:
+                    self._slabs.scatter(key, dst, self._slabs.gather(key, src))
+                self._slabs.release(self._rows.n)
+            retired = np.flatnonzero(self._pending.cols["counts"][:self._pending.n] < 0)
+            self._pending_dead -= len(retired)
+            self._pending.remove(np.concatenate([retired, *self._stale(self._pending, "seen", step, retired)]))
+            self._events["evicted_by_age"] += len(by_age)
+            self._events["evicted_by_capacity"] += len(by_capacity)
+            return {"by_age": len(by_age), "by_capacity": len(by_capacity)}
+
+    def _stale(self, records: _Keyed, key: str, step: int, skip: np.ndarray = np.empty(0, dtype=np.int64)):
+        """(slots older than max_age, then the oldest beyond capacity), neither in `skip`."""
+        c = self._config
+        when, ids = records.cols[key][:records.n], records.cols["ids"][:records.n]
+        alive = np.ones(records.n, dtype=bool)
+        alive[skip] = False
+        old = np.flatnonzero(alive & (step - when > c["max_age"])) if c["max_age"] is not None else skip[:0]
+        alive[old] = False
+        rest = np.flatnonzero(alive)
+        if c["capacity"] is None or len(rest) <= c["capacity"]:
+            return old, skip[:0]
+        return old, rest[np.lexsort((ids[rest], when[rest]))[:len(rest) - c["capacity"]]]
+
+    def nbytes(self) -> int:
+        """Bytes this shard's part of the table holds: rows, optimizer state, ids, index, counters."""
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
+        total = self._slabs.nbytes + (self._owned.nbytes if self._owned is not None else 0)
+        return total if self.fixed else total + self._rows.nbytes + self._pending.nbytes
+
+    def counters(self) -> dict[str, int]:
+        """rows, pending (ids counted, not admitted), admitted, evicted_by_age, evicted_by_capacity, evicted,
+        bytes, row_bytes (one row and its state), optimizer_steps."""
+        with self._lock:
+            rows = self._slabs.capacity if self.fixed else self._rows.n
+            pending = 0 if self.fixed else self._pending.n - self._pending_dead
+            return {"rows": rows, "pending": pending, **self._events,
+                    "evicted": self._events["evicted_by_age"] + self._events["evicted_by_capacity"],
+                    "bytes": self._nbytes(), "row_bytes": self.row_bytes, "optimizer_steps": self.optimizer.steps}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _stored(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids in ascending order, their slots)."""
+        if self.fixed:
+            c = self._config
+            ids = self._owned if self._owned is not None else np.arange(c["shard_index"], c["num_embeddings"],
+                                                                         c["num_shards"], dtype=np.int64)
+            return ids.copy(), np.arange(len(ids))
+        order = np.argsort(self._rows.cols["ids"][:self._rows.n], kind="stable")
+        return self._rows.cols["ids"][order], order
+
+    def state_dict(self) -> dict:
+        """A copy of the shard's table: config, optimizer steps, the table's step, event counters, rows by
+        ascending id ("ids", "values", "state" {name: (rows, width)}), and for dynamic tables "last_update"
+        and the occurrence counters ("pending": ids, counts, last_seen)."""
+        with self._lock:
+            ids, slots = self._stored()
+            out = {"format": STATE_FORMAT, "config": self.config(), "optimizer_steps": self.optimizer.steps,
+                   "step": self._step, "events": dict(self._events), "ids": torch.from_numpy(ids),
+                   "values": self._slabs.gather("values", slots),
+                   "state": {key: self._slabs.gather(key, slots) for key in self._spec}}
+            if not self.fixed:
+                out["last_update"] = torch.from_numpy(self._rows.cols["updated"][slots])
+                p = self._pending
+                live = np.flatnonzero(p.cols["counts"][:p.n] > 0)
+                live = live[np.argsort(p.cols["ids"][live], kind="stable")]
+                out["pending"] = {"ids": torch.from_numpy(p.cols["ids"][live]),
+                                  "counts": torch.from_numpy(p.cols["counts"][live].astype(np.int64)),
+                                  "last_seen": torch.from_numpy(p.cols["seen"][live])}
+            return out
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping) -> EmbeddingTable:
+        """A table built from the config in `state`, holding its rows."""
+        config = {**state["config"], "dtype": getattr(torch, state["config"]["dtype"])}
+        table = cls(config.pop("dim"), **config)
+        table.load_state_dict(state)
+        return table
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Replaces the table's rows, optimizer state and counters with `state`'s (from state_dict() or
+        relayout()). The config's layout keys must equal this table's; hyperparameters come from `state`,
+        min_count, max_age and capacity stay this table's. Raises InvalidArgumentError for a state that does
+        not fit (rows not this shard's, missing or misshapen tensors), OptimizerSpecError for bad hyperparameters."""
+        with self._lock:
+            optimizer, ids, tensors, counters, step, events = self._parsed(state)
+            slabs = self._new_slabs(len(ids))
+            if self.fixed:
+                slots = self._find(ids)
+            else:
+                rows, pending = _Keyed(updated=np.int64), _Keyed(counts=np.int32, seen=np.int64)
+                slots = rows.append(ids, updated=counters["last_update"])
+                pending.append(counters["pending ids"], counts=counters["pending counts"],
+                               seen=counters["pending last_seen"])
+            for key, tensor in tensors.items():
+                slabs.scatter(key, slots, tensor.detach().cpu())
+            self._slabs, self.optimizer, self._step, self._events = slabs, optimizer, step, events
+            if not self.fixed:
+                self._rows, self._pending, self._pending_dead = rows, pending, 0
+
+    def _parsed(self, state: Mapping):
+        """load_state_dict's checks: (optimizer, ids, row tensors, counter arrays, step, events)."""
+        try:
+            config = state["config"]
+            different = [k for k in _STRUCTURAL if config[k] != self.config()[k]]
+            if state["format"] != STATE_FORMAT or different:
+                raise InvalidArgumentError(f"table state of format {state['format']} differs in {different}")
+            optimizer = RowOptimizer(config["optimizer"], config["hyperparams"], int(state["optimizer_steps"]))
+            ids = _ids_array(state["ids"])
+            tensors = {"values": state["values"], **{k: state["state"][k] for k in self._spec}}
+            counters = {} if self.fixed else {"last_update": state["last_update"],
+                                              **{f"pending {k}": state["pending"][k]
+                                                 for k in ("ids", "counts", "last_seen")}}
+            step, events = int(state["step"]), {k: int(state["events"][k]) for k in self._events}
+        except InvalidArgumentError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"not an embedding table state: missing or bad {exc}") from None
+        pending = counters.get("pending ids")
+        lengths = {"last_update": len(ids)}
+        if isinstance(pending, torch.Tensor) and pending.dim() == 1:
+            lengths.update({f"pending {k}": len(pending) for k in ("ids", "counts", "last_seen")})
+        bad = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor) or t.dtype != self.dtype
+               or tuple(t.shape) != (len(ids), self._slabs.columns[k])]
+        bad += [k for k, t in counters.items() if not isinstance(t, torch.Tensor) or t.dtype != torch.int64
+                or tuple(t.shape) != (lengths.get(k, -1),)]
+        if bad:
+            raise InvalidArgumentError(f"table state tensors {bad} do not fit {len(ids)} rows of {self.dim} "
+                                       f"{self.dtype} (counters: int64, one per row or pending id)")
+        counters = {k: t.numpy() for k, t in counters.items()}
+        every = np.concatenate([ids, counters.get("pending ids", ids[:0])])
+        self._check_owned(every)
+        if len(np.unique(every)) != len(every) or (self.fixed and len(ids) != self._slabs.capacity) \
+                or np.any(counters.get("pending counts", 1) < 1):
+            raise InvalidArgumentError("a table state needs distinct ids (rows and pending), positive pending "
+                                       "counts and, for a fixed-size table, every id of the shard")
+        return optimizer, ids, tensors, counters, step, events
+
+
+def relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, *,
+             partition: str | None = None) -> dict:
+    """The state of shard `shard_index` of `num_shards` (partitioned by `partition`, default: as before) of the
+    table whose old shards' state_dict()s are `states`, all of them, in any order: every row the new shard owns,
+    with its optimizer state and age, and its occurrence counters. Event counters restart at zero; per-shard
+    capacity stays (the next evict() applies it). Raises InvalidArgumentError unless the states are one
+    table's complete old layout with one optimizer step count (the states are only read)."""
+    try:
+        return _relayout(states, shard_index, num_shards, partition)
+    except (KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"not the states of an embedding table: missing or bad {exc}") from None
+
+
+def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None) -> dict:
+    configs = [dict(s["config"]) for s in states]
+    if not configs:
+        raise InvalidArgumentError("relayout needs the states of every old shard")
+    old = configs[0]
+    layout = sorted(c["shard_index"] for c in configs)
+    same = all({**c, "shard_index": 0} == {**old, "shard_index": 0} for c in configs)
+    steps = {int(s["optimizer_steps"]) for s in states}
+    if not same or layout != list(range(old["num_shards"])) or len(steps) != 1:
+        raise InvalidArgumentError(f"relayout needs one table's states from all of its {old['num_shards']} shards "
+                                   f"with one optimizer step count; got shards {layout}, step counts {sorted(steps)}")
+    config = {**old, "shard_index": shard_index, "num_shards": num_shards, "partition": partition or old["partition"]}
+    _check_config(config)
+
+    def mine(ids: torch.Tensor) -> torch.Tensor:
+        return shard_of(ids, num_shards, config["partition"]) == shard_index
+
+    def gathered(get) -> tuple[torch.Tensor, ...]:
+        parts = [get(s) for s in states]
+        keeps = [mine(p[0]) for p in parts]
+        return tuple(torch.cat([p[i][k] for p, k in zip(parts, keeps)]) for i in range(len(parts[0])))
+
+    keys = sorted(states[0]["state"])
+    dynamic = old["num_embeddings"] is None
+    rows = gathered(lambda s: (s["ids"], s["values"], *(s["state"][k] for k in keys),
+                               *([s["last_update"]] if dynamic else [])))
+    order = torch.argsort(rows[0])
+    rows = [t[order] for t in rows]
+    out = {"format": STATE_FORMAT, "config": config, "optimizer_steps": steps.pop(),
+           "step": max(int(s["step"]) for s in states), "events": {k: 0 for k in states[0]["events"]},
+           "ids": rows[0], "values": rows[1], "state": dict(zip(keys, rows[2:2 + len(keys)]))}
+    if dynamic:
+        out["last_update"] = rows[-1]
+        pending = gathered(lambda s: (s["pending"]["ids"], s["pending"]["counts"], s["pending"]["last_seen"]))
+        order = torch.argsort(pending[0])
+        out["pending"] = dict(zip(("ids", "counts", "last_seen"), (t[order] for t in pending)))
+    return out
