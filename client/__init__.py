@@ -1,9 +1,10 @@
 """The torchps client: connect to the shards, register modules, pull and push.
 
-    from torchps.client import Cluster, Optimizer, PSClient
+    from torchps.client import Cluster, Embedding, EmbeddingBag, Optimizer, PSClient
 """
 
 from ..cluster import Cluster, TaskSpec
+from ..compression import Compression
 from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError,
                       MalformedStreamError, ModeConflictError, NonFiniteGradientError, OptimizerSpecError,
                       PermissionDeniedError, PSError,
@@ -11,10 +12,12 @@ from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, 
                       StepPassedError, TensorMismatchError, UnknownVariableError, WaitTimeoutError,
                       WorkerReplacedError)
 from ..memory import tune_malloc
+from ..partitioning import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
 from ..placement import Placement
 from ..security import Security
 from ..specs import Optimizer
 from .client import PSClient
+from .embedding import Embedding, EmbeddingBag, ShardedTable
 from .module import ModuleBinding
 from .stats import WorkerStats
 
@@ -23,9 +26,15 @@ __all__ = [
     "CheckpointError",
     "Cluster",
     "ClusterConfigError",
+    "Compression",
+    "Embedding",
+    "EmbeddingBag",
+    "FixedShardsPartitioner",
     "InternalServerError",
     "InvalidArgumentError",
     "MalformedStreamError",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
     "ModeConflictError",
     "ModuleBinding",
     "NonFiniteGradientError",
@@ -33,12 +42,14 @@ __all__ = [
     "OptimizerSpecError",
     "PSClient",
     "PSError",
+    "Partitioner",
     "PermissionDeniedError",
     "Placement",
     "ResourceExhaustedError",
     "Security",
     "ServerUnavailableError",
     "ShardLostError",
+    "ShardedTable",
     "SpecConflictError",
     "StepPassedError",
     "TaskSpec",

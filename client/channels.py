@@ -39,7 +39,7 @@ DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a 
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
 
-    Pull yields and PushPull returns (chunks, step, push result) triples;
+    Pull and LookupRows yield and PushPull returns (chunks, step, push result) triples;
     Push (a stream) and PushPull (one message) take serialized PushRequest bytes.
     """
     stub = ps_pb2_grpc.ParameterServerStub(channel)
@@ -50,6 +50,9 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
                                      response_deserializer=ps_pb2.PushResponse.FromString)
     stub.PushPull = channel.unary_unary(f"{service}/PushPull", request_serializer=None,
                                         response_deserializer=wire.decode_pull_response)
+    stub.LookupRows = channel.unary_stream(f"{service}/LookupRows",
+                                           request_serializer=ps_pb2.LookupRowsRequest.SerializeToString,
+                                           response_deserializer=wire.decode_pull_response)
     return stub
 
 

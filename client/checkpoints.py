@@ -28,7 +28,8 @@ def save(client: "PSClient", step: int | None, *, keep: int, timeout: float) -> 
     """PSClient.save_checkpoint (see there); returns the committed checkpoint's step."""
     placement = client.placement
     manifest = json.dumps({"strategy": placement.strategy, "num_ps": client.cluster.num_ps,
-                           "variables": [[n, b] for n, b in zip(placement.names(), placement.nbytes())]})
+                           "variables": [[n, b] for n, b in zip(placement.names(), placement.nbytes())],
+                           "partitions": client.partitions.manifest()})
     shards = {s: [] for s in range(client.cluster.num_ps)}
     for _ in range(ATTEMPTS):
         steps = client._each_shard(shards, lambda shard, _: client.status(shard).step)

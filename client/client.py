@@ -3,7 +3,8 @@
     datapath.py    pull, push, exchange (PSClient's)    transfer.py    tensor bytes in and out
     channels.py    deadlines, retries with backoff     membership.py  join, heartbeats, leave
     recovery.py    shards that restarted empty         checkpoints.py two-phase checkpoints
-    module.py      torch.nn.Module bindings
+    module.py      torch.nn.Module bindings            tables.py      embedding tables (PSClient's)
+    embedding.py   Embedding, EmbeddingBag
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 
 from .. import codec
 from ..cluster import Cluster, TaskSpec
+from ..compression import Compression, Encoder, policies_for
 from ..errors import ClusterConfigError, InvalidArgumentError, PSError, WaitTimeoutError
+from ..partitioning import MinSizePartitioner, NoPartitioner, Partitioner, Partitions
 from ..placement import Placement
 from ..proto import ps_pb2
 from ..security import Security
@@ -30,8 +33,10 @@ from . import checkpoints
 from .channels import ShardChannels
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .membership import Heartbeats
+from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
 from .recovery import ShardRefill
 from .stats import WorkerStats
+from .tables import TableLayout, TablePath, tables_in
 
 __all__ = ["PSClient"]
 
@@ -42,7 +47,7 @@ CONTROL_TIMEOUT_SECONDS = 30.0  # deadline of calls that never wait for training
 LEAVE_ON_CLOSE_SECONDS = 3.0    # close() does not wait longer for shards to hear it leave: leases expire anyway
 
 
-class PSClient(DataPath):
+class PSClient(DataPath, TablePath):
     """A connection to every shard of a cluster, for one training process.
 
         with PSClient(cluster) as ps:
@@ -64,6 +69,12 @@ class PSClient(DataPath):
     by the client that created its variables; other clients wait up to
     `refill_timeout` for that, then raise ShardLostError.
 
+    Variables larger than the `partitioner` allows (default: TensorFlow's
+    MinSizePartitioner: pieces of at least 256 KiB, at most one per shard;
+    None: never) are cut along axis 0 into pieces on different shards
+    (torchps.partitioning); every call here still takes and gives whole
+    variables.
+
     `security` (torchps.security.Security: the task's certificate, key, the
     job's CA and tokens) secures every channel; by default it is read from
     the TORCHPS_TLS_CERT/KEY/CA and TORCHPS_TOKEN_FILE (TORCHPS_ADMIN_TOKEN_FILE)
@@ -79,6 +90,7 @@ class PSClient(DataPath):
         timeout: float = 300.0,
         chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
         placement: str = "round_robin",
+        partitioner: Partitioner | None = MinSizePartitioner(),
         refill_timeout: float = 120.0,
         security: Security | None = None,
     ):
@@ -99,6 +111,8 @@ class PSClient(DataPath):
         self.timeout = timeout
         self.control_timeout = min(timeout, CONTROL_TIMEOUT_SECONDS)
         self.placement = Placement(cluster.num_ps, placement)
+        self.partitions = Partitions(partitioner or NoPartitioner(), cluster.num_ps)
+        self._declared: dict[str, None] = {}  # the variables declared, whole, in order
         self._placement_lock = threading.Lock()
         self.security = Security.load() if security is None else security
         self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout, security=self.security)
@@ -111,18 +125,20 @@ class PSClient(DataPath):
         self._seq = itertools.count(1)
         # One push at a time per client: shards keep only each worker's latest push number for dedup,
         # so two concurrent pushes could reach a shard out of order and the older look like a retry.
-        self._push_lock = threading.Lock()
+        self._push_lock = PushLock()  # a streamed push (overlap.py) gives way to any other
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.step = 0  # the step this worker computes at: set by join(), then by every push
         self.stats = WorkerStats()
-        # tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull and push_pull call,
-        # when set (ps-worker --trace-out); called from the threads making the calls.
+        # tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull, push_pull and lookup
+        # call, when set (ps-worker --trace-out); called from the threads making the calls.
         self.tracer: Callable[[str, int, float, float], None] | None = None
         self.last_replies: dict[int, ps_pb2.PushResponse] = {}  # shard -> its reply to this client's last push
         self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
         self.restarts_seen = 0
         self._heartbeats = Heartbeats(self._channels, self._worker_ref, self._on_heartbeat)
         self._refill = ShardRefill(self, refill_timeout)
+        self._encoder = Encoder()  # wire compression: a policy per variable, error-feedback residuals
+        self._tables: dict[str, TableLayout] = {}  # embedding tables created or waited for (tables.py)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -156,17 +172,31 @@ class PSClient(DataPath):
     def declare(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, int]]) -> None:
         """Places names without creating them (in the given order), so later calls know their shard.
 
-        Accepts {name: tensor} or (name, nbytes) pairs. Never blocks; idempotent.
+        Accepts {name: tensor} (cut into pieces as the partitioner says) or
+        (name, nbytes) pairs (never cut). Never blocks; idempotent.
         """
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         with self._placement_lock:
             for name, value in items:
-                nbytes = value if isinstance(value, int) else value.numel() * value.element_size()
-                self.placement.add(name, nbytes)
+                self._declared[name] = None
+                if isinstance(value, int):
+                    self.placement.add(name, value)
+                    continue
+                for wire_name, nbytes in self.partitions.add(name, tuple(value.shape), value.dtype):
+                    self.placement.add(wire_name, nbytes)
 
     def placement_report(self) -> str:
-        """variable -> shard and bytes per shard, as printable text."""
-        return self.placement.report(list(self.cluster.ps))
+        """variable -> shard and bytes per shard, as printable text; then the partitioned variables' pieces;
+        then the embedding tables this client knows, with each shard's counters (rows, admitted, evicted,
+        bytes: one GetStatus per shard, so with tables it blocks for a round trip)."""
+        report = self.placement.report(list(self.cluster.ps))
+        pieces = self.partitions.report()
+        lines = [report, f"partitioned ({len(pieces)}):", *pieces] if pieces else [report]
+        return "\n".join(lines + (self._tables_report() if self._tables else []))
+
+    def variable_names(self) -> list[str]:
+        """Every variable this client declared, whole (partitioned ones by their own name), in order."""
+        return list(self._declared)
 
     # -- variables --------------------------------------------------------------------------
 
@@ -179,16 +209,29 @@ class PSClient(DataPath):
         its part all-or-nothing, but if one shard fails the others' parts may
         already exist (calling again with the right spec completes the job).
         This client then refills these variables into a shard that restarts
-        without its state (from `tensors`, which it keeps referring to).
+        without its state (from `tensors`, which it keeps referring to). A
+        partitioned variable counts as created if any of its pieces was.
         """
         self.declare(tensors)
         spec = (optimizer or Optimizer("none")).to_proto()
-        for name, value in tensors.items():
-            self._refill.own(name, lambda value=value: value.detach().cpu(), spec)
-        groups = self.placement.group(tensors)
+        self._own(tensors, spec)
+        pieces = self.partitions.split(tensors)
+        groups = self.placement.group(pieces)
         results = self._each_shard(groups, lambda shard, names: self._create_on(
-            shard, {name: tensors[name] for name in names}, spec))
-        return {name: flag for shard, names in groups.items() for name, flag in zip(names, results[shard])}
+            shard, {name: pieces[name] for name in names}, spec))
+        created = {name: flag for shard, names in groups.items() for name, flag in zip(names, results[shard])}
+        return {name: any(created[piece] for piece in self.partitions.wire_names([name])) for name in tensors}
+
+    def _own(self, tensors: Mapping[str, torch.Tensor], spec: ps_pb2.OptimizerSpec) -> None:
+        """Makes this client the refiller of `tensors`' variables, taking their values as they are then."""
+        for name, value in tensors.items():
+            pieces = self.partitions.splits.get(name)
+            if pieces is None:
+                self._refill.own(name, lambda value=value: value.detach().cpu(), spec)
+                continue
+            for piece, start, stop in pieces.pieces:
+                self._refill.own(piece, lambda value=value, start=start, stop=stop: value.detach()[start:stop].cpu(),
+                                 spec)
 
     def _create_on(self, shard: int, tensors: Mapping[str, torch.Tensor], spec: ps_pb2.OptimizerSpec,
                    job_step: int = 0) -> list[bool]:
@@ -212,7 +255,7 @@ class PSClient(DataPath):
         Raises WaitTimeoutError naming the missing variables after `timeout` s,
         or ServerUnavailableError if a shard stays unreachable.
         """
-        groups = self.placement.group(list(names))
+        groups = self.placement.group(self.partitions.wire_names(names))
         deadline = time.monotonic() + timeout
 
         def wait(shard: int, shard_names: list[str]) -> None:
@@ -253,13 +296,13 @@ class PSClient(DataPath):
         return checkpoints.save(self, step, keep=keep, timeout=timeout)
 
     def export_state_dict(self, names: Iterable[str] | None = None, *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
-        """The current values of `names` (default: every placed variable) as a plain state_dict.
+        """The current values of `names` (default: every declared variable) as a plain state_dict.
 
         `model.load_state_dict(client.export_state_dict(...))` works when the
         names are the module's parameter names (strip the prefix given to
         register_module). Blocks for one pull.
         """
-        values = self.pull(self.placement.names() if names is None else names)
+        values = self.pull(self.variable_names() if names is None else names)
         return {name.removeprefix(strip_prefix): value for name, value in values.items()}
 
     def shutdown_cluster(self, reason: str = "job done") -> None:
@@ -355,7 +398,7 @@ class PSClient(DataPath):
         for an unknown name or a value torch.optim refuses, NaN or Inf included.
         """
         values = wire_hyperparams(hyperparams)
-        groups = self.placement.group(names) if names is not None else {s: [] for s in range(self.cluster.num_ps)}
+        groups = self.placement.group(self.partitions.wire_names(names)) if names is not None else {s: [] for s in range(self.cluster.num_ps)}
 
         def update(shard: int, shard_names: list[str]) -> int:
             request = ps_pb2.UpdateOptimizerRequest(names=shard_names, hyperparams=values)
@@ -363,6 +406,33 @@ class PSClient(DataPath):
                                        self.control_timeout).updated
 
         return sum(self._each_shard(groups, update).values())
+
+    # -- compression --------------------------------------------------------------------------------
+
+    def set_compression(self, policies: Mapping[str, Compression]) -> None:
+        """Sets how these variables travel from now on ({name: Compression}; the others keep theirs).
+
+        Declare partitioned variables first (register_module does): each piece
+        then follows its variable's policy, min_bytes counting per piece.
+
+        Each push is encoded once (a retry resends the same bytes); a shard's
+        residuals (error feedback) move on once it applied its part, so if a
+        push raises, the residuals of what was not applied are as they were.
+        In-place pulls (pull_into, exchange) ask for the policy's cast; pull()
+        and export_state_dict() read values as stored. Never blocks;
+        ClusterConfigError (nothing set) for a value that is not a Compression.
+        """
+        self._encoder.set_policies({wire_name: policy for name, policy in policies.items()
+                                    for wire_name in self.partitions.wire_names([name])})
+
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals, {variable: tensor} on CPU, for torch.save. Call it between pushes."""
+        return self._encoder.residuals.state_dict()
+
+    def load_compression_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replaces the residuals with saved ones (compression_state_dict's); ClusterConfigError, nothing
+        changed, if `state` is not one. Call it between pushes."""
+        self._encoder.residuals.load_state_dict(state)
 
     def global_step(self) -> int:
         """The global step (shard 0's counter of applied pushes). Blocks for one round trip."""
@@ -377,33 +447,71 @@ class PSClient(DataPath):
 
     def register_module(self, module: torch.nn.Module, optimizer: Optimizer | None = None, *,
                         create: bool | None = None, prefix: str = "", wait_timeout: float = 600.0,
-                        join: bool = True):
+                        join: bool = True, compression: Compression | Mapping[str, Compression] | None = None,
+                        overlap: bool = False, overlap_inflight_bytes: int = OVERLAP_INFLIGHT_BYTES):
         """Binds a module's parameters to variables named prefix + parameter name.
 
         With create (default: this client is the chief), creates them from the
         module's current values; otherwise waits up to `wait_timeout` s for the
         chief to create them (WaitTimeoutError names the missing ones). With
         join (workers; not evaluators) it then joins the job (see join()).
-        Either way it ends with a pull, so the module holds the shared values.
-        Returns a ModuleBinding with pull(), push() and exchange().
+        Either way it ends with a pull (blocking, with or without overlap), so
+        the module holds the shared values. `compression`: one Compression for
+        every parameter, or {parameter name or prefix: Compression} (the
+        longest match wins; see set_compression). With `overlap`, the
+        binding's push streams each gradient to its shards while backward
+        runs (at most `overlap_inflight_bytes` per shard encoded and not yet
+        sent before backward waits) and its pull streams the values while
+        forward runs, each submodule waiting for its own parameters only (see
+        ModuleBinding). Returns a ModuleBinding with pull(), push(),
+        exchange() and wait(). If it raises, nothing is bound (the module
+        keeps no hooks); variables created or joined stay so.
+
+        Embedding and EmbeddingBag submodules (torchps.client.embedding) are
+        tables on the shards, named prefix + their path + ".weight": created
+        with the variables (their own optimizer, else `optimizer` if it is
+        sgd or adagrad) or waited for alike; their row gradients ride in the
+        binding's pushes. Not with overlap (ClusterConfigError: not yet).
         """
         from .module import ModuleBinding
 
-        binding = ModuleBinding(self, module, prefix)
-        params = binding.cpu_values()
+        if isinstance(overlap_inflight_bytes, bool) or not isinstance(overlap_inflight_bytes, int) \
+                or overlap_inflight_bytes < 1:
+            raise ClusterConfigError(f"overlap_inflight_bytes must be a positive integer. "
+                                     f"Received: {overlap_inflight_bytes!r}")
+        tables = tables_in(module, prefix)
+        if tables and overlap:
+            raise ClusterConfigError("overlap=True with Embedding or EmbeddingBag tables: not yet; register the "
+                                     "module without overlap")
+        table_specs = [table.table_spec(name, optimizer) for name, table in tables.items()]
+        named = {prefix + name: p for name, p in module.named_parameters()}
+        params = {name: p.detach().cpu() for name, p in named.items()}
+        self.declare(params)
+        if compression is not None:
+            self.set_compression({prefix + name: policy for name, policy in policies_for(
+                [name for name, _ in module.named_parameters()], compression).items()})
         create = self.is_chief if create is None else create
         if create:
             self.create_variables(params, optimizer)
-            spec = (optimizer or Optimizer("none")).to_proto()
-            for name, param in binding.params.items():  # a refill takes the parameters' current values
-                self._refill.own(name, lambda param=param: param.detach().cpu(), spec)
+            self._own(named, (optimizer or Optimizer("none")).to_proto())  # a refill takes their values now
+            if tables:
+                self.create_tables(table_specs)
         else:
-            self.declare(params)
-            _LOGGER.info("waiting up to %g s for %d variables from the chief", wait_timeout, len(params))
+            _LOGGER.info("waiting up to %g s for %d variables and %d tables from the chief", wait_timeout,
+                         len(params), len(tables))
             self.wait_for_variables(params, wait_timeout)
+            if tables:
+                self.wait_for_tables(tables, wait_timeout)
+        for name, table in tables.items():
+            table.check_spec(self.table_layout(name).spec)
         if join:
             self.join()
+        binding = ModuleBinding(self, module, prefix)
         binding.pull()
+        if overlap:
+            binding = ModuleBinding(self, module, prefix, overlap=True, inflight_bytes=overlap_inflight_bytes)
+        for name, table in tables.items():
+            table.bind(self, name)
         return binding
 
     # -- helpers --------------------------------------------------------------------------------
@@ -416,7 +524,8 @@ class PSClient(DataPath):
     def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T],
                     phase: str | None = None) -> dict[int, T]:
         """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish.
-        With a `tracer` set, each shard's call of a data-path `phase` (push, pull, push_pull) is reported to it."""
+        With a `tracer` set, each shard's call of a data-path `phase` (push, pull, push_pull, lookup) is reported to
+        it."""
         items = list(groups.items())
         if not items:
             return {}

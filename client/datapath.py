@@ -1,7 +1,8 @@
 """PSClient's data path: pull, pull_into, push and push_pull (exchange), one stream per shard, all at once.
 
 A mixin of PSClient: it uses the client's channels, placement, pool, refill
-and push lock (see PSClient.__init__).
+and push lock (see PSClient.__init__), and for embedding tables' row
+gradients TablePath._row_tensors (tables.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class DataPath:
         most `timeout` per attempt); on error nothing is returned.
         """
         names = list(names)
+        wire_names = self.partitions.wire_names(names)
         sink = NewTensors()
-        self._refill.guard(names, lambda: self._pull(names, sink))
-        return {name: sink.tensors[name] for name in names}
+        self._refill.guard(wire_names, lambda: self._pull(wire_names, sink))
+        return self.partitions.join(sink.tensors, names)
 
     def pull_into(self, targets: Mapping[str, torch.Tensor], *, min_step: int = 0) -> int:
         """Overwrites each target tensor in place with its variable; returns shard 0's step counter
@@ -43,6 +45,7 @@ class DataPath:
         `timeout` per attempt. If it raises midway, targets may be partly
         overwritten: pull again.
         """
+        targets = self.partitions.split(targets)  # row views: pieces land in place
         sink = IntoTargets(targets)
         step = self._refill.guard(targets, lambda: self._pull(list(targets), sink, min_step))
         sink.finish()
@@ -51,14 +54,22 @@ class DataPath:
     def _pull(self, names: list[str], sink, min_step: int = 0) -> int:
         """Streams `names` from their shards into sink; shard 0's step, or -1 if shard 0 was not read."""
         def pull(shard: int, shard_names: list[str]) -> int:
-            request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step)
+            request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step,
+                                         cast=self._pull_casts(shard_names, sink))
             return self._channels.call(shard, lambda stub, t: read_stream(
                 stub.Pull(request, timeout=t), shard_names, sink, self._channels.target(shard))[0], self.timeout)
 
         return self._each_shard(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
 
-    def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True) -> int:
+    def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True,
+             rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Sends gradients; each shard applies (async, ssp) or aggregates (sync) its part.
+
+        `rows` adds embedding tables' row gradients, {table: (ids, (len(ids),
+        dim) gradients)} (repeated ids are summed here), to the same push: each
+        shard gets its rows of every table (none, where it holds none of the
+        ids) with its dense gradients, and applies them all or none
+        (tables.py; sync mode refuses them: ModeConflictError).
 
         `step` is the step the gradients were computed at (default: self.step,
         what the last push or join returned). Returns the step to compute at
@@ -78,54 +89,71 @@ class DataPath:
         the gradients and the others do not; NaN/Inf and shape errors change
         nothing anywhere.
         """
+        grads = self.partitions.split(grads)
         with self._push_lock:
             self._check_fenced()
             groups = self.placement.group(grads)
             groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
+            table_sent = self._row_tensors(rows or {})
             header = self._header(step, advance_step)
+            sent, left = self._encoder.encode_all(grads, header.step)  # once: a retry resends the same bytes
 
             def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
-                shard_header = ps_pb2.PushHeader(tensors=len(names))
+                tables = table_sent[shard]
+                shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
                 shard_header.MergeFrom(header)
-                return self._channels.call(shard, lambda stub, t: stub.Push(
-                    push_requests(shard_header, grads, names, self.chunk_bytes), timeout=t), self.timeout)
+                reply = self._channels.call(shard, lambda stub, t: stub.Push(
+                    push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes),
+                    timeout=t), self.timeout)
+                self._encoder.commit(left, names)  # applied there: their residuals move on
+                return reply
 
             return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push, "push")))
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
-                  step: int | None = None, advance_step: bool = True) -> int:
-        """push(grads) then pull_into(targets), in one round trip per shard (PushPull) in every mode.
+                  step: int | None = None, advance_step: bool = True,
+                  rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """push(grads, rows=rows) then pull_into(targets), in one round trip per shard (PushPull) in every mode.
 
-        Used when each shard's gradients and variables fit in one chunk_bytes
-        message; otherwise this is push() then pull_into(). In sync mode every
-        shard holds its reply until this worker may go on, and a shard whose
-        values predate the step shard 0 released is read again (min_step), so
-        the guarantees are those of push then pull_into. Returns the next step.
+        Used when each shard's gradients (row gradients included) and variables
+        fit in one chunk_bytes message; otherwise this is push() then
+        pull_into(). In sync mode every shard holds its reply until this worker
+        may go on, and a shard whose values predate the step shard 0 released
+        is read again (min_step), so the guarantees are those of push then
+        pull_into. Returns the next step.
         """
+        grads, targets = self.partitions.split(grads), self.partitions.split(targets)
         groups = self.placement.group(grads)
         pulls = self.placement.group(targets)
         sync = self.mode is not None and self.mode.mode == "sync"
+        table_sent = self._row_tensors(rows or {})
 
         def nbytes(tensors: Mapping[str, torch.Tensor], names: list[str]) -> int:
             return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
 
-        if any(nbytes(grads, groups.get(s, [])) > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
+        if any(nbytes(grads, groups.get(s, [])) + sum(e.payload.numel() for e in table_sent[s].values())
+               > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
                for s in range(self.cluster.num_ps)):
-            self.push(grads, step=step, advance_step=advance_step)
+            self.push(grads, step=step, advance_step=advance_step, rows=rows)
             self.pull_into(targets, min_step=self.step if sync else 0)
             return self.step
         with self._push_lock:
             self._check_fenced()
             sink = IntoTargets(targets)
             header = self._header(step, advance_step)
+            sent, left = self._encoder.encode_all(grads, header.step)  # once: a retry resends the same bytes
 
             def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
-                shard_header = ps_pb2.PushHeader(tensors=len(names), pull=pulls.get(shard, []))
+                tables = table_sent[shard]
+                shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
+                                                 pull_cast=self._pull_casts(pulls.get(shard, []), sink))
                 shard_header.MergeFrom(header)
-                (request,) = push_requests(shard_header, grads, names, self.chunk_bytes)
-                return self._channels.call(shard, lambda stub, t: read_stream(
+                (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes)
+                reply = self._channels.call(shard, lambda stub, t: read_stream(
                     [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._channels.target(shard)),
                     self.timeout)
+                self._encoder.commit(left, names)  # applied there: their residuals move on
+                return reply
 
             replies = self._refill.guard({**grads, **targets}, lambda: self._each_shard(
                 {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange, "push_pull"))
@@ -141,6 +169,12 @@ class DataPath:
         """The header of a new push: this client's incarnation and the push's number (kept by retries)."""
         return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
                                  step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq))
+
+    def _pull_casts(self, names: list[str], sink) -> list[int]:
+        """PullRequest.cast for `names` by the compression policies: pulls in place only (pull() is exact)."""
+        if not isinstance(sink, IntoTargets):
+            return []
+        return self._encoder.pull_casts({name: sink.targets[name] for name in names}, self.step)
 
     def _finish_push(self, replies: Mapping[int, ps_pb2.PushResponse]) -> int:
         self.last_replies = dict(replies)

@@ -14,18 +14,23 @@ import numpy as np
 import torch
 
 from .. import codec, wire
+from ..compression import Encoded
 from ..errors import MalformedStreamError, TensorMismatchError
 from ..proto import ps_pb2
 
 __all__ = ["push_requests", "read_stream", "NewTensors", "IntoTargets"]
 
 Sink = Callable[[str, ps_pb2.TensorMeta], np.ndarray]
+_WIDE, _NARROW = (torch.float32, torch.float64), (torch.float16, torch.bfloat16)  # pulls cast (PullRequest.cast)
 
 
-def push_requests(header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor], names: list[str],
+def push_requests(header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor | Encoded], names: list[str],
                   chunk_bytes: int) -> Iterator[bytes]:
-    """Serialized PushRequests: the header with the first batch, tensors packed up to chunk_bytes."""
-    pieces = (piece for name in names for piece in wire.tensor_pieces(name, grads[name].detach().cpu(), chunk_bytes))
+    """Serialized PushRequests: the header with the first batch, tensors packed up to chunk_bytes.
+
+    A gradient is a tensor (sent as it is) or compression.Encoded (its meta and bytes).
+    """
+    pieces = (piece for name in names for piece in _pieces(name, grads[name], chunk_bytes))
     first = True
     for batch in wire.pack(pieces, chunk_bytes):
         yield wire.encode_push_request(header if first else None, batch)
@@ -34,10 +39,20 @@ def push_requests(header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor], 
         yield wire.encode_push_request(header, [])
 
 
-def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str) -> tuple[int, ps_pb2.PushResponse | None]:
+def _pieces(name: str, grad: torch.Tensor | Encoded, chunk_bytes: int) -> list[wire.Piece]:
+    if isinstance(grad, Encoded):
+        return [(name, grad.meta if offset == 0 else None, offset, view, 0)
+                for offset, view in codec.split(grad.payload, chunk_bytes)]
+    return wire.tensor_pieces(name, grad.detach().cpu(), chunk_bytes)
+
+
+def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str,
+                on_tensor: Callable[[str], None] | None = None) -> tuple[int, ps_pb2.PushResponse | None]:
     """Copies a Pull or PushPull response stream into sink's buffers; returns (step, push result).
 
-    MalformedStreamError if the shard's stream breaks the contract or lacks a variable asked for.
+    `on_tensor(name)` is called as each variable's last chunk lands in its buffer (overlap.py's
+    per-layer waits). MalformedStreamError if the shard's stream breaks the contract or lacks a
+    variable asked for.
     """
     assembler = codec.ChunkAssembler(sink=sink)
     step, result = -1, None
@@ -45,7 +60,9 @@ def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str) -
         step = message_step
         result = result or first_result
         for chunk in chunks:
-            assembler.add(chunk)
+            done = assembler.add(chunk)
+            if done is not None and on_tensor is not None:
+                on_tensor(done[0])
     assembler.finish()
     if assembler.seen != set(names):
         missing, extra = sorted(set(names) - assembler.seen), sorted(assembler.seen - set(names))
@@ -66,10 +83,11 @@ class NewTensors:
 
 
 class IntoTargets:
-    """A sink writing into target tensors in place (PSClient.pull_into); finish() completes CUDA copies.
+    """A sink writing into target tensors in place (PSClient.pull_into); finish() completes the copies.
 
     Contiguous CPU targets receive the bytes directly; others (CUDA, strided)
-    go through a staging tensor (pinned memory for CUDA).
+    and a float32 or float64 target pulled cast (float16, bfloat16) go
+    through a staging tensor (pinned memory for CUDA), copied and cast up by finish().
     """
 
     def __init__(self, targets: Mapping[str, torch.Tensor]):
@@ -78,12 +96,14 @@ class IntoTargets:
 
     def __call__(self, name: str, meta: ps_pb2.TensorMeta) -> np.ndarray:
         target = self.targets[name]
-        if meta.dtype != codec.wire_dtype(target.dtype) or tuple(meta.shape) != tuple(target.shape):
+        dtype = codec.torch_dtype(meta.dtype)
+        cast = dtype in _NARROW and target.dtype in _WIDE
+        if (dtype != target.dtype and not cast) or tuple(meta.shape) != tuple(target.shape):
             raise TensorMismatchError(f"{name!r} is {codec.describe_meta(meta)} on the shard but the local tensor is "
                                       f"{codec.describe_meta(codec.meta_of(target))}")
-        if target.device.type == "cpu" and target.is_contiguous():
+        if not cast and target.device.type == "cpu" and target.is_contiguous():
             return codec.byte_array(target.data)
-        staging = torch.empty(target.shape, dtype=target.dtype, pin_memory=target.device.type == "cuda")
+        staging = torch.empty(target.shape, dtype=dtype, pin_memory=target.device.type == "cuda")
         self._staging[name] = staging
         return codec.byte_array(staging)
 
@@ -93,3 +113,11 @@ class IntoTargets:
                 self.targets[name].copy_(buffer, non_blocking=True)
         if any(t.device.type == "cuda" for t in self.targets.values()):
             torch.cuda.synchronize()
+
+    def complete(self, name: str) -> None:
+        """Finishes one target as soon as its bytes are in (overlap.py): its staged copy, if it has one, is
+        copied (and cast up) into it now, and finish() leaves it alone. Blocks until the copy is done."""
+        buffer = self._staging.pop(name, None)
+        if buffer is not None:
+            with torch.no_grad():
+                self.targets[name].copy_(buffer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pathlib
 import secrets
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, InvalidArgumentError
+from ..partitioning import partitioner_from_dict, piece_names, row_ranges
 from ..placement import Placement
 
 __all__ = ["FORMAT", "MANIFEST_FORMAT", "write_shard", "commit", "latest_committed", "load", "restore_state",
@@ -186,20 +188,73 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
     """The state shard `index` of `num_ps` should start from, taken from the newest committed checkpoint
     in `directory`, whatever the old number of shards.
 
-    Variables are placed as the manifest's strategy places its names (in
-    creation order) over `num_ps` shards, which is what every client computes.
-    The push ledger and membership start empty: a restore onto another
-    layout starts a new job from the checkpoint's values.
+    Partitioned variables are cut again as the manifest's partitioner cuts
+    them for `num_ps` shards (rows, values and optimizer state gathered from
+    the old pieces), then variables are placed as the manifest's strategy
+    places its names (in creation order), which is what every client
+    computes. The push ledger and membership start empty: a restore onto
+    another layout starts a new job from the checkpoint's values.
     """
     found = latest_committed(directory)
     if found is None:
         raise InvalidArgumentError(f"no committed checkpoint under {directory}")
     step, manifest = found
+    names, recut = _recut(manifest, num_ps)
     placement = Placement(num_ps, manifest["strategy"])
-    mine = {name for name, nbytes in manifest["variables"] if placement.add(name, nbytes) == index}
+    mine = [name for name, nbytes in names if placement.add(name, nbytes) == index]
     states = [load(step_dir(directory, step) / shard["file"]) for shard in manifest["shards"]]
     by_name = {v["name"]: v for state in states for v in state["variables"]}
-    variables = [by_name[name] for name, _ in manifest["variables"] if name in mine and name in by_name]
+    variables = [_gather(name, *recut[name], by_name) if name in recut else by_name[name]
+                 for name in mine if name in recut or name in by_name]
     _LOGGER.info("re-layout: checkpoint %d from %d shards -> shard %d of %d takes %d variables",
                  step, manifest["num_ps"], index, num_ps, len(variables))
     return {"step": states[0]["step"], "config": states[0]["config"], "variables": variables}
+
+
+def _recut(manifest: dict, num_ps: int) -> tuple[list[tuple[str, int]], dict[str, tuple[list, int, int]]]:
+    """The manifest's (name, bytes) in order with partitioned variables cut for `num_ps` shards, and for
+    each new piece whose rows changed: (the old pieces [name, first row, end row], its first row, end row)."""
+    partitions = manifest.get("partitions") or {"splits": {}}
+    splits = partitions["splits"]
+    if not splits:
+        return [tuple(entry) for entry in manifest["variables"]], {}
+    partitioner = partitioner_from_dict(partitions["partitioner"])
+    old_piece = {piece: whole for whole, split in splits.items() for piece, _, _ in split["pieces"]}
+    names, recut, done = [], {}, set()
+    for name, nbytes in manifest["variables"]:
+        whole = old_piece.get(name)
+        if whole is None:
+            names.append((name, nbytes))
+            continue
+        if whole in done:
+            continue
+        done.add(whole)
+        split = splits[whole]
+        shape, itemsize = tuple(split["shape"]), getattr(torch, split["dtype"]).itemsize
+        n = partitioner.pieces(shape, itemsize, num_ps)
+        row_bytes = math.prod(shape[1:]) * itemsize
+        new = list(zip(piece_names(whole, n), row_ranges(shape[0], n))) if n > 1 else [(whole, (0, shape[0]))]
+        old = [tuple(piece) for piece in split["pieces"]]
+        for piece, (start, stop) in new:
+            names.append((piece, (stop - start) * row_bytes))
+            if (piece, start, stop) not in old:
+                recut[piece] = (old, start, stop)
+    return names, recut
+
+
+def _gather(name: str, old: list, start: int, stop: int, by_name: dict) -> dict:
+    """A variable entry for rows [start, stop) of a partitioned variable, from its old pieces' entries."""
+    parts = [(by_name[piece], max(start, a) - a, min(stop, b) - a) for piece, a, b in old if a < stop and b > start]
+    first = parts[0][0]
+    value = torch.cat([entry["value"][lo:hi] for entry, lo, hi in parts])
+    optimizer_state = first["optimizer_state"]
+    if optimizer_state and optimizer_state.get("state"):
+        whole = {}
+        for key, item in optimizer_state["state"][0].items():
+            if isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape == first["value"].shape:
+                whole[key] = torch.cat([entry["optimizer_state"]["state"][0][key][lo:hi] for entry, lo, hi in parts])
+            else:
+                whole[key] = item
+        optimizer_state = {**optimizer_state, "state": {0: whole}}
+    return {**first, "name": name, "shape": list(value.shape), "value": value,
+            "version": max(entry["version"] for entry, _, _ in parts), "optimizer_state": optimizer_state}

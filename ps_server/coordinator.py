@@ -4,7 +4,7 @@
     aggregation.py  sync mode's pending sums            gate.py        changes vs snapshots
     snapshots.py    states for checkpoints and journal  waits.py       the cap on waiting calls
     background.py   the lease reaper, the sync applier  recording.py   journal records and replay
-    pushes.py       the push path (a mixin)
+    pushes.py       the push path (a mixin)             tables.py      embedding tables (`tables`)
 
 Locks. `_cond` guards the bookkeeping (membership, ledger, pending steps,
 counters) and is held only for that: never while a gradient is applied or
@@ -36,6 +36,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableError, WaitTimeoutError
+from ..proto import ps_pb2
 from .aggregation import PendingSteps
 from .background import apply_steps, reap
 from .gate import ApplyGate
@@ -46,6 +47,7 @@ from .pushes import PushPath
 from .recording import Recorder, replay
 from .snapshots import Saves, state_of
 from .store import NewVariable, VariableStore
+from .tables import SYNC_TABLES, TableStore, split_rows
 from .waits import WaitLimit
 
 __all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP"]
@@ -69,6 +71,7 @@ class Coordinator(PushPath):
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
                  max_waiting_calls: int = 96, journal=None, start: bool = True):
         self.store = store
+        self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.owns_step = owns_step
         self.recorder: Recorder | None = None
         self.waits = WaitLimit(max_waiting_calls)
@@ -152,6 +155,7 @@ class Coordinator(PushPath):
         """store.create, recorded in the journal. `job_step`: a refill of a shard that restarted without its
         state; if it holds no variables yet it takes that step (the job's) as its own."""
         self._check_step(job_step, "step")
+        self.tables.check_free(r.name for r in requests)
         with self.gate.change(), self._ordered:  # recorded before any push to the new variables can be
             with self._cond:
                 if job_step > self.store.step and not self.store.names():
@@ -164,6 +168,16 @@ class Coordinator(PushPath):
                                                for r, new in zip(requests, created) if new]},
                       {r.name: r.value for r, new in zip(requests, created) if new})
         return created
+
+    def create_tables(self, specs: list[ps_pb2.TableSpec], shard_index: int, num_shards: int, *,
+                      check_memory: Callable[[dict[str, int]], None] | None = None) -> list[bool]:
+        """tables.create (which see), refused in sync mode (ModeConflictError). Never blocks on training."""
+        with self.gate.change():
+            with self._cond:
+                if self.config.mode == "sync":
+                    raise ModeConflictError(SYNC_TABLES)
+            return self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
+                                      check_memory=check_memory)
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
@@ -245,6 +259,7 @@ class Coordinator(PushPath):
             self._cond.notify_all()
             self._reaper_wake.notify()
         self.store.close()  # waits for variables end too
+        self.tables.close()
         self.wait_for_compaction(MAX_WAIT_SECONDS)
 
     def wake(self) -> None:
@@ -260,19 +275,25 @@ class Coordinator(PushPath):
              timeout: float | None = None) -> PushResult:
         """Handles one push according to the mode, at most once per (worker, incarnation, seq).
 
-        Raises (changing nothing) for invalid gradients or numbers, or a
-        replaced incarnation. Blocks on shard 0 (on every shard with `hold`,
-        for PushPull) in sync mode until the worker may go on, on shard 0 in
-        ssp mode while it is too far ahead; a retry waits for its original.
+        `grads` maps variables to dense gradients and tables to their
+        tables.RowGradient (a ROWS tensor), applied together (async, ssp; sync
+        mode refuses row gradients with ModeConflictError). Raises (changing
+        nothing) for invalid gradients or numbers, or a replaced incarnation.
+        Blocks on shard 0 (on every shard with `hold`, for PushPull) in sync
+        mode until the worker may go on, on shard 0 in ssp mode while it is
+        too far ahead; a retry waits for its original.
         """
         self._check_step(step, "push step")
         if step_increment not in (0, 1):
             raise InvalidArgumentError(f"step_increment must be 0 or 1. Received: {step_increment}")
+        grads, table_rows = split_rows(grads)
         self.store.validate(grads)
+        self.tables.validate(table_rows)
         deadline = self._deadline(timeout)
         slot: list[str] = []  # the waiting slot this push took, if it will be held
         try:
-            return self._push(worker, incarnation, seq, step, grads, step_increment, cancelled, hold, deadline, slot)
+            return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
+                              deadline, slot)
         finally:
             if slot:
                 self.waits.release(slot[0])

@@ -5,7 +5,7 @@ id mod n (floor modulo: non-negative for negative ids), "hash" on shard
 splitmix64(id) mod n, where splitmix64 is SplitMix64's output function of the
 id read as uint64 (z = id + 0x9E3779B97F4A7C15; z = (z ^ z>>30) *
 0xBF58476D1CE4E5B9; z = (z ^ z>>27) * 0x94D049BB133111EB; z ^ z>>31).
-shard_of() gives the same answer to a client.
+torchps/rows.py defines both (shard_of, re-exported here), for shards and clients alike.
 
 * Fixed tables (num_embeddings=N) hold every owned id of [0, N) in one
   preallocated tensor, from construction on.
@@ -47,42 +47,19 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, NonFiniteGradientError, TensorMismatchError
+from ..rows import GOLDEN as _GOLDEN, PARTITIONS, owner as _owner, shard_of, splitmix64 as _splitmix64
 from .row_optimizers import RowOptimizer, coalesce
 
 __all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "PARTITIONS", "INITS"]
 
-PARTITIONS = ("modulo", "hash")
 INITS = ("normal", "uniform")
 STATE_FORMAT = 1
-_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _INDEX_SALT = np.uint64(0x5851F42D4C957F2D)  # decorrelates index buckets from hash partitioning
 _MIN_SLAB = 1024  # rows in a dynamic table's first slab; also the least spare room of its id arrays
 _GROWTH = 8  # a new slab holds at least 1/_GROWTH of the rows already allocated
 _INIT_CHUNK = 1 << 14  # rows initialized at once (bounds the generator's temporaries)
 _STRUCTURAL = ("dim", "num_embeddings", "shard_index", "num_shards", "partition", "optimizer", "init", "init_scale",
                "seed", "dtype")
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = z + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
-
-
-def _owner(ids: np.ndarray, num_shards: int, partition: str) -> np.ndarray:
-    if partition == "hash":
-        return (_splitmix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
-    return np.mod(ids, num_shards)
-
-
-def shard_of(ids: torch.Tensor, num_shards: int, partition: str = "modulo") -> torch.Tensor:
-    """The shard (0 .. num_shards-1) of each int64 id under `partition`."""
-    if partition not in PARTITIONS or num_shards < 1:
-        raise InvalidArgumentError(f"partition must be one of {PARTITIONS} over >= 1 shards; "
-                                   f"got {partition!r} over {num_shards}")
-    return torch.from_numpy(_owner(_ids_array(ids), num_shards, partition))
 
 
 def initial_rows(ids: np.ndarray, dim: int, *, seed: int = 0, init: str = "normal", init_scale: float = 1.0,
@@ -359,6 +336,12 @@ class EmbeddingTable:
                 self._slabs.scatter(key, part, torch.full((len(part), width), value, dtype=self.dtype))
 
     # -- ids ------------------------------------------------------------------------------------
+
+    def check_ids(self, ids: torch.Tensor, *, unique: bool) -> None:
+        """Raises InvalidArgumentError unless `ids` is a 1-D int64 tensor of ids of this shard (in range for a
+        fixed-size table; distinct with `unique`), as lookup() and apply() require. Changes nothing."""
+        with self._lock:
+            self._checked_ids(ids, unique)
 
     def _checked_ids(self, ids, unique: bool) -> np.ndarray:
         out = _ids_array(ids)

@@ -11,9 +11,10 @@ import dataclasses
 import logging
 from typing import Callable
 
-from ..errors import WaitTimeoutError
+from ..errors import ModeConflictError, WaitTimeoutError
 from .ledger import PushRecord
 from .modes import PushResult
+from .tables import SYNC_TABLES
 
 __all__ = ["PushPath"]
 
@@ -40,8 +41,8 @@ class PushPath:
             return "ssp" if clock - self._min_clock() > self.config.max_staleness else None
         return None
 
-    def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, step_increment: int, cancelled,
-              hold: bool, deadline: float, slot: list[str]) -> PushResult:
+    def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
+              cancelled, hold: bool, deadline: float, slot: list[str]) -> PushResult:
         while True:
             with self._cond:
                 self._check_open()
@@ -53,6 +54,8 @@ class PushPath:
                         continue  # the original failed before changing anything: apply this one
                     self.duplicates += 1
                     return result
+                if table_rows and self.config.mode == "sync":
+                    raise ModeConflictError(SYNC_TABLES)
                 self._catch_up(step, pushed=True)
                 mode = self.config.mode
                 if mode == "sync":
@@ -72,8 +75,8 @@ class PushPath:
                 if buffer is not None:
                     return self._push_sync(worker, incarnation, seq, step, grads, record, buffer, cancelled, hold,
                                            deadline)
-                return self._push_async(worker, incarnation, seq, step, grads, step_increment, record, mode == "ssp",
-                                        cancelled, deadline)
+                return self._push_async(worker, incarnation, seq, step, grads, table_rows, step_increment, record,
+                                        mode == "ssp", cancelled, deadline)
             except BaseException:
                 with self._cond:
                     if record is None or not record.applied:
@@ -120,11 +123,13 @@ class PushPath:
             return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
         return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
 
-    def _push_async(self, worker: str, incarnation: int, seq: int, step: int, grads, step_increment: int,
-                    record: PushRecord | None, ssp: bool, cancelled, deadline: float) -> PushResult:
+    def _push_async(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
+                    step_increment: int, record: PushRecord | None, ssp: bool, cancelled, deadline: float
+                    ) -> PushResult:
         with self.gate.change():
             with self._ordered:  # with a journal, applies are recorded in the order they happened
                 step_after, versions = self.store.apply(grads, step_increment, validated=True)
+                self.tables.apply(table_rows, step_after)  # not journaled: tables are not recovered yet
                 self._log("apply", {"step_increment": step_increment,
                                    **self._push_meta(worker, incarnation, seq, step)}, grads)
             with self._cond:

@@ -23,11 +23,12 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from .. import codec, wire
+from .. import codec, compression, rows, wire
 from . import checkpoint
 from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
-                      MalformedStreamError, ModeConflictError, PSError, SpecConflictError)
+                      MalformedStreamError, ModeConflictError, PermissionDeniedError, PSError, SpecConflictError)
 from ..memory import memory_usage
+from ..partitioning import check_manifest
 from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
@@ -37,6 +38,7 @@ from .coordinator import MAX_STEP, Coordinator
 from .quotas import Quotas, optimizer_slots, state_bytes
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
+from .tables import RowGradient
 
 __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
@@ -221,10 +223,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if request.chunk_bytes and request.chunk_bytes < codec.MIN_CHUNK_BYTES:  # above the shard's limit: cut to it
             raise InvalidArgumentError(f"chunk_bytes must be 0 or at least {codec.MIN_CHUNK_BYTES}. "
                                        f"Received: {request.chunk_bytes}")
+        casts = self._casts(list(request.names), list(request.cast), "cast")
         if request.min_step:
             context.add_callback(self.coordinator.wake)
             self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
-        yield from self._read(names, request.chunk_bytes)
+        yield from self._read(names, request.chunk_bytes, casts=casts)
 
     @_map_errors
     def Push(self, request_iterator, context):
@@ -238,7 +241,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         In sync mode the reply waits until the worker may go on, as shard 0's
         reply to a Push does, so it carries the released step's values.
         """
-        header, chunks = _decode(wire.decode_push_request, request)
+        header, chunks, end = _decode(wire.decode_push_request, request)
         if header is None:
             raise MalformedStreamError("a PushPull request must carry a header")
         names = list(header.pull)
@@ -246,22 +249,56 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if size > self.max_chunk_bytes:
             raise InvalidArgumentError(f"PushPull's reply would hold {size} bytes, more than this shard's "
                                        f"{self.max_chunk_bytes}; use Push and Pull")
-        _, result = self._receive_push([(header, chunks)], context, hold=True)
-        (reply,) = self._read(names, self.max_chunk_bytes, result)
+        casts = self._casts(names, list(header.pull_cast), "pull_cast")  # checked before the push is applied
+        _, result = self._receive_push([(header, chunks, end)], context, hold=True)
+        (reply,) = self._read(names, self.max_chunk_bytes, result, casts)
         return reply
 
+    def _casts(self, names: list[str], casts: list[int], field: str) -> list:
+        """Per name, the dtype PullRequest.cast (PushHeader.pull_cast) sends it as, None as stored;
+        InvalidArgumentError for a count or cast the contract does not allow."""
+        if not casts:
+            return [None] * len(names)
+        if len(casts) != len(names):
+            raise InvalidArgumentError(f"{field} must be empty or name a dtype for each of the {len(names)} "
+                                       f"variables asked for. Received {len(casts)}")
+        return [compression.pull_dtype(name, self.store.get(name).spec.meta, cast) for name, cast in zip(names, casts)]
+
+    def _check_gradient(self, name: str, meta: ps_pb2.TensorMeta) -> None:
+        """Raises unless a pushed tensor with `meta` fits: a table's ROWS tensor, or a variable's gradient."""
+        if meta.encoding == ps_pb2.ROWS:
+            self.coordinator.tables.check_meta(name, meta)
+        else:
+            self.store.check_gradient(name, meta)
+
+    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw):
+        """A complete pushed tensor (checked by _check_gradient): a table's RowGradient, or a dense tensor of
+        its variable's dtype."""
+        if meta.encoding == ps_pb2.ROWS:
+            return RowGradient(*rows.decode_rows(meta, raw))
+        return compression.decode(name, meta, raw, self.store.get(name).spec.meta)
+
     def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
-        """Assembles decoded (header, chunks) messages, then hands the push to the coordinator."""
+        """Assembles decoded (header, chunks, end) messages, then hands the push to the coordinator.
+
+        The tensor count is checked before anything is applied: the header's `tensors` if declared, or for
+        a streamed push (PushHeader.streamed) the `end` its last message carries, which must be there.
+        """
         started = time.monotonic()
-        header = None
+        header = end = None
         grads = {}
-        assembler = codec.ChunkAssembler(begin=self.store.check_gradient)
+        assembler = codec.ChunkAssembler(begin=self._check_gradient, decode=self._decode_gradient)
         try:
-            for message_header, chunks in messages:
+            for message_header, chunks, message_end in messages:
+                if end is not None:
+                    raise MalformedStreamError("a streamed push carries messages after its end; nothing was applied")
                 if message_header is not None:
                     if header is not None:
                         raise MalformedStreamError("a Push stream carries its header twice")
                     header = message_header
+                    if header.streamed and header.tensors:
+                        raise MalformedStreamError(f"a streamed push declares its tensors in its end, not in its "
+                                                   f"header (tensors {header.tensors} with streamed set)")
                 elif header is None:
                     raise MalformedStreamError("a Push stream must start with a header")
                 for chunk in chunks:
@@ -269,9 +306,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     done = assembler.add(chunk)
                     if done is not None:
                         grads[done[0]] = done[1]
+                if message_end is not None:
+                    if not header.streamed:
+                        raise MalformedStreamError("a push that is not streamed (PushHeader.streamed unset) "
+                                                   "carries an end; nothing was applied")
+                    end = message_end
             assembler.finish()
             if header is None:
                 raise MalformedStreamError("empty Push stream: no header")
+            if header.streamed:
+                if end is None:
+                    raise MalformedStreamError(f"a streamed push ended without its end message ({len(grads)} "
+                                               f"tensors arrived); nothing was applied")
+                if end.tensors != len(grads):
+                    raise MalformedStreamError(f"the streamed push's end counted {end.tensors} tensors but "
+                                               f"{len(grads)} arrived complete; nothing was applied")
             if header.tensors and len(grads) != header.tensors:
                 raise MalformedStreamError(f"the push declared {header.tensors} tensors but {len(grads)} arrived "
                                            f"complete; nothing was applied")
@@ -291,7 +340,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
             generation=self.generation)
 
-    def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None):
+    def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None,
+              casts: list | None = None):
         """Serialized PullResponses for `names`, in order; `result` rides on the first message.
 
         Each variable is sent as one consistent version with at most one
@@ -299,7 +349,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         chunk at a time under its lock (reads.VersionedRead: an update racing
         the read first saves the unread bytes); smaller ones are copied under
         their lock and packed several to a message. No lock is held while
-        bytes go out.
+        bytes go out. `casts` (from _casts) sends variables as a narrower
+        float, converted a chunk's worth of whole elements at a time.
         """
         chunk_bytes = min(chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         step = self.store.step
@@ -313,22 +364,31 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.pull_bytes.add(sum(len(piece[3]) for piece in pieces))
             return wire.encode_pull_response(pieces, step, result if first else None)
 
-        for name in names:
+        for name, cast in zip(names, casts or [None] * len(names)):
             variable = self.store.get(name)
-            if variable.nbytes > chunk_bytes:
-                meta = variable.spec.meta
+            stored, width = variable.value.dtype, variable.value.element_size()
+            size = variable.nbytes if cast is None else variable.nbytes // width * cast.itemsize
+            if size > chunk_bytes:
+                meta = variable.spec.meta if cast is None else ps_pb2.TensorMeta(
+                    dtype=codec.wire_dtype(cast), shape=variable.spec.meta.shape)
+
+                def piece(view, offset):  # under the variable's lock: encodes (copies) before returning
+                    if cast is not None:
+                        view, offset = compression.cast_bytes(view, stored, cast), offset // width * cast.itemsize
+                    return message([(name, meta if offset == 0 else None, offset, view,
+                                     read.version if offset == 0 else 0)])
+
                 with self.store.versioned_read(name) as read:
                     while read.offset < read.nbytes:
-                        yield read.take(chunk_bytes, lambda view, offset: message(
-                            [(name, meta if offset == 0 else None, offset, view, read.version if offset == 0 else 0)]))
+                        yield read.take(chunk_bytes if cast is None else chunk_bytes // cast.itemsize * width, piece)
                 continue
             pieces = self.store.read(name, lambda value, version: wire.tensor_pieces(
-                name, value.clone(), chunk_bytes, version))
-            if small and small_bytes + variable.nbytes > chunk_bytes:
+                name, value.clone() if cast is None else value.to(cast), chunk_bytes, version))
+            if small and small_bytes + size > chunk_bytes:
                 yield message(small)
                 small, small_bytes = [], 0
             small += pieces
-            small_bytes += variable.nbytes
+            small_bytes += size
         if small or not sent:
             yield message(small)
 
@@ -375,7 +435,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             config=config_to_proto(coordinator.config), generation=self.generation,
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,
-            push_bytes_received=self.push_bytes.value, **coordinator.counters())
+            push_bytes_received=self.push_bytes.value, tables=coordinator.tables.status(), **coordinator.counters())
 
     @_map_errors
     def Configure(self, request, context):
@@ -409,6 +469,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         self._require_checkpoints()
+        if self.coordinator.tables.names():  # refused, not saved incomplete: a restore would lose every row
+            raise ModeConflictError(f"ps {self.index} holds embedding tables, which checkpoints do not cover yet; "
+                                    f"nothing was saved")
         started = time.monotonic()
         context.add_callback(self.coordinator.wake)
         state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
@@ -444,6 +507,57 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not self.checkpoint_dir:
             raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
 
+    # -- embedding tables ---------------------------------------------------------------------
+
+    @_map_errors
+    def CreateTables(self, request, context):
+        if request.shard_index != self.index:
+            raise ModeConflictError(f"this is ps {self.index}; the request was made for ps {request.shard_index}")
+        with self._creating:  # against CreateVariables: one namespace, one memory quota
+            def check_memory(adding: dict[str, int]) -> None:
+                self.quotas.check_total(sum(self.held_bytes()) + self.coordinator.tables.nbytes(), adding)
+
+            created = self.coordinator.create_tables(list(request.tables), request.shard_index, request.num_shards,
+                                                     check_memory=check_memory)
+        return ps_pb2.CreateTablesResponse(created=created, generation=self.generation)
+
+    @_map_errors
+    def LookupRows(self, request, context):
+        """Yields serialized PullResponses (wire.py) with each table's rows, read by tables.TableStore.lookup."""
+        if request.admit and self.authority.caller("LookupRows", context).role == "evaluator":
+            raise PermissionDeniedError(f"ps {self.index} refused an admitting LookupRows from an evaluator: "
+                                        f"evaluators read rows without admit")
+        if request.chunk_bytes and request.chunk_bytes < codec.MIN_CHUNK_BYTES:
+            raise InvalidArgumentError(f"chunk_bytes must be 0 or at least {codec.MIN_CHUNK_BYTES}. "
+                                       f"Received: {request.chunk_bytes}")
+        chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
+        names = [t.name for t in request.tables]
+        found = self.coordinator.tables.lookup([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
+                                               admit=request.admit)
+        step = self.store.step
+        pieces = (piece for name, value in zip(names, found) for piece in wire.tensor_pieces(name, value, chunk_bytes))
+        sent = False
+        for batch in wire.pack(pieces, chunk_bytes):
+            sent = True
+            self.pull_bytes.add(sum(len(piece[3]) for piece in batch))
+            yield wire.encode_pull_response(batch, step)
+        if not sent:
+            yield wire.encode_pull_response([], step)
+
+    @_map_errors
+    def ListTables(self, request, context):
+        names = list(request.names)
+        if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
+            raise InvalidArgumentError(f"wait_seconds must be finite and >= 0. Received: {request.wait_seconds}")
+        tables = self.coordinator.tables
+        if names and request.wait_seconds > 0:
+            context.add_callback(tables.wake)
+            with self.coordinator.waits.slot("list"):
+                tables.wait_for(names, min(request.wait_seconds, MAX_LIST_WAIT_SECONDS),
+                                lambda: not context.is_active())
+        return ps_pb2.ListTablesResponse(tables=tables.infos(names or None), step=self.store.step,
+                                         generation=self.generation)
+
     @_map_errors
     def Shutdown(self, request, context):
         _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
@@ -464,6 +578,7 @@ def _placement_manifest(text: str) -> dict:
             if not isinstance(name, str) or not isinstance(nbytes, int) or nbytes < 0:
                 raise ValueError(f"variables must be [name, bytes] pairs, got {[name, nbytes]!r}")
             placement.add(name, nbytes)
+        check_manifest(manifest.get("partitions") or {"splits": {}})
     except (ValueError, KeyError, TypeError, PSError) as exc:
         raise InvalidArgumentError(f"manifest_json is not a placement manifest: {exc}") from None
     return manifest
@@ -518,6 +633,13 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.CommitCheckpoint, ps_pb2.CommitRequest.FromString, ps_pb2.CommitResponse.SerializeToString),
         "Shutdown": grpc.unary_unary_rpc_method_handler(
             servicer.Shutdown, ps_pb2.ShutdownRequest.FromString, ps_pb2.ShutdownResponse.SerializeToString),
+        "CreateTables": grpc.unary_unary_rpc_method_handler(
+            servicer.CreateTables, ps_pb2.CreateTablesRequest.FromString,
+            ps_pb2.CreateTablesResponse.SerializeToString),
+        "LookupRows": grpc.unary_stream_rpc_method_handler(
+            servicer.LookupRows, ps_pb2.LookupRowsRequest.FromString, bytes),  # yields serialized PullResponses
+        "ListTables": grpc.unary_unary_rpc_method_handler(
+            servicer.ListTables, ps_pb2.ListRequest.FromString, ps_pb2.ListTablesResponse.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Mapping, TypeVar
 
 import torch
 
-from .. import codec
+from .. import codec, compression
 from ..errors import (NonFiniteGradientError, OptimizerSpecError, ServerUnavailableError, SpecConflictError,
                       TensorMismatchError, UnknownVariableError, WaitTimeoutError)
 from .optimizers import VariableOptimizer, normalize_spec
@@ -148,12 +148,10 @@ class VariableStore:
             return self._step
 
     def check_gradient(self, name: str, meta: ps_pb2.TensorMeta) -> None:
-        """Raises unless a gradient with `meta` may be pushed to `name`."""
+        """Raises unless a gradient with `meta` may be pushed to `name`, compressed ones included (its shape,
+        its dtype or a narrower float: compression.check_gradient_meta)."""
         variable = self.get(name)
-        if meta != variable.spec.meta:
-            raise TensorMismatchError(
-                f"gradient for {name!r} is {codec.describe_meta(meta)} but the variable is "
-                f"{codec.describe_meta(variable.spec.meta)}")
+        compression.check_gradient_meta(name, meta, variable.spec.meta)
         if not variable.optimizer.trainable:
             raise TensorMismatchError(f"variable {name!r} has no optimizer (optimizer 'none'); it takes no gradients")
 
@@ -183,7 +181,11 @@ class VariableStore:
     def validate(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Raises unless every gradient may be applied: known name, dtype and shape, trainable, finite."""
         for name, grad in grads.items():
-            self.check_gradient(name, codec.meta_of(grad))
+            meta = codec.meta_of(grad)
+            self.check_gradient(name, meta)
+            if meta.dtype != self.get(name).spec.meta.dtype:
+                raise TensorMismatchError(f"gradient for {name!r} is {codec.describe_meta(meta)}: a compressed "
+                                          f"gradient is applied decoded, in its variable's dtype")
             if not self.allow_nonfinite and not _all_finite(grad):
                 raise NonFiniteGradientError(
                     f"gradient for {name!r} contains NaN or Inf; nothing was applied. Fix the loss or "

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
-from torchps.specs import OPTIMIZER_NAMES
+from torchps.specs import OPTIMIZER_NAMES, ROW_OPTIMIZER_NAMES
 
 # The shard's pure core: tested with threads, never imports grpc.
 CORE = [f"torchps.ps_server.{name}" for name in (
     "store", "reads", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
-    "coordinator", "pushes", "background", "recording", "checkpoint", "journal", "row_optimizers", "embeddings")]
+    "coordinator", "pushes", "background", "recording", "checkpoint", "journal", "row_optimizers", "embeddings",
+    "tables")]
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -44,3 +45,9 @@ def test_contract_optimizer_names_match_the_shards():
     from torchps.ps_server.optimizers import OPTIMIZERS
 
     assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES
+
+
+def test_contract_row_optimizer_names_match_the_shards():
+    from torchps.ps_server.row_optimizers import ROW_OPTIMIZERS
+
+    assert tuple(ROW_OPTIMIZERS) == ROW_OPTIMIZER_NAMES

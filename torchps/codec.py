@@ -1,9 +1,10 @@
 """Tensors to and from chunk streams (TensorChunk messages). No gRPC here.
 
-Wire form: dtype + shape + raw little-endian bytes, cut into chunks of at most
-`chunk_bytes`. `split` cuts; `ChunkAssembler` glues back and enforces
-the stream rules of ps.proto (contiguous offsets, one tensor at a time, no
-overrun, nothing missing), raising MalformedStreamError otherwise.
+Wire form: dtype + shape + raw little-endian bytes (or a compressed encoding,
+see torchps/compression.py), cut into chunks of at most `chunk_bytes`.
+`split` cuts; `ChunkAssembler` glues back and enforces the stream rules of
+ps.proto (contiguous offsets, one tensor at a time, no overrun, nothing
+missing), raising MalformedStreamError otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "wire_dtype",
     "meta_of",
     "meta_nbytes",
+    "dense_tensor",
     "describe_meta",
     "byte_array",
     "tensor_bytes",
@@ -89,11 +91,33 @@ def meta_of(tensor: torch.Tensor) -> ps_pb2.TensorMeta:
 
 
 def meta_nbytes(meta: ps_pb2.TensorMeta) -> int:
-    """Byte size a meta declares; InvalidArgumentError for bad dtype or shape."""
+    """Byte size a meta declares (DENSE, SPARSE or ROWS); InvalidArgumentError for bad dtype, shape, encoding or nnz."""
     dtype = torch_dtype(meta.dtype)
     if any(d < 0 for d in meta.shape):
         raise InvalidArgumentError(f"negative dimension in shape {list(meta.shape)}")
-    return math.prod(meta.shape) * dtype.itemsize
+    numel = math.prod(meta.shape)
+    if meta.encoding == ps_pb2.DENSE:
+        if meta.nnz:
+            raise InvalidArgumentError(f"nnz is for SPARSE tensors only; this one is DENSE with nnz {meta.nnz}")
+        return numel * dtype.itemsize
+    if meta.encoding == ps_pb2.SPARSE:
+        if not 0 < meta.nnz <= numel:
+            raise InvalidArgumentError(f"SPARSE nnz must be in [1, {numel}] for shape {list(meta.shape)}. "
+                                       f"Received: {meta.nnz}")
+        return meta.nnz * ((4 if numel < 2 ** 31 else 8) + dtype.itemsize)
+    if meta.encoding == ps_pb2.ROWS:
+        if len(meta.shape) != 2 or meta.nnz:
+            raise InvalidArgumentError(f"ROWS tensors are [rows, dim] with no nnz; got shape {list(meta.shape)}, "
+                                       f"nnz {meta.nnz}")
+        return meta.shape[0] * (8 + meta.shape[1] * dtype.itemsize)
+    raise InvalidArgumentError(f"unknown encoding {meta.encoding} (Encoding enum)")
+
+
+def dense_tensor(meta: ps_pb2.TensorMeta, raw: np.ndarray) -> torch.Tensor:
+    """A DENSE tensor's bytes (uint8, meta_nbytes(meta) of them) as the tensor, sharing their memory."""
+    dtype, shape = torch_dtype(meta.dtype), tuple(meta.shape)
+    # numpy gives empty arrays a zero stride, which torch cannot reinterpret as another dtype.
+    return torch.from_numpy(raw).view(dtype).reshape(shape) if raw.size else torch.empty(shape, dtype=dtype)
 
 
 def describe_meta(meta: ps_pb2.TensorMeta) -> str:
@@ -156,14 +180,19 @@ class ChunkAssembler:
     (of exactly the tensor's size) if given, else into fresh memory, which
     goes back to the allocator with the last tensor using it (a big block back
     to the kernel: see torchps.memory). Every chunk but a tensor's last must carry at least
-    `min_chunk` bytes. Not thread-safe: one assembler per stream.
+    `min_chunk` bytes. A complete tensor is `decode(name, meta, buffer)` if
+    given (a shard decoding compressed gradients), else the buffer viewed as
+    the meta's DENSE tensor; without `decode`, a SPARSE meta is refused. Not
+    thread-safe: one assembler per stream.
     """
 
     def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None,
                  *, sink: Callable[[str, ps_pb2.TensorMeta], np.ndarray] | None = None,
+                 decode: Callable[[str, ps_pb2.TensorMeta, np.ndarray], torch.Tensor] | None = None,
                  min_chunk: int = MIN_CHUNK_BYTES):
         self._begin = begin
         self._sink = sink
+        self._decode = decode
         self.min_chunk = min_chunk
         self._name: str | None = None
         self._meta: ps_pb2.TensorMeta | None = None
@@ -236,6 +265,8 @@ class ChunkAssembler:
             nbytes = meta_nbytes(meta)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{chunk.name!r}: {exc}") from None
+        if meta.encoding != ps_pb2.DENSE and self._decode is None:
+            raise InvalidArgumentError(f"{chunk.name!r}: {ps_pb2.Encoding.Name(meta.encoding)} tensors are for pushes only")
         if self._begin is not None:
             self._begin(chunk.name, meta)
         if self._sink is not None:
@@ -255,11 +286,10 @@ class ChunkAssembler:
         if self._sink is not None:  # the bytes are in the caller's own tensor already
             name, self._name, self._meta, self._buffer, self._filled = self._name, None, None, None, 0
             return name, None
-        dtype = torch_dtype(self._meta.dtype)
-        shape = tuple(self._meta.shape)
-        # numpy gives empty arrays a zero stride, which torch cannot reinterpret as another dtype.
-        tensor = (torch.from_numpy(self._buffer).view(dtype).reshape(shape) if self._buffer.size
-                  else torch.empty(shape, dtype=dtype))
+        if self._decode is not None:
+            tensor = self._decode(self._name, self._meta, self._buffer)
+        else:
+            tensor = dense_tensor(self._meta, self._buffer)
         result = (self._name, tensor)
         self._name = self._meta = self._buffer = None
         self._filled = 0

@@ -36,12 +36,15 @@ __all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS
            "diagnose_tls", "ENV"]
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
-ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown"})
-_WORKER_METHODS = frozenset({"Pull", "Push", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus"})
+ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
+                           "CreateTables"})
+_WORKER_METHODS = frozenset({"Pull", "Push", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
+                             "LookupRows", "ListTables"})
 ROLES = {
     "chief": ADMIN_METHODS | _WORKER_METHODS,
     "worker": _WORKER_METHODS,
-    "evaluator": frozenset({"Pull", "ListVariables", "GetStatus"}),
+    # LookupRows without admit only (the shard refuses an evaluator's admitting lookup).
+    "evaluator": frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables"}),
     "ps": frozenset({"GetStatus"}),
 }
 # Environment variables read when flags are not given (ps-launch passes credentials to its children this way).

@@ -1,7 +1,7 @@
 """Server-side optimizers as the wire names them: the names shards accept, and the client's value for one.
 
-Shards implement these with torch.optim (ps_server/optimizers.py); a test
-holds the two lists equal.
+Shards implement variables' optimizers with torch.optim (ps_server/optimizers.py) and embedding tables' lazy
+row optimizers in ps_server/row_optimizers.py; a test holds each list equal to the shards'.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from typing import Mapping
 
 from .proto import ps_pb2
 
-__all__ = ["OPTIMIZER_NAMES", "Optimizer", "wire_hyperparams"]
+__all__ = ["OPTIMIZER_NAMES", "ROW_OPTIMIZER_NAMES", "Optimizer", "wire_hyperparams"]
 
 # "none" marks a variable gradients never update; the rest are torch.optim's classes, lower-cased.
 OPTIMIZER_NAMES = ("none", "sgd", "adagrad", "adam", "adamw")
+# Embedding tables' row optimizers (TableSpec.optimizer): torch.optim's sparse-capable ones, and FBGEMM's row-wise
+# Adagrad. An Optimizer names one of these for a table.
+ROW_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam", "rowwise_adagrad")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,13 +96,20 @@ def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.Push
     return b"".join(out)
 
 
-def encode_push_request(header: ps_pb2.PushHeader | None, pieces: Iterable[Piece]) -> bytes:
-    """Serialized PushRequest{header, chunks}, copying each piece's data once."""
+def encode_push_request(header: ps_pb2.PushHeader | None, pieces: Iterable[Piece],
+                        end: ps_pb2.PushEnd | None = None) -> bytes:
+    """Serialized PushRequest{header, chunks, end}, copying each piece's data once.
+
+    `end` closes a streamed push (PushHeader.streamed): the stream's last message carries it.
+    """
     out: list = []
     if header is not None:
         raw = header.SerializeToString()
         out += [_key(1, _LEN), _varint(len(raw)), raw]
     _encode_chunks(2, pieces, out)
+    if end is not None:
+        raw = end.SerializeToString()
+        out += [_key(3, _LEN), _varint(len(raw)), raw]
     return b"".join(out)
 
 
@@ -178,12 +185,19 @@ def decode_pull_response(raw: bytes) -> tuple[list[WireChunk], int, ps_pb2.PushR
     return chunks, step, result
 
 
-def decode_push_request(raw: bytes) -> tuple[ps_pb2.PushHeader | None, list[WireChunk]]:
-    """(header or None, chunks) from a serialized PushRequest; chunk data views `raw`."""
-    header, chunks = None, []
+def decode_push_request(raw: bytes) -> tuple[ps_pb2.PushHeader | None, list[WireChunk], ps_pb2.PushEnd | None]:
+    """(header or None, chunks, end or None) from a serialized PushRequest; chunk data views `raw`.
+
+    A message field given twice merges, as protobuf parsers do.
+    """
+    header, chunks, end = None, [], None
     for field, wire_type, value in _fields(memoryview(raw)):
         if field == 1 and wire_type == _LEN:
-            header = ps_pb2.PushHeader.FromString(bytes(value))
+            header = header or ps_pb2.PushHeader()
+            header.MergeFromString(bytes(value))
         elif field == 2 and wire_type == _LEN:
             chunks.append(_decode_chunk(value))
-    return header, chunks
+        elif field == 3 and wire_type == _LEN:
+            end = end or ps_pb2.PushEnd()
+            end.MergeFromString(bytes(value))
+    return header, chunks, end

@@ -24,17 +24,19 @@ import time
 
 import torch
 
-from ..client import PSClient, PSError, Security
+from ..client import Compression, PSClient, PSError, Security
 from ..cli import ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..memory import tune_malloc
+from ..partitioning import partitioner_from_spec
 from ..metrics_http import serve_metrics
 from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
+from .residuals import ResidualFile
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
 
 _LOGGER = logging.getLogger("torchps.worker")
@@ -74,6 +76,21 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--straggler-threshold", type=float, default=2.0,
                    help="chief: log a worker whose pushes arrive this many times less often than the others' "
                         "median (shard 0's view, checked every 10 s; 0: never; default: %(default)s)")
+    g.add_argument("--compression", help="wire compression of every parameter, both ways: bf16, fp16, topk:RATIO, "
+                   "randomk:RATIO or none, options after commas: min_bytes=N (default 65536), warmup=STEPS, "
+                   "pull=none|bf16|fp16, error_feedback=0|1, seed=N (default: none)")
+    g.add_argument("--overlap", action="store_true", help="push each gradient while backward still runs and pull "
+                   "the next values while forward runs, each layer waiting for its own (same results; "
+                   "register_module(overlap=True))")
+    g.add_argument("--state-dir", type=pathlib.Path, help="keep this task's compression residuals in "
+                   "DIR/TASK-residuals.pt (e.g. worker-0-residuals.pt), loaded again when the task restarts")
+    g.add_argument("--state-every-steps", type=int, default=100,
+                   help="write --state-dir's file every N of this task's steps, and when it stops (default: "
+                        "%(default)s)")
+    g.add_argument("--partition", default="min_size", metavar="SPEC",
+                   help="how big variables are cut across shards: min_size[:BYTES[:MAX_SHARDS]] (default: pieces of "
+                        "at least 256 KiB, one per shard at most), max_size:BYTES[:MAX_SHARDS], fixed:N or none; "
+                        "every task of a job must use the same")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: %(default)s)")
@@ -140,7 +157,17 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         ("--checkpoint-every-steps", args.checkpoint_every_steps >= 0, ">= 0"),
         ("--checkpoint-every-seconds", args.checkpoint_every_seconds >= 0, ">= 0"),
         ("--keep-checkpoints", args.keep_checkpoints >= 1, ">= 1"),
+        ("--state-every-steps", args.state_every_steps >= 1, ">= 1"),
+        ("--state-dir", args.state_dir is None or not args.state_dir.exists() or args.state_dir.is_dir(),
+         "a folder"),
     ]
+    if args.compression:
+        try:
+            Compression.parse(args.compression)
+        except ClusterConfigError as exc:
+            raise ClusterConfigError(f"--compression: {exc}") from None
+    elif args.state_dir is not None:
+        raise ClusterConfigError("--state-dir keeps the residuals of --compression: pass --compression too")
     try:
         parse_step_range(args.trace_steps)
     except ValueError as exc:
@@ -212,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output("--metrics-out", args.metrics_out)
         cluster, task = resolve_task(args)
         device = resolve_device(args.device)
+        partitioner = _partitioner(args.partition)
         security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                  token_file=args.token_file, admin_token_file=args.admin_token_file)
         # The chief's alone (the others pull what it creates); a bad file is refused before the data is read.
@@ -232,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     _terminate_once()
     try:
         # An evaluator gives up on unreachable shards sooner: after the job they are gone for good.
-        with PSClient(cluster, task=task, security=security, connect_timeout=EVALUATOR_CONNECT_SECONDS
-                      if task.type == "evaluator" else 60.0) as client:
+        with PSClient(cluster, task=task, security=security, partitioner=partitioner,
+                      connect_timeout=EVALUATOR_CONNECT_SECONDS if task.type == "evaluator" else 60.0) as client:
             summary = run_task(client, cluster, task, job, args, device)
     except PSError as exc:
         print(f"ps-worker: {task}: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
@@ -249,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_out:
             args.metrics_out.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 0
+
+
+def _partitioner(spec: str):
+    try:
+        return partitioner_from_spec(spec)
+    except ClusterConfigError as exc:
+        raise ClusterConfigError(f"--partition: {exc}") from None
 
 
 def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device: str) -> dict | None:
@@ -299,12 +334,18 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         client.configure(args.mode, replicas_to_aggregate=args.replicas_to_aggregate, total_num_replicas=replicas,
                          max_staleness=args.max_staleness, lease_seconds=args.lease_seconds,
                          progress_seconds=args.progress_timeout)
-    binding = client.register_module(job.model, optimizer, create=client.is_chief)
+    compression = Compression.parse(args.compression) if args.compression else None
+    binding = client.register_module(job.model, optimizer, create=client.is_chief, compression=compression,
+                                     overlap=args.overlap)
     start_step = binding.step  # a restarted task joins a job already under way
+    residuals = ResidualFile(args.state_dir, task, args.state_every_steps) if args.state_dir and compression else None
+    if residuals is not None:
+        residuals.restore(client)
     replica = task.index + (len(cluster.chief) if task.type == "worker" else 0)
-    _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %d variables over %d shard(s) (%s placement)%s",
+    _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %d variables over %d shard(s) (%s placement)%s%s",
                  task, replica, replicas, args.mode, job.dataset, len(binding.names), cluster.num_ps,
-                 client.placement.strategy, f", joining at global step {start_step}" if start_step else "")
+                 client.placement.strategy, ", overlap" if binding.overlap else "",
+                 f", joining at global step {start_step}" if start_step else "")
     checkpointer = None
     if client.is_chief and any(client.status(s).checkpoints for s in range(cluster.num_ps)):
         checkpointer = Checkpointer(client, every_steps=args.checkpoint_every_steps,
@@ -313,6 +354,8 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         if client.is_chief and args.straggler_threshold and replicas > 1 else None
 
     def on_step(record: dict) -> None:
+        if residuals is not None:
+            residuals.stepped(client)
         if checkpointer is not None:
             checkpointer.note_step(record["global_step"])
         if writer is not None:
@@ -338,6 +381,8 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     finally:
         if stragglers is not None:
             stragglers.stop()
+        if residuals is not None:
+            residuals.save(client)
     client.leave()
     _LOGGER.info("%s finished: %d local steps, %s", task, result["local_steps"], client.stats.summary())
     if not client.is_chief:

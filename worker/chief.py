@@ -125,6 +125,7 @@ def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path
     while client.status(0).live_workers > 0 and time.monotonic() < deadline:
         time.sleep(0.5)  # end of the job: a few status calls, not on the training path
     binding.pull()
+    binding.wait()  # an overlapped pull runs in the background
     step = client.global_step()
     if checkpointer is not None:
         checkpointer.stop(final=True)

@@ -113,6 +113,7 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
                              loss_value, client.stats.summary())
         if done:
             break
+    binding.wait()  # with overlap, the last pull runs in the background: the module holds its values from here
     if bar is not None:
         bar.close()
     if observer is not None:

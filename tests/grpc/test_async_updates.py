@@ -55,7 +55,7 @@ BIG_ELEMENTS = 4 << 20  # 16 MiB of float32: 16 chunks of 1 MiB
 
 def _push_until_stopped(cluster, first_done, stop, count):
     """Child process: pushes gradients of ones to BIG until `stop` is set; counts them."""
-    with PSClient(cluster, connect_timeout=60) as ps:
+    with PSClient(cluster, connect_timeout=60, partitioner=None) as ps:  # one variable, one shard: one lock
         ps.declare([(BIG, BIG_ELEMENTS * 4)])
         grad = torch.ones(BIG_ELEMENTS)
         while True:
@@ -69,7 +69,7 @@ def _push_until_stopped(cluster, first_done, stop, count):
 def test_pull_never_sees_half_an_update(shared_cluster):
     """Pulls racing with pushes of a 16 MiB variable always see every element at the same version."""
     local = shared_cluster
-    with PSClient(local.cluster, connect_timeout=30) as ps:
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as ps:
         ps.create_variables({BIG: torch.zeros(BIG_ELEMENTS)}, Optimizer("sgd", lr=1.0))
         first_done, stop, count = SPAWN.Event(), SPAWN.Event(), SPAWN.Value("q", 0)
         child = SPAWN.Process(target=_push_until_stopped, args=(local.cluster, first_done, stop, count))

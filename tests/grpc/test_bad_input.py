@@ -99,9 +99,14 @@ def create(stub, name: str, value: torch.Tensor, optimizer: str = "sgd", chunk_b
     return list(reply.created)
 
 
-def header(step_increment: int = 1, tensors: int = 0) -> ps_pb2.PushRequest:
+def header(step_increment: int = 1, tensors: int = 0, streamed: bool = False) -> ps_pb2.PushRequest:
     return ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="worker:7", step=0, step_increment=step_increment,
-                                                       tensors=tensors))
+                                                       tensors=tensors, streamed=streamed))
+
+
+def end(tensors: int, *items: ps_pb2.TensorChunk) -> ps_pb2.PushRequest:
+    """The last message of a streamed push: PushEnd{tensors}, after these chunks if any."""
+    return ps_pb2.PushRequest(chunks=list(items), end=ps_pb2.PushEnd(tensors=tensors))
 
 
 def chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MIN) -> list[ps_pb2.TensorChunk]:
@@ -570,13 +575,38 @@ STREAMS = {
                                      "MalformedStreamError", ["incomplete", f"{3 * MIN} of {MB} bytes"]),
     "packed-second-variable-interleaved": (lambda v: [header(), packed(_c(v)[0], _c(v + "/other")[0], *_c(v)[1:])],
                                            "MalformedStreamError", ["/other'"]),
+    # Streamed pushes (PushHeader.streamed): the count comes last, in PushEnd; nothing without it.
+    "streamed-without-end": (lambda v: push_msgs(header(streamed=True), *_c(v)),
+                             "MalformedStreamError", ["without its end", "1 tensors arrived"]),
+    "streamed-end-counts-more": (lambda v: push_msgs(header(streamed=True), *_c(v), end(2)),
+                                 "MalformedStreamError", ["end counted 2 tensors but 1 arrived"]),
+    "streamed-end-counts-none": (lambda v: push_msgs(header(streamed=True), *_c(v), end(0)),
+                                 "MalformedStreamError", ["end counted 0 tensors but 1 arrived"]),
+    "streamed-end-in-the-last-chunk-message-counts-more": (
+        lambda v: push_msgs(header(streamed=True), *_c(v)[:3], end(3, _c(v)[3])),
+        "MalformedStreamError", ["end counted 3 tensors but 1 arrived"]),
+    "streamed-end-before-the-last-chunk": (lambda v: push_msgs(header(streamed=True), *_c(v)[:3], end(1)),
+                                           "MalformedStreamError", ["incomplete", f"{3 * MIN} of {MB} bytes"]),
+    "end-in-a-push-not-streamed": (lambda v: push_msgs(header(), *_c(v), end(1)),
+                                   "MalformedStreamError", ["not streamed", "carries an end"]),
+    "end-in-a-push-declaring-tensors": (lambda v: push_msgs(header(tensors=1), *_c(v), end(1)),
+                                        "MalformedStreamError", ["not streamed"]),
+    "streamed-end-twice": (lambda v: push_msgs(header(streamed=True), *_c(v), end(1), end(1)),
+                           "MalformedStreamError", ["after its end"]),
+    "streamed-chunks-after-end": (lambda v: push_msgs(header(streamed=True), *_c(v)[:2], end(1), *_c(v)[2:]),
+                                  "MalformedStreamError", ["after its end"]),
+    "streamed-header-declaring-tensors": (lambda v: push_msgs(header(tensors=1, streamed=True), *_c(v), end(1)),
+                                          "MalformedStreamError", ["tensors 1 with streamed set"]),
     "negative-dimension": (lambda v: push_msgs(header(), edited(_c(v)[0], meta=ps_pb2.TensorMeta(
         dtype=ps_pb2.FLOAT32, shape=[-1, -M])), *_c(v)[1:]), "InvalidArgumentError", ["negative dimension"]),
     "unspecified-dtype": (lambda v: push_msgs(header(), edited(_c(v)[0], meta=ps_pb2.TensorMeta(shape=[M])),
                                               *_c(v)[1:]), "InvalidArgumentError", ["dtype"]),
 }
 _NAMELESS = ("no-header", "empty-stream", "header-twice-at-start", "header-twice-later", "chunk-without-name",
-             "negative-dimension", "unspecified-dtype", "declared-more-tensors")
+             "negative-dimension", "unspecified-dtype", "declared-more-tensors", "streamed-without-end",
+             "streamed-end-counts-more", "streamed-end-counts-none", "streamed-end-in-the-last-chunk-message-counts-more",
+             "end-in-a-push-not-streamed", "end-in-a-push-declaring-tensors", "streamed-end-twice",
+             "streamed-chunks-after-end", "streamed-header-declaring-tensors")
 
 
 @pytest.mark.parametrize("case", list(STREAMS))
@@ -593,6 +623,49 @@ def test_the_stream_cases_are_malformed_only_by_their_defect(shard, multi):
     reply = push(shard.stub, push_msgs(header(tensors=1), *_c(multi)))
     assert reply.versions[multi] == 1
     assert torch.equal(value_of(shard.stub, multi), initial_value(M) - 1)
+
+
+@pytest.mark.parametrize("last", ["end-alone", "end-with-the-last-chunk"])
+def test_a_streamed_push_with_the_right_end_is_applied(shard, multi, last):
+    """The control of the streamed cases: the count in PushEnd, alone or in the last chunk's message."""
+    step = status_of(shard.stub).step
+    tail = [end(1)] if last == "end-alone" else [end(1, _c(multi)[3])]
+    body = _c(multi) if last == "end-alone" else _c(multi)[:3]
+    reply = push(shard.stub, push_msgs(header(streamed=True), *body, *tail))
+    assert reply.versions[multi] == 1 and reply.step == step + 1
+    assert torch.equal(value_of(shard.stub, multi), initial_value(M) - 1)
+
+
+def test_an_empty_streamed_push_counts_a_step(shard):
+    """A shard holding none of a streamed push's gradients gets header and end(0): a push, as header-only."""
+    step = status_of(shard.stub).step
+    assert push(shard.stub, [header(streamed=True), end(0)]).step == step + 1
+    assert push(shard.stub, [ps_pb2.PushRequest(header=header(streamed=True).header, end=ps_pb2.PushEnd())]
+                ).step == step + 2
+
+
+def test_a_streamed_push_cut_before_its_end_applies_nothing(shard, multi):
+    """A client gone after every chunk but before the end (unlike a push that declared its count, which a
+    shard may apply then): the shard took in every byte and applies nothing."""
+    release = threading.Event()
+
+    def requests():
+        yield from push_msgs(header(streamed=True), *_c(multi))
+        release.wait(TIMEOUT)  # the call is cancelled meanwhile
+
+    before = snapshot(shard.stub, [multi])
+    received = status_of(shard.stub).push_bytes_received
+    future = shard.stub.Push.future(requests(), timeout=TIMEOUT)
+    try:
+        wait_received(shard.stub, received + MB, "every chunk of the streamed push")
+        assert future.cancel()
+    finally:
+        release.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        future.result(timeout=TIMEOUT)
+    quiesce(shard.stub, "the cancelled push's handler to return")
+    assert_unchanged(before, snapshot(shard.stub, [multi]), "a streamed push cut before its end")
+    assert_serving(shard, good_push=multi)
 
 
 # -- PushPull: the same rules in one unary call ------------------------------------------------
@@ -622,7 +695,26 @@ PUSHPULL = {  # name -> (request for the small variable v or the multi-chunk one
                                 INVALID, "MalformedStreamError", [f"at least {MIN} bytes"]),
     "no-header": (lambda v, m: pushpull(*chunks(v, good_grad()), with_header=False), INVALID, "MalformedStreamError",
                   ["header"]),
+    "streamed-without-end": (lambda v, m: streamed_pushpull(pushpull(*chunks(v, good_grad()), pull=[v]), None),
+                             INVALID, "MalformedStreamError", ["without its end"]),
+    "streamed-end-counts-more": (lambda v, m: streamed_pushpull(pushpull(*chunks(v, good_grad()), pull=[v]), 2),
+                                 INVALID, "MalformedStreamError", ["end counted 2 tensors but 1 arrived"]),
 }
+
+
+def streamed_pushpull(request: ps_pb2.PushRequest, tensors: int | None) -> ps_pb2.PushRequest:
+    """The PushPull request made streamed, with PushEnd{tensors} (None: without an end)."""
+    request.header.streamed = True
+    if tensors is not None:
+        request.end.tensors = tensors
+    return request
+
+
+def test_a_streamed_pushpull_with_its_end_is_applied(shard, var):
+    reply = shard.stub.PushPull(streamed_pushpull(pushpull(*chunks(var, good_grad()), pull=[var]), 1),
+                                timeout=TIMEOUT)
+    assert reply.result.versions[var] == 1
+    assert {c.name: c.data for c in reply.chunks} == {var: (initial_value() - 1).numpy().tobytes()}
 
 
 @pytest.mark.parametrize("case", list(PUSHPULL))

@@ -20,27 +20,27 @@ def _info(ps, name):
     return info
 
 
-def test_512mib_variable_round_trips_and_trains(client):
+def test_512mib_variable_round_trips_and_trains(shared_cluster):
     """create -> pull is exact for a 512 MiB variable, and a 512 MiB gradient push applies everywhere."""
-    ps = client
-    expected = _pattern(BIG_ELEMENTS)
-    assert ps.create_variables({"big": expected}, Optimizer("sgd", lr=1.0)) == {"big": True}
-    assert _info(ps, "big").nbytes == BIG_ELEMENTS * 4
-    pulled = ps.pull(["big"])["big"]
-    assert pulled.shape == (BIG_ELEMENTS,) and pulled.dtype == torch.float32
-    assert torch.equal(pulled, expected)
+    with PSClient(shared_cluster.cluster, partitioner=None) as ps:  # whole: test_partitioning.py cuts
+        expected = _pattern(BIG_ELEMENTS)
+        assert ps.create_variables({"big": expected}, Optimizer("sgd", lr=1.0)) == {"big": True}
+        assert _info(ps, "big").nbytes == BIG_ELEMENTS * 4
+        pulled = ps.pull(["big"])["big"]
+        assert pulled.shape == (BIG_ELEMENTS,) and pulled.dtype == torch.float32
+        assert torch.equal(pulled, expected)
 
-    grad = torch.full((BIG_ELEMENTS,), 64.0)  # x - 64 is exact in float32 for every element here
-    step = ps.push({"big": grad})
-    del grad
-    gc.collect()
-    expected -= 64
-    pulled.zero_()
-    assert ps.pull_into({"big": pulled}) == step
-    assert torch.equal(pulled, expected)
-    del pulled, expected
-    gc.collect()
-    assert _info(ps, "big").version == 1
+        grad = torch.full((BIG_ELEMENTS,), 64.0)  # x - 64 is exact in float32 for every element here
+        step = ps.push({"big": grad})
+        del grad
+        gc.collect()
+        expected -= 64
+        pulled.zero_()
+        assert ps.pull_into({"big": pulled}) == step
+        assert torch.equal(pulled, expected)
+        del pulled, expected
+        gc.collect()
+        assert _info(ps, "big").version == 1
 
 
 def _bits(tensor):

@@ -9,14 +9,15 @@ from torchps.client import Optimizer, PSClient
 MIB = 1 << 20
 
 
-def test_status_reports_optimizer_state_and_the_process_memory(client):
-    client.create_variables({"mem/adam": torch.zeros(2 * MIB // 4)}, Optimizer("adam", lr=1e-3))
-    client.create_variables({"mem/big": torch.zeros(8 * MIB // 4)}, Optimizer("sgd", lr=0.1))
-    assert client.status(client.placement.shard_of("mem/adam")).state_bytes >= 2 * 2 * MIB  # Adam's two moments
-    memory = client.status(client.placement.shard_of("mem/big")).memory
-    assert memory.peak_rss_bytes >= memory.rss_bytes > 8 * MIB
-    assert memory.mapped_bytes >= 8 * MIB  # an 8 MiB value is a block of its own (torchps.memory's threshold)
-    assert memory.heap_in_use_bytes > 0
+def test_status_reports_optimizer_state_and_the_process_memory(shared_cluster):
+    with PSClient(shared_cluster.cluster, partitioner=None) as client:  # each variable whole on its shard
+        client.create_variables({"mem/adam": torch.zeros(2 * MIB // 4)}, Optimizer("adam", lr=1e-3))
+        client.create_variables({"mem/big": torch.zeros(8 * MIB // 4)}, Optimizer("sgd", lr=0.1))
+        assert client.status(client.placement.shard_of("mem/adam")).state_bytes >= 2 * 2 * MIB  # Adam's two moments
+        memory = client.status(client.placement.shard_of("mem/big")).memory
+        assert memory.peak_rss_bytes >= memory.rss_bytes > 8 * MIB
+        assert memory.mapped_bytes >= 8 * MIB  # an 8 MiB value is a block of its own (torchps.memory's threshold)
+        assert memory.heap_in_use_bytes > 0
 
 
 def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):

@@ -2,9 +2,10 @@
 
 The methods come from ps.proto's descriptor, so an RPC added later is covered without touching this
 file. One shard (mutual TLS, job token and admin token, --checkpoint-dir in a tmp folder) serves the
-whole module: its chief configured it, created `w`, worker:1 joined and pushed once, and the chief
-committed a checkpoint. Then, per RPC, raw gRPC calls (no PSClient: nothing retries or rewrites them)
-carry a request that would change the shard if it were served (but the reads, see READS), with:
+whole module: its chief configured it, created `w` and the embedding table `t`, worker:1 joined and
+pushed once, and the chief committed a checkpoint. Then, per RPC, raw gRPC calls (no PSClient: nothing
+retries or rewrites them) carry a request that would change the shard if it were served (but the reads,
+see READS), with:
 
     no-token         the chief's certificate, no token metadata              UNAUTHENTICATED
     wrong-token      the chief's certificate, a wrong token                  UNAUTHENTICATED
@@ -57,7 +58,7 @@ STATUS_FIELDS = ("index", "step", "num_variables", "total_bytes", "pid", "live_w
 # RPCs whose request below cannot change the shard when served (they read). Every other request does,
 # but Configure: with worker:1 joined, the shard refuses another mode (FAILED_PRECONDITION) even to the
 # chief, so its denial shows in its status code alone.
-READS = frozenset({"Pull", "ListVariables", "GetStatus"})
+READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables"})
 
 
 def _ones(n: int) -> bytes:
@@ -66,6 +67,12 @@ def _ones(n: int) -> bytes:
 
 META = ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, shape=[2])
 GRADIENT = ps_pb2.TensorChunk(name="w", meta=META, offset=0, data=_ones(2))
+
+
+def table_spec(name: str) -> ps_pb2.TableSpec:
+    return ps_pb2.TableSpec(name=name, dim=2, num_embeddings=4, dtype=ps_pb2.FLOAT32,
+                            optimizer=ps_pb2.OptimizerSpec(name="sgd"),
+                            init=ps_pb2.TableInit(distribution="normal", scale=1.0))
 
 
 def requests_for(shard: "Shard") -> dict[str, list]:
@@ -89,6 +96,11 @@ def requests_for(shard: "Shard") -> dict[str, list]:
         "Save": [ps_pb2.SaveRequest(step=SAVE_STEP, now=True)],
         "CommitCheckpoint": [shard.commit_again],
         "Shutdown": [ps_pb2.ShutdownRequest(reason="an intruder")],
+        "CreateTables": [ps_pb2.CreateTablesRequest(tables=[table_spec("intruder-table")], num_shards=1)],
+        # A fixed-size table: even an admitting lookup changes no row.
+        "LookupRows": [ps_pb2.LookupRowsRequest(tables=[ps_pb2.TableIds(name="t", ids=struct.pack("<2q", 0, 3))],
+                                                admit=True)],
+        "ListTables": [ps_pb2.ListRequest()],
     }
 
 
@@ -176,6 +188,7 @@ def start_shard(tmp: pathlib.Path) -> Shard:
             pushed = call(worker, METHODS["Push"], requests_for(shard)["Push"], tokens["job"])
         assert joined[0] == pushed[0] == grpc.StatusCode.OK, (joined, pushed)
         assert chief.save_checkpoint(1) == 1
+        chief.create_tables([table_spec("t")])  # after the save: a shard holding tables refuses to save (not yet)
         (manifest_path,) = checkpoint_dir.glob("step-*1/manifest.json")
         manifest = json.loads(manifest_path.read_text())
         shard.commit_again = ps_pb2.CommitRequest(
@@ -209,6 +222,8 @@ def snapshot(shard: Shard) -> dict:
         "variables": [json_format.MessageToDict(info) for info in shard.chief.list_variables()],
         "status": {field: getattr(status, field) for field in STATUS_FIELDS},
         "config": json_format.MessageToDict(status.config),
+        # What a table holds, and what pushes did to it (rows_read counts reads: not a change).
+        "tables": [(t.name, t.rows, t.pending, t.bytes, t.optimizer_steps, t.rows_pushed) for t in status.tables],
         "files": files_under(shard.checkpoint_dir),
     }
 
@@ -297,6 +312,21 @@ def test_the_same_channels_serve_the_tasks_allowed(shard):
     assert not changes(before, snapshot(made))
 
 
+def test_an_evaluator_reads_rows_but_never_admits(shard):
+    """LookupRows is an evaluator's too, but only to read: an admitting one (which may create rows of a dynamic
+    table) is refused."""
+    made, before = shard
+    lookup = METHODS["LookupRows"]
+    reading = ps_pb2.LookupRowsRequest(tables=[ps_pb2.TableIds(name="t", ids=struct.pack("<q", 1))])
+    with made.as_task(EVALUATOR) as chan:
+        code, details, replies = call(chan, lookup, [reading], made.tokens["job"])
+        assert code == grpc.StatusCode.OK and replies, details
+        admitting = ps_pb2.LookupRowsRequest(tables=reading.tables, admit=True)
+        code, details, _ = call(chan, lookup, [admitting], made.tokens["job"])
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "evaluators read rows without admit" in details, details
+    assert not changes(before, snapshot(made))
+
+
 def test_the_chiefs_own_requests_do_change_the_shard(tmp_path):
     """On a shard of its own: each request of the matrix, sent with the chief's credentials, is served and
     changes what snapshot() reads (but the reads, and Configure, see READS); Shutdown last stops it."""
@@ -313,6 +343,9 @@ def test_the_chiefs_own_requests_do_change_the_shard(tmp_path):
                     continue
                 if name == "Configure":
                     assert code == grpc.StatusCode.FAILED_PRECONDITION and "workers joined" in details, details
+                    continue
+                if name == "Save":  # the role may save; the shard's tables may not be saved yet
+                    assert code == grpc.StatusCode.FAILED_PRECONDITION and "checkpoints do not cover" in details, details
                     continue
                 assert code == grpc.StatusCode.OK, f"{name}: {code} {details} (a new RPC? see requests_for)"
                 after = snapshot(made)

@@ -42,12 +42,14 @@ def _client(cluster, index: int) -> PSClient:
 
 
 def exact_worker(cluster, index: int, num_workers: int, batch: int, steps: int, optimizers: list[str],
-                 lease_seconds: float, exchange: bool = False) -> None:
+                 lease_seconds: float, exchange: bool = False, overlap: bool = False) -> None:
     """Sync R = N: trains one fresh model per optimizer (prefix '<opt>/') for `steps` steps.
 
     Worker i takes rows i*b:(i+1)*b of each global batch of N*b rows. With
     `exchange`, each step is ModuleBinding.exchange (PushPull held on every
-    shard) instead of push then pull.
+    shard, or with overlap push then a background pull) instead of push then
+    pull. With `overlap`, gradients stream during backward and each layer's
+    forward waits for its own values; the last pull is waited for.
     """
     x, y = make_data(steps, num_workers * batch)
     rows = slice(index * batch, (index + 1) * batch)
@@ -59,7 +61,7 @@ def exact_worker(cluster, index: int, num_workers: int, batch: int, steps: int, 
             name, hyper = OPTIMIZERS[opt]
             model = make_model()
             binding = client.register_module(model, Optimizer(name, **hyper), create=index == 0, prefix=f"{opt}/",
-                                             wait_timeout=60.0)
+                                             wait_timeout=60.0, overlap=overlap)
             for k in range(steps):
                 backward(model, x[k, rows], y[k, rows])
                 if exchange:
@@ -67,6 +69,7 @@ def exact_worker(cluster, index: int, num_workers: int, batch: int, steps: int, 
                 else:
                     binding.push()
                     binding.pull()
+            binding.wait()
 
 
 def steady_worker(cluster, index: int, *, mode: str, num_workers: int, replicas: int, lease_seconds: float,

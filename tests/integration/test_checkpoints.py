@@ -181,14 +181,14 @@ def test_sigkill_during_a_save_never_leaves_a_partial_checkpoint_that_counts(tmp
     ckpt = tmp_path / "ckpt"
     ones = torch.ones(4)
     with LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), *NO_JOURNAL]) as local:
-        with PSClient(local.cluster, connect_timeout=20) as client:
+        with PSClient(local.cluster, connect_timeout=20, partitioner=None) as client:  # the placement PLACED shows
             client.create_variables({"big0": torch.zeros(BIG), "counter": torch.zeros(4)}, Optimizer("sgd", lr=1.0))
             client.create_variables({"counter0": torch.zeros(4), "big": torch.zeros(BIG)}, Optimizer("none"))
             client.push({"counter": -ones})
             assert client.save_checkpoint(0) == 1
         killed_mid_write = 0
         for attempt in range(2):
-            with PSClient(local.cluster, connect_timeout=3) as saver:
+            with PSClient(local.cluster, connect_timeout=3, partitioner=None) as saver:
                 saver.declare(PLACED)
                 saver.push({"counter": -ones})
                 result: list = []

@@ -109,13 +109,15 @@ def reference(opt: str, batch: int, num_workers: int, steps: int) -> dict[str, t
     return {f"{opt}/{n}": p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("exchange", [False, True], ids=["push-then-pull", "exchange"])
-def test_sync_training_equals_single_process_large_batch(cluster, procs, exchange):
-    """N=2 workers, batch b, R=N: after K steps the parameters equal 1-process training with batch N*b."""
+@pytest.mark.parametrize("exchange, overlap", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["push-then-pull", "exchange", "overlap-push-then-pull", "overlap-exchange"])
+def test_sync_training_equals_single_process_large_batch(cluster, procs, exchange, overlap):
+    """N=2 workers, batch b, R=N: after K steps the parameters equal 1-process training with batch N*b, with
+    and without overlap (gradients streamed during backward, values pulled during forward)."""
     num_workers, batch, steps, optimizers = 2, 4, 5, ["sgd", "adam"]
     local = cluster(num_workers)
     workers = [procs(sync_workers.exact_worker, local.cluster, i, num_workers, batch, steps, optimizers, 10.0,
-                     exchange) for i in range(num_workers)]
+                     exchange, overlap) for i in range(num_workers)]
     wait_exit(workers, 90, "exactness workers")
     with PSClient(local.cluster, connect_timeout=10) as ps:
         status = ps.status(0)

@@ -21,6 +21,12 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DENSE: _ClassVar[Encoding]
     SPARSE: _ClassVar[Encoding]
+    ROWS: _ClassVar[Encoding]
+
+class TablePartition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PARTITION_MODULO: _ClassVar[TablePartition]
+    PARTITION_HASH: _ClassVar[TablePartition]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -30,6 +36,9 @@ INT32: DType
 INT64: DType
 DENSE: Encoding
 SPARSE: Encoding
+ROWS: Encoding
+PARTITION_MODULO: TablePartition
+PARTITION_HASH: TablePartition
 
 class TensorMeta(_message.Message):
     __slots__ = ("dtype", "shape", "encoding", "nnz")
@@ -243,7 +252,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +277,7 @@ class StatusResponse(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     PACES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -292,7 +302,8 @@ class StatusResponse(_message.Message):
     memory: MemoryUsage
     metrics_port: int
     paces: _containers.RepeatedCompositeFieldContainer[WorkerPace]
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerPace(_message.Message):
     __slots__ = ("worker", "push_interval_seconds", "straggler_score")
@@ -421,3 +432,121 @@ class ShutdownRequest(_message.Message):
 class ShutdownResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TableInit(_message.Message):
+    __slots__ = ("distribution", "scale", "seed")
+    DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    distribution: str
+    scale: float
+    seed: int
+    def __init__(self, distribution: _Optional[str] = ..., scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "dim", "num_embeddings", "dtype", "partition", "optimizer", "init", "min_count", "max_age", "capacity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_AGE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    num_embeddings: int
+    dtype: DType
+    partition: TablePartition
+    optimizer: OptimizerSpec
+    init: TableInit
+    min_count: int
+    max_age: int
+    capacity: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., partition: _Optional[_Union[TablePartition, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init: _Optional[_Union[TableInit, _Mapping]] = ..., min_count: _Optional[int] = ..., max_age: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class CreateTablesRequest(_message.Message):
+    __slots__ = ("tables", "shard_index", "num_shards")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    shard_index: int
+    num_shards: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CreateTablesResponse(_message.Message):
+    __slots__ = ("created", "generation")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    created: _containers.RepeatedScalarFieldContainer[bool]
+    generation: int
+    def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class TableIds(_message.Message):
+    __slots__ = ("name", "ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: bytes
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupRowsRequest(_message.Message):
+    __slots__ = ("tables", "chunk_bytes", "admit")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
+    chunk_bytes: int
+    admit: bool
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., admit: _Optional[bool] = ...) -> None: ...
+
+class TableStatus(_message.Message):
+    __slots__ = ("name", "rows", "pending", "admitted", "evicted", "evicted_by_age", "evicted_by_capacity", "bytes", "row_bytes", "optimizer_steps", "rows_read", "rows_pushed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BY_AGE_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_READ_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    pending: int
+    admitted: int
+    evicted: int
+    evicted_by_age: int
+    evicted_by_capacity: int
+    bytes: int
+    row_bytes: int
+    optimizer_steps: int
+    rows_read: int
+    rows_pushed: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., pending: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_by_age: _Optional[int] = ..., evicted_by_capacity: _Optional[int] = ..., bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., rows_read: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("spec", "num_shards", "status")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    num_shards: int
+    status: TableStatus
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_shards: _Optional[int] = ..., status: _Optional[_Union[TableStatus, _Mapping]] = ...) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables", "step", "generation")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    step: int
+    generation: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...

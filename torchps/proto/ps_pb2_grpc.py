@@ -104,6 +104,21 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.CreateTables = channel.unary_unary(
+                '/torchps.v1.ParameterServer/CreateTables',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.CreateTablesRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.CreateTablesResponse.FromString,
+                _registered_method=True)
+        self.LookupRows = channel.unary_stream(
+                '/torchps.v1.ParameterServer/LookupRows',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.LookupRowsRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+                _registered_method=True)
+        self.ListTables = channel.unary_unary(
+                '/torchps.v1.ParameterServer/ListTables',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ListRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ListTablesResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -112,8 +127,9 @@ class ParameterServerServicer:
     def CreateVariables(self, request_iterator, context):
         """Creates variables with initial values; idempotent per variable. Blocks
         until every variable in the stream is stored. ALREADY_EXISTS if a variable
-        exists with a different spec (the message shows both); the whole call is
-        then applied for none of its variables.
+        exists with a different spec (the message shows both), or an embedding
+        table has the name; the whole call is then applied for none of its
+        variables.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,9 +147,11 @@ class ParameterServerServicer:
         """Applies gradients with each variable's optimizer, once the whole stream
         has arrived and been validated: either every gradient in the stream is
         applied or none is. Each variable's update is atomic and bumps its version.
-        INVALID_ARGUMENT for a wrong dtype or shape, a malformed stream, or a NaN or
-        Inf value (unless the shard runs with --allow-nonfinite); NOT_FOUND for an
-        unknown variable. A client that goes away before every tensor it carries
+        ROWS tensors update embedding tables the same way (see "Embedding
+        tables"; FAILED_PRECONDITION in sync mode, NaN and Inf refused whatever
+        --allow-nonfinite says). INVALID_ARGUMENT for a wrong dtype or shape, a
+        malformed stream, or a NaN or Inf value (unless the shard runs with
+        --allow-nonfinite); NOT_FOUND for an unknown variable or table. A client that goes away before every tensor it carries
         arrived has nothing applied; one that sent them all and died before closing
         its stream may have it applied (at most once: its retry is a duplicate).
         """
@@ -238,6 +256,42 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateTables(self, request, context):
+        """Creates embedding tables (this shard's part of each); idempotent per
+        table. Fixed-size tables get all their rows now. ALREADY_EXISTS if a table
+        exists with another spec or layout, or the name is a variable's;
+        INVALID_ARGUMENT for a bad spec; FAILED_PRECONDITION in sync mode or for
+        another shard's request; RESOURCE_EXHAUSTED if fixed-size tables would
+        take the shard past its --max-memory. The whole call is then applied for
+        none of its tables. Never blocks on training.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupRows(self, request, context):
+        """Reads rows: each table in the request comes back as one tensor named
+        after it, [n, dim] of the table's dtype, row i for the i-th id, in the
+        chunks and packing of Pull (PullResponse.result unset). Each table's rows
+        are read at once, between updates. NOT_FOUND for an unknown table;
+        INVALID_ARGUMENT for a table named twice, ids that repeat, are out of
+        range (fixed-size) or belong to another shard, or an ids field that is not
+        whole int64s; nothing is counted or admitted then. Never waits for
+        training.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTables(self, request, context):
+        """Describes tables (specs, layout, counters); with `names` and
+        `wait_seconds`, waits for them to be created as ListVariables waits for
+        variables (workers waiting for the chief).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +364,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.ShutdownRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'CreateTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTables,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.CreateTablesRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.CreateTablesResponse.SerializeToString,
+            ),
+            'LookupRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.LookupRows,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.LookupRowsRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
+            ),
+            'ListTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTables,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ListRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ListTablesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -690,6 +759,87 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/Shutdown',
             torchps_dot_v1_dot_ps__pb2.ShutdownRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/CreateTables',
+            torchps_dot_v1_dot_ps__pb2.CreateTablesRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.CreateTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/LookupRows',
+            torchps_dot_v1_dot_ps__pb2.LookupRowsRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/ListTables',
+            torchps_dot_v1_dot_ps__pb2.ListRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ListTablesResponse.FromString,
             options,
             channel_credentials,
             insecure,

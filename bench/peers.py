@@ -1,0 +1,526 @@
+#!/usr/bin/env python
+"""torchps beside TensorFlow's ParameterServerStrategy: same models, same data shapes, same machine, one run.
+
+    python bench/peers.py --json peers.json         # 3 rounds, about 10 minutes on 2 cores (13 with overlap)
+    python bench/peers.py --quick                   # 1 round, shorter windows, about 3 minutes
+    python bench/peers.py --only small --no-tf      # torchps only (no TensorFlow installed)
+    python bench/peers.py --only big --big-ps 2 --variants fp32,bf16
+
+Models: bench/pullpush.py's seed MLP 784-100-10 and the 784-8192-2304-10 MLP
+(25.3M parameters), sigmoid between the layers (pullpush.make_mlp; both
+models), random batches of 100, SGD lr 0.01, 2 asynchronous workers.
+Setups: the seed MLP with 1 ps, the big MLP with 1 ps and with 2 ps
+(partitioned: MinSizePartitioner(256 KiB, max_shards=2) on both sides).
+
+TensorFlow side (bench/tf_peer.py, run with --tf-python): tf.distribute.Server
+processes for the ps tasks and the 2 workers, this-side ClusterCoordinator,
+ParameterServerStrategy, tf.Variables, a tf.function step scheduled
+asynchronously, 1 intra-op thread per task (2 inter-op: 1 deadlocks). Its
+servers listen on every interface, so it runs inside a private network
+namespace holding only loopback (`unshare -rn`; --tf-isolation none to skip).
+
+torchps side: real ps-server shards (LocalCluster, 127.0.0.1) and 2 worker
+processes (torch.set_num_threads(1)), each PSClient + register_module, then per
+step forward/backward on one of 4 fixed random batches and the variant's update
+(exchange(), or push() + pull()). Variants (VARIANTS below, one line each):
+fp32 (default), bf16 and top-k 1% with error feedback compression, overlap.
+A variant whose client API is missing is reported as unavailable, and one
+that fails as failed, without stopping the others.
+
+Each round runs, for every setup, TensorFlow then each torchps variant, each
+on fresh processes: warm-up steps, then a timed window with both workers
+started together; steps/s of both workers together. Medians over --rounds,
+ratios torchps / TensorFlow of the medians (and in the JSON the median of the
+per-round ratios), the issue's targets with met / NOT met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import queue
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+
+from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, cpu_seconds, environment, log, make_mlp, median
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+TF_PEER = HERE / "tf_peer.py"
+TF_RESULT_PREFIX = "TF_PEER_RESULT "
+TF_INSTALL = "pip install -e '.[bench]'  (or: pip install tensorflow-cpu==2.21.0)"
+LR = 0.01
+WORKERS = 2
+MIN_SHARD_BYTES = 256 << 10  # TensorFlow's MinSizePartitioner default in its tutorial; torchps's default too
+READY_TIMEOUT = 240.0
+MODELS = {"small": SMALL_DIMS, "big": BIG_DIMS}
+
+# torchps variants: name -> (what, PSClient kwargs, register_module kwargs, update per step).
+# ("Compression", kind, kwargs) is built as torchps.client.Compression(kind, **kwargs) when the run starts.
+VARIANTS = {
+    "fp32": ("float32 (defaults)", {}, {}, "exchange"),
+    "bf16": ("bf16 compression", {}, {"compression": ("Compression", "bf16", {})}, "exchange"),
+    "topk": ("top-k 1% + error feedback", {}, {"compression": ("Compression", "topk", {"ratio": 0.01})}, "exchange"),
+    "overlap": ("overlap, push() + pull()", {}, {"overlap": True}, "push_pull"),
+}
+
+# (key, threshold, what): ratio targets from the issue.
+TARGETS = (
+    ("big_ratio_fp32", 0.9, "fp32 >= 0.9 x TF (big, 1 ps)"),
+    ("big_ratio_bf16", 1.3, "bf16 >= 1.3 x TF (big, 1 ps)"),
+    ("big_ratio_topk", 2.0, "top-k 1% + error feedback >= 2 x TF (big, 1 ps)"),
+    ("big_2ps_ratio_fp32", 0.9, "fp32 >= 0.9 x TF (big, 2 ps)"),
+    ("big_2ps_ratio_bf16", 1.3, "bf16 >= 1.3 x TF (big, 2 ps)"),
+    ("big_2ps_ratio_topk", 2.0, "top-k 1% + error feedback >= 2 x TF (big, 2 ps)"),
+    ("big_2ps_over_1ps", 1.0, "2 ps partitioned >= 1 ps (torchps fp32, big)"),
+    ("small_ratio", 2.0, "seed MLP >= 2 x TF (fp32, 1 ps)"),
+)
+
+
+class Unavailable(Exception):
+    """The client API a variant needs is not there (yet)."""
+
+
+def setup_name(model: str, num_ps: int) -> str:
+    """JSON key prefix of a setup: small, big, big_2ps, ..."""
+    return model if num_ps == 1 else f"{model}_{num_ps}ps"
+
+
+def resolve(variant: str, num_ps: int) -> tuple[dict, dict, str, dict]:
+    """(PSClient kwargs, register_module kwargs, update, what was used) of a variant; Unavailable if its API is
+    missing. The worker processes call it too, so they build the same arguments."""
+    import torchps.client as tc
+
+    what, client_spec, register_spec, update = VARIANTS[variant]
+    client_kw, register_kw = dict(client_spec), {}
+    info = {"variant": what,
+            "update": "binding.exchange()" if update == "exchange" else "binding.push(); binding.pull()"}
+    client_params = inspect.signature(tc.PSClient.__init__).parameters
+    register_params = inspect.signature(tc.PSClient.register_module).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in register_params.values())
+    if num_ps > 1:
+        from torchps.partitioning import MinSizePartitioner
+
+        if "partitioner" in client_params:
+            client_kw["partitioner"] = MinSizePartitioner(min_shard_bytes=MIN_SHARD_BYTES, max_shards=num_ps)
+            info["partitioning"] = f"MinSizePartitioner(min_shard_bytes={MIN_SHARD_BYTES}, max_shards={num_ps})"
+        else:  # whole variables; greedy spreads the big matrices (round_robin puts them all on shard 0)
+            client_kw["placement"] = "greedy"
+            info["partitioning"] = "none: PSClient takes no partitioner= yet (whole variables, greedy placement)"
+    for key, value in register_spec.items():
+        if key not in register_params and not takes_kwargs:
+            raise Unavailable(f"PSClient.register_module takes no {key}= yet")
+        if isinstance(value, tuple) and value and value[0] == "Compression":
+            _, kind, kwargs = value
+            compression = getattr(tc, "Compression", None)
+            if compression is None:
+                raise Unavailable("`from torchps.client import Compression` fails: no Compression yet")
+            kwargs = dict(kwargs)
+            try:
+                params = inspect.signature(compression).parameters
+            except (TypeError, ValueError):
+                params = {}
+            if kind == "topk" and "error_feedback" in params:
+                kwargs["error_feedback"] = True
+            try:
+                value = compression(kind, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the policy itself is missing
+                raise Unavailable(f"Compression({kind!r}, {kwargs}) fails: {type(exc).__name__}: {exc}") from None
+            info["compression"] = repr(value)
+        register_kw[key] = value
+    if update == "push_pull":
+        info["overlap"] = True
+    return client_kw, register_kw, update, info
+
+
+# -- torchps side -------------------------------------------------------------------------------
+
+def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, res_q) -> None:
+    """One async worker: register, warm up, then train for the window the parent sends; reports its steps."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torchps.client import Optimizer, PSClient, TaskSpec, tune_malloc
+        from torchps.security import INSECURE
+
+        tune_malloc()
+        torch.set_num_threads(1)
+        torch.manual_seed(100 + index)
+        model = make_mlp(dims)
+        xs, ys = torch.rand(4, BATCH, dims[0]), torch.randint(0, dims[-1], (4, BATCH))
+        client_kw, register_kw, update_kind, _ = resolve(variant, cluster.num_ps)
+        with PSClient(cluster, task=TaskSpec("worker", index), security=INSECURE, **client_kw) as ps:
+            binding = ps.register_module(model, Optimizer("sgd", lr=LR), create=False, **register_kw)
+            if update_kind == "push_pull":
+                def update():
+                    binding.push()
+                    binding.pull()
+            else:
+                update = binding.exchange
+            update_cpu = 0.0
+
+            def step(i: int) -> float:
+                nonlocal update_cpu
+                model.zero_grad()
+                loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+                loss.backward()
+                started = time.process_time()
+                update()
+                update_cpu += time.process_time() - started
+                return loss.item()
+
+            for i in range(warmup):
+                step(i)
+            res_q.put(("ready", index, None))
+            start_at, duration = cmd_q.get()
+            while time.time() < start_at:
+                time.sleep(min(0.01, max(0.0, start_at - time.time())))
+            end, steps, loss = start_at + duration, 0, float("nan")
+            update_cpu, cpu0 = 0.0, time.process_time()
+            while time.time() < end:
+                loss = step(steps)
+                steps += 1
+            res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
+                                         "cpu_seconds": time.process_time() - cpu0, "update_cpu_seconds": update_cpu,
+                                         "stats": ps.stats.as_dict()}))
+    except BaseException:  # noqa: BLE001 - everything goes to the parent
+        res_q.put(("error", index, traceback.format_exc()))
+
+
+def collect(res_q, procs, kind: str, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    got = [None] * len(procs)
+    for _ in procs:
+        while True:
+            try:
+                what, index, payload = res_q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"worker process(es) {dead} died before reporting '{kind}'") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers did not report '{kind}' within {timeout:.0f} s") from None
+        if what == "error":
+            raise RuntimeError(f"worker {index} failed:\n{payload}")
+        got[index] = payload
+    return got
+
+
+def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int) -> dict:
+    """Fresh shards and 2 worker processes for one variant; steps/s of both workers together over the window."""
+    import torch
+    from torchps.client import Optimizer, PSClient
+    from torchps.security import INSECURE
+    from torchps.worker.local_cluster import LocalCluster
+
+    client_kw, register_kw, _, info = resolve(variant, num_ps)  # Unavailable before anything starts
+    started = time.monotonic()
+    ctx = mp.get_context("spawn")
+    with LocalCluster(num_ps, workers=WORKERS) as local:
+        torch.manual_seed(0)
+        with PSClient(local.cluster, security=INSECURE, **client_kw) as chief:
+            chief.register_module(make_mlp(dims), Optimizer("sgd", lr=LR), create=True, **register_kw)
+            placement = chief.placement_report()
+        res_q = ctx.Queue()
+        cmd_qs = [ctx.Queue() for _ in range(WORKERS)]
+        procs = [ctx.Process(target=torch_worker, daemon=True, name=f"peers-{variant}-{i}",
+                             args=(dims, local.cluster, i, variant, warmup, cmd_qs[i], res_q))
+                 for i in range(WORKERS)]
+        for proc in procs:
+            proc.start()
+        try:
+            collect(res_q, procs, "ready", READY_TIMEOUT)
+            setup_seconds = time.monotonic() - started
+            ps_pids = [p.pid for p in local.procs]
+            start_at = time.time() + 0.2
+            ps_cpu0 = cpu_seconds(ps_pids)
+            for q in cmd_qs:
+                q.put((start_at, seconds))
+            got = collect(res_q, procs, "result", seconds + 120)
+            ps_cpu1 = cpu_seconds(ps_pids)
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join()
+    steps = sum(w["steps"] for w in got)
+    cpu = {"workers": sum(w["cpu_seconds"] for w in got) / steps,
+           "workers_update": sum(w["update_cpu_seconds"] for w in got) / steps,
+           "ps": (ps_cpu1 - ps_cpu0) / steps if ps_cpu0 is not None and ps_cpu1 is not None else None}
+    return {"steps_per_s": sum(w["steps"] / w["seconds"] for w in got), "steps": steps,
+            "seconds": max(w["seconds"] for w in got), "last_loss": median([w["last_loss"] for w in got]),
+            "cpu_seconds_per_step": cpu, "setup_seconds": setup_seconds, "workers": got, "placement": placement,
+            **info}
+
+
+# -- TensorFlow side ------------------------------------------------------------------------------
+
+def default_tf_python() -> str:
+    separate = ROOT / ".venv-tf" / "bin" / "python"
+    return str(separate) if separate.exists() else sys.executable
+
+
+def tf_prefix(isolation: str) -> list[str]:
+    return ["unshare", "-rn", "--"] if isolation == "netns" else []
+
+
+def check_tf(args) -> str | None:
+    """None if the TensorFlow side can run; else why not (with how to install it)."""
+    if not os.path.exists(args.tf_python):
+        return f"--tf-python {args.tf_python} does not exist; install the TF side with: {TF_INSTALL}"
+    if args.tf_isolation == "netns":
+        if shutil.which("unshare") is None:
+            return ("TensorFlow's servers listen on every interface; no `unshare` here to give them a private "
+                    "network namespace (--tf-isolation none runs them anyway)")
+        probe = subprocess.run(["unshare", "-rn", "--", "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            return ("TensorFlow's servers listen on every interface, and `unshare -rn` (a private network "
+                    f"namespace) fails here: {probe.stderr.strip()} (--tf-isolation none runs them anyway)")
+    probe = subprocess.run([args.tf_python, "-c", "import tensorflow as tf; print(tf.__version__)"],
+                           capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    if probe.returncode != 0:
+        return f"{args.tf_python} cannot import tensorflow; install it with: {TF_INSTALL}"
+    args.tf_version = probe.stdout.strip().splitlines()[-1]
+    return None
+
+
+def run_tf(dims, num_ps: int, seconds: float, warmup: int, args) -> dict:
+    cmd = [*tf_prefix(args.tf_isolation), args.tf_python, str(TF_PEER), "--dims", ",".join(map(str, dims)),
+           "--num-ps", str(num_ps), "--workers", str(WORKERS), "--seconds", str(seconds), "--warmup", str(warmup),
+           "--batch", str(BATCH), "--lr", str(LR)]
+    if args.tf_isolation == "netns":
+        cmd.append("--isolated")
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"TensorFlow run did not finish in {exc.timeout:.0f} s") from None
+    for line in proc.stdout.splitlines():
+        if line.startswith(TF_RESULT_PREFIX):
+            result = json.loads(line[len(TF_RESULT_PREFIX):])
+            result["wall_seconds"] = time.monotonic() - started
+            return result
+    noise = ("I0000", "W0000", "WARNING: All log")
+    tail = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith(noise))[-2000:]
+    raise RuntimeError(f"TensorFlow run exited with {proc.returncode} and no result; stderr:\n{tail}")
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+def plan(args) -> list[tuple[str, int]]:
+    setups = []
+    for model in args.only:
+        for num_ps in (args.small_ps if model == "small" else args.big_ps):
+            setups.append((model, num_ps))
+    return setups
+
+
+def window(model: str, args) -> tuple[float, int, int]:
+    """(seconds, torch warm-up steps per worker, TF warm-up steps over both workers)."""
+    if model == "small":
+        return (3.0 if args.quick else 6.0), 50, 100
+    return (4.0 if args.quick else 10.0), 3, 6
+
+
+def bench(args) -> dict:
+    entries = (["tf"] if args.tf else []) + args.variants
+    setups = plan(args)
+    raw = {setup_name(m, p): {e: [] for e in entries} for m, p in setups}
+    status: dict[str, dict[str, str]] = {setup_name(m, p): {} for m, p in setups}
+    rounds = []
+    for r in range(args.rounds):
+        for model, num_ps in setups:
+            name = setup_name(model, num_ps)
+            seconds, torch_warmup, tf_warmup = window(model, args)
+            for entry in entries:
+                if status[name].get(entry, "ok") != "ok" and not status[name][entry].startswith("failed"):
+                    continue  # unavailable: no point asking again
+                t0 = time.monotonic()
+                record = {"round": r + 1, "setup": name, "entry": entry}
+                try:
+                    if entry == "tf":
+                        result = run_tf(MODELS[model], num_ps, seconds, tf_warmup, args)
+                    else:
+                        result = run_torch(MODELS[model], num_ps, entry, seconds, torch_warmup)
+                    raw[name][entry].append(result["steps_per_s"])
+                    record["result"] = result
+                    status[name].setdefault(entry, "ok")
+                    log(f"round {r + 1}/{args.rounds} {name} {entry}: {result['steps_per_s']:.2f} steps/s "
+                        f"({time.monotonic() - t0:.0f} s)")
+                except Unavailable as exc:
+                    status[name][entry] = f"unavailable: {exc}"
+                    record["error"] = status[name][entry]
+                    log(f"round {r + 1}/{args.rounds} {name} {entry}: {status[name][entry]}")
+                except Exception as exc:  # noqa: BLE001 - one failed variant must not end the run
+                    status[name][entry] = f"failed: {str(exc).strip()}"
+                    record["error"] = status[name][entry]
+                    log(f"round {r + 1}/{args.rounds} {name} {entry} FAILED: {str(exc).strip()[-1500:]}")
+                rounds.append(record)
+    return {"setups": setups, "entries": entries, "raw": raw, "status": status, "rounds": rounds}
+
+
+def summarize(out: dict, args) -> dict:
+    """The issue's keys (null where not measured), medians, ratios of the medians and paired ratios."""
+    keys: dict = {}
+    for model, pss in (("small", (1, 2)), ("big", (1, 2))):
+        for num_ps in pss:
+            name = setup_name(model, num_ps)
+            keys[f"tf_{name}_steps_per_s"] = None
+            for variant in VARIANTS:
+                keys[f"{name}_{variant}_steps_per_s"] = None
+                keys[f"{name}_ratio_{variant}"] = None
+    keys["small_ratio"] = None
+    keys["big_2ps_over_1ps"] = None
+    paired: dict = {}
+    raw = out["raw"]
+    for name, by_entry in raw.items():
+        tf_runs = by_entry.get("tf", [])
+        if tf_runs:
+            keys[f"tf_{name}_steps_per_s"] = median(tf_runs)
+        for variant in VARIANTS:
+            runs = by_entry.get(variant, [])
+            if not runs:
+                continue
+            keys[f"{name}_{variant}_steps_per_s"] = median(runs)
+            if tf_runs:
+                keys[f"{name}_ratio_{variant}"] = median(runs) / median(tf_runs)
+                if len(runs) == len(tf_runs):
+                    paired[f"{name}_ratio_{variant}"] = median([a / b for a, b in zip(runs, tf_runs)])
+    keys["small_ratio"] = keys["small_ratio_fp32"]
+    if keys["big_fp32_steps_per_s"] and keys["big_2ps_fp32_steps_per_s"]:
+        keys["big_2ps_over_1ps"] = keys["big_2ps_fp32_steps_per_s"] / keys["big_fp32_steps_per_s"]
+        one, two = raw.get("big", {}).get("fp32", []), raw.get("big_2ps", {}).get("fp32", [])
+        if one and len(one) == len(two):
+            paired["big_2ps_over_1ps"] = median([b / a for a, b in zip(one, two)])
+    keys["paired_ratios"] = paired
+    keys["targets"] = {key: {"what": what, "threshold": threshold,
+                             "value": keys.get(key),
+                             "met": None if keys.get(key) is None else keys[key] >= threshold}
+                       for key, threshold, what in TARGETS}
+    return keys
+
+
+def fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(results: dict) -> str:
+    rows = ["| setup | run | steps/s (median) | per round | torchps / TF | note |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, by_entry in results["raw"].items():
+        digits = 0 if name.startswith("small") else 2
+        for entry, runs in by_entry.items():
+            state = results["status"][name].get(entry, "ok")
+            if entry == "tf":
+                what, ratio = "TensorFlow ParameterServerStrategy", "1"
+            else:
+                what, ratio = f"torchps {entry}", fmt(results.get(f"{name}_ratio_{entry}"))
+            note = "" if state == "ok" else state.splitlines()[0][:160]
+            rows.append(f"| {name} | {what} | {fmt(median(runs) if runs else None, digits)} | "
+                        f"{', '.join(fmt(x, digits) for x in runs) or '-'} | {ratio} | {note} |")
+    rows += ["", "| target | figure | |", "| --- | --- | --- |"]
+    for key, target in results["targets"].items():
+        verdict = "not measured" if target["met"] is None else ("met" if target["met"] else "NOT met")
+        rows.append(f"| {target['what']} (`{key}`) | {fmt(target['value'])} | {verdict} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--json", type=pathlib.Path, help="write medians, ratios, targets and every round here")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round, 3 s (seed MLP) and 4 s (big MLP) windows instead of 6 s and 10 s")
+    parser.add_argument("--only", default="small,big", help="small, big or small,big (default)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"torchps variants, comma-separated (default {','.join(VARIANTS)})")
+    parser.add_argument("--big-ps", default="1,2", help="ps counts for the big MLP (default 1,2)")
+    parser.add_argument("--small-ps", default="1", help="ps counts for the seed MLP (default 1)")
+    parser.add_argument("--no-tf", dest="tf", action="store_false", help="torchps only (no TensorFlow here)")
+    parser.add_argument("--tf-python", default=None,
+                        help="interpreter with tensorflow-cpu for bench/tf_peer.py (default .venv-tf/bin/python "
+                             "if present, else this one)")
+    parser.add_argument("--tf-isolation", default="netns", choices=("netns", "none"),
+                        help="netns (default): run TensorFlow in a private network namespace holding only "
+                             "loopback (unshare -rn), as its servers listen on every interface; none: as is")
+    parser.add_argument("--no-malloc-tuning", action="store_true",
+                        help="leave glibc malloc at its defaults (default: torchps's settings for every process, "
+                             "TensorFlow's included)")
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.only = [m.strip() for m in args.only.split(",") if m.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.big_ps = [int(p) for p in args.big_ps.split(",") if p.strip()]
+    args.small_ps = [int(p) for p in args.small_ps.split(",") if p.strip()]
+    if set(args.only) - set(MODELS) or not args.only:
+        parser.error(f"--only takes small, big or both; got {args.only}")
+    if set(args.variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(set(args.variants) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
+    if any(p < 1 for p in args.big_ps + args.small_ps):
+        parser.error("ps counts must be >= 1")
+    args.tf_python = args.tf_python or default_tf_python()
+    args.tf_version = None
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.no_malloc_tuning:
+        from torchps.client import tune_malloc
+        from torchps.memory import malloc_env
+
+        os.environ.update(malloc_env())  # shards, workers and TensorFlow's processes inherit them
+        tune_malloc()
+    started = time.monotonic()
+    results: dict = {**environment()}
+    tf_problem = None
+    if args.tf:
+        tf_problem = check_tf(args)
+        if tf_problem:
+            log(f"TensorFlow side skipped: {tf_problem}")
+            args.tf = False
+    results["config"] = {
+        "rounds": args.rounds, "quick": args.quick, "only": args.only, "variants": args.variants,
+        "big_ps": args.big_ps, "small_ps": args.small_ps, "batch": BATCH, "lr": LR, "workers": WORKERS,
+        "dims": {m: list(d) for m, d in MODELS.items()}, "activation": "sigmoid (pullpush.make_mlp, both models)",
+        "windows_seconds": {m: window(m, args)[0] for m in MODELS},
+        "torch_threads": "workers torch.set_num_threads(1); shards torch's default",
+        "tf_threads": "every task 1 intra-op, 2 inter-op thread(s) (1 inter-op deadlocks TF 2.21's first step)",
+        "tf": {"python": args.tf_python if args.tf else None, "version": args.tf_version,
+               "isolation": args.tf_isolation if args.tf else None,
+               "skipped": "--no-tf" if tf_problem is None and not args.tf else tf_problem},
+    }
+    results["versions"]["tensorflow"] = args.tf_version
+    out = bench(args)
+    results.update(summarize(out, args))
+    results["raw"] = out["raw"]
+    results["status"] = out["status"]
+    results["rounds"] = out["rounds"]
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["wall_seconds"] = time.monotonic() - started
+
+    print(table(results))
+    tf_line = (f"TensorFlow {args.tf_version} ({args.tf_python}, isolation {args.tf_isolation})" if args.tf
+               else f"no TensorFlow ({results['config']['tf']['skipped']})")
+    print(f"\n{results['machine']['nproc']} CPUs; torch {results['versions']['torch']}; {tf_line}; load "
+          f"{results['machine']['loadavg_start'][0]:.1f} -> {results['machine']['loadavg_end'][0]:.1f}; "
+          f"{results['wall_seconds']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

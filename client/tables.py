@@ -1,0 +1,242 @@
+"""PSClient's embedding tables: create or wait for them, read rows, and the row gradients a push carries.
+
+A mixin of PSClient: it uses the client's channels, pool and timeouts (see
+PSClient.__init__); datapath.push and push_pull take `rows` through
+`_row_tensors`. A table's rows are spread over every shard by id
+(torchps/rows.py), so each call goes to the shards holding the ids it
+names, all at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable, Mapping
+
+import torch
+
+from .. import codec, rows
+from ..compression import Encoded
+from ..errors import (ClusterConfigError, InvalidArgumentError, NonFiniteGradientError, TensorMismatchError,
+                      UnknownVariableError, WaitTimeoutError)
+from ..proto import ps_pb2
+from .embedding import ShardedTable
+from .transfer import NewTensors, read_stream
+
+__all__ = ["TablePath", "TableLayout", "tables_in", "take_rows"]
+
+WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for tables; the client repeats until its deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLayout:
+    """A table as the shards hold it: its spec (defaults filled in) and the shards its rows are spread over."""
+
+    spec: ps_pb2.TableSpec
+    num_shards: int
+
+    @property
+    def partition(self) -> str:
+        return rows.partition_name(self.spec.partition)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return codec.torch_dtype(self.spec.dtype)
+
+
+class TablePath:
+    """create_tables, wait_for_tables, table_layout, lookup_rows (PSClient inherits them)."""
+
+    def create_tables(self, specs: Iterable[ps_pb2.TableSpec]) -> dict[str, bool]:
+        """Creates embedding tables on every shard (each its part of each table): {name: created}.
+
+        Idempotent per table: one that exists with the same spec is kept as it
+        is (False). Blocks until every shard has its part (a fixed-size table's
+        rows are made then). SpecConflictError if one exists with another spec
+        (or the name is a variable's), ModeConflictError in sync mode,
+        InvalidArgumentError or OptimizerSpecError for a bad spec; each shard
+        creates its part all-or-nothing, but if one shard fails the others'
+        parts may exist (calling again with the right specs completes them).
+        """
+        specs = list(specs)
+        num_shards = self.cluster.num_ps
+
+        def create(shard: int, _) -> list[bool]:
+            request = ps_pb2.CreateTablesRequest(tables=specs, shard_index=shard, num_shards=num_shards)
+            reply = self._channels.call(shard, lambda stub, t: stub.CreateTables(request, timeout=t), self.timeout)
+            self._note_generation(shard, reply.generation)
+            return list(reply.created)
+
+        results = self._each_shard({s: [] for s in range(num_shards)}, create)
+        self._learn_tables([spec.name for spec in specs])
+        return {spec.name: any(results[s][i] for s in results) for i, spec in enumerate(specs)}
+
+    def wait_for_tables(self, names: Iterable[str], timeout: float = 600.0) -> None:
+        """Blocks until every table in `names` exists on every shard (made by the chief), then learns their
+        layout. WaitTimeoutError naming the missing ones after `timeout` s; ClusterConfigError if a table is
+        spread over another number of shards than this cluster has."""
+        names = list(names)
+        deadline = time.monotonic() + timeout
+
+        def wait(shard: int, _) -> None:
+            while True:  # short server-side waits: a waiting worker never holds a shard's thread for long
+                remaining = deadline - time.monotonic()
+                request = ps_pb2.ListRequest(names=names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
+                try:
+                    reply = self._channels.call(shard, lambda stub, t: stub.ListTables(request, timeout=t),
+                                                WAIT_SLICE_SECONDS + self.control_timeout)
+                    self._note_generation(shard, reply.generation)
+                    return
+                except WaitTimeoutError as exc:
+                    if time.monotonic() >= deadline:
+                        raise WaitTimeoutError(str(exc).replace(f"waited {request.wait_seconds:g} s",
+                                                                f"waited {timeout:g} s")) from None
+
+        self._each_shard({s: [] for s in range(self.cluster.num_ps)}, wait)
+        self._learn_tables(names)
+
+    def _learn_tables(self, names: list[str]) -> None:
+        """Records the layout of `names` as shard 0 describes them."""
+        reply = self._channels.call(0, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(names=names), timeout=t),
+                                    self.control_timeout)
+        for info in reply.tables:
+            if info.num_shards != self.cluster.num_ps:
+                raise ClusterConfigError(f"table {info.spec.name!r} is spread over {info.num_shards} shards; this "
+                                         f"cluster has {self.cluster.num_ps}")
+            self._tables[info.spec.name] = TableLayout(info.spec, info.num_shards)
+
+    def table_layout(self, name: str) -> TableLayout:
+        """The layout of a table this client created or waited for; UnknownVariableError otherwise."""
+        layout = self._tables.get(name)
+        if layout is None:
+            raise UnknownVariableError(f"embedding table {name!r} is not known to this client; create it or wait "
+                                       f"for it first (register_module, create_tables or wait_for_tables)")
+        return layout
+
+    def lookup_rows(self, ids: Mapping[str, torch.Tensor], *, admit: bool = False) -> dict[str, torch.Tensor]:
+        """The rows of distinct ids: {table: (len(ids), dim) CPU tensor}, row i for ids[i].
+
+        One LookupRows call per shard holding some of the ids (more only if
+        a shard's ids exceed chunk_bytes), all shards at once. With `admit`
+        (a training lookup) dynamic tables count it and create rows at
+        min_count; rows that do not exist read as zeros. Blocks until every
+        row arrived (at most `timeout` per attempt). InvalidArgumentError for
+        ids that repeat, are out of range or not int64; UnknownVariableError
+        for an unknown table: then nothing was admitted on that shard.
+        """
+        wanted = {name: (self.table_layout(name), _flat_ids(name, value)) for name, value in ids.items()}
+        out = {name: torch.empty(len(value), layout.spec.dim, dtype=layout.dtype)
+               for name, (layout, value) in wanted.items()}
+        per_shard: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        for name, (layout, value) in wanted.items():
+            owner = rows.shard_of(value, layout.num_shards, layout.partition)
+            for shard in torch.unique(owner).tolist():
+                positions = torch.nonzero(owner == shard).flatten()
+                per_shard.setdefault(shard, []).append((name, value[positions], positions))
+        limit = max(1, self.chunk_bytes // 8)  # ids per request: a request stays within one chunk's size
+
+        def lookup(shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+            if sum(len(value) for _, value, _ in parts) <= limit:
+                self._lookup_on(shard, parts, admit, out)
+                return
+            for name, value, positions in parts:  # more ids than one request should carry: a call per slice
+                for i in range(0, len(value), limit):
+                    self._lookup_on(shard, [(name, value[i:i + limit], positions[i:i + limit])], admit, out)
+
+        self._each_shard(per_shard, lookup, "lookup")
+        return out
+
+    def _lookup_on(self, shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]], admit: bool,
+                   out: dict[str, torch.Tensor]) -> None:
+        """One LookupRows call: the rows of each (table, ids, their positions) land in out[table][positions]."""
+        request = ps_pb2.LookupRowsRequest(tables=[ps_pb2.TableIds(name=name, ids=rows.ids_bytes(value))
+                                                  for name, value, _ in parts],
+                                           chunk_bytes=self.chunk_bytes, admit=admit)
+        names = [name for name, _, _ in parts]
+        sink = NewTensors()
+        self._channels.call(shard, lambda stub, t: read_stream(
+            stub.LookupRows(request, timeout=t), names, sink, self._channels.target(shard)), self.timeout)
+        for name, value, positions in parts:
+            got = sink.tensors[name]
+            if tuple(got.shape) != (len(value), out[name].shape[1]) or got.dtype != out[name].dtype:
+                raise TensorMismatchError(f"{self._channels.target(shard)} sent the rows of {name!r} as "
+                                          f"{got.dtype}{list(got.shape)}; {len(value)} rows were asked for")
+            out[name][positions] = got
+
+    def _tables_report(self) -> list[str]:
+        """placement_report's lines on the tables this client knows, with each shard's counters (one GetStatus
+        per shard, all at once)."""
+        statuses = self._on_every_shard(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
+        lines = [f"tables ({len(self._tables)}; rows spread over all {self.cluster.num_ps} shards by id):"]
+        for name, layout in self._tables.items():
+            spec = layout.spec
+            size = f"{spec.num_embeddings:,d}" if spec.num_embeddings else "dynamic"
+            lines.append(f"  {name}  [{size}, {spec.dim}] {str(layout.dtype).removeprefix('torch.')}, "
+                         f"{layout.partition}, {spec.optimizer.name}")
+            for shard in sorted(statuses):
+                for s in statuses[shard].tables:
+                    if s.name == name:
+                        lines.append(f"    ps:{shard}: {s.rows:,d} rows, {s.admitted:,d} admitted, {s.evicted:,d} "
+                                     f"evicted, {s.bytes:,d} B")
+        return lines
+
+    def _row_tensors(self, table_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+                     ) -> dict[int, dict[str, Encoded]]:
+        """{shard: {table: ROWS tensor}} for a push: each table's (ids, row gradients), repeated ids summed,
+        cut by shard; every shard gets every table's tensor (with no rows where it has none), as each counts
+        one optimizer step of the table. Raises before anything is sent: UnknownVariableError (a table not
+        known here), TensorMismatchError (not (len(ids), dim) of the table's dtype), NonFiniteGradientError."""
+        out: dict[int, dict[str, Encoded]] = {shard: {} for shard in range(self.cluster.num_ps)}
+        for name, (ids, grads) in table_rows.items():
+            layout = self.table_layout(name)
+            ids = _flat_ids(name, ids, unique=False)
+            grads = grads.detach().cpu()
+            if grads.dtype != layout.dtype or grads.dim() != 2 or tuple(grads.shape) != (len(ids), layout.spec.dim):
+                raise TensorMismatchError(f"row gradients of {name!r} are {grads.dtype}{list(grads.shape)}; the "
+                                          f"table takes ({len(ids)}, {layout.spec.dim}) of {layout.dtype}")
+            if grads.numel() and not bool(torch.isfinite(grads).all()):
+                raise NonFiniteGradientError(f"row gradients of {name!r} contain NaN or Inf; nothing was pushed")
+            ids, grads = _summed(ids, grads)
+            owner = rows.shard_of(ids, layout.num_shards, layout.partition)
+            for shard in out:
+                mine = owner == shard
+                out[shard][name] = rows.encode_rows(ids[mine], grads[mine])
+        return out
+
+
+def _flat_ids(name: str, ids: torch.Tensor, unique: bool = True) -> torch.Tensor:
+    """`ids` as a 1-D int64 CPU tensor; InvalidArgumentError if they are not integers (or, `unique`, repeat)."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InvalidArgumentError(f"ids of {name!r} must be an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
+    flat = ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    if unique and len(torch.unique(flat)) != len(flat):
+        raise InvalidArgumentError(f"ids of {name!r} to look up must be distinct")
+    return flat
+
+
+def _summed(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct ids, the sum of each one's rows), summed by torch's sparse coalesce as torch.optim's would be."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    if len(unique) == len(ids):
+        order = torch.argsort(inverse)
+        return unique, grads[order]
+    summed = torch.sparse_coo_tensor(inverse[None], grads, (len(unique), grads.shape[1]),
+                                     check_invariants=False).coalesce()
+    return unique, summed.values()
+
+
+def tables_in(module: torch.nn.Module, prefix: str = "") -> dict[str, ShardedTable]:
+    """{table name: module} for each Embedding or EmbeddingBag in `module`, named like the weight it stands for:
+    prefix + its path + ".weight"."""
+    return {f"{prefix}{path}{'.' if path else ''}weight": sub for path, sub in module.named_modules()
+            if isinstance(sub, ShardedTable)}
+
+
+def take_rows(tables: Mapping[str, ShardedTable]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{table: (ids, row gradients)} of the tables a backward reached since the last push (push's `rows`)."""
+    out = {}
+    for name, table in tables.items():
+        grads = table.take_gradients()
+        if grads is not None:
+            out[name] = grads
+    return out
