@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                              "accuracies": [r["test_accuracy"] for r in done],
                              "wall_seconds": statistics.median(r["wall_seconds"] for r in done)}
     base = table.get("none", {}).get("test_accuracy")
-    print(f"\n| policy | test accuracy (median; runs) | vs none, points | wall s (median) | target |")
+    print("\n| policy | test accuracy (median; runs) | vs none, points | wall s (median) | target |")
     print("| --- | --- | --- | --- | --- |")
     for policy, row in table.items():
         gap = None if base is None else round((row["test_accuracy"] - base) * 100, 2)

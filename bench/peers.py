@@ -24,8 +24,7 @@ processes (torch.set_num_threads(1)), each PSClient + register_module, then per
 step forward/backward on one of 4 fixed random batches and the variant's update
 (exchange(), or push() + pull()). Variants (VARIANTS below, one line each):
 fp32 (default), bf16 and top-k 1% with error feedback compression, overlap.
-A variant whose client API is missing is reported as unavailable, and one
-that fails as failed, without stopping the others.
+A variant that fails is reported as failed, without stopping the others.
 
 Each round runs, for every setup, TensorFlow then each torchps variant, each
 on fresh processes: warm-up steps, then a timed window with both workers
@@ -37,7 +36,6 @@ per-round ratios), the issue's targets with met / NOT met.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -84,55 +82,27 @@ TARGETS = (
 )
 
 
-class Unavailable(Exception):
-    """The client API a variant needs is not there (yet)."""
-
-
 def setup_name(model: str, num_ps: int) -> str:
     """JSON key prefix of a setup: small, big, big_2ps, ..."""
     return model if num_ps == 1 else f"{model}_{num_ps}ps"
 
 
 def resolve(variant: str, num_ps: int) -> tuple[dict, dict, str, dict]:
-    """(PSClient kwargs, register_module kwargs, update, what was used) of a variant; Unavailable if its API is
-    missing. The worker processes call it too, so they build the same arguments."""
-    import torchps.client as tc
+    """(PSClient kwargs, register_module kwargs, update, what was used) of a variant. The worker processes
+    call it too, so they build the same arguments."""
+    from torchps.client import Compression, MinSizePartitioner
 
     what, client_spec, register_spec, update = VARIANTS[variant]
     client_kw, register_kw = dict(client_spec), {}
     info = {"variant": what,
             "update": "binding.exchange()" if update == "exchange" else "binding.push(); binding.pull()"}
-    client_params = inspect.signature(tc.PSClient.__init__).parameters
-    register_params = inspect.signature(tc.PSClient.register_module).parameters
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in register_params.values())
     if num_ps > 1:
-        from torchps.partitioning import MinSizePartitioner
-
-        if "partitioner" in client_params:
-            client_kw["partitioner"] = MinSizePartitioner(min_shard_bytes=MIN_SHARD_BYTES, max_shards=num_ps)
-            info["partitioning"] = f"MinSizePartitioner(min_shard_bytes={MIN_SHARD_BYTES}, max_shards={num_ps})"
-        else:  # whole variables; greedy spreads the big matrices (round_robin puts them all on shard 0)
-            client_kw["placement"] = "greedy"
-            info["partitioning"] = "none: PSClient takes no partitioner= yet (whole variables, greedy placement)"
+        client_kw["partitioner"] = MinSizePartitioner(min_shard_bytes=MIN_SHARD_BYTES, max_shards=num_ps)
+        info["partitioning"] = f"MinSizePartitioner(min_shard_bytes={MIN_SHARD_BYTES}, max_shards={num_ps})"
     for key, value in register_spec.items():
-        if key not in register_params and not takes_kwargs:
-            raise Unavailable(f"PSClient.register_module takes no {key}= yet")
         if isinstance(value, tuple) and value and value[0] == "Compression":
             _, kind, kwargs = value
-            compression = getattr(tc, "Compression", None)
-            if compression is None:
-                raise Unavailable("`from torchps.client import Compression` fails: no Compression yet")
-            kwargs = dict(kwargs)
-            try:
-                params = inspect.signature(compression).parameters
-            except (TypeError, ValueError):
-                params = {}
-            if kind == "topk" and "error_feedback" in params:
-                kwargs["error_feedback"] = True
-            try:
-                value = compression(kind, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the policy itself is missing
-                raise Unavailable(f"Compression({kind!r}, {kwargs}) fails: {type(exc).__name__}: {exc}") from None
+            value = Compression(kind, **kwargs)
             info["compression"] = repr(value)
         register_kw[key] = value
     if update == "push_pull":
@@ -221,7 +191,7 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int) -> d
     from torchps.security import INSECURE
     from torchps.worker.local_cluster import LocalCluster
 
-    client_kw, register_kw, _, info = resolve(variant, num_ps)  # Unavailable before anything starts
+    client_kw, register_kw, _, info = resolve(variant, num_ps)
     started = time.monotonic()
     ctx = mp.get_context("spawn")
     with LocalCluster(num_ps, workers=WORKERS) as local:
@@ -342,8 +312,6 @@ def bench(args) -> dict:
             name = setup_name(model, num_ps)
             seconds, torch_warmup, tf_warmup = window(model, args)
             for entry in entries:
-                if status[name].get(entry, "ok") != "ok" and not status[name][entry].startswith("failed"):
-                    continue  # unavailable: no point asking again
                 t0 = time.monotonic()
                 record = {"round": r + 1, "setup": name, "entry": entry}
                 try:
@@ -356,10 +324,6 @@ def bench(args) -> dict:
                     status[name].setdefault(entry, "ok")
                     log(f"round {r + 1}/{args.rounds} {name} {entry}: {result['steps_per_s']:.2f} steps/s "
                         f"({time.monotonic() - t0:.0f} s)")
-                except Unavailable as exc:
-                    status[name][entry] = f"unavailable: {exc}"
-                    record["error"] = status[name][entry]
-                    log(f"round {r + 1}/{args.rounds} {name} {entry}: {status[name][entry]}")
                 except Exception as exc:  # noqa: BLE001 - one failed variant must not end the run
                     status[name][entry] = f"failed: {str(exc).strip()}"
                     record["error"] = status[name][entry]

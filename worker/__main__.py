@@ -168,6 +168,7 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
             raise ClusterConfigError(f"--compression: {exc}") from None
     elif args.state_dir is not None:
         raise ClusterConfigError("--state-dir keeps the residuals of --compression: pass --compression too")
+    _partitioner(args.partition)
     try:
         parse_step_range(args.trace_steps)
     except ValueError as exc:
