@@ -255,7 +255,11 @@ class PSClient(DataPath, TablePath):
         Raises WaitTimeoutError naming the missing variables after `timeout` s,
         or ServerUnavailableError if a shard stays unreachable.
         """
-        groups = self.placement.group(self.partitions.wire_names(names))
+        self._wait_listed(self.placement.group(self.partitions.wire_names(names)), "ListVariables", timeout)
+
+    def _wait_listed(self, groups: Mapping[int, list[str]], method: str, timeout: float) -> None:
+        """Blocks until each shard's `method` (ListVariables, ListTables) finds every name of its group, asking
+        with short server-side waits; WaitTimeoutError naming the missing ones after `timeout` s."""
         deadline = time.monotonic() + timeout
 
         def wait(shard: int, shard_names: list[str]) -> None:
@@ -263,7 +267,7 @@ class PSClient(DataPath, TablePath):
                 remaining = deadline - time.monotonic()
                 request = ps_pb2.ListRequest(names=shard_names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
                 try:
-                    reply = self._channels.call(shard, lambda stub, t: stub.ListVariables(request, timeout=t),
+                    reply = self._channels.call(shard, lambda stub, t: getattr(stub, method)(request, timeout=t),
                                                 WAIT_SLICE_SECONDS + self.control_timeout)
                     self._note_generation(shard, reply.generation)
                     return

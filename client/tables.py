@@ -10,7 +10,6 @@ names, all at once.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Iterable, Mapping
 
 import torch
@@ -18,14 +17,12 @@ import torch
 from .. import codec, rows
 from ..compression import Encoded
 from ..errors import (ClusterConfigError, InvalidArgumentError, NonFiniteGradientError, TensorMismatchError,
-                      UnknownVariableError, WaitTimeoutError)
+                      UnknownVariableError)
 from ..proto import ps_pb2
 from .embedding import ShardedTable
 from .transfer import NewTensors, read_stream
 
 __all__ = ["TablePath", "TableLayout", "tables_in", "take_rows"]
-
-WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for tables; the client repeats until its deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,23 +73,7 @@ class TablePath:
         layout. WaitTimeoutError naming the missing ones after `timeout` s; ClusterConfigError if a table is
         spread over another number of shards than this cluster has."""
         names = list(names)
-        deadline = time.monotonic() + timeout
-
-        def wait(shard: int, _) -> None:
-            while True:  # short server-side waits: a waiting worker never holds a shard's thread for long
-                remaining = deadline - time.monotonic()
-                request = ps_pb2.ListRequest(names=names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
-                try:
-                    reply = self._channels.call(shard, lambda stub, t: stub.ListTables(request, timeout=t),
-                                                WAIT_SLICE_SECONDS + self.control_timeout)
-                    self._note_generation(shard, reply.generation)
-                    return
-                except WaitTimeoutError as exc:
-                    if time.monotonic() >= deadline:
-                        raise WaitTimeoutError(str(exc).replace(f"waited {request.wait_seconds:g} s",
-                                                                f"waited {timeout:g} s")) from None
-
-        self._each_shard({s: [] for s in range(self.cluster.num_ps)}, wait)
+        self._wait_listed({s: names for s in range(self.cluster.num_ps)}, "ListTables", timeout)
         self._learn_tables(names)
 
     def _learn_tables(self, names: list[str]) -> None:
