@@ -150,7 +150,10 @@ def waiting_worker(extra_env: dict | None = None) -> subprocess.Popen:
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
     return subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "1",
                              "--dataset", "mnist5k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})))
+                            stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})),
+                            # a shell without job control starts background jobs with SIGINT ignored, and the
+                            # worker would inherit that: give it the disposition a terminal user's Ctrl-C meets
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_line(stream, pattern: str, timeout: float = 60) -> None:
