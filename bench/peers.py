@@ -153,12 +153,13 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
             while time.time() < start_at:
                 time.sleep(min(0.01, max(0.0, start_at - time.time())))
             end, steps, loss = start_at + duration, 0, float("nan")
-            update_cpu, cpu0 = 0.0, time.process_time()
+            update_cpu, cpu0, copied0 = 0.0, time.process_time(), ps.stats.bytes_copied
             while time.time() < end:
                 loss = step(steps)
                 steps += 1
             res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
                                          "cpu_seconds": time.process_time() - cpu0, "update_cpu_seconds": update_cpu,
+                                         "bytes_copied": ps.stats.bytes_copied - copied0,
                                          "stats": ps.stats.as_dict()}))
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         res_q.put(("error", index, traceback.format_exc()))
@@ -227,6 +228,7 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int) -> d
            "workers_update": sum(w["update_cpu_seconds"] for w in got) / steps,
            "ps": (ps_cpu1 - ps_cpu0) / steps if ps_cpu0 is not None and ps_cpu1 is not None else None}
     return {"steps_per_s": sum(w["steps"] / w["seconds"] for w in got), "steps": steps,
+            "MB_copied_per_step": sum(w["bytes_copied"] for w in got) / steps / 1e6,
             "seconds": max(w["seconds"] for w in got), "last_loss": median([w["last_loss"] for w in got]),
             "cpu_seconds_per_step": cpu, "setup_seconds": setup_seconds, "workers": got, "placement": placement,
             **info}
@@ -366,6 +368,12 @@ def summarize(out: dict, args) -> dict:
         if one and len(one) == len(two):
             paired["big_2ps_over_1ps"] = median([b / a for a, b in zip(one, two)])
     keys["paired_ratios"] = paired
+    copied: dict = {}  # a worker step's bytes copied to move tensors (WorkerStats.bytes_copied), MB, medians
+    for record in out["rounds"]:
+        if "MB_copied_per_step" in record.get("result", {}):
+            copied.setdefault(record["setup"], {}).setdefault(record["entry"], []).append(
+                record["result"]["MB_copied_per_step"])
+    keys["MB_copied_per_step"] = {name: {entry: median(v) for entry, v in by.items()} for name, by in copied.items()}
     keys["targets"] = {key: {"what": what, "threshold": threshold,
                              "value": keys.get(key),
                              "met": None if keys.get(key) is None else keys[key] >= threshold}
@@ -378,8 +386,8 @@ def fmt(value, digits: int = 2) -> str:
 
 
 def table(results: dict) -> str:
-    rows = ["| setup | run | steps/s (median) | per round | torchps / TF | note |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| setup | run | steps/s (median) | per round | torchps / TF | MB copied per step | note |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, by_entry in results["raw"].items():
         digits = 0 if name.startswith("small") else 2
         for entry, runs in by_entry.items():
@@ -389,8 +397,9 @@ def table(results: dict) -> str:
             else:
                 what, ratio = f"torchps {entry}", fmt(results.get(f"{name}_ratio_{entry}"))
             note = "" if state == "ok" else state.splitlines()[0][:160]
+            copied = fmt(results.get("MB_copied_per_step", {}).get(name, {}).get(entry), 1)
             rows.append(f"| {name} | {what} | {fmt(median(runs) if runs else None, digits)} | "
-                        f"{', '.join(fmt(x, digits) for x in runs) or '-'} | {ratio} | {note} |")
+                        f"{', '.join(fmt(x, digits) for x in runs) or '-'} | {ratio} | {copied} | {note} |")
     rows += ["", "| target | figure | |", "| --- | --- | --- |"]
     for key, target in results["targets"].items():
         verdict = "not measured" if target["met"] is None else ("met" if target["met"] else "NOT met")

@@ -371,6 +371,11 @@ class OursRoundTrip:
     def pull(self) -> None:
         self.binding.pull()
 
+    def bytes_copied(self) -> int:
+        """Bytes this client copied so far to move tensors (WorkerStats.bytes_copied; 0 from a torchps that
+        predates it, as bench/against.py may run)."""
+        return getattr(self.client.stats, "bytes_copied", 0)
+
     def close(self) -> None:
         self.client.close()
 
@@ -434,6 +439,7 @@ def bench_bandwidth(args, job: JobSecurity | None) -> dict:
             for name in names:
                 timed_round_trip(variants[name])
         raw = {name: {"push": [], "pull": [], "total": [], "client_cpu": [], "server_cpu": []} for name in names}
+        copied_before = {name: variants[name].bytes_copied() for name in clusters}
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate to cancel drift
             for name in order:
@@ -446,6 +452,8 @@ def bench_bandwidth(args, job: JobSecurity | None) -> dict:
                     raw[name]["server_cpu"].append(server_cpu)
             log("bandwidth repeat %d/%d: %s" % (r + 1, args.repeats, ", ".join(
                 f"{n} {raw[n]['total'][-1]:.3f} s" for n in names)))
+        copied = {name: (variants[name].bytes_copied() - before) / args.repeats
+                  for name, before in copied_before.items()}
     finally:
         for close in reversed(closers):
             close()
@@ -461,11 +469,13 @@ def bench_bandwidth(args, job: JobSecurity | None) -> dict:
             "shard_security": shard_security,
             "median_seconds": med,
             "round_trip_GBps": {n: 2 * nbytes / m["total"] / 1e9 for n, m in med.items()},
+            "client_bytes_copied_per_round_trip": copied,
         },
         "bandwidth_raw": raw,
     }
     if "ours_2ps" in med:
         out["pullpush_seconds"] = med["ours_2ps"]["total"]
+        out["client_copies_per_byte"] = copied["ours_2ps"] / (2 * nbytes)  # bytes copied / bytes moved
         out["ratio"] = med["baseline"]["total"] / med["ours_2ps"]["total"]
     if "ours_2ps_secure" in med:
         out["pullpush_secure_seconds"] = med["ours_2ps_secure"]["total"]
@@ -533,12 +543,14 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q, security=
                 time.sleep(min(0.01, max(0.0, start_at - time.time())))
             end, steps, loss = start_at + duration, 0, float("nan")
             update_cpu, started_cpu = 0.0, time.process_time()
+            copied = getattr(client.stats, "bytes_copied", 0) if client is not None else 0
             while time.time() < end:
                 loss = step(steps)
                 steps += 1
             used = time.process_time() - started_cpu
             res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
-                                         "cpu_seconds": used, "update_cpu_seconds": update_cpu}))
+                                         "cpu_seconds": used, "update_cpu_seconds": update_cpu,
+                                         "bytes_copied": getattr(client.stats, "bytes_copied", copied) - copied if client else 0}))
         if client is not None:
             client.close()
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -661,7 +673,8 @@ def cpu_per_step(runs: list[list[dict]], server_cpu: list[float] | None) -> dict
     wall = sum(max(w["seconds"] for w in run) for run in runs)
     worker = sum(w["cpu_seconds"] for run in runs for w in run)
     update = sum(w["update_cpu_seconds"] for run in runs for w in run)
-    out = {"compute_ms": 1e3 * (worker - update) / steps, "update_ms": 1e3 * update / steps}
+    out = {"compute_ms": 1e3 * (worker - update) / steps, "update_ms": 1e3 * update / steps,
+           "client_MB_copied_per_step": sum(w.get("bytes_copied", 0) for run in runs for w in run) / steps / 1e6}
     busy = worker
     if server_cpu is not None and len(server_cpu) == len(runs):
         out["server_ms"] = 1e3 * sum(server_cpu) / steps
@@ -727,6 +740,8 @@ def table(results: dict) -> str:
                          f"{results['pullpush_1ps_seconds']:.3f} (push {med['ours_1ps']['push']:.3f} + pull "
                          f"{med['ours_1ps']['pull']:.3f})", "-"))
         add("ratio", "ratio = baseline / ours (2 shards)", "{:.2f}", REFERENCES["ratio"])
+        add("client_copies_per_byte", "bytes the client copies per byte moved", "{:.2f}",
+            "1.00: each byte once into its push message, once out of its pull message (gRPC's own copies aside)")
         if "pullpush_cpu_seconds" in results:
             rows.append(("CPU per push + pull, client + shards (ms)", f"{1e3 * results['pullpush_cpu_seconds']:.0f}",
                          f"bare gRPC, same run: {1e3 * results['grpc_baseline_cpu_seconds']:.0f}; raw bytes, "
@@ -743,7 +758,8 @@ def table(results: dict) -> str:
         if cpu and "server_ms" in cpu:
             rows.append((f"{label} MLP async, CPU per step (ms)",
                          f"{cpu['total_ms']:.1f} = compute {cpu['compute_ms']:.1f} + exchange {cpu['update_ms']:.1f} "
-                         f"+ ps {cpu['server_ms']:.1f}; {cpu['cores_busy']:.2f} cores busy", "-"))
+                         f"+ ps {cpu['server_ms']:.1f}; {cpu['cores_busy']:.2f} cores busy; "
+                         f"{cpu['client_MB_copied_per_step']:.1f} MB copied per worker step", "-"))
     add("big_ceiling_steps_per_s", "big MLP ceiling at bare gRPC's CPU cost (steps/s)", "{:.2f}",
         "cores / (1-process step CPU + bare gRPC round-trip CPU)")
     add("big_ceiling_raw_steps_per_s", "big MLP ceiling at raw gRPC's CPU cost (steps/s)", "{:.2f}",

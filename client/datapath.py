@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from ..compression import Encoded
 from ..proto import ps_pb2
 from .transfer import IntoTargets, NewTensors, push_requests, read_stream
 
@@ -46,7 +47,7 @@ class DataPath:
         overwritten: pull again.
         """
         targets = self.partitions.split(targets)  # row views: pieces land in place
-        sink = IntoTargets(targets)
+        sink = IntoTargets(targets, self.stats)
         step = self._refill.guard(targets, lambda: self._pull(list(targets), sink, min_step))
         sink.finish()
         return step
@@ -57,7 +58,8 @@ class DataPath:
             request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step,
                                          cast=self._pull_casts(shard_names, sink))
             return self._channels.call(shard, lambda stub, t: read_stream(
-                stub.Pull(request, timeout=t), shard_names, sink, self._channels.target(shard))[0], self.timeout)
+                stub.Pull(request, timeout=t), shard_names, sink, self._channels.target(shard), stats=self.stats)[0],
+                self.timeout)
 
         return self._each_shard(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
 
@@ -69,7 +71,7 @@ class DataPath:
         dim) gradients)} (repeated ids are summed here), to the same push: each
         shard gets its rows of every table (none, where it holds none of the
         ids) with its dense gradients, and applies them all or none
-        (tables.py; sync mode refuses them: ModeConflictError).
+        (tables.py; in sync mode they join the step's average like dense ones).
 
         `step` is the step the gradients were computed at (default: self.step,
         what the last push or join returned). Returns the step to compute at
@@ -96,14 +98,14 @@ class DataPath:
             groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
             table_sent = self._row_tensors(rows or {})
             header = self._header(step, advance_step)
-            sent, left = self._encoder.encode_all(grads, header.step)  # once: a retry resends the same bytes
+            sent, left = self._encode(grads, header.step)  # once: a retry resends the same bytes
 
             def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
                 tables = table_sent[shard]
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
                 shard_header.MergeFrom(header)
                 reply = self._channels.call(shard, lambda stub, t: stub.Push(
-                    push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes),
+                    push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
                     timeout=t), self.timeout)
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
@@ -139,18 +141,20 @@ class DataPath:
             return self.step
         with self._push_lock:
             self._check_fenced()
-            sink = IntoTargets(targets)
+            sink = IntoTargets(targets, self.stats)
             header = self._header(step, advance_step)
-            sent, left = self._encoder.encode_all(grads, header.step)  # once: a retry resends the same bytes
+            sent, left = self._encode(grads, header.step)  # once: a retry resends the same bytes
 
             def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
                 tables = table_sent[shard]
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
                                                  pull_cast=self._pull_casts(pulls.get(shard, []), sink))
                 shard_header.MergeFrom(header)
-                (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes)
+                (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
+                                             self.stats)
                 reply = self._channels.call(shard, lambda stub, t: read_stream(
-                    [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._channels.target(shard)),
+                    [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._channels.target(shard),
+                    stats=self.stats),
                     self.timeout)
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
@@ -169,6 +173,13 @@ class DataPath:
         """The header of a new push: this client's incarnation and the push's number (kept by retries)."""
         return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
                                  step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq))
+
+    def _encode(self, grads: Mapping[str, torch.Tensor], step: int) -> tuple[dict, dict]:
+        """The compression encoder's encode_all (torchps/compression.py), its output bytes counted as copied."""
+        sent, left = self._encoder.encode_all(grads, step)
+        self.stats.count_bytes(copied=sum(g.payload.numel() * g.payload.element_size() for g in sent.values()
+                                         if isinstance(g, Encoded)))
+        return sent, left
 
     def _pull_casts(self, names: list[str], sink) -> list[int]:
         """PullRequest.cast for `names` by the compression policies: pulls in place only (pull() is exact)."""

@@ -36,11 +36,10 @@ import numpy as np
 import torch
 
 from .. import codec, wire
-from ..compression import Encoded
 from ..errors import PSError, UnknownVariableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .datapath import GLOBAL_STEP_SHARD
-from .transfer import IntoTargets, read_stream
+from .transfer import IntoTargets, read_stream, wire_pieces
 
 if TYPE_CHECKING:
     from .client import PSClient
@@ -57,14 +56,6 @@ class _Aborted(Exception):
 
 class _Cancelled(Exception):
     """A pull replaced by a newer one; never leaves this module."""
-
-
-def _pieces(name: str, grad: torch.Tensor | Encoded, chunk_bytes: int) -> list[wire.Piece]:
-    """The chunk pieces of one wire tensor, as encoded (Encoded) or as it is (a tensor, copied to CPU)."""
-    if isinstance(grad, Encoded):
-        return [(name, grad.meta if offset == 0 else None, offset, view, 0)
-                for offset, view in codec.split(grad.payload, chunk_bytes)]
-    return wire.tensor_pieces(name, grad.detach().cpu(), chunk_bytes)
 
 
 class PushLock:
@@ -159,17 +150,18 @@ class StreamedPush:
         client = self.client
         self.grads[name] = (grad, grad._version)
         wire_grads = client.partitions.split({name: grad.detach()})
-        sent, left = client._encoder.encode_all(wire_grads, self.header.step)
+        sent, left = client._encode(wire_grads, self.header.step)
         self._left.update(left)
         chunk_bytes = client.chunk_bytes
         for wire_name, value in sent.items():
             stream = self._streams[client.placement.shard_of(wire_name)]
             stream.names.append(wire_name)
-            for piece in _pieces(wire_name, value, chunk_bytes):
+            for piece in wire_pieces(wire_name, value, chunk_bytes, client.stats):
                 if stream.pending and stream.pending_bytes + len(piece[3]) > chunk_bytes:
                     self._flush(stream)
                 stream.pending.append(wire.encode_push_request(None, [piece]))  # chunks concatenate
                 stream.pending_bytes += len(piece[3])
+                client.stats.count_bytes(sent=len(piece[3]), copied=len(piece[3]))
                 if stream.pending_bytes >= chunk_bytes:
                     self._flush(stream)
         self._wait_for_room()
@@ -178,6 +170,8 @@ class StreamedPush:
         parts = stream.pending
         if end is not None:
             parts = parts + [wire.encode_push_request(None, [], end)]
+        if len(parts) > 1:
+            self.client.stats.count_bytes(copied=sum(len(part) for part in parts))  # joined into one message
         if parts:
             self._append(stream, parts[0] if len(parts) == 1 else b"".join(parts))
         stream.pending, stream.pending_bytes = [], 0
@@ -382,7 +376,7 @@ class LayerPull:
         self._set_step = set_step
         self._min_step = min_step
         self._wire = client.partitions.split(targets)  # row views: pieces land in place
-        self._sink = IntoTargets(self._wire)
+        self._sink = IntoTargets(self._wire, client.stats)
         self._whole = {wire_name: client.partitions.whole_of(wire_name) for wire_name in self._wire}
         self._missing = {name: 0 for name in targets}  # pieces still to arrive, per parameter
         for name in self._whole.values():
@@ -419,7 +413,7 @@ class LayerPull:
         try:
             return client._channels.call(shard, lambda stub, t: read_stream(
                 self._unless_cancelled(stub.Pull(request, timeout=t)), names, self._buffer,
-                client._channels.target(shard), self._landed)[0], client.timeout)
+                client._channels.target(shard), self._landed, client.stats)[0], client.timeout)
         except UnknownVariableError:
             raise  # a shard that restarted empty: the refill guard around the whole pull may recover it
         except BaseException as exc:

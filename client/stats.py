@@ -22,6 +22,10 @@ class WorkerStats:
     wait_seconds: float = 0.0    # time shard 0 held pushes: step release (sync) or staleness bound (ssp)
     quorum: int = 0              # the quorum shard 0 last reported (sync)
     quorum_changes: int = 0      # times that value changed
+    bytes_sent: int = 0          # tensor bytes pushed (as encoded: after compression), retries included
+    bytes_received: int = 0      # tensor bytes pulled
+    bytes_copied: int = 0        # bytes this process wrote to move those: into push messages, out of pull
+                                 # messages into tensors, staging copies and casts (gRPC's own copies excluded)
     started: float = dataclasses.field(default_factory=time.monotonic)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -35,6 +39,13 @@ class WorkerStats:
                 self.quorum_changes += 1
             self.quorum = quorum or self.quorum
 
+    def count_bytes(self, *, sent: int = 0, received: int = 0, copied: int = 0) -> None:
+        """Adds to the byte counters (client/transfer.py calls it; thread-safe)."""
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self.bytes_copied += copied
+
     @property
     def steps_per_second(self) -> float:
         """Pushes per second since the client started."""
@@ -45,7 +56,9 @@ class WorkerStats:
         with self._lock:
             return {"pushes": self.pushes, "steps_per_second": round(self.steps_per_second, 3),
                     "wait_seconds": round(self.wait_seconds, 3), "stale_dropped": self.stale_dropped,
-                    "duplicates": self.duplicates, "quorum": self.quorum, "quorum_changes": self.quorum_changes}
+                    "duplicates": self.duplicates, "quorum": self.quorum, "quorum_changes": self.quorum_changes,
+                    "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                    "bytes_copied": self.bytes_copied}
 
     def summary(self) -> str:
         d = self.as_dict()

@@ -186,7 +186,7 @@ def encode(policy: Compression, name: str, grad: torch.Tensor, step: int,
     if k * (index_dtype(numel).itemsize + itemsize) >= numel * itemsize:  # dense is no bigger
         return accumulated.view(grad.shape), (torch.zeros_like(grad) if policy.error_feedback else None)
     if policy.kind == "topk":
-        index = torch.topk(accumulated.abs(), k, sorted=False).indices.sort().values
+        index = top_k_indices(accumulated.abs(), k)
     else:
         generator = torch.Generator(device=accumulated.device).manual_seed(_seed(policy.seed, step, name))
         index = torch.randint(numel, (k,), generator=generator, device=accumulated.device).unique()  # sorted
@@ -200,6 +200,33 @@ def encode(policy: Compression, name: str, grad: torch.Tensor, step: int,
     meta = ps_pb2.TensorMeta(dtype=codec.wire_dtype(grad.dtype), shape=list(grad.shape), encoding=ps_pb2.SPARSE,
                              nnz=len(index))
     return Encoded(meta, payload), left
+
+
+def top_k_indices(magnitudes: torch.Tensor, k: int, sample: int = 65_536) -> torch.Tensor:
+    """The sorted indices of the k largest of a 1-D tensor: torch.topk's set (ties aside), several times faster.
+
+    For a large tensor and a small k it first keeps the candidates at or above
+    candidate_bound (twice-k's quantile estimated from `sample` random
+    elements, below the k-th largest by a wide statistical margin), then runs
+    torch.topk on those only; if the sample misjudged and fewer than k
+    remain, it falls back to torch.topk on the whole. Exact either way.
+    """
+    numel = magnitudes.numel()
+    if numel < 16 * sample or k > numel // 50:
+        return torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    candidates = torch.nonzero(magnitudes >= candidate_bound(magnitudes, k, sample)).view(-1)
+    if candidates.numel() < k:
+        return torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices].sort().values
+
+
+def candidate_bound(magnitudes: torch.Tensor, k: int, sample: int) -> torch.Tensor:
+    """top_k_indices's bound: the value 2k of `magnitudes` would reach, judged from `sample` elements drawn
+    with a generator seeded by the size (the same tensor gets the same bound)."""
+    numel = magnitudes.numel()
+    generator = torch.Generator(device=magnitudes.device).manual_seed(numel)
+    drawn = magnitudes[torch.randint(numel, (sample,), generator=generator, device=magnitudes.device)]
+    return torch.kthvalue(drawn, sample - min(sample, math.ceil(2 * k * sample / numel)) + 1).values
 
 
 def _seed(seed: int, step: int, name: str) -> int:

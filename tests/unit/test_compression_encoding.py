@@ -282,3 +282,29 @@ def test_the_assembler_takes_sparse_tensors_only_with_a_decoder():
     with pytest.raises(MalformedStreamError, match="past the 8 bytes"):
         codec.ChunkAssembler(min_chunk=1, decode=lambda *a: None).add(ps_pb2.TensorChunk(
             name="w", meta=sparse_meta(1), offset=0, data=bytes(12)))
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.02])
+def test_top_k_indices_is_torch_topks_set_on_a_large_tensor(ratio):
+    magnitudes = torch.randn(1 << 21, generator=torch.Generator().manual_seed(3)).abs()
+    k = math.ceil(ratio * magnitudes.numel())
+    expected = torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    assert torch.equal(compression.top_k_indices(magnitudes, k), expected)
+
+
+def test_top_k_indices_falls_back_to_the_whole_when_the_sample_misjudges():
+    magnitudes = torch.rand(1 << 16, generator=torch.Generator().manual_seed(5))
+    k, sample = 1000, 8
+    # plant the largest values where the sample is drawn: the bound lands above the k-th largest
+    drawn = torch.randint(magnitudes.numel(), (sample,), generator=torch.Generator().manual_seed(magnitudes.numel()))
+    magnitudes[drawn] = 10.0 + torch.arange(sample, dtype=torch.float32)
+    assert int((magnitudes >= compression.candidate_bound(magnitudes, k, sample)).sum()) < k  # the scenario
+    expected = torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    assert torch.equal(compression.top_k_indices(magnitudes, k, sample=sample), expected)
+
+
+def test_top_k_indices_keeps_tied_values_at_the_boundary():
+    magnitudes = torch.randint(0, 50, (1 << 21,), generator=torch.Generator().manual_seed(4)).float()
+    k = 20_000
+    picked = magnitudes[compression.top_k_indices(magnitudes, k)]
+    assert picked.numel() == k and torch.equal(picked.sort().values, magnitudes.topk(k).values.sort().values)
