@@ -550,7 +550,8 @@ def trainer_main(mode, dims, cluster, index, lr, warmup, cmd_q, res_q, security=
             used = time.process_time() - started_cpu
             res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
                                          "cpu_seconds": used, "update_cpu_seconds": update_cpu,
-                                         "bytes_copied": getattr(client.stats, "bytes_copied", copied) - copied if client else 0}))
+                                         "bytes_copied": getattr(client.stats, "bytes_copied", copied) - copied
+                                         if client else 0}))
         if client is not None:
             client.close()
     except BaseException:  # noqa: BLE001 - report everything to the parent
