@@ -1,0 +1,162 @@
+"""A layer-by-layer pull: a module's values landing in place while forward runs (overlap.py's second half).
+
+LayerPull pulls every parameter in forward order, one Pull stream per shard
+in background threads, and signals each parameter's arrival (all its pieces,
+in place) as its last chunk lands; overlap.py's forward pre-hook on every
+submodule that owns parameters waits for those parameters only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .. import codec
+from ..errors import UnknownVariableError, WaitTimeoutError
+from ..proto import ps_pb2
+from .datapath import GLOBAL_STEP_SHARD
+from .transfer import IntoTargets, read_stream
+
+if TYPE_CHECKING:
+    from .client import PSClient
+
+__all__ = ["LayerPull"]
+
+
+class _Cancelled(Exception):
+    """A pull replaced by a newer one; never leaves this module."""
+
+
+class LayerPull:
+    """The pull of a module's parameters in place, in forward order, in background threads.
+
+    wait_for(names) returns once those parameters (all their pieces) have
+    arrived; wait() once every one has. Both raise the pull's error, or
+    WaitTimeoutError after the client's timeout.
+    """
+
+    def __init__(self, client: "PSClient", targets: Mapping[str, torch.Tensor], *, min_step: int, set_step: bool):
+        self.client = client
+        self._set_step = set_step
+        self._min_step = min_step
+        self._wire = client.partitions.split(targets)  # row views: pieces land in place
+        self._sink = IntoTargets(self._wire, client.stats)
+        self._whole = {wire_name: client.partitions.whole_of(wire_name) for wire_name in self._wire}
+        self._missing = {name: 0 for name in targets}  # pieces still to arrive, per parameter
+        for name in self._whole.values():
+            self._missing[name] += 1
+        self._arrived: set[str] = set()  # wire variables complete (a retried stream does not write them again)
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.finished = False
+        self._cancelled = False
+        self._calls: list = []
+        self._future = client._pool.submit(self._run)
+
+    def _run(self) -> None:
+        client = self.client
+        try:
+            names = list(self._wire)
+            step = client._refill.guard(names, lambda: client._each_shard(
+                client.placement.group(names), self._pull, "pull")).get(GLOBAL_STEP_SHARD, -1)
+            self._sink.finish()
+            if self._set_step and step >= 0:
+                client.step = step
+        except BaseException as exc:  # noqa: BLE001 - raised by the waits
+            with self._cond:
+                self.error = self.error or exc
+        finally:
+            with self._cond:
+                self.finished = True
+                self._cond.notify_all()
+
+    def _pull(self, shard: int, names: list[str]) -> int:
+        client = self.client
+        request = ps_pb2.PullRequest(names=names, chunk_bytes=client.chunk_bytes, min_step=self._min_step,
+                                     cast=client._pull_casts(names, self._sink))
+        try:
+            return client._channels.call(shard, lambda stub, t: read_stream(
+                self._unless_cancelled(stub.Pull(request, timeout=t)), names, self._buffer,
+                client._channels.target(shard), self._landed, client.stats)[0], client.timeout)
+        except UnknownVariableError:
+            raise  # a shard that restarted empty: the refill guard around the whole pull may recover it
+        except BaseException as exc:
+            with self._cond:  # the layers waiting for this shard hear it now, not when every shard is done
+                self.error = self.error or exc
+                self._cond.notify_all()
+            raise
+
+    def _unless_cancelled(self, call) -> Iterator:
+        with self._cond:
+            if self._cancelled:
+                call.cancel()
+                raise _Cancelled()
+            self._calls.append(call)
+        try:
+            for message in call:
+                if self._cancelled:
+                    raise _Cancelled()
+                yield message
+        finally:
+            call.cancel()  # nothing if the call is over
+
+    def _buffer(self, name: str, meta: ps_pb2.TensorMeta) -> np.ndarray:
+        """Where a variable's bytes go: its parameter, or scratch memory if a retried stream sends it again."""
+        if name in self._arrived:
+            return np.empty(codec.meta_nbytes(meta), dtype=np.uint8)
+        return self._sink(name, meta)
+
+    def _landed(self, wire_name: str) -> None:
+        if wire_name in self._arrived:
+            return
+        self._sink.complete(wire_name)  # a staged copy (CUDA, a cast pull) goes into the parameter now
+        with self._cond:
+            self._arrived.add(wire_name)
+            self._missing[self._whole[wire_name]] -= 1
+            self._cond.notify_all()
+
+    def done(self, names) -> bool:
+        """True if these parameters have arrived (no lock: a stale False only means a wait)."""
+        return all(self._missing[name] == 0 for name in names)
+
+    @property
+    def ok(self) -> bool:
+        """True once the pull is over without an error (no lock: a stale False only means a wait)."""
+        return self.finished and self.error is None
+
+    def wait_for(self, names, what: str) -> None:
+        """Blocks until `names` arrived; raises the pull's error, or WaitTimeoutError after the client's timeout."""
+        names = [name for name in names if name in self._missing]
+        timeout = self.client.timeout
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: self.error is not None or self.finished or self.done(names),
+                                          timeout)
+            if self.error is not None:
+                raise self.error
+            if not arrived:
+                missing = [name for name in names if self._missing[name]]
+                raise WaitTimeoutError(f"overlap: {what} waited {timeout:g} s for {missing[:5]} to arrive from the "
+                                       f"shards")
+
+    def wait(self) -> None:
+        """Blocks until the whole pull is over; raises its error, or WaitTimeoutError after the client's timeout."""
+        timeout = self.client.timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.finished or self.error is not None, timeout):
+                missing = [name for name, left in self._missing.items() if left]
+                raise WaitTimeoutError(f"overlap: the pull did not end within {timeout:g} s ({len(missing)} "
+                                       f"parameters still to arrive, e.g. {missing[:3]})")
+            if self.error is not None:
+                raise self.error
+
+    def cancel(self) -> None:
+        """Stops the pull (a newer one replaces it): its calls are cancelled; what it wrote stays. Waits at most
+        the client's timeout for its threads to stop writing."""
+        with self._cond:
+            self._cancelled = True
+            for call in self._calls:
+                call.cancel()
+            self._cond.wait_for(lambda: self.finished, self.client.timeout)

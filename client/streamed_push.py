@@ -1,0 +1,347 @@
+"""A streamed push: a module's gradients sent while backward still runs (overlap.py's first half).
+
+At the first gradient of a step (a post-accumulate-grad hook on every
+parameter that requires grad) StreamedPush opens one streamed Push per shard
+(PushHeader.streamed, ps.proto), each sent by a pool thread from a buffer that
+keeps every message until the push is over, so a retry (channels.py calls the
+stub again) replays the stream from its header. Each hook encodes its
+parameter's gradient (its pieces, compressed as the client's policies say)
+into the right shards' streams, last layer first, and blocks while more than a
+bound of bytes is encoded but not yet handed to gRPC. push() closes every
+stream with PushEnd{tensors} and waits for the replies: a shard applies a
+streamed push only once its end arrived with the right count, so a stream cut
+short, aborted or never closed changes nothing. PushLock keeps other pushes
+of the client out meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+import torch
+
+from .. import wire
+from ..errors import PSError, WaitTimeoutError
+from ..proto import ps_pb2
+from .transfer import wire_pieces
+
+if TYPE_CHECKING:
+    from .client import PSClient
+
+__all__ = ["OVERLAP_INFLIGHT_BYTES", "PushLock", "StreamedPush"]
+
+_LOGGER = logging.getLogger(__name__)
+OVERLAP_INFLIGHT_BYTES = 4 << 20  # per shard: gradient bytes encoded but not yet handed to gRPC before a hook waits
+
+
+class _Aborted(Exception):
+    """A streamed push given up (its step's gradients go by a normal push); never leaves this module."""
+
+
+class PushLock:
+    """PSClient's push lock: one push at a time, in order. A streamed push still taking gradients gives way.
+
+    A blocking acquire (any push: PSClient.push, push_pull, another
+    binding's push()) first makes an open streamed push that is not yet
+    finishing give up (nothing of it is applied; its binding's push() then
+    sends its gradients whole), so two modules pushed in any order never
+    wait for each other. A non-blocking acquire (a streamed push opening)
+    never does.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.streaming: StreamedPush | None = None  # the streamed push holding the lock, if one does
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        streaming = self.streaming
+        if blocking and streaming is not None:
+            streaming.give_way()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> "PushLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _ShardStream:
+    """One shard's part of a streamed push: every message so far (kept for replays) and its sender."""
+
+    def __init__(self, shard: int):
+        self.shard = shard
+        self.messages: list[bytes] = []
+        self.handed = 0              # messages handed to gRPC at least once (over every attempt)
+        self.closed = False          # the end (or an abort) was appended: no more messages
+        self.names: list[str] = []   # wire variables in this stream, in order
+        self.pending: list[bytes] = []  # encoded chunks not yet in a message (less than chunk_bytes)
+        self.pending_bytes = 0
+        self.calls: list = []        # the attempts' gRPC calls, to cancel on abort
+        self.failed = False          # its sender gave up: its bytes no longer count against the bound
+        self.future: futures.Future | None = None
+
+
+class StreamedPush:
+    """One push, streamed to every shard while backward runs. Made by Overlap at a step's first gradient.
+
+    The caller holds client._push_lock, which this push owns from then on:
+    finish() and abort() release it. add() is called from autograd hooks,
+    one at a time; finish() and abort() from the training thread.
+    """
+
+    def __init__(self, client: "PSClient", inflight_bytes: int):
+        self.client = client
+        self.inflight_bytes = inflight_bytes * client.cluster.num_ps
+        self.header = client._header(None, True)  # this client's incarnation and the push's number: kept by retries
+        self.header.streamed = True
+        self.grads: dict[str, tuple[torch.Tensor, int]] = {}  # parameter -> (its .grad, the grad's version) as sent
+        self._left: dict[str, torch.Tensor] = {}  # residuals to keep once each shard applied its part
+        self._cond = threading.Condition()
+        self._unsent = 0  # bytes encoded and not yet handed to gRPC, over the shards still sending
+        self._aborted = False
+        self._finishing = False
+        self._released = False
+        self._timed_out: PSError | None = None  # the bound's wait ran out: the push was abandoned
+        self._streams = [_ShardStream(shard) for shard in range(client.cluster.num_ps)]
+        if isinstance(client._push_lock, PushLock):
+            client._push_lock.streaming = self
+        first = wire.encode_push_request(self.header, [])
+        for stream in self._streams:
+            self._append(stream, first)
+        for stream in self._streams:
+            stream.future = client._pool.submit(self._send, stream)
+
+    # -- the hooks' side -----------------------------------------------------------------------
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        """Encodes one parameter's gradient into its shards' streams; blocks while too many bytes are unsent.
+
+        The bytes are copied now: the gradient may change afterwards (finish()'s
+        caller checks it did not). Raises what encoding raises (a wrong shape).
+        """
+        client = self.client
+        self.grads[name] = (grad, grad._version)
+        wire_grads = client.partitions.split({name: grad.detach()})
+        sent, left = client._encode(wire_grads, self.header.step)
+        self._left.update(left)
+        chunk_bytes = client.chunk_bytes
+        for wire_name, value in sent.items():
+            stream = self._streams[client.placement.shard_of(wire_name)]
+            stream.names.append(wire_name)
+            for piece in wire_pieces(wire_name, value, chunk_bytes, client.stats):
+                if stream.pending and stream.pending_bytes + len(piece[3]) > chunk_bytes:
+                    self._flush(stream)
+                stream.pending.append(wire.encode_push_request(None, [piece]))  # chunks concatenate
+                stream.pending_bytes += len(piece[3])
+                client.stats.count_bytes(sent=len(piece[3]), copied=len(piece[3]))
+                if stream.pending_bytes >= chunk_bytes:
+                    self._flush(stream)
+        self._wait_for_room()
+
+    def _flush(self, stream: _ShardStream, end: ps_pb2.PushEnd | None = None) -> None:
+        parts = stream.pending
+        if end is not None:
+            parts = parts + [wire.encode_push_request(None, [], end)]
+        if len(parts) > 1:
+            self.client.stats.count_bytes(copied=sum(len(part) for part in parts))  # joined into one message
+        if parts:
+            self._append(stream, parts[0] if len(parts) == 1 else b"".join(parts))
+        stream.pending, stream.pending_bytes = [], 0
+
+    def _append(self, stream: _ShardStream, message: bytes) -> None:
+        with self._cond:
+            stream.messages.append(message)
+            if not stream.failed:
+                self._unsent += len(message)
+            self._cond.notify_all()
+
+    def _wait_for_room(self) -> None:
+        """Blocks while more than inflight_bytes are unsent, at most the client's timeout (then this push is
+        failed: finish() raises WaitTimeoutError and nothing is applied anywhere)."""
+        deadline = time.monotonic() + self.client.timeout
+        with self._cond:
+            while self._unsent > self.inflight_bytes and not self._aborted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._abort_locked()
+                    self._timed_out = WaitTimeoutError(
+                        f"overlap: {self._unsent} gradient bytes still unsent after {self.client.timeout:g} s; "
+                        f"the push was abandoned, nothing was applied")
+                    return
+                self._cond.wait(left)
+
+    # -- the senders -----------------------------------------------------------------------------
+
+    def _requests(self, stream: _ShardStream, attempt: dict) -> Iterator[bytes]:
+        """One attempt's request stream: every message from the header on, waiting for the next ones.
+        Ends (without the end: the shard applies nothing) when the attempt is over or the push aborted."""
+        index = 0
+        while True:
+            with self._cond:
+                while index >= len(stream.messages) and not stream.closed and not attempt["over"]:
+                    self._cond.wait()
+                if attempt["over"] or self._aborted or index >= len(stream.messages):
+                    return
+                message = stream.messages[index]
+                if index >= stream.handed:
+                    stream.handed = index + 1
+                    if not stream.failed:
+                        self._unsent -= len(message)
+                        self._cond.notify_all()
+            yield message
+            index += 1
+
+    def _attempt(self, stream: _ShardStream, stub, timeout: float) -> ps_pb2.PushResponse:
+        attempt = {"over": False}
+        if self._aborted:
+            raise _Aborted()
+        call = stub.Push.future(self._requests(stream, attempt), timeout=timeout)
+        with self._cond:
+            stream.calls.append(call)
+            if self._aborted:
+                call.cancel()
+        try:
+            return call.result()
+        finally:
+            with self._cond:
+                attempt["over"] = True
+                self._cond.notify_all()
+
+    def _send(self, stream: _ShardStream) -> ps_pb2.PushResponse:
+        """The shard's Push (retried by channels.call, each attempt replaying the stream); commits its residuals."""
+        client = self.client
+        started = time.monotonic()
+        try:
+            reply = client._channels.call(stream.shard, lambda stub, t: self._attempt(stream, stub, t), client.timeout)
+            client._encoder.commit(self._left, stream.names)  # applied there: their residuals move on
+            return reply
+        except BaseException:
+            with self._cond:
+                stream.failed = True
+                self._unsent -= sum(len(m) for m in stream.messages[stream.handed:])
+                self._cond.notify_all()
+            raise
+        finally:
+            tracer = client.tracer
+            if tracer is not None:
+                tracer("push", stream.shard, started, time.monotonic())
+
+    def _replay(self, shard: int) -> ps_pb2.PushResponse:
+        """The whole (closed) stream again to one shard, after a refill; commits its residuals."""
+        client, stream = self.client, self._streams[shard]
+        reply = client._channels.call(shard, lambda stub, t: stub.Push(iter(stream.messages), timeout=t),
+                                      client.timeout)
+        client._encoder.commit(self._left, stream.names)
+        return reply
+
+    # -- the training thread's side --------------------------------------------------------------
+
+    @property
+    def aborted(self) -> bool:
+        """True once given up (abort(), give_way(), the bound's wait ran out): nothing of it is applied."""
+        return self._aborted
+
+    @property
+    def gave_way(self) -> bool:
+        """True if given up for another push or by abort(): its gradients can still go whole (not so when the
+        bound's wait ran out: finish() raises that)."""
+        return self._aborted and self._timed_out is None
+
+    def matches(self, grads: Mapping[str, torch.Tensor]) -> bool:
+        """True if `grads` are exactly the gradients streamed: the same tensors, unchanged since."""
+        return grads.keys() == self.grads.keys() and all(
+            grads[name] is sent and grads[name]._version == version for name, (sent, version) in self.grads.items())
+
+    def finish(self) -> int:
+        """Closes every stream with its end, waits for every shard's reply; the next step (as PSClient.push).
+
+        Blocks until every shard replied (each attempt at most the client's
+        timeout, counted from the first gradient). Raises the first error after
+        all shards are done: shards that replied applied their part, the
+        others did not; a shard that restarted empty is refilled (or waited
+        for) and gets the same stream again, with the same number. Releases
+        the push lock.
+        """
+        client = self.client
+        with self._cond:
+            self._finishing = True  # from here on, other pushes wait for this one (PushLock)
+        try:
+            for stream in self._streams:
+                self._flush(stream, ps_pb2.PushEnd(tensors=len(stream.names)))
+            with self._cond:
+                for stream in self._streams:
+                    stream.closed = True
+                self._cond.notify_all()
+            replies: dict[int, ps_pb2.PushResponse] = {}
+            retry = [False]
+
+            def gather() -> None:
+                if retry[0]:  # a shard was refilled: the closed streams go again to the shards without a reply
+                    replies.update(client._each_shard(
+                        {s.shard: [] for s in self._streams if s.shard not in replies},
+                        lambda shard, _: self._replay(shard), "push"))
+                    return
+                retry[0] = True
+                if self._timed_out is not None:
+                    raise self._timed_out
+                error = None
+                for stream in self._streams:
+                    try:
+                        replies[stream.shard] = stream.future.result()
+                    except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
+                        error = error or exc
+                if error is not None:
+                    raise error
+
+            names = [name for stream in self._streams for name in stream.names]
+            client._refill.guard(names, gather)
+            return client._finish_push(replies)
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        """Gives this push up: every stream ends without its end (each shard applies nothing), the calls are
+        cancelled, the push lock released. Never blocks."""
+        with self._cond:
+            self._abort_locked()
+        self._release()
+
+    def give_way(self) -> None:
+        """Another push wants the lock: this one is given up unless it is already finishing. Never blocks."""
+        with self._cond:
+            if self._finishing or self._aborted:
+                return
+            _LOGGER.info("overlap: another push on this client came before push(); this step's gradients will "
+                         "be pushed whole")
+            self._abort_locked()
+        self._release()
+
+    def _abort_locked(self) -> None:
+        self._aborted = True
+        for stream in self._streams:
+            stream.closed = True
+            for call in stream.calls:
+                call.cancel()
+        self._cond.notify_all()
+
+    def _release(self) -> None:
+        with self._cond:
+            if self._released:
+                return
+            self._released = True
+        lock = self.client._push_lock
+        if isinstance(lock, PushLock) and lock.streaming is self:
+            lock.streaming = None
+        lock.release()
