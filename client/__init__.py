@@ -16,12 +16,15 @@ from ..partitioning import FixedShardsPartitioner, MaxSizePartitioner, MinSizePa
 from ..placement import Placement
 from ..security import Security
 from ..specs import Optimizer
+from .allreduce import AllreduceError, AllreduceGroup, HybridBinding, Rendezvous, local_optimizer
 from .client import PSClient
-from .embedding import Embedding, EmbeddingBag, ShardedTable
+from .embedding import Embedding, EmbeddingBag, ShardedTable, prefetch_rows
 from .module import ModuleBinding
 from .stats import WorkerStats
 
 __all__ = [
+    "AllreduceError",
+    "AllreduceGroup",
     "AuthenticationError",
     "CheckpointError",
     "Cluster",
@@ -30,6 +33,7 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "FixedShardsPartitioner",
+    "HybridBinding",
     "InternalServerError",
     "InvalidArgumentError",
     "MalformedStreamError",
@@ -45,6 +49,7 @@ __all__ = [
     "Partitioner",
     "PermissionDeniedError",
     "Placement",
+    "Rendezvous",
     "ResourceExhaustedError",
     "Security",
     "ServerUnavailableError",
@@ -58,5 +63,7 @@ __all__ = [
     "WaitTimeoutError",
     "WorkerReplacedError",
     "WorkerStats",
+    "local_optimizer",
+    "prefetch_rows",
     "tune_malloc",
 ]

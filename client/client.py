@@ -139,6 +139,7 @@ class PSClient(DataPath, TablePath):
         self._refill = ShardRefill(self, refill_timeout)
         self._encoder = Encoder()  # wire compression: a policy per variable, error-feedback residuals
         self._tables: dict[str, TableLayout] = {}  # embedding tables created or waited for (tables.py)
+        self._table_padding: dict[str, int | None] = {}  # a registered module's padding_idx, by table
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -300,13 +301,29 @@ class PSClient(DataPath, TablePath):
         return checkpoints.save(self, step, keep=keep, timeout=timeout)
 
     def export_state_dict(self, names: Iterable[str] | None = None, *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
-        """The current values of `names` (default: every declared variable) as a plain state_dict.
+        """The current values of `names` (default: every declared variable and every fixed-size embedding
+        table this client knows) as a plain state_dict.
 
         `model.load_state_dict(client.export_state_dict(...))` works when the
         names are the module's parameter names (strip the prefix given to
-        register_module). Blocks for one pull.
+        register_module). A fixed-size table (Embedding or EmbeddingBag with
+        num_embeddings=N, named like the weight it stands for: "<module
+        path>.weight") is exported whole, as the (N, dim) weight torch's
+        nn.Embedding and nn.EmbeddingBag load, read from every shard without
+        admitting anything, its padding row zeroed where a module registered
+        here has padding_idx (torch's modules keep it zero, torchps's read it
+        as zeros). A dynamic table (num_embeddings=None) has no such weight:
+        it is left out of the default, and naming one raises
+        InvalidArgumentError (its rows stay in checkpoints). UnknownVariableError
+        for a name that is neither a variable nor a table. Blocks for one pull
+        and the lookups of every exported table's rows, which this process
+        then holds whole; variables and tables are read one after the other,
+        so export a job that is not training (its end) for one step's values.
         """
-        values = self.pull(self.variable_names() if names is None else names)
+        tables = self._exported_tables(names)
+        variables = self.variable_names() if names is None else [name for name in names if name not in tables]
+        values = self.pull(variables)
+        values.update({name: self._export_table(name) for name in tables})
         return {name.removeprefix(strip_prefix): value for name, value in values.items()}
 
     def shutdown_cluster(self, reason: str = "job done") -> None:
@@ -452,7 +469,8 @@ class PSClient(DataPath, TablePath):
     def register_module(self, module: torch.nn.Module, optimizer: Optimizer | None = None, *,
                         create: bool | None = None, prefix: str = "", wait_timeout: float = 600.0,
                         join: bool = True, compression: Compression | Mapping[str, Compression] | None = None,
-                        overlap: bool = False, overlap_inflight_bytes: int = OVERLAP_INFLIGHT_BYTES):
+                        overlap: bool = False, overlap_inflight_bytes: int = OVERLAP_INFLIGHT_BYTES,
+                        dense: str = "ps", process_group=None, dense_optimizer: torch.optim.Optimizer | None = None):
         """Binds a module's parameters to variables named prefix + parameter name.
 
         With create (default: this client is the chief), creates them from the
@@ -476,8 +494,29 @@ class PSClient(DataPath, TablePath):
         with the variables (their own optimizer, else `optimizer` if it is
         sgd or adagrad) or waited for alike; their row gradients ride in the
         binding's pushes. Not with overlap (ClusterConfigError: not yet).
+
+        dense="allreduce" (the hybrid; client/allreduce.py): the dense
+        parameters are not variables on the shards but averaged over
+        `process_group` (an AllreduceGroup) every step and stepped by a local
+        torch.optim optimizer (`dense_optimizer`, else the one `optimizer`
+        names); only the tables live on the shards. Every member starts from
+        the chief's values (a broadcast, which blocks until every member
+        registered, at most the group's timeout; AllreduceError if a member is
+        lost). Returns a HybridBinding; not with overlap or compression.
         """
         from .module import ModuleBinding
+
+        if dense != "ps":
+            if dense != "allreduce":
+                raise ClusterConfigError(f"dense must be 'ps' or 'allreduce'. Received: {dense!r}")
+            if overlap or compression is not None:
+                raise ClusterConfigError("dense='allreduce' sends no dense parameter to the shards: no overlap or "
+                                         "compression")
+            from .allreduce import _register_allreduce
+
+            return _register_allreduce(self, module, optimizer, process_group,
+                                       create=self.is_chief if create is None else create, prefix=prefix,
+                                       wait_timeout=wait_timeout, join=join, dense_optimizer=dense_optimizer)
 
         if isinstance(overlap_inflight_bytes, bool) or not isinstance(overlap_inflight_bytes, int) \
                 or overlap_inflight_bytes < 1:
@@ -514,9 +553,15 @@ class PSClient(DataPath, TablePath):
         binding.pull()
         if overlap:
             binding = ModuleBinding(self, module, prefix, overlap=True, inflight_bytes=overlap_inflight_bytes)
+        self._bind_tables(tables)
+        return binding
+
+    def _bind_tables(self, tables: Mapping[str, torch.nn.Module]) -> None:
+        """Binds each module to its table (ShardedTable.bind) and keeps its padding_idx, whose row
+        export_state_dict zeroes as torch's modules keep it. Never blocks."""
         for name, table in tables.items():
             table.bind(self, name)
-        return binding
+            self._table_padding[name] = table.padding_idx
 
     # -- helpers --------------------------------------------------------------------------------
 

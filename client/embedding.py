@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from ..errors import InvalidArgumentError, OptimizerSpecError, SpecConflictError
 from ..proto import ps_pb2
 from ..specs import ROW_OPTIMIZER_NAMES, Optimizer
 
-__all__ = ["ShardedTable", "Embedding", "EmbeddingBag"]
+__all__ = ["ShardedTable", "Embedding", "EmbeddingBag", "prefetch_rows"]
 
 _MODES = ("sum", "mean", "max")
 
@@ -95,6 +96,7 @@ class ShardedTable(torch.nn.Module):
         self._client = None
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their gradient), per backward
         self._grads_lock = threading.Lock()  # backward may run hooks on another thread (CUDA)
+        self._prefetched = None  # (input, _prepare's result, rows) from prefetch_rows, for the next forward
 
     def table_spec(self, name: str, default: Optimizer | None = None) -> ps_pb2.TableSpec:
         """The TableSpec of this table under `name`; `default` is register_module's optimizer, used when the
@@ -132,12 +134,9 @@ class ShardedTable(torch.nn.Module):
         register_module calls it once the table exists and check_spec passed. Never blocks."""
         self._client, self.table_name = client, name
 
-    def _gather(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """(input remapped to rows of `weight`, weight: the batch's distinct rows, the padding row or None).
-
-        Blocks for one LookupRows per shard holding some of the ids; raises InvalidArgumentError for ids
-        that are not integers or out of range, and what PSClient.lookup_rows raises.
-        """
+    def _prepare(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the batch's distinct ids, input remapped to them, which are not padding); InvalidArgumentError for
+        ids that are not integers or out of range, or an unbound module. Never blocks."""
         if self._client is None:
             raise InvalidArgumentError(f"{type(self).__name__} is not bound to a table yet: register the model "
                                        f"with PSClient.register_module first")
@@ -150,10 +149,21 @@ class ShardedTable(torch.nn.Module):
             raise InvalidArgumentError(f"ids must be in [0, {self.num_embeddings}); got "
                                        f"{int(unique[0]) if unique[0] < 0 else int(unique[-1])}")
         keep = unique != self.padding_idx if self.padding_idx is not None else torch.ones(len(unique), dtype=torch.bool)
-        values = torch.zeros(len(unique), self.embedding_dim, dtype=self.dtype)
-        if keep.any():
-            admit = self.training and torch.is_grad_enabled()
-            values[keep] = self._client.lookup_rows({self.table_name: unique[keep]}, admit=admit)[self.table_name]
+        return unique, inverse, keep
+
+    def _gather(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(input remapped to rows of `weight`, weight: the batch's distinct rows, the padding row or None).
+
+        Uses the rows prefetch_rows read for an equal input, if it did;
+        otherwise blocks for one LookupRows per shard holding some of the ids.
+        Raises what _prepare and PSClient.lookup_rows raise.
+        """
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and _same(prefetched[0], input):
+            _, (unique, inverse, keep), values = prefetched
+        else:
+            unique, inverse, keep = self._prepare(input)
+            values = self._read(unique, keep, self._admits())
         device = self.device or input.device
         weight = values.to(device)
         if torch.is_grad_enabled():
@@ -161,6 +171,20 @@ class ShardedTable(torch.nn.Module):
             weight.register_hook(lambda grad: self._keep(unique, keep, grad))
         padding = None if bool(keep.all()) else int(torch.nonzero(~keep)[0])
         return inverse.view(input.shape).to(device), weight, padding
+
+    def _admits(self) -> bool:
+        """Whether a lookup now is a training one (dynamic tables count it and admit ids)."""
+        return self.training and torch.is_grad_enabled()
+
+    def _read(self, unique: torch.Tensor, keep: torch.Tensor, admit: bool,
+              rows_read: torch.Tensor | None = None) -> torch.Tensor:
+        """The (len(unique), dim) rows of `unique`: padding's zeros, the others `rows_read` or looked up."""
+        values = torch.zeros(len(unique), self.embedding_dim, dtype=self.dtype)
+        if keep.any():
+            if rows_read is None:
+                rows_read = self._client.lookup_rows({self.table_name: unique[keep]}, admit=admit)[self.table_name]
+            values[keep] = rows_read
+        return values
 
     def _keep(self, unique: torch.Tensor, keep: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward's gradient for the rows of `unique`: kept, by id, for the next push (padding's left out)."""
@@ -186,6 +210,38 @@ class ShardedTable(torch.nn.Module):
         size = self.num_embeddings if self.num_embeddings is not None else "dynamic"
         extra = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return f"{size}, {self.embedding_dim}{extra}, partition={self.partition}, table={self.table_name!r}"
+
+
+def prefetch_rows(inputs: Mapping[ShardedTable, torch.Tensor]) -> None:
+    """Reads the rows several tables' next forwards need in one LookupRows call per shard, not one per table.
+
+        prefetch_rows({model.bags[i]: ids[i] for i in range(8)})   # then run forward as usual
+        loss = model(dense, ids, offsets)
+
+    Each module's next forward on an equal input (the same ids in the same
+    shape) uses the rows read here; a forward on any other input looks up as
+    usual, and the prefetched rows are dropped then. Tables bound to different
+    clients, or not all in training mode alike, take a call each. Blocks until
+    every row arrived; raises what forward would (ids out of range, before
+    any row is read; PSError from the shards), and then nothing is prefetched.
+    """
+    groups: dict[tuple[int, bool], list[tuple[ShardedTable, torch.Tensor, tuple]]] = {}
+    for module, input in inputs.items():
+        prepared = module._prepare(input)
+        groups.setdefault((id(module._client), module._admits()), []).append((module, input, prepared))
+    read = []
+    for (_, admit), members in groups.items():
+        wanted = {m.table_name: prepared[0][prepared[2]] for m, _, prepared in members if prepared[2].any()}
+        found = members[0][0]._client.lookup_rows(wanted, admit=admit) if wanted else {}
+        read += [(m, input, prepared, m._read(prepared[0], prepared[2], admit, found.get(m.table_name)))
+                 for m, input, prepared in members]
+    for module, input, prepared, values in read:
+        module._prefetched = (input, prepared, values)
+
+
+def _same(prefetched: torch.Tensor, input: torch.Tensor) -> bool:
+    return prefetched is input or (prefetched.shape == input.shape and prefetched.device == input.device
+                                   and torch.equal(prefetched, input))
 
 
 class Embedding(ShardedTable):

@@ -50,7 +50,7 @@ class TablePath:
         Idempotent per table: one that exists with the same spec is kept as it
         is (False). Blocks until every shard has its part (a fixed-size table's
         rows are made then). SpecConflictError if one exists with another spec
-        (or the name is a variable's), ModeConflictError in sync mode,
+        (or the name is a variable's),
         InvalidArgumentError or OptimizerSpecError for a bad spec; each shard
         creates its part all-or-nothing, but if one shard fails the others'
         parts may exist (calling again with the right specs completes them).
@@ -143,6 +143,34 @@ class TablePath:
                 raise TensorMismatchError(f"{self._channels.target(shard)} sent the rows of {name!r} as "
                                           f"{got.dtype}{list(got.shape)}; {len(value)} rows were asked for")
             out[name][positions] = got
+
+    def _exported_tables(self, names: Iterable[str] | None) -> list[str]:
+        """The tables export_state_dict(names) exports: every fixed-size one this client knows (names None),
+        else those of `names` that are tables (asking shard 0 about names that are neither a declared variable
+        nor a known table). InvalidArgumentError if `names` has a dynamic table (no dense weight)."""
+        if names is None:
+            return [name for name, layout in self._tables.items() if layout.spec.num_embeddings]
+        names, declared = list(names), set(self.variable_names())
+        unknown = [n for n in names if n not in self._tables and n not in declared]
+        if unknown:
+            self._learn_tables(unknown)  # tables this client did not create or wait for, if they exist
+        tables = [n for n in names if n in self._tables]
+        dynamic = [n for n in tables if not self._tables[n].spec.num_embeddings]
+        if dynamic:
+            raise InvalidArgumentError(f"{dynamic} are dynamic embedding tables (num_embeddings=None): they have no "
+                                       f"(num_embeddings, dim) weight to export; leave them out (their rows are in "
+                                       f"the shards' checkpoints)")
+        return tables
+
+    def _export_table(self, name: str) -> torch.Tensor:
+        """A fixed-size table's whole (num_embeddings, dim) weight, read without admitting (lookup_rows, every
+        shard at once), its padding row zeroed if a module registered with this client has padding_idx."""
+        layout = self.table_layout(name)
+        weight = self.lookup_rows({name: torch.arange(layout.spec.num_embeddings)}, admit=False)[name]
+        padding = self._table_padding.get(name)
+        if padding is not None:
+            weight[padding] = 0
+        return weight
 
     def _tables_report(self) -> list[str]:
         """placement_report's lines on the tables this client knows, with each shard's counters (one GetStatus

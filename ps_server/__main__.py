@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks (a folder every shard "
                         "shares), and on start restore the newest committed one")
     parser.add_argument("--restore-from", help="start from the newest committed checkpoint in this folder, "
-                        "re-laid out for this cluster's number of shards (when --checkpoint-dir has none)")
+                        "re-laid out for this cluster's number of shards (when --checkpoint-dir has none): variables "
+                        "cut and placed again, embedding tables' rows moved to the shard their id partition names, "
+                        "with their optimizer state; a checkpoint missing any part is refused")
     parser.add_argument("--num-ps", type=int, help="shards in the cluster, for --restore-from without --cluster")
     parser.add_argument("--journal-dir", help="record every change here before acknowledging it, and recover from it "
                         "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
@@ -128,8 +130,10 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
 
 def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int) -> dict | None:
     """The state to start from: the newest committed checkpoint under --checkpoint-dir, else one of
-    --restore-from (re-laid out for this cluster), else None. Without a shard count (a standalone
-    shard) the checkpoint is taken as written for this layout."""
+    --restore-from (re-laid out for this cluster, embedding tables included), else None. Without a shard
+    count (a standalone shard) the checkpoint is taken as written for this layout. Blocks while the files
+    are read; CheckpointError for a checkpoint that is damaged or incomplete (tables included): the shard
+    then does not start."""
     num_ps = cluster.num_ps if cluster is not None else args.num_ps
     if args.restore_from and not num_ps:
         raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")

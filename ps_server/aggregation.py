@@ -9,6 +9,14 @@ gradients under the buffer's own lock (so a big sum never holds up status or
 membership calls), then counts itself under the coordinator's lock again.
 The applier takes a buffer only when the quorum has counted in and no sum is
 in progress.
+
+Row gradients (embedding tables' ROWS tensors) join the same buffer, in a
+row_sums.RowSums: per table the union of the ids pushed for the step, each
+id's rows summed, averaged over the pushes that carried the table, as a dense
+variable's sum is over the pushes that carried it. A buffer's dense and row
+sums take a push all or nothing and leave the step together: stale pushes,
+backup workers' extra pushes and retries never reach a buffer (the
+coordinator drops or answers them first).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from .row_sums import AveragedRows, RowSums
+
 __all__ = ["StepBuffer", "PendingSteps"]
 
 
@@ -26,32 +36,47 @@ class StepBuffer:
     """The sums of the gradients pushed for one step."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # guards sums and counts while a push adds to them
+        self.lock = threading.Lock()  # guards sums, counts and rows while a push adds to them
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: collections.Counter[str] = collections.Counter()
+        self.rows = RowSums()  # embedding tables' row gradients
         self.by_worker: collections.Counter[str] = collections.Counter()  # guarded by the coordinator's lock
         self.pushes = 0    # pushes counted in (coordinator's lock)
         self.adding = 0    # pushes reserved, still summing (coordinator's lock)
 
-    def add(self, grads: Mapping[str, torch.Tensor], then: Callable[[], None] = lambda: None) -> None:
-        """Adds one push's gradients; `then()` runs under the same lock (the journal record, in order)."""
+    def add(self, grads: Mapping[str, torch.Tensor], then: Callable[[], None] = lambda: None,
+            rows: Mapping[str, object] | None = None) -> None:
+        """Adds one push's dense gradients and its row gradients `rows` ({table: tables.RowGradient}, validated
+        by the shard); `then()` runs under the same lock (the journal record, in order).
+
+        Blocks only on the buffer's lock (other pushes' sums). The row sums are
+        computed first, without changing anything, so if they raise the buffer
+        is as it was.
+        """
         with self.lock:
+            staged = self.rows.staged(rows or {})
             for name, grad in grads.items():
                 if name in self.sums:
                     self.sums[name].add_(grad)
                 else:
                     self.sums[name] = grad.clone()
                 self.counts[name] += 1
+            self.rows.commit(staged)
             then()
 
     def averages(self) -> dict[str, torch.Tensor]:
         """Each variable's mean gradient (computed in place: call once, when the step is applied)."""
         return {name: total.div_(self.counts[name]) for name, total in self.sums.items()}
 
+    def row_averages(self) -> dict[str, AveragedRows]:
+        """Each table's mean row gradient on the union of its pushed ids (row_sums.RowSums.averages; computed
+        in place: call once, when the step is applied)."""
+        return self.rows.averages()
+
     def export(self) -> dict:
         with self.lock:
             return {"sums": {n: t.clone() for n, t in self.sums.items()}, "counts": dict(self.counts),
-                    "by_worker": dict(self.by_worker), "pushes": self.pushes}
+                    "by_worker": dict(self.by_worker), "pushes": self.pushes, "rows": self.rows.export()}
 
     @classmethod
     def restore(cls, state: dict) -> "StepBuffer":
@@ -60,6 +85,7 @@ class StepBuffer:
         buffer.counts.update(state["counts"])
         buffer.by_worker.update(state["by_worker"])
         buffer.pushes = state["pushes"]
+        buffer.rows = RowSums.restore(state.get("rows", {}))  # absent in states saved before tables were
         return buffer
 
 

@@ -33,7 +33,7 @@ def apply_steps(c: "Coordinator") -> None:
         with c.gate.change():
             if buffer is not None:
                 with c._ordered:  # after the hyperparameters it was applied with, in the journal too
-                    c.store.apply(buffer.averages(), step_increment=1, validated=True)
+                    c._apply_sync_step(buffer, step)  # row averages, then dense ones (pushes.py)
                     c._log("step", {"step": step})
             with c._cond:
                 if kind == "jump":

@@ -11,6 +11,15 @@ folder fsynced, so a process killed at any moment leaves either the whole
 file or none of it, and two saves of one step never publish each other's
 half-written file. A folder without a manifest is partial: never restored,
 deleted once a newer checkpoint is committed.
+
+Embedding tables (table_state.py) are in the same files: each shard file has
+its tables' section, and the manifest lists every table (spec, partition,
+shard count), checked against every shard's file before it is written. A
+checkpoint holding tables is written as torchps-shard-v3 files and a
+torchps-checkpoint-v3 manifest, which a torchps without tables in checkpoints
+refuses instead of restoring the variables alone; one without tables stays v2.
+A restore takes every table the manifest lists, or refuses the checkpoint
+(CheckpointError).
 """
 
 from __future__ import annotations
@@ -29,13 +38,17 @@ import torch
 from ..errors import CheckpointError, InvalidArgumentError
 from ..partitioning import partitioner_from_dict, piece_names, row_ranges
 from ..placement import Placement
+from . import table_state
 
-__all__ = ["FORMAT", "MANIFEST_FORMAT", "write_shard", "commit", "latest_committed", "load", "restore_state",
-           "relayout", "clean_partial", "write_atomic", "fsync_dir"]
+__all__ = ["FORMAT", "MANIFEST_FORMAT", "FORMAT_TABLES", "MANIFEST_FORMAT_TABLES", "write_shard", "commit",
+           "latest_committed", "load", "restore_state", "relayout", "clean_partial", "write_atomic", "fsync_dir"]
 
 _LOGGER = logging.getLogger(__name__)
 FORMAT = "torchps-shard-v2"
 MANIFEST_FORMAT = "torchps-checkpoint-v2"
+FORMAT_TABLES = "torchps-shard-v3"              # v2 and a table section
+MANIFEST_FORMAT_TABLES = "torchps-checkpoint-v3"  # v2 and a list of tables
+_FORMATS, _MANIFEST_FORMATS = (FORMAT, FORMAT_TABLES), (MANIFEST_FORMAT, MANIFEST_FORMAT_TABLES)
 MANIFEST = "manifest.json"
 _STEP_PREFIX = "step-"
 
@@ -74,15 +87,19 @@ def write_atomic(path: pathlib.Path, write) -> int:
 def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
     """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes)."""
     path = step_dir(directory, step) / f"ps-{index}.pt"
-    size = write_atomic(path, lambda f: torch.save({"format": FORMAT, "index": index, **state}, f))
+    form = FORMAT_TABLES if state.get("tables") else FORMAT
+    size = write_atomic(path, lambda f: torch.save({"format": form, "index": index, **state}, f))
     return path, size
 
 
 def commit(directory: str | os.PathLike, step: int, manifest: dict, shards: list[tuple[int, int, int]],
            keep: int) -> pathlib.Path:
-    """Phase 2: checks every shard's file (index, bytes, state step), writes the manifest, prunes.
+    """Phase 2: checks every shard's file (index, bytes, state step, tables), writes the manifest, prunes.
 
-    CheckpointError names a missing or different file: the checkpoint is then not committed.
+    The manifest's "tables" come from the shard files, which must all hold the
+    same tables (table_state.manifest_tables); each file's table section is
+    read memory-mapped, its rows left on disk. CheckpointError names a missing
+    or different file: the checkpoint is then not committed.
     """
     folder = step_dir(directory, step)
     indices = sorted(index for index, _, _ in shards)
@@ -95,7 +112,10 @@ def commit(directory: str | os.PathLike, step: int, manifest: dict, shards: list
             raise CheckpointError(
                 f"checkpoint {step}: {path} is {'missing' if size is None else f'{size} bytes'} where shard {index} "
                 f"wrote {nbytes}; every shard must share one --checkpoint-dir")
-    body = {**manifest, "format": MANIFEST_FORMAT, "step": step,
+    tables = table_state.manifest_tables({index: _table_section(folder / f"ps-{index}.pt") for index in indices},
+                                         manifest["num_ps"], f"checkpoint {step}")
+    body = {**manifest, "format": MANIFEST_FORMAT_TABLES if tables else MANIFEST_FORMAT, "step": step,
+            "tables": tables,
             "shards": [{"index": i, "file": f"ps-{i}.pt", "bytes": b, "state_step": s} for i, b, s in sorted(shards)]}
     path = folder / MANIFEST
     write_atomic(path, lambda f: f.write(json.dumps(body, indent=1).encode()))
@@ -117,7 +137,7 @@ def _manifest(directory: pathlib.Path, step: int) -> dict | None:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in _MANIFEST_FORMATS:
         return None
     files = [step_dir(directory, step) / shard["file"] for shard in manifest.get("shards", [])]
     return manifest if files and all(f.is_file() for f in files) else None
@@ -159,15 +179,24 @@ def clean_partial(directory: str | os.PathLike, index: int) -> None:
         _prune(directory, 0)
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
-    """A shard state written by write_shard; CheckpointError if it is not one or cannot be read."""
+def load(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]:
+    """A shard state written by write_shard; CheckpointError if it is not one or cannot be read. `mmap`:
+    tensors stay on disk, read when used."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - a damaged file, whatever torch raises
         raise CheckpointError(f"{path} cannot be read as a torchps shard checkpoint: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a torchps shard checkpoint ({FORMAT})")
+    if not isinstance(state, dict) or state.get("format") not in _FORMATS:
+        raise CheckpointError(f"{path} is not a torchps shard checkpoint ({' or '.join(_FORMATS)})")
+    if (state["format"] == FORMAT_TABLES) != bool(state.get("tables")):
+        raise CheckpointError(f"{path} is {state['format']} but holds {len(state.get('tables') or [])} embedding "
+                              f"tables: a damaged file")
     return state
+
+
+def _table_section(path: pathlib.Path) -> object:
+    """The table section of a shard file (empty if it has none), read without its rows."""
+    return load(path, mmap=True).get("tables", [])
 
 
 def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None) -> dict[str, Any] | None:
@@ -180,7 +209,9 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None) 
     if num_ps is None or manifest["num_ps"] == num_ps:
         path = step_dir(directory, step) / f"ps-{index}.pt"
         _LOGGER.info("ps %d restoring %s (the newest committed checkpoint)", index, path)
-        return load(path)
+        state = load(path)
+        table_state.check_section(state.get("tables"), manifest, index, str(path))
+        return {**state, "source": str(path)}
     return relayout(directory, index, num_ps)
 
 
@@ -192,8 +223,12 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
     them for `num_ps` shards (rows, values and optimizer state gathered from
     the old pieces), then variables are placed as the manifest's strategy
     places its names (in creation order), which is what every client
-    computes. The push ledger and membership start empty: a restore onto
-    another layout starts a new job from the checkpoint's values.
+    computes. Every embedding table of the manifest is re-laid out too: this
+    shard takes each row its partition (modulo or hash of the id) now assigns
+    to it, with its optimizer state and dynamic-table metadata
+    (table_state.relayout). The push ledger and membership start empty: a
+    restore onto another layout starts a new job from the checkpoint's values.
+    CheckpointError if a shard file is missing a table or damaged.
     """
     found = latest_committed(directory)
     if found is None:
@@ -202,13 +237,17 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
     names, recut = _recut(manifest, num_ps)
     placement = Placement(num_ps, manifest["strategy"])
     mine = [name for name, nbytes in names if placement.add(name, nbytes) == index]
-    states = [load(step_dir(directory, step) / shard["file"]) for shard in manifest["shards"]]
+    paths = [step_dir(directory, step) / shard["file"] for shard in manifest["shards"]]
+    states = [load(path) for path in paths]
+    tables = table_state.relayout(manifest, [(s.get("tables"), str(p)) for s, p in zip(states, paths)], index, num_ps,
+                                  f"checkpoint {step} of {directory}")
     by_name = {v["name"]: v for state in states for v in state["variables"]}
     variables = [_gather(name, *recut[name], by_name) if name in recut else by_name[name]
                  for name in mine if name in recut or name in by_name]
-    _LOGGER.info("re-layout: checkpoint %d from %d shards -> shard %d of %d takes %d variables",
-                 step, manifest["num_ps"], index, num_ps, len(variables))
-    return {"step": states[0]["step"], "config": states[0]["config"], "variables": variables}
+    _LOGGER.info("re-layout: checkpoint %d from %d shards -> shard %d of %d takes %d variables and its rows of %d "
+                 "embedding tables", step, manifest["num_ps"], index, num_ps, len(variables), len(tables))
+    return {"step": states[0]["step"], "config": states[0]["config"], "variables": variables, "tables": tables,
+            "source": f"checkpoint {step} of {directory} re-laid out from {manifest['num_ps']} shards onto {num_ps}"}
 
 
 def _recut(manifest: dict, num_ps: int) -> tuple[list[tuple[str, int]], dict[str, tuple[list, int, int]]]:

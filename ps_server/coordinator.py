@@ -47,7 +47,8 @@ from .pushes import PushPath
 from .recording import Recorder, replay
 from .snapshots import Saves, state_of
 from .store import NewVariable, VariableStore
-from .tables import SYNC_TABLES, TableStore, split_rows
+from . import table_state
+from .tables import TableStore, split_rows
 from .waits import WaitLimit
 
 __all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP"]
@@ -97,6 +98,7 @@ class Coordinator(PushPath):
         self._closed = False
         self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
         self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
+        self._pushing = threading.local()  # .rows: the row gradients of the push this thread makes (journal)
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self._reaper = threading.Thread(target=reap, args=(self,), name="lease-reaper", daemon=True)
         self._applier: threading.Thread | None = None
@@ -171,13 +173,28 @@ class Coordinator(PushPath):
 
     def create_tables(self, specs: list[ps_pb2.TableSpec], shard_index: int, num_shards: int, *,
                       check_memory: Callable[[dict[str, int]], None] | None = None) -> list[bool]:
-        """tables.create (which see), refused in sync mode (ModeConflictError). Never blocks on training."""
-        with self.gate.change():
-            with self._cond:
-                if self.config.mode == "sync":
-                    raise ModeConflictError(SYNC_TABLES)
-            return self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
-                                      check_memory=check_memory)
+        """tables.create (which see), in every mode, recorded in the journal (before any push to the new tables
+        can be). Never blocks on training (with a journal, on one apply's record at most)."""
+        with self.gate.change(), self._ordered:
+            created = self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
+                                         check_memory=check_memory)
+            if any(created):
+                self._log("tables", table_state.creation_record([s for s, new in zip(specs, created) if new],
+                                                                shard_index, num_shards))
+            return created
+
+    def lookup_rows(self, requests: list[tuple[str, torch.Tensor]], *, admit: bool) -> list[torch.Tensor]:
+        """tables.lookup (which see). With a journal, an admitting lookup of dynamic tables (which may count
+        ids and create rows) is made and recorded under the apply gate and the ordering lock, so replaying
+        the journal admits in the same order with the applies; it then waits for an apply in progress.
+        Raises (changing and recording nothing) what tables.lookup raises."""
+        if not admit or self.recorder is None or all(self.tables.get(name).table.fixed for name, _ in requests):
+            return self.tables.lookup(requests, admit=admit)
+        with self.gate.change(), self._ordered:
+            found = self.tables.lookup(requests, admit=True)
+            dynamic = [(name, ids) for name, ids in requests if not self.tables.get(name).table.fixed]
+            self._log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
+        return found
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
@@ -190,6 +207,7 @@ class Coordinator(PushPath):
         """Starts from a saved state (snapshots.state_of), before start(). `exact`: it is this shard's own
         latest state (journal), not an older checkpoint, so the shard need not catch up with the job."""
         self.store.restore(state["variables"], state["step"])
+        table_state.restore(self.tables, state.get("tables") or [], state.get("source", "the journal's base"))
         with self._cond:
             self.ledger.restore(state.get("ledger", []))
             self.membership.restore(state.get("membership", {}), self._now())
@@ -276,12 +294,13 @@ class Coordinator(PushPath):
         """Handles one push according to the mode, at most once per (worker, incarnation, seq).
 
         `grads` maps variables to dense gradients and tables to their
-        tables.RowGradient (a ROWS tensor), applied together (async, ssp; sync
-        mode refuses row gradients with ModeConflictError). Raises (changing
+        tables.RowGradient (a ROWS tensor), applied together (async, ssp) or,
+        in sync mode, summed together into the step's pending sums and
+        averaged when the step applies (pushes.py). Raises (changing
         nothing) for invalid gradients or numbers, or a replaced incarnation.
-        Blocks on shard 0 (on every shard with `hold`, for PushPull) in sync
-        mode until the worker may go on, on shard 0 in ssp mode while it is
-        too far ahead; a retry waits for its original.
+        Blocks on shard 0 (on every shard with `hold`, for PushPull, or with
+        row gradients) in sync mode until the worker may go on, on shard 0 in
+        ssp mode while it is too far ahead; a retry waits for its original.
         """
         self._check_step(step, "push step")
         if step_increment not in (0, 1):
@@ -291,10 +310,12 @@ class Coordinator(PushPath):
         self.tables.validate(table_rows)
         deadline = self._deadline(timeout)
         slot: list[str] = []  # the waiting slot this push took, if it will be held
+        self._pushing.rows = table_rows  # the journal's record of this push carries them (_log)
         try:
             return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
                               deadline, slot)
         finally:
+            self._pushing.rows = None
             if slot:
                 self.waits.release(slot[0])
 
@@ -356,8 +377,12 @@ class Coordinator(PushPath):
         return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
 
     def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """A journal record, if the shard keeps a journal (see recording.Recorder.log for the locking rules)."""
+        """A journal record, if the shard keeps a journal (see recording.Recorder.log for the locking rules). A
+        push's record ("apply", "add") carries the push's row gradients too (table_state.record_rows), so the
+        push is replayed whole."""
         if self.recorder is not None:
+            if kind in ("apply", "add") and getattr(self._pushing, "rows", None):
+                meta, tensors = table_state.record_rows(meta, tensors or {}, self._pushing.rows)
             self.recorder.log(kind, meta, tensors or {})
 
     def wait_for_compaction(self, timeout: float | None = None) -> None:

@@ -2,6 +2,15 @@
 
 A mixin of Coordinator (see coordinator.py for the locks and the state it
 uses); Coordinator.push validates a push and calls _push. No gRPC.
+
+Row gradients (embedding tables) follow their push in every mode: applied
+with it in async and ssp modes; in sync mode summed into the step's buffer
+with its dense gradients (aggregation.py, row_sums.py), dropped whole with a
+stale push, answered and never re-added for a retry, and applied once per
+step by the applier (_apply_sync_step), averaged over the pushes that
+carried each table. A sync push with row gradients is held on every shard
+until that shard applied its step, so the worker's next lookups read the
+released step's rows everywhere.
 """
 
 from __future__ import annotations
@@ -11,10 +20,9 @@ import dataclasses
 import logging
 from typing import Callable
 
-from ..errors import ModeConflictError, WaitTimeoutError
+from ..errors import WaitTimeoutError
 from .ledger import PushRecord
 from .modes import PushResult
-from .tables import SYNC_TABLES
 
 __all__ = ["PushPath"]
 
@@ -43,6 +51,10 @@ class PushPath:
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
               cancelled, hold: bool, deadline: float, slot: list[str]) -> PushResult:
+        # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
+        # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
+        # then read the rows of the released step on every shard.
+        hold = hold or bool(table_rows)
         while True:
             with self._cond:
                 self._check_open()
@@ -54,8 +66,6 @@ class PushPath:
                         continue  # the original failed before changing anything: apply this one
                     self.duplicates += 1
                     return result
-                if table_rows and self.config.mode == "sync":
-                    raise ModeConflictError(SYNC_TABLES)
                 self._catch_up(step, pushed=True)
                 mode = self.config.mode
                 if mode == "sync":
@@ -73,8 +83,8 @@ class PushPath:
                 buffer = self.pending.reserve(step) if mode == "sync" else None
             try:
                 if buffer is not None:
-                    return self._push_sync(worker, incarnation, seq, step, grads, record, buffer, cancelled, hold,
-                                           deadline)
+                    return self._push_sync(worker, incarnation, seq, step, grads, table_rows, record, buffer,
+                                           cancelled, hold, deadline)
                 return self._push_async(worker, incarnation, seq, step, grads, table_rows, step_increment, record,
                                         mode == "ssp", cancelled, deadline)
             except BaseException:
@@ -129,7 +139,7 @@ class PushPath:
         with self.gate.change():
             with self._ordered:  # with a journal, applies are recorded in the order they happened
                 step_after, versions = self.store.apply(grads, step_increment, validated=True)
-                self.tables.apply(table_rows, step_after)  # not journaled: tables are not recovered yet
+                self.tables.apply(table_rows, step_after)  # journaled with the dense gradients (_log)
                 self._log("apply", {"step_increment": step_increment,
                                    **self._push_meta(worker, incarnation, seq, step)}, grads)
             with self._cond:
@@ -152,10 +162,15 @@ class PushPath:
             current = self.store.step
             return dataclasses.replace(result, step=current, next_step=current, wait_seconds=self._now() - start)
 
-    def _push_sync(self, worker: str, incarnation: int, seq: int, step: int, grads, record: PushRecord | None,
-                   buffer, cancelled, hold: bool, deadline: float) -> PushResult:
+    def _push_sync(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
+                   record: PushRecord | None, buffer, cancelled, hold: bool, deadline: float) -> PushResult:
+        """Adds a push (dense and row gradients, all or nothing) to the buffer of `step` that _push reserved,
+        counts it, then waits as _await_release says. If the add raises, nothing was added (_push then
+        forgets the push and unreserves the buffer). Its journal record ("add") carries the rows too
+        (Coordinator._log)."""
         with self.gate.change():
-            buffer.add(grads, lambda: self._log("add", self._push_meta(worker, incarnation, seq, step), grads))
+            buffer.add(grads, lambda: self._log("add", self._push_meta(worker, incarnation, seq, step), grads),
+                       rows=table_rows)
             with self._cond:
                 if record is not None:
                     record.applied = record.pending = True
@@ -166,6 +181,20 @@ class PushPath:
             if record is not None:
                 record.result = result
             return result
+
+    def _apply_sync_step(self, buffer, step: int) -> None:
+        """Applies sync step `step` (the store's step) from its buffer: first every table's averaged row
+        gradients, one lazy optimizer step each on the union of the ids pushed (tables.apply at step + 1,
+        then eviction, as an async push at that step), then the dense averages, which advance the store's
+        step. So a call that sees the new step (a released push, a min_step pull) sees the rows applied
+        too. The applier's call (and the journal's replay), under the apply gate and _ordered, not _cond;
+        blocks on the tables' and variables' locks only. The rows were validated when pushed, so it raises
+        only if a table vanished or on a bug: then the tables before it in the buffer are updated and the
+        store's step has not moved."""
+        averaged = buffer.row_averages()
+        if averaged:
+            self.tables.apply(averaged, step + 1, received={name: rows.received for name, rows in averaged.items()})
+        self.store.apply(buffer.averages(), step_increment=1, validated=True)
 
     def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float) -> PushResult:
         """On shard 0 (any shard with `hold`), waits until `worker` may go on after pushing for `step`.

@@ -7,8 +7,12 @@ the change, and, for creations, applies, sync steps and hyperparameters, under
 the coordinator's `_ordered` lock too, so no push to a variable is recorded
 before its creation and no apply on the wrong side of an lr change; a record of bookkeeping
 only (membership, a step adopted while catching up) under the coordinator's
-lock. A compaction copies the state under the gate alone and rotates the log
-under the coordinator's lock in the same instant (snapshots.state_of(then=)).
+lock. Embedding tables (table_state.py) are recorded the same way: their
+creation ("tables") and admitting lookups of dynamic tables ("admit") under the
+gate and `_ordered`, and a push's row gradients inside its own "apply" (or
+sync "add") record, so a push is replayed whole or not at all. A compaction
+copies the state under the gate alone and rotates the log under the
+coordinator's lock in the same instant (snapshots.state_of(then=)).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from . import table_state
 from .journal import Journal, Record
 from .ledger import PushRecord
 from .modes import PushResult, SyncConfig
@@ -78,20 +83,28 @@ def replay(c: "Coordinator", record: Record) -> None:
                             for v in meta["variables"]])
         elif kind == "hyperparams":
             c.store.set_hyperparams(meta["names"], meta["updates"])
+        elif kind == "tables":
+            c.tables.create(table_state.specs_of_record(meta), meta["shard_index"], meta["num_shards"],
+                            taken=c.store.names())
+        elif kind == "admit":
+            c.tables.lookup([(name, tensors[name]) for name in meta["tables"]], admit=True)
         elif kind == "apply":
+            table_rows = table_state.rows_of_record(meta, tensors)
             step, versions = c.store.apply(tensors, meta["step_increment"], validated=True)
+            c.tables.apply(table_rows, step)
             _replayed_push(c, meta, PushResult(step=step, next_step=step, versions=versions))
             if meta["worker"] in c.membership.members:
                 c.membership.members[meta["worker"]].clock += 1
         elif kind == "add":
             buffer = c.pending.reserve(meta["step"])
-            buffer.add(tensors)
+            table_rows = table_state.rows_of_record(meta, tensors)
+            buffer.add(tensors, rows=table_rows)
             c.pending.counted(buffer, meta["worker"])
             pushed = _replayed_push(c, meta, None)
             if pushed is not None:
                 pushed.pending = True
         elif kind == "step":
-            c.store.apply(c.pending.buffers[meta["step"]].averages(), step_increment=1, validated=True)
+            c._apply_sync_step(c.pending.buffers[meta["step"]], meta["step"])  # rows, then dense (pushes.py)
             c.pending.drop_before(c.store.step)
         elif kind == "set_step":
             c.store.set_step(meta["step"])

@@ -466,12 +466,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def Save(self, request, context):
+        """Writes this shard's state at the checkpoint's step (snapshots.py): variables and every embedding
+        table (table_state.py), copied at one instant under the apply gate. Blocks until the shard reaches
+        the step (at most the call's deadline), then for the copy and the file's write and fsync; if it
+        raises, no file of this shard counts for the checkpoint (shard 0 will not commit it)."""
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         self._require_checkpoints()
-        if self.coordinator.tables.names():  # refused, not saved incomplete: a restore would lose every row
-            raise ModeConflictError(f"ps {self.index} holds embedding tables, which checkpoints do not cover yet; "
-                                    f"nothing was saved")
         started = time.monotonic()
         context.add_callback(self.coordinator.wake)
         state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
@@ -489,6 +490,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def CommitCheckpoint(self, request, context):
+        """Shard 0 commits a checkpoint every shard saved: checks each file (size, table section) and writes
+        the manifest with the client's placement and the tables the files hold (checkpoint.commit). Blocks
+        for the checks and writes; if it raises, the checkpoint is not committed."""
         self._require_checkpoints()
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
@@ -532,8 +536,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                        f"Received: {request.chunk_bytes}")
         chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         names = [t.name for t in request.tables]
-        found = self.coordinator.tables.lookup([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
-                                               admit=request.admit)
+        found = self.coordinator.lookup_rows([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
+                                             admit=request.admit)
         step = self.store.step
         pieces = (piece for name, value in zip(names, found) for piece in wire.tensor_pieces(name, value, chunk_bytes))
         sent = False

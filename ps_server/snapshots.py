@@ -1,8 +1,10 @@
 """A shard's whole state as one value, and checkpoints taken at a given step. No gRPC.
 
-`state_of` copies variables, optimizer state, step, mode, the push ledger and
-the membership (and, for the journal, sync mode's pending sums); it runs under
-the apply gate alone, so every change is in it whole or not at all.
+`state_of` copies variables, optimizer state, embedding tables (rows, their
+lazy optimizer state and dynamic tables' metadata: table_state.py), step, mode,
+the push ledger and the membership (and, for the journal, sync mode's pending
+sums); it runs under the apply gate alone, so every change is in it whole or
+not at all, and a table's rows are those of the same step as the variables.
 
 A checkpoint of step s is taken when the shard's step reaches s: exactly at s
 in sync mode, where every shard passes through every step (the applier takes
@@ -18,6 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import StepPassedError, WaitTimeoutError
+from . import table_state
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
@@ -29,9 +32,11 @@ def state_of(coordinator: "Coordinator", *, with_pending: bool, then: Callable[[
     """The shard's state (call under coordinator.gate.snapshot()); `then()` runs at the same instant, under
     the bookkeeping lock (a journal rotation), its value under the key "then"."""
     variables = coordinator.store.snapshot()
+    tables = table_state.section(coordinator.tables)
     with coordinator._cond:
         step = coordinator.store.step
         state = {"step": step, "config": dataclasses.asdict(coordinator.config), "variables": variables,
+                 "tables": tables,
                  "ledger": coordinator.ledger.export(step, with_pending=with_pending),
                  "membership": coordinator.membership.export()}
         if with_pending:

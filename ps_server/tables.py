@@ -27,9 +27,7 @@ from ..proto import ps_pb2
 from .embeddings import EmbeddingTable
 from .row_optimizers import RowOptimizer
 
-__all__ = ["RowGradient", "TableStore", "split_rows", "SYNC_TABLES"]
-
-SYNC_TABLES = "sparse tables in sync mode: not yet; run the job in async or ssp mode"
+__all__ = ["RowGradient", "TableStore", "split_rows"]
 
 _FLOATS = (ps_pb2.FLOAT32, ps_pb2.FLOAT64, ps_pb2.FLOAT16, ps_pb2.BFLOAT16)
 
@@ -163,6 +161,18 @@ class TableStore:
         with self._changed:
             return list(self._tables)
 
+    def held(self) -> list[_Held]:
+        """Every table (spec, layout, EmbeddingTable), in creation order: what a checkpoint saves
+        (table_state.py). Never blocks on training."""
+        with self._changed:
+            return list(self._tables.values())
+
+    def install(self, held: Iterable[_Held]) -> None:
+        """Makes `held` the shard's tables, replacing any (a restore, table_state.py, before the shard serves)."""
+        with self._changed:
+            self._tables = {h.spec.name: h for h in held}
+            self._changed.notify_all()
+
     def check_free(self, names: Iterable[str]) -> None:
         """SpecConflictError if a name is a table's (variables and tables share one namespace)."""
         with self._changed:
@@ -238,16 +248,18 @@ class TableStore:
                 raise NonFiniteGradientError(f"row gradients for table {name!r} contain NaN or Inf; nothing was "
                                              f"applied")
 
-    def apply(self, table_rows: Mapping[str, RowGradient], step: int) -> None:
+    def apply(self, table_rows: Mapping[str, RowGradient], step: int, *,
+              received: Mapping[str, int] | None = None) -> None:
         """One optimizer step of each table in `table_rows` (validated) at the shard's step `step`, then
-        eviction of those with max_age or capacity."""
+        eviction of those with max_age or capacity. `received`: {table: gradient rows pushed} where that is
+        not len(ids) (a sync step's sums, repeats summed across pushes)."""
         for name, grad in table_rows.items():
             held = self.get(name)
             held.table.apply(grad.ids, grad.values, step)
             if held.evicts:
                 held.table.evict(step)
             with self._changed:
-                held.rows_pushed += len(grad.ids)
+                held.rows_pushed += (received or {}).get(name, len(grad.ids))
 
     # -- status -----------------------------------------------------------------------------
 

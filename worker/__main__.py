@@ -5,6 +5,10 @@
 
 The chief (task 'chief', else worker 0) configures the mode and creates the
 variables; other workers wait for them; the evaluator only pulls and evaluates.
+With --dense allreduce (the hybrid, client/allreduce.py) the dense parameters
+stay in the workers, averaged among them by torch.distributed every step (the
+group meets at the chief's host, at --allreduce-port or its cluster port), and
+only the embedding tables live on the shards, trained async.
 
 Exit codes: 0 done; 1 the task failed (one line naming the error); 2 a usage or
 configuration error (one line, before anything starts); 130 interrupted (Ctrl-C).
@@ -24,7 +28,7 @@ import time
 
 import torch
 
-from ..client import Compression, PSClient, PSError, Security
+from ..client import AllreduceGroup, Compression, PSClient, PSError, Security
 from ..cli import ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
@@ -34,7 +38,7 @@ from ..metrics_http import serve_metrics
 from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
-from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job
+from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
 from .residuals import ResidualFile
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
@@ -82,6 +86,20 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap", action="store_true", help="push each gradient while backward still runs and pull "
                    "the next values while forward runs, each layer waiting for its own (same results; "
                    "register_module(overlap=True))")
+    g.add_argument("--dense", default="ps", choices=["ps", "allreduce"],
+                   help="where the dense parameters are trained: 'ps' (variables on the shards, the default) or "
+                        "'allreduce' (kept in the workers and averaged among them every step with "
+                        "torch.distributed, gloo on CPU, NCCL on CUDA, stepped by a local optimizer; only embedding "
+                        "tables live on the shards, trained async; --steps counts the group's steps, every worker "
+                        "taking each; no --overlap, --compression, sync or ssp, checkpoints or evaluator; a worker "
+                        "lost stops the others)")
+    g.add_argument("--allreduce-port", type=int, default=None,
+                   help="--dense allreduce: the port the chief listens at for the group, on its cluster host "
+                        "(default: the port of the chief's cluster entry; the chief is the 'chief' task, else "
+                        "worker 0)")
+    g.add_argument("--allreduce-timeout", type=float, default=300.0,
+                   help="--dense allreduce: seconds to form the group, and the longest a step waits for the "
+                        "other workers before the group counts one as lost (default: %(default)s)")
     g.add_argument("--state-dir", type=pathlib.Path, help="keep this task's compression residuals in "
                    "DIR/TASK-residuals.pt (e.g. worker-0-residuals.pt), loaded again when the task restarts")
     g.add_argument("--state-every-steps", type=int, default=100,
@@ -169,6 +187,9 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
     elif args.state_dir is not None:
         raise ClusterConfigError("--state-dir keeps the residuals of --compression: pass --compression too")
     _partitioner(args.partition)
+    _check_dense(args)
+    checks += [("--allreduce-port", args.allreduce_port is None or 1 <= args.allreduce_port <= 65535, "in 1-65535"),
+               ("--allreduce-timeout", math.isfinite(args.allreduce_timeout) and args.allreduce_timeout > 0, "> 0")]
     try:
         parse_step_range(args.trace_steps)
     except ValueError as exc:
@@ -181,6 +202,29 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         check_dataset(args.dataset or default_dataset_name())
     check_output("--export", args.export)
     return args
+
+
+def _check_dense(args: argparse.Namespace) -> None:
+    """ClusterConfigError (one line) for --dense allreduce with a flag it cannot honour."""
+    if args.dense != "allreduce":
+        if args.allreduce_port is not None:
+            raise ClusterConfigError("--allreduce-port is for --dense allreduce")
+        return
+    why = "the dense parameters live in the workers, not on the shards"
+    refused = [
+        ("--overlap", args.overlap, "it overlaps the shards' pushes and pulls of dense parameters, and " + why),
+        (f"--mode {args.mode}", args.mode != "async",
+         "the embedding tables train async (the all-reduce keeps the workers in step)"),
+        ("--compression", bool(args.compression), "it compresses dense parameters on their way to the shards, and "
+         + why),
+        ("--state-dir", args.state_dir is not None, "it keeps --compression's residuals, and " + why),
+        ("--checkpoint-every-steps/--checkpoint-every-seconds",
+         bool(args.checkpoint_every_steps or args.checkpoint_every_seconds),
+         "the shards' checkpoints would not hold them: " + why),
+    ]
+    for flag, given, reason in refused:
+        if given:
+            raise ClusterConfigError(f"--dense allreduce cannot be combined with {flag}: {reason}")
 
 
 def check_output(flag: str, path: pathlib.Path | None) -> None:
@@ -218,6 +262,9 @@ def resolve_task(args: argparse.Namespace) -> tuple[Cluster, TaskSpec]:
     if kind == "ps":
         raise ClusterConfigError(f"this task is {task}: run ps-server for it, not ps-worker")
     cluster.address(task)
+    if kind == "evaluator" and getattr(args, "dense", "ps") == "allreduce":
+        raise ClusterConfigError("--dense allreduce: an evaluator cannot see the dense parameters (they live in "
+                                 "the workers, not on the shards); the chief reports the test accuracy at the end")
     return cluster, task
 
 
@@ -296,6 +343,10 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
             metrics = _serve_metrics(EvaluatorMetrics(), cluster, task, args.metrics_port) \
                 if args.metrics_port is not None else None
             return _evaluate(client, task, job, args, device, writer, started, metrics)
+        if args.dense == "allreduce":  # formed before anything else: it waits for every training task
+            with AllreduceGroup.connect(cluster, task, port=args.allreduce_port, timeout=args.allreduce_timeout,
+                                        device=device) as group:
+                return _train(client, cluster, task, job, args, device, writer, started, group)
         return _train(client, cluster, task, job, args, device, writer, started)
     finally:
         if writer is not None:
@@ -327,8 +378,9 @@ def _observer(cluster: Cluster, task: TaskSpec, args) -> StepObserver | None:
 
 
 def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device: str, writer,
-           started: float) -> dict | None:
-    """A chief's or worker's part: train, then (the chief) end the job; the chief's summary, else None."""
+           started: float, group: AllreduceGroup | None = None) -> dict | None:
+    """A chief's or worker's part: train, then (the chief) end the job; the chief's summary, else None.
+    With `group` (--dense allreduce) the dense parameters are averaged in it and stay in the workers."""
     optimizer = optimizer_from_flags(args.optimizer, args.lr, args.momentum, args.weight_decay)
     replicas = len(cluster.chief) + len(cluster.worker)
     if client.is_chief:
@@ -336,19 +388,28 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                          max_staleness=args.max_staleness, lease_seconds=args.lease_seconds,
                          progress_seconds=args.progress_timeout)
     compression = Compression.parse(args.compression) if args.compression else None
-    binding = client.register_module(job.model, optimizer, create=client.is_chief, compression=compression,
-                                     overlap=args.overlap)
+    if group is not None:
+        binding = client.register_module(job.model, optimizer, create=client.is_chief, dense="allreduce",
+                                         process_group=group)
+    else:
+        binding = client.register_module(job.model, optimizer, create=client.is_chief, compression=compression,
+                                         overlap=args.overlap)
     start_step = binding.step  # a restarted task joins a job already under way
     residuals = ResidualFile(args.state_dir, task, args.state_every_steps) if args.state_dir and compression else None
     if residuals is not None:
         residuals.restore(client)
     replica = task.index + (len(cluster.chief) if task.type == "worker" else 0)
-    _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %d variables over %d shard(s) (%s placement)%s%s",
-                 task, replica, replicas, args.mode, job.dataset, len(binding.names), cluster.num_ps,
-                 client.placement.strategy, ", overlap" if binding.overlap else "",
-                 f", joining at global step {start_step}" if start_step else "")
+    if group is not None:
+        _LOGGER.info("%s: replica %d of %d, dense parameters all-reduced (%d tensors, %s), %d table(s) on %d "
+                     "shard(s), %s, dataset %s", task, replica, replicas, len(binding.names), group.backend,
+                     len(binding.tables), cluster.num_ps, args.mode, job.dataset)
+    else:
+        _LOGGER.info("%s: replica %d of %d, %s mode, dataset %s, %d variables over %d shard(s) (%s placement)%s%s",
+                     task, replica, replicas, args.mode, job.dataset, len(binding.names), cluster.num_ps,
+                     client.placement.strategy, ", overlap" if binding.overlap else "",
+                     f", joining at global step {start_step}" if start_step else "")
     checkpointer = None
-    if client.is_chief and any(client.status(s).checkpoints for s in range(cluster.num_ps)):
+    if client.is_chief and group is None and any(client.status(s).checkpoints for s in range(cluster.num_ps)):
         checkpointer = Checkpointer(client, every_steps=args.checkpoint_every_steps,
                                     every_seconds=args.checkpoint_every_seconds, keep=args.keep_checkpoints).start()
     stragglers = StragglerWatch(client, args.straggler_threshold).start() \
@@ -367,7 +428,8 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     done_before = _batches_done(start_step, args, replicas)
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                            seed=args.seed + replica, device=device, log_every=args.log_every, progress=args.progress,
-                           skip_batches=done_before)
+                           skip_batches=done_before,
+                           max_local_steps=_lockstep_steps(args, len(job.dataset.y_train), replicas) if group else None)
     observer = _observer(cluster, task, args)
     if observer is not None and observer.timeline is not None:
         client.tracer = observer.tracer
@@ -388,14 +450,49 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     _LOGGER.info("%s finished: %d local steps, %s", task, result["local_steps"], client.stats.summary())
     if not client.is_chief:
         return None
+    if group is not None:
+        return _finish_allreduce(client, task, job, args, device, binding, result, started, start_step, replicas,
+                                 cluster.num_ps)
     global_step = finish_job(client, binding, export=args.export, checkpointer=checkpointer,
                              shutdown=not args.keep_ps)
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     wall = time.monotonic() - started
-    return {**result, "role": str(task), "mode": args.mode, "dataset": job.dataset.name, "test_accuracy": accuracy,
+    return {**result, "role": str(task), "mode": args.mode, "dense": args.dense, "dataset": job.dataset.name,
+            "test_accuracy": accuracy,
             "global_step": global_step, "start_step": start_step, "wall_seconds": wall,
             "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": cluster.num_ps,
             "checkpoints": checkpointer.saved_steps if checkpointer else []}
+
+
+def _lockstep_steps(args, examples: int, replicas: int) -> int:
+    """--dense allreduce: the steps every worker takes, the same for all (each step is a collective every
+    member must make): --steps, or --epochs over the smallest worker's shard (the last worker's: shards are
+    every replicas-th example), whichever comes first."""
+    smallest = len(range(replicas - 1, examples, replicas))
+    by_epochs = args.epochs * -(-smallest // args.batch_size) if args.epochs else None
+    return min(n for n in (args.steps, by_epochs) if n is not None)
+
+
+def _finish_allreduce(client: PSClient, task: TaskSpec, job, args, device: str, binding, result: dict,
+                      started: float, start_step: int, replicas: int, num_ps: int) -> dict:
+    """The chief's end of a --dense allreduce job: waits for the other workers to leave (their last row
+    pushes are in), evaluates while the shards still serve the tables, exports the dense state_dict and the
+    fixed-size tables whole, stops the shards; returns the summary. `global_step` counts the group's
+    synchronous steps, `table_pushes` the shards' step (every worker's row pushes)."""
+    table_pushes = finish_job(client, binding, export=None, checkpointer=None, shutdown=False)
+    accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
+    if args.export is not None:
+        state = {name: value.detach().cpu() for name, value in job.model.state_dict().items()}
+        state.update(client.export_state_dict(fixed_tables(binding)) if fixed_tables(binding) else {})
+        torch.save(state, args.export)
+        _LOGGER.info("exported %d tensors to %s (dense, and fixed-size tables whole)", len(state), args.export)
+    if not args.keep_ps:
+        client.shutdown_cluster("the chief finished the job")
+    wall = time.monotonic() - started
+    return {**result, "role": str(task), "mode": args.mode, "dense": args.dense, "dataset": job.dataset.name,
+            "test_accuracy": accuracy, "global_step": binding.step, "table_pushes": table_pushes,
+            "start_step": start_step, "wall_seconds": wall, "steps_per_second": (binding.step - start_step) / wall,
+            "workers": replicas, "ps": num_ps, "checkpoints": []}
 
 
 def _batches_done(start_step: int, args, replicas: int) -> int:

@@ -115,6 +115,11 @@ class StragglerWatch:
                 _LOGGER.debug("straggler check skipped: %s", exc)
 
 
+def fixed_tables(binding) -> list[str]:
+    """The binding's fixed-size embedding tables: export_state_dict writes each as torch's whole weight."""
+    return [name for name, table in binding.tables.items() if table.num_embeddings is not None]
+
+
 def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path | None,
                checkpointer: Checkpointer | None, shutdown: bool) -> int:
     """Waits for the other workers, saves a last checkpoint, exports the model, stops the shards.
@@ -130,7 +135,7 @@ def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path
     if checkpointer is not None:
         checkpointer.stop(final=True)
     if export is not None:
-        state = client.export_state_dict(binding.names)
+        state = client.export_state_dict([*binding.names, *fixed_tables(binding)])
         torch.save(state, export)
         _LOGGER.info("exported %d tensors to %s (model.load_state_dict(torch.load(path)))", len(state), export)
     if shutdown:

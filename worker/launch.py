@@ -13,6 +13,10 @@ tokens are made in a private folder for the job (--credentials DIR: a folder
 ps-certs made instead; --tokens-only: tokens without TLS; --insecure:
 plaintext, no tokens).
 
+With --dense allreduce the chief's cluster entry gets a port free when the
+job starts (the all-reduce group meets there, unless --allreduce-port says
+otherwise), and a worker lost stops the others (the group cannot go on).
+
 A worker that dies does not stop the others; the chief failing, the end of
 training, Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also
 dies with the launcher if it is killed (the parent-death signal). The exit
@@ -31,6 +35,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -97,11 +102,12 @@ class Launcher:
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
                  secure: bool = True, tls: bool = True, credentials: str | os.PathLike | None = None,
-                 out=sys.stdout):
+                 out=sys.stdout, rendezvous_port: bool = False):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
         self.worker_args = worker_args + (["--keep-ps"] if evaluator else [])  # the evaluator sees the end too
         self.ps_args = list(ps_args)
         self.restart_on_failure = restart_on_failure
+        self.rendezvous_port = rendezvous_port  # --dense allreduce: the chief's entry gets a port free now
         self.restarts: collections.Counter[TaskSpec] = collections.Counter()
         self.ports: list[int] = []
         self.metrics_out = metrics_out
@@ -162,10 +168,14 @@ class Launcher:
         self.ports = [self._wait_port(index) for index in range(self.num_ps)]
         # Workers serve nothing; TF_CONFIG still names an address for each, so give distinct unused ones.
         spare = (p for p in range(20000, 65535) if p not in self.ports)
-        self.cluster = Cluster(ps=tuple(f"127.0.0.1:{p}" for p in self.ports),
-                               chief=tuple(f"127.0.0.1:{next(spare)}" for _ in range(int(self.chief))),
-                               worker=tuple(f"127.0.0.1:{next(spare)}" for _ in range(self.workers)),
-                               evaluator=tuple(f"127.0.0.1:{next(spare)}" for _ in range(int(self.evaluator))))
+        chief = [f"127.0.0.1:{next(spare)}" for _ in range(int(self.chief))]
+        worker = [f"127.0.0.1:{next(spare)}" for _ in range(self.workers)]
+        evaluator = [f"127.0.0.1:{next(spare)}" for _ in range(int(self.evaluator))]
+        if self.rendezvous_port:  # the chief listens there for the all-reduce group: a port nothing holds now
+            taken = {int(a.rpartition(":")[2]) for a in chief + worker + evaluator} | set(self.ports)
+            (chief or worker)[0] = f"127.0.0.1:{_free_port(taken)}"
+        self.cluster = Cluster(ps=tuple(f"127.0.0.1:{p}" for p in self.ports), chief=tuple(chief),
+                               worker=tuple(worker), evaluator=tuple(evaluator))
         return self.cluster
 
     def _port_file(self, index: int) -> pathlib.Path:
@@ -348,6 +358,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--credentials and --insecure contradict each other (a job's credentials, or nothing)")
     try:
         finish_training_flags(everything)
+        _check_dense(everything)
         check_output("--metrics-out", everything.metrics_out)
         if everything.init_from:  # what the chief would find at startup, found before anything starts
             state = read_init(everything.init_from)
@@ -360,7 +371,35 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                                    everything.chief, everything.evaluator))
     except (ClusterConfigError, DatasetNotFoundError) as exc:
         parser.error(str(exc))
-    return own.parse_known_args(argv)
+    own_args, worker_args = own.parse_known_args(argv)
+    own_args.rendezvous_port = everything.dense == "allreduce" and everything.allreduce_port is None
+    return own_args, worker_args
+
+
+def _check_dense(args: argparse.Namespace) -> None:
+    """ClusterConfigError (one line) for --dense allreduce with a ps-launch flag it cannot honour."""
+    if args.dense != "allreduce":
+        return
+    for flag, given, reason in [
+        ("--restart-on-failure", args.restart_on_failure,
+         "a restarted worker cannot rejoin the all-reduce group (its members are fixed when it forms)"),
+        ("--evaluator", args.evaluator, "an evaluator cannot see the dense parameters (they live in the workers)"),
+        ("--checkpoint-dir", bool(args.checkpoint_dir), "the shards' checkpoints would not hold the dense "
+         "parameters (they live in the workers)"),
+        ("--restore-from", bool(args.restore_from), "the shards' checkpoints hold no dense parameters to restore"),
+    ]:
+        if given:
+            raise ClusterConfigError(f"--dense allreduce cannot be combined with {flag}: {reason}")
+
+
+def _free_port(taken: set[int]) -> int:
+    """A loopback port nothing listens at now (the kernel's pick), not in `taken`."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def _load_prctl():
@@ -428,7 +467,7 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,
-                    credentials=args.credentials)
+                    credentials=args.credentials, rendezvous_port=args.rendezvous_port)
 
 
 if __name__ == "__main__":

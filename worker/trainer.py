@@ -34,6 +34,8 @@ class TrainOptions:
     log_every: float = 5.0           # seconds between log lines (no terminal)
     progress: bool | None = None     # tqdm bar; None: when stderr is a terminal
     skip_batches: int = 0            # batches an earlier incarnation of this task already trained on
+    max_local_steps: int | None = None  # stop after this many steps of this worker (--dense allreduce: every
+                                        # worker the same number, as each step is a collective all must make)
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = 2000) -> float:
@@ -54,6 +56,9 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
     """Runs this worker's loop (compute, push, pull) until its epochs or the global steps are done.
 
     Trains on shard `replica` of `num_replicas` of the training set. Blocks.
+    With a HybridBinding (--dense allreduce), `binding.step` counts the
+    group's synchronous steps, and each exchange waits for every worker's
+    all-reduce (AllreduceError, a PSError, if one is lost).
     Returns this worker's numbers; `on_step(record)` sees every step's loss,
     accuracy, global step and staleness (for TensorBoard); `observer` each
     step's phase times (metrics, timeline: observe.py).
@@ -76,7 +81,8 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
         for batch, (xb, yb) in enumerate(batches(x, y, options.batch_size, options.seed, epoch)):
             if epoch == first_epoch and batch < skip:
                 continue
-            if options.steps is not None and binding.step >= options.steps:
+            if (options.steps is not None and binding.step >= options.steps) or \
+                    (options.max_local_steps is not None and local_steps >= options.max_local_steps):
                 done = True
                 break
             step_started = time.monotonic()

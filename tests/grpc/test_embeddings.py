@@ -21,8 +21,8 @@ from helpers import wait_until
 from torch import nn
 
 from torchps import rows
-from torchps.client import (Embedding, EmbeddingBag, ModeConflictError, NonFiniteGradientError, Optimizer, PSClient,
-                            SpecConflictError, TaskSpec)
+from torchps.client import (Embedding, EmbeddingBag, InvalidArgumentError, NonFiniteGradientError, Optimizer,
+                            PSClient, SpecConflictError, TaskSpec)
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.embeddings import initial_rows
 
@@ -271,24 +271,51 @@ def test_a_worker_waits_for_the_chiefs_tables_then_trains_them(shared_cluster, c
         assert torch.equal(chief(ids).detach(), before - torch.tensor([[1.0], [2.0], [2.0]]))
 
 
-def test_tables_in_sync_mode_are_refused_not_yet(local_cluster):
+def test_tables_are_created_in_sync_mode(local_cluster):
     local = local_cluster(1)
     with PSClient(local.cluster, connect_timeout=10.0) as client:
         client.configure("sync", total_num_replicas=1)
-        with pytest.raises(ModeConflictError, match="sparse tables in sync mode: not yet"):
-            _bind(client, nn.ModuleDict({"emb": Embedding(N, D)}), "sync/")
+        _bind(client, nn.ModuleDict({"emb": Embedding(N, D)}), "sync/")  # no longer refused
+        assert [t.name for t in client.status(0).tables] == ["sync/emb.weight"]
 
 
-def test_a_checkpoint_of_a_shard_with_tables_is_refused_not_saved_incomplete(local_cluster, tmp_path):
-    local = local_cluster(1, server_args=["--checkpoint-dir", str(tmp_path)])
-    with PSClient(local.cluster, connect_timeout=10.0) as client:
-        _bind(client, nn.ModuleDict({"emb": Embedding(N, D)}), "ckpt/")
-        with pytest.raises(ModeConflictError, match="checkpoints do not cover yet; nothing was saved"):
-            client.save_checkpoint(0)
-    assert not list(tmp_path.glob("step-*"))  # no shard file, no manifest
+def test_a_fixed_size_table_exports_into_torchs_embedding_bag(shared_cluster, client):
+    """export_state_dict gives a fixed-size table as its whole (N, dim) weight (padding row zeroed, as torch's),
+    which nn.EmbeddingBag and nn.Embedding load; dynamic tables are left out, and refused when named.
+    (Checkpoints of tables: tests/integration/test_table_checkpoints.py.)"""
+    model = nn.ModuleDict({"bag": EmbeddingBag(N, D, mode="sum", padding_idx=7, partition="hash",
+                                               optimizer=Optimizer("adagrad", lr=0.3)),
+                           "ids": EmbeddingBag(None, D, mode="sum", optimizer=Optimizer("sgd", lr=0.1)),
+                           "head": nn.Linear(D, 1)})
+    binding = _bind(client, model, "export/")
+    model["bag"](torch.tensor([1, 7, 7, 29, 3, 1]), torch.tensor([0, 3, 5])).sum().backward()
+    binding.push()
+
+    exported = client.export_state_dict(binding.names + ["export/bag.weight"], strip_prefix="export/")
+    assert sorted(exported) == ["bag.weight", "head.bias", "head.weight"]
+    everything = client.export_state_dict()
+    assert "export/bag.weight" in everything and "export/ids.weight" not in everything, "dynamic: left out"
+    with pytest.raises(InvalidArgumentError, match=r"\['export/ids.weight'\] are dynamic embedding tables"):
+        client.export_state_dict(["export/ids.weight"])
+
+    torch_bag = nn.EmbeddingBag(N, D, mode="sum", padding_idx=7)
+    torch_bag.load_state_dict({"weight": exported["bag.weight"]})
+    held = _table(client, "export/bag.weight", torch.arange(N))
+    kept = torch.arange(N) != 7
+    assert torch.equal(torch_bag.weight.detach()[kept], held[kept]) and not torch_bag.weight.detach()[7].any()
+    probe, offsets = torch.randint(0, N, (40,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 9, 20])
+    with torch.no_grad():
+        assert torch.equal(torch_bag(probe, offsets), model["bag"](probe, offsets)), \
+            "torch's module with the exported weight computes what the table on the shards does"
+        plain = nn.Embedding(N, D, padding_idx=7)
+        plain.load_state_dict(client.export_state_dict(["export/bag.weight"], strip_prefix="export/bag."))
+        assert torch.equal(plain(probe), nn.functional.embedding(probe, exported["bag.weight"]))
+    with PSClient(shared_cluster.cluster, connect_timeout=10.0) as other:  # knows no table: asks the shards
+        alone = other.export_state_dict(["export/bag.weight"])["export/bag.weight"]
+    assert torch.equal(alone[kept], held[kept])
 
 
-def test_rows_pushed_in_sync_mode_are_refused_and_change_nothing(local_cluster):
+def test_rows_pushed_in_sync_mode_are_applied_with_the_step(local_cluster):
     local = local_cluster(1)
     with PSClient(local.cluster, connect_timeout=10.0) as client:
         emb = Embedding(N, D)
@@ -299,10 +326,11 @@ def test_rows_pushed_in_sync_mode_are_refused_and_change_nothing(local_cluster):
         client.join()
         emb(torch.tensor([1, 2])).sum().backward()
         before = _table(client, "t", torch.arange(N))
-        with pytest.raises(ModeConflictError, match="sparse tables in sync mode: not yet"):
-            client.push({"w": torch.ones(2)}, rows={"t": emb.take_gradients()})
-        assert torch.equal(_table(client, "t", torch.arange(N)), before)
-        assert torch.equal(client.pull(["w"])["w"], torch.zeros(2)) and client.status(0).step == 0
+        assert client.push({"w": torch.ones(2)}, rows={"t": emb.take_gradients()}) == 1  # released once applied
+        expected = before.clone()
+        expected[1:3] -= 1.0  # lr 1, R = N = 1: the worker's own gradient
+        assert torch.equal(_table(client, "t", torch.arange(N)), expected)
+        assert torch.equal(client.pull(["w"])["w"], -torch.ones(2)) and client.status(0).step == 1
 
 
 def test_a_table_with_another_spec_or_a_variables_name_is_refused(client):

@@ -3,7 +3,7 @@ ROWS tensors (torchps/rows.py) on the wire.
 
 Creation is idempotent per table and all-or-nothing per call; lookups and row pushes check everything before
 they change anything; a push carrying dense and row gradients is applied whole, deduplicated like any push,
-and refused in sync mode.
+in sync mode too (tests/unit/test_row_sums.py has the sync sums).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torchps import codec, rows
-from torchps.errors import (InvalidArgumentError, ModeConflictError, NonFiniteGradientError, OptimizerSpecError,
+from torchps.errors import (InvalidArgumentError, NonFiniteGradientError, OptimizerSpecError,
                             ResourceExhaustedError, SpecConflictError, TensorMismatchError, UnknownVariableError,
                             WaitTimeoutError)
 from torchps.proto import ps_pb2
@@ -155,17 +155,15 @@ def test_a_push_applies_dense_and_row_gradients_together_once():
     c.close()
 
 
-def test_sync_mode_refuses_tables_and_row_gradients_not_yet():
+def test_sync_mode_creates_tables_and_applies_row_gradients_with_the_step():
     c = _coordinator("sync")
-    with pytest.raises(ModeConflictError, match="sparse tables in sync mode: not yet"):
-        c.create_tables([spec("t")], 0, 1)
-    c.close()
-    c = _coordinator()
-    c.create_tables([spec("t")], 0, 1)
-    c.configure(SyncConfig(mode="sync", total_num_replicas=1))  # before any worker joined
+    assert c.create_tables([spec("t")], 0, 1) == [True]  # no longer refused in sync mode
     c.join("worker:0", 1)
-    with pytest.raises(ModeConflictError, match="not yet"):
-        c.push("worker:0", 1, 1, 0, {"w": torch.ones(2), "t": RowGradient(torch.tensor([3]), torch.ones(1, D))}, 1)
-    assert c.store.step == 0 and torch.equal(c.store.get("w").value.detach(), torch.zeros(2))
-    assert c.push("worker:0", 1, 1, 0, {"w": torch.ones(2)}, 1).next_step == 1  # the same number: not a duplicate
+    before = c.tables.lookup([("t", torch.tensor([3]))], admit=False)[0]
+    grads = {"w": torch.ones(2), "t": RowGradient(torch.tensor([3, 3]), torch.ones(2, D))}
+    assert c.push("worker:0", 1, 1, 0, grads, 1).next_step == 1  # R = N = 1: released once applied
+    assert c.push("worker:0", 1, 1, 0, grads, 1).duplicate  # a retry: added once
+    assert c.store.step == 1 and torch.equal(c.store.get("w").value.detach(), -torch.ones(2))
+    assert torch.equal(c.tables.lookup([("t", torch.tensor([3]))], admit=False)[0], before - 2)  # repeats summed
+    assert c.tables.status()[0].optimizer_steps == 1
     c.close()
