@@ -15,11 +15,13 @@ table, ids Zipf-distributed (p(rank k) ~ k^-alpha, alpha 1.05, over --rows
 ranks, numpy, seeded), a rank mapped to an id by a per-table permutation
 ("fixed" tables, num_embeddings=rows, modulo partitioning) or by SplitMix64 to
 any int64 ("dynamic" tables, num_embeddings=None, hash partitioning: rows made
-at their first training lookup). --shards real ps-server processes and
---workers asynchronous worker processes (torch.set_num_threads(1)), all on
+at their first training lookup). --shards real ps-server processes
+(--torch-threads 1) and --workers asynchronous worker processes
+(torch.set_num_threads(1)), all on
 127.0.0.1 with free ports; each worker cycles through its own --pool batches
 (seed + worker index), steps `forward, backward, binding.exchange()`, with a
-warm-up, then a timed window started for all workers at once. Both variants
+warm-up, then a timed window started for all workers at once; before each
+forward, prefetch_rows reads every table's rows in one call per shard. Both variants
 use the same shards (their tables and variables under "fixed/" and
 "dynamic/") and the same worker processes (a new PSClient per variant).
 
@@ -52,8 +54,8 @@ Measured (per variant; the headline keys are the fixed variant's):
 - examples_per_s (all workers), local_examples_per_s, examples_ratio =
   examples_per_s / local_examples_per_s.
 - breakdown_ms: where a worker's step goes, ms per step averaged over
-  workers: lookup (wall time in PSClient.lookup_rows, every table's forward
-  included), forward_backward (the rest of forward, the loss, backward),
+  workers: lookup (wall time in PSClient.lookup_rows: prefetch_rows, every
+  table at once), forward_backward (the rest of forward, the loss, backward),
   exchange (binding.exchange(): the row and dense gradients pushed, the dense
   values pulled); plus CPU ms per step of the workers and the shards.
 
@@ -603,7 +605,8 @@ def main(argv=None) -> int:
     for proc in procs:
         proc.start()
     try:
-        with LocalCluster(args.shards, workers=args.workers) as local:
+        # One torch thread per shard: shards and workers share the cores (ps-server --torch-threads).
+        with LocalCluster(args.shards, workers=args.workers, server_args=["--torch-threads", "1"]) as local:
             collect(res_q, procs, "started", READY_TIMEOUT)
             if args.local:  # the shards and workers idle meanwhile
                 log(f"local baseline: this process, {args.seconds:g} s per torch thread count {args.local_threads}")

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+import torch
 from grpc_health.v1 import health
 
 from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="largest chunk accepted or sent (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help="RPC threads (default: %(default)s)")
+    parser.add_argument("--torch-threads", type=_threads, default=0, help="torch's CPU threads for updates and "
+                        "lookups (default: torch's own, one per core; 1 suits a shard sharing its cores with others)")
     parser.add_argument("--max-waiting-calls", type=int, default=None,
                         help="calls that may wait at once (held sync pushes, min_step pulls, saves, ...); past it a "
                         "call gets RESOURCE_EXHAUSTED at once (default: three quarters of --threads)")
@@ -96,6 +99,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 picks a free one)")
     return port
+
+
+def _threads(text: str) -> int:
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = -1
+    if not 1 <= threads <= 1024:
+        raise argparse.ArgumentTypeError(f"not a thread count: {text!r} (1-1024)")
+    return threads
 
 
 def _size(text: str) -> int:
@@ -182,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_malloc("shard")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     health_servicer, health_server = health.HealthServicer(), None
     set_health(health_servicer, serving=False)
     try:
@@ -227,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         _write_port(args.port_file, port)
     host = address.rpartition(":")[0]
     mode = ("mutual TLS" if security.tls else "plaintext") + (", job token" if security.token else "")
-    _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
-                 "INSECURE: no TLS, no token" if security.insecure else mode)
+    _LOGGER.info("ps %d serving on %s:%d (pid %d, torch threads %d): %s", index, host, port, os.getpid(),
+                 torch.get_num_threads(), "INSECURE: no TLS, no token" if security.insecure else mode)
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
     set_health(health_servicer, serving=False)

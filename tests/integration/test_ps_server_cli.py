@@ -170,6 +170,21 @@ def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum, code):
             assert log_of(proc).rstrip().endswith("ps-server: interrupted"), log_of(proc)
 
 
+def test_torch_threads_are_set_and_named_in_the_ready_line(tmp_path):
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--torch-threads", "1"], tmp_path) as proc:
+        ready = wait_for_log(proc, r"^.*serving.*$").group(0)
+        assert "torch threads 1)" in ready, ready
+        assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "5000"])
+def test_a_bad_torch_thread_count_is_one_line_and_exit_2(value):
+    run = subprocess.run([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", "127.0.0.1:0",
+                          "--insecure", "--torch-threads", value], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().count("\n") == 0 and "--torch-threads: not a thread count" in run.stderr
+
+
 def test_sigterm_with_a_call_waiting(tmp_path):
     """A worker blocked in a long ListVariables wait must not keep the shard from stopping."""
     port_file = tmp_path / "ps.port"

@@ -148,7 +148,7 @@ class ParameterServerServicer:
         has arrived and been validated: either every gradient in the stream is
         applied or none is. Each variable's update is atomic and bumps its version.
         ROWS tensors update embedding tables the same way (see "Embedding
-        tables"; FAILED_PRECONDITION in sync mode, NaN and Inf refused whatever
+        tables"; NaN and Inf refused whatever
         --allow-nonfinite says). INVALID_ARGUMENT for a wrong dtype or shape, a
         malformed stream, or a NaN or Inf value (unless the shard runs with
         --allow-nonfinite); NOT_FOUND for an unknown variable or table. A client that goes away before every tensor it carries
