@@ -16,7 +16,8 @@ from ..partitioning import FixedShardsPartitioner, MaxSizePartitioner, MinSizePa
 from ..placement import Placement
 from ..security import Security
 from ..specs import Optimizer
-from .allreduce import AllreduceError, AllreduceGroup, HybridBinding, Rendezvous, local_optimizer
+from .allreduce import AllreduceError, AllreduceGroup, Rendezvous
+from .hybrid import HybridBinding, local_optimizer
 from .client import PSClient
 from .embedding import Embedding, EmbeddingBag, ShardedTable, prefetch_rows
 from .module import ModuleBinding

@@ -512,7 +512,7 @@ class PSClient(DataPath, TablePath):
             if overlap or compression is not None:
                 raise ClusterConfigError("dense='allreduce' sends no dense parameter to the shards: no overlap or "
                                          "compression")
-            from .allreduce import _register_allreduce
+            from .hybrid import _register_allreduce
 
             return _register_allreduce(self, module, optimizer, process_group,
                                        create=self.is_chief if create is None else create, prefix=prefix,
