@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from typing import Callable, Iterable, Mapping, TypeVar
 
 import torch
 
 from .. import codec, compression
-from ..errors import (NonFiniteGradientError, OptimizerSpecError, ServerUnavailableError, SpecConflictError,
-                      TensorMismatchError, UnknownVariableError, WaitTimeoutError)
+from ..errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
+                      UnknownVariableError)
 from .optimizers import VariableOptimizer, normalize_spec
 from .reads import VersionedRead
+from .waits import NamesAwaited
 from ..proto import ps_pb2
 
 __all__ = ["Variable", "VariableStore", "NewVariable"]
@@ -57,8 +57,10 @@ class Variable:
         return self.value.numel() * self.value.element_size()
 
 
-class VariableStore:
+class VariableStore(NamesAwaited):
     """All variables of one shard, in creation order, and the shard's step counter."""
+
+    _what = "variable"
 
     def __init__(self, *, allow_nonfinite: bool = False):
         self.allow_nonfinite = allow_nonfinite
@@ -127,20 +129,12 @@ class VariableStore:
                 f"PSClient.register_module or create_variables)")
         return variable
 
-    def wake(self) -> None:
-        """Wakes waiters so they re-check their condition (a call was cancelled)."""
-        with self._changed:
-            self._changed.notify_all()
-
-    def close(self) -> None:
-        """Ends every wait_for at once with ServerUnavailableError (the shard is stopping)."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-
     def names(self) -> list[str]:
         with self._changed:
             return list(self._variables)
+
+    def _waited_names(self) -> dict[str, Variable]:
+        return self._variables
 
     @property
     def step(self) -> int:
@@ -154,27 +148,6 @@ class VariableStore:
         compression.check_gradient_meta(name, meta, variable.spec.meta)
         if not variable.optimizer.trainable:
             raise TensorMismatchError(f"variable {name!r} has no optimizer (optimizer 'none'); it takes no gradients")
-
-    def wait_for(self, names: list[str], timeout: float, cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Blocks until every name exists; WaitTimeoutError naming the missing ones after `timeout` s.
-
-        Returns early once `cancelled()` is true after a wake().
-        """
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                missing = [n for n in names if n not in self._variables]
-                remaining = deadline - time.monotonic()
-                if self._closed:
-                    raise ServerUnavailableError("this shard is stopping; retry against its replacement")
-                if not missing or cancelled():
-                    return
-                if remaining <= 0:
-                    shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
-                    raise WaitTimeoutError(
-                        f"waited {timeout:g} s for {len(missing)} variable(s) to be created: {shown}. "
-                        f"Is the chief running and creating them?")
-                self._changed.wait(remaining)
 
     # -- updates ---------------------------------------------------------------------------
 

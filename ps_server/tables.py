@@ -15,17 +15,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import time
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from .. import codec, rows
-from ..errors import (InvalidArgumentError, NonFiniteGradientError, ServerUnavailableError, SpecConflictError,
-                      TensorMismatchError, UnknownVariableError, WaitTimeoutError)
+from ..errors import (InvalidArgumentError, NonFiniteGradientError, SpecConflictError, TensorMismatchError,
+                      UnknownVariableError)
 from ..proto import ps_pb2
 from .embeddings import EmbeddingTable
 from .row_optimizers import RowOptimizer
+from .waits import NamesAwaited
 
 __all__ = ["RowGradient", "TableStore", "split_rows"]
 
@@ -95,8 +95,10 @@ def _fixed_bytes(spec: ps_pb2.TableSpec, num_shards: int) -> int:
     return math.ceil(spec.num_embeddings / num_shards) * per_row
 
 
-class TableStore:
+class TableStore(NamesAwaited):
     """The embedding tables of one shard, in creation order (see the module docstring)."""
+
+    _what = "embedding table"
 
     def __init__(self) -> None:
         self._changed = threading.Condition()  # guards _tables and the read/push counters; notified on create
@@ -181,33 +183,8 @@ class TableStore:
             raise SpecConflictError(f"{clash} already exist as embedding tables on this shard; tables and "
                                     f"variables share one namespace")
 
-    def wait_for(self, names: list[str], timeout: float, cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Blocks until every name is a table; WaitTimeoutError naming the missing ones after `timeout` s,
-        ServerUnavailableError once close()d. Returns early once `cancelled()` is true after a wake()."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                missing = [n for n in names if n not in self._tables]
-                if self._closed:
-                    raise ServerUnavailableError("this shard is stopping; retry against its replacement")
-                if not missing or cancelled():
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WaitTimeoutError(f"waited {timeout:g} s for {len(missing)} embedding table(s) to be "
-                                           f"created: {missing[:5]}. Is the chief running and creating them?")
-                self._changed.wait(remaining)
-
-    def wake(self) -> None:
-        """Wakes waiters so they re-check their condition (a call was cancelled)."""
-        with self._changed:
-            self._changed.notify_all()
-
-    def close(self) -> None:
-        """Ends every wait_for at once with ServerUnavailableError (the shard is stopping)."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
+    def _waited_names(self) -> dict[str, _Held]:
+        return self._tables
 
     # -- reads ------------------------------------------------------------------------------
 

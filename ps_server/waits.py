@@ -13,10 +13,59 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
+from typing import Callable, Container
 
-from ..errors import ResourceExhaustedError
+from ..errors import ResourceExhaustedError, ServerUnavailableError, WaitTimeoutError
 
-__all__ = ["WaitLimit"]
+__all__ = ["WaitLimit", "NamesAwaited"]
+
+
+class NamesAwaited:
+    """A mixin for a store whose names others wait for (store.py's variables, tables.py's tables).
+
+    The store keeps `_changed` (a threading.Condition that guards its names
+    and is notified when names are created) and `_closed`, and says in
+    `_waited_names()` (called under `_changed`) what exists; `_what` names
+    its kind in messages ("variable", "embedding table").
+    """
+
+    _what = "name"
+    _changed: threading.Condition
+    _closed: bool
+
+    def _waited_names(self) -> Container[str]:
+        raise NotImplementedError
+
+    def wait_for(self, names: list[str], timeout: float, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Blocks until every name exists; WaitTimeoutError naming the missing ones after `timeout` s,
+        ServerUnavailableError once close()d. Returns early once `cancelled()` is true after a wake()."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                held = self._waited_names()
+                missing = [n for n in names if n not in held]
+                if self._closed:
+                    raise ServerUnavailableError("this shard is stopping; retry against its replacement")
+                if not missing or cancelled():
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+                    raise WaitTimeoutError(f"waited {timeout:g} s for {len(missing)} {self._what}(s) to be created: "
+                                           f"{shown}. Is the chief running and creating them?")
+                self._changed.wait(remaining)
+
+    def wake(self) -> None:
+        """Wakes waiters so they re-check their condition (a call was cancelled)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Ends every wait_for at once with ServerUnavailableError (the shard is stopping)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
 
 class WaitLimit:
