@@ -72,7 +72,6 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
-import queue
 import socket
 import struct
 import sys
@@ -81,7 +80,7 @@ import traceback
 
 import numpy as np
 
-from pullpush import cpu_seconds, environment, log
+from pullpush import collect, cpu_seconds, environment, log
 
 DENSE_FEATURES = 13        # DLRM's (Criteo's) dense features
 BOTTOM_HIDDEN = 64
@@ -368,29 +367,6 @@ def _local_windows(config: dict, thread_counts: list[int]) -> list[dict]:
                                       "optimizer": 1e3 * update / steps, "cpu": 1e3 * cpu / steps}})
         log(f"local, {threads} thread(s): {runs[-1]['examples_per_s']:,.0f} examples/s")
     return runs
-
-
-def collect(res_q, procs, kind: str, timeout: float) -> list:
-    """One message of `kind` from each of `procs` (by index); RuntimeError if one fails, dies or is late."""
-    deadline = time.monotonic() + timeout
-    got = [None] * len(procs)
-    for _ in procs:
-        while True:
-            try:
-                what, index, payload = res_q.get(timeout=1.0)
-                break
-            except queue.Empty:
-                dead = [p.name for p in procs if p.exitcode is not None]
-                if dead:
-                    raise RuntimeError(f"process(es) {dead} ended before reporting '{kind}'") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"processes did not report '{kind}' within {timeout:.0f} s") from None
-        if what == "error":
-            raise RuntimeError(f"process {procs[index].name} failed:\n{payload}")
-        if what != kind:
-            raise RuntimeError(f"process {procs[index].name} reported {what!r}, expected {kind!r}")
-        got[index] = payload
-    return got
 
 
 def _stop(procs, cmd_qs) -> None:

@@ -40,14 +40,13 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
-import queue
 import shutil
 import subprocess
 import sys
 import time
 import traceback
 
-from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, cpu_seconds, environment, log, make_mlp, median
+from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, collect, cpu_seconds, environment, log, make_mlp, median
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -163,26 +162,6 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
                                          "stats": ps.stats.as_dict()}))
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         res_q.put(("error", index, traceback.format_exc()))
-
-
-def collect(res_q, procs, kind: str, timeout: float) -> list:
-    deadline = time.monotonic() + timeout
-    got = [None] * len(procs)
-    for _ in procs:
-        while True:
-            try:
-                what, index, payload = res_q.get(timeout=1.0)
-                break
-            except queue.Empty:
-                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"worker process(es) {dead} died before reporting '{kind}'") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"workers did not report '{kind}' within {timeout:.0f} s") from None
-        if what == "error":
-            raise RuntimeError(f"worker {index} failed:\n{payload}")
-        got[index] = payload
-    return got
 
 
 def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int) -> dict:

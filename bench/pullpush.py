@@ -101,6 +101,30 @@ def mlp_numel(dims) -> int:
     return sum(i * o + o for i, o in zip(dims[:-1], dims[1:]))
 
 
+def collect(res_q, procs, kind: str, timeout: float) -> list:
+    """One (kind, index, payload) message of `kind` from each of `procs`, by index, off `res_q`: the payloads.
+    RuntimeError if one reports an error or something else, exits with a failure code first, or is late."""
+    deadline = time.monotonic() + timeout
+    got = [None] * len(procs)
+    for _ in procs:
+        while True:
+            try:
+                what, index, payload = res_q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"process(es) {dead} failed before reporting '{kind}'") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"processes did not report '{kind}' within {timeout:.0f} s") from None
+        if what == "error":
+            raise RuntimeError(f"process {procs[index].name} failed:\n{payload}")
+        if what != kind:
+            raise RuntimeError(f"process {procs[index].name} reported {what!r}, expected {kind!r}")
+        got[index] = payload
+    return got
+
+
 def median(values) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -314,8 +314,6 @@ class Phase:
         from torchps.client import PSClient
         from torchps.ps_server.checkpoint import latest_committed
 
-        import torch
-
         counts = [self._counts(index) for index in range(WORKERS)]
         lost = duplicated = 0
         misses: list[str] = []  # the first few slots that did not add up, for the report
