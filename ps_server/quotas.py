@@ -77,6 +77,14 @@ class Quotas:
                 f"variables {sorted(adding)} with their optimizer state need {sum(adding.values())} bytes; this "
                 f"shard now holds {held} and its --max-memory is {self.max_memory}; nothing was created")
 
+    def check_admission(self, held: int, tables: list[str]) -> None:
+        """Before an admitting lookup of dynamic `tables`: ResourceExhaustedError once the shard holds its
+        --max-memory or more (a lookup's new rows may take it past by their bytes; the next is refused)."""
+        if self.max_memory and held >= self.max_memory:
+            raise ResourceExhaustedError(
+                f"this shard holds {held} bytes, its --max-memory is {self.max_memory}: dynamic tables {tables} "
+                f"admit no more rows (give them capacity= or max_age= so that they evict); nothing was admitted")
+
     @contextlib.contextmanager
     def call(self, client: str):
         """Held while `client` has a call in progress; ResourceExhaustedError past --max-calls-per-client."""

@@ -536,6 +536,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                        f"Received: {request.chunk_bytes}")
         chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         names = [t.name for t in request.tables]
+        if request.admit and self.quotas.max_memory:  # dynamic tables grow by admitting: within --max-memory
+            tables = self.coordinator.tables
+            dynamic = [name for name in names if not tables.get(name).table.fixed]
+            if dynamic:
+                self.quotas.check_admission(sum(self.held_bytes()) + tables.nbytes(), dynamic)
         found = self.coordinator.lookup_rows([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
                                              admit=request.admit)
         step = self.store.step

@@ -1,0 +1,60 @@
+"""Embedding tables against a shard's --max-memory, on real ps-server processes: a fixed table too big for one
+shard's budget is refused there and trains spread over two; a dynamic table stops admitting rows once its
+shard is at its budget (RESOURCE_EXHAUSTED naming it, nothing admitted) while reads go on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchps.client import Embedding, Optimizer, PSClient, ResourceExhaustedError
+
+ROWS, DIM = 20_000, 16  # 1.28 MB of float32 rows: over a 1 MiB budget, half of it under
+
+
+def _model() -> nn.Module:
+    return nn.ModuleDict({"emb": Embedding(ROWS, DIM, optimizer=Optimizer("sgd", lr=0.5))})
+
+
+def test_a_table_over_one_shards_budget_is_refused_there_and_nothing_is_created(local_cluster):
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=10) as ps:
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            ps.register_module(_model(), Optimizer("sgd", lr=0.5), create=True, join=False)
+        assert not list(ps.status(0).tables)
+
+
+def test_the_same_table_over_two_shards_fits_each_budget_and_trains(local_cluster):
+    local = local_cluster(2, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=10) as ps:
+        model = _model()
+        binding = ps.register_module(model, Optimizer("sgd", lr=0.5), create=True, join=False)
+        name = model["emb"].table_name
+        ids = torch.arange(0, ROWS, 97)
+        before = ps.lookup_rows({name: ids})[name]
+        model["emb"](ids).sum().backward()
+        binding.push()
+        after = ps.lookup_rows({name: ids})[name]
+        assert torch.allclose(after, before - 0.5)  # d(sum)/d(row) = 1 for each distinct id, lr 0.5
+        held = [next(t for t in ps.status(s).tables if t.name == name).bytes for s in range(2)]
+        assert all(0 < b < 1 << 20 for b in held) and sum(held) >= ROWS * DIM * 4
+
+
+def test_a_dynamic_table_stops_admitting_at_the_budget_and_reads_go_on(local_cluster):
+    local = local_cluster(1, server_args=["--max-memory", "256K"])
+    with PSClient(local.cluster, connect_timeout=10) as ps:
+        model = nn.ModuleDict({"emb": Embedding(None, DIM, optimizer=Optimizer("sgd", lr=0.5))})
+        ps.register_module(model, Optimizer("sgd", lr=0.5), create=True, join=False)
+        name = model["emb"].table_name
+        admitted, batch = 0, 1024
+        with pytest.raises(ResourceExhaustedError, match="--max-memory") as info:
+            for start in range(0, 1 << 20, batch):  # far more rows than 256 KiB can hold
+                ps.lookup_rows({name: torch.arange(start, start + batch)}, admit=True)
+                admitted += batch
+        assert "capacity=" in str(info.value)
+        table = next(t for t in ps.status(0).tables if t.name == name)
+        assert table.admitted == admitted and table.rows == admitted  # the refused lookup admitted nothing
+        assert table.bytes >= 256 << 10
+        rows = ps.lookup_rows({name: torch.arange(0, 8)}, admit=False)[name]  # reading still works
+        assert rows.shape == (8, DIM)
