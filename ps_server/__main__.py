@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         _write_port(args.port_file, port)
     host = address.rpartition(":")[0]
     mode = ("mutual TLS" if security.tls else "plaintext") + (", job token" if security.token else "")
-    _LOGGER.info("ps %d serving on %s:%d (pid %d, torch threads %d): %s", index, host, port, os.getpid(),
-                 torch.get_num_threads(), "INSECURE: no TLS, no token" if security.insecure else mode)
+    _LOGGER.info("ps %d uses %d torch thread(s) for updates and lookups", index, torch.get_num_threads())
+    _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
+                 "INSECURE: no TLS, no token" if security.insecure else mode)
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
     set_health(health_servicer, serving=False)

@@ -170,10 +170,10 @@ def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum, code):
             assert log_of(proc).rstrip().endswith("ps-server: interrupted"), log_of(proc)
 
 
-def test_torch_threads_are_set_and_named_in_the_ready_line(tmp_path):
+def test_torch_threads_are_set_and_logged_before_the_ready_line(tmp_path):
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--torch-threads", "1"], tmp_path) as proc:
-        ready = wait_for_log(proc, r"^.*serving.*$").group(0)
-        assert "torch threads 1)" in ready, ready
+        wait_for_log(proc, r"^.*serving.*$")
+        assert "ps 0 uses 1 torch thread(s) for updates and lookups" in log_of(proc), log_of(proc)
         assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
 
 
