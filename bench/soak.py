@@ -349,13 +349,18 @@ class Phase:
             admin.shutdown_cluster("the soak phase is over")
         found = latest_committed(self.ckpt)
         complete = found is not None and found[0] == final and len(found[1]["shards"]) == SHARDS
-        restored_equal = complete and self._restores_exactly(values)
+        differing = self._restore_differences(values) if complete else None
+        restored_equal = differing == []
+        checkpoint_detail = {"saved_step": final, "latest_committed_step": found[0] if found else None,
+                             "shard_files": len(found[1]["shards"]) if found else 0,
+                             "restored_differing": differing}
         return {"mode": self.mode, "seconds": round(wall, 1), "faults_injected": dict(self.faults),
                 "pushes_acked": sum(a for _, a, _, _ in counts), "pushes_sent": sum(s for s, _, _, _ in counts),
                 "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
                 "hang_reasons": self.hangs, "worker_failures": self.failures, "audit_misses": misses[:20],
                 "sync_slots_averaged": averaged if self.mode == "sync" else None, "sync_steps_applied_once": steps_ok,
-                "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final}
+                "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final,
+                "checkpoint_detail": checkpoint_detail}
 
     def _counts(self, index: int) -> tuple[int, int, list, list]:
         """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, and for each shard, per
@@ -380,7 +385,8 @@ class Phase:
                     may[shard][slot] -= int(stale != "0")
         return sent, acked, must, may
 
-    def _restores_exactly(self, values: dict) -> bool:
+    def _restore_differences(self, values: dict) -> list[str]:
+        """The names whose value, restored onto one shard from the final checkpoint, differs from `values`."""
         import torch
         from torchps.client import PSClient
         from torchps.worker.local_cluster import LocalCluster
@@ -389,7 +395,7 @@ class Phase:
                 PSClient(one.cluster, connect_timeout=30) as client:
             client.declare([(name, 4 * n) for name, n in sizes().items()])
             restored = client.pull(ALL_NAMES)
-        return all(torch.equal(restored[name], values[name]) for name in ALL_NAMES)
+        return [name for name in ALL_NAMES if not torch.equal(restored[name], values[name])]
 
 
 # -- the driver -----------------------------------------------------------------------------------------

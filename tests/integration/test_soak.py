@@ -21,7 +21,7 @@ def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tm
     assert set(result["faults_injected"]) == KINDS, f"every kind of fault happened: {report}"
     assert all(p["pushes_acked"] > 100 for p in result["phases"]), f"both phases trained: {report}"
     assert (result["lost"], result["duplicated"], result["hangs"], result["worker_failures"]) == (0, 0, 0, 0), report
-    assert result["checkpoint_complete"], report
+    assert result["checkpoint_complete"], report + "\n" + json.dumps([p["checkpoint_detail"] for p in result["phases"]])
     assert [p["mode"] for p in result["phases"]] == ["async", "sync"]
     assert result["phases"][1]["sync_steps_applied_once"] is True, report
     assert run.returncode == 0, report
