@@ -134,6 +134,12 @@ def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path
     step = client.global_step()
     if checkpointer is not None:
         checkpointer.stop(final=True)
+        if checkpointer.saved_steps and checkpointer.saved_steps[-1] != step:
+            # a push landed after the step was read (a restarted worker's last one): the job ends at the
+            # checkpoint's step, and the module holds its values
+            step = checkpointer.saved_steps[-1]
+            binding.pull()
+            binding.wait()
     if export is not None:
         state = client.export_state_dict([*binding.names, *fixed_tables(binding)])
         torch.save(state, export)
