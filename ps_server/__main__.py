@@ -91,24 +91,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 picks a free one)")
-    return port
+def _whole(what: str, low: int, high: int, hint: str = ""):
+    """An argparse type: a whole number in [low, high], else 'not a WHAT: TEXT (LOW-HIGH[; HINT])'."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"not a {what}: {text!r} ({low}-{high}{'; ' + hint if hint else ''})")
+        return value
+    return parse
 
 
-def _threads(text: str) -> int:
-    try:
-        threads = int(text)
-    except ValueError:
-        threads = -1
-    if not 1 <= threads <= 1024:
-        raise argparse.ArgumentTypeError(f"not a thread count: {text!r} (1-1024)")
-    return threads
+_port = _whole("port", 0, 65535, "0 picks a free one")
+_threads = _whole("thread count", 1, 1024)
 
 
 def _size(text: str) -> int:
