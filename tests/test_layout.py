@@ -1,6 +1,8 @@
 """Who imports whom: worker -> client -> torchps (the contract) and ps_server -> torchps.
 
-Each rule is checked in a fresh interpreter, by what an import leaves in sys.modules.
+Each rule is checked by what an import leaves in sys.modules of an interpreter that had imported nothing of
+the project: a child forked, per check, from one interpreter that imported only torch and numpy (the
+third-party weight every module shares, and no subject of any rule here).
 """
 
 import json
@@ -8,6 +10,53 @@ import subprocess
 import sys
 
 import pytest
+
+# Reads one statement per line (JSON); for each, forks a child that runs it and answers one line: the JSON
+# list of sys.modules after it, or {"error": traceback}.
+FORKING_IMPORTER = r"""
+import json, os, sys, traceback
+import numpy, torch
+assert not [m for m in sys.modules if m.startswith(("grpc", "torchps"))], "the base imported a subject"
+for line in sys.stdin:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            exec(json.loads(line), {})
+            answer = json.dumps(sorted(sys.modules))
+        except BaseException:
+            answer = json.dumps({"error": traceback.format_exc()})
+        with os.fdopen(write_end, "w") as out:
+            out.write(answer)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as answer:
+        text = answer.read()
+    os.waitpid(pid, 0)
+    print(text, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def importer():
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_IMPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture
+def loaded_after(importer):
+    """loaded_after(statement) -> sorted sys.modules once `statement` ran in a fresh child."""
+    def run(statement: str) -> list[str]:
+        importer.stdin.write(json.dumps(statement) + "\n")
+        importer.stdin.flush()
+        answer = json.loads(importer.stdout.readline())
+        assert not isinstance(answer, dict), answer["error"]
+        return answer
+    return run
 
 from torchps.specs import OPTIMIZER_NAMES, ROW_OPTIMIZER_NAMES
 
@@ -18,24 +67,18 @@ CORE = [f"torchps.ps_server.{name}" for name in (
     "tables")]
 
 
-def loaded_after(statement: str) -> list[str]:
-    code = f"import sys, json\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
-
-
-def test_client_imports_nothing_from_the_server_or_the_worker():
+def test_client_imports_nothing_from_the_server_or_the_worker(loaded_after):
     modules = loaded_after("import torchps.client")
     assert not [m for m in modules if m.startswith(("torchps.ps_server", "torchps.worker"))]
 
 
-def test_server_imports_nothing_from_the_client_or_the_worker():
+def test_server_imports_nothing_from_the_client_or_the_worker(loaded_after):
     modules = loaded_after("import torchps.ps_server.__main__")
     assert not [m for m in modules if m.startswith(("torchps.client", "torchps.worker"))]
 
 
 @pytest.mark.parametrize("module", CORE)
-def test_core_never_imports_grpc(module):
+def test_core_never_imports_grpc(module, loaded_after):
     modules = loaded_after(f"import {module}")
     assert "grpc" not in modules
     assert not [m for m in modules if m.startswith("torchps.ps_server.servicer")]

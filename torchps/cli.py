@@ -4,16 +4,13 @@ scripts' entry points, which answer a Ctrl-C during their (slow: torch, gRPC) im
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import logging
-import os
 import sys
+
+from .forkserver import INTERRUPTED, run_entry
 
 __all__ = ["ArgumentParser", "USAGE_ERROR", "INTERRUPTED", "ps_server", "ps_worker", "ps_launch", "ps_certs"]
 
 USAGE_ERROR = 2    # a bad flag or value, or a configuration that cannot work: nothing was started
-INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -25,19 +22,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _run(prog: str, module: str) -> None:
-    """Runs `module`.main and ends the process with its code as soon as it returns: a thread still in a
-    call (a client closed after an interrupt leaves within 3 s, its retries may not) cannot hold it."""
-    try:
-        main = importlib.import_module(module).main
-        code = main()
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        code = INTERRUPTED
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a reader that went away
-            stream.flush()
-    os._exit(code or 0)
+    run_entry(module, sys.argv[1:], prog)
 
 
 def ps_server() -> None:

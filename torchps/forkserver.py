@@ -1,0 +1,399 @@
+"""Shards and workers forked from one warm interpreter instead of each importing torch and gRPC again.
+
+    starter = ProcessStarter()       # the fork server starts importing in the background
+    child = starter.start("torchps.ps_server.__main__", ["--index", "0", ...], prog="ps-server", stdout=log_fd)
+    child.poll(); child.send_signal(signal.SIGKILL); child.wait(timeout=30)
+    starter.close()
+
+The fork server is a process of its own (`python -m torchps.forkserver
+--serve`) that imports torch, numpy, grpc and the project's entry modules
+once, before any gRPC channel, server or thread pool exists in it (gRPC's
+and OpenMP's fork rules), then forks one child per request. Each child is
+a real process: it dies alone under SIGKILL, holds its own memory, gets
+the environment, working folder and output descriptor given to `start`,
+and runs the entry module's `main(argv)` (see run_entry). The fork server
+leaves the terminal's session (a Ctrl-C or hang-up reaches the process that
+started it, which stops its children in order), reports each child's exit
+code, and exits when that process goes away, however it ends; children
+asked to die with their parent then get their signal.
+
+Requests and replies travel over a Unix socketpair, one JSON datagram
+each; a child's output descriptor rides along (SCM_RIGHTS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import typing
+
+__all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "ProcessStarter", "fork_server_enabled",
+           "run_entry"]
+
+# What the fork server imports before forking: the shard's and the worker's entry modules pull in torch,
+# numpy, grpc and the rest of the project.
+ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.worker.__main__")
+DISABLE_ENV = "TORCHPS_NO_FORK_SERVER"  # set to 1: every process starts a fresh interpreter instead
+INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+START_TIMEOUT_SECONDS = 120.0  # the fork server's imports plus one fork, on a loaded machine
+MAX_MESSAGE_BYTES = 1 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl():
+    """libc's prctl, loaded before any fork (a child between fork and exec must not load libraries)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: no parent-death signal
+
+
+_PRCTL = _load_prctl()
+
+
+def fork_server_enabled() -> bool:
+    """False where the fork server cannot be used (no fork: not POSIX) or the environment turns it off."""
+    return hasattr(os, "fork") and hasattr(socket, "send_fds") and os.environ.get(DISABLE_ENV, "") in ("", "0")
+
+
+def run_entry(module: str, argv: list[str], prog: str | None = None) -> typing.NoReturn:
+    """Runs `module`.main(argv) and ends the process with its code at once: a thread still in a call (a
+    client closed after an interrupt leaves within 3 s, its retries may not) cannot hold it. A Ctrl-C, also
+    during the (slow: torch, gRPC) imports, is one line "PROG: interrupted" and code 130; an exception is
+    its traceback and code 1, as `python -m` prints it."""
+    sys.argv = [prog or module, *argv]
+    code = 1
+    try:
+        import importlib
+
+        code = importlib.import_module(module).main(argv) or 0
+    except KeyboardInterrupt:
+        print(f"{prog or module}: interrupted", file=sys.stderr)
+        code = INTERRUPTED
+    except SystemExit as exc:  # argparse's usage errors, sys.exit(n)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as `python -m` prints an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader that went away
+            stream.flush()
+    os._exit(code)
+
+
+class ForkedChild:
+    """A child of the fork server, with subprocess.Popen's calls for waiting and signalling (pid, args,
+    returncode, poll, wait, send_signal, terminate, kill). Its exit code arrives from the fork server; should
+    the fork server itself be gone, a child that is gone too reads as killed (-SIGKILL)."""
+
+    def __init__(self, pid: int, args: list[str], exits: "_Exits"):
+        self.pid = pid
+        self.args = args
+        self._exits = exits
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exits.code(self.pid)
+
+    def poll(self) -> int | None:
+        """Its exit code (negative: the signal that ended it), or None while it runs. Never blocks."""
+        return self._exits.code(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Blocks until it exits, at most `timeout` s (then subprocess.TimeoutExpired)."""
+        code = self._exits.wait(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """Sends `sig` unless it has exited (its pid is not reused before the fork server reaps it)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Exits:
+    """Exit codes the fork server reported, by pid; owns its lock. Once the fork server is gone, a pid that
+    no longer exists counts as killed."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._codes: dict[int, int] = {}
+        self._server_gone = False
+
+    def record(self, pid: int, code: int) -> None:
+        with self._changed:
+            self._codes[pid] = code
+            self._changed.notify_all()
+
+    def server_gone(self) -> None:
+        with self._changed:
+            self._server_gone = True
+            self._changed.notify_all()
+
+    def code(self, pid: int) -> int | None:
+        with self._changed:
+            return self._code(pid)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._code(pid) is not None or self._server_gone, timeout)
+            while self._code(pid) is None and self._server_gone:  # an orphan: poll its pid until it is gone
+                if not self._changed.wait(0.05) and timeout is not None:
+                    timeout -= 0.05
+                    if timeout <= 0:
+                        break
+            return self._code(pid)
+
+    def _code(self, pid: int) -> int | None:
+        if pid in self._codes:
+            return self._codes[pid]
+        if self._server_gone and not _exists(pid):
+            return -signal.SIGKILL
+        return None
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ProcessStarter:
+    """Starts entry modules as children of a warm fork server, or as fresh interpreters when it is off
+    (fork_server_enabled). Creating one starts the fork server's imports in the background; `start` blocks
+    until the child exists (the first, until the imports are done), and is safe from several threads.
+    `close` ends the fork server (children keep running; those asked to die with their parent die)."""
+
+    _shared: tuple[int, "ProcessStarter"] | None = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> "ProcessStarter":
+        """This process's common starter (one fork server per process, made on first use), for callers
+        that are not handed one: a fork server is a process-wide resource, like a connection pool."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared[0] != os.getpid():
+                cls._shared = (os.getpid(), cls())
+            return cls._shared[1]
+
+    def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES):
+        self._lock = threading.Lock()
+        self._exits = _Exits()
+        self._replies: list[dict] = []
+        self._replied = threading.Condition()
+        self._server: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        if fork_server_enabled():
+            self._launch(preload)
+
+    def _launch(self, preload: tuple[str, ...]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._server = subprocess.Popen(
+                [sys.executable, "-m", __name__, "--serve", str(theirs.fileno()), *preload],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        self._sock = ours
+        threading.Thread(target=self._read_replies, name="fork-server-replies", daemon=True).start()
+
+    def start(self, module: str, argv: list[str], *, prog: str | None = None, env: dict[str, str] | None = None,
+              cwd: str | None = None, stdout: int | None = None, new_session: bool = False,
+              parent_death_signal: int = 0) -> ForkedChild | subprocess.Popen:
+        """Runs `module`.main(argv) as a child (see run_entry; `prog` names it in its messages). `stdout`: a
+        descriptor for its output and errors (else this process's); `new_session`: its own session, away
+        from the terminal's signals; `parent_death_signal`: sent to it when the process that started it
+        dies (through the fork server, which ends with that process). Returns a Popen or its look-alike;
+        raises OSError if the child cannot be started."""
+        env = dict(os.environ if env is None else env)
+        cwd = cwd or os.getcwd()
+        request = {"module": module, "prog": prog or module, "argv": list(argv), "env": env, "cwd": cwd,
+                   "new_session": new_session, "parent_death_signal": int(parent_death_signal)}
+        if self._server is None:
+            return self._spawn(request, stdout)
+        data = json.dumps(request).encode()
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise OSError(f"a start request of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
+        with self._lock:
+            try:
+                socket.send_fds(self._sock, [data], [] if stdout is None else [stdout])
+            except OSError as exc:
+                raise OSError(f"the fork server is gone ({exc}); exit code {self._server.poll()}") from None
+            reply = self._next_reply()
+        if "error" in reply:
+            raise OSError(f"the fork server could not start {module}: {reply['error']}")
+        return ForkedChild(reply["pid"], [sys.executable, "-m", module, *argv], self._exits)
+
+    def _next_reply(self) -> dict:
+        with self._replied:
+            if not self._replied.wait_for(lambda: self._replies or self._sock is None, START_TIMEOUT_SECONDS):
+                raise OSError(f"the fork server did not answer within {START_TIMEOUT_SECONDS:.0f} s")
+            if not self._replies:
+                raise OSError(f"the fork server is gone; exit code {self._server.poll()}")
+            return self._replies.pop(0)
+
+    def _read_replies(self) -> None:
+        sock = self._sock
+        with contextlib.suppress(OSError):
+            while True:
+                data = sock.recv(MAX_MESSAGE_BYTES)
+                if not data:
+                    break
+                message = json.loads(data)
+                if "exit" in message:
+                    self._exits.record(message["exit"], message["code"])
+                else:
+                    with self._replied:
+                        self._replies.append(message)
+                        self._replied.notify_all()
+        self._exits.server_gone()
+        with self._replied:
+            self._sock = None
+            self._replied.notify_all()
+
+    def close(self) -> None:
+        """Ends the fork server and waits for it (children it started run on)."""
+        if self._server is None:
+            return
+        with contextlib.suppress(OSError):
+            self._server.kill()
+        self._server.wait()
+
+    @staticmethod
+    def _spawn(request: dict, stdout: int | None) -> subprocess.Popen:
+        parent, signum = os.getpid(), request["parent_death_signal"]
+
+        def before_exec() -> None:
+            if signum and _PRCTL is not None:
+                _PRCTL(_PR_SET_PDEATHSIG, signum)
+                if os.getppid() != parent:
+                    os._exit(1)
+
+        return subprocess.Popen(
+            [sys.executable, "-m", __name__, request["module"], request["prog"], *request["argv"]],
+            env=request["env"], cwd=request["cwd"], stdout=stdout, stderr=None if stdout is None else subprocess.STDOUT,
+            start_new_session=request["new_session"], preexec_fn=before_exec if signum else None)
+
+
+# -- the fork server's side ------------------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket) -> None:
+    """The fork server's loop: a child per request, an exit message per child reaped; returns at EOF."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup descriptor hears of it
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ, "request")
+        selector.register(wake_r, selectors.EVENT_READ, "child")
+        while True:
+            for key, _ in selector.select():
+                if key.data == "child":
+                    os.read(wake_r, 4096)
+                    _report_exits(sock)
+                    continue
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
+                if not data:
+                    return
+                _answer(sock, json.loads(data), fds[0] if fds else None, (wake_r, wake_w, selector.fileno()))
+
+
+def _answer(sock: socket.socket, request: dict, out: int | None, own: tuple[int, ...]) -> None:
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        sock.send(json.dumps({"error": str(exc)}).encode())
+        return
+    if pid == 0:
+        with contextlib.suppress(BaseException):
+            signal.set_wakeup_fd(-1)
+            for fd in own:
+                os.close(fd)
+            sock.close()
+            _become(request, out)
+        os._exit(1)
+    if out is not None:
+        os.close(out)
+    sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _report_exits(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _become(request: dict, out: int | None) -> typing.NoReturn:
+    """In the forked child: become the process `python -m torchps.forkserver MODULE` would be, and run it."""
+    if request["parent_death_signal"] and _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, request["parent_death_signal"])
+    if request["new_session"]:
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    if out is not None:
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+    env = request["env"]
+    sys.stdout = _text_stream(1, write_through=bool(env.get("PYTHONUNBUFFERED")))
+    sys.stderr = _text_stream(2, write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # as `python -m` puts the folder it was started in first
+    run_entry(request["module"], request["argv"], request["prog"])
+
+
+def _text_stream(fd: int, *, write_through: bool) -> io.TextIOWrapper:
+    """A line-buffered text stream on `fd`, as a fresh interpreter makes for its standard streams."""
+    return io.TextIOWrapper(open(fd, "wb", buffering=0 if write_through else -1, closefd=False),  # noqa: SIM115
+                            encoding="utf-8", errors="backslashreplace", line_buffering=True,
+                            write_through=write_through)
+
+
+def _server_main(fd: int, preload: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the process that started it
+    for module in preload:
+        __import__(module)
+    with socket.socket(fileno=fd) as sock:
+        _serve(sock)
+    os._exit(0)  # at once: children asked to die with it are waiting for that
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:  # the fork server: python -m torchps.forkserver --serve FD MODULE...
+        _server_main(int(sys.argv[2]), sys.argv[3:])
+    else:  # the fork server off: python -m torchps.forkserver MODULE PROG ARGS...
+        run_entry(sys.argv[1], sys.argv[3:], sys.argv[2])
