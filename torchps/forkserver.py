@@ -11,7 +11,8 @@ once, before any gRPC channel, server or thread pool exists in it (gRPC's
 and OpenMP's fork rules), then forks one child per request. Each child is
 a real process: it dies alone under SIGKILL, holds its own memory, gets
 the environment, working folder and output descriptor given to `start`,
-and runs the entry module's `main(argv)` (see run_entry). The fork server
+and runs the entry module's `main(argv)` (see run_entry); ps and top show
+it by its program name and arguments. The fork server
 leaves the terminal's session (a Ctrl-C or hang-up reaches the process that
 started it, which stops its children in order), reports each child's exit
 code, and exits when that process goes away, however it ends; children
@@ -36,6 +37,8 @@ import subprocess
 import sys
 import threading
 import typing
+
+import setproctitle
 
 __all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "ProcessStarter", "fork_server_enabled",
            "run_entry"]
@@ -366,6 +369,8 @@ def _become(request: dict, out: int | None) -> typing.NoReturn:
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
+    # What ps and top show; before the environment changes (setproctitle makes its room in the first one).
+    setproctitle.setproctitle(" ".join([request["prog"], *request["argv"]]))
     env = request["env"]
     sys.stdout = _text_stream(1, write_through=bool(env.get("PYTHONUNBUFFERED")))
     sys.stderr = _text_stream(2, write_through=True)

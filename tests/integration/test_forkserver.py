@@ -82,6 +82,8 @@ def test_sigkill_ends_one_child_alone_and_the_exit_code_names_the_signal(probe):
     first, _ = run_probe(starter, probe, ["wait"])
     second, _ = run_probe(starter, probe, ["wait"])
     assert first.pid != second.pid
+    wait_until(lambda: _command_line(second.pid).startswith("forkserver_probe wait"), TIMEOUT,
+               "the child to name itself in ps")
     first.send_signal(signal.SIGKILL)
     assert first.wait(TIMEOUT) == -signal.SIGKILL
     with pytest.raises(subprocess.TimeoutExpired):
@@ -133,6 +135,11 @@ def test_a_child_asked_to_die_with_its_parent_dies_when_the_parent_is_killed(pro
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def _command_line(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return cmdline.read().replace(b"\0", b" ").decode()
 
 
 def _alive(pid: int) -> bool:

@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+from test_launch import alive, command_line, descendants
 
 from torchps.client import Optimizer, PSClient, ServerUnavailableError
 from torchps.ps_server.checkpoint import latest_committed
@@ -101,25 +102,13 @@ class Launch:
         return code
 
     def children(self) -> dict[int, str]:
-        """pid -> command line of the launcher's live child processes."""
-        out = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-                cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            fields = stat.rpartition(")")[2].split()  # state, ppid, ...
-            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
-                out[int(entry)] = cmdline
-        return out
+        """pid -> command line of the launcher's live descendants (its children come from its fork server)."""
+        return {pid: command_line(pid) for pid in descendants(self.proc.pid) if alive(pid)}
 
     def worker_pid(self, index: int) -> int:
         """The pid of the live `worker:index` process."""
         found = [pid for pid, cmd in self.children().items()
-                 if "torchps.worker" in cmd and f"--task-type worker --index {index} " in cmd + " "]
+                 if cmd.startswith("ps-worker ") and f"--task-type worker --index {index} " in cmd + " "]
         assert len(found) == 1, f"expected one worker:{index} process among the launcher's children: {found}"
         return found[0]
 
