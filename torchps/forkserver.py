@@ -360,8 +360,12 @@ def _become(request: dict, out: int | None) -> typing.NoReturn:
     """In the forked child: become the process `python -m torchps.forkserver MODULE` would be, and run it."""
     if request["parent_death_signal"] and _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, request["parent_death_signal"])
+    # A process group of its own at least: in the fork server's (orphaned: its parent is in another session),
+    # any member's exit would send SIGHUP and SIGCONT to every member, waking one stopped on purpose.
     if request["new_session"]:
         os.setsid()
+    else:
+        os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)

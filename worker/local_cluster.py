@@ -100,7 +100,8 @@ class LocalCluster:
             self.procs[index] = self.starter.start(
                 SHARD_MODULE, prog="ps-server", argv=["--index", str(index), "--bind", f"127.0.0.1:{port}", "--port-file", str(port_file),
                                *([] if secured else ["--insecure"]), *self.server_args],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.fileno())
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.fileno(),
+                parent_death_signal=signal.SIGTERM)  # should this process die without stopping it
         finally:
             log.close()
 

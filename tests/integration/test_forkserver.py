@@ -93,6 +93,25 @@ def test_sigkill_ends_one_child_alone_and_the_exit_code_names_the_signal(probe):
     assert second.wait(TIMEOUT) == -signal.SIGTERM
 
 
+def test_a_child_stopped_on_purpose_stays_stopped_when_another_exits(probe):
+    """SIGSTOP stands for a hung host in many tests. Children sharing an orphaned process group would all get
+    SIGHUP and SIGCONT from the kernel when any member exits; each child has a group of its own."""
+    starter = ProcessStarter.shared()
+    stopped, _ = run_probe(starter, probe, ["wait"])
+    other, _ = run_probe(starter, probe, ["wait"])
+    wait_until(lambda: _command_line(stopped.pid).startswith("forkserver_probe"), TIMEOUT, "the child to run")
+    stopped.send_signal(signal.SIGSTOP)
+    wait_until(lambda: _state(stopped.pid) == "T", TIMEOUT, "the child to stop")
+    other.kill()
+    assert other.wait(TIMEOUT) == -signal.SIGKILL
+    try:
+        assert _state(stopped.pid) == "T" and stopped.poll() is None, "another child's exit woke or ended it"
+    finally:
+        stopped.kill()
+        stopped.send_signal(signal.SIGCONT)
+    assert stopped.wait(TIMEOUT) == -signal.SIGKILL
+
+
 def test_a_shard_killed_and_restarted_serves_again_on_its_port_while_the_other_goes_on():
     with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=10.0) as ps:
         assert all(isinstance(proc, ForkedChild) for proc in local.procs)
@@ -142,10 +161,15 @@ def _command_line(pid: int) -> str:
         return cmdline.read().replace(b"\0", b" ").decode()
 
 
-def _alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
+def _state(pid: int) -> str:
+    """Its state letter (R, S, T stopped, Z zombie), "" once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return stat.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    return _state(pid) not in ("", "Z")
