@@ -24,6 +24,7 @@ each; a child's output descriptor rides along (SCM_RIGHTS).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import io
@@ -203,6 +204,7 @@ class ProcessStarter:
         with cls._shared_lock:
             if cls._shared is None or cls._shared[0] != os.getpid():
                 cls._shared = (os.getpid(), cls())
+                atexit.register(cls._shared[1].close)  # reaped here, so its CPU time counts as this process's
             return cls._shared[1]
 
     def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES):
