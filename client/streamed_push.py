@@ -102,8 +102,8 @@ class StreamedPush:
     `encoder` (a one-thread executor), a gradient on a GPU is copied to a
     reused pinned buffer by a non-blocking copy (device.py) and encoded there
     once its copy's event completed, so the hook returns at once and backward
-    keeps the GPU busy; from then on every gradient of the push is encoded
-    there, in order.
+    keeps the GPU busy; every gradient of the push is then encoded there, in
+    order (a CPU or compressed one as it is).
     """
 
     def __init__(self, client: "PSClient", inflight_bytes: int, encoder: futures.Executor | None = None):
@@ -137,13 +137,13 @@ class StreamedPush:
 
         The bytes are copied now: the gradient may change afterwards (finish()'s
         caller checks it did not). Raises what encoding raises (a wrong shape).
-        A gradient on a GPU, with an encoder thread, is only queued: its copy
-        to the host starts, and the encoder thread encodes it and waits for
-        room (never this hook); its errors are raised by finish().
+        With an encoder thread the gradient is only queued (on a GPU, its copy
+        to the host starts): the thread encodes it and waits for room, never
+        this hook, and its errors are raised by finish().
         """
         self.grads[name] = (grad, grad._version)
         client = self.client
-        if self._encoder is not None and (self._queued or grad.device.type == "cuda"):
+        if self._encoder is not None:
             if grad.device.type == "cuda" and name not in client._encoder.policies:  # compression: on the device
                 key = f"stream/{name}"
                 host, copied = client._device.copy_out(key, grad)
