@@ -109,8 +109,9 @@ class Timeline:
 
     def end(self) -> None:
         """Closes the step (the device synchronized): its copies, compute and wire, and the hidden share."""
-        done = [r for r in self.trace if r.end.query()]
-        self.trace[:] = [r for r in self.trace if r not in done]  # a background pull's copies: next step's
+        done = [r for r in list(self.trace) if r.end.query()]  # the others (a background pull's): next step's
+        for record in done:
+            self.trace.remove(record)  # one at a time: the client's threads may be appending
         copies = {"h2d": [], "d2h": []}
         copied_bytes = {"h2d": 0, "d2h": 0}
         for record in done:

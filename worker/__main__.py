@@ -99,8 +99,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: the port of the chief's cluster entry; the chief is the 'chief' task, else "
                         "worker 0)")
     g.add_argument("--allreduce-timeout", type=float, default=300.0,
-                   help="--dense allreduce: seconds to form the group, and the longest a step waits for the "
-                        "other workers before the group counts one as lost (default: %(default)s)")
+                   help="--dense allreduce and --nproc-per-host: seconds to form the group, and the longest a step "
+                        "waits for the other workers (or the host's processes) before the group counts one as lost "
+                        "(default: %(default)s)")
     g.add_argument("--state-dir", type=pathlib.Path, help="keep this task's compression residuals in "
                    "DIR/TASK-residuals.pt (e.g. worker-0-residuals.pt), loaded again when the task restarts")
     g.add_argument("--state-every-steps", type=int, default=100,
@@ -298,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         finish_training_flags(args)
         check_output("--metrics-out", args.metrics_out)
         cluster, task = resolve_task(args)
-        device = local_device(resolve_device(args.device), args.local_rank)
+        args.device = resolve_device(args.device)  # 'auto' decided once: the host's processes agree on it
+        device = local_device(args.device, args.local_rank)
         partitioner = _partitioner(args.partition)
         security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                  token_file=args.token_file, admin_token_file=args.admin_token_file)
@@ -367,7 +369,7 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
                                         device=device) as group:
                 return _train(client, cluster, task, job, args, device, writer, started, group)
         if args.nproc_per_host > 1:  # this process is local rank 0: it starts the others and pushes for them
-            with HostProcesses(args.argv, args.nproc_per_host, task, device=resolve_device(args.device),
+            with HostProcesses(args.argv, args.nproc_per_host, task, device=args.device,
                                timeout=args.allreduce_timeout) as host:
                 return _train(client, cluster, task, job, args, device, writer, started, host=host)
         return _train(client, cluster, task, job, args, device, writer, started)
