@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     bars = {}
     on_device, on_cpu = results.get(f"demo-{device}", {}), results.get("demo-cpu", {})
     if device != "cpu" and on_device.get("test_accuracy") is not None and on_cpu.get("test_accuracy") is not None:
-        bars["demo_accuracy_as_on_cpu"] = {"device": on_device["test_accuracy"], "cpu": on_cpu["test_accuracy"],
-                                           "met": on_device["test_accuracy"] >= on_cpu["test_accuracy"] - ACCURACY_SLACK}
+        got, want = on_device["test_accuracy"], on_cpu["test_accuracy"]
+        bars["demo_accuracy_as_on_cpu"] = {"device": got, "cpu": want, "met": got >= want - ACCURACY_SLACK}
     hidden = results.get("device-bench", {}).get("hidden_bar")
     if hidden:
         bars["copies_hidden_at_least_half"] = hidden

@@ -41,7 +41,6 @@ from .data import batches, shard_indices
 __all__ = ["HostProcesses", "check_host_flags", "local_backend", "local_device", "run_local_rank"]
 
 _LOGGER = logging.getLogger(__name__)
-STOP_GRACE_SECONDS = 10.0  # a local rank asked to stop (SIGTERM) gets this long before SIGKILL
 END_WAIT_SECONDS = 60.0    # after the host's last step, the longest local rank 0 waits for the others to exit
 _PR_SET_PDEATHSIG = 1
 
@@ -97,9 +96,9 @@ class HostProcesses:
 
     Entering blocks until the group formed (at most `timeout`; AllreduceError if a local rank exits first or
     never arrives: the others are killed). Leaving after done() waits for the others to exit (they do after
-    HostBinding.close()) and raises AllreduceError naming one that exited non-zero; leaving on an exception
-    kills them (they cannot go on without local rank 0), and leaving otherwise (a clean stop, SIGTERM)
-    stops them with SIGTERM, then SIGKILL after STOP_GRACE_SECONDS. Never leaves one running.
+    HostBinding.close()) and raises AllreduceError naming one that exited non-zero; leaving otherwise (an
+    error, SIGTERM) kills them: they hold no state of their own and cannot go on without local rank 0. Never
+    leaves one running.
     """
 
     def __init__(self, argv: list[str], nproc: int, task: TaskSpec, *, device: str, timeout: float):
@@ -132,12 +131,10 @@ class HostProcesses:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if exc_type is not None:
-                self._kill()
-            elif self._done:
+            if self._done and exc_type is None:
                 self._wait_all()
             else:
-                self._stop()
+                self._kill()
         finally:
             if self.group is not None:
                 self.group.close()
@@ -162,18 +159,6 @@ class HostProcesses:
                 failed.append(f"{LocalRank(self.task, rank)} exited with code {code}")
         if failed:
             raise AllreduceError(f"the host's training ended but {', '.join(failed)}")
-
-    def _stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
     def _kill(self) -> None:
         for proc in self.procs.values():

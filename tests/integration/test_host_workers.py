@@ -59,8 +59,8 @@ def test_a_two_process_host_and_two_workers_in_sync_mode_equal_one_process_on_th
         procs = [CTX.Process(target=host_workers.host_process, args=(local.cluster, rank, port,
                                                                       slice(rank * b, (rank + 1) * b), steps, tasks,
                                                                       results), daemon=True) for rank in (0, 1)]
-        procs += [CTX.Process(target=host_workers.single_worker, args=(local.cluster, i, slice(2 * b * i, 2 * b * (i + 1)),
-                                                                       steps, tasks, results), daemon=True)
+        procs += [CTX.Process(target=host_workers.single_worker, daemon=True,
+                              args=(local.cluster, i, slice(2 * b * i, 2 * b * (i + 1)), steps, tasks, results))
                   for i in (1, 2)]
         try:
             for proc in procs:
