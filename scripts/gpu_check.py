@@ -10,7 +10,8 @@ Checks, in this order (a check that would not fit the time left is skipped, and 
   custom-loop        examples/custom_loop.py --device DEVICE
   device-bench       bench/device.py: the 25.3M MLP's pull/push, pinned vs pageable, overlap off vs on, hidden copies
   shared-device      ps-launch: 2 worker processes sharing the device, against CPU shards
-  host-2-procs       ps-launch --nproc-per-host 2: one task's 2 processes on the device, one push per host step
+  host-2-procs       ps-launch --nproc-per-host 2 --entry examples.custom_entry:task: one task's 2 processes on
+                     the device, one push per host step, an --entry model
   demo-cpu           the demo on the CPU, for its accuracy beside the device's (when DEVICE is not the CPU)
   peers-torchps      bench/peers.py --quick --no-tf: torchps's side (TensorFlow is not on the GPU machine)
 
@@ -48,7 +49,7 @@ class Runner:
         self.deadline = time.monotonic() + budget
         self.results: dict[str, dict] = {}
 
-    def run(self, name: str, argv: list[str], limit: float, parse=None) -> dict:
+    def run(self, name: str, argv: list[str], limit: float, parse=None, env: dict | None = None) -> dict:
         left = self.deadline - time.monotonic()
         if left < min(limit, 30):
             say(f"{name}: SKIPPED (only {left:.0f} s of the budget left)")
@@ -60,7 +61,7 @@ class Runner:
         started = time.monotonic()
         with open(log, "w") as sink:
             try:
-                code = subprocess.run(argv, cwd=self.out, stdout=sink, stderr=subprocess.STDOUT,
+                code = subprocess.run(argv, cwd=self.out, stdout=sink, stderr=subprocess.STDOUT, env=env,
                                       stdin=subprocess.DEVNULL, timeout=limit).returncode
             except subprocess.TimeoutExpired:
                 code = None
@@ -188,10 +189,14 @@ def main(argv=None) -> int:
                                  "--hidden", "256" if quick else "2048", "--insecure", "--metrics-out",
                                  str(out / "shared-device.summary.json")], 120,
                launch_summary(out / "shared-device.summary.json"))
-    runner.run("host-2-procs", [*launch, *data, *steps, "--device", device, "--workers", "1",
-                                "--nproc-per-host", "2", "--hidden", "256" if quick else "2048", "--insecure",
+    # examples/custom_entry.py's model (an --entry) on mnist5k: importable with the repository after the
+    # installed torchps on the path
+    with_examples = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
+                                                                               str(ROOT)]))}
+    runner.run("host-2-procs", [*launch, *steps, "--device", device, "--workers", "1", "--nproc-per-host", "2",
+                                "--entry", "examples.custom_entry:task", "--insecure",
                                 "--metrics-out", str(out / "host-2-procs.summary.json")], 120,
-               launch_summary(out / "host-2-procs.summary.json"))
+               launch_summary(out / "host-2-procs.summary.json"), env=with_examples)
     if device != "cpu":
         runner.run("demo-cpu", [*launch, *data, *demo_steps, "--device", "cpu", "--metrics-out",
                                 str(out / "demo-cpu.summary.json")], 150, launch_summary(out / "demo-cpu.summary.json"))

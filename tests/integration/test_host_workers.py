@@ -10,6 +10,7 @@ import pathlib
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -147,3 +148,19 @@ def test_a_process_of_the_host_killed_mid_step_fails_the_host_as_one_and_it_rejo
     assert len(joins) == 3 and joins[0] == 0 and 0 < joins[1] <= joins[2], f"each incarnation rejoins: {joins}"
     assert int(run.final()[3]) == 120
     assert_nothing_left(run.pids | set(children))
+
+
+@pytest.mark.parametrize("command", ["ps-worker", "ps-launch"])
+@pytest.mark.parametrize("flags, fragment", [
+    (["--nproc-per-host", "0"], "--nproc-per-host must be >= 1. Received: 0"),
+    (["--nproc-per-host", "2", "--overlap"], "--nproc-per-host cannot be combined with --overlap"),
+    (["--nproc-per-host", "2", "--dense", "allreduce"], "--nproc-per-host cannot be combined with --dense allreduce"),
+])
+def test_nproc_per_host_refuses_what_it_cannot_do_in_one_line(command, flags, fragment):
+    module = "torchps.worker" if command == "ps-worker" else "torchps.worker.launch"
+    run = subprocess.run([sys.executable, "-m", module, "--dataset", "mnist5k", *flags,
+                          *(["--cluster", '{"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}', "--task-type", "worker"]
+                            if command == "ps-worker" else [])],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert fragment in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
