@@ -8,7 +8,9 @@ variables; other workers wait for them; the evaluator only pulls and evaluates.
 With --dense allreduce (the hybrid, client/allreduce.py) the dense parameters
 stay in the workers, averaged among them by torch.distributed every step (the
 group meets at the chief's host, at --allreduce-port or its cluster port), and
-only the embedding tables live on the shards, trained async.
+only the embedding tables live on the shards, trained async. With
+--nproc-per-host K the task is K processes on its host (host.py): they average
+their gradients locally and this process pushes and pulls for them.
 
 Exit codes: 0 done; 1 the task failed (one line naming the error); 2 a usage or
 configuration error (one line, before anything starts); 130 interrupted (Ctrl-C).
