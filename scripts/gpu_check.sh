@@ -36,10 +36,15 @@ if [ "$INSTALL" = 1 ]; then
     SITE=${TORCHPS_SITE:-/tmp/torchps-site}
     rm -rf "$SITE"
     say "installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE"
-    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl \
-            > "$OUT/install.log" 2>&1; then
-        cat "$OUT/install.log"; say "FAILED: the wheels did not install"; exit 1
+    if "$PY" -m pip --version > /dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl \
+            > "$OUT/install.log" 2>&1
+    else  # no pip in that interpreter: a wheel is a zip of what goes into site-packages
+        say "no pip for $PY: unpacking the wheels instead"
+        "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+            "$SITE" "$WHEELS"/*.whl > "$OUT/install.log" 2>&1
     fi
+    if [ $? != 0 ]; then cat "$OUT/install.log"; say "FAILED: the wheels did not install"; exit 1; fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     [ -f "$WHEELS/COMMIT" ] && cp "$WHEELS/COMMIT" "$OUT/commit.txt"
 fi
@@ -47,6 +52,8 @@ cd "$OUT" || exit 1
 if ! "$PY" -c "import torch, torchps.client, torchps.worker.launch" > "$OUT/import.log" 2>&1; then
     cat "$OUT/import.log"; say "FAILED: $PY cannot import torchps (PYTHONPATH=${PYTHONPATH:-})"; exit 1
 fi
+"$PY" -c "import grpc, google.protobuf as pb, torchps; print('grpc', grpc.__version__, grpc.__file__); \
+print('protobuf', pb.__version__, pb.__file__); print('torchps', torchps.__file__)" | tee "$OUT/imports.txt"
 command -v nvidia-smi >/dev/null && nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 left=$((470 - ($(date +%s) - started)))
 say "running the checks with $PY ($left s left of 8 minutes)"
