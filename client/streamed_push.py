@@ -158,9 +158,10 @@ class StreamedPush:
     def _encode_copied(self, name: str, host: torch.Tensor, copied, key: str) -> None:
         """(encoder thread) Encodes a gradient copied to `host` once its copy is done, then hands the buffer
         back."""
+        if self._aborted:
+            self.client._device.release(key, host, copied)  # the copy may still run: its next user waits for it
+            return
         try:
-            if self._aborted:
-                return
             copied.synchronize()  # this copy's event only
             self._encode(name, host)
         finally:
