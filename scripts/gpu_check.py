@@ -89,7 +89,7 @@ def launch_summary(path: pathlib.Path):
     def parse(text: str) -> dict:
         summary = json.loads(path.read_text())
         return {key: summary.get(key) for key in ("test_accuracy", "global_step", "steps_per_second",
-                                                  "wall_seconds", "dataset", "mode", "workers")}
+                                                  "wall_seconds", "dataset", "mode", "workers", "nproc_per_host")}
     return parse
 
 

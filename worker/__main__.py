@@ -502,6 +502,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
             "test_accuracy": accuracy,
             "global_step": global_step, "start_step": start_step, "wall_seconds": wall,
             "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": cluster.num_ps,
+            "nproc_per_host": args.nproc_per_host,
             "checkpoints": checkpointer.saved_steps if checkpointer else []}
 
 
