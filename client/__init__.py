@@ -16,7 +16,8 @@ from ..partitioning import FixedShardsPartitioner, MaxSizePartitioner, MinSizePa
 from ..placement import Placement
 from ..security import Security
 from ..specs import Optimizer
-from .allreduce import AllreduceError, AllreduceGroup, Rendezvous
+from .allreduce import AllreduceError, AllreduceGroup, LocalRank, Rendezvous
+from .host import HostBinding, LocalReplica
 from .hybrid import HybridBinding, local_optimizer
 from .client import PSClient
 from .embedding import Embedding, EmbeddingBag, ShardedTable, prefetch_rows
@@ -34,9 +35,12 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "FixedShardsPartitioner",
+    "HostBinding",
     "HybridBinding",
     "InternalServerError",
     "InvalidArgumentError",
+    "LocalRank",
+    "LocalReplica",
     "MalformedStreamError",
     "MaxSizePartitioner",
     "MinSizePartitioner",

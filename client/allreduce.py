@@ -28,6 +28,12 @@ collective are bounded by `timeout`. Unlike the shards' gRPC, the store and
 gloo are neither encrypted nor authenticated: keep the group on a trusted
 network (GLOO_SOCKET_IFNAME picks gloo's interface).
 
+The same group joins one task's processes on a host (ps-worker
+--nproc-per-host; host.py binds a module to it): connect_local() forms it at
+127.0.0.1 among the task's local ranks, which average their gradients in it
+before local rank 0 pushes for the host, and receive its values after it
+pulled.
+
 A member lost mid-job (its process killed, its host gone, or stalled past
 `timeout`) fails the collective under way on the others: gloo reports a
 closed connection at once, a silent peer after `timeout`. The group cannot
@@ -59,7 +65,7 @@ import torch.distributed as dist
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError, PSError
 
-__all__ = ["AllreduceError", "AllreduceGroup", "Rendezvous"]
+__all__ = ["AllreduceError", "AllreduceGroup", "LocalRank", "Rendezvous"]
 
 _LOGGER = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 300.0  # as PSClient's timeout: the longest a member waits for the others' step
@@ -69,11 +75,27 @@ LINGER_SECONDS = 5.0             # a member that left still answers this long ('
                                  # others can tell it from one that is gone
 POLL_SECONDS = 0.05              # rendezvous: between two looks at the store (silent, unlike TCPStore's waits)
 _KEY = "torchps/allreduce/member/"
+_HYBRID_CONSEQUENCE = ("its members are fixed when it forms and the dense parameters live only in them, so {me} "
+                       "stops (restart the job; the tables stay on the shards)")
+_HOST_CONSEQUENCE = ("the host's processes train as one worker, so {me} stops and the host's worker with it "
+                     "(restart it: it rejoins the job)")
 
 
 class AllreduceError(PSError):
     """The all-reduce group could not form, or a collective failed (a member lost): the group cannot go on.
     The message is one line naming the members missing or lost and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRank:
+    """One process of a task that runs several on its host (ps-worker --nproc-per-host; host.py): a member of
+    the host's own group."""
+
+    task: TaskSpec
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.task} local rank {self.rank}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +113,8 @@ class Rendezvous:
 
     host: str
     port: int
-    task: TaskSpec
-    members: tuple[TaskSpec, ...]
+    task: TaskSpec | LocalRank
+    members: tuple[TaskSpec | LocalRank, ...]
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, task: TaskSpec, port: int | None = None) -> "Rendezvous":
@@ -111,6 +133,17 @@ class Rendezvous:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise ClusterConfigError(f"the all-reduce port must be in 1-65535. Received: {port!r}")
         return cls(host.strip("[]"), port, task, members)
+
+    @classmethod
+    def local(cls, task: TaskSpec, local_rank: int, nproc: int, port: int) -> "Rendezvous":
+        """The group of one task's `nproc` processes on its host: they meet at 127.0.0.1:`port`, where local
+        rank 0 listens. ClusterConfigError for a rank or port out of range."""
+        if not 0 <= local_rank < nproc:
+            raise ClusterConfigError(f"the local rank must be in 0-{nproc - 1}. Received: {local_rank!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ClusterConfigError(f"the host's group port must be in 1-65535. Received: {port!r}")
+        members = tuple(LocalRank(task, rank) for rank in range(nproc))
+        return cls("127.0.0.1", port, members[local_rank], members)
 
     @property
     def rank(self) -> int:
@@ -235,8 +268,9 @@ class AllreduceGroup:
     """
 
     def __init__(self, rendezvous: Rendezvous, store: dist.Store, liveness: _Liveness, peers: dict[int, str], *,
-                 backend: str, timeout: float, bucket_bytes: int):
+                 backend: str, timeout: float, bucket_bytes: int, consequence: str = _HYBRID_CONSEQUENCE):
         self.rendezvous = rendezvous
+        self.consequence = consequence  # why a loss stops a member, and what to do (the _diagnose line)
         self.backend = backend
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
@@ -261,6 +295,27 @@ class AllreduceGroup:
         it never listened) after `timeout`, or if the chief cannot listen at the port.
         """
         rendezvous = Rendezvous.from_cluster(cluster, task, port)
+        return cls._form(rendezvous, cluster.address(task).rpartition(":")[0].strip("[]"), timeout=timeout,
+                         device=device, backend=backend, bucket_bytes=bucket_bytes)
+
+    @classmethod
+    def connect_local(cls, task: TaskSpec, local_rank: int, nproc: int, port: int, *,
+                      timeout: float = DEFAULT_TIMEOUT_SECONDS, device: str | torch.device = "cpu",
+                      backend: str | None = None, bucket_bytes: int = BUCKET_BYTES,
+                      abort_if: Callable[[], str | None] | None = None) -> "AllreduceGroup":
+        """Forms the group of one task's `nproc` processes on its host (Rendezvous.local; host.py): local rank 0
+        listens at 127.0.0.1:`port`. Blocks until every process is there, at most `timeout` s, or until
+        `abort_if()` (asked while waiting) returns a reason: AllreduceError with it. Otherwise as connect()."""
+        rendezvous = Rendezvous.local(task, local_rank, nproc, port)
+        return cls._form(rendezvous, "127.0.0.1", timeout=timeout, device=device, backend=backend,
+                         bucket_bytes=bucket_bytes, abort_if=abort_if, consequence=_HOST_CONSEQUENCE)
+
+    @classmethod
+    def _form(cls, rendezvous: Rendezvous, liveness_host: str, *, timeout: float, device: str | torch.device,
+              backend: str | None, bucket_bytes: int, abort_if: Callable[[], str | None] | None = None,
+              consequence: str = _HYBRID_CONSEQUENCE) -> "AllreduceGroup":
+        """connect()'s and connect_local()'s work: the store, the liveness socket, the process group."""
+        task = rendezvous.task
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ClusterConfigError(f"the all-reduce timeout must be > 0. Received: {timeout!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -287,11 +342,14 @@ class AllreduceGroup:
                                      f"{_gloo_reason(exc)}") from None
             raise AllreduceError(f"{task} cannot reach {chief} at {where} for the all-reduce group: "
                                  f"{_gloo_reason(exc)}") from None
-        liveness = _Liveness(cluster.address(task).rpartition(":")[0].strip("[]"), task)
+        liveness = _Liveness(liveness_host, task)
         try:
             store.set(f"{_KEY}{rank}", liveness.address)
             keys = [f"{_KEY}{r}" for r in range(world)]
             while not store.check(keys):  # polled: TCPStore.wait prints C++ warnings when it times out
+                reason = abort_if() if abort_if is not None else None
+                if reason:
+                    raise AllreduceError(f"the all-reduce group did not form: {reason}")
                 if time.monotonic() >= deadline:
                     missing = [str(rendezvous.members[r]) for r in range(world) if not store.check([keys[r]])]
                     raise AllreduceError(f"the all-reduce group did not form within {timeout:g} s: "
@@ -308,7 +366,8 @@ class AllreduceGroup:
             liveness.close()
             raise AllreduceError(f"the all-reduce group did not form: {_gloo_reason(exc)}") from None
         _LOGGER.info("%s: all-reduce group formed: rank %d of %d (%s) at %s", task, rank, world, backend, where)
-        return cls(rendezvous, store, liveness, peers, backend=backend, timeout=timeout, bucket_bytes=bucket_bytes)
+        return cls(rendezvous, store, liveness, peers, backend=backend, timeout=timeout, bucket_bytes=bucket_bytes,
+                   consequence=consequence)
 
     @property
     def rank(self) -> int:
@@ -361,6 +420,13 @@ class AllreduceGroup:
                 for t in bucket.tensors:
                     t.copy_(bucket.buffer[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
+
+    def broadcast_int(self, value: int, src: int = 0, *, what: str = "the broadcast") -> int:
+        """Rank `src`'s `value` (an int64; the others' are ignored), one small broadcast on the CPU. Blocks and
+        raises as broadcast_."""
+        tensor = torch.tensor([value if self.rank == src else 0], dtype=torch.int64)
+        self._collective(what, lambda: dist.broadcast(tensor, src))
+        return int(tensor.item())
 
     def average_gradients_(self, params: Iterable[torch.Tensor], *, what: str = "the all-reduce") -> None:
         """Replaces each parameter's .grad by the mean of the members' (a member without one counts zeros;
@@ -427,9 +493,8 @@ class AllreduceGroup:
         finished = [str(members[r]) for r, (alive, state) in sorted(answers.items()) if alive and state == "finished"]
         reason = _gloo_reason(exc)
         if lost:
-            return (f"lost {', '.join(lost)} during {what}; the all-reduce group cannot go on without it: its "
-                    f"members are fixed when it forms and the dense parameters live only in them, so {me} stops "
-                    f"(restart the job; the tables stay on the shards) [{reason}]")
+            return (f"lost {', '.join(lost)} during {what}; the all-reduce group cannot go on without it: "
+                    f"{self.consequence.format(me=me)} [{reason}]")
         if finished:
             return (f"{', '.join(finished)} already left the all-reduce group, so {what} cannot complete: the "
                     f"members ran different numbers of steps; {me} stops [{reason}]")

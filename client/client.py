@@ -1,6 +1,7 @@
 """PSClient: the Python API training code uses to talk to the shards.
 
     datapath.py    pull, push, exchange (PSClient's)    transfer.py    tensor bytes in and out
+    device.py      CUDA tensors: staging, streams      host.py        one push per multi-GPU host
     channels.py    deadlines, retries with backoff     membership.py  join, heartbeats, leave
     recovery.py    shards that restarted empty         checkpoints.py two-phase checkpoints
     module.py      torch.nn.Module bindings            tables.py      embedding tables (PSClient's)
@@ -32,6 +33,7 @@ from ..specs import Optimizer, wire_hyperparams
 from . import checkpoints
 from .channels import ShardChannels
 from .datapath import GLOBAL_STEP_SHARD, DataPath
+from .device import DeviceStaging
 from .membership import Heartbeats
 from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
 from .recovery import ShardRefill
@@ -79,6 +81,11 @@ class PSClient(DataPath, TablePath):
     job's CA and tokens) secures every channel; by default it is read from
     the TORCHPS_TLS_CERT/KEY/CA and TORCHPS_TOKEN_FILE (TORCHPS_ADMIN_TOKEN_FILE)
     environment variables, and is plaintext without them.
+
+    Tensors may live on CUDA devices: values and gradients go through host
+    buffers allocated once and reused (pinned memory unless `pin_memory` is
+    False), copied by non-blocking copies on side streams ordered by events
+    (client/device.py); on a host without CUDA nothing of that is used.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class PSClient(DataPath, TablePath):
         partitioner: Partitioner | None = MinSizePartitioner(),
         refill_timeout: float = 120.0,
         security: Security | None = None,
+        pin_memory: bool = True,
     ):
         if cluster is None:
             cluster, env_task = Cluster.from_tf_config()
@@ -129,6 +137,7 @@ class PSClient(DataPath, TablePath):
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.step = 0  # the step this worker computes at: set by join(), then by every push
         self.stats = WorkerStats()
+        self._device = DeviceStaging(pinned=pin_memory)  # staging buffers, streams and events for CUDA tensors
         # tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull, push_pull and lookup
         # call, when set (ps-worker --trace-out); called from the threads making the calls.
         self.tracer: Callable[[str, int, float, float], None] | None = None
@@ -156,6 +165,7 @@ class PSClient(DataPath, TablePath):
             self._closed = True
             self._pool.shutdown(wait=False)
             self._channels.close()
+            self._device.close()
 
     def __enter__(self) -> "PSClient":
         return self

@@ -1,7 +1,7 @@
 """PSClient's data path: pull, pull_into, push and push_pull (exchange), one stream per shard, all at once.
 
-A mixin of PSClient: it uses the client's channels, placement, pool, refill
-and push lock (see PSClient.__init__), and for embedding tables' row
+A mixin of PSClient: it uses the client's channels, placement, pool, refill,
+push lock and device staging (see PSClient.__init__), and for embedding tables' row
 gradients TablePath._row_tensors (tables.py).
 """
 
@@ -13,6 +13,7 @@ import torch
 
 from ..compression import Encoded
 from ..proto import ps_pb2
+from .device import Staged
 from .transfer import IntoTargets, NewTensors, push_requests, read_stream
 
 __all__ = ["DataPath", "GLOBAL_STEP_SHARD"]
@@ -47,7 +48,7 @@ class DataPath:
         overwritten: pull again.
         """
         targets = self.partitions.split(targets)  # row views: pieces land in place
-        sink = IntoTargets(targets, self.stats)
+        sink = IntoTargets(targets, self.stats, self._device)
         step = self._refill.guard(targets, lambda: self._pull(list(targets), sink, min_step))
         sink.finish()
         return step
@@ -98,7 +99,8 @@ class DataPath:
             groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
             table_sent = self._row_tensors(rows or {})
             header = self._header(step, advance_step)
-            sent, left = self._encode(grads, header.step)  # once: a retry resends the same bytes
+            staged = self._stage_out(grads)  # CUDA gradients: host copies, kept for retries until the push is over
+            sent, left = self._encode(staged.tensors, header.step)  # once: a retry resends the same bytes
 
             def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
                 tables = table_sent[shard]
@@ -110,7 +112,10 @@ class DataPath:
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
 
-            return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push, "push")))
+            try:
+                return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push, "push")))
+            finally:
+                staged.release()
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int | None = None, advance_step: bool = True,
@@ -141,9 +146,14 @@ class DataPath:
             return self.step
         with self._push_lock:
             self._check_fenced()
-            sink = IntoTargets(targets, self.stats)
+            sink = IntoTargets(targets, self.stats, self._device)
             header = self._header(step, advance_step)
-            sent, left = self._encode(grads, header.step)  # once: a retry resends the same bytes
+            staged = self._stage_out(grads)  # CUDA gradients: host copies, kept for retries until the push is over
+            try:
+                sent, left = self._encode(staged.tensors, header.step)  # once: a retry resends the same bytes
+            except BaseException:
+                staged.release()
+                raise
 
             def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
                 tables = table_sent[shard]
@@ -159,8 +169,11 @@ class DataPath:
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
 
-            replies = self._refill.guard({**grads, **targets}, lambda: self._each_shard(
-                {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange, "push_pull"))
+            try:
+                replies = self._refill.guard({**grads, **targets}, lambda: self._each_shard(
+                    {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange, "push_pull"))
+            finally:
+                staged.release()
             next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})
             behind = [name for shard, (read_at, _) in replies.items() if sync and read_at < next_step
                       for name in pulls.get(shard, [])]
@@ -173,6 +186,16 @@ class DataPath:
         """The header of a new push: this client's incarnation and the push's number (kept by retries)."""
         return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
                                  step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq))
+
+    def _stage_out(self, grads: Mapping[str, torch.Tensor]) -> Staged:
+        """The gradients on the host: CUDA ones that travel uncompressed copied into reused pinned buffers
+        (device.py; counted as copied), the rest as they are (compression encodes on their device). Blocks
+        until those copies are done. release() the result once the push is over."""
+        staged = self._device.stage_out({name: grad for name, grad in grads.items()
+                                         if name not in self._encoder.policies})
+        self.stats.count_bytes(copied=staged.nbytes)
+        staged.tensors = {**grads, **staged.tensors}
+        return staged
 
     def _encode(self, grads: Mapping[str, torch.Tensor], step: int) -> tuple[dict, dict]:
         """The compression encoder's encode_all (torchps/compression.py), its output bytes counted as copied."""

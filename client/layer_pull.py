@@ -3,7 +3,10 @@
 LayerPull pulls every parameter in forward order, one Pull stream per shard
 in background threads, and signals each parameter's arrival (all its pieces,
 in place) as its last chunk lands; overlap.py's forward pre-hook on every
-submodule that owns parameters waits for those parameters only.
+submodule that owns parameters waits for those parameters only. A parameter
+on a GPU arrives in a reused host buffer and its copy to the device is
+queued then, on a side stream (device.py); the pre-hook makes the compute
+stream wait for that copy's event, never the host for the device.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ class LayerPull:
         self._set_step = set_step
         self._min_step = min_step
         self._wire = client.partitions.split(targets)  # row views: pieces land in place
-        self._sink = IntoTargets(self._wire, client.stats)
+        self._sink = IntoTargets(self._wire, client.stats, client._device)  # made here: the training thread
         self._whole = {wire_name: client.partitions.whole_of(wire_name) for wire_name in self._wire}
+        self._pieces: dict[str, list[str]] = {name: [] for name in targets}
+        for wire_name, name in self._whole.items():
+            self._pieces[name].append(wire_name)
         self._missing = {name: 0 for name in targets}  # pieces still to arrive, per parameter
         for name in self._whole.values():
             self._missing[name] += 1
@@ -62,7 +68,7 @@ class LayerPull:
             names = list(self._wire)
             step = client._refill.guard(names, lambda: client._each_shard(
                 client.placement.group(names), self._pull, "pull")).get(GLOBAL_STEP_SHARD, -1)
-            self._sink.finish()
+            self._sink.complete_all()  # device copies queued; the training thread's waits order its compute after them
             if self._set_step and step >= 0:
                 client.step = step
         except BaseException as exc:  # noqa: BLE001 - raised by the waits
@@ -127,8 +133,18 @@ class LayerPull:
         """True once the pull is over without an error (no lock: a stale False only means a wait)."""
         return self.finished and self.error is None
 
+    def wait_device(self, names=None) -> None:
+        """Makes the calling thread's current CUDA stream wait for the device copies of `names` (default: every
+        parameter) queued so far: call it once they arrived (wait_for), before compute that reads them. Never
+        blocks the host; nothing to do for CPU parameters."""
+        if names is None:
+            self._sink.wait_device()
+        else:
+            self._sink.wait_device([piece for name in names for piece in self._pieces.get(name, ())])
+
     def wait_for(self, names, what: str) -> None:
-        """Blocks until `names` arrived; raises the pull's error, or WaitTimeoutError after the client's timeout."""
+        """Blocks until `names` arrived on the host (their device copies queued: see wait_device); raises the
+        pull's error, or WaitTimeoutError after the client's timeout."""
         names = [name for name in names if name in self._missing]
         timeout = self.client.timeout
         with self._cond:
@@ -142,7 +158,8 @@ class LayerPull:
                                        f"shards")
 
     def wait(self) -> None:
-        """Blocks until the whole pull is over; raises its error, or WaitTimeoutError after the client's timeout."""
+        """Blocks until the whole pull is over on the host (see wait_device); raises its error, or
+        WaitTimeoutError after the client's timeout."""
         timeout = self.client.timeout
         with self._cond:
             if not self._cond.wait_for(lambda: self.finished or self.error is not None, timeout):

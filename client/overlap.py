@@ -8,12 +8,16 @@ forward order that each submodule's forward waits on for its own parameters.
 
 Every wait is bounded by the client's `timeout`; errors (a shard gone, a
 deadline) are raised from push(), wait(), the next forward pre-hook or the
-next push's first hook, never dropped.
+next push's first hook, never dropped. On a GPU (device.py) the hooks never
+make the host wait for the device: gradients leave by non-blocking copies
+encoded by a thread of their own, and each layer's forward waits on its
+own values' copy events.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent import futures
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
@@ -44,6 +48,9 @@ class Overlap:
         self.streamed: StreamedPush | None = None  # this step's push, open since its first gradient
         self.fallback = False  # this step's gradients go by a normal push (see push_step)
         self.pull: LayerPull | None = None
+        # One thread encoding gradients beside backward, made at the first gradient on a GPU (StreamedPush);
+        # CPU gradients are encoded in the hook.
+        self.encoder: futures.ThreadPoolExecutor | None = None
         self._warned = False
         self._handles = []
         by_id = {id(p): name for name, p in self.params.items()}
@@ -60,18 +67,22 @@ class Overlap:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.encoder is not None:
+            self.encoder.shutdown(wait=False)
 
     # -- hooks --------------------------------------------------------------------------------------
 
     def _before_forward(self, names: list[str]) -> Callable:
         def hook(module, args) -> None:
             pull = self.pull
-            if pull is None or pull.ok:
+            if pull is None:
                 return
-            if pull.error is not None:
-                raise pull.error
-            if not pull.done(names):
-                pull.wait_for(names, f"the forward of {type(module).__name__}")
+            if not pull.ok:
+                if pull.error is not None:
+                    raise pull.error
+                if not pull.done(names):
+                    pull.wait_for(names, f"the forward of {type(module).__name__}")
+            pull.wait_device(names)  # CUDA: this layer's kernels run after its own copies, nothing else waits
         return hook
 
     def _on_gradient(self, name: str) -> Callable:
@@ -83,15 +94,17 @@ class Overlap:
                 self.fallback = True
                 return
             if self.streamed is None:
-                self.wait_pull()
+                self.wait_pull(device=False)  # the shards see this push after the pull; the device needs nothing
                 client = self.client
                 if client._heartbeats.fenced is not None or not client._push_lock.acquire(blocking=False):
                     # fenced (push() raises it), or a push under way elsewhere on this client (another module
                     # streaming in the same backward, another thread): this step goes whole, by push()
                     self.fallback = True
                     return
+                if self.encoder is None and param.grad is not None and param.grad.device.type == "cuda":
+                    self.encoder = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchps-grads")
                 try:
-                    self.streamed = StreamedPush(client, self.inflight_bytes)
+                    self.streamed = StreamedPush(client, self.inflight_bytes, self.encoder)
                 except BaseException:
                     client._push_lock.release()
                     raise
@@ -120,10 +133,16 @@ class Overlap:
 
     # -- the binding's calls -----------------------------------------------------------------------
 
-    def wait_pull(self) -> None:
-        """Blocks until the pull under way (if any) is over; raises its error."""
-        if self.pull is not None and not self.pull.ok:
-            self.pull.wait()
+    def wait_pull(self, device: bool = True) -> None:
+        """Blocks until the pull under way (if any) is over; raises its error. With `device`, the current CUDA
+        stream then waits for its copies to the device (the host does not)."""
+        pull = self.pull
+        if pull is None:
+            return
+        if not pull.ok:
+            pull.wait()
+        if device:
+            pull.wait_device()
 
     def push_step(self, grads: Mapping[str, torch.Tensor]) -> int:
         """Ends this step's push: the streamed one if it carried exactly `grads`, else a normal push of them."""
@@ -134,7 +153,7 @@ class Overlap:
             if not streamed.aborted:
                 self._note("the gradients changed after backward (clipped, unscaled, set by hand?)")
             streamed.abort()
-        self.wait_pull()
+        self.wait_pull(device=False)
         return self.client.push(grads)
 
     def start_pull(self, targets: Mapping[str, torch.Tensor], *, min_step: int, set_step: bool) -> None:

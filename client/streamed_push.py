@@ -98,11 +98,18 @@ class StreamedPush:
 
     The caller holds client._push_lock, which this push owns from then on:
     finish() and abort() release it. add() is called from autograd hooks,
-    one at a time; finish() and abort() from the training thread.
+    one at a time; finish() and abort() from the training thread. With an
+    `encoder` (a one-thread executor), a gradient on a GPU is copied to a
+    reused pinned buffer by a non-blocking copy (device.py) and encoded there
+    once its copy's event completed, so the hook returns at once and backward
+    keeps the GPU busy; every gradient of the push is then encoded there, in
+    order (a CPU or compressed one as it is).
     """
 
-    def __init__(self, client: "PSClient", inflight_bytes: int):
+    def __init__(self, client: "PSClient", inflight_bytes: int, encoder: futures.Executor | None = None):
         self.client = client
+        self._encoder = encoder  # one thread: encodes CUDA gradients once their copy to the host is done
+        self._queued: list[futures.Future] = []  # encodings handed to it, in order
         self.inflight_bytes = inflight_bytes * client.cluster.num_ps
         self.header = client._header(None, True)  # this client's incarnation and the push's number: kept by retries
         self.header.streamed = True
@@ -130,10 +137,59 @@ class StreamedPush:
 
         The bytes are copied now: the gradient may change afterwards (finish()'s
         caller checks it did not). Raises what encoding raises (a wrong shape).
+        With an encoder thread the gradient is only queued (on a GPU, its copy
+        to the host starts): the thread encodes it and waits for room, never
+        this hook, and its errors are raised by finish().
         """
-        client = self.client
         self.grads[name] = (grad, grad._version)
-        wire_grads = client.partitions.split({name: grad.detach()})
+        client = self.client
+        if self._encoder is not None:
+            if grad.device.type == "cuda" and name not in client._encoder.policies:  # compression: on the device
+                key = f"stream/{name}"
+                host, copied = client._device.copy_out(key, grad)
+                client.stats.count_bytes(copied=host.numel() * host.element_size())
+                self._queued.append(self._encoder.submit(self._encode_copied, name, host, copied, key))
+            else:
+                self._queued.append(self._encoder.submit(self._encode_queued, name, grad.detach()))
+            return
+        self._encode(name, grad.detach())
+        self._wait_for_room()
+
+    def _encode_copied(self, name: str, host: torch.Tensor, copied, key: str) -> None:
+        """(encoder thread) Encodes a gradient copied to `host` once its copy is done, then hands the buffer
+        back."""
+        if self._aborted:
+            self.client._device.release(key, host, copied)  # the copy may still run: its next user waits for it
+            return
+        try:
+            copied.synchronize()  # this copy's event only
+            self._encode(name, host)
+        finally:
+            self.client._device.release(key, host)
+        self._wait_for_room()
+
+    def _encode_queued(self, name: str, grad: torch.Tensor) -> None:
+        """(encoder thread) Encodes a gradient that was queued behind others."""
+        if not self._aborted:
+            self._encode(name, grad)
+            self._wait_for_room()
+
+    def _drain(self) -> None:
+        """Waits for the encoder thread's work on this push; raises its first error."""
+        queued, self._queued = self._queued, []
+        error = None
+        for future in queued:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def _encode(self, name: str, grad: torch.Tensor) -> None:
+        """Encodes one gradient (on the host, or on its device when compressed) into its shards' streams."""
+        client = self.client
+        wire_grads = client.partitions.split({name: grad})
         sent, left = client._encode(wire_grads, self.header.step)
         self._left.update(left)
         chunk_bytes = client.chunk_bytes
@@ -148,7 +204,6 @@ class StreamedPush:
                 client.stats.count_bytes(sent=len(piece[3]), copied=len(piece[3]))
                 if stream.pending_bytes >= chunk_bytes:
                     self._flush(stream)
-        self._wait_for_room()
 
     def _flush(self, stream: _ShardStream, end: ps_pb2.PushEnd | None = None) -> None:
         parts = stream.pending
@@ -278,6 +333,12 @@ class StreamedPush:
         with self._cond:
             self._finishing = True  # from here on, other pushes wait for this one (PushLock)
         try:
+            try:
+                self._drain()  # the gradients still being encoded (CUDA): every one in its stream first
+            except BaseException:
+                with self._cond:
+                    self._abort_locked()
+                raise
             for stream in self._streams:
                 self._flush(stream, ps_pb2.PushEnd(tensors=len(stream.names)))
             with self._cond:

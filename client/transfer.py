@@ -8,6 +8,7 @@ caller's memory (a new tensor, or the target tensor in place).
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -17,6 +18,7 @@ from .. import codec, wire
 from ..compression import Encoded
 from ..errors import MalformedStreamError, TensorMismatchError
 from ..proto import ps_pb2
+from .device import DeviceStaging
 from .stats import WorkerStats
 
 __all__ = ["push_requests", "wire_pieces", "read_stream", "NewTensors", "IntoTargets"]
@@ -100,15 +102,24 @@ class NewTensors:
 class IntoTargets:
     """A sink writing into target tensors in place (PSClient.pull_into); finish() completes the copies.
 
-    Contiguous CPU targets receive the bytes directly; others (CUDA, strided)
-    and a float32 or float64 target pulled cast (float16, bfloat16) go
-    through a staging tensor (pinned memory for CUDA), copied and cast up by finish() (counted in `stats`).
+    Contiguous CPU targets receive the bytes directly. Others go through a
+    host buffer of `staging` (DeviceStaging, device.py), reused from pull to
+    pull: CUDA targets (pinned memory, then a non-blocking copy on a side
+    stream), strided CPU targets and float32 or float64 targets pulled cast
+    (float16, bfloat16), which the copy casts up (counted in `stats`). Make
+    it in the thread that runs the compute: copies into CUDA targets wait
+    for the work queued there by then.
     """
 
-    def __init__(self, targets: Mapping[str, torch.Tensor], stats: WorkerStats | None = None):
+    def __init__(self, targets: Mapping[str, torch.Tensor], stats: WorkerStats | None = None,
+                 staging: DeviceStaging | None = None):
         self.targets = targets
         self.stats = stats
-        self._staging: dict[str, torch.Tensor] = {}
+        self._device = staging if staging is not None else DeviceStaging(pinned=False)
+        self._lock = threading.Lock()
+        self._staging: dict[str, torch.Tensor] = {}  # name -> its buffer, until complete()
+        self._events: dict[str, tuple[torch.device, object]] = {}  # name -> its copy to the device, once queued
+        self._marks = self._device.mark(targets.values())  # per CUDA device: what the copies come after
 
     def __call__(self, name: str, meta: ps_pb2.TensorMeta) -> np.ndarray:
         target = self.targets[name]
@@ -119,28 +130,53 @@ class IntoTargets:
                                       f"{codec.describe_meta(codec.meta_of(target))}")
         if not cast and target.device.type == "cpu" and target.is_contiguous():
             return codec.byte_array(target.data)
-        staging = torch.empty(target.shape, dtype=dtype, pin_memory=target.device.type == "cuda")
-        self._staging[name] = staging
-        return codec.byte_array(staging)
+        with self._lock:
+            buffer = self._staging.get(name)  # written again (a shard read twice): the same buffer
+        if buffer is None or buffer.dtype != dtype:
+            if buffer is not None:
+                self._device.release(f"pull/{name}", buffer)
+            buffer = self._device.acquire(f"pull/{name}", target.shape, dtype, pin=target.device.type == "cuda")
+            with self._lock:
+                self._staging[name] = buffer
+        return codec.byte_array(buffer)
 
     def finish(self) -> None:
-        with torch.no_grad():
-            for name, buffer in self._staging.items():
-                self.targets[name].copy_(buffer, non_blocking=True)
-                self._count(name)
-        if any(t.device.type == "cuda" for t in self.targets.values()):
-            torch.cuda.synchronize()
+        """Completes every copy not yet completed, then makes the current stream of each CUDA target's device
+        wait for the copies (the host does not wait). Call it from the thread that runs the compute."""
+        self.complete_all()
+        self.wait_device()
+
+    def complete_all(self) -> None:
+        """Completes every target still staged (complete()); the device copies are queued, not waited for."""
+        with self._lock:
+            names = list(self._staging)
+        for name in names:
+            self.complete(name)
 
     def complete(self, name: str) -> None:
-        """Finishes one target as soon as its bytes are in (overlap.py): its staged copy, if it has one, is
-        copied (and cast up) into it now, and finish() leaves it alone. Blocks until the copy is done."""
-        buffer = self._staging.pop(name, None)
-        if buffer is not None:
+        """Finishes one target as soon as its bytes are in (overlap.py; any thread): a staged CPU target is
+        copied (and cast up) now; a CUDA one gets its copy queued on the side stream, which wait_device()
+        waits for. finish() then leaves it alone."""
+        with self._lock:
+            buffer = self._staging.pop(name, None)
+        if buffer is None:
+            return
+        target = self.targets[name]
+        if target.device.type == "cuda":
+            event = self._device.copy_in(f"pull/{name}", target, buffer, self._marks[target.device])
+            with self._lock:
+                self._events[name] = (target.device, event)
+        else:
             with torch.no_grad():
-                self.targets[name].copy_(buffer)
-            self._count(name)
-
-    def _count(self, name: str) -> None:
+                target.copy_(buffer)
+            self._device.release(f"pull/{name}", buffer)
         if self.stats is not None:
-            target = self.targets[name]
             self.stats.count_bytes(copied=target.numel() * target.element_size())
+
+    def wait_device(self, names: Iterable[str] | None = None) -> None:
+        """The current stream of each CUDA target's device among `names` (default: all) waits for their
+        copies queued so far. Never blocks the host; nothing to do for CPU targets."""
+        with self._lock:
+            events = list(self._events.values()) if names is None else \
+                [self._events[name] for name in names if name in self._events]
+        self._device.wait(events)

@@ -16,6 +16,7 @@ presents its task's (`--insecure` runs in plaintext instead).
 
     python examples/custom_loop.py                        # Fashion-MNIST if installed, else mnist5k
     python examples/custom_loop.py --dataset mnist5k --epochs 2 --workers 3 --ps 1
+    python examples/custom_loop.py --device cuda          # each worker's model on the GPU
 """
 
 import argparse
@@ -44,8 +45,9 @@ def make_model(hidden: int) -> torch.nn.Module:
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
+        return (model(x.to(device)).argmax(dim=1).cpu() == y).float().mean().item()
 
 
 def steps_per_worker(n: int, args: argparse.Namespace) -> list[int]:
@@ -61,7 +63,7 @@ def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCre
     data = load_dataset(args.dataset)
     mine = shard_indices(len(data.y_train), args.workers, index)
     x, y = data.x_train[mine], data.y_train[mine]
-    model = make_model(args.hidden)
+    model = make_model(args.hidden).to(args.device)  # on a GPU, pulls and pushes go through pinned buffers
     with PSClient(cluster, task=TaskSpec("worker", index), security=files.security() if files else INSECURE) as ps:
         # The chief creates the variables; the others wait for them. Either way the model ends up pulled.
         binding = ps.register_module(model, Optimizer("sgd", lr=args.lr))
@@ -71,7 +73,7 @@ def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCre
             for xb, yb in batches(x, y, args.batch_size, seed=args.seed + index, epoch=epoch):
                 binding.pull()  # the latest shared parameters
                 model.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(xb), yb)
+                loss = F.cross_entropy(model(xb.to(args.device)), yb.to(args.device))
                 loss.backward()
                 step = binding.push()  # the shards apply SGD; returns the global step after it
                 losses.append(loss.item())
@@ -93,8 +95,8 @@ def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCre
         elapsed = time.monotonic() - start
         final = accuracy(model, data.x_test, data.y_test)
         print(f"final test accuracy: {final:.4f}", flush=True)
-        print(f"summary: dataset={data.name} workers={args.workers} ps={args.ps} epochs={args.epochs} "
-              f"batch={args.batch_size} lr={args.lr} global_steps={ps.global_step()} "
+        print(f"summary: dataset={data.name} device={args.device} workers={args.workers} ps={args.ps} "
+              f"epochs={args.epochs} batch={args.batch_size} lr={args.lr} global_steps={ps.global_step()} "
               f"train_seconds={elapsed:.1f} steps_per_s={total / elapsed:.1f} test_accuracy={final:.4f}", flush=True)
 
 
@@ -135,9 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, default=2, help="ps-server processes (shards)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--insecure", action="store_true", help="plaintext shards, no certificates or tokens")
+    parser.add_argument("--device", default="cpu", help="where each worker's model lives: cpu, cuda or cuda:N "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.workers < 1 or args.ps < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--workers, --ps, --epochs and --batch-size must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this host")
     try:
         data = load_dataset(args.dataset)
     except DatasetNotFoundError as exc:

@@ -8,7 +8,9 @@ variables; other workers wait for them; the evaluator only pulls and evaluates.
 With --dense allreduce (the hybrid, client/allreduce.py) the dense parameters
 stay in the workers, averaged among them by torch.distributed every step (the
 group meets at the chief's host, at --allreduce-port or its cluster port), and
-only the embedding tables live on the shards, trained async.
+only the embedding tables live on the shards, trained async. With
+--nproc-per-host K the task is K processes on its host (host.py): they average
+their gradients locally and this process pushes and pulls for them.
 
 Exit codes: 0 done; 1 the task failed (one line naming the error); 2 a usage or
 configuration error (one line, before anything starts); 130 interrupted (Ctrl-C).
@@ -28,7 +30,7 @@ import time
 
 import torch
 
-from ..client import AllreduceGroup, Compression, PSClient, PSError, Security
+from ..client import AllreduceGroup, Compression, HostBinding, PSClient, PSError, Security
 from ..cli import ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
@@ -37,6 +39,7 @@ from ..partitioning import partitioner_from_spec
 from ..metrics_http import serve_metrics
 from ..specs import OPTIMIZER_NAMES
 from .data import DatasetNotFoundError, check_dataset, default_dataset_name
+from .host import HostProcesses, check_host_flags, local_device, run_local_rank
 from .models import MODEL_DEFAULTS, MODELS, build_model, default_lr, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
@@ -98,8 +101,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: the port of the chief's cluster entry; the chief is the 'chief' task, else "
                         "worker 0)")
     g.add_argument("--allreduce-timeout", type=float, default=300.0,
-                   help="--dense allreduce: seconds to form the group, and the longest a step waits for the "
-                        "other workers before the group counts one as lost (default: %(default)s)")
+                   help="--dense allreduce and --nproc-per-host: seconds to form the group, and the longest a step "
+                        "waits for the other workers (or the host's processes) before the group counts one as lost "
+                        "(default: %(default)s)")
     g.add_argument("--state-dir", type=pathlib.Path, help="keep this task's compression residuals in "
                    "DIR/TASK-residuals.pt (e.g. worker-0-residuals.pt), loaded again when the task restarts")
     g.add_argument("--state-every-steps", type=int, default=100,
@@ -111,6 +115,11 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                         "every task of a job must use the same")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--nproc-per-host", type=int, default=1, metavar="K",
+                   help="train this task with K processes on its host (one per GPU: --device cuda gives process "
+                        "I GPU I; CPU processes stand in without GPUs), each on its part of every batch of "
+                        "--batch-size; they average their gradients locally and one of them pushes and pulls for "
+                        "the host (in sync mode the host is one replica with K x the batch; default: %(default)s)")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: %(default)s)")
     g.add_argument("--logdir", help="write TensorBoard scalars here")
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port, on the "
@@ -188,6 +197,7 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         raise ClusterConfigError("--state-dir keeps the residuals of --compression: pass --compression too")
     _partitioner(args.partition)
     _check_dense(args)
+    check_host_flags(args)
     checks += [("--allreduce-port", args.allreduce_port is None or 1 <= args.allreduce_port <= 65535, "in 1-65535"),
                ("--allreduce-timeout", math.isfinite(args.allreduce_timeout) and args.allreduce_timeout > 0, "> 0")]
     try:
@@ -243,7 +253,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tqdm progress bar (default: when stderr is a terminal)")
     add_training_flags(parser)
     add_security_flags(parser)
-    return parser.parse_args(argv)
+    # A --nproc-per-host task's other processes: started by its local rank 0 (host.py), never by hand.
+    parser.add_argument("--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--host-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # local rank 0 starts the others with the same
+    return args
 
 
 def resolve_task(args: argparse.Namespace) -> tuple[Cluster, TaskSpec]:
@@ -286,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         finish_training_flags(args)
         check_output("--metrics-out", args.metrics_out)
         cluster, task = resolve_task(args)
-        device = resolve_device(args.device)
+        args.device = resolve_device(args.device)  # 'auto' decided once: the host's processes agree on it
+        device = local_device(args.device, args.local_rank)
         partitioner = _partitioner(args.partition)
         security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                  token_file=args.token_file, admin_token_file=args.admin_token_file)
@@ -306,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     job.model.to(device)
     _terminate_once()
+    if args.local_rank:  # one of a --nproc-per-host task's other processes: no client, it follows local rank 0
+        try:
+            return run_local_rank(job, args, cluster, task, device)
+        except Terminated:
+            return 0
+        except KeyboardInterrupt:
+            return 130
     try:
         # An evaluator gives up on unreachable shards sooner: after the job they are gone for good.
         with PSClient(cluster, task=task, security=security, partitioner=partitioner,
@@ -347,6 +370,10 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
             with AllreduceGroup.connect(cluster, task, port=args.allreduce_port, timeout=args.allreduce_timeout,
                                         device=device) as group:
                 return _train(client, cluster, task, job, args, device, writer, started, group)
+        if args.nproc_per_host > 1:  # this process is local rank 0: it starts the others and pushes for them
+            with HostProcesses(args.argv, args.nproc_per_host, task, device=args.device,
+                               timeout=args.allreduce_timeout) as host:
+                return _train(client, cluster, task, job, args, device, writer, started, host=host)
         return _train(client, cluster, task, job, args, device, writer, started)
     finally:
         if writer is not None:
@@ -378,9 +405,10 @@ def _observer(cluster: Cluster, task: TaskSpec, args) -> StepObserver | None:
 
 
 def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device: str, writer,
-           started: float, group: AllreduceGroup | None = None) -> dict | None:
+           started: float, group: AllreduceGroup | None = None, host: HostProcesses | None = None) -> dict | None:
     """A chief's or worker's part: train, then (the chief) end the job; the chief's summary, else None.
-    With `group` (--dense allreduce) the dense parameters are averaged in it and stay in the workers."""
+    With `group` (--dense allreduce) the dense parameters are averaged in it and stay in the workers; with
+    `host` (--nproc-per-host) this process pushes and pulls for the host's processes."""
     optimizer = optimizer_from_flags(args.optimizer, args.lr, args.momentum, args.weight_decay)
     replicas = len(cluster.chief) + len(cluster.worker)
     if client.is_chief:
@@ -394,6 +422,9 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     else:
         binding = client.register_module(job.model, optimizer, create=client.is_chief, compression=compression,
                                          overlap=args.overlap)
+    ps_binding = binding  # the shards' side (finish_job pulls the final values through it)
+    if host is not None:
+        binding = HostBinding(binding, host.group)
     start_step = binding.step  # a restarted task joins a job already under way
     residuals = ResidualFile(args.state_dir, task, args.state_every_steps) if args.state_dir and compression else None
     if residuals is not None:
@@ -408,6 +439,10 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                      task, replica, replicas, args.mode, job.dataset, len(binding.names), cluster.num_ps,
                      client.placement.strategy, ", overlap" if binding.overlap else "",
                      f", joining at global step {start_step}" if start_step else "")
+    if host is not None:
+        _LOGGER.info("%s: %d processes on this host (%s): each step averages their gradients, then one push and "
+                     "one pull of %d x %d examples' step for the host", task, args.nproc_per_host,
+                     host.group.backend, args.nproc_per_host, args.batch_size)
     checkpointer = None
     if client.is_chief and group is None and any(client.status(s).checkpoints for s in range(cluster.num_ps)):
         checkpointer = Checkpointer(client, every_steps=args.checkpoint_every_steps,
@@ -426,10 +461,13 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
             writer.add_scalar("train/steps_per_second", client.stats.steps_per_second, record["global_step"])
 
     done_before = _batches_done(start_step, args, replicas)
+    if host is not None:
+        binding.share(done_before)  # the other processes skip as many of their batches
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                            seed=args.seed + replica, device=device, log_every=args.log_every, progress=args.progress,
                            skip_batches=done_before,
-                           max_local_steps=_lockstep_steps(args, len(job.dataset.y_train), replicas) if group else None)
+                           max_local_steps=_lockstep_steps(args, len(job.dataset.y_train), replicas) if group else None,
+                           local_shard=(0, args.nproc_per_host) if host is not None else (0, 1))
     observer = _observer(cluster, task, args)
     if observer is not None and observer.timeline is not None:
         client.tracer = observer.tracer
@@ -446,6 +484,9 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
             stragglers.stop()
         if residuals is not None:
             residuals.save(client)
+    if host is not None:
+        binding.close()  # the host's other processes stop
+        host.done()
     client.leave()
     _LOGGER.info("%s finished: %d local steps, %s", task, result["local_steps"], client.stats.summary())
     if not client.is_chief:
@@ -453,7 +494,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if group is not None:
         return _finish_allreduce(client, task, job, args, device, binding, result, started, start_step, replicas,
                                  cluster.num_ps)
-    global_step = finish_job(client, binding, export=args.export, checkpointer=checkpointer,
+    global_step = finish_job(client, ps_binding, export=args.export, checkpointer=checkpointer,
                              shutdown=not args.keep_ps)
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     wall = time.monotonic() - started
@@ -461,6 +502,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
             "test_accuracy": accuracy,
             "global_step": global_step, "start_step": start_step, "wall_seconds": wall,
             "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": cluster.num_ps,
+            "nproc_per_host": args.nproc_per_host,
             "checkpoints": checkpointer.saved_steps if checkpointer else []}
 
 

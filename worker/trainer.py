@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from ..client import ModuleBinding, Optimizer, PSClient, ServerUnavailableError
-from .data import batches, shard_indices
+from .data import batches
+from .host import host_shard
 from .models import Task
 from .observe import StepObserver
 
@@ -36,6 +37,8 @@ class TrainOptions:
     skip_batches: int = 0            # batches an earlier incarnation of this task already trained on
     max_local_steps: int | None = None  # stop after this many steps of this worker (--dense allreduce: every
                                         # worker the same number, as each step is a collective all must make)
+    local_shard: tuple[int, int] = (0, 1)  # (local rank, processes) of a --nproc-per-host host: this process
+                                           # trains every processes-th example of the task's shard
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str, batch: int = 2000) -> float:
@@ -64,7 +67,7 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
     step's phase times (metrics, timeline: observe.py).
     """
     data, model, device = task.dataset, task.model, options.device
-    mine = shard_indices(len(data.y_train), num_replicas, replica)
+    mine = host_shard(len(data.y_train), num_replicas, replica, *options.local_shard)
     x, y = data.x_train[mine], data.y_train[mine]
     per_epoch = -(-len(y) // options.batch_size)
     first_epoch, skip = divmod(options.skip_batches, per_epoch)

@@ -28,7 +28,9 @@ def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
     assert summary["checks"]["gpu-tests"]["tests"] == {"skipped": 3}, "no CUDA here: the GPU tests skip"
     for name in ("demo-cpu", "shared-device", "host-2-procs"):
         assert summary["checks"][name]["test_accuracy"] > 0.1, name  # trained, on 60-100 steps
-    assert summary["checks"]["host-2-procs"]["workers"] == 1
+    host = summary["checks"]["host-2-procs"]
+    assert host["workers"] == 1 and host["nproc_per_host"] == 2, "one task of 2 processes"
+    assert host["dataset"] == "mnist5k", "examples/custom_entry.py's --entry"
     bench = summary["checks"]["device-bench"]
     assert set(bench["setups"]) == {"pinned/off", "pinned/on", "pageable/off", "pageable/on"}
     assert bench["hidden_bar"] is None, "no copies to hide on the CPU"
