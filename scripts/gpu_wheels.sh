@@ -15,7 +15,7 @@ WHEELS=${WHEELS:-.whl}
 DATA=${DATA:-.gpu-data}
 # What torchps imports that the GPU machine lacks (or may have too old), and what those need.
 PACKAGES=(grpcio grpcio-health-checking grpcio-reflection protobuf cryptography cffi pycparser typing_extensions
-          pytest-timeout mlxtend)
+          pytest-timeout mlxtend setproctitle)
 
 rm -rf "$WHEELS" && mkdir -p "$WHEELS"
 specs=()
