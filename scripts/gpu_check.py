@@ -121,7 +121,36 @@ def peers_figures(path: pathlib.Path):
     return parse
 
 
-def environment(device: str) -> dict:
+def git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def commit(out: pathlib.Path) -> dict:
+    """The commit torchps was built from, and where that came from. When gpu_check.sh installed the wheels this run
+    it copied their COMMIT (gpu_wheels.sh's) to OUT/commit.txt: that one, since the tree's git HEAD can be stale
+    there (on the GPU machine the copied tree's HEAD said acf94fd for a wheel built from 103e5d9); it is then kept
+    as tree_git_head when it differs. Else (--no-install: torchps is the interpreter's, i.e. this tree's) the git
+    HEAD, and with no git the wheels folder's COMMIT."""
+    head = git_head()
+    installed = out / "commit.txt"
+    if installed.is_file() and installed.read_text().strip():
+        found = {"commit": installed.read_text().strip(), "commit_source": "commit.txt (the installed wheels' COMMIT)"}
+        if head and not found["commit"].startswith(head):
+            found["tree_git_head"] = head
+        return found
+    if head:
+        return {"commit": head, "commit_source": "git HEAD"}
+    commit_file = pathlib.Path(os.environ.get("TORCHPS_WHEELS", ROOT / ".whl")) / "COMMIT"
+    if commit_file.is_file():  # the GPU machine's copy of the tree may carry no .git
+        return {"commit": commit_file.read_text().strip(), "commit_source": str(commit_file)}
+    return {"commit": None, "commit_source": None}
+
+
+def environment(device: str, out: pathlib.Path) -> dict:
     import torch
 
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
@@ -133,14 +162,7 @@ def environment(device: str) -> dict:
             env[module] = __import__(module, fromlist=["__version__"]).__version__
         except ImportError as exc:
             env[module] = f"missing: {exc}"
-    try:
-        env["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["commit"] = None
-    commit_file = pathlib.Path(os.environ.get("TORCHPS_WHEELS", ROOT / ".whl")) / "COMMIT"  # gpu_wheels.sh's
-    if not env["commit"] and commit_file.exists():  # the GPU machine's copy of the tree may carry no .git
-        env["commit"] = commit_file.read_text().strip()
+    env.update(commit(out))
     return env
 
 
@@ -158,7 +180,7 @@ def main(argv=None) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(device)
+    env = environment(device, out)
     (out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
     say(f"environment: {json.dumps(env)}")
     if device.startswith("cuda") and not torch.cuda.is_available():

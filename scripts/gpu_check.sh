@@ -27,6 +27,7 @@ done
 say() { echo "[gpu-check $(date +%H:%M:%S)] $*"; }
 case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # the checks run from OUT
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+rm -f "$OUT/commit.txt"  # written below only when this run installs the wheels (gpu_check.py reads it)
 WHEELS=${TORCHPS_WHEELS:-$ROOT/.whl}
 if [ "$INSTALL" = 1 ]; then
     if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then

@@ -2,6 +2,7 @@
 with --device cpu (the GPU tests skip), each writes its JSON, and the summary says so. The GPU run itself is
 docs/gpu.md's."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -37,5 +38,33 @@ def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
     assert summary["checks"]["peers-torchps"]["medians"]["small_fp32_steps_per_s"] > 0
     assert "TensorFlow side skipped" in run.stdout and summary["environment"]["device"] == "cpu"
     assert summary["bars"] == {}
+    assert summary["environment"]["commit_source"] == "git HEAD", "--no-install: torchps is this tree's"
     for name in CHECKS:
         assert json.loads((out / f"{name}.json").read_text())["status"] == "ok"
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_commit_is_the_installed_wheels_when_there_are_some(tmp_path, monkeypatch):
+    """On the GPU machine the copied tree's git HEAD was stale (acf94fd for wheels built from 103e5d9): the commit
+    gpu_check.sh copied from the installed wheels (OUT/commit.txt) wins, and the git HEAD is kept beside it."""
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check, "git_head", lambda: "acf94fd1818bb7e9b058e8b9d7c81e32ae1bc01e")
+    assert gpu_check.commit(tmp_path) == {"commit": "acf94fd1818bb7e9b058e8b9d7c81e32ae1bc01e",
+                                          "commit_source": "git HEAD"}, "no wheels installed: the tree's"
+    (tmp_path / "commit.txt").write_text("103e5d932c26f1dfe49073fba52d51b77ad80198\n")
+    assert gpu_check.commit(tmp_path) == {"commit": "103e5d932c26f1dfe49073fba52d51b77ad80198",
+                                          "commit_source": "commit.txt (the installed wheels' COMMIT)",
+                                          "tree_git_head": "acf94fd1818bb7e9b058e8b9d7c81e32ae1bc01e"}
+    monkeypatch.setattr(gpu_check, "git_head", lambda: None)
+    (tmp_path / "commit.txt").unlink()
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "COMMIT").write_text("103e5d932c26f1dfe49073fba52d51b77ad80198 (with uncommitted changes)\n")
+    monkeypatch.setenv("TORCHPS_WHEELS", str(wheels))
+    assert gpu_check.commit(tmp_path)["commit"] == "103e5d932c26f1dfe49073fba52d51b77ad80198 (with uncommitted changes)"
