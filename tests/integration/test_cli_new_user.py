@@ -149,7 +149,7 @@ def waiting_worker(extra_env: dict | None = None) -> subprocess.Popen:
     """A ps-worker (worker:1) waiting for a chief that never comes, against one insecure shard."""
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
     return subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "1",
-                             "--dataset", "mnist5k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--dataset", "mnist5k", "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})),
                             # a shell without job control starts background jobs with SIGINT ignored, and the
                             # worker would inherit that: give it the disposition a terminal user's Ctrl-C meets
@@ -192,7 +192,7 @@ def test_a_chief_given_a_file_that_is_no_state_dict_says_so_in_one_line(tmp_path
     garbage.write_bytes(b"not a state_dict")
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     result = run_cli([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "0",
-                      "--dataset", "mnist5k", "--init-from", str(garbage)])
+                      "--dataset", "mnist5k", "--init-from", str(garbage), "--insecure"])
     assert result.returncode == 2, result.stderr
     assert "not a file torch.load can read" in one_line(result.stderr, "ps-worker: error: --init-from ")
 
@@ -254,7 +254,7 @@ def test_a_chief_stopped_by_sigterm_saves_a_last_committed_checkpoint(tmp_path):
     with LocalCluster(1, workers=1, server_args=["--checkpoint-dir", str(tmp_path / "ckpt")]) as local:
         chief = subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(local.cluster.to_dict()), "--task-type",
                                   "worker", "--index", "0", "--dataset", "mnist5k", "--epochs", "1000",
-                                  "--log-every", "0.2", "--keep-ps"], stdout=subprocess.PIPE,
+                                  "--log-every", "0.2", "--keep-ps", "--insecure"], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, env=environ())
         lines: list[str] = []
         training = threading.Event()
