@@ -165,9 +165,9 @@ class ShardChannels:
             waited, limit = time.monotonic() - started, deadline - started
             if waited >= limit:
                 raise ServerUnavailableError(
-                    f"could not reach {self.target(shard)} within {limit:.0f} s ({found}); is ps-server running "
-                    f"there and is the address right? (connect_timeout, ps-worker's --connect-timeout or "
-                    f"TORCHPS_CONNECT_TIMEOUT, waits longer)")
+                    f"could not reach {self.target(shard)} within {limit:.0f} s: {found}; is ps-server running "
+                    f"there and is the address right? (to wait longer: connect_timeout, ps-worker's "
+                    f"--connect-timeout or TORCHPS_CONNECT_TIMEOUT)")
             _LOGGER.info("waiting for %s: %s (%.0f s of %.0f s)", self.target(shard), found, waited, limit)
             wait = PROGRESS_SECONDS
         self._ready[shard] = True

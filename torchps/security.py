@@ -179,9 +179,9 @@ def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[st
         return "a gRPC server answers there but is not serving yet", False
     if reply.startswith(b"HTTP/"):
         status = reply.splitlines()[0].decode(errors="replace")
-        return f"this is not a gRPC server: it answers HTTP/1 ({status!r})", True
+        return f"this is not a gRPC server (it answers HTTP/1: {status!r}): is the address right?", True
     if reply:
-        return f"this is not a gRPC server: it answered {reply[:16]!r}", True
+        return f"this is not a gRPC server (it answered {reply[:16]!r}): is the address right?", True
     return _diagnose_tls(host, int(port), security, timeout)  # it hung up: a TLS server does, so does a proxy
 
 
@@ -224,7 +224,7 @@ def _diagnose_tls(host: str, port: int, security: Security, timeout: float) -> t
             return "it closes every connection at once (a shard restarting, or a proxy with nothing behind it)", False
         reason = exc.reason or str(exc)
         if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
-            return "it hangs up on HTTP/2 and does not speak TLS either: this is not a gRPC server", True
+            return "this is not a gRPC server (it hangs up on HTTP/2 and speaks no TLS): is the address right?", True
         if not security.tls:
             return "the shard requires TLS: pass the job's --tls-cert, --tls-key and --tls-ca", True
         if "EXPIRED" in reason:

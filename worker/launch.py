@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     launcher = None
     try:
         args, worker_args = parse_args(argv)
-        if args.checkpoint_dir and not _finished_job_may_go_on(pathlib.Path(args.checkpoint_dir), args.steps):
+        if args.checkpoint_dir and not _finished_job_may_go_on(args.checkpoint_dir, args.steps):
             return 0
         launcher = _launcher(args, worker_args, demo=not argv)
         code = launcher.run()
@@ -494,24 +494,26 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _finished_job_may_go_on(directory: pathlib.Path, steps: int | None) -> bool:
-    """False, after one line saying so, if `directory` holds a job that ended well and --steps asks for no
-    step beyond it; True otherwise (no such job, or training it further: the note goes until it ends again)."""
+def _finished_job_may_go_on(folder: str, steps: int | None) -> bool:
+    """False, after one line saying so, if the --checkpoint-dir `folder` holds a job that ended well and
+    --steps asks for no step beyond it; True otherwise (no such job, or training it further: the note goes
+    until the job ends again)."""
+    directory = pathlib.Path(folder)
     try:
         finished = json.loads((directory / FINISHED_FILE).read_text())
         step = int(finished["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         return True  # no job ended here (a job that stopped midway resumes from its checkpoints)
     if steps is not None and steps > step:
-        print(f"[launch] {directory} holds a job that finished at global step {step}: training it on to global "
+        print(f"[launch] {folder} holds a job that finished at global step {step}: training it on to global "
               f"step {steps}", flush=True)
         (directory / FINISHED_FILE).unlink()
         return True
     accuracy = finished.get("test_accuracy")
-    print(f"[launch] {directory} holds a job that already finished at global step {step}"
+    print(f"[launch] {folder} holds a job that already finished at global step {step}"
           + (f" (test accuracy {accuracy:.4f})" if isinstance(accuracy, float) else "")
           + f": nothing to do; --steps N (N > {step}, the global step to end at) trains it further, another "
-          f"--checkpoint-dir (or removing {directory}) starts afresh", flush=True)
+          f"--checkpoint-dir (or removing {folder}) starts afresh", flush=True)
     return False
 
 

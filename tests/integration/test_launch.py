@@ -155,11 +155,12 @@ class Launch:
 
 
 def launch(args: list[str], *, env: dict[str, str] | None = None, interrupt_when=None, on_line=None,
-           cwd: pathlib.Path = REPO, timeout: float = TIMEOUT) -> Launch:
-    """Runs ps-launch to its end; with `interrupt_when(line)`, sends it SIGINT at the first line that matches;
-    `on_line(line, launcher_pid)` sees every line as it comes (to act on the job while it runs)."""
+           cwd: pathlib.Path = REPO, timeout: float = TIMEOUT, program: list[str] = PS_LAUNCH) -> Launch:
+    """Runs ps-launch (`program`, which must exec it in its own process) to its end; with
+    `interrupt_when(line)`, sends it SIGINT at the first line that matches; `on_line(line, launcher_pid)`
+    sees every line as it comes (to act on the job while it runs)."""
     started = time.monotonic()
-    proc = subprocess.Popen([*PS_LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([*program, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL, cwd=cwd, env=env or environ(), preexec_fn=_default_sigint)
     lines: list[str] = []
     pids: set[int] = set()
