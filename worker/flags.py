@@ -1,7 +1,7 @@
 """ps-worker's and ps-launch's flags, checked before anything slow: this module imports neither torch nor
 grpc, so a mistyped flag or a bad value is one line and exit code 2 at once.
 
-    args = parse_args(argv)          # ps-worker's parser (ps-launch adds its own flags to add_training_flags')
+    args = parse_args(argv)          # ps-worker's parser; ps-launch's adds its own flags to add_training_flags's
     finish_training_flags(args)      # defaults from the model, ranges, the dataset, output folders
     check_specs(args)                # --compression and --partition, parsed by the modules that use them
 """
@@ -280,7 +280,6 @@ def resolve_task(args: argparse.Namespace) -> tuple[Cluster, TaskSpec]:
         raise ClusterConfigError("--dense allreduce: an evaluator cannot see the dense parameters (they live in "
                                  "the workers, not on the shards); the chief reports the test accuracy at the end")
     return cluster, task
-
 
 
 def resolve_security(args: argparse.Namespace) -> Security:

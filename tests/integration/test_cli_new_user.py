@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +68,40 @@ def test_a_bad_flag_is_one_line_and_starts_nothing(args, fragment, tmp_path):
     assert fragment in one_line(result.stderr, "ps-launch: error: ")
     assert "[ps:" not in result.stdout and "serving" not in result.stdout, "a process was started"
     assert time.monotonic() - started < ONE_LINE_BOUND
+
+
+WORKER_TASK = ["--cluster", json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}), "--task-type", "worker",
+               "--dataset", "mnist5k"]
+
+
+@pytest.mark.parametrize("command,args,env,fragment", [
+    ("ps-launch", ["--wrokers", "3"], {}, "unrecognized arguments: --wrokers 3"),
+    ("ps-launch", ["--lr", "-1"], {}, "--lr must be a finite number > 0"),
+    ("ps-launch", ["--metrics-port", "9100", "--dataset", "mnist5k"], {},
+     "--metrics-port 9100 would be the same port for 2 processes on this host: pass --metrics-port 0"),
+    ("ps-launch", ["--entry", "no_such_module:task"], {}, "--entry no_such_module:task: no module 'no_such_module'"),
+    ("ps-launch", ["--entry", "examples.custom_entry:no_such_task"], {}, "custom_entry.py defines no 'no_such_task'"),
+    ("ps-launch", ["--dataset", "nowhere"], {}, "no dataset 'nowhere'"),
+    ("ps-launch", ["--dataset", "mnist5k"], {"TORCHPS_CONNECT_TIMEOUT": "soon"},
+     "TORCHPS_CONNECT_TIMEOUT must be a number of seconds. Received: 'soon'"),
+    ("ps-worker", WORKER_TASK, {}, "no credentials: pass --tls-cert/--tls-key/--tls-ca and/or --token-file"),
+    ("ps-worker", [*WORKER_TASK, "--insecure", "--connect-timeout", "0"], {}, "--connect-timeout must be > 0"),
+    ("ps-worker", [*WORKER_TASK, "--insecure", "--entry", "no_such_module:task"], {}, "no module 'no_such_module'"),
+], ids=["flag", "value", "metrics-port", "entry-module", "entry-function", "dataset", "connect-timeout-env",
+        "worker-no-credentials", "worker-connect-timeout", "worker-entry"])
+def test_a_usage_error_is_one_line_before_torch_or_grpc_is_imported(command, args, env, fragment):
+    """The console scripts check flags first (-X importtime lists what they imported: neither torch nor grpc),
+    and start nothing."""
+    script = pathlib.Path(sys.executable).with_name(command)
+    if not script.is_file():
+        pytest.skip(f"no {command} console script next to {sys.executable}")
+    result = run_cli([sys.executable, "-X", "importtime", str(script), *args], env=environ(**env))
+    imported = {line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    said = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+    assert result.returncode == 2, result.stdout + said
+    assert fragment in one_line(said, f"{command}: error: "), said
+    assert not imported & {"torch", "grpc"}, f"imported before the usage error: {sorted(imported & {'torch', 'grpc'})}"
+    assert result.stdout == "", "something was started:\n" + result.stdout
 
 
 def test_a_chief_that_fails_at_startup_ends_the_job_at_once():
@@ -130,14 +166,27 @@ def start_long_job() -> tuple[subprocess.Popen, set[int]]:
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGKILL], ids=["SIGHUP", "SIGTERM", "SIGKILL"])
 def test_every_child_ends_with_the_launcher(signum):
+    """And the job's credentials with it, on every way out the launcher sees; after SIGKILL, which it cannot
+    see, its folder stays as the README says: each task's files, no CA key."""
     proc, children = start_long_job()
+    job = {pathlib.Path(environ_of(pid)["TORCHPS_TOKEN_FILE"]).parents[1] for pid in children
+           if "TORCHPS_TOKEN_FILE" in environ_of(pid)}
+    assert len(job) == 1 and next(iter(job)).name.startswith("ps-launch-"), job
+    (job,) = job
     try:
         proc.send_signal(signum)
         proc.wait(timeout=30)
         assert_nothing_left(children, grace=20.0)
         if signum != signal.SIGKILL:
             assert proc.returncode == 130
+            assert not job.exists(), f"{job} outlived the job"
+        else:
+            left = sorted(str(p.relative_to(job)) for p in job.rglob("*") if p.is_file() and p.suffix != ".port")
+            tasks = ["ps-0", "ps-1", "worker-0", "worker-1"]
+            assert left == sorted(f"{task}/{name}" for task in tasks for name in (
+                "ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * (task != "worker-1"))), left
     finally:
+        shutil.rmtree(job, ignore_errors=True)
         for pid in children | {proc.pid}:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)

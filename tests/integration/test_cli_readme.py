@@ -202,6 +202,9 @@ def check_ps_launch(command: str, comment: str, clone) -> None:
         assert committed is not None and committed[0] == int(final[3]), "no final checkpoint of the last step"
     if kills is not None:
         kills.check(run)
+    else:  # workers leaving at the end of a job lower a sync quorum: news, not a warning
+        assert not [line for line in run.lines if re.search(r"WARNING .*quorum \d+ -> \d+", line)], run.output
+    assert not [line for line in run.lines if "quorum 0 (" in line], "a quorum reported where there is none"
     assert_nothing_left(run.pids)
 
 

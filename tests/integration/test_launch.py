@@ -258,25 +258,57 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
                                            (["--tokens-only"], "plaintext, job token", False),
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
 def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
-    """The shards say how they are secured; the credentials' folder is mode 0700 while the job runs and
-    gone when ps-launch has ended."""
-    folders, tls_files = [], []
+    """The shards say how they are secured; each process is given only its own files, in a folder of its own
+    (mode 0700) inside the job's (mode 0700), which holds no CA key; all of it gone when ps-launch has ended."""
+    seen: dict[str, dict] = {}  # task -> what it was given, read while the job runs
 
-    def on_line(line: str, _launcher: int) -> None:
-        if (serving := SERVING.search(line)) and not folders:
-            variables = environ_of(serving[1])
-            tls_files.extend(v for k, v in variables.items() if k.startswith("TORCHPS_TLS_"))
-            if "TORCHPS_TOKEN_FILE" in variables:
-                folders.append(pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent)
-                assert folders[0].stat().st_mode & 0o777 == 0o700, oct(folders[0].stat().st_mode)
+    def on_line(line: str, launcher: int) -> None:
+        if line.startswith("[worker:1]") and not seen:  # every process runs by now
+            for pid in descendants(launcher):
+                try:
+                    task = task_of(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+                    variables = {k: v for k, v in environ_of(pid).items() if k.startswith("TORCHPS_")}
+                except OSError:
+                    continue
+                if task is None:
+                    continue
+                seen[task] = {"variables": variables}
+                if variables:
+                    folder = pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent
+                    seen[task].update(folder=folder, files=sorted(p.name for p in folder.iterdir()),
+                                      modes=(folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777),
+                                      everything=sorted(p.name for p in folder.parent.rglob("*")))
 
-    run = launch(["--ps", "1", "--workers", "1", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line)
+    run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line)
     assert run.code == 0, run.output
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and mode in serving[0], serving
-    assert len(folders) == (0 if "--insecure" in flags else 1) and bool(tls_files) == tls, (folders, tls_files)
-    assert not any(folder.exists() for folder in folders), "the credentials outlive the job"
+    assert sorted(seen) == ["ps:0", "worker:0", "worker:1"], seen
+    if "--insecure" in flags:
+        assert all(not given["variables"] for given in seen.values()), seen
+        return
+    wanted = {"TORCHPS_TOKEN_FILE"} | ({"TORCHPS_TLS_CERT", "TORCHPS_TLS_KEY", "TORCHPS_TLS_CA"} if tls else set())
+    for task, given in seen.items():
+        admin = task != "worker:1"  # the shards check the admin token, the chief (worker 0) sends it
+        variables = given["variables"]
+        assert set(variables) == wanted | ({"TORCHPS_ADMIN_TOKEN_FILE"} if admin else set()), (task, variables)
+        assert {pathlib.Path(path).parent for path in variables.values()} == {given["folder"]}, (task, variables)
+        assert given["files"] == sorted(["ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * admin]), given
+        assert given["modes"] == (0o700, 0o700), (task, [oct(m) for m in given["modes"]])
+        assert "ca.key" not in given["everything"], given["everything"]
+    folders = {given["folder"] for given in seen.values()}
+    assert len(folders) == 3 and len({folder.parent for folder in folders}) == 1, folders
+    assert not any(folder.parent.exists() for folder in folders), "the credentials outlive the job"
     assert_nothing_left(run.pids)
+
+
+def task_of(argv: list[str]) -> str | None:
+    """'ps:0', 'worker:1', ... from a child's argv, or None for another process."""
+    if "torchps.ps_server" in argv:
+        return f"ps:{argv[argv.index('--index') + 1]}"
+    if "torchps.worker" in argv and "--task-type" in argv:
+        return f"{argv[argv.index('--task-type') + 1]}:{argv[argv.index('--index') + 1]}"
+    return None
 
 
 def test_a_failing_worker_does_not_stop_the_others(tmp_path):
