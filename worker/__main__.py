@@ -1,7 +1,11 @@
 """`ps-worker`: train (or evaluate) as one task of a torchps cluster.
 
-    TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 1}}' ps-worker --model mlp
-    ps-worker --cluster cluster.json --task-type chief --index 0 --mode sync
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 1}}' ps-worker --model mlp --insecure
+    ps-worker --cluster cluster.json --task-type chief --index 0 --mode sync --tls-cert ... --token-file ...
+
+Its flags are flags.py's (checked there before torch is imported). Without
+credentials (the flags, or the TORCHPS_* variables) it refuses to start unless
+told --insecure, as ps-server does.
 
 The chief (task 'chief', else worker 0) configures the mode and creates the
 variables; other workers wait for them; the evaluator only pulls and evaluates.

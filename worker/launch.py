@@ -7,11 +7,13 @@ Starts `--ps` ps-servers on 127.0.0.1 with free ports, then the chief
 (worker 0, or a separate chief with --chief), the other workers and, with
 --evaluator, an evaluator, each a separate process whose log lines are
 prefixed with its role. ps-worker's flags are accepted and passed to every
-worker (checked first: a bad flag or value stops ps-launch before anything
-starts). Secure by default: a throw-away CA, a certificate per task and the
-tokens are made in a private folder for the job (--credentials DIR: a folder
-ps-certs made instead; --tokens-only: tokens without TLS; --insecure:
-plaintext, no tokens).
+worker (checked first, before torch is imported: a bad flag or value stops
+ps-launch before anything starts). Secure by default: a throw-away CA, a
+certificate per task and the tokens are made in memory for the job, the CA's
+key dropped once they are signed, and each task's files go to a folder of its
+own (jobfolder.py) removed with the job (--credentials DIR: a folder ps-certs
+made instead; --tokens-only: tokens without TLS; --insecure: plaintext, no
+tokens).
 
 With --dense allreduce the chief's cluster entry gets a port free when the
 job starts (the all-reduce group meets there, unless --allreduce-port says
