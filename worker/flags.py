@@ -25,8 +25,8 @@ from .datasets import DatasetNotFoundError, check_dataset, default_dataset_name
 from .observe import parse_step_range
 
 __all__ = ["MODEL_DEFAULTS", "DEFAULT_PARTITION", "add_training_flags", "add_security_flags", "check_entry",
-           "check_output", "check_specs", "default_lr", "finish_training_flags", "parse_args", "preflight", "resolve_security",
-           "resolve_task"]
+           "check_output", "check_specs", "default_lr", "finish_training_flags", "parse_args", "preflight",
+           "resolve_security", "resolve_task"]
 
 DEFAULT_PARTITION = "min_size"
 # A worker waits this long for a shard it cannot reach before it gives up: long enough for a pod to be

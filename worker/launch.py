@@ -56,7 +56,8 @@ from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..security import ENV
 from .datasets import DatasetNotFoundError, default_dataset_name
-from .flags import DEFAULT_PARTITION, add_training_flags, check_entry, check_output, check_specs, finish_training_flags
+from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_output, check_specs,
+                    finish_training_flags)
 from .jobfolder import JobFolder
 from .local_cluster import ps_server_command
 

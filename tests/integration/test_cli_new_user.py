@@ -96,7 +96,8 @@ def test_a_usage_error_is_one_line_before_torch_or_grpc_is_imported(command, arg
     if not script.is_file():
         pytest.skip(f"no {command} console script next to {sys.executable}")
     result = run_cli([sys.executable, "-X", "importtime", str(script), *args], env=environ(**env))
-    imported = {line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    imported = {line.rpartition("|")[2].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
     said = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
     assert result.returncode == 2, result.stdout + said
     assert fragment in one_line(said, f"{command}: error: "), said
@@ -198,8 +199,8 @@ def waiting_worker(extra_env: dict | None = None) -> subprocess.Popen:
     """A ps-worker (worker:1) waiting for a chief that never comes, against one insecure shard."""
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
     return subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "1",
-                             "--dataset", "mnist5k", "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})),
+                             "--dataset", "mnist5k", "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})),
                             # a shell without job control starts background jobs with SIGINT ignored, and the
                             # worker would inherit that: give it the disposition a terminal user's Ctrl-C meets
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
