@@ -6,13 +6,16 @@ waits longer than `timeout`. A shard that cannot be reached (UNAVAILABLE), or
 that refuses a call at its waiting-call limit (RESOURCE_EXHAUSTED, which
 changes nothing), is retried with exponential backoff and jitter for up to
 `connect_timeout` from the first failure, then ServerUnavailableError (or
-ResourceExhaustedError) names the address. Every call torchps makes may be
+ResourceExhaustedError) names the address. While a shard cannot be reached,
+a line every PROGRESS_SECONDS (logging, INFO) names it, its address and what
+answers there. Every call torchps makes may be
 retried: creates and optimizer updates are idempotent, and pushes carry
 numbers that shards deduplicate.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -24,16 +27,18 @@ from .. import wire
 from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
 from ..errors import ResourceExhaustedError, ServerUnavailableError
 from ..proto import ps_pb2, ps_pb2_grpc
-from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose_tls
+from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
 
 __all__ = ["ShardChannels", "Backoff"]
 
+_LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 _MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + ENVELOPE_BYTES
 BACKOFF_FIRST_SECONDS = 0.05   # first pause after a failed attempt
 BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a random factor in [0.5, 1.5)
 DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a TLS mismatch
+PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answers at its address
 
 
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
@@ -145,20 +150,26 @@ class ShardChannels:
         return f"ps:{shard} at {self.addresses[shard]}"
 
     def wait_ready(self, shard: int, deadline: float) -> None:
-        """Blocks until the shard's channel connects; ServerUnavailableError at `deadline` (monotonic), or
-        at once, naming the cause, when the shard answers but TLS cannot work (see security.diagnose_tls).
+        """Blocks until the shard's channel connects, logging every PROGRESS_SECONDS what it waits for;
+        ServerUnavailableError at `deadline` (monotonic), or at once, naming the cause, when what answers
+        cannot work: TLS on one side only, a certificate refused, not a gRPC server (security.diagnose).
 
         The wait is a GetStatus call that waits for the connection (wait_for_ready): any answer, a refusal
         included, means connected. Not grpc.channel_ready_future: its watcher thread outlives a cancel by
         up to 0.2 s and, if the channel closes meanwhile (an interrupted client), prints a traceback."""
-        if not self._probe(shard, min(DIAGNOSE_AFTER_SECONDS, deadline - time.monotonic())):
-            cause = diagnose_tls(self.addresses[shard], self.security)
-            if cause is not None:
-                raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {cause}")
-            if not self._probe(shard, deadline - time.monotonic()):
+        started, wait = time.monotonic(), DIAGNOSE_AFTER_SECONDS
+        while not self._probe(shard, min(wait, deadline - time.monotonic())):
+            found, hopeless = diagnose(self.addresses[shard], self.security)
+            if hopeless:
+                raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {found}")
+            waited, limit = time.monotonic() - started, deadline - started
+            if waited >= limit:
                 raise ServerUnavailableError(
-                    f"could not reach {self.target(shard)} within {self.connect_timeout:g} s; "
-                    f"is ps-server running there and is the address right?")
+                    f"could not reach {self.target(shard)} within {limit:.0f} s: {found}; is ps-server running "
+                    f"there and is the address right? (to wait longer: connect_timeout, ps-worker's "
+                    f"--connect-timeout or TORCHPS_CONNECT_TIMEOUT)")
+            _LOGGER.info("waiting for %s: %s (%.0f s of %.0f s)", self.target(shard), found, waited, limit)
+            wait = PROGRESS_SECONDS
         self._ready[shard] = True
 
     def _probe(self, shard: int, timeout: float) -> bool:

@@ -271,7 +271,9 @@ class PSClient(DataPath, TablePath):
     def _wait_listed(self, groups: Mapping[int, list[str]], method: str, timeout: float) -> None:
         """Blocks until each shard's `method` (ListVariables, ListTables) finds every name of its group, asking
         with short server-side waits; WaitTimeoutError naming the missing ones after `timeout` s."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        what = "variables" if method == "ListVariables" else "tables"
 
         def wait(shard: int, shard_names: list[str]) -> None:
             while True:  # short server-side waits, so waiting workers never hold a shard's threads for long
@@ -286,6 +288,9 @@ class PSClient(DataPath, TablePath):
                     if time.monotonic() >= deadline:
                         raise WaitTimeoutError(str(exc).replace(f"waited {request.wait_seconds:g} s",
                                                                 f"waited {timeout:g} s")) from None
+                    _LOGGER.info("waiting for the chief (%s) to create %d %s on %s (%.0f s of %.0f s)",
+                                 self.cluster.chief_task, len(shard_names), what, self._channels.target(shard),
+                                 time.monotonic() - started, timeout)
 
         self._each_shard(groups, wait)
 

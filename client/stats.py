@@ -61,6 +61,8 @@ class WorkerStats:
                     "bytes_copied": self.bytes_copied}
 
     def summary(self) -> str:
+        """A log line; the quorum only where there is one (sync mode: shard 0 reports it with every push)."""
         d = self.as_dict()
+        quorum = f", quorum {d['quorum']} ({d['quorum_changes']} changes)" if d["quorum"] else ""
         return (f"{d['pushes']} pushes, {d['steps_per_second']:.1f} steps/s, waited {d['wait_seconds']:.2f} s for "
-                f"release, {d['stale_dropped']} stale dropped, quorum {d['quorum']} ({d['quorum_changes']} changes)")
+                f"release, {d['stale_dropped']} stale dropped{quorum}")

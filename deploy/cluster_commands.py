@@ -10,7 +10,7 @@ and the shards admin-token; never ca.key), then run each task's line on the
 host it names (by ssh, a scheduler, or a container entrypoint). Flags after
 `--` go to every ps-worker, except --checkpoint-dir, which goes to the
 ps-servers. Every process gets the same TF_CONFIG cluster and its own task,
-exactly as a Kubeflow TFJob sets it. Without --credentials the shards run
+exactly as a Kubeflow TFJob sets it. Without --credentials every task runs
 --insecure (a trusted network only).
 """
 
@@ -26,7 +26,7 @@ from torchps.client import Cluster, TaskSpec
 def security_flags(cluster: Cluster, task: TaskSpec, credentials: str | None) -> list[str]:
     """The flags naming `task`'s files in the credentials folder (as ps-certs writes it), or --insecure."""
     if credentials is None:
-        return ["--insecure"] if task.type == "ps" else []
+        return ["--insecure"]
     stem = f"{credentials}/{task.type}-{task.index}"
     flags = ["--tls-cert", f"{stem}.crt", "--tls-key", f"{stem}.key", "--tls-ca", f"{credentials}/ca.crt",
              "--token-file", f"{credentials}/token"]

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchps.certs import TaskCredentials, make_job_credentials
+from torchps.certs import TaskCredentials, issue_job_credentials
 from torchps.client import Cluster, Optimizer, PSClient, TaskSpec
 from torchps.security import INSECURE
 from torchps.worker.data import DatasetNotFoundError, batches, default_dataset_name, load_dataset, shard_indices
@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.insecure:  # the tasks as they will be (addresses matter only as 127.0.0.1 in certificates)
             tasks = Cluster(ps=tuple(f"127.0.0.1:{1 + i}" for i in range(args.ps)),
                             worker=tuple(f"127.0.0.1:{1 + args.ps + i}" for i in range(args.workers)))
-            credentials = make_job_credentials(pathlib.Path(private) / "credentials", tasks, days=1)
+            issued = issue_job_credentials(tasks, days=1)  # in memory; the CA's key is not kept
+            credentials = {task: issued.write_task(task, pathlib.Path(private) / f"{task.type}-{task.index}")
+                           for task, _ in tasks.tasks()}  # each process gets only its own files
             # every shard serves with ps:0's certificate: LocalCluster gives all shards the same flags
             shard_flags = credentials[TaskSpec("ps", 0)].flags()
         with LocalCluster(num_ps=args.ps, workers=args.workers, server_args=shard_flags) as local:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchps.certs import TaskCredentials, make_job_credentials
+from torchps.certs import TaskCredentials, issue_job_credentials
 from torchps.client import Cluster, ClusterConfigError, EmbeddingBag, Optimizer, PSClient, TaskSpec, prefetch_rows
 from torchps.security import INSECURE
 from torchps.worker.local_cluster import LocalCluster
@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.insecure:  # the tasks as they will be (addresses matter only as 127.0.0.1 in certificates)
             tasks = Cluster(ps=tuple(f"127.0.0.1:{1 + i}" for i in range(args.ps)),
                             worker=tuple(f"127.0.0.1:{1 + args.ps + i}" for i in range(args.workers)))
-            credentials = make_job_credentials(pathlib.Path(private) / "credentials", tasks, days=1)
+            issued = issue_job_credentials(tasks, days=1)  # in memory; the CA's key is not kept
+            credentials = {task: issued.write_task(task, pathlib.Path(private) / f"{task.type}-{task.index}")
+                           for task, _ in tasks.tasks()}  # each process gets only its own files
             shard_flags = credentials[TaskSpec("ps", 0)].flags()  # LocalCluster gives all shards the same flags
         with LocalCluster(num_ps=args.ps, workers=args.workers, server_args=shard_flags) as local:
             print(f"ps shards on {', '.join(local.cluster.ps)} "

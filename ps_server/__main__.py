@@ -24,7 +24,7 @@ from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server, serve_health, set_health
-from ..security import Security
+from ..security import Security, require_credentials
 from .journal import Journal
 from .metrics import ShardMetrics
 from .quotas import Quotas, parse_bytes
@@ -159,14 +159,9 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
 
 def load_security(args: argparse.Namespace) -> Security:
     """The shard's credentials; ClusterConfigError unless it has some or was told --insecure."""
-    security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                             token_file=args.token_file, admin_token_file=args.admin_token_file)
-    if security.insecure and not args.insecure:
-        raise ClusterConfigError("no credentials: pass --tls-cert/--tls-key/--tls-ca and/or --token-file (ps-certs "
-                                 "makes them; ps-launch does it for you), or --insecure on a trusted network")
-    if args.insecure and not security.insecure:
-        raise ClusterConfigError("--insecure contradicts the TLS or token flags given")
-    return security
+    return require_credentials(Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                             token_file=args.token_file, admin_token_file=args.admin_token_file),
+                               args.insecure)
 
 
 def open_journal(args: argparse.Namespace, index: int) -> Journal | None:
@@ -209,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None
         stop = threading.Event()
+        metrics = ShardMetrics(args.metrics_port) if args.metrics_port is not None else None
         server, port, coordinator = create_server(
             store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
             max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
             journal=journal, on_shutdown=lambda reason: stop.set(), security=security,
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
-            metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None,
+            metrics=metrics,
             reflection=args.reflection)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
@@ -242,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     _LOGGER.info("ps %d uses %d torch thread(s) for updates and lookups", index, torch.get_num_threads())
     _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                  "INSECURE: no TLS, no token" if security.insecure else mode)
+    if metrics is not None:
+        _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
     stop.wait()
     _LOGGER.info("ps %d stopping", index)
     set_health(health_servicer, serving=False)

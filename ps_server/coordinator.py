@@ -245,7 +245,7 @@ class Coordinator(PushPath):
         with self._cond:
             if self.membership.leave(worker, incarnation):
                 _LOGGER.info("%s left", worker)
-                self._membership_changed(worker)
+                self._membership_changed(worker, left=True)
 
     def live_workers(self) -> int:
         with self._cond:
@@ -432,21 +432,23 @@ class Coordinator(PushPath):
             live = max(live, waiting)
         return quorum_for(self.config, live)
 
-    def _update_quorum(self) -> None:
+    def _update_quorum(self, left: bool = False) -> None:
+        """Recomputes the quorum; a drop is a warning unless a worker left (its job done), a rise never is."""
         quorum = self._compute_quorum()
         if quorum != self._quorum and self.config.mode == "sync":
             self.quorum_changes += 1
-            _LOGGER.warning("quorum %d -> %d (%d live workers) at step %d",
-                            self._quorum, quorum, self.membership.live(), self.store.step)
+            _LOGGER.log(logging.WARNING if quorum < self._quorum and not left else logging.INFO,
+                        "quorum %d -> %d (%d live workers) at step %d",
+                        self._quorum, quorum, self.membership.live(), self.store.step)
         self._quorum = quorum
 
-    def _membership_changed(self, *workers: str) -> None:
+    def _membership_changed(self, *workers: str, left: bool = False) -> None:
         """Recomputes the quorum; journals the members that changed (holds _cond: bookkeeping only, which a
         compaction reads and rotates under this same lock)."""
         for worker in workers:
             self._log("member", {"worker": worker, **self.membership.export_member(worker),
                                  "retired": list(self.membership.retired.get(worker, ()))})
-        self._update_quorum()
+        self._update_quorum(left)
         self._cond.notify_all()
         self._reaper_wake.notify()
 

@@ -13,12 +13,22 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null &
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) >/dev/null \
         || echo "install.sh: could not install dataset-fashion-mnist; examples fall back to MNIST 5k" >&2
 fi
-# Debian's Prometheus server, for the test that has it scrape a shard (skipped without it). Its service is
-# not started (policy-rc.d answers 101 during the install): the test runs its own, on 127.0.0.1.
-if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
-        && [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
-        >/dev/null || echo "install.sh: could not install prometheus; its test will be skipped" >&2
-    rm -f /usr/sbin/policy-rc.d
+# Debian's Prometheus server, for the test that has it scrape a shard (skipped without it). Its service must not
+# start (the test runs its own, on 127.0.0.1): during the install /usr/sbin/policy-rc.d answers 101 ("not
+# allowed"). A policy-rc.d already there (Debian and Docker images ship one) is put back as it was afterwards.
+if ! command -v prometheus >/dev/null; then
+    if ! command -v apt-get >/dev/null || [ "$(id -u)" != 0 ]; then
+        echo "install.sh: Debian's prometheus not installed (that needs apt-get and root); its test will be skipped" >&2
+    else
+        policy=/usr/sbin/policy-rc.d
+        kept=""
+        if [ -e "$policy" ]; then kept=$(mktemp) && cp -p "$policy" "$kept"; fi
+        put_back() { if [ -n "$kept" ]; then cp -p "$kept" "$policy" && rm -f "$kept"; else rm -f "$policy"; fi; }
+        trap put_back EXIT
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+            >/dev/null || echo "install.sh: could not install prometheus; its test will be skipped" >&2
+        put_back
+        trap - EXIT
+    fi
 fi

@@ -77,6 +77,12 @@ def test_server_imports_nothing_from_the_client_or_the_worker(loaded_after):
     assert not [m for m in modules if m.startswith(("torchps.client", "torchps.worker"))]
 
 
+def test_the_command_lines_flags_import_neither_torch_nor_grpc():
+    """ps-worker's flags and all of ps-launch until its flags are checked: a usage error is one line at once."""
+    modules = loaded_after("import torchps.worker.flags, torchps.worker.launch")
+    assert not [m for m in modules if m.split(".")[0] in ("torch", "grpc")]
+
+
 @pytest.mark.parametrize("module", CORE)
 def test_core_never_imports_grpc(module, loaded_after):
     modules = loaded_after(f"import {module}")

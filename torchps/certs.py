@@ -37,8 +37,8 @@ from .cluster import Cluster, TaskSpec
 from .errors import ClusterConfigError
 from .security import Security
 
-__all__ = ["TaskCredentials", "make_job_credentials", "read_job_credentials", "kubernetes_secrets", "role_of",
-           "main"]
+__all__ = ["JobCredentials", "TaskCredentials", "issue_job_credentials", "make_job_credentials",
+           "read_job_credentials", "kubernetes_secrets", "role_of", "main"]
 
 VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
 TOKEN_BYTES = 32
@@ -106,12 +106,59 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
-                         ) -> dict[TaskSpec, TaskCredentials]:
-    """Writes a CA, a certificate per task and the tokens into `directory` (made with mode 0700)."""
+@dataclasses.dataclass(frozen=True)
+class JobCredentials:
+    """A job's credentials in memory (PEM bytes): the CA's certificate, each task's certificate and key, the
+    tokens, and the CA's key only if it was kept (ps-certs writes it; ps-launch never keeps it, so no
+    certificate can be added to a job it ran)."""
+
+    cluster: Cluster
+    ca_cert: bytes
+    token: bytes
+    admin_token: bytes
+    tasks: dict[TaskSpec, tuple[bytes, bytes]]  # task -> (certificate, key)
+    ca_key: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def write(self, directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]:
+        """Every file into `directory` (made with mode 0700) as ps-certs lays them out; ca.key if kept."""
+        directory = _private_dir(directory)
+        _write(directory / "ca.crt", self.ca_cert, secret=False)
+        if self.ca_key is not None:
+            _write(directory / "ca.key", self.ca_key, secret=True)
+        _write(directory / "token", self.token, secret=True)
+        _write(directory / "admin-token", self.admin_token, secret=True)
+        out = {}
+        for task, (cert, key) in self.tasks.items():
+            out[task] = files = TaskCredentials.of(directory, self.cluster, task)
+            _write(files.cert, cert, secret=False)
+            _write(files.key, key, secret=True)
+        return out
+
+    def write_task(self, task: TaskSpec, directory: str | os.PathLike) -> TaskCredentials:
+        """Only `task`'s files into `directory` (made with mode 0700), named as in its Kubernetes Secret:
+        ca.crt, tls.crt, tls.key, token, and admin-token for the chief and the shards."""
+        directory = _private_dir(directory)
+        cert, key = self.tasks[task]
+        files = TaskCredentials(directory / "tls.crt", directory / "tls.key", directory / "ca.crt",
+                                directory / "token",
+                                directory / "admin-token" if role_of(self.cluster, task) in ("chief", "ps") else None)
+        for path, data, secret in ((files.ca, self.ca_cert, False), (files.cert, cert, False), (files.key, key, True),
+                                   (files.token, self.token, True), (files.admin_token, self.admin_token, True)):
+            if path is not None:
+                _write(path, data, secret=secret)
+        return files
+
+
+def _private_dir(directory: str | os.PathLike) -> pathlib.Path:
     directory = pathlib.Path(directory)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
+    return directory
+
+
+def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_key: bool = False) -> JobCredentials:
+    """A new CA, a certificate and key per task of `cluster`, and the tokens, in memory only. The CA's key is
+    dropped once every certificate is signed, unless `keep_ca_key`."""
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -121,11 +168,7 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
                .not_valid_before(start).not_valid_after(end)
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .sign(ca_key, hashes.SHA256()))
-    _write(directory / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM), secret=False)
-    _write(directory / "ca.key", _pem_key(ca_key), secret=True)
-    _write(directory / "token", secrets.token_urlsafe(TOKEN_BYTES).encode(), secret=True)
-    _write(directory / "admin-token", secrets.token_urlsafe(TOKEN_BYTES).encode(), secret=True)
-    out = {}
+    tasks = {}
     for task, address in cluster.tasks():
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder().subject_name(_name(str(task), role_of(cluster, task)))
@@ -136,10 +179,17 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(ca_key, hashes.SHA256()))
-        out[task] = files = TaskCredentials.of(directory, cluster, task)
-        _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), secret=False)
-        _write(files.key, _pem_key(key), secret=True)
-    return out
+        tasks[task] = (cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+    return JobCredentials(cluster, ca_cert.public_bytes(serialization.Encoding.PEM),
+                          secrets.token_urlsafe(TOKEN_BYTES).encode(), secrets.token_urlsafe(TOKEN_BYTES).encode(),
+                          tasks, _pem_key(ca_key) if keep_ca_key else None)
+
+
+def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
+                         ) -> dict[TaskSpec, TaskCredentials]:
+    """Writes a CA (its key included), a certificate per task and the tokens into `directory` (made with mode
+    0700), as ps-certs does."""
+    return issue_job_credentials(cluster, days=days, keep_ca_key=True).write(directory)
 
 
 def read_job_credentials(directory: str | os.PathLike, cluster: Cluster) -> dict[TaskSpec, TaskCredentials]:

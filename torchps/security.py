@@ -33,7 +33,7 @@ import tempfile
 from .errors import ClusterConfigError
 
 __all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS", "allowed_methods",
-           "diagnose_tls", "ENV"]
+           "diagnose", "ENV", "require_credentials"]
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
@@ -121,6 +121,17 @@ class Security:
 INSECURE = Security()
 
 
+def require_credentials(security: Security, insecure: bool) -> Security:
+    """`security`, if it has credentials and --insecure was not given, or if it has none and --insecure was;
+    else ClusterConfigError (one line) saying what to pass. ps-server and ps-worker alike."""
+    if security.insecure and not insecure:
+        raise ClusterConfigError("no credentials: pass --tls-cert/--tls-key/--tls-ca and/or --token-file (ps-certs "
+                                 "makes them; ps-launch does it for you), or --insecure on a trusted network")
+    if insecure and not security.insecure:
+        raise ClusterConfigError("--insecure contradicts the TLS or token flags given")
+    return security
+
+
 def _expired(cert: bytes) -> str | None:
     """The date a PEM certificate's validity ended, if it has; else None."""
     from cryptography import x509  # only when diagnosing: clients without TLS never need it
@@ -129,23 +140,58 @@ def _expired(cert: bytes) -> str | None:
     return f"{not_after:%Y-%m-%d %H:%M} UTC" if not_after < datetime.datetime.now(datetime.timezone.utc) else None
 
 
-def diagnose_tls(address: str, security: Security, timeout: float = 3.0) -> str | None:
-    """Why a connection to `address` fails at the TLS level, in one phrase, or None if it does not.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)  # and an empty SETTINGS frame
 
-    Used when a channel cannot connect, so that a plaintext client against a
-    TLS shard, a certificate from another CA, or an expired one is named
-    instead of reported as an unreachable shard.
-    """
+
+def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[str, bool]:
+    """What answers at `address`, in one phrase, and whether waiting cannot help (a TLS mismatch, a bad
+    certificate, something that is not a gRPC server): used while a channel cannot connect, so that the
+    wait says what it waits for, and a mismatch is named at once instead of reported as an unreachable
+    shard. Opens one or two short connections; never raises."""
     if security.tls:
         ended = _expired(security.cert)
         if ended:
-            return f"this client's certificate expired on {ended}"
+            return f"this client's certificate expired on {ended}", True
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
         raw = socket.create_connection((host, int(port)), timeout=timeout)
-    except OSError:
-        return None  # nothing listens there: not a TLS problem
+    except ConnectionRefusedError:
+        return "nothing listens there yet (connection refused)", False
+    except socket.gaierror:
+        return f"the name {host} does not resolve (yet)", False
+    except (OSError, ValueError) as exc:
+        return f"it cannot be reached ({getattr(exc, 'strerror', None) or exc})", False
+    try:
+        raw.settimeout(timeout)
+        raw.sendall(_H2_PREFACE)
+        reply = raw.recv(64)
+    except (ConnectionResetError, BrokenPipeError):
+        reply = b""  # it hung up
+    except OSError:  # a timeout: it listens but says nothing yet (a shard binds its port before it serves)
+        return "something listens there but does not answer yet", False
+    finally:
+        raw.close()
+    if reply[3:4] == b"\x04":  # an HTTP/2 SETTINGS frame: a plaintext gRPC server
+        if security.tls:
+            return ("a plaintext gRPC server answers there, not a TLS one (a shard started with --insecure?): start "
+                    "the shard with the job's TLS files too"), True
+        return "a gRPC server answers there but is not serving yet", False
+    if reply.startswith(b"HTTP/"):
+        status = reply.splitlines()[0].decode(errors="replace")
+        return f"this is not a gRPC server (it answers HTTP/1: {status!r}): is the address right?", True
+    if reply:
+        return f"this is not a gRPC server (it answered {reply[:16]!r}): is the address right?", True
+    return _diagnose_tls(host, int(port), security, timeout)  # it hung up: a TLS server does, so does a proxy
+
+
+def _diagnose_tls(host: str, port: int, security: Security, timeout: float) -> tuple[str, bool]:
+    """diagnose() for a listener that hangs up on plaintext HTTP/2: a TLS handshake tells a TLS server (and
+    what it thinks of this client's certificate) from one that drops every connection."""
+    try:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        return f"it cannot be reached ({exc.strerror or exc})", False
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     if security.tls:
@@ -163,32 +209,33 @@ def diagnose_tls(address: str, security: Security, timeout: float = 3.0) -> str 
             handshaken = True
             tls.settimeout(timeout)
             try:  # a gRPC server answers HTTP/2's preface; one that refused our certificate closes instead
-                tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                tls.sendall(_H2_PREFACE)
                 if tls.recv(1) == b"" and security.tls:
-                    return "the shard refused this client's certificate (signed by another CA?)"
+                    return "the shard refused this client's certificate (signed by another CA?)", True
             except (socket.timeout, ssl.SSLWantReadError):
                 pass
     except ssl.SSLCertVerificationError as exc:
         reason = exc.verify_message or str(exc)
         if "expired" in reason:
-            return f"the shard's certificate has expired ({reason})"
-        return f"the shard's certificate does not verify against this client's --tls-ca ({reason})"
+            return f"the shard's certificate has expired ({reason})", True
+        return f"the shard's certificate does not verify against this client's --tls-ca ({reason})", True
     except ssl.SSLError as exc:
         if isinstance(exc, ssl.SSLEOFError) and not handshaken:
-            return None  # the connection was dropped mid-handshake (a proxy, a restart): no TLS mismatch
+            return "it closes every connection at once (a shard restarting, or a proxy with nothing behind it)", False
         reason = exc.reason or str(exc)
-        if not security.tls:
-            return None if "WRONG_VERSION_NUMBER" in reason else \
-                "the shard requires TLS: pass the job's --tls-cert, --tls-key and --tls-ca"
         if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
-            return "the shard does not speak TLS (started with --insecure?): drop the TLS flags or secure the shard"
+            return "this is not a gRPC server (it hangs up on HTTP/2 and speaks no TLS): is the address right?", True
+        if not security.tls:
+            return "the shard requires TLS: pass the job's --tls-cert, --tls-key and --tls-ca", True
         if "EXPIRED" in reason:
-            return f"the shard refused this client's certificate as expired ({reason})"
+            return f"the shard refused this client's certificate as expired ({reason})", True
         if "UNKNOWN_CA" in reason or "CERTIFICATE" in reason or "BAD_CERTIFICATE" in reason:
-            return f"the shard refused this client's certificate (signed by another CA?) ({reason})"
-        return f"TLS handshake failed: {reason}"
+            return f"the shard refused this client's certificate (signed by another CA?) ({reason})", True
+        return f"TLS handshake failed: {reason}", True
     except OSError:
-        return None
+        return "it closes every connection at once (a shard restarting, or a proxy with nothing behind it)", False
     finally:
         raw.close()
-    return None if security.tls else "the shard requires TLS: pass the job's --tls-cert, --tls-key and --tls-ca"
+    if not security.tls:
+        return "the shard requires TLS: pass the job's --tls-cert, --tls-key and --tls-ca", True
+    return "a TLS gRPC server answers there but is not serving yet", False

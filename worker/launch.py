@@ -7,22 +7,31 @@ Starts `--ps` ps-servers on 127.0.0.1 with free ports, then the chief
 (worker 0, or a separate chief with --chief), the other workers and, with
 --evaluator, an evaluator, each a separate process whose log lines are
 prefixed with its role. ps-worker's flags are accepted and passed to every
-worker (checked first: a bad flag or value stops ps-launch before anything
-starts). Secure by default: a throw-away CA, a certificate per task and the
-tokens are made in a private folder for the job (--credentials DIR: a folder
-ps-certs made instead; --tokens-only: tokens without TLS; --insecure:
-plaintext, no tokens).
+worker (checked first, before torch is imported: a bad flag or value stops
+ps-launch before anything starts). Secure by default: a throw-away CA, a
+certificate per task and the tokens are made in memory for the job, the CA's
+key dropped once they are signed, and each task's files go to a folder of its
+own (jobfolder.py) removed with the job (--credentials DIR: a folder ps-certs
+made instead; --tokens-only: tokens without TLS; --insecure: plaintext, no
+tokens).
 
 With --dense allreduce the chief's cluster entry gets a port free when the
 job starts (the all-reduce group meets there, unless --allreduce-port says
 otherwise), and a worker lost stops the others (the group cannot go on).
 
-A worker that dies does not stop the others; the chief failing, the end of
-training, Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also
-dies with the launcher if it is killed (the parent-death signal). The exit
-code is 0, 1 if a process failed and was not restarted (its last lines are
-shown), 2 for a usage error (one line, nothing started; or a shard refusing
-its configuration), 130 if interrupted.
+A worker that dies does not stop the others; the chief failing, a shard
+failing (unless --restart-on-failure brings it back), the end of training,
+Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also dies with
+the launcher if it is killed (the parent-death signal). Once the chief has
+ended the job nothing is restarted. The exit code is 0, 1 if a process
+failed and was not restarted (its last lines are shown), 2 for a usage error
+(one line, nothing started; or a shard refusing its configuration), 130 if
+interrupted.
+
+With --checkpoint-dir, a job that ends well is noted in the folder
+(job-finished.json); run again on that folder, ps-launch says so in one line
+and exits 0 instead of resuming a job that has ended, unless --steps asks
+for more global steps than it reached.
 """
 
 from __future__ import annotations
@@ -37,21 +46,21 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import typing
 
-from ..certs import TaskCredentials, make_job_credentials, read_job_credentials
-from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
+from ..certs import issue_job_credentials, read_job_credentials
+from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser, grpc_log_env
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..forkserver import ForkedChild, ProcessStarter
 from ..security import ENV
-from .__main__ import add_training_flags, check_output, finish_training_flags
-from .data import DatasetNotFoundError, default_dataset_name
+from .datasets import DatasetNotFoundError, default_dataset_name
+from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_output, check_specs,
+                    finish_training_flags)
+from .jobfolder import JobFolder
 from .local_cluster import SHARD_MODULE
-from .models import load_init, new_model, read_init
 
 __all__ = ["main", "Launcher"]
 
@@ -61,6 +70,7 @@ TAIL_LINES = 15
 WORKER_MODULE = "torchps.worker.__main__"
 MAX_RESTARTS = 3  # per task, with --restart-on-failure
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
+FINISHED_FILE = "job-finished.json"  # in --checkpoint-dir: the summary of a job that ended well
 
 
 class StartError(Exception):
@@ -105,10 +115,11 @@ class Launcher:
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
                  secure: bool = True, tls: bool = True, credentials: str | os.PathLike | None = None,
-                 out=sys.stdout, rendezvous_port: bool = False):
+                 out=sys.stdout, rendezvous_port: bool = False, log_level: str = "INFO"):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
         self.worker_args = worker_args + (["--keep-ps"] if evaluator else [])  # the evaluator sees the end too
-        self.ps_args = list(ps_args)
+        self.ps_args = [*ps_args, "--log-level", log_level]
+        self.log_level = log_level
         self.restart_on_failure = restart_on_failure
         self.rendezvous_port = rendezvous_port  # --dense allreduce: the chief's entry gets a port free now
         self.restarts: collections.Counter[TaskSpec] = collections.Counter()
@@ -118,16 +129,15 @@ class Launcher:
         self.procs: dict[TaskSpec, Proc] = {}
         self.starter = ProcessStarter()  # every child forked from one warm interpreter
         self._print_lock = threading.Lock()
-        self._tmp = tempfile.TemporaryDirectory(prefix="ps-launch-")  # mode 0700
         self.cluster: Cluster | None = None
         self.summary: dict | None = None  # the chief's final summary line, parsed
-        self.credentials: dict[TaskSpec, TaskCredentials] | None = None
-        self.tls = tls
-        if credentials is not None:
-            self.credentials = read_job_credentials(credentials, job_tasks(num_ps, workers, chief, evaluator))
-        elif secure:
-            self.credentials = make_job_credentials(pathlib.Path(self._tmp.name) / "credentials",
-                                                    job_tasks(num_ps, workers, chief, evaluator), days=1)
+        tasks = job_tasks(num_ps, workers, chief, evaluator)
+        # The user's folder is only read. Made here, the credentials live in memory (the CA's key not even
+        # there, once the certificates are signed) and each task's files in its own subfolder of the job's
+        # folder, which close() removes.
+        user_files = read_job_credentials(credentials, tasks) if credentials is not None else None
+        issued = issue_job_credentials(tasks, days=1) if credentials is None and secure else None
+        self.folder = JobFolder(credentials=issued, user_files=user_files, tls=tls)
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -135,14 +145,8 @@ class Launcher:
 
     def _spawn(self, task: TaskSpec, module: str, argv: list[str]) -> Proc:
         env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
-        if self.credentials is not None:
-            files = self.credentials[task]
-            env[ENV["token_file"]] = str(files.token)
-            if self.tls:
-                env.update({ENV["tls_cert"]: str(files.cert), ENV["tls_key"]: str(files.key),
-                            ENV["tls_ca"]: str(files.ca)})
-            if files.admin_token is not None:
-                env[ENV["admin_token_file"]] = str(files.admin_token)
+        env.update(self.folder.credential_env(task))  # this task's own files, nobody else's
+        env.update(grpc_log_env(self.log_level, env))
         # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops workers before
         # shards. Should the launcher die without stopping them, the kernel kills them all (the parent-death
         # signal is SIGKILL: a shard that had to be stopped cleanly could hang, and its journal keeps what it
@@ -193,13 +197,15 @@ class Launcher:
         return self.cluster
 
     def _port_file(self, index: int) -> pathlib.Path:
-        return pathlib.Path(self._tmp.name) / f"ps{index}.port"
+        return self.folder.port_file(index)
+
+    def _insecure(self) -> list[str]:
+        return [] if self.folder.secure else ["--insecure"]
 
     def _spawn_ps(self, index: int, port: int) -> Proc:
         self._port_file(index).unlink(missing_ok=True)
-        insecure = [] if self.credentials else ["--insecure"]
         return self._spawn(TaskSpec("ps", index), SHARD_MODULE, [
-            "--index", str(index), "--num-ps", str(self.num_ps), "--bind", f"127.0.0.1:{port}", *insecure,
+            "--index", str(index), "--num-ps", str(self.num_ps), "--bind", f"127.0.0.1:{port}", *self._insecure(),
             "--port-file", str(self._port_file(index)), *self.ps_args])
 
     def _wait_port(self, index: int) -> int:
@@ -221,7 +227,7 @@ class Launcher:
 
     def start_task(self, task: TaskSpec) -> Proc:
         argv = ["--cluster", json.dumps(self.cluster.to_dict()), "--task-type", task.type, "--index", str(task.index),
-                *self.worker_args]
+                *self.worker_args, *self._insecure()]
         if task == self.cluster.chief_task and self.metrics_out:
             argv += ["--metrics-out", str(self.metrics_out)]
         return self._spawn(task, WORKER_MODULE, argv)
@@ -247,10 +253,13 @@ class Launcher:
             self.close()
 
     def close(self) -> None:
-        """Stops every process, then the fork server, and removes the job's private folder."""
-        self.stop()
-        self.starter.close()
-        self._tmp.cleanup()
+        """Stops every process, then the fork server, and removes the job's private folder (its credentials
+        with it)."""
+        try:
+            self.stop()
+            self.starter.close()
+        finally:
+            self.folder.remove()
 
     def _show_tail(self, proc: Proc) -> None:
         self.say(f"[launch] {proc.name} failed (exit {proc.popen.returncode}); its last lines:")
@@ -259,39 +268,61 @@ class Launcher:
 
     def _watch(self) -> int:
         training = self.training_tasks()
-        failed: dict[TaskSpec, Proc] = {}
-        chief_failed = False
-        while not chief_failed:
+        chief = self.cluster.chief_task
+        failed: dict[TaskSpec, Proc] = {}  # failed while the job ran, and not restarted
+        seen: set[TaskSpec] = set()         # exits already dealt with
+        stopping = False                    # the chief or a shard failed: the job cannot go on
+        ended_at = None                     # when the chief was seen to have ended the job (exit code 0)
+        while True:
             restarted = False
+            if ended_at is None and self.procs[chief].popen.poll() == 0:
+                ended_at = time.monotonic()
             for task, proc in list(self.procs.items()):
                 code = proc.popen.poll()
-                if code in (None, 0) or task in failed:
+                if code in (None, 0) or task in seen:
                     continue
-                if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS:
-                    restarted = self._restart(task, code) or restarted
-                    if task in self.procs and self.procs[task].popen.poll() is None:
-                        continue
+                seen.add(task)
+                if ended_at is not None:  # the job is over: nothing is restarted against it, nothing fails it
+                    if task.type != "ps":
+                        self.say(f"[launch] {task} exited with code {code} after the chief ended the job")
+                    continue
+                if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS and self._restart(task, code):
+                    seen.discard(task)
+                    restarted = True
+                    continue
                 failed[task] = proc
-                if task == self.cluster.chief_task:  # nobody else creates, checkpoints or ends the job
+                if task == chief:  # nobody else creates, checkpoints or ends the job
                     self.say(f"[launch] {task} (the chief) exited with code {code}: stopping the job")
-                    chief_failed = True
+                    stopping = True
+                    break
+                if task.type == "ps":  # its variables are nowhere else: no step can be taken without it
+                    why = "it did not come back" if self.restart_on_failure else "--restart-on-failure restarts one"
+                    self.say(f"[launch] {task} exited with code {code}; the job cannot go on without it ({why}): "
+                             "stopping the job")
+                    stopping = True
                     break
                 self.say(f"[launch] {task} exited with code {code}; the others go on")
-            if chief_failed or (not restarted and all(self.procs[t].popen.poll() is not None for t in training)):
+            if stopping or (not restarted and all(self.procs[t].popen.poll() is not None for t in training)):
+                break
+            if ended_at is not None and time.monotonic() - ended_at > STOP_GRACE_SECONDS:
+                for task in training:  # never joined, or stuck: it has no job to take part in any more
+                    if self.procs[task].popen.poll() is None:
+                        self.say(f"[launch] {task} still runs {STOP_GRACE_SECONDS:g} s after the chief ended the job: "
+                                 "stopping it")
                 break
             time.sleep(0.2)
-        if self.evaluator and not chief_failed:  # it ends by itself once the workers are gone; else SIGTERM
+        if self.evaluator and not stopping:  # it ends by itself once the workers are gone; else SIGTERM
             # makes it evaluate once more and report (the shards stay up: the chief runs with --keep-ps)
             evaluator = self.procs[TaskSpec("evaluator", 0)]
             self._wait(evaluator, STOP_GRACE_SECONDS)
             if evaluator.popen.poll() is None:
                 evaluator.popen.send_signal(signal.SIGTERM)
                 self._wait(evaluator, STOP_GRACE_SECONDS)
-        if chief_failed:
+        if stopping:
             self.stop()
-        failed.update({p.task: p for p in self.procs.values()
-                       if p.task.type != "ps" and p.popen.poll() not in (None, 0) and
-                       (not chief_failed or p.task == self.cluster.chief_task)})
+        elif ended_at is None:  # exits the loop's last pass did not see
+            failed.update({p.task: p for p in self.procs.values()
+                           if p.task.type != "ps" and p.task not in seen and p.popen.poll() not in (None, 0)})
         for proc in failed.values():
             self._show_tail(proc)
         return 1 if failed else 0
@@ -337,8 +368,9 @@ class Launcher:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(ps-launch's own flags, the ps-worker flags to pass on); a usage error (exit 2, one line) for any
-    other flag or a bad value, before anything starts."""
+    """(every flag's value, the ps-worker flags to pass on); a usage error (exit 2, one line) for any other
+    flag, a bad value or a combination that cannot work, before anything starts. What needs no torch is
+    checked before torch is imported (--init-from, --compression and --partition need it)."""
     own = argparse.ArgumentParser(add_help=False)
     g = own.add_argument_group("the cluster")
     g.add_argument("--ps", type=int, default=2, help="ps-servers (default: %(default)s)")
@@ -371,24 +403,33 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--tokens-only and --insecure contradict each other (tokens, or nothing)")
     if everything.insecure and everything.credentials:
         parser.error("--credentials and --insecure contradict each other (a job's credentials, or nothing)")
+    processes = everything.workers + int(everything.chief) + int(everything.evaluator)
+    if everything.metrics_port and processes > 1:
+        parser.error(f"--metrics-port {everything.metrics_port} would be the same port for {processes} processes on "
+                     "this host: pass --metrics-port 0 (each picks a free port and logs it)")
     try:
         finish_training_flags(everything)
         _check_dense(everything)
         check_output("--metrics-out", everything.metrics_out)
-        if everything.init_from:  # what the chief would find at startup, found before anything starts
-            state = read_init(everything.init_from)
-            if not everything.entry:
-                load_init(new_model(everything.model, everything.hidden), state, everything.init_from)
+        if everything.entry:  # the workers import it from the folder they start in, as `python -m` does
+            check_entry(everything.entry, [os.getcwd(), *sys.path])
         if everything.restore_from and not pathlib.Path(everything.restore_from).is_dir():
             raise ClusterConfigError(f"--restore-from {everything.restore_from}: no such folder")
         if everything.credentials:
             read_job_credentials(everything.credentials, job_tasks(everything.ps, everything.workers,
                                                                    everything.chief, everything.evaluator))
+        if everything.compression or everything.partition != DEFAULT_PARTITION:
+            check_specs(everything)
+        if everything.init_from:  # what the chief would find at startup, found before anything starts
+            from .models import load_init, new_model, read_init  # torch: only for this check
+
+            state = read_init(everything.init_from)
+            if not everything.entry:
+                load_init(new_model(everything.model, everything.hidden), state, everything.init_from)
     except (ClusterConfigError, DatasetNotFoundError) as exc:
-        parser.error(str(exc))
-    own_args, worker_args = own.parse_known_args(argv)
-    own_args.rendezvous_port = everything.dense == "allreduce" and everything.allreduce_port is None
-    return own_args, worker_args
+        parser.error(" ".join(str(exc).split()))
+    everything.rendezvous_port = everything.dense == "allreduce" and everything.allreduce_port is None
+    return everything, own.parse_known_args(argv)[1]
 
 
 def _check_dense(args: argparse.Namespace) -> None:
@@ -432,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     launcher = None
     try:
         args, worker_args = parse_args(argv)
+        if args.checkpoint_dir and not _finished_job_may_go_on(args.checkpoint_dir, args.steps):
+            return 0
         launcher = _launcher(args, worker_args, demo=not argv)
         code = launcher.run()
     except KeyboardInterrupt:  # before the processes started (run() answers it from then on)
@@ -443,8 +486,40 @@ def main(argv: list[str] | None = None) -> int:
         s = launcher.summary
         print(f"[launch] test accuracy {s['test_accuracy']:.4f} on {s['dataset']} after {s['global_step']} global steps "
               f"in {s['wall_seconds']:.1f} s ({s['steps_per_second']:.0f} steps/s, {s['mode']})", flush=True)
+        if code == 0 and args.checkpoint_dir:
+            _write_finished(pathlib.Path(args.checkpoint_dir), s)
     print(f"[launch] done, exit code {code}", flush=True)
     return code
+
+
+def _finished_job_may_go_on(folder: str, steps: int | None) -> bool:
+    """False, after one line saying so, if the --checkpoint-dir `folder` holds a job that ended well and
+    --steps asks for no step beyond it; True otherwise (no such job, or training it further: the note goes
+    until the job ends again)."""
+    directory = pathlib.Path(folder)
+    try:
+        finished = json.loads((directory / FINISHED_FILE).read_text())
+        step = int(finished["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # no job ended here (a job that stopped midway resumes from its checkpoints)
+    if steps is not None and steps > step:
+        print(f"[launch] {folder} holds a job that finished at global step {step}: training it on to global "
+              f"step {steps}", flush=True)
+        (directory / FINISHED_FILE).unlink()
+        return True
+    accuracy = finished.get("test_accuracy")
+    print(f"[launch] {folder} holds a job that already finished at global step {step}"
+          + (f" (test accuracy {accuracy:.4f})" if isinstance(accuracy, float) else "")
+          + f": nothing to do; --steps N (N > {step}, the global step to end at) trains it further, another "
+          f"--checkpoint-dir (or removing {folder}) starts afresh", flush=True)
+    return False
+
+
+def _write_finished(directory: pathlib.Path, summary: dict) -> None:
+    """Notes in `directory` that its job ended well (the chief's summary), whole or not at all."""
+    tmp = directory / (FINISHED_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    tmp.replace(directory / FINISHED_FILE)
 
 
 def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> Launcher:
@@ -461,7 +536,7 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,
-                    credentials=args.credentials, rendezvous_port=args.rendezvous_port)
+                    credentials=args.credentials, rendezvous_port=args.rendezvous_port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

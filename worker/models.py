@@ -14,8 +14,7 @@ from torch import nn
 from ..errors import ClusterConfigError
 from .data import Dataset, load_dataset
 
-__all__ = ["MODELS", "MODEL_DEFAULTS", "Task", "build_model", "load_entry", "mlp", "cnn", "default_lr", "new_model",
-           "read_init", "load_init"]
+__all__ = ["MODELS", "Task", "build_model", "load_entry", "mlp", "cnn", "new_model", "read_init", "load_init"]
 
 
 def mlp(hidden: int = 100) -> nn.Module:
@@ -33,23 +32,6 @@ def cnn() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "cnn": cnn}
-
-# What trains each built-in model well, used for the flags a user leaves out (any flag changes only itself).
-# mlp: 0.87 on Fashion-MNIST in 10 epochs with 2 async workers (the README's demo). cnn: Adam at lr 0.001 gave
-# 0.93-0.95 on mnist5k in 5 epochs with 2 async workers (5 runs); SGD with momentum 0.9 varied from run to run
-# (lr 0.02: 0.81-0.94, lr 0.01: 0.86-0.91, 4 runs each), so sgd_lr is only what --optimizer sgd starts from.
-# An --entry model gets the mlp's.
-MODEL_DEFAULTS = {
-    "mlp": {"epochs": 10, "optimizer": "sgd", "sgd_lr": 0.1, "momentum": 0.9},
-    "cnn": {"epochs": 5, "optimizer": "adam", "sgd_lr": 0.02, "momentum": 0.9},
-}
-_OTHER_LR = {"adam": 1e-3, "adamw": 1e-3, "adagrad": 1e-2}  # the usual starting points of torch.optim's others
-
-
-def default_lr(model: str, optimizer: str) -> float:
-    """The learning rate ps-worker uses for `model` and `optimizer` when --lr is left out."""
-    return MODEL_DEFAULTS.get(model, MODEL_DEFAULTS["mlp"])["sgd_lr"] if optimizer == "sgd" else _OTHER_LR[optimizer]
-
 
 @dataclasses.dataclass
 class Task:

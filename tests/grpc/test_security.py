@@ -203,21 +203,22 @@ def test_a_connection_dropped_mid_handshake_is_not_called_a_tls_mismatch(job):
     import socket
     import threading
 
-    from torchps.security import INSECURE, diagnose_tls
+    from torchps.security import INSECURE, diagnose
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
     def close_each():
-        for _ in range(2):
+        for _ in range(4):  # two connections per diagnose(): HTTP/2, then TLS
             conn, _ = listener.accept()
             conn.close()
 
     closer = threading.Thread(target=close_each, daemon=True)
     closer.start()
     try:
-        assert diagnose_tls(f"127.0.0.1:{port}", INSECURE) is None
-        assert diagnose_tls(f"127.0.0.1:{port}", job[1](WORKER)) is None
+        for security in (INSECURE, job[1](WORKER)):
+            found, hopeless = diagnose(f"127.0.0.1:{port}", security)
+            assert not hopeless and "closes every connection" in found, found
     finally:
         closer.join(10)
         listener.close()

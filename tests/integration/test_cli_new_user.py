@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -69,6 +70,41 @@ def test_a_bad_flag_is_one_line_and_starts_nothing(args, fragment, tmp_path):
     assert fragment in one_line(result.stderr, "ps-launch: error: ")
     assert "[ps:" not in result.stdout and "serving" not in result.stdout, "a process was started"
     assert time.monotonic() - started < ONE_LINE_BOUND
+
+
+WORKER_TASK = ["--cluster", json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}), "--task-type", "worker",
+               "--dataset", "mnist5k"]
+
+
+@pytest.mark.parametrize("command,args,env,fragment", [
+    ("ps-launch", ["--wrokers", "3"], {}, "unrecognized arguments: --wrokers 3"),
+    ("ps-launch", ["--lr", "-1"], {}, "--lr must be a finite number > 0"),
+    ("ps-launch", ["--metrics-port", "9100", "--dataset", "mnist5k"], {},
+     "--metrics-port 9100 would be the same port for 2 processes on this host: pass --metrics-port 0"),
+    ("ps-launch", ["--entry", "no_such_module:task"], {}, "--entry no_such_module:task: no module 'no_such_module'"),
+    ("ps-launch", ["--entry", "examples.custom_entry:no_such_task"], {}, "custom_entry.py defines no 'no_such_task'"),
+    ("ps-launch", ["--dataset", "nowhere"], {}, "no dataset 'nowhere'"),
+    ("ps-launch", ["--dataset", "mnist5k"], {"TORCHPS_CONNECT_TIMEOUT": "soon"},
+     "TORCHPS_CONNECT_TIMEOUT must be a number of seconds. Received: 'soon'"),
+    ("ps-worker", WORKER_TASK, {}, "no credentials: pass --tls-cert/--tls-key/--tls-ca and/or --token-file"),
+    ("ps-worker", [*WORKER_TASK, "--insecure", "--connect-timeout", "0"], {}, "--connect-timeout must be > 0"),
+    ("ps-worker", [*WORKER_TASK, "--insecure", "--entry", "no_such_module:task"], {}, "no module 'no_such_module'"),
+], ids=["flag", "value", "metrics-port", "entry-module", "entry-function", "dataset", "connect-timeout-env",
+        "worker-no-credentials", "worker-connect-timeout", "worker-entry"])
+def test_a_usage_error_is_one_line_before_torch_or_grpc_is_imported(command, args, env, fragment):
+    """The console scripts check flags first (-X importtime lists what they imported: neither torch nor grpc),
+    and start nothing."""
+    script = pathlib.Path(sys.executable).with_name(command)
+    if not script.is_file():
+        pytest.skip(f"no {command} console script next to {sys.executable}")
+    result = run_cli([sys.executable, "-X", "importtime", str(script), *args], env=environ(**env))
+    imported = {line.rpartition("|")[2].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    said = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+    assert result.returncode == 2, result.stdout + said
+    assert fragment in one_line(said, f"{command}: error: "), said
+    assert not imported & {"torch", "grpc"}, f"imported before the usage error: {sorted(imported & {'torch', 'grpc'})}"
+    assert result.stdout == "", "something was started:\n" + result.stdout
 
 
 def test_a_chief_that_fails_at_startup_ends_the_job_at_once():
@@ -133,14 +169,27 @@ def start_long_job() -> tuple[subprocess.Popen, set[int]]:
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGKILL], ids=["SIGHUP", "SIGTERM", "SIGKILL"])
 def test_every_child_ends_with_the_launcher(signum):
+    """And the job's credentials with it, on every way out the launcher sees; after SIGKILL, which it cannot
+    see, its folder stays as the README says: each task's files, no CA key."""
     proc, children = start_long_job()
+    job = {pathlib.Path(environ_of(pid)["TORCHPS_TOKEN_FILE"]).parents[1] for pid in children
+           if "TORCHPS_TOKEN_FILE" in environ_of(pid)}
+    assert len(job) == 1 and next(iter(job)).name.startswith("ps-launch-"), job
+    (job,) = job
     try:
         proc.send_signal(signum)
         proc.wait(timeout=30)
         assert_nothing_left(children, grace=20.0)
         if signum != signal.SIGKILL:
             assert proc.returncode == 130
+            assert not job.exists(), f"{job} outlived the job"
+        else:
+            left = sorted(str(p.relative_to(job)) for p in job.rglob("*") if p.is_file() and p.suffix != ".port")
+            tasks = ["ps-0", "ps-1", "worker-0", "worker-1"]
+            assert left == sorted(f"{task}/{name}" for task in tasks for name in (
+                "ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * (task != "worker-1"))), left
     finally:
+        shutil.rmtree(job, ignore_errors=True)
         for pid in children | {proc.pid}:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
@@ -152,8 +201,8 @@ def waiting_worker(extra_env: dict | None = None) -> subprocess.Popen:
     """A ps-worker (worker:1) waiting for a chief that never comes, against one insecure shard."""
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
     return subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "1",
-                             "--dataset", "mnist5k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})),
+                             "--dataset", "mnist5k", "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, env=environ(**(extra_env or {})),
                             # a shell without job control starts background jobs with SIGINT ignored, and the
                             # worker would inherit that: give it the disposition a terminal user's Ctrl-C meets
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -195,7 +244,7 @@ def test_a_chief_given_a_file_that_is_no_state_dict_says_so_in_one_line(tmp_path
     garbage.write_bytes(b"not a state_dict")
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     result = run_cli([*PS_WORKER, "--cluster", json.dumps(cluster), "--task-type", "worker", "--index", "0",
-                      "--dataset", "mnist5k", "--init-from", str(garbage)])
+                      "--dataset", "mnist5k", "--init-from", str(garbage), "--insecure"])
     assert result.returncode == 2, result.stderr
     assert "not a file torch.load can read" in one_line(result.stderr, "ps-worker: error: --init-from ")
 
@@ -257,7 +306,7 @@ def test_a_chief_stopped_by_sigterm_saves_a_last_committed_checkpoint(tmp_path):
     with LocalCluster(1, workers=1, server_args=["--checkpoint-dir", str(tmp_path / "ckpt")]) as local:
         chief = subprocess.Popen([*PS_WORKER, "--cluster", json.dumps(local.cluster.to_dict()), "--task-type",
                                   "worker", "--index", "0", "--dataset", "mnist5k", "--epochs", "1000",
-                                  "--log-every", "0.2", "--keep-ps"], stdout=subprocess.PIPE,
+                                  "--log-every", "0.2", "--keep-ps", "--insecure"], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, env=environ())
         lines: list[str] = []
         training = threading.Event()

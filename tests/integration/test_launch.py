@@ -96,6 +96,12 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+def environ_of(pid: int | str) -> dict[str, str]:
+    """The environment process `pid` was started with (its /proc entry)."""
+    return dict(v.decode().split("=", 1) for v in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if b"=" in v)
+
+
 def assert_nothing_left(pids: set[int], grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
@@ -149,11 +155,12 @@ class Launch:
 
 
 def launch(args: list[str], *, env: dict[str, str] | None = None, interrupt_when=None, on_line=None,
-           cwd: pathlib.Path = REPO, timeout: float = TIMEOUT) -> Launch:
-    """Runs ps-launch to its end; with `interrupt_when(line)`, sends it SIGINT at the first line that matches;
-    `on_line(line, launcher_pid)` sees every line as it comes (to act on the job while it runs)."""
+           cwd: pathlib.Path = REPO, timeout: float = TIMEOUT, program: list[str] = PS_LAUNCH) -> Launch:
+    """Runs ps-launch (`program`, which must exec it in its own process) to its end; with
+    `interrupt_when(line)`, sends it SIGINT at the first line that matches; `on_line(line, launcher_pid)`
+    sees every line as it comes (to act on the job while it runs)."""
     started = time.monotonic()
-    proc = subprocess.Popen([*PS_LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([*program, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL, cwd=cwd, env=env or environ(), preexec_fn=_default_sigint)
     lines: list[str] = []
     pids: set[int] = set()
@@ -250,27 +257,63 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
 @pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, job token", True),
                                            (["--tokens-only"], "plaintext, job token", False),
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
-def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls, tmp_path):
-    """The shards say how they are secured; the job's folder (under TMPDIR) is mode 0700 while the job runs,
-    holds the token unless the job is insecure, and is gone when ps-launch has ended."""
-    folders, names = [], set()
+def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
+    """The shards say how they are secured; each process is given only its own files, in a folder of its own
+    (mode 0700) inside the job's (mode 0700), which holds no CA key; all of it gone when ps-launch has ended."""
+    seen: dict[str, dict] = {}  # task -> what it was given, read while the job runs
 
-    def on_line(line: str, _launcher: int) -> None:
-        if SERVING.search(line) and not folders:
-            folders.extend(tmp_path.glob("ps-launch-*"))
-            assert [oct(f.stat().st_mode & 0o777) for f in folders] == [oct(0o700)], folders
-            names.update(path.name for path in folders[0].rglob("*"))
+    def on_line(line: str, launcher: int) -> None:
+        if line.startswith("[worker:1]") and not seen:  # every process runs by now
+            for pid in descendants(launcher):
+                try:
+                    task = task_of(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+                    variables = {k: v for k, v in environ_of(pid).items() if k.startswith("TORCHPS_")}
+                except OSError:
+                    continue
+                if task is None:
+                    continue
+                seen[task] = {"variables": variables}
+                if variables:
+                    folder = pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent
+                    seen[task].update(folder=folder, files=sorted(p.name for p in folder.iterdir()),
+                                      modes=(folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777),
+                                      everything=sorted(p.name for p in folder.parent.rglob("*")))
 
-    run = launch(["--ps", "1", "--workers", "1", "--dataset", "mnist5k", "--steps", "20", *flags],
-                 on_line=on_line, env=environ(TMPDIR=str(tmp_path)))
+    # Each process's environment is read from /proc, which shows what a process was exec'd with: a child
+    # forked from the fork server shows the fork server's. So this job's processes start as fresh
+    # interpreters; the environment each is given is built the same way (and test_forkserver shows a forked
+    # child gets exactly the environment it was given).
+    run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line,
+                 env=environ(TORCHPS_NO_FORK_SERVER="1"))
     assert run.code == 0, run.output
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and mode in serving[0], serving
-    assert len(folders) == 1, "the serving line came before the job's folder existed"
-    assert ("token" in names) == ("--insecure" not in flags), names
-    assert not tls or {"ca.crt", "ps-0.crt", "worker-0.crt"} <= names, names  # the mode itself: the serving line
-    assert not folders[0].exists(), "the credentials outlive the job"
+    assert sorted(seen) == ["ps:0", "worker:0", "worker:1"], seen
+    if "--insecure" in flags:
+        assert all(not given["variables"] for given in seen.values()), seen
+        return
+    wanted = {"TORCHPS_TOKEN_FILE"} | ({"TORCHPS_TLS_CERT", "TORCHPS_TLS_KEY", "TORCHPS_TLS_CA"} if tls else set())
+    for task, given in seen.items():
+        admin = task != "worker:1"  # the shards check the admin token, the chief (worker 0) sends it
+        variables = given["variables"]
+        assert set(variables) == wanted | ({"TORCHPS_ADMIN_TOKEN_FILE"} if admin else set()), (task, variables)
+        assert {pathlib.Path(path).parent for path in variables.values()} == {given["folder"]}, (task, variables)
+        assert given["files"] == sorted(["ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * admin]), given
+        assert given["modes"] == (0o700, 0o700), (task, [oct(m) for m in given["modes"]])
+        assert "ca.key" not in given["everything"], given["everything"]
+    folders = {given["folder"] for given in seen.values()}
+    assert len(folders) == 3 and len({folder.parent for folder in folders}) == 1, folders
+    assert not any(folder.parent.exists() for folder in folders), "the credentials outlive the job"
     assert_nothing_left(run.pids)
+
+
+def task_of(argv: list[str]) -> str | None:
+    """'ps:0', 'worker:1', ... from a child's argv, or None for another process."""
+    if "ps-server" in argv:  # python -m torchps.forkserver MODULE PROG ARGS...
+        return f"ps:{argv[argv.index('--index') + 1]}"
+    if "ps-worker" in argv and "--task-type" in argv:
+        return f"{argv[argv.index('--task-type') + 1]}:{argv[argv.index('--index') + 1]}"
+    return None
 
 
 def test_a_failing_worker_does_not_stop_the_others(tmp_path):

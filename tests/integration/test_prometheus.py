@@ -2,6 +2,8 @@
 query about it through its HTTP API: the metrics are what a Prometheus installation actually reads."""
 
 import json
+import os
+import pathlib
 import re
 import shutil
 import socket
@@ -17,8 +19,10 @@ import torch
 from torchps.client import Optimizer, PSClient
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed "
-                                "(scripts/install.sh installs it where it runs as root with apt-get)")
+CAN_INSTALL = shutil.which("apt-get") is not None and os.geteuid() == 0
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed "
+                                      "(scripts/install.sh installs it where it runs as root with apt-get, and "
+                                      "says why not elsewhere)")
 MIB = 1 << 20
 
 
@@ -36,6 +40,26 @@ def _query(port: int, expression: str) -> list:
     return answer["data"]["result"]
 
 
+@pytest.mark.skipif(not CAN_INSTALL, reason="scripts/install.sh installs prometheus as root with apt-get only")
+def test_install_sh_installed_prometheus_with_its_service_left_stopped():
+    """Where install.sh ran as root with apt-get (Debian and Docker images ship a /usr/sbin/policy-rc.d of
+    their own), Prometheus is installed and Debian's service for it is not running."""
+    assert PROMETHEUS is not None, "scripts/install.sh ran here as root with apt-get and left prometheus out"
+    services = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_the_packaged_service(pid)]
+    assert not services, f"Debian's prometheus service runs (pids {services}): install.sh let it start"
+
+
+def _is_the_packaged_service(pid: str) -> bool:
+    """True if process `pid` is prometheus run with the package's own configuration (the service's)."""
+    try:
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return argv[0].endswith(b"prometheus") and not any(a.startswith(b"--config.file=") and b"/etc/" not in a
+                                                       for a in argv)
+
+
+@needs_prometheus
 def test_prometheus_scrapes_a_shard_and_answers_a_query(local_cluster, tmp_path):
     local = local_cluster(1, server_args=["--metrics-port", "0"])
     with PSClient(local.cluster) as ps:

@@ -177,6 +177,17 @@ def test_torch_threads_are_set_and_logged_before_the_ready_line(tmp_path):
         assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
 
 
+def test_metrics_port_0_logs_the_port_it_bound(tmp_path):
+    """The port the kernel picked is in the log, and /metrics answers there."""
+    import urllib.request
+
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--metrics-port", "0"], tmp_path) as proc:
+        port = int(wait_for_log(proc, r"ps 0 metrics on http://127\.0\.0\.1:(\d+)/metrics$")[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"torchps_calls_started_total" in reply.read()
+        assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "many", "5000"])
 def test_a_bad_torch_thread_count_is_one_line_and_exit_2(value):
     run = subprocess.run([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", "127.0.0.1:0",

@@ -58,7 +58,7 @@ def test_a_worker_serves_its_step_metrics_and_writes_a_timeline(local_cluster, t
     chief = subprocess.Popen(
         [*PS_WORKER, "--cluster", json.dumps(cluster.to_dict()), "--task-type", "worker", "--index", "0",
          "--dataset", "mnist5k", "--steps", str(STEPS), "--metrics-port", "0",
-         "--trace-out", str(tmp_path), "--trace-steps", "3-5"],
+         "--trace-out", str(tmp_path), "--trace-steps", "3-5", "--insecure"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ())
     try:
         out = Lines(chief.stdout)
@@ -97,7 +97,7 @@ def test_an_evaluator_serves_its_evaluations(local_cluster, tmp_path):
     """The evaluator's --metrics-port: how many evaluations, the last accuracy and the step it was of."""
     local = local_cluster(1, workers=1)
     cluster = {**local.cluster.to_dict(), "evaluator": ["127.0.0.1:3"]}  # its address is never listened on
-    common = ["--cluster", json.dumps(cluster), "--dataset", "mnist5k"]
+    common = ["--cluster", json.dumps(cluster), "--dataset", "mnist5k", "--insecure"]
     chief = subprocess.Popen([*PS_WORKER, *common, "--task-type", "worker", "--index", "0", "--steps", "400"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environ())
     evaluator = subprocess.Popen([*PS_WORKER, *common, "--task-type", "evaluator", "--index", "0",

@@ -23,7 +23,7 @@ def test_ps_worker_overlap_trains_the_same_model(local_cluster, tmp_path):
         out = tmp_path / f"model{len(flags)}.pt"
         run = subprocess.run(
             [*PS_WORKER, "--cluster", json.dumps(local.cluster.to_dict()), "--task-type", "worker", "--index", "0",
-             "--dataset", "mnist5k", "--steps", "8", "--batch-size", "50", "--export", str(out), *flags],
+             "--dataset", "mnist5k", "--steps", "8", "--batch-size", "50", "--export", str(out), "--insecure", *flags],
             capture_output=True, text=True, env=environ(), timeout=TIMEOUT)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert ("placement), overlap" in run.stdout + run.stderr) == bool(flags), run.stdout[-3000:] + run.stderr[-3000:]

@@ -23,7 +23,7 @@ def test_a_restarted_worker_resumes_its_residuals(local_cluster, tmp_path):
     local = local_cluster(1, workers=1)
     task = [*PS_WORKER, "--cluster", json.dumps(local.cluster.to_dict()), "--task-type", "worker", "--index", "0",
             "--dataset", "mnist5k", "--compression", "topk:0.01,min_bytes=0", "--state-dir", str(tmp_path / "state"),
-            "--state-every-steps", "4", "--keep-ps"]
+            "--state-every-steps", "4", "--keep-ps", "--insecure"]
     path = tmp_path / "state" / "worker-0-residuals.pt"
 
     first = subprocess.run([*task, "--steps", "6"], capture_output=True, text=True, env=environ(), timeout=TIMEOUT)

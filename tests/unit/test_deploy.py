@@ -31,8 +31,8 @@ def test_every_task_gets_the_cluster_and_its_own_task():
         assert Cluster.from_dict(config) == cluster
         seen.append((config["task"]["type"], config["task"]["index"], argv))
     assert seen == [
-        ("chief", 0, ["ps-worker", "--mode", "sync"]),
-        ("worker", 0, ["ps-worker", "--mode", "sync"]),
+        ("chief", 0, ["ps-worker", "--mode", "sync", "--insecure"]),
+        ("worker", 0, ["ps-worker", "--mode", "sync", "--insecure"]),
         ("ps", 0, ["ps-server", "--checkpoint-dir", "/ckpt", "--insecure"]),
         ("ps", 1, ["ps-server", "--checkpoint-dir", "/ckpt", "--insecure"]),
     ]
