@@ -48,6 +48,10 @@ __all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "Proces
 # numpy, grpc and the rest of the project.
 ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.worker.__main__")
 DISABLE_ENV = "TORCHPS_NO_FORK_SERVER"  # set to 1: every process starts a fresh interpreter instead
+# Read once, when an interpreter starts or imports gRPC, torch or their libraries: a child that needs other
+# values than the fork server started with is started as a fresh interpreter instead.
+STARTUP_ENV = ("GRPC_VERBOSITY", "GRPC_TRACE", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONMALLOC", "LD_PRELOAD",
+               "LD_LIBRARY_PATH", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 START_TIMEOUT_SECONDS = 120.0  # the fork server's imports plus one fork, on a loaded machine
 MAX_MESSAGE_BYTES = 1 << 20
@@ -214,6 +218,7 @@ class ProcessStarter:
         self._replied = threading.Condition()
         self._server: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
+        self._server_env = {key: os.environ.get(key) for key in STARTUP_ENV}
         if fork_server_enabled():
             self._launch(preload)
 
@@ -229,7 +234,9 @@ class ProcessStarter:
     def start(self, module: str, argv: list[str], *, prog: str | None = None, env: dict[str, str] | None = None,
               cwd: str | None = None, stdout: int | None = None, new_session: bool = False,
               parent_death_signal: int = 0) -> ForkedChild | subprocess.Popen:
-        """Runs `module`.main(argv) as a child (see run_entry; `prog` names it in its messages). `stdout`: a
+        """Runs `module`.main(argv) as a child (see run_entry; `prog` names it in its messages): forked, or a
+        fresh interpreter where `env` gives a STARTUP_ENV variable another value than this process had when
+        it made the starter. `stdout`: a
         descriptor for its output and errors (else this process's); `new_session`: its own session, away
         from the terminal's signals; `parent_death_signal`: sent to it when the process that started it
         dies (through the fork server, which ends with that process). Returns a Popen or its look-alike;
@@ -238,7 +245,7 @@ class ProcessStarter:
         cwd = cwd or os.getcwd()
         request = {"module": module, "prog": prog or module, "argv": list(argv), "env": env, "cwd": cwd,
                    "new_session": new_session, "parent_death_signal": int(parent_death_signal)}
-        if self._server is None:
+        if self._server is None or any(env.get(key) != value for key, value in self._server_env.items()):
             return self._spawn(request, stdout)
         data = json.dumps(request).encode()
         if len(data) > MAX_MESSAGE_BYTES:

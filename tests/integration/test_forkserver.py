@@ -124,6 +124,18 @@ def test_a_shard_killed_and_restarted_serves_again_on_its_port_while_the_other_g
         assert ps.status(0).index == 0
 
 
+def test_a_child_that_needs_other_startup_settings_is_a_fresh_interpreter(probe):
+    """gRPC reads GRPC_VERBOSITY when it is imported, in the fork server: a child asking for another value (a
+    debug log) must start afresh to get it; one asking for the same is forked."""
+    starter = ProcessStarter.shared()
+    same = os.environ.get("GRPC_VERBOSITY")
+    forked, _ = run_probe(starter, probe, ["0"], env={} if same is None else {"GRPC_VERBOSITY": same})
+    fresh, log = run_probe(starter, probe, ["0"], env={"GRPC_VERBOSITY": "debug" if same != "debug" else "info"})
+    assert isinstance(forked, ForkedChild) and isinstance(fresh, subprocess.Popen)
+    assert forked.wait(TIMEOUT) == fresh.wait(TIMEOUT) == 0
+    assert "env given False" in log.read_text()
+
+
 def test_with_the_fork_server_off_children_are_fresh_interpreters(probe, monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "1")
     monkeypatch.setenv("PYTHONPATH", str(probe))  # a fresh interpreter finds the probe through it
