@@ -24,6 +24,7 @@ import time
 import pytest
 
 from helpers import mnist5k_installed
+from torchps.forkserver import DISABLE_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -267,7 +268,8 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
             for pid in descendants(launcher):
                 try:
                     task = task_of(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
-                    variables = {k: v for k, v in environ_of(pid).items() if k.startswith("TORCHPS_")}
+                    variables = {k: v for k, v in environ_of(pid).items()
+                                 if k.startswith("TORCHPS_") and k != DISABLE_ENV}
                 except OSError:
                     continue
                 if task is None:
@@ -284,7 +286,7 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
     # interpreters; the environment each is given is built the same way (and test_forkserver shows a forked
     # child gets exactly the environment it was given).
     run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line,
-                 env=environ(TORCHPS_NO_FORK_SERVER="1"))
+                 env=environ(**{DISABLE_ENV: "1"}))
     assert run.code == 0, run.output
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and mode in serving[0], serving
