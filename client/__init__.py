@@ -20,6 +20,7 @@ from .allreduce import AllreduceError, AllreduceGroup, LocalRank, Rendezvous
 from .host import HostBinding, LocalReplica
 from .hybrid import HybridBinding, local_optimizer
 from .client import PSClient
+from .deltas import PullBases
 from .embedding import Embedding, EmbeddingBag, ShardedTable, prefetch_rows
 from .module import ModuleBinding
 from .stats import WorkerStats
@@ -54,6 +55,7 @@ __all__ = [
     "Partitioner",
     "PermissionDeniedError",
     "Placement",
+    "PullBases",
     "Rendezvous",
     "ResourceExhaustedError",
     "Security",

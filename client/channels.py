@@ -44,7 +44,7 @@ PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answe
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
 
-    Pull and LookupRows yield and PushPull returns (chunks, step, push result) triples;
+    Pull and LookupRows yield and PushPull returns wire.PullMessage (chunks, step, push result, generation);
     Push (a stream) and PushPull (one message) take serialized PushRequest bytes.
     """
     stub = ps_pb2_grpc.ParameterServerStub(channel)

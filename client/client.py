@@ -485,7 +485,8 @@ class PSClient(DataPath, TablePath):
                         create: bool | None = None, prefix: str = "", wait_timeout: float = 600.0,
                         join: bool = True, compression: Compression | Mapping[str, Compression] | None = None,
                         overlap: bool = False, overlap_inflight_bytes: int = OVERLAP_INFLIGHT_BYTES,
-                        dense: str = "ps", process_group=None, dense_optimizer: torch.optim.Optimizer | None = None):
+                        dense: str = "ps", process_group=None, dense_optimizer: torch.optim.Optimizer | None = None,
+                        delta_pulls: bool = False):
         """Binds a module's parameters to variables named prefix + parameter name.
 
         With create (default: this client is the chief), creates them from the
@@ -500,7 +501,10 @@ class PSClient(DataPath, TablePath):
         runs (at most `overlap_inflight_bytes` per shard encoded and not yet
         sent before backward waits) and its pull streams the values while
         forward runs, each submodule waiting for its own parameters only (see
-        ModuleBinding). Returns a ModuleBinding with pull(), push(),
+        ModuleBinding). With `delta_pulls`, the binding's pulls fetch only
+        what changed since the values its parameters hold, where the shards
+        know it (PSClient.pull_into's `bases`; CPU parameters; not with
+        overlap: ClusterConfigError). Returns a ModuleBinding with pull(), push(),
         exchange() and wait(). If it raises, nothing is bound (the module
         keeps no hooks); variables created or joined stay so.
 
@@ -524,9 +528,9 @@ class PSClient(DataPath, TablePath):
         if dense != "ps":
             if dense != "allreduce":
                 raise ClusterConfigError(f"dense must be 'ps' or 'allreduce'. Received: {dense!r}")
-            if overlap or compression is not None:
-                raise ClusterConfigError("dense='allreduce' sends no dense parameter to the shards: no overlap or "
-                                         "compression")
+            if overlap or compression is not None or delta_pulls:
+                raise ClusterConfigError("dense='allreduce' sends no dense parameter to the shards: no overlap, "
+                                         "compression or delta pulls")
             from .hybrid import _register_allreduce
 
             return _register_allreduce(self, module, optimizer, process_group,
@@ -537,6 +541,8 @@ class PSClient(DataPath, TablePath):
                 or overlap_inflight_bytes < 1:
             raise ClusterConfigError(f"overlap_inflight_bytes must be a positive integer. "
                                      f"Received: {overlap_inflight_bytes!r}")
+        if overlap and delta_pulls:
+            raise ClusterConfigError("delta_pulls=True with overlap=True: not yet; choose one")
         tables = tables_in(module, prefix)
         if tables and overlap:
             raise ClusterConfigError("overlap=True with Embedding or EmbeddingBag tables: not yet; register the "
@@ -564,7 +570,7 @@ class PSClient(DataPath, TablePath):
             table.check_spec(self.table_layout(name).spec)
         if join:
             self.join()
-        binding = ModuleBinding(self, module, prefix)
+        binding = ModuleBinding(self, module, prefix, delta_pulls=delta_pulls)
         binding.pull()
         if overlap:
             binding = ModuleBinding(self, module, prefix, overlap=True, inflight_bytes=overlap_inflight_bytes)

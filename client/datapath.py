@@ -13,6 +13,7 @@ import torch
 
 from ..compression import Encoded
 from ..proto import ps_pb2
+from .deltas import PullBases
 from .device import Staged
 from .transfer import IntoTargets, NewTensors, push_requests, read_stream
 
@@ -36,7 +37,8 @@ class DataPath:
         self._refill.guard(wire_names, lambda: self._pull(wire_names, sink))
         return self.partitions.join(sink.tensors, names)
 
-    def pull_into(self, targets: Mapping[str, torch.Tensor], *, min_step: int = 0) -> int:
+    def pull_into(self, targets: Mapping[str, torch.Tensor], *, min_step: int = 0,
+                  bases: PullBases | None = None) -> int:
         """Overwrites each target tensor in place with its variable; returns shard 0's step counter
         (-1 if shard 0 holds none of the targets).
 
@@ -46,21 +48,34 @@ class DataPath:
         and shape must match (TensorMismatchError). Blocks for at most
         `timeout` per attempt. If it raises midway, targets may be partly
         overwritten: pull again.
+
+        With `bases` (a PullBases kept with these targets), a delta pull: a
+        variable whose target still holds the version last pulled into it
+        comes as what changed since, where its shard knows that and it pays
+        (ps.proto's PullRequest.base_versions), else whole; either way the
+        targets end equal to the variables, bit for bit, as long as nothing
+        but these pulls writes them (else `bases.forget` them first).
         """
         targets = self.partitions.split(targets)  # row views: pieces land in place
         sink = IntoTargets(targets, self.stats, self._device)
-        step = self._refill.guard(targets, lambda: self._pull(list(targets), sink, min_step))
+        step = self._refill.guard(targets, lambda: self._pull(list(targets), sink, min_step, bases))
         sink.finish()
         return step
 
-    def _pull(self, names: list[str], sink, min_step: int = 0) -> int:
-        """Streams `names` from their shards into sink; shard 0's step, or -1 if shard 0 was not read."""
+    def _pull(self, names: list[str], sink, min_step: int = 0, bases: PullBases | None = None) -> int:
+        """Streams `names` from their shards into sink; shard 0's step, or -1 if shard 0 was not read. With
+        `bases` (sink an IntoTargets), each attempt names the versions its targets hold (PullBases.take)."""
         def pull(shard: int, shard_names: list[str]) -> int:
-            request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step,
-                                         cast=self._pull_casts(shard_names, sink))
-            return self._channels.call(shard, lambda stub, t: read_stream(
-                stub.Pull(request, timeout=t), shard_names, sink, self._channels.target(shard), stats=self.stats)[0],
-                self.timeout)
+            def attempt(stub, timeout: float) -> int:
+                request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step,
+                                             cast=self._pull_casts(shard_names, sink))
+                if bases is not None:
+                    request.base_generation, versions = bases.take(shard_names, sink.targets)
+                    request.base_versions.extend(versions)
+                return read_stream(stub.Pull(request, timeout=timeout), shard_names, sink,
+                                   self._channels.target(shard), stats=self.stats, bases=bases)[0]
+
+            return self._channels.call(shard, attempt, self.timeout)
 
         return self._each_shard(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
 
@@ -119,8 +134,10 @@ class DataPath:
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int | None = None, advance_step: bool = True,
-                  rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
-        """push(grads, rows=rows) then pull_into(targets), in one round trip per shard (PushPull) in every mode.
+                  rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  bases: PullBases | None = None) -> int:
+        """push(grads, rows=rows) then pull_into(targets, bases=bases), in one round trip per shard (PushPull)
+        in every mode.
 
         Used when each shard's gradients (row gradients included) and variables
         fit in one chunk_bytes message; otherwise this is push() then
@@ -142,7 +159,7 @@ class DataPath:
                > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
                for s in range(self.cluster.num_ps)):
             self.push(grads, step=step, advance_step=advance_step, rows=rows)
-            self.pull_into(targets, min_step=self.step if sync else 0)
+            self.pull_into(targets, min_step=self.step if sync else 0, bases=bases)
             return self.step
         with self._push_lock:
             self._check_fenced()
@@ -159,12 +176,15 @@ class DataPath:
                 tables = table_sent[shard]
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
                                                  pull_cast=self._pull_casts(pulls.get(shard, []), sink))
+                if bases is not None:  # a retry of this one message is answered before anything is written
+                    shard_header.pull_base_generation, versions = bases.take(pulls.get(shard, []), targets)
+                    shard_header.pull_base_versions.extend(versions)
                 shard_header.MergeFrom(header)
                 (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                              self.stats)
                 reply = self._channels.call(shard, lambda stub, t: read_stream(
                     [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._channels.target(shard),
-                    stats=self.stats),
+                    stats=self.stats, bases=bases),
                     self.timeout)
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
@@ -178,7 +198,7 @@ class DataPath:
             behind = [name for shard, (read_at, _) in replies.items() if sync and read_at < next_step
                       for name in pulls.get(shard, [])]
             if behind:
-                self._pull(behind, sink, min_step=next_step)
+                self._pull(behind, sink, min_step=next_step, bases=bases)
             sink.finish()
             return next_step
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .deltas import PullBases
 from .overlap import OVERLAP_INFLIGHT_BYTES, Overlap
 from .tables import take_rows, tables_in
 
@@ -28,15 +29,24 @@ class ModuleBinding:
     or are accumulated over several backwards, is pushed whole by push(), as
     without overlap. A parameter used outside its own module's forward (read
     by another module) is not waited for: call wait() first.
+
+    With delta pulls (register_module(..., delta_pulls=True)), each pull asks
+    only for what changed since the values the parameters hold
+    (PSClient.pull_into's `bases`); a parameter written by anything else
+    since its last pull (its in-place version counter moved: an optimizer
+    step, load_state_dict, an in-place op) is pulled whole next time.
+    Writes through `.data` are not seen: do not make them.
     """
 
     def __init__(self, client, module: torch.nn.Module, prefix: str = "", *, overlap: bool = False,
-                 inflight_bytes: int = OVERLAP_INFLIGHT_BYTES):
+                 inflight_bytes: int = OVERLAP_INFLIGHT_BYTES, delta_pulls: bool = False):
         self.client = client
         self.module = module
         self.params = {prefix + name: p for name, p in module.named_parameters()}
         self.tables = tables_in(module, prefix)  # Embedding, EmbeddingBag: row gradients ride in each push
         self._overlap = Overlap(client, module, self.params, inflight_bytes) if overlap else None
+        self._bases = PullBases() if delta_pulls else None
+        self._pulled_versions: dict[str, int] = {}  # each parameter's _version after the last pull
 
     @property
     def overlap(self) -> bool:
@@ -61,6 +71,18 @@ class ModuleBinding:
     def _sync(self) -> bool:
         return self.client.mode is not None and self.client.mode.mode == "sync"
 
+    def _delta_bases(self) -> PullBases | None:
+        """The binding's PullBases, with every parameter written since its last pull forgotten; None without
+        delta pulls."""
+        if self._bases is not None:
+            moved = [name for name, p in self.params.items() if self._pulled_versions.get(name) != p._version]
+            self._bases.forget(self.client.partitions.wire_names(moved))
+        return self._bases
+
+    def _pulled(self) -> None:
+        if self._bases is not None:
+            self._pulled_versions = {name: p._version for name, p in self.params.items()}
+
     def pull(self) -> int:
         """Copies the current variables into the parameters in place; returns the step to compute at.
 
@@ -82,7 +104,8 @@ class ModuleBinding:
         if self._overlap is not None:
             self._overlap.start_pull(self._targets(), min_step=self.step if sync else 0, set_step=not sync)
             return self.step
-        step = self.client.pull_into(self._targets(), min_step=self.step if sync else 0)
+        step = self.client.pull_into(self._targets(), min_step=self.step if sync else 0, bases=self._delta_bases())
+        self._pulled()
         if step >= 0 and not sync:
             self.client.step = step
         return self.step
@@ -110,7 +133,9 @@ class ModuleBinding:
             self.pull()
             return self.step
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
-        return self.client.push_pull(grads, self._targets(), rows=take_rows(self.tables))
+        step = self.client.push_pull(grads, self._targets(), rows=take_rows(self.tables), bases=self._delta_bases())
+        self._pulled()
+        return step
 
     def push(self) -> int:
         """Pushes every parameter's .grad (parameters without one are skipped), and the row gradients

@@ -26,6 +26,7 @@ class WorkerStats:
     bytes_received: int = 0      # tensor bytes pulled
     bytes_copied: int = 0        # bytes this process wrote to move those: into push messages, out of pull
                                  # messages into tensors, staging copies and casts (gRPC's own copies excluded)
+    delta_tensors: int = 0       # tensors a delta pull received as what changed since the version held
     started: float = dataclasses.field(default_factory=time.monotonic)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -39,12 +40,13 @@ class WorkerStats:
                 self.quorum_changes += 1
             self.quorum = quorum or self.quorum
 
-    def count_bytes(self, *, sent: int = 0, received: int = 0, copied: int = 0) -> None:
-        """Adds to the byte counters (client/transfer.py calls it; thread-safe)."""
+    def count_bytes(self, *, sent: int = 0, received: int = 0, copied: int = 0, delta_tensors: int = 0) -> None:
+        """Adds to the byte counters and the delta tensors (client/transfer.py calls it; thread-safe)."""
         with self._lock:
             self.bytes_sent += sent
             self.bytes_received += received
             self.bytes_copied += copied
+            self.delta_tensors += delta_tensors
 
     @property
     def steps_per_second(self) -> float:
@@ -58,7 +60,7 @@ class WorkerStats:
                     "wait_seconds": round(self.wait_seconds, 3), "stale_dropped": self.stale_dropped,
                     "duplicates": self.duplicates, "quorum": self.quorum, "quorum_changes": self.quorum_changes,
                     "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                    "bytes_copied": self.bytes_copied}
+                    "bytes_copied": self.bytes_copied, "delta_tensors": self.delta_tensors}
 
     def summary(self) -> str:
         """A log line; the quorum only where there is one (sync mode: shard 0 reports it with every push)."""

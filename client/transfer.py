@@ -14,14 +14,15 @@ from typing import Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .. import codec, wire
+from .. import codec, compression, wire
 from ..compression import Encoded
-from ..errors import MalformedStreamError, TensorMismatchError
+from ..errors import InvalidArgumentError, MalformedStreamError, TensorMismatchError
 from ..proto import ps_pb2
+from .deltas import PullBases
 from .device import DeviceStaging
 from .stats import WorkerStats
 
-__all__ = ["push_requests", "wire_pieces", "read_stream", "NewTensors", "IntoTargets"]
+__all__ = ["push_requests", "wire_pieces", "read_stream", "NewTensors", "IntoTargets", "apply_delta"]
 
 Sink = Callable[[str, ps_pb2.TensorMeta], np.ndarray]
 _WIDE, _NARROW = (torch.float32, torch.float64), (torch.float16, torch.bfloat16)  # pulls cast (PullRequest.cast)
@@ -59,18 +60,26 @@ def wire_pieces(name: str, grad: torch.Tensor | Encoded, chunk_bytes: int,
 
 def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str,
                 on_tensor: Callable[[str], None] | None = None,
-                stats: WorkerStats | None = None) -> tuple[int, ps_pb2.PushResponse | None]:
+                stats: WorkerStats | None = None, bases: PullBases | None = None
+                ) -> tuple[int, ps_pb2.PushResponse | None]:
     """Copies a Pull or PushPull response stream into sink's buffers; returns (step, push result).
 
     Each chunk's bytes are copied once, from the message into the buffer (counted in `stats` as received
     and copied).
     `on_tensor(name)` is called as each variable's last chunk lands in its buffer (overlap.py's
-    per-layer waits). MalformedStreamError if the shard's stream breaks the contract or lacks a
+    per-layer waits). With `bases` (a delta pull into an IntoTargets sink), DELTA tensors are written over
+    their targets (deltas.apply_delta) and, once the whole stream is in, `bases` learns every variable's
+    version. MalformedStreamError if the shard's stream breaks the contract or lacks a
     variable asked for.
     """
-    assembler = codec.ChunkAssembler(sink=sink)
-    step, result = -1, None
-    for chunks, message_step, first_result in responses:
+    def delta(name: str, meta: ps_pb2.TensorMeta, raw: np.ndarray) -> None:
+        written = apply_delta(name, meta, raw, sink.targets[name])
+        if stats is not None:
+            stats.count_bytes(copied=written, delta_tensors=1)
+
+    assembler = codec.ChunkAssembler(sink=sink, delta=None if bases is None else delta)
+    step, result, generation = -1, None, 0
+    for chunks, message_step, first_result, generation in responses:
         step = message_step
         result = result or first_result
         if stats is not None:
@@ -84,6 +93,8 @@ def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str,
     if assembler.seen != set(names):
         missing, extra = sorted(set(names) - assembler.seen), sorted(assembler.seen - set(names))
         raise MalformedStreamError(f"{shard} sent an incomplete pull: missing {missing}, unexpected {extra}")
+    if bases is not None:
+        bases.learn(generation, assembler.versions, sink.targets)
     return step, result
 
 
@@ -180,3 +191,21 @@ class IntoTargets:
             events = list(self._events.values()) if names is None else \
                 [self._events[name] for name in names if name in self._events]
         self._device.wait(events)
+
+
+def apply_delta(name: str, meta: ps_pb2.TensorMeta, raw: np.ndarray, target: torch.Tensor) -> int:
+    """Writes a DELTA tensor's values over `target` (contiguous CPU, its dtype or cast up from a 16-bit one)
+    at its indices; returns the bytes written. MalformedStreamError for a shape or dtype that does not fit,
+    or indices out of range or out of order."""
+    dtype = codec.torch_dtype(meta.dtype)
+    if tuple(meta.shape) != tuple(target.shape) or not (
+            dtype == target.dtype or (dtype in _NARROW and target.dtype in _WIDE)) or not PullBases.accepts(target):
+        raise MalformedStreamError(f"a delta of {name!r} ({codec.describe_meta(meta)}) does not fit the local "
+                                   f"tensor {codec.describe_meta(codec.meta_of(target))}")
+    try:
+        index, values = compression.sparse_parts(f"the delta of {name!r}", meta, raw)
+    except InvalidArgumentError as exc:
+        raise MalformedStreamError(str(exc)) from None
+    with torch.no_grad():
+        target.view(-1)[index.long()] = values.to(target.dtype)
+    return values.numel() * target.element_size()

@@ -224,10 +224,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgumentError(f"chunk_bytes must be 0 or at least {codec.MIN_CHUNK_BYTES}. "
                                        f"Received: {request.chunk_bytes}")
         casts = self._casts(list(request.names), list(request.cast), "cast")
+        bases = self._bases(list(request.names), list(request.base_versions), request.base_generation,
+                            "base_versions")
         if request.min_step:
             context.add_callback(self.coordinator.wake)
             self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
-        yield from self._read(names, request.chunk_bytes, casts=casts)
+        yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases)
 
     @_map_errors
     def Push(self, request_iterator, context):
@@ -250,8 +252,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgumentError(f"PushPull's reply would hold {size} bytes, more than this shard's "
                                        f"{self.max_chunk_bytes}; use Push and Pull")
         casts = self._casts(names, list(header.pull_cast), "pull_cast")  # checked before the push is applied
+        bases = self._bases(names, list(header.pull_base_versions), header.pull_base_generation,
+                            "pull_base_versions")
         _, result = self._receive_push([(header, chunks, end)], context, hold=True)
-        (reply,) = self._read(names, self.max_chunk_bytes, result, casts)
+        (reply,) = self._read(names, self.max_chunk_bytes, result, casts, bases)
         return reply
 
     def _casts(self, names: list[str], casts: list[int], field: str) -> list:
@@ -263,6 +267,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgumentError(f"{field} must be empty or name a dtype for each of the {len(names)} "
                                        f"variables asked for. Received {len(casts)}")
         return [compression.pull_dtype(name, self.store.get(name).spec.meta, cast) for name, cast in zip(names, casts)]
+
+    def _bases(self, names: list[str], versions: list[int], generation: int, field: str) -> list[int] | None:
+        """Per name, the version a delta pull may start from (0: none; all 0 when the versions were read from
+        another generation of this shard), or None without base versions; InvalidArgumentError for a count
+        other than one per name."""
+        if not versions:
+            return None
+        if len(versions) != len(names):
+            raise InvalidArgumentError(f"{field} must be empty or hold a version for each of the {len(names)} "
+                                       f"variables asked for. Received {len(versions)}")
+        return versions if generation == self.generation else [0] * len(names)
 
     def _check_gradient(self, name: str, meta: ps_pb2.TensorMeta) -> None:
         """Raises unless a pushed tensor with `meta` fits: a table's ROWS tensor, or a variable's gradient."""
@@ -341,7 +356,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             generation=self.generation)
 
     def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None,
-              casts: list | None = None):
+              casts: list | None = None, bases: list[int] | None = None):
         """Serialized PullResponses for `names`, in order; `result` rides on the first message.
 
         Each variable is sent as one consistent version with at most one
@@ -350,7 +365,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         the read first saves the unread bytes); smaller ones are copied under
         their lock and packed several to a message. No lock is held while
         bytes go out. `casts` (from _casts) sends variables as a narrower
-        float, converted a chunk's worth of whole elements at a time.
+        float, converted a chunk's worth of whole elements at a time. With
+        `bases` (from _bases), a variable whose changes since its base the
+        store knows goes as a DELTA of them (store.read_delta), packed as
+        small ones are.
         """
         chunk_bytes = min(chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         step = self.store.step
@@ -362,9 +380,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             nonlocal sent
             first, sent = not sent, True
             self.pull_bytes.add(sum(len(piece[3]) for piece in pieces))
-            return wire.encode_pull_response(pieces, step, result if first else None)
+            return wire.encode_pull_response(pieces, step, result if first else None, self.generation)
 
-        for name, cast in zip(names, casts or [None] * len(names)):
+        for name, cast, base in zip(names, casts or [None] * len(names), bases or [None] * len(names)):
+            delta = None if base is None else self.store.read_delta(name, base, cast)
+            if delta is not None:
+                for piece in wire.delta_pieces(name, self.store.get(name).spec.meta.shape, *delta, chunk_bytes):
+                    if small and small_bytes + len(piece[3]) > chunk_bytes:
+                        yield message(small)
+                        small, small_bytes = [], 0
+                    small.append(piece)
+                    small_bytes += len(piece[3])
+                continue
             variable = self.store.get(name)
             stored, width = variable.value.dtype, variable.value.element_size()
             size = variable.nbytes if cast is None else variable.nbytes // width * cast.itemsize

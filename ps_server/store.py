@@ -7,7 +7,9 @@ Pure core (no gRPC), safe to call from many threads:
   of an update and a failed push changes nothing;
 * `read` runs a caller's copy function under the variable's lock, so the
   copy is one consistent version; `versioned_read` reads a big variable a
-  chunk at a time as one version without copying it whole (reads.py).
+  chunk at a time as one version without copying it whole (reads.py);
+  `read_delta` copies only what changed since a version a caller holds,
+  from the variable's change log (deltas.py), which `apply` keeps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .. import codec, compression
 from ..errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
                       UnknownVariableError)
 from .optimizers import VariableOptimizer, normalize_spec
+from .deltas import ChangeLog, changed_elements, delta_pays, keeps_zeros
 from .reads import VersionedRead
 from .waits import NamesAwaited
 from ..proto import ps_pb2
@@ -51,6 +54,7 @@ class Variable:
     version: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     readers: list = dataclasses.field(default_factory=list)  # reads.VersionedRead in progress (under lock)
+    changes: ChangeLog | None = None  # what each update changed, once a delta pull asked for it (deltas.py)
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +187,10 @@ class VariableStore(NamesAwaited):
                 variable.optimizer.apply(grad)
                 variable.version += 1
                 versions[name] = variable.version
+                if variable.changes is not None:
+                    optimizer = variable.optimizer
+                    variable.changes.record(variable.version, changed_elements(grad, variable.changes.limit)
+                                            if keeps_zeros(optimizer.name, optimizer.hyperparams) else None)
         with self._changed:
             self._step += step_increment
             return self._step, versions
@@ -192,6 +200,26 @@ class VariableStore(NamesAwaited):
         variable = self.get(name)
         with variable.lock:
             return copy(variable.value.detach(), variable.version)
+
+    def read_delta(self, name: str, base: int, cast: torch.dtype | None = None
+                   ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """(version, flat indices, their values) of what changed in `name` since version `base`, copied under its
+        lock (values cast to `cast` if given), or None where a whole read is due: no base (0), a base the change
+        log does not know, or changes too many to pay. The first call for a variable starts its change log
+        (and answers None). UnknownVariableError if absent."""
+        variable = self.get(name)
+        with variable.lock:
+            if variable.changes is None:
+                variable.changes = ChangeLog(variable.version, variable.value.numel())
+                return None
+            if not base:
+                return None
+            index = variable.changes.since(base, variable.version)
+            itemsize = variable.value.element_size() if cast is None else cast.itemsize
+            if index is None or not delta_pays(index.numel(), variable.value.numel(), itemsize):
+                return None
+            values = variable.value.detach().reshape(-1).index_select(0, index)
+            return variable.version, index, values if cast is None else values.to(cast)
 
     def versioned_read(self, name: str) -> VersionedRead:
         """An unopened VersionedRead of `name` (use it as a context manager); UnknownVariableError if absent."""

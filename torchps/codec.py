@@ -100,10 +100,11 @@ def meta_nbytes(meta: ps_pb2.TensorMeta) -> int:
         if meta.nnz:
             raise InvalidArgumentError(f"nnz is for SPARSE tensors only; this one is DENSE with nnz {meta.nnz}")
         return numel * dtype.itemsize
-    if meta.encoding == ps_pb2.SPARSE:
-        if not 0 < meta.nnz <= numel:
-            raise InvalidArgumentError(f"SPARSE nnz must be in [1, {numel}] for shape {list(meta.shape)}. "
-                                       f"Received: {meta.nnz}")
+    if meta.encoding in (ps_pb2.SPARSE, ps_pb2.DELTA):
+        least = 1 if meta.encoding == ps_pb2.SPARSE else 0
+        if not least <= meta.nnz <= numel:
+            raise InvalidArgumentError(f"{ps_pb2.Encoding.Name(meta.encoding)} nnz must be in [{least}, {numel}] "
+                                       f"for shape {list(meta.shape)}. Received: {meta.nnz}")
         return meta.nnz * ((4 if numel < 2 ** 31 else 8) + dtype.itemsize)
     if meta.encoding == ps_pb2.ROWS:
         if len(meta.shape) != 2 or meta.nnz:
@@ -182,23 +183,29 @@ class ChunkAssembler:
     to the kernel: see torchps.memory). Every chunk but a tensor's last must carry at least
     `min_chunk` bytes. A complete tensor is `decode(name, meta, buffer)` if
     given (a shard decoding compressed gradients), else the buffer viewed as
-    the meta's DENSE tensor; without `decode`, a SPARSE meta is refused. Not
+    the meta's DENSE tensor; without `decode`, a SPARSE meta is refused. A
+    DELTA tensor (a delta pull's reply) goes into fresh memory and, complete,
+    to `delta(name, meta, buffer)`; without `delta` it is refused. `versions`
+    holds each tensor's TensorChunk.version (its first chunk's). Not
     thread-safe: one assembler per stream.
     """
 
     def __init__(self, begin: Callable[[str, ps_pb2.TensorMeta], None] | None = None,
                  *, sink: Callable[[str, ps_pb2.TensorMeta], np.ndarray] | None = None,
                  decode: Callable[[str, ps_pb2.TensorMeta, np.ndarray], torch.Tensor] | None = None,
+                 delta: Callable[[str, ps_pb2.TensorMeta, np.ndarray], None] | None = None,
                  min_chunk: int = MIN_CHUNK_BYTES):
         self._begin = begin
         self._sink = sink
         self._decode = decode
+        self._delta = delta
         self.min_chunk = min_chunk
         self._name: str | None = None
         self._meta: ps_pb2.TensorMeta | None = None
         self._buffer: np.ndarray | None = None
         self._filled = 0
         self._seen: set[str] = set()
+        self.versions: dict[str, int] = {}
 
     def add(self, chunk: WireChunk | ps_pb2.TensorChunk, meta: ps_pb2.TensorMeta | None = None
             ) -> tuple[str, torch.Tensor | None] | None:
@@ -265,11 +272,14 @@ class ChunkAssembler:
             nbytes = meta_nbytes(meta)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{chunk.name!r}: {exc}") from None
-        if meta.encoding != ps_pb2.DENSE and self._decode is None:
+        if meta.encoding == ps_pb2.DELTA:
+            if self._delta is None:
+                raise InvalidArgumentError(f"{chunk.name!r}: DELTA tensors are for delta pulls' replies only")
+        elif meta.encoding != ps_pb2.DENSE and self._decode is None:
             raise InvalidArgumentError(f"{chunk.name!r}: {ps_pb2.Encoding.Name(meta.encoding)} tensors are for pushes only")
         if self._begin is not None:
             self._begin(chunk.name, meta)
-        if self._sink is not None:
+        if self._sink is not None and meta.encoding != ps_pb2.DELTA:
             self._buffer = self._sink(chunk.name, meta)
             if self._buffer.size != nbytes:
                 raise MalformedStreamError(f"{chunk.name!r}: the stream declares {nbytes} bytes where "
@@ -281,8 +291,13 @@ class ChunkAssembler:
                 raise InvalidArgumentError(f"cannot allocate {nbytes} bytes for {chunk.name!r}") from None
         self._name, self._meta, self._filled = chunk.name, meta, 0
         self._seen.add(chunk.name)
+        self.versions[chunk.name] = chunk.version
 
     def _complete(self) -> tuple[str, torch.Tensor | None]:
+        if self._meta.encoding == ps_pb2.DELTA:
+            self._delta(self._name, self._meta, self._buffer)
+            name, self._name, self._meta, self._buffer, self._filled = self._name, None, None, None, 0
+            return name, None
         if self._sink is not None:  # the bytes are in the caller's own tensor already
             name, self._name, self._meta, self._buffer, self._filled = self._name, None, None, None, 0
             return name, None

@@ -29,9 +29,11 @@ from .errors import ClusterConfigError, InvalidArgumentError, TensorMismatchErro
 from .proto import ps_pb2
 
 __all__ = ["KINDS", "DEFAULT_MIN_BYTES", "Compression", "policies_for", "Encoded", "Residuals", "Encoder", "encode",
-           "index_dtype", "check_gradient_meta", "decode", "pull_dtype", "cast_bytes"]
+           "index_dtype", "check_gradient_meta", "sparse_parts", "decode", "pull_dtype", "cast_bytes",
+           "SUPPORT_ATTRIBUTE"]
 
 KINDS = ("none", "bf16", "fp16", "topk", "randomk")
+SUPPORT_ATTRIBUTE = "torchps_support"  # decode's SPARSE gradients: the flat indices they were built from
 DEFAULT_MIN_BYTES = 64 << 10  # smaller tensors travel as they are: the saving would not pay for the work
 _CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _WIDE = (ps_pb2.FLOAT32, ps_pb2.FLOAT64)      # variables that may travel cast
@@ -334,31 +336,48 @@ def check_gradient_meta(name: str, meta: ps_pb2.TensorMeta, variable: ps_pb2.Ten
 
 def _view(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """`raw` (uint8) as `dtype`, copied only if it does not start at a multiple of the itemsize."""
+    if not raw.size:  # numpy gives empty arrays a zero stride, which torch cannot view as another dtype
+        return torch.empty(0, dtype=dtype)
     if raw.ctypes.data % dtype.itemsize:
         raw = raw.copy()
     return torch.from_numpy(raw).view(dtype)
 
 
+def sparse_parts(what: str, meta: ps_pb2.TensorMeta, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, values) of a SPARSE or DELTA tensor's bytes (len(raw) checked by codec.meta_nbytes), viewing
+    `raw` where aligned. InvalidArgumentError (naming `what`) for indices out of range or not strictly
+    increasing."""
+    numel = math.prod(meta.shape)
+    split = meta.nnz * index_dtype(numel).itemsize
+    index = _view(raw[:split], index_dtype(numel))
+    if len(index):
+        first, last = int(index[0]), int(index[-1])
+        if first < 0 or last >= numel:
+            raise InvalidArgumentError(f"{what}: {ps_pb2.Encoding.Name(meta.encoding)} index "
+                                       f"{first if first < 0 else last} is out of range for {numel} elements")
+        if len(index) > 1 and not bool((index[1:] > index[:-1]).all()):
+            raise InvalidArgumentError(f"{what}: {ps_pb2.Encoding.Name(meta.encoding)} indices must be strictly "
+                                       f"increasing")
+    return index, _view(raw[split:], codec.torch_dtype(meta.dtype))
+
+
 def decode(name: str, meta: ps_pb2.TensorMeta, raw: np.ndarray, variable: ps_pb2.TensorMeta) -> torch.Tensor:
     """A gradient's bytes (meta checked by check_gradient_meta, len(raw) by codec.meta_nbytes) as a dense tensor
     of the variable's dtype. InvalidArgumentError for SPARSE indices out of range or not strictly increasing.
-    NaN and Inf are left to the caller (the shard's store rejects them unless --allow-nonfinite)."""
+    NaN and Inf are left to the caller (the shard's store rejects them unless --allow-nonfinite). A SPARSE
+    gradient's dense tensor carries its indices as the attribute SUPPORT_ATTRIBUTE (int64), so a shard
+    recording what changed (delta pulls, ps_server/deltas.py) need not search the zeros for them."""
     dtype = codec.torch_dtype(variable.dtype)
     if meta.encoding == ps_pb2.DENSE:
         tensor = codec.dense_tensor(meta, raw)
         return tensor if tensor.dtype == dtype else tensor.to(dtype)
-    numel = math.prod(variable.shape)
-    split = meta.nnz * index_dtype(numel).itemsize
-    index = _view(raw[:split], index_dtype(numel))
-    first, last = int(index[0]), int(index[-1])
-    if first < 0 or last >= numel:
-        raise InvalidArgumentError(f"gradient for {name!r}: SPARSE index {first if first < 0 else last} is out of "
-                                   f"range for {numel} elements")
-    if len(index) > 1 and not bool((index[1:] > index[:-1]).all()):
-        raise InvalidArgumentError(f"gradient for {name!r}: SPARSE indices must be strictly increasing")
-    dense = torch.zeros(numel, dtype=dtype)
-    dense[index.long()] = _view(raw[split:], codec.torch_dtype(meta.dtype)).to(dtype)
-    return dense.reshape(tuple(variable.shape))
+    index, values = sparse_parts(f"gradient for {name!r}", meta, raw)
+    dense = torch.zeros(math.prod(variable.shape), dtype=dtype)
+    index = index.long()
+    dense[index] = values.to(dtype)
+    dense = dense.reshape(tuple(variable.shape))
+    setattr(dense, SUPPORT_ATTRIBUTE, index)
+    return dense
 
 
 def pull_dtype(name: str, variable: ps_pb2.TensorMeta, cast: int) -> torch.dtype | None:

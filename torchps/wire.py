@@ -13,7 +13,7 @@ unchanged: tests check byte equality with the generated classes.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from .errors import MalformedStreamError
 from .codec import WireChunk
 from .proto import ps_pb2
 
-__all__ = ["Piece", "tensor_pieces", "pack", "encode_pull_response", "encode_push_request",
+__all__ = ["Piece", "PullMessage", "tensor_pieces", "delta_pieces", "pack", "encode_pull_response", "encode_push_request",
            "decode_pull_response", "decode_push_request"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -64,6 +64,17 @@ def tensor_pieces(name: str, tensor: torch.Tensor, chunk_bytes: int, version: in
             for offset, view in codec.split(tensor, chunk_bytes)]
 
 
+def delta_pieces(name: str, shape, version: int, index: torch.Tensor, values: torch.Tensor,
+                 chunk_bytes: int) -> list[Piece]:
+    """The pieces of a DELTA tensor of `shape` (ps.proto): flat `index` (compression.index_dtype) then `values`,
+    copied once into one payload that the pieces view; meta and version on the first."""
+    payload = codec.tensor_bytes(torch.cat([index.view(torch.uint8), values.view(torch.uint8)]))
+    meta = ps_pb2.TensorMeta(dtype=codec.wire_dtype(values.dtype), shape=shape, encoding=ps_pb2.DELTA,
+                             nnz=index.numel())
+    return [(name, meta if offset == 0 else None, offset, payload[offset:offset + chunk_bytes],
+             version if offset == 0 else 0) for offset in range(0, max(len(payload), 1), chunk_bytes)]
+
+
 def pack(pieces: Iterable[Piece], chunk_bytes: int) -> Iterator[list[Piece]]:
     """Groups pieces into messages of at most chunk_bytes of data (a larger piece goes alone)."""
     batch, size = [], 0
@@ -84,8 +95,9 @@ def _encode_chunks(field: int, pieces: Iterable[Piece], out: list) -> None:
         out += [_key(field, _LEN), _varint(len(head) + len(data) + len(tail)), head, data, tail]
 
 
-def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.PushResponse | None = None) -> bytes:
-    """Serialized PullResponse{chunks, step, result}, copying each piece's data once."""
+def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.PushResponse | None = None,
+                         generation: int = 0) -> bytes:
+    """Serialized PullResponse{chunks, step, result, generation}, copying each piece's data once."""
     out: list = []
     _encode_chunks(1, pieces, out)
     if step:
@@ -93,6 +105,8 @@ def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.Push
     if result is not None:
         raw = result.SerializeToString()
         out += [_key(3, _LEN), _varint(len(raw)), raw]
+    if generation:
+        out += [_key(4, _VARINT), _varint(generation)]
     return b"".join(out)
 
 
@@ -172,9 +186,18 @@ def _decode_chunk(buf: memoryview) -> WireChunk:
     return chunk
 
 
-def decode_pull_response(raw: bytes) -> tuple[list[WireChunk], int, ps_pb2.PushResponse | None]:
-    """(chunks, step, PushPull result or None) from a serialized PullResponse; data views `raw`."""
-    chunks, step, result = [], 0, None
+class PullMessage(NamedTuple):
+    """A decoded PullResponse: chunks (data viewing the message), step, PushPull result or None, generation."""
+
+    chunks: list[WireChunk]
+    step: int
+    result: ps_pb2.PushResponse | None
+    generation: int
+
+
+def decode_pull_response(raw: bytes) -> PullMessage:
+    """A serialized PullResponse as a PullMessage; chunk data views `raw`."""
+    chunks, step, result, generation = [], 0, None, 0
     for field, wire_type, value in _fields(memoryview(raw)):
         if field == 1 and wire_type == _LEN:
             chunks.append(_decode_chunk(value))
@@ -182,7 +205,9 @@ def decode_pull_response(raw: bytes) -> tuple[list[WireChunk], int, ps_pb2.PushR
             step = value - (1 << 64) if value >= 1 << 63 else value
         elif field == 3 and wire_type == _LEN:
             result = ps_pb2.PushResponse.FromString(bytes(value))
-    return chunks, step, result
+        elif field == 4 and wire_type == _VARINT:
+            generation = value
+    return PullMessage(chunks, step, result, generation)
 
 
 def decode_push_request(raw: bytes) -> tuple[ps_pb2.PushHeader | None, list[WireChunk], ps_pb2.PushEnd | None]:

@@ -162,7 +162,9 @@ def test_local_optimizer_is_torch_optims_and_refuses_the_rest():
 @pytest.mark.parametrize("kwargs, message", [
     ({"dense": "allreduce"}, "process_group=AllreduceGroup"),
     ({"dense": "bogus"}, "'ps' or 'allreduce'"),
-    ({"dense": "allreduce", "overlap": True}, "no overlap or compression"),
+    ({"dense": "allreduce", "overlap": True}, "no overlap, compression or delta pulls"),
+    ({"dense": "allreduce", "delta_pulls": True}, "no overlap, compression or delta pulls"),
+    ({"overlap": True, "delta_pulls": True}, "delta_pulls=True with overlap=True"),
 ])
 def test_register_module_refuses_before_any_call(kwargs, message):
     cluster = Cluster.from_dict({"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:1"]})  # nothing listens: no call made

@@ -75,11 +75,11 @@ def test_pull_response_bytes_equal_the_generated_classes():
     pieces = pieces_of(("v", torch.arange(10.0)))
     pieces[0] = pieces[0][:4] + (3,)  # a version on the first chunk
     result = ps_pb2.PushResponse(step=4, next_step=5)
-    expected = ps_pb2.PullResponse(step=9, result=result)
+    expected = ps_pb2.PullResponse(step=9, result=result, generation=77)
     for name, meta, offset, data, version in pieces:
         chunk = expected.chunks.add(name=name, offset=offset, data=bytes(data), version=version)
         chunk.meta.CopyFrom(meta)
-    raw = wire.encode_pull_response(pieces, 9, result)
+    raw = wire.encode_pull_response(pieces, 9, result, generation=77)
     assert raw == expected.SerializeToString()
-    chunks, step, got = wire.decode_pull_response(raw)
-    assert step == 9 and got == result and bytes(chunks[0].data) == bytes(pieces[0][3])
+    chunks, step, got, generation = wire.decode_pull_response(raw)
+    assert step == 9 and got == result and generation == 77 and bytes(chunks[0].data) == bytes(pieces[0][3])

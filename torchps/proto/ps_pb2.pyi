@@ -22,6 +22,7 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DENSE: _ClassVar[Encoding]
     SPARSE: _ClassVar[Encoding]
     ROWS: _ClassVar[Encoding]
+    DELTA: _ClassVar[Encoding]
 
 class TablePartition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ INT64: DType
 DENSE: Encoding
 SPARSE: Encoding
 ROWS: Encoding
+DELTA: Encoding
 PARTITION_MODULO: TablePartition
 PARTITION_HASH: TablePartition
 
@@ -112,7 +114,7 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,8 @@ class PushHeader(_message.Message):
     PULL_CAST_FIELD_NUMBER: _ClassVar[int]
     STREAMED_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PULL_BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PULL_BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
@@ -131,7 +135,9 @@ class PushHeader(_message.Message):
     pull_cast: _containers.RepeatedScalarFieldContainer[DType]
     streamed: bool
     tensors: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ...) -> None: ...
+    pull_base_versions: _containers.RepeatedScalarFieldContainer[int]
+    pull_base_generation: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunks", "end")
@@ -177,26 +183,32 @@ class PushResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("names", "chunk_bytes", "min_step", "cast")
+    __slots__ = ("names", "chunk_bytes", "min_step", "cast", "base_versions", "base_generation")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     CAST_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     chunk_bytes: int
     min_step: int
     cast: _containers.RepeatedScalarFieldContainer[DType]
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., min_step: _Optional[int] = ..., cast: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
+    base_versions: _containers.RepeatedScalarFieldContainer[int]
+    base_generation: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., min_step: _Optional[int] = ..., cast: _Optional[_Iterable[_Union[DType, str]]] = ..., base_versions: _Optional[_Iterable[int]] = ..., base_generation: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("chunks", "step", "result")
+    __slots__ = ("chunks", "step", "result", "generation")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     step: int
     result: PushResponse
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., step: _Optional[int] = ..., result: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
+    generation: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., step: _Optional[int] = ..., result: _Optional[_Union[PushResponse, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class UpdateOptimizerRequest(_message.Message):
     __slots__ = ("names", "hyperparams")

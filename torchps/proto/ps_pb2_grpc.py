@@ -136,8 +136,10 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Reads variables, streaming their bytes in chunks. Waits only for
-        min_step. NOT_FOUND if a name is unknown (before any chunk is sent).
+        """Reads variables, streaming their bytes in chunks, or, for a caller that
+        holds an earlier version (base_versions), what changed since (DELTA).
+        Waits only for min_step. NOT_FOUND if a name is unknown (before any chunk
+        is sent).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
