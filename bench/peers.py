@@ -23,7 +23,10 @@ torchps side: real ps-server shards (LocalCluster, 127.0.0.1) and 2 worker
 processes (torch.set_num_threads(1)), each PSClient + register_module, then per
 step forward/backward on one of 4 fixed random batches and the variant's update
 (exchange(), or push() + pull()). Variants (VARIANTS below, one line each):
-fp32 (default), bf16 and top-k 1% with error feedback compression, overlap.
+fp32 (default), tls (fp32 with mutual TLS + the job token on every shard and
+client), bf16 and top-k 1% with error feedback compression, top-k with delta
+pulls, overlap. bench/network.py runs the same inside network namespaces
+whose loopback is shaped to a link's rate.
 A variant that fails is reported as failed, without stopping the others.
 
 Each round runs, for every setup, TensorFlow then each torchps variant, each
@@ -61,10 +64,15 @@ MODELS = {"small": SMALL_DIMS, "big": BIG_DIMS}
 
 # torchps variants: name -> (what, PSClient kwargs, register_module kwargs, update per step).
 # ("Compression", kind, kwargs) is built as torchps.client.Compression(kind, **kwargs) when the run starts.
+# A client spec's "tls": True runs the variant with mutual TLS + the job token on every shard and client (the
+# deployment's configuration; every other variant is plaintext).
 VARIANTS = {
     "fp32": ("float32 (defaults)", {}, {}, "exchange"),
+    "tls": ("float32, mutual TLS + job token (what a deployment runs)", {"tls": True}, {}, "exchange"),
     "bf16": ("bf16 compression", {}, {"compression": ("Compression", "bf16", {})}, "exchange"),
     "topk": ("top-k 1% + error feedback", {}, {"compression": ("Compression", "topk", {"ratio": 0.01})}, "exchange"),
+    "topk_delta": ("top-k 1% + error feedback, delta pulls", {},
+                   {"compression": ("Compression", "topk", {"ratio": 0.01}), "delta_pulls": True}, "exchange"),
     "overlap": ("overlap, push() + pull()", {}, {"overlap": True}, "push_pull"),
 }
 
@@ -93,7 +101,7 @@ def resolve(variant: str, num_ps: int) -> tuple[dict, dict, str, dict]:
 
     what, client_spec, register_spec, update = VARIANTS[variant]
     client_kw, register_kw = dict(client_spec), {}
-    info = {"variant": what,
+    info = {"variant": what, "tls": client_kw.pop("tls", False),
             "update": "binding.exchange()" if update == "exchange" else "binding.push(); binding.pull()"}
     if num_ps > 1:
         client_kw["partitioner"] = MinSizePartitioner(min_shard_bytes=MIN_SHARD_BYTES, max_shards=num_ps)
@@ -111,7 +119,7 @@ def resolve(variant: str, num_ps: int) -> tuple[dict, dict, str, dict]:
 
 # -- torchps side -------------------------------------------------------------------------------
 
-def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, res_q) -> None:
+def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, res_q, security=None) -> None:
     """One async worker: register, warm up, then train for the window the parent sends; reports its steps."""
     try:
         import torch
@@ -125,7 +133,7 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
         model = make_mlp(dims)
         xs, ys = torch.rand(4, BATCH, dims[0]), torch.randint(0, dims[-1], (4, BATCH))
         client_kw, register_kw, update_kind, _ = resolve(variant, cluster.num_ps)
-        with PSClient(cluster, task=TaskSpec("worker", index), security=INSECURE, **client_kw) as ps:
+        with PSClient(cluster, task=TaskSpec("worker", index), security=security or INSECURE, **client_kw) as ps:
             binding = ps.register_module(model, Optimizer("sgd", lr=LR), create=False, **register_kw)
             if update_kind == "push_pull":
                 def update():
@@ -164,53 +172,80 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
         res_q.put(("error", index, traceback.format_exc()))
 
 
-def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int) -> dict:
-    """Fresh shards and 2 worker processes for one variant; steps/s of both workers together over the window."""
+def loopback_bytes() -> int | None:
+    """Bytes `lo` has transmitted (Linux /proc/net/dev): every byte between two local processes, headers
+    included, counted once. Only this benchmark's inside a network namespace of its own (bench/network.py)."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, shard_args=(),
+              count_loopback: bool = False) -> dict:
+    """Fresh shards and 2 worker processes for one variant; steps/s of both workers together over the window.
+    `shard_args` go to every shard (e.g. --torch-threads 1); with `count_loopback`, the window's bytes on `lo`
+    (`loopback_bytes`) as MB per step."""
     import torch
-    from torchps.client import Optimizer, PSClient
+    from torchps.client import Optimizer, PSClient, TaskSpec
     from torchps.security import INSECURE
     from torchps.worker.local_cluster import LocalCluster
+    from pullpush import JobSecurity
 
     client_kw, register_kw, _, info = resolve(variant, num_ps)
     started = time.monotonic()
     ctx = mp.get_context("spawn")
-    with LocalCluster(num_ps, workers=WORKERS) as local:
-        torch.manual_seed(0)
-        with PSClient(local.cluster, security=INSECURE, **client_kw) as chief:
-            chief.register_module(make_mlp(dims), Optimizer("sgd", lr=LR), create=True, **register_kw)
-            placement = chief.placement_report()
-        res_q = ctx.Queue()
-        cmd_qs = [ctx.Queue() for _ in range(WORKERS)]
-        procs = [ctx.Process(target=torch_worker, daemon=True, name=f"peers-{variant}-{i}",
-                             args=(dims, local.cluster, i, variant, warmup, cmd_qs[i], res_q))
-                 for i in range(WORKERS)]
-        for proc in procs:
-            proc.start()
-        try:
-            collect(res_q, procs, "ready", READY_TIMEOUT)
-            setup_seconds = time.monotonic() - started
-            ps_pids = [p.pid for p in local.procs]
-            start_at = time.time() + 0.2
-            ps_cpu0 = cpu_seconds(ps_pids)
-            for q in cmd_qs:
-                q.put((start_at, seconds))
-            got = collect(res_q, procs, "result", seconds + 120)
-            ps_cpu1 = cpu_seconds(ps_pids)
-        finally:
+    job = JobSecurity(num_ps, WORKERS) if info["tls"] else None
+    chief_security = job.security(TaskSpec("chief", 0)) if job else INSECURE
+    securities = [job.security(TaskSpec("worker", i)) if job else None for i in range(WORKERS)]
+    try:
+        with LocalCluster(num_ps, workers=WORKERS, server_args=[*(job.server_args() if job else []), *shard_args]
+                          ) as local:
+            torch.manual_seed(0)
+            with PSClient(local.cluster, security=chief_security, **client_kw) as chief:
+                chief.register_module(make_mlp(dims), Optimizer("sgd", lr=LR), create=True, **register_kw)
+                placement = chief.placement_report()
+            res_q = ctx.Queue()
+            cmd_qs = [ctx.Queue() for _ in range(WORKERS)]
+            procs = [ctx.Process(target=torch_worker, daemon=True, name=f"peers-{variant}-{i}",
+                                 args=(dims, local.cluster, i, variant, warmup, cmd_qs[i], res_q, securities[i]))
+                     for i in range(WORKERS)]
             for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join()
+                proc.start()
+            try:
+                collect(res_q, procs, "ready", READY_TIMEOUT)
+                setup_seconds = time.monotonic() - started
+                ps_pids = [p.pid for p in local.procs]
+                start_at = time.time() + 0.2
+                ps_cpu0, wire0 = cpu_seconds(ps_pids), loopback_bytes()
+                for q in cmd_qs:
+                    q.put((start_at, seconds))
+                got = collect(res_q, procs, "result", seconds + 120)
+                ps_cpu1, wire1 = cpu_seconds(ps_pids), loopback_bytes()
+            finally:
+                for proc in procs:
+                    proc.join(timeout=30)
+                    if proc.is_alive():
+                        proc.terminate()
+                        proc.join()
+    finally:
+        if job is not None:
+            job.close()
     steps = sum(w["steps"] for w in got)
     cpu = {"workers": sum(w["cpu_seconds"] for w in got) / steps,
            "workers_update": sum(w["update_cpu_seconds"] for w in got) / steps,
            "ps": (ps_cpu1 - ps_cpu0) / steps if ps_cpu0 is not None and ps_cpu1 is not None else None}
+    wire = (wire1 - wire0) / steps / 1e6 if count_loopback and None not in (wire0, wire1) else None
     return {"steps_per_s": sum(w["steps"] / w["seconds"] for w in got), "steps": steps,
-            "MB_copied_per_step": sum(w["bytes_copied"] for w in got) / steps / 1e6,
+            "MB_copied_per_step": sum(w["bytes_copied"] for w in got) / steps / 1e6, "MB_on_wire_per_step": wire,
             "seconds": max(w["seconds"] for w in got), "last_loss": median([w["last_loss"] for w in got]),
             "cpu_seconds_per_step": cpu, "setup_seconds": setup_seconds, "workers": got, "placement": placement,
-            **info}
+            "shard_args": list(shard_args), **info}
 
 
 # -- TensorFlow side ------------------------------------------------------------------------------
@@ -244,11 +279,13 @@ def check_tf(args) -> str | None:
     return None
 
 
-def run_tf(dims, num_ps: int, seconds: float, warmup: int, args) -> dict:
-    cmd = [*tf_prefix(args.tf_isolation), args.tf_python, str(TF_PEER), "--dims", ",".join(map(str, dims)),
-           "--num-ps", str(num_ps), "--workers", str(WORKERS), "--seconds", str(seconds), "--warmup", str(warmup),
-           "--batch", str(BATCH), "--lr", str(LR)]
-    if args.tf_isolation == "netns":
+def run_tf(dims, num_ps: int, seconds: float, warmup: int, args, *, prefix: list[str] | None = None,
+           extra=()) -> dict:
+    """bench/tf_peer.py's result; `prefix` (default: args.tf_isolation's) goes before its command, `extra` after."""
+    cmd = [*(tf_prefix(args.tf_isolation) if prefix is None else prefix), args.tf_python, str(TF_PEER),
+           "--dims", ",".join(map(str, dims)), "--num-ps", str(num_ps), "--workers", str(WORKERS),
+           "--seconds", str(seconds), "--warmup", str(warmup), "--batch", str(BATCH), "--lr", str(LR), *extra]
+    if args.tf_isolation == "netns" and prefix is None:
         cmd.append("--isolated")
     started = time.monotonic()
     try:

@@ -326,11 +326,12 @@ class JobSecurity:
         self._tmp.cleanup()
 
 
-def start_cluster(num_ps: int, job: JobSecurity | None, **kwargs):
-    """A started LocalCluster: --insecure shards without `job`, mutual TLS + job token with it."""
+def start_cluster(num_ps: int, job: JobSecurity | None, shard_args=(), **kwargs):
+    """A started LocalCluster: --insecure shards without `job`, mutual TLS + job token with it; `shard_args`
+    go to every shard."""
     from torchps.worker.local_cluster import LocalCluster
 
-    local = LocalCluster(num_ps, server_args=job.server_args() if job else None, **kwargs)
+    local = LocalCluster(num_ps, server_args=[*(job.server_args() if job else []), *shard_args], **kwargs)
     local.__enter__()
     return local
 
@@ -431,13 +432,13 @@ def bench_bandwidth(args, job: JobSecurity | None) -> dict:
     try:
         clusters = {}
         if plain:
-            clusters["ours_2ps"] = start_cluster(2, None)
+            clusters["ours_2ps"] = start_cluster(2, None, args.shard_args)
             closers.append(clusters["ours_2ps"].stop)
         if secure:
-            clusters["ours_2ps_secure"] = start_cluster(2, job)
+            clusters["ours_2ps_secure"] = start_cluster(2, job, args.shard_args)
             closers.append(clusters["ours_2ps_secure"].stop)
         if plain and not args.no_1ps:
-            clusters["ours_1ps"] = start_cluster(1, None)
+            clusters["ours_1ps"] = start_cluster(1, None, args.shard_args)
             closers.append(clusters["ours_1ps"].stop)
         server = BaselineServer(nbytes, args.chunk_bytes)
         closers.append(server.close)
@@ -649,7 +650,7 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
     with contextlib.ExitStack() as stack:
         for name in setups:
             secure = name.endswith("_secure")
-            local = start_cluster(1, job if secure else None, workers=args.workers)
+            local = start_cluster(1, job if secure else None, args.shard_args, workers=args.workers)
             stack.callback(local.stop)
             server_pids[name] = [p.pid for p in local.procs]
             shard_security[name] = check_shard_security(local, secure)
@@ -872,6 +873,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "puts every weight matrix of the MLP on shard 0 and only biases on shard 1)")
     parser.add_argument("--chunk-bytes", type=int, default=BASELINE_CHUNK_BYTES,
                         help="baseline gRPC chunk size (default 1 MiB); torchps uses its client's default")
+    parser.add_argument("--shard-torch-threads", type=int, default=None,
+                        help="every shard's --torch-threads (default: torch's, one per core; 1 where shards share "
+                             "the cores with the client and workers, as bench/network.py's do)")
     parser.add_argument("--lr-small", type=float, default=0.05, help="SGD learning rate, small model")
     parser.add_argument("--lr-big", type=float, default=1e-3, help="SGD learning rate, big model")
     # internal: the bare gRPC server process
@@ -888,6 +892,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.big_seconds = args.big_seconds or (4.0 if quick else 10.0)
     if quick:  # start-up (processes importing torch, 100 MB creates) dominates a quick run
         args.no_1ps = args.no_big_local = True
+    args.shard_args = [] if args.shard_torch_threads is None else ["--torch-threads", str(args.shard_torch_threads)]
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.sections) - {"bandwidth", "small", "big"}
     if unknown:

@@ -3,6 +3,7 @@
 
     python bench/tf_peer.py --dims 784,100,10 --num-ps 1 --seconds 5
     python bench/tf_peer.py --dims 784,8192,2304,10 --num-ps 2 --seconds 10 --isolated
+    python bench/tf_peer.py --dims 784,8192,2304,10 --local --seconds 5 --warmup 2   # forward + backward alone
 
 Runs with TensorFlow's interpreter (tensorflow-cpu 2.21; see bench/README.md),
 imports neither torch nor torchps, and prints one line
@@ -96,6 +97,19 @@ def cpu_seconds(pids) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return total
+
+
+def loopback_bytes() -> int | None:
+    """Bytes `lo` has transmitted (/proc/net/dev), as bench/peers.py's loopback_bytes."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def die_with_parent(parent: int) -> None:
@@ -204,7 +218,7 @@ def run(args, report) -> None:
 
         pids = {"workers": [p.pid for p in procs if p.name.startswith("tf-worker")],
                 "ps": [p.pid for p in procs if p.name.startswith("tf-ps")], "chief": [os.getpid()]}
-        cpu_before = {k: cpu_seconds(v) for k, v in pids.items()}
+        cpu_before, wire_before = {k: cpu_seconds(v) for k, v in pids.items()}, loopback_bytes()
         backlog_limit = 4 * args.workers
         pending: list = []
         steps, last_loss = 0, float("nan")
@@ -219,7 +233,7 @@ def run(args, report) -> None:
         seconds = time.perf_counter() - t0
         if pending:
             last_loss = float(pending[-1].fetch())
-        cpu_after = {k: cpu_seconds(v) for k, v in pids.items()}
+        cpu_after, wire_after = {k: cpu_seconds(v) for k, v in pids.items()}, loopback_bytes()
         first_kernel = tf.convert_to_tensor(layers[0][0]).numpy()
         max_change = float(np.max(np.abs(first_kernel - initial[0])))
         if not max_change > 0:
@@ -233,6 +247,7 @@ def run(args, report) -> None:
             "partitioner": (f"MinSizePartitioner(min_shard_bytes={MIN_SHARD_BYTES}, max_shards={args.num_ps})"
                             if partitioner else None),
             "cpu_seconds_per_step": cpu, "setup_seconds": setup_seconds,
+            "loopback_bytes": None if None in (wire_before, wire_after) else wire_after - wire_before,
             "threads": {"intra_op": args.intra_threads, "inter_op": args.inter_threads,
                         "applies_to": "chief, every worker and ps (server config and the cluster's session config)"},
             "num_ps": args.num_ps, "workers": args.workers, "dims": list(dims), "activation": "sigmoid",
@@ -248,6 +263,49 @@ def run(args, report) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def run_local(args, report) -> None:
+    """One process, no cluster: the model's forward and backward (gradients computed, not applied) on the same
+    batches, for `--seconds` after `--warmup` steps; reports its CPU seconds per step (all its threads)."""
+    import numpy as np
+    import tensorflow as tf
+
+    dims = tuple(int(d) for d in args.dims.split(","))
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_threads)
+    rng = np.random.default_rng(0)
+    layers = []
+    for fan_in, fan_out in zip(dims[:-1], dims[1:]):
+        bound = 1.0 / np.sqrt(fan_in)
+        layers.append((tf.Variable(rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32)),
+                       tf.Variable(rng.uniform(-bound, bound, (fan_out,)).astype(np.float32))))
+    train_vars = [v for layer in layers for v in layer]
+    xs = tf.random.uniform((4, args.batch, dims[0]))
+    ys = tf.random.uniform((4, args.batch), maxval=dims[-1], dtype=tf.int64)
+
+    @tf.function
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            h = x
+            for i, (w, b) in enumerate(layers):
+                h = tf.matmul(h, w) + b
+                if i < len(layers) - 1:
+                    h = tf.sigmoid(h)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
+        return tape.gradient(loss, train_vars)
+
+    for i in range(args.warmup):
+        [g.numpy() for g in gradients(xs[i % 4], ys[i % 4])]
+    steps, cpu0, t0 = 0, time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < args.seconds:
+        [g.numpy() for g in gradients(xs[steps % 4], ys[steps % 4])]
+        steps += 1
+    report({"steps": steps, "seconds": time.perf_counter() - t0,
+            "cpu_seconds_per_step": (time.process_time() - cpu0) / steps, "dims": list(dims),
+            "what": "forward + backward in one process, gradients not applied",
+            "threads": {"intra_op": args.intra_threads, "inter_op": args.inter_threads},
+            "tf_version": tf.__version__})
 
 
 def main(argv=None) -> int:
@@ -267,7 +325,12 @@ def main(argv=None) -> int:
     parser.add_argument("--isolated", action="store_true",
                         help="this process is alone in a fresh network namespace (unshare -rn): bring lo up and "
                              "refuse to run if any other interface is there")
+    parser.add_argument("--local", action="store_true",
+                        help="no cluster: the CPU of the model's forward and backward in this one process")
     args = parser.parse_args(argv)
+    if args.local:
+        run_local(args, lambda result: print(RESULT_PREFIX + json.dumps(result), flush=True))
+        return 0
     args.isolation = "none: TensorFlow's servers listen on every interface"
     if args.isolated:
         interfaces = loopback_only()

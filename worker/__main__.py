@@ -189,7 +189,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                                          process_group=group)
     else:
         binding = client.register_module(job.model, optimizer, create=client.is_chief, compression=compression,
-                                         overlap=args.overlap)
+                                         overlap=args.overlap, delta_pulls=args.delta_pulls)
     ps_binding = binding  # the shards' side (finish_job pulls the final values through it)
     if host is not None:
         binding = HostBinding(binding, host.group)

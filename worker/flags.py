@@ -93,6 +93,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap", action="store_true", help="push each gradient while backward still runs and pull "
                    "the next values while forward runs, each layer waiting for its own (same results; "
                    "register_module(overlap=True))")
+    g.add_argument("--delta-pulls", action="store_true", help="pull only what changed since the values this "
+                   "worker holds, where the shards know it (sparse updates: top-k pushes with plain SGD, frozen or "
+                   "embedding-like layers; register_module(delta_pulls=True)); not with --overlap")
     g.add_argument("--dense", default="ps", choices=["ps", "allreduce"],
                    help="where the dense parameters are trained: 'ps' (variables on the shards, the default) or "
                         "'allreduce' (kept in the workers and averaged among them every step with "
@@ -203,6 +206,8 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
     ]
     if args.state_dir is not None and not args.compression:
         raise ClusterConfigError("--state-dir keeps the residuals of --compression: pass --compression too")
+    if args.delta_pulls and args.overlap:
+        raise ClusterConfigError("--delta-pulls cannot be combined with --overlap yet: choose one")
     _check_dense(args)
     check_host_flags(args)
     checks += [("--allreduce-port", args.allreduce_port is None or 1 <= args.allreduce_port <= 65535, "in 1-65535"),
@@ -238,6 +243,7 @@ def _check_dense(args: argparse.Namespace) -> None:
         ("--compression", bool(args.compression), "it compresses dense parameters on their way to the shards, and "
          + why),
         ("--state-dir", args.state_dir is not None, "it keeps --compression's residuals, and " + why),
+        ("--delta-pulls", args.delta_pulls, "it pulls dense parameters from the shards, and " + why),
         ("--checkpoint-every-steps/--checkpoint-every-seconds",
          bool(args.checkpoint_every_steps or args.checkpoint_every_seconds),
          "the shards' checkpoints would not hold them: " + why),

@@ -186,6 +186,8 @@ def _flags(*extra: str):
     (["--dense", "allreduce", "--compression", "bf16", "--state-dir", "/tmp"], "cannot be combined with --compression"),
     (["--dense", "allreduce", "--overlap"], "cannot be combined with --overlap"),
     (["--dense", "allreduce", "--mode", "sync"], "cannot be combined with --mode sync"),
+    (["--dense", "allreduce", "--delta-pulls"], "cannot be combined with --delta-pulls"),
+    (["--delta-pulls", "--overlap"], "--delta-pulls cannot be combined with --overlap"),
 ])
 def test_ps_worker_refuses_dense_flags_that_cannot_work(extra, message):
     with pytest.raises(ClusterConfigError, match=message):
