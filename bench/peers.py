@@ -50,6 +50,7 @@ import time
 import traceback
 
 from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, collect, cpu_seconds, environment, log, make_mlp, median
+from tf_peer import loopback_bytes  # stdlib only at import: the same count on both sides
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -170,20 +171,6 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
                                          "stats": ps.stats.as_dict()}))
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         res_q.put(("error", index, traceback.format_exc()))
-
-
-def loopback_bytes() -> int | None:
-    """Bytes `lo` has transmitted (Linux /proc/net/dev): every byte between two local processes, headers
-    included, counted once. Only this benchmark's inside a network namespace of its own (bench/network.py)."""
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, counters = line.partition(":")
-                if name.strip() == "lo":
-                    return int(counters.split()[8])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, shard_args=(),

@@ -100,7 +100,8 @@ def cpu_seconds(pids) -> float | None:
 
 
 def loopback_bytes() -> int | None:
-    """Bytes `lo` has transmitted (/proc/net/dev), as bench/peers.py's loopback_bytes."""
+    """Bytes `lo` has transmitted (Linux /proc/net/dev): every byte between two local processes, headers
+    included, counted once. Only this benchmark's inside a network namespace of its own (bench/network.py)."""
     try:
         with open("/proc/net/dev") as f:
             for line in f:

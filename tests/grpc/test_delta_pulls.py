@@ -52,6 +52,26 @@ def assert_holds(model: Model, values: dict[str, torch.Tensor], what: str) -> No
         assert torch.equal(param.detach(), values[name]), f"{what}: {name} differs from the shard's"
 
 
+def run_both(train) -> None:
+    """train(0) and train(1) in two threads at once; the first error is raised here, a hang fails."""
+    errors = []
+
+    def guarded(i: int) -> None:
+        try:
+            train(i)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    if errors:
+        raise errors[0]
+
+
 @pytest.fixture(scope="module")
 def local():
     with LocalCluster(2, workers=2) as cluster:
@@ -99,21 +119,12 @@ def test_concurrent_async_workers_end_equal_to_the_shards(local):
                                        delta_pulls=True),
                     w1.register_module(models[1], Optimizer("adagrad", lr=0.1), prefix=prefix, create=False,
                                        delta_pulls=True)]
-        errors = []
 
         def train(i: int) -> None:
-            try:
-                for step in range(12):
-                    train_step(models[i], bindings[i], seed=100 * i + step)
-            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-                errors.append(exc)
+            for step in range(12):
+                train_step(models[i], bindings[i], seed=100 * i + step)
 
-        threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=300)
-        assert not any(t.is_alive() for t in threads) and not errors, errors
+        run_both(train)
         observer.declare(w0.pull(bindings[0].names))
         final = {n.removeprefix(prefix): v for n, v in observer.pull(bindings[0].names).items()}
         for model, binding, client in zip(models, bindings, (w0, w1)):
@@ -135,22 +146,13 @@ def test_sync_workers_hold_the_same_values_each_step_by_deltas():
             bindings.append(w1.register_module(models[1], Optimizer("sgd", lr=0.5), create=False, delta_pulls=True,
                                                compression=topk))
             seen: list[list[dict]] = [[], []]
-            errors = []
 
             def train(i: int) -> None:
-                try:
-                    for step in range(6):
-                        train_step(models[i], bindings[i], seed=100 * i + step)
-                        seen[i].append({n: p.detach().clone() for n, p in models[i].named_parameters()})
-                except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-                    errors.append(exc)
+                for step in range(6):
+                    train_step(models[i], bindings[i], seed=100 * i + step)
+                    seen[i].append({n: p.detach().clone() for n, p in models[i].named_parameters()})
 
-            threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=300)
-            assert not any(t.is_alive() for t in threads) and not errors, errors
+            run_both(train)
             for step, (mine, theirs) in enumerate(zip(*seen)):
                 for name in mine:
                     assert torch.equal(mine[name], theirs[name]), f"step {step}: {name}"
