@@ -25,6 +25,7 @@ from ..memory import tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server, serve_health, set_health
 from ..security import Security
+from .failstop import FailStop
 from .journal import Journal
 from .metrics import ShardMetrics
 from .quotas import Quotas, parse_bytes
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     set_health(health_servicer, serving=False)
     try:
         cluster, index, address = resolve(args)
+        # A part of the shard that fails (a background thread, the journal) stops the whole process.
+        failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         security = load_security(args)
         if args.health_port is not None:
             health_server, health_port = serve_health(health_servicer, f"{address.rpartition(':')[0]}:{args.health_port}")
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
             metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None,
-            reflection=args.reflection)
+            reflection=args.reflection, failstop=failstop)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

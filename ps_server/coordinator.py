@@ -39,6 +39,7 @@ from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableE
 from ..proto import ps_pb2
 from .aggregation import PendingSteps
 from .background import apply_steps, reap
+from .failstop import FailStop
 from .gate import ApplyGate
 from .ledger import PushLedger
 from .membership import Membership
@@ -66,11 +67,13 @@ class Coordinator(PushPath):
     ssp bound. `clock` is injectable for tests (monotonic seconds). `journal`
     (journal.Journal or None) records every change before it is acknowledged.
     With start=False its threads wait for start() or attach_journal(), so a
-    recovering shard can restore() and replay() first.
+    recovering shard can restore() and replay() first. Its threads (the
+    lease reaper, the sync applier) run under `failstop`: an exception in
+    one ends the process (failstop.FailStop; a default one if not given).
     """
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
-                 max_waiting_calls: int = 96, journal=None, start: bool = True):
+                 max_waiting_calls: int = 96, journal=None, start: bool = True, failstop: FailStop | None = None):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.owns_step = owns_step
@@ -100,7 +103,8 @@ class Coordinator(PushPath):
         self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._pushing = threading.local()  # .rows: the row gradients of the push this thread makes (journal)
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
-        self._reaper = threading.Thread(target=reap, args=(self,), name="lease-reaper", daemon=True)
+        self.failstop = failstop or FailStop()
+        self._reaper = self.failstop.thread(reap, self, name="lease-reaper")
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -150,7 +154,7 @@ class Coordinator(PushPath):
 
     def _start_applier(self) -> None:
         if self.config.mode == "sync" and self._applier is None:
-            self._applier = threading.Thread(target=apply_steps, args=(self,), name="sync-applier", daemon=True)
+            self._applier = self.failstop.thread(apply_steps, self, name="sync-applier")
             self._applier.start()
 
     def create(self, requests: list[NewVariable], *, job_step: int = 0) -> list[bool]:

@@ -63,9 +63,11 @@ class ShardMetrics:
         """Adds the scrape-time figures of `servicer` (a ParameterServerServicer) to the registry."""
         self.registry.register(_ShardCollector(servicer, self))
 
-    def serve(self, host: str) -> int:
-        """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got."""
-        self.port = serve_metrics(self.registry, host, self.port)
+    def serve(self, host: str, failstop=None) -> int:
+        """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got. With
+        `failstop` (failstop.FailStop), the process stops if that thread ever ends."""
+        watch = None if failstop is None else lambda thread: failstop.watch(thread, "the metrics endpoint")
+        self.port = serve_metrics(self.registry, host, self.port, watch)
         return self.port
 
 
