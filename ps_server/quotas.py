@@ -69,13 +69,16 @@ class Quotas:
                 f"and its --max-memory is {self.max_memory}; nothing was created (add shards, or raise the limit)")
         return total
 
-    def check_total(self, held: int, adding: dict[str, int]) -> None:
-        """The last check before variables are created (one stream at a time): ResourceExhaustedError if
-        `adding` (bytes by new name) on top of `held` is over --max-memory, as when streams ran at once."""
+    def check_total(self, held: int, adding: dict[str, int], *, what: str = "") -> None:
+        """The last check before variables are created or grow (one call at a time): ResourceExhaustedError
+        if `adding` (bytes by name) on top of `held` is over --max-memory, as when streams ran at once.
+        `what` names what grows ("optimizer state"), else new variables with their state."""
         if self.max_memory and held + sum(adding.values()) > self.max_memory:
+            needs = f"the {what} of variables {sorted(adding)}" if what else \
+                f"variables {sorted(adding)} with their optimizer state"
             raise ResourceExhaustedError(
-                f"variables {sorted(adding)} with their optimizer state need {sum(adding.values())} bytes; this "
-                f"shard now holds {held} and its --max-memory is {self.max_memory}; nothing was created")
+                f"{needs} need {sum(adding.values())} more bytes; this shard now holds {held} and its --max-memory "
+                f"is {self.max_memory}; nothing was {'changed' if what else 'created'}")
 
     def check_admission(self, held: int, tables: list[str]) -> None:
         """Before an admitting lookup of dynamic `tables`: ResourceExhaustedError once the shard holds its

@@ -35,7 +35,7 @@ from ..security import INSECURE, Security
 from .auth import Authority
 from .metrics import ShardMetrics
 from .coordinator import MAX_STEP, Coordinator
-from .quotas import Quotas, optimizer_slots, state_bytes
+from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
@@ -177,7 +177,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         declared = job_step = None
         assembler = codec.ChunkAssembler()
         existing = set(self.store.names())
-        held = sum(self.held_bytes())
+        held = self.held_total()
         incoming = 0
         for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
             if declared is None:
@@ -208,7 +208,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         _require_active(context)
         with self._creating:  # the memory check again, now that no other stream can create in between
             names = set(self.store.names())
-            self.quotas.check_total(sum(self.held_bytes()),
+            self.quotas.check_total(self.held_total(),
                                     {r.name: r.value.nbytes * (1 + optimizer_slots(r.optimizer, r.hyperparams))
                                      for r in requests if r.name not in names})
             created = self.coordinator.create(requests, job_step=job_step or 0)
@@ -394,7 +394,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
-        updated = self.coordinator.set_hyperparams(list(request.names), dict(request.hyperparams))
+        """Sets hyperparameters (store.set_hyperparams, which refuses a change of the state's structure after
+        a variable's first step); optimizer state the change adds (momentum turned on) must fit --max-memory."""
+        names, updates = list(request.names), dict(request.hyperparams)
+        with self._creating:  # against creations: one memory quota
+            if self.quotas.max_memory:
+                growth = {}
+                for variable in self.store.trainable(names):
+                    optimizer = variable.optimizer
+                    now = optimizer_slots(optimizer.name, optimizer.current())
+                    after = optimizer_slots(optimizer.name, {**optimizer.current(), **updates})
+                    if after > now:
+                        growth[variable.spec.name] = variable.nbytes * (after - now)
+                if growth:
+                    self.quotas.check_total(self.held_total(), growth, what="optimizer state")
+            updated = self.coordinator.set_hyperparams(names, updates)
         return ps_pb2.UpdateOptimizerResponse(updated=updated)
 
     @_map_errors
@@ -417,10 +431,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.ListResponse(variables=infos, step=self.store.step, generation=self.generation)
 
     def held_bytes(self) -> tuple[int, int]:
-        """(bytes of values, bytes of optimizer state) the shard holds: what its memory quota counts."""
+        """(bytes of values, bytes of optimizer state, as the hyperparameters in force keep it) of the
+        variables the shard holds."""
         variables = [self.store.get(name) for name in self.store.names()]
         values = sum(v.nbytes for v in variables)
-        return values, sum(state_bytes(v.spec) for v in variables) - values
+        return values, sum(v.nbytes * optimizer_slots(v.optimizer.name, v.optimizer.current()) for v in variables)
+
+    def held_total(self) -> int:
+        """What the memory quota counts as held: variables with their optimizer state, and embedding tables."""
+        return sum(self.held_bytes()) + self.coordinator.tables.nbytes()
 
     @_map_errors
     def GetStatus(self, request, context):
@@ -519,7 +538,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise ModeConflictError(f"this is ps {self.index}; the request was made for ps {request.shard_index}")
         with self._creating:  # against CreateVariables: one namespace, one memory quota
             def check_memory(adding: dict[str, int]) -> None:
-                self.quotas.check_total(sum(self.held_bytes()) + self.coordinator.tables.nbytes(), adding)
+                self.quotas.check_total(self.held_total(), adding)
 
             created = self.coordinator.create_tables(list(request.tables), request.shard_index, request.num_shards,
                                                      check_memory=check_memory)
@@ -540,7 +559,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             tables = self.coordinator.tables
             dynamic = [name for name in names if not tables.get(name).table.fixed]
             if dynamic:
-                self.quotas.check_admission(sum(self.held_bytes()) + tables.nbytes(), dynamic)
+                self.quotas.check_admission(self.held_total(), dynamic)
         found = self.coordinator.lookup_rows([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
                                              admit=request.admit)
         step = self.store.step

@@ -145,3 +145,19 @@ def test_two_creations_at_once_cannot_pass_max_memory_together(local_cluster):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in info.value.details()
         assert "now holds" in info.value.details(), f"refused at its spec, before B existed? {info.value.details()}"
         assert names_on(client) == ["b"] and client.status(0).total_bytes == 4 * elements
+
+
+def test_optimizer_state_an_update_adds_counts_against_max_memory(local_cluster):
+    """Turning momentum on (before the first step) adds a buffer the size of the variable: UpdateOptimizer checks
+    it against --max-memory like a creation, and GetStatus counts it once accepted."""
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=2) as client:
+        client.create_variables({"big": torch.zeros(3 * QUARTER)}, Optimizer("sgd", lr=0.1))  # 768K, no state
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            client.set_hyperparams(["big"], momentum=0.9)  # + 768K of momentum
+        assert client.status(0).state_bytes == 0, "nothing changed"
+        client.create_variables({"small": torch.zeros(QUARTER // 2)}, Optimizer("sgd", lr=0.1))  # 128K
+        assert client.set_hyperparams(["small"], momentum=0.9) == 1  # + 128K: 1M in all, at the limit
+        assert client.status(0).state_bytes == 4 * QUARTER // 2
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            client.create_variables({"one-more": torch.zeros(1)}, Optimizer("sgd", lr=0.1))

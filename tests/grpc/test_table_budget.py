@@ -58,3 +58,16 @@ def test_a_dynamic_table_stops_admitting_at_the_budget_and_reads_go_on(local_clu
         assert table.bytes >= 256 << 10
         rows = ps.lookup_rows({name: torch.arange(0, 8)}, admit=False)[name]  # reading still works
         assert rows.shape == (8, DIM)
+
+
+def test_variables_are_created_within_what_the_tables_leave_of_the_budget(local_cluster):
+    """CreateVariables counts the embedding tables a shard holds against its --max-memory, as CreateTables
+    counts its variables: one budget for both."""
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=10) as ps:
+        model = nn.ModuleDict({"emb": Embedding(ROWS // 2, DIM, optimizer=Optimizer("sgd", lr=0.5))})  # 640 KB
+        ps.register_module(model, Optimizer("sgd", lr=0.5), create=True, join=False)
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            ps.create_variables({"dense/big": torch.zeros(1 << 17)}, Optimizer("sgd", lr=0.1))  # + 512 KiB
+        assert ps.create_variables({"dense/small": torch.zeros(1 << 16)}, Optimizer("sgd", lr=0.1)) == \
+            {"dense/small": True}  # + 256 KiB fits
