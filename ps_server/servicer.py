@@ -32,9 +32,9 @@ from ..partitioning import check_manifest
 from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
-from .auth import Authority
+from .auth import Authority, Caller
 from .metrics import ShardMetrics
-from .coordinator import MAX_STEP, Coordinator
+from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
 from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
 from .store import NewVariable, VariableStore
@@ -226,7 +226,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         casts = self._casts(list(request.names), list(request.cast), "cast")
         if request.min_step:
             context.add_callback(self.coordinator.wake)
-            self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
+            self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active(),
+                                           by=_step_authority(self.authority.caller("Pull", context)))
         yield from self._read(names, request.chunk_bytes, casts=casts)
 
     @_map_errors
@@ -325,12 +326,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise MalformedStreamError(f"the push declared {header.tensors} tensors but {len(grads)} arrived "
                                            f"complete; nothing was applied")
             _require_active(context)
-            self._check_self(context, header.worker, "Push")
+            caller = self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
             staleness = self.store.step - header.step if self.metrics is not None else 0
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
-                                           hold=hold, timeout=_remaining(context))
+                                           hold=hold, timeout=_remaining(context), by=_step_authority(caller))
             if self.metrics is not None:
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
@@ -460,21 +461,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Configure(self, request, context):
         return ps_pb2.ConfigureResponse(changed=self.coordinator.configure(config_from_proto(request)))
 
-    def _check_self(self, context: grpc.ServicerContext, worker: str, method: str) -> None:
-        """PermissionDeniedError if a certified worker names another worker in its request."""
-        self.authority.check_self(self.authority.caller(method, context), worker, method)
+    def _check_self(self, context: grpc.ServicerContext, worker: str, method: str) -> Caller:
+        """The caller; PermissionDeniedError if a named worker names another worker in its request."""
+        caller = self.authority.caller(method, context)
+        self.authority.check_self(caller, worker, method)
+        return caller
 
     @_map_errors
     def Join(self, request, context):
-        self._check_self(context, request.worker, "Join")
-        step = self.coordinator.join(request.worker, request.incarnation, request.step)
+        caller = self._check_self(context, request.worker, "Join")
+        step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
                                    generation=self.generation)
 
     @_map_errors
     def Heartbeat(self, request, context):
-        self._check_self(context, request.worker, "Heartbeat")
-        step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step)
+        caller = self._check_self(context, request.worker, "Heartbeat")
+        step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step,
+                                          by=_step_authority(caller))
         return ps_pb2.HeartbeatResponse(step=step, generation=self.generation)
 
     @_map_errors
@@ -592,6 +596,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if self.on_shutdown is not None:
             context.add_callback(lambda: self.on_shutdown(request.reason))
         return ps_pb2.ShutdownResponse()
+
+
+def _step_authority(caller: Caller) -> str:
+    """What a caller's step counts for on a shard catching up (coordinator: "Authority over the step")."""
+    return {"chief": CHIEF, "worker": WORKER}.get(caller.role, READER)
 
 
 def _placement_manifest(text: str) -> dict:
