@@ -33,6 +33,7 @@ from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
+DEFAULT_ELASTIC_WORKERS = 8  # names beyond the cluster spec: a few restarts under new names, not an invented horde
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     q.add_argument("--max-variable-bytes", type=_size, default=0, help="largest variable, e.g. 2G (default: none)")
     q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
                    "else a connection) may have in progress at once (default: no limit)")
+    q.add_argument("--elastic-workers", type=_elastic, default=DEFAULT_ELASTIC_WORKERS, help="workers the cluster "
+                   "spec does not name that may join (the spec's always may; a standalone shard's spec names none): "
+                   "past it a new name is refused (default: %(default)s)")
     s = parser.add_argument_group("security (see torchps.security; ps-certs makes the files)")
     s.add_argument("--tls-cert", help="this shard's certificate (PEM), signed by the job's CA ($TORCHPS_TLS_CERT)")
     s.add_argument("--tls-key", help="its private key ($TORCHPS_TLS_KEY)")
@@ -106,6 +110,7 @@ def _whole(what: str, low: int, high: int, hint: str = ""):
 
 
 _port = _whole("port", 0, 65535, "0 picks a free one")
+_elastic = _whole("number of workers", 0, 1_000_000)
 _threads = _whole("thread count", 1, 1024)
 
 
@@ -158,6 +163,12 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
     return None
 
 
+def _spec_workers(cluster: Cluster | None) -> frozenset[str]:
+    """The names the cluster spec's chief and workers join with ("worker:1")."""
+    return frozenset(str(task) for task, _ in cluster.tasks() if task.type in ("chief", "worker")) if cluster else \
+        frozenset()
+
+
 def load_security(args: argparse.Namespace) -> Security:
     """The shard's credentials; ClusterConfigError unless it has some or was told --insecure."""
     security = Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
@@ -167,6 +178,9 @@ def load_security(args: argparse.Namespace) -> Security:
                                  "makes them; ps-launch does it for you), or --insecure on a trusted network")
     if args.insecure and not security.insecure:
         raise ClusterConfigError("--insecure contradicts the TLS or token flags given")
+    if security.token is not None and not security.tls:
+        _LOGGER.warning("the token file holds one job token, which names no task: without TLS any holder may act "
+                        "in any worker's name (ps-certs makes per-task tokens: --token-file DIR/tokens)")
     return security
 
 
@@ -219,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
             metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None,
-            reflection=args.reflection, failstop=failstop)
+            reflection=args.reflection, failstop=failstop, workers=_spec_workers(cluster),
+            elastic_workers=args.elastic_workers)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)
@@ -241,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.port_file:
         _write_port(args.port_file, port)
     host = address.rpartition(":")[0]
-    mode = ("mutual TLS" if security.tls else "plaintext") + (", job token" if security.token else "")
+    mode = ("mutual TLS" if security.tls else "plaintext") + (
+        ", per-task tokens" if security.task_tokens else ", job token" if security.token else "")
     _LOGGER.info("ps %d uses %d torch thread(s) for updates and lookups", index, torch.get_num_threads())
     _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                  "INSECURE: no TLS, no token" if security.insecure else mode)

@@ -79,10 +79,13 @@ class Coordinator(PushPath):
     recovering shard can restore() and replay() first. Its threads (the
     lease reaper, the sync applier) run under `failstop`: an exception in
     one ends the process (failstop.FailStop; a default one if not given).
+    `membership` bounds who may join (membership.Membership; unbounded if
+    not given).
     """
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
-                 max_waiting_calls: int = 96, journal=None, start: bool = True, failstop: FailStop | None = None):
+                 max_waiting_calls: int = 96, journal=None, start: bool = True, failstop: FailStop | None = None,
+                 membership: Membership | None = None):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.owns_step = owns_step
@@ -97,7 +100,7 @@ class Coordinator(PushPath):
         self._reaper_wake = threading.Condition(lock)
         self.config = SyncConfig()
         self._configured_at = clock()
-        self.membership = Membership()
+        self.membership = membership or Membership()
         self.ledger = PushLedger()
         self.pending = PendingSteps()
         self.saves = Saves(self)

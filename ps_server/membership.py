@@ -17,6 +17,11 @@ nor have a retried push applied. A worker that left, or whose lease or
 progress ran out, and that comes back with the same incarnation simply
 rejoins: nothing about its pushes is forgotten.
 
+Members are bounded: the names of the cluster spec's workers (`known`) may
+always join, and at most `elastic` other names (None: no bound); a new name
+past that is refused with PermissionDeniedError, so invented names cannot
+grow a shard's membership and ledger without end.
+
 The coordinator's lock guards every call here.
 """
 
@@ -27,7 +32,7 @@ import dataclasses
 import logging
 import statistics
 
-from ..errors import WorkerReplacedError
+from ..errors import PermissionDeniedError, WorkerReplacedError
 
 __all__ = ["Member", "Membership", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
 
@@ -63,7 +68,9 @@ class Member:
 class Membership:
     """The workers of the job on one shard (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: frozenset[str] = frozenset(), elastic: int | None = None) -> None:
+        self.known = known        # the cluster spec's worker names: always admitted
+        self.elastic = elastic    # other names admitted, at most (None: any number)
         self.members: dict[str, Member] = {}
         self.retired: dict[str, collections.deque[int]] = {}
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVALS_KEPT)
@@ -94,6 +101,7 @@ class Membership:
         self.check(worker, incarnation)
         member = self.members.get(worker)
         if member is None:
+            self._admit(worker)
             counts_from = step if in_grace else max(step, start_step)
             self.members[worker] = Member(incarnation, now, now, counts_from=counts_from, clock=level)
             return "joined", None
@@ -119,6 +127,16 @@ class Membership:
         member.counts_from = max(step, start_step)
         member.clock = max(member.clock, level)
         return event, retired
+
+    def _admit(self, worker: str) -> None:
+        """PermissionDeniedError unless a new `worker` may join (see the module docstring)."""
+        if self.elastic is None or worker in self.known:
+            return
+        others = sum(1 for name in self.members if name not in self.known)
+        if others >= self.elastic:
+            raise PermissionDeniedError(
+                f"{worker!r} is not a worker of this job's cluster spec, and the {self.elastic} places for other "
+                f"workers (ps-server --elastic-workers) are taken; nothing was changed")
 
     def pushed(self, worker: str, now: float) -> None:
         """Records a push's arrival time (for the median push interval)."""

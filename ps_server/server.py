@@ -21,6 +21,7 @@ from .auth import TokenInterceptor
 from .coordinator import Coordinator
 from .failstop import FailStop
 from .journal import Journal
+from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
 
@@ -52,6 +53,8 @@ def create_server(
     metrics: ShardMetrics | None = None,
     reflection: bool = False,
     failstop: FailStop | None = None,
+    workers: frozenset[str] = frozenset(),
+    elastic_workers: int | None = None,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -67,13 +70,14 @@ def create_server(
     `reflection` the server answers gRPC reflection (`grpcurl list`), under the same credentials as the
     rest of the service. The shard's background threads (lease reaper, sync applier, metrics endpoint) run
     under `failstop` (failstop.FailStop): one that fails marks the shard NOT_SERVING and ends the process;
-    without one, a FailStop marking the health service NOT_SERVING is made here.
+    without one, a FailStop marking the health service NOT_SERVING is made here. The worker names in
+    `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
-        interceptors=[TokenInterceptor(security, index)] if security.token else None,
+        interceptors=[TokenInterceptor(security, index)] if security.checks_tokens else None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -97,7 +101,7 @@ def create_server(
     if failstop is None:
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
     coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False,
-                              failstop=failstop)
+                              failstop=failstop, membership=Membership(workers, elastic_workers))
     recover(coordinator, journal, restore)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,

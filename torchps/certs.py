@@ -6,14 +6,17 @@
 Each task's certificate is signed by the job's CA. Its common name is the task
 ("worker:1"), its organizational unit the role the shards grant it ("chief"
 for the cluster's chief, else the task type), and its subject alternative
-names the host of the task's address (and localhost for local jobs). The job
-token and the admin token are random 256-bit secrets. Keys are written with
-mode 0600 in a folder of mode 0700.
+names the host of the task's address (and localhost for local jobs). Every
+task but the shards gets a token of its own, bound to its task name and role
+as its certificate is; the shards get the table of them, so without TLS a
+token still names its holder. Tokens are random 256-bit secrets. Keys and
+tokens are written with mode 0600 in a folder of mode 0700.
 
     DIR/ca.crt  DIR/ca.key        the CA (keep ca.key off the cluster)
     DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0
-    DIR/token  DIR/admin-token    the job token (every task) and the admin token (the chief, and the
-                                  shards that check it)
+    DIR/<type>-<index>.token      per task but the shards: its token (the shards' --token-file is DIR/tokens)
+    DIR/tokens                    the shards': "TASK ROLE TOKEN" for every other task
+    DIR/admin-token               the admin token (the chief, and the shards that check it)
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ TOKEN_BYTES = 32
 
 @dataclasses.dataclass(frozen=True)
 class TaskCredentials:
-    """The files of one task: its certificate and key, the CA, the job token (and the admin token)."""
+    """The files of one task: its certificate and key, the CA, its token (a shard's: the table of every task's),
+    and the admin token (the chief's and the shards')."""
 
     cert: pathlib.Path
     key: pathlib.Path
@@ -59,7 +63,8 @@ class TaskCredentials:
         """Where `task`'s files lie in a job's credentials folder (the admin token for the chief and shards)."""
         stem = f"{task.type}-{task.index}"
         knows_admin = role_of(cluster, task) in ("chief", "ps")
-        return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", directory / "token",
+        token = directory / ("tokens" if task.type == "ps" else f"{stem}.token")
+        return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", token,
                    directory / "admin-token" if knows_admin else None)
 
     def security(self) -> Security:
@@ -123,8 +128,8 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
                .sign(ca_key, hashes.SHA256()))
     _write(directory / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM), secret=False)
     _write(directory / "ca.key", _pem_key(ca_key), secret=True)
-    _write(directory / "token", secrets.token_urlsafe(TOKEN_BYTES).encode(), secret=True)
     _write(directory / "admin-token", secrets.token_urlsafe(TOKEN_BYTES).encode(), secret=True)
+    table = []
     out = {}
     for task, address in cluster.tasks():
         key = ec.generate_private_key(ec.SECP256R1())
@@ -139,6 +144,11 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
         out[task] = files = TaskCredentials.of(directory, cluster, task)
         _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), secret=False)
         _write(files.key, _pem_key(key), secret=True)
+        if task.type != "ps":
+            token = secrets.token_urlsafe(TOKEN_BYTES)
+            _write(files.token, token.encode(), secret=True)
+            table.append(f"{task} {role_of(cluster, task)} {token}\n")
+    _write(directory / "tokens", "".join(table).encode(), secret=True)
     return out
 
 

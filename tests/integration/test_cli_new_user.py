@@ -301,9 +301,10 @@ def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_pat
     assert run.code == 0, run.output
     assert used == [str(job / "ps-0.crt")], used
     serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 1 and serving[0].endswith(": mutual TLS, job token"), serving
+    assert len(serving) == 1 and serving[0].endswith(": mutual TLS, per-task tokens"), serving
     assert sorted(p.name for p in job.iterdir()) == sorted(
-        ["ca.crt", "ca.key", "token", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key"])
+        ["ca.crt", "ca.key", "tokens", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key",
+         "worker-0.token"])
 
 
 @pytest.mark.parametrize("flags,named", [(["--ps", "2"], "no ps-1.crt for ps:1"),

@@ -236,7 +236,7 @@ def test_launch_trains_and_reports(tmp_path):
     assert len(run.pids) >= 4, f"expected 2 ps and 2 worker processes, saw {run.pids}"
     assert_nothing_left(run.pids)
     serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
+    assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
 
 
 @pytest.mark.parametrize("flags,mode", [(["--mode", "sync"], "sync"),
@@ -249,12 +249,12 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
     assert final[6] == mode and int(final[3]) > 0, final[0]
     assert float(final[1]) >= 0.5, f"{mode} over TLS did not learn: {final[0]}"
     serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
+    assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
     assert_nothing_left(run.pids)
 
 
-@pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, job token", True),
-                                           (["--tokens-only"], "plaintext, job token", False),
+@pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, per-task tokens", True),
+                                           (["--tokens-only"], "plaintext, per-task tokens", False),
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
 def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
     """The shards say how they are secured; the credentials' folder is mode 0700 while the job runs and

@@ -70,7 +70,9 @@ def test_ps_certs_kubernetes_secrets_give_each_task_only_its_own_files(tmp_path)
         files = secrets[name]
         assert files["tls.crt"] == (job / f"{task}.crt").read_bytes()
         assert files["tls.key"] == (job / f"{task}.key").read_bytes()
-        assert files["ca.crt"] == (job / "ca.crt").read_bytes() and files["token"] == (job / "token").read_bytes()
+        token = job / ("tokens" if task == "ps-0" else f"{task}.token")  # a shard holds every task's, by name
+        assert files["ca.crt"] == (job / "ca.crt").read_bytes() and files["token"] == token.read_bytes()
+    assert secrets["mnist-chief-0"]["token"] != secrets["mnist-worker-0"]["token"], "a token of its own per task"
     assert "admin-token" in secrets["mnist-chief-0"] and "admin-token" in secrets["mnist-ps-0"]
     assert "admin-token" not in secrets["mnist-worker-0"], "a worker must not hold the admin token"
     ca_key = (job / "ca.key").read_bytes()
