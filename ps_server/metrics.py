@@ -107,7 +107,9 @@ class _ShardCollector:
                 ("torchps_live_workers", "Workers holding a lease", counters["live_workers"]),
                 ("torchps_quorum", "Gradients a sync step needs now", counters["quorum"]),
                 ("torchps_waiting_calls", "Calls waiting now (held pushes, min_step pulls, saves)",
-                 counters["waiting_calls"])):
+                 counters["waiting_calls"]),
+                ("torchps_push_receiving_bytes", "Bytes reserved for pushes being received (within --max-memory)",
+                 s.quotas.in_flight)):
             yield GaugeMetricFamily(name, doc, value=value)
         paces = s.coordinator.paces()
         interval = GaugeMetricFamily("torchps_worker_push_interval_seconds",

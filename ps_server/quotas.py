@@ -3,7 +3,10 @@
 Sizes are checked against what a CreateVariables stream declares (each
 spec's dtype and shape), before any of its bytes are received or allocated;
 a call over a limit gets RESOURCE_EXHAUSTED naming the limit, nothing is
-created, and the shard keeps serving everyone else. No gRPC.
+created, and the shard keeps serving everyone else. --max-memory counts what
+the shard holds (variables with their optimizer state, embedding tables)
+and, while a push is being received, its buffers: each tensor of a push is
+reserved (`reserve`) before its buffer is allocated. No gRPC.
 """
 
 from __future__ import annotations
@@ -53,6 +56,28 @@ class Quotas:
         self.max_calls_per_client = max_calls_per_client
         self._lock = threading.Lock()
         self._calls: collections.Counter[str] = collections.Counter()
+        self._in_flight = 0  # bytes reserved by pushes being received
+
+    def reserve(self, held: int, nbytes: int, what: str) -> None:
+        """Counts `nbytes` of a push's buffer (for `what`) as in flight until release(); ResourceExhaustedError,
+        reserving nothing, if that with `held` and what other pushes reserved is over --max-memory."""
+        with self._lock:
+            if self.max_memory and held + self._in_flight + nbytes > self.max_memory:
+                raise ResourceExhaustedError(
+                    f"{what} needs {nbytes} bytes to be received; this shard holds {held}, pushes being received "
+                    f"hold {self._in_flight}, and its --max-memory is {self.max_memory}; nothing was applied "
+                    f"(retry, or raise the limit)")
+            self._in_flight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Ends a reservation's `nbytes` (the push was applied, refused or abandoned)."""
+        with self._lock:
+            self._in_flight -= nbytes
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
 
     def check_variable(self, spec: ps_pb2.VariableSpec, held: int, incoming: int) -> int:
         """The bytes `spec` would take; ResourceExhaustedError if it is over a limit with `held` bytes already

@@ -272,6 +272,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         else:
             self.store.check_gradient(name, meta)
 
+    def _receive_bytes(self, name: str, meta: ps_pb2.TensorMeta) -> int:
+        """Bytes receiving a pushed tensor takes (checked by _check_gradient): its buffer, and the tensor it is
+        decoded into when that is not a view of it (a compressed gradient)."""
+        nbytes = codec.meta_nbytes(meta)
+        if meta.encoding == ps_pb2.ROWS:
+            return nbytes
+        variable = self.store.get(name).spec.meta
+        return nbytes if meta == variable else nbytes + codec.meta_nbytes(variable)
+
     def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw):
         """A complete pushed tensor (checked by _check_gradient): a table's RowGradient, or a dense tensor of
         its variable's dtype."""
@@ -288,7 +297,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         started = time.monotonic()
         header = end = None
         grads = {}
-        assembler = codec.ChunkAssembler(begin=self._check_gradient, decode=self._decode_gradient)
+        reserved = [0, None]  # bytes this push reserved against --max-memory, what the shard held then
+
+        def begin(name: str, meta: ps_pb2.TensorMeta) -> None:  # before the tensor's buffer is allocated
+            self._check_gradient(name, meta)
+            if self.quotas.max_memory:
+                if reserved[1] is None:
+                    reserved[1] = self.held_total()
+                nbytes = self._receive_bytes(name, meta)
+                self.quotas.reserve(reserved[1], nbytes, f"the gradient for {name!r}")
+                reserved[0] += nbytes
+
+        assembler = codec.ChunkAssembler(begin=begin, decode=self._decode_gradient)
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -336,6 +356,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
+            if reserved[0]:
+                self.quotas.release(reserved[0])
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
