@@ -71,3 +71,32 @@ def test_variables_are_created_within_what_the_tables_leave_of_the_budget(local_
             ps.create_variables({"dense/big": torch.zeros(1 << 17)}, Optimizer("sgd", lr=0.1))  # + 512 KiB
         assert ps.create_variables({"dense/small": torch.zeros(1 << 16)}, Optimizer("sgd", lr=0.1)) == \
             {"dense/small": True}  # + 256 KiB fits
+
+
+def test_a_fixed_hash_table_never_makes_its_whole_id_range_on_a_shard(local_cluster):
+    """A "hash" table of 32M ids over 1024 shards: this shard's part is 32K rows (and the index of their ids,
+    counted in its budget); the ids it owns are found a chunk at a time, not by hashing an array of all
+    32M ids (256 MB, and as much again for each temporary of the hash)."""
+    import grpc
+
+    from torchps.proto import ps_pb2, ps_pb2_grpc
+
+    local = local_cluster(1, server_args=["--max-memory", "64M"])
+    spec = ps_pb2.TableSpec(name="wide", dim=4, num_embeddings=1 << 25, dtype=ps_pb2.FLOAT32,
+                            partition=ps_pb2.PARTITION_HASH, optimizer=ps_pb2.OptimizerSpec(name="sgd"),
+                            init=ps_pb2.TableInit(distribution="normal", scale=1.0))
+    status = "/proc/{}/status".format(local.procs[0].pid)
+
+    def vm_peak_kib() -> int:
+        return next(int(line.split()[1]) for line in open(status) if line.startswith("VmPeak:"))
+
+    with grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        before = vm_peak_kib()
+        reply = stub.CreateTables(ps_pb2.CreateTablesRequest(tables=[spec], shard_index=0, num_shards=1024),
+                                  timeout=120)
+        assert list(reply.created) == [True]
+        grown = vm_peak_kib() - before
+        (table,) = stub.GetStatus(ps_pb2.StatusRequest(), timeout=30).tables
+    assert 31_000 < table.rows < 34_000
+    assert grown < 64 << 10, f"the shard's peak grew by {grown} KiB making a part of {table.bytes} bytes"
