@@ -21,7 +21,7 @@ from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser
 from ..cluster import Cluster, TaskSpec
 from . import checkpoint
 from ..errors import ClusterConfigError, PSError
-from ..memory import tune_malloc
+from ..memory import memory_limit, tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server, serve_health, set_health
 from ..security import Security
@@ -74,8 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
                         "newest committed checkpoint, and what was acknowledged after it is lost")
     q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
-    q.add_argument("--max-memory", type=_size, default=0, help="bytes of values and optimizer state this shard "
-                   "may hold, e.g. 8G (default: no limit)")
+    q.add_argument("--max-memory", type=_memory, default=0, help="bytes this shard may hold: variables with their "
+                   "optimizer state, embedding tables, and pushes being received, e.g. 8G, or a share of the memory "
+                   "this process may use (the machine's, or its container's or pod's limit), e.g. 75%% "
+                   "(default: no limit)")
     q.add_argument("--max-variable-bytes", type=_size, default=0, help="largest variable, e.g. 2G (default: none)")
     q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
                    "else a connection) may have in progress at once (default: no limit)")
@@ -121,6 +123,22 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M or a number of bytes)") from None
 
 
+def _memory(text: str) -> int:
+    """A size, or "P%": P percent of the memory this process may use (memory.memory_limit)."""
+    if not text.strip().endswith("%"):
+        return _size(text)
+    try:
+        percent = float(text.strip()[:-1])
+    except ValueError:
+        percent = -1.0
+    if not 0 < percent <= 100:
+        raise argparse.ArgumentTypeError(f"not a share of memory: {text!r} (use e.g. 75%, in (0, 100])")
+    limit = memory_limit()
+    if not limit:
+        raise argparse.ArgumentTypeError(f"{text!r}: this system does not say how much memory there is; give a size")
+    return int(limit * percent / 100)
+
+
 def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     """(cluster or None, index, address to bind) from flags and TF_CONFIG; ClusterConfigError if inconsistent."""
     task = None
@@ -148,14 +166,14 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
     """The state to start from: the newest committed checkpoint under --checkpoint-dir, else one of
     --restore-from (re-laid out for this cluster, embedding tables included), else None. Without a shard
     count (a standalone shard) the checkpoint is taken as written for this layout. Blocks while the files
-    are read; CheckpointError for a checkpoint that is damaged or incomplete (tables included): the shard
-    then does not start."""
+    are read; CheckpointError for a checkpoint that is damaged or incomplete (tables included), or whose part
+    for this shard is over --max-memory: the shard then does not start."""
     num_ps = cluster.num_ps if cluster is not None else args.num_ps
     if args.restore_from and not num_ps:
         raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
     for directory in (args.checkpoint_dir, args.restore_from):
         if directory:
-            state = checkpoint.restore_state(directory, index, num_ps)
+            state = checkpoint.restore_state(directory, index, num_ps, max_bytes=args.max_memory)
             if state is not None:
                 return state
     if args.restore_from:
@@ -259,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = ("mutual TLS" if security.tls else "plaintext") + (
         ", per-task tokens" if security.task_tokens else ", job token" if security.token else "")
     _LOGGER.info("ps %d uses %d torch thread(s) for updates and lookups", index, torch.get_num_threads())
+    if args.max_memory:
+        _LOGGER.info("ps %d holds at most %d bytes (--max-memory)", index, args.max_memory)
     _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                  "INSECURE: no TLS, no token" if security.insecure else mode)
     stop.wait()

@@ -59,6 +59,7 @@ STOP_GRACE_SECONDS = 10.0
 TAIL_LINES = 15
 MAX_RESTARTS = 3  # per task, with --restart-on-failure
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
+SHARDS_MEMORY_PERCENT = 50  # of the machine's memory, split among the shards: the workers need the rest
 
 
 class StartError(Exception):
@@ -336,6 +337,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    f"{DEFAULT_CHECKPOINT_STEPS} steps unless --checkpoint-every-* says otherwise, and at the end")
     g.add_argument("--restore-from", help="start the ps-servers from the newest committed checkpoint in this "
                    "folder, whatever number of shards wrote it")
+    g.add_argument("--max-memory", metavar="SIZE", help="each ps-server's --max-memory: what it may hold, e.g. 2G "
+                   f"or a share of this machine's memory, e.g. 20%% (default: {SHARDS_MEMORY_PERCENT}%% split among "
+                   "the shards)")
     g.add_argument("--restart-on-failure", action="store_true",
                    help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
     g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
@@ -464,6 +468,9 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
             worker_args = [*worker_args, "--checkpoint-every-steps", str(DEFAULT_CHECKPOINT_STEPS)]
     if args.restore_from:
         ps_args += ["--restore-from", args.restore_from]
+    # Quotas: the shards share the machine with the workers; the job's tasks join under their own names.
+    ps_args += ["--max-memory", args.max_memory or f"{SHARDS_MEMORY_PERCENT / args.ps:.4g}%",
+                "--elastic-workers", str(args.workers + int(args.chief))]
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,

@@ -232,3 +232,43 @@ def test_a_rows_push_declaring_more_rows_than_the_budget_is_refused_before_alloc
         after = memory_kib(local.procs[0].pid)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in info.value.details()
         assert after["VmPeak"] - before["VmPeak"] < 64 << 10, f"the shard reserved the rows: {before} -> {after}"
+
+
+def test_max_memory_as_a_share_of_the_machines_memory(local_cluster):
+    """--max-memory P%: P percent of what the process may use (the machine's memory, or its cgroup's limit),
+    logged at start and enforced like a size."""
+    from torchps.memory import memory_limit
+
+    percent = 100 * (1 << 20) / memory_limit()  # about 1 MiB on any machine
+    local = local_cluster(1, server_args=["--max-memory", f"{percent!r}%"])
+    limit = int(memory_limit() * percent / 100)
+    assert f"ps 0 holds at most {limit} bytes (--max-memory)" in local.log(0)
+    with PSClient(local.cluster, connect_timeout=2) as client:
+        client.create_variables({"most": torch.zeros((limit - (64 << 10)) // 4)}, Optimizer("sgd", lr=0.1))
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            client.create_variables({"more": torch.zeros(QUARTER)}, Optimizer("sgd", lr=0.1))
+
+
+def test_a_checkpoint_relaid_out_over_max_memory_is_refused_at_start(local_cluster, tmp_path):
+    """A re-layout counts against --max-memory: two shards' 256 KiB each, onto one shard allowed 256 KiB, is one
+    line and exit code 2 before the shard serves (and fits one allowed 1 MiB)."""
+    import subprocess
+
+    from torchps.worker.local_cluster import ps_server_command
+
+    source = local_cluster(2, server_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--no-journal"])
+    with PSClient(source.cluster, connect_timeout=10) as client:
+        client.create_variables({"a": torch.ones(QUARTER), "b": torch.ones(QUARTER)}, Optimizer("sgd", lr=0.1))
+        assert client.status(0).num_variables == client.status(1).num_variables == 1
+        client.save_checkpoint(0)
+    flags = [*ps_server_command(), "--index", "0", "--bind", "127.0.0.1:0", "--insecure", "--restore-from",
+             str(tmp_path / "ckpt"), "--num-ps", "1", "--max-memory", "256K"]
+    refused = subprocess.run(flags, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("ps-server: error:")]
+    assert f"would restore {8 * QUARTER} bytes" in line and f"--max-memory {4 * QUARTER}" in line, line
+    fits = local_cluster(1, server_args=["--restore-from", str(tmp_path / "ckpt"), "--num-ps", "1",
+                                         "--max-memory", "1M"])
+    with PSClient(fits.cluster, connect_timeout=10) as client:
+        client.declare({"a": torch.zeros(QUARTER), "b": torch.zeros(QUARTER)})
+        assert torch.equal(client.pull(["a"])["a"], torch.ones(QUARTER))

@@ -24,6 +24,8 @@ import time
 import pytest
 
 from helpers import mnist5k_installed
+from torchps.memory import memory_limit
+from torchps.worker.launch import SHARDS_MEMORY_PERCENT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -250,6 +252,8 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
     assert float(final[1]) >= 0.5, f"{mode} over TLS did not learn: {final[0]}"
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
+    limit = int(memory_limit() * SHARDS_MEMORY_PERCENT / 2 / 100)  # quotas on: half the machine, over 2 shards
+    assert sum(f"holds at most {limit} bytes (--max-memory)" in line for line in run.lines) == 2, run.output
     assert_nothing_left(run.pids)
 
 

@@ -77,3 +77,33 @@ def test_ps_certs_kubernetes_secrets_give_each_task_only_its_own_files(tmp_path)
     assert "admin-token" not in secrets["mnist-worker-0"], "a worker must not hold the admin token"
     ca_key = (job / "ca.key").read_bytes()
     assert all(ca_key not in value for files in secrets.values() for value in files.values())
+
+
+def _containers(node):
+    """Every container spec (a mapping with an image) anywhere in a parsed manifest."""
+    if isinstance(node, dict):
+        if "image" in node and ("args" in node or "command" in node):
+            yield node
+        for value in node.values():
+            yield from _containers(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _containers(value)
+
+
+def test_every_shipped_shard_sets_its_memory_quota_from_the_pods_memory():
+    """Quotas are on wherever a shard is shipped: each manifest's ps-server gets --max-memory as a share of its
+    pod's memory limit, which it reads from its cgroup."""
+    import yaml
+
+    shards = []
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            for container in _containers(document):
+                args = [str(a) for a in container.get("args") or []]
+                if "ps-server" in args:
+                    shards.append((path.relative_to(ROOT), args))
+    assert {str(path) for path, _ in shards} == {"deploy/kubeflow/tfjob.yaml", "deploy/kubernetes/base/ps.yaml"}
+    for path, args in shards:
+        assert "--max-memory" in args, f"{path}: ps-server without --max-memory"
+        assert args[args.index("--max-memory") + 1].endswith("%"), f"{path}: a share of the pod's memory"
