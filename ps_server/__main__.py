@@ -24,6 +24,7 @@ from ..errors import ClusterConfigError, PSError
 from ..memory import memory_limit, tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server, serve_health, set_health
+from .stalls import DEFAULT_IDLE_SECONDS
 from ..security import Security
 from .failstop import FailStop
 from .journal import Journal
@@ -81,6 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     q.add_argument("--max-variable-bytes", type=_size, default=0, help="largest variable, e.g. 2G (default: none)")
     q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
                    "else a connection) may have in progress at once (default: no limit)")
+    q.add_argument("--stream-idle-seconds", type=_seconds, default=DEFAULT_IDLE_SECONDS, help="a client stream "
+                   "(Push, CreateVariables) that sends nothing for this long is ended with DEADLINE_EXCEEDED and "
+                   "changes nothing; keep it above a backward pass of one layer for --overlap workers "
+                   "(default: %(default)s)")
     q.add_argument("--elastic-workers", type=_elastic, default=DEFAULT_ELASTIC_WORKERS, help="workers the cluster "
                    "spec does not name that may join (the spec's always may; a standalone shard's spec names none): "
                    "past it a new name is refused (default: %(default)s)")
@@ -113,6 +118,16 @@ def _whole(what: str, low: int, high: int, hint: str = ""):
 
 _port = _whole("port", 0, 65535, "0 picks a free one")
 _elastic = _whole("number of workers", 0, 1_000_000)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (above 0, at most 86400)")
+    return value
 _threads = _whole("thread count", 1, 1024)
 
 
@@ -252,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
             metrics=ShardMetrics(args.metrics_port) if args.metrics_port is not None else None,
             reflection=args.reflection, failstop=failstop, workers=_spec_workers(cluster),
-            elastic_workers=args.elastic_workers)
+            elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
+from .stalls import DEFAULT_IDLE_SECONDS
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
            "DEFAULT_THREADS"]
@@ -55,6 +56,7 @@ def create_server(
     failstop: FailStop | None = None,
     workers: frozenset[str] = frozenset(),
     elastic_workers: int | None = None,
+    stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -71,7 +73,8 @@ def create_server(
     rest of the service. The shard's background threads (lease reaper, sync applier, metrics endpoint) run
     under `failstop` (failstop.FailStop): one that fails marks the shard NOT_SERVING and ends the process;
     without one, a FailStop marking the health service NOT_SERVING is made here. The worker names in
-    `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any).
+    `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any). A
+    client stream (Push, CreateVariables) with no message for `stream_idle_seconds` is ended (stalls.py).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -105,7 +108,8 @@ def create_server(
     recover(coordinator, journal, restore)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
-                                       security=security, quotas=quotas, metrics=metrics)
+                                       security=security, quotas=quotas, metrics=metrics,
+                                       stream_idle_seconds=stream_idle_seconds)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection:

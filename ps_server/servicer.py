@@ -37,6 +37,7 @@ from .metrics import ShardMetrics
 from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
 from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
+from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
 
@@ -82,6 +83,17 @@ def _decoded(request_iterator, decode):
     message does not parse as if it had simply finished, and the handler would apply a prefix."""
     for raw in request_iterator:
         yield _decode(decode, raw)
+
+
+def _end_stalled(context: grpc.ServicerContext, details: str) -> None:
+    """Ends a call from outside its handler with DEADLINE_EXCEEDED and `details`. gRPC Python has no public
+    call for that (RpcContext.cancel() ends it CANCELLED, the fallback where its internals differ)."""
+    try:
+        from grpc._cython import cygrpc
+
+        context._rpc_event.call.cancel(cygrpc.StatusCode.deadline_exceeded, details)
+    except Exception:  # noqa: BLE001 - another grpcio's internals
+        context.cancel()
 
 
 def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -> None:
@@ -150,7 +162,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
-                 security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None):
+                 security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
+                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -169,6 +182,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if metrics is not None:
             metrics.watch(self)
         self._creating = threading.Lock()
+        self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):
@@ -179,7 +193,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         existing = set(self.store.names())
         held = self.held_total()
         incoming = 0
-        for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
+        for message in _decoded(self._watched(request_iterator, context, "CreateVariables"),
+                                ps_pb2.CreateRequest.FromString):
             if declared is None:
                 declared, job_step = message.count, message.step
             if message.HasField("spec"):
@@ -233,7 +248,22 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Push(self, request_iterator, context):
         """Applies a complete, valid stream of gradients (see Coordinator.push)."""
-        return self._receive_push(_decoded(request_iterator, wire.decode_push_request), context)[1]
+        return self._receive_push(_decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request),
+                                  context)[1]
+
+    def _watched(self, request_iterator, context: grpc.ServicerContext, method: str):
+        """The stream's messages; one that sends nothing for the shard's idle limit is ended (stalls.py) with
+        DEADLINE_EXCEEDED, and its handler, woken with an error, applies nothing."""
+        def stop(idle: float) -> None:
+            _LOGGER.warning("%s from %s sent nothing for %g s: the call was ended, nothing was applied", method,
+                            context.peer(), idle)
+            _end_stalled(context, f"ps {self.index} ended this {method} stream: no message for {idle:g} s "
+                                  f"(--stream-idle-seconds); nothing was applied")
+
+        with self.stalls.watching(stop) as touch:
+            for raw in request_iterator:
+                touch()
+                yield raw
 
     @_map_errors
     def PushPull(self, request, context):
