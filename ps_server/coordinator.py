@@ -50,7 +50,7 @@ from .background import apply_steps, reap
 from .failstop import FailStop
 from .gate import ApplyGate
 from .ledger import PushLedger
-from .membership import Membership
+from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig, quorum_for
 from .pushes import PushPath
 from .recording import Recorder, replay
@@ -284,9 +284,11 @@ class Coordinator(PushPath):
                     "duplicates": self.duplicates, "waiting_calls": self.waits.waiting()}
 
     def paces(self) -> dict[str, tuple[float, float]]:
-        """{worker: (push interval seconds, straggler score)}: see Membership.paces."""
+        """{worker: (push interval seconds, straggler score)}: see membership.paces_of (computed after the
+        bookkeeping lock is let go: the lock is held only to copy the intervals)."""
         with self._cond:
-            return self.membership.paces()
+            intervals = self.membership.intervals()
+        return paces_of(intervals)
 
     def close(self) -> None:
         """Ends every wait (ServerUnavailableError), stops the reaper and the applier, and lets a journal

@@ -32,9 +32,11 @@ import dataclasses
 import logging
 import statistics
 
+import numpy as np
+
 from ..errors import PermissionDeniedError, WorkerReplacedError
 
-__all__ = ["Member", "Membership", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
+__all__ = ["Member", "Membership", "paces_of", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
 
 _LOGGER = logging.getLogger(__name__)
 PROGRESS_MULTIPLE = 20.0   # median push intervals without a push before a heartbeating worker is stalled
@@ -216,17 +218,13 @@ class Membership:
     def not_yet_counted(self, step: int) -> int:
         return sum(1 for m in self.members.values() if m.live and m.counts_from > step)
 
+    def intervals(self) -> dict[str, float]:
+        """{worker: its push interval} for live workers that pushed twice or more (paces_of's input)."""
+        return {w: m.interval for w, m in self.members.items() if m.live and m.interval is not None}
+
     def paces(self) -> dict[str, tuple[float, float]]:
-        """{worker: (its push interval, straggler score)} for live workers that pushed twice or more; the
-        score is its interval over the median of the other such workers' (1: typical, or alone; 2: twice as
-        slow as the others)."""
-        intervals = {w: m.interval for w, m in self.members.items() if m.live and m.interval is not None}
-        paces = {}
-        for worker, interval in sorted(intervals.items()):
-            others = [i for w, i in intervals.items() if w != worker]
-            median = statistics.median(others) if others else interval
-            paces[worker] = (interval, interval / median if median > 0 else 1.0)
-        return paces
+        """paces_of(self.intervals())."""
+        return paces_of(self.intervals())
 
     def min_clock(self) -> int:
         return min((m.clock for m in self.members.values() if m.live), default=0)
@@ -255,3 +253,28 @@ class Membership:
         for worker, incarnations in state.get("retired", {}).items():
             for incarnation in incarnations:
                 self.retire(worker, incarnation)
+
+
+def paces_of(intervals: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{worker: (its push interval, straggler score)}, by name; the score is its interval over the median of
+    the other workers' (1: typical, or alone; 2: twice as slow as the others). O(N): every worker's median of
+    the others is one of three neighbours of the middle of all intervals, found by selection, not sorting."""
+    n = len(intervals)
+    if n < 2:
+        return {w: (i, 1.0) for w, i in intervals.items()}
+    values = np.fromiter(intervals.values(), dtype=np.float64, count=n)
+    m = n // 2  # n even: the others' median is a[m - 1] or a[m]; n odd: a pair among a[m - 1], a[m], a[m + 1]
+    wanted = [k for k in (m - 1, m, m + 1) if 0 <= k < n]
+    a = dict(zip(wanted, np.partition(values, wanted)[wanted].tolist()))
+    paces = {}
+    for worker, v in sorted(intervals.items()):
+        if n % 2 == 0:  # n - 1 others: their median is the middle one left once v is out
+            median = a[m] if v <= a[m - 1] else a[m - 1]
+        elif v <= a[m - 1]:
+            median = (a[m] + a[m + 1]) / 2
+        elif v >= a[m + 1]:
+            median = (a[m - 1] + a[m]) / 2
+        else:
+            median = (a[m - 1] + a[m + 1]) / 2
+        paces[worker] = (v, v / median if median > 0 else 1.0)
+    return paces

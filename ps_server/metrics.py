@@ -16,7 +16,6 @@ import time
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..memory import memory_usage
 from ..metrics_http import serve_metrics
 
 __all__ = ["ShardMetrics"]
@@ -85,7 +84,7 @@ class _ShardCollector:
         s = self.servicer
         values, state = s.held_bytes()
         counters = s.coordinator.counters()
-        memory = memory_usage()
+        memory = s.memory.get()
         for name, doc, value in (
                 ("torchps_push_received_bytes", "Gradient bytes taken in by Push and PushPull", s.push_bytes.value),
                 ("torchps_pull_sent_bytes", "Value bytes encoded into Pull and PushPull replies", s.pull_bytes.value),

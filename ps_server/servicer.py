@@ -45,6 +45,7 @@ __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "con
 
 _LOGGER = logging.getLogger(__name__)
 MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; clients repeat shorter waits
+MEMORY_REFRESH_SECONDS = 1.0  # GetStatus is the clients' readiness probe: /proc and malloc are read this often
 
 
 def _abort(context: grpc.ServicerContext, exc: PSError) -> None:
@@ -153,6 +154,23 @@ class _Count:
             self.value += amount
 
 
+class _Recent:
+    """compute()'s value, computed again at most every `seconds` (thread-safe)."""
+
+    def __init__(self, compute: Callable[[], dict], seconds: float):
+        self._compute, self._seconds = compute, seconds
+        self._lock = threading.Lock()
+        self._value: dict | None = None
+        self._at = 0.0
+
+    def get(self) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            if self._value is None or now - self._at >= self._seconds:
+                self._value, self._at = self._compute(), now
+            return self._value
+
+
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's VariableStore over the ParameterServer service.
 
@@ -183,6 +201,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             metrics.watch(self)
         self._creating = threading.Lock()
         self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
+        self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):
@@ -501,7 +520,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
             state_bytes=state, pid=os.getpid(),
-            memory=ps_pb2.MemoryUsage(**memory_usage()), metrics_port=self.metrics_port,
+            memory=ps_pb2.MemoryUsage(**self.memory.get()), metrics_port=self.metrics_port,
             paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
                    for w, (i, score) in coordinator.paces().items()],
             config=config_to_proto(coordinator.config), generation=self.generation,
