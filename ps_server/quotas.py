@@ -14,12 +14,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+from typing import Callable
 
 from .. import codec
 from ..errors import ResourceExhaustedError
 from ..proto import ps_pb2
 
-__all__ = ["Quotas", "state_bytes", "optimizer_slots", "parse_bytes"]
+__all__ = ["Quotas", "Reservation", "state_bytes", "optimizer_slots", "parse_bytes"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -57,6 +58,10 @@ class Quotas:
         self._lock = threading.Lock()
         self._calls: collections.Counter[str] = collections.Counter()
         self._in_flight = 0  # bytes reserved by pushes being received
+
+    def reservation(self, held: Callable[[], int]) -> "Reservation":
+        """A push's reservation; `held()` is what the shard holds (read once, at its first tensor)."""
+        return Reservation(self, held)
 
     def reserve(self, held: int, nbytes: int, what: str) -> None:
         """Counts `nbytes` of a push's buffer (for `what`) as in flight until release(); ResourceExhaustedError,
@@ -130,3 +135,27 @@ class Quotas:
         finally:
             with self._lock:
                 self._calls[client] -= 1
+
+
+class Reservation:
+    """The bytes one push being received holds against --max-memory (Quotas.reservation); not thread-safe: one
+    per push, released when the push is over."""
+
+    def __init__(self, quotas: Quotas, held: Callable[[], int]):
+        self._quotas, self._held = quotas, held
+        self._held_then: int | None = None
+        self.nbytes = 0
+
+    def add(self, nbytes: int, what: str) -> None:
+        """Reserves `nbytes` for `what` (nothing without --max-memory); ResourceExhaustedError over the limit."""
+        if not self._quotas.max_memory:
+            return
+        if self._held_then is None:
+            self._held_then = self._held()
+        self._quotas.reserve(self._held_then, nbytes, what)
+        self.nbytes += nbytes
+
+    def release(self) -> None:
+        if self.nbytes:
+            self._quotas.release(self.nbytes)
+            self.nbytes = 0

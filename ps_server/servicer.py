@@ -346,16 +346,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         started = time.monotonic()
         header = end = None
         grads = {}
-        reserved = [0, None]  # bytes this push reserved against --max-memory, what the shard held then
+        reservation = self.quotas.reservation(self.held_total)  # the push's buffers, within --max-memory
 
         def begin(name: str, meta: ps_pb2.TensorMeta) -> None:  # before the tensor's buffer is allocated
             self._check_gradient(name, meta)
             if self.quotas.max_memory:
-                if reserved[1] is None:
-                    reserved[1] = self.held_total()
-                nbytes = self._receive_bytes(name, meta)
-                self.quotas.reserve(reserved[1], nbytes, f"the gradient for {name!r}")
-                reserved[0] += nbytes
+                reservation.add(self._receive_bytes(name, meta), f"the gradient for {name!r}")
 
         assembler = codec.ChunkAssembler(begin=begin, decode=self._decode_gradient)
         try:
@@ -405,8 +401,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
-            if reserved[0]:
-                self.quotas.release(reserved[0])
+            reservation.release()
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
