@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s.add_argument("--tls-key", help="its private key ($TORCHPS_TLS_KEY)")
     s.add_argument("--tls-ca", help="the job's CA certificate: clients must present a certificate it signed "
                    "($TORCHPS_TLS_CA)")
-    s.add_argument("--token-file", help="the job token every call must carry ($TORCHPS_TOKEN_FILE)")
+    s.add_argument("--token-file", help="the tokens every call must carry one of: ps-certs' table of per-task "
+                   "tokens (DIR/tokens), or one job token that names no task ($TORCHPS_TOKEN_FILE)")
     s.add_argument("--admin-token-file", help="the chief's admin token: without TLS, admin calls need it "
                    "($TORCHPS_ADMIN_TOKEN_FILE)")
     s.add_argument("--insecure", action="store_true", help="serve plaintext to anyone (a trusted network only); "
