@@ -4,8 +4,9 @@
     python bench/soak.py --minutes 10 --json soak.json     # the full soak
     python bench/soak.py --minutes 1                        # what the test suite runs
 
-Two phases (async, then sync; half the time each), each a fresh job: 2 ps-server
-shards with a checkpoint folder (so each keeps a journal) and 4 worker
+Two phases (async, then sync; half the time each, or longer until every kind of
+fault below was injected once), each a fresh job: 2 ps-server shards with a
+checkpoint folder (so each keeps a journal) and 4 worker
 processes that push counters as fast as they can, with roles on (per-task
 tokens from ps-certs, no TLS). Shard 1 is reached through a small TCP proxy.
 Meanwhile a chaos loop injects, at random, every kind once per round:
@@ -79,6 +80,8 @@ CHECKPOINT_EVERY = 200
 STALL_SECONDS = 60.0         # no acknowledged push for this long, outside faults: a hang
 EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
 FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
+ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long, until every kind of fault happened
+START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
 KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
          "toggle-optimizer")
 WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
@@ -111,7 +114,7 @@ def pushes_logged(log: pathlib.Path) -> int:
 def worker_main(args: argparse.Namespace) -> int:
     """One worker: push ones into its own counters and the shared ones, log each push, until told to stop."""
     import torch
-    from torchps.client import Cluster, Optimizer, PSClient, PSError, TaskSpec
+    from torchps.client import Cluster, Optimizer, PSClient, PSError, ServerUnavailableError, TaskSpec
 
     cluster = Cluster.from_json(args.cluster)
     rng = random.Random(args.index * 7919 + os.getpid())
@@ -122,14 +125,24 @@ def worker_main(args: argparse.Namespace) -> int:
     task = TaskSpec("worker", args.index)
     with PSClient(cluster, task=task, connect_timeout=15, timeout=60, refill_timeout=60,
                   security=task_security(pathlib.Path(args.credentials), cluster, task)) as ps:
-        if args.index == 0:
-            ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
-                         progress_seconds=PROGRESS_SECONDS)
-            ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
-        else:
-            ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
-            ps.wait_for_variables(ALL_NAMES, timeout=120)
-        ps.join()
+        def start() -> None:  # idempotent: retried while a shard the chaos loop killed comes back
+            if args.index == 0:
+                ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
+                             progress_seconds=PROGRESS_SECONDS)
+                ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
+            else:
+                ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
+                ps.wait_for_variables(ALL_NAMES, timeout=120)
+            ps.join()
+
+        started = time.monotonic()
+        while True:
+            try:
+                start()
+                break
+            except ServerUnavailableError:
+                if time.monotonic() - started > START_SECONDS:
+                    raise
         shared = {"ones/a": torch.ones(1), "ones/b": torch.ones(1)}
         targets = {name: torch.zeros(n) for name, n in sizes().items() if name in shared or
                    name in counter_names(args.index)}
@@ -311,8 +324,9 @@ class Phase:
             self.shards.stop()
 
     def _chaos(self, until: float) -> None:
+        """Injects faults until `until`, and past it (at most ROUND_SECONDS) until every kind was injected once."""
         last_acked, last_progress = 0, time.monotonic()
-        while time.monotonic() < until:
+        while (now := time.monotonic()) < until or (len(self.faults) < len(KINDS) and now < until + ROUND_SECONDS):
             time.sleep(self.rng.uniform(*FAULT_EVERY))
             self._check_workers()
             self._check_shards()
