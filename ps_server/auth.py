@@ -74,10 +74,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         security = self._security
         if _matches(token, security.token) or _matches(token, security.admin_token) or security.task_of(token):
             return handler
-        why = "carries no job token" if not token else "carries a wrong token"
+        why = "carries no token" if not token else "carries a wrong token"
         return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
-                         f"ps {self._index} refused the call: it {why}; pass the job's --token-file "
-                         f"(or TORCHPS_TOKEN_FILE)")
+                         f"ps {self._index} refused the call: it {why}; pass this task's --token-file "
+                         f"(ps-certs writes DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
 
 
 class Authority:
