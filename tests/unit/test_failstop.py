@@ -1,6 +1,6 @@
 """Fail-stop (ps_server/failstop.py): a part of a shard that fails stops the whole process, NOT_SERVING first,
 with one line naming the cause. Threads, no sockets; the process exit is replaced by a recorder here (the
-real exit is shown on a real process in tests/grpc/test_failstop.py)."""
+real exit is shown on a real process in tests/grpc/test_failstop_shard.py)."""
 
 from __future__ import annotations
 
