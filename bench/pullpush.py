@@ -337,7 +337,7 @@ def start_cluster(num_ps: int, job: JobSecurity | None, **kwargs):
 
 def check_shard_security(local, secure: bool) -> list[str]:
     """The line each shard logged about its security; RuntimeError unless it is what was asked for."""
-    want = "mutual TLS, job token" if secure else "INSECURE: no TLS, no token"
+    want = "mutual TLS, per-task tokens" if secure else "INSECURE: no TLS, no token"
     lines = []
     for index in range(local.num_ps):
         deadline = time.monotonic() + 10

@@ -50,7 +50,7 @@ class PushPath:
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
-              cancelled, hold: bool, deadline: float, slot: list[str]) -> PushResult:
+              cancelled, hold: bool, deadline: float, slot: list[str], by: str) -> PushResult:
         # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
         # then read the rows of the released step on every shard.
@@ -66,7 +66,7 @@ class PushPath:
                         continue  # the original failed before changing anything: apply this one
                     self.duplicates += 1
                     return result
-                self._catch_up(step, pushed=True)
+                self._catch_up(step, by, pushed=True)
                 mode = self.config.mode
                 if mode == "sync":
                     self._check_ahead(step, "push step")

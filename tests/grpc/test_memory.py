@@ -1,9 +1,14 @@
-"""A shard's memory: what GetStatus reports, gradients given back after each push, pulls without whole copies."""
+"""A shard's memory: what GetStatus reports, gradients given back after each push, pulls without whole copies.
+
+GetStatus reads the process's memory at most once a second (servicer.MEMORY_REFRESH_SECONDS), so a test waits
+for the figures of an event to show instead of reading them once.
+"""
 
 import threading
 
 import torch
 
+from helpers import wait_until
 from torchps.client import Optimizer, PSClient
 
 MIB = 1 << 20
@@ -14,8 +19,10 @@ def test_status_reports_optimizer_state_and_the_process_memory(shared_cluster):
         client.create_variables({"mem/adam": torch.zeros(2 * MIB // 4)}, Optimizer("adam", lr=1e-3))
         client.create_variables({"mem/big": torch.zeros(8 * MIB // 4)}, Optimizer("sgd", lr=0.1))
         assert client.status(client.placement.shard_of("mem/adam")).state_bytes >= 2 * 2 * MIB  # Adam's two moments
-        memory = client.status(client.placement.shard_of("mem/big")).memory
-        assert memory.peak_rss_bytes >= memory.rss_bytes > 8 * MIB
+        shard = client.placement.shard_of("mem/big")
+        memory = wait_until(lambda: (lambda m: m if m.rss_bytes > 8 * MIB else None)(client.status(shard).memory),
+                            20, "GetStatus's memory figures to show the 8 MiB variable")
+        assert memory.peak_rss_bytes >= memory.rss_bytes
         assert memory.mapped_bytes >= 8 * MIB  # an 8 MiB value is a block of its own (torchps.memory's threshold)
         assert memory.heap_in_use_bytes > 0
 
@@ -31,8 +38,8 @@ def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
         for _ in range(3):
             ps.push({"g": grad})
             ps.pull(["g"])
-        after = ps.status(0).memory
-    assert after.peak_rss_bytes - before >= 64 * MIB  # a push's gradient was held whole while it arrived
+        after = wait_until(lambda: (lambda m: m if m.peak_rss_bytes - before >= 64 * MIB else None)(ps.status(0).memory),
+                           20, "a push's gradient, held whole while it arrived, to show in the peak")
     assert after.rss_bytes - before < 16 * MIB, (before, after)
 
 

@@ -23,7 +23,7 @@ import torch
 from helpers import wait_until
 from torchps.errors import (InvalidArgumentError, ModeConflictError, ResourceExhaustedError, ServerUnavailableError,
                             StepPassedError, WaitTimeoutError, WorkerReplacedError)
-from torchps.ps_server.coordinator import Coordinator
+from torchps.ps_server.coordinator import CHIEF, READER, WORKER, Coordinator
 from torchps.ps_server.modes import PushResult, SyncConfig
 from torchps.ps_server.store import NewVariable, VariableStore
 
@@ -611,6 +611,30 @@ def test_a_save_for_a_step_the_shard_jumps_over_fails_as_past(coordinators):
         assert c.store.step == 11
         with pytest.raises(StepPassedError, match="without stopping at it"):
             save.result(2.0)
+    finally:
+        c.close()
+
+
+def test_a_restored_shard_catches_up_only_as_far_as_the_chief_vouches(coordinators):
+    """Sync mode, a shard restored from the checkpoint of step 0 while the job is at step 10: a worker's step
+    beyond what the chief vouched for (the checkpoint's) moves nothing and is answered UNAVAILABLE (retried by
+    clients, not a wrong request); an evaluator's wait moves nothing; the chief's heartbeat vouches for step 10
+    and the worker's join and push then go through."""
+    state = coordinators(sync(1, lease_seconds=30.0)).snapshot_at(0, 1.0)
+    c = Coordinator(VariableStore(), owns_step=False)
+    try:
+        c.restore(state)
+        with pytest.raises(ServerUnavailableError, match="not vouched"):
+            c.join("worker:0", 1, 10, by=WORKER)
+        with pytest.raises(ServerUnavailableError, match="not vouched"):
+            push(c, "worker:0", 10, g(1, 1, 1), seq=1, by=WORKER)
+        with pytest.raises(WaitTimeoutError):
+            c.wait_for_step(10, 0.0, by=READER)
+        assert c.store.step == 0
+        assert c.heartbeat("chief:0", 2, 10, by=CHIEF) == 10
+        assert c.join("worker:0", 1, 10, by=WORKER) == 10
+        assert not push(c, "worker:0", 10, g(1, 1, 1), seq=2, by=WORKER).stale
+        assert c.wait_for_step(11, RELEASE_TIMEOUT, by=WORKER) == 11, "the step was applied"
     finally:
         c.close()
 
