@@ -13,6 +13,7 @@ import pathlib
 import signal
 import sys
 import threading
+from typing import Callable
 
 import torch
 from grpc_health.v1 import health
@@ -25,13 +26,14 @@ from ..memory import tune_malloc
 from ..codec import DEFAULT_MAX_CHUNK_BYTES
 from .server import DEFAULT_THREADS, create_server, serve_health, set_health
 from ..security import Security
-from .journal import Journal
+from .journal import Journal, Layout
 from .metrics import ShardMetrics
 from .quotas import Quotas, parse_bytes
 from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
+FAILED = 1                # the shard stopped itself (fail_stop): restart it
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,6 +73,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
     parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
                         "newest committed checkpoint, and what was acknowledged after it is lost")
+    parser.add_argument("--journal-sync", action="store_true", help="acknowledge a change once its journal record is "
+                        "on the disk (fdatasync, batched), so a power or host loss loses nothing acknowledged either; "
+                        "default: once it is in the kernel's page cache, which a killed process cannot lose")
+    parser.add_argument("--replace-journal", action="store_true", help="with --restore-from: a journal that belongs "
+                        "to another job or layout is moved aside (renamed, kept) and the shard starts from the "
+                        "checkpoint; without it such a journal is refused")
     q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
     q.add_argument("--max-memory", type=_size, default=0, help="bytes of values and optimizer state this shard "
                    "may hold, e.g. 8G (default: no limit)")
@@ -169,12 +177,41 @@ def load_security(args: argparse.Namespace) -> Security:
     return security
 
 
-def open_journal(args: argparse.Namespace, index: int) -> Journal | None:
-    """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal."""
+def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,
+                 on_failure: Callable[[str], None]) -> Journal | None:
+    """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal. One that
+    holds another job's or layout's state is refused (ClusterConfigError), or with --replace-journal moved
+    aside for --restore-from's checkpoint."""
+    if args.replace_journal and not args.restore_from:
+        raise ClusterConfigError("--replace-journal moves a journal aside for --restore-from's checkpoint: pass "
+                                 "--restore-from too")
     if args.no_journal:
         return None
     directory = args.journal_dir or (args.checkpoint_dir and os.path.join(args.checkpoint_dir, "journal", f"ps-{index}"))
-    return Journal(directory) if directory else None
+    if not directory:
+        return None
+    layout = Layout(index, cluster.num_ps if cluster is not None else args.num_ps,
+                    os.path.abspath(args.restore_from) if args.restore_from else None)
+    journal = Journal(directory, layout=layout, sync=args.journal_sync, on_failure=on_failure)
+    if journal.holds_state():
+        try:
+            journal.check_layout()
+        except ClusterConfigError:
+            if not args.replace_journal:
+                raise
+            _LOGGER.warning("journal %s moved aside to %s: this shard starts from %s", directory,
+                            journal.move_aside(), args.restore_from)
+    return journal
+
+
+def fail_stop(health_servicer: health.HealthServicer, cause: str) -> None:
+    """Stops the shard at once, from any thread: NOT_SERVING, one line naming `cause`, exit code FAILED, nothing
+    more acknowledged. Its launcher, Kubernetes or systemd restarts it, and the journal brings back everything
+    it acknowledged. (The one place a part of the shard that cannot go on stops it.)"""
+    set_health(health_servicer, serving=False)
+    _LOGGER.critical("ps stops: %s", cause)
+    logging.shutdown()
+    os._exit(FAILED)
 
 
 def _write_port(path: pathlib.Path, port: int) -> None:
@@ -204,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.health_port_file:
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
-        journal = open_journal(args, index)
+        journal = open_journal(args, cluster, index, lambda cause: fail_stop(health_servicer, cause))
         if args.checkpoint_dir:
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None

@@ -271,12 +271,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         else:
             self.store.check_gradient(name, meta)
 
-    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw):
+    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict):
         """A complete pushed tensor (checked by _check_gradient): a table's RowGradient, or a dense tensor of
-        its variable's dtype."""
+        its variable's dtype; a compressed one is also kept as it came in `received` (for the journal)."""
         if meta.encoding == ps_pb2.ROWS:
             return RowGradient(*rows.decode_rows(meta, raw))
-        return compression.decode(name, meta, raw, self.store.get(name).spec.meta)
+        variable = self.store.get(name).spec.meta
+        if meta.encoding != ps_pb2.DENSE or meta.dtype != variable.dtype:
+            received[name] = (meta, raw)
+        return compression.decode(name, meta, raw, variable)
 
     def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         """Assembles decoded (header, chunks, end) messages, then hands the push to the coordinator.
@@ -286,8 +289,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """
         started = time.monotonic()
         header = end = None
-        grads = {}
-        assembler = codec.ChunkAssembler(begin=self._check_gradient, decode=self._decode_gradient)
+        grads, received = {}, {}
+        assembler = codec.ChunkAssembler(
+            begin=self._check_gradient, decode=lambda name, meta, raw: self._decode_gradient(name, meta, raw, received))
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -330,11 +334,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             staleness = self.store.step - header.step if self.metrics is not None else 0
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
-                                           hold=hold, timeout=_remaining(context))
+                                           hold=hold, timeout=_remaining(context), received=received)
             if self.metrics is not None:
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
+            received.clear()
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
@@ -570,6 +575,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Shutdown(self, request, context):
         _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
+        self.coordinator.finish(request.reason or "shutdown requested")  # the job is done: its journal says so
         if self.on_shutdown is not None:
             context.add_callback(lambda: self.on_shutdown(request.reason))
         return ps_pb2.ShutdownResponse()
