@@ -13,6 +13,9 @@ small TCP proxy. Meanwhile a chaos loop injects, at random:
   pause-worker     SIGSTOP a worker for longer than its lease, then SIGCONT it
   pause-shard      SIGSTOP a shard for a few seconds, then SIGCONT it
   cut-connections  the proxy drops every connection to shard 1 at once
+  disk-full        a shard's files may grow no further (RLIMIT_FSIZE, as `prlimit --fsize` sets it): its next
+                   journal append fails with EFBIG, so it must stop itself (exit 1, a fail-stop, counted in
+                   `failstops`) before acknowledging that push; it is started again with room
 Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
 
 Every push of a worker has a number of its own, kept across its restarts, and
@@ -37,8 +40,8 @@ job's final checkpoint must be committed for both shards and restore, through
 `ps-server --restore-from` onto one shard, to exactly the values served.
 
 Keys: faults_injected (by kind), pushes_acked, lost, duplicated, hangs,
-checkpoint_complete; per phase the same and more. Target: lost = duplicated =
-hangs = 0.
+failstops, checkpoint_complete; per phase the same and more. Target: lost =
+duplicated = hangs = 0, and a fail-stop for every disk-full.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import json
 import os
 import pathlib
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -66,7 +70,9 @@ CHECKPOINT_EVERY = 200
 STALL_SECONDS = 60.0         # no acknowledged push for this long, outside faults: a hang
 EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
 FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
-KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections")
+KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "disk-full")
+FAILSTOP_SECONDS = 60.0      # a shard whose disk is full must have stopped itself within this
+FAILSTOP_CODE = 1            # ps-server's exit code when it stops itself (fail-stop)
 SLOTS = 1 << 15              # one per push of a worker; a 10-minute soak pushes ~4,000 per worker and phase
 EPS = 1e-4                   # the counters hold sums of ones (async) or of shares 1/c (sync): far above this
 
@@ -216,6 +222,7 @@ class Phase:
         self.workers: dict[int, subprocess.Popen] = {}
         self.hangs: list[str] = []
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
+        self.failstops = 0              # shards that stopped themselves (their disk was full), each restarted
         self._order: list[str] = []
 
     def log_path(self, index: int) -> pathlib.Path:
@@ -288,6 +295,8 @@ class Phase:
             index = self.rng.randrange(SHARDS)
             self.shards.kill_ps(index)
             self.shards.start_ps(index)
+        elif kind == "disk-full":
+            self._fill_disk(self.rng.randrange(SHARDS))
         elif kind in ("pause-worker", "pause-shard"):
             proc = (self.workers[self.rng.randrange(WORKERS)] if kind == "pause-worker"
                     else self.shards.procs[self.rng.randrange(SHARDS)])
@@ -296,6 +305,26 @@ class Phase:
             proc.send_signal(signal.SIGCONT)
         else:
             self.proxy.cut()
+
+    def _fill_disk(self, index: int) -> None:
+        """Lets shard `index`'s files grow no further than its log file plus 1 MiB (its log keeps room to say
+        why it stops; its journal, written at ~5 MB/s, soon does not), waits for it to stop itself, starts it
+        again without the limit."""
+        proc = self.shards.procs[index]
+        limit = (self.dir / f"ps{index}.log").stat().st_size + (1 << 20)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
+        try:
+            code = proc.wait(timeout=FAILSTOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.hangs.append(f"ps {index} went on {FAILSTOP_SECONDS:g} s with a full disk instead of stopping")
+            proc.kill()
+            proc.wait()
+        else:
+            if code == FAILSTOP_CODE:
+                self.failstops += 1
+            else:
+                self.failures.append(f"ps {index} with a full disk ended with code {code}, not {FAILSTOP_CODE}")
+        self.shards.start_ps(index)
 
     def _stop_workers(self) -> None:
         self.stop_file.touch()
@@ -357,6 +386,7 @@ class Phase:
         return {"mode": self.mode, "seconds": round(wall, 1), "faults_injected": dict(self.faults),
                 "pushes_acked": sum(a for _, a, _, _ in counts), "pushes_sent": sum(s for s, _, _, _ in counts),
                 "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
+                "failstops": self.failstops,
                 "hang_reasons": self.hangs, "worker_failures": self.failures, "audit_misses": misses[:20],
                 "sync_slots_averaged": averaged if self.mode == "sync" else None, "sync_steps_applied_once": steps_ok,
                 "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final,
@@ -431,12 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"minutes": args.minutes, "seed": args.seed, "faults_injected": dict(faults),
               "pushes_acked": sum(p["pushes_acked"] for p in phases), "lost": sum(p["lost"] for p in phases),
               "duplicated": sum(p["duplicated"] for p in phases), "hangs": sum(p["hangs"] for p in phases),
+              "failstops": sum(p["failstops"] for p in phases),
               "checkpoint_complete": all(p["checkpoint_complete"] for p in phases),
               "worker_failures": sum(len(p["worker_failures"]) for p in phases), "phases": phases}
-    print(f"{'phase':<6} {'faults':>6} {'acked':>7} {'lost':>5} {'dup':>4} {'hangs':>5} {'checkpoint':>10}")
+    print(f"{'phase':<6} {'faults':>6} {'acked':>7} {'lost':>5} {'dup':>4} {'hangs':>5} {'failstops':>9} "
+          f"{'checkpoint':>10}")
     for p in phases:
         print(f"{p['mode']:<6} {sum(p['faults_injected'].values()):>6} {p['pushes_acked']:>7} {p['lost']:>5} "
-              f"{p['duplicated']:>4} {p['hangs']:>5} {str(p['checkpoint_complete']):>10}")
+              f"{p['duplicated']:>4} {p['hangs']:>5} {p['failstops']:>9} {str(p['checkpoint_complete']):>10}")
     print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
     if args.json:
