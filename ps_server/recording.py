@@ -18,8 +18,9 @@ creation ("tables") and admitting lookups of dynamic tables ("admit") under the
 gate and `_ordered`, and a push's row gradients inside its own "apply" (or
 sync "add") record, so a push is replayed whole or not at all. A compressed
 gradient is recorded as it came (as_received) and decoded again on replay. A
-compaction copies the state under the gate alone and rotates the log under the
-coordinator's lock in the same instant (snapshots.state_of(then=)).
+compaction writes the state as a base under the gate alone, from the shard's
+own tensors, having rotated the log under the coordinator's lock in the same
+instant (snapshots.state_of(then=)).
 
 Membership records are queued in order too but nobody waits for them: a
 process killed at once may lose the last joins and lease renewals not followed
@@ -32,9 +33,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Mapping
 
-import torch
-
 import numpy as np
+import torch
 
 from .. import compression
 from ..proto import ps_pb2
@@ -64,6 +64,7 @@ class Recorder:
 
     @property
     def directory(self):
+        """The journal's folder (for messages)."""
         return self._journal.directory
 
     def log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> int:

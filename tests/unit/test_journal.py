@@ -145,14 +145,20 @@ def test_a_damaged_record_stops_the_replay_there(tmp_path):
     back.close()
 
 
-def test_compaction_writes_a_new_base_retires_the_old_files_and_recovers_exactly(tmp_path):
-    c = shard(tmp_path, compact_bytes=4096)
+def compacted_often(directory: pathlib.Path) -> dict:
+    """A shard that compacted its journal every few pushes (39 of them); what clients saw at the end."""
+    c = shard(directory, compact_bytes=4096)
     create(c)
     for seq in range(1, 40):
         c.push("worker:0", 3, seq, 0, grads(seq), step_increment=1)
-    c.wait_for_compaction()
+        c.wait_for_compaction()
     expected = observed(c)
     c.close()
+    return expected
+
+
+def test_compaction_writes_a_new_base_retires_the_old_files_and_recovers_exactly(tmp_path):
+    expected = compacted_often(tmp_path)
     bases = sorted(p.name for p in tmp_path.glob("base-*.bin"))
     logs = sorted(p.name for p in tmp_path.glob("log-*.bin"))
     spares = sorted(p.name for p in tmp_path.glob("spare-*.bin"))
@@ -346,13 +352,7 @@ def test_a_damaged_record_with_whole_ones_after_it_is_refused_naming_the_file_an
 def test_a_reused_file_s_old_records_are_neither_replayed_nor_taken_for_corruption(tmp_path):
     """Compaction writes new logs over retired ones: what is left of a file's earlier use (whole records of
     another log) after the new log's end is cut off at recovery, never replayed, never called corrupt."""
-    c = shard(tmp_path, compact_bytes=4096)
-    create(c)
-    for seq in range(1, 40):
-        c.push("worker:0", 3, seq, 0, grads(seq), step_increment=1)
-        c.wait_for_compaction()
-    expected = observed(c)
-    c.close()
+    expected = compacted_often(tmp_path)
     (log,) = tmp_path.glob("log-*.bin")
     ends = record_ends(log)
     assert log.stat().st_size > ends[-1], "the current log was written over a longer retired one"
