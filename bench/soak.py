@@ -14,7 +14,7 @@ small TCP proxy. Meanwhile a chaos loop injects, at random:
   pause-shard      SIGSTOP a shard for a few seconds, then SIGCONT it
   cut-connections  the proxy drops every connection to shard 1 at once
   disk-full        a shard's files may grow no further (RLIMIT_FSIZE, as `prlimit --fsize` sets it): its next
-                   journal append fails with EFBIG, so it must stop itself (exit 1, a fail-stop, counted in
+                   journal append fails with EFBIG, so it must stop itself (exit 70, a fail-stop, counted in
                    `failstops`) before acknowledging that push; it is started again with room
 Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
 
@@ -72,7 +72,7 @@ EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
 FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
 KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "disk-full")
 FAILSTOP_SECONDS = 60.0      # a shard whose disk is full must have stopped itself within this
-FAILSTOP_CODE = 1            # ps-server's exit code when it stops itself (fail-stop)
+FAILSTOP_CODE = 70           # ps-server's exit code when it stops itself (fail-stop)
 SLOTS = 1 << 15              # one per push of a worker; a 10-minute soak pushes ~4,000 per worker and phase
 EPS = 1e-4                   # the counters hold sums of ones (async) or of shares 1/c (sync): far above this
 

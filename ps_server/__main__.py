@@ -33,7 +33,7 @@ from .store import VariableStore
 
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
-FAILED = 1                # the shard stopped itself (fail_stop): restart it
+FAILED = 70               # EX_SOFTWARE (sysexits.h): the shard stopped itself (fail_stop); restart it
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

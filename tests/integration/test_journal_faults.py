@@ -53,7 +53,7 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
 
 def test_a_journal_that_cannot_write_stops_the_shard_unacknowledged_and_the_retry_lands_once(tmp_path):
     """3 pushes acknowledged; the shard's files may grow no further, so the 4th push's record fails part-way
-    (EFBIG). The shard must stop (exit 1, one line naming the cause) without acknowledging it; restarted on
+    (EFBIG). The shard must stop (exit 70, one line naming the cause) without acknowledging it; restarted on
     a disk with room, it has the 3 pushes, and the client's retry of the 4th is applied exactly once. A
     second crash shows the torn record was cut, not left in the middle of the log."""
     with LocalCluster(1, server_args=["--checkpoint-dir", str(tmp_path)]) as local, \
@@ -69,7 +69,7 @@ def test_a_journal_that_cannot_write_stops_the_shard_unacknowledged_and_the_retr
         pusher = threading.Thread(target=lambda: outcome.update(reply=client.push({"w": torch.ones(N)})))
         pusher.start()
         code = local.procs[0].wait(timeout=EXIT_TIMEOUT)
-        assert code == 1, f"the shard stops itself with exit code 1, got {code}:\n{local.log(0)[-2000:]}"
+        assert code == 70, f"the shard stops itself with exit code 70, got {code}:\n{local.log(0)[-2000:]}"
         stops = [line for line in local.log(0).splitlines() if "ps stops:" in line]
         assert len(stops) == 1 and "File too large" in stops[0] and str(log) in stops[0], local.log(0)[-2000:]
         assert pusher.is_alive(), "the push whose record failed was not acknowledged (the client retries it)"
