@@ -326,11 +326,12 @@ class JobSecurity:
         self._tmp.cleanup()
 
 
-def start_cluster(num_ps: int, job: JobSecurity | None, **kwargs):
-    """A started LocalCluster: --insecure shards without `job`, mutual TLS + job token with it."""
+def start_cluster(num_ps: int, job: JobSecurity | None, server_args=(), **kwargs):
+    """A started LocalCluster: --insecure shards without `job`, mutual TLS + job token with it; `server_args`:
+    more ps-server flags."""
     from torchps.worker.local_cluster import LocalCluster
 
-    local = LocalCluster(num_ps, server_args=job.server_args() if job else None, **kwargs)
+    local = LocalCluster(num_ps, server_args=[*(job.server_args() if job else ()), *server_args], **kwargs)
     local.__enter__()
     return local
 
@@ -630,9 +631,10 @@ class TrainerPool:
 
 
 def bench_training(label: str, dims, args, duration: float, lr: float, with_local: bool, setups=("async",),
-                   job: JobSecurity | None = None) -> dict:
-    """1 ps + 2 async workers per setup ("async": --insecure shard; "async_secure": mutual TLS + job token),
-    interleaved with each other and with a 1-process no-PS run; steps/s (medians)."""
+                   job: JobSecurity | None = None, server_args: dict[str, list[str]] | None = None) -> dict:
+    """1 ps + 2 async workers per setup ("async": --insecure shard; "async_secure": mutual TLS + job token;
+    `server_args[setup]`: more ps-server flags), interleaved with each other and with a 1-process no-PS run;
+    steps/s (medians)."""
     import contextlib
 
     import torch
@@ -649,7 +651,7 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
     with contextlib.ExitStack() as stack:
         for name in setups:
             secure = name.endswith("_secure")
-            local = start_cluster(1, job if secure else None, workers=args.workers)
+            local = start_cluster(1, job if secure else None, (server_args or {}).get(name, ()), workers=args.workers)
             stack.callback(local.stop)
             server_pids[name] = [p.pid for p in local.procs]
             shard_security[name] = check_shard_security(local, secure)

@@ -19,9 +19,11 @@ Meanwhile a chaos loop injects, at random, every kind once per round:
                      deadline, never be answered (an evaluator moves no step)
   toggle-optimizer   the chief turns momentum on for variables that have stepped: every shard must refuse
                      (FAILED_PRECONDITION); an accepted change would break the counters' sums
-A kind is a `_fault_<kind>` method and an entry of KINDS (the journal's disk-full fault, a shard run under a
-file-size limit, is added the same way). A shard that stops by itself (fail-stop: exit code 70) is counted
-and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
+  disk-full          a shard's files may grow no further (RLIMIT_FSIZE, as `prlimit --fsize` sets it): its next
+                     journal append fails with EFBIG, so it must stop itself (exit 70, a fail-stop, counted in
+                     `failstops`) before acknowledging that push; it is started again with room
+A kind is a `_fault_<kind>` method and an entry of KINDS. A shard that stops by itself (fail-stop: exit code
+70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
 each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
 does not is wedged. Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
 
@@ -52,7 +54,7 @@ again), wedged (shards that answered health but applied nothing within
 WEDGE_SECONDS), hostile_pulls and hostile_pulls_answered, optimizer_toggles
 and optimizer_toggles_accepted; per phase the same and more. Target: lost =
 duplicated = hangs = wedged = hostile_pulls_answered =
-optimizer_toggles_accepted = 0.
+optimizer_toggles_accepted = 0, and a fail-stop for every disk-full.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import json
 import os
 import pathlib
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -83,10 +86,11 @@ FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
 ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long, until every kind of fault happened
 START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
 KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
-         "toggle-optimizer")
+         "toggle-optimizer", "disk-full")
 WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
 HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
 FAR = 1 << 62                # the hostile evaluator's min_step
+FAILSTOP_SECONDS = 60.0      # a shard whose disk is full must have stopped itself within this
 FAILSTOP_CODE = 70           # ps_server.failstop.EXIT_CODE
 SLOTS = 1 << 15              # one per push of a worker; a 10-minute soak pushes ~4,000 per worker and phase
 EPS = 1e-4                   # the counters hold sums of ones (async) or of shares 1/c (sync): far above this
@@ -433,6 +437,26 @@ class Phase:
                     self.toggles["shard away"] += 1
         return True
 
+    def _fault_disk_full(self) -> None:
+        """Lets a shard's files grow no further than its log file plus 1 MiB (its log keeps room to say why it
+        stops; its journal, written at ~5 MB/s, soon does not), waits for it to stop itself (counted by
+        _check_shards, which starts it again without the limit)."""
+        index = self.rng.randrange(SHARDS)
+        proc = self.shards.procs[index]
+        limit = (self.dir / f"ps{index}.log").stat().st_size + (1 << 20)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
+        try:
+            code = proc.wait(timeout=FAILSTOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.hangs.append(f"ps {index} went on {FAILSTOP_SECONDS:g} s with a full disk instead of stopping")
+            proc.kill()
+            proc.wait()
+            self.shards.start_ps(index)
+            return
+        if code != FAILSTOP_CODE:
+            self.failures.append(f"ps {index} with a full disk ended with code {code}, not {FAILSTOP_CODE}")
+        self._check_shards()
+
     def _check_wedged(self) -> None:
         """Faults over, workers pushing: every shard that answers health must apply something (its variables'
         versions move) within WEDGE_SECONDS; one that answers SERVING and does not is wedged. A shard that
@@ -473,6 +497,7 @@ class Phase:
             except grpc.RpcError:
                 return None
         return sum(info.version for info in listed.variables)
+
 
     def _stop_workers(self) -> None:
         self.stop_file.touch()

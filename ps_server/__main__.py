@@ -13,6 +13,7 @@ import pathlib
 import signal
 import sys
 import threading
+from typing import Callable
 
 import torch
 from grpc_health.v1 import health
@@ -27,7 +28,7 @@ from .server import DEFAULT_THREADS, create_server, serve_health, set_health
 from .stalls import DEFAULT_IDLE_SECONDS
 from ..security import Security, require_credentials
 from .failstop import FailStop
-from .journal import Journal
+from .journal import Journal, Layout
 from .metrics import ShardMetrics
 from .quotas import Quotas, parse_bytes
 from .store import VariableStore
@@ -74,6 +75,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
     parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
                         "newest committed checkpoint, and what was acknowledged after it is lost")
+    parser.add_argument("--journal-sync", action="store_true", help="acknowledge a change once its journal record is "
+                        "on the disk (fdatasync, batched), so a power or host loss loses nothing acknowledged either; "
+                        "default: once it is in the kernel's page cache, which a killed process cannot lose")
+    parser.add_argument("--replace-journal", action="store_true", help="with --restore-from: a journal that belongs "
+                        "to another job or layout is moved aside (renamed, kept) and the shard starts from the "
+                        "checkpoint; without it such a journal is refused")
     q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
     q.add_argument("--max-memory", type=_memory, default=0, help="bytes this shard may hold: variables with their "
                    "optimizer state, embedding tables, and pushes being received, e.g. 8G, or a share of the memory "
@@ -214,12 +221,31 @@ def load_security(args: argparse.Namespace) -> Security:
     return security
 
 
-def open_journal(args: argparse.Namespace, index: int) -> Journal | None:
-    """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal."""
+def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,
+                 on_failure: Callable[[str], None]) -> Journal | None:
+    """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal. One that
+    holds another job's or layout's state is refused (ClusterConfigError), or with --replace-journal moved
+    aside for --restore-from's checkpoint."""
+    if args.replace_journal and not args.restore_from:
+        raise ClusterConfigError("--replace-journal moves a journal aside for --restore-from's checkpoint: pass "
+                                 "--restore-from too")
     if args.no_journal:
         return None
     directory = args.journal_dir or (args.checkpoint_dir and os.path.join(args.checkpoint_dir, "journal", f"ps-{index}"))
-    return Journal(directory) if directory else None
+    if not directory:
+        return None
+    layout = Layout(index, cluster.num_ps if cluster is not None else args.num_ps,
+                    os.path.abspath(args.restore_from) if args.restore_from else None)
+    journal = Journal(directory, layout=layout, sync=args.journal_sync, on_failure=on_failure)
+    if journal.holds_state():
+        try:
+            journal.check_layout()
+        except ClusterConfigError:
+            if not args.replace_journal:
+                raise
+            _LOGGER.warning("journal %s moved aside to %s: this shard starts from %s", directory,
+                            journal.move_aside(), args.restore_from)
+    return journal
 
 
 def _write_port(path: pathlib.Path, port: int) -> None:
@@ -251,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.health_port_file:
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
-        journal = open_journal(args, index)
+        journal = open_journal(args, cluster, index, failstop.fatal)
         if args.checkpoint_dir:
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None

@@ -66,21 +66,25 @@ def fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: pathlib.Path, write) -> int:
-    """Writes `path` whole or not at all (see the module docstring); returns its size."""
+def write_atomic(path: pathlib.Path, write, *, sync: bool = True) -> int:
+    """Writes `path` whole or not at all (see the module docstring); returns its size. `sync=False`: whole or
+    not at all if the process dies, not if the host does (nothing is fsynced)."""
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-        fsync_dir(path.parent.parent)
+        if sync:
+            fsync_dir(path.parent.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
     return path.stat().st_size
 
 

@@ -53,7 +53,7 @@ from .ledger import PushLedger
 from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig, quorum_for
 from .pushes import PushPath
-from .recording import Recorder, replay
+from .recording import Recorder, as_received, replay
 from .snapshots import Saves, state_of
 from .store import NewVariable, VariableStore
 from . import table_state
@@ -136,7 +136,8 @@ class Coordinator(PushPath):
         """Records every change from now on in `journal` (after replay()), then start()s."""
         self.recorder = Recorder(self, journal)
         # With a journal, every change to variables (creations, applies, steps, hyperparameters) is made and
-        # recorded under this lock, so the journal replays them in the order they happened.
+        # queued for the journal under this lock, so the journal replays them in the order they happened. It
+        # is never held while a record is written (recording.py).
         self._ordered = threading.Lock()
         self.start()
 
@@ -148,11 +149,15 @@ class Coordinator(PushPath):
             if config == self.config:
                 return False
             if self.membership.members or self.pending.buffers:
+                journal = "" if self.recorder is None else (
+                    f" (as its journal {self.recorder.directory} recorded: a job on the same volume must finish, "
+                    f"or start anew with --restore-from CHECKPOINT_DIR --replace-journal)")
                 raise ModeConflictError(
-                    f"this shard already runs {self.config} with workers joined; it cannot switch to {config}. "
-                    f"Restart the job to change the mode")
+                    f"this shard already runs {self.config} with workers joined{journal}; it cannot switch to "
+                    f"{config}. Restart the job to change the mode")
             self._set_config(config)
-            self._log("configure", {"config": dataclasses.asdict(config)})
+            ticket = self._log("configure", {"config": dataclasses.asdict(config)})
+        self._durable(ticket)
         _LOGGER.info("mode set: %s", config)
         return True
 
@@ -182,10 +187,13 @@ class Coordinator(PushPath):
                     self.store.set_step(job_step)
                     self._log("set_step", {"step": job_step, "clear": True})
             created = self.store.create(requests)
-            self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
-                                                "hyperparams": dict(r.hyperparams)}
-                                               for r, new in zip(requests, created) if new]},
-                      {r.name: r.value for r, new in zip(requests, created) if new})
+            # the values are the variables' own (pushes change them): the record gets a copy, written later
+            ticket = self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
+                                                         "hyperparams": dict(r.hyperparams)}
+                                                        for r, new in zip(requests, created) if new]},
+                               {r.name: r.value.clone() for r, new in zip(requests, created) if new}
+                               if self.recorder is not None else None)
+        self._durable(ticket)
         return created
 
     def create_tables(self, specs: list[ps_pb2.TableSpec], shard_index: int, num_shards: int, *,
@@ -195,10 +203,10 @@ class Coordinator(PushPath):
         with self.gate.change(), self._ordered:
             created = self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
                                          check_memory=check_memory)
-            if any(created):
-                self._log("tables", table_state.creation_record([s for s, new in zip(specs, created) if new],
-                                                                shard_index, num_shards))
-            return created
+            ticket = self._log("tables", table_state.creation_record(
+                [s for s, new in zip(specs, created) if new], shard_index, num_shards)) if any(created) else None
+        self._durable(ticket)
+        return created
 
     def lookup_rows(self, requests: list[tuple[str, torch.Tensor]], *, admit: bool) -> list[torch.Tensor]:
         """tables.lookup (which see). With a journal, an admitting lookup of dynamic tables (which may count
@@ -210,15 +218,27 @@ class Coordinator(PushPath):
         with self.gate.change(), self._ordered:
             found = self.tables.lookup(requests, admit=True)
             dynamic = [(name, ids) for name, ids in requests if not self.tables.get(name).table.fixed]
-            self._log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
+            ticket = self._log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
+        self._durable(ticket)
         return found
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
         with self.gate.change(), self._ordered:  # in the order the applies around it see it
             count = self.store.set_hyperparams(names, updates)
-            self._log("hyperparams", {"names": names, "updates": dict(updates)})
+            ticket = self._log("hyperparams", {"names": names, "updates": dict(updates)})
+        self._durable(ticket)
         return count
+
+    def forget_job(self) -> None:
+        """Before start(): keeps the variables, tables and step, and drops what belonged to a finished job (its
+        members, its pushes' ledger, pending sums, its mode), so a new job starts from this state. The bound on
+        membership (the cluster spec's names, --elastic-workers) is this shard's, not the job's: it stays."""
+        with self._cond:
+            self.membership = Membership(self.membership.known, self.membership.elastic)
+            self.ledger = PushLedger()
+            self.pending = PendingSteps()
+            self._set_config(SyncConfig())
 
     def restore(self, state: dict, *, exact: bool = False) -> None:
         """Starts from a saved state (snapshots.state_of), before start(). `exact`: it is this shard's own
@@ -311,7 +331,8 @@ class Coordinator(PushPath):
 
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
-             timeout: float | None = None, by: str = CHIEF) -> PushResult:
+             timeout: float | None = None, by: str = CHIEF,
+             received: Mapping[str, tuple] | None = None) -> PushResult:
         """Handles one push according to the mode, at most once per (worker, incarnation, seq).
 
         `grads` maps variables to dense gradients and tables to their
@@ -323,6 +344,11 @@ class Coordinator(PushPath):
         row gradients) in sync mode until the worker may go on, on shard 0 in
         ssp mode while it is too far ahead; a retry waits for its original.
         `by`: who makes the call (see "Authority over the step").
+        With a journal, it returns once the push's record is written (a retry's:
+        every record before it); if the journal fails first it raises
+        ServerUnavailableError, unacknowledged (the shard then stops).
+        `received` {name: (TensorMeta, bytes)}: the compressed gradients as
+        they came, which the journal records instead of their decoded form.
         """
         self._check_step(step, "push step")
         if step_increment not in (0, 1):
@@ -333,11 +359,12 @@ class Coordinator(PushPath):
         deadline = self._deadline(timeout)
         slot: list[str] = []  # the waiting slot this push took, if it will be held
         self._pushing.rows = table_rows  # the journal's record of this push carries them (_log)
+        self._pushing.received = received
         try:
             return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
                               deadline, slot, by)
         finally:
-            self._pushing.rows = None
+            self._pushing.rows = self._pushing.received = None
             if slot:
                 self.waits.release(slot[0])
 
@@ -406,23 +433,45 @@ class Coordinator(PushPath):
     def _push_meta(worker: str, incarnation: int, seq: int, step: int) -> dict:
         return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
 
-    def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """A journal record, if the shard keeps a journal (see recording.Recorder.log for the locking rules). A
-        push's record ("apply", "add") carries the push's row gradients too (table_state.record_rows), so the
-        push is replayed whole."""
-        if self.recorder is not None:
-            if kind in ("apply", "add") and getattr(self._pushing, "rows", None):
+    def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> int | None:
+        """Queues a journal record, if the shard keeps a journal (see recording.py for the locking rules);
+        returns its ticket for _durable(). A push's record ("apply", "add") carries the push's row gradients
+        too (table_state.record_rows), so the push is replayed whole, and its compressed gradients as they
+        came (recording.as_received)."""
+        if self.recorder is None:
+            return None
+        if kind in ("apply", "add"):
+            if getattr(self._pushing, "rows", None):
                 meta, tensors = table_state.record_rows(meta, tensors or {}, self._pushing.rows)
-            self.recorder.log(kind, meta, tensors or {})
+            if getattr(self._pushing, "received", None):
+                meta, tensors = as_received(meta, tensors or {}, self._pushing.received)
+        return self.recorder.log(kind, meta, tensors or {})
+
+    def _durable(self, ticket: int | None, deadline: float | None = None) -> None:
+        """Waits (holding no lock) until the journal record `ticket` is written; None: nothing to wait for.
+        ServerUnavailableError if the journal failed first, WaitTimeoutError at `deadline`."""
+        if ticket is not None:
+            self.recorder.wait(ticket, None if deadline is None else self._left(deadline))
+
+    def _durable_all(self, deadline: float) -> None:
+        """Waits (holding no lock) until every journal record queued so far is written (a retry's reply)."""
+        if self.recorder is not None:
+            self.recorder.wait(None, self._left(deadline))
+
+    def finish(self, reason: str) -> None:
+        """The job is done (the chief's Shutdown): the journal records it, so a shard started on this volume
+        again begins a new job from this state (server.recover) instead of resuming this one."""
+        self._durable(self._log("finish", {"reason": reason}))
 
     def wait_for_compaction(self, timeout: float | None = None) -> None:
         """Returns once no journal compaction is running (at most `timeout` s)."""
         if self.recorder is not None:
-            self.recorder.wait(timeout)
+            self.recorder.wait_for_compaction(timeout)
 
-    def replay(self, record) -> None:
-        """Re-applies one journal record (journal.Record) during recovery, before start()."""
-        replay(self, record)
+    def replay(self, record) -> bool:
+        """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
+        of the job's end (finish)."""
+        return replay(self, record)
 
 
     def _catch_up(self, step: int, by: str, *, pushed: bool = False) -> None:

@@ -126,18 +126,25 @@ def create_server(
 
 def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | None) -> None:
     """Brings a new shard's state back: its journal's (exactly what it had acknowledged), else `restore`'s;
-    then starts the coordinator (recording into the journal from now on)."""
+    then starts the coordinator (recording into the journal from now on). A journal whose job finished (the
+    chief's Shutdown: Coordinator.finish) goes on as a new job's, from that job's last state. Raises
+    (CheckpointError) for a journal that is corrupt: the shard then does not start."""
     recovered = journal.recover() if journal is not None else None
     if recovered is not None:
         base, records = recovered
         if base is not None:
             coordinator.restore(base, exact=True)
-        count = 0
+        count, finished = 0, False
         for record in records:
-            coordinator.replay(record)
+            finished = coordinator.replay(record) or finished
             count += 1
         _LOGGER.info("recovered from the journal in %s: %s, %d records replayed, step %d", journal.directory,
                      "a base state" if base is not None else "no base", count, coordinator.store.step)
+        if finished:
+            _LOGGER.warning("the journal's job had finished (the chief's Shutdown): a new job begins from its "
+                            "state at step %d, without its members or mode", coordinator.store.step)
+            coordinator.forget_job()
+            journal.begin_again(coordinator.state(with_pending=True))
     elif restore is not None:
         coordinator.restore(restore)
     if journal is None:

@@ -322,20 +322,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.store.check_gradient(name, meta)
 
     def _receive_bytes(self, name: str, meta: ps_pb2.TensorMeta) -> int:
-        """Bytes receiving a pushed tensor takes (checked by _check_gradient): its buffer, and the tensor it is
-        decoded into when that is not a view of it (a compressed gradient)."""
+        """Bytes receiving a pushed tensor takes (checked by _check_gradient): its buffer (a compressed one is
+        kept for the journal until the push ends), and the tensor it is decoded into when that is not a view of
+        it (a compressed gradient)."""
         nbytes = codec.meta_nbytes(meta)
         if meta.encoding == ps_pb2.ROWS:
             return nbytes
         variable = self.store.get(name).spec.meta
         return nbytes if meta == variable else nbytes + codec.meta_nbytes(variable)
 
-    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw):
+    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict):
         """A complete pushed tensor (checked by _check_gradient): a table's RowGradient, or a dense tensor of
-        its variable's dtype."""
+        its variable's dtype; a compressed one is also kept as it came in `received` (for the journal)."""
         if meta.encoding == ps_pb2.ROWS:
             return RowGradient(*rows.decode_rows(meta, raw))
-        return compression.decode(name, meta, raw, self.store.get(name).spec.meta)
+        variable = self.store.get(name).spec.meta
+        if meta.encoding != ps_pb2.DENSE or meta.dtype != variable.dtype:
+            received[name] = (meta, raw)
+        return compression.decode(name, meta, raw, variable)
 
     def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         """Assembles decoded (header, chunks, end) messages, then hands the push to the coordinator.
@@ -345,7 +349,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """
         started = time.monotonic()
         header = end = None
-        grads = {}
+        grads, received = {}, {}
         reservation = self.quotas.reservation(self.held_total)  # the push's buffers, within --max-memory
 
         def begin(name: str, meta: ps_pb2.TensorMeta) -> None:  # before the tensor's buffer is allocated
@@ -353,7 +357,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if self.quotas.max_memory:
                 reservation.add(self._receive_bytes(name, meta), f"the gradient for {name!r}")
 
-        assembler = codec.ChunkAssembler(begin=begin, decode=self._decode_gradient)
+        assembler = codec.ChunkAssembler(
+            begin=begin, decode=lambda name, meta, raw: self._decode_gradient(name, meta, raw, received))
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -396,11 +401,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             staleness = self.store.step - header.step if self.metrics is not None else 0
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
-                                           hold=hold, timeout=_remaining(context), by=_step_authority(caller))
+                                           hold=hold, timeout=_remaining(context), by=_step_authority(caller),
+                                           received=received)
             if self.metrics is not None:
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
+            received.clear()
             reservation.release()
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
@@ -659,6 +666,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Shutdown(self, request, context):
         _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
+        self.coordinator.finish(request.reason or "shutdown requested")  # the job is done: its journal says so
         if self.on_shutdown is not None:
             context.add_callback(lambda: self.on_shutdown(request.reason))
         return ps_pb2.ShutdownResponse()

@@ -199,8 +199,9 @@ class VariableStore(NamesAwaited):
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def snapshot(self) -> list[dict]:
-        """Every variable's spec, value, version and optimizer state, copied (each under its lock)."""
+    def snapshot(self, *, copy: bool = True) -> list[dict]:
+        """Every variable's spec, value, version and optimizer state, copied (each under its lock); with
+        `copy=False` the values are the variables' own tensors, for a caller that stops every update."""
         entries = []
         for name in self.names():
             variable = self.get(name)
@@ -209,7 +210,8 @@ class VariableStore(NamesAwaited):
                 entries.append({
                     "name": name, "dtype": spec.meta.dtype, "shape": list(spec.meta.shape),
                     "optimizer": spec.optimizer.name, "hyperparams": dict(spec.optimizer.hyperparams),
-                    "current": variable.optimizer.current(), "value": variable.value.detach().clone(),
+                    "current": variable.optimizer.current(),
+                    "value": variable.value.detach().clone() if copy else variable.value.detach(),
                     "version": variable.version, "optimizer_state": variable.optimizer.state_dict()})
         return entries
 
