@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import typing
+from typing import Mapping
 
 import setproctitle
 
@@ -195,7 +196,8 @@ def _exists(pid: int) -> bool:
 
 class ProcessStarter:
     """Starts entry modules as children of a warm fork server, or as fresh interpreters when it is off
-    (fork_server_enabled). Creating one starts the fork server's imports in the background; `start` blocks
+    (fork_server_enabled). Creating one starts the fork server's imports in the background, in `env` (default:
+    this process's environment), which decides its STARTUP_ENV settings; `start` blocks
     until the child exists (the first, until the imports are done), and is safe from several threads.
     `close` ends the fork server (children keep running; those asked to die with their parent die)."""
 
@@ -212,23 +214,24 @@ class ProcessStarter:
                 atexit.register(cls._shared[1].close)  # reaped here, so its CPU time counts as this process's
             return cls._shared[1]
 
-    def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES):
+    def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES, env: Mapping[str, str] | None = None):
         self._lock = threading.Lock()
         self._exits = _Exits()
         self._replies: list[dict] = []
         self._replied = threading.Condition()
         self._server: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._server_env = {key: os.environ.get(key) for key in STARTUP_ENV}
+        env = dict(os.environ if env is None else env)
+        self._server_env = {key: env.get(key) for key in STARTUP_ENV}
         if fork_server_enabled():
-            self._launch(preload)
+            self._launch(preload, env)
 
-    def _launch(self, preload: tuple[str, ...]) -> None:
+    def _launch(self, preload: tuple[str, ...], env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._server = subprocess.Popen(
                 [sys.executable, "-m", __name__, "--serve", str(theirs.fileno()), *preload],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         self._sock = ours
         threading.Thread(target=self._read_replies, name="fork-server-replies", daemon=True).start()
 
