@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import typing
 from typing import Mapping
 
@@ -57,6 +58,7 @@ STARTUP_ENV = ("GRPC_VERBOSITY", "GRPC_TRACE", "PYTHONPATH", "PYTHONHASHSEED", "
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 START_TIMEOUT_SECONDS = 120.0  # the fork server's imports plus one fork, on a loaded machine
 MAX_MESSAGE_BYTES = 1 << 20
+ORPHAN_POLL_SECONDS = 0.05  # once the fork server is gone, how often a wait looks whether a child still exists
 _PR_SET_PDEATHSIG = 1
 
 
@@ -167,13 +169,15 @@ class _Exits:
             return self._code(pid)
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            self._changed.wait_for(lambda: self._code(pid) is not None or self._server_gone, timeout)
-            while self._code(pid) is None and self._server_gone:  # an orphan: poll its pid until it is gone
-                if not self._changed.wait(0.05) and timeout is not None:
-                    timeout -= 0.05
-                    if timeout <= 0:
-                        break
+            while self._code(pid) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                if self._server_gone:  # nobody reports exits any more: look at the pid now and then
+                    left = ORPHAN_POLL_SECONDS if left is None else min(left, ORPHAN_POLL_SECONDS)
+                self._changed.wait(left)
             return self._code(pid)
 
     def _code(self, pid: int) -> int | None:
