@@ -36,6 +36,7 @@ from .store import VariableStore
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
 DEFAULT_ELASTIC_WORKERS = 8  # names beyond the cluster spec: a few restarts under new names, not an invented horde
+SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -321,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                  "INSECURE: no TLS, no token" if security.insecure else mode)
     if metrics is not None:
         _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
-    stop.wait()
+    # Waits in short slices: a signal the kernel hands to one of gRPC's threads only sets a flag, which the
+    # main thread acts on when it next runs Python code (a wait with no timeout might never return).
+    while not stop.wait(SIGNAL_CHECK_SECONDS):
+        pass
     _LOGGER.info("ps %d stopping", index)
     set_health(health_servicer, serving=False)
     coordinator.close()  # answers held sync pushes and min_step pulls UNAVAILABLE at once

@@ -1,5 +1,8 @@
 """Small helpers shared by the tests (tests/conftest.py puts this folder on sys.path)."""
 
+import contextlib
+import os
+import signal
 import time
 
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
@@ -23,3 +26,24 @@ def mnist5k_installed() -> bool:
     except DatasetNotFoundError:
         return False
     return True
+
+
+def process_state(pid: int) -> str:
+    """Its state letter from /proc (R running, S sleeping, T stopped, Z zombie), "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+@contextlib.contextmanager
+def stopped(proc, timeout: float = 30.0):
+    """The process SIGSTOPped for the block (a hung host), from the moment the kernel shows it stopped (a
+    signal takes effect after kill() returns); resumed after the block whatever happens."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: process_state(proc.pid) in ("T", "t"), timeout, f"process {proc.pid} to stop")
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)

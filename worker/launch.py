@@ -128,7 +128,8 @@ class Launcher:
         self.metrics_out = metrics_out
         self.out = out
         self.procs: dict[TaskSpec, Proc] = {}
-        self.starter = ProcessStarter()  # every child forked from one warm interpreter
+        # Every child forked from one warm interpreter, started with the gRPC log settings the children get.
+        self.starter = ProcessStarter(env={**os.environ, **grpc_log_env(self.log_level, os.environ)})
         self._print_lock = threading.Lock()
         self.cluster: Cluster | None = None
         self.summary: dict | None = None  # the chief's final summary line, parsed

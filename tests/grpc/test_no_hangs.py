@@ -7,8 +7,6 @@ the way a hung host does) and always SIGCONTed in a finally.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import statistics
 import threading
@@ -21,17 +19,7 @@ from torchps.client import (Optimizer, PSClient, ServerUnavailableError, ShardLo
                             UnknownVariableError, WaitTimeoutError)
 from torchps.client.channels import Backoff
 
-from helpers import wait_until
-
-
-@contextlib.contextmanager
-def stopped(proc):
-    """The shard process SIGSTOPped for the block (a hung host), resumed after it whatever happens."""
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
+from helpers import stopped, wait_until
 
 
 def test_every_call_has_a_deadline_even_against_a_shard_that_answers_nothing(local_cluster):
