@@ -275,6 +275,13 @@ class Coordinator(PushPath):
 
     heartbeat = join  # a heartbeat renews the lease exactly as a join does
 
+    def restarted(self, worker: str) -> bool:
+        """Whether `worker`'s current process replaced an earlier one of its name (known here, or restored
+        from a checkpoint or the journal): a restarted task, whose earlier incarnation's batches are done.
+        False for a name first seen now, or unknown. Never blocks on training."""
+        with self._cond:
+            return self.membership.restarted(worker)
+
     def leave(self, worker: str, incarnation: int) -> None:
         """`worker` is done: it stops counting towards the quorum and the staleness bound at once.
 

@@ -50,6 +50,7 @@ import threading
 import time
 from typing import Callable, Iterator, Mapping
 
+import setproctitle
 import torch
 
 from ..errors import CheckpointError, ClusterConfigError, ServerUnavailableError, WaitTimeoutError
@@ -67,6 +68,7 @@ LAYOUT = "layout.json"
 _BASE = re.compile(r"^base-(\d{6})\.bin$")
 _LOG = re.compile(r"^log-(\d{6})\.bin$")
 _SPARE = re.compile(r"^spare-(\d{6})\.bin$")
+WRITER_THREAD = "journal-writer"  # its name to the OS too (top -H, /proc/PID/task/TID/comm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +238,7 @@ class Journal:
             if state is not None:
                 self.finish_compaction(0, self.write_base(0, state))
         self._open(self._number)
-        self._writer = threading.Thread(target=self._write_loop, name="journal-writer", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=WRITER_THREAD, daemon=True)
         self._writer.start()
 
     def begin_again(self, state: dict) -> None:
@@ -344,6 +346,7 @@ class Journal:
     # -- the writer -------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        setproctitle.setthreadtitle(WRITER_THREAD)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closing)

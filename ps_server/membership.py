@@ -61,6 +61,8 @@ class Member:
     held: int = 0             # its pushes this shard is holding right now
     last_push: float | None = None
     interval: float | None = None  # moving average of its push intervals (its step time, as seen here)
+    restarted: bool = False   # its process is not the first of its name here (an earlier one joined, maybe
+                              # before a restore): what that one trained is done
 
     @property
     def live(self) -> bool:
@@ -114,6 +116,7 @@ class Membership:
             retired = member.incarnation
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
+            member.restarted = True
             event = "restarted"
         elif member.gone:
             event = "rejoined"
@@ -129,6 +132,11 @@ class Membership:
         member.counts_from = max(step, start_step)
         member.clock = max(member.clock, level)
         return event, retired
+
+    def restarted(self, worker: str) -> bool:
+        """Whether `worker` is known and its current incarnation replaced an earlier one."""
+        member = self.members.get(worker)
+        return member is not None and member.restarted
 
     def _admit(self, worker: str) -> None:
         """PermissionDeniedError unless a new `worker` may join (see the module docstring)."""

@@ -545,7 +545,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         caller = self._check_self(context, request.worker, "Join")
         step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
-                                   generation=self.generation)
+                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker))
 
     @_map_errors
     def Heartbeat(self, request, context):

@@ -228,7 +228,8 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                 writer.add_scalar(f"train/{key}", record[key], record["global_step"])
             writer.add_scalar("train/steps_per_second", client.stats.steps_per_second, record["global_step"])
 
-    done_before = _batches_done(start_step, args, replicas)
+    # Only a restarted task skips: a task joining late for the first time has trained nothing yet.
+    done_before = _batches_done(start_step, args, replicas) if client.restarted else 0
     if host is not None:
         binding.share(done_before)  # the other processes skip as many of their batches
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,

@@ -807,3 +807,27 @@ def test_a_state_taken_while_pushes_run_holds_each_push_once_after_a_restore(coo
         assert torch.equal(w(restored), -90 * torch.ones(3)), "each of the 90 pushes applied exactly once"
     finally:
         restored.close()
+
+
+def test_only_a_process_that_replaced_an_earlier_one_of_its_name_is_restarted_even_across_a_restore(coordinators):
+    """A name joining late for the first time has trained nothing (it must skip no batch); a new incarnation
+    of a known name is a restarted task, and stays one for its retries and after the shard's restore."""
+    c = coordinators()
+    c.join("worker:0", 1)
+    for seq in range(1, 6):
+        push(c, "worker:0", 0, g(1, 1, 1), seq=seq, step_increment=1)
+    c.join("worker:1", 1, start_step=5)
+    assert not c.restarted("worker:0") and not c.restarted("worker:1") and not c.restarted("worker:7")
+    c.join("worker:0", 2)
+    assert c.restarted("worker:0") and not c.restarted("worker:1")
+    c.join("worker:0", 2)  # a retry of the same join
+    assert c.restarted("worker:0")
+    restored = Coordinator(VariableStore(), owns_step=True, start=False)
+    try:
+        restored.restore(c.state(with_pending=False), exact=True)
+        restored.start()
+        restored.join("worker:1", 3, start_step=5)
+        restored.join("worker:2", 1, start_step=5)
+        assert restored.restarted("worker:1") and not restored.restarted("worker:2")
+    finally:
+        restored.close()
