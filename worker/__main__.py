@@ -40,7 +40,7 @@ from ..partitioning import partitioner_from_spec
 from ..metrics_http import serve_metrics
 from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import check_output, check_specs, finish_training_flags, parse_args, resolve_security, resolve_task
-from .host import HostProcesses, local_device, run_local_rank
+from .host import HostProcesses, die_with_parent, local_device, run_local_rank
 from .models import build_model, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
@@ -61,6 +61,8 @@ def resolve_device(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.local_rank:
+        die_with_parent()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     tune_malloc()
     task = None

@@ -779,19 +779,21 @@ def test_a_state_taken_while_pushes_run_holds_each_push_once_after_a_restore(coo
     """Three workers push while a checkpoint's state is taken; restored into a new shard, every push sent
     again (as clients retry after a restart) is applied exactly once over the two shards' lifetimes."""
     c = coordinators()
-    taken, states = threading.Event(), []
+    halfway, taken, states = threading.Event(), threading.Event(), []
 
     def pusher(worker: str) -> None:
         for seq in range(1, 31):
             push(c, worker, 0, g(1, 1, 1), seq=seq, step_increment=1)
-            if worker == "worker:0" and seq == 15:
-                taken.set()
+            if worker == "worker:0" and seq == 15:  # the others push on while the state is taken;
+                halfway.set()                       # worker:0's last 15 come after it, whatever the pace
+                assert taken.wait(RELEASE_TIMEOUT)
 
     threads = [threading.Thread(target=pusher, args=(f"worker:{i}",)) for i in range(3)]
     for thread in threads:
         thread.start()
-    assert taken.wait(RELEASE_TIMEOUT)
+    assert halfway.wait(RELEASE_TIMEOUT)
     states.append(c.state(with_pending=False))
+    taken.set()
     for thread in threads:
         thread.join(RELEASE_TIMEOUT)
     assert torch.equal(w(c), -90 * torch.ones(3))
