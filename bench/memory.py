@@ -59,6 +59,7 @@ MODELS = {
 OPTIMIZERS = {"sgd": ({"lr": 0.01}, 0), "adam": ({"lr": 1e-3}, 2)}  # hyperparameters, state tensors per value
 ROUNDS = 3
 TARGETS = {"steady_ratio": 1.2, "peak_ratio": 2.0}
+STATUS_MEMORY_SECONDS = 1.1  # a shard refreshes the memory figures GetStatus reports once a second
 
 
 def log(message: str) -> None:
@@ -126,6 +127,7 @@ def measure_shards(model_name: str, optimizer: str, num_ps: int) -> dict:
         pids = [p.pid for p in local.procs]
 
         def stage(name: str) -> int:
+            time.sleep(STATUS_MEMORY_SECONDS)  # GetStatus's malloc figures are at most this old: let them be fresh
             stages[name] = allocator([ps.status(shard) for shard in range(num_ps)])
             stages[name]["rss_bytes"] = rss(pids)
             return stages[name]["rss_bytes"]

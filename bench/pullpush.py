@@ -23,9 +23,10 @@ anything):
 3. big: the 784-8192-2304-10 MLP, 1 ps and 2 async workers, beside one process.
 
 Security (--security both, the default): the 2-shard round trip of 1 and the
-async run of 2 are also measured against shards started with mutual TLS and the
-job token (credentials from torchps.certs, as ps-certs makes them: a CA, one
-certificate per task, the job and admin tokens; the shards get the ps task's
+async run of 2 are also measured against shards started with mutual TLS and
+per-task tokens (credentials from torchps.certs, as ps-certs makes them: a CA,
+a certificate and token per task, the shards' table of tokens, the admin
+token; the shards get the ps task's
 --tls-cert/--tls-key/--tls-ca/--token-file/--admin-token-file, the clients the
 chief's or their worker's files through Security.load), interleaved with the
 plaintext runs (--insecure shards) repetition by repetition, and reported side
@@ -300,7 +301,7 @@ class JobSecurity:
 
     The certificates name 127.0.0.1 (and localhost) whatever the cluster's ports,
     so one set serves every LocalCluster of the run; every shard uses the ps
-    task's files (its certificate, the job token, the admin token it checks).
+    task's files (its certificate, the table of per-task tokens, the admin token it checks).
     """
 
     def __init__(self, num_ps: int, workers: int):
@@ -319,26 +320,26 @@ class JobSecurity:
         return self.files[TaskSpec("ps", 0)].flags()
 
     def security(self, task):
-        """`task`'s Security (certificate, key, CA, job token; the chief's also the admin token)."""
+        """`task`'s Security (certificate, key, CA, its own token; the chief's also the admin token)."""
         return self.files[task].security()
 
     def close(self) -> None:
         self._tmp.cleanup()
 
 
-def start_cluster(num_ps: int, job: JobSecurity | None, shard_args=(), **kwargs):
-    """A started LocalCluster: --insecure shards without `job`, mutual TLS + job token with it; `shard_args`
-    go to every shard."""
+def start_cluster(num_ps: int, job: JobSecurity | None, server_args=(), **kwargs):
+    """A started LocalCluster: --insecure shards without `job`, mutual TLS + per-task tokens with it; `server_args`:
+    more ps-server flags."""
     from torchps.worker.local_cluster import LocalCluster
 
-    local = LocalCluster(num_ps, server_args=[*(job.server_args() if job else []), *shard_args], **kwargs)
+    local = LocalCluster(num_ps, server_args=[*(job.server_args() if job else ()), *server_args], **kwargs)
     local.__enter__()
     return local
 
 
 def check_shard_security(local, secure: bool) -> list[str]:
     """The line each shard logged about its security; RuntimeError unless it is what was asked for."""
-    want = "mutual TLS, job token" if secure else "INSECURE: no TLS, no token"
+    want = "mutual TLS, per-task tokens" if secure else "INSECURE: no TLS, no token"
     lines = []
     for index in range(local.num_ps):
         deadline = time.monotonic() + 10
@@ -631,9 +632,10 @@ class TrainerPool:
 
 
 def bench_training(label: str, dims, args, duration: float, lr: float, with_local: bool, setups=("async",),
-                   job: JobSecurity | None = None) -> dict:
-    """1 ps + 2 async workers per setup ("async": --insecure shard; "async_secure": mutual TLS + job token),
-    interleaved with each other and with a 1-process no-PS run; steps/s (medians)."""
+                   job: JobSecurity | None = None, server_args: dict[str, list[str]] | None = None) -> dict:
+    """1 ps + 2 async workers per setup ("async": --insecure shard; "async_secure": mutual TLS + per-task tokens;
+    `server_args[setup]`: more ps-server flags), interleaved with each other and with a 1-process no-PS run;
+    steps/s (medians)."""
     import contextlib
 
     import torch
@@ -650,7 +652,8 @@ def bench_training(label: str, dims, args, duration: float, lr: float, with_loca
     with contextlib.ExitStack() as stack:
         for name in setups:
             secure = name.endswith("_secure")
-            local = start_cluster(1, job if secure else None, args.shard_args, workers=args.workers)
+            local = start_cluster(1, job if secure else None, [*args.shard_args, *(server_args or {}).get(name, ())],
+                                  workers=args.workers)
             stack.callback(local.stop)
             server_pids[name] = [p.pid for p in local.procs]
             shard_security[name] = check_shard_security(local, secure)
@@ -864,7 +867,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-1ps", action="store_true", help="skip the 1-shard bandwidth variant")
     parser.add_argument("--no-big-local", action="store_true", help="skip the 1-process big-model run")
     parser.add_argument("--security", default="both", choices=("both", "plain", "secure"),
-                        help="shards and clients in plaintext (--insecure), with mutual TLS + the job token, or "
+                        help="shards and clients in plaintext (--insecure), with mutual TLS + per-task tokens, or "
                              "both, interleaved, with secure/plaintext ratios (default both)")
     parser.add_argument("--secure-big", action="store_true",
                         help="with --security both, also run the big model's async setup secured (about 45 s more)")
@@ -922,7 +925,7 @@ def main(argv=None) -> int:
         "mode": args.security,
         "secure_setup": "ps-server --tls-cert/--tls-key/--tls-ca (ps task's files) --token-file --admin-token-file; "
                         "clients: Security.load(the chief's or their worker's certificate, key, CA, token) - "
-                        "mutual TLS on 127.0.0.1 and the job token on every call (torchps.certs, ECDSA P-256)",
+                        "mutual TLS on 127.0.0.1 and a per-task token on every call (torchps.certs, ECDSA P-256)",
         "plain_setup": "ps-server --insecure; clients security=INSECURE",
         "targets": SECURE_TARGETS,
     }
@@ -982,8 +985,8 @@ def main(argv=None) -> int:
     print(table(results))
     secure_rows = security_table(results)
     if secure_rows:
-        print("\nSecurity: plaintext (--insecure) vs mutual TLS + job token, interleaved in this run\n"
-              if args.security == "both" else "\nSecurity: mutual TLS + job token only (--security secure)\n")
+        print("\nSecurity: plaintext (--insecure) vs mutual TLS + per-task tokens, interleaved in this run\n"
+              if args.security == "both" else "\nSecurity: mutual TLS + per-task tokens only (--security secure)\n")
         print(secure_rows)
     print(f"\n{results['machine']['nproc']} CPUs, torch {results['versions']['torch']}, grpcio "
           f"{results['versions']['grpcio']}, protobuf {results['versions']['protobuf']} "

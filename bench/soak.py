@@ -4,16 +4,28 @@
     python bench/soak.py --minutes 10 --json soak.json     # the full soak
     python bench/soak.py --minutes 1                        # what the test suite runs
 
-Two phases (async, then sync; half the time each), each a fresh job: 2 ps-server
-shards with a checkpoint folder (so each keeps a journal) and 4 worker
-processes that push counters as fast as they can. Shard 1 is reached through a
-small TCP proxy. Meanwhile a chaos loop injects, at random:
-  kill-worker      SIGKILL a worker, start it again (a new incarnation)
-  kill-shard       SIGKILL a shard, start it again on its port (it recovers from its journal)
-  pause-worker     SIGSTOP a worker for longer than its lease, then SIGCONT it
-  pause-shard      SIGSTOP a shard for a few seconds, then SIGCONT it
-  cut-connections  the proxy drops every connection to shard 1 at once
-Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
+Two phases (async, then sync; half the time each, or longer until every kind of
+fault below was injected once), each a fresh job: 2 ps-server shards with a
+checkpoint folder (so each keeps a journal) and 4 worker
+processes that push counters as fast as they can, with roles on (per-task
+tokens from ps-certs, no TLS). Shard 1 is reached through a small TCP proxy.
+Meanwhile a chaos loop injects, at random, every kind once per round:
+  kill-worker        SIGKILL a worker, start it again (a new incarnation)
+  kill-shard         SIGKILL a shard, start it again on its port (it recovers from its journal)
+  pause-worker       SIGSTOP a worker for longer than its lease, then SIGCONT it
+  pause-shard        SIGSTOP a shard for a few seconds, then SIGCONT it
+  cut-connections    the proxy drops every connection to shard 1 at once
+  hostile-evaluator  the evaluator's token sends each shard Pull(min_step=2**62): it must wait until its
+                     deadline, never be answered (an evaluator moves no step)
+  toggle-optimizer   the chief turns momentum on for variables that have stepped: every shard must refuse
+                     (FAILED_PRECONDITION); an accepted change would break the counters' sums
+  disk-full          a shard's files may grow no further (RLIMIT_FSIZE, as `prlimit --fsize` sets it): its next
+                     journal append fails with EFBIG, so it must stop itself (exit 70, a fail-stop, counted in
+                     `failstops`) before acknowledging that push; it is started again with room
+A kind is a `_fault_<kind>` method and an entry of KINDS. A shard that stops by itself (fail-stop: exit code
+70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
+each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
+does not is wedged. Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
 
 Every push of a worker has a number of its own, kept across its restarts, and
 adds 1 to that number's slot (SLOTS of them, more than a worker pushes in a
@@ -37,8 +49,12 @@ job's final checkpoint must be committed for both shards and restore, through
 `ps-server --restore-from` onto one shard, to exactly the values served.
 
 Keys: faults_injected (by kind), pushes_acked, lost, duplicated, hangs,
-checkpoint_complete; per phase the same and more. Target: lost = duplicated =
-hangs = 0.
+checkpoint_complete, failstops (shards that stopped themselves, each started
+again), wedged (shards that answered health but applied nothing within
+WEDGE_SECONDS), hostile_pulls and hostile_pulls_answered, optimizer_toggles
+and optimizer_toggles_accepted; per phase the same and more. Target: lost =
+duplicated = hangs = wedged = hostile_pulls_answered =
+optimizer_toggles_accepted = 0, and a fail-stop for every disk-full.
 """
 
 from __future__ import annotations
@@ -50,6 +66,7 @@ import json
 import os
 import pathlib
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -66,7 +83,15 @@ CHECKPOINT_EVERY = 200
 STALL_SECONDS = 60.0         # no acknowledged push for this long, outside faults: a hang
 EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
 FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
-KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections")
+ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long, until every kind of fault happened
+START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
+KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
+         "toggle-optimizer", "disk-full")
+WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
+HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
+FAR = 1 << 62                # the hostile evaluator's min_step
+FAILSTOP_SECONDS = 60.0      # a shard whose disk is full must have stopped itself within this
+FAILSTOP_CODE = 70           # ps_server.failstop.EXIT_CODE
 SLOTS = 1 << 15              # one per push of a worker; a 10-minute soak pushes ~4,000 per worker and phase
 EPS = 1e-4                   # the counters hold sums of ones (async) or of shares 1/c (sync): far above this
 
@@ -93,7 +118,7 @@ def pushes_logged(log: pathlib.Path) -> int:
 def worker_main(args: argparse.Namespace) -> int:
     """One worker: push ones into its own counters and the shared ones, log each push, until told to stop."""
     import torch
-    from torchps.client import Cluster, Optimizer, PSClient, PSError, TaskSpec
+    from torchps.client import Cluster, Optimizer, PSClient, PSError, ServerUnavailableError, TaskSpec
 
     cluster = Cluster.from_json(args.cluster)
     rng = random.Random(args.index * 7919 + os.getpid())
@@ -101,16 +126,27 @@ def worker_main(args: argparse.Namespace) -> int:
     log = open(args.log, "a", buffering=1)
     from torchps.worker.chief import Checkpointer
 
-    with PSClient(cluster, task=TaskSpec("worker", args.index), connect_timeout=15, timeout=60,
-                  refill_timeout=60) as ps:
-        if args.index == 0:
-            ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
-                         progress_seconds=PROGRESS_SECONDS)
-            ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
-        else:
-            ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
-            ps.wait_for_variables(ALL_NAMES, timeout=120)
-        ps.join()
+    task = TaskSpec("worker", args.index)
+    with PSClient(cluster, task=task, connect_timeout=15, timeout=60, refill_timeout=60,
+                  security=task_security(pathlib.Path(args.credentials), cluster, task)) as ps:
+        def start() -> None:  # idempotent: retried while a shard the chaos loop killed comes back
+            if args.index == 0:
+                ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
+                             progress_seconds=PROGRESS_SECONDS)
+                ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
+            else:
+                ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
+                ps.wait_for_variables(ALL_NAMES, timeout=120)
+            ps.join()
+
+        started = time.monotonic()
+        while True:
+            try:
+                start()
+                break
+            except ServerUnavailableError:
+                if time.monotonic() - started > START_SECONDS:
+                    raise
         shared = {"ones/a": torch.ones(1), "ones/b": torch.ones(1)}
         targets = {name: torch.zeros(n) for name, n in sizes().items() if name in shared or
                    name in counter_names(args.index)}
@@ -138,6 +174,24 @@ def worker_main(args: argparse.Namespace) -> int:
             checkpointer.stop(final=False)
     log.write("exit\n")
     return 0
+
+
+def job_tasks() -> "Cluster":
+    """The soak's tasks on placeholder addresses (credentials name tasks, not ports)."""
+    from torchps.cluster import Cluster
+
+    return Cluster(ps=tuple(f"127.0.0.1:{i + 1}" for i in range(SHARDS)),
+                   worker=tuple(f"127.0.0.1:{100 + i}" for i in range(WORKERS)), evaluator=("127.0.0.1:99",))
+
+
+def task_security(credentials: pathlib.Path, cluster, task):
+    """A task's per-task token (and the admin token for the chief, worker 0), without TLS."""
+    from torchps.certs import TaskCredentials
+    from torchps.security import Security
+
+    files = TaskCredentials.of(credentials, cluster, task)
+    return Security.load(token_file=str(files.token), environ={},
+                         admin_token_file=str(files.admin_token) if files.admin_token else None)
 
 
 # -- a TCP proxy whose connections can be cut --------------------------------------------------------
@@ -204,6 +258,8 @@ class Phase:
     """One job (mode) under chaos for `seconds`, then its audit."""
 
     def __init__(self, mode: str, seconds: float, workdir: pathlib.Path, rng: random.Random):
+        from torchps.certs import TaskCredentials, make_job_credentials
+        from torchps.cluster import TaskSpec
         from torchps.worker.local_cluster import LocalCluster
 
         self.mode, self.seconds, self.rng = mode, seconds, rng
@@ -211,21 +267,37 @@ class Phase:
         self.dir.mkdir(parents=True)
         self.ckpt = self.dir / "ckpt"
         self.stop_file = self.dir / "stop"
-        self.shards = LocalCluster(SHARDS, server_args=["--checkpoint-dir", str(self.ckpt)], log_dir=self.dir)
+        self.credentials = self.dir / "job"
+        make_job_credentials(self.credentials, job_tasks())
+        shard = TaskCredentials.of(self.credentials, job_tasks(), TaskSpec("ps", 0))
+        self.shards = LocalCluster(SHARDS, log_dir=self.dir, server_args=[
+            "--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
+            "--admin-token-file", str(shard.admin_token)])
         self.faults: collections.Counter[str] = collections.Counter()
         self.workers: dict[int, subprocess.Popen] = {}
         self.hangs: list[str] = []
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
+        self.failstops: list[str] = []  # a shard that stopped itself (exit code 70), started again
+        self.crashes: list[str] = []    # a shard that exited by itself otherwise, started again
+        self.wedged: list[str] = []     # a shard that answered health but applied nothing in time
+        self.hostile = collections.Counter()  # far-min_step pulls: sent, answered (must be 0), unreachable
+        self.toggles = collections.Counter()  # structural optimizer changes: refused, accepted (must be 0), ...
         self._order: list[str] = []
 
     def log_path(self, index: int) -> pathlib.Path:
         return self.dir / f"worker{index}.log"
 
+    def security(self, task_type: str):
+        from torchps.cluster import TaskSpec
+
+        return task_security(self.credentials, self.cluster, TaskSpec(task_type, 0))
+
     def start_worker(self, index: int) -> None:
         out = open(self.dir / f"worker{index}.out", "ab")
         self.workers[index] = subprocess.Popen(
             [sys.executable, __file__, "--worker", "--cluster", json.dumps(self.cluster.to_dict()), "--index",
-             str(index), "--mode", self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file)],
+             str(index), "--mode", self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file),
+             "--credentials", str(self.credentials)],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         out.close()
 
@@ -239,11 +311,13 @@ class Phase:
         self.shards.start()
         self.proxy = Proxy(("127.0.0.1", self.shards.ports[1]))
         self.cluster = Cluster(ps=(f"127.0.0.1:{self.shards.ports[0]}", f"127.0.0.1:{self.proxy.port}"),
-                               worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + WORKERS)))
+                               worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + WORKERS)),
+                               evaluator=("127.0.0.1:20000",))
         try:
             for index in range(WORKERS):
                 self.start_worker(index)
             self._chaos(started + self.seconds)
+            self._check_wedged()
             self._stop_workers()
             return self._audit(time.monotonic() - started)
         finally:
@@ -254,14 +328,18 @@ class Phase:
             self.shards.stop()
 
     def _chaos(self, until: float) -> None:
+        """Injects faults until `until`, and past it (at most ROUND_SECONDS) until every kind was injected once."""
         last_acked, last_progress = 0, time.monotonic()
-        while time.monotonic() < until:
+        while (now := time.monotonic()) < until or (len(self.faults) < len(KINDS) and now < until + ROUND_SECONDS):
             time.sleep(self.rng.uniform(*FAULT_EVERY))
             self._check_workers()
+            self._check_shards()
             if not self._order:  # every kind once per round, in a random order
                 self._order = self.rng.sample(KINDS, len(KINDS))
             kind = self._order.pop()
-            self._inject(kind)
+            if getattr(self, "_fault_" + kind.replace("-", "_"))() is False:
+                self._order.insert(0, kind)  # it could not be injected yet: later in this round
+                continue
             self.faults[kind] += 1
             acked = self.acked()
             if acked > last_acked:
@@ -278,24 +356,148 @@ class Phase:
                 self.failures.append(f"worker {index} exited with code {proc.returncode}: " + " | ".join(tail))
                 self.start_worker(index)
 
-    def _inject(self, kind: str) -> None:
-        if kind == "kill-worker":
-            index = self.rng.randrange(WORKERS)
-            self.workers[index].kill()
-            self.workers[index].wait()
-            self.start_worker(index)
-        elif kind == "kill-shard":
-            index = self.rng.randrange(SHARDS)
-            self.shards.kill_ps(index)
+    def _check_shards(self) -> None:
+        """Counts and starts again a shard that exited by itself (the chaos loop restarts the ones it kills at
+        once): exit code 70 is a fail-stop, anything else a crash."""
+        for index, proc in enumerate(self.shards.procs):
+            if proc.poll() is None:
+                continue
+            tail = " | ".join(self.shards.log(index).splitlines()[-3:])
+            (self.failstops if proc.returncode == FAILSTOP_CODE else self.crashes).append(
+                f"ps {index} exited with code {proc.returncode}: {tail}")
             self.shards.start_ps(index)
-        elif kind in ("pause-worker", "pause-shard"):
-            proc = (self.workers[self.rng.randrange(WORKERS)] if kind == "pause-worker"
-                    else self.shards.procs[self.rng.randrange(SHARDS)])
-            proc.send_signal(signal.SIGSTOP)
-            time.sleep(LEASE_SECONDS * 1.7 if kind == "pause-worker" else self.rng.uniform(0.5, 3.0))
-            proc.send_signal(signal.SIGCONT)
-        else:
-            self.proxy.cut()
+
+    def _fault_kill_worker(self) -> None:
+        index = self.rng.randrange(WORKERS)
+        self.workers[index].kill()
+        self.workers[index].wait()
+        self.start_worker(index)
+
+    def _fault_kill_shard(self) -> None:
+        index = self.rng.randrange(SHARDS)
+        self.shards.kill_ps(index)
+        self.shards.start_ps(index)
+
+    def _fault_pause_worker(self) -> None:
+        self._pause(self.workers[self.rng.randrange(WORKERS)], LEASE_SECONDS * 1.7)
+
+    def _fault_pause_shard(self) -> None:
+        self._pause(self.shards.procs[self.rng.randrange(SHARDS)], self.rng.uniform(0.5, 3.0))
+
+    @staticmethod
+    def _pause(proc: subprocess.Popen, seconds: float) -> None:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(seconds)
+        proc.send_signal(signal.SIGCONT)
+
+    def _fault_cut_connections(self) -> None:
+        self.proxy.cut()
+
+    def _fault_hostile_evaluator(self) -> None:
+        """The evaluator's token asks every shard (directly) for a step no job reaches: a read-only role never
+        moves a step, so each call must wait out its deadline (or find the shard away), never be answered."""
+        import grpc
+        from torchps.proto import ps_pb2, ps_pb2_grpc
+        from torchps.security import TOKEN_METADATA_KEY
+
+        metadata = ((TOKEN_METADATA_KEY, self.security("evaluator").call_token()),)
+        for port in self.shards.ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                pull = ps_pb2_grpc.ParameterServerStub(channel).Pull
+                self.hostile["sent"] += 1
+                try:
+                    list(pull(ps_pb2.PullRequest(min_step=FAR), timeout=HOSTILE_DEADLINE, metadata=metadata))
+                    self.hostile["answered"] += 1
+                except grpc.RpcError as exc:
+                    self.hostile["waited" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "away"] += 1
+
+    def _fault_toggle_optimizer(self) -> bool:
+        """The chief turns momentum on (a structural change) for the variables that have stepped, shard by
+        shard: each must refuse it; one that accepted would apply momentum to the counters from then on.
+        False (nothing sent) until a variable on every shard has stepped."""
+        from torchps.client import ModeConflictError, PSClient, PSError
+
+        with PSClient(self.cluster, connect_timeout=5, timeout=10, security=self.security("worker")) as chief:
+            chief.declare([(name, 4 * n) for name, n in sizes().items()])
+            try:
+                stepped = [info.spec.name for info in chief.list_variables() if info.version > 0]
+            except PSError:
+                return False
+            by_shard = {shard: [name for name in stepped if chief.placement.shard_of(name) == shard]
+                        for shard in range(SHARDS)}
+            if not all(by_shard.values()):
+                return False
+            for names in by_shard.values():
+                try:
+                    chief.set_hyperparams(names, momentum=0.9)
+                    self.toggles["accepted"] += 1
+                except ModeConflictError:
+                    self.toggles["refused"] += 1
+                except PSError:
+                    self.toggles["shard away"] += 1
+        return True
+
+    def _fault_disk_full(self) -> None:
+        """Lets a shard's files grow no further than its log file plus 1 MiB (its log keeps room to say why it
+        stops; its journal, written at ~5 MB/s, soon does not), waits for it to stop itself (counted by
+        _check_shards, which starts it again without the limit)."""
+        index = self.rng.randrange(SHARDS)
+        proc = self.shards.procs[index]
+        limit = (self.dir / f"ps{index}.log").stat().st_size + (1 << 20)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
+        try:
+            code = proc.wait(timeout=FAILSTOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.hangs.append(f"ps {index} went on {FAILSTOP_SECONDS:g} s with a full disk instead of stopping")
+            proc.kill()
+            proc.wait()
+            self.shards.start_ps(index)
+            return
+        if code != FAILSTOP_CODE:
+            self.failures.append(f"ps {index} with a full disk ended with code {code}, not {FAILSTOP_CODE}")
+        self._check_shards()
+
+    def _check_wedged(self) -> None:
+        """Faults over, workers pushing: every shard that answers health must apply something (its variables'
+        versions move) within WEDGE_SECONDS; one that answers SERVING and does not is wedged. A shard that
+        stopped itself meanwhile is counted by _check_shards."""
+        versions = {index: self._versions(index) for index in range(SHARDS)}
+        serving = dict.fromkeys(versions, True)
+        deadline = time.monotonic() + WEDGE_SECONDS
+        waiting = {i for i, v in versions.items() if v is not None}
+        while waiting and time.monotonic() < deadline:
+            for index in sorted(waiting):
+                now = self._versions(index)
+                if now is None:
+                    serving[index] = False
+                if now is None or now != versions[index]:
+                    waiting.discard(index)
+            time.sleep(0.2)
+        self._check_shards()
+        for index in sorted(waiting):
+            if serving[index]:
+                self.wedged.append(f"ps {index} answered health (SERVING) but applied nothing in {WEDGE_SECONDS:g} "
+                                   f"s while the workers pushed (versions stayed {versions[index]})")
+
+    def _versions(self, index: int) -> int | None:
+        """The sum of shard `index`'s variables' versions if it answers health SERVING, else None."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from torchps.proto import ps_pb2, ps_pb2_grpc
+        from torchps.security import TOKEN_METADATA_KEY
+
+        metadata = ((TOKEN_METADATA_KEY, self.security("worker").call_token()),)
+        with grpc.insecure_channel(f"127.0.0.1:{self.shards.ports[index]}") as channel:
+            try:
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if health.status != health_pb2.HealthCheckResponse.SERVING:
+                    return None
+                listed = ps_pb2_grpc.ParameterServerStub(channel).ListVariables(ps_pb2.ListRequest(), timeout=5,
+                                                                              metadata=metadata)
+            except grpc.RpcError:
+                return None
+        return sum(info.version for info in listed.variables)
+
 
     def _stop_workers(self) -> None:
         self.stop_file.touch()
@@ -318,7 +520,7 @@ class Phase:
         lost = duplicated = 0
         misses: list[str] = []  # the first few slots that did not add up, for the report
         averaged = 0
-        with PSClient(self.cluster, connect_timeout=30) as admin:
+        with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as admin:
             admin.declare([(name, 4 * n) for name, n in sizes().items()])
             values = admin.pull(ALL_NAMES)
             global_step = admin.global_step()
@@ -355,6 +557,12 @@ class Phase:
                              "shard_files": len(found[1]["shards"]) if found else 0,
                              "restored_differing": differing}
         return {"mode": self.mode, "seconds": round(wall, 1), "faults_injected": dict(self.faults),
+                "failstops": len(self.failstops), "failstop_lines": self.failstops, "shard_crashes": self.crashes,
+                "wedged": len(self.wedged), "wedged_reasons": self.wedged,
+                "hostile_pulls": self.hostile["sent"], "hostile_pulls_answered": self.hostile["answered"],
+                "hostile_pull_outcomes": dict(self.hostile),
+                "optimizer_toggles": self.toggles["refused"] + self.toggles["accepted"],
+                "optimizer_toggles_accepted": self.toggles["accepted"], "optimizer_toggle_outcomes": dict(self.toggles),
                 "pushes_acked": sum(a for _, a, _, _ in counts), "pushes_sent": sum(s for s, _, _, _ in counts),
                 "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
                 "hang_reasons": self.hangs, "worker_failures": self.failures, "audit_misses": misses[:20],
@@ -409,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the phases, in order; --minutes is split between them")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file"):
+    for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file", "--credentials"):
         parser.add_argument(flag, help=argparse.SUPPRESS, type=int if flag == "--index" else str)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -432,19 +640,27 @@ def main(argv: list[str] | None = None) -> int:
               "pushes_acked": sum(p["pushes_acked"] for p in phases), "lost": sum(p["lost"] for p in phases),
               "duplicated": sum(p["duplicated"] for p in phases), "hangs": sum(p["hangs"] for p in phases),
               "checkpoint_complete": all(p["checkpoint_complete"] for p in phases),
-              "worker_failures": sum(len(p["worker_failures"]) for p in phases), "phases": phases}
-    print(f"{'phase':<6} {'faults':>6} {'acked':>7} {'lost':>5} {'dup':>4} {'hangs':>5} {'checkpoint':>10}")
+              "worker_failures": sum(len(p["worker_failures"]) for p in phases),
+              **{key: sum(p[key] for p in phases) for key in (
+                  "failstops", "wedged", "hostile_pulls", "hostile_pulls_answered", "optimizer_toggles",
+                  "optimizer_toggles_accepted")},
+              "shard_crashes": sum(len(p["shard_crashes"]) for p in phases), "phases": phases}
+    print(f"{'phase':<6} {'faults':>6} {'acked':>7} {'lost':>5} {'dup':>4} {'hangs':>5} {'wedged':>6} "
+          f"{'failstops':>9} {'checkpoint':>10}")
     for p in phases:
         print(f"{p['mode']:<6} {sum(p['faults_injected'].values()):>6} {p['pushes_acked']:>7} {p['lost']:>5} "
-              f"{p['duplicated']:>4} {p['hangs']:>5} {str(p['checkpoint_complete']):>10}")
+              f"{p['duplicated']:>4} {p['hangs']:>5} {p['wedged']:>6} {p['failstops']:>9} "
+              f"{str(p['checkpoint_complete']):>10}")
     print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     for phase in phases:
-        for problem in phase["hang_reasons"] + phase["worker_failures"] + phase["audit_misses"]:
+        for problem in (phase["hang_reasons"] + phase["worker_failures"] + phase["audit_misses"]
+                        + phase["wedged_reasons"] + phase["failstop_lines"] + phase["shard_crashes"]):
             print(f"[soak] {phase['mode']}: {problem}")
-    ok = (result["lost"] == result["duplicated"] == result["hangs"] == result["worker_failures"] == 0
+    ok = (result["lost"] == result["duplicated"] == result["hangs"] == result["worker_failures"] == result["wedged"]
+          == result["hostile_pulls_answered"] == result["optimizer_toggles_accepted"] == result["shard_crashes"] == 0
           and result["checkpoint_complete"])
     return 0 if ok else 1
 

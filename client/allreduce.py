@@ -71,6 +71,8 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 300.0  # as PSClient's timeout: the longest a member waits for the others' step
 BUCKET_BYTES = 25 << 20          # DDP's bucket_cap_mb: gradients travel in flat buffers of about this size
 PROBE_SECONDS = 2.0              # after a failure: how long a member's liveness socket gets to answer
+PROBE_RESETS = 5                 # a reset connection (a process being killed) is asked again this often
+PROBE_RESET_PAUSE = 0.1          # seconds between those asks
 LINGER_SECONDS = 5.0             # a member that left still answers this long ('finished', 'failed'), so the
                                  # others can tell it from one that is gone
 POLL_SECONDS = 0.05              # rendezvous: between two looks at the store (silent, unlike TCPStore's waits)
@@ -231,18 +233,27 @@ class _Liveness:
 
 
 def _probe(address: str, timeout: float) -> tuple[bool, str]:
-    """(alive, what was found) for a member's liveness socket at `address`."""
+    """(alive, what was found) for a member's liveness socket at `address`. A connection reset is asked again
+    (a process being killed resets what its listening socket had accepted, then refuses): at most
+    PROBE_RESETS times."""
     host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
-            conn.settimeout(timeout)
-            reply = conn.recv(256).decode(errors="replace").split()
-    except ConnectionRefusedError:
-        return False, f"its process is gone: nothing listens at {address} any more"
-    except (TimeoutError, socket.timeout):
-        return False, f"it did not answer within {timeout:g} s: stalled, or its host unreachable"
-    except OSError as exc:
-        return False, f"it cannot be reached at {address}: {exc.strerror or exc}"
+    for _attempt in range(PROBE_RESETS):
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+                conn.settimeout(timeout)
+                reply = conn.recv(256).decode(errors="replace").split()
+            break
+        except ConnectionResetError as exc:
+            reset = exc
+            time.sleep(PROBE_RESET_PAUSE)
+        except ConnectionRefusedError:
+            return False, f"its process is gone: nothing listens at {address} any more"
+        except (TimeoutError, socket.timeout):
+            return False, f"it did not answer within {timeout:g} s: stalled, or its host unreachable"
+        except OSError as exc:
+            return False, f"it cannot be reached at {address}: {exc.strerror or exc}"
+    else:
+        return False, f"it cannot be reached at {address}: {reset.strerror or reset}"
     if len(reply) < 2:
         return False, f"its process is going: the connection to {address} closed without an answer"
     return True, reply[1]

@@ -136,6 +136,7 @@ class PSClient(DataPath, TablePath):
         self._push_lock = PushLock()  # a streamed push (overlap.py) gives way to any other
         self.mode: ps_pb2.SyncConfig | None = None  # set by join()
         self.step = 0  # the step this worker computes at: set by join(), then by every push
+        self.restarted = False  # set by join(): this process replaced an earlier one of its task (shard 0 says)
         self.stats = WorkerStats()
         self._device = DeviceStaging(pinned=pin_memory)  # staging buffers, streams and events for CUDA tensors
         # tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull, push_pull and lookup
@@ -376,7 +377,8 @@ class PSClient(DataPath, TablePath):
         self._refill.config = config
 
     def join(self) -> int:
-        """Announces this worker to every shard and returns the step to start at.
+        """Announces this worker to every shard and returns the step to start at; `restarted` then says whether
+        shard 0 knew an earlier process of this task (one that trained: see JoinResponse.restarted).
 
         It then keeps its lease alive with heartbeats from a background
         thread until leave() or close(). Idempotent. WorkerReplacedError if a
@@ -394,6 +396,7 @@ class PSClient(DataPath, TablePath):
             self._each_shard(others, lambda shard, _: join(shard, lead.step))
         self.mode = lead.config
         self.step = lead.step
+        self.restarted = lead.restarted
         self._heartbeats.start(lead.config.lease_seconds / 3)
         return lead.step
 

@@ -5,8 +5,8 @@
         --credentials /etc/torchps/job -- --mode sync --epochs 10 --checkpoint-dir /shared/ckpt
 
 Run the first line (ps-certs) once, copy the credentials folder to every host
-(each host needs ca.crt, token, its own task's .crt and .key, and for the chief
-and the shards admin-token; never ca.key), then run each task's line on the
+(each host needs ca.crt, its own task's .crt, .key and .token (a shard's: tokens),
+and for the chief and the shards admin-token; never ca.key), then run each task's line on the
 host it names (by ssh, a scheduler, or a container entrypoint). Flags after
 `--` go to every ps-worker, except --checkpoint-dir, which goes to the
 ps-servers. Every process gets the same TF_CONFIG cluster and its own task,
@@ -29,7 +29,7 @@ def security_flags(cluster: Cluster, task: TaskSpec, credentials: str | None) ->
         return ["--insecure"]
     stem = f"{credentials}/{task.type}-{task.index}"
     flags = ["--tls-cert", f"{stem}.crt", "--tls-key", f"{stem}.key", "--tls-ca", f"{credentials}/ca.crt",
-             "--token-file", f"{credentials}/token"]
+             "--token-file", f"{credentials}/tokens" if task.type == "ps" else f"{stem}.token"]
     if role_of(cluster, task) in ("chief", "ps"):
         flags += ["--admin-token-file", f"{credentials}/admin-token"]
     return flags

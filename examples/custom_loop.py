@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_flags = credentials[TaskSpec("ps", 0)].flags()
         with LocalCluster(num_ps=args.ps, workers=args.workers, server_args=shard_flags) as local:
             print(f"ps shards on {', '.join(local.cluster.ps)} "
-                  f"({'plaintext, INSECURE' if args.insecure else 'mutual TLS + job token'})", flush=True)
+                  f"({'plaintext, INSECURE' if args.insecure else 'mutual TLS + per-task tokens'})", flush=True)
             return run_workers(local.cluster, args, credentials)
 
 

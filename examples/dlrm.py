@@ -20,7 +20,7 @@ dense x categorical term. Training and held-out samples are independent
 draws; held-out AUC is computed here (rank-based, ties averaged), beside the
 ground truth's own AUC on the same samples (the best any model can do).
 
-It starts `--ps` ps-server processes on 127.0.0.1 (mutual TLS + job token,
+It starts `--ps` ps-server processes on 127.0.0.1 (mutual TLS + per-task tokens,
 as ps-launch secures a job; `--insecure` for plaintext), or uses the shards of
 `--cluster JSON` (security from the TORCHPS_* variables), then `--workers`
 asynchronous worker processes, each with its own PSClient and its own share
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_flags = credentials[TaskSpec("ps", 0)].flags()  # LocalCluster gives all shards the same flags
         with LocalCluster(num_ps=args.ps, workers=args.workers, server_args=shard_flags) as local:
             print(f"ps shards on {', '.join(local.cluster.ps)} "
-                  f"({'plaintext, INSECURE' if args.insecure else 'mutual TLS + job token'})", flush=True)
+                  f"({'plaintext, INSECURE' if args.insecure else 'mutual TLS + per-task tokens'})", flush=True)
             return run_workers(local.cluster, args, credentials)
 
 

@@ -1,15 +1,16 @@
 """A shard's door: the job token (a server interceptor) and the caller's role (at the servicer's edge).
 
 The interceptor checks the token every call carries (metadata
-`torchps-token`) against the job token and the admin token in constant
-time, before any request byte is read; a call without a valid one gets
-UNAUTHENTICATED and changes nothing. The health service stays open (it tells
-nothing and probes carry no secret).
+`torchps-token`) against the admin token and the job token in constant time,
+and against the per-task tokens by their digest, before any request byte is
+read; a call without a valid one gets UNAUTHENTICATED and changes nothing.
+The health service stays open (it tells nothing and probes carry no secret).
 
 `Authority.caller(method, context)` then names the caller and its role (see
 torchps.security): from its certificate with TLS (common name, organizational
-unit), from the token without; PERMISSION_DENIED for a call the role does
-not allow, and for a worker acting in another worker's name.
+unit), from its per-task token without (a shared job token names nobody);
+PERMISSION_DENIED for a call the role does not allow, and for a worker acting
+in another worker's name.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith("/grpc.health."):
             return handler
         token = _token_of(handler_call_details.invocation_metadata)
-        if _matches(token, self._security.token) or _matches(token, self._security.admin_token):
+        security = self._security
+        if _matches(token, security.token) or _matches(token, security.admin_token) or security.task_of(token):
             return handler
-        why = "carries no job token" if not token else "carries a wrong token"
+        why = "carries no token" if not token else "carries a wrong token"
         return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
-                         f"ps {self._index} refused the call: it {why}; pass the job's --token-file "
-                         f"(or TORCHPS_TOKEN_FILE)")
+                         f"ps {self._index} refused the call: it {why}; pass this task's --token-file "
+                         f"(ps-certs writes DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
 
 
 class Authority:
@@ -95,7 +97,7 @@ class Authority:
         return caller
 
     def check_self(self, caller: Caller, worker: str, method: str) -> None:
-        """PermissionDeniedError if a certified worker acts in another worker's name."""
+        """PermissionDeniedError if a named worker (its certificate's, its token's) acts in another's name."""
         if caller.name is not None and caller.role != "chief" and worker != caller.name:
             raise PermissionDeniedError(f"ps {self.index} refused {method} for {worker!r} from {caller.name}: "
                                         f"a worker acts in its own name only")
@@ -111,4 +113,9 @@ class Authority:
             name = subject.get("CN") or None
             return Caller(name, "chief" if admin else role if role in ROLES else "none")
         # Tokens without TLS: the admin token names the chief; without one configured, every token holder is.
-        return Caller(None, "chief" if admin or security.admin_token is None else "worker")
+        if admin or security.admin_token is None:
+            return Caller(None, "chief")
+        task = security.task_of(_token_of(context.invocation_metadata()))
+        if task is not None:  # a per-task token names its task, as a certificate would
+            return Caller(task[0], task[1] if task[1] in ROLES else "none")
+        return Caller(None, "worker")  # a shared job token names nobody

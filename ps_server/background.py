@@ -1,7 +1,9 @@
 """The coordinator's two background threads: the lease reaper and the sync applier. No gRPC.
 
 Both run with the coordinator's lock held only for bookkeeping; the applier
-applies a step's average under the apply gate, like any other change.
+applies a step's average under the apply gate, like any other change. Both
+run under the coordinator's FailStop (failstop.py): an exception that escapes
+either ends the process, so a shard never answers with one of them dead.
 """
 
 from __future__ import annotations

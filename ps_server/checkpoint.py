@@ -66,21 +66,25 @@ def fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: pathlib.Path, write) -> int:
-    """Writes `path` whole or not at all (see the module docstring); returns its size."""
+def write_atomic(path: pathlib.Path, write, *, sync: bool = True) -> int:
+    """Writes `path` whole or not at all (see the module docstring); returns its size. `sync=False`: whole or
+    not at all if the process dies, not if the host does (nothing is fsynced)."""
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-        fsync_dir(path.parent.parent)
+        if sync:
+            fsync_dir(path.parent.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
     return path.stat().st_size
 
 
@@ -199,9 +203,14 @@ def _table_section(path: pathlib.Path) -> object:
     return load(path, mmap=True).get("tables", [])
 
 
-def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None) -> dict[str, Any] | None:
+def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, *,
+                  max_bytes: int = 0) -> dict[str, Any] | None:
     """The state shard `index` of `num_ps` starts from: the newest committed checkpoint in `directory`
-    (its own file when the shard count is the same or not given, else a re-layout), or None if there is none."""
+    (its own file when the shard count is the same or not given, else a re-layout), or None if there is none.
+
+    Shard files are mapped, not read whole: only what this shard takes is
+    read, into memory of its own. CheckpointError if that is over `max_bytes`
+    (the shard's --max-memory; 0: no limit), before it is copied."""
     found = latest_committed(directory)
     if found is None:
         return None
@@ -209,10 +218,13 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None) 
     if num_ps is None or manifest["num_ps"] == num_ps:
         path = step_dir(directory, step) / f"ps-{index}.pt"
         _LOGGER.info("ps %d restoring %s (the newest committed checkpoint)", index, path)
-        state = load(path)
+        state = load(path, mmap=True)
         table_state.check_section(state.get("tables"), manifest, index, str(path))
-        return {**state, "source": str(path)}
-    return relayout(directory, index, num_ps)
+        state = {**state, "source": str(path)}
+    else:
+        state = relayout(directory, index, num_ps)
+    _check_size(state, max_bytes, index)
+    return _owned(state)
 
 
 def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str, Any]:
@@ -238,7 +250,7 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
     placement = Placement(num_ps, manifest["strategy"])
     mine = [name for name, nbytes in names if placement.add(name, nbytes) == index]
     paths = [step_dir(directory, step) / shard["file"] for shard in manifest["shards"]]
-    states = [load(path) for path in paths]
+    states = [load(path, mmap=True) for path in paths]  # read as used: this shard's part, not every file whole
     tables = table_state.relayout(manifest, [(s.get("tables"), str(p)) for s, p in zip(states, paths)], index, num_ps,
                                   f"checkpoint {step} of {directory}")
     by_name = {v["name"]: v for state in states for v in state["variables"]}
@@ -248,6 +260,39 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
                  "embedding tables", step, manifest["num_ps"], index, num_ps, len(variables), len(tables))
     return {"step": states[0]["step"], "config": states[0]["config"], "variables": variables, "tables": tables,
             "source": f"checkpoint {step} of {directory} re-laid out from {manifest['num_ps']} shards onto {num_ps}"}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor in a state (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _check_size(state: dict, max_bytes: int, index: int) -> None:
+    """CheckpointError if the tensors of the state shard `index` restores are over `max_bytes` (0: no limit)."""
+    nbytes = sum(t.nbytes for t in _tensors(state))
+    if max_bytes and nbytes > max_bytes:
+        raise CheckpointError(f"ps {index} would restore {nbytes} bytes ({state['source']}), over its --max-memory "
+                              f"{max_bytes}: start more shards (the checkpoint is re-laid out for them) or raise "
+                              f"the limit")
+
+
+def _owned(value):
+    """`value` with every tensor copied into memory of its own (off the mapped checkpoint files)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: _owned(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_owned(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_owned(item) for item in value)
+    return value
 
 
 def _recut(manifest: dict, num_ps: int) -> tuple[list[tuple[str, int]], dict[str, tuple[list, int, int]]]:

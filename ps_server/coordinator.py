@@ -22,6 +22,14 @@ worker is more than max_staleness pushes ahead of the slowest live worker.
 Every wait ends: at the call's deadline (at most MAX_WAIT_SECONDS) with
 WaitTimeoutError, at close() with ServerUnavailableError, or when the caller
 went away (`cancelled()`, checked after wake()).
+
+Authority over the step. A shard restored from an older checkpoint catches
+up with the job's step, but only as far as the chief vouches for: the step of
+the committed checkpoint it restored, then any step the chief's own calls
+show (`by=CHIEF`: its Join, Heartbeat, Push, Pull). A worker's number
+(`by=WORKER`) moves it up to that and no further; a read-only caller
+(`by=READER`: an evaluator) moves nothing. Without roles (an insecure
+shard) every caller is the chief.
 """
 
 from __future__ import annotations
@@ -39,24 +47,26 @@ from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableE
 from ..proto import ps_pb2
 from .aggregation import PendingSteps
 from .background import apply_steps, reap
+from .failstop import FailStop
 from .gate import ApplyGate
 from .ledger import PushLedger
-from .membership import Membership
+from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig, quorum_for
 from .pushes import PushPath
-from .recording import Recorder, replay
+from .recording import Recorder, as_received, replay
 from .snapshots import Saves, state_of
 from .store import NewVariable, VariableStore
 from . import table_state
 from .tables import TableStore, split_rows
 from .waits import WaitLimit
 
-__all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP"]
+__all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP", "CHIEF", "WORKER", "READER"]
 
 _LOGGER = logging.getLogger(__name__)
 MAX_WAIT_SECONDS = 3600.0       # the longest any call waits when it brings no deadline
 MAX_STEP = 1 << 62              # steps beyond this are nonsense, in every mode
 _NEVER = lambda: False  # noqa: E731
+CHIEF, WORKER, READER = "chief", "worker", "reader"  # who shows a step (see "Authority over the step")
 
 
 class Coordinator(PushPath):
@@ -66,11 +76,16 @@ class Coordinator(PushPath):
     ssp bound. `clock` is injectable for tests (monotonic seconds). `journal`
     (journal.Journal or None) records every change before it is acknowledged.
     With start=False its threads wait for start() or attach_journal(), so a
-    recovering shard can restore() and replay() first.
+    recovering shard can restore() and replay() first. Its threads (the
+    lease reaper, the sync applier) run under `failstop`: an exception in
+    one ends the process (failstop.FailStop; a default one if not given).
+    `membership` bounds who may join (membership.Membership; unbounded if
+    not given).
     """
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
-                 max_waiting_calls: int = 96, journal=None, start: bool = True):
+                 max_waiting_calls: int = 96, journal=None, start: bool = True, failstop: FailStop | None = None,
+                 membership: Membership | None = None):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.owns_step = owns_step
@@ -85,7 +100,7 @@ class Coordinator(PushPath):
         self._reaper_wake = threading.Condition(lock)
         self.config = SyncConfig()
         self._configured_at = clock()
-        self.membership = Membership()
+        self.membership = membership or Membership()
         self.ledger = PushLedger()
         self.pending = PendingSteps()
         self.saves = Saves(self)
@@ -94,13 +109,15 @@ class Coordinator(PushPath):
         self.quorum_changes = 0
         self.duplicates = 0
         self.restored_step = -1       # the checkpoint step this shard restored, or -1
-        self._behind = False          # restored from an older checkpoint: adopt the step the first client shows
+        self._behind = False          # restored from an older checkpoint: catch up with the job's step
+        self._vouched = -1            # the highest step the chief vouched for since (the checkpoint's first)
         self._closed = False
         self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
         self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._pushing = threading.local()  # .rows: the row gradients of the push this thread makes (journal)
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
-        self._reaper = threading.Thread(target=reap, args=(self,), name="lease-reaper", daemon=True)
+        self.failstop = failstop or FailStop()
+        self._reaper = self.failstop.thread(reap, self, name="lease-reaper")
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -119,7 +136,8 @@ class Coordinator(PushPath):
         """Records every change from now on in `journal` (after replay()), then start()s."""
         self.recorder = Recorder(self, journal)
         # With a journal, every change to variables (creations, applies, steps, hyperparameters) is made and
-        # recorded under this lock, so the journal replays them in the order they happened.
+        # queued for the journal under this lock, so the journal replays them in the order they happened. It
+        # is never held while a record is written (recording.py).
         self._ordered = threading.Lock()
         self.start()
 
@@ -131,11 +149,15 @@ class Coordinator(PushPath):
             if config == self.config:
                 return False
             if self.membership.members or self.pending.buffers:
+                journal = "" if self.recorder is None else (
+                    f" (as its journal {self.recorder.directory} recorded: a job on the same volume must finish, "
+                    f"or start anew with --restore-from CHECKPOINT_DIR --replace-journal)")
                 raise ModeConflictError(
-                    f"this shard already runs {self.config} with workers joined; it cannot switch to {config}. "
-                    f"Restart the job to change the mode")
+                    f"this shard already runs {self.config} with workers joined{journal}; it cannot switch to "
+                    f"{config}. Restart the job to change the mode")
             self._set_config(config)
-            self._log("configure", {"config": dataclasses.asdict(config)})
+            ticket = self._log("configure", {"config": dataclasses.asdict(config)})
+        self._durable(ticket)
         _LOGGER.info("mode set: %s", config)
         return True
 
@@ -150,7 +172,7 @@ class Coordinator(PushPath):
 
     def _start_applier(self) -> None:
         if self.config.mode == "sync" and self._applier is None:
-            self._applier = threading.Thread(target=apply_steps, args=(self,), name="sync-applier", daemon=True)
+            self._applier = self.failstop.thread(apply_steps, self, name="sync-applier")
             self._applier.start()
 
     def create(self, requests: list[NewVariable], *, job_step: int = 0) -> list[bool]:
@@ -165,10 +187,13 @@ class Coordinator(PushPath):
                     self.store.set_step(job_step)
                     self._log("set_step", {"step": job_step, "clear": True})
             created = self.store.create(requests)
-            self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
-                                                "hyperparams": dict(r.hyperparams)}
-                                               for r, new in zip(requests, created) if new]},
-                      {r.name: r.value for r, new in zip(requests, created) if new})
+            # the values are the variables' own (pushes change them): the record gets a copy, written later
+            ticket = self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
+                                                         "hyperparams": dict(r.hyperparams)}
+                                                        for r, new in zip(requests, created) if new]},
+                               {r.name: r.value.clone() for r, new in zip(requests, created) if new}
+                               if self.recorder is not None else None)
+        self._durable(ticket)
         return created
 
     def create_tables(self, specs: list[ps_pb2.TableSpec], shard_index: int, num_shards: int, *,
@@ -178,10 +203,10 @@ class Coordinator(PushPath):
         with self.gate.change(), self._ordered:
             created = self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
                                          check_memory=check_memory)
-            if any(created):
-                self._log("tables", table_state.creation_record([s for s, new in zip(specs, created) if new],
-                                                                shard_index, num_shards))
-            return created
+            ticket = self._log("tables", table_state.creation_record(
+                [s for s, new in zip(specs, created) if new], shard_index, num_shards)) if any(created) else None
+        self._durable(ticket)
+        return created
 
     def lookup_rows(self, requests: list[tuple[str, torch.Tensor]], *, admit: bool) -> list[torch.Tensor]:
         """tables.lookup (which see). With a journal, an admitting lookup of dynamic tables (which may count
@@ -193,15 +218,27 @@ class Coordinator(PushPath):
         with self.gate.change(), self._ordered:
             found = self.tables.lookup(requests, admit=True)
             dynamic = [(name, ids) for name, ids in requests if not self.tables.get(name).table.fixed]
-            self._log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
+            ticket = self._log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
+        self._durable(ticket)
         return found
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
         with self.gate.change(), self._ordered:  # in the order the applies around it see it
             count = self.store.set_hyperparams(names, updates)
-            self._log("hyperparams", {"names": names, "updates": dict(updates)})
+            ticket = self._log("hyperparams", {"names": names, "updates": dict(updates)})
+        self._durable(ticket)
         return count
+
+    def forget_job(self) -> None:
+        """Before start(): keeps the variables, tables and step, and drops what belonged to a finished job (its
+        members, its pushes' ledger, pending sums, its mode), so a new job starts from this state. The bound on
+        membership (the cluster spec's names, --elastic-workers) is this shard's, not the job's: it stays."""
+        with self._cond:
+            self.membership = Membership(self.membership.known, self.membership.elastic)
+            self.ledger = PushLedger()
+            self.pending = PendingSteps()
+            self._set_config(SyncConfig())
 
     def restore(self, state: dict, *, exact: bool = False) -> None:
         """Starts from a saved state (snapshots.state_of), before start(). `exact`: it is this shard's own
@@ -214,27 +251,36 @@ class Coordinator(PushPath):
             self.pending.restore(state.get("pending", {}))
             self.restored_step = state["step"]
             self._behind = not exact
+            self._vouched = state["step"]  # a committed checkpoint: the chief committed it
             self._set_config(SyncConfig(**state["config"]))
 
     # -- membership ---------------------------------------------------------------------------
 
-    def join(self, worker: str, incarnation: int, start_step: int = 0) -> int:
+    def join(self, worker: str, incarnation: int, start_step: int = 0, *, by: str = CHIEF) -> int:
         """Takes or renews `worker`'s lease; returns the shard's step. Never blocks on training.
 
         `start_step` is the step the worker starts at, as shard 0 told it (the
         client joins shard 0 first): a worker arriving after the startup grace,
         or back after its lease expired, counts towards this shard's quorum from
         that step on. WorkerReplacedError if a newer incarnation took over.
+        `by`: who makes the call (see "Authority over the step").
         """
         self._check_step(start_step, "join step")
         with self._cond:
             self._check_open()
-            self._catch_up(start_step)
+            self._catch_up(start_step, by)
             self._check_ahead(start_step, "join step")
             self._touch(worker, incarnation, start_step, progress=False)
             return self.store.step
 
     heartbeat = join  # a heartbeat renews the lease exactly as a join does
+
+    def restarted(self, worker: str) -> bool:
+        """Whether `worker`'s current process replaced an earlier one of its name (known here, or restored
+        from a checkpoint or the journal): a restarted task, whose earlier incarnation's batches are done.
+        False for a name first seen now, or unknown. Never blocks on training."""
+        with self._cond:
+            return self.membership.restarted(worker)
 
     def leave(self, worker: str, incarnation: int) -> None:
         """`worker` is done: it stops counting towards the quorum and the staleness bound at once.
@@ -265,9 +311,11 @@ class Coordinator(PushPath):
                     "duplicates": self.duplicates, "waiting_calls": self.waits.waiting()}
 
     def paces(self) -> dict[str, tuple[float, float]]:
-        """{worker: (push interval seconds, straggler score)}: see Membership.paces."""
+        """{worker: (push interval seconds, straggler score)}: see membership.paces_of (computed after the
+        bookkeeping lock is let go: the lock is held only to copy the intervals)."""
         with self._cond:
-            return self.membership.paces()
+            intervals = self.membership.intervals()
+        return paces_of(intervals)
 
     def close(self) -> None:
         """Ends every wait (ServerUnavailableError), stops the reaper and the applier, and lets a journal
@@ -290,7 +338,8 @@ class Coordinator(PushPath):
 
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
-             timeout: float | None = None) -> PushResult:
+             timeout: float | None = None, by: str = CHIEF,
+             received: Mapping[str, tuple] | None = None) -> PushResult:
         """Handles one push according to the mode, at most once per (worker, incarnation, seq).
 
         `grads` maps variables to dense gradients and tables to their
@@ -301,6 +350,12 @@ class Coordinator(PushPath):
         Blocks on shard 0 (on every shard with `hold`, for PushPull, or with
         row gradients) in sync mode until the worker may go on, on shard 0 in
         ssp mode while it is too far ahead; a retry waits for its original.
+        `by`: who makes the call (see "Authority over the step").
+        With a journal, it returns once the push's record is written (a retry's:
+        every record before it); if the journal fails first it raises
+        ServerUnavailableError, unacknowledged (the shard then stops).
+        `received` {name: (TensorMeta, bytes)}: the compressed gradients as
+        they came, which the journal records instead of their decoded form.
         """
         self._check_step(step, "push step")
         if step_increment not in (0, 1):
@@ -311,21 +366,24 @@ class Coordinator(PushPath):
         deadline = self._deadline(timeout)
         slot: list[str] = []  # the waiting slot this push took, if it will be held
         self._pushing.rows = table_rows  # the journal's record of this push carries them (_log)
+        self._pushing.received = received
         try:
             return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
-                              deadline, slot)
+                              deadline, slot, by)
         finally:
-            self._pushing.rows = None
+            self._pushing.rows = self._pushing.received = None
             if slot:
                 self.waits.release(slot[0])
 
-    def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER) -> int:
-        """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s."""
+    def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
+                      by: str = CHIEF) -> int:
+        """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s.
+        `by`: who makes the call (see "Authority over the step")."""
         self._check_step(min_step, "min_step")
         deadline = self._deadline(timeout)
         with self._cond:
             self._check_open()
-            self._catch_up(min_step)
+            self._catch_up(min_step, by)
             if self.store.step < min_step:
                 with self.waits.slot("pull"):
                     self._cond.wait_for(lambda: self.store.step >= min_step or cancelled() or self._closed,
@@ -365,8 +423,14 @@ class Coordinator(PushPath):
             raise InvalidArgumentError(f"{what} must be in [0, {MAX_STEP}]. Received: {step}")
 
     def _check_ahead(self, step: int, what: str) -> None:
-        """Sync: a step more than one past the open step is never legitimate on a shard that has its state."""
+        """Sync: a step more than one past the open step is never legitimate on a shard that has its state
+        (InvalidArgumentError); on one catching up it may be, once the chief vouches for it (a retryable
+        ServerUnavailableError until then)."""
         limit = self.pending.open_step(self.store.step) + 1
+        if self.config.mode == "sync" and step > limit and self._behind:
+            raise ServerUnavailableError(
+                f"this shard restored checkpoint step {self.restored_step} and is at step {self.store.step}; the "
+                f"chief has not vouched for {what} {step} yet (its next heartbeat does): retry")
         if self.config.mode == "sync" and step > limit:
             raise InvalidArgumentError(
                 f"{what} {step} is ahead of this shard's step {self.store.step} by more than one; "
@@ -376,38 +440,65 @@ class Coordinator(PushPath):
     def _push_meta(worker: str, incarnation: int, seq: int, step: int) -> dict:
         return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
 
-    def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """A journal record, if the shard keeps a journal (see recording.Recorder.log for the locking rules). A
-        push's record ("apply", "add") carries the push's row gradients too (table_state.record_rows), so the
-        push is replayed whole."""
-        if self.recorder is not None:
-            if kind in ("apply", "add") and getattr(self._pushing, "rows", None):
+    def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> int | None:
+        """Queues a journal record, if the shard keeps a journal (see recording.py for the locking rules);
+        returns its ticket for _durable(). A push's record ("apply", "add") carries the push's row gradients
+        too (table_state.record_rows), so the push is replayed whole, and its compressed gradients as they
+        came (recording.as_received)."""
+        if self.recorder is None:
+            return None
+        if kind in ("apply", "add"):
+            if getattr(self._pushing, "rows", None):
                 meta, tensors = table_state.record_rows(meta, tensors or {}, self._pushing.rows)
-            self.recorder.log(kind, meta, tensors or {})
+            if getattr(self._pushing, "received", None):
+                meta, tensors = as_received(meta, tensors or {}, self._pushing.received)
+        return self.recorder.log(kind, meta, tensors or {})
+
+    def _durable(self, ticket: int | None, deadline: float | None = None) -> None:
+        """Waits (holding no lock) until the journal record `ticket` is written; None: nothing to wait for.
+        ServerUnavailableError if the journal failed first, WaitTimeoutError at `deadline`."""
+        if ticket is not None:
+            self.recorder.wait(ticket, None if deadline is None else self._left(deadline))
+
+    def _durable_all(self, deadline: float) -> None:
+        """Waits (holding no lock) until every journal record queued so far is written (a retry's reply)."""
+        if self.recorder is not None:
+            self.recorder.wait(None, self._left(deadline))
+
+    def finish(self, reason: str) -> None:
+        """The job is done (the chief's Shutdown): the journal records it, so a shard started on this volume
+        again begins a new job from this state (server.recover) instead of resuming this one."""
+        self._durable(self._log("finish", {"reason": reason}))
 
     def wait_for_compaction(self, timeout: float | None = None) -> None:
         """Returns once no journal compaction is running (at most `timeout` s)."""
         if self.recorder is not None:
-            self.recorder.wait(timeout)
+            self.recorder.wait_for_compaction(timeout)
 
-    def replay(self, record) -> None:
-        """Re-applies one journal record (journal.Record) during recovery, before start()."""
-        replay(self, record)
+    def replay(self, record) -> bool:
+        """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
+        of the job's end (finish)."""
+        return replay(self, record)
 
 
-    def _catch_up(self, step: int, *, pushed: bool = False) -> None:
-        """A shard without the job's latest state (restored from an older checkpoint) adopts the job's step the
-        first time a client shows a later one; a push at its own step shows it is not behind either."""
-        if not self._behind:
+    def _catch_up(self, step: int, by: str, *, pushed: bool = False) -> None:
+        """A shard without the job's latest state (restored from an older checkpoint) adopts a later step a
+        client shows, as far as the chief vouches for (see "Authority over the step"); a push at its own
+        step shows it is not behind either. Holds _cond."""
+        if not self._behind or by == READER:
             return
-        if step > self.store.step:
-            _LOGGER.warning("this shard is at step %d and the job at step %d: catching up (updates in between "
-                            "are lost)", self.store.step, step)
-            self.store.set_step(step)
+        if by == CHIEF:
+            self._vouched = max(self._vouched, step)
+        target = min(step, self._vouched)
+        if target > self.store.step:
+            _LOGGER.warning("this shard is at step %d and the job at step %d (%s): catching up (updates in "
+                            "between are lost)", self.store.step, target,
+                            "the chief's" if by == CHIEF else "a worker's, as far as the chief vouched for")
+            self.store.set_step(target)
             self.pending.clear()
-            self._log("set_step", {"step": step, "clear": True})
-            self._behind = False
-        elif pushed and step == self.store.step:
+            self._log("set_step", {"step": target, "clear": True})
+            self._cond.notify_all()
+        if pushed and step == self.store.step:
             self._behind = False
 
     def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:

@@ -131,8 +131,7 @@ class EmbeddingTable:
         if self.fixed:
             owned = np.arange(shard_index, num_embeddings, num_shards, dtype=np.int64)
             if partition == "hash":
-                every = np.arange(num_embeddings, dtype=np.int64)
-                owned = self._owned = every[_owner(every, num_shards, partition) == shard_index]
+                owned = self._owned = _hash_owned(num_embeddings, shard_index, num_shards)
             self._slabs = self._new_slabs(len(owned))
             self._write_new(np.arange(len(owned)), owned)
         else:
@@ -448,6 +447,19 @@ def relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, *,
         return _relayout(states, shard_index, num_shards, partition)
     except (KeyError, TypeError, IndexError, RuntimeError) as exc:
         raise InvalidArgumentError(f"not the states of an embedding table: missing or bad {exc}") from None
+
+
+_OWNER_CHUNK = 1 << 20  # ids hashed at a time: a fixed table's id range is never made whole on a shard
+
+
+def _hash_owned(num_embeddings: int, shard_index: int, num_shards: int) -> np.ndarray:
+    """The ids of [0, num_embeddings) that "hash" partitioning gives shard `shard_index`, sorted; the range
+    is hashed a chunk at a time, so the temporaries are a chunk's, not the table's."""
+    parts = []
+    for start in range(0, num_embeddings, _OWNER_CHUNK):
+        ids = np.arange(start, min(start + _OWNER_CHUNK, num_embeddings), dtype=np.int64)
+        parts.append(ids[_owner(ids, num_shards, "hash") == shard_index])
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None) -> dict:

@@ -1,78 +1,130 @@
-"""The journal: every change to a shard's state, on disk before it is acknowledged. No gRPC.
+"""The journal: every change to a shard's state, written before it is acknowledged. No gRPC.
 
 A shard started with a journal folder (by default `<checkpoint-dir>/journal/ps-N`)
-writes each change there as one record before it replies: a push applied,
-gradients added to a sync step, a step applied, variables created, optimizer
-changes, the mode, a retired worker incarnation. After a crash the shard
-loads the newest base (a whole state) and replays the records written after
-it, so it comes back with exactly the state it had acknowledged: no push
-acknowledged is lost, none is applied twice (the push ledger is part of it).
+records each change there: a push applied, gradients added to a sync step, a
+step applied, variables created, optimizer changes, the mode, membership, the
+job's end. After a crash the shard loads the newest base (a whole state) and
+replays the records written after it, so it comes back with everything it
+acknowledged and nothing twice (the push ledger is part of it).
 
-    base-000003.pt    the state when log 3 began (written under a temporary name, then renamed)
-    log-000003.bin    records since: magic, lengths, JSON meta, tensor bytes, Adler-32, end marker
+    layout.json       the job and the shard layout the journal belongs to (Layout)
+    base-000003.bin   the state when log 3 began (one record; written under another name, then renamed)
+    log-000003.bin    the records since (journal_log.py)
+    spare-000002.bin  a retired base or log, written over by the next one
 
-Records are written with one system call each on an unbuffered file, so a
-killed process leaves whole records and at most one torn one at the end,
-which recovery detects (length, checksum, end marker) and cuts off. The log
-is fsynced every `sync_seconds` by a background thread: a lost host loses at
-most that much. When the log outgrows `compact_bytes` the shard writes a new
-base and starts a new log (Journal.compact), so the folder stays near two
-states' size.
+Writing. `append` queues a record and returns its number at once, so it may
+be called under any lock: the order of appends is the order in the log. One
+writer thread writes the queue in order, batch by batch (group commit), and
+`wait(number)` returns once that record is written: into the kernel's page
+cache by default, which a killed process (kill -9, OOM) cannot lose; with
+`sync`, onto the disk (one fdatasync per batch, bases and folders fsynced),
+which a host losing power cannot lose either. A write that fails (ENOSPC,
+EFBIG, EIO) fails the journal for good: every wait for a record not written
+then raises ServerUnavailableError, no record is written after the failed
+one (so it is the log's torn end), and `on_failure(cause)` runs once (the
+shard's FailStop.fatal: it stops there, ps_server/failstop.py).
+
+Compaction: once the log passes `compact_factor` times the newest base's
+size (at least `min_compact_bytes`), the shard writes its state as a new base
+and starts a new log (rotate, write_base, finish_compaction), and the older
+files are kept as spares for the next base and log to be written over: pages
+the kernel already holds are reused instead of allocated and freed again for
+every record. The folder holds about 2 x (1 + compact_factor) states' worth
+at most.
+
+Recovery (`recover`) cuts a torn record off the end of the last log (a crash
+mid-write) and refuses a journal with a damaged record before a whole one
+(corruption: CheckpointError naming the file and the byte).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import pathlib
 import re
-import struct
+import secrets
 import threading
-import zlib
-from typing import Iterator, Mapping
+import time
+from typing import Callable, Iterator, Mapping
 
-import numpy as np
+import setproctitle
 import torch
 
-from .. import codec
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ClusterConfigError, ServerUnavailableError, WaitTimeoutError
+from . import journal_log
 from .checkpoint import fsync_dir, write_atomic
+from .journal_log import Record
 
-__all__ = ["Journal", "Record", "DEFAULT_COMPACT_BYTES"]
+__all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES"]
 
 _LOGGER = logging.getLogger(__name__)
-MAGIC, END = b"TPJ1", b"TPJE"
-_HEAD = struct.Struct("<4sIQ")   # magic, meta length, data length
-_TAIL = struct.Struct("<I4s")    # Adler-32 of meta + data, end marker
-DEFAULT_COMPACT_BYTES = 256 << 20
-_BASE = re.compile(r"^base-(\d{6})\.pt$")
+COMPACT_FACTOR = 4              # log bytes per base byte before a compaction: a base costs 1/4 of its log
+MIN_COMPACT_BYTES = 64 << 20    # so a small model's journal is not compacted every few pushes
+SPARES = 2                      # retired files kept to be written over: a base's and a log's
+LAYOUT = "layout.json"
+_BASE = re.compile(r"^base-(\d{6})\.bin$")
 _LOG = re.compile(r"^log-(\d{6})\.bin$")
+_SPARE = re.compile(r"^spare-(\d{6})\.bin$")
+WRITER_THREAD = "journal-writer"  # its name to the OS too (top -H, /proc/PID/task/TID/comm)
 
 
-class Record:
-    """One decoded journal record: its kind, its JSON meta and its tensors by name."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The job and the shard layout a journal belongs to: one layout per volume."""
 
-    def __init__(self, kind: str, meta: dict, tensors: dict[str, torch.Tensor]):
-        self.kind, self.meta, self.tensors = kind, meta, tensors
+    index: int                  # this shard's index
+    num_ps: int | None          # shards in the job; None for a standalone shard
+    origin: str | None = None   # the --restore-from folder the job started from, None if it did not
+    job: str = dataclasses.field(default_factory=lambda: secrets.token_hex(6))  # names the job in messages
+
+    def conflict(self, wanted: "Layout") -> str | None:
+        """Why a journal of this layout must not serve a shard started as `wanted`, or None."""
+        if self.index != wanted.index:
+            return f"it is shard {self.index}'s and this is shard {wanted.index}"
+        if None not in (self.num_ps, wanted.num_ps) and self.num_ps != wanted.num_ps:
+            return f"it is of a {self.num_ps}-shard job and this job has {wanted.num_ps} shards"
+        if wanted.origin is not None and wanted.origin != self.origin:
+            began = f"from {self.origin}" if self.origin else "without --restore-from"
+            return f"--restore-from {wanted.origin} starts a new job, and it holds job {self.job}, begun {began}"
+        return None
+
+    def describe(self) -> str:
+        shards = f"shard {self.index} of {self.num_ps}" if self.num_ps else f"shard {self.index}"
+        return f"job {self.job}, {shards}" + (f", from {self.origin}" if self.origin else "")
 
 
 class Journal:
-    """A shard's journal folder (see the module docstring). append() is thread-safe."""
+    """A shard's journal folder (see the module docstring). append() and wait() are thread-safe."""
 
-    def __init__(self, directory: str | os.PathLike, *, sync_seconds: float = 1.0,
-                 compact_bytes: int = DEFAULT_COMPACT_BYTES):
+    def __init__(self, directory: str | os.PathLike, *, layout: Layout | None = None, sync: bool = False,
+                 compact_factor: float = COMPACT_FACTOR, min_compact_bytes: int = MIN_COMPACT_BYTES,
+                 on_failure: Callable[[str], None] | None = None):
+        """`layout`: the shard this journal serves (check_layout; a new journal records it)."""
         self.directory = pathlib.Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.sync_seconds = sync_seconds
-        self.compact_bytes = compact_bytes
-        self._lock = threading.Lock()
-        self._file = None
-        self._number = -1
-        self.log_bytes = 0
-        self._dirty = threading.Event()
-        self._closed = threading.Event()
-        self._syncer: threading.Thread | None = None
+        self.wanted = layout
+        self.sync = sync
+        self.compact_factor = compact_factor
+        self.min_compact_bytes = min_compact_bytes
+        self._on_failure = on_failure
+        self._cond = threading.Condition(threading.Lock())  # guards everything below but the writer's own
+        self._queue: list[tuple] = []   # ("record", number, head, views) and ("rotate", log number)
+        self._appended = 0              # records numbered so far
+        self._written = 0               # records written (synced, with `sync`) so far, in order
+        self._number = -1               # the log appends go to
+        self._writing = -1              # the log the writer has open
+        self._log_bytes = 0             # bytes appended to log `_number`
+        self._base_bytes = 0            # the size of the newest base
+        self._spares = self._numbers(_SPARE)  # spare files (numbers) to write over
+        self._next_spare = max(self._spares, default=-1) + 1
+        self._failed: str | None = None
+        self._closing = False
+        self._fd: int | None = None     # the writer's: the log it writes, and where
+        self._offset = 0
+        self._writer: threading.Thread | None = None
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -83,158 +135,333 @@ class Journal:
         """True if the folder holds a journal to recover from."""
         return bool(self._numbers(_BASE) or self._numbers(_LOG))
 
+    def recorded_layout(self) -> Layout | None:
+        """The layout the journal in the folder was begun with, None if it has none (an older journal)."""
+        path = self.directory / LAYOUT
+        if not path.exists():
+            return None
+        try:
+            return Layout(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"journal {self.directory}: {LAYOUT} cannot be read ({exc})") from None
+
+    def check_layout(self) -> None:
+        """ClusterConfigError (one line) unless the journal in the folder may serve the shard this Journal was
+        made for (`layout`): same shard, same number of shards, and no --restore-from of another job."""
+        found = self.recorded_layout()
+        why = "it records no layout (an older torchps wrote it)" if found is None else found.conflict(self.wanted)
+        if why is not None:
+            raise ClusterConfigError(
+                f"journal {self.directory} does not belong to this shard ({self.wanted.describe()}): {why}. Its "
+                f"state is not mixed with another layout: to start from a checkpoint instead pass --restore-from "
+                f"CHECKPOINT_DIR --replace-journal (the journal is moved aside, not deleted)")
+
+    def move_aside(self) -> pathlib.Path:
+        """Renames the folder to FOLDER.aside-TIME (kept, never deleted) and starts an empty one; returns
+        the new name of the old folder."""
+        aside = self.directory.with_name(f"{self.directory.name}.aside-{time.strftime('%Y%m%dT%H%M%S')}")
+        while aside.exists():
+            aside = aside.with_name(aside.name + "x")
+        self.directory.rename(aside)
+        self.directory.mkdir()
+        fsync_dir(self.directory.parent)
+        self._spares = []
+        return aside
+
     def recover(self) -> tuple[dict | None, Iterator[Record]] | None:
         """(base state or None, the records after it) to replay, or None if the folder holds no journal.
 
-        Cuts a torn record off the end of the last log, so appends go on after the last whole one.
+        The records are read as they are replayed: CheckpointError (from the iterator) for a damaged record
+        with a whole one after it; a torn record at the end is cut off, so appends go on after the last whole
+        one.
         """
         if not self.holds_state():
             return None
         bases, logs = self._numbers(_BASE), self._numbers(_LOG)
         base, state = -1, None
         for number in reversed(bases):
-            try:
-                state = torch.load(self._base_path(number), map_location="cpu", weights_only=True)
+            state = self._read_base(number)
+            if state is not None:
                 base = number
                 break
-            except Exception as exc:  # noqa: BLE001 - a damaged base: the older one and more log are used
-                _LOGGER.warning("journal base %d cannot be read (%s); trying an older one", number, exc)
+            _LOGGER.warning("journal %s is not a whole base; trying an older one", self._base_path(number))
         replay = [n for n in logs if n >= base]
         if base < 0 and logs and logs[0] != 0:
             raise CheckpointError(f"journal {self.directory}: no readable base before log {logs[0]}")
         self._number = max([base, *replay])
         return state, self._replay(replay)
 
+    def _read_base(self, number: int) -> dict | None:
+        path = self._base_path(number)
+        view, mapping = journal_log.mapped(path)
+        try:
+            record = journal_log.first(view, number)
+        finally:
+            view.release()
+            if mapping is not None:
+                mapping.close()
+        if record is None or record.kind != "base":
+            return None
+        self._base_bytes = path.stat().st_size
+        return journal_log.state_of_record(record)
+
     def _replay(self, numbers: list[int]) -> Iterator[Record]:
-        for number in numbers:
+        for i, number in enumerate(numbers):
             path = self._log_path(number)
+            view, mapping = journal_log.mapped(path)
             good = 0
-            with open(path, "rb") as f:
-                data = f.read()
-            view = memoryview(data)
-            while good < len(data):
-                record, end = _decode(view, good)
-                if record is None:
-                    _LOGGER.warning("journal %s: a torn record at byte %d (a crash mid-write): %d bytes cut off",
-                                    path.name, good, len(data) - good)
-                    os.truncate(path, good)
-                    break
-                good = end
-                yield record
+            try:
+                for record, good in journal_log.scan(view, number):
+                    yield record
+                if good < len(view):
+                    journal_log.check_tail(path, view, number, good,
+                                           [(self._log_path(n), n) for n in numbers[i + 1:]])
+                    _LOGGER.warning("journal %s: nothing whole from byte %d on (a torn record, or bytes of the "
+                                    "file's earlier use): %d bytes cut off", path, good, len(view) - good)
+            finally:
+                view.release()
+                if mapping is not None:
+                    mapping.close()
+            if good < path.stat().st_size:
+                os.truncate(path, good)
             if number == self._number:
-                self.log_bytes = good
+                self._log_bytes = good
 
     # -- writing ----------------------------------------------------------------------------------
 
     def start(self, state: dict | None) -> None:
-        """Opens the log for appends: the current one after recover(), else a new base with `state` first."""
+        """Opens the log for appends and starts the writer: the current log after recover(), else (a new
+        journal) the layout and base 0 with `state` are written first."""
         if self._number < 0:
             self._number = 0
+            self._write_layout()
             if state is not None:
-                self._write_base(0, state)
-        self._file = open(self._log_path(self._number), "ab", buffering=0)
-        self.log_bytes = self._file.tell()
-        self._syncer = threading.Thread(target=self._sync_loop, name="journal-sync", daemon=True)
-        self._syncer.start()
+                self.finish_compaction(0, self.write_base(0, state))
+        self._open(self._number)
+        self._writer = threading.Thread(target=self._write_loop, name=WRITER_THREAD, daemon=True)
+        self._writer.start()
 
-    def append(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Writes one record (call before acknowledging the change it describes)."""
-        views = {name: codec.tensor_bytes(t.detach().cpu()) for name, t in tensors.items()}
-        body = json.dumps({"kind": kind, **meta, "tensors": [
-            [name, codec.wire_dtype(t.dtype), list(t.shape), len(views[name])] for name, t in tensors.items()]}
-        ).encode()
-        size = sum(len(v) for v in views.values())
-        checksum = zlib.adler32(body)
-        for view in views.values():
-            checksum = zlib.adler32(view, checksum)
-        with self._lock:
-            f = self._file
-            _write_all(f, memoryview(_HEAD.pack(MAGIC, len(body), size) + body))
-            for view in views.values():
-                _write_all(f, view)
-            _write_all(f, memoryview(_TAIL.pack(checksum, END)))
-            self.log_bytes += _HEAD.size + len(body) + size + _TAIL.size
-        self._dirty.set()
+    def begin_again(self, state: dict) -> None:
+        """Before start(), after recover(): the journal goes on as a new job's, from `state` (a new base), with
+        a new job identity; the older files are retired once both are written."""
+        self._number += 1
+        self._write_layout()
+        self.finish_compaction(self._number, self.write_base(self._number, state))
+        self._log_bytes = 0
+
+    def append(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Queues one record (in the order of the calls); returns its number for wait(). Never blocks on I/O.
+        The tensors must not change until it is written. ServerUnavailableError once the journal failed."""
+        head, views = journal_log.encode(kind, meta, tensors)
+        with self._cond:
+            self._check()
+            self._appended += 1
+            self._queue.append(("record", self._appended, head, views))
+            self._log_bytes += len(head) + sum(len(v) for v in views) + journal_log.TAIL_BYTES
+            self._cond.notify_all()
+            return self._appended
+
+    def wait(self, number: int | None = None, timeout: float | None = None) -> None:
+        """Blocks until record `number` (None: every record appended so far) is written (synced, with `sync`).
+        ServerUnavailableError if the journal failed first, WaitTimeoutError after `timeout` s."""
+        with self._cond:
+            number = self._appended if number is None else number
+            self._cond.wait_for(lambda: self._written >= number or self._failed is not None, timeout)
+            if self._written >= number:
+                return
+            self._check()
+            raise WaitTimeoutError(f"journal {self.directory}: record {number} was not written within {timeout} s")
 
     def wants_compaction(self) -> bool:
-        return self.log_bytes > self.compact_bytes
+        with self._cond:
+            return self._log_bytes > max(self.min_compact_bytes, self.compact_factor * self._base_bytes)
 
     def rotate(self) -> int:
-        """Starts a new log; returns its number. Call under the apply gate, with the state copied at the same
-        moment, then write that state with finish_compaction()."""
-        with self._lock:
-            self._file.close()
+        """Starts a new log for the records appended from now on; returns its number. Call with the state
+        taken at the same moment, then write_base() and finish_compaction()."""
+        with self._cond:
+            self._check()
             self._number += 1
-            self._file = open(self._log_path(self._number), "ab", buffering=0)
-            self.log_bytes = 0
+            self._queue.append(("rotate", self._number))
+            self._log_bytes = 0
+            self._cond.notify_all()
             return self._number
 
-    def finish_compaction(self, number: int, state: dict) -> None:
-        """Writes base `number` (the state at the start of log `number`), then deletes everything older."""
-        self._write_base(number, state)
+    def write_base(self, number: int, state: dict) -> pathlib.Path:
+        """Writes `state` (the state when log `number` began) as one record into a spare file, into the page
+        cache only (not copied first: nothing may change it meanwhile); returns that file for
+        finish_compaction()."""
+        path = self._take_spare(largest=False)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            head, views = journal_log.encode("base", {}, journal_log.state_record(state))
+            offset = _write_at(fd, head, 0)
+            for view in views:
+                offset = _write_at(fd, view, offset)
+            offset = _write_at(fd, journal_log.tail(head, views, number), offset)
+        finally:
+            os.close(fd)
+        with self._cond:
+            self._base_bytes = offset
+        return path
+
+    def finish_compaction(self, number: int, written: pathlib.Path) -> None:
+        """Makes `written` (write_base) base `number` (synced first, with `sync`); once every record before
+        log `number` is written, retires the older bases and logs as spares."""
+        if self.sync:
+            fd = os.open(written, os.O_WRONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        os.replace(written, self._base_path(number))
+        if self.sync:
+            fsync_dir(self.directory)
+        with self._cond:
+            self._cond.wait_for(lambda: self._writing >= number or self._failed is not None or self._closing
+                                or self._writer is None)
+            if self._writing < number and self._writer is not None:
+                return
         for older in self._numbers(_BASE) + self._numbers(_LOG):
             if older < number:
                 for path in (self._base_path(older), self._log_path(older)):
-                    path.unlink(missing_ok=True)
-        fsync_dir(self.directory)
+                    if path.exists():
+                        self._retire(path)
+        if self.sync:
+            fsync_dir(self.directory)
 
     def close(self) -> None:
-        self._closed.set()
-        self._dirty.set()
-        if self._syncer is not None:
-            self._syncer.join()
-        with self._lock:
-            if self._file is not None:
-                os.fsync(self._file.fileno())
-                self._file.close()
-                self._file = None
+        """Writes what is queued, syncs the log and stops the writer."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join()
+        if self._fd is not None:
+            if self._failed is None:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    # -- the writer -------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        setproctitle.setthreadtitle(WRITER_THREAD)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+            try:
+                last = 0
+                for item in batch:
+                    if item[0] == "rotate":
+                        self._open(item[1])
+                        continue
+                    _, last, head, views = item
+                    offset = _write_at(self._fd, head, self._offset)
+                    for view in views:
+                        offset = _write_at(self._fd, view, offset)
+                    self._offset = _write_at(self._fd, journal_log.tail(head, views, self._writing), offset)
+                    if not self.sync:
+                        self._done(last)
+                if self.sync:  # one fdatasync for the batch: the records queued while the last one ran
+                    os.fdatasync(self._fd)
+                    self._done(last)
+            except OSError as exc:
+                self._fail(f"journal {self._log_path(self._writing)}: a write failed: {exc.strerror or exc}")
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug: nothing more can be written, so the shard stops
+                self._fail(f"journal {self.directory}: the writer failed: {exc!r}")
+                return
+
+    def _done(self, number: int) -> None:
+        with self._cond:
+            self._written = max(self._written, number)
+            self._cond.notify_all()
+
+    def _open(self, number: int) -> None:
+        """Makes log `number` the one records are written to, after its whole records (the writer's, or
+        start()'s before it runs): an existing log, else a spare written over from its start."""
+        path = self._log_path(number)
+        if not path.exists():
+            os.replace(self._take_spare(largest=True), path)
+            if self.sync:
+                fsync_dir(self.directory)
+        if self._fd is not None:
+            if self.sync:
+                os.fdatasync(self._fd)
+            os.close(self._fd)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._offset = self._log_bytes if number == self._number and self._writer is None else 0
+        with self._cond:
+            self._writing = number
+            self._cond.notify_all()
+
+    def _fail(self, cause: str) -> None:
+        with self._cond:
+            self._failed = cause
+            self._cond.notify_all()
+        if self._on_failure is not None:
+            self._on_failure(cause)
+        else:
+            _LOGGER.error("%s: nothing more is acknowledged", cause)
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise ServerUnavailableError(f"this shard cannot write its journal ({self._failed}): it stops; retry "
+                                         f"against its replacement")
+        if self._closing:
+            raise ServerUnavailableError("this shard is stopping; retry against its replacement")
 
     # -- files ------------------------------------------------------------------------------------
 
     def _base_path(self, number: int) -> pathlib.Path:
-        return self.directory / f"base-{number:06d}.pt"
+        return self.directory / f"base-{number:06d}.bin"
 
     def _log_path(self, number: int) -> pathlib.Path:
         return self.directory / f"log-{number:06d}.bin"
 
-    def _write_base(self, number: int, state: dict) -> None:
-        write_atomic(self._base_path(number), lambda f: torch.save(state, f))
+    def _spare_path(self, number: int) -> pathlib.Path:
+        return self.directory / f"spare-{number:06d}.bin"
 
-    def _sync_loop(self) -> None:
-        while not self._closed.is_set():
-            self._dirty.wait()
-            self._closed.wait(self.sync_seconds)
-            self._dirty.clear()
-            with self._lock:
-                if self._file is not None:
-                    os.fsync(self._file.fileno())
+    def _take_spare(self, *, largest: bool) -> pathlib.Path:
+        """A spare file to write over from its start, the largest (for a log) or the smallest (for a base), or
+        a new empty one if none is left."""
+        with self._cond:
+            if self._spares:
+                sizes = {n: self._spare_path(n).stat().st_size for n in self._spares}
+                number = (max if largest else min)(self._spares, key=sizes.__getitem__)
+                self._spares.remove(number)
+                return self._spare_path(number)
+            number, self._next_spare = self._next_spare, self._next_spare + 1
+            path = self._spare_path(number)
+            path.touch()
+            return path
+
+    def _retire(self, path: pathlib.Path) -> None:
+        """Keeps `path` as a spare, or deletes it if SPARES are kept already."""
+        with self._cond:
+            if len(self._spares) >= SPARES:
+                path.unlink()
+                return
+            number, self._next_spare = self._next_spare, self._next_spare + 1
+            os.replace(path, self._spare_path(number))
+            self._spares.append(number)
+
+    def _write_layout(self) -> None:
+        """Records the wanted layout as a new job's (a new identity each time)."""
+        if self.wanted is not None:
+            self.wanted = dataclasses.replace(self.wanted, job=secrets.token_hex(6))
+            text = json.dumps(dataclasses.asdict(self.wanted)).encode()
+            write_atomic(self.directory / LAYOUT, lambda f: f.write(text), sync=self.sync)
 
 
-def _write_all(f, view: memoryview) -> None:
+def _write_at(fd: int, data, offset: int) -> int:
+    """Writes all of `data` at `offset`; returns where it ends."""
+    view = memoryview(data).cast("B")
     while len(view):
-        written = f.write(view)
-        view = view[written:]
-
-
-def _decode(view: memoryview, offset: int) -> tuple[Record | None, int]:
-    """The record at `offset` and where the next begins, or (None, offset) if it is torn or damaged."""
-    if offset + _HEAD.size > len(view):
-        return None, offset
-    magic, meta_len, data_len = _HEAD.unpack_from(view, offset)
-    body_at = offset + _HEAD.size
-    data_at = body_at + meta_len
-    tail_at = data_at + data_len
-    if magic != MAGIC or tail_at + _TAIL.size > len(view):
-        return None, offset
-    checksum, end = _TAIL.unpack_from(view, tail_at)
-    if end != END or zlib.adler32(view[data_at:tail_at], zlib.adler32(view[body_at:data_at])) != checksum:
-        return None, offset
-    meta = json.loads(bytes(view[body_at:data_at]))
-    tensors, at = {}, data_at
-    for name, dtype, shape, nbytes in meta.pop("tensors"):
-        raw = np.frombuffer(view[at:at + nbytes], dtype=np.uint8).copy()
-        torch_type = codec.torch_dtype(dtype)
-        tensors[name] = (torch.from_numpy(raw).view(torch_type).reshape(shape) if nbytes
-                         else torch.empty(shape, dtype=torch_type))
-        at += nbytes
-    return Record(meta.pop("kind"), meta, tensors), tail_at + _TAIL.size
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    return offset

@@ -17,6 +17,11 @@ nor have a retried push applied. A worker that left, or whose lease or
 progress ran out, and that comes back with the same incarnation simply
 rejoins: nothing about its pushes is forgotten.
 
+Members are bounded: the names of the cluster spec's workers (`known`) may
+always join, and at most `elastic` other names (None: no bound); a new name
+past that is refused with PermissionDeniedError, so invented names cannot
+grow a shard's membership and ledger without end.
+
 The coordinator's lock guards every call here.
 """
 
@@ -27,9 +32,11 @@ import dataclasses
 import logging
 import statistics
 
-from ..errors import WorkerReplacedError
+import numpy as np
 
-__all__ = ["Member", "Membership", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
+from ..errors import PermissionDeniedError, WorkerReplacedError
+
+__all__ = ["Member", "Membership", "paces_of", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
 
 _LOGGER = logging.getLogger(__name__)
 PROGRESS_MULTIPLE = 20.0   # median push intervals without a push before a heartbeating worker is stalled
@@ -54,6 +61,8 @@ class Member:
     held: int = 0             # its pushes this shard is holding right now
     last_push: float | None = None
     interval: float | None = None  # moving average of its push intervals (its step time, as seen here)
+    restarted: bool = False   # its process is not the first of its name here (an earlier one joined, maybe
+                              # before a restore): what that one trained is done
 
     @property
     def live(self) -> bool:
@@ -63,7 +72,9 @@ class Member:
 class Membership:
     """The workers of the job on one shard (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: frozenset[str] = frozenset(), elastic: int | None = None) -> None:
+        self.known = known        # the cluster spec's worker names: always admitted
+        self.elastic = elastic    # other names admitted, at most (None: any number)
         self.members: dict[str, Member] = {}
         self.retired: dict[str, collections.deque[int]] = {}
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVALS_KEPT)
@@ -94,6 +105,7 @@ class Membership:
         self.check(worker, incarnation)
         member = self.members.get(worker)
         if member is None:
+            self._admit(worker)
             counts_from = step if in_grace else max(step, start_step)
             self.members[worker] = Member(incarnation, now, now, counts_from=counts_from, clock=level)
             return "joined", None
@@ -104,6 +116,7 @@ class Membership:
             retired = member.incarnation
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
+            member.restarted = True
             event = "restarted"
         elif member.gone:
             event = "rejoined"
@@ -119,6 +132,21 @@ class Membership:
         member.counts_from = max(step, start_step)
         member.clock = max(member.clock, level)
         return event, retired
+
+    def restarted(self, worker: str) -> bool:
+        """Whether `worker` is known and its current incarnation replaced an earlier one."""
+        member = self.members.get(worker)
+        return member is not None and member.restarted
+
+    def _admit(self, worker: str) -> None:
+        """PermissionDeniedError unless a new `worker` may join (see the module docstring)."""
+        if self.elastic is None or worker in self.known:
+            return
+        others = sum(1 for name in self.members if name not in self.known)
+        if others >= self.elastic:
+            raise PermissionDeniedError(
+                f"{worker!r} is not a worker of this job's cluster spec, and the {self.elastic} places for other "
+                f"workers (ps-server --elastic-workers) are taken; nothing was changed")
 
     def pushed(self, worker: str, now: float) -> None:
         """Records a push's arrival time (for the median push interval)."""
@@ -198,17 +226,13 @@ class Membership:
     def not_yet_counted(self, step: int) -> int:
         return sum(1 for m in self.members.values() if m.live and m.counts_from > step)
 
+    def intervals(self) -> dict[str, float]:
+        """{worker: its push interval} for live workers that pushed twice or more (paces_of's input)."""
+        return {w: m.interval for w, m in self.members.items() if m.live and m.interval is not None}
+
     def paces(self) -> dict[str, tuple[float, float]]:
-        """{worker: (its push interval, straggler score)} for live workers that pushed twice or more; the
-        score is its interval over the median of the other such workers' (1: typical, or alone; 2: twice as
-        slow as the others)."""
-        intervals = {w: m.interval for w, m in self.members.items() if m.live and m.interval is not None}
-        paces = {}
-        for worker, interval in sorted(intervals.items()):
-            others = [i for w, i in intervals.items() if w != worker]
-            median = statistics.median(others) if others else interval
-            paces[worker] = (interval, interval / median if median > 0 else 1.0)
-        return paces
+        """paces_of(self.intervals())."""
+        return paces_of(self.intervals())
 
     def min_clock(self) -> int:
         return min((m.clock for m in self.members.values() if m.live), default=0)
@@ -237,3 +261,28 @@ class Membership:
         for worker, incarnations in state.get("retired", {}).items():
             for incarnation in incarnations:
                 self.retire(worker, incarnation)
+
+
+def paces_of(intervals: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{worker: (its push interval, straggler score)}, by name; the score is its interval over the median of
+    the other workers' (1: typical, or alone; 2: twice as slow as the others). O(N): every worker's median of
+    the others is one of three neighbours of the middle of all intervals, found by selection, not sorting."""
+    n = len(intervals)
+    if n < 2:
+        return {w: (i, 1.0) for w, i in intervals.items()}
+    values = np.fromiter(intervals.values(), dtype=np.float64, count=n)
+    m = n // 2  # n even: the others' median is a[m - 1] or a[m]; n odd: a pair among a[m - 1], a[m], a[m + 1]
+    wanted = [k for k in (m - 1, m, m + 1) if 0 <= k < n]
+    a = dict(zip(wanted, np.partition(values, wanted)[wanted].tolist()))
+    paces = {}
+    for worker, v in sorted(intervals.items()):
+        if n % 2 == 0:  # n - 1 others: their median is the middle one left once v is out
+            median = a[m] if v <= a[m - 1] else a[m - 1]
+        elif v <= a[m - 1]:
+            median = (a[m] + a[m + 1]) / 2
+        elif v >= a[m + 1]:
+            median = (a[m - 1] + a[m]) / 2
+        else:
+            median = (a[m - 1] + a[m + 1]) / 2
+        paces[worker] = (v, v / median if median > 0 else 1.0)
+    return paces

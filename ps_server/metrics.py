@@ -16,7 +16,6 @@ import time
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..memory import memory_usage
 from ..metrics_http import serve_metrics
 
 __all__ = ["ShardMetrics"]
@@ -63,9 +62,11 @@ class ShardMetrics:
         """Adds the scrape-time figures of `servicer` (a ParameterServerServicer) to the registry."""
         self.registry.register(_ShardCollector(servicer, self))
 
-    def serve(self, host: str) -> int:
-        """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got."""
-        self.port = serve_metrics(self.registry, host, self.port)
+    def serve(self, host: str, failstop=None) -> int:
+        """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got. With
+        `failstop` (failstop.FailStop), the process stops if that thread ever ends."""
+        watch = None if failstop is None else lambda thread: failstop.watch(thread, "the metrics endpoint")
+        self.port = serve_metrics(self.registry, host, self.port, watch)
         return self.port
 
 
@@ -83,7 +84,7 @@ class _ShardCollector:
         s = self.servicer
         values, state = s.held_bytes()
         counters = s.coordinator.counters()
-        memory = memory_usage()
+        memory = s.memory.get()
         for name, doc, value in (
                 ("torchps_push_received_bytes", "Gradient bytes taken in by Push and PushPull", s.push_bytes.value),
                 ("torchps_pull_sent_bytes", "Value bytes encoded into Pull and PushPull replies", s.pull_bytes.value),
@@ -105,7 +106,9 @@ class _ShardCollector:
                 ("torchps_live_workers", "Workers holding a lease", counters["live_workers"]),
                 ("torchps_quorum", "Gradients a sync step needs now", counters["quorum"]),
                 ("torchps_waiting_calls", "Calls waiting now (held pushes, min_step pulls, saves)",
-                 counters["waiting_calls"])):
+                 counters["waiting_calls"]),
+                ("torchps_push_receiving_bytes", "Bytes reserved for pushes being received (within --max-memory)",
+                 s.quotas.in_flight)):
             yield GaugeMetricFamily(name, doc, value=value)
         paces = s.coordinator.paces()
         interval = GaugeMetricFamily("torchps_worker_push_interval_seconds",

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import OptimizerSpecError
 
-__all__ = ["OPTIMIZERS", "normalize_spec", "VariableOptimizer"]
+__all__ = ["OPTIMIZERS", "normalize_spec", "structural_changes", "VariableOptimizer"]
 
 # name -> (torch.optim class, hyperparameters accepted on the wire).
 # Adam's `betas` travels as beta1/beta2 because the wire map holds floats.
@@ -34,6 +34,11 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer] | None, tuple[str, ...]]
     "adamw": (torch.optim.AdamW, ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize")),
 }
 _BOOLEAN = {"nesterov", "amsgrad", "maximize"}
+# Hyperparameters that change what the optimizer keeps per element, or read state it may not have kept:
+# amsgrad (Adam's max_exp_avg_sq), momentum turned on or off (SGD's momentum buffer), nesterov (SGD's
+# update rule over that buffer), initial_accumulator_value (read only when Adagrad's state is made).
+_STRUCTURAL = {"sgd": ("momentum", "nesterov"), "adam": ("amsgrad",), "adamw": ("amsgrad",),
+               "adagrad": ("initial_accumulator_value",)}
 PIECE_ELEMENTS = 1 << 20  # 4 MiB of float32: a step's temporaries stay this small
 _SCALAR_STATE = {"step"}  # torch.optim state entries that are per parameter, not per element
 
@@ -68,6 +73,20 @@ def normalize_spec(name: str, hyperparams: Mapping[str, float]) -> tuple[str, di
     full.update({k: float(v) for k, v in hyperparams.items()})
     _check_values(key, cls, full)
     return key, full
+
+
+def structural_changes(name: str, current: Mapping[str, float], updates: Mapping[str, float]) -> list[str]:
+    """The updates of optimizer `name`'s hyperparameters (in force: `current`) that change the structure of
+    its state, as "key a -> b" (momentum counts only from or to 0); after a variable's first step they are
+    refused (the store's set_hyperparams)."""
+    changes = []
+    for key in _STRUCTURAL.get(name, ()):
+        if key not in updates:
+            continue
+        old, new = float(current.get(key, 0.0)), float(updates[key])
+        if (old != 0.0) != (new != 0.0) if key == "momentum" else old != new:
+            changes.append(f"{key} {old:g} -> {new:g}")
+    return changes
 
 
 def _check_values(name: str, cls: type, hyperparams: Mapping[str, float]) -> None:

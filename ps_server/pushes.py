@@ -50,7 +50,7 @@ class PushPath:
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
-              cancelled, hold: bool, deadline: float, slot: list[str]) -> PushResult:
+              cancelled, hold: bool, deadline: float, slot: list[str], by: str) -> PushResult:
         # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
         # then read the rows of the released step on every shard.
@@ -65,8 +65,8 @@ class PushPath:
                     if result is None:
                         continue  # the original failed before changing anything: apply this one
                     self.duplicates += 1
-                    return result
-                self._catch_up(step, pushed=True)
+                    break
+                self._catch_up(step, by, pushed=True)
                 mode = self.config.mode
                 if mode == "sync":
                     self._check_ahead(step, "push step")
@@ -95,6 +95,8 @@ class PushPath:
                             self.pending.unreserve(buffer)
                     self._cond.notify_all()
                 raise
+        self._durable_all(deadline)  # a retry is acknowledged once its original's record is written
+        return result
 
     def _stale(self, worker: str, incarnation: int, seq: int, step: int) -> PushResult:
         record = self.ledger.begin(worker, incarnation, seq, step)
@@ -137,14 +139,15 @@ class PushPath:
                     step_increment: int, record: PushRecord | None, ssp: bool, cancelled, deadline: float
                     ) -> PushResult:
         with self.gate.change():
-            with self._ordered:  # with a journal, applies are recorded in the order they happened
+            with self._ordered:  # with a journal, applies are queued for it in the order they happened
                 step_after, versions = self.store.apply(grads, step_increment, validated=True)
                 self.tables.apply(table_rows, step_after)  # journaled with the dense gradients (_log)
-                self._log("apply", {"step_increment": step_increment,
-                                   **self._push_meta(worker, incarnation, seq, step)}, grads)
+                ticket = self._log("apply", {"step_increment": step_increment,
+                                             **self._push_meta(worker, incarnation, seq, step)}, grads)
             with self._cond:
                 if record is not None:
                     record.applied = True
+        self._durable(ticket, deadline)  # written (outside every lock) before it is acknowledged
         with self._cond:
             member = self.membership.members[worker]
             member.clock += 1
@@ -167,15 +170,18 @@ class PushPath:
         """Adds a push (dense and row gradients, all or nothing) to the buffer of `step` that _push reserved,
         counts it, then waits as _await_release says. If the add raises, nothing was added (_push then
         forgets the push and unreserves the buffer). Its journal record ("add") carries the rows too
-        (Coordinator._log)."""
+        (Coordinator._log), and is written before the push is acknowledged (the step's record, queued after
+        every add it sums, need not be: replaying the adds brings the step back)."""
+        tickets = []
         with self.gate.change():
-            buffer.add(grads, lambda: self._log("add", self._push_meta(worker, incarnation, seq, step), grads),
-                       rows=table_rows)
+            buffer.add(grads, lambda: tickets.append(self._log("add", self._push_meta(worker, incarnation, seq, step),
+                                                               grads)), rows=table_rows)
             with self._cond:
                 if record is not None:
                     record.applied = record.pending = True
                 self.pending.counted(buffer, worker)
                 self._cond.notify_all()
+        self._durable(tickets[0], deadline)  # written (outside every lock) before it is acknowledged
         with self._cond:
             result = self._await_release(worker, step, cancelled, hold, deadline)
             if record is not None:

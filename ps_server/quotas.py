@@ -3,7 +3,10 @@
 Sizes are checked against what a CreateVariables stream declares (each
 spec's dtype and shape), before any of its bytes are received or allocated;
 a call over a limit gets RESOURCE_EXHAUSTED naming the limit, nothing is
-created, and the shard keeps serving everyone else. No gRPC.
+created, and the shard keeps serving everyone else. --max-memory counts what
+the shard holds (variables with their optimizer state, embedding tables)
+and, while a push is being received, its buffers: each tensor of a push is
+reserved (`reserve`) before its buffer is allocated. No gRPC.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+from typing import Callable
 
 from .. import codec
 from ..errors import ResourceExhaustedError
 from ..proto import ps_pb2
 
-__all__ = ["Quotas", "state_bytes", "optimizer_slots", "parse_bytes"]
+__all__ = ["Quotas", "Reservation", "state_bytes", "optimizer_slots", "parse_bytes"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -53,6 +57,32 @@ class Quotas:
         self.max_calls_per_client = max_calls_per_client
         self._lock = threading.Lock()
         self._calls: collections.Counter[str] = collections.Counter()
+        self._in_flight = 0  # bytes reserved by pushes being received
+
+    def reservation(self, held: Callable[[], int]) -> "Reservation":
+        """A push's reservation; `held()` is what the shard holds (read once, at its first tensor)."""
+        return Reservation(self, held)
+
+    def reserve(self, held: int, nbytes: int, what: str) -> None:
+        """Counts `nbytes` of a push's buffer (for `what`) as in flight until release(); ResourceExhaustedError,
+        reserving nothing, if that with `held` and what other pushes reserved is over --max-memory."""
+        with self._lock:
+            if self.max_memory and held + self._in_flight + nbytes > self.max_memory:
+                raise ResourceExhaustedError(
+                    f"{what} needs {nbytes} bytes to be received; this shard holds {held}, pushes being received "
+                    f"hold {self._in_flight}, and its --max-memory is {self.max_memory}; nothing was applied "
+                    f"(retry, or raise the limit)")
+            self._in_flight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Ends a reservation's `nbytes` (the push was applied, refused or abandoned)."""
+        with self._lock:
+            self._in_flight -= nbytes
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
 
     def check_variable(self, spec: ps_pb2.VariableSpec, held: int, incoming: int) -> int:
         """The bytes `spec` would take; ResourceExhaustedError if it is over a limit with `held` bytes already
@@ -69,13 +99,16 @@ class Quotas:
                 f"and its --max-memory is {self.max_memory}; nothing was created (add shards, or raise the limit)")
         return total
 
-    def check_total(self, held: int, adding: dict[str, int]) -> None:
-        """The last check before variables are created (one stream at a time): ResourceExhaustedError if
-        `adding` (bytes by new name) on top of `held` is over --max-memory, as when streams ran at once."""
+    def check_total(self, held: int, adding: dict[str, int], *, what: str = "") -> None:
+        """The last check before variables are created or grow (one call at a time): ResourceExhaustedError
+        if `adding` (bytes by name) on top of `held` is over --max-memory, as when streams ran at once.
+        `what` names what grows ("optimizer state"), else new variables with their state."""
         if self.max_memory and held + sum(adding.values()) > self.max_memory:
+            needs = f"the {what} of variables {sorted(adding)}" if what else \
+                f"variables {sorted(adding)} with their optimizer state"
             raise ResourceExhaustedError(
-                f"variables {sorted(adding)} with their optimizer state need {sum(adding.values())} bytes; this "
-                f"shard now holds {held} and its --max-memory is {self.max_memory}; nothing was created")
+                f"{needs} need {sum(adding.values())} more bytes; this shard now holds {held} and its --max-memory "
+                f"is {self.max_memory}; nothing was {'changed' if what else 'created'}")
 
     def check_admission(self, held: int, tables: list[str]) -> None:
         """Before an admitting lookup of dynamic `tables`: ResourceExhaustedError once the shard holds its
@@ -102,3 +135,27 @@ class Quotas:
         finally:
             with self._lock:
                 self._calls[client] -= 1
+
+
+class Reservation:
+    """The bytes one push being received holds against --max-memory (Quotas.reservation); not thread-safe: one
+    per push, released when the push is over."""
+
+    def __init__(self, quotas: Quotas, held: Callable[[], int]):
+        self._quotas, self._held = quotas, held
+        self._held_then: int | None = None
+        self.nbytes = 0
+
+    def add(self, nbytes: int, what: str) -> None:
+        """Reserves `nbytes` for `what` (nothing without --max-memory); ResourceExhaustedError over the limit."""
+        if not self._quotas.max_memory:
+            return
+        if self._held_then is None:
+            self._held_then = self._held()
+        self._quotas.reserve(self._held_then, nbytes, what)
+        self.nbytes += nbytes
+
+    def release(self) -> None:
+        if self.nbytes:
+            self._quotas.release(self.nbytes)
+            self.nbytes = 0

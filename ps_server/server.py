@@ -19,9 +19,12 @@ from .store import VariableStore
 from ..security import INSECURE, Security
 from .auth import TokenInterceptor
 from .coordinator import Coordinator
+from .failstop import FailStop
 from .journal import Journal
+from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
+from .stalls import DEFAULT_IDLE_SECONDS
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
            "DEFAULT_THREADS"]
@@ -50,6 +53,10 @@ def create_server(
     health_servicer: health.HealthServicer | None = None,
     metrics: ShardMetrics | None = None,
     reflection: bool = False,
+    failstop: FailStop | None = None,
+    workers: frozenset[str] = frozenset(),
+    elastic_workers: int | None = None,
+    stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
 ) -> tuple[grpc.Server, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
 
@@ -63,13 +70,17 @@ def create_server(
     status the caller sets, see set_health), else SERVING. With `metrics` (metrics.ShardMetrics) the
     shard's Prometheus figures are served over HTTP on the address's host, at metrics.port. With
     `reflection` the server answers gRPC reflection (`grpcurl list`), under the same credentials as the
-    rest of the service.
+    rest of the service. The shard's background threads (lease reaper, sync applier, metrics endpoint) run
+    under `failstop` (failstop.FailStop): one that fails marks the shard NOT_SERVING and ends the process;
+    without one, a FailStop marking the health service NOT_SERVING is made here. The worker names in
+    `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any). A
+    client stream (Push, CreateVariables) with no message for `stream_idle_seconds` is ended (stalls.py).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
-        interceptors=[TokenInterceptor(security, index)] if security.token else None,
+        interceptors=[TokenInterceptor(security, index)] if security.checks_tokens else None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -87,15 +98,19 @@ def create_server(
     if not 1 <= max_waiting_calls < threads:
         raise RuntimeError(f"--max-waiting-calls must be at least 1 and below --threads ({threads}). "
                            f"Received: {max_waiting_calls}")
-    coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False)
-    recover(coordinator, journal, restore)
-    servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
-                                       checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
-                                       security=security, quotas=quotas, metrics=metrics)
-    add_to_server(servicer, server)
     if health_servicer is None:
         health_servicer = health.HealthServicer()
         set_health(health_servicer, serving=True)
+    if failstop is None:
+        failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
+    coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False,
+                              failstop=failstop, membership=Membership(workers, elastic_workers))
+    recover(coordinator, journal, restore)
+    servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
+                                       checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
+                                       security=security, quotas=quotas, metrics=metrics,
+                                       stream_idle_seconds=stream_idle_seconds)
+    add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection:
         reflection_service.enable_server_reflection(
@@ -105,24 +120,31 @@ def create_server(
     port = _add_port(server, address, credentials, address)
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     if metrics is not None:
-        servicer.metrics_port = metrics.serve(address.rpartition(":")[0])
+        servicer.metrics_port = metrics.serve(address.rpartition(":")[0], failstop)
     return server, port, coordinator
 
 
 def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | None) -> None:
     """Brings a new shard's state back: its journal's (exactly what it had acknowledged), else `restore`'s;
-    then starts the coordinator (recording into the journal from now on)."""
+    then starts the coordinator (recording into the journal from now on). A journal whose job finished (the
+    chief's Shutdown: Coordinator.finish) goes on as a new job's, from that job's last state. Raises
+    (CheckpointError) for a journal that is corrupt: the shard then does not start."""
     recovered = journal.recover() if journal is not None else None
     if recovered is not None:
         base, records = recovered
         if base is not None:
             coordinator.restore(base, exact=True)
-        count = 0
+        count, finished = 0, False
         for record in records:
-            coordinator.replay(record)
+            finished = coordinator.replay(record) or finished
             count += 1
         _LOGGER.info("recovered from the journal in %s: %s, %d records replayed, step %d", journal.directory,
                      "a base state" if base is not None else "no base", count, coordinator.store.step)
+        if finished:
+            _LOGGER.warning("the journal's job had finished (the chief's Shutdown): a new job begins from its "
+                            "state at step %d, without its members or mode", coordinator.store.step)
+            coordinator.forget_job()
+            journal.begin_again(coordinator.state(with_pending=True))
     elif restore is not None:
         coordinator.restore(restore)
     if journal is None:

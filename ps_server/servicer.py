@@ -32,11 +32,12 @@ from ..partitioning import check_manifest
 from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
-from .auth import Authority
+from .auth import Authority, Caller
 from .metrics import ShardMetrics
-from .coordinator import MAX_STEP, Coordinator
-from .quotas import Quotas, optimizer_slots, state_bytes
+from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
+from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
+from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
 
@@ -44,6 +45,7 @@ __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "con
 
 _LOGGER = logging.getLogger(__name__)
 MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; clients repeat shorter waits
+MEMORY_REFRESH_SECONDS = 1.0  # GetStatus is the clients' readiness probe: /proc and malloc are read this often
 
 
 def _abort(context: grpc.ServicerContext, exc: PSError) -> None:
@@ -82,6 +84,17 @@ def _decoded(request_iterator, decode):
     message does not parse as if it had simply finished, and the handler would apply a prefix."""
     for raw in request_iterator:
         yield _decode(decode, raw)
+
+
+def _end_stalled(context: grpc.ServicerContext, details: str) -> None:
+    """Ends a call from outside its handler with DEADLINE_EXCEEDED and `details`. gRPC Python has no public
+    call for that (RpcContext.cancel() ends it CANCELLED, the fallback where its internals differ)."""
+    try:
+        from grpc._cython import cygrpc
+
+        context._rpc_event.call.cancel(cygrpc.StatusCode.deadline_exceeded, details)
+    except Exception:  # noqa: BLE001 - another grpcio's internals
+        context.cancel()
 
 
 def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -> None:
@@ -141,6 +154,23 @@ class _Count:
             self.value += amount
 
 
+class _Recent:
+    """compute()'s value, computed again at most every `seconds` (thread-safe)."""
+
+    def __init__(self, compute: Callable[[], dict], seconds: float):
+        self._compute, self._seconds = compute, seconds
+        self._lock = threading.Lock()
+        self._value: dict | None = None
+        self._at = 0.0
+
+    def get(self) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            if self._value is None or now - self._at >= self._seconds:
+                self._value, self._at = self._compute(), now
+            return self._value
+
+
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's VariableStore over the ParameterServer service.
 
@@ -150,7 +180,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
-                 security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None):
+                 security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
+                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -169,6 +200,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if metrics is not None:
             metrics.watch(self)
         self._creating = threading.Lock()
+        self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
+        self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):
@@ -177,9 +210,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         declared = job_step = None
         assembler = codec.ChunkAssembler()
         existing = set(self.store.names())
-        held = sum(self.held_bytes())
+        held = self.held_total()
         incoming = 0
-        for message in _decoded(request_iterator, ps_pb2.CreateRequest.FromString):
+        for message in _decoded(self._watched(request_iterator, context, "CreateVariables"),
+                                ps_pb2.CreateRequest.FromString):
             if declared is None:
                 declared, job_step = message.count, message.step
             if message.HasField("spec"):
@@ -208,7 +242,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         _require_active(context)
         with self._creating:  # the memory check again, now that no other stream can create in between
             names = set(self.store.names())
-            self.quotas.check_total(sum(self.held_bytes()),
+            self.quotas.check_total(self.held_total(),
                                     {r.name: r.value.nbytes * (1 + optimizer_slots(r.optimizer, r.hyperparams))
                                      for r in requests if r.name not in names})
             created = self.coordinator.create(requests, job_step=job_step or 0)
@@ -228,13 +262,29 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                             "base_versions")
         if request.min_step:
             context.add_callback(self.coordinator.wake)
-            self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active())
+            self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active(),
+                                           by=_step_authority(self.authority.caller("Pull", context)))
         yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases)
 
     @_map_errors
     def Push(self, request_iterator, context):
         """Applies a complete, valid stream of gradients (see Coordinator.push)."""
-        return self._receive_push(_decoded(request_iterator, wire.decode_push_request), context)[1]
+        return self._receive_push(_decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request),
+                                  context)[1]
+
+    def _watched(self, request_iterator, context: grpc.ServicerContext, method: str):
+        """The stream's messages; one that sends nothing for the shard's idle limit is ended (stalls.py) with
+        DEADLINE_EXCEEDED, and its handler, woken with an error, applies nothing."""
+        def stop(idle: float) -> None:
+            _LOGGER.warning("%s from %s sent nothing for %g s: the call was ended, nothing was applied", method,
+                            context.peer(), idle)
+            _end_stalled(context, f"ps {self.index} ended this {method} stream: no message for {idle:g} s "
+                                  f"(--stream-idle-seconds); nothing was applied")
+
+        with self.stalls.watching(stop) as touch:
+            for raw in request_iterator:
+                touch()
+                yield raw
 
     @_map_errors
     def PushPull(self, request, context):
@@ -286,12 +336,25 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         else:
             self.store.check_gradient(name, meta)
 
-    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw):
+    def _receive_bytes(self, name: str, meta: ps_pb2.TensorMeta) -> int:
+        """Bytes receiving a pushed tensor takes (checked by _check_gradient): its buffer (a compressed one is
+        kept for the journal until the push ends), and the tensor it is decoded into when that is not a view of
+        it (a compressed gradient)."""
+        nbytes = codec.meta_nbytes(meta)
+        if meta.encoding == ps_pb2.ROWS:
+            return nbytes
+        variable = self.store.get(name).spec.meta
+        return nbytes if meta == variable else nbytes + codec.meta_nbytes(variable)
+
+    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict):
         """A complete pushed tensor (checked by _check_gradient): a table's RowGradient, or a dense tensor of
-        its variable's dtype."""
+        its variable's dtype; a compressed one is also kept as it came in `received` (for the journal)."""
         if meta.encoding == ps_pb2.ROWS:
             return RowGradient(*rows.decode_rows(meta, raw))
-        return compression.decode(name, meta, raw, self.store.get(name).spec.meta)
+        variable = self.store.get(name).spec.meta
+        if meta.encoding != ps_pb2.DENSE or meta.dtype != variable.dtype:
+            received[name] = (meta, raw)
+        return compression.decode(name, meta, raw, variable)
 
     def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
         """Assembles decoded (header, chunks, end) messages, then hands the push to the coordinator.
@@ -301,8 +364,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """
         started = time.monotonic()
         header = end = None
-        grads = {}
-        assembler = codec.ChunkAssembler(begin=self._check_gradient, decode=self._decode_gradient)
+        grads, received = {}, {}
+        reservation = self.quotas.reservation(self.held_total)  # the push's buffers, within --max-memory
+
+        def begin(name: str, meta: ps_pb2.TensorMeta) -> None:  # before the tensor's buffer is allocated
+            self._check_gradient(name, meta)
+            if self.quotas.max_memory:
+                reservation.add(self._receive_bytes(name, meta), f"the gradient for {name!r}")
+
+        assembler = codec.ChunkAssembler(
+            begin=begin, decode=lambda name, meta, raw: self._decode_gradient(name, meta, raw, received))
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -340,16 +411,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise MalformedStreamError(f"the push declared {header.tensors} tensors but {len(grads)} arrived "
                                            f"complete; nothing was applied")
             _require_active(context)
-            self._check_self(context, header.worker, "Push")
+            caller = self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
             staleness = self.store.step - header.step if self.metrics is not None else 0
             result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
                                            header.step_increment, cancelled=lambda: not context.is_active(),
-                                           hold=hold, timeout=_remaining(context))
+                                           hold=hold, timeout=_remaining(context), by=_step_authority(caller),
+                                           received=received)
             if self.metrics is not None:
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
+            received.clear()
+            reservation.release()
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
@@ -421,7 +495,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_map_errors
     def UpdateOptimizer(self, request, context):
-        updated = self.coordinator.set_hyperparams(list(request.names), dict(request.hyperparams))
+        """Sets hyperparameters (store.set_hyperparams, which refuses a change of the state's structure after
+        a variable's first step); optimizer state the change adds (momentum turned on) must fit --max-memory."""
+        names, updates = list(request.names), dict(request.hyperparams)
+        with self._creating:  # against creations: one memory quota
+            if self.quotas.max_memory:
+                growth = {}
+                for variable in self.store.trainable(names):
+                    optimizer = variable.optimizer
+                    now = optimizer_slots(optimizer.name, optimizer.current())
+                    after = optimizer_slots(optimizer.name, {**optimizer.current(), **updates})
+                    if after > now:
+                        growth[variable.spec.name] = variable.nbytes * (after - now)
+                if growth:
+                    self.quotas.check_total(self.held_total(), growth, what="optimizer state")
+            updated = self.coordinator.set_hyperparams(names, updates)
         return ps_pb2.UpdateOptimizerResponse(updated=updated)
 
     @_map_errors
@@ -444,10 +532,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.ListResponse(variables=infos, step=self.store.step, generation=self.generation)
 
     def held_bytes(self) -> tuple[int, int]:
-        """(bytes of values, bytes of optimizer state) the shard holds: what its memory quota counts."""
+        """(bytes of values, bytes of optimizer state, as the hyperparameters in force keep it) of the
+        variables the shard holds."""
         variables = [self.store.get(name) for name in self.store.names()]
         values = sum(v.nbytes for v in variables)
-        return values, sum(state_bytes(v.spec) for v in variables) - values
+        return values, sum(v.nbytes * optimizer_slots(v.optimizer.name, v.optimizer.current()) for v in variables)
+
+    def held_total(self) -> int:
+        """What the memory quota counts as held: variables with their optimizer state, and embedding tables."""
+        return sum(self.held_bytes()) + self.coordinator.tables.nbytes()
 
     @_map_errors
     def GetStatus(self, request, context):
@@ -456,7 +549,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
             state_bytes=state, pid=os.getpid(),
-            memory=ps_pb2.MemoryUsage(**memory_usage()), metrics_port=self.metrics_port,
+            memory=ps_pb2.MemoryUsage(**self.memory.get()), metrics_port=self.metrics_port,
             paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
                    for w, (i, score) in coordinator.paces().items()],
             config=config_to_proto(coordinator.config), generation=self.generation,
@@ -468,21 +561,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Configure(self, request, context):
         return ps_pb2.ConfigureResponse(changed=self.coordinator.configure(config_from_proto(request)))
 
-    def _check_self(self, context: grpc.ServicerContext, worker: str, method: str) -> None:
-        """PermissionDeniedError if a certified worker names another worker in its request."""
-        self.authority.check_self(self.authority.caller(method, context), worker, method)
+    def _check_self(self, context: grpc.ServicerContext, worker: str, method: str) -> Caller:
+        """The caller; PermissionDeniedError if a named worker names another worker in its request."""
+        caller = self.authority.caller(method, context)
+        self.authority.check_self(caller, worker, method)
+        return caller
 
     @_map_errors
     def Join(self, request, context):
-        self._check_self(context, request.worker, "Join")
-        step = self.coordinator.join(request.worker, request.incarnation, request.step)
+        caller = self._check_self(context, request.worker, "Join")
+        step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
-                                   generation=self.generation)
+                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker))
 
     @_map_errors
     def Heartbeat(self, request, context):
-        self._check_self(context, request.worker, "Heartbeat")
-        step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step)
+        caller = self._check_self(context, request.worker, "Heartbeat")
+        step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step,
+                                          by=_step_authority(caller))
         return ps_pb2.HeartbeatResponse(step=step, generation=self.generation)
 
     @_map_errors
@@ -546,7 +642,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise ModeConflictError(f"this is ps {self.index}; the request was made for ps {request.shard_index}")
         with self._creating:  # against CreateVariables: one namespace, one memory quota
             def check_memory(adding: dict[str, int]) -> None:
-                self.quotas.check_total(sum(self.held_bytes()) + self.coordinator.tables.nbytes(), adding)
+                self.quotas.check_total(self.held_total(), adding)
 
             created = self.coordinator.create_tables(list(request.tables), request.shard_index, request.num_shards,
                                                      check_memory=check_memory)
@@ -567,7 +663,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             tables = self.coordinator.tables
             dynamic = [name for name in names if not tables.get(name).table.fixed]
             if dynamic:
-                self.quotas.check_admission(sum(self.held_bytes()) + tables.nbytes(), dynamic)
+                self.quotas.check_admission(self.held_total(), dynamic)
         found = self.coordinator.lookup_rows([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
                                              admit=request.admit)
         step = self.store.step
@@ -597,9 +693,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Shutdown(self, request, context):
         _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
+        self.coordinator.finish(request.reason or "shutdown requested")  # the job is done: its journal says so
         if self.on_shutdown is not None:
             context.add_callback(lambda: self.on_shutdown(request.reason))
         return ps_pb2.ShutdownResponse()
+
+
+def _step_authority(caller: Caller) -> str:
+    """What a caller's step counts for on a shard catching up (coordinator: "Authority over the step")."""
+    return {"chief": CHIEF, "worker": WORKER}.get(caller.role, READER)
 
 
 def _placement_manifest(text: str) -> dict:

@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 __all__ = ["state_of", "Saves"]
 
 
-def state_of(coordinator: "Coordinator", *, with_pending: bool, then: Callable[[], object] | None = None) -> dict:
+def state_of(coordinator: "Coordinator", *, with_pending: bool, then: Callable[[], object] | None = None,
+             copy: bool = True) -> dict:
     """The shard's state (call under coordinator.gate.snapshot()); `then()` runs at the same instant, under
-    the bookkeeping lock (a journal rotation), its value under the key "then"."""
-    variables = coordinator.store.snapshot()
+    the bookkeeping lock (a journal rotation), its value under the key "then". `copy=False`: the variables'
+    values are their own tensors, not copies (use them before leaving the gate)."""
+    variables = coordinator.store.snapshot(copy=copy)
     tables = table_state.section(coordinator.tables)
     with coordinator._cond:
         step = coordinator.store.step

@@ -21,10 +21,10 @@ from typing import Callable, Iterable, Mapping, TypeVar
 import torch
 
 from .. import codec, compression
-from ..errors import (NonFiniteGradientError, OptimizerSpecError, SpecConflictError, TensorMismatchError,
-                      UnknownVariableError)
-from .optimizers import VariableOptimizer, normalize_spec
+from ..errors import (ModeConflictError, NonFiniteGradientError, OptimizerSpecError, SpecConflictError,
+                      TensorMismatchError, UnknownVariableError)
 from .deltas import ChangeLog, changed_elements, delta_pays, keeps_zeros
+from .optimizers import VariableOptimizer, normalize_spec, structural_changes
 from .reads import VersionedRead
 from .waits import NamesAwaited
 from ..proto import ps_pb2
@@ -227,8 +227,9 @@ class VariableStore(NamesAwaited):
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def snapshot(self) -> list[dict]:
-        """Every variable's spec, value, version and optimizer state, copied (each under its lock)."""
+    def snapshot(self, *, copy: bool = True) -> list[dict]:
+        """Every variable's spec, value, version and optimizer state, copied (each under its lock); with
+        `copy=False` the values are the variables' own tensors, for a caller that stops every update."""
         entries = []
         for name in self.names():
             variable = self.get(name)
@@ -237,7 +238,8 @@ class VariableStore(NamesAwaited):
                 entries.append({
                     "name": name, "dtype": spec.meta.dtype, "shape": list(spec.meta.shape),
                     "optimizer": spec.optimizer.name, "hyperparams": dict(spec.optimizer.hyperparams),
-                    "current": variable.optimizer.current(), "value": variable.value.detach().clone(),
+                    "current": variable.optimizer.current(),
+                    "value": variable.value.detach().clone() if copy else variable.value.detach(),
                     "version": variable.version, "optimizer_state": variable.optimizer.state_dict()})
         return entries
 
@@ -263,17 +265,34 @@ class VariableStore(NamesAwaited):
             self._step = step
             self._changed.notify_all()
 
-    def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
-        """Sets optimizer hyperparameters of `names` (empty: all trainable). Returns how many changed.
-
-        Validates every variable first; on error nothing changes.
-        """
+    def trainable(self, names: list[str]) -> list[Variable]:
+        """The variables `names` (empty: every trainable one); OptimizerSpecError for one without an optimizer,
+        UnknownVariableError for an unknown name."""
         targets = [self.get(n) for n in names] if names else [
             v for v in (self.get(n) for n in self.names()) if v.optimizer.trainable]
         for variable in targets:
             if not variable.optimizer.trainable:
                 raise OptimizerSpecError(f"variable {variable.spec.name!r} has no optimizer to update")
+        return targets
+
+    def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
+        """Sets optimizer hyperparameters of `names` (empty: all trainable). Returns how many changed.
+
+        Validates every variable first; on error nothing changes. A change of
+        the optimizer state's structure (optimizers.structural_changes:
+        amsgrad, momentum from or to 0, nesterov, ...) is ModeConflictError
+        (FAILED_PRECONDITION) once the variable has stepped: the state it
+        has was made for the old flags.
+        """
+        targets = self.trainable(names)
+        for variable in targets:
             normalize_spec(variable.optimizer.name, {**variable.optimizer.hyperparams, **updates})
+            changes = structural_changes(variable.optimizer.name, variable.optimizer.hyperparams, updates)
+            if changes and variable.version > 0:
+                raise ModeConflictError(
+                    f"variable {variable.spec.name!r} has taken {variable.version} updates: {', '.join(changes)} "
+                    f"would change the structure of its {variable.optimizer.name} state, which is refused after "
+                    f"the first step; nothing was changed. Set it when the variable is created")
         for variable in targets:
             with variable.lock:
                 variable.optimizer.set_hyperparams(updates)

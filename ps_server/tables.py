@@ -86,12 +86,15 @@ def _normalized(spec: ps_pb2.TableSpec) -> ps_pb2.TableSpec:
 
 
 def _fixed_bytes(spec: ps_pb2.TableSpec, num_shards: int) -> int:
-    """Bytes a fixed-size table's part takes at most on one shard, from its spec alone (0 for a dynamic one);
-    OptimizerSpecError for a bad optimizer."""
+    """Bytes a fixed-size table's part takes on one shard, from its spec alone (0 for a dynamic one): its rows
+    with their optimizer state, and under "hash" partitioning the index of the ids it owns (8 bytes each;
+    the hash spreads ids evenly); OptimizerSpecError for a bad optimizer."""
     if not spec.num_embeddings:
         return 0
     widths = RowOptimizer(spec.optimizer.name, dict(spec.optimizer.hyperparams)).state_spec(spec.dim)
     per_row = (spec.dim + sum(w for w, _ in widths.values())) * codec.torch_dtype(spec.dtype).itemsize
+    if rows.partition_name(spec.partition) == "hash":
+        per_row += 8
     return math.ceil(spec.num_embeddings / num_shards) * per_row
 
 

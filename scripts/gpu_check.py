@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     launch = [py, "-m", "torchps.worker.launch"]
     runner = Runner(out, args.budget)
 
-    runner.run("gpu-tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+    runner.run("gpu-tests", [py, "-m", "pytest", "-q", "-o", "addopts=", "-m", "gpu", "-p", "no:cacheprovider",
                              str(ROOT / "tests" / "grpc" / "test_cuda.py")], 150, pytest_counts)
     demo_steps = ["--steps", "100", "--ps", "1"] if quick else []
     runner.run(f"demo-{device}", [*launch, *data, *demo_steps, "--device", device, "--metrics-out",

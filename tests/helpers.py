@@ -1,5 +1,9 @@
 """Small helpers shared by the tests (tests/conftest.py puts this folder on sys.path)."""
 
+import contextlib
+import ctypes
+import os
+import signal
 import time
 
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
@@ -23,3 +27,57 @@ def mnist5k_installed() -> bool:
     except DatasetNotFoundError:
         return False
     return True
+
+
+def process_state(pid: int) -> str:
+    """Its state letter from /proc (R running, S sleeping, T stopped, Z zombie), "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+@contextlib.contextmanager
+def stopped(proc, timeout: float = 30.0):
+    """The process SIGSTOPped for the block (a hung host), from the moment the kernel shows it stopped (a
+    signal takes effect after kill() returns); resumed after the block whatever happens."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: process_state(proc.pid) in ("T", "t"), timeout, f"process {proc.pid} to stop")
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def thread_named(pid: int, name: str, timeout: float = 30.0) -> int:
+    """The id of the thread of process `pid` that the OS knows by `name` (/proc/PID/task/TID/comm)."""
+    def find():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                    if comm.read().strip() == name:
+                        return int(tid)
+        return None
+
+    return wait_until(find, timeout, f"a thread named {name!r} in process {pid}")
+
+
+@contextlib.contextmanager
+def frozen_thread(tid: int):
+    """One thread of another process held still for the block (a write stuck on a dead disk) while its other
+    threads run: ptrace's PTRACE_SEIZE + PTRACE_INTERRUPT, from the moment the kernel reports it stopped;
+    released (PTRACE_DETACH) after the block whatever happens. Must be left from the thread that entered."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    seize, interrupt, detach, wall = 0x4206, 0x4207, 17, 0x40000000  # <sys/ptrace.h>, __WALL
+    if libc.ptrace(seize, tid, None, None) != 0:
+        raise OSError(ctypes.get_errno(), f"ptrace(PTRACE_SEIZE, {tid}): {os.strerror(ctypes.get_errno())}")
+    try:
+        assert libc.ptrace(interrupt, tid, None, None) == 0, os.strerror(ctypes.get_errno())
+        status = ctypes.c_int()
+        assert libc.waitpid(tid, ctypes.byref(status), wall) == tid, os.strerror(ctypes.get_errno())
+        assert process_state(tid) in ("t", "T"), f"thread {tid} did not stop"
+        yield
+    finally:
+        libc.ptrace(detach, tid, None, None)

@@ -63,8 +63,8 @@ from torchps.specs import OPTIMIZER_NAMES, ROW_OPTIMIZER_NAMES
 # The shard's pure core: tested with threads, never imports grpc.
 CORE = [f"torchps.ps_server.{name}" for name in (
     "store", "reads", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
-    "coordinator", "pushes", "background", "recording", "checkpoint", "journal", "row_optimizers", "embeddings",
-    "tables")]
+    "coordinator", "pushes", "background", "recording", "checkpoint", "journal", "journal_log", "row_optimizers",
+    "embeddings", "tables", "failstop")]
 
 
 def test_client_imports_nothing_from_the_server_or_the_worker(loaded_after):

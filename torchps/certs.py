@@ -6,14 +6,17 @@
 Each task's certificate is signed by the job's CA. Its common name is the task
 ("worker:1"), its organizational unit the role the shards grant it ("chief"
 for the cluster's chief, else the task type), and its subject alternative
-names the host of the task's address (and localhost for local jobs). The job
-token and the admin token are random 256-bit secrets. Keys are written with
-mode 0600 in a folder of mode 0700.
+names the host of the task's address (and localhost for local jobs). Every
+task but the shards gets a token of its own, bound to its task name and role
+as its certificate is; the shards get the table of them, so without TLS a
+token still names its holder. Tokens are random 256-bit secrets. Keys and
+tokens are written with mode 0600 in a folder of mode 0700.
 
     DIR/ca.crt  DIR/ca.key        the CA (keep ca.key off the cluster)
     DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0
-    DIR/token  DIR/admin-token    the job token (every task) and the admin token (the chief, and the
-                                  shards that check it)
+    DIR/<type>-<index>.token      per task but the shards: its token (the shards' --token-file is DIR/tokens)
+    DIR/tokens                    the shards': "TASK ROLE TOKEN" for every other task
+    DIR/admin-token               the admin token (the chief, and the shards that check it)
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ TOKEN_BYTES = 32
 
 @dataclasses.dataclass(frozen=True)
 class TaskCredentials:
-    """The files of one task: its certificate and key, the CA, the job token (and the admin token)."""
+    """The files of one task: its certificate and key, the CA, its token (a shard's: the table of every task's),
+    and the admin token (the chief's and the shards')."""
 
     cert: pathlib.Path
     key: pathlib.Path
@@ -59,7 +63,8 @@ class TaskCredentials:
         """Where `task`'s files lie in a job's credentials folder (the admin token for the chief and shards)."""
         stem = f"{task.type}-{task.index}"
         knows_admin = role_of(cluster, task) in ("chief", "ps")
-        return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", directory / "token",
+        token = directory / ("tokens" if task.type == "ps" else f"{stem}.token")
+        return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", token,
                    directory / "admin-token" if knows_admin else None)
 
     def security(self) -> Security:
@@ -108,16 +113,25 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class JobCredentials:
-    """A job's credentials in memory (PEM bytes): the CA's certificate, each task's certificate and key, the
-    tokens, and the CA's key only if it was kept (ps-certs writes it; ps-launch never keeps it, so no
-    certificate can be added to a job it ran)."""
+    """A job's credentials in memory (PEM bytes): the CA's certificate, each task's certificate and key, each
+    task's token but the shards' (they get the table of them), the admin token, and the CA's key only if it was
+    kept (ps-certs writes it; ps-launch never keeps it, so no certificate can be added to a job it ran)."""
 
     cluster: Cluster
     ca_cert: bytes
-    token: bytes
     admin_token: bytes
     tasks: dict[TaskSpec, tuple[bytes, bytes]]  # task -> (certificate, key)
+    tokens: dict[TaskSpec, bytes] = dataclasses.field(default_factory=dict, repr=False)  # every task but the shards
     ca_key: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def token_table(self) -> bytes:
+        """The shards' --token-file: a line "TASK ROLE TOKEN" for every task that has a token."""
+        return "".join(f"{task} {role_of(self.cluster, task)} {token.decode()}\n"
+                       for task, token in self.tokens.items()).encode()
+
+    def token_of(self, task: TaskSpec) -> bytes:
+        """What `task`'s token file holds: its own token, or for a shard the table of every other task's."""
+        return self.token_table() if task.type == "ps" else self.tokens[task]
 
     def write(self, directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]:
         """Every file into `directory` (made with mode 0700) as ps-certs lays them out; ca.key if kept."""
@@ -125,25 +139,29 @@ class JobCredentials:
         _write(directory / "ca.crt", self.ca_cert, secret=False)
         if self.ca_key is not None:
             _write(directory / "ca.key", self.ca_key, secret=True)
-        _write(directory / "token", self.token, secret=True)
         _write(directory / "admin-token", self.admin_token, secret=True)
+        _write(directory / "tokens", self.token_table(), secret=True)
         out = {}
         for task, (cert, key) in self.tasks.items():
             out[task] = files = TaskCredentials.of(directory, self.cluster, task)
             _write(files.cert, cert, secret=False)
             _write(files.key, key, secret=True)
+            if task.type != "ps":
+                _write(files.token, self.tokens[task], secret=True)
         return out
 
     def write_task(self, task: TaskSpec, directory: str | os.PathLike) -> TaskCredentials:
         """Only `task`'s files into `directory` (made with mode 0700), named as in its Kubernetes Secret:
-        ca.crt, tls.crt, tls.key, token, and admin-token for the chief and the shards."""
+        ca.crt, tls.crt, tls.key, token (its own; a shard's: the table of every other task's), and admin-token
+        for the chief and the shards."""
         directory = _private_dir(directory)
         cert, key = self.tasks[task]
         files = TaskCredentials(directory / "tls.crt", directory / "tls.key", directory / "ca.crt",
                                 directory / "token",
                                 directory / "admin-token" if role_of(self.cluster, task) in ("chief", "ps") else None)
         for path, data, secret in ((files.ca, self.ca_cert, False), (files.cert, cert, False), (files.key, key, True),
-                                   (files.token, self.token, True), (files.admin_token, self.admin_token, True)):
+                                   (files.token, self.token_of(task), True),
+                                   (files.admin_token, self.admin_token, True)):
             if path is not None:
                 _write(path, data, secret=secret)
         return files
@@ -157,8 +175,9 @@ def _private_dir(directory: str | os.PathLike) -> pathlib.Path:
 
 
 def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_key: bool = False) -> JobCredentials:
-    """A new CA, a certificate and key per task of `cluster`, and the tokens, in memory only. The CA's key is
-    dropped once every certificate is signed, unless `keep_ca_key`."""
+    """A new CA, a certificate, key and token per task of `cluster` (the shards: the table of tokens) and the
+    admin token, in memory only. The CA's key is dropped once every certificate is signed, unless
+    `keep_ca_key`."""
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -168,7 +187,7 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
                .not_valid_before(start).not_valid_after(end)
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .sign(ca_key, hashes.SHA256()))
-    tasks = {}
+    tasks, tokens = {}, {}
     for task, address in cluster.tasks():
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder().subject_name(_name(str(task), role_of(cluster, task)))
@@ -180,15 +199,17 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(ca_key, hashes.SHA256()))
         tasks[task] = (cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+        if task.type != "ps":
+            tokens[task] = secrets.token_urlsafe(TOKEN_BYTES).encode()
     return JobCredentials(cluster, ca_cert.public_bytes(serialization.Encoding.PEM),
-                          secrets.token_urlsafe(TOKEN_BYTES).encode(), secrets.token_urlsafe(TOKEN_BYTES).encode(),
-                          tasks, _pem_key(ca_key) if keep_ca_key else None)
+                          secrets.token_urlsafe(TOKEN_BYTES).encode(), tasks, tokens,
+                          _pem_key(ca_key) if keep_ca_key else None)
 
 
 def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
                          ) -> dict[TaskSpec, TaskCredentials]:
-    """Writes a CA (its key included), a certificate per task and the tokens into `directory` (made with mode
-    0700), as ps-certs does."""
+    """Writes a CA (its key included), a certificate and a token per task, the shards' table of tokens and the
+    admin token into `directory` (made with mode 0700), as ps-certs does."""
     return issue_job_credentials(cluster, days=days, keep_ca_key=True).write(directory)
 
 
@@ -222,8 +243,8 @@ def read_job_credentials(directory: str | os.PathLike, cluster: Cluster) -> dict
 
 def kubernetes_secrets(made: dict[TaskSpec, TaskCredentials], name: str) -> str:
     """Kubernetes Secrets (one YAML document per task, named NAME-TYPE-INDEX) holding only what that task
-    needs: the CA certificate, the job token, its own certificate and key as tls.crt/tls.key, and the
-    admin token for the chief and the shards. The CA's key is in none of them."""
+    needs: the CA certificate, its token (a shard's: the table of every other task's), its own certificate and
+    key as tls.crt/tls.key, and the admin token for the chief and the shards. The CA's key is in none of them."""
     documents = []
     for task, files in made.items():
         entries = {"ca.crt": files.ca, "token": files.token, "tls.crt": files.cert, "tls.key": files.key}

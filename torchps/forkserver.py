@@ -37,7 +37,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import typing
+from typing import Mapping
 
 import setproctitle
 
@@ -45,8 +47,9 @@ __all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "Proces
            "run_entry"]
 
 # What the fork server imports before forking: the shard's and the worker's entry modules pull in torch,
-# numpy, grpc and the rest of the project.
-ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.worker.__main__")
+# numpy, grpc and the rest of the project; torch._dynamo is what torch imports the first time an optimizer
+# is made (a second's CPU in every shard's first CreateVariables otherwise). None of them starts a thread.
+ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.worker.__main__", "torch._dynamo")
 DISABLE_ENV = "TORCHPS_NO_FORK_SERVER"  # set to 1: every process starts a fresh interpreter instead
 # Read once, when an interpreter starts or imports gRPC, torch or their libraries: a child that needs other
 # values than the fork server started with is started as a fresh interpreter instead.
@@ -55,6 +58,7 @@ STARTUP_ENV = ("GRPC_VERBOSITY", "GRPC_TRACE", "PYTHONPATH", "PYTHONHASHSEED", "
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 START_TIMEOUT_SECONDS = 120.0  # the fork server's imports plus one fork, on a loaded machine
 MAX_MESSAGE_BYTES = 1 << 20
+ORPHAN_POLL_SECONDS = 0.05  # once the fork server is gone, how often a wait looks whether a child still exists
 _PR_SET_PDEATHSIG = 1
 
 
@@ -165,13 +169,15 @@ class _Exits:
             return self._code(pid)
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            self._changed.wait_for(lambda: self._code(pid) is not None or self._server_gone, timeout)
-            while self._code(pid) is None and self._server_gone:  # an orphan: poll its pid until it is gone
-                if not self._changed.wait(0.05) and timeout is not None:
-                    timeout -= 0.05
-                    if timeout <= 0:
-                        break
+            while self._code(pid) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                if self._server_gone:  # nobody reports exits any more: look at the pid now and then
+                    left = ORPHAN_POLL_SECONDS if left is None else min(left, ORPHAN_POLL_SECONDS)
+                self._changed.wait(left)
             return self._code(pid)
 
     def _code(self, pid: int) -> int | None:
@@ -194,7 +200,8 @@ def _exists(pid: int) -> bool:
 
 class ProcessStarter:
     """Starts entry modules as children of a warm fork server, or as fresh interpreters when it is off
-    (fork_server_enabled). Creating one starts the fork server's imports in the background; `start` blocks
+    (fork_server_enabled). Creating one starts the fork server's imports in the background, in `env` (default:
+    this process's environment), which decides its STARTUP_ENV settings; `start` blocks
     until the child exists (the first, until the imports are done), and is safe from several threads.
     `close` ends the fork server (children keep running; those asked to die with their parent die)."""
 
@@ -211,23 +218,24 @@ class ProcessStarter:
                 atexit.register(cls._shared[1].close)  # reaped here, so its CPU time counts as this process's
             return cls._shared[1]
 
-    def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES):
+    def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES, env: Mapping[str, str] | None = None):
         self._lock = threading.Lock()
         self._exits = _Exits()
         self._replies: list[dict] = []
         self._replied = threading.Condition()
         self._server: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._server_env = {key: os.environ.get(key) for key in STARTUP_ENV}
+        env = dict(os.environ if env is None else env)
+        self._server_env = {key: env.get(key) for key in STARTUP_ENV}
         if fork_server_enabled():
-            self._launch(preload)
+            self._launch(preload, env)
 
-    def _launch(self, preload: tuple[str, ...]) -> None:
+    def _launch(self, preload: tuple[str, ...], env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._server = subprocess.Popen(
                 [sys.executable, "-m", __name__, "--serve", str(theirs.fileno()), *preload],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         self._sock = ours
         threading.Thread(target=self._read_replies, name="fork-server-replies", daemon=True).start()
 

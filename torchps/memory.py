@@ -26,8 +26,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import pathlib
 
-__all__ = ["tune_malloc", "malloc_env", "memory_usage"]
+__all__ = ["tune_malloc", "malloc_env", "memory_usage", "memory_limit"]
 
 _LOGGER = logging.getLogger(__name__)
 # role -> (mallopt parameter from glibc's malloc.h, the same setting's environment variable, value)
@@ -92,3 +93,40 @@ def memory_usage() -> dict[str, int]:
         info = mallinfo2()  # sums over all of malloc's heaps (arenas)
         usage.update(heap_in_use_bytes=info.uordblks, heap_free_bytes=info.fordblks, mapped_bytes=info.hblkhd)
     return usage
+
+
+def memory_limit() -> int:
+    """Bytes this process may use: the machine's memory (MemTotal), or its cgroup's limit (a container's, a
+    Kubernetes pod's: cgroup v2 memory.max, v1 memory.limit_in_bytes) where that is lower; 0 if unknown."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in _cgroup_limit_files():
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+        break  # the innermost readable one is the process's own
+    return min(limits, default=0)
+
+
+def _cgroup_limit_files() -> list[pathlib.Path]:
+    """Where this process's cgroup memory limit may be read, innermost first."""
+    root = pathlib.Path("/sys/fs/cgroup")
+    files = []
+    try:
+        lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return files
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2: one hierarchy
+            files += [root / path.lstrip("/") / "memory.max", root / "memory.max"]
+        elif "memory" in controllers.split(","):
+            files += [root / "memory" / path.lstrip("/") / "memory.limit_in_bytes", root / "memory" / "memory.limit_in_bytes"]
+    return [f for f in files if f.exists()]

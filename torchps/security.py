@@ -1,18 +1,25 @@
 """Who may talk to a shard: mutual TLS, job tokens and roles, shared by shards and clients.
 
 A `Security` value holds a task's credentials: its certificate and key and the
-job's CA (mutual TLS: each side checks the other against the CA), the job
-token (a secret every task sends with every call, checked in constant time),
-and for the chief the admin token. Either or both may be used; with neither
-the value is `INSECURE` (plaintext, no checks) and a shard must be told so
-explicitly (`--insecure`).
+job's CA (mutual TLS: each side checks the other against the CA), its token
+(a secret it sends with every call), and for the chief the admin token.
+Either or both may be used; with neither the value is `INSECURE` (plaintext,
+no checks) and a shard must be told so explicitly (`--insecure`).
+
+Tokens are per task: ps-certs gives each task its own (`<type>-<index>.token`)
+and the shards the table of them (`tokens`: a line "TASK ROLE TOKEN" per
+task), so without TLS a token names its task as a certificate does, and a
+worker acts in its own name only. A token file holding one token is still
+accepted by a shard as a job token every task shares: it names nobody, so
+its holders may act in any worker's name (the shard says so when it starts).
 
 Roles, granted by shards from the caller's certificate (organizational unit,
 see torchps.certs) or, without TLS, from the token it sent:
 
     chief      everything: the admin calls below, and what a worker does
     worker     pull, push, join, heartbeat, leave (as itself: the name in the
-               request must be its certificate's), list variables, status
+               request must be its certificate's or its token's), list
+               variables, status
     evaluator  pull, list variables, status
     ps         status
 
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import hashlib
 import os
 import pathlib
 import socket
@@ -68,15 +77,35 @@ def _read(path: str | None, what: str) -> bytes | None:
     return data
 
 
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _parse_tokens(data: bytes, path: str) -> tuple[str | None, tuple[tuple[str, str, str], ...]]:
+    """(one token, or None; the per-task table's (task, role, token) lines) of a token file's text."""
+    lines = [line.split() for line in data.decode(errors="replace").splitlines() if line.strip()]
+    if len(lines) == 1 and len(lines[0]) == 1:
+        return lines[0][0], ()
+    if all(len(line) == 3 for line in lines):
+        return None, tuple((task, role, token) for task, role, token in lines)
+    raise ClusterConfigError(f"the token file {path} holds neither one token nor lines 'TASK ROLE TOKEN' "
+                             f"(ps-certs writes both kinds)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Security:
-    """One task's credentials (see the module docstring). Build with `load`."""
+    """One task's credentials (see the module docstring). Build with `load`.
+
+    `token` is what a client sends (and a shard's shared job token, if it
+    has one); `task_tokens`, a shard's, the (task, role, token) of every task.
+    """
 
     cert: bytes | None = None
     key: bytes | None = None
     ca: bytes | None = None
     token: str | None = None
     admin_token: str | None = None
+    task_tokens: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -84,7 +113,20 @@ class Security:
 
     @property
     def insecure(self) -> bool:
-        return not self.tls and self.token is None
+        return not self.tls and not self.checks_tokens
+
+    @property
+    def checks_tokens(self) -> bool:
+        """A shard with these credentials refuses calls without a valid token."""
+        return self.token is not None or bool(self.task_tokens)
+
+    def task_of(self, token: str) -> tuple[str, str] | None:
+        """(task, role) a per-task token names, or None (looked up by its SHA-256, not compared byte by byte)."""
+        return self._tasks.get(_digest(token)) if token else None
+
+    @functools.cached_property
+    def _tasks(self) -> dict[bytes, tuple[str, str]]:
+        return {_digest(token): (task, role) for task, role, token in self.task_tokens}
 
     @classmethod
     def load(cls, *, tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
@@ -104,9 +146,10 @@ class Security:
             raise ClusterConfigError("TLS needs all of --tls-cert, --tls-key and --tls-ca (the job's CA); "
                                      f"given: {', '.join(k for k in ('tls_cert', 'tls_key', 'tls_ca') if paths[k])}")
         token = _read(paths["token_file"], "token file")
+        one, table = _parse_tokens(token, paths["token_file"]) if token else (None, ())
         admin = _read(paths["admin_token_file"], "admin token file")
         return cls(cert=_read(paths["tls_cert"], "certificate"), key=_read(paths["tls_key"], "private key"),
-                   ca=_read(paths["tls_ca"], "CA certificate"), token=token.decode().strip() if token else None,
+                   ca=_read(paths["tls_ca"], "CA certificate"), token=one, task_tokens=table,
                    admin_token=admin.decode().strip() if admin else None)
 
     def env(self, paths: dict[str, str]) -> dict[str, str]:

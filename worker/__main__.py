@@ -40,7 +40,7 @@ from ..partitioning import partitioner_from_spec
 from ..metrics_http import serve_metrics
 from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import check_output, check_specs, finish_training_flags, parse_args, resolve_security, resolve_task
-from .host import HostProcesses, local_device, run_local_rank
+from .host import HostProcesses, die_with_parent, local_device, run_local_rank
 from .models import build_model, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
@@ -61,6 +61,8 @@ def resolve_device(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.local_rank:
+        die_with_parent()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     tune_malloc()
     task = None
@@ -228,7 +230,8 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                 writer.add_scalar(f"train/{key}", record[key], record["global_step"])
             writer.add_scalar("train/steps_per_second", client.stats.steps_per_second, record["global_step"])
 
-    done_before = _batches_done(start_step, args, replicas)
+    # Only a restarted task skips: a task joining late for the first time has trained nothing yet.
+    done_before = _batches_done(start_step, args, replicas) if client.restarted else 0
     if host is not None:
         binding.share(done_before)  # the other processes skip as many of their batches
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,

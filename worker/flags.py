@@ -158,7 +158,7 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-cert", help="this task's certificate ($TORCHPS_TLS_CERT)")
     s.add_argument("--tls-key", help="its key ($TORCHPS_TLS_KEY)")
     s.add_argument("--tls-ca", help="the job's CA certificate ($TORCHPS_TLS_CA)")
-    s.add_argument("--token-file", help="the job token ($TORCHPS_TOKEN_FILE)")
+    s.add_argument("--token-file", help="this task's token (ps-certs' TYPE-INDEX.token; $TORCHPS_TOKEN_FILE)")
     s.add_argument("--admin-token-file", help="the admin token, the chief's only ($TORCHPS_ADMIN_TOKEN_FILE)")
     s.add_argument("--insecure", action="store_true", help="talk to the shards in plaintext without a token (a "
                    "trusted network only, the shards started --insecure too); needed when no TLS files and no "

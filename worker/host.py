@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ __all__ = ["HostProcesses", "local_backend", "local_device", "run_local_rank"]
 _LOGGER = logging.getLogger(__name__)
 END_WAIT_SECONDS = 60.0    # after the host's last step, the longest local rank 0 waits for the others to exit
 _PR_SET_PDEATHSIG = 1
+PARENT_ENV = "TORCHPS_LOCAL_RANK0_PID"  # local rank 0's pid, for the others' parent-death check
 
 
 def local_device(device: str, local_rank: int) -> str:
@@ -66,12 +68,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In a local rank, before exec: SIGKILL when local rank 0 dies (Linux's parent-death signal)."""
+def die_with_parent() -> None:
+    """In a local rank other than 0, first thing: SIGKILL when local rank 0 dies (Linux's parent-death signal);
+    if it died already (before the signal was set), this process dies now. Set by the child itself, not in a
+    preexec_fn: code between fork and exec in local rank 0, which has gRPC's and torch's threads, is unsafe."""
+    parent = os.environ.get(PARENT_ENV)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     except (OSError, AttributeError):
-        pass  # not Linux: local rank 0 stops them itself
+        return  # not Linux: local rank 0 stops them itself
+    if parent is not None and str(os.getppid()) != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class HostProcesses:
@@ -100,7 +107,7 @@ class HostProcesses:
             for rank in range(1, self.nproc):
                 self.procs[rank] = subprocess.Popen(
                     [sys.executable, "-m", "torchps.worker", *self.argv, "--local-rank", str(rank),
-                     "--host-port", str(port)], preexec_fn=_die_with_parent)
+                     "--host-port", str(port)], env={**os.environ, PARENT_ENV: str(os.getpid())})
                 _LOGGER.info("%s: started (pid %d)", LocalRank(self.task, rank), self.procs[rank].pid)
             self.group = AllreduceGroup.connect_local(self.task, 0, self.nproc, port, timeout=self.timeout,
                                                       device=local_device(self.device, 0),

@@ -6,8 +6,9 @@
 
 The folder (mode 0700, in the system's temporary directory) holds one
 subfolder per task with that task's certificate, key, the CA's certificate,
-the job token and, for the chief and the shards, the admin token: the
-TORCHPS_* variables a child gets name its own files only. Nothing in it can
+its own token (a shard's: the table of every other task's, so a token names
+its task without TLS too) and, for the chief and the shards, the admin
+token: the TORCHPS_* variables a child gets name its own files only. Nothing in it can
 sign a certificate. With a folder ps-certs made (`user_files`), the child is
 pointed at the user's files instead, which the launcher never removes.
 """

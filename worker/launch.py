@@ -71,6 +71,7 @@ WORKER_MODULE = "torchps.worker.__main__"
 MAX_RESTARTS = 3  # per task, with --restart-on-failure
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
 FINISHED_FILE = "job-finished.json"  # in --checkpoint-dir: the summary of a job that ended well
+SHARDS_MEMORY_PERCENT = 50  # of the machine's memory, split among the shards: the workers need the rest
 
 
 class StartError(Exception):
@@ -127,7 +128,8 @@ class Launcher:
         self.metrics_out = metrics_out
         self.out = out
         self.procs: dict[TaskSpec, Proc] = {}
-        self.starter = ProcessStarter()  # every child forked from one warm interpreter
+        # Every child forked from one warm interpreter, started with the gRPC log settings the children get.
+        self.starter = ProcessStarter(env={**os.environ, **grpc_log_env(self.log_level, os.environ)})
         self._print_lock = threading.Lock()
         self.cluster: Cluster | None = None
         self.summary: dict | None = None  # the chief's final summary line, parsed
@@ -383,13 +385,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    f"{DEFAULT_CHECKPOINT_STEPS} steps unless --checkpoint-every-* says otherwise, and at the end")
     g.add_argument("--restore-from", help="start the ps-servers from the newest committed checkpoint in this "
                    "folder, whatever number of shards wrote it")
+    g.add_argument("--max-memory", metavar="SIZE", help="each ps-server's --max-memory: what it may hold, e.g. 2G "
+                   f"or a share of this machine's memory, e.g. 20%% (default: {SHARDS_MEMORY_PERCENT}%% split among "
+                   "the shards)")
     g.add_argument("--restart-on-failure", action="store_true",
                    help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
     g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
                    "certificates and tokens made for this job)")
     g.add_argument("--credentials", metavar="DIR", help="use the CA, certificates and tokens ps-certs wrote into "
                    "DIR for this job's tasks instead of making throw-away ones")
-    g.add_argument("--tokens-only", action="store_true", help="job and admin tokens without TLS: the same "
+    g.add_argument("--tokens-only", action="store_true", help="per-task and admin tokens without TLS: the same "
                    "protection on one host (only root reads loopback traffic, and root reads the keys too) "
                    "without TLS's cost per byte")
     parser = ArgumentParser(prog="ps-launch", parents=[own], description="Run a whole torchps cluster on "
@@ -533,6 +538,9 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
             worker_args = [*worker_args, "--checkpoint-every-steps", str(DEFAULT_CHECKPOINT_STEPS)]
     if args.restore_from:
         ps_args += ["--restore-from", args.restore_from]
+    # Quotas: the shards share the machine with the workers; the job's tasks join under their own names.
+    ps_args += ["--max-memory", args.max_memory or f"{SHARDS_MEMORY_PERCENT / args.ps:.4g}%",
+                "--elastic-workers", str(args.workers + int(args.chief))]
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,

@@ -34,7 +34,7 @@ OLD, NEW, NEWER = 0xA1, 0xB2, 0xC3  # incarnations
 
 @pytest.fixture(scope="module")
 def stubs():
-    with LocalCluster(3) as local:
+    with LocalCluster(3, server_args=["--elastic-workers", "64"]) as local:  # the tests' names are not the spec's
         channels = [grpc.insecure_channel(address) for address in local.cluster.ps]
         stubs = [ps_pb2_grpc.ParameterServerStub(channel) for channel in channels]
         configs = [ps_pb2.SyncConfig(mode="async", lease_seconds=LONG, progress_seconds=LONG),
@@ -257,3 +257,18 @@ def test_a_retry_after_the_shard_restored_its_checkpoint_is_still_a_duplicate(tm
         assert not push(stub, name, worker, OLD, 2).duplicate
         assert torch.equal(value_of(stub, name), -2 * torch.ones(N))
         channel.close()
+
+
+def test_join_says_restarted_only_for_a_new_process_of_a_name_that_joined_before(stubs):
+    """JoinResponse.restarted: what ps-worker reads to skip the batches an earlier process trained. A name
+    joining late for the first time is not restarted (it skips nothing), however far the step has gone."""
+    stub = stubs[0]
+    create(stub, "restarted/w")
+    assert not stub.Join(ref("worker:restarted-a", OLD), timeout=TIMEOUT).restarted
+    for seq in range(1, 4):
+        push(stub, "restarted/w", "worker:restarted-a", OLD, seq)
+    late = stub.Join(ref("worker:restarted-b", OLD, step=3), timeout=TIMEOUT)
+    assert late.step >= 3 and not late.restarted
+    assert stub.Join(ref("worker:restarted-a", NEW), timeout=TIMEOUT).restarted
+    assert stub.Join(ref("worker:restarted-a", NEW), timeout=TIMEOUT).restarted  # a retry says the same
+    assert not stub.Join(ref("worker:restarted-b", OLD), timeout=TIMEOUT).restarted

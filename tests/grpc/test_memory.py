@@ -1,9 +1,14 @@
-"""A shard's memory: what GetStatus reports, gradients given back after each push, pulls without whole copies."""
+"""A shard's memory: what GetStatus reports, gradients given back after each push, pulls without whole copies.
+
+GetStatus reads the process's memory at most once a second (servicer.MEMORY_REFRESH_SECONDS), so a test waits
+for the figures of an event to show instead of reading them once.
+"""
 
 import threading
 
 import torch
 
+from helpers import wait_until
 from torchps.client import Optimizer, PSClient
 
 MIB = 1 << 20
@@ -14,9 +19,12 @@ def test_status_reports_optimizer_state_and_the_process_memory(shared_cluster):
         client.create_variables({"mem/adam": torch.zeros(2 * MIB // 4)}, Optimizer("adam", lr=1e-3))
         client.create_variables({"mem/big": torch.zeros(8 * MIB // 4)}, Optimizer("sgd", lr=0.1))
         assert client.status(client.placement.shard_of("mem/adam")).state_bytes >= 2 * 2 * MIB  # Adam's two moments
-        memory = client.status(client.placement.shard_of("mem/big")).memory
+        shard = client.placement.shard_of("mem/big")
+        # An 8 MiB value is a block of its own (torchps.memory's threshold). The shard's RSS passes 8 MiB long
+        # before (a shard forked from the fork server answers GetStatus, and caches its figures, at once).
+        memory = wait_until(lambda: (lambda m: m if m.mapped_bytes >= 8 * MIB else None)(client.status(shard).memory),
+                            20, "GetStatus's memory figures to show the 8 MiB variable as a block of its own")
         assert memory.peak_rss_bytes >= memory.rss_bytes > 8 * MIB
-        assert memory.mapped_bytes >= 8 * MIB  # an 8 MiB value is a block of its own (torchps.memory's threshold)
         assert memory.heap_in_use_bytes > 0
 
 
@@ -26,13 +34,18 @@ def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
     with PSClient(local.cluster) as ps:
         ps.create_variables({"g": torch.zeros(64 * MIB // 4)}, Optimizer("sgd", lr=0.1))
         ps.pull(["g"])
-        before = ps.status(0).memory.rss_bytes
+        # The figures from after the creation (the value is a mapped block of its own), not cached from before.
+        before = wait_until(lambda: (lambda m: m if m.mapped_bytes >= 64 * MIB else None)(ps.status(0).memory),
+                            20, "GetStatus's memory figures to show the 64 MiB variable").rss_bytes
         grad = torch.full((64 * MIB // 4,), 1e-3)
         for _ in range(3):
             ps.push({"g": grad})
             ps.pull(["g"])
-        after = ps.status(0).memory
-    assert after.peak_rss_bytes - before >= 64 * MIB  # a push's gradient was held whole while it arrived
+        after = wait_until(lambda: (lambda m: m if m.peak_rss_bytes - before >= 64 * MIB else None)(ps.status(0).memory),
+                           20, "a push's gradient, held whole while it arrived, to show in the peak")
+        if after.rss_bytes - before >= 16 * MIB:  # figures read during the last push: take the next ones
+            after = wait_until(lambda: (lambda m: m if m.rss_bytes - before < 16 * MIB else None)(ps.status(0).memory),
+                               5, f"the pushes' memory to be given back (RSS {before} before, {after.rss_bytes} after)")
     assert after.rss_bytes - before < 16 * MIB, (before, after)
 
 

@@ -7,8 +7,6 @@ the way a hung host does) and always SIGCONTed in a finally.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import statistics
 import threading
@@ -21,17 +19,7 @@ from torchps.client import (Optimizer, PSClient, ServerUnavailableError, ShardLo
                             UnknownVariableError, WaitTimeoutError)
 from torchps.client.channels import Backoff
 
-from helpers import wait_until
-
-
-@contextlib.contextmanager
-def stopped(proc):
-    """The shard process SIGSTOPped for the block (a hung host), resumed after it whatever happens."""
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
+from helpers import stopped, wait_until
 
 
 def test_every_call_has_a_deadline_even_against_a_shard_that_answers_nothing(local_cluster):
@@ -192,3 +180,48 @@ def test_a_shard_restarted_empty_that_nobody_refills_fails_fast_with_one_clear_e
         newcomer.declare({"never/v": torch.zeros(1)})
         with pytest.raises(UnknownVariableError):  # a name that was never created is not a lost shard
             newcomer.pull(["never/v"])
+
+
+def test_an_upload_stream_that_stalls_is_ended_and_changes_nothing(local_cluster):
+    """A client that sends a push's header and first chunk, then nothing, with no deadline of its own: the
+    shard ends the stream after --stream-idle-seconds (DEADLINE_EXCEEDED naming the limit), frees the RPC
+    thread and applies nothing; the same for a CreateVariables stream."""
+    import grpc
+
+    from torchps import codec
+    from torchps.proto import ps_pb2
+
+    local = local_cluster(1, server_args=["--stream-idle-seconds", "1"])
+    n = 1 << 18
+    chunks = list(codec.encode_chunks("stall/w", torch.ones(n), 256 << 10))
+    never = threading.Event()
+
+    def stalled(first):
+        yield first
+        never.wait(60)  # the client neither sends more nor ends the stream
+
+    with PSClient(local.cluster, connect_timeout=10) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        client.create_variables({"stall/w": torch.zeros(n)}, Optimizer("sgd", lr=1.0))
+        push = channel.stream_unary("/torchps.v1.ParameterServer/Push",
+                                    request_serializer=ps_pb2.PushRequest.SerializeToString,
+                                    response_deserializer=ps_pb2.PushResponse.FromString)
+        create = channel.stream_unary("/torchps.v1.ParameterServer/CreateVariables",
+                                      request_serializer=ps_pb2.CreateRequest.SerializeToString,
+                                      response_deserializer=ps_pb2.CreateResponse.FromString)
+        spec = ps_pb2.VariableSpec(name="stall/new", meta=codec.meta_of(torch.zeros(n)),
+                                   optimizer=ps_pb2.OptimizerSpec(name="sgd"))
+        try:
+            for call, first in ((push, ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="w", seq=1, tensors=1),
+                                                          chunks=chunks[:1])),
+                                (create, ps_pb2.CreateRequest(count=1, spec=spec))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(stalled(first), timeout=60)
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+                assert "no message for 1 s" in info.value.details()
+        finally:
+            never.set()
+        status = client.status(0)
+        assert status.step == 0 and [v.spec.name for v in client.list_variables()] == ["stall/w"]
+        assert torch.equal(client.pull(["stall/w"])["stall/w"], torch.zeros(n)), "nothing was applied"
+        wait_until(lambda: (lambda s: s.calls_done == s.calls_started - 1)(client.status(0)), 20,
+                   "every handler on the shard to return (GetStatus calls_done)")

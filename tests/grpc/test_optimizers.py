@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchps.client import Optimizer, OptimizerSpecError
+from torchps.client import ModeConflictError, Optimizer, OptimizerSpecError
 
 STEPS = 20
 SHAPE = (6, 5)
@@ -113,3 +113,43 @@ def test_bad_optimizer_spec_at_create(client, optimizer, match):
 def test_optimizer_on_integer_variable(client):
     with pytest.raises(OptimizerSpecError, match="floating-point"):
         client.create_variables({"bad/int_sgd": torch.zeros(2, dtype=torch.int64)}, Optimizer("sgd", lr=0.1))
+
+
+@pytest.mark.parametrize("optimizer, change", [
+    (Optimizer("adam", lr=0.01), {"amsgrad": True}),
+    (Optimizer("adamw", lr=0.01, amsgrad=True), {"amsgrad": False}),
+    (Optimizer("sgd", lr=0.1), {"momentum": 0.9}),
+    (Optimizer("sgd", lr=0.1, momentum=0.9), {"momentum": 0.0}),
+    (Optimizer("sgd", lr=0.1, momentum=0.9), {"nesterov": True}),
+], ids=["amsgrad-on", "amsgrad-off", "momentum-from-0", "momentum-to-0", "nesterov"])
+def test_a_change_of_the_optimizer_states_structure_is_refused_after_the_first_step(client, optimizer, change):
+    """The issue's wedge began here: amsgrad turned on for an Adam variable that had stepped was accepted, and
+    every later step raised KeyError('max_exp_avg_sq'). A flag that changes what the optimizer keeps per element
+    is refused with FAILED_PRECONDITION once the variable has stepped; nothing changes, and the variable goes
+    on training with the hyperparameters it had (an lr change is still accepted)."""
+    name = f"structure/{optimizer.name}/{sorted(change.items())}"
+    client.create_variables({name: torch.zeros(4)}, optimizer)
+    client.push({name: torch.ones(4)})
+    before = client.pull([name])[name]
+    with pytest.raises(ModeConflictError, match=f"{next(iter(change))}.*first step"):
+        client.set_hyperparams([name], **change)
+    (info,) = [v for v in client.list_variables() if v.spec.name == name]
+    assert info.version == 1
+    assert client.set_hyperparams([name], lr=0.5) == 1
+    client.push({name: torch.ones(4)})
+    assert not torch.equal(client.pull([name])[name], before), "the variable still trains"
+
+
+def test_a_change_of_the_optimizer_states_structure_before_the_first_step_takes_effect(client):
+    """Before the first step the state is empty: turning momentum on is accepted and the shard then steps as
+    torch.optim with momentum would."""
+    name = "structure/before-first-step"
+    client.create_variables({name: torch.zeros(3)}, Optimizer("sgd", lr=1.0))
+    assert client.set_hyperparams([name], momentum=0.5) == 1
+    local = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([local], lr=1.0, momentum=0.5)
+    for _ in range(3):
+        client.push({name: torch.ones(3)})
+        local.grad = torch.ones(3)
+        optimizer.step()
+    torch.testing.assert_close(client.pull([name])[name], local.detach())

@@ -8,8 +8,6 @@ must hold a pull back is SIGSTOPped (always SIGCONTed in a finally).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import threading
 import time
@@ -23,20 +21,10 @@ from torchps.client import (Compression, MinSizePartitioner, Optimizer, PSClient
 from torchps.client import overlap as overlap_module
 from torchps.proto import ps_pb2
 
-from helpers import wait_until
+from helpers import stopped, wait_until
 
 TIMEOUT = 30.0
 MIN = codec.MIN_CHUNK_BYTES
-
-
-@contextlib.contextmanager
-def stopped(proc):
-    """The shard process SIGSTOPped for the block (a hung host), resumed after it whatever happens."""
-    os.kill(proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture

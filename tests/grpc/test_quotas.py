@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from torchps import codec
 from torchps.client import Optimizer, PSClient, ResourceExhaustedError
 from torchps.proto import ps_pb2
 
@@ -33,8 +34,10 @@ def test_max_memory_counts_values_and_optimizer_state_before_allocating(local_cl
         with pytest.raises(ResourceExhaustedError, match="--max-memory"):  # momentum doubles sgd's bytes
             client.create_variables({"big": torch.zeros(QUARTER * 8)}, Optimizer("sgd", lr=0.1, momentum=0.9))
         assert names_on(client) == ["adam", "plain"], "nothing was created"
-        client.push({"adam": torch.ones(QUARTER), "plain": torch.ones(QUARTER)})
-        assert client.status(0).step == 1, "the shard keeps serving"
+        with pytest.raises(ResourceExhaustedError, match="to be received.*--max-memory"):  # pushes count too
+            client.push({"adam": torch.ones(QUARTER), "plain": torch.ones(QUARTER)})
+        assert torch.equal(client.pull(["plain"])["plain"], torch.zeros(QUARTER)), "the shard keeps serving"
+        assert client.status(0).step == 0
         assert client.create_variables({"adam": torch.zeros(QUARTER)}, Optimizer("adam", lr=0.1)) == \
             {"adam": False}, "re-creating an existing variable needs no new memory"
 
@@ -145,3 +148,129 @@ def test_two_creations_at_once_cannot_pass_max_memory_together(local_cluster):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in info.value.details()
         assert "now holds" in info.value.details(), f"refused at its spec, before B existed? {info.value.details()}"
         assert names_on(client) == ["b"] and client.status(0).total_bytes == 4 * elements
+
+
+def test_optimizer_state_an_update_adds_counts_against_max_memory(local_cluster):
+    """Turning momentum on (before the first step) adds a buffer the size of the variable: UpdateOptimizer checks
+    it against --max-memory like a creation, and GetStatus counts it once accepted."""
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=2) as client:
+        client.create_variables({"big": torch.zeros(3 * QUARTER)}, Optimizer("sgd", lr=0.1))  # 768K, no state
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            client.set_hyperparams(["big"], momentum=0.9)  # + 768K of momentum
+        assert client.status(0).state_bytes == 0, "nothing changed"
+        client.create_variables({"small": torch.zeros(QUARTER // 2)}, Optimizer("sgd", lr=0.1))  # 128K
+        assert client.set_hyperparams(["small"], momentum=0.9) == 1  # + 128K: 1M in all, at the limit
+        assert client.status(0).state_bytes == 4 * QUARTER // 2
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            client.create_variables({"one-more": torch.zeros(1)}, Optimizer("sgd", lr=0.1))
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
+
+
+def _push_call(channel: grpc.Channel):
+    return channel.stream_unary("/torchps.v1.ParameterServer/Push", request_serializer=ps_pb2.PushRequest.SerializeToString,
+                                response_deserializer=ps_pb2.PushResponse.FromString)
+
+
+def test_pushes_being_received_count_against_max_memory(local_cluster):
+    """A push's buffers are reserved before they are allocated: with 512 KiB held and a first push's 512 KiB
+    arriving, a second push at once would pass --max-memory 1M and is refused (RESOURCE_EXHAUSTED, nothing
+    applied); once the first is applied, the next push is served."""
+    local = local_cluster(1, server_args=["--max-memory", "1M", "--metrics-port", "0"])
+    n = 2 * QUARTER  # 512 KiB of float32
+    release = threading.Event()
+    gradient = list(codec.encode_chunks("w", torch.ones(n), 64 << 10))
+
+    def slow_push():  # the first chunk, then the rest once released
+        yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="slow", seq=1, tensors=1), chunks=[gradient[0]])
+        release.wait(30)
+        for chunk in gradient[1:]:
+            yield ps_pb2.PushRequest(chunks=[chunk])
+
+    with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        client.create_variables({"w": torch.zeros(n)}, Optimizer("sgd", lr=1.0))
+        port = client.status(0).metrics_port
+        push = _push_call(channel)
+        first = push.future(slow_push(), timeout=30)
+        wait_until(lambda: _scrape(port)["torchps_push_receiving_bytes"] == 4 * n, 20, "the first push's reservation")
+        with pytest.raises(grpc.RpcError) as info:
+            push(iter([ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="fast", seq=1, tensors=1),
+                                          chunks=gradient)]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in info.value.details()
+        release.set()
+        assert first.result().versions["w"] == 1
+        assert _scrape(port)["torchps_push_receiving_bytes"] == 0
+        client.push({"w": torch.ones(n)})
+        assert torch.equal(client.pull(["w"])["w"], -2 * torch.ones(n)), "the refused push changed nothing"
+
+
+def test_a_rows_push_declaring_more_rows_than_the_budget_is_refused_before_allocating(local_cluster):
+    """A ROWS tensor's first chunk declares its row count: rows x (8 + dim x 4) bytes are reserved within
+    --max-memory before the buffer is made, so a push declaring far more is refused at once."""
+    from torch import nn
+
+    from torchps.client import Embedding
+
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=2) as client, grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        model = nn.ModuleDict({"emb": Embedding(1000, 16, optimizer=Optimizer("sgd", lr=1.0))})
+        client.register_module(model, Optimizer("sgd", lr=1.0), create=True, join=False)
+        name = model["emb"].table_name
+        meta = ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, shape=[1 << 24, 16], encoding=ps_pb2.ROWS)  # 1.2 GB declared
+        chunk = ps_pb2.TensorChunk(name=name, meta=meta, offset=0, data=bytes(64 << 10))
+        before = memory_kib(local.procs[0].pid)
+        with pytest.raises(grpc.RpcError) as info:
+            _push_call(channel)(iter([ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="w", seq=1, tensors=1),
+                                                         chunks=[chunk])]), timeout=10)
+        after = memory_kib(local.procs[0].pid)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in info.value.details()
+        assert after["VmPeak"] - before["VmPeak"] < 64 << 10, f"the shard reserved the rows: {before} -> {after}"
+
+
+def test_max_memory_as_a_share_of_the_machines_memory(local_cluster):
+    """--max-memory P%: P percent of what the process may use (the machine's memory, or its cgroup's limit),
+    logged at start and enforced like a size."""
+    from torchps.memory import memory_limit
+
+    percent = 100 * (1 << 20) / memory_limit()  # about 1 MiB on any machine
+    local = local_cluster(1, server_args=["--max-memory", f"{percent!r}%"])
+    limit = int(memory_limit() * percent / 100)
+    assert f"ps 0 holds at most {limit} bytes (--max-memory)" in local.log(0)
+    with PSClient(local.cluster, connect_timeout=2) as client:
+        client.create_variables({"most": torch.zeros((limit - (64 << 10)) // 4)}, Optimizer("sgd", lr=0.1))
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            client.create_variables({"more": torch.zeros(QUARTER)}, Optimizer("sgd", lr=0.1))
+
+
+def test_a_checkpoint_relaid_out_over_max_memory_is_refused_at_start(local_cluster, tmp_path):
+    """A re-layout counts against --max-memory: two shards' 256 KiB each, onto one shard allowed 256 KiB, is one
+    line and exit code 2 before the shard serves (and fits one allowed 1 MiB)."""
+    import subprocess
+
+    from torchps.worker.local_cluster import ps_server_command
+
+    source = local_cluster(2, server_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--no-journal"])
+    with PSClient(source.cluster, connect_timeout=10) as client:
+        client.create_variables({"a": torch.ones(QUARTER), "b": torch.ones(QUARTER)}, Optimizer("sgd", lr=0.1))
+        assert client.status(0).num_variables == client.status(1).num_variables == 1
+        client.save_checkpoint(0)
+    flags = [*ps_server_command(), "--index", "0", "--bind", "127.0.0.1:0", "--insecure", "--restore-from",
+             str(tmp_path / "ckpt"), "--num-ps", "1", "--max-memory", "256K"]
+    refused = subprocess.run(flags, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("ps-server: error:")]
+    assert f"would restore {8 * QUARTER} bytes" in line and f"--max-memory {4 * QUARTER}" in line, line
+    fits = local_cluster(1, server_args=["--restore-from", str(tmp_path / "ckpt"), "--num-ps", "1",
+                                         "--max-memory", "1M"])
+    with PSClient(fits.cluster, connect_timeout=10) as client:
+        client.declare({"a": torch.zeros(QUARTER), "b": torch.zeros(QUARTER)})
+        assert torch.equal(client.pull(["a"])["a"], torch.ones(QUARTER))

@@ -7,6 +7,7 @@ whose organizational unit is its role, a job token and an admin token.
 from __future__ import annotations
 
 import datetime
+import json
 import pathlib
 import threading
 
@@ -76,7 +77,7 @@ def test_every_role_does_its_job(local_cluster, job, tls, token):
         worker.push({"w": torch.ones(2)})
         assert torch.equal(evaluator.pull(["w"])["w"], -torch.ones(2))
         assert evaluator.status(0).step == 1
-        assert ("mutual TLS" if tls else "plaintext, job token") in local.log(0)
+        assert ("mutual TLS" if tls else "plaintext, per-task tokens") in local.log(0)
 
 
 def test_calls_without_the_token_or_with_a_wrong_one_are_unauthenticated_and_change_nothing(local_cluster, job,
@@ -140,6 +141,52 @@ def test_a_worker_acts_in_its_own_name_only(local_cluster, job):
             with pytest.raises(PermissionDeniedError, match="own name"):
                 call()
         assert chief.status(0).step == 0 and chief.status(0).live_workers == 0
+
+
+def test_without_tls_a_per_task_token_names_its_holder(local_cluster, job):
+    """Tokens only: worker:1's token cannot Join, Push or Leave as worker:0 (it would retire worker:0's
+    incarnation and shut it out), nor an evaluator's token push; the job token of old (one for every task)
+    is not what ps-certs makes any more."""
+    files, security = job
+    local = local_cluster(1, server_args=shard_flags(files, tls=False))
+    make = lambda task: security(task, tls=False)  # noqa: E731
+    assert files[WORKER].token.read_text() != files[OTHER].token.read_text()
+    with start_job(local, make) as chief, client(local, WORKER, make(WORKER)) as worker, \
+            client(local, WORKER, make(OTHER)) as impostor, client(local, EVALUATOR, make(EVALUATOR)) as evaluator:
+        for c in (worker, impostor, evaluator):
+            c.declare({"w": torch.zeros(2)})
+        worker.join()
+        worker.push({"w": torch.ones(2)})
+        for call in (impostor.join, lambda: impostor.push({"w": torch.ones(2)}), impostor.leave):
+            with pytest.raises(PermissionDeniedError, match="own name"):
+                call()
+        with pytest.raises(PermissionDeniedError, match="evaluator role"):
+            evaluator.push({"w": torch.ones(2)})
+        worker.push({"w": torch.ones(2)})  # still worker:0's incarnation: nobody shut it out
+        assert torch.equal(chief.pull(["w"])["w"], -2 * torch.ones(2))
+        assert chief.status(0).live_workers == 1
+        assert "plaintext, per-task tokens" in local.log(0)
+
+
+def test_membership_is_bounded_by_the_cluster_spec_and_the_elastic_places(local_cluster, job):
+    """The cluster spec's workers always join; at most --elastic-workers other names do, the next is refused
+    (PERMISSION_DENIED, nothing changed); a name already in stays welcome."""
+    files, security = job
+    local = local_cluster(1, server_args=[*shard_flags(files), "--cluster", json.dumps(PLACEHOLDER.to_dict()),
+                                          "--elastic-workers", "1"])
+    with start_job(local, security) as chief:
+        joined = []
+        for name in ("worker:0", "worker:1", "chief:0", "worker:7", "worker:8"):  # the spec's three, then two more
+            chief.worker = name  # the chief may act in any name
+            try:
+                chief.join()
+                joined.append(name)
+            except PermissionDeniedError as exc:
+                assert name == "worker:8" and "--elastic-workers" in str(exc), exc
+        assert joined == ["worker:0", "worker:1", "chief:0", "worker:7"]
+        assert chief.status(0).live_workers == 4
+        chief.worker = "worker:7"
+        chief.join()  # a member that comes back is no new name
 
 
 def test_max_calls_per_client_counts_a_certificate_across_its_connections(local_cluster, job):

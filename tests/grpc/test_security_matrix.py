@@ -266,7 +266,7 @@ class Intruder:
 
 INTRUDERS = [
     Intruder("no-token", lambda m: True, lambda s: s.as_task(CHIEF), lambda s: None,
-             grpc.StatusCode.UNAUTHENTICATED, lambda m: ["carries no job token"]),
+             grpc.StatusCode.UNAUTHENTICATED, lambda m: ["carries no token"]),
     Intruder("wrong-token", lambda m: True, lambda s: s.as_task(CHIEF), lambda s: s.tokens["job"][::-1],
              grpc.StatusCode.UNAUTHENTICATED, lambda m: ["carries a wrong token"]),
     Intruder("worker-admin", lambda m: m in ADMIN_METHODS, lambda s: s.as_task(WORKER0), lambda s: s.tokens["job"],

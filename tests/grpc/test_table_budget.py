@@ -58,3 +58,49 @@ def test_a_dynamic_table_stops_admitting_at_the_budget_and_reads_go_on(local_clu
         assert table.bytes >= 256 << 10
         rows = ps.lookup_rows({name: torch.arange(0, 8)}, admit=False)[name]  # reading still works
         assert rows.shape == (8, DIM)
+
+
+def test_variables_are_created_within_what_the_tables_leave_of_the_budget(local_cluster):
+    """CreateVariables counts the embedding tables a shard holds against its --max-memory, as CreateTables
+    counts its variables: one budget for both."""
+    local = local_cluster(1, server_args=["--max-memory", "1M"])
+    with PSClient(local.cluster, connect_timeout=10) as ps:
+        model = nn.ModuleDict({"emb": Embedding(ROWS // 2, DIM, optimizer=Optimizer("sgd", lr=0.5))})  # 640 KB
+        ps.register_module(model, Optimizer("sgd", lr=0.5), create=True, join=False)
+        with pytest.raises(ResourceExhaustedError, match="--max-memory"):
+            ps.create_variables({"dense/big": torch.zeros(1 << 17)}, Optimizer("sgd", lr=0.1))  # + 512 KiB
+        assert ps.create_variables({"dense/small": torch.zeros(1 << 16)}, Optimizer("sgd", lr=0.1)) == \
+            {"dense/small": True}  # + 256 KiB fits
+
+
+def test_a_fixed_hash_table_never_makes_its_whole_id_range_on_a_shard(local_cluster):
+    """A "hash" table of 32M ids over 1024 shards: this shard's part is 32K rows (and the index of their ids,
+    counted in its budget); the ids it owns are found a chunk at a time, not by hashing an array of all
+    32M ids (256 MB, and as much again for each temporary of the hash)."""
+    import grpc
+
+    from torchps.proto import ps_pb2, ps_pb2_grpc
+
+    local = local_cluster(1, server_args=["--max-memory", "64M"])
+    status = "/proc/{}/status".format(local.procs[0].pid)
+
+    def vm_peak_kib() -> int:
+        return next(int(line.split()[1]) for line in open(status) if line.startswith("VmPeak:"))
+
+    def create(name: str, num_embeddings: int) -> None:
+        spec = ps_pb2.TableSpec(name=name, dim=4, num_embeddings=num_embeddings, dtype=ps_pb2.FLOAT32,
+                                partition=ps_pb2.PARTITION_HASH, optimizer=ps_pb2.OptimizerSpec(name="sgd"),
+                                init=ps_pb2.TableInit(distribution="normal", scale=1.0))
+        reply = stub.CreateTables(ps_pb2.CreateTablesRequest(tables=[spec], shard_index=0, num_shards=1024),
+                                  timeout=120)
+        assert list(reply.created) == [True]
+
+    with grpc.insecure_channel(local.cluster.ps[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        create("narrow", 1 << 16)  # the first creation's threads and heaps, before measuring
+        before = vm_peak_kib()
+        create("wide", 1 << 25)
+        grown = vm_peak_kib() - before
+        table = next(t for t in stub.GetStatus(ps_pb2.StatusRequest(), timeout=30).tables if t.name == "wide")
+    assert 31_000 < table.rows < 34_000
+    assert grown < 64 << 10, f"the shard's peak grew by {grown} KiB making a part of {table.bytes} bytes"

@@ -352,9 +352,10 @@ def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_pat
     assert run.code == 0, run.output
     assert used == [ssl.PEM_cert_to_DER_cert((job / "ps-0.crt").read_text())], "not the folder's certificate"
     serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 1 and serving[0].endswith(": mutual TLS, job token"), serving
+    assert len(serving) == 1 and serving[0].endswith(": mutual TLS, per-task tokens"), serving
     assert sorted(p.name for p in job.iterdir()) == sorted(
-        ["ca.crt", "ca.key", "token", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key"])
+        ["ca.crt", "ca.key", "tokens", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key",
+         "worker-0.token"])
 
 
 def served_certificate(port: int, folder: pathlib.Path, client: str) -> bytes:

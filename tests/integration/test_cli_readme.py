@@ -215,9 +215,12 @@ def check_ps_certs(command: str, comment: str, clone) -> None:
     folder, cluster = clone / args[1], json.loads(args[args.index("--cluster") + 1])
     made = sorted(p.name for p in folder.iterdir())
     listed = [name.strip() for name in comment.split(",")]
+    per_task = [name for name in listed if name.startswith("<type>-<index>.")]
+    assert len(per_task) == 1 and per_task[0].endswith(" (ps: no .token)"), comment
+    suffixes = per_task[0].removeprefix("<type>-<index>.").split()[0].replace(".", "").split("/")  # crt/.key/.token
     expected = [name for name in listed if "<" not in name] + [
         f"{kind}-{index}.{suffix}" for kind, addresses in cluster.items() for index in range(len(addresses))
-        for suffix in ("crt", "key")]
+        for suffix in suffixes if not (kind == "ps" and suffix == "token")]  # shards check tokens: the table
     assert made == sorted(expected), (made, comment)
 
 

@@ -22,7 +22,7 @@ def test_custom_loop_trains_mnist5k():
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "dataset mnist5k (4000 train / 1000 test)" in output
-    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ job token\)$", output, re.MULTILINE), output
+    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ per-task tokens\)$", output, re.MULTILINE), output
     assert re.search(r"^epoch 5 done: test accuracy", output, re.MULTILINE), output
     assert "worker 1 done" in output
     summary = re.search(r"^summary: .*global_steps=(\d+) .*test_accuracy=([\d.]+)$", output, re.MULTILINE)

@@ -30,7 +30,7 @@ def _summary(output: str) -> dict:
 
 def test_dlrm_learns_the_hidden_click_model_on_a_secured_local_cluster():
     output = _run(SMALL)
-    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ job token\)$", output, re.MULTILINE), output
+    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ per-task tokens\)$", output, re.MULTILINE), output
     assert re.search(r"^epoch 1/1  step +\d+  loss [\d.]+ ", output, re.MULTILINE), output  # progress
     assert "worker 1 done: 20000 samples x 1 epochs" in output
     summary = _summary(output)

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import wait_until
+from helpers import process_state, wait_until
 
 from torchps.client import PSClient
 from torchps.forkserver import DISABLE_ENV, ForkedChild, ProcessStarter
@@ -101,11 +101,11 @@ def test_a_child_stopped_on_purpose_stays_stopped_when_another_exits(probe):
     other, _ = run_probe(starter, probe, ["wait"])
     wait_until(lambda: _command_line(stopped.pid).startswith("forkserver_probe"), TIMEOUT, "the child to run")
     stopped.send_signal(signal.SIGSTOP)
-    wait_until(lambda: _state(stopped.pid) == "T", TIMEOUT, "the child to stop")
+    wait_until(lambda: process_state(stopped.pid) == "T", TIMEOUT, "the child to stop")
     other.kill()
     assert other.wait(TIMEOUT) == -signal.SIGKILL
     try:
-        assert _state(stopped.pid) == "T" and stopped.poll() is None, "another child's exit woke or ended it"
+        assert process_state(stopped.pid) == "T" and stopped.poll() is None, "another child's exit woke or ended it"
     finally:
         stopped.kill()
         stopped.send_signal(signal.SIGCONT)
@@ -173,15 +173,6 @@ def _command_line(pid: int) -> str:
         return cmdline.read().replace(b"\0", b" ").decode()
 
 
-def _state(pid: int) -> str:
-    """Its state letter (R, S, T stopped, Z zombie), "" once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return ""
-
-
 def _alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
-    return _state(pid) not in ("", "Z")
+    return process_state(pid) not in ("", "Z")

@@ -819,14 +819,14 @@ def assert_job_ended_by_itself(run: Play) -> None:
 @needs_mnist5k
 def test_tfjob_played_locally_ends_by_itself_with_nothing_left(tfjob_play):
     """The TFJob's replicas, run from their manifest commands with the operator's TF_CONFIG, train over
-    mutual TLS with a job token (each with its own Secret), survive a SIGKILLed shard started again in
+    mutual TLS with per-task tokens (each with its own Secret), survive a SIGKILLed shard started again in
     place, and end the job by themselves: every process exits 0, the shards because of the chief's
     Shutdown, and none is left running."""
     assert_job_ended_by_itself(tfjob_play)
     assert tfjob_play.codes["torchps-ps-1"] == [-signal.SIGKILL, 0], "killed once, then ended with the job"
     for task in tfjob_play.of("ps"):
         (serving,) = [m for line in task.lines[0] if (m := re.search(SERVING, line))]
-        assert serving[3] == "mutual TLS, job token", serving[0]
+        assert serving[3] == "mutual TLS, per-task tokens", serving[0]
     assert set(tfjob_play.health.values()) == {"SERVING"}, tfjob_play.health
 
 

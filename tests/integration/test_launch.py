@@ -25,6 +25,8 @@ import pytest
 
 from helpers import mnist5k_installed
 from torchps.forkserver import DISABLE_ENV
+from torchps.memory import memory_limit
+from torchps.worker.launch import SHARDS_MEMORY_PERCENT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -238,7 +240,7 @@ def test_launch_trains_and_reports(tmp_path):
     assert len(run.pids) >= 4, f"expected 2 ps and 2 worker processes, saw {run.pids}"
     assert_nothing_left(run.pids)
     serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
+    assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
 
 
 @pytest.mark.parametrize("flags,mode", [(["--mode", "sync"], "sync"),
@@ -251,12 +253,14 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
     assert final[6] == mode and int(final[3]) > 0, final[0]
     assert float(final[1]) >= 0.5, f"{mode} over TLS did not learn: {final[0]}"
     serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 2 and all(line.endswith(": mutual TLS, job token") for line in serving), serving
+    assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
+    limit = int(memory_limit() * SHARDS_MEMORY_PERCENT / 2 / 100)  # quotas on: half the machine, over 2 shards
+    assert sum(f"holds at most {limit} bytes (--max-memory)" in line for line in run.lines) == 2, run.output
     assert_nothing_left(run.pids)
 
 
-@pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, job token", True),
-                                           (["--tokens-only"], "plaintext, job token", False),
+@pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, per-task tokens", True),
+                                           (["--tokens-only"], "plaintext, per-task tokens", False),
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
 def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
     """The shards say how they are secured; each process is given only its own files, in a folder of its own
@@ -279,7 +283,8 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
                     folder = pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent
                     seen[task].update(folder=folder, files=sorted(p.name for p in folder.iterdir()),
                                       modes=(folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777),
-                                      everything=sorted(p.name for p in folder.parent.rglob("*")))
+                                      everything=sorted(p.name for p in folder.parent.rglob("*")),
+                                      token=(folder / "token").read_text())
 
     # Each process's environment is read from /proc, which shows what a process was exec'd with: a child
     # forked from the fork server shows the fork server's. So this job's processes start as fresh
@@ -303,6 +308,11 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
         assert given["files"] == sorted(["ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * admin]), given
         assert given["modes"] == (0o700, 0o700), (task, [oct(m) for m in given["modes"]])
         assert "ca.key" not in given["everything"], given["everything"]
+    # Per-task tokens: each worker holds its own, the shard the table of them (TASK ROLE TOKEN).
+    table = {line.split()[0]: line.split()[1:] for line in seen["ps:0"]["token"].splitlines()}
+    assert table == {"worker:0": ["chief", seen["worker:0"]["token"]],
+                     "worker:1": ["worker", seen["worker:1"]["token"]]}, table
+    assert seen["worker:0"]["token"] != seen["worker:1"]["token"]
     folders = {given["folder"] for given in seen.values()}
     assert len(folders) == 3 and len({folder.parent for folder in folders}) == 1, folders
     assert not any(folder.parent.exists() for folder in folders), "the credentials outlive the job"

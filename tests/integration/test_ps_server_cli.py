@@ -9,6 +9,7 @@ and SIGTERM / SIGHUP end it promptly with code 0, SIGINT (Ctrl-C) with 130 and o
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import pathlib
@@ -103,13 +104,15 @@ def status(address: str) -> ps_pb2.StatusResponse:
 
 def stop_with(proc, signum: int) -> int:
     proc.send_signal(signum)
-    start = time.monotonic()
+    return exit_code_within_bound(proc, signal.Signals(signum).name)
+
+
+def exit_code_within_bound(proc, after: str) -> int:
+    """The shard's exit code, which must come within EXIT_TIMEOUT s of `after`."""
     try:
-        code = proc.wait(timeout=EXIT_TIMEOUT)
+        return proc.wait(timeout=EXIT_TIMEOUT)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"ps-server still running {EXIT_TIMEOUT:g} s after {signal.Signals(signum).name}:\n{log_of(proc)}")
-    assert time.monotonic() - start < EXIT_TIMEOUT
-    return code
+        pytest.fail(f"ps-server still running {EXIT_TIMEOUT:g} s after {after}:\n{log_of(proc)}")
 
 
 def test_console_script_installed():
@@ -168,6 +171,19 @@ def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum, code):
         assert "Traceback" not in log_of(proc), log_of(proc)
         if code == 130:
             assert log_of(proc).rstrip().endswith("ps-server: interrupted"), log_of(proc)
+
+
+def test_a_signal_the_kernel_hands_to_another_thread_still_stops_the_shard(tmp_path):
+    """A signal sent to the process may be delivered to any of its threads (gRPC's, torch's): the shard must
+    stop as promptly as when the main thread gets it. Here it is sent to one other thread on purpose."""
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0"], tmp_path) as proc:
+        wait_for_log(proc, r"^.*serving.*$")
+        others = [int(tid) for tid in os.listdir(f"/proc/{proc.pid}/task") if int(tid) != proc.pid]
+        assert others, "the shard runs threads besides its main one"
+        assert tgkill(proc.pid, others[-1], signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+        assert exit_code_within_bound(proc, "SIGTERM to another thread") == 0, log_of(proc)
+        assert "ps 0 stopping" in log_of(proc)
 
 
 def test_torch_threads_are_set_and_logged_before_the_ready_line(tmp_path):

@@ -108,7 +108,7 @@ class Launch:
     def worker_pid(self, index: int) -> int:
         """The pid of the live `worker:index` process."""
         found = [pid for pid, cmd in self.children().items()
-                 if cmd.startswith("ps-worker ") and f"--task-type worker --index {index} " in cmd + " "]
+                 if "ps-worker " in cmd and f"--task-type worker --index {index} " in cmd + " "]
         assert len(found) == 1, f"expected one worker:{index} process among the launcher's children: {found}"
         return found[0]
 

@@ -1,6 +1,8 @@
-"""The chaos soak's one-minute variant (bench/soak.py): kills, pauses and cut connections while four
-workers push, then the audit: nothing acknowledged lost, nothing applied twice, no hang, a complete
-final checkpoint that restores exactly. Every fault kind must have been injected in each run."""
+"""The chaos soak's one-minute variant (bench/soak.py): kills, pauses, cut connections, full disks, a hostile
+evaluator and a structural optimizer change while four workers push, then the audit: nothing acknowledged lost,
+nothing applied twice, no hang, no wedged shard, a shard that stopped itself for every full disk, no far min_step
+answered, no optimizer change accepted, a complete final checkpoint that restores exactly. Every fault kind must
+have been injected in each run."""
 
 import json
 import pathlib
@@ -8,7 +10,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections"}
+KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
+         "toggle-optimizer", "disk-full"}
 
 
 def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
@@ -21,6 +24,10 @@ def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tm
     assert set(result["faults_injected"]) == KINDS, f"every kind of fault happened: {report}"
     assert all(p["pushes_acked"] > 100 for p in result["phases"]), f"both phases trained: {report}"
     assert (result["lost"], result["duplicated"], result["hangs"], result["worker_failures"]) == (0, 0, 0, 0), report
+    assert (result["wedged"], result["hostile_pulls_answered"], result["optimizer_toggles_accepted"]) == (0, 0, 0), \
+        report
+    assert result["hostile_pulls"] > 0 and result["optimizer_toggles"] > 0, report
+    assert result["failstops"] == result["faults_injected"]["disk-full"], report
     assert result["checkpoint_complete"], report + "\n" + json.dumps([p["checkpoint_detail"] for p in result["phases"]])
     assert [p["mode"] for p in result["phases"]] == ["async", "sync"]
     assert result["phases"][1]["sync_steps_applied_once"] is True, report

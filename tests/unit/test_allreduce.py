@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import socket
+import struct
+import threading
 import time
 
 import pytest
@@ -233,3 +235,29 @@ def test_ps_launch_gives_the_chief_a_free_port_for_the_group_unless_told_one(mon
     assert not launch.parse_args(["--dense", "allreduce", "--allreduce-port", "29500", "--entry", entry])[0] \
         .rendezvous_port
     assert not launch.parse_args(["--entry", entry])[0].rendezvous_port
+
+
+def test_a_probe_that_meets_a_reset_asks_again_and_names_a_process_that_is_gone():
+    """A member being SIGKILLed resets the connection its listening socket had accepted, then refuses: the
+    probe must say its process is gone, not that it could not be reached."""
+    from torchps.client.allreduce import _probe
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    accepted = []
+
+    def reset_then_close() -> None:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+        listener.close()  # nothing listens any more: the next connect is refused
+        conn.close()
+        accepted.append(True)
+
+    thread = threading.Thread(target=reset_then_close)
+    thread.start()
+    alive, found = _probe(address, 2.0)
+    thread.join(5)
+    assert accepted and not alive
+    assert found == f"its process is gone: nothing listens at {address} any more", found

@@ -23,7 +23,7 @@ import torch
 from helpers import wait_until
 from torchps.errors import (InvalidArgumentError, ModeConflictError, ResourceExhaustedError, ServerUnavailableError,
                             StepPassedError, WaitTimeoutError, WorkerReplacedError)
-from torchps.ps_server.coordinator import Coordinator
+from torchps.ps_server.coordinator import CHIEF, READER, WORKER, Coordinator
 from torchps.ps_server.modes import PushResult, SyncConfig
 from torchps.ps_server.store import NewVariable, VariableStore
 
@@ -615,6 +615,30 @@ def test_a_save_for_a_step_the_shard_jumps_over_fails_as_past(coordinators):
         c.close()
 
 
+def test_a_restored_shard_catches_up_only_as_far_as_the_chief_vouches(coordinators):
+    """Sync mode, a shard restored from the checkpoint of step 0 while the job is at step 10: a worker's step
+    beyond what the chief vouched for (the checkpoint's) moves nothing and is answered UNAVAILABLE (retried by
+    clients, not a wrong request); an evaluator's wait moves nothing; the chief's heartbeat vouches for step 10
+    and the worker's join and push then go through."""
+    state = coordinators(sync(1, lease_seconds=30.0)).snapshot_at(0, 1.0)
+    c = Coordinator(VariableStore(), owns_step=False)
+    try:
+        c.restore(state)
+        with pytest.raises(ServerUnavailableError, match="not vouched"):
+            c.join("worker:0", 1, 10, by=WORKER)
+        with pytest.raises(ServerUnavailableError, match="not vouched"):
+            push(c, "worker:0", 10, g(1, 1, 1), seq=1, by=WORKER)
+        with pytest.raises(WaitTimeoutError):
+            c.wait_for_step(10, 0.0, by=READER)
+        assert c.store.step == 0
+        assert c.heartbeat("chief:0", 2, 10, by=CHIEF) == 10
+        assert c.join("worker:0", 1, 10, by=WORKER) == 10
+        assert not push(c, "worker:0", 10, g(1, 1, 1), seq=2, by=WORKER).stale
+        assert c.wait_for_step(11, RELEASE_TIMEOUT, by=WORKER) == 11, "the step was applied"
+    finally:
+        c.close()
+
+
 def test_two_saves_of_the_same_step_both_get_the_snapshot(coordinators):
     c = coordinators(sync(1, lease_seconds=30.0))
     c.join("worker:0", 1)
@@ -755,19 +779,21 @@ def test_a_state_taken_while_pushes_run_holds_each_push_once_after_a_restore(coo
     """Three workers push while a checkpoint's state is taken; restored into a new shard, every push sent
     again (as clients retry after a restart) is applied exactly once over the two shards' lifetimes."""
     c = coordinators()
-    taken, states = threading.Event(), []
+    halfway, taken, states = threading.Event(), threading.Event(), []
 
     def pusher(worker: str) -> None:
         for seq in range(1, 31):
             push(c, worker, 0, g(1, 1, 1), seq=seq, step_increment=1)
-            if worker == "worker:0" and seq == 15:
-                taken.set()
+            if worker == "worker:0" and seq == 15:  # the others push on while the state is taken;
+                halfway.set()                       # worker:0's last 15 come after it, whatever the pace
+                assert taken.wait(RELEASE_TIMEOUT)
 
     threads = [threading.Thread(target=pusher, args=(f"worker:{i}",)) for i in range(3)]
     for thread in threads:
         thread.start()
-    assert taken.wait(RELEASE_TIMEOUT)
+    assert halfway.wait(RELEASE_TIMEOUT)
     states.append(c.state(with_pending=False))
+    taken.set()
     for thread in threads:
         thread.join(RELEASE_TIMEOUT)
     assert torch.equal(w(c), -90 * torch.ones(3))
@@ -781,5 +807,29 @@ def test_a_state_taken_while_pushes_run_holds_each_push_once_after_a_restore(coo
             for seq in range(1, 31):
                 push(restored, f"worker:{i}", 0, g(1, 1, 1), seq=seq, step_increment=1)
         assert torch.equal(w(restored), -90 * torch.ones(3)), "each of the 90 pushes applied exactly once"
+    finally:
+        restored.close()
+
+
+def test_only_a_process_that_replaced_an_earlier_one_of_its_name_is_restarted_even_across_a_restore(coordinators):
+    """A name joining late for the first time has trained nothing (it must skip no batch); a new incarnation
+    of a known name is a restarted task, and stays one for its retries and after the shard's restore."""
+    c = coordinators()
+    c.join("worker:0", 1)
+    for seq in range(1, 6):
+        push(c, "worker:0", 0, g(1, 1, 1), seq=seq, step_increment=1)
+    c.join("worker:1", 1, start_step=5)
+    assert not c.restarted("worker:0") and not c.restarted("worker:1") and not c.restarted("worker:7")
+    c.join("worker:0", 2)
+    assert c.restarted("worker:0") and not c.restarted("worker:1")
+    c.join("worker:0", 2)  # a retry of the same join
+    assert c.restarted("worker:0")
+    restored = Coordinator(VariableStore(), owns_step=True, start=False)
+    try:
+        restored.restore(c.state(with_pending=False), exact=True)
+        restored.start()
+        restored.join("worker:1", 3, start_step=5)
+        restored.join("worker:2", 1, start_step=5)
+        assert restored.restarted("worker:1") and not restored.restarted("worker:2")
     finally:
         restored.close()

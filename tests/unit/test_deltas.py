@@ -81,7 +81,9 @@ def test_updates_that_touch_every_element_are_pulled_whole(hyper):
     assert copy.deltas == 0
 
 
-def test_a_hyperparameter_change_to_momentum_stops_deltas_from_then_on():
+def test_a_hyperparameter_change_to_weight_decay_stops_deltas_from_then_on():
+    """Weight decay moves every element, whatever its gradient (momentum would too, but turning it on after
+    the first step is refused: UpdateOptimizer's structural changes)."""
     store = VariableStore()
     store.create([NewVariable("w", torch.randn(N), "sgd", {"lr": 0.5})])
     store.apply({"w": _sparse_grad(99, 10)})  # version 1: version 0 is "no base"
@@ -90,7 +92,7 @@ def test_a_hyperparameter_change_to_momentum_stops_deltas_from_then_on():
     store.apply({"w": _sparse_grad(1, 10)})
     copy.pull()
     assert copy.deltas == 1
-    store.set_hyperparams(["w"], {"momentum": 0.9})
+    store.set_hyperparams(["w"], {"weight_decay": 0.01})
     store.apply({"w": _sparse_grad(2, 10)})
     assert store.read_delta("w", copy.version) is None
     copy.pull()

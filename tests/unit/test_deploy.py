@@ -70,8 +70,69 @@ def test_ps_certs_kubernetes_secrets_give_each_task_only_its_own_files(tmp_path)
         files = secrets[name]
         assert files["tls.crt"] == (job / f"{task}.crt").read_bytes()
         assert files["tls.key"] == (job / f"{task}.key").read_bytes()
-        assert files["ca.crt"] == (job / "ca.crt").read_bytes() and files["token"] == (job / "token").read_bytes()
+        token = job / ("tokens" if task == "ps-0" else f"{task}.token")  # a shard holds every task's, by name
+        assert files["ca.crt"] == (job / "ca.crt").read_bytes() and files["token"] == token.read_bytes()
+    assert secrets["mnist-chief-0"]["token"] != secrets["mnist-worker-0"]["token"], "a token of its own per task"
     assert "admin-token" in secrets["mnist-chief-0"] and "admin-token" in secrets["mnist-ps-0"]
     assert "admin-token" not in secrets["mnist-worker-0"], "a worker must not hold the admin token"
     ca_key = (job / "ca.key").read_bytes()
     assert all(ca_key not in value for files in secrets.values() for value in files.values())
+
+
+def _containers(node):
+    """Every container spec (a mapping with an image) anywhere in a parsed manifest."""
+    if isinstance(node, dict):
+        if "image" in node and ("args" in node or "command" in node):
+            yield node
+        for value in node.values():
+            yield from _containers(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _containers(value)
+
+
+def test_every_shipped_shard_sets_its_memory_quota_from_the_pods_memory():
+    """Quotas are on wherever a shard is shipped: each manifest's ps-server gets --max-memory as a share of its
+    pod's memory limit, which it reads from its cgroup."""
+    import yaml
+
+    shards = []
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            for container in _containers(document):
+                args = [str(a) for a in container.get("args") or []]
+                if "ps-server" in args:
+                    shards.append((path.relative_to(ROOT), args))
+    assert {str(path) for path, _ in shards} == {"deploy/kubeflow/tfjob.yaml", "deploy/kubernetes/base/ps.yaml"}
+    for path, args in shards:
+        assert "--max-memory" in args, f"{path}: ps-server without --max-memory"
+        assert args[args.index("--max-memory") + 1].endswith("%"), f"{path}: a share of the pod's memory"
+
+
+def test_a_tasks_own_folder_holds_its_own_token_and_a_shard_the_table_of_them(tmp_path):
+    """ps-launch's per-task folders (issue_job_credentials + write_task, the CA key in memory only) use the
+    per-task tokens ps-certs writes: each task its own token, a shard the table naming every other task and
+    role; ps-certs' folder (write) holds the same tokens under its own names."""
+    from torchps.certs import issue_job_credentials
+    from torchps.cluster import TaskSpec
+    from torchps.security import Security
+
+    cluster = Cluster(ps=["127.0.0.1:1"], worker=["127.0.0.1:2", "127.0.0.1:3"], chief=["127.0.0.1:4"])
+    issued = issue_job_credentials(cluster, days=1)
+    assert issued.ca_key is None
+    chief, worker, shard = TaskSpec("chief", 0), TaskSpec("worker", 1), TaskSpec("ps", 0)
+    files = {task: issued.write_task(task, tmp_path / f"{task.type}-{task.index}") for task in (chief, worker, shard)}
+    for task, given in files.items():
+        assert given.token.parent == tmp_path / f"{task.type}-{task.index}" and given.token.name == "token"
+        assert not list(tmp_path.rglob("ca.key"))
+    own = {task: files[task].token.read_text() for task in (chief, worker)}
+    assert own[chief] != own[worker]
+    table = Security.load(token_file=str(files[shard].token), environ={}).task_tokens
+    other = issued.tokens[TaskSpec("worker", 0)].decode()
+    assert sorted(table) == [("chief:0", "chief", own[chief]), ("worker:0", "worker", other),
+                             ("worker:1", "worker", own[worker])]
+    assert Security.load(token_file=str(files[worker].token), environ={}).token == own[worker]
+    written = issued.write(tmp_path / "certs")
+    assert written[worker].token.read_text() == own[worker] and written[shard].token.name == "tokens"
+    assert written[shard].token.read_bytes() == files[shard].token.read_bytes()
+    assert not (tmp_path / "certs" / "ca.key").exists() and not (tmp_path / "certs" / "token").exists()

@@ -14,6 +14,8 @@ import threading
 import pytest
 import torch
 
+from torchps.errors import CheckpointError, ServerUnavailableError
+from torchps.ps_server import journal_log
 from torchps.ps_server.coordinator import Coordinator
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.modes import SyncConfig
@@ -31,7 +33,7 @@ def grads(seed: int) -> dict[str, torch.Tensor]:
 def shard(directory: pathlib.Path, *, owns_step: bool = True, compact_bytes: int = 1 << 30) -> Coordinator:
     """A coordinator recovered from (or started with) the journal in `directory`."""
     coordinator = Coordinator(VariableStore(), owns_step=owns_step, start=False)
-    recover(coordinator, Journal(directory, compact_bytes=compact_bytes), None)
+    recover(coordinator, Journal(directory, compact_factor=0, min_compact_bytes=compact_bytes), None)
     return coordinator
 
 
@@ -143,18 +145,26 @@ def test_a_damaged_record_stops_the_replay_there(tmp_path):
     back.close()
 
 
-def test_compaction_writes_a_new_base_deletes_the_old_files_and_recovers_exactly(tmp_path):
-    c = shard(tmp_path, compact_bytes=4096)
+def compacted_often(directory: pathlib.Path) -> dict:
+    """A shard that compacted its journal every few pushes (39 of them); what clients saw at the end."""
+    c = shard(directory, compact_bytes=4096)
     create(c)
     for seq in range(1, 40):
         c.push("worker:0", 3, seq, 0, grads(seq), step_increment=1)
-    c.wait_for_compaction()
+        c.wait_for_compaction()
     expected = observed(c)
     c.close()
-    bases = sorted(p.name for p in tmp_path.glob("base-*.pt"))
+    return expected
+
+
+def test_compaction_writes_a_new_base_retires_the_old_files_and_recovers_exactly(tmp_path):
+    expected = compacted_often(tmp_path)
+    bases = sorted(p.name for p in tmp_path.glob("base-*.bin"))
     logs = sorted(p.name for p in tmp_path.glob("log-*.bin"))
-    assert len(bases) <= 2 and bases[-1] != "base-000000.pt", f"compacted: {bases} {logs}"
-    assert all(name >= bases[0].replace("base", "log").replace(".pt", ".bin") for name in logs), logs
+    spares = sorted(p.name for p in tmp_path.glob("spare-*.bin"))
+    assert len(bases) <= 2 and bases[-1] != "base-000000.bin", f"compacted: {bases} {logs}"
+    assert all(name >= bases[0].replace("base", "log") for name in logs), logs
+    assert len(spares) <= 2, f"retired files are kept to be written over, two at most: {spares}"
     back = shard(tmp_path)
     assert_same(observed(back), expected)
     assert back.push("worker:0", 3, 39, 0, grads(39), step_increment=1).duplicate
@@ -171,7 +181,7 @@ def test_a_crash_between_rotation_and_the_new_base_recovers_from_the_older_base(
     expected = observed(c)
     c.close()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
-        ["base-000000.pt", "log-000000.bin", "log-000001.bin"]
+        ["base-000000.bin", "log-000000.bin", "log-000001.bin"]
     back = shard(tmp_path)
     assert_same(observed(back), expected)
     back.close()
@@ -206,8 +216,11 @@ def test_mode_and_retired_incarnations_survive_a_crash(tmp_path, kind):
     if kind == "configure":
         c.configure(SyncConfig(mode="ssp", total_num_replicas=3, max_staleness=4))
     else:
+        create(c, "sgd")
         c.join("worker:1", 1)
         c.join("worker:1", 2)  # a restart: incarnation 1 is retired
+        # joins do not wait for the disk; the next acknowledged change is written after them
+        c.push("worker:1", 2, 1, 0, grads(1))
     c.close()
     back = shard(tmp_path)
     if kind == "configure":
@@ -277,4 +290,150 @@ def test_a_push_racing_the_creation_of_its_variables_is_recorded_after_them(tmp_
     assert c.store.snapshot()[0]["version"] == 2  # both racing pushes were applied
     back = shard(tmp_path)
     assert_same(observed(back), expected)
+    back.close()
+
+
+# -- a journal that cannot write; recovery that never skips a record ------------------------------------------
+
+def test_a_journal_that_cannot_write_acknowledges_nothing_more_and_applies_a_retry_once(tmp_path):
+    """The log is /dev/full: every write fails with ENOSPC, a real error from the kernel. The change whose
+    record failed is not acknowledged (ServerUnavailableError), nor is anything after it; the failure is
+    reported once (a shard stops there); a retry of the push is not applied again."""
+    failures = []
+    (tmp_path / "log-000000.bin").symlink_to("/dev/full")
+    c = Coordinator(VariableStore(), owns_step=True, start=False)
+    recover(c, Journal(tmp_path, on_failure=failures.append), None)
+    with pytest.raises(ServerUnavailableError, match="No space left on device"):
+        create(c, "sgd", lr=1.0)
+    assert len(failures) == 1 and "log-000000.bin: a write failed: No space left on device" in failures[0]
+    c.store.create([NewVariable("b", torch.zeros(7), "sgd", {"lr": 1.0})])  # as if its record had been written
+    for _ in range(2):  # the push, then its retry
+        with pytest.raises(ServerUnavailableError, match="cannot write its journal"):
+            c.push("worker:0", 1, 1, 0, {"b": torch.ones(7)}, step_increment=1)
+    assert c.store.get("b").version == 1, "applied once, acknowledged never"
+    assert len(failures) == 1
+    c.close()
+
+
+def write_pushes(directory: pathlib.Path, count: int) -> tuple[dict, pathlib.Path]:
+    """A shard that created a, b and acknowledged `count` pushes; (what clients saw, its log)."""
+    c = shard(directory)
+    create(c, "sgd", lr=1.0)
+    for seq in range(1, count + 1):
+        c.push("worker:0", 1, seq, 0, grads(seq), step_increment=1)
+    expected = observed(c)
+    c.close()
+    (log,) = directory.glob("log-*.bin")
+    return expected, log
+
+
+def record_ends(log: pathlib.Path) -> list[int]:
+    """Where each whole record of `log` ends (and the next begins)."""
+    number = int(log.stem.split("-")[1])
+    view, mapping = journal_log.mapped(log)
+    try:
+        return [end for _, end in journal_log.scan(view, number)]
+    finally:
+        view.release()
+        mapping.close()
+
+
+def test_a_damaged_record_with_whole_ones_after_it_is_refused_naming_the_file_and_byte(tmp_path):
+    _, log = write_pushes(tmp_path, 3)
+    starts = [0] + record_ends(log)[:-1]
+    data = bytearray(log.read_bytes())
+    data[starts[-2] + 40] ^= 0xFF  # the second to last record: one whole record follows it
+    log.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{log}: the record at byte {starts[-2]} is damaged .* corrupt"):
+        shard(tmp_path)
+    assert log.read_bytes() == bytes(data), "nothing was cut"
+
+
+def test_a_reused_file_s_old_records_are_neither_replayed_nor_taken_for_corruption(tmp_path):
+    """Compaction writes new logs over retired ones: what is left of a file's earlier use (whole records of
+    another log) after the new log's end is cut off at recovery, never replayed, never called corrupt."""
+    expected = compacted_often(tmp_path)
+    (log,) = tmp_path.glob("log-*.bin")
+    ends = record_ends(log)
+    assert log.stat().st_size > ends[-1], "the current log was written over a longer retired one"
+    # Right after its end, a whole record of the log before it (the last push again): bytes a reused file
+    # may hold there. Replaying it would apply that push twice.
+    number = int(log.stem.split("-")[1])
+    view, mapping = journal_log.mapped(log)
+    (last, _), = [(record, end) for record, end in journal_log.scan(view, number) if end == ends[-1]]
+    view.release()
+    mapping.close()
+    head, views = journal_log.encode(last.kind, last.meta, last.tensors)
+    older = head + b"".join(bytes(v) for v in views) + journal_log.tail(head, views, number - 1)
+    with open(log, "r+b") as f:
+        f.seek(ends[-1])
+        f.write(older)
+    back = shard(tmp_path)
+    assert_same(observed(back), expected)
+    assert back.push("worker:0", 3, 39, 0, grads(39), step_increment=1).duplicate
+    back.close()
+
+
+def test_a_synced_journal_recovers_the_same(tmp_path):
+    c = Coordinator(VariableStore(), owns_step=True, start=False)
+    recover(c, Journal(tmp_path, sync=True), None)
+    create(c)
+    for seq in range(1, 4):
+        c.push("worker:0", 1, seq, 0, grads(seq), step_increment=1)
+    expected = observed(c)
+    c.close()
+    assert_same(observed(shard(tmp_path)), expected)
+
+
+def test_compressed_pushes_are_recorded_as_they_came_and_replay_to_the_same_values(tmp_path):
+    """A bf16 cast and a top-k gradient are journaled as received (half, and a hundredth, of the decoded
+    bytes) and decoded again on replay, bit for bit as the shard decoded them."""
+    from torchps import compression
+
+    c = shard(tmp_path)
+    c.create([NewVariable("w", torch.zeros(256, 64), "adam", {"lr": 0.1})])
+    (log,) = tmp_path.glob("log-*.bin")
+    before = log.stat().st_size
+    for seq, policy in enumerate((compression.Compression("bf16", min_bytes=0),
+                                  compression.Compression("topk", ratio=0.01, min_bytes=0)), start=1):
+        grad = torch.randn(256, 64, generator=torch.Generator().manual_seed(seq))
+        (meta, payload), _ = compression.encode(policy, "w", grad, 0, None)
+        raw = payload.reshape(-1).view(torch.uint8).numpy()
+        spec = c.store.get("w").spec.meta
+        c.push("worker:0", 1, seq, 0, {"w": compression.decode("w", meta, raw, spec)}, step_increment=1,
+               received={"w": (meta, raw)})
+    expected = c.store.read("w", lambda value, _: value.clone())
+    c.close()
+    assert log.stat().st_size - before < 256 * 64 * 4 * 0.6, "the records hold the bytes as they came"
+    back = shard(tmp_path)
+    assert torch.equal(back.store.read("w", lambda value, _: value.clone()), expected)
+    back.close()
+
+
+def test_a_finished_job_begun_again_keeps_the_shards_bound_on_membership(tmp_path):
+    """The chief's Shutdown is journaled; a shard started again on the volume forgets the old job's members
+    (forget_job) but not the bound ps-server was started with (the cluster spec's names, --elastic-workers):
+    a new job still cannot grow membership with invented names."""
+    from torchps.errors import PermissionDeniedError
+    from torchps.ps_server.membership import Membership
+
+    def bounded() -> Coordinator:
+        c = Coordinator(VariableStore(), owns_step=True, start=False,
+                        membership=Membership(frozenset({"worker:0"}), elastic=1))
+        recover(c, Journal(tmp_path), None)
+        return c
+
+    c = bounded()
+    create(c)
+    c.join("worker:0", 7)
+    c.join("worker:5", 7)  # the one elastic place
+    c.finish("the chief ended the job")
+    c.close()
+
+    back = bounded()
+    assert not back.membership.members, "the finished job's members are gone"
+    back.join("worker:0", 8)
+    back.join("worker:6", 8)  # the elastic place, free again in the new job
+    with pytest.raises(PermissionDeniedError, match="elastic-workers"):
+        back.join("worker:7", 8)
     back.close()

@@ -82,3 +82,25 @@ def test_a_pace_is_a_moving_average_that_follows_a_worker_slowing_down():
     pushing(members, "worker:0", last + 4.0, 4.0, 30)
     interval, _ = members.paces()["worker:0"]
     assert 3.9 < interval <= 4.0
+
+
+def test_paces_are_each_workers_interval_over_the_median_of_the_others():
+    """paces_of finds every worker's median of the others in one selection (not a median per worker); it
+    gives what a median per worker gives, ties and one, two and three workers included."""
+    import random
+    import statistics
+
+    from torchps.ps_server.membership import paces_of
+
+    rng = random.Random(7)
+    for n in [1, 2, 3, 4, 5, 8, 33] * 20:
+        intervals = {f"worker:{i}": float(rng.choice([0.5, 1.0, 1.0, 2.0, rng.uniform(0.1, 5)])) for i in range(n)}
+        expected = {}
+        for worker, v in intervals.items():
+            others = [i for w, i in intervals.items() if w != worker]
+            median = statistics.median(others) if others else v
+            expected[worker] = (v, v / median if median > 0 else 1.0)
+        got = paces_of(intervals)
+        assert list(got) == sorted(intervals)
+        assert {w: (i, round(s, 12)) for w, (i, s) in got.items()} == \
+            {w: (i, round(s, 12)) for w, (i, s) in expected.items()}, intervals

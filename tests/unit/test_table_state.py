@@ -79,7 +79,7 @@ def push(c: Coordinator, k: int, seq: int, shard: int = 0, num_shards: int = 1, 
 
 def shard(directory: pathlib.Path, compact_bytes: int = 1 << 30) -> Coordinator:
     c = Coordinator(VariableStore(), owns_step=True, start=False)
-    recover(c, Journal(directory, compact_bytes=compact_bytes), None)
+    recover(c, Journal(directory, compact_factor=0, min_compact_bytes=compact_bytes), None)
     return c
 
 
@@ -121,7 +121,7 @@ def test_a_journaled_shard_comes_back_with_every_table_exactly(tmp_path, compact
     assert dyn["events"]["evicted_by_age"] > 0, "and eviction by age"
     c.close()
     if compact_bytes < 1 << 30:
-        assert not (tmp_path / "base-000000.pt").exists(), "compacted at least once"
+        assert not (tmp_path / "base-000000.bin").exists(), "compacted at least once"
 
     back = shard(tmp_path, compact_bytes)
     assert back.store.step == step
@@ -334,7 +334,7 @@ def test_sync_row_sums_and_applied_steps_survive_a_crash_as_a_shard_that_never_s
 
     def start(journal: pathlib.Path | None) -> Coordinator:
         c = Coordinator(VariableStore(), owns_step=False, start=False)
-        recover(c, Journal(journal, compact_bytes=compact_bytes) if journal else None, None)
+        recover(c, Journal(journal, compact_factor=0, min_compact_bytes=compact_bytes) if journal else None, None)
         return c
 
     def sync_push(c: Coordinator, worker: str, seq: int, step: int, k: int):
@@ -367,7 +367,7 @@ def test_sync_row_sums_and_applied_steps_survive_a_crash_as_a_shard_that_never_s
     with pytest.raises(ServerUnavailableError):
         held[killed].result()
     if compact_bytes < 1 << 30:
-        assert not (tmp_path / "journal" / "base-000000.pt").exists(), "compacted at least once"
+        assert not (tmp_path / "journal" / "base-000000.bin").exists(), "compacted at least once"
 
     back = start(tmp_path / "journal")
     assert back.store.step == 4

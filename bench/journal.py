@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""What the journal costs: async training with and without it, interleaved (pullpush.py's training runs).
+
+    python bench/journal.py --json bench/results/journal.json     # the README's figures, a few minutes
+    python bench/journal.py --dims 784,64,10 --seconds 1 --repeats 1 --warmup 1   # a smoke run, seconds
+    python bench/journal.py --stores --json bench/results/journal_stores.json      # the log beside SQLite, LMDB
+
+1 ps and 2 async worker processes push and pull the 784-8192-2304-10 MLP
+(25.3M float32, 101 MB each way, server-side SGD) as fast as they can, in
+three setups started side by side and run in turn, rotated every repeat:
+
+    plain         ps-server --no-journal (what the other benchmarks measure)
+    journal       ps-server --checkpoint-dir DIR: the journal's default guarantee (process crash:
+                  each record in the kernel's page cache before its push is acknowledged)
+    journal_sync  ... --journal-sync: each record on the disk (fdatasync) before it is acknowledged
+
+`journal_over_plain` is the journal's steps/s over plain's (medians over the
+repeats), `journal_sync_over_plain` the synced one's; `_paired` variants are
+the medians of the per-repeat ratios. DIR is a fresh folder under --dir
+(default: the system's temporary folder), so the journal goes to that disk.
+Every setup's workers take --warmup steps first: a journal's first
+compactions allocate its files, which it then writes over (journal.py), so
+the timed runs measure it as a long job runs.
+
+--stores measures instead what one record of the model's gradient (101 MB)
+costs to append, in CPU seconds of this process (user + system), to the
+journal's log (ps_server/journal.py, into the page cache), to SQLite in WAL
+mode (the standard library's sqlite3, one row per record, synchronous=OFF:
+the page cache too), and to LMDB (if the lmdb package is importable,
+sync=False), each keeping the last few records as a journal does (see
+bench_stores); the median of --store-records timed records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import pullpush  # noqa: E402 - bench/ is not a package
+
+SETUPS = ("plain", "journal", "journal_sync")
+TARGET = 0.90  # the journal costs under 10% (issue #22)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--json", type=pathlib.Path, help="write all results and raw timings here")
+    parser.add_argument("--dims", default=",".join(map(str, pullpush.BIG_DIMS)),
+                        help="the MLP's layer sizes (default: the 25.3M-float model)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="wall time of one timed run (default 10)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per setup (default 5)")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps per worker first (default 8: past "
+                        "the journal's third compaction, from which on it writes over its retired files)")
+    parser.add_argument("--workers", type=int, default=2, help="async workers (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default 1e-3)")
+    parser.add_argument("--setups", default=",".join(SETUPS), help=f"which of {', '.join(SETUPS)} (default all)")
+    parser.add_argument("--dir", type=pathlib.Path, help="where the journals go (default: the temporary folder)")
+    parser.add_argument("--stores", action="store_true", help="only the stores' cost of appending a record")
+    parser.add_argument("--store-records", type=int, default=8, help="records per store with --stores (default 8)")
+    args = parser.parse_args(argv)
+    args.dims = tuple(int(d) for d in args.dims.split(","))
+    args.setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if "plain" not in args.setups or set(args.setups) - set(SETUPS):
+        parser.error(f"--setups: plain and any of {', '.join(SETUPS[1:])}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from torchps.client import tune_malloc
+    from torchps.memory import malloc_env
+
+    os.environ.update(malloc_env())  # as pullpush.py: every process gets the same allocator settings
+    tune_malloc()
+    started = time.monotonic()
+    results: dict = {"config": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
+                     **pullpush.environment()}
+    if args.stores:
+        return report_stores(args, results, started)
+    with tempfile.TemporaryDirectory(prefix="torchps-bench-journal-", dir=args.dir) as folder:
+        flags = {"plain": ["--no-journal"],
+                 "journal": ["--checkpoint-dir", os.path.join(folder, "journal")],
+                 "journal_sync": ["--checkpoint-dir", os.path.join(folder, "journal_sync"), "--journal-sync"]}
+        # pullpush.bench_training reads these from its args; "async" setups are --insecure shards
+        args.train_repeats, args.train_warmup = args.repeats, args.warmup
+        names = {f"async_{s}": s for s in args.setups}
+        run = pullpush.bench_training("journal", args.dims, args, args.seconds, args.lr, with_local=False,
+                                      setups=tuple(names), server_args={n: flags[s] for n, s in names.items()})
+    rates = {names[n]: v for n, v in run["rates"].items()}
+    medians = {names[n]: v for n, v in run["medians"].items()}
+    results.update(rates=rates, steps_per_s=medians, cpu_per_step={names[n]: v for n, v in run["cpu"].items()},
+                   raw={names[n]: v for n, v in run["raw"].items()}, target=TARGET,
+                   flags={s: " ".join(f).replace(folder, "DIR") for s, f in flags.items()})
+    for setup in args.setups[1:]:
+        results[f"{setup}_over_plain"] = medians[setup] / medians["plain"]
+        results[f"{setup}_over_plain_paired"] = pullpush.median(
+            [j / p for p, j in zip(rates["plain"], rates[setup])])
+    print(table(finish(results, started, args), args))
+    return 0
+
+
+def finish(results: dict, started: float, args) -> dict:
+    """`results` with the load at the end and the wall time, written to --json if given."""
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["wall_seconds"] = time.monotonic() - started
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return results
+
+
+def report_stores(args, results: dict, started: float) -> int:
+    results["stores"] = bench_stores(args)
+    finish(results, started, args)
+    mb = pullpush.mlp_numel(args.dims) * 4 / 1e6
+    print(f"| store | CPU per {mb:.0f} MB record, ms (median of {args.store_records}) |\n| --- | --- |")
+    for store, ms in results["stores"].items():
+        print(f"| {store} | {'not installed' if ms is None else f'{ms:.0f}'} |")
+    print(f"\nload {results['machine']['loadavg_start'][0]:.1f} -> {results['machine']['loadavg_end'][0]:.1f}; "
+          f"{results['wall_seconds']:.0f} s")
+    return 0
+
+
+def bench_stores(args) -> dict[str, float | None]:
+    """{store: median CPU ms to append one record of the model's gradient, in steady state}; None where not
+    installed. Every store keeps the last few records and drops older ones as it goes (the journal by its
+    compaction, which writes its next log over a retired one; SQLite and LMDB by deleting them, which frees
+    their pages for the next), and is timed once it has dropped some."""
+    import resource
+    import sqlite3
+
+    import torch
+
+    from torchps.ps_server.journal import Journal
+
+    keep = 4
+    grad = torch.randn(pullpush.mlp_numel(args.dims))
+    data = memoryview(grad.numpy()).cast("B")
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    def median_ms(append) -> float:
+        spent = []
+        for i in range(3 * keep + args.store_records):
+            before = cpu()
+            append(i)
+            spent.append(cpu() - before)
+        return 1e3 * pullpush.median(spent[3 * keep:])
+
+    out: dict[str, float | None] = {}
+    with tempfile.TemporaryDirectory(prefix="torchps-bench-stores-", dir=args.dir) as folder:
+        journal = Journal(os.path.join(folder, "journal"))
+        journal.start(None)
+
+        def append(i: int) -> None:
+            journal.wait(journal.append("apply", {}, {"g": grad}))
+            if (i + 1) % keep == 0:  # a compaction, with an empty state for its base
+                number = journal.rotate()
+                journal.finish_compaction(number, journal.write_base(number, {}))
+
+        out["journal log"] = median_ms(append)
+        journal.close()
+        db = sqlite3.connect(os.path.join(folder, "wal.db"), isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=OFF")
+        db.execute("CREATE TABLE log (id INTEGER PRIMARY KEY, data BLOB)")
+
+        def insert(i: int) -> None:
+            db.execute("INSERT INTO log (id, data) VALUES (?, ?)", (i, data))
+            db.execute("DELETE FROM log WHERE id <= ?", (i - keep,))
+
+        out["SQLite, WAL, synchronous=OFF"] = median_ms(insert)
+        db.close()
+        try:
+            import lmdb
+        except ImportError:
+            out["LMDB, sync=False"] = None
+        else:
+            env = lmdb.open(os.path.join(folder, "lmdb"), map_size=4 * keep * len(data) + (1 << 30), sync=False,
+                            metasync=False)
+
+            def put(i: int) -> None:
+                with env.begin(write=True) as txn:
+                    txn.put(i.to_bytes(8, "big"), data)
+                    if i >= keep:
+                        txn.delete((i - keep).to_bytes(8, "big"))
+
+            out["LMDB, sync=False"] = median_ms(put)
+            env.close()
+    return out
+
+
+def table(results: dict, args) -> str:
+    rows = [("setup", "ps-server flags", "steps/s (median)", "over plain (paired)", "CPU per step, ms (ps)"),
+            ("---",) * 5]
+    for setup in args.setups:
+        cpu = results["cpu_per_step"][setup]
+        ratio = "1" if setup == "plain" else \
+            f"{results[f'{setup}_over_plain']:.3f} ({results[f'{setup}_over_plain_paired']:.3f})"
+        rows.append((setup, results["flags"][setup],
+                     f"{results['steps_per_s'][setup]:.2f}", ratio,
+                     f"{cpu['total_ms']:.0f} ({cpu.get('server_ms', float('nan')):.0f})"))
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    numel = pullpush.mlp_numel(args.dims)
+    lines.append(f"\n{numel:,} parameters, 1 ps, {args.workers} async workers, {args.repeats} x {args.seconds:g} s "
+                 f"per setup; journal_over_plain {results.get('journal_over_plain', float('nan')):.3f} "
+                 f"(target >= {TARGET:.2f}); load {results['machine']['loadavg_start'][0]:.1f} -> "
+                 f"{results['machine']['loadavg_end'][0]:.1f}; {results['wall_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

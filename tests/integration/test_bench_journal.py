@@ -1,0 +1,24 @@
+"""The README's journal benchmark on its smallest settings: bench/journal.py trains with and without the journal
+(and with --journal-sync), interleaved, and reports the ratios the README quotes."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_journal_benchmark_reports_its_ratios_over_the_plain_shard(tmp_path):
+    out = tmp_path / "journal.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "journal.py"), "--dims", "784,16,10", "--workers", "1",
+                          "--seconds", "0.5", "--repeats", "1", "--warmup", "1", "--dir", str(tmp_path),
+                          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    assert set(result["steps_per_s"]) == {"plain", "journal", "journal_sync"}
+    assert all(rate > 0 for rate in result["steps_per_s"].values())
+    for setup in ("journal", "journal_sync"):
+        assert result[f"{setup}_over_plain"] == result["steps_per_s"][setup] / result["steps_per_s"]["plain"]
+    assert "| journal_sync | --checkpoint-dir DIR/journal_sync --journal-sync |" in run.stdout
+    assert "journal_over_plain" in run.stdout
