@@ -3,6 +3,7 @@
     PSError                        base of everything torchps raises
     ├── ClusterConfigError         bad cluster / TF_CONFIG / flags (local, never on the wire)
     ├── UnknownVariableError       NOT_FOUND: no variable of that name on the shard
+    ├── UnknownDataQueueError      NOT_FOUND: no data queue of that name (dynamic sharding)
     ├── InvalidArgumentError       INVALID_ARGUMENT: the request is wrong; nothing changed
     │   ├── TensorMismatchError    wrong dtype or shape for the variable
     │   ├── NonFiniteGradientError NaN or Inf in a gradient
@@ -13,6 +14,8 @@
     │   └── StepPassedError        a checkpoint's step the shard already went past
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
+    ├── DataShardError             FAILED_PRECONDITION: a data shard the worker does not hold (any more),
+    │                              or a push that does not continue it where it stands: take again
     ├── AuthenticationError        UNAUTHENTICATED: no token, or a wrong one
     ├── PermissionDeniedError      PERMISSION_DENIED: the caller's role may not make this call
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
@@ -32,6 +35,7 @@ __all__ = [
     "PSError",
     "ClusterConfigError",
     "UnknownVariableError",
+    "UnknownDataQueueError",
     "InvalidArgumentError",
     "TensorMismatchError",
     "NonFiniteGradientError",
@@ -42,6 +46,7 @@ __all__ = [
     "StepPassedError",
     "CheckpointError",
     "WorkerReplacedError",
+    "DataShardError",
     "AuthenticationError",
     "PermissionDeniedError",
     "WaitTimeoutError",
@@ -71,6 +76,15 @@ class ClusterConfigError(PSError, ValueError):
 
 class UnknownVariableError(PSError, KeyError):
     """A request named a variable the shard does not hold."""
+
+    grpc_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownDataQueueError(PSError, KeyError):
+    """A request named a data queue (dynamic sharding) that shard 0 does not hold: the chief creates it."""
 
     grpc_code = "NOT_FOUND"
 
@@ -124,6 +138,14 @@ class CheckpointError(PSError):
 
 class WorkerReplacedError(PSError):
     """A newer process of the same task (a new incarnation) joined: this one is fenced off and must stop."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class DataShardError(PSError):
+    """A data shard's lease is not this worker incarnation's (never taken, given back when its lease ran out,
+    replaced, or rolled back with a restored shard), or a push's examples do not continue it where it stands.
+    Nothing was applied: take a shard again (TakeDataShard answers where the held one stands)."""
 
     grpc_code = "FAILED_PRECONDITION"
 
