@@ -46,6 +46,7 @@ import torch
 from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .aggregation import PendingSteps
+from .dataqueue import DataQueues
 from .background import apply_steps, reap
 from .failstop import FailStop
 from .gate import ApplyGate
@@ -88,6 +89,7 @@ class Coordinator(PushPath):
                  membership: Membership | None = None):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
+        self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
         self.owns_step = owns_step
         self.recorder: Recorder | None = None
         self.waits = WaitLimit(max_waiting_calls)
@@ -238,6 +240,7 @@ class Coordinator(PushPath):
             self.membership = Membership(self.membership.known, self.membership.elastic)
             self.ledger = PushLedger()
             self.pending = PendingSteps()
+            self.queues.clear()
             self._set_config(SyncConfig())
 
     def restore(self, state: dict, *, exact: bool = False) -> None:
@@ -249,6 +252,7 @@ class Coordinator(PushPath):
             self.ledger.restore(state.get("ledger", []))
             self.membership.restore(state.get("membership", {}), self._now())
             self.pending.restore(state.get("pending", {}))
+            self.queues.restore(state.get("queues"))
             self.restored_step = state["step"]
             self._behind = not exact
             self._vouched = state["step"]  # a committed checkpoint: the chief committed it

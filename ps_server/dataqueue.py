@@ -65,7 +65,7 @@ class QueueSpec:
         """Itself; InvalidArgumentError naming the first field out of range."""
         problems = [
             ("name", 1 <= len(self.name) <= MAX_NAME, f"1 to {MAX_NAME} characters"),
-            ("num_examples", 1 <= self.num_examples <= MAX_EXAMPLES, f"in [1, 2^62]"),
+            ("num_examples", 1 <= self.num_examples <= MAX_EXAMPLES, "in [1, 2^62]"),
             ("shard_size", 1 <= self.shard_size <= MAX_EXAMPLES, "in [1, 2^62]"),
             ("epochs", 0 <= self.epochs <= MAX_EPOCHS, f"in [0, {MAX_EPOCHS}] (0: no end)"),
             ("seed", 0 <= self.seed < 1 << 64, "in [0, 2^64)"),

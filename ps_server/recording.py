@@ -162,6 +162,8 @@ def replay(c: "Coordinator", record: Record) -> bool:
         elif kind == "set_step":
             c.store.set_step(meta["step"])
             c.pending.clear() if meta.get("clear") else c.pending.drop_before(meta["step"])
+        elif kind == "queue":
+            c.queues.replay(meta)
         elif kind == "member":
             worker = meta["worker"]
             c.membership.restore_member(worker, meta, c._now())

@@ -23,6 +23,7 @@ from .failstop import FailStop
 from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
+from .queue_desk import settle as settle_queues
 from .quotas import Quotas
 from .stalls import DEFAULT_IDLE_SECONDS
 
@@ -149,9 +150,11 @@ def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | N
         coordinator.restore(restore)
     if journal is None:
         coordinator.start()
+        settle_queues(coordinator)
         return
     journal.start(None if recovered is not None else coordinator.state(with_pending=True))
     coordinator.attach_journal(journal)
+    settle_queues(coordinator)  # data queues' pushes in flight, from the ledger: recorded, before serving
 
 
 def set_health(health_servicer: health.HealthServicer, *, serving: bool) -> None:

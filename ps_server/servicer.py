@@ -35,6 +35,8 @@ from ..security import INSECURE, Security
 from .auth import Authority, Caller
 from .metrics import ShardMetrics
 from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
+from .dataqueue import QueueSpec
+from .queue_desk import QueueDesk
 from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
 from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
@@ -202,6 +204,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._creating = threading.Lock()
         self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
         self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
+        self.queue_desk = QueueDesk(coordinator, home=index == 0, index=index)  # data queues: ps 0's
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):
@@ -414,10 +417,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             caller = self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
             staleness = self.store.step - header.step if self.metrics is not None else 0
-            result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
-                                           header.step_increment, cancelled=lambda: not context.is_active(),
-                                           hold=hold, timeout=_remaining(context), by=_step_authority(caller),
-                                           received=received)
+            data = self.queue_desk.before_push(header)  # its data positions (ps 0): checked before it is applied
+            result = None
+            try:
+                result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
+                                               header.step_increment, cancelled=lambda: not context.is_active(),
+                                               hold=hold, timeout=_remaining(context), by=_step_authority(caller),
+                                               received=received)
+            finally:
+                self.queue_desk.after_push(data, header, result)  # counted once applied, before it is answered
             if self.metrics is not None:
                 self.metrics.pushed(time.monotonic() - started, result.wait_seconds, staleness, result.duplicate)
         finally:
@@ -690,6 +698,38 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.ListTablesResponse(tables=tables.infos(names or None), step=self.store.step,
                                          generation=self.generation)
 
+    # -- data queues (dynamic sharding) -----------------------------------------------------------
+
+    @_map_errors
+    def CreateDataQueue(self, request, context):
+        spec = QueueSpec(request.name, request.num_examples, request.shard_size, request.epochs, request.seed)
+        return ps_pb2.CreateDataQueueResponse(created=self.queue_desk.create(spec))
+
+    @_map_errors
+    def TakeDataShard(self, request, context):
+        self._check_self(context, request.worker, "TakeDataShard")
+        wait = _wait_seconds(request.wait_seconds)
+        context.add_callback(self.coordinator.wake)
+        lease, finished = self.queue_desk.take(request.queue, request.worker, request.incarnation, wait,
+                                               lambda: not context.is_active())
+        return ps_pb2.TakeDataShardResponse(shard=_data_shard(request.queue, lease) if lease else None,
+                                            finished=finished)
+
+    @_map_errors
+    def GetDataQueue(self, request, context):
+        wait = _wait_seconds(request.wait_seconds)
+        context.add_callback(self.coordinator.wake)
+        status = self.queue_desk.status(request.name, wait, lambda: not context.is_active())
+        spec = status["spec"]
+        return ps_pb2.DataQueueStatus(
+            spec=ps_pb2.DataQueueSpec(name=spec.name, num_examples=spec.num_examples, shard_size=spec.shard_size,
+                                      epochs=spec.epochs, seed=spec.seed),
+            epoch=status["epoch"], trained=status["trained"], epochs_done=status["epochs_done"],
+            finished=status["finished"], shards_done=status["shards_done"],
+            held=[_data_shard(spec.name, lease) for lease in status["held"]],
+            holders=[lease.worker for lease in status["held"]], reclaimed=status["reclaimed"],
+            requeued_examples=status["requeued_examples"], duplicates=status["duplicates"])
+
     @_map_errors
     def Shutdown(self, request, context):
         _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
@@ -697,6 +737,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if self.on_shutdown is not None:
             context.add_callback(lambda: self.on_shutdown(request.reason))
         return ps_pb2.ShutdownResponse()
+
+
+def _wait_seconds(seconds: float) -> float:
+    """A request's wait_seconds; InvalidArgumentError unless finite and >= 0."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise InvalidArgumentError(f"wait_seconds must be finite and >= 0. Received: {seconds}")
+    return seconds
+
+
+def _data_shard(queue: str, lease) -> ps_pb2.DataShard:
+    return ps_pb2.DataShard(queue=queue, lease=lease.id, epoch=lease.epoch, begin=lease.begin, end=lease.end,
+                            progress=lease.progress)
 
 
 def _step_authority(caller: Caller) -> str:
@@ -778,6 +830,14 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             servicer.LookupRows, ps_pb2.LookupRowsRequest.FromString, bytes),  # yields serialized PullResponses
         "ListTables": grpc.unary_unary_rpc_method_handler(
             servicer.ListTables, ps_pb2.ListRequest.FromString, ps_pb2.ListTablesResponse.SerializeToString),
+        "CreateDataQueue": grpc.unary_unary_rpc_method_handler(
+            servicer.CreateDataQueue, ps_pb2.DataQueueSpec.FromString,
+            ps_pb2.CreateDataQueueResponse.SerializeToString),
+        "TakeDataShard": grpc.unary_unary_rpc_method_handler(
+            servicer.TakeDataShard, ps_pb2.TakeDataShardRequest.FromString,
+            ps_pb2.TakeDataShardResponse.SerializeToString),
+        "GetDataQueue": grpc.unary_unary_rpc_method_handler(
+            servicer.GetDataQueue, ps_pb2.DataQueueRequest.FromString, ps_pb2.DataQueueStatus.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -41,6 +41,7 @@ def state_of(coordinator: "Coordinator", *, with_pending: bool, then: Callable[[
                  "tables": tables,
                  "ledger": coordinator.ledger.export(step, with_pending=with_pending),
                  "membership": coordinator.membership.export()}
+        state["queues"] = coordinator.queues.export()  # data queues (dynamic sharding): queue_desk.py
         if with_pending:
             state["pending"] = coordinator.pending.export()
         if then is not None:

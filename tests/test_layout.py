@@ -64,7 +64,7 @@ from torchps.specs import OPTIMIZER_NAMES, ROW_OPTIMIZER_NAMES
 CORE = [f"torchps.ps_server.{name}" for name in (
     "store", "reads", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
     "coordinator", "pushes", "background", "recording", "checkpoint", "journal", "journal_log", "row_optimizers",
-    "embeddings", "tables", "failstop")]
+    "embeddings", "tables", "failstop", "dataqueue", "queue_desk")]
 
 
 def test_client_imports_nothing_from_the_server_or_the_worker(loaded_after):

@@ -114,7 +114,7 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class PushHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PULL_BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PULL_BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
@@ -137,7 +138,8 @@ class PushHeader(_message.Message):
     tensors: int
     pull_base_versions: _containers.RepeatedScalarFieldContainer[int]
     pull_base_generation: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ...) -> None: ...
+    data: DataProgress
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunks", "end")
@@ -564,3 +566,105 @@ class ListTablesResponse(_message.Message):
     step: int
     generation: int
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class DataQueueSpec(_message.Message):
+    __slots__ = ("name", "num_examples", "shard_size", "epochs", "seed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_examples: int
+    shard_size: int
+    epochs: int
+    seed: int
+    def __init__(self, name: _Optional[str] = ..., num_examples: _Optional[int] = ..., shard_size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CreateDataQueueResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class TakeDataShardRequest(_message.Message):
+    __slots__ = ("queue", "worker", "incarnation", "wait_seconds")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    worker: str
+    incarnation: int
+    wait_seconds: float
+    def __init__(self, queue: _Optional[str] = ..., worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class DataShard(_message.Message):
+    __slots__ = ("queue", "lease", "epoch", "begin", "end", "progress")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    lease: int
+    epoch: int
+    begin: int
+    end: int
+    progress: int
+    def __init__(self, queue: _Optional[str] = ..., lease: _Optional[int] = ..., epoch: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., progress: _Optional[int] = ...) -> None: ...
+
+class TakeDataShardResponse(_message.Message):
+    __slots__ = ("shard", "finished")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    shard: DataShard
+    finished: bool
+    def __init__(self, shard: _Optional[_Union[DataShard, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class DataProgress(_message.Message):
+    __slots__ = ("queue", "lease", "begin", "end")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    lease: int
+    begin: int
+    end: int
+    def __init__(self, queue: _Optional[str] = ..., lease: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class DataQueueRequest(_message.Message):
+    __slots__ = ("name", "wait_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    wait_seconds: float
+    def __init__(self, name: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class DataQueueStatus(_message.Message):
+    __slots__ = ("spec", "epoch", "trained", "epochs_done", "finished", "shards_done", "held", "holders", "reclaimed", "requeued_examples", "duplicates")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_DONE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    spec: DataQueueSpec
+    epoch: int
+    trained: _containers.RepeatedScalarFieldContainer[int]
+    epochs_done: int
+    finished: bool
+    shards_done: int
+    held: _containers.RepeatedCompositeFieldContainer[DataShard]
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    reclaimed: int
+    requeued_examples: int
+    duplicates: int
+    def __init__(self, spec: _Optional[_Union[DataQueueSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., trained: _Optional[_Iterable[int]] = ..., epochs_done: _Optional[int] = ..., finished: _Optional[bool] = ..., shards_done: _Optional[int] = ..., held: _Optional[_Iterable[_Union[DataShard, _Mapping]]] = ..., holders: _Optional[_Iterable[str]] = ..., reclaimed: _Optional[int] = ..., requeued_examples: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...

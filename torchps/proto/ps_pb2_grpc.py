@@ -119,6 +119,21 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.ListRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.ListTablesResponse.FromString,
                 _registered_method=True)
+        self.CreateDataQueue = channel.unary_unary(
+                '/torchps.v1.ParameterServer/CreateDataQueue',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.DataQueueSpec.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.CreateDataQueueResponse.FromString,
+                _registered_method=True)
+        self.TakeDataShard = channel.unary_unary(
+                '/torchps.v1.ParameterServer/TakeDataShard',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.TakeDataShardRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.TakeDataShardResponse.FromString,
+                _registered_method=True)
+        self.GetDataQueue = channel.unary_unary(
+                '/torchps.v1.ParameterServer/GetDataQueue',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.DataQueueRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.DataQueueStatus.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -294,6 +309,39 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateDataQueue(self, request, context):
+        """Creates a data queue on ps 0 (see "Data queues"); the chief's. Idempotent:
+        the same spec again keeps the queue as it stands. ALREADY_EXISTS for
+        another spec under its name; INVALID_ARGUMENT for a bad spec (or past 16
+        queues); FAILED_PRECONDITION on another shard than ps 0. Never blocks on
+        training (it waits for its journal record).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeDataShard(self, request, context):
+        """Hands the calling worker the data shard it holds, else the next one: a
+        shard given back first (oldest epoch first), else the next positions of
+        the epoch being handed out. Waits (wait_seconds) while every shard left is
+        held by others and may yet come back. NOT_FOUND for an unknown queue;
+        FAILED_PRECONDITION for a worker that has not joined ps 0 with this
+        incarnation or is not live, or on another shard than ps 0;
+        WorkerReplacedError for a replaced incarnation; INVALID_ARGUMENT for a
+        wait out of range. Changes nothing but the lease it hands out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDataQueue(self, request, context):
+        """A data queue's state: epochs, counts, the shards held. Can wait for the
+        queue to be created (workers waiting for the chief). NOT_FOUND if absent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -381,6 +429,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ListTables,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.ListRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.ListTablesResponse.SerializeToString,
+            ),
+            'CreateDataQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateDataQueue,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.DataQueueSpec.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.CreateDataQueueResponse.SerializeToString,
+            ),
+            'TakeDataShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeDataShard,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.TakeDataShardRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.TakeDataShardResponse.SerializeToString,
+            ),
+            'GetDataQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataQueue,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.DataQueueRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.DataQueueStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -842,6 +905,87 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/ListTables',
             torchps_dot_v1_dot_ps__pb2.ListRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.ListTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateDataQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/CreateDataQueue',
+            torchps_dot_v1_dot_ps__pb2.DataQueueSpec.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.CreateDataQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeDataShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/TakeDataShard',
+            torchps_dot_v1_dot_ps__pb2.TakeDataShardRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.TakeDataShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/GetDataQueue',
+            torchps_dot_v1_dot_ps__pb2.DataQueueRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.DataQueueStatus.FromString,
             options,
             channel_credentials,
             insecure,
