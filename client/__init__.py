@@ -5,12 +5,12 @@
 
 from ..cluster import Cluster, TaskSpec
 from ..compression import Compression
-from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, InternalServerError, InvalidArgumentError,
-                      MalformedStreamError, ModeConflictError, NonFiniteGradientError, OptimizerSpecError,
-                      PermissionDeniedError, PSError,
+from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, DataShardError, InternalServerError,
+                      InvalidArgumentError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
+                      OptimizerSpecError, PermissionDeniedError, PSError,
                       ResourceExhaustedError, ServerUnavailableError, ShardLostError, SpecConflictError,
-                      StepPassedError, TensorMismatchError, UnknownVariableError, WaitTimeoutError,
-                      WorkerReplacedError)
+                      StepPassedError, TensorMismatchError, UnknownDataQueueError, UnknownVariableError,
+                      WaitTimeoutError, WorkerReplacedError)
 from ..memory import tune_malloc
 from ..partitioning import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
 from ..placement import Placement
@@ -20,6 +20,7 @@ from .allreduce import AllreduceError, AllreduceGroup, LocalRank, Rendezvous
 from .host import HostBinding, LocalReplica
 from .hybrid import HybridBinding, local_optimizer
 from .client import PSClient
+from .dataqueue import DataQueue, DataShard
 from .deltas import PullBases
 from .embedding import Embedding, EmbeddingBag, ShardedTable, prefetch_rows
 from .module import ModuleBinding
@@ -33,6 +34,9 @@ __all__ = [
     "Cluster",
     "ClusterConfigError",
     "Compression",
+    "DataQueue",
+    "DataShard",
+    "DataShardError",
     "Embedding",
     "EmbeddingBag",
     "FixedShardsPartitioner",
@@ -66,6 +70,7 @@ __all__ = [
     "StepPassedError",
     "TaskSpec",
     "TensorMismatchError",
+    "UnknownDataQueueError",
     "UnknownVariableError",
     "WaitTimeoutError",
     "WorkerReplacedError",

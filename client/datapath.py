@@ -25,6 +25,10 @@ GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps glo
 class DataPath:
     """pull, pull_into, push, push_pull: the calls of a training step (PSClient inherits them)."""
 
+    # Dynamic sharding (client/dataqueue.py): the data positions the next push trained (PushHeader.data), set by
+    # DataQueue.pushing() for the pushes it wraps.
+    data_progress: ps_pb2.DataProgress | None = None
+
     def pull(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Fetches variables into new CPU tensors: {name: tensor}.
 
@@ -203,9 +207,11 @@ class DataPath:
             return next_step
 
     def _header(self, step: int | None, advance_step: bool) -> ps_pb2.PushHeader:
-        """The header of a new push: this client's incarnation and the push's number (kept by retries)."""
+        """The header of a new push: this client's incarnation and the push's number (kept by retries), and the
+        data positions it trained (data_progress) if set."""
         return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
-                                 step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq))
+                                 step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq),
+                                 data=self.data_progress)
 
     def _stage_out(self, grads: Mapping[str, torch.Tensor]) -> Staged:
         """The gradients on the host: CUDA ones that travel uncompressed copied into reused pinned buffers

@@ -2,8 +2,8 @@
 
 The methods come from ps.proto's descriptor, so an RPC added later is covered without touching this
 file. One shard (mutual TLS, job token and admin token, --checkpoint-dir in a tmp folder) serves the
-whole module: its chief configured it, created `w` and the embedding table `t`, worker:1 joined and
-pushed once, and the chief committed a checkpoint. Then, per RPC, raw gRPC calls (no PSClient: nothing
+whole module: its chief configured it, created `w`, the data queue `q` and the embedding table `t`,
+worker:1 joined and pushed once, and the chief committed a checkpoint. Then, per RPC, raw gRPC calls (no PSClient: nothing
 retries or rewrites them) carry a request that would change the shard if it were served (but the reads,
 see READS), with:
 
@@ -36,7 +36,7 @@ import torch
 from google.protobuf import json_format, message_factory
 
 from torchps.certs import make_job_credentials
-from torchps.client import Optimizer, PSClient, TaskSpec
+from torchps.client import DataQueue, Optimizer, PSClient, TaskSpec, UnknownDataQueueError
 from torchps.cluster import Cluster
 from torchps.proto import ps_pb2
 from torchps.security import ADMIN_METHODS, ROLES, TOKEN_METADATA_KEY, Security
@@ -58,7 +58,7 @@ STATUS_FIELDS = ("index", "step", "num_variables", "total_bytes", "pid", "live_w
 # RPCs whose request below cannot change the shard when served (they read). Every other request does,
 # but Configure: with worker:1 joined, the shard refuses another mode (FAILED_PRECONDITION) even to the
 # chief, so its denial shows in its status code alone.
-READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables"})
+READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue"})
 
 
 def _ones(n: int) -> bytes:
@@ -101,6 +101,10 @@ def requests_for(shard: "Shard") -> dict[str, list]:
         "LookupRows": [ps_pb2.LookupRowsRequest(tables=[ps_pb2.TableIds(name="t", ids=struct.pack("<2q", 0, 3))],
                                                 admit=True)],
         "ListTables": [ps_pb2.ListRequest()],
+        "CreateDataQueue": [ps_pb2.DataQueueSpec(name="intruder-queue", num_examples=4, shard_size=2)],
+        # worker:1 (joined) would be handed a shard of the chief's queue.
+        "TakeDataShard": [ps_pb2.TakeDataShardRequest(queue="q", worker="worker:1", incarnation=INCARNATION)],
+        "GetDataQueue": [ps_pb2.DataQueueRequest(name="q")],
     }
 
 
@@ -180,6 +184,7 @@ def start_shard(tmp: pathlib.Path) -> Shard:
             admin_token_file=str(c.admin_token), environ={}))
         chief.configure("async", lease_seconds=LONG, startup_grace_seconds=LONG, progress_seconds=LONG)
         chief.create_variables({"w": torch.zeros(2)}, Optimizer("sgd", lr=1.0))
+        DataQueue(chief, "q").create(10, 5)
         tokens = {"job": c.token.read_text().strip(), "admin": c.admin_token.read_text().strip()}
         shard = Shard(local, files, foreign, chief, checkpoint_dir, ps_pb2.CommitRequest(), tokens)
         with shard.as_task(WORKER1) as worker:
@@ -225,7 +230,15 @@ def snapshot(shard: Shard) -> dict:
         # What a table holds, and what pushes did to it (rows_read counts reads: not a change).
         "tables": [(t.name, t.rows, t.pending, t.bytes, t.optimizer_steps, t.rows_pushed) for t in status.tables],
         "files": files_under(shard.checkpoint_dir),
+        "queues": {name: queue_state(shard.chief, name) for name in ("q", "intruder-queue")},
     }
+
+
+def queue_state(chief: PSClient, name: str) -> dict | None:
+    try:
+        return json_format.MessageToDict(DataQueue(chief, name).status())
+    except UnknownDataQueueError:
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -327,13 +340,24 @@ def test_an_evaluator_reads_rows_but_never_admits(shard):
     assert not changes(before, snapshot(made))
 
 
+def test_a_worker_takes_data_shards_in_its_own_name_only(shard):
+    """TakeDataShard is a worker's, but only for itself: worker:0 cannot take a shard in worker:1's name."""
+    made, before = shard
+    with made.as_task(WORKER0) as chan:
+        code, details, _ = call(chan, METHODS["TakeDataShard"], requests_for(made)["TakeDataShard"],
+                                made.tokens["job"])
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "acts in its own name only" in details, details
+    assert not changes(before, snapshot(made))
+
+
 def test_the_chiefs_own_requests_do_change_the_shard(tmp_path):
     """On a shard of its own: each request of the matrix, sent with the chief's credentials, is served and
     changes what snapshot() reads (but the reads, and Configure, see READS); Shutdown last stops it."""
     made = start_shard(tmp_path)
     try:
         with made.chief, made.as_task(CHIEF) as chan:
-            order = sorted(METHODS, key=lambda name: name == "Shutdown")
+            # Leave last but for Shutdown: TakeDataShard hands worker:1 a shard while it is live.
+            order = sorted(METHODS, key=lambda name: (name == "Shutdown", name == "Leave"))
             for name in order:
                 before = snapshot(made)
                 code, details, replies = call(chan, METHODS[name], request(made, METHODS[name]), made.tokens["admin"])
