@@ -43,6 +43,7 @@ from .flags import check_output, check_specs, finish_training_flags, parse_args,
 from .host import HostProcesses, die_with_parent, local_device, run_local_rank
 from .models import build_model, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables
+from .dynamic import open_queue, queue_summary, train_dynamic
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
 from .residuals import ResidualFile
 from .trainer import TrainOptions, evaluate, evaluate_once, optimizer_from_flags, run_evaluator, train
@@ -230,8 +231,10 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                 writer.add_scalar(f"train/{key}", record[key], record["global_step"])
             writer.add_scalar("train/steps_per_second", client.stats.steps_per_second, record["global_step"])
 
-    # Only a restarted task skips: a task joining late for the first time has trained nothing yet.
-    done_before = _batches_done(start_step, args, replicas) if client.restarted else 0
+    # Only a restarted task skips: a task joining late for the first time has trained nothing yet. With
+    # --dynamic-sharding nothing is skipped: the queue on ps 0 knows what was trained.
+    queue = open_queue(client, job, args.dynamic_sharding, args.epochs, args.seed) if args.dynamic_sharding else None
+    done_before = _batches_done(start_step, args, replicas) if client.restarted and queue is None else 0
     if host is not None:
         binding.share(done_before)  # the other processes skip as many of their batches
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
@@ -243,8 +246,11 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if observer is not None and observer.timeline is not None:
         client.tracer = observer.tracer
     try:
-        result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options,
-                       on_step=on_step, observer=observer)
+        if queue is not None:
+            result = train_dynamic(client, job, binding, queue, options=options, on_step=on_step, observer=observer)
+        else:
+            result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options,
+                           on_step=on_step, observer=observer)
     except Terminated:
         _LOGGER.warning("%s: SIGTERM; %s", task, "saving a last checkpoint" if checkpointer else "stopping")
         if checkpointer is not None:
@@ -266,7 +272,11 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         return _finish_allreduce(client, task, job, args, device, binding, result, started, start_step, replicas,
                                  cluster.num_ps)
     global_step = finish_job(client, ps_binding, export=args.export, checkpointer=checkpointer,
-                             shutdown=not args.keep_ps)
+                             shutdown=not args.keep_ps and queue is None)
+    if queue is not None:  # what ps 0 counted, read once the other workers left and before the shards stop
+        result = {**result, **queue_summary(queue)}
+        if not args.keep_ps:
+            client.shutdown_cluster("the chief finished the job")
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     wall = time.monotonic() - started
     return {**result, "role": str(task), "mode": args.mode, "dense": args.dense, "dataset": job.dataset.name,

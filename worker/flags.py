@@ -120,6 +120,13 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                    help="how big variables are cut across shards: min_size[:BYTES[:MAX_SHARDS]] (default: pieces of "
                         "at least 256 KiB, one per shard at most), max_size:BYTES[:MAX_SHARDS], fixed:N or none; "
                         "every task of a job must use the same")
+    g.add_argument("--dynamic-sharding", type=int, default=None, metavar="EXAMPLES",
+                   help="take the training data from a queue on ps 0 in shards of EXAMPLES examples (a multiple of "
+                        "--batch-size trains whole batches) instead of a fixed slice per worker: each example of an "
+                        "epoch is trained once however workers come and go (a dead worker's shard goes back to the "
+                        "queue from where it stands), and fast workers take more shards; the chief creates the "
+                        "queue, and reports what each epoch trained (async mode; not with --dense allreduce or "
+                        "--nproc-per-host; default: off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--nproc-per-host", type=int, default=1, metavar="K",
@@ -210,6 +217,7 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         raise ClusterConfigError("--delta-pulls cannot be combined with --overlap yet: choose one")
     _check_dense(args)
     check_host_flags(args)
+    _check_dynamic_sharding(args)
     checks += [("--allreduce-port", args.allreduce_port is None or 1 <= args.allreduce_port <= 65535, "in 1-65535"),
                ("--allreduce-timeout", math.isfinite(args.allreduce_timeout) and args.allreduce_timeout > 0, "> 0")]
     try:
@@ -251,6 +259,24 @@ def _check_dense(args: argparse.Namespace) -> None:
     for flag, given, reason in refused:
         if given:
             raise ClusterConfigError(f"--dense allreduce cannot be combined with {flag}: {reason}")
+
+
+def _check_dynamic_sharding(args: argparse.Namespace) -> None:
+    """ClusterConfigError (one line) for --dynamic-sharding out of range or with a flag it cannot honour."""
+    if args.dynamic_sharding is None:
+        return
+    if args.dynamic_sharding < 1:
+        raise ClusterConfigError(f"--dynamic-sharding must be >= 1 (examples per data shard). Received: "
+                                 f"{args.dynamic_sharding}")
+    for flag, given, reason in [
+        (f"--mode {args.mode}", args.mode != "async",
+         "a worker waiting for a data shard at an epoch's end pushes nothing, and would hold every step (sync) or "
+         "every worker ahead of it (ssp) until its progress timeout"),
+        ("--dense allreduce", args.dense == "allreduce", "every member of the group must take each step"),
+        ("--nproc-per-host", args.nproc_per_host > 1, "the host's processes split fixed slices of the data"),
+    ]:
+        if given:
+            raise ClusterConfigError(f"--dynamic-sharding cannot be combined with {flag}: {reason}")
 
 
 def check_output(flag: str, path: pathlib.Path | None) -> None:
