@@ -105,9 +105,8 @@ def test_a_job_stopped_mid_epoch_and_started_again_goes_on_where_its_queue_stood
     chief trains epoch 1 or later, then started again over the same folder: the shards come back from their
     journals, the queue where it stood, and the job ends with every epoch trained exactly once over both
     runs."""
-    epochs = 4
-    job = [*JOB[:JOB.index("--epochs")], "--epochs", str(epochs), *JOB[JOB.index("--epochs") + 2:],
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "summary.json")]
+    epochs = EPOCHS
+    job = [*JOB, "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "summary.json")]
     first = launch(*job)
     first.wait_for(r"^\[worker:0\] .* worker:0 epoch ([1-9]) step \d+ ", RUN_TIMEOUT)
     first.proc.send_signal(signal.SIGTERM)
@@ -124,7 +123,7 @@ def test_a_job_stopped_mid_epoch_and_started_again_goes_on_where_its_queue_stood
     # applied it and before ps 0 did is trained again (ps 0 never counted it), one at most per worker.
     batches = epochs * EXAMPLES // BATCH
     assert batches <= summary["global_step"] <= batches + 4, summary
-    assert summary["test_accuracy"] >= 0.75, summary  # 4 epochs: 0.79-0.85 here (the other test compares)
+    assert summary["test_accuracy"] >= 0.8, summary  # the other test compares with an uninterrupted run
     print(f"stopped at global step {summary['start_step']} of {summary['global_step']}; examples per epoch counted "
           f"over both runs {summary['data_trained']}; {summary['data_reclaimed']} shards given back by the first "
           f"run's workers; test accuracy {summary['test_accuracy']:.4f}")
