@@ -1,10 +1,10 @@
-"""Who imports whom: worker -> client -> torchps (the contract) and ps_server -> torchps; the shard's modules
-never reach into each other's private fields.
+"""Who imports whom: worker -> client -> torchps (the contract) and ps_server -> torchps; no import cycles;
+the shard's modules never reach into each other's private fields.
 
 Each import rule is checked by what an import leaves in sys.modules of an interpreter that had imported
 nothing of the project: a child forked, per check, from one interpreter that imported only torch and numpy
-(the third-party weight every module shares, and no subject of any rule here). Private fields are read from
-the sources (ast).
+(the third-party weight every module shares, and no subject of any rule here). Cycles and private fields are
+read from the sources (ast).
 """
 
 import ast
@@ -12,6 +12,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_contract_row_optimizer_names_match_the_shards():
     assert tuple(ROW_OPTIMIZERS) == ROW_OPTIMIZER_NAMES
 
 
-# -- private fields, read from the sources -------------------------------------------------------------------
+# -- import cycles and private fields, read from the sources -------------------------------------------------
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Private fields reached on purpose, by file: {(file, expression): why}.
@@ -117,6 +118,108 @@ FOREIGN_PRIVATE_FIELDS = {
     ("servicer.py", "context._rpc_event"): "gRPC's own call object: gRPC Python has no public call to end a call "
                                            "DEADLINE_EXCEEDED from outside its handler",
 }
+
+
+def project_modules() -> dict[str, pathlib.Path]:
+    """{dotted module name: its file} for every module of every package pyproject.toml maps to a folder."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        package_dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    modules = {}
+    for package, folder in package_dirs.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def imported_modules(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The project modules `name` imports anywhere in its file: at module level, in functions and classes, and
+    under `if TYPE_CHECKING:` too (a module that names another's types for its signatures depends on it as
+    much as one that calls it; the cycles #22 found closed through such imports and imports in functions)."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                if submodule in modules:
+                    found.add(submodule)
+                elif base in modules:
+                    found.add(base)
+    found.discard(name)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (the strongly connected
+    components of more than one module), each sorted, in order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(groups)
+
+
+def shortest_cycle(graph: dict[str, set[str]], group: list[str]) -> list[str]:
+    """The shortest cycle through group[0] inside `group` (breadth first): modules each importing the next,
+    the last the first."""
+    start, members = group[0], set(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for other in sorted(graph[module] & members):
+                if other == start:
+                    return paths[module]
+                if other not in paths:
+                    paths[other] = paths[module] + [other]
+                    following.append(other)
+        frontier = following
+    raise AssertionError(f"no cycle through {start} in {group}")
+
+
+def test_the_cycle_finder_names_a_cycle_and_passes_a_chain():
+    graph = {"a": {"b", "c"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert shortest_cycle(graph, ["a", "b", "c"]) == ["a", "c"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    """Every import counts, wherever it stands in a module (see imported_modules)."""
+    modules = project_modules()
+    assert {"torchps.codec", "torchps.client.client", "torchps.ps_server.coordinator",
+            "torchps.worker.trainer"} <= set(modules)
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    groups = import_cycles(graph)
+    assert not groups, "modules that import each other:\n" + "\n".join(
+        f"{', '.join(group)} (e.g. {' -> '.join(shortest_cycle(graph, group) + group[:1])})" for group in groups)
 
 
 def test_no_ps_server_module_reaches_into_another_objects_private_fields():
