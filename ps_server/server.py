@@ -24,6 +24,7 @@ from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
+from .flags import DEFAULT_THREADS
 from .stalls import DEFAULT_IDLE_SECONDS
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
@@ -31,9 +32,6 @@ __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_healt
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-# Every worker held for a sync release, or waiting in a min_step pull, occupies one RPC thread; at most
-# max_waiting_calls of them wait at once, so the rest always serve status, heartbeats and plain calls.
-DEFAULT_THREADS = 128
 
 
 def create_server(

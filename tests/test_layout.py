@@ -78,14 +78,16 @@ def test_client_imports_nothing_from_the_server_or_the_worker(loaded_after):
 
 
 def test_server_imports_nothing_from_the_client_or_the_worker(loaded_after):
-    modules = loaded_after("import torchps.ps_server.__main__")
+    modules = loaded_after("import torchps.ps_server.__main__, torchps.ps_server.daemon")
     assert not [m for m in modules if m.startswith(("torchps.client", "torchps.worker"))]
 
 
 def test_the_command_lines_flags_import_neither_torch_nor_grpc():
-    """ps-worker's flags and all of ps-launch until its flags are checked: a usage error is one line at once.
-    (A fresh interpreter: the forking importer's base has torch.)"""
-    code = "import json, sys, torchps.worker.flags, torchps.worker.launch; print(json.dumps(sorted(sys.modules)))"
+    """ps-worker's flags, ps-server's command line and all of ps-launch until their flags, cluster and
+    credentials are checked: a usage error is one line at once. (A fresh interpreter: the forking importer's
+    base has torch.)"""
+    code = ("import json, sys, torchps.worker.flags, torchps.worker.launch, torchps.ps_server.__main__; "
+            "print(json.dumps(sorted(sys.modules)))")
     modules = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                         text=True).stdout)
     assert not [m for m in modules if m.split(".")[0] in ("torch", "grpc")]
