@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import socket
@@ -80,7 +79,7 @@ import traceback
 
 import numpy as np
 
-from pullpush import collect, cpu_seconds, environment, log
+from pullpush import collect, cpu_seconds, environment, log, worker_processes
 
 DENSE_FEATURES = 13        # DLRM's (Criteo's) dense features
 BOTTOM_HIDDEN = 64
@@ -572,7 +571,7 @@ def main(argv=None) -> int:
         "rows_per_s": "the shards' rows_read + rows_pushed (GetStatus) across the window, over its length"}}
     results["variants"] = {}
     results["local"], results["local_examples_per_s"] = None, None
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     res_q = ctx.Queue()
     cmd_qs = [ctx.Queue() for _ in range(args.workers)]
     # The workers import torch while the shards start: nothing measured runs meanwhile.

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import sys
 import time
 
-from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, environment, log, make_mlp, median
+from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, environment, log, make_mlp, median, worker_processes
 
 MODES = ("async", "sync", "ssp")
 MAX_STALENESS = 1
@@ -80,7 +79,7 @@ def run(mode: str, dims, warmup: int, steps: int) -> dict:
     """One fresh shard and two workers in `mode`; steps/s of both and per-worker step time."""
     from torchps.worker.local_cluster import LocalCluster
 
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     with LocalCluster(1, workers=2) as local:
         barrier, results = ctx.Barrier(2), ctx.Queue()
         procs = [ctx.Process(target=worker_main, args=(mode, dims, local.cluster, i, warmup, steps, barrier, results))

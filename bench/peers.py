@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import shutil
@@ -49,7 +48,8 @@ import sys
 import time
 import traceback
 
-from pullpush import BATCH, BIG_DIMS, SMALL_DIMS, collect, cpu_seconds, environment, log, make_mlp, median
+from pullpush import (BATCH, BIG_DIMS, SMALL_DIMS, collect, cpu_seconds, environment, log, make_mlp, median,
+                      worker_processes)
 from tf_peer import loopback_bytes  # stdlib only at import: the same count on both sides
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -186,7 +186,7 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, s
 
     client_kw, register_kw, _, info = resolve(variant, num_ps)
     started = time.monotonic()
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes()
     job = JobSecurity(num_ps, WORKERS) if info["tls"] else None
     chief_security = job.security(TaskSpec("chief", 0)) if job else INSECURE
     securities = [job.security(TaskSpec("worker", i)) if job else None for i in range(WORKERS)]

@@ -2,7 +2,7 @@
 """Chaos soak: real shards and workers under random faults, then an audit of exactly-once and checkpoints.
 
     python bench/soak.py --minutes 10 --json soak.json     # the full soak
-    python bench/soak.py --minutes 1                        # what the test suite runs
+    python bench/soak.py --minutes 0.5 --fault-every 1,2    # what the test suite runs (faults twice as dense)
 
 Two phases (async, then sync; half the time each, or longer until every kind of
 fault below was injected once), each a fresh job: 2 ps-server shards with a
@@ -82,7 +82,7 @@ PROGRESS_SECONDS = 10.0
 CHECKPOINT_EVERY = 200
 STALL_SECONDS = 60.0         # no acknowledged push for this long, outside faults: a hang
 EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
-FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly
+FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly (--fault-every)
 ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long, until every kind of fault happened
 START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
 KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
@@ -257,12 +257,13 @@ class Proxy:
 class Phase:
     """One job (mode) under chaos for `seconds`, then its audit."""
 
-    def __init__(self, mode: str, seconds: float, workdir: pathlib.Path, rng: random.Random):
+    def __init__(self, mode: str, seconds: float, workdir: pathlib.Path, rng: random.Random,
+                 fault_every: tuple[float, float] = FAULT_EVERY):
         from torchps.certs import TaskCredentials, make_job_credentials
         from torchps.cluster import TaskSpec
         from torchps.worker.local_cluster import LocalCluster
 
-        self.mode, self.seconds, self.rng = mode, seconds, rng
+        self.mode, self.seconds, self.rng, self.fault_every = mode, seconds, rng, fault_every
         self.dir = workdir / mode
         self.dir.mkdir(parents=True)
         self.ckpt = self.dir / "ckpt"
@@ -331,7 +332,7 @@ class Phase:
         """Injects faults until `until`, and past it (at most ROUND_SECONDS) until every kind was injected once."""
         last_acked, last_progress = 0, time.monotonic()
         while (now := time.monotonic()) < until or (len(self.faults) < len(KINDS) and now < until + ROUND_SECONDS):
-            time.sleep(self.rng.uniform(*FAULT_EVERY))
+            time.sleep(self.rng.uniform(*self.fault_every))
             self._check_workers()
             self._check_shards()
             if not self._order:  # every kind once per round, in a random order
@@ -608,11 +609,23 @@ class Phase:
 
 # -- the driver -----------------------------------------------------------------------------------------
 
+def _seconds_range(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH in seconds, got {text!r}") from None
+    if not 0 <= low <= high <= 600:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW <= HIGH <= 600, got {text!r}")
+    return low, high
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Chaos soak of torchps (see the module docstring).")
     parser.add_argument("--minutes", type=float, default=10.0, help="total time, split between async and sync")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     parser.add_argument("--seed", type=int, default=0, help="the chaos loop's random seed")
+    parser.add_argument("--fault-every", type=_seconds_range, default=FAULT_EVERY, metavar="LOW,HIGH",
+                        help="seconds between two faults, drawn uniformly from this range (default 2,5)")
     parser.add_argument("--modes", default="async,sync", choices=["async,sync", "async", "sync"], metavar="MODES",
                         help="the phases, in order; --minutes is split between them")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
@@ -632,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             seconds = args.minutes * 60 / len(modes)
             print(f"[soak] {mode} phase: {seconds:.0f} s of chaos", flush=True)
-            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng).run())
+            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng, args.fault_every).run())
     faults = collections.Counter()
     for phase in phases:
         faults.update(phase["faults_injected"])

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
 
 from ..errors import StepPassedError
+from ..partitioning import Partitions
+from ..placement import Placement
 from ..proto import ps_pb2
-
-if TYPE_CHECKING:
-    from .client import PSClient
+from .fanout import ShardFanout
 
 __all__ = ["save"]
 
@@ -24,19 +23,20 @@ _LOGGER = logging.getLogger(__name__)
 ATTEMPTS = 5  # a sync shard may pass the step asked for before the save reaches it: ask again, later
 
 
-def save(client: "PSClient", step: int | None, *, keep: int, timeout: float) -> int:
-    """PSClient.save_checkpoint (see there); returns the committed checkpoint's step."""
-    placement = client.placement
-    manifest = json.dumps({"strategy": placement.strategy, "num_ps": client.cluster.num_ps,
+def save(fanout: ShardFanout, placement: Placement, partitions: Partitions, step: int | None, *, keep: int,
+         timeout: float) -> int:
+    """PSClient.save_checkpoint (see there) of the variables `placement` and `partitions` lay out; returns the
+    committed checkpoint's step."""
+    manifest = json.dumps({"strategy": placement.strategy, "num_ps": fanout.num_shards,
                            "variables": [[n, b] for n, b in zip(placement.names(), placement.nbytes())],
-                           "partitions": client.partitions.manifest()})
-    shards = {s: [] for s in range(client.cluster.num_ps)}
+                           "partitions": partitions.manifest()})
+    shards = fanout.all_shards()
     for _ in range(ATTEMPTS):
-        steps = client._each_shard(shards, lambda shard, _: client.status(shard).step)
-        target = step if step else max(steps.values()) + (1 if step is None else 0)
+        steps = fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
+        target = step if step else max(status.step for status in steps.values()) + (1 if step is None else 0)
         request = ps_pb2.SaveRequest(step=target, now=step == 0)
         try:
-            replies = client._each_shard(shards, lambda shard, _: client._channels.call(
+            replies = fanout.each(shards, lambda shard, _: fanout.call(
                 shard, lambda stub, t: stub.Save(request, timeout=t), timeout))
         except StepPassedError:
             if step is not None:
@@ -44,7 +44,7 @@ def save(client: "PSClient", step: int | None, *, keep: int, timeout: float) -> 
             continue
         commit = ps_pb2.CommitRequest(step=target, manifest_json=manifest, keep=keep,
                                       shards=[replies[s] for s in sorted(replies)])
-        client._channels.call(0, lambda stub, t: stub.CommitCheckpoint(commit, timeout=t), timeout)
+        fanout.call(0, lambda stub, t: stub.CommitCheckpoint(commit, timeout=t), timeout)
         return target
     raise StepPassedError(f"the shards went past the checkpoint step asked for {ATTEMPTS} times in a row; "
                           f"no checkpoint was taken this time")

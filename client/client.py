@@ -2,7 +2,8 @@
 
     datapath.py    pull, push, exchange (PSClient's)    transfer.py    tensor bytes in and out
     device.py      CUDA tensors: staging, streams      host.py        one push per multi-GPU host
-    channels.py    deadlines, retries with backoff     membership.py  join, heartbeats, leave
+    fanout.py      one call per shard, all at once     channels.py    deadlines, retries with backoff
+    membership.py  join, heartbeats, leave
     recovery.py    shards that restarted empty         checkpoints.py two-phase checkpoints
     module.py      torch.nn.Module bindings            tables.py      embedding tables (PSClient's)
     embedding.py   Embedding, EmbeddingBag
@@ -15,8 +16,6 @@ import logging
 import os
 import random
 import threading
-import time
-from concurrent import futures
 from typing import Callable, Iterable, Mapping, TypeVar
 
 import torch
@@ -24,16 +23,16 @@ import torch
 from .. import codec
 from ..cluster import Cluster, TaskSpec
 from ..compression import Compression, Encoder, policies_for
-from ..errors import ClusterConfigError, InvalidArgumentError, PSError, WaitTimeoutError
+from ..errors import ClusterConfigError, InvalidArgumentError, PSError
 from ..partitioning import MinSizePartitioner, NoPartitioner, Partitioner, Partitions
 from ..placement import Placement
 from ..proto import ps_pb2
 from ..security import Security
 from ..specs import Optimizer, wire_hyperparams
 from . import checkpoints
-from .channels import ShardChannels
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
+from .fanout import ShardFanout
 from .membership import Heartbeats
 from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
 from .recovery import ShardRefill
@@ -42,9 +41,8 @@ from .tables import TableLayout, TablePath, tables_in
 
 __all__ = ["PSClient"]
 
-_LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
-WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for variables; the client repeats until its deadline
+_LOGGER = logging.getLogger(__name__)
 CONTROL_TIMEOUT_SECONDS = 30.0  # deadline of calls that never wait for training (status, join, configure, ...)
 LEAVE_ON_CLOSE_SECONDS = 3.0    # close() does not wait longer for shards to hear it leave: leases expire anyway
 
@@ -115,18 +113,13 @@ class PSClient(DataPath, TablePath):
                 raise ClusterConfigError(f"{name} must be > 0. Received: {value}")
         self.cluster = cluster
         self.task = task
-        self.chunk_bytes = chunk_bytes
-        self.timeout = timeout
-        self.control_timeout = min(timeout, CONTROL_TIMEOUT_SECONDS)
         self.placement = Placement(cluster.num_ps, placement)
         self.partitions = Partitions(partitioner or NoPartitioner(), cluster.num_ps)
         self._declared: dict[str, None] = {}  # the variables declared, whole, in order
         self._placement_lock = threading.Lock()
         self.security = Security.load() if security is None else security
-        self._channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout, security=self.security)
-        # Shards of one call run here (the caller's thread takes one of them). Threads are made as
-        # needed, up to the limit, so a call that waits long never holds up another thread's call.
-        self._pool = futures.ThreadPoolExecutor(max_workers=8 * cluster.num_ps + 8, thread_name_prefix="torchps")
+        self._fanout = ShardFanout(cluster, connect_timeout=connect_timeout, security=self.security, timeout=timeout,
+                                   control_timeout=min(timeout, CONTROL_TIMEOUT_SECONDS), chunk_bytes=chunk_bytes)
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries
@@ -139,14 +132,9 @@ class PSClient(DataPath, TablePath):
         self.restarted = False  # set by join(): this process replaced an earlier one of its task (shard 0 says)
         self.stats = WorkerStats()
         self._device = DeviceStaging(pinned=pin_memory)  # staging buffers, streams and events for CUDA tensors
-        # tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull, push_pull and lookup
-        # call, when set (ps-worker --trace-out); called from the threads making the calls.
-        self.tracer: Callable[[str, int, float, float], None] | None = None
         self.last_replies: dict[int, ps_pb2.PushResponse] = {}  # shard -> its reply to this client's last push
-        self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
-        self.restarts_seen = 0
-        self._heartbeats = Heartbeats(self._channels, self._worker_ref, self._on_heartbeat)
-        self._refill = ShardRefill(self, refill_timeout)
+        self._heartbeats = Heartbeats(self._fanout.channels, self._worker_ref, self._on_heartbeat)
+        self._refill = ShardRefill(self._fanout, self.placement, refill_timeout, step=lambda: self.step)
         self._encoder = Encoder()  # wire compression: a policy per variable, error-feedback residuals
         self._tables: dict[str, TableLayout] = {}  # embedding tables created or waited for (tables.py)
         self._table_padding: dict[str, int | None] = {}  # a registered module's padding_idx, by table
@@ -164,8 +152,7 @@ class PSClient(DataPath, TablePath):
                     _LOGGER.warning("could not leave cleanly: %s", exc)
             self._heartbeats.stop()
             self._closed = True
-            self._pool.shutdown(wait=False)
-            self._channels.close()
+            self._fanout.close()
             self._device.close()
 
     def __enter__(self) -> "PSClient":
@@ -173,6 +160,42 @@ class PSClient(DataPath, TablePath):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- what the fan-out keeps (fanout.ShardFanout) -----------------------------------------------
+
+    @property
+    def timeout(self) -> float:
+        """Each attempt's deadline for calls that may wait for training (push, pull, exchange, save)."""
+        return self._fanout.timeout
+
+    @property
+    def control_timeout(self) -> float:
+        """Each attempt's deadline for calls that never wait for training (status, join, configure, ...)."""
+        return self._fanout.control_timeout
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._fanout.chunk_bytes
+
+    @property
+    def tracer(self) -> Callable[[str, int, float, float], None] | None:
+        """tracer(phase, shard, start, end) (monotonic seconds) for every shard's push, pull, push_pull and lookup
+        call, when set (ps-worker --trace-out); called from the threads making the calls."""
+        return self._fanout.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Callable[[str, int, float, float], None] | None) -> None:
+        self._fanout.tracer = tracer
+
+    @property
+    def generations(self) -> dict[int, int]:
+        """{shard: the generation it last answered with}; a change means a restart."""
+        return self._fanout.generations
+
+    @property
+    def restarts_seen(self) -> int:
+        """Shard restarts this client noticed (a reply with another generation)."""
+        return self._fanout.restarts_seen
 
     @property
     def is_chief(self) -> bool:
@@ -229,7 +252,7 @@ class PSClient(DataPath, TablePath):
         self._own(tensors, spec)
         pieces = self.partitions.split(tensors)
         groups = self.placement.group(pieces)
-        results = self._each_shard(groups, lambda shard, names: self._create_on(
+        results = self._fanout.each(groups, lambda shard, names: self._fanout.create_on(
             shard, {name: pieces[name] for name in names}, spec))
         created = {name: flag for shard, names in groups.items() for name, flag in zip(names, results[shard])}
         return {name: any(created[piece] for piece in self.partitions.wire_names([name])) for name in tensors}
@@ -245,59 +268,17 @@ class PSClient(DataPath, TablePath):
                 self._refill.own(piece, lambda value=value, start=start, stop=stop: value.detach()[start:stop].cpu(),
                                  spec)
 
-    def _create_on(self, shard: int, tensors: Mapping[str, torch.Tensor], spec: ps_pb2.OptimizerSpec,
-                   job_step: int = 0) -> list[bool]:
-        """CreateVariables of `tensors` on one shard; the per-variable `created` flags. `job_step`: a refill."""
-        def requests():
-            for i, (name, tensor) in enumerate(tensors.items()):
-                value = tensor.detach().cpu()
-                first = {"count": len(tensors), "step": job_step} if i == 0 else {}
-                yield ps_pb2.CreateRequest(spec=ps_pb2.VariableSpec(name=name, meta=codec.meta_of(value), optimizer=spec),
-                                           **first)
-                for chunk in codec.encode_chunks(name, value, self.chunk_bytes):
-                    yield ps_pb2.CreateRequest(chunk=chunk)
-
-        reply = self._channels.call(shard, lambda stub, t: stub.CreateVariables(requests(), timeout=t), self.timeout)
-        self._note_generation(shard, reply.generation)
-        return list(reply.created)
-
     def wait_for_variables(self, names: Iterable[str], timeout: float = 600.0) -> None:
         """Blocks until every name (placed by declare) exists on its shard.
 
         Raises WaitTimeoutError naming the missing variables after `timeout` s,
         or ServerUnavailableError if a shard stays unreachable.
         """
-        self._wait_listed(self.placement.group(self.partitions.wire_names(names)), "ListVariables", timeout)
-
-    def _wait_listed(self, groups: Mapping[int, list[str]], method: str, timeout: float) -> None:
-        """Blocks until each shard's `method` (ListVariables, ListTables) finds every name of its group, asking
-        with short server-side waits; WaitTimeoutError naming the missing ones after `timeout` s."""
-        started = time.monotonic()
-        deadline = started + timeout
-        what = "variables" if method == "ListVariables" else "tables"
-
-        def wait(shard: int, shard_names: list[str]) -> None:
-            while True:  # short server-side waits, so waiting workers never hold a shard's threads for long
-                remaining = deadline - time.monotonic()
-                request = ps_pb2.ListRequest(names=shard_names, wait_seconds=max(0.001, min(WAIT_SLICE_SECONDS, remaining)))
-                try:
-                    reply = self._channels.call(shard, lambda stub, t: getattr(stub, method)(request, timeout=t),
-                                                WAIT_SLICE_SECONDS + self.control_timeout)
-                    self._note_generation(shard, reply.generation)
-                    return
-                except WaitTimeoutError as exc:
-                    if time.monotonic() >= deadline:
-                        raise WaitTimeoutError(str(exc).replace(f"waited {request.wait_seconds:g} s",
-                                                                f"waited {timeout:g} s")) from None
-                    _LOGGER.info("waiting for the chief (%s) to create %d %s on %s (%.0f s of %.0f s)",
-                                 self.cluster.chief_task, len(shard_names), what, self._channels.target(shard),
-                                 time.monotonic() - started, timeout)
-
-        self._each_shard(groups, wait)
+        self._fanout.wait_listed(self.placement.group(self.partitions.wire_names(names)), "ListVariables", timeout)
 
     def list_variables(self) -> list[ps_pb2.VariableInfo]:
         """Every variable on every shard (spec, version, bytes), shard by shard."""
-        replies = self._on_every_shard(lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
+        replies = self._fanout.every(lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
         return [info for shard in sorted(replies) for info in replies[shard].variables]
 
     # -- checkpoints, export, end of job -------------------------------------------------------
@@ -314,7 +295,7 @@ class PSClient(DataPath, TablePath):
         shard has no --checkpoint-dir; CheckpointError if a write failed (the
         previous committed checkpoint then stays the newest).
         """
-        return checkpoints.save(self, step, keep=keep, timeout=timeout)
+        return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout)
 
     def export_state_dict(self, names: Iterable[str] | None = None, *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
         """The current values of `names` (default: every declared variable and every fixed-size embedding
@@ -346,7 +327,7 @@ class PSClient(DataPath, TablePath):
         """Tells every shard the job is done: each replies, then exits with code 0. Best effort per shard,
         all at once, at most CONTROL_TIMEOUT_SECONDS."""
         calls = {shard: stub.Shutdown.future(ps_pb2.ShutdownRequest(reason=reason), timeout=self.control_timeout)
-                 for shard, stub in enumerate(self._channels.stubs)}
+                 for shard, stub in enumerate(self._fanout.channels.stubs)}
         for shard, call in calls.items():
             try:
                 call.result()
@@ -373,7 +354,7 @@ class PSClient(DataPath, TablePath):
                                    total_num_replicas=total_num_replicas, max_staleness=max_staleness,
                                    lease_seconds=lease_seconds, startup_grace_seconds=startup_grace_seconds,
                                    progress_seconds=progress_seconds)
-        self._on_every_shard(lambda stub, t: stub.Configure(config, timeout=t))
+        self._fanout.every(lambda stub, t: stub.Configure(config, timeout=t))
         self._refill.config = config
 
     def join(self) -> int:
@@ -386,14 +367,14 @@ class PSClient(DataPath, TablePath):
         """
         def join(shard: int, step: int) -> ps_pb2.JoinResponse:
             ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=step)
-            reply = self._channels.call(shard, lambda stub, t: stub.Join(ref, timeout=t), self.control_timeout)
-            self._note_generation(shard, reply.generation)
+            reply = self._fanout.call(shard, lambda stub, t: stub.Join(ref, timeout=t), self.control_timeout)
+            self._fanout.note_generation(shard, reply.generation)
             return reply
 
         lead = join(GLOBAL_STEP_SHARD, 0)  # shard 0 first: the others learn the step this worker starts at
         others = {s: [] for s in range(self.cluster.num_ps) if s != GLOBAL_STEP_SHARD}
         if others:
-            self._each_shard(others, lambda shard, _: join(shard, lead.step))
+            self._fanout.each(others, lambda shard, _: join(shard, lead.step))
         self.mode = lead.config
         self.step = lead.step
         self.restarted = lead.restarted
@@ -405,7 +386,7 @@ class PSClient(DataPath, TablePath):
         shard is retried for `retry_for` seconds (default: connect_timeout)."""
         self._heartbeats.stop()
         ref = ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation)
-        self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
+        self._fanout.each(self._fanout.all_shards(), lambda shard, _: self._fanout.call(
             shard, lambda stub, t: stub.Leave(ref, timeout=t), self.control_timeout, retry_for))
         self.mode = None
 
@@ -413,19 +394,20 @@ class PSClient(DataPath, TablePath):
         return ps_pb2.WorkerRef(worker=self.worker, incarnation=self.incarnation, step=self.step)
 
     def _on_heartbeat(self, shard: int, reply: ps_pb2.HeartbeatResponse) -> None:
-        self._note_generation(shard, reply.generation)
+        self._fanout.note_generation(shard, reply.generation)
 
-    def _check_fenced(self) -> None:
+    def check_fenced(self) -> None:
+        """WorkerReplacedError if the heartbeats learned that a newer process of this task joined. Never
+        blocks."""
         if self._heartbeats.fenced is not None:
             raise self._heartbeats.fenced
 
-    def _note_generation(self, shard: int, generation: int) -> None:
-        known = self.generations.get(shard)
-        self.generations[shard] = generation
-        if known is not None and known != generation:
-            _LOGGER.warning("ps:%d restarted (generation %x -> %x); the next pull re-reads its variables",
-                            shard, known, generation)
-            self.restarts_seen += 1
+    def call(self, shard: int, fn: Callable[[object, float], T], timeout: float | None = None) -> T:
+        """fn(stub, deadline seconds) against `shard`, with this client's connection and retries (as every
+        call it makes: an unreachable shard is retried until connect_timeout, then ServerUnavailableError);
+        `timeout`: each attempt's deadline (default control_timeout). For helpers that add calls of their own
+        (DataQueue). Blocks; raises what the call raises, mapped to torchps errors."""
+        return self._fanout.call(shard, fn, self.control_timeout if timeout is None else timeout)
 
     # -- optimizer and step ---------------------------------------------------------------------
 
@@ -437,14 +419,14 @@ class PSClient(DataPath, TablePath):
         for an unknown name or a value torch.optim refuses, NaN or Inf included.
         """
         values = wire_hyperparams(hyperparams)
-        groups = self.placement.group(self.partitions.wire_names(names)) if names is not None else {s: [] for s in range(self.cluster.num_ps)}
+        groups = self.placement.group(self.partitions.wire_names(names)) if names is not None else self._fanout.all_shards()
 
         def update(shard: int, shard_names: list[str]) -> int:
             request = ps_pb2.UpdateOptimizerRequest(names=shard_names, hyperparams=values)
-            return self._channels.call(shard, lambda stub, t: stub.UpdateOptimizer(request, timeout=t),
-                                       self.control_timeout).updated
+            return self._fanout.call(shard, lambda stub, t: stub.UpdateOptimizer(request, timeout=t),
+                                     self.control_timeout).updated
 
-        return sum(self._each_shard(groups, update).values())
+        return sum(self._fanout.each(groups, update).values())
 
     # -- compression --------------------------------------------------------------------------------
 
@@ -479,8 +461,8 @@ class PSClient(DataPath, TablePath):
 
     def status(self, shard: int) -> ps_pb2.StatusResponse:
         """One shard's status (index, step, variable count, bytes, pid, counters). Never waits for training."""
-        return self._channels.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
-                                   self.control_timeout)
+        return self._fanout.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                                 self.control_timeout)
 
     # -- modules --------------------------------------------------------------------------------
 
@@ -586,49 +568,3 @@ class PSClient(DataPath, TablePath):
         for name, table in tables.items():
             table.bind(self, name)
             self._table_padding[name] = table.padding_idx
-
-    # -- helpers --------------------------------------------------------------------------------
-
-    def _on_every_shard(self, fn: Callable) -> dict:
-        """fn(stub, timeout) on every shard at once, with the control deadline."""
-        return self._each_shard({s: [] for s in range(self.cluster.num_ps)}, lambda shard, _: self._channels.call(
-            shard, fn, self.control_timeout))
-
-    def _each_shard(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str]], T],
-                    phase: str | None = None) -> dict[int, T]:
-        """Runs fn(shard, names) for every shard concurrently; the first error is raised after all finish.
-        With a `tracer` set, each shard's call of a data-path `phase` (push, pull, push_pull, lookup) is reported to
-        it."""
-        items = list(groups.items())
-        if not items:
-            return {}
-        tracer = self.tracer
-        if tracer is not None and phase is not None:
-            untraced = fn
-
-            def fn(shard: int, names: list[str]) -> T:
-                started = time.monotonic()
-                try:
-                    return untraced(shard, names)
-                finally:
-                    tracer(phase, shard, started, time.monotonic())
-        pending = {shard: self._pool.submit(fn, shard, names) for shard, names in items[1:]}
-        first_shard, first_names = items[0]
-        results: dict[int, T] = {}
-        error: BaseException | None = None
-        try:
-            results[first_shard] = fn(first_shard, first_names)
-        except Exception as exc:  # noqa: BLE001 - raised once the others are done
-            error = exc
-        except BaseException:  # an interrupt (Ctrl-C, SIGTERM): no waiting for the other shards' calls
-            for future in pending.values():
-                future.cancel()
-            raise
-        for shard, future in pending.items():
-            try:
-                results[shard] = future.result()
-            except BaseException as exc:  # noqa: BLE001
-                error = error or exc
-        if error is not None:
-            raise error
-        return results

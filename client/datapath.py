@@ -1,8 +1,9 @@
 """PSClient's data path: pull, pull_into, push and push_pull (exchange), one stream per shard, all at once.
 
-A mixin of PSClient: it uses the client's channels, placement, pool, refill,
-push lock and device staging (see PSClient.__init__), and for embedding tables' row
-gradients TablePath._row_tensors (tables.py).
+A mixin of PSClient: it uses the client's fan-out to the shards (fanout.py),
+placement, refill, push lock and device staging (see PSClient.__init__), and for
+embedding tables' row gradients TablePath._row_tensors (tables.py). The
+overlapped push and pull (streamed_push.py, layer_pull.py) extend it.
 """
 
 from __future__ import annotations
@@ -77,11 +78,11 @@ class DataPath:
                     request.base_generation, versions = bases.take(shard_names, sink.targets)
                     request.base_versions.extend(versions)
                 return read_stream(stub.Pull(request, timeout=timeout), shard_names, sink,
-                                   self._channels.target(shard), stats=self.stats, bases=bases)[0]
+                                   self._fanout.target(shard), stats=self.stats, bases=bases)[0]
 
-            return self._channels.call(shard, attempt, self.timeout)
+            return self._fanout.call(shard, attempt, self.timeout)
 
-        return self._each_shard(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
+        return self._fanout.each(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True,
              rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
@@ -113,7 +114,7 @@ class DataPath:
         """
         grads = self.partitions.split(grads)
         with self._push_lock:
-            self._check_fenced()
+            self.check_fenced()
             groups = self.placement.group(grads)
             groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
             table_sent = self._row_tensors(rows or {})
@@ -125,14 +126,14 @@ class DataPath:
                 tables = table_sent[shard]
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
                 shard_header.MergeFrom(header)
-                reply = self._channels.call(shard, lambda stub, t: stub.Push(
+                reply = self._fanout.call(shard, lambda stub, t: stub.Push(
                     push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
                     timeout=t), self.timeout)
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
 
             try:
-                return self._finish_push(self._refill.guard(grads, lambda: self._each_shard(groups, push, "push")))
+                return self._finish_push(self._refill.guard(grads, lambda: self._fanout.each(groups, push, "push")))
             finally:
                 staged.release()
 
@@ -166,7 +167,7 @@ class DataPath:
             self.pull_into(targets, min_step=self.step if sync else 0, bases=bases)
             return self.step
         with self._push_lock:
-            self._check_fenced()
+            self.check_fenced()
             sink = IntoTargets(targets, self.stats, self._device)
             header = self._header(step, advance_step)
             staged = self._stage_out(grads)  # CUDA gradients: host copies, kept for retries until the push is over
@@ -186,15 +187,15 @@ class DataPath:
                 shard_header.MergeFrom(header)
                 (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                              self.stats)
-                reply = self._channels.call(shard, lambda stub, t: read_stream(
-                    [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._channels.target(shard),
+                reply = self._fanout.call(shard, lambda stub, t: read_stream(
+                    [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._fanout.target(shard),
                     stats=self.stats, bases=bases),
                     self.timeout)
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
 
             try:
-                replies = self._refill.guard({**grads, **targets}, lambda: self._each_shard(
+                replies = self._refill.guard({**grads, **targets}, lambda: self._fanout.each(
                     {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange, "push_pull"))
             finally:
                 staged.release()
@@ -239,7 +240,7 @@ class DataPath:
     def _finish_push(self, replies: Mapping[int, ps_pb2.PushResponse]) -> int:
         self.last_replies = dict(replies)
         for shard, reply in replies.items():
-            self._note_generation(shard, reply.generation)
+            self._fanout.note_generation(shard, reply.generation)
         lead = replies[GLOBAL_STEP_SHARD]
         self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
                           quorum=lead.quorum)

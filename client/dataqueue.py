@@ -94,8 +94,8 @@ class DataQueue:
         self._spec: ps_pb2.DataQueueSpec | None = None
 
     def _call(self, method: str, request, timeout: float):
-        return self.client._channels.call(GLOBAL_STEP_SHARD, lambda stub, t: getattr(stub, method)(request, timeout=t),
-                                          timeout)
+        return self.client.call(GLOBAL_STEP_SHARD, lambda stub, t: getattr(stub, method)(request, timeout=t),
+                                timeout)
 
     # -- the chief ----------------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ class DataQueue:
         client = self.client
         deadline = time.monotonic() + timeout
         while True:
-            client._check_fenced()
+            client.check_fenced()
             left = deadline - time.monotonic()
             request = ps_pb2.TakeDataShardRequest(queue=self.name, worker=client.worker,
                                                   incarnation=client.incarnation,

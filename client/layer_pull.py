@@ -12,7 +12,7 @@ stream wait for that copy's event, never the host for the device.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -20,11 +20,8 @@ import torch
 from .. import codec
 from ..errors import UnknownVariableError, WaitTimeoutError
 from ..proto import ps_pb2
-from .datapath import GLOBAL_STEP_SHARD
+from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .transfer import IntoTargets, read_stream
-
-if TYPE_CHECKING:
-    from .client import PSClient
 
 __all__ = ["LayerPull"]
 
@@ -41,7 +38,7 @@ class LayerPull:
     WaitTimeoutError after the client's timeout.
     """
 
-    def __init__(self, client: "PSClient", targets: Mapping[str, torch.Tensor], *, min_step: int, set_step: bool):
+    def __init__(self, client: DataPath, targets: Mapping[str, torch.Tensor], *, min_step: int, set_step: bool):
         self.client = client
         self._set_step = set_step
         self._min_step = min_step
@@ -60,13 +57,13 @@ class LayerPull:
         self.finished = False
         self._cancelled = False
         self._calls: list = []
-        self._future = client._pool.submit(self._run)
+        self._future = client._fanout.submit(self._run)
 
     def _run(self) -> None:
         client = self.client
         try:
             names = list(self._wire)
-            step = client._refill.guard(names, lambda: client._each_shard(
+            step = client._refill.guard(names, lambda: client._fanout.each(
                 client.placement.group(names), self._pull, "pull")).get(GLOBAL_STEP_SHARD, -1)
             self._sink.complete_all()  # device copies queued; the training thread's waits order its compute after them
             if self._set_step and step >= 0:
@@ -84,9 +81,9 @@ class LayerPull:
         request = ps_pb2.PullRequest(names=names, chunk_bytes=client.chunk_bytes, min_step=self._min_step,
                                      cast=client._pull_casts(names, self._sink))
         try:
-            return client._channels.call(shard, lambda stub, t: read_stream(
+            return client._fanout.call(shard, lambda stub, t: read_stream(
                 self._unless_cancelled(stub.Pull(request, timeout=t)), names, self._buffer,
-                client._channels.target(shard), self._landed, client.stats)[0], client.timeout)
+                client._fanout.target(shard), self._landed, client.stats)[0], client.timeout)
         except UnknownVariableError:
             raise  # a shard that restarted empty: the refill guard around the whole pull may recover it
         except BaseException as exc:

@@ -5,6 +5,9 @@ the hooks of Overlap, which drive the two halves: StreamedPush
 (streamed_push.py), a push per step opened at its first gradient and closed
 by push(), and LayerPull (layer_pull.py), the pull of every parameter in
 forward order that each submodule's forward waits on for its own parameters.
+Both extend the client's data path (datapath.DataPath: its refill, encoder,
+push lock and device staging) and call the shards through its fan-out
+(fanout.py).
 
 Every wait is bounded by the client's `timeout`; errors (a shard gone, a
 deadline) are raised from push(), wait(), the next forward pre-hook or the
@@ -18,15 +21,13 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
+from .datapath import DataPath
 from .layer_pull import LayerPull
 from .streamed_push import OVERLAP_INFLIGHT_BYTES, PushLock, StreamedPush
-
-if TYPE_CHECKING:
-    from .client import PSClient
 
 __all__ = ["OVERLAP_INFLIGHT_BYTES", "Overlap", "PushLock", "StreamedPush", "LayerPull"]
 
@@ -40,7 +41,7 @@ class Overlap:
     from the training thread.
     """
 
-    def __init__(self, client: "PSClient", module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter],
+    def __init__(self, client: DataPath, module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter],
                  inflight_bytes: int = OVERLAP_INFLIGHT_BYTES):
         self.client = client
         self.params = dict(params)

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, Iterable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
 from ..errors import ShardLostError, UnknownVariableError, WaitTimeoutError
+from ..placement import Placement
 from ..proto import ps_pb2
-
-if TYPE_CHECKING:
-    from .client import PSClient
+from .fanout import ShardFanout
 
 __all__ = ["ShardRefill"]
 
@@ -35,10 +34,16 @@ T = TypeVar("T")
 
 
 class ShardRefill:
-    """What a client needs to refill shards that restarted empty, and the retry around its calls."""
+    """What a client needs to refill shards that restarted empty, and the retry around its calls.
 
-    def __init__(self, client: "PSClient", timeout: float):
-        self._client = client
+    Calls the shards through `fanout`; `placement` says which shard holds each variable; `step()` is the
+    step the client computes at (a refilled shard with no variables takes it as its own).
+    """
+
+    def __init__(self, fanout: ShardFanout, placement: Placement, timeout: float, *, step: Callable[[], int]):
+        self._fanout = fanout
+        self._placement = placement
+        self._step = step
         self.timeout = timeout
         self.config: ps_pb2.SyncConfig | None = None  # the mode this client configured
         self._owned: dict[str, tuple[Callable[[], torch.Tensor], ps_pb2.OptimizerSpec]] = {}
@@ -61,10 +66,9 @@ class ShardRefill:
 
     def _recover(self, names: list[str]) -> bool:
         """Refills or waits for every shard missing some of `names`; False if none is missing any."""
-        client = self._client
         with self._lock:
             lost = {shard: missing for shard, missing in
-                    client._each_shard(client.placement.group(names), self._missing).items() if missing}
+                    self._fanout.each(self._placement.group(names), self._missing).items() if missing}
             for shard, missing in lost.items():
                 if all(name in self._owned for name in missing):
                     self._refill(shard)
@@ -74,39 +78,37 @@ class ShardRefill:
 
     def _missing(self, shard: int, names: list[str]) -> list[str]:
         """`names` a restarted `shard` lost ([] if it did not restart: never created ones stay unknown)."""
-        client = self._client
-        known = client.generations.get(shard)
+        fanout = self._fanout
+        known = fanout.generations.get(shard)
         request = ps_pb2.ListRequest(names=names)
-        reply = client._channels.call(shard, lambda stub, t: stub.ListVariables(request, timeout=t),
-                                      client.control_timeout)
+        reply = fanout.call(shard, lambda stub, t: stub.ListVariables(request, timeout=t), fanout.control_timeout)
         if known is None or reply.generation == known:
             return []
-        client._note_generation(shard, reply.generation)
+        fanout.note_generation(shard, reply.generation)
         present = {info.spec.name for info in reply.variables}
         return [name for name in names if name not in present]
 
     def _refill(self, shard: int) -> None:
-        client = self._client
-        names = [n for n in client.placement.names() if client.placement.shard_of(n) == shard and n in self._owned]
+        fanout, placement = self._fanout, self._placement
+        names = [n for n in placement.names() if placement.shard_of(n) == shard and n in self._owned]
         if self.config is not None:
-            client._channels.call(shard, lambda stub, t: stub.Configure(self.config, timeout=t), client.control_timeout)
+            fanout.call(shard, lambda stub, t: stub.Configure(self.config, timeout=t), fanout.control_timeout)
         by_optimizer: dict[bytes, list[str]] = {}
         for name in names:
             by_optimizer.setdefault(self._owned[name][1].SerializeToString(deterministic=True), []).append(name)
         for key, group in by_optimizer.items():
             spec = ps_pb2.OptimizerSpec.FromString(key)
-            client._create_on(shard, {name: self._owned[name][0]() for name in group}, spec, job_step=client.step)
+            fanout.create_on(shard, {name: self._owned[name][0]() for name in group}, spec, job_step=self._step())
         self.refills += 1
         _LOGGER.warning("%s restarted without its state: refilled its %d variables from this client's copy (their "
-                        "optimizer state starts afresh)", client._channels.target(shard), len(names))
+                        "optimizer state starts afresh)", fanout.target(shard), len(names))
 
     def _wait(self, shard: int, missing: list[str]) -> None:
-        client = self._client
-        target = client._channels.target(shard)
+        target = self._fanout.target(shard)
         _LOGGER.warning("%s restarted without its state; waiting up to %g s for the chief to refill it",
                         target, self.timeout)
         try:
-            client.wait_for_variables(missing, timeout=self.timeout)
+            self._fanout.wait_listed(self._placement.group(missing), "ListVariables", self.timeout)
         except WaitTimeoutError:
             raise ShardLostError(
                 f"{target} restarted without its variables (no --checkpoint-dir) and the chief did not refill it "

@@ -20,17 +20,15 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
 from .. import wire
 from ..errors import PSError, WaitTimeoutError
 from ..proto import ps_pb2
+from .datapath import DataPath
 from .transfer import wire_pieces
-
-if TYPE_CHECKING:
-    from .client import PSClient
 
 __all__ = ["OVERLAP_INFLIGHT_BYTES", "PushLock", "StreamedPush"]
 
@@ -106,7 +104,7 @@ class StreamedPush:
     order (a CPU or compressed one as it is).
     """
 
-    def __init__(self, client: "PSClient", inflight_bytes: int, encoder: futures.Executor | None = None):
+    def __init__(self, client: DataPath, inflight_bytes: int, encoder: futures.Executor | None = None):
         self.client = client
         self._encoder = encoder  # one thread: encodes CUDA gradients once their copy to the host is done
         self._queued: list[futures.Future] = []  # encodings handed to it, in order
@@ -128,7 +126,7 @@ class StreamedPush:
         for stream in self._streams:
             self._append(stream, first)
         for stream in self._streams:
-            stream.future = client._pool.submit(self._send, stream)
+            stream.future = client._fanout.submit(self._send, stream)
 
     # -- the hooks' side -----------------------------------------------------------------------
 
@@ -279,7 +277,7 @@ class StreamedPush:
         client = self.client
         started = time.monotonic()
         try:
-            reply = client._channels.call(stream.shard, lambda stub, t: self._attempt(stream, stub, t), client.timeout)
+            reply = client._fanout.call(stream.shard, lambda stub, t: self._attempt(stream, stub, t), client.timeout)
             client._encoder.commit(self._left, stream.names)  # applied there: their residuals move on
             return reply
         except BaseException:
@@ -296,8 +294,8 @@ class StreamedPush:
     def _replay(self, shard: int) -> ps_pb2.PushResponse:
         """The whole (closed) stream again to one shard, after a refill; commits its residuals."""
         client, stream = self.client, self._streams[shard]
-        reply = client._channels.call(shard, lambda stub, t: stub.Push(iter(stream.messages), timeout=t),
-                                      client.timeout)
+        reply = client._fanout.call(shard, lambda stub, t: stub.Push(iter(stream.messages), timeout=t),
+                                    client.timeout)
         client._encoder.commit(self._left, stream.names)
         return reply
 
@@ -350,7 +348,7 @@ class StreamedPush:
 
             def gather() -> None:
                 if retry[0]:  # a shard was refilled: the closed streams go again to the shards without a reply
-                    replies.update(client._each_shard(
+                    replies.update(client._fanout.each(
                         {s.shard: [] for s in self._streams if s.shard not in replies},
                         lambda shard, _: self._replay(shard), "push"))
                     return

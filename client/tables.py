@@ -1,7 +1,7 @@
 """PSClient's embedding tables: create or wait for them, read rows, and the row gradients a push carries.
 
-A mixin of PSClient: it uses the client's channels, pool and timeouts (see
-PSClient.__init__); datapath.push and push_pull take `rows` through
+A mixin of PSClient: it uses the client's fan-out to the shards (fanout.py)
+and timeouts (see PSClient.__init__); datapath.push and push_pull take `rows` through
 `_row_tensors`. A table's rows are spread over every shard by id
 (torchps/rows.py), so each call goes to the shards holding the ids it
 names, all at once.
@@ -60,11 +60,11 @@ class TablePath:
 
         def create(shard: int, _) -> list[bool]:
             request = ps_pb2.CreateTablesRequest(tables=specs, shard_index=shard, num_shards=num_shards)
-            reply = self._channels.call(shard, lambda stub, t: stub.CreateTables(request, timeout=t), self.timeout)
-            self._note_generation(shard, reply.generation)
+            reply = self._fanout.call(shard, lambda stub, t: stub.CreateTables(request, timeout=t), self.timeout)
+            self._fanout.note_generation(shard, reply.generation)
             return list(reply.created)
 
-        results = self._each_shard({s: [] for s in range(num_shards)}, create)
+        results = self._fanout.each({s: [] for s in range(num_shards)}, create)
         self._learn_tables([spec.name for spec in specs])
         return {spec.name: any(results[s][i] for s in results) for i, spec in enumerate(specs)}
 
@@ -73,13 +73,13 @@ class TablePath:
         layout. WaitTimeoutError naming the missing ones after `timeout` s; ClusterConfigError if a table is
         spread over another number of shards than this cluster has."""
         names = list(names)
-        self._wait_listed({s: names for s in range(self.cluster.num_ps)}, "ListTables", timeout)
+        self._fanout.wait_listed({s: names for s in range(self.cluster.num_ps)}, "ListTables", timeout)
         self._learn_tables(names)
 
     def _learn_tables(self, names: list[str]) -> None:
         """Records the layout of `names` as shard 0 describes them."""
-        reply = self._channels.call(0, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(names=names), timeout=t),
-                                    self.control_timeout)
+        reply = self._fanout.call(0, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(names=names), timeout=t),
+                                  self.control_timeout)
         for info in reply.tables:
             if info.num_shards != self.cluster.num_ps:
                 raise ClusterConfigError(f"table {info.spec.name!r} is spread over {info.num_shards} shards; this "
@@ -124,7 +124,7 @@ class TablePath:
                 for i in range(0, len(value), limit):
                     self._lookup_on(shard, [(name, value[i:i + limit], positions[i:i + limit])], admit, out)
 
-        self._each_shard(per_shard, lookup, "lookup")
+        self._fanout.each(per_shard, lookup, "lookup")
         return out
 
     def _lookup_on(self, shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]], admit: bool,
@@ -135,12 +135,12 @@ class TablePath:
                                            chunk_bytes=self.chunk_bytes, admit=admit)
         names = [name for name, _, _ in parts]
         sink = NewTensors()
-        self._channels.call(shard, lambda stub, t: read_stream(
-            stub.LookupRows(request, timeout=t), names, sink, self._channels.target(shard)), self.timeout)
+        self._fanout.call(shard, lambda stub, t: read_stream(
+            stub.LookupRows(request, timeout=t), names, sink, self._fanout.target(shard)), self.timeout)
         for name, value, positions in parts:
             got = sink.tensors[name]
             if tuple(got.shape) != (len(value), out[name].shape[1]) or got.dtype != out[name].dtype:
-                raise TensorMismatchError(f"{self._channels.target(shard)} sent the rows of {name!r} as "
+                raise TensorMismatchError(f"{self._fanout.target(shard)} sent the rows of {name!r} as "
                                           f"{got.dtype}{list(got.shape)}; {len(value)} rows were asked for")
             out[name][positions] = got
 
@@ -175,7 +175,7 @@ class TablePath:
     def _tables_report(self) -> list[str]:
         """placement_report's lines on the tables this client knows, with each shard's counters (one GetStatus
         per shard, all at once)."""
-        statuses = self._on_every_shard(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
+        statuses = self._fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
         lines = [f"tables ({len(self._tables)}; rows spread over all {self.cluster.num_ps} shards by id):"]
         for name, layout in self._tables.items():
             spec = layout.spec

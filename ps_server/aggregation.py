@@ -4,11 +4,10 @@
       pushes tagged < open step: stale (dropped and counted by the coordinator)
       pushes tagged > s: summed in their own buffer until s + 1 opens
 
-A push reserves its place in a buffer under the coordinator's lock, sums its
-gradients under the buffer's own lock (so a big sum never holds up status or
-membership calls), then counts itself under the coordinator's lock again.
-The applier takes a buffer only when the quorum has counted in and no sum is
-in progress.
+A push reserves its place in a buffer, sums its gradients under the buffer's
+own lock (so a big sum never holds up status or membership calls), then
+counts itself. The applier takes a buffer only when the quorum has counted in
+and no sum is in progress; apply_step applies it.
 
 Row gradients (embedding tables' ROWS tensors) join the same buffer, in a
 row_sums.RowSums: per table the union of the ids pushed for the step, each
@@ -17,6 +16,10 @@ variable's sum is over the pushes that carried it. A buffer's dense and row
 sums take a push all or nothing and leave the step together: stale pushes,
 backup workers' extra pushes and retries never reach a buffer (the
 coordinator drops or answers them first).
+
+Thread-safe: PendingSteps' own lock (an "owner" in locks.LOCK_ORDER) guards
+the buffers, their counts, the step being applied, the quorum and the
+counters; a StepBuffer's lock ("sums") guards its sums while a push adds to them.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Callable, Mapping
 
 import torch
 
+from .locks import guarded
 from .row_sums import AveragedRows, RowSums
 
-__all__ = ["StepBuffer", "PendingSteps"]
+__all__ = ["StepBuffer", "PendingSteps", "apply_step"]
 
 
 class StepBuffer:
@@ -40,9 +44,9 @@ class StepBuffer:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         self.rows = RowSums()  # embedding tables' row gradients
-        self.by_worker: collections.Counter[str] = collections.Counter()  # guarded by the coordinator's lock
-        self.pushes = 0    # pushes counted in (coordinator's lock)
-        self.adding = 0    # pushes reserved, still summing (coordinator's lock)
+        self.by_worker: collections.Counter[str] = collections.Counter()  # guarded by its PendingSteps' lock
+        self.pushes = 0    # pushes counted in (its PendingSteps' lock)
+        self.adding = 0    # pushes reserved, still summing (its PendingSteps' lock)
 
     def add(self, grads: Mapping[str, torch.Tensor], then: Callable[[], None] = lambda: None,
             rows: Mapping[str, object] | None = None) -> None:
@@ -90,37 +94,103 @@ class StepBuffer:
 
 
 class PendingSteps:
-    """The buffers of the steps not yet applied. The coordinator's lock guards this object."""
+    """The buffers of the steps not yet applied, the quorum a step needs, and what was counted of them."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.buffers: dict[int, StepBuffer] = {}
-        self.applying: int | None = None  # the step the applier is applying now
+        self._applying: int | None = None  # the step the applier is applying now
+        self._quorum = 0
+        self._quorum_changes = 0
+        self._stale_dropped = 0
 
+    @guarded
+    def reset(self) -> None:
+        """Drops every buffer (a new job); the quorum and counters stay until the mode is set again."""
+        self.buffers = {}
+        self._applying = None
+
+    # -- pushes ----------------------------------------------------------------------------------
+
+    @guarded
     def open_step(self, store_step: int) -> int:
         """The lowest step a push may still be counted in."""
-        return store_step + 1 if self.applying is not None else store_step
+        return store_step + 1 if self._applying is not None else store_step
 
+    @guarded
     def reserve(self, step: int) -> StepBuffer:
+        """A place in the buffer of `step` for a push about to add its gradients (counted() or unreserve()
+        ends it)."""
         buffer = self.buffers.setdefault(step, StepBuffer())
         buffer.adding += 1
         return buffer
 
-    @staticmethod
-    def counted(buffer: StepBuffer, worker: str) -> None:
+    @guarded
+    def counted(self, buffer: StepBuffer, worker: str) -> None:
+        """The push that reserved a place in `buffer` added its gradients: it counts for `worker`."""
         buffer.adding -= 1
         buffer.pushes += 1
         buffer.by_worker[worker] += 1
 
-    @staticmethod
-    def unreserve(buffer: StepBuffer) -> None:
+    @guarded
+    def unreserve(self, buffer: StepBuffer) -> None:
+        """The push that reserved a place in `buffer` failed before it added anything."""
         buffer.adding -= 1
 
-    def next_ready(self, store_step: int, quorum: int) -> tuple[str, int] | None:
+    @guarded
+    def counts(self, step: int, worker: str) -> tuple[int, int]:
+        """(pushes counted or adding for `step`, those of `worker`)."""
+        buffer = self.buffers.get(step)
+        return (buffer.pushes + buffer.adding, buffer.by_worker[worker]) if buffer else (0, 0)
+
+    @guarded
+    def wants_more(self, step: int, worker: str, per_worker: int) -> bool:
+        """Whether `step` is still open to more of `worker`'s batches (fewer than `per_worker` counted, and
+        not being applied)."""
+        buffer = self.buffers.get(step)
+        return buffer is not None and self._applying != step and buffer.by_worker[worker] < per_worker
+
+    @guarded
+    def count_stale(self) -> None:
+        """Counts a push dropped as stale (computed at a step already applied)."""
+        self._stale_dropped += 1
+
+    @property
+    @guarded
+    def stale_dropped(self) -> int:
+        return self._stale_dropped
+
+    # -- the quorum --------------------------------------------------------------------------------
+
+    @property
+    @guarded
+    def quorum(self) -> int:
+        """Pushes a sync step needs (modes.quorum_for; 0 outside sync mode)."""
+        return self._quorum
+
+    @guarded
+    def set_quorum(self, quorum: int, *, counted: bool) -> int:
+        """Sets the quorum; returns the one before. `counted`: a change counts in quorum_changes."""
+        previous, self._quorum = self._quorum, quorum
+        if counted and quorum != previous:
+            self._quorum_changes += 1
+        return previous
+
+    @property
+    @guarded
+    def quorum_changes(self) -> int:
+        return self._quorum_changes
+
+    # -- the applier -------------------------------------------------------------------------------
+
+    @guarded
+    def next_ready(self, store_step: int) -> tuple[str, int] | None:
         """("apply", s) when step s (the store's step) can be applied; ("jump", s) when a later step s is
         complete while nothing at all was counted for the store's step (a shard that lost its place: nobody
         will push for it); else None. A gradient counted for the store's step is never jumped over."""
-        if self.applying is not None:
+        if self._applying is not None:
             return None
+        quorum = self._quorum
         buffer = self.buffers.get(store_step)
         if buffer is not None and buffer.pushes >= quorum and not buffer.adding:
             return "apply", store_step
@@ -129,15 +199,60 @@ class PendingSteps:
         later = [s for s, b in self.buffers.items() if s > store_step and b.pushes >= quorum and not b.adding]
         return ("jump", min(later)) if later else None
 
+    @guarded
+    def start_applying(self, kind: str, step: int) -> StepBuffer | None:
+        """The applier takes step `step` (next_ready's): its buffer for "apply", None for "jump"."""
+        self._applying = step
+        return self.buffers[step] if kind == "apply" else None
+
+    @guarded
+    def done_applying(self, store_step: int) -> None:
+        """The applier is done: buffers before `store_step` go."""
+        self._drop_before(store_step)
+        self._applying = None
+
+    # -- the rest ----------------------------------------------------------------------------------
+
+    @guarded
     def drop_before(self, step: int) -> None:
+        self._drop_before(step)
+
+    def _drop_before(self, step: int) -> None:
         for old in [s for s in self.buffers if s < step]:
             del self.buffers[old]
 
+    @guarded
+    def buffer(self, step: int) -> StepBuffer:
+        """The buffer of `step` (KeyError if there is none)."""
+        return self.buffers[step]
+
+    @guarded
     def clear(self) -> None:
         self.buffers.clear()
 
+    @guarded
+    def is_empty(self) -> bool:
+        return not self.buffers
+
+    @guarded
     def export(self) -> dict:
         return {step: buffer.export() for step, buffer in self.buffers.items()}
 
+    @guarded
     def restore(self, state: dict) -> None:
         self.buffers = {int(step): StepBuffer.restore(entry) for step, entry in state.items()}
+
+
+def apply_step(buffer: StepBuffer, step: int, store, tables) -> None:
+    """Applies sync step `step` (`store`'s step) from its buffer: first every table's averaged row gradients,
+    one lazy optimizer step each on the union of the ids pushed (tables.apply at step + 1, then eviction, as
+    an async push at that step), then the dense averages, which advance the store's step. So a call that
+    sees the new step (a released push, a min_step pull) sees the rows applied too. The applier's call (and
+    the journal's replay), under the apply gate and the journal's ordering, not the bookkeeping condition;
+    blocks on the tables' and variables' locks only. The rows were validated when pushed, so it raises only
+    if a table vanished or on a bug: then the tables before it in the buffer are updated and the store's
+    step has not moved."""
+    averaged = buffer.row_averages()
+    if averaged:
+        tables.apply(averaged, step + 1, received={name: rows.received for name, rows in averaged.items()})
+    store.apply(buffer.averages(), step_increment=1, validated=True)

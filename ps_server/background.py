@@ -1,74 +1,77 @@
 """The coordinator's two background threads: the lease reaper and the sync applier. No gRPC.
 
-Both run with the coordinator's lock held only for bookkeeping; the applier
-applies a step's average under the apply gate, like any other change. Both
-run under the coordinator's FailStop (failstop.py): an exception that escapes
-either ends the process, so a shard never answers with one of them dead.
+Both make their decisions holding the bookkeeping condition only for that;
+the applier applies a step's average under the apply gate, like any other
+change (locks.LOCK_ORDER). Both run under the coordinator's FailStop
+(failstop.py): an exception that escapes either ends the process, so a shard
+never answers with one of them dead.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+from .aggregation import apply_step
+from .bookkeeping import Bookkeeping
+from .gate import ApplyGate
+from .recording import Recorder
+from .snapshots import Saves
+from .tables import TableStore
 
 __all__ = ["apply_steps", "reap"]
 
 _LOGGER = logging.getLogger(__name__)
 
 
-def apply_steps(c: "Coordinator") -> None:
-    """The sync applier (thread body): applies each step once its quorum has counted in."""
+def apply_steps(book: Bookkeeping, saves: Saves, gate: ApplyGate, recorder: Recorder, tables: TableStore) -> None:
+    """The sync applier (thread body): applies each step once its quorum has counted in; returns at close."""
+    store, pending = book.store, book.pending
     while True:
-        with c._cond:
-            c._cond.wait_for(lambda: c._closed or c.pending.next_ready(c.store.step, c._quorum))
-            if c._closed:
+        with book.cond:
+            book.cond.wait_for(lambda: book.closed or pending.next_ready(store.step))
+            if book.closed:
                 return
-            kind, step = c.pending.next_ready(c.store.step, c._quorum)
-            c.pending.applying = step
-            buffer = c.pending.buffers[step] if kind == "apply" else None
-            save_due = buffer is not None and c.saves.due(step)
+            kind, step = pending.next_ready(store.step)
+            buffer = pending.start_applying(kind, step)
+            save_due = buffer is not None and saves.due(step)
         if save_due:  # a checkpoint of this step waits: take it before the step moves on
-            c.saves.take(step)
-        with c.gate.change():
+            saves.take(step)
+        with gate.change():
             if buffer is not None:
-                with c._ordered:  # after the hyperparameters it was applied with, in the journal too
-                    c._apply_sync_step(buffer, step)  # row averages, then dense ones (pushes.py)
-                    c._log("step", {"step": step})
-            with c._cond:
+                with recorder.ordering:  # after the hyperparameters it was applied with, in the journal too
+                    apply_step(buffer, step, store, tables)  # row averages, then dense ones
+                    recorder.log("step", {"step": step})
+            with book.cond:
                 if kind == "jump":
                     _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up",
-                                    step, c.store.step)
-                    c.store.set_step(step)
-                    c._log("set_step", {"step": step})
-                c.pending.drop_before(c.store.step)
-                c.pending.applying = None
-                c._update_quorum()
-                c._cond.notify_all()
+                                    step, store.step)
+                    store.set_step(step)
+                    recorder.log("set_step", {"step": step})
+                pending.done_applying(store.step)
+                book.update_quorum()
+                book.cond.notify_all()
 
 
-def reap(c: "Coordinator") -> None:
-    """Expires leases and progress when they run out (thread body); wakes at the next deadline."""
-    with c._cond:
-        while not c._closed:
-            now = c._now()
-            config = c.config
-            expired, stalled = c.membership.expire(now, config.lease_seconds, config.progress_seconds)
+def reap(book: Bookkeeping) -> None:
+    """Expires leases and progress when they run out (thread body); wakes at the next deadline, returns at
+    close."""
+    membership, clock = book.membership, book.clock
+    with book.cond:
+        while not book.closed:
+            now = clock.now()
+            config = clock.config
+            expired, stalled = membership.expire(now, config.lease_seconds, config.progress_seconds)
             for worker in expired:
                 _LOGGER.warning("%s sent nothing for %g s: lease expired, continuing without it",
                                 worker, config.lease_seconds)
             for worker in stalled:
                 _LOGGER.warning("%s pushed nothing for %.3g s although it still heartbeats (progress timeout): "
                                 "continuing without it until it pushes again", worker,
-                                c.membership.progress_timeout(config.progress_seconds))
-            grace_end = c._configured_at + config.startup_grace_seconds
-            grace_ended = grace_end <= now and c._grace_seen_end != grace_end
-            if grace_ended:
-                c._grace_seen_end = grace_end  # unjoined workers stop counting, in every mode
+                                membership.progress_timeout(config.progress_seconds))
+            grace_ended = clock.grace_ended(now)  # unjoined workers stop counting, in every mode
             if expired or stalled or grace_ended:
-                c._membership_changed(*expired, *stalled)
-            deadlines = [d for d in (c.membership.next_deadline(config.lease_seconds, config.progress_seconds),
+                book.membership_changed(*expired, *stalled)
+            grace_end = clock.grace_end()
+            deadlines = [d for d in (membership.next_deadline(config.lease_seconds, config.progress_seconds),
                                      grace_end if grace_end > now else None) if d is not None]
-            c._reaper_wake.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)
+            book.reaper_wake.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)

@@ -1,16 +1,15 @@
 """How a shard combines pushes from many workers: the one object the servicer drives. No gRPC.
 
-    membership.py   leases, progress, incarnations     ledger.py      exactly-once pushes
-    aggregation.py  sync mode's pending sums            gate.py        changes vs snapshots
-    snapshots.py    states for checkpoints and journal  waits.py       the cap on waiting calls
-    background.py   the lease reaper, the sync applier  recording.py   journal records and replay
-    pushes.py       the push path (a mixin)             tables.py      embedding tables (`tables`)
+The Coordinator is a composition; each piece of state has one owner with its
+own lock, and the order in which locks are taken is written once, in locks.py:
 
-Locks. `_cond` guards the bookkeeping (membership, ledger, pending steps,
-counters) and is held only for that: never while a gradient is applied or
-summed, a value copied, or a file written. Applies take their variables' locks
-under the apply gate (shared); snapshots take the gate alone. So status,
-joins, heartbeats and leaves never wait behind an apply or a save.
+    membership.py   leases, progress, incarnations     ledger.py      exactly-once pushes
+    aggregation.py  sync mode's pending sums, quorum    step_clock.py  time, mode, authority over the step
+    recording.py    the journal: records, compactions   bookkeeping.py the decisions across those owners
+    pushes.py       the push path                       snapshots.py   whole states, checkpoints
+    background.py   the lease reaper, the sync applier  replay.py      a journal replayed at recovery
+    gate.py         changes vs snapshots                waits.py       the cap on waiting calls
+    store.py        variables (`store`)                 tables.py      embedding tables (`tables`)
 
 Sync mode (SyncReplicasOptimizer, with leases) is in modes.py and
 aggregation.py: a step's average is applied by one applier thread; shard 0
@@ -21,20 +20,13 @@ worker is more than max_staleness pushes ahead of the slowest live worker.
 
 Every wait ends: at the call's deadline (at most MAX_WAIT_SECONDS) with
 WaitTimeoutError, at close() with ServerUnavailableError, or when the caller
-went away (`cancelled()`, checked after wake()).
-
-Authority over the step. A shard restored from an older checkpoint catches
-up with the job's step, but only as far as the chief vouches for: the step of
-the committed checkpoint it restored, then any step the chief's own calls
-show (`by=CHIEF`: its Join, Heartbeat, Push, Pull). A worker's number
-(`by=WORKER`) moves it up to that and no further; a read-only caller
-(`by=READER`: an evaluator) moves nothing. Without roles (an insecure
-shard) every caller is the chief.
+went away (`cancelled()`, checked after wake()). Who may move the step of a
+shard restored from an older checkpoint (`by`: CHIEF, WORKER, READER) is
+step_clock.py's "Authority over the step".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -43,34 +35,34 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..errors import InvalidArgumentError, ModeConflictError, ServerUnavailableError, WaitTimeoutError
+from ..errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
 from ..proto import ps_pb2
-from .aggregation import PendingSteps
+from . import table_state
 from .dataqueue import DataQueues
+from .queue_desk import QueueDesk
 from .background import apply_steps, reap
+from .bookkeeping import Bookkeeping
 from .failstop import FailStop
 from .gate import ApplyGate
-from .ledger import PushLedger
 from .membership import Membership, paces_of
-from .modes import PushResult, SyncConfig, quorum_for
+from .modes import PushResult, SyncConfig
 from .pushes import PushPath
-from .recording import Recorder, as_received, replay
+from .recording import Recorder
+from .replay import replay
 from .snapshots import Saves, state_of
+from .step_clock import CHIEF, MAX_WAIT_SECONDS, READER, WORKER
 from .store import NewVariable, VariableStore
-from . import table_state
 from .tables import TableStore, split_rows
 from .waits import WaitLimit
 
 __all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP", "CHIEF", "WORKER", "READER"]
 
 _LOGGER = logging.getLogger(__name__)
-MAX_WAIT_SECONDS = 3600.0       # the longest any call waits when it brings no deadline
 MAX_STEP = 1 << 62              # steps beyond this are nonsense, in every mode
 _NEVER = lambda: False  # noqa: E731
-CHIEF, WORKER, READER = "chief", "worker", "reader"  # who shows a step (see "Authority over the step")
 
 
-class Coordinator(PushPath):
+class Coordinator:
     """Applies pushes to a VariableStore according to the shard's SyncConfig. Thread-safe.
 
     `owns_step` is true on shard 0: it hands out sync tokens and enforces the
@@ -82,6 +74,10 @@ class Coordinator(PushPath):
     one ends the process (failstop.FailStop; a default one if not given).
     `membership` bounds who may join (membership.Membership; unbounded if
     not given).
+
+    The owners are attributes, for status and tests: `membership`, `ledger`,
+    `pending` (aggregation.PendingSteps), `recorder`, `gate`, `waits`,
+    `store`, `tables`.
     """
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
@@ -91,35 +87,20 @@ class Coordinator(PushPath):
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
         self.owns_step = owns_step
-        self.recorder: Recorder | None = None
         self.waits = WaitLimit(max_waiting_calls)
         self.gate = ApplyGate()
-        self._now = clock
-        lock = threading.RLock()
-        self._cond = threading.Condition(lock)
-        # The lease reaper waits on its own condition over the same lock, woken only when a deadline may
-        # have moved earlier (membership, mode, a held push released, close), not by every notify of _cond.
-        self._reaper_wake = threading.Condition(lock)
-        self.config = SyncConfig()
-        self._configured_at = clock()
-        self.membership = membership or Membership()
-        self.ledger = PushLedger()
-        self.pending = PendingSteps()
-        self.saves = Saves(self)
-        self._quorum = 0
-        self.stale_dropped = 0
-        self.quorum_changes = 0
-        self.duplicates = 0
-        self.restored_step = -1       # the checkpoint step this shard restored, or -1
-        self._behind = False          # restored from an older checkpoint: catch up with the job's step
-        self._vouched = -1            # the highest step the chief vouched for since (the checkpoint's first)
-        self._closed = False
-        self._grace_seen_end = 0.0    # the startup grace end the reaper has acted on
-        self._ordered: contextlib.AbstractContextManager = contextlib.nullcontext()
-        self._pushing = threading.local()  # .rows: the row gradients of the push this thread makes (journal)
+        self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
+                                                                  with_pending=True, then=then, copy=False))
+        self._book = book = Bookkeeping(store, self.recorder, clock, membership)
+        self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
+        self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
+                                                                         with_pending=False))
+        self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, owns_step=owns_step)
+        # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
+        self.queue_desk = QueueDesk(book, self.queues, self.recorder, self.waits, home=owns_step)
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
-        self._reaper = self.failstop.thread(reap, self, name="lease-reaper")
+        self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -128,7 +109,7 @@ class Coordinator(PushPath):
 
     def start(self) -> None:
         """Starts the lease reaper and (sync mode) the applier: the shard serves from now on."""
-        with self._cond:
+        with self._book.cond:
             if not self._started:
                 self._started = True
                 self._reaper.start()
@@ -136,45 +117,76 @@ class Coordinator(PushPath):
 
     def attach_journal(self, journal) -> None:
         """Records every change from now on in `journal` (after replay()), then start()s."""
-        self.recorder = Recorder(self, journal)
-        # With a journal, every change to variables (creations, applies, steps, hyperparameters) is made and
-        # queued for the journal under this lock, so the journal replays them in the order they happened. It
-        # is never held while a record is written (recording.py).
-        self._ordered = threading.Lock()
+        self.recorder.attach(journal)
         self.start()
+
+    # -- what the status shows -----------------------------------------------------------------------
+
+    @property
+    def config(self) -> SyncConfig:
+        return self._book.clock.config
+
+    @property
+    def restored_step(self) -> int:
+        """The checkpoint step this shard restored, or -1."""
+        return self._book.clock.restored_step
+
+    @property
+    def quorum(self) -> int:
+        return self.pending.quorum
+
+    @property
+    def stale_dropped(self) -> int:
+        return self.pending.stale_dropped
+
+    @property
+    def quorum_changes(self) -> int:
+        return self.pending.quorum_changes
+
+    def live_workers(self) -> int:
+        return self.membership.live()
+
+    def counters(self) -> dict[str, int]:
+        """Status counters, each read from its owner alone: never waits for the bookkeeping."""
+        membership, pending = self.membership, self.pending
+        return {"live_workers": membership.live(), "quorum": pending.quorum,
+                "stale_dropped": pending.stale_dropped, "quorum_changes": pending.quorum_changes,
+                "workers_expired": membership.expired, "workers_stalled": membership.stalls,
+                "duplicates": self.ledger.duplicates, "waiting_calls": self.waits.waiting()}
+
+    def paces(self) -> dict[str, tuple[float, float]]:
+        """{worker: (push interval seconds, straggler score)}: see membership.paces_of (computed after the
+        membership's lock is let go: it is held only to copy the intervals)."""
+        return paces_of(self.membership.intervals())
 
     # -- state changes that are not pushes -----------------------------------------------------
 
     def configure(self, config: SyncConfig) -> bool:
         """Sets the mode; False if it was already this config. ModeConflictError once workers joined."""
-        with self.gate.change(), self._cond:
-            if config == self.config:
+        book = self._book
+        with self.gate.change(), book.cond:
+            current = book.clock.config
+            if config == current:
                 return False
-            if self.membership.members or self.pending.buffers:
-                journal = "" if self.recorder is None else (
+            if self.membership.joined() or not self.pending.is_empty():
+                journal = "" if self.recorder.journal is None else (
                     f" (as its journal {self.recorder.directory} recorded: a job on the same volume must finish, "
                     f"or start anew with --restore-from CHECKPOINT_DIR --replace-journal)")
                 raise ModeConflictError(
-                    f"this shard already runs {self.config} with workers joined{journal}; it cannot switch to "
+                    f"this shard already runs {current} with workers joined{journal}; it cannot switch to "
                     f"{config}. Restart the job to change the mode")
-            self._set_config(config)
-            ticket = self._log("configure", {"config": dataclasses.asdict(config)})
-        self._durable(ticket)
+            book.set_config(config)
+            self._start_applier()
+            ticket = self.recorder.log("configure", {"config": dataclasses.asdict(config)})
+        self.recorder.durable(ticket)
         _LOGGER.info("mode set: %s", config)
         return True
 
-    def _set_config(self, config: SyncConfig) -> None:
-        self.config = config
-        self._configured_at = self._now()
-        self._quorum = self._compute_quorum()
-        if self._started:
-            self._start_applier()
-        self._cond.notify_all()
-        self._reaper_wake.notify()
-
     def _start_applier(self) -> None:
-        if self.config.mode == "sync" and self._applier is None:
-            self._applier = self.failstop.thread(apply_steps, self, name="sync-applier")
+        """Starts the sync applier once the shard serves in sync mode (holds the bookkeeping condition)."""
+        if self._started and self.config.mode == "sync" and self._applier is None:
+            self._applier = self.failstop.thread(apply_steps, self._book, self.saves, self.gate, self.recorder,
+                                                 self.tables, name="sync-applier")
             self._applier.start()
 
     def create(self, requests: list[NewVariable], *, job_step: int = 0) -> list[bool]:
@@ -182,32 +194,33 @@ class Coordinator(PushPath):
         state; if it holds no variables yet it takes that step (the job's) as its own."""
         self._check_step(job_step, "step")
         self.tables.check_free(r.name for r in requests)
-        with self.gate.change(), self._ordered:  # recorded before any push to the new variables can be
-            with self._cond:
+        recorder = self.recorder
+        with self.gate.change(), recorder.ordering:  # recorded before any push to the new variables can be
+            with self._book.cond:
                 if job_step > self.store.step and not self.store.names():
                     _LOGGER.warning("refilled while the job is at step %d: this shard starts there", job_step)
                     self.store.set_step(job_step)
-                    self._log("set_step", {"step": job_step, "clear": True})
+                    recorder.log("set_step", {"step": job_step, "clear": True})
             created = self.store.create(requests)
             # the values are the variables' own (pushes change them): the record gets a copy, written later
-            ticket = self._log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
-                                                         "hyperparams": dict(r.hyperparams)}
-                                                        for r, new in zip(requests, created) if new]},
-                               {r.name: r.value.clone() for r, new in zip(requests, created) if new}
-                               if self.recorder is not None else None)
-        self._durable(ticket)
+            ticket = recorder.log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
+                                                            "hyperparams": dict(r.hyperparams)}
+                                                           for r, new in zip(requests, created) if new]},
+                                  {r.name: r.value.clone() for r, new in zip(requests, created) if new}
+                                  if recorder.journal is not None else None)
+        recorder.durable(ticket)
         return created
 
     def create_tables(self, specs: list[ps_pb2.TableSpec], shard_index: int, num_shards: int, *,
                       check_memory: Callable[[dict[str, int]], None] | None = None) -> list[bool]:
         """tables.create (which see), in every mode, recorded in the journal (before any push to the new tables
         can be). Never blocks on training (with a journal, on one apply's record at most)."""
-        with self.gate.change(), self._ordered:
+        with self.gate.change(), self.recorder.ordering:
             created = self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
                                          check_memory=check_memory)
-            ticket = self._log("tables", table_state.creation_record(
+            ticket = self.recorder.log("tables", table_state.creation_record(
                 [s for s, new in zip(specs, created) if new], shard_index, num_shards)) if any(created) else None
-        self._durable(ticket)
+        self.recorder.durable(ticket)
         return created
 
     def lookup_rows(self, requests: list[tuple[str, torch.Tensor]], *, admit: bool) -> list[torch.Tensor]:
@@ -215,48 +228,55 @@ class Coordinator(PushPath):
         ids and create rows) is made and recorded under the apply gate and the ordering lock, so replaying
         the journal admits in the same order with the applies; it then waits for an apply in progress.
         Raises (changing and recording nothing) what tables.lookup raises."""
-        if not admit or self.recorder is None or all(self.tables.get(name).table.fixed for name, _ in requests):
+        if not admit or self.recorder.journal is None or all(self.tables.get(name).table.fixed
+                                                             for name, _ in requests):
             return self.tables.lookup(requests, admit=admit)
-        with self.gate.change(), self._ordered:
+        with self.gate.change(), self.recorder.ordering:
             found = self.tables.lookup(requests, admit=True)
             dynamic = [(name, ids) for name, ids in requests if not self.tables.get(name).table.fixed]
-            ticket = self._log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
-        self._durable(ticket)
+            ticket = self.recorder.log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
+        self.recorder.durable(ticket)
         return found
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
-        with self.gate.change(), self._ordered:  # in the order the applies around it see it
+        with self.gate.change(), self.recorder.ordering:  # in the order the applies around it see it
             count = self.store.set_hyperparams(names, updates)
-            ticket = self._log("hyperparams", {"names": names, "updates": dict(updates)})
-        self._durable(ticket)
+            ticket = self.recorder.log("hyperparams", {"names": names, "updates": dict(updates)})
+        self.recorder.durable(ticket)
         return count
 
     def forget_job(self) -> None:
         """Before start(): keeps the variables, tables and step, and drops what belonged to a finished job (its
         members, its pushes' ledger, pending sums, its mode), so a new job starts from this state. The bound on
         membership (the cluster spec's names, --elastic-workers) is this shard's, not the job's: it stays."""
-        with self._cond:
-            self.membership = Membership(self.membership.known, self.membership.elastic)
-            self.ledger = PushLedger()
-            self.pending = PendingSteps()
-            self.queues.clear()
-            self._set_config(SyncConfig())
+        self._book.forget_job()
+        self.queues.clear()
 
     def restore(self, state: dict, *, exact: bool = False) -> None:
         """Starts from a saved state (snapshots.state_of), before start(). `exact`: it is this shard's own
         latest state (journal), not an older checkpoint, so the shard need not catch up with the job."""
         self.store.restore(state["variables"], state["step"])
         table_state.restore(self.tables, state.get("tables") or [], state.get("source", "the journal's base"))
-        with self._cond:
-            self.ledger.restore(state.get("ledger", []))
-            self.membership.restore(state.get("membership", {}), self._now())
-            self.pending.restore(state.get("pending", {}))
+        with self._book.cond:
+            self._book.restore(state, exact=exact)
             self.queues.restore(state.get("queues"))
-            self.restored_step = state["step"]
-            self._behind = not exact
-            self._vouched = state["step"]  # a committed checkpoint: the chief committed it
-            self._set_config(SyncConfig(**state["config"]))
+            self._start_applier()
+
+    def replay(self, record) -> bool:
+        """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
+        of the job's end (finish)."""
+        return replay(self._book, self.tables, self.queues, record)
+
+    def finish(self, reason: str) -> None:
+        """The job is done (the chief's Shutdown): the journal records it, so a shard started on this volume
+        again begins a new job from this state (server.recover) instead of resuming this one. Blocks until
+        the record is written (ServerUnavailableError if the journal failed)."""
+        self.recorder.durable(self.recorder.log("finish", {"reason": reason}))
+
+    def wait_for_compaction(self, timeout: float | None = None) -> None:
+        """Returns once no journal compaction is running (at most `timeout` s)."""
+        self.recorder.wait_for_compaction(timeout)
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -270,11 +290,12 @@ class Coordinator(PushPath):
         `by`: who makes the call (see "Authority over the step").
         """
         self._check_step(start_step, "join step")
-        with self._cond:
-            self._check_open()
-            self._catch_up(start_step, by)
-            self._check_ahead(start_step, "join step")
-            self._touch(worker, incarnation, start_step, progress=False)
+        book = self._book
+        with book.cond:
+            book.check_open()
+            book.catch_up(start_step, by)
+            book.check_ahead(start_step, "join step")
+            book.touch(worker, incarnation, start_step, progress=False)
             return self.store.step
 
     heartbeat = join  # a heartbeat renews the lease exactly as a join does
@@ -283,8 +304,7 @@ class Coordinator(PushPath):
         """Whether `worker`'s current process replaced an earlier one of its name (known here, or restored
         from a checkpoint or the journal): a restarted task, whose earlier incarnation's batches are done.
         False for a name first seen now, or unknown. Never blocks on training."""
-        with self._cond:
-            return self.membership.restarted(worker)
+        return self.membership.restarted(worker)
 
     def leave(self, worker: str, incarnation: int) -> None:
         """`worker` is done: it stops counting towards the quorum and the staleness bound at once.
@@ -292,51 +312,24 @@ class Coordinator(PushPath):
         WorkerReplacedError if `incarnation` was replaced (a dying old process
         cannot evict its successor); a no-op for an unknown worker.
         """
-        with self._cond:
+        book = self._book
+        with book.cond:
             if self.membership.leave(worker, incarnation):
                 _LOGGER.info("%s left", worker)
-                self._membership_changed(worker, left=True)
-
-    def live_workers(self) -> int:
-        with self._cond:
-            return self.membership.live()
-
-    @property
-    def quorum(self) -> int:
-        with self._cond:
-            return self._quorum
-
-    def counters(self) -> dict[str, int]:
-        """Status counters, read under the bookkeeping lock only."""
-        with self._cond:
-            return {"live_workers": self.membership.live(), "quorum": self._quorum,
-                    "stale_dropped": self.stale_dropped, "quorum_changes": self.quorum_changes,
-                    "workers_expired": self.membership.expired, "workers_stalled": self.membership.stalls,
-                    "duplicates": self.duplicates, "waiting_calls": self.waits.waiting()}
-
-    def paces(self) -> dict[str, tuple[float, float]]:
-        """{worker: (push interval seconds, straggler score)}: see membership.paces_of (computed after the
-        bookkeeping lock is let go: the lock is held only to copy the intervals)."""
-        with self._cond:
-            intervals = self.membership.intervals()
-        return paces_of(intervals)
+                book.membership_changed(worker, left=True)
 
     def close(self) -> None:
         """Ends every wait (ServerUnavailableError), stops the reaper and the applier, and lets a journal
         compaction in progress finish."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            self._reaper_wake.notify()
+        self._book.close()
         self.store.close()  # waits for variables end too
         self.tables.close()
         self.wait_for_compaction(MAX_WAIT_SECONDS)
 
     def wake(self) -> None:
         """Wakes waiters, the lease reaper too, so they re-check their condition (a call was cancelled)."""
-        with self._cond:
-            self._cond.notify_all()
-            self._reaper_wake.notify()
+        with self._book.cond:
+            self._book.notify()
 
     # -- pushes and pulls ---------------------------------------------------------------------
 
@@ -367,187 +360,42 @@ class Coordinator(PushPath):
         grads, table_rows = split_rows(grads)
         self.store.validate(grads)
         self.tables.validate(table_rows)
-        deadline = self._deadline(timeout)
-        slot: list[str] = []  # the waiting slot this push took, if it will be held
-        self._pushing.rows = table_rows  # the journal's record of this push carries them (_log)
-        self._pushing.received = received
-        try:
-            return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
-                              deadline, slot, by)
-        finally:
-            self._pushing.rows = self._pushing.received = None
-            if slot:
-                self.waits.release(slot[0])
+        deadline = self._book.clock.deadline(timeout)
+        return self._pushes.push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled,
+                                 hold, deadline, by, received)
 
     def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
                       by: str = CHIEF) -> int:
         """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s.
         `by`: who makes the call (see "Authority over the step")."""
         self._check_step(min_step, "min_step")
-        deadline = self._deadline(timeout)
-        with self._cond:
-            self._check_open()
-            self._catch_up(min_step, by)
+        book = self._book
+        deadline = book.clock.deadline(timeout)
+        with book.cond:
+            book.check_open()
+            book.catch_up(min_step, by)
             if self.store.step < min_step:
                 with self.waits.slot("pull"):
-                    self._cond.wait_for(lambda: self.store.step >= min_step or cancelled() or self._closed,
-                                        self._left(deadline))
-            self._check_open()
+                    book.cond.wait_for(lambda: self.store.step >= min_step or cancelled() or book.closed,
+                                       book.clock.left(deadline))
+            book.check_open()
             if self.store.step < min_step and not cancelled():
                 raise WaitTimeoutError(
                     f"waited for step {min_step}; the shard is at step {self.store.step} "
-                    f"(quorum {self._quorum}, {self.membership.live()} live workers)")
+                    f"(quorum {self.pending.quorum}, {self.membership.live()} live workers)")
             return self.store.step
 
     def snapshot_at(self, step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
                     now: bool = False) -> dict:
         """The shard's state for a checkpoint of step `step`; see snapshots.Saves.snapshot_at."""
-        return self.saves.snapshot_at(step, self._deadline(timeout), cancelled, now=now)
+        return self.saves.snapshot_at(step, self._book.clock.deadline(timeout), cancelled, now=now)
 
     def state(self, *, with_pending: bool) -> dict:
         """The whole state now (takes the apply gate alone while it copies)."""
         with self.gate.snapshot():
-            return state_of(self, with_pending=with_pending)
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _deadline(self, timeout: float | None) -> float:
-        return self._now() + min(MAX_WAIT_SECONDS, MAX_WAIT_SECONDS if timeout is None else timeout)
-
-    def _left(self, deadline: float) -> float:
-        return max(0.0, deadline - self._now())
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ServerUnavailableError("this shard is stopping; retry against its replacement")
+            return state_of(self._book, self.store, self.tables, self.queues, with_pending=with_pending)
 
     @staticmethod
     def _check_step(step: int, what: str) -> None:
         if not 0 <= step <= MAX_STEP:
             raise InvalidArgumentError(f"{what} must be in [0, {MAX_STEP}]. Received: {step}")
-
-    def _check_ahead(self, step: int, what: str) -> None:
-        """Sync: a step more than one past the open step is never legitimate on a shard that has its state
-        (InvalidArgumentError); on one catching up it may be, once the chief vouches for it (a retryable
-        ServerUnavailableError until then)."""
-        limit = self.pending.open_step(self.store.step) + 1
-        if self.config.mode == "sync" and step > limit and self._behind:
-            raise ServerUnavailableError(
-                f"this shard restored checkpoint step {self.restored_step} and is at step {self.store.step}; the "
-                f"chief has not vouched for {what} {step} yet (its next heartbeat does): retry")
-        if self.config.mode == "sync" and step > limit:
-            raise InvalidArgumentError(
-                f"{what} {step} is ahead of this shard's step {self.store.step} by more than one; "
-                f"nothing was changed")
-
-    @staticmethod
-    def _push_meta(worker: str, incarnation: int, seq: int, step: int) -> dict:
-        return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}
-
-    def _log(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> int | None:
-        """Queues a journal record, if the shard keeps a journal (see recording.py for the locking rules);
-        returns its ticket for _durable(). A push's record ("apply", "add") carries the push's row gradients
-        too (table_state.record_rows), so the push is replayed whole, and its compressed gradients as they
-        came (recording.as_received)."""
-        if self.recorder is None:
-            return None
-        if kind in ("apply", "add"):
-            if getattr(self._pushing, "rows", None):
-                meta, tensors = table_state.record_rows(meta, tensors or {}, self._pushing.rows)
-            if getattr(self._pushing, "received", None):
-                meta, tensors = as_received(meta, tensors or {}, self._pushing.received)
-        return self.recorder.log(kind, meta, tensors or {})
-
-    def _durable(self, ticket: int | None, deadline: float | None = None) -> None:
-        """Waits (holding no lock) until the journal record `ticket` is written; None: nothing to wait for.
-        ServerUnavailableError if the journal failed first, WaitTimeoutError at `deadline`."""
-        if ticket is not None:
-            self.recorder.wait(ticket, None if deadline is None else self._left(deadline))
-
-    def _durable_all(self, deadline: float) -> None:
-        """Waits (holding no lock) until every journal record queued so far is written (a retry's reply)."""
-        if self.recorder is not None:
-            self.recorder.wait(None, self._left(deadline))
-
-    def finish(self, reason: str) -> None:
-        """The job is done (the chief's Shutdown): the journal records it, so a shard started on this volume
-        again begins a new job from this state (server.recover) instead of resuming this one."""
-        self._durable(self._log("finish", {"reason": reason}))
-
-    def wait_for_compaction(self, timeout: float | None = None) -> None:
-        """Returns once no journal compaction is running (at most `timeout` s)."""
-        if self.recorder is not None:
-            self.recorder.wait_for_compaction(timeout)
-
-    def replay(self, record) -> bool:
-        """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
-        of the job's end (finish)."""
-        return replay(self, record)
-
-
-    def _catch_up(self, step: int, by: str, *, pushed: bool = False) -> None:
-        """A shard without the job's latest state (restored from an older checkpoint) adopts a later step a
-        client shows, as far as the chief vouches for (see "Authority over the step"); a push at its own
-        step shows it is not behind either. Holds _cond."""
-        if not self._behind or by == READER:
-            return
-        if by == CHIEF:
-            self._vouched = max(self._vouched, step)
-        target = min(step, self._vouched)
-        if target > self.store.step:
-            _LOGGER.warning("this shard is at step %d and the job at step %d (%s): catching up (updates in "
-                            "between are lost)", self.store.step, target,
-                            "the chief's" if by == CHIEF else "a worker's, as far as the chief vouched for")
-            self.store.set_step(target)
-            self.pending.clear()
-            self._log("set_step", {"step": target, "clear": True})
-            self._cond.notify_all()
-        if pushed and step == self.store.step:
-            self._behind = False
-
-    def _touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:
-        now = self._now()
-        event, retired = self.membership.touch(
-            worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
-            in_grace=self._in_grace(now), level=self._min_clock(), progress=progress)
-        if retired is not None:
-            self.ledger.forget(worker, retired)
-        if event is not None:
-            _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
-            self._membership_changed(worker)
-
-    def _in_grace(self, now: float) -> bool:
-        return now < self._configured_at + self.config.startup_grace_seconds
-
-    def _compute_quorum(self) -> int:
-        step = self.store.step
-        live = self.membership.counted(step)
-        if self._in_grace(self._now()):  # workers that have not joined yet count as live
-            waiting = self.config.total_num_replicas - self.membership.absent() - self.membership.not_yet_counted(step)
-            live = max(live, waiting)
-        return quorum_for(self.config, live)
-
-    def _update_quorum(self, left: bool = False) -> None:
-        """Recomputes the quorum; a drop is a warning unless a worker left (its job done), a rise never is."""
-        quorum = self._compute_quorum()
-        if quorum != self._quorum and self.config.mode == "sync":
-            self.quorum_changes += 1
-            _LOGGER.log(logging.WARNING if quorum < self._quorum and not left else logging.INFO,
-                        "quorum %d -> %d (%d live workers) at step %d",
-                        self._quorum, quorum, self.membership.live(), self.store.step)
-        self._quorum = quorum
-
-    def _membership_changed(self, *workers: str, left: bool = False) -> None:
-        """Recomputes the quorum; journals the members that changed (holds _cond: bookkeeping only, which a
-        compaction reads and rotates under this same lock)."""
-        for worker in workers:
-            self._log("member", {"worker": worker, **self.membership.export_member(worker),
-                                 "retired": list(self.membership.retired.get(worker, ()))})
-        self._update_quorum(left)
-        self._cond.notify_all()
-        self._reaper_wake.notify()
-
-    def _min_clock(self) -> int:
-        waiting_for_joiners = (self._in_grace(self._now())
-                               and len(self.membership.members) < self.config.total_num_replicas)
-        return 0 if waiting_for_joiners else self.membership.min_clock()

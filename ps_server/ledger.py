@@ -8,13 +8,16 @@ that arrives meanwhile waits for it. Records survive lease expiry and rejoins,
 travel in checkpoints and the journal, and are dropped only when the
 incarnation is retired (membership.py fences it off for good).
 
-The coordinator's lock guards every call here.
+Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER) guards the records
+and every change to one (mark_*, answer); a PushRecord is read as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
+from .locks import guarded
 from .modes import PushResult
 
 __all__ = ["PushRecord", "PushLedger"]
@@ -22,7 +25,7 @@ __all__ = ["PushRecord", "PushLedger"]
 
 @dataclasses.dataclass
 class PushRecord:
-    """The latest push of one worker incarnation."""
+    """The latest push of one worker incarnation (changed only through its PushLedger)."""
 
     seq: int
     step: int                         # the step it was computed at; -1: restored, nothing more known
@@ -33,16 +36,20 @@ class PushRecord:
 
 
 class PushLedger:
-    """(worker, incarnation) -> its latest PushRecord."""
+    """(worker, incarnation) -> its latest PushRecord, and how many repeated pushes were answered."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._records: dict[tuple[str, int], PushRecord] = {}
+        self._duplicates = 0
 
+    @guarded
     def seen(self, worker: str, incarnation: int, seq: int) -> PushRecord | None:
         """The record that makes push `seq` a repeat (a push numbered `seq` or later was received), or None."""
         record = self._records.get((worker, incarnation))
         return record if record is not None and seq and record.seq >= seq else None
 
+    @guarded
     def begin(self, worker: str, incarnation: int, seq: int, step: int) -> PushRecord | None:
         """Records push `seq` as being handled (None for seq 0: no dedup asked)."""
         if not seq:
@@ -50,18 +57,61 @@ class PushLedger:
         record = self._records[(worker, incarnation)] = PushRecord(seq, step)
         return record
 
+    @guarded
+    def mark_applied(self, record: PushRecord | None, *, pending: bool = False) -> None:
+        """The push of `record` changed the shard's state (`pending`: a sync step's sums). None: no record."""
+        if record is not None:
+            record.applied = True
+            record.pending = record.pending or pending
+
+    @guarded
+    def mark_stale(self, record: PushRecord | None) -> None:
+        """The push of `record` was dropped as stale. None: no record."""
+        if record is not None:
+            record.stale = True
+
+    @guarded
+    def answer(self, record: PushRecord | None, result: PushResult | None) -> None:
+        """Keeps the reply to the push of `record`, for its retries. None: no record."""
+        if record is not None:
+            record.result = result
+
+    @staticmethod
+    def settled(record: PushRecord) -> bool:
+        """Whether the push of `record` applied its effect or has its reply (a retry need not wait)."""
+        return record.applied or record.result is not None
+
+    @guarded
     def abort(self, worker: str, incarnation: int, record: PushRecord | None) -> None:
         """Forgets a push that failed before it changed anything, so its retry is applied."""
         if record is not None and self._records.get((worker, incarnation)) is record:
             del self._records[(worker, incarnation)]
 
+    @guarded
     def forget(self, worker: str, incarnation: int) -> None:
         """Drops a retired incarnation's record (membership refuses its calls from now on)."""
         self._records.pop((worker, incarnation), None)
 
+    @guarded
+    def count_duplicate(self) -> None:
+        """Counts a repeated push that was answered without being applied again."""
+        self._duplicates += 1
+
+    @property
+    @guarded
+    def duplicates(self) -> int:
+        return self._duplicates
+
+    @guarded
+    def reset(self) -> None:
+        """Forgets every record (a new job); the count of duplicates stays."""
+        self._records = {}
+
+    @guarded
     def __len__(self) -> int:
         return len(self._records)
 
+    @guarded
     def export(self, store_step: int, *, with_pending: bool) -> list[dict]:
         """Every record as a saved state at `store_step` knows it (see the module docstring); `with_pending`:
         that state includes the sync steps' pending sums. Take it under the apply gate."""
@@ -77,6 +127,7 @@ class PushLedger:
             out.append({"worker": worker, "incarnation": incarnation, **entry})
         return out
 
+    @guarded
     def restore(self, entries: list[dict]) -> None:
         for entry in entries:
             result = entry["result"]

@@ -1,4 +1,4 @@
-"""Who takes part in the job, as one shard sees it: leases, progress, incarnations. No gRPC, no locking.
+"""Who takes part in the job, as one shard sees it: leases, progress, incarnations. No gRPC.
 
 A worker is *live* while both hold:
 * its lease: it sent something (push, join, heartbeat) within lease_seconds;
@@ -22,7 +22,9 @@ always join, and at most `elastic` other names (None: no bound); a new name
 past that is refused with PermissionDeniedError, so invented names cannot
 grow a shard's membership and ledger without end.
 
-The coordinator's lock guards every call here.
+Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER) guards every call
+here; `members` and the counters `expired` and `stalls` may be read without it
+(status, tests).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ import collections
 import dataclasses
 import logging
 import statistics
+import threading
 
 import numpy as np
 
 from ..errors import PermissionDeniedError, WorkerReplacedError
+from .locks import guarded
 
 __all__ = ["Member", "Membership", "paces_of", "PROGRESS_MULTIPLE", "PACE_WEIGHT"]
 
@@ -75,6 +79,7 @@ class Membership:
     def __init__(self, known: frozenset[str] = frozenset(), elastic: int | None = None) -> None:
         self.known = known        # the cluster spec's worker names: always admitted
         self.elastic = elastic    # other names admitted, at most (None: any number)
+        self._lock = threading.RLock()  # re-entrant: its methods call each other
         self.members: dict[str, Member] = {}
         self.retired: dict[str, collections.deque[int]] = {}
         self._intervals: collections.deque[float] = collections.deque(maxlen=_INTERVALS_KEPT)
@@ -83,8 +88,17 @@ class Membership:
         self.expired = 0   # leases that ran out
         self.stalls = 0    # progress timeouts
 
+    @guarded
+    def reset(self) -> None:
+        """Forgets every member, retired incarnation, interval and counter (a new job); keeps the bound."""
+        self.members, self.retired = {}, {}
+        self._intervals.clear()
+        self._median, self._since_median = 0.0, 0
+        self.expired = self.stalls = 0
+
     # -- calls from workers ----------------------------------------------------------------------
 
+    @guarded
     def check(self, worker: str, incarnation: int) -> None:
         """WorkerReplacedError if `incarnation` of `worker` was replaced by a newer one."""
         if incarnation in self.retired.get(worker, ()):
@@ -93,6 +107,7 @@ class Membership:
                 f"{worker} incarnation {incarnation:x} was replaced by a newer process (incarnation {current:x}); "
                 f"this process must stop")
 
+    @guarded
     def touch(self, worker: str, incarnation: int, *, now: float, step: int, start_step: int, in_grace: bool,
               level: int, progress: bool) -> tuple[str | None, int | None]:
         """Renews `worker`'s lease (and progress if it pushed); returns (what changed, retired incarnation).
@@ -133,6 +148,7 @@ class Membership:
         member.clock = max(member.clock, level)
         return event, retired
 
+    @guarded
     def restarted(self, worker: str) -> bool:
         """Whether `worker` is known and its current incarnation replaced an earlier one."""
         member = self.members.get(worker)
@@ -148,6 +164,7 @@ class Membership:
                 f"{worker!r} is not a worker of this job's cluster spec, and the {self.elastic} places for other "
                 f"workers (ps-server --elastic-workers) are taken; nothing was changed")
 
+    @guarded
     def pushed(self, worker: str, now: float) -> None:
         """Records a push's arrival time (for the median push interval)."""
         member = self.members[worker]
@@ -161,6 +178,7 @@ class Membership:
                 self._median, self._since_median = statistics.median(self._intervals), 0
         member.last_push = now
 
+    @guarded
     def leave(self, worker: str, incarnation: int) -> bool:
         """Marks `worker` gone; True if that changed anything. WorkerReplacedError for a retired incarnation."""
         self.check(worker, incarnation)
@@ -170,18 +188,63 @@ class Membership:
         member.gone = True
         return True
 
+    @guarded
     def retire(self, worker: str, incarnation: int) -> None:
         """Fences `incarnation` of `worker` off for good (idempotent)."""
         retired = self.retired.setdefault(worker, collections.deque(maxlen=RETIRED_PER_WORKER))
         if incarnation not in retired:
             retired.append(incarnation)
 
+    @guarded
+    def retired_of(self, worker: str) -> list[int]:
+        """The retired incarnations of `worker`, oldest first."""
+        return list(self.retired.get(worker, ()))
+
+    @guarded
+    def advance_clock(self, worker: str) -> None:
+        """Counts one push of `worker` applied (its ssp clock); nothing for an unknown worker."""
+        member = self.members.get(worker)
+        if member is not None:
+            member.clock += 1
+
+    @guarded
+    def clock_of(self, worker: str) -> int | None:
+        """`worker`'s ssp clock, or None if it is unknown."""
+        member = self.members.get(worker)
+        return None if member is None else member.clock
+
+    @guarded
+    def hold(self, worker: str) -> Member | None:
+        """Counts a push of `worker` that the shard holds (it never stalls meanwhile); returns the member to
+        give to unhold(), None if `worker` is unknown."""
+        member = self.members.get(worker)
+        if member is not None:
+            member.held += 1
+        return member
+
+    @guarded
+    def unhold(self, member: Member | None, now: float) -> bool:
+        """A push hold() counted is let go at `now` (its progress renewed); True if none of that member's
+        pushes is held any more (its progress deadline counts again)."""
+        if member is None:
+            return False
+        member.held -= 1
+        member.last_progress = now
+        return not member.held
+
+    @guarded
+    def joined(self) -> int:
+        """Workers that ever joined this job here, live or not."""
+        return len(self.members)
+
     # -- the passing of time ---------------------------------------------------------------------
 
+    @guarded
     def progress_timeout(self, floor: float) -> float:
         """Seconds without a push after which a heartbeating worker counts as stalled."""
         return max(floor, PROGRESS_MULTIPLE * self._median)
 
+    @guarded
     def expire(self, now: float, lease: float, progress_floor: float) -> tuple[list[str], list[str]]:
         """Marks workers whose lease or progress ran out; returns (expired, stalled) names."""
         timeout = self.progress_timeout(progress_floor)
@@ -199,6 +262,7 @@ class Membership:
         self.stalls += len(stalled)
         return expired, stalled
 
+    @guarded
     def next_deadline(self, lease: float, progress_floor: float) -> float | None:
         """The earliest moment a lease or a progress timeout can run out, or None."""
         timeout = self.progress_timeout(progress_floor)
@@ -212,49 +276,60 @@ class Membership:
 
     # -- counts ----------------------------------------------------------------------------------
 
+    @guarded
     def live(self) -> int:
         return sum(1 for m in self.members.values() if m.live)
 
+    @guarded
     def counted(self, step: int) -> int:
         """Live workers counted in step `step`'s quorum."""
         return sum(1 for m in self.members.values() if m.live and m.counts_from <= step)
 
+    @guarded
     def absent(self) -> int:
         """Workers that joined and are not live now."""
         return sum(1 for m in self.members.values() if not m.live)
 
+    @guarded
     def not_yet_counted(self, step: int) -> int:
         return sum(1 for m in self.members.values() if m.live and m.counts_from > step)
 
+    @guarded
     def intervals(self) -> dict[str, float]:
         """{worker: its push interval} for live workers that pushed twice or more (paces_of's input)."""
         return {w: m.interval for w, m in self.members.items() if m.live and m.interval is not None}
 
+    @guarded
     def paces(self) -> dict[str, tuple[float, float]]:
         """paces_of(self.intervals())."""
         return paces_of(self.intervals())
 
+    @guarded
     def min_clock(self) -> int:
         return min((m.clock for m in self.members.values() if m.live), default=0)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    @guarded
     def export(self) -> dict:
         """What a checkpoint keeps: each member's incarnation, clock and first counted step, and the
         retired incarnations (leases start afresh on restore)."""
         return {"members": {w: self.export_member(w) for w in self.members},
                 "retired": {w: list(incs) for w, incs in self.retired.items()}}
 
+    @guarded
     def export_member(self, worker: str) -> dict:
         m = self.members[worker]
         return {"incarnation": m.incarnation, "clock": m.clock, "counts_from": m.counts_from,
                 "gone": m.gone or m.stalled}
 
+    @guarded
     def restore_member(self, worker: str, entry: dict, now: float) -> None:
         """Sets one member as export_member() gave it, with a fresh lease."""
         self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
                                       clock=entry["clock"], gone=entry["gone"])
 
+    @guarded
     def restore(self, state: dict, now: float) -> None:
         for worker, entry in state.get("members", {}).items():
             self.restore_member(worker, entry, now)

@@ -1,13 +1,15 @@
-"""The push path of a shard's Coordinator: dedup, stale drops, async/ssp applies, sync sums and release.
+"""A shard's push path: dedup, stale drops, async/ssp applies, sync sums and release. No gRPC.
 
-A mixin of Coordinator (see coordinator.py for the locks and the state it
-uses); Coordinator.push validates a push and calls _push. No gRPC.
+Coordinator.push validates a push and hands it to PushPath.push. Decisions
+are made holding the bookkeeping condition (bookkeeping.py), gradients are
+applied or summed under the apply gate without it, and the push's journal
+record is waited for holding no lock (locks.LOCK_ORDER).
 
 Row gradients (embedding tables) follow their push in every mode: applied
 with it in async and ssp modes; in sync mode summed into the step's buffer
 with its dense gradients (aggregation.py, row_sums.py), dropped whole with a
 stale push, answered and never re-added for a retry, and applied once per
-step by the applier (_apply_sync_step), averaged over the pushes that
+step by the applier (aggregation.apply_step), averaged over the pushes that
 carried each table. A sync push with row gradients is held on every shard
 until that shard applied its step, so the worker's next lookups read the
 released step's rows everywhere.
@@ -18,11 +20,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Callable
+from typing import Callable, Mapping
+
+import torch
 
 from ..errors import WaitTimeoutError
+from .aggregation import StepBuffer
+from .bookkeeping import Bookkeeping
+from .gate import ApplyGate
 from .ledger import PushRecord
 from .modes import PushResult
+from .recording import Recorder
+from .tables import TableStore
+from .waits import WaitLimit
 
 __all__ = ["PushPath"]
 
@@ -30,23 +40,48 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class PushPath:
-    """How one push is handled once validated (Coordinator inherits this; every method holds or takes its
-    _cond as its docstring says)."""
+    """How one validated push is handled (see the module docstring). Thread-safe.
+
+    `owns_step` (shard 0) holds sync pushes until their step is released and
+    ssp pushes past the staleness bound.
+    """
+
+    def __init__(self, book: Bookkeeping, tables: TableStore, gate: ApplyGate, waits: WaitLimit,
+                 recorder: Recorder, *, owns_step: bool):
+        self._book = book
+        self._store = book.store
+        self._tables = tables
+        self._gate = gate
+        self._waits = waits
+        self._recorder = recorder
+        self._owns_step = owns_step
+
+    def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
+             table_rows: Mapping, step_increment: int, cancelled: Callable[[], bool], hold: bool, deadline: float,
+             by: str, received: Mapping[str, tuple] | None) -> PushResult:
+        """Handles one push (validated: see Coordinator.push for what it does, blocks on and raises)."""
+        slot: list[str] = []  # the waiting slot this push took, if it will be held
+        try:
+            with self._recorder.pushing(table_rows, received):  # its journal record carries them
+                return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled,
+                                  hold, deadline, slot, by)
+        finally:
+            if slot:
+                self._waits.release(slot[0])
 
     def _hold_kind(self, worker: str, step: int, hold: bool) -> str | None:
-        """The waiting slot a new push needs if it will be held (holds _cond): a sync push that neither
+        """The waiting slot a new push needs if it will be held (holds cond): a sync push that neither
         completes its step's quorum nor owes the step another batch, an ssp push past the bound; else None."""
-        mode = self.config.mode
-        if mode == "sync" and (self.owns_step or hold):
-            buffer = self.pending.buffers.get(step)
-            counted = buffer.pushes + buffer.adding if buffer else 0
-            mine = buffer.by_worker[worker] if buffer else 0
-            completes = step == self.pending.open_step(self.store.step) and counted + 1 >= self._quorum
-            return None if completes or mine + 1 < self.config.batches_per_worker else "release"
-        if mode == "ssp" and self.owns_step:
-            member = self.membership.members.get(worker)
-            clock = member.clock + 1 if member is not None else self._min_clock() + 1
-            return "ssp" if clock - self._min_clock() > self.config.max_staleness else None
+        book = self._book
+        config = book.clock.config
+        if config.mode == "sync" and (self._owns_step or hold):
+            counted, mine = book.pending.counts(step, worker)
+            completes = step == book.pending.open_step(self._store.step) and counted + 1 >= book.pending.quorum
+            return None if completes or mine + 1 < config.batches_per_worker else "release"
+        if config.mode == "ssp" and self._owns_step:
+            clock = book.membership.clock_of(worker)
+            clock = clock + 1 if clock is not None else book.min_clock() + 1
+            return "ssp" if clock - book.min_clock() > config.max_staleness else None
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
@@ -55,32 +90,33 @@ class PushPath:
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
         # then read the rows of the released step on every shard.
         hold = hold or bool(table_rows)
+        book, ledger, pending = self._book, self._book.ledger, self._book.pending
         while True:
-            with self._cond:
-                self._check_open()
-                self.membership.check(worker, incarnation)
-                record = self.ledger.seen(worker, incarnation, seq)
+            with book.cond:
+                book.check_open()
+                book.membership.check(worker, incarnation)
+                record = ledger.seen(worker, incarnation, seq)
                 if record is not None:
                     result = self._duplicate(worker, incarnation, record, seq, cancelled, hold, deadline)
                     if result is None:
                         continue  # the original failed before changing anything: apply this one
-                    self.duplicates += 1
+                    ledger.count_duplicate()
                     break
-                self._catch_up(step, by, pushed=True)
-                mode = self.config.mode
+                book.catch_up(step, by, pushed=True)
+                mode = book.clock.config.mode
                 if mode == "sync":
-                    self._check_ahead(step, "push step")
-                if mode == "ssp" or (mode == "sync" and step >= self.pending.open_step(self.store.step)):
+                    book.check_ahead(step, "push step")
+                if mode == "ssp" or (mode == "sync" and step >= pending.open_step(self._store.step)):
                     kind = self._hold_kind(worker, step, hold)
                     if kind is not None:  # refused here, before the push changes anything
-                        self.waits.acquire(kind)
+                        self._waits.acquire(kind)
                         slot.append(kind)
-                self._touch(worker, incarnation, step, progress=True)
-                self.membership.pushed(worker, self._now())
-                if mode == "sync" and step < self.pending.open_step(self.store.step):
+                book.touch(worker, incarnation, step, progress=True)
+                book.membership.pushed(worker, book.clock.now())
+                if mode == "sync" and step < pending.open_step(self._store.step):
                     return self._stale(worker, incarnation, seq, step)
-                record = self.ledger.begin(worker, incarnation, seq, step)
-                buffer = self.pending.reserve(step) if mode == "sync" else None
+                record = ledger.begin(worker, incarnation, seq, step)
+                buffer = pending.reserve(step) if mode == "sync" else None
             try:
                 if buffer is not None:
                     return self._push_sync(worker, incarnation, seq, step, grads, table_rows, record, buffer,
@@ -88,157 +124,145 @@ class PushPath:
                 return self._push_async(worker, incarnation, seq, step, grads, table_rows, step_increment, record,
                                         mode == "ssp", cancelled, deadline)
             except BaseException:
-                with self._cond:
+                with book.cond:
                     if record is None or not record.applied:
-                        self.ledger.abort(worker, incarnation, record)
+                        ledger.abort(worker, incarnation, record)
                         if buffer is not None:
-                            self.pending.unreserve(buffer)
-                    self._cond.notify_all()
+                            pending.unreserve(buffer)
+                    book.cond.notify_all()
                 raise
-        self._durable_all(deadline)  # a retry is acknowledged once its original's record is written
-        return result
+        self._recorder.durable_all(book.clock.left(deadline))  # a retry is acknowledged once its original's
+        return result                                          # record is written
 
     def _stale(self, worker: str, incarnation: int, seq: int, step: int) -> PushResult:
-        record = self.ledger.begin(worker, incarnation, seq, step)
-        if record is not None:
-            record.stale = True
-        self.stale_dropped += 1
-        current = self.store.step
+        """The reply to a sync push computed at a step already applied, which is dropped (holds cond)."""
+        book = self._book
+        record = book.ledger.begin(worker, incarnation, seq, step)
+        book.ledger.mark_stale(record)
+        book.pending.count_stale()
+        current = self._store.step
         _LOGGER.debug("dropped a stale gradient from %s (step %d < %d)", worker, step, current)
-        result = PushResult(step=current, next_step=current, stale=True, quorum=self._quorum)
-        if record is not None:
-            record.result = result
+        result = PushResult(step=current, next_step=current, stale=True, quorum=book.pending.quorum)
+        book.ledger.answer(record, result)
         return result
 
     def _duplicate(self, worker: str, incarnation: int, record: PushRecord, seq: int, cancelled, hold: bool,
                    deadline: float) -> PushResult | None:
-        """The reply to a repeated push (holds _cond); None if its original failed and it must be applied."""
-        current = self.store.step
+        """The reply to a repeated push (holds cond); None if its original failed and it must be applied."""
+        book, ledger = self._book, self._book.ledger
+        current = self._store.step
         if record.seq != seq or record.step < 0:  # a straggler of an older push: never applied now
-            return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
-        if not record.stale and not (record.applied or record.result is not None):
-            with self.waits.slot("retry"):  # a retry waiting for its original, still being handled
-                done = self._cond.wait_for(lambda: record.applied or record.result is not None or self._closed
-                                           or self.ledger.seen(worker, incarnation, seq) is not record
-                                           or cancelled(), self._left(deadline))
-            self._check_open()
-            if self.ledger.seen(worker, incarnation, seq) is not record:
+            return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
+        if not record.stale and not ledger.settled(record):
+            with self._waits.slot("retry"):  # a retry waiting for its original, still being handled
+                done = book.cond.wait_for(lambda: ledger.settled(record) or book.closed
+                                          or ledger.seen(worker, incarnation, seq) is not record
+                                          or cancelled(), book.clock.left(deadline))
+            book.check_open()
+            if ledger.seen(worker, incarnation, seq) is not record:
                 return None
             if not done:
                 raise WaitTimeoutError(f"a retried push from {worker} waited for its original, still running")
-        if self.config.mode == "sync" and not record.stale:
-            held = (self.owns_step or hold) and self.store.step <= record.step
-            with self.waits.slot("release") if held else contextlib.nullcontext():
+        if book.clock.config.mode == "sync" and not record.stale:
+            held = (self._owns_step or hold) and self._store.step <= record.step
+            with self._waits.slot("release") if held else contextlib.nullcontext():
                 released = self._await_release(worker, record.step, cancelled, hold, deadline)
             return dataclasses.replace(released, duplicate=True)
         if record.result is None:  # cancelled before the original finished
-            return PushResult(step=current, next_step=current, duplicate=True, quorum=self._quorum)
+            return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
         return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
 
     def _push_async(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
                     step_increment: int, record: PushRecord | None, ssp: bool, cancelled, deadline: float
                     ) -> PushResult:
-        with self.gate.change():
-            with self._ordered:  # with a journal, applies are queued for it in the order they happened
-                step_after, versions = self.store.apply(grads, step_increment, validated=True)
-                self.tables.apply(table_rows, step_after)  # journaled with the dense gradients (_log)
-                ticket = self._log("apply", {"step_increment": step_increment,
-                                             **self._push_meta(worker, incarnation, seq, step)}, grads)
-            with self._cond:
-                if record is not None:
-                    record.applied = True
-        self._durable(ticket, deadline)  # written (outside every lock) before it is acknowledged
-        with self._cond:
-            member = self.membership.members[worker]
-            member.clock += 1
+        book, recorder = self._book, self._recorder
+        with self._gate.change():
+            with recorder.ordering:  # with a journal, applies are queued for it in the order they happened
+                step_after, versions = self._store.apply(grads, step_increment, validated=True)
+                self._tables.apply(table_rows, step_after)  # journaled with the dense gradients (pushing())
+                ticket = recorder.log("apply", {"step_increment": step_increment,
+                                                **_push_meta(worker, incarnation, seq, step)}, grads)
+            with book.cond:
+                book.ledger.mark_applied(record)
+        recorder.durable(ticket, book.clock.left(deadline))  # written (outside every lock) before it is acknowledged
+        with book.cond:
+            book.membership.advance_clock(worker)
             result = PushResult(step=step_after, next_step=step_after, versions=versions)
-            if record is not None:
-                record.result = result
-            self._cond.notify_all()
-            if not (ssp and self.owns_step):
+            book.ledger.answer(record, result)
+            book.cond.notify_all()
+            if not (ssp and self._owns_step):
                 return result
-            bound = self.config.max_staleness
-            start = self._now()
-            self._hold(worker, lambda: member.clock - self._min_clock() <= bound or cancelled(), deadline,
-                       lambda: f"{worker} is {member.clock - self._min_clock()} pushes ahead of the slowest live "
-                               f"worker (bound {bound})")
-            current = self.store.step
-            return dataclasses.replace(result, step=current, next_step=current, wait_seconds=self._now() - start)
+            bound = book.clock.config.max_staleness
+            start = book.clock.now()
+
+            def ahead() -> int:
+                return book.membership.clock_of(worker) - book.min_clock()
+
+            self._hold(worker, lambda: ahead() <= bound or cancelled(), deadline,
+                       lambda: f"{worker} is {ahead()} pushes ahead of the slowest live worker (bound {bound})")
+            current = self._store.step
+            return dataclasses.replace(result, step=current, next_step=current,
+                                       wait_seconds=book.clock.now() - start)
 
     def _push_sync(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
-                   record: PushRecord | None, buffer, cancelled, hold: bool, deadline: float) -> PushResult:
+                   record: PushRecord | None, buffer: StepBuffer, cancelled, hold: bool, deadline: float
+                   ) -> PushResult:
         """Adds a push (dense and row gradients, all or nothing) to the buffer of `step` that _push reserved,
         counts it, then waits as _await_release says. If the add raises, nothing was added (_push then
         forgets the push and unreserves the buffer). Its journal record ("add") carries the rows too
-        (Coordinator._log), and is written before the push is acknowledged (the step's record, queued after
+        (Recorder.pushing), and is written before the push is acknowledged (the step's record, queued after
         every add it sums, need not be: replaying the adds brings the step back)."""
+        book, recorder = self._book, self._recorder
         tickets = []
-        with self.gate.change():
-            buffer.add(grads, lambda: tickets.append(self._log("add", self._push_meta(worker, incarnation, seq, step),
-                                                               grads)), rows=table_rows)
-            with self._cond:
-                if record is not None:
-                    record.applied = record.pending = True
-                self.pending.counted(buffer, worker)
-                self._cond.notify_all()
-        self._durable(tickets[0], deadline)  # written (outside every lock) before it is acknowledged
-        with self._cond:
+        with self._gate.change():
+            buffer.add(grads, lambda: tickets.append(recorder.log("add", _push_meta(worker, incarnation, seq, step),
+                                                                  grads)), rows=table_rows)
+            with book.cond:
+                book.ledger.mark_applied(record, pending=True)
+                book.pending.counted(buffer, worker)
+                book.cond.notify_all()
+        recorder.durable(tickets[0], book.clock.left(deadline))  # written (outside every lock) before it is
+        with book.cond:                                           # acknowledged
             result = self._await_release(worker, step, cancelled, hold, deadline)
-            if record is not None:
-                record.result = result
+            book.ledger.answer(record, result)
             return result
-
-    def _apply_sync_step(self, buffer, step: int) -> None:
-        """Applies sync step `step` (the store's step) from its buffer: first every table's averaged row
-        gradients, one lazy optimizer step each on the union of the ids pushed (tables.apply at step + 1,
-        then eviction, as an async push at that step), then the dense averages, which advance the store's
-        step. So a call that sees the new step (a released push, a min_step pull) sees the rows applied
-        too. The applier's call (and the journal's replay), under the apply gate and _ordered, not _cond;
-        blocks on the tables' and variables' locks only. The rows were validated when pushed, so it raises
-        only if a table vanished or on a bug: then the tables before it in the buffer are updated and the
-        store's step has not moved."""
-        averaged = buffer.row_averages()
-        if averaged:
-            self.tables.apply(averaged, step + 1, received={name: rows.received for name, rows in averaged.items()})
-        self.store.apply(buffer.averages(), step_increment=1, validated=True)
 
     def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float) -> PushResult:
         """On shard 0 (any shard with `hold`), waits until `worker` may go on after pushing for `step`.
 
-        Holds _cond. The worker may go on once this shard has applied `step`,
+        Holds cond. The worker may go on once this shard has applied `step`,
         or while the step still wants more of its batches (R > N).
         """
-        start = self._now()
-        if self.owns_step or hold:
-            per_worker = self.config.batches_per_worker
+        book = self._book
+        start = book.clock.now()
+        if self._owns_step or hold:
+            per_worker = book.clock.config.batches_per_worker
 
             def may_go_on() -> bool:
-                if self.store.step > step or cancelled():
-                    return True
-                buffer = self.pending.buffers.get(step)
-                return buffer is not None and self.pending.applying != step and buffer.by_worker[worker] < per_worker
+                return (self._store.step > step or cancelled()
+                        or book.pending.wants_more(step, worker, per_worker))
 
             self._hold(worker, may_go_on, deadline,
-                       lambda: f"step {step} was not released (shard at step {self.store.step}, quorum "
-                               f"{self._quorum}, {self.membership.live()} live workers)")
-        current = self.store.step
-        return PushResult(step=current, next_step=max(current, step), wait_seconds=self._now() - start,
-                          quorum=self._quorum)
+                       lambda: f"step {step} was not released (shard at step {self._store.step}, quorum "
+                               f"{book.pending.quorum}, {book.membership.live()} live workers)")
+        current = self._store.step
+        return PushResult(step=current, next_step=max(current, step), wait_seconds=book.clock.now() - start,
+                          quorum=book.pending.quorum)
 
     def _hold(self, worker: str, condition: Callable[[], bool], deadline: float, describe: Callable[[], str]) -> None:
-        """Waits (holds _cond, and the push's waiting slot) until `condition()`, counting as a held push of
-        `worker` (never a stall)."""
-        member = self.membership.members.get(worker)
-        if member is not None:
-            member.held += 1
+        """Waits (holds cond, and the push's waiting slot) until `condition()`, counting as a held push of
+        `worker` (never a stall). WaitTimeoutError at `deadline`, ServerUnavailableError at close."""
+        book = self._book
+        member = book.membership.hold(worker)
         try:
-            done = self._cond.wait_for(lambda: condition() or self._closed, self._left(deadline))
+            done = book.cond.wait_for(lambda: condition() or book.closed, book.clock.left(deadline))
         finally:
-            if member is not None:
-                member.held -= 1
-                member.last_progress = self._now()
-                if not member.held:
-                    self._reaper_wake.notify()  # its progress deadline counts again
-        self._check_open()
+            if book.membership.unhold(member, book.clock.now()):
+                book.reaper_wake.notify()  # its progress deadline counts again
+        book.check_open()
         if not done:
             raise WaitTimeoutError(describe())
+
+
+def _push_meta(worker: str, incarnation: int, seq: int, step: int) -> dict:
+    return {"worker": worker, "incarnation": incarnation, "seq": seq, "step": step}

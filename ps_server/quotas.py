@@ -20,20 +20,7 @@ from .. import codec
 from ..errors import ResourceExhaustedError
 from ..proto import ps_pb2
 
-__all__ = ["Quotas", "Reservation", "state_bytes", "optimizer_slots", "parse_bytes"]
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'4G', '512M', '1048576' -> bytes (binary units); ValueError for anything else."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
-    number = float(text[:-1] if unit else text)
-    if not number >= 0:
-        raise ValueError(f"a size must be >= 0: {text!r}")
-    return int(number * _UNITS[unit])
-
+__all__ = ["Quotas", "Reservation", "state_bytes", "optimizer_slots"]
 
 def optimizer_slots(name: str, hyperparams) -> int:
     """Tensors of a variable's size that optimizer `name` keeps per variable."""

@@ -110,8 +110,8 @@ class RowSums:
     def restore(cls, state: Mapping[str, Mapping]) -> "RowSums":
         """The sums export() described."""
         sums = cls()
-        sums._sums = {name: _Sum(e["ids"], e["values"], int(e["pushes"]), int(e["received"]))
-                      for name, e in state.items()}
+        sums.commit({name: _Sum(e["ids"], e["values"], int(e["pushes"]), int(e["received"]))
+                     for name, e in state.items()})
         return sums
 
     def pushes(self, name: str) -> int:

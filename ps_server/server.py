@@ -23,8 +23,8 @@ from .failstop import FailStop
 from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
-from .queue_desk import settle as settle_queues
 from .quotas import Quotas
+from .flags import DEFAULT_THREADS
 from .stalls import DEFAULT_IDLE_SECONDS
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
@@ -32,9 +32,6 @@ __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_healt
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-# Every worker held for a sync release, or waiting in a min_step pull, occupies one RPC thread; at most
-# max_waiting_calls of them wait at once, so the rest always serve status, heartbeats and plain calls.
-DEFAULT_THREADS = 128
 
 
 def create_server(
@@ -150,11 +147,11 @@ def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | N
         coordinator.restore(restore)
     if journal is None:
         coordinator.start()
-        settle_queues(coordinator)
+        coordinator.queue_desk.settle()
         return
     journal.start(None if recovered is not None else coordinator.state(with_pending=True))
     coordinator.attach_journal(journal)
-    settle_queues(coordinator)  # data queues' pushes in flight, from the ledger: recorded, before serving
+    coordinator.queue_desk.settle()  # data queues' pushes in flight, from the ledger: recorded, before serving
 
 
 def set_health(health_servicer: health.HealthServicer, *, serving: bool) -> None:

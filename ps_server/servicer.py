@@ -36,7 +36,6 @@ from .auth import Authority, Caller
 from .metrics import ShardMetrics
 from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
 from .dataqueue import QueueSpec
-from .queue_desk import QueueDesk
 from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
 from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
@@ -204,7 +203,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._creating = threading.Lock()
         self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
         self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
-        self.queue_desk = QueueDesk(coordinator, home=index == 0, index=index)  # data queues: ps 0's
+        self.queue_desk = coordinator.queue_desk  # data queues: ps 0's
 
     @_map_errors
     def CreateVariables(self, request_iterator, context):

@@ -16,109 +16,114 @@ mode fails with StepPassedError (the client asks again with a later step).
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..errors import StepPassedError, WaitTimeoutError
 from . import table_state
-
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+from .bookkeeping import Bookkeeping
+from .dataqueue import DataQueues
+from .gate import ApplyGate
+from .store import VariableStore
+from .tables import TableStore
+from .waits import WaitLimit
 
 __all__ = ["state_of", "Saves"]
 
 
-def state_of(coordinator: "Coordinator", *, with_pending: bool, then: Callable[[], object] | None = None,
-             copy: bool = True) -> dict:
-    """The shard's state (call under coordinator.gate.snapshot()); `then()` runs at the same instant, under
-    the bookkeeping lock (a journal rotation), its value under the key "then". `copy=False`: the variables'
-    values are their own tensors, not copies (use them before leaving the gate)."""
-    variables = coordinator.store.snapshot(copy=copy)
-    tables = table_state.section(coordinator.tables)
-    with coordinator._cond:
-        step = coordinator.store.step
-        state = {"step": step, "config": dataclasses.asdict(coordinator.config), "variables": variables,
-                 "tables": tables,
-                 "ledger": coordinator.ledger.export(step, with_pending=with_pending),
-                 "membership": coordinator.membership.export()}
-        state["queues"] = coordinator.queues.export()  # data queues (dynamic sharding): queue_desk.py
-        if with_pending:
-            state["pending"] = coordinator.pending.export()
-        if then is not None:
-            state["then"] = then()
-    return state
+def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues: DataQueues, *,
+             with_pending: bool, then: Callable[[], object] | None = None, copy: bool = True) -> dict:
+    """The shard's state (call under the apply gate taken alone); `then()` runs at the same instant, under
+    the bookkeeping condition (a journal rotation), its value under the key "then". The data queues
+    (dynamic sharding: queue_desk.py) are taken at that instant too, consistent with the push ledger.
+    `copy=False`: the variables' values are their own tensors, not copies (use them before leaving the
+    gate)."""
+    variables = store.snapshot(copy=copy)
+    table_section = table_state.section(tables)
+    kept = book.export(with_pending=with_pending,
+                       then=lambda: (queues.export(), then() if then is not None else None))
+    queue_state, then_value = kept.pop("then")
+    if then is not None:
+        kept["then"] = then_value
+    return {"step": kept.pop("step"), "config": kept.pop("config"), "variables": variables,
+            "tables": table_section, "queues": queue_state, **kept}
 
 
 class Saves:
-    """Checkpoints waiting for their step. The coordinator's lock guards it."""
+    """Checkpoints waiting for their step. Its state is guarded by the bookkeeping condition, which its waits
+    use; `copy()` gives the whole state (state_of; call it under the apply gate taken alone)."""
 
-    def __init__(self, coordinator: "Coordinator"):
-        self._c = coordinator
+    def __init__(self, book: Bookkeeping, gate: ApplyGate, waits: WaitLimit, copy: Callable[[], dict]):
+        self._book = book
+        self._gate = gate
+        self._waits = waits
+        self._copy = copy
         self._due: collections.Counter[int] = collections.Counter()  # step -> saves waiting for it
         self._taken: dict[int, dict] = {}                              # kept until the last of them has it
 
     def due(self, step: int) -> bool:
-        """True if a save waits for a state at `step` and none was taken yet (holds the lock)."""
+        """True if a save waits for a state at `step` and none was taken yet (holds the bookkeeping
+        condition)."""
         return self._due[step] > 0 and step not in self._taken
 
     def take(self, step: int) -> None:
-        """Copies the state for the saves waiting at `step`, if the shard is still there (the applier's call)."""
-        c = self._c
-        with c.gate.snapshot():
-            with c._cond:
-                if not self.due(step) or c.store.step != step:
+        """Copies the state for the saves waiting at `step`, if the shard is still there (the applier's call).
+        Blocks on the apply gate (taken alone) while it copies."""
+        book = self._book
+        with self._gate.snapshot():
+            with book.cond:
+                if not self.due(step) or book.store.step != step:
                     return
-            state = state_of(c, with_pending=False)
-        with c._cond:
+            state = self._copy()
+        with book.cond:
             self._taken[step] = state
-            c._cond.notify_all()
+            book.cond.notify_all()
+
+    def now(self) -> dict:
+        """The state at once, whatever the step (takes the apply gate alone while it copies)."""
+        with self._gate.snapshot():
+            return self._copy()
 
     def snapshot_at(self, step: int, deadline: float, cancelled: Callable[[], bool], *, now: bool) -> dict:
         """The state for a checkpoint of `step` (see the module docstring); `now`: at once, whatever the step.
 
         A job whose workers have all gone saves at once too (nobody will move
-        it on). Blocks until then: WaitTimeoutError at `deadline`.
+        it on). Blocks until then: WaitTimeoutError at `deadline`,
+        ServerUnavailableError once the shard closes, StepPassedError as the
+        module docstring says.
         """
-        c = self._c
         if now:
-            return c.state(with_pending=False)
-        sync = c.config.mode == "sync"
-        with c._cond:
-            c._check_open()
-            if sync and c.store.step > step:
-                raise StepPassedError(f"this shard is already at step {c.store.step}, past the checkpoint's "
-                                        f"step {step}")
+            return self.now()
+        book = self._book
+        store = book.store
+        sync = book.clock.config.mode == "sync"
+        with book.cond:
+            book.check_open()
+            if sync and store.step > step:
+                raise StepPassedError(f"this shard is already at step {store.step}, past the checkpoint's "
+                                      f"step {step}")
             self._due[step] += 1
             try:
                 while True:
-                    with c.waits.slot("save"):
-                        c._cond.wait_for(lambda: step in self._taken or c.store.step >= step or self._idle()
-                                         or cancelled() or c._closed, c._left(deadline))
-                    c._check_open()
+                    with self._waits.slot("save"):
+                        book.cond.wait_for(lambda: step in self._taken or store.step >= step or book.idle()
+                                           or cancelled() or book.closed, book.clock.left(deadline))
+                    book.check_open()
                     if step in self._taken:
                         return self._taken[step]
-                    if sync and c.store.step > step:  # jumped over it (a shard catching up)
-                        raise StepPassedError(f"this shard moved from before step {step} to {c.store.step} "
-                                                f"without stopping at it")
-                    if not (c.store.step >= step or self._idle() or cancelled()):
-                        raise WaitTimeoutError(f"the shard did not reach step {step} (at {c.store.step}) in time "
+                    if sync and store.step > step:  # jumped over it (a shard catching up)
+                        raise StepPassedError(f"this shard moved from before step {step} to {store.step} "
+                                              f"without stopping at it")
+                    if not (store.step >= step or book.idle() or cancelled()):
+                        raise WaitTimeoutError(f"the shard did not reach step {step} (at {store.step}) in time "
                                                f"to save")
-                    c._cond.release()  # copy without the bookkeeping lock: only the gate stops changes
-                    try:
-                        with c.gate.snapshot():
-                            with c._cond:
-                                exact = c.store.step == step or not sync or self._idle()
+                    with book.released():  # copy without the bookkeeping condition: only the gate stops changes
+                        with self._gate.snapshot():
+                            with book.cond:
+                                exact = store.step == step or not sync or book.idle()
                             if exact:
-                                return state_of(c, with_pending=False)
-                    finally:
-                        c._cond.acquire()
+                                return self._copy()
             finally:
                 self._due[step] -= 1
                 if not self._due[step]:
                     del self._due[step]
                     self._taken.pop(step, None)
-
-    def _idle(self) -> bool:
-        """The job has ended: workers joined and none is live, nothing pending."""
-        m = self._c.membership
-        return bool(m.members) and not m.live() and not self._c.pending.buffers

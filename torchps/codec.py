@@ -19,6 +19,7 @@ import torch
 
 from .errors import InvalidArgumentError, MalformedStreamError, TensorMismatchError
 from .proto import ps_pb2
+from .sizes import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES, MIN_CHUNK_BYTES
 
 
 __all__ = [
@@ -41,12 +42,6 @@ __all__ = [
     "ChunkAssembler",
 ]
 
-DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: the fastest pull chunk in transport.md
-DEFAULT_MAX_CHUNK_BYTES = 16 << 20  # largest chunk a shard accepts by default (ps-server --max-chunk-bytes)
-ENVELOPE_BYTES = 64 << 10  # room for names, meta and framing around a chunk's data in one message
-# Every chunk but a tensor's last carries at least this much: a stream of 1-byte chunks would cost a
-# shard one message, a lock and a copy per byte.
-MIN_CHUNK_BYTES = 64 << 10
 
 if sys.byteorder != "little":  # the wire is little-endian and we send memory as is
     raise ImportError("torchps supports little-endian hosts only")

@@ -49,7 +49,7 @@ __all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "Proces
 # What the fork server imports before forking: the shard's and the worker's entry modules pull in torch,
 # numpy, grpc and the rest of the project; torch._dynamo is what torch imports the first time an optimizer
 # is made (a second's CPU in every shard's first CreateVariables otherwise). None of them starts a thread.
-ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.worker.__main__", "torch._dynamo")
+ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.ps_server.daemon", "torchps.worker.__main__", "torch._dynamo")
 DISABLE_ENV = "TORCHPS_NO_FORK_SERVER"  # set to 1: every process starts a fresh interpreter instead
 # Read once, when an interpreter starts or imports gRPC, torch or their libraries: a child that needs other
 # values than the fork server started with is started as a fresh interpreter instead.

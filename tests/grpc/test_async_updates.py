@@ -6,7 +6,10 @@ import torch
 
 from torchps.client import Optimizer, PSClient
 
-SPAWN = multiprocessing.get_context("spawn")
+# Fresh processes forked from multiprocessing's fork server (torch imported once there), never from this
+# gRPC-threaded process; each has its own PSClient, as separate worker processes do.
+PROCESSES = multiprocessing.get_context("forkserver")
+PROCESSES.set_forkserver_preload(["torch", "torchps.client"])
 SHAPES = {"async/a": (64, 33), "async/b": (1000,)}  # round robin: a on ps:0, b on ps:1
 
 
@@ -30,8 +33,8 @@ def test_no_lost_updates_from_concurrent_processes(shared_cluster):
         created = ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
         assert created == {"async/a": True, "async/b": True}
         assert [ps.placement.shard_of(n) for n in SHAPES] == [0, 1]
-        start = SPAWN.Barrier(processes)
-        children = [SPAWN.Process(target=_push_ones, args=(local.cluster, start, pushes)) for _ in range(processes)]
+        start = PROCESSES.Barrier(processes)
+        children = [PROCESSES.Process(target=_push_ones, args=(local.cluster, start, pushes)) for _ in range(processes)]
         for child in children:
             child.start()
         for child in children:
@@ -71,8 +74,8 @@ def test_pull_never_sees_half_an_update(shared_cluster):
     local = shared_cluster
     with PSClient(local.cluster, connect_timeout=30, partitioner=None) as ps:
         ps.create_variables({BIG: torch.zeros(BIG_ELEMENTS)}, Optimizer("sgd", lr=1.0))
-        first_done, stop, count = SPAWN.Event(), SPAWN.Event(), SPAWN.Value("q", 0)
-        child = SPAWN.Process(target=_push_until_stopped, args=(local.cluster, first_done, stop, count))
+        first_done, stop, count = PROCESSES.Event(), PROCESSES.Event(), PROCESSES.Value("q", 0)
+        child = PROCESSES.Process(target=_push_until_stopped, args=(local.cluster, first_done, stop, count))
         child.start()
         try:
             while not first_done.wait(timeout=0.5):

@@ -285,7 +285,7 @@ def test_a_shard_killed_mid_stream_fails_the_push_and_the_other_shard_applies_it
         after = observer.pull(on_ps0)
         for name in on_ps0:
             assert torch.equal(after[name], initial[name] - grads[name]), f"{name}: applied whole, once"
-        versions = {info.spec.name: info.version for info in observer._channels.call(
+        versions = {info.spec.name: info.version for info in observer._fanout.channels.call(
             0, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t), 10).variables}
         assert all(versions[name] == 1 for name in on_ps0), versions
 

@@ -16,7 +16,7 @@ def make_model(seed: int) -> torch.nn.Module:
 
 
 def pieces_per_shard(client: PSClient) -> list[list[str]]:
-    return [sorted(info.spec.name for info in client._channels.call(
+    return [sorted(info.spec.name for info in client._fanout.channels.call(
         shard, lambda stub, t: stub.ListVariables(__import__("torchps.proto.ps_pb2", fromlist=["x"]).ListRequest(),
                                                   timeout=t), 10).variables) for shard in range(client.cluster.num_ps)]
 

@@ -282,7 +282,7 @@ def test_sigkilled_shard_with_its_journal_comes_back_with_everything_it_acknowle
         header.seq -= 1
         for shard in (0, 1):
             names = [n for n in SHAPES if client.placement.shard_of(n) == shard]
-            reply = client._channels.stubs[shard].Push(push_requests(
+            reply = client._fanout.channels.stubs[shard].Push(push_requests(
                 header, random_tensors(SHAPES, seed=32), names, client.chunk_bytes), timeout=20)
             assert reply.duplicate, f"ps {shard} knows the last push after its restart"
         assert_same(client.pull(list(SHAPES)), acknowledged, "a retried push changed nothing")
@@ -494,7 +494,7 @@ def test_a_commit_that_does_not_add_up_is_refused_and_commits_nothing(tmp_path):
             PSClient(local.cluster, connect_timeout=20) as client:
         client.create_variables({"c/a": torch.zeros(2), "c/b": torch.zeros(2)})
         good = json.dumps({"strategy": "round_robin", "num_ps": 2, "variables": [["c/a", 8], ["c/b", 8]]})
-        saves = [client._channels.stubs[i].Save(ps_pb2.SaveRequest(step=5, now=True), timeout=20) for i in (0, 1)]
+        saves = [client._fanout.channels.stubs[i].Save(ps_pb2.SaveRequest(step=5, now=True), timeout=20) for i in (0, 1)]
         cases = {
             "a manifest that is not one": (0, "not json", saves, InvalidArgumentError),
             "an unknown strategy": (0, good.replace("round_robin", "random"), saves, InvalidArgumentError),
@@ -506,8 +506,8 @@ def test_a_commit_that_does_not_add_up_is_refused_and_commits_nothing(tmp_path):
         for what, (shard, manifest, shards, error) in cases.items():
             request = ps_pb2.CommitRequest(step=5, manifest_json=manifest, shards=shards, keep=3)
             with pytest.raises(error):
-                client._channels.call(shard, lambda stub, t: stub.CommitCheckpoint(request, timeout=t), 20)
+                client._fanout.channels.call(shard, lambda stub, t: stub.CommitCheckpoint(request, timeout=t), 20)
             assert not (step_dir(ckpt, 5) / "manifest.json").exists(), f"{what}: nothing may be committed"
         request = ps_pb2.CommitRequest(step=5, manifest_json=good, shards=saves, keep=3)
-        client._channels.call(0, lambda stub, t: stub.CommitCheckpoint(request, timeout=t), 20)
+        client._fanout.channels.call(0, lambda stub, t: stub.CommitCheckpoint(request, timeout=t), 20)
         assert latest_committed(ckpt)[0] == 5

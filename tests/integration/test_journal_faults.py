@@ -21,7 +21,8 @@ import torch
 
 from torchps.client import ClusterConfigError, Optimizer, PSClient
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.ps_server.__main__ import open_journal, parse_args
+from torchps.ps_server.__main__ import parse_args
+from torchps.ps_server.daemon import open_journal
 from torchps.ps_server.journal import WRITER_THREAD
 from torchps.worker.local_cluster import LocalCluster, ps_server_command
 

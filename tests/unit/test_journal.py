@@ -176,7 +176,7 @@ def test_a_crash_between_rotation_and_the_new_base_recovers_from_the_older_base(
     create(c)
     c.push("worker:0", 1, 1, 0, grads(1), step_increment=1)
     with c.gate.snapshot():  # the rotation of a compaction, whose base write never happens
-        c.recorder._journal.rotate()
+        c.recorder.journal.rotate()
     c.push("worker:0", 1, 2, 0, grads(2), step_increment=1)
     expected = observed(c)
     c.close()
@@ -255,8 +255,8 @@ def test_a_push_racing_the_creation_of_its_variables_is_recorded_after_them(tmp_
     not have yet), and so must a hyperparameter change come in the order the applies saw it."""
     c = shard(tmp_path)
     real_create, real_set = c.store.create, c.store.set_hyperparams
-    ordering = ContendedLock(c._ordered)
-    c._ordered = ordering
+    ordering = ContendedLock(c.recorder.ordering)
+    c.recorder.ordering = ordering
     racer: list[threading.Thread] = []
 
     def race(then):  # the instant the change is made and not yet recorded, a push arrives from another thread

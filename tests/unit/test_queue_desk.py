@@ -71,7 +71,7 @@ def status(desk: QueueDesk) -> dict:
 
 def test_a_take_needs_a_live_member_with_that_incarnation():
     c = coordinator()
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     with pytest.raises(DataShardError, match="has not joined"):
         desk.take(SPEC.name, "worker:0", 7)
@@ -90,8 +90,10 @@ def test_a_take_needs_a_live_member_with_that_incarnation():
     c.leave("worker:0", 9)
     with pytest.raises(DataShardError, match="not live"):
         desk.take(SPEC.name, "worker:0", 9)
-    with pytest.raises(ModeConflictError):
-        QueueDesk(c, home=False, index=1).take(SPEC.name, "worker:0", 9)
+    other = Coordinator(VariableStore(), owns_step=False, start=False)  # not ps 0: it serves no queue
+    with pytest.raises(ModeConflictError, match="live on ps 0"):
+        other.queue_desk.take(SPEC.name, "worker:0", 9)
+    other.close()
     c.close()
 
 
@@ -99,7 +101,7 @@ def test_a_take_needs_a_live_member_with_that_incarnation():
 def test_the_shard_of_a_worker_gone_goes_back_from_where_it_stands(how):
     clock = FakeClock()
     c = coordinator(clock=clock)
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     c.join("worker:0", 1)
     c.join("worker:1", 2)
@@ -131,7 +133,7 @@ def test_the_shard_of_a_worker_gone_goes_back_from_where_it_stands(how):
 def test_a_waiting_take_gets_the_shard_of_a_worker_whose_lease_runs_out():
     clock = FakeClock()
     c = coordinator(clock=clock)
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(QueueSpec("train", num_examples=10, shard_size=10))
     c.join("worker:0", 1)
     c.join("worker:1", 2)
@@ -151,7 +153,7 @@ def test_a_waiting_take_gets_the_shard_of_a_worker_whose_lease_runs_out():
 
 def test_a_stale_sync_push_counts_nothing():
     c = coordinator(config=SyncConfig(mode="sync", total_num_replicas=2, replicas_to_aggregate=1))
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     c.join("worker:0", 1)
     c.join("worker:1", 2)
@@ -166,18 +168,18 @@ def test_a_stale_sync_push_counts_nothing():
 
 def test_the_queue_survives_a_crash_mid_epoch_in_the_journal(tmp_path):
     c = coordinator(tmp_path)
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     c.join("worker:0", 1)
     lease, _ = desk.take(SPEC.name, "worker:0", 1)
     push(c, desk, "worker:0", 1, 1, lease, 0, 4)
     push(c, desk, "worker:0", 1, 2, lease, 4, 6)
     before = c.queues.export()
-    c.recorder.wait(None, TIMEOUT)  # every record queued so far written (a crash now loses none)
+    c.recorder.durable_all(TIMEOUT)  # every record queued so far written (a crash now loses none)
 
     back = coordinator(tmp_path, create=False)
     assert back.queues.export() == before
-    desk = QueueDesk(back, home=True)
+    desk = back.queue_desk
     again, _ = desk.take(SPEC.name, "worker:0", 1)  # its lease came back with the membership
     assert (again.id, again.progress) == (lease.id, 6)
     assert push(back, desk, "worker:0", 1, 2, lease, 4, 6).duplicate  # a retry: applied and counted once
@@ -187,17 +189,17 @@ def test_the_queue_survives_a_crash_mid_epoch_in_the_journal(tmp_path):
 
 def test_a_push_written_before_a_crash_that_lost_its_count_is_settled_from_the_ledger(tmp_path):
     c = coordinator(tmp_path)
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     c.join("worker:0", 1)
     lease, _ = desk.take(SPEC.name, "worker:0", 1)
     push(c, desk, "worker:0", 1, 1, lease, 0, 4)
     push(c, desk, "worker:0", 1, 2, lease, 4, 7, counted=False)  # applied and written; the shard dies then
     assert c.store.step == 2 and status(desk)["trained"] == [4]
-    c.recorder.wait(None, TIMEOUT)
+    c.recorder.durable_all(TIMEOUT)
 
     back = coordinator(tmp_path, create=False)  # recover() settles before it serves
-    desk = QueueDesk(back, home=True)
+    desk = back.queue_desk
     assert status(desk)["trained"] == [7] and back.store.step == 2
     assert desk.take(SPEC.name, "worker:0", 1)[0].progress == 7
     back.close()
@@ -205,7 +207,7 @@ def test_a_push_written_before_a_crash_that_lost_its_count_is_settled_from_the_l
 
 def test_a_checkpoint_holds_the_queue_with_its_variables_and_a_restore_goes_on_mid_epoch():
     c = coordinator()
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     c.join("worker:0", 1)
     lease, _ = desk.take(SPEC.name, "worker:0", 1)
@@ -216,7 +218,7 @@ def test_a_checkpoint_holds_the_queue_with_its_variables_and_a_restore_goes_on_m
 
     back = Coordinator(VariableStore(), owns_step=True, start=False)
     recover(back, None, state)
-    desk = QueueDesk(back, home=True)
+    desk = back.queue_desk
     assert back.store.step == 1 and status(desk)["trained"] == [4]
     back.join("worker:0", 5)  # the job restarted: a new process of the task
     lease, _ = desk.take(SPEC.name, "worker:0", 5)
@@ -228,7 +230,7 @@ def test_a_push_in_flight_when_a_checkpoint_was_taken_counts_if_the_checkpoint_h
     """The pending mark and the ledger are taken at one instant with the variables: the restore counts the
     push exactly when its update is in the restored values."""
     c = coordinator()
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(SPEC)
     c.join("worker:0", 1)
     lease, _ = desk.take(SPEC.name, "worker:0", 1)
@@ -248,7 +250,7 @@ def test_a_push_in_flight_when_a_checkpoint_was_taken_counts_if_the_checkpoint_h
 
 def test_takes_from_threads_hand_out_each_shard_once():
     c = coordinator()
-    desk = QueueDesk(c, home=True)
+    desk = c.queue_desk
     desk.create(QueueSpec("train", num_examples=1000, shard_size=7, epochs=2))
     workers = [f"worker:{i}" for i in range(4)]
     for incarnation, worker in enumerate(workers, start=1):

@@ -1,0 +1,225 @@
+"""A shard's bookkeeping: its owners composed, the decisions that span them, and the condition every wait uses.
+No gRPC.
+
+    membership.py  Membership    leases, progress, incarnations, paces
+    ledger.py      PushLedger    exactly-once pushes
+    aggregation.py PendingSteps  sync mode's pending sums and the quorum
+    step_clock.py  StepClock     time, the mode and its grace, authority over the step
+
+Each owner keeps its state under its own lock and answers alone (status
+counters, restarted, paces, the quorum). A decision that reads or changes
+several of them (a push's admission, a worker's lease and the quorum, a shard
+catching up with the job's step) is made holding `cond` ("bookkeeping" in
+locks.LOCK_ORDER), and so are the decisions of the push path (pushes.py), the
+saves (snapshots.py) and the background threads (background.py). Every wait
+waits on `cond` (the lease reaper on `reaper_wake`, over the same lock, woken
+only when a deadline may have moved earlier: membership, mode, a held push
+released, close), and whoever changes what a wait looks at calls notify()
+or cond.notify_all() holding it. Every wait ends: at its deadline (at most
+step_clock.MAX_WAIT_SECONDS) with WaitTimeoutError, at close() with
+ServerUnavailableError, or when its caller went away (`cancelled()`, checked
+after a wake).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from typing import Callable
+
+from ..errors import InvalidArgumentError, ServerUnavailableError
+from .aggregation import PendingSteps
+from .ledger import PushLedger
+from .membership import Membership
+from .modes import SyncConfig, quorum_for
+from .recording import Recorder
+from .step_clock import CHIEF, StepClock
+from .store import VariableStore
+
+__all__ = ["Bookkeeping"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Bookkeeping:
+    """The owners of a shard's bookkeeping and the decisions across them (see the module docstring).
+
+    Methods marked "holds cond" must be called holding `cond`; they never block
+    (they queue journal records through `recorder`, never wait for them).
+    """
+
+    def __init__(self, store: VariableStore, recorder: Recorder, clock: Callable[[], float],
+                 membership: Membership | None = None):
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        self.reaper_wake = threading.Condition(lock)
+        self.store = store
+        self.recorder = recorder
+        self.clock = StepClock(clock)
+        self.membership = membership if membership is not None else Membership()
+        self.ledger = PushLedger()
+        self.pending = PendingSteps()
+        self.closed = False
+
+    # -- waking and stopping -----------------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Wakes every wait, the lease reaper too, to check its condition again (holds cond)."""
+        self.cond.notify_all()
+        self.reaper_wake.notify()
+
+    def close(self) -> None:
+        """Ends every wait (they raise ServerUnavailableError) and the background threads. Never blocks."""
+        with self.cond:
+            self.closed = True
+            self.notify()
+
+    def check_open(self) -> None:
+        """ServerUnavailableError once close()d."""
+        if self.closed:
+            raise ServerUnavailableError("this shard is stopping; retry against its replacement")
+
+    @contextlib.contextmanager
+    def released(self):
+        """Lets go of `cond` (held once by this thread) for the block, and takes it again after."""
+        self.cond.release()
+        try:
+            yield
+        finally:
+            self.cond.acquire()
+
+    # -- the mode and the quorum -------------------------------------------------------------------
+
+    def set_config(self, config: SyncConfig) -> None:
+        """Runs `config` from now on: its grace starts, the quorum is computed afresh (holds cond)."""
+        self.clock.set_config(config)
+        self.pending.set_quorum(self._compute_quorum(), counted=False)
+        self.notify()
+
+    def update_quorum(self, left: bool = False) -> None:
+        """Recomputes the quorum; a drop is a warning unless a worker left (its job done), a rise never is
+        (holds cond)."""
+        quorum = self._compute_quorum()
+        sync = self.clock.config.mode == "sync"
+        previous = self.pending.set_quorum(quorum, counted=sync)
+        if quorum != previous and sync:
+            _LOGGER.log(logging.WARNING if quorum < previous and not left else logging.INFO,
+                        "quorum %d -> %d (%d live workers) at step %d",
+                        previous, quorum, self.membership.live(), self.store.step)
+
+    def _compute_quorum(self) -> int:
+        config = self.clock.config
+        step = self.store.step
+        live = self.membership.counted(step)
+        if self.clock.in_grace(self.clock.now()):  # workers that have not joined yet count as live
+            waiting = config.total_num_replicas - self.membership.absent() - self.membership.not_yet_counted(step)
+            live = max(live, waiting)
+        return quorum_for(config, live)
+
+    def min_clock(self) -> int:
+        """The ssp clock of the slowest live worker; 0 while the startup grace waits for joiners (holds cond)."""
+        waiting_for_joiners = (self.clock.in_grace(self.clock.now())
+                               and self.membership.joined() < self.clock.config.total_num_replicas)
+        return 0 if waiting_for_joiners else self.membership.min_clock()
+
+    # -- workers -----------------------------------------------------------------------------------
+
+    def touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:
+        """Renews `worker`'s lease (and progress if it pushed); a join, rejoin or restart is journaled and
+        moves the quorum (holds cond). WorkerReplacedError for a retired incarnation, PermissionDeniedError
+        for a name past the bound: nothing changed."""
+        now = self.clock.now()
+        event, retired = self.membership.touch(
+            worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
+            in_grace=self.clock.in_grace(now), level=self.min_clock(), progress=progress)
+        if retired is not None:
+            self.ledger.forget(worker, retired)
+        if event is not None:
+            _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
+            self.membership_changed(worker)
+
+    def membership_changed(self, *workers: str, left: bool = False) -> None:
+        """Journals the members that changed, recomputes the quorum and wakes every wait (holds cond: a
+        compaction reads and rotates the journal under it)."""
+        for worker in workers:
+            self.recorder.log("member", {"worker": worker, **self.membership.export_member(worker),
+                                         "retired": self.membership.retired_of(worker)})
+        self.update_quorum(left)
+        self.notify()
+
+    def idle(self) -> bool:
+        """The job has ended: workers joined and none is live, nothing pending (holds cond)."""
+        return bool(self.membership.joined()) and not self.membership.live() and self.pending.is_empty()
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def catch_up(self, step: int, by: str, *, pushed: bool = False) -> None:
+        """A shard without the job's latest state (restored from an older checkpoint) adopts a later step a
+        client shows, as far as the chief vouches for (step_clock.py); a push at its own step shows it is
+        not behind either (holds cond)."""
+        target = self.clock.catch_up_to(step, by)
+        if target is None:
+            return
+        if target > self.store.step:
+            _LOGGER.warning("this shard is at step %d and the job at step %d (%s): catching up (updates in "
+                            "between are lost)", self.store.step, target,
+                            "the chief's" if by == CHIEF else "a worker's, as far as the chief vouched for")
+            self.store.set_step(target)
+            self.pending.clear()
+            self.recorder.log("set_step", {"step": target, "clear": True})
+            self.cond.notify_all()
+        if pushed:
+            self.clock.pushed_at(step, self.store.step)
+
+    def check_ahead(self, step: int, what: str) -> None:
+        """Sync: a step more than one past the open step is never legitimate on a shard that has its state
+        (InvalidArgumentError); on one catching up it may be, once the chief vouches for it (a retryable
+        ServerUnavailableError until then). Holds cond."""
+        if self.clock.config.mode != "sync":
+            return
+        current = self.store.step
+        if step <= self.pending.open_step(current) + 1:
+            return
+        if self.clock.behind:
+            raise ServerUnavailableError(
+                f"this shard restored checkpoint step {self.clock.restored_step} and is at step {current}; the "
+                f"chief has not vouched for {what} {step} yet (its next heartbeat does): retry")
+        raise InvalidArgumentError(f"{what} {step} is ahead of this shard's step {current} by more than one; "
+                                   f"nothing was changed")
+
+    # -- whole states ------------------------------------------------------------------------------
+
+    def export(self, *, with_pending: bool, then: Callable[[], object] | None = None) -> dict:
+        """The bookkeeping part of a saved state (snapshots.state_of): step, mode, ledger, membership and, for
+        the journal, the pending sums; `then()` runs in the same instant, its value under "then". Takes cond."""
+        with self.cond:
+            step = self.store.step
+            state = {"step": step, "config": dataclasses.asdict(self.clock.config),
+                     "ledger": self.ledger.export(step, with_pending=with_pending),
+                     "membership": self.membership.export()}
+            if with_pending:
+                state["pending"] = self.pending.export()
+            if then is not None:
+                state["then"] = then()
+            return state
+
+    def restore(self, state: dict, *, exact: bool) -> None:
+        """Takes the bookkeeping of a saved state back (before the shard serves); `exact`: the shard's own
+        latest state, not an older checkpoint. Takes cond."""
+        with self.cond:
+            self.ledger.restore(state.get("ledger", []))
+            self.membership.restore(state.get("membership", {}), self.clock.now())
+            self.pending.restore(state.get("pending", {}))
+            self.clock.restore(state["step"], exact=exact)
+            self.set_config(SyncConfig(**state["config"]))
+
+    def forget_job(self) -> None:
+        """Drops what belonged to a finished job: members, the ledger, pending sums, the mode (the bound on
+        membership stays). Takes cond."""
+        with self.cond:
+            self.membership.reset()
+            self.ledger.reset()
+            self.pending.reset()
+            self.set_config(SyncConfig())

@@ -1,0 +1,183 @@
+"""One shard process from its checked flags to its exit: restore, journal, serve until signalled, stop.
+
+ps-server's main (ps_server/__main__.py) checks the flags first (ps_server/flags.py, no torch), then calls
+`serve` here; the fork server preloads this module, so a forked shard finds everything imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+from typing import Callable
+
+import torch
+from grpc_health.v1 import health
+
+from ..cli import INTERRUPTED, USAGE_ERROR
+from ..cluster import Cluster
+from ..errors import ClusterConfigError, PSError
+from ..memory import tune_malloc
+from ..security import Security
+from . import checkpoint
+from .failstop import FailStop
+from .journal import Journal, Layout
+from .metrics import ShardMetrics
+from .quotas import Quotas
+from .server import create_server, serve_health, set_health
+from .store import VariableStore
+
+__all__ = ["serve", "initial_state", "open_journal"]
+
+_LOGGER = logging.getLogger("torchps.ps_server")
+STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
+SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
+
+
+def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int) -> dict | None:
+    """The state to start from: the newest committed checkpoint under --checkpoint-dir, else one of
+    --restore-from (re-laid out for this cluster, embedding tables included), else None. Without a shard
+    count (a standalone shard) the checkpoint is taken as written for this layout. Blocks while the files
+    are read; CheckpointError for a checkpoint that is damaged or incomplete (tables included), or whose part
+    for this shard is over --max-memory: the shard then does not start."""
+    num_ps = cluster.num_ps if cluster is not None else args.num_ps
+    if args.restore_from and not num_ps:
+        raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
+    for directory in (args.checkpoint_dir, args.restore_from):
+        if directory:
+            state = checkpoint.restore_state(directory, index, num_ps, max_bytes=args.max_memory)
+            if state is not None:
+                return state
+    if args.restore_from:
+        raise ClusterConfigError(f"--restore-from {args.restore_from}: no committed checkpoint there")
+    return None
+
+
+def _spec_workers(cluster: Cluster | None) -> frozenset[str]:
+    """The names the cluster spec's chief and workers join with ("worker:1")."""
+    return frozenset(str(task) for task, _ in cluster.tasks() if task.type in ("chief", "worker")) if cluster else \
+        frozenset()
+
+
+def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,
+                 on_failure: Callable[[str], None]) -> Journal | None:
+    """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal. One that
+    holds another job's or layout's state is refused (ClusterConfigError), or with --replace-journal moved
+    aside for --restore-from's checkpoint."""
+    if args.replace_journal and not args.restore_from:
+        raise ClusterConfigError("--replace-journal moves a journal aside for --restore-from's checkpoint: pass "
+                                 "--restore-from too")
+    if args.no_journal:
+        return None
+    directory = args.journal_dir or (args.checkpoint_dir and os.path.join(args.checkpoint_dir, "journal", f"ps-{index}"))
+    if not directory:
+        return None
+    layout = Layout(index, cluster.num_ps if cluster is not None else args.num_ps,
+                    os.path.abspath(args.restore_from) if args.restore_from else None)
+    journal = Journal(directory, layout=layout, sync=args.journal_sync, on_failure=on_failure)
+    if journal.holds_state():
+        try:
+            journal.check_layout()
+        except ClusterConfigError:
+            if not args.replace_journal:
+                raise
+            _LOGGER.warning("journal %s moved aside to %s: this shard starts from %s", directory,
+                            journal.move_aside(), args.restore_from)
+    return journal
+
+
+def _write_port(path: pathlib.Path, port: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)
+
+
+def _stop(health_server) -> None:
+    if health_server is not None:
+        health_server.stop(None)
+
+
+def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security) -> int:
+    """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
+    (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks."""
+    tune_malloc("shard")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    health_servicer, health_server = health.HealthServicer(), None
+    set_health(health_servicer, serving=False)
+    try:
+        # A part of the shard that fails (a background thread, the journal) stops the whole process.
+        failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
+        if args.health_port is not None:
+            health_server, health_port = serve_health(health_servicer, f"{address.rpartition(':')[0]}:{args.health_port}")
+            if args.health_port_file:
+                _write_port(args.health_port_file, health_port)
+        store = VariableStore(allow_nonfinite=args.allow_nonfinite)
+        journal = open_journal(args, cluster, index, failstop.fatal)
+        if args.checkpoint_dir:
+            checkpoint.clean_partial(args.checkpoint_dir, index)
+        restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None
+        stop = threading.Event()
+        metrics = ShardMetrics(args.metrics_port) if args.metrics_port is not None else None
+        server, port, coordinator = create_server(
+            store, index, address, max_chunk_bytes=args.max_chunk_bytes, threads=args.threads,
+            max_waiting_calls=args.max_waiting_calls, checkpoint_dir=args.checkpoint_dir, restore=restore,
+            journal=journal, on_shutdown=lambda reason: stop.set(), security=security,
+            quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
+                          max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
+            metrics=metrics, reflection=args.reflection, failstop=failstop, workers=_spec_workers(cluster),
+            elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds)
+    except (PSError, RuntimeError, OSError) as exc:
+        _stop(health_server)
+        print(f"ps-server: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        _stop(health_server)
+        print("ps-server: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    interrupted = []
+
+    def on_signal(signum, _frame) -> None:  # SIGTERM, SIGHUP: a clean stop (0); SIGINT (Ctrl-C): 130
+        interrupted.append(signum == signal.SIGINT)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    server.start()
+    set_health(health_servicer, serving=True)
+    if args.port_file:
+        _write_port(args.port_file, port)
+    host = address.rpartition(":")[0]
+    mode = ("mutual TLS" if security.tls else "plaintext") + (
+        ", per-task tokens" if security.task_tokens else ", job token" if security.token else "")
+    _LOGGER.info("ps %d uses %d torch thread(s) for updates and lookups", index, torch.get_num_threads())
+    if args.max_memory:
+        _LOGGER.info("ps %d holds at most %d bytes (--max-memory)", index, args.max_memory)
+    _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
+                 "INSECURE: no TLS, no token" if security.insecure else mode)
+    if metrics is not None:
+        _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
+    # Waits in short slices: a signal the kernel hands to one of gRPC's threads only sets a flag, which the
+    # main thread acts on when it next runs Python code (a wait with no timeout might never return).
+    while not stop.wait(SIGNAL_CHECK_SECONDS):
+        pass
+    _LOGGER.info("ps %d stopping", index)
+    set_health(health_servicer, serving=False)
+    coordinator.close()  # answers held sync pushes and min_step pulls UNAVAILABLE at once
+    stopped = server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5)
+    if journal is not None:
+        journal.close()
+    _stop(health_server)
+    if not stopped:
+        _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
+        logging.shutdown()
+        os._exit(0)  # handler threads that never return must not keep a stopped shard alive
+    if interrupted and interrupted[0]:
+        print("ps-server: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+

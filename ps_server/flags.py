@@ -1,0 +1,184 @@
+"""ps-server's command line, without torch: the flags, their types and checks, the cluster and credentials
+they name. A usage error is answered from here in a fraction of a second; only a shard that will serve
+imports torch (ps_server/daemon.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+
+from ..cli import ArgumentParser
+from ..cluster import Cluster, TaskSpec
+from ..errors import ClusterConfigError
+from ..memory import memory_limit
+from ..security import Security, require_credentials
+from ..sizes import DEFAULT_MAX_CHUNK_BYTES, parse_bytes
+from .stalls import DEFAULT_IDLE_SECONDS
+
+__all__ = ["parse_args", "resolve", "load_security", "DEFAULT_THREADS", "DEFAULT_ELASTIC_WORKERS"]
+
+_LOGGER = logging.getLogger("torchps.ps_server")
+# gRPC handler threads. Every worker held for a sync release, or waiting in a min_step pull, occupies one; at
+# most max_waiting_calls of them wait at once, so the rest always serve status, heartbeats and plain calls.
+DEFAULT_THREADS = 128
+DEFAULT_ELASTIC_WORKERS = 8  # names beyond the cluster spec: a few restarts under new names, not an invented horde
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(prog="ps-server", description="Run one torchps parameter-server shard.")
+    parser.add_argument("--index", type=int, help="this shard's index in the cluster's ps list "
+                        "(default: TF_CONFIG's task index)")
+    parser.add_argument("--cluster", help="cluster as inline JSON or a JSON file path "
+                        "(TF_CONFIG's 'cluster' shape); default: TF_CONFIG, or none with --index and --bind")
+    parser.add_argument("--bind", help="HOST:PORT to listen on instead of the cluster entry; port 0 picks a free one")
+    parser.add_argument("--port-file", type=pathlib.Path, help="write the bound port to this file once serving")
+    parser.add_argument("--health-port", type=int, help="also serve the gRPC health service alone, in plaintext, "
+                        "on this port of the bind host (for Kubernetes gRPC probes; 0 picks a free one): NOT_SERVING "
+                        "while restoring or stopping, SERVING otherwise; it reveals nothing else")
+    parser.add_argument("--health-port-file", type=pathlib.Path, help="write the health port here once it serves")
+    parser.add_argument("--reflection", action="store_true", help="answer gRPC reflection, so `grpcurl list` "
+                        "and `grpcurl describe` work (with the job's credentials, as every call)")
+    parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics over HTTP at /metrics on this "
+                        "port, on --bind's host (0: a free one, reported by GetStatus; default: none)")
+    parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
+    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
+                        help="largest chunk accepted or sent (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help="RPC threads (default: %(default)s)")
+    parser.add_argument("--torch-threads", type=_threads, default=0, help="torch's CPU threads for updates and "
+                        "lookups (default: torch's own, one per core; 1 suits a shard sharing its cores with others)")
+    parser.add_argument("--max-waiting-calls", type=int, default=None,
+                        help="calls that may wait at once (held sync pushes, min_step pulls, saves, ...); past it a "
+                        "call gets RESOURCE_EXHAUSTED at once (default: three quarters of --threads)")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks (a folder every shard "
+                        "shares), and on start restore the newest committed one")
+    parser.add_argument("--restore-from", help="start from the newest committed checkpoint in this folder, "
+                        "re-laid out for this cluster's number of shards (when --checkpoint-dir has none): variables "
+                        "cut and placed again, embedding tables' rows moved to the shard their id partition names, "
+                        "with their optimizer state; a checkpoint missing any part is refused")
+    parser.add_argument("--num-ps", type=int, help="shards in the cluster, for --restore-from without --cluster")
+    parser.add_argument("--journal-dir", help="record every change here before acknowledging it, and recover from it "
+                        "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
+    parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "
+                        "newest committed checkpoint, and what was acknowledged after it is lost")
+    parser.add_argument("--journal-sync", action="store_true", help="acknowledge a change once its journal record is "
+                        "on the disk (fdatasync, batched), so a power or host loss loses nothing acknowledged either; "
+                        "default: once it is in the kernel's page cache, which a killed process cannot lose")
+    parser.add_argument("--replace-journal", action="store_true", help="with --restore-from: a journal that belongs "
+                        "to another job or layout is moved aside (renamed, kept) and the shard starts from the "
+                        "checkpoint; without it such a journal is refused")
+    q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
+    q.add_argument("--max-memory", type=_memory, default=0, help="bytes this shard may hold: variables with their "
+                   "optimizer state, embedding tables, and pushes being received, e.g. 8G, or a share of the memory "
+                   "this process may use (the machine's, or its container's or pod's limit), e.g. 75%% "
+                   "(default: no limit)")
+    q.add_argument("--max-variable-bytes", type=_size, default=0, help="largest variable, e.g. 2G (default: none)")
+    q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
+                   "else a connection) may have in progress at once (default: no limit)")
+    q.add_argument("--stream-idle-seconds", type=_seconds, default=DEFAULT_IDLE_SECONDS, help="a client stream "
+                   "(Push, CreateVariables) that sends nothing for this long is ended with DEADLINE_EXCEEDED and "
+                   "changes nothing; keep it above a backward pass of one layer for --overlap workers "
+                   "(default: %(default)s)")
+    q.add_argument("--elastic-workers", type=_elastic, default=DEFAULT_ELASTIC_WORKERS, help="workers the cluster "
+                   "spec does not name that may join (the spec's always may; a standalone shard's spec names none): "
+                   "past it a new name is refused (default: %(default)s)")
+    s = parser.add_argument_group("security (see torchps.security; ps-certs makes the files)")
+    s.add_argument("--tls-cert", help="this shard's certificate (PEM), signed by the job's CA ($TORCHPS_TLS_CERT)")
+    s.add_argument("--tls-key", help="its private key ($TORCHPS_TLS_KEY)")
+    s.add_argument("--tls-ca", help="the job's CA certificate: clients must present a certificate it signed "
+                   "($TORCHPS_TLS_CA)")
+    s.add_argument("--token-file", help="the tokens every call must carry one of: ps-certs' table of per-task "
+                   "tokens (DIR/tokens), or one job token that names no task ($TORCHPS_TOKEN_FILE)")
+    s.add_argument("--admin-token-file", help="the chief's admin token: without TLS, admin calls need it "
+                   "($TORCHPS_ADMIN_TOKEN_FILE)")
+    s.add_argument("--insecure", action="store_true", help="serve plaintext to anyone (a trusted network only); "
+                   "needed when no TLS files and no token are given")
+    parser.add_argument("--log-level", default=os.environ.get("TORCHPS_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def _whole(what: str, low: int, high: int, hint: str = ""):
+    """An argparse type: a whole number in [low, high], else 'not a WHAT: TEXT (LOW-HIGH[; HINT])'."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"not a {what}: {text!r} ({low}-{high}{'; ' + hint if hint else ''})")
+        return value
+    return parse
+
+
+_port = _whole("port", 0, 65535, "0 picks a free one")
+_elastic = _whole("number of workers", 0, 1_000_000)
+_threads = _whole("thread count", 1, 1024)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (above 0, at most 86400)")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G, 512M or a number of bytes)") from None
+
+
+def _memory(text: str) -> int:
+    """A size, or "P%": P percent of the memory this process may use (memory.memory_limit)."""
+    if not text.strip().endswith("%"):
+        return _size(text)
+    try:
+        percent = float(text.strip()[:-1])
+    except ValueError:
+        percent = -1.0
+    if not 0 < percent <= 100:
+        raise argparse.ArgumentTypeError(f"not a share of memory: {text!r} (use e.g. 75%, in (0, 100])")
+    limit = memory_limit()
+    if not limit:
+        raise argparse.ArgumentTypeError(f"{text!r}: this system does not say how much memory there is; give a size")
+    return int(limit * percent / 100)
+
+
+def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
+    """(cluster or None, index, address to bind) from flags and TF_CONFIG; ClusterConfigError if inconsistent."""
+    task = None
+    if args.cluster:
+        cluster = Cluster.from_json(args.cluster)
+    elif args.bind and args.index is not None and "TF_CONFIG" not in os.environ:
+        return None, args.index, args.bind  # a standalone shard: --index N --bind HOST:PORT
+    else:
+        cluster, task = Cluster.from_tf_config()
+    if task is not None and task.type != "ps":
+        raise ClusterConfigError(f"TF_CONFIG's task is {task}: run ps-worker for it, not ps-server")
+    if args.index is not None:
+        index = args.index
+    elif task is not None:
+        index = task.index
+    else:
+        raise ClusterConfigError("no shard index: pass --index N (or set TF_CONFIG's task to type 'ps')")
+    address = cluster.address(TaskSpec("ps", index))
+    if args.bind:
+        address = args.bind
+    return cluster, index, address
+
+
+def load_security(args: argparse.Namespace) -> Security:
+    """The shard's credentials; ClusterConfigError unless it has some or was told --insecure."""
+    security = require_credentials(Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                                 token_file=args.token_file, admin_token_file=args.admin_token_file),
+                                   args.insecure)
+    if security.token is not None and not security.tls:
+        _LOGGER.warning("the token file holds one job token, which names no task: without TLS any holder may act "
+                        "in any worker's name (ps-certs makes per-task tokens: --token-file DIR/tokens)")
+    return security

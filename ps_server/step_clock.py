@@ -1,0 +1,124 @@
+"""A shard's step clock: its time, the mode it runs and since when, and who may move its step. No gRPC.
+
+Time. `now()` is the shard's clock (monotonic seconds; injectable for tests).
+A call waits until its deadline, at most MAX_WAIT_SECONDS away.
+
+The mode (a SyncConfig) starts its startup grace when it is set: until the
+grace ends, workers that have not joined yet count as live for the quorum.
+
+Authority over the step. A shard restored from an older checkpoint catches
+up with the job's step, but only as far as the chief vouches for: the step of
+the committed checkpoint it restored, then any step the chief's own calls
+show (`by=CHIEF`: its Join, Heartbeat, Push, Pull). A worker's number
+(`by=WORKER`) moves it up to that and no further; a read-only caller
+(`by=READER`: an evaluator) moves nothing. Without roles (an insecure
+shard) every caller is the chief. A push at the shard's own step shows it is
+not behind any more.
+
+Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER) guards it all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from .modes import SyncConfig
+
+__all__ = ["StepClock", "MAX_WAIT_SECONDS", "CHIEF", "WORKER", "READER"]
+
+MAX_WAIT_SECONDS = 3600.0  # the longest any call waits when it brings no deadline
+CHIEF, WORKER, READER = "chief", "worker", "reader"  # who shows a step (see "Authority over the step")
+
+
+class StepClock:
+    """The shard's time, mode and authority over its step (see the module docstring). Never blocks."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic):
+        self.now = now
+        self._lock = threading.Lock()
+        self._config = SyncConfig()
+        self._configured_at = now()
+        self._grace_seen_end = 0.0   # the startup grace end grace_ended() reported
+        self._restored_step = -1     # the checkpoint step this shard restored, or -1
+        self._behind = False         # restored from an older checkpoint: catch up with the job's step
+        self._vouched = -1           # the highest step the chief vouched for since (the checkpoint's first)
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def deadline(self, timeout: float | None) -> float:
+        """The moment a call given `timeout` seconds (None: none) stops waiting."""
+        return self.now() + min(MAX_WAIT_SECONDS, MAX_WAIT_SECONDS if timeout is None else timeout)
+
+    def left(self, deadline: float) -> float:
+        """Seconds until `deadline` (0 once past)."""
+        return max(0.0, deadline - self.now())
+
+    # -- the mode ----------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> SyncConfig:
+        with self._lock:
+            return self._config
+
+    def set_config(self, config: SyncConfig) -> None:
+        """Runs `config` from now on; its startup grace starts now."""
+        now = self.now()
+        with self._lock:
+            self._config, self._configured_at = config, now
+
+    def in_grace(self, now: float) -> bool:
+        """Whether the mode's startup grace still runs at `now`."""
+        with self._lock:
+            return now < self._configured_at + self._config.startup_grace_seconds
+
+    def grace_end(self) -> float:
+        with self._lock:
+            return self._configured_at + self._config.startup_grace_seconds
+
+    def grace_ended(self, now: float) -> bool:
+        """True once for each startup grace that has ended by `now` (then unjoined workers stop counting)."""
+        with self._lock:
+            end = self._configured_at + self._config.startup_grace_seconds
+            if end <= now and self._grace_seen_end != end:
+                self._grace_seen_end = end
+                return True
+            return False
+
+    # -- authority over the step -------------------------------------------------------------------
+
+    def restore(self, step: int, *, exact: bool) -> None:
+        """The shard restored a state of `step`; `exact`: its own latest (journal), so it is not behind."""
+        with self._lock:
+            self._restored_step = step
+            self._behind = not exact
+            self._vouched = step  # a committed checkpoint: the chief committed it
+
+    @property
+    def restored_step(self) -> int:
+        with self._lock:
+            return self._restored_step
+
+    @property
+    def behind(self) -> bool:
+        """Whether the shard restored an older checkpoint and has not caught up with the job yet."""
+        with self._lock:
+            return self._behind
+
+    def catch_up_to(self, step: int, by: str) -> int | None:
+        """The step a shard that is behind may move to when `by` shows `step`: as far as the chief vouched for
+        (the chief's own step vouches for itself). None when it is not behind or a reader showed it."""
+        with self._lock:
+            if not self._behind or by == READER:
+                return None
+            if by == CHIEF:
+                self._vouched = max(self._vouched, step)
+            return min(step, self._vouched)
+
+    def pushed_at(self, step: int, current: int) -> None:
+        """A push computed at `step` arrived while the shard is at `current`: the same step shows it is not
+        behind."""
+        with self._lock:
+            if step == current:
+                self._behind = False
