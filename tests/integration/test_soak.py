@@ -1,12 +1,13 @@
-"""The chaos soak's short, dense variant (bench/soak.py --minutes 0.5 --fault-every 1,2): kills, pauses, cut connections, full disks, a hostile
+"""The chaos soak's one-minute variant (bench/soak.py --minutes 1): kills, pauses, cut connections, full disks, a hostile
 evaluator and a structural optimizer change while four workers push, then the audit: nothing acknowledged lost,
 nothing applied twice, no hang, no wedged shard, a shard that stopped itself for every full disk, no far min_step
 answered, no optimizer change accepted, a complete final checkpoint that restores exactly. Every fault kind must
 have been injected in each run.
 
-Half a minute with a fault every 1-2 s (the full soak: 10 minutes, every 2-5 s) proves what the one-minute run
-did: a phase goes on past its time until every kind of fault was injected once, so each kind still happens and
-is audited, with both phases training between faults (over 100 acknowledged pushes each)."""
+A phase goes on past its time until every kind of fault was injected once, so each kind happens and is audited,
+with both phases training between faults (over 100 acknowledged pushes each). Denser faults (half a minute, one
+every 1-2 s) were tried for the suite and starved the sync phase (22 pushes in 15 s): sync needs its workers
+between faults."""
 
 import json
 import pathlib
@@ -18,9 +19,9 @@ KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connec
          "toggle-optimizer", "disk-full"}
 
 
-def test_dense_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
+def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "0.5", "--fault-every", "1,2", "--json", str(out)],
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert out.is_file(), f"no results (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
