@@ -162,13 +162,16 @@ class Coordinator:
     # -- state changes that are not pushes -----------------------------------------------------
 
     def configure(self, config: SyncConfig) -> bool:
-        """Sets the mode; False if it was already this config. ModeConflictError once workers joined."""
+        """Sets the mode; False if it was already this config. ModeConflictError once workers joined, unless
+        no mode was set yet in this job (the default: a new shard, or a finished job's state taken on): a
+        worker of a job run again finds its variables already there and may join before its chief sets the
+        job's mode, which must then still be taken."""
         book = self._book
         with self.gate.change(), book.cond:
             current = book.clock.config
             if config == current:
                 return False
-            if self.membership.joined() or not self.pending.is_empty():
+            if (self.membership.joined() and current != SyncConfig()) or not self.pending.is_empty():
                 journal = "" if self.recorder.journal is None else (
                     f" (as its journal {self.recorder.directory} recorded: a job on the same volume must finish, "
                     f"or start anew with --restore-from CHECKPOINT_DIR --replace-journal)")

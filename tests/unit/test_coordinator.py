@@ -518,6 +518,18 @@ def test_configure_is_idempotent_and_refuses_a_change_once_workers_joined(coordi
     assert c.config == sync(3)
 
 
+def test_the_first_mode_of_a_job_is_taken_even_after_a_worker_joined(coordinators):
+    """A job run again over a finished one's state: its variables are there, so a worker joins before the chief
+    sets the mode (seen in test_launch_lifecycle: the chief then failed with ModeConflictError). The first
+    mode is taken; a change after it is still refused."""
+    c = coordinators()
+    c.join("worker:1", 1)
+    assert c.configure(sync(2)) is True
+    assert c.config == sync(2)
+    with pytest.raises(ModeConflictError):
+        c.configure(sync(3))
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(mode="bogus"),
     dict(mode="sync"),                                  # no N
