@@ -17,7 +17,7 @@ from typing import Callable
 from ..client import DataQueue, ModuleBinding, PSClient
 from .models import Task
 from .observe import StepObserver
-from .trainer import TrainOptions
+from .trainer import TrainOptions, step_once
 
 __all__ = ["QUEUE_NAME", "open_queue", "train_dynamic", "queue_summary"]
 
@@ -49,7 +49,7 @@ def train_dynamic(client: PSClient, task: Task, binding: ModuleBinding, queue: D
                   on_step: Callable[[dict], None] | None = None, observer: StepObserver | None = None) -> dict:
     """Takes shards from `queue` and trains them (forward, backward, exchange per batch) until every epoch is
     done or the global step reaches options.steps. Blocks. Returns this worker's numbers, as trainer.train."""
-    data, model, device = task.dataset, task.model, options.device
+    data = task.dataset
     x, y = data.x_train, data.y_train
     started = last_log = time.monotonic()
     local_steps, loss_value = 0, float("nan")
@@ -60,30 +60,11 @@ def train_dynamic(client: PSClient, task: Task, binding: ModuleBinding, queue: D
             if options.steps is not None and binding.step >= options.steps:
                 done = True
                 break
-            step_started = time.monotonic()
-            if observer is not None:
-                observer.begin(local_steps + 1)
             take = order[begin:end]
-            xb, yb = x[take].to(device), y[take].to(device)
-            with queue.pushing(shard, begin, end):
-                model.zero_grad(set_to_none=True)
-                logits = model(xb)
-                loss = task.loss(logits, yb)
-                loss.backward()
-                loss, logits = loss.detach(), logits.detach()
-                computed_at, computed = binding.step, time.monotonic()
-                waited, stale = client.stats.wait_seconds, client.stats.stale_dropped
-                binding.exchange()
-            exchanged = time.monotonic()
-            local_steps += 1
-            loss_value = loss.item()
-            record = {"loss": loss_value, "accuracy": float((logits.argmax(1) == yb).float().mean()),
-                      "global_step": binding.step, "epoch": shard.epoch,
-                      "staleness": max(0, binding.step - computed_at - 1), "local_steps": local_steps}
-            if observer is not None:
-                observer.step(started=step_started, computed=computed, ended=exchanged,
-                              wait_seconds=client.stats.wait_seconds - waited,
-                              stale=client.stats.stale_dropped - stale, record=record)
+            record = step_once(client, task, binding, x[take], y[take], device=options.device, epoch=shard.epoch,
+                               local_steps=local_steps, observer=observer,
+                               pushing=queue.pushing(shard, begin, end))
+            local_steps, loss_value = record["local_steps"], record["loss"]
             if on_step:
                 on_step(record)
             now = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -53,6 +54,38 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: s
     return correct / max(1, len(y))
 
 
+def step_once(client: PSClient, task: Task, binding: ModuleBinding, xb: torch.Tensor, yb: torch.Tensor, *,
+              device: str, epoch: int, local_steps: int, observer: StepObserver | None,
+              pushing: contextlib.AbstractContextManager | None = None) -> dict:
+    """One step on the batch (xb, yb): to `device`, forward, backward, then binding.exchange() (push, pull),
+    the compute and the exchange inside `pushing` (dynamic sharding's DataQueue.pushing) if given; the step's
+    phase times go to `observer`. Blocks for the exchange; raises what it raises. Returns the step's record:
+    loss, accuracy, global step, epoch, staleness and `local_steps` counting this step."""
+    step_started = time.monotonic()
+    if observer is not None:
+        observer.begin(local_steps + 1)
+    model = task.model
+    xb, yb = xb.to(device), yb.to(device)
+    with pushing if pushing is not None else contextlib.nullcontext():
+        model.zero_grad(set_to_none=True)
+        logits = model(xb)
+        loss = task.loss(logits, yb)
+        loss.backward()
+        loss, logits = loss.detach(), logits.detach()
+        computed_at, computed = binding.step, time.monotonic()
+        waited, stale = client.stats.wait_seconds, client.stats.stale_dropped
+        binding.exchange()
+    exchanged = time.monotonic()
+    record = {"loss": loss.item(), "accuracy": float((logits.argmax(1) == yb).float().mean()),
+              "global_step": binding.step, "epoch": epoch,
+              "staleness": max(0, binding.step - computed_at - 1), "local_steps": local_steps + 1}
+    if observer is not None:
+        observer.step(started=step_started, computed=computed, ended=exchanged,
+                      wait_seconds=client.stats.wait_seconds - waited,
+                      stale=client.stats.stale_dropped - stale, record=record)
+    return record
+
+
 def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int, num_replicas: int,
           options: TrainOptions, on_step: Callable[[dict], None] | None = None,
           observer: StepObserver | None = None) -> dict:
@@ -66,7 +99,7 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
     accuracy, global step and staleness (for TensorBoard); `observer` each
     step's phase times (metrics, timeline: observe.py).
     """
-    data, model, device = task.dataset, task.model, options.device
+    data, device = task.dataset, options.device
     mine = host_shard(len(data.y_train), num_replicas, replica, *options.local_shard)
     x, y = data.x_train[mine], data.y_train[mine]
     per_epoch = -(-len(y) // options.batch_size)
@@ -88,28 +121,9 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
                     (options.max_local_steps is not None and local_steps >= options.max_local_steps):
                 done = True
                 break
-            step_started = time.monotonic()
-            if observer is not None:
-                observer.begin(local_steps + 1)
-            xb, yb = xb.to(device), yb.to(device)
-            model.zero_grad(set_to_none=True)
-            logits = model(xb)
-            loss = task.loss(logits, yb)
-            loss.backward()
-            loss, logits = loss.detach(), logits.detach()
-            computed_at, computed = binding.step, time.monotonic()
-            waited, stale = client.stats.wait_seconds, client.stats.stale_dropped
-            binding.exchange()
-            exchanged = time.monotonic()
-            local_steps += 1
-            loss_value = loss.item()
-            record = {"loss": loss_value, "accuracy": float((logits.argmax(1) == yb).float().mean()),
-                      "global_step": binding.step, "epoch": epoch,
-                      "staleness": max(0, binding.step - computed_at - 1), "local_steps": local_steps}
-            if observer is not None:
-                observer.step(started=step_started, computed=computed, ended=exchanged,
-                              wait_seconds=client.stats.wait_seconds - waited,
-                              stale=client.stats.stale_dropped - stale, record=record)
+            record = step_once(client, task, binding, xb, yb, device=device, epoch=epoch,
+                               local_steps=local_steps, observer=observer)
+            local_steps, loss_value = record["local_steps"], record["loss"]
             if on_step:
                 on_step(record)
             now = time.monotonic()
