@@ -25,7 +25,7 @@ import grpc
 
 from .. import wire
 from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
-from ..errors import ResourceExhaustedError, ServerUnavailableError
+from ..errors import ResourceExhaustedError, ServerUnavailableError, VariableMovingError
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
@@ -133,18 +133,39 @@ class ShardChannels:
             # apart by connection when they have no certificate (--max-calls-per-client).
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        if security.tls:
-            credentials = grpc.ssl_channel_credentials(root_certificates=security.ca, private_key=security.key,
-                                                       certificate_chain=security.cert)
-            self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]
-        else:
-            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        token = security.call_token()
-        stub_channels = [grpc.intercept_channel(c, _TokenMetadata(token)) for c in self._channels] if token \
-            else self._channels
-        self.stubs = [_stub(c) for c in stub_channels]
-        self._ready = [False] * len(self.addresses)
+        self._options = options
+        self._credentials = grpc.ssl_channel_credentials(
+            root_certificates=security.ca, private_key=security.key, certificate_chain=security.cert) \
+            if security.tls else None
+        self._token = security.call_token()
+        self._channels: list[grpc.Channel] = []
+        self.stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        self._ready: list[bool] = []
+        for address in self.addresses:
+            self._open(address)
+        self.live = len(self.addresses)  # shards of the job now: the first `live` (a live resize changes it)
+        self.moving_waits = 0  # attempts retried because a variable was on its way to the shard (live resize)
         self._closed = threading.Event()
+
+    def _open(self, address: str) -> None:
+        channel = grpc.secure_channel(address, self._credentials, options=self._options) if self._credentials \
+            else grpc.insecure_channel(address, options=self._options)
+        self._channels.append(channel)
+        self.stubs.append(_stub(grpc.intercept_channel(channel, _TokenMetadata(self._token)) if self._token
+                                else channel))
+        self._ready.append(False)
+
+    def follow(self, addresses: list[str]) -> None:
+        """The job's shards are now `addresses` (a live resize: the same first ones, some added or removed at
+        the end): channels are opened to new ones; those beyond stay open but are no longer `live`."""
+        for index, address in enumerate(addresses):
+            if index >= len(self.addresses):
+                self.addresses.append(address)
+                self._open(address)
+            elif self.addresses[index] != address:
+                raise ServerUnavailableError(f"the job's layout puts {address} at ps:{index}, which this client "
+                                             f"knows at {self.addresses[index]}: a resize keeps shard indices")
+        self.live = len(addresses)
 
     def target(self, shard: int) -> str:
         return f"ps:{shard} at {self.addresses[shard]}"
@@ -201,7 +222,9 @@ class ShardChannels:
             except grpc.RpcError as exc:
                 if not _retryable(exc):
                     raise error_from_rpc(exc, self.target(shard)) from exc
-                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                if isinstance(error_from_rpc(exc, ""), VariableMovingError):
+                    self.moving_waits += 1  # the shard is up: a variable is on its way to it (a live resize)
+                elif exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self._ready[shard] = False
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if not backoff.pause():

@@ -29,10 +29,11 @@ from ..placement import Placement
 from ..proto import ps_pb2
 from ..security import Security
 from ..specs import Optimizer, wire_hyperparams
-from . import checkpoints
+from . import checkpoints, resize
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
 from .fanout import ShardFanout
+from .layout import LayoutFollower
 from .membership import Heartbeats
 from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
 from .recovery import ShardRefill
@@ -120,6 +121,7 @@ class PSClient(DataPath, TablePath):
         self.security = Security.load() if security is None else security
         self._fanout = ShardFanout(cluster, connect_timeout=connect_timeout, security=self.security, timeout=timeout,
                                    control_timeout=min(timeout, CONTROL_TIMEOUT_SECONDS), chunk_bytes=chunk_bytes)
+        self._layout = LayoutFollower(self._fanout, self.placement)  # the layout across live resizes
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries
@@ -247,6 +249,7 @@ class PSClient(DataPath, TablePath):
         without its state (from `tensors`, which it keeps referring to). A
         partitioned variable counts as created if any of its pieces was.
         """
+        self._layout.refresh()  # a job resized live places its variables as its layout says
         self.declare(tensors)
         spec = (optimizer or Optimizer("none")).to_proto()
         self._own(tensors, spec)
@@ -274,6 +277,7 @@ class PSClient(DataPath, TablePath):
         Raises WaitTimeoutError naming the missing variables after `timeout` s,
         or ServerUnavailableError if a shard stays unreachable.
         """
+        self._layout.refresh()
         self._fanout.wait_listed(self.placement.group(self.partitions.wire_names(names)), "ListVariables", timeout)
 
     def list_variables(self) -> list[ps_pb2.VariableInfo]:
@@ -296,6 +300,25 @@ class PSClient(DataPath, TablePath):
         previous committed checkpoint then stays the newest).
         """
         return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout)
+
+    def resize(self, addresses: list[str], *, drain_seconds: float = resize.DRAIN_SECONDS) -> resize.ResizeReport:
+        """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
+        how). The shards it adds must be running (ps-server --index N with a cluster spec naming them); the
+        ones it removes are stopped. Async and ssp jobs without embedding tables (a sync job or one with
+        tables changes its shard count at a restore). Blocks until every variable is at its new shard;
+        raises PSError with the moves done so far in force (run it again with the same addresses)."""
+        return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds)
+
+    @property
+    def layout_epoch(self) -> int:
+        """The layout epoch this client follows (0 until a live resize)."""
+        return self._layout.epoch
+
+    @property
+    def layout_waits(self) -> tuple[int, int]:
+        """(parts refused by a shard their variables had left, sent again; attempts retried while a variable
+        was on its way to its shard): what live resizes cost this client."""
+        return self._layout.refused, self._fanout.channels.moving_waits
 
     def export_state_dict(self, names: Iterable[str] | None = None, *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
         """The current values of `names` (default: every declared variable and every fixed-size embedding
@@ -372,7 +395,8 @@ class PSClient(DataPath, TablePath):
             return reply
 
         lead = join(GLOBAL_STEP_SHARD, 0)  # shard 0 first: the others learn the step this worker starts at
-        others = {s: [] for s in range(self.cluster.num_ps) if s != GLOBAL_STEP_SHARD}
+        self._layout.refresh(seen=lead.layout_epoch)
+        others = {s: [] for s in range(self._layout.shards) if s != GLOBAL_STEP_SHARD}
         if others:
             self._fanout.each(others, lambda shard, _: join(shard, lead.step))
         self.mode = lead.config
@@ -395,6 +419,7 @@ class PSClient(DataPath, TablePath):
 
     def _on_heartbeat(self, shard: int, reply: ps_pb2.HeartbeatResponse) -> None:
         self._fanout.note_generation(shard, reply.generation)
+        self._layout.refresh(seen=reply.layout_epoch)
 
     def check_fenced(self) -> None:
         """WorkerReplacedError if the heartbeats learned that a newer process of this task joined. Never

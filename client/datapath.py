@@ -70,7 +70,7 @@ class DataPath:
     def _pull(self, names: list[str], sink, min_step: int = 0, bases: PullBases | None = None) -> int:
         """Streams `names` from their shards into sink; shard 0's step, or -1 if shard 0 was not read. With
         `bases` (sink an IntoTargets), each attempt names the versions its targets hold (PullBases.take)."""
-        def pull(shard: int, shard_names: list[str]) -> int:
+        def pull(shard: int, shard_names: list[str], first: bool) -> int:
             def attempt(stub, timeout: float) -> int:
                 request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step,
                                              cast=self._pull_casts(shard_names, sink))
@@ -82,7 +82,7 @@ class DataPath:
 
             return self._fanout.call(shard, attempt, self.timeout)
 
-        return self._fanout.each(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
+        return self._layout.each(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True,
              rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
@@ -116,26 +116,39 @@ class DataPath:
         with self._push_lock:
             self.check_fenced()
             groups = self.placement.group(grads)
-            groups = {shard: groups.get(shard, []) for shard in range(self.cluster.num_ps)}
+            groups = {shard: groups.get(shard, []) for shard in range(self._layout.shards)}
             table_sent = self._row_tensors(rows or {})
             header = self._header(step, advance_step)
             staged = self._stage_out(grads)  # CUDA gradients: host copies, kept for retries until the push is over
             sent, left = self._encode(staged.tensors, header.step)  # once: a retry resends the same bytes
-
-            def push(shard: int, names: list[str]) -> ps_pb2.PushResponse:
-                tables = table_sent[shard]
-                shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
-                shard_header.MergeFrom(header)
-                reply = self._fanout.call(shard, lambda stub, t: stub.Push(
-                    push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
-                    timeout=t), self.timeout)
-                self._encoder.commit(left, names)  # applied there: their residuals move on
-                return reply
-
+            push = self._part_sender(header, sent, left, table_sent)
             try:
-                return self._finish_push(self._refill.guard(grads, lambda: self._fanout.each(groups, push, "push")))
+                return self._finish_push(self._refill.guard(grads, lambda: self._layout.each(groups, push, "push")))
             finally:
                 staged.release()
+
+    def _part_sender(self, header: ps_pb2.PushHeader, sent: Mapping, left: Mapping, table_sent: Mapping):
+        """push(shard, names, first): one shard's part of the push `header` starts, as a Push stream; the
+        gradients `sent` as encoded, rows `table_sent` by shard. A part sent again after a live resize moved
+        its names (layout.LayoutFollower) is a push of its own (the next number), counting no step where the
+        push already counted one (`first` False)."""
+        tried: set[int] = set()
+
+        def push(shard: int, names: list[str], first: bool) -> ps_pb2.PushResponse:
+            tables = table_sent.get(shard, {}) if shard not in tried else {}
+            shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
+            shard_header.MergeFrom(header)
+            if shard in tried or not first:
+                shard_header.seq = next(self._seq)
+                shard_header.step_increment = header.step_increment if first else 0
+            tried.add(shard)
+            reply = self._fanout.call(shard, lambda stub, t: stub.Push(
+                push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
+                timeout=t), self.timeout)
+            self._encoder.commit(left, names)  # applied there: their residuals move on
+            return reply
+
+        return push
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int | None = None, advance_step: bool = True,
@@ -162,7 +175,7 @@ class DataPath:
 
         if any(nbytes(grads, groups.get(s, [])) + sum(e.payload.numel() for e in table_sent[s].values())
                > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
-               for s in range(self.cluster.num_ps)):
+               for s in range(self._layout.shards)):
             self.push(grads, step=step, advance_step=advance_step, rows=rows)
             self.pull_into(targets, min_step=self.step if sync else 0, bases=bases)
             return self.step
@@ -177,7 +190,13 @@ class DataPath:
                 staged.release()
                 raise
 
-            def exchange(shard: int, names: list[str]) -> tuple[int, ps_pb2.PushResponse]:
+            resend = self._part_sender(header, sent, left, table_sent)
+            exchanged: set[int] = set()
+
+            def exchange(shard: int, names: list[str], first: bool) -> tuple[int, ps_pb2.PushResponse]:
+                if shard in exchanged or not first:  # sent again after a live resize: a push alone (read below)
+                    return -1, resend(shard, names, first)
+                exchanged.add(shard)
                 tables = table_sent[shard]
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
                                                  pull_cast=self._pull_casts(pulls.get(shard, []), sink))
@@ -195,11 +214,16 @@ class DataPath:
                 return reply
 
             try:
-                replies = self._refill.guard({**grads, **targets}, lambda: self._fanout.each(
-                    {s: groups.get(s, []) for s in range(self.cluster.num_ps)}, exchange, "push_pull"))
+                epoch = self._layout.epoch
+                replies = self._refill.guard({**grads, **targets}, lambda: self._layout.each(
+                    {s: groups.get(s, []) for s in range(self._layout.shards)}, exchange, "push_pull"))
             finally:
                 staged.release()
             next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})
+            if self._layout.epoch != epoch:  # variables moved meanwhile: their values come from their new owners
+                self._pull(list(targets), sink, min_step=next_step if sync else 0, bases=bases)
+                sink.finish()
+                return next_step
             behind = [name for shard, (read_at, _) in replies.items() if sync and read_at < next_step
                       for name in pulls.get(shard, [])]
             if behind:
@@ -241,6 +265,7 @@ class DataPath:
         self.last_replies = dict(replies)
         for shard, reply in replies.items():
             self._fanout.note_generation(shard, reply.generation)
+        self._layout.refresh(seen=max(reply.layout_epoch for reply in replies.values()))
         lead = replies[GLOBAL_STEP_SHARD]
         self.stats.record(stale=lead.stale, duplicate=lead.duplicate, wait_seconds=lead.wait_seconds,
                           quorum=lead.quorum)

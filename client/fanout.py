@@ -50,7 +50,6 @@ class ShardFanout:
     def __init__(self, cluster: Cluster, *, connect_timeout: float, security: Security, timeout: float,
                  control_timeout: float, chunk_bytes: int):
         self.channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout, security=security)
-        self.num_shards = cluster.num_ps
         self.timeout = timeout
         self.control_timeout = control_timeout
         self.chunk_bytes = chunk_bytes
@@ -64,6 +63,11 @@ class ShardFanout:
         self._lock = threading.Lock()  # guards generations and restarts_seen
         self.generations: dict[int, int] = {}  # shard -> generation last seen; a change means a restart
         self.restarts_seen = 0
+
+    @property
+    def num_shards(self) -> int:
+        """The shards of the job now (the cluster's, until a live resize: layout.LayoutFollower)."""
+        return self.channels.live
 
     def close(self) -> None:
         """Stops taking calls and closes every channel (calls under way fail). Never blocks."""

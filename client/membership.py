@@ -56,7 +56,8 @@ class Heartbeats:
     def beat(self, timeout: float) -> None:
         """One heartbeat to every shard at once; waits at most `timeout` for the replies."""
         ref = self._ref()
-        calls = {shard: stub.Heartbeat.future(ref, timeout=timeout) for shard, stub in enumerate(self._channels.stubs)}
+        calls = {shard: stub.Heartbeat.future(ref, timeout=timeout)
+                 for shard, stub in enumerate(self._channels.stubs[:self._channels.live])}
         for shard, call in calls.items():
             try:
                 self._on_reply(shard, call.result())

@@ -10,6 +10,7 @@ own lock, and the order in which locks are taken is written once, in locks.py:
     background.py   the lease reaper, the sync applier  replay.py      a journal replayed at recovery
     gate.py         changes vs snapshots                waits.py       the cap on waiting calls
     store.py        variables (`store`)                 tables.py      embedding tables (`tables`)
+    layout.py       the layout epoch (live resize)      moves.py       variables handed over live (`moves`)
 
 Sync mode (SyncReplicasOptimizer, with leases) is in modes.py and
 aggregation.py: a step's average is applied by one applier thread; shard 0
@@ -44,8 +45,10 @@ from .background import apply_steps, reap
 from .bookkeeping import Bookkeeping
 from .failstop import FailStop
 from .gate import ApplyGate
+from .layout import ShardLayout
 from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig
+from .moves import Moves
 from .pushes import PushPath
 from .recording import Recorder
 from .replay import replay
@@ -82,19 +85,22 @@ class Coordinator:
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
                  max_waiting_calls: int = 96, journal=None, start: bool = True, failstop: FailStop | None = None,
-                 membership: Membership | None = None):
+                 membership: Membership | None = None, index: int = 0):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
         self.owns_step = owns_step
         self.waits = WaitLimit(max_waiting_calls)
         self.gate = ApplyGate()
+        self.layout = ShardLayout(index)  # the layout epoch and what left this shard (live resize)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
-                                                                  with_pending=True, then=then, copy=False))
+                                                                  with_pending=True, then=then, copy=False,
+                                                                  layout=self.layout))
         self._book = book = Bookkeeping(store, self.recorder, clock, membership)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
-                                                                         with_pending=False))
+                                                                         with_pending=False, layout=self.layout))
+        self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout)
         self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
         self.queue_desk = QueueDesk(book, self.queues, self.recorder, self.waits, home=owns_step)
@@ -197,6 +203,10 @@ class Coordinator:
         state; if it holds no variables yet it takes that step (the job's) as its own."""
         self._check_step(job_step, "step")
         self.tables.check_free(r.name for r in requests)
+        held = set(self.store.names())
+        for request in requests:  # a name a live resize moved, or is moving here, is not created afresh
+            if request.name not in held:
+                self.layout.missing(request.name)
         recorder = self.recorder
         with self.gate.change(), recorder.ordering:  # recorded before any push to the new variables can be
             with self._book.cond:
@@ -264,11 +274,15 @@ class Coordinator:
         with self._book.cond:
             self._book.restore(state, exact=exact)
             self.queues.restore(state.get("queues"))
+            self.layout.restore(state.get("layout"))
             self._start_applier()
 
     def replay(self, record) -> bool:
         """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
         of the job's end (finish)."""
+        if record.kind in ("layout", "export", "import"):
+            self.moves.replay(record.kind, record.meta, record.tensors)
+            return False
         return replay(self._book, self.tables, self.queues, record)
 
     def finish(self, reason: str) -> None:

@@ -101,7 +101,8 @@ def create_server(
         set_health(health_servicer, serving=True)
     if failstop is None:
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
-    coordinator = Coordinator(store, owns_step=index == 0, max_waiting_calls=max_waiting_calls, start=False,
+    coordinator = Coordinator(store, owns_step=index == 0, index=index, max_waiting_calls=max_waiting_calls,
+                              start=False,
                               failstop=failstop, membership=Membership(workers, elastic_workers))
     recover(coordinator, journal, restore)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,

@@ -253,6 +253,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def Pull(self, request, context):
         """Yields serialized PullResponse messages (see wire.py); each variable is copied under its lock."""
+        self.coordinator.layout.check_member()
         names = list(request.names) or self.store.names()
         for name in names:
             self.store.get(name)  # NOT_FOUND before anything is sent
@@ -364,6 +365,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         The tensor count is checked before anything is applied: the header's `tensors` if declared, or for
         a streamed push (PushHeader.streamed) the `end` its last message carries, which must be there.
         """
+        self.coordinator.layout.check_member()
         started = time.monotonic()
         header = end = None
         grads, received = {}, {}
@@ -434,7 +436,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,
-            generation=self.generation)
+            generation=self.generation, layout_epoch=self.coordinator.layout.epoch)
 
     def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None,
               casts: list | None = None, bases: list[int] | None = None):
@@ -562,7 +564,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             config=config_to_proto(coordinator.config), generation=self.generation,
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,
-            push_bytes_received=self.push_bytes.value, tables=coordinator.tables.status(), **coordinator.counters())
+            push_bytes_received=self.push_bytes.value, tables=coordinator.tables.status(),
+            layout_epoch=coordinator.layout.epoch, **coordinator.counters())
 
     @_map_errors
     def Configure(self, request, context):
@@ -579,14 +582,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         caller = self._check_self(context, request.worker, "Join")
         step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
-                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker))
+                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker),
+                                   layout_epoch=self.coordinator.layout.epoch)
 
     @_map_errors
     def Heartbeat(self, request, context):
         caller = self._check_self(context, request.worker, "Heartbeat")
         step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step,
                                           by=_step_authority(caller))
-        return ps_pb2.HeartbeatResponse(step=step, generation=self.generation)
+        return ps_pb2.HeartbeatResponse(step=step, generation=self.generation,
+                                        layout_epoch=self.coordinator.layout.epoch)
 
     @_map_errors
     def Leave(self, request, context):
@@ -729,6 +734,52 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             holders=[lease.worker for lease in status["held"]], reclaimed=status["reclaimed"],
             requeued_examples=status["requeued_examples"], duplicates=status["duplicates"])
 
+    # -- live resize (moves.py, layout.py) ------------------------------------------------------------
+
+    @_map_errors
+    def GetLayout(self, request, context):
+        epoch, addresses, placement = self.coordinator.layout.layout()
+        return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement)
+
+    @_map_errors
+    def SetLayout(self, request, context):
+        if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement)):
+            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed", self.index, request.epoch,
+                         len(request.addresses), len(request.placement))
+        return self.GetLayout(request, context)
+
+    @_map_errors
+    def ExportVariables(self, request, context):
+        """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export)."""
+        data, step = self.coordinator.moves.export(list(request.names), request.epoch, request.to)
+        _LOGGER.info("ps %d: %d variables (%d bytes) exported to ps %d at layout epoch %d", self.index,
+                     len(request.names), len(data), request.to, request.epoch)
+        view = memoryview(data)
+        for offset in range(0, max(1, len(data)), self.max_chunk_bytes):
+            first = {"epoch": request.epoch, "from_shard": self.index, "step": step, "total_bytes": len(data)}
+            yield ps_pb2.MoveChunk(data=bytes(view[offset:offset + self.max_chunk_bytes]),
+                                   **(first if offset == 0 else {}))
+
+    @_map_errors
+    def ImportVariables(self, request_iterator, context):
+        """Takes an exported state (moves.Moves.import_) once every byte its first chunk declared arrived."""
+        data, head = bytearray(), None
+        for chunk in _decoded(request_iterator, ps_pb2.MoveChunk.FromString):
+            if head is None:
+                head = chunk
+                self.quotas.check_total(self.held_total(), {"imported variables": 2 * chunk.total_bytes})
+            data += chunk.data
+            if len(data) > head.total_bytes:
+                raise MalformedStreamError(f"the moved state is longer than the {head.total_bytes} bytes declared")
+        _require_active(context)
+        if head is None or len(data) != head.total_bytes:
+            raise MalformedStreamError(f"the moved state ended after {len(data)} of "
+                                       f"{0 if head is None else head.total_bytes} bytes; nothing was imported")
+        names = self.coordinator.moves.import_(bytes(data), head.epoch, head.step)
+        _LOGGER.info("ps %d: %d variables imported from ps %d at layout epoch %d", self.index, len(names),
+                     head.from_shard, head.epoch)
+        return ps_pb2.MoveResponse(names=names, step=self.store.step)
+
     @_map_errors
     def Shutdown(self, request, context):
         _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
@@ -837,6 +888,14 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
             ps_pb2.TakeDataShardResponse.SerializeToString),
         "GetDataQueue": grpc.unary_unary_rpc_method_handler(
             servicer.GetDataQueue, ps_pb2.DataQueueRequest.FromString, ps_pb2.DataQueueStatus.SerializeToString),
+        "GetLayout": grpc.unary_unary_rpc_method_handler(
+            servicer.GetLayout, ps_pb2.LayoutRequest.FromString, ps_pb2.Layout.SerializeToString),
+        "SetLayout": grpc.unary_unary_rpc_method_handler(
+            servicer.SetLayout, ps_pb2.Layout.FromString, ps_pb2.Layout.SerializeToString),
+        "ExportVariables": grpc.unary_stream_rpc_method_handler(
+            servicer.ExportVariables, ps_pb2.MoveRequest.FromString, ps_pb2.MoveChunk.SerializeToString),
+        "ImportVariables": grpc.stream_unary_rpc_method_handler(
+            servicer.ImportVariables, None, ps_pb2.MoveResponse.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -23,6 +23,7 @@ from . import table_state
 from .bookkeeping import Bookkeeping
 from .dataqueue import DataQueues
 from .gate import ApplyGate
+from .layout import ShardLayout
 from .store import VariableStore
 from .tables import TableStore
 from .waits import WaitLimit
@@ -31,12 +32,13 @@ __all__ = ["state_of", "Saves"]
 
 
 def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues: DataQueues, *,
-             with_pending: bool, then: Callable[[], object] | None = None, copy: bool = True) -> dict:
+             with_pending: bool, then: Callable[[], object] | None = None, copy: bool = True,
+             layout: ShardLayout | None = None) -> dict:
     """The shard's state (call under the apply gate taken alone); `then()` runs at the same instant, under
     the bookkeeping condition (a journal rotation), its value under the key "then". The data queues
     (dynamic sharding: queue_desk.py) are taken at that instant too, consistent with the push ledger.
     `copy=False`: the variables' values are their own tensors, not copies (use them before leaving the
-    gate)."""
+    gate). `layout`: the shard's layout epoch and exports (live resize), kept with the state."""
     variables = store.snapshot(copy=copy)
     table_section = table_state.section(tables)
     kept = book.export(with_pending=with_pending,
@@ -45,7 +47,8 @@ def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues
     if then is not None:
         kept["then"] = then_value
     return {"step": kept.pop("step"), "config": kept.pop("config"), "variables": variables,
-            "tables": table_section, "queues": queue_state, **kept}
+            "tables": table_section, "queues": queue_state,
+            **({"layout": layout.export()} if layout is not None and layout.epoch else {}), **kept}
 
 
 class Saves:

@@ -72,6 +72,12 @@ class VariableStore(NamesAwaited):
         self._variables: dict[str, Variable] = {}
         self._step = 0
         self._closed = False
+        self._missing: Callable[[str], None] = lambda name: None
+
+    def explain_missing(self, explain: Callable[[str], None]) -> None:
+        """`explain(name)` runs before UnknownVariableError is raised for a name not held, and may raise
+        something more telling instead (a live resize: layout.ShardLayout.missing)."""
+        self._missing = explain
 
     # -- creation -------------------------------------------------------------------------
 
@@ -128,6 +134,7 @@ class VariableStore(NamesAwaited):
         with self._changed:
             variable = self._variables.get(name)
         if variable is None:
+            self._missing(name)
             raise UnknownVariableError(
                 f"no variable {name!r} on this shard; create it first (the chief does, via "
                 f"PSClient.register_module or create_variables)")
@@ -178,9 +185,10 @@ class VariableStore(NamesAwaited):
         """
         if not validated:
             self.validate(grads)
-        versions = {}
+        variables = {name: self.get(name) for name in grads}  # every one still here (a live resize) before any
+        versions = {}                                           # changes
         for name, grad in grads.items():
-            variable = self.get(name)
+            variable = variables[name]
             with variable.lock:
                 for reader in variable.readers:
                     reader.preserve()
@@ -230,8 +238,12 @@ class VariableStore(NamesAwaited):
     def snapshot(self, *, copy: bool = True) -> list[dict]:
         """Every variable's spec, value, version and optimizer state, copied (each under its lock); with
         `copy=False` the values are the variables' own tensors, for a caller that stops every update."""
+        return self.snapshot_of(self.names(), copy=copy)
+
+    def snapshot_of(self, names: list[str], *, copy: bool = True) -> list[dict]:
+        """snapshot()'s entries of `names` only, in that order (UnknownVariableError for one not held)."""
         entries = []
-        for name in self.names():
+        for name in names:
             variable = self.get(name)
             spec = variable.spec
             with variable.lock:
@@ -248,6 +260,28 @@ class VariableStore(NamesAwaited):
         with self._changed:
             if self._variables:
                 raise SpecConflictError("restore needs an empty store")
+        self._add_entries(entries)
+        self.set_step(step)
+
+    def adopt(self, entries: list[dict], step: int) -> None:
+        """Adds variables from snapshot() entries (a live resize brings them) and moves the step counter up
+        to `step` if it is behind. SpecConflictError (nothing added) if one of the names is held."""
+        taken = [entry["name"] for entry in entries if entry["name"] in self.names()]
+        if taken:
+            raise SpecConflictError(f"variables {taken} are held here already; nothing was added")
+        self._add_entries(entries)
+        with self._changed:
+            self._step = max(self._step, step)
+            self._changed.notify_all()
+
+    def remove(self, names: list[str]) -> None:
+        """Drops `names` (they moved to another shard: a live resize). Reads in progress finish on the
+        values they hold."""
+        with self._changed:
+            for name in names:
+                self._variables.pop(name, None)
+
+    def _add_entries(self, entries: list[dict]) -> None:
         for entry in entries:
             new = NewVariable(entry["name"], entry["value"], entry["optimizer"], entry["hyperparams"])
             variable = self._build(self.spec_for(new), new)
@@ -257,7 +291,7 @@ class VariableStore(NamesAwaited):
             variable.version = entry["version"]
             with self._changed:
                 self._variables[entry["name"]] = variable
-        self.set_step(step)
+                self._changed.notify_all()
 
     def set_step(self, step: int) -> None:
         """Sets the step counter (restores, and a restored shard catching up with the job)."""

@@ -14,6 +14,8 @@
     │   └── StepPassedError        a checkpoint's step the shard already went past
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
+    ├── LayoutChangedError         ABORTED: a variable named moved to another shard (a live resize); nothing
+    │                              changed: GetLayout, then call its new owner
     ├── DataShardError             FAILED_PRECONDITION: a data shard the worker does not hold (any more),
     │                              or a push that does not continue it where it stands: take again
     ├── AuthenticationError        UNAUTHENTICATED: no token, or a wrong one
@@ -21,7 +23,8 @@
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
     ├── ResourceExhaustedError     RESOURCE_EXHAUSTED: a shard limit was reached (names it); nothing changed
     ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time, or is stopping
-    │   └── ShardLostError         a shard restarted empty and nobody refilled it (client side only)
+    │   ├── ShardLostError         a shard restarted empty and nobody refilled it (client side only)
+    │   └── VariableMovingError    a variable named is on its way to this shard (a live resize): retry
     └── InternalServerError        INTERNAL / anything unexpected: a bug, please report
 
 Each class names its gRPC status code (`grpc_code`, a `grpc.StatusCode` member
@@ -47,12 +50,14 @@ __all__ = [
     "CheckpointError",
     "WorkerReplacedError",
     "DataShardError",
+    "LayoutChangedError",
     "AuthenticationError",
     "PermissionDeniedError",
     "WaitTimeoutError",
     "ResourceExhaustedError",
     "ServerUnavailableError",
     "ShardLostError",
+    "VariableMovingError",
     "InternalServerError",
     "error_class_by_name",
     "ERROR_METADATA_KEY",
@@ -150,6 +155,13 @@ class DataShardError(PSError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class LayoutChangedError(PSError):
+    """A variable the call named left this shard in a live resize; nothing was changed here. Ask for the job's
+    layout (GetLayout) and call the variable's new owner."""
+
+    grpc_code = "ABORTED"
+
+
 class AuthenticationError(PSError):
     """The call carried no job token, or a wrong one; the shard changed nothing."""
 
@@ -182,6 +194,10 @@ class ServerUnavailableError(PSError, ConnectionError):
 
 class ShardLostError(ServerUnavailableError):
     """A shard restarted without its state (no checkpoint directory) and was not refilled in time."""
+
+
+class VariableMovingError(ServerUnavailableError):
+    """A variable the call named is on its way to this shard in a live resize; nothing was changed: retry."""
 
 
 class InternalServerError(PSError):

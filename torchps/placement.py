@@ -31,12 +31,15 @@ class Placement:
         self._shard: dict[str, int] = {}
         self._nbytes: dict[str, int] = {}
         self._load = [0] * num_shards
+        self._layout: dict[str, int] = {}  # the job's layout after a live resize (follow)
 
     def add(self, name: str, nbytes: int) -> int:
         """Places `name` (idempotent: a known name keeps its shard); returns the shard index."""
         if name in self._shard:
             return self._shard[name]
-        if self.strategy == "round_robin":
+        if name in self._layout:
+            shard = self._layout[name]
+        elif self.strategy == "round_robin":
             shard = len(self._shard) % self.num_shards
         else:
             shard = min(range(self.num_shards), key=lambda i: (self._load[i], i))
@@ -44,6 +47,22 @@ class Placement:
         self._nbytes[name] = nbytes
         self._load[shard] += nbytes
         return shard
+
+    def follow(self, num_shards: int, placement: dict[str, int]) -> None:
+        """The job's layout after a live resize: `num_shards` shards, `placement` {name: shard} for every
+        variable placed then (names placed here that it does not list keep their shard). Names it lists
+        that are placed later go where it says, others as the strategy says over the new shards."""
+        if num_shards < 1:
+            raise ClusterConfigError(f"placement needs at least one shard, got {num_shards}")
+        self.num_shards = num_shards
+        self._layout = dict(placement)
+        for name, shard in placement.items():
+            if name in self._shard:
+                self._shard[name] = shard
+        self._load = [0] * num_shards
+        for name, shard in self._shard.items():
+            if shard < num_shards:
+                self._load[shard] += self._nbytes[name]
 
     def shard_of(self, name: str) -> int:
         """The shard holding `name`; UnknownVariableError if it was never placed."""

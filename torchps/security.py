@@ -46,14 +46,15 @@ __all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
-                           "CreateTables", "CreateDataQueue"})
+                           "CreateTables", "CreateDataQueue", "SetLayout", "ExportVariables", "ImportVariables"})
 _WORKER_METHODS = frozenset({"Pull", "Push", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
-                             "LookupRows", "ListTables", "TakeDataShard", "GetDataQueue"})
+                             "LookupRows", "ListTables", "TakeDataShard", "GetDataQueue", "GetLayout"})
 ROLES = {
     "chief": ADMIN_METHODS | _WORKER_METHODS,
     "worker": _WORKER_METHODS,
     # LookupRows without admit only (the shard refuses an evaluator's admitting lookup).
-    "evaluator": frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue"}),
+    "evaluator": frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue",
+                            "GetLayout"}),
     "ps": frozenset({"GetStatus"}),
 }
 # Environment variables read when flags are not given (ps-launch passes credentials to its children this way).

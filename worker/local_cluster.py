@@ -3,6 +3,7 @@
     with LocalCluster(num_ps=2) as local:
         with PSClient(local.cluster) as ps: ...
         local.kill_ps(1); local.start_ps(1)   # same index, same port
+        ps.resize([*local.cluster.ps, local.add_ps()])  # a third shard, live
 
 Each shard binds port 0 and reports the port it got through --port-file, so
 no port is ever guessed. Shards are forked from a warm fork server
@@ -129,6 +130,20 @@ class LocalCluster:
         """Starts shard `index` again on its previous port (after kill_ps)."""
         self._spawn(index, self.ports[index])
         self._wait_port(index)
+
+    def add_ps(self) -> str:
+        """Starts one more shard (the next index) and returns its address, for a live resize
+        (PSClient.resize); `cluster` still names the shards the job started with."""
+        index = len(self.procs)
+        self.procs.append(None)
+        self.ports.append(0)
+        self._spawn(index)
+        self._wait_port(index)
+        return f"127.0.0.1:{self.ports[index]}"
+
+    def address(self, index: int) -> str:
+        """Shard `index`'s address."""
+        return f"127.0.0.1:{self.ports[index]}"
 
     def stop(self, grace: float = 5.0) -> list[int | None]:
         """SIGTERM to every shard, SIGKILL after `grace` s; returns their exit codes."""

@@ -158,7 +158,7 @@ class PushEnd(_message.Message):
     def __init__(self, tensors: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum", "generation")
+    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum", "generation", "layout_epoch")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class PushResponse(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     versions: _containers.ScalarMap[str, int]
     next_step: int
@@ -182,7 +183,8 @@ class PushResponse(_message.Message):
     wait_seconds: float
     quorum: int
     generation: int
-    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes", "min_step", "cast", "base_versions", "base_generation")
@@ -266,7 +268,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +294,7 @@ class StatusResponse(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     PACES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -317,7 +320,8 @@ class StatusResponse(_message.Message):
     metrics_port: int
     paces: _containers.RepeatedCompositeFieldContainer[WorkerPace]
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class WorkerPace(_message.Message):
     __slots__ = ("worker", "push_interval_seconds", "straggler_score")
@@ -378,24 +382,81 @@ class WorkerRef(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("step", "config", "generation", "restarted")
+    __slots__ = ("step", "config", "generation", "restarted", "layout_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     config: SyncConfig
     generation: int
     restarted: bool
-    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ..., restarted: _Optional[bool] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ..., restarted: _Optional[bool] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("step", "generation")
+    __slots__ = ("step", "generation", "layout_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("epoch", "addresses", "placement")
+    class PlacementEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    placement: _containers.ScalarMap[str, int]
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class LayoutRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MoveRequest(_message.Message):
+    __slots__ = ("names", "epoch", "to")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    epoch: int
+    to: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., to: _Optional[int] = ...) -> None: ...
+
+class MoveChunk(_message.Message):
+    __slots__ = ("data", "epoch", "from_shard", "step", "total_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    epoch: int
+    from_shard: int
+    step: int
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., epoch: _Optional[int] = ..., from_shard: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class MoveResponse(_message.Message):
+    __slots__ = ("names", "step")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()

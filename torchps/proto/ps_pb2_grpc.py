@@ -134,6 +134,26 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.DataQueueRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.DataQueueStatus.FromString,
                 _registered_method=True)
+        self.GetLayout = channel.unary_unary(
+                '/torchps.v1.ParameterServer/GetLayout',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.LayoutRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.Layout.FromString,
+                _registered_method=True)
+        self.SetLayout = channel.unary_unary(
+                '/torchps.v1.ParameterServer/SetLayout',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.Layout.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.Layout.FromString,
+                _registered_method=True)
+        self.ExportVariables = channel.unary_stream(
+                '/torchps.v1.ParameterServer/ExportVariables',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.MoveRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.MoveChunk.FromString,
+                _registered_method=True)
+        self.ImportVariables = channel.stream_unary(
+                '/torchps.v1.ParameterServer/ImportVariables',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.MoveChunk.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.MoveResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -342,6 +362,47 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLayout(self, request, context):
+        """The job's layout as this shard knows it (epoch 0, empty, before any
+        resize). Never blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLayout(self, request, context):
+        """The chief's (ps-admin resize): sets a later layout epoch (the same one
+        again, unchanged, is a no-op). FAILED_PRECONDITION for an earlier epoch or
+        another layout under this epoch, in sync mode, or with embedding tables
+        (those change their shard count at a restore); INVALID_ARGUMENT for a
+        malformed layout. Never blocks on training (it waits for its journal
+        record).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportVariables(self, request, context):
+        """The chief's: hands variables over (see MoveRequest). Blocks while the
+        updates in progress finish (not for new ones). NOT_FOUND for a name
+        neither held nor exported at this epoch; FAILED_PRECONDITION for another
+        epoch than the one set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportVariables(self, request_iterator, context):
+        """The chief's: takes the variables another shard exported (see MoveChunk)
+        and serves them from now on. Idempotent per epoch. FAILED_PRECONDITION for
+        another epoch than the one set, or a variable held here from before;
+        INVALID_ARGUMENT for a malformed stream; RESOURCE_EXHAUSTED past
+        --max-memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -444,6 +505,26 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetDataQueue,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.DataQueueRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.DataQueueStatus.SerializeToString,
+            ),
+            'GetLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLayout,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.LayoutRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.Layout.SerializeToString,
+            ),
+            'SetLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLayout,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.Layout.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.Layout.SerializeToString,
+            ),
+            'ExportVariables': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportVariables,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.MoveRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.MoveChunk.SerializeToString,
+            ),
+            'ImportVariables': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportVariables,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.MoveChunk.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.MoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -986,6 +1067,114 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/GetDataQueue',
             torchps_dot_v1_dot_ps__pb2.DataQueueRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.DataQueueStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/GetLayout',
+            torchps_dot_v1_dot_ps__pb2.LayoutRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.Layout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/SetLayout',
+            torchps_dot_v1_dot_ps__pb2.Layout.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.Layout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportVariables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/ExportVariables',
+            torchps_dot_v1_dot_ps__pb2.MoveRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.MoveChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportVariables(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/torchps.v1.ParameterServer/ImportVariables',
+            torchps_dot_v1_dot_ps__pb2.MoveChunk.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.MoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,114 @@
+"""Following the job's layout across live resizes (ps-admin resize), on the client's side.
+
+A client starts at layout epoch 0, the placement it computes itself. When
+variables move (a shard answers LayoutChangedError, or a reply carries a
+later `layout_epoch` than the client's), it asks shard 0 for the layout
+(GetLayout), opens channels to shards that joined, stops calling those that
+left, and places every variable where the layout says.
+
+`each` runs one call per shard as ShardFanout.each does, and sends the names
+of a shard that refused them (moved away: nothing was changed there) again,
+to their new owners, until every name was served or MAX_ROUNDS layouts were
+followed. A part refused that way changed nothing, so sending it again
+applies it once. A shard a variable is on its way to answers
+VariableMovingError, which the channels retry with backoff as any
+UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Mapping, TypeVar
+
+from ..errors import LayoutChangedError
+from ..placement import Placement
+from ..proto import ps_pb2
+from .fanout import ShardFanout
+
+__all__ = ["LayoutFollower", "MAX_ROUNDS"]
+
+T = TypeVar("T")
+_LOGGER = logging.getLogger(__name__)
+MAX_ROUNDS = 8  # layouts followed within one call before its LayoutChangedError is raised
+NOT_YET_SECONDS = 0.1  # pause before sending again when shard 0 did not have a later layout yet
+
+
+class _Moved:
+    """What a shard's part came back as when the shard refused its names (LayoutChangedError)."""
+
+    def __init__(self, error: LayoutChangedError):
+        self.error = error
+
+
+class LayoutFollower:
+    """The layout epoch this client follows, and calls that follow it (see the module docstring).
+    Thread-safe: refreshes are serialized; calls read the placement as it stands."""
+
+    def __init__(self, fanout: ShardFanout, placement: Placement):
+        self._fanout = fanout
+        self._placement = placement
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.refused = 0  # parts a shard refused because their variables had moved, sent again
+
+    @property
+    def shards(self) -> int:
+        """The number of shards in the job now."""
+        return self._fanout.channels.live
+
+    def refresh(self, seen: int | None = None) -> bool:
+        """Asks shard 0 for the layout and follows it if it is later than this client's (True). With `seen`
+        (an epoch a reply carried), asks only if that is later. Blocks for one call (the control deadline)."""
+        with self._lock:
+            if seen is not None and seen <= self.epoch:
+                return False
+            layout = self._fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                                       self._fanout.control_timeout)
+            if layout.epoch <= self.epoch:
+                return False
+            self._fanout.channels.follow(list(layout.addresses))
+            self._placement.follow(len(layout.addresses), dict(layout.placement))
+            _LOGGER.info("following layout epoch %d: %d shards (was epoch %d)", layout.epoch,
+                         len(layout.addresses), self.epoch)
+            self.epoch = layout.epoch
+            return True
+
+    def each(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str], bool], T],
+             phase: str | None = None) -> dict[int, T]:
+        """fn(shard, names, first) for every shard concurrently, as ShardFanout.each (the first error raised
+        after all finish); a shard's names refused as moved are sent again to their owners in the layout
+        then followed. `first` is False for a part sent to a shard that already served one of this call
+        (a push then counts no step there again). {shard: its first reply}."""
+        results: dict[int, T] = {}
+        pending = {shard: (names, True) for shard, names in groups.items()}
+        for _ in range(MAX_ROUNDS):
+            def part(shard: int, names: list[str]) -> T | _Moved:
+                try:
+                    return fn(shard, names, pending[shard][1])
+                except LayoutChangedError as exc:
+                    return _Moved(exc)
+
+            replies = self._fanout.each({shard: names for shard, (names, _) in pending.items()}, part, phase)
+            moved: list[str] = []
+            error: LayoutChangedError | None = None
+            for shard, reply in replies.items():
+                if isinstance(reply, _Moved):
+                    moved += pending[shard][0]
+                    error = reply.error
+                    self.refused += 1
+                else:
+                    results.setdefault(shard, reply)
+            if error is None:
+                return results
+            if not self.refresh():  # a shard knew the new layout before shard 0 did: a moment
+                time.sleep(NOT_YET_SECONDS)
+            regrouped = self._placement.group(moved)
+            pending = {shard: (names, shard not in results) for shard, names in regrouped.items()}
+            for shard, reply in replies.items():  # a live shard that refused its part serves none of this call yet
+                if isinstance(reply, _Moved) and shard < self.shards and shard not in results:
+                    pending.setdefault(shard, ([], True))
+            if not pending:
+                return results
+        raise error

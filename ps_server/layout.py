@@ -1,0 +1,143 @@
+"""Which shard holds which variable, as one shard knows it across live resizes. No gRPC.
+
+Before any resize the layout is epoch 0: every client computes the placement
+itself (torchps/placement.py) and this owner is empty. A resize (the chief's
+ps-admin resize, client/resize.py) sets epoch e + 1 on every shard, then
+moves variables whole from their old shard to their new one. A shard then
+explains a name it does not hold:
+* exported from here, or placed elsewhere at this epoch: LayoutChangedError
+  (the caller asks for the layout and calls the new owner);
+* placed here at this epoch but not yet imported: VariableMovingError
+  (retryable: it is on its way);
+* otherwise nothing: the caller raises UnknownVariableError as before.
+
+An export's state is kept (`outbox`) until a later epoch is set, so a
+resize cut off between an export and its import can be run again and
+receive the same state. Thread-safe: its own lock (an "owner" in
+locks.LOCK_ORDER).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping
+
+from ..errors import InvalidArgumentError, LayoutChangedError, ModeConflictError, VariableMovingError
+from .locks import guarded
+
+__all__ = ["ShardLayout", "check_layout", "MAX_SHARDS"]
+
+MAX_SHARDS = 100_000
+
+
+def check_layout(epoch: int, addresses: list[str], placement: Mapping[str, int]) -> None:
+    """InvalidArgumentError unless (epoch, addresses, placement) is a layout a shard may take."""
+    if not 1 <= epoch < 2 ** 62:
+        raise InvalidArgumentError(f"a layout's epoch must be in [1, 2**62). Received: {epoch}")
+    if not 1 <= len(addresses) <= MAX_SHARDS or not all(addresses):
+        raise InvalidArgumentError(f"a layout names 1 to {MAX_SHARDS} shard addresses, none empty. "
+                                   f"Received: {len(addresses)}")
+    for name, shard in placement.items():
+        if not name or shard >= len(addresses):
+            raise InvalidArgumentError(f"layout epoch {epoch} places {name!r} on ps {shard}, but it has "
+                                       f"{len(addresses)} shards")
+
+
+class ShardLayout:
+    """One shard's layout epoch, the job's placement at it, and what it exported (see the module docstring)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self.epoch = 0                          # read without the lock (replies carry it)
+        self._addresses: list[str] = []
+        self._placement: dict[str, int] = {}
+        self._exported: dict[str, int] = {}     # name -> the shard it went to
+        self._outbox: dict[tuple[str, ...], bytes] = {}  # this epoch's exports, by their names: sent again if asked
+
+    @guarded
+    def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int]) -> bool:
+        """Takes a later layout (True), or the one in force again (False: nothing changes). ModeConflictError
+        for an earlier epoch, or another layout under this epoch; nothing changes then."""
+        check_layout(epoch, addresses, placement)
+        if epoch == self.epoch and addresses == self._addresses and dict(placement) == self._placement:
+            return False
+        if epoch <= self.epoch:
+            raise ModeConflictError(f"ps {self.index} is at layout epoch {self.epoch}; epoch {epoch} "
+                                    f"{'is older' if epoch < self.epoch else 'was set with another layout'}; "
+                                    f"nothing was changed")
+        self.epoch, self._addresses, self._placement = epoch, list(addresses), dict(placement)
+        self._outbox.clear()
+        return True
+
+    @guarded
+    def layout(self) -> tuple[int, list[str], dict[str, int]]:
+        """(epoch, addresses, placement): (0, [], {}) before any resize."""
+        return self.epoch, list(self._addresses), dict(self._placement)
+
+    @guarded
+    def check_epoch(self, epoch: int, what: str) -> None:
+        """ModeConflictError unless `epoch` is the one in force (a move belongs to the epoch set before it)."""
+        if epoch != self.epoch or epoch == 0:
+            raise ModeConflictError(f"{what} for layout epoch {epoch}, but ps {self.index} is at epoch "
+                                    f"{self.epoch}: set the layout first (SetLayout); nothing was changed")
+
+    @guarded
+    def check_member(self) -> None:
+        """LayoutChangedError if this shard left the job (its index is past the layout's shards): from the
+        layout that removes it on, it serves no pull or push, only the export of what it held."""
+        if self.epoch and self.index >= len(self._addresses):
+            raise LayoutChangedError(f"ps {self.index} left the job at layout epoch {self.epoch} "
+                                     f"({len(self._addresses)} shards); nothing was changed here: ask for the layout")
+
+    @guarded
+    def missing(self, name: str) -> None:
+        """Raises what a call naming `name`, which this shard does not hold, should get (module docstring);
+        returns if the layout says nothing of it."""
+        if name in self._exported:
+            raise LayoutChangedError(
+                f"variable {name!r} moved from ps {self.index} to ps {self._exported[name]} at layout epoch "
+                f"{self.epoch}; nothing was changed here: ask for the layout and call its new owner")
+        shard = self._placement.get(name)
+        if shard is None:
+            return
+        if shard == self.index:
+            raise VariableMovingError(f"variable {name!r} is on its way to ps {self.index} (layout epoch "
+                                      f"{self.epoch}); nothing was changed: retry shortly")
+        raise LayoutChangedError(f"variable {name!r} is on ps {shard} at layout epoch {self.epoch}, not on "
+                                 f"ps {self.index}; nothing was changed here: ask for the layout")
+
+    @guarded
+    def exported(self, names: list[str], to: int, state: bytes) -> None:
+        """Records that `names` left for shard `to` with `state` (kept for a repeated export at this epoch)."""
+        for name in names:
+            self._exported[name] = to
+        self._outbox[tuple(names)] = state
+
+    @guarded
+    def sent(self, names: list[str]) -> bytes | None:
+        """The state exported for exactly `names` at this epoch, or None."""
+        return self._outbox.get(tuple(names))
+
+    @guarded
+    def imported(self, names: list[str]) -> None:
+        """`names` arrived here: no longer exported from here (a variable may come back in a later epoch)."""
+        for name in names:
+            self._exported.pop(name, None)
+
+    @guarded
+    def export(self) -> dict:
+        """The layout for a checkpoint or journal base (the outbox is not kept: a restored shard exports
+        nothing again)."""
+        return {"epoch": self.epoch, "addresses": list(self._addresses), "placement": dict(self._placement),
+                "exported": dict(self._exported)}
+
+    @guarded
+    def restore(self, state: dict | None) -> None:
+        """Takes export()'s state (None: epoch 0, nothing exported)."""
+        state = state or {}
+        self.epoch = state.get("epoch", 0)
+        self._addresses = list(state.get("addresses", []))
+        self._placement = dict(state.get("placement", {}))
+        self._exported = dict(state.get("exported", {}))
+        self._outbox.clear()
