@@ -6,11 +6,11 @@
 from ..cluster import Cluster, TaskSpec
 from ..compression import Compression
 from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, DataShardError, InternalServerError,
-                      InvalidArgumentError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
+                      InvalidArgumentError, LayoutChangedError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
                       OptimizerSpecError, PermissionDeniedError, PSError,
                       ResourceExhaustedError, ServerUnavailableError, ShardLostError, SpecConflictError,
                       StepPassedError, TensorMismatchError, UnknownDataQueueError, UnknownVariableError,
-                      WaitTimeoutError, WorkerReplacedError)
+                      VariableMovingError, WaitTimeoutError, WorkerReplacedError)
 from ..memory import tune_malloc
 from ..partitioning import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
 from ..placement import Placement
@@ -24,6 +24,7 @@ from .dataqueue import DataQueue, DataShard
 from .deltas import PullBases
 from .embedding import Embedding, EmbeddingBag, ShardedTable, prefetch_rows
 from .module import ModuleBinding
+from .resize import ResizeReport
 from .stats import WorkerStats
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "HybridBinding",
     "InternalServerError",
     "InvalidArgumentError",
+    "LayoutChangedError",
     "LocalRank",
     "LocalReplica",
     "MalformedStreamError",
@@ -61,6 +63,7 @@ __all__ = [
     "Placement",
     "PullBases",
     "Rendezvous",
+    "ResizeReport",
     "ResourceExhaustedError",
     "Security",
     "ServerUnavailableError",
@@ -72,6 +75,7 @@ __all__ = [
     "TensorMismatchError",
     "UnknownDataQueueError",
     "UnknownVariableError",
+    "VariableMovingError",
     "WaitTimeoutError",
     "WorkerReplacedError",
     "WorkerStats",

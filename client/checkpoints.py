@@ -24,12 +24,15 @@ ATTEMPTS = 5  # a sync shard may pass the step asked for before the save reaches
 
 
 def save(fanout: ShardFanout, placement: Placement, partitions: Partitions, step: int | None, *, keep: int,
-         timeout: float) -> int:
+         timeout: float, layout_epoch: int = 0) -> int:
     """PSClient.save_checkpoint (see there) of the variables `placement` and `partitions` lay out; returns the
-    committed checkpoint's step."""
+    committed checkpoint's step. After a live resize (`layout_epoch` > 0) the manifest records the layout."""
+    names = placement.names()
     manifest = json.dumps({"strategy": placement.strategy, "num_ps": fanout.num_shards,
-                           "variables": [[n, b] for n, b in zip(placement.names(), placement.nbytes())],
-                           "partitions": partitions.manifest()})
+                           "variables": [[n, b] for n, b in zip(names, placement.nbytes())],
+                           "partitions": partitions.manifest(),
+                           **({"layout": {"epoch": layout_epoch, "placement": {n: placement.shard_of(n) for n in names}}}
+                              if layout_epoch else {})})
     shards = fanout.all_shards()
     for _ in range(ATTEMPTS):
         steps = fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))

@@ -299,7 +299,9 @@ class PSClient(DataPath, TablePath):
         shard has no --checkpoint-dir; CheckpointError if a write failed (the
         previous committed checkpoint then stays the newest).
         """
-        return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout)
+        self._layout.refresh()
+        return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout,
+                                layout_epoch=self._layout.epoch)
 
     def resize(self, addresses: list[str], *, drain_seconds: float = resize.DRAIN_SECONDS) -> resize.ResizeReport:
         """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
@@ -308,6 +310,12 @@ class PSClient(DataPath, TablePath):
         tables changes its shard count at a restore). Blocks until every variable is at its new shard;
         raises PSError with the moves done so far in force (run it again with the same addresses)."""
         return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds)
+
+    def shard_addresses(self) -> list[str]:
+        """The job's shards now, in index order (the cluster's, after a live resize the layout's): asks shard 0
+        for the layout first (one call)."""
+        self._layout.refresh()
+        return list(self._fanout.channels.addresses[:self._layout.shards])
 
     @property
     def layout_epoch(self) -> int:

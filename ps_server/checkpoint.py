@@ -204,9 +204,12 @@ def _table_section(path: pathlib.Path) -> object:
 
 
 def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, *,
-                  max_bytes: int = 0) -> dict[str, Any] | None:
+                  max_bytes: int = 0, new_job: bool = False) -> dict[str, Any] | None:
     """The state shard `index` of `num_ps` starts from: the newest committed checkpoint in `directory`
     (its own file when the shard count is the same or not given, else a re-layout), or None if there is none.
+    A checkpoint saved after a live resize is re-laid out for a `new_job` (--restore-from): it starts at
+    layout epoch 0, placed as every client computes; a shard restarting in its job (--checkpoint-dir) takes
+    its own file, its layout epoch with it.
 
     Shard files are mapped, not read whole: only what this shard takes is
     read, into memory of its own. CheckpointError if that is over `max_bytes`
@@ -215,14 +218,15 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, 
     if found is None:
         return None
     step, manifest = found
-    if num_ps is None or manifest["num_ps"] == num_ps:
+    resized = manifest.get("layout", {}).get("epoch", 0)  # saved after a live resize: placed as its layout said
+    if (num_ps is None or manifest["num_ps"] == num_ps) and not (resized and new_job):
         path = step_dir(directory, step) / f"ps-{index}.pt"
         _LOGGER.info("ps %d restoring %s (the newest committed checkpoint)", index, path)
         state = load(path, mmap=True)
         table_state.check_section(state.get("tables"), manifest, index, str(path))
         state = {**state, "source": str(path)}
     else:
-        state = relayout(directory, index, num_ps)
+        state = relayout(directory, index, num_ps or manifest["num_ps"])
     _check_size(state, max_bytes, index)
     return _owned(state)
 

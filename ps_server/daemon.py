@@ -49,7 +49,8 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
         raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
     for directory in (args.checkpoint_dir, args.restore_from):
         if directory:
-            state = checkpoint.restore_state(directory, index, num_ps, max_bytes=args.max_memory)
+            state = checkpoint.restore_state(directory, index, num_ps, max_bytes=args.max_memory,
+                                             new_job=directory != args.checkpoint_dir)
             if state is not None:
                 return state
     if args.restore_from:

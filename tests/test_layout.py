@@ -70,7 +70,7 @@ CORE = [f"torchps.ps_server.{name}" for name in (
     "store", "reads", "optimizers", "modes", "membership", "ledger", "aggregation", "gate", "waits", "snapshots",
     "coordinator", "pushes", "background", "recording", "replay", "bookkeeping", "step_clock", "locks",
     "checkpoint", "journal", "journal_log", "row_optimizers", "embeddings", "tables", "failstop", "dataqueue",
-    "queue_desk")]
+    "queue_desk", "layout", "moves")]
 
 
 def test_client_imports_nothing_from_the_server_or_the_worker(loaded_after):

@@ -13,7 +13,7 @@ from typing import Mapping
 from .forkserver import INTERRUPTED, run_entry
 
 __all__ = ["ArgumentParser", "USAGE_ERROR", "INTERRUPTED", "grpc_log_env", "ps_server", "ps_worker", "ps_launch",
-           "ps_certs"]
+           "ps_certs", "ps_admin"]
 
 USAGE_ERROR = 2    # a bad flag or value, or a configuration that cannot work: nothing was started
 
@@ -73,3 +73,7 @@ def ps_launch() -> None:
 
 def ps_certs() -> None:
     _run("ps-certs", "torchps.certs")
+
+
+def ps_admin() -> None:
+    _run("ps-admin", "torchps.admin")

@@ -54,11 +54,15 @@ SAVE_STEP = 7        # a checkpoint folder nobody made
 LONG = 3600.0        # lease, startup grace and progress timeout: no membership event during the module
 STATUS_FIELDS = ("index", "step", "num_variables", "total_bytes", "pid", "live_workers", "quorum", "stale_dropped",
                  "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints",
-                 "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls")
+                 "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "layout_epoch")
 # RPCs whose request below cannot change the shard when served (they read). Every other request does,
 # but Configure: with worker:1 joined, the shard refuses another mode (FAILED_PRECONDITION) even to the
 # chief, so its denial shows in its status code alone.
-READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue"})
+READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue", "GetLayout"})
+# The chief's live-resize calls, refused on this shard whatever the caller (it holds embedding tables, so no layout
+# epoch is ever set): the chief's get past the credentials to this refusal, and change nothing either.
+REFUSED_FOR_THE_CHIEF = {"SetLayout": "embedding tables", "ExportVariables": "layout epoch 1",
+                         "ImportVariables": "layout epoch 1"}
 
 
 def _ones(n: int) -> bytes:
@@ -105,6 +109,10 @@ def requests_for(shard: "Shard") -> dict[str, list]:
         # worker:1 (joined) would be handed a shard of the chief's queue.
         "TakeDataShard": [ps_pb2.TakeDataShardRequest(queue="q", worker="worker:1", incarnation=INCARNATION)],
         "GetDataQueue": [ps_pb2.DataQueueRequest(name="q")],
+        "GetLayout": [ps_pb2.LayoutRequest()],
+        "SetLayout": [ps_pb2.Layout(epoch=1, addresses=[shard.local.address(0)], placement={"w": 0})],
+        "ExportVariables": [ps_pb2.MoveRequest(names=["w"], epoch=1, to=1)],
+        "ImportVariables": [ps_pb2.MoveChunk(epoch=1)],
     }
 
 
@@ -367,6 +375,11 @@ def test_the_chiefs_own_requests_do_change_the_shard(tmp_path):
                     continue
                 if name == "Configure":
                     assert code == grpc.StatusCode.FAILED_PRECONDITION and "workers joined" in details, details
+                    continue
+                if name in REFUSED_FOR_THE_CHIEF:
+                    assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, code, details)
+                    assert REFUSED_FOR_THE_CHIEF[name] in details, details
+                    assert not changes(before, snapshot(made)), name
                     continue
                 assert code == grpc.StatusCode.OK, f"{name}: {code} {details} (a new RPC? see requests_for)"
                 after = snapshot(made)

@@ -1,6 +1,10 @@
 """Live resize: the job goes 2 -> 4 -> 3 -> 2 shards while 8 processes push; no push is lost or applied twice."""
 
+import json
 import multiprocessing
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ PROCESSES = multiprocessing.get_context("forkserver")
 PROCESSES.set_forkserver_preload(["torch", "torchps.client"])
 SHAPES = {f"resize/v{i}": (4096,) for i in range(16)}  # 64k floats in 16 variables: they spread over the shards
 PUSHERS = 8
+PS_ADMIN = str(pathlib.Path(sys.executable).with_name("ps-admin"))  # the console script, as a user runs it
 
 
 def _push_ones(cluster, index, stop, counts, errors, followed):
@@ -100,3 +105,70 @@ def test_resize_refusals_change_nothing(local_cluster):
             chief.resize([local.address(0)])
         assert [chief.status(s).layout_epoch for s in range(2)] == [0, 0]
         assert {i.spec.name for i in chief.list_variables()} == {"refuse/w"}
+
+
+NAMES = {f"kept/v{i}": (1000,) for i in range(6)}
+
+
+def _values(cluster, **kwargs) -> tuple[dict[str, torch.Tensor], int]:
+    """A fresh client's pull of NAMES (it starts at layout epoch 0 and follows), and the epoch it followed."""
+    with PSClient(cluster, connect_timeout=30, partitioner=None, **kwargs) as reader:
+        reader.declare({n: torch.zeros(s) for n, s in NAMES.items()})
+        return reader.pull(NAMES), reader.layout_epoch
+
+
+def test_a_resized_job_recovers_from_its_journal_and_restores_onto_any_count(tmp_path):
+    """Shards that exported and imported variables, killed, come back from their journals at the same layout
+    epoch holding the same variables; a checkpoint taken after the resize restores onto 2 or 3 shards."""
+    checkpoints = tmp_path / "checkpoints"
+    with LocalCluster(2, server_args=["--checkpoint-dir", str(checkpoints)]) as local:
+        with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
+            chief.create_variables({n: torch.zeros(s) for n, s in NAMES.items()}, Optimizer("sgd", lr=1.0))
+            ones = {n: torch.ones(s) for n, s in NAMES.items()}
+            for _ in range(5):
+                chief.push(ones)
+            report = chief.resize([*local.cluster.ps, local.add_ps()])
+            assert (report.epoch, report.moved) == (1, 2)  # one variable from each old shard to the new one
+            for _ in range(5):
+                chief.push(ones)
+            for index in (0, 2):  # ps 0 exported a variable, ps 2 imported two: both recover from their journals
+                local.kill_ps(index)
+                local.start_ps(index)
+            assert [chief.status(s).layout_epoch for s in range(3)] == [1, 1, 1]
+            held = [info.spec.name for info in chief.list_variables()]
+            assert sorted(held) == sorted(NAMES)  # each variable on exactly one shard
+            values, epoch = _values(local.cluster)
+            assert epoch == 1 and all(torch.equal(v, torch.full((1000,), -10.0)) for v in values.values())
+            chief.push(ones)
+            chief.save_checkpoint()
+    for count in (2, 3):
+        with LocalCluster(count, server_args=["--restore-from", str(checkpoints), "--num-ps", str(count),
+                                              "--checkpoint-dir", str(tmp_path / f"after-{count}")]) as restored:
+            values, epoch = _values(restored.cluster)
+            assert epoch == 0, "a restored job starts at the placement every client computes"
+            assert all(torch.equal(v, torch.full((1000,), -11.0)) for v in values.values()), count
+
+
+def test_ps_admin_resizes_a_running_job(local_cluster):
+    """ps-admin layout and ps-admin resize, as the README shows them, on a running job."""
+    local = local_cluster(1)
+    spec = json.dumps({"ps": list(local.cluster.ps)})
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
+        chief.create_variables({f"admin/v{i}": torch.zeros(256) for i in range(4)}, Optimizer("sgd", lr=1.0))
+        shown = subprocess.run([PS_ADMIN, "layout", "--cluster", spec], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines()[0] == "layout epoch 0: 1 shards" and "4 variables" in shown.stdout
+        added = local.add_ps()
+        done = subprocess.run([PS_ADMIN, "resize", "--cluster", spec, "--ps", f"{local.address(0)},{added}"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("layout epoch 1: 1 -> 2 shards, 2 variables (2,048 bytes) moved"), done.stdout
+        shown = subprocess.run([PS_ADMIN, "layout", "--cluster", spec], capture_output=True, text=True, timeout=60)
+        assert shown.stdout.splitlines()[1:] == [f"  ps:0 {local.address(0)}: 2 variables, 2,048 bytes",
+                                                 f"  ps:1 {added}: 2 variables, 2,048 bytes"], shown.stdout
+        chief.push({f"admin/v{i}": torch.ones(256) for i in range(4)})  # the chief follows the new layout
+        assert chief.layout_epoch == 1
+        values = chief.pull([f"admin/v{i}" for i in range(4)])
+        assert all(torch.equal(v, torch.full((256,), -1.0)) for v in values.values())
+        wrong = subprocess.run([PS_ADMIN, "resize", "--cluster", spec], capture_output=True, text=True, timeout=60)
+        assert wrong.returncode == 2 and len(wrong.stderr.splitlines()) == 1 and "--ps" in wrong.stderr
