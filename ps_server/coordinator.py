@@ -350,10 +350,15 @@ class Coordinator:
 
     # -- pushes and pulls ---------------------------------------------------------------------
 
+    def repeats(self, worker: str, incarnation: int, seq: int) -> bool:
+        """Whether push `seq` of this worker incarnation is a retry of one this shard received (pushes.py
+        answers it from the ledger, never applying it again)."""
+        return self.ledger.seen(worker, incarnation, seq) is not None
+
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
              timeout: float | None = None, by: str = CHIEF,
-             received: Mapping[str, tuple] | None = None) -> PushResult:
+             received: Mapping[str, tuple] | None = None, repeat: bool = False) -> PushResult:
         """Handles one push according to the mode, at most once per (worker, incarnation, seq).
 
         `grads` maps variables to dense gradients and tables to their
@@ -370,6 +375,9 @@ class Coordinator:
         ServerUnavailableError, unacknowledged (the shard then stops).
         `received` {name: (TensorMeta, bytes)}: the compressed gradients as
         they came, which the journal records instead of their decoded form.
+        `repeat`: a retry carrying gradients of variables that moved away since
+        (a live resize), left out of `grads`: answered as a duplicate if its
+        original was applied, else LayoutChangedError (nothing applied here).
         """
         self._check_step(step, "push step")
         if step_increment not in (0, 1):
@@ -379,7 +387,7 @@ class Coordinator:
         self.tables.validate(table_rows)
         deadline = self._book.clock.deadline(timeout)
         return self._pushes.push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled,
-                                 hold, deadline, by, received)
+                                 hold, deadline, by, received, repeat)
 
     def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
                       by: str = CHIEF) -> int:

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..errors import WaitTimeoutError
+from ..errors import LayoutChangedError, WaitTimeoutError
 from .aggregation import StepBuffer
 from .bookkeeping import Bookkeeping
 from .gate import ApplyGate
@@ -58,13 +58,13 @@ class PushPath:
 
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              table_rows: Mapping, step_increment: int, cancelled: Callable[[], bool], hold: bool, deadline: float,
-             by: str, received: Mapping[str, tuple] | None) -> PushResult:
+             by: str, received: Mapping[str, tuple] | None, repeat: bool = False) -> PushResult:
         """Handles one push (validated: see Coordinator.push for what it does, blocks on and raises)."""
         slot: list[str] = []  # the waiting slot this push took, if it will be held
         try:
             with self._recorder.pushing(table_rows, received):  # its journal record carries them
                 return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled,
-                                  hold, deadline, slot, by)
+                                  hold, deadline, slot, by, repeat)
         finally:
             if slot:
                 self._waits.release(slot[0])
@@ -85,7 +85,7 @@ class PushPath:
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
-              cancelled, hold: bool, deadline: float, slot: list[str], by: str) -> PushResult:
+              cancelled, hold: bool, deadline: float, slot: list[str], by: str, repeat: bool) -> PushResult:
         # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
         # then read the rows of the released step on every shard.
@@ -98,10 +98,15 @@ class PushPath:
                 record = ledger.seen(worker, incarnation, seq)
                 if record is not None:
                     result = self._duplicate(worker, incarnation, record, seq, cancelled, hold, deadline)
-                    if result is None:
+                    if result is None and not repeat:
                         continue  # the original failed before changing anything: apply this one
-                    ledger.count_duplicate()
-                    break
+                    if result is not None:
+                        ledger.count_duplicate()
+                        break
+                if repeat:  # its original changed nothing, and some of its variables left: the client sends again
+                    raise LayoutChangedError(f"push {seq} of {worker} names variables that moved to another shard "
+                                             f"since it was first sent, and was not applied here; nothing was "
+                                             f"changed: ask for the layout")
                 book.catch_up(step, by, pushed=True)
                 mode = book.clock.config.mode
                 if mode == "sync":

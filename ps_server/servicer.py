@@ -26,7 +26,8 @@ from google.protobuf.message import DecodeError
 from .. import codec, compression, rows, wire
 from . import checkpoint
 from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
-                      MalformedStreamError, ModeConflictError, PermissionDeniedError, PSError, SpecConflictError)
+                      LayoutChangedError, MalformedStreamError, ModeConflictError, PermissionDeniedError, PSError,
+                      SpecConflictError)
 from ..memory import memory_usage
 from ..partitioning import check_manifest
 from ..placement import Placement
@@ -299,15 +300,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         header, chunks, end = _decode(wire.decode_push_request, request)
         if header is None:
             raise MalformedStreamError("a PushPull request must carry a header")
-        names = list(header.pull)
+        asked = list(header.pull)
+        # A retry is answered as one whatever moved since (a live resize): names this shard no longer holds are
+        # left out of its reply, and listed (PushResponse.moved).
+        repeat = self.coordinator.repeats(header.worker, header.incarnation, header.seq)
+        keep = [i for i, name in enumerate(asked) if not repeat or self.store.holds(name)]
+        names = [asked[i] for i in keep]
         size = sum(self.store.get(name).nbytes for name in names)
         if size > self.max_chunk_bytes:
             raise InvalidArgumentError(f"PushPull's reply would hold {size} bytes, more than this shard's "
                                        f"{self.max_chunk_bytes}; use Push and Pull")
-        casts = self._casts(names, list(header.pull_cast), "pull_cast")  # checked before the push is applied
-        bases = self._bases(names, list(header.pull_base_versions), header.pull_base_generation,
+        casts = self._casts(asked, list(header.pull_cast), "pull_cast")  # checked before the push is applied
+        bases = self._bases(asked, list(header.pull_base_versions), header.pull_base_generation,
                             "pull_base_versions")
+        casts = [casts[i] for i in keep]
+        bases = None if bases is None else [bases[i] for i in keep]
         _, result = self._receive_push([(header, chunks, end)], context, hold=True)
+        result.moved.extend(name for name in asked if name not in names)
         (reply,) = self._read(names, self.max_chunk_bytes, result, casts, bases)
         return reply
 
@@ -365,19 +374,27 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         The tensor count is checked before anything is applied: the header's `tensors` if declared, or for
         a streamed push (PushHeader.streamed) the `end` its last message carries, which must be there.
         """
-        self.coordinator.layout.check_member()
         started = time.monotonic()
         header = end = None
         grads, received = {}, {}
         reservation = self.quotas.reservation(self.held_total)  # the push's buffers, within --max-memory
 
+        moved: set[str] = set()  # a retry's gradients for variables that left since: never applied here
+
         def begin(name: str, meta: ps_pb2.TensorMeta) -> None:  # before the tensor's buffer is allocated
-            self._check_gradient(name, meta)
+            try:
+                self._check_gradient(name, meta)
+            except LayoutChangedError:
+                if not self.coordinator.repeats(header.worker, header.incarnation, header.seq):
+                    raise
+                moved.add(name)
+                return
             if self.quotas.max_memory:
                 reservation.add(self._receive_bytes(name, meta), f"the gradient for {name!r}")
 
         assembler = codec.ChunkAssembler(
-            begin=begin, decode=lambda name, meta, raw: self._decode_gradient(name, meta, raw, received))
+            begin=begin, decode=lambda name, meta, raw: None if name in moved
+            else self._decode_gradient(name, meta, raw, received))
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -386,6 +403,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     if header is not None:
                         raise MalformedStreamError("a Push stream carries its header twice")
                     header = message_header
+                    if not self.coordinator.repeats(header.worker, header.incarnation, header.seq):
+                        self.coordinator.layout.check_member()  # a retry is answered even by a shard that left
                     if header.streamed and header.tensors:
                         raise MalformedStreamError(f"a streamed push declares its tensors in its end, not in its "
                                                    f"header (tensors {header.tensors} with streamed set)")
@@ -421,10 +440,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             data = self.queue_desk.before_push(header)  # its data positions (ps 0): checked before it is applied
             result = None
             try:
-                result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step, grads,
+                result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step,
+                                               {n: g for n, g in grads.items() if n not in moved},
                                                header.step_increment, cancelled=lambda: not context.is_active(),
                                                hold=hold, timeout=_remaining(context), by=_step_authority(caller),
-                                               received=received)
+                                               received=received, repeat=bool(moved))
             finally:
                 self.queue_desk.after_push(data, header, result)  # counted once applied, before it is answered
             if self.metrics is not None:

@@ -140,6 +140,10 @@ class VariableStore(NamesAwaited):
                 f"PSClient.register_module or create_variables)")
         return variable
 
+    def holds(self, name: str) -> bool:
+        with self._changed:
+            return name in self._variables
+
     def names(self) -> list[str]:
         with self._changed:
             return list(self._variables)

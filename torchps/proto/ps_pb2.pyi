@@ -158,7 +158,7 @@ class PushEnd(_message.Message):
     def __init__(self, tensors: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum", "generation", "layout_epoch")
+    __slots__ = ("step", "versions", "next_step", "stale", "duplicate", "wait_seconds", "quorum", "generation", "layout_epoch", "moved")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class PushResponse(_message.Message):
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     step: int
     versions: _containers.ScalarMap[str, int]
     next_step: int
@@ -184,7 +185,8 @@ class PushResponse(_message.Message):
     quorum: int
     generation: int
     layout_epoch: int
-    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    moved: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., moved: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes", "min_step", "cast", "base_versions", "base_generation")
