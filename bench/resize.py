@@ -1,0 +1,147 @@
+"""Live resizes under load: exact sums, and the pause a resize causes (PSClient.resize, client/resize.py).
+
+    python bench/resize.py --json bench/results/resize.json    # a few minutes on 2 cores
+    python bench/resize.py --quick                              # the suite's smoke run: small models
+
+Two runs, each a LocalCluster of 2 shards with async pusher processes pushing gradients of ones (SGD,
+lr 1) as fast as they can while the chief resizes the job 2 -> 4 -> 3 -> 2 shards:
+- "exact": 8 pushers, a 4M-float model (32 variables of 128k floats). At the end every element must be
+  exactly minus the pushes acknowledged, each variable on one shard with that many updates.
+- "pause": 2 pushers, a 100 MB model (50 variables of 500k floats). For each resize, each pusher's
+  longest interval between two acknowledged pushes that overlaps the resize ("gap"), against its median
+  interval away from every resize ("step"); the pause is gap - step (what the resize added).
+Rows: per run and resize, the variables and bytes moved, the move's seconds (first SetLayout to last
+import), the pause's p50/p99/max over pushers; the JSON has every figure and the exact-sum check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from pullpush import log, worker_processes  # noqa: E402
+
+from torchps.client import Optimizer, PSClient  # noqa: E402
+from torchps.worker.local_cluster import LocalCluster  # noqa: E402
+
+RUNS = {  # name: (pushers, variables, floats per variable)
+    "exact": (8, 32, 128 << 10),
+    "pause": (2, 50, 500_000),
+}
+QUICK = {"exact": (8, 16, 4096), "pause": (2, 8, 16_384)}
+PUSHES_BETWEEN = 3  # acknowledged pushes of every pusher before each resize and after the last
+
+
+def _shapes(variables: int, floats: int) -> dict[str, tuple[int]]:
+    return {f"bench/v{i:02d}": (floats,) for i in range(variables)}
+
+
+def _pusher(cluster, shapes, index, stop, counts, times):
+    """Child process: pushes ones until `stop`; counts acknowledged pushes and sends their times."""
+    acked = []
+    with PSClient(cluster, connect_timeout=60, partitioner=None, timeout=600) as ps:
+        ps.declare({name: torch.zeros(shape) for name, shape in shapes.items()})
+        ps.wait_for_variables(shapes, timeout=120)
+        grads = {name: torch.ones(shape) for name, shape in shapes.items()}
+        while not stop.is_set():
+            ps.push(grads)
+            acked.append(time.monotonic())
+            counts[index] += 1
+        times.put((index, acked, ps.layout_epoch, *ps.layout_waits))
+
+
+def _wait_for_pushes(counts, more: int) -> None:
+    target = [c + more for c in counts[:]]
+    deadline = time.monotonic() + 600
+    while any(c < t for c, t in zip(counts[:], target)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pushes stalled at {counts[:]}")
+        time.sleep(0.01)
+
+
+def run(name: str, pushers: int, variables: int, floats: int) -> dict:
+    shapes = _shapes(variables, floats)
+    ctx = worker_processes()
+    with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=60, partitioner=None,
+                                            timeout=600) as chief:
+        chief.create_variables({n: torch.zeros(s) for n, s in shapes.items()}, Optimizer("sgd", lr=1.0))
+        stop, counts, times = ctx.Event(), ctx.Array("q", pushers), ctx.Queue()
+        procs = [ctx.Process(target=_pusher, args=(local.cluster, shapes, i, stop, counts, times))
+                 for i in range(pushers)]
+        for proc in procs:
+            proc.start()
+        resizes = []
+        try:
+            _wait_for_pushes(counts, PUSHES_BETWEEN)
+            for target in ([*local.cluster.ps, local.add_ps(), local.add_ps()], None, list(local.cluster.ps)):
+                if target is None:
+                    target = [local.address(i) for i in range(3)]
+                started = time.monotonic()
+                report = chief.resize(target)
+                resizes.append({"from": report.shards_before, "to": report.shards_after, "moved": report.moved,
+                                "moved_bytes": report.moved_bytes, "move_seconds": report.move_seconds,
+                                "window": (started, time.monotonic())})
+                log(f"{name}: {report.line()}")
+                _wait_for_pushes(counts, PUSHES_BETWEEN)
+        finally:
+            stop.set()
+            ends = [times.get(timeout=600) for _ in procs]
+            for proc in procs:
+                proc.join(timeout=120)
+        total = sum(counts[:])
+        values = chief.pull(shapes)
+        exact = all(torch.equal(v, torch.full(shapes[n], -float(total))) for n, v in values.items())
+        versions = {info.spec.name: info.version for info in chief.list_variables()}
+        exact = exact and versions == {n: total for n in shapes}
+    windows = [resize.pop("window") for resize in resizes]
+    for resize, window in zip(resizes, windows):
+        pauses = []
+        for _, acked, _, _, _ in ends:
+            intervals = list(zip(acked, acked[1:]))
+            away = [b - a for a, b in intervals
+                    if not any(a <= w1 and b >= w0 for w0, w1 in windows)]
+            step = statistics.median(away) if away else 0.0
+            overlapping = [b - a for a, b in intervals if a <= window[1] and b >= window[0]]
+            pauses.append(max(0.0, max(overlapping, default=0.0) - step))
+        pauses.sort()
+        resize.update(pause_p50_s=statistics.median(pauses), pause_p99_s=pauses[min(len(pauses) - 1,
+                      int(0.99 * len(pauses)))], pause_max_s=pauses[-1])
+    return {"run": name, "pushers": pushers, "model_bytes": variables * floats * 4, "pushes": total,
+            "exact_sum": exact, "epochs_followed": [e for _, _, e, _, _ in ends],
+            "refused_parts": sum(r for *_, r, _ in ends), "moving_waits": sum(w for *_, w in ends),
+            "resizes": resizes}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models (the suite's smoke run)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    results = [run(name, *spec) for name, spec in (QUICK if args.quick else RUNS).items()]
+    print(f"{'run':6} {'model':>9} {'resize':>7} {'moved':>6} {'MB':>7} {'move s':>7} {'pause p50':>9} "
+          f"{'p99':>6} {'max':>6}")
+    for result in results:
+        for r in result["resizes"]:
+            print(f"{result['run']:6} {result['model_bytes'] / 1e6:8.1f}M {r['from']}->{r['to']:<4} {r['moved']:6d} "
+                  f"{r['moved_bytes'] / 1e6:7.1f} {r['move_seconds']:7.2f} {r['pause_p50_s']:9.2f} "
+                  f"{r['pause_p99_s']:6.2f} {r['pause_max_s']:6.2f}")
+        print(f"{result['run']:6} {result['pushes']} pushes, exact sum: {result['exact_sum']}, "
+              f"refused parts {result['refused_parts']}, moving waits {result['moving_waits']}")
+    summary = {"results": results, "exact_sum": all(r["exact_sum"] for r in results),
+               "resize_pause_p99_s": max(r["pause_p99_s"] for res in results for r in res["resizes"]),
+               "command": " ".join(["python", "bench/resize.py", *sys.argv[1:]])}
+    print(json.dumps(summary))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    return 0 if summary["exact_sum"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
