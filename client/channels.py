@@ -37,6 +37,7 @@ T = TypeVar("T")
 _MESSAGE_LIMIT = DEFAULT_MAX_CHUNK_BYTES + ENVELOPE_BYTES
 BACKOFF_FIRST_SECONDS = 0.05   # first pause after a failed attempt
 BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a random factor in [0.5, 1.5)
+MOVING_RETRY_SECONDS = 0.05  # pause before asking again for a variable on its way to its shard (live resize)
 DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a TLS mismatch
 PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answers at its address
 
@@ -69,13 +70,15 @@ class Backoff:
         self._next = BACKOFF_FIRST_SECONDS
         self._rng = rng or random.Random()
 
-    def pause(self) -> bool:
-        """Sleeps before the next attempt; False (without sleeping) once the deadline has passed."""
+    def pause(self, fixed: float | None = None) -> bool:
+        """Sleeps before the next attempt (`fixed` seconds, jittered, if given: no doubling); False (without
+        sleeping) once the deadline has passed."""
         left = self.deadline - time.monotonic()
         if left <= 0:
             return False
-        time.sleep(min(left, self._next * self._rng.uniform(0.5, 1.5)))
-        self._next = min(BACKOFF_MAX_SECONDS, self._next * 2)
+        time.sleep(min(left, (fixed or self._next) * self._rng.uniform(0.5, 1.5)))
+        if fixed is None:
+            self._next = min(BACKOFF_MAX_SECONDS, self._next * 2)
         return True
 
 
@@ -222,11 +225,14 @@ class ShardChannels:
             except grpc.RpcError as exc:
                 if not _retryable(exc):
                     raise error_from_rpc(exc, self.target(shard)) from exc
-                if isinstance(error_from_rpc(exc, ""), VariableMovingError):
-                    self.moving_waits += 1  # the shard is up: a variable is on its way to it (a live resize)
-                elif exc.code() is grpc.StatusCode.UNAVAILABLE:
-                    self._ready[shard] = False
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
+                if isinstance(error_from_rpc(exc, ""), VariableMovingError):
+                    self.moving_waits += 1  # the shard is up: a variable is on its way to it (a live resize),
+                    if backoff.pause(MOVING_RETRY_SECONDS):  # there within a move's time: asked again soon
+                        continue
+                    raise error_from_rpc(exc, self.target(shard)) from exc
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._ready[shard] = False
                 if not backoff.pause():
                     raise error_from_rpc(exc, self.target(shard)) from exc
 

@@ -23,8 +23,10 @@ see torchps.certs) or, without TLS, from the token it sent:
     evaluator  pull, list variables, status
     ps         status
 
-Admin calls: Configure, CreateVariables, UpdateOptimizer, Save,
-CommitCheckpoint, Shutdown.
+Admin calls: Configure, CreateVariables, CreateTables, UpdateOptimizer, Save,
+CommitCheckpoint, Shutdown, CreateDataQueue, and a live resize's SetLayout,
+ExportVariables and ImportVariables (GetLayout is a worker's and an
+evaluator's too).
 """
 
 from __future__ import annotations
