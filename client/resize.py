@@ -6,14 +6,17 @@ Shard indices stay: a resize adds shards at the end or removes the last ones
    shards (each to the least loaded shard that stays, largest first) and,
    when shards are added, the largest that make the load more even (greedy
    by bytes: moved until no move would lower the most loaded shard's bytes);
-2. the new layout epoch is set on every shard: the added ones (configured in
-   the job's mode first) and those that stay, then ps 0, then the removed
-   ones, so a client sent away by any shard finds the new layout on ps 0 and
-   the new owner expecting the variable (layout.py);
-3. each variable that moves is exported by its old shard and imported by its
-   new one, relayed here, the shards' moves in parallel;
-4. removed shards are stopped (Shutdown) after `drain_seconds`, in which they
-   answer the clients that did not yet follow with LayoutChangedError.
+2. the variables that move go in batches of at most BATCH_BYTES (largest
+   first), each under a layout epoch of its own, so a client waits for one
+   batch in transit at most. Each epoch is set on every shard: the added
+   ones (configured in the job's mode first) and those that stay, then ps 0,
+   then the removed ones, so a client sent away by any shard finds the epoch
+   on ps 0 and the new owner expecting the variable (layout.py);
+3. then each variable of the batch is exported by its old shard and imported
+   by its new one, relayed here, the shards' moves in parallel;
+4. with shards removed, a last epoch without them; they are stopped
+   (Shutdown) after `drain_seconds`, in which they answer the clients that
+   did not yet follow with LayoutChangedError.
 Training goes on throughout; a client waits only for the variables in
 transit (VariableMovingError, retried). Blocks until done; raises PSError
 (a refused layout, a shard unreachable) with the moves done so far in force:
@@ -36,6 +39,7 @@ __all__ = ["ResizeReport", "run", "plan", "DRAIN_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 DRAIN_SECONDS = 2.0  # a removed shard answers LayoutChangedError this long before it stops
+BATCH_BYTES = 16 << 20  # variables moved under one layout epoch: a client waits for one batch in transit at most
 
 
 @dataclasses.dataclass
@@ -86,6 +90,19 @@ def plan(held: dict[int, list[tuple[str, int]]], shards: int) -> dict[str, int]:
     return placement
 
 
+def _batches(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """`names` in order, cut into batches of at most `limit` bytes (a larger variable alone)."""
+    batches: list[list[str]] = []
+    total = limit
+    for name in names:
+        if total + sizes[name] > limit:
+            batches.append([])
+            total = 0
+        batches[-1].append(name)
+        total += sizes[name]
+    return batches
+
+
 def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
         drain_seconds: float = DRAIN_SECONDS) -> ResizeReport:
     """The resize (see the module docstring); `fanout` must carry the chief's credentials."""
@@ -111,33 +128,47 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     held = {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in everyone}
     placement = plan(held, len(addresses))
     source = {name: shard for shard, variables in held.items() for name, _ in variables}
-    moves: dict[tuple[int, int], list[str]] = {}
-    for name, shard in placement.items():
-        if source[name] != shard:
-            moves.setdefault((source[name], shard), []).append(name)
     sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
-    epoch = follower.epoch + 1
-    layout = ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement)
+    moving = sorted((name for name in placement if source[name] != placement[name]), key=lambda n: (-sizes[n], n))
     config = call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t)).config
     added = {s: [] for s in range(before, len(addresses))}
     fanout.each(added, lambda shard, _: call(shard, lambda stub, t: stub.Configure(config, timeout=t)))
+    wide = addresses if len(addresses) > before else old  # every shard that holds or takes variables meanwhile
+    now = dict(source)
+    epoch = follower.epoch
     started = time.monotonic()
-    for group in ([s for s in range(1, len(addresses))], [0], [s for s in range(len(addresses), before)]):
-        fanout.each({s: [] for s in group}, lambda shard, _: call(shard, lambda stub, t: stub.SetLayout(
-            layout, timeout=t)))
 
-    def move_from(shard: int, _) -> None:
-        for (src, dst), names in sorted(moves.items()):
-            if src != shard:
-                continue
-            request = ps_pb2.MoveRequest(names=names, epoch=epoch, to=dst)
-            chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
-                                 fanout.timeout)
-            fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
+    def set_layout(addresses_then: list[str]) -> None:
+        """The next epoch with the placement `now`, on every shard: the others, then ps 0, then those it removes
+        (so a client that one of them sends away finds the epoch on ps 0)."""
+        layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=now)
+        for group in (range(1, len(addresses_then)), [0], range(len(addresses_then), len(wide))):
+            fanout.each({s: [] for s in group}, lambda shard, _: call(shard, lambda stub, t: stub.SetLayout(
+                layout, timeout=t)))
 
-    fanout.each({src: [] for src in sorted({src for src, _ in moves})}, move_from)
-    seconds = time.monotonic() - started
+    for batch in _batches(moving, sizes, BATCH_BYTES) or [[]]:
+        for name in batch:
+            now[name] = placement[name]
+        epoch += 1
+        set_layout(wide)
+        pairs: dict[tuple[int, int], list[str]] = {}
+        for name in batch:
+            pairs.setdefault((source[name], placement[name]), []).append(name)
+
+        def move_from(shard: int, _, pairs=pairs, epoch=epoch) -> None:
+            for (src, dst), names in sorted(pairs.items()):
+                if src == shard:
+                    request = ps_pb2.MoveRequest(names=names, epoch=epoch, to=dst)
+                    chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
+                                         fanout.timeout)
+                    fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
+
+        fanout.each({src: [] for src in sorted({src for src, _ in pairs})}, move_from)
     stopped = []
+    if len(addresses) < before:  # the removed shards hold nothing now: an epoch without them
+        epoch += 1
+        set_layout(addresses)
+    seconds = time.monotonic() - started
     if len(addresses) < before:
         time.sleep(drain_seconds)  # the removed shards keep answering LayoutChangedError meanwhile
         gone = {s: [] for s in range(len(addresses), before)}
@@ -145,7 +176,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
             ps_pb2.ShutdownRequest(reason=f"removed from the job at layout epoch {epoch}"), timeout=t)))
         stopped = old[len(addresses):]
     follower.refresh()
-    report = ResizeReport(epoch, before, len(addresses), sum(len(n) for n in moves.values()),
-                          sum(sizes[n] for names in moves.values() for n in names), seconds, stopped)
+    report = ResizeReport(epoch, before, len(addresses), len(moving), sum(sizes[n] for n in moving), seconds,
+                          stopped)
     _LOGGER.info("%s", report.line())
     return report

@@ -67,8 +67,9 @@ def _layout(admin) -> str:
     """The layout as text (admin: a PSClient): the epoch, then each shard's address, variables and bytes."""
     from .proto import ps_pb2
 
-    lines = [f"layout epoch {admin.layout_epoch}: {len(admin.shard_addresses())} shards"]
-    for shard, address in enumerate(admin.shard_addresses()):
+    addresses = admin.shard_addresses()  # asks ps 0 for the layout
+    lines = [f"layout epoch {admin.layout_epoch}: {len(addresses)} shards"]
+    for shard, address in enumerate(addresses):
         listed = admin.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
         lines.append(f"  ps:{shard} {address}: {len(listed.variables)} variables, "
                      f"{sum(v.nbytes for v in listed.variables):,} bytes")
