@@ -60,9 +60,10 @@ class ResizeReport:
                 + (f", stopped {', '.join(self.stopped)}" if self.stopped else ""))
 
 
-def plan(held: dict[int, list[tuple[str, int]]], shards: int) -> dict[str, int]:
+def plan(held: dict[int, list[tuple[str, int]]], shards: int, *, balance: bool) -> dict[str, int]:
     """The placement on `shards` shards (0..shards-1) of the variables `held` {shard: [(name, bytes)]} (see the
-    module docstring); deterministic."""
+    module docstring): those of shards past `shards` to the least loaded, then, with `balance` (shards were
+    added), the moves that make the load more even; deterministic."""
     placement: dict[str, int] = {}
     size: dict[str, int] = {}
     load = [0] * shards
@@ -77,7 +78,7 @@ def plan(held: dict[int, list[tuple[str, int]]], shards: int) -> dict[str, int]:
         target = min(range(shards), key=lambda s: (load[s], s))
         placement[name] = target
         load[target] += size[name]
-    for _ in range(len(size)):
+    for _ in range(len(size) if balance else 0):
         heavy = max(range(shards), key=lambda s: (load[s], -s))
         light = min(range(shards), key=lambda s: (load[s], s))
         movable = [n for n, s in placement.items() if s == heavy and 0 < size[n] < load[heavy] - load[light]]
@@ -126,7 +127,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     listed = fanout.each({s: [] for s in everyone}, lambda shard, _: call(
         shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t)))
     held = {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in everyone}
-    placement = plan(held, len(addresses))
+    placement = plan(held, len(addresses), balance=len(addresses) > before)
     source = {name: shard for shard, variables in held.items() for name, _ in variables}
     sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
     moving = sorted((name for name in placement if source[name] != placement[name]), key=lambda n: (-sizes[n], n))
