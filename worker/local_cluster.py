@@ -131,15 +131,19 @@ class LocalCluster:
         self._spawn(index, self.ports[index])
         self._wait_port(index)
 
-    def add_ps(self) -> str:
-        """Starts one more shard (the next index) and returns its address, for a live resize
-        (PSClient.resize); `cluster` still names the shards the job started with."""
-        index = len(self.procs)
-        self.procs.append(None)
-        self.ports.append(0)
+    def add_ps(self, index: int | None = None) -> str:
+        """Starts a shard for a live resize (PSClient.resize) and returns its address: at `index` (default: the
+        next one), on a new port; a shard there must have ended (one a resize removed). `cluster` still names
+        the shards the job started with."""
+        index = len(self.procs) if index is None else index
+        if index < len(self.procs) and self.procs[index] is not None and self.procs[index].poll() is None:
+            raise ValueError(f"ps {index} is running")
+        if index >= len(self.procs):
+            self.procs.extend([None] * (index + 1 - len(self.procs)))
+            self.ports.extend([0] * (index + 1 - len(self.ports)))
         self._spawn(index)
         self._wait_port(index)
-        return f"127.0.0.1:{self.ports[index]}"
+        return self.address(index)
 
     def address(self, index: int) -> str:
         """Shard `index`'s address."""
