@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 
-from ..errors import ClusterConfigError
+from ..errors import ClusterConfigError, ServerUnavailableError
 from ..proto import ps_pb2
 from .fanout import ShardFanout
 from .layout import LayoutFollower
@@ -39,6 +39,7 @@ __all__ = ["ResizeReport", "run", "plan", "DRAIN_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 DRAIN_SECONDS = 2.0  # a removed shard answers LayoutChangedError this long before it stops
+OUTBOX_RETRY_SECONDS = 3.0  # how long a resize waits for a shard it asks for exports cut off earlier
 BATCH_BYTES = 16 << 20  # variables moved under one layout epoch: a client waits for one batch in transit at most
 
 
@@ -91,6 +92,22 @@ def plan(held: dict[int, list[tuple[str, int]]], shards: int, *, balance: bool) 
     return placement
 
 
+def _complete_exports(fanout: ShardFanout) -> None:
+    """Imports again what a resize cut off after an export left in its exporter's outbox (GetLayout), so no
+    variable stays in transit; a shard that does not answer within a few seconds is passed over."""
+    for shard in range(len(fanout.channels.addresses)):
+        try:
+            layout = fanout.call(shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                                 fanout.control_timeout, retry_for=OUTBOX_RETRY_SECONDS)
+        except ServerUnavailableError:
+            continue  # stopped (a removed shard): it exports nothing any more
+        for request in layout.outbox:
+            chunks = fanout.call(shard, lambda stub, t: list(stub.ExportVariables(request, timeout=t)), fanout.timeout)
+            fanout.call(request.to, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
+            _LOGGER.info("completed an export cut off earlier: %d variables from ps %d to ps %d",
+                         len(request.names), shard, request.to)
+
+
 def _batches(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
     """`names` in order, cut into batches of at most `limit` bytes (a larger variable alone)."""
     batches: list[list[str]] = []
@@ -114,8 +131,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     if not addresses or addresses[:common] != old[:common] or len(set(addresses)) != len(addresses):
         raise ClusterConfigError(f"a resize keeps the shards' order and adds or removes shards at the end: the job "
                                  f"has {old}; asked for {addresses}")
-    if len(addresses) == before:
-        raise ClusterConfigError(f"the job has these {before} shards already; nothing to do")
+    _complete_exports(fanout)
     if len(addresses) > before:
         fanout.channels.follow(addresses)  # channels to the added shards (this client's own)
     everyone = range(max(before, len(addresses)))
@@ -127,7 +143,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     listed = fanout.each({s: [] for s in everyone}, lambda shard, _: call(
         shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t)))
     held = {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in everyone}
-    placement = plan(held, len(addresses), balance=len(addresses) > before)
+    placement = plan(held, len(addresses), balance=len(addresses) >= before)
     source = {name: shard for shard, variables in held.items() for name, _ in variables}
     sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
     moving = sorted((name for name in placement if source[name] != placement[name]), key=lambda n: (-sizes[n], n))
@@ -147,7 +163,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
             fanout.each({s: [] for s in group}, lambda shard, _: call(shard, lambda stub, t: stub.SetLayout(
                 layout, timeout=t)))
 
-    for batch in _batches(moving, sizes, BATCH_BYTES) or [[]]:
+    for batch in _batches(moving, sizes, BATCH_BYTES) or ([[]] if len(addresses) != before else []):
         for name in batch:
             now[name] = placement[name]
         epoch += 1

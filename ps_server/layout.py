@@ -53,7 +53,8 @@ class ShardLayout:
         self._addresses: list[str] = []
         self._placement: dict[str, int] = {}
         self._exported: dict[str, int] = {}     # name -> the shard it went to
-        self._outbox: dict[tuple[str, ...], bytes] = {}  # this epoch's exports, by their names: sent again if asked
+        self._outbox: dict[tuple[str, ...], tuple[int, bytes]] = {}  # this epoch's exports by their names: (to,
+                                                                      # state), sent again if asked
 
     @guarded
     def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int]) -> bool:
@@ -112,12 +113,18 @@ class ShardLayout:
         """Records that `names` left for shard `to` with `state` (kept for a repeated export at this epoch)."""
         for name in names:
             self._exported[name] = to
-        self._outbox[tuple(names)] = state
+        self._outbox[tuple(names)] = (to, state)
 
     @guarded
     def sent(self, names: list[str]) -> bytes | None:
         """The state exported for exactly `names` at this epoch, or None."""
-        return self._outbox.get(tuple(names))
+        kept = self._outbox.get(tuple(names))
+        return None if kept is None else kept[1]
+
+    @guarded
+    def outbox(self) -> list[tuple[list[str], int]]:
+        """(names, to) of each export of this epoch."""
+        return [(list(names), to) for names, (to, _) in self._outbox.items()]
 
     @guarded
     def imported(self, names: list[str]) -> None:
@@ -127,10 +134,10 @@ class ShardLayout:
 
     @guarded
     def export(self) -> dict:
-        """The layout for a checkpoint or journal base (the outbox is not kept: a restored shard exports
-        nothing again)."""
+        """The layout for a checkpoint or journal base, the outbox with it."""
         return {"epoch": self.epoch, "addresses": list(self._addresses), "placement": dict(self._placement),
-                "exported": dict(self._exported)}
+                "exported": dict(self._exported),
+                "outbox": [[list(names), to, state] for names, (to, state) in self._outbox.items()]}
 
     @guarded
     def restore(self, state: dict | None) -> None:
@@ -140,4 +147,4 @@ class ShardLayout:
         self._addresses = list(state.get("addresses", []))
         self._placement = dict(state.get("placement", {}))
         self._exported = dict(state.get("exported", {}))
-        self._outbox.clear()
+        self._outbox = {tuple(names): (to, data) for names, to, data in state.get("outbox", [])}

@@ -759,7 +759,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def GetLayout(self, request, context):
         epoch, addresses, placement = self.coordinator.layout.layout()
-        return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement)
+        return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
+            ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()])
 
     @_map_errors
     def SetLayout(self, request, context):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchps.client import Optimizer, PSClient
-from torchps.errors import ERROR_METADATA_KEY
+from torchps.errors import ERROR_METADATA_KEY, VariableMovingError
 from torchps.proto import ps_pb2
 
 SERVICE = "/torchps.v1.ParameterServer/"
@@ -98,3 +98,27 @@ def test_a_retry_whose_original_failed_is_refused_once_its_variable_left(moved):
     assert _push(chan, 6, ["r/a", "r/nowhere"])[0] == grpc.StatusCode.NOT_FOUND
     assert _push(chan, 6, ["r/a", "r/b"])[:2] == (grpc.StatusCode.ABORTED, "LayoutChangedError")
     assert _values(chief) == [[-2.0, -2.0], [-1.0, -1.0]]
+
+
+def test_a_resize_cut_off_after_an_export_is_completed_by_the_next(local_cluster):
+    """The admin dies between ExportVariables and ImportVariables: r/b is in transit (clients are told to
+    retry). The next resize, even to the same shards, finds it in ps 0's outbox and imports it."""
+    local = local_cluster(2)
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
+        chief.declare([("r/a", 8), ("r/filler", 8), ("r/b", 8)])
+        chief.create_variables({n: torch.zeros(2) for n in ("r/a", "r/filler", "r/b")}, Optimizer("sgd", lr=1.0))
+        chief.push({"r/b": torch.ones(2)})
+        layout = ps_pb2.Layout(epoch=1, addresses=[local.address(0), local.address(1)],
+                               placement={"r/a": 0, "r/filler": 1, "r/b": 1})
+        for shard in (1, 0):
+            chief.call(shard, lambda stub, t: stub.SetLayout(layout, timeout=t))
+        chief.call(0, lambda stub, t: list(stub.ExportVariables(ps_pb2.MoveRequest(names=["r/b"], epoch=1, to=1),
+                                                                timeout=t)))  # ... and the admin died
+        with PSClient(local.cluster, connect_timeout=1, partitioner=None) as worker:
+            worker.declare([("r/a", 8), ("r/filler", 8), ("r/b", 8)])
+            with pytest.raises(VariableMovingError):
+                worker.pull(["r/b"])
+        report = chief.resize(list(local.cluster.ps))
+        assert report.moved == 0 and report.epoch == 1  # nothing left to move once the import was completed
+        assert chief.pull(["r/b"])["r/b"].tolist() == [-1.0, -1.0]
+        assert [info.spec.name for info in chief.list_variables()].count("r/b") == 1

@@ -408,7 +408,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement")
+    __slots__ = ("epoch", "addresses", "placement", "outbox")
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -419,10 +419,12 @@ class Layout(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    OUTBOX_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     placement: _containers.ScalarMap[str, int]
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    outbox: _containers.RepeatedCompositeFieldContainer[MoveRequest]
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ...) -> None: ...
 
 class LayoutRequest(_message.Message):
     __slots__ = ()
