@@ -21,7 +21,9 @@ Training goes on throughout; a client waits only for the variables in
 transit (VariableMovingError, retried). Blocks until done; raises PSError
 (a refused layout, a shard unreachable) with the moves done so far in force:
 variables exported but not imported stay in their exporter's outbox (see
-layout.py) until a later epoch is set.
+layout.py), and the next resize (to the same shards or others) imports them
+before anything else. The same shards again: a rebalance (step 1's moves
+for added shards, if any).
 """
 
 from __future__ import annotations
