@@ -249,8 +249,8 @@ class PSClient(DataPath, TablePath):
         without its state (from `tensors`, which it keeps referring to). A
         partitioned variable counts as created if any of its pieces was.
         """
-        self._layout.refresh()  # a job resized live places its variables as its layout says
         self.declare(tensors)
+        self._layout.refresh()  # a job resized live places its variables as its layout says
         spec = (optimizer or Optimizer("none")).to_proto()
         self._own(tensors, spec)
         pieces = self.partitions.split(tensors)

@@ -70,7 +70,7 @@ class DataPath:
     def _pull(self, names: list[str], sink, min_step: int = 0, bases: PullBases | None = None) -> int:
         """Streams `names` from their shards into sink; shard 0's step, or -1 if shard 0 was not read. With
         `bases` (sink an IntoTargets), each attempt names the versions its targets hold (PullBases.take)."""
-        def pull(shard: int, shard_names: list[str], first: bool) -> int:
+        def pull(shard: int, shard_names: list[str], first: bool, again: bool) -> int:
             def attempt(stub, timeout: float) -> int:
                 request = ps_pb2.PullRequest(names=shard_names, chunk_bytes=self.chunk_bytes, min_step=min_step,
                                              cast=self._pull_casts(shard_names, sink))
@@ -128,20 +128,18 @@ class DataPath:
                 staged.release()
 
     def _part_sender(self, header: ps_pb2.PushHeader, sent: Mapping, left: Mapping, table_sent: Mapping):
-        """push(shard, names, first): one shard's part of the push `header` starts, as a Push stream; the
-        gradients `sent` as encoded, rows `table_sent` by shard. A part sent again after a live resize moved
-        its names (layout.LayoutFollower) is a push of its own (the next number), counting no step where the
-        push already counted one (`first` False)."""
-        tried: set[int] = set()
-
-        def push(shard: int, names: list[str], first: bool) -> ps_pb2.PushResponse:
-            tables = table_sent.get(shard, {}) if shard not in tried else {}
+        """push(shard, names, first, again): one shard's part of the push `header` starts, as a Push stream;
+        the gradients `sent` as encoded, rows `table_sent` by shard. A part sent `again` after a live resize
+        moved its names (layout.LayoutFollower) is a push of its own (the next number; the first attempt's
+        keeps its number through every retry), counting no step where the push already counted one (`first`
+        False)."""
+        def push(shard: int, names: list[str], first: bool, again: bool = False) -> ps_pb2.PushResponse:
+            tables = table_sent.get(shard, {}) if not again else {}
             shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
             shard_header.MergeFrom(header)
-            if shard in tried or not first:
+            if again:
                 shard_header.seq = next(self._seq)
                 shard_header.step_increment = header.step_increment if first else 0
-            tried.add(shard)
             reply = self._fanout.call(shard, lambda stub, t: stub.Push(
                 push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
                 timeout=t), self.timeout)
@@ -191,12 +189,10 @@ class DataPath:
                 raise
 
             resend = self._part_sender(header, sent, left, table_sent)
-            exchanged: set[int] = set()
 
-            def exchange(shard: int, names: list[str], first: bool) -> tuple[int, ps_pb2.PushResponse]:
-                if shard in exchanged or not first:  # sent again after a live resize: a push alone (read below)
-                    return -1, resend(shard, names, first)
-                exchanged.add(shard)
+            def exchange(shard: int, names: list[str], first: bool, again: bool) -> tuple[int, ps_pb2.PushResponse]:
+                if again:  # sent again after a live resize: a push alone (the values are read below)
+                    return -1, resend(shard, names, first, again)
                 tables = table_sent[shard]
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
                                                  pull_cast=self._pull_casts(pulls.get(shard, []), sink))

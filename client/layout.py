@@ -75,18 +75,18 @@ class LayoutFollower:
             self.epoch = layout.epoch
             return True
 
-    def each(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str], bool], T],
+    def each(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str], bool, bool], T],
              phase: str | None = None) -> dict[int, T]:
-        """fn(shard, names, first) for every shard concurrently, as ShardFanout.each (the first error raised
-        after all finish); a shard's names refused as moved are sent again to their owners in the layout
-        then followed. `first` is False for a part sent to a shard that already served one of this call
-        (a push then counts no step there again). {shard: its first reply}."""
+        """fn(shard, names, first, again) for every shard concurrently, as ShardFanout.each (the first error
+        raised after all finish); a shard's names refused as moved are sent again (`again`) to their owners in
+        the layout then followed. `first` is False for a part sent to a shard that already served one of this
+        call (a push then counts no step there again). {shard: its first reply}."""
         results: dict[int, T] = {}
         pending = {shard: (names, True) for shard, names in groups.items()}
-        for _ in range(MAX_ROUNDS):
-            def part(shard: int, names: list[str]) -> T | _Moved:
+        for round_ in range(MAX_ROUNDS):
+            def part(shard: int, names: list[str], again: bool = round_ > 0) -> T | _Moved:
                 try:
-                    return fn(shard, names, pending[shard][1])
+                    return fn(shard, names, pending[shard][1], again)
                 except LayoutChangedError as exc:
                     return _Moved(exc)
 
