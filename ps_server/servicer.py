@@ -41,6 +41,7 @@ from .modes import SyncConfig
 from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
+from .tokens import TokenFile
 
 __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
@@ -182,11 +183,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
                  security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
-                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS):
+                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
-        self.authority = Authority(security, index)
+        self.authority = Authority(security, index, tokens)  # `tokens`: security's, following its token file
         self.quotas = quotas or Quotas()
         self.checkpoint_dir = checkpoint_dir
         self.on_shutdown = on_shutdown
