@@ -587,7 +587,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         caller = self._check_self(context, request.worker, "Heartbeat")
         step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step,
                                           by=_step_authority(caller))
-        return ps_pb2.HeartbeatResponse(step=step, generation=self.generation)
+        return ps_pb2.HeartbeatResponse(step=step, generation=self.generation,
+                                        live_workers=self.coordinator.live_workers())
 
     @_map_errors
     def Leave(self, request, context):
@@ -782,7 +783,8 @@ def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
         total_num_replicas=message.total_num_replicas, max_staleness=message.max_staleness,
         lease_seconds=message.lease_seconds or defaults.lease_seconds,
         startup_grace_seconds=message.startup_grace_seconds or defaults.startup_grace_seconds,
-        progress_seconds=message.progress_seconds or defaults.progress_seconds)
+        progress_seconds=message.progress_seconds or defaults.progress_seconds,
+        replicas_fraction=message.replicas_fraction)
 
 
 def config_to_proto(config: SyncConfig) -> ps_pb2.SyncConfig:

@@ -95,3 +95,48 @@ def test_ps_certs_add_refuses_what_cannot_join_and_writes_nothing(tmp_path):
     run = ps_certs(str(folder), "--add", "worker:6")
     assert run.returncode == 2 and "has no ca.key" in run.stderr, run.stderr
     assert (folder / "tokens").read_bytes() == table and not (folder / "worker-6.crt").exists()
+
+
+def test_a_fractional_quorum_follows_workers_joining_and_leaving_and_the_shard_logs_each_change(local_cluster):
+    local = local_cluster(1)
+    clients = [PSClient(local.cluster, task=TaskSpec("worker", i), connect_timeout=10) for i in range(5)]
+    try:
+        clients[0].configure("sync", total_num_replicas=1, replicas_fraction=0.75, lease_seconds=30)
+        quorums = []
+        for c in clients:  # 1, 2, 3, 4, 5 live: ceil(0.75 x live)
+            c.join()
+            quorums.append(clients[0].status(0).quorum)
+        assert quorums == [1, 2, 3, 3, 4]
+        for c in clients[3:]:  # two leave for good: 4, then 3 live
+            c.leave()
+            quorums.append(clients[0].status(0).quorum)
+        assert quorums[5:] == [3, 3]
+        assert clients[0].status(0).quorum_changes == 4  # 1->2->3, 3->4, 4->3 (set by the first join: uncounted)
+    finally:
+        for c in clients:
+            c.close()
+    log = local.log(0)
+    assert "quorum 3 -> 4 (75% of 5 live workers)" in log and "quorum 4 -> 3 (75% of 4 live workers)" in log, log
+
+
+def test_live_worker_callbacks_run_before_the_next_push_once_per_change(local_cluster):
+    local = local_cluster(1)
+    seen = []
+    with PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=10) as ps, \
+            PSClient(local.cluster, task=TaskSpec("worker", 1), connect_timeout=10) as other:
+        ps.configure("async", lease_seconds=1.5)  # heartbeats every 0.5 s
+        ps.create_variables({"v": torch.zeros(1)}, Optimizer("sgd", lr=1.0))
+        ps.on_live_workers_change(lambda live, previous: seen.append((live, previous, ps.step)))
+        ps.join()
+        wait_until(lambda: ps.live_workers == 1, 10, "shard 0 reporting one live worker")
+        ps.push({"v": torch.ones(1)})
+        ps.push({"v": torch.ones(1)})
+        other.declare({"v": torch.zeros(1)})
+        other.join()
+        wait_until(lambda: ps.live_workers == 2, 10, "shard 0 reporting two live workers")
+        assert len(seen) == 1  # nothing runs in the heartbeat thread
+        ps.push({"v": torch.ones(1)})
+        other.leave()
+        wait_until(lambda: ps.live_workers == 1, 10, "shard 0 reporting one live worker again")
+        ps.push({"v": torch.ones(1)})
+    assert seen == [(1, None, 0), (2, 1, 2), (1, 2, 3)]
