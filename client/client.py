@@ -380,6 +380,7 @@ class PSClient(DataPath, TablePath):
         self.mode = lead.config
         self.step = lead.step
         self.restarted = lead.restarted
+        self._live.note(lead.live_workers)
         self._heartbeats.start(lead.config.lease_seconds / 3)
         return lead.step
 
@@ -402,8 +403,8 @@ class PSClient(DataPath, TablePath):
 
     @property
     def live_workers(self) -> int | None:
-        """The live workers of the job as shard 0 last reported them (its heartbeat replies, every lease / 3
-        while joined); None before the first. Never blocks."""
+        """The live workers of the job as shard 0 last reported them (its reply to join(), then to heartbeats,
+        every lease / 3 while joined); None before join(). Never blocks."""
         return self._live.count
 
     def on_live_workers_change(self, fn: Callable[[int, int | None], None]) -> None:

@@ -6,7 +6,7 @@ never delays the others' leases. A shard that answers WorkerReplacedError (a
 newer process of this task joined) fences this client: its next call raises
 that error.
 
-Shard 0's replies to heartbeats carry the number of live workers
+Shard 0's replies to joins and heartbeats carry the number of live workers
 (LiveWorkers): a client follows the job's size from them, and runs the
 callbacks registered for a change in its training thread, before its next
 push (as Horovod's elastic reset callbacks run at a reset), never in the
@@ -84,7 +84,7 @@ class Heartbeats:
 class LiveWorkers:
     """The live workers shard 0 last reported, and the callbacks to run when that number changes.
 
-    `note(n)` (the heartbeat thread) records a count; `dispatch()` (a pushing
+    `note(n)` (join, the heartbeat thread) records a count; `dispatch()` (a pushing
     thread, before its push) runs every callback `fn(live, previous)` once per
     change, in registration order, with the latest count: a callback may call
     the client (set_hyperparams, status), but not push. Thread-safe; one thread
@@ -95,7 +95,7 @@ class LiveWorkers:
     def __init__(self) -> None:
         self._lock = threading.Lock()        # the count and the callbacks
         self._dispatching = threading.Lock()  # one dispatching thread at a time
-        self.count: int | None = None        # None until shard 0 answered a heartbeat
+        self.count: int | None = None        # None until shard 0 answered a join
         self._handled: int | None = None     # the count the callbacks last saw
         self._callbacks: list[Callable[[int, int | None], None]] = []
 

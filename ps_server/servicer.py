@@ -580,7 +580,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         caller = self._check_self(context, request.worker, "Join")
         step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
-                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker))
+                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker),
+                                   live_workers=self.coordinator.live_workers())
 
     @_map_errors
     def Heartbeat(self, request, context):

@@ -380,16 +380,18 @@ class WorkerRef(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("step", "config", "generation", "restarted")
+    __slots__ = ("step", "config", "generation", "restarted", "live_workers")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     step: int
     config: SyncConfig
     generation: int
     restarted: bool
-    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ..., restarted: _Optional[bool] = ...) -> None: ...
+    live_workers: int
+    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ..., restarted: _Optional[bool] = ..., live_workers: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("step", "generation", "live_workers")
