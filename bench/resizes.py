@@ -8,7 +8,8 @@ once per round. Kinds today:
 
   worker-added    a worker starts under a name the job has no process of: one of the names past the starting
                   spec (credentials minted for it then with `ps-certs --add`, which the shards take from their
-                  re-read token file), or one removed before; it joins and pushes
+                  re-read token file), or one removed before; it ends when the new worker's first push is
+                  acknowledged (it joined and trains)
   worker-removed  a live worker other than the chief is asked to leave for good (its leave file): it stops
                   pushing, calls Leave and exits 0; it must be gone within the soak's EXIT_SECONDS
 
@@ -43,7 +44,7 @@ class Resize:
     kind: str
     what: str         # e.g. "worker 4"
     began: float      # time.monotonic() when the soak began it
-    ended: float      # ... and when it was done (the process started, or gone)
+    ended: float      # ... and when it was done (the new worker's first push acknowledged, the removed one gone)
     pause_s: float | None = None  # set by the audit (pause_around)
 
 
@@ -57,6 +58,7 @@ def worker_added(phase) -> Resize | None:
     began = time.monotonic()
     phase.ensure_credentials(index)  # minted now for a name past the starting spec: the shards re-read tokens
     phase.start_worker(index)
+    phase.await_ack(index, began)
     return Resize("worker-added", f"worker {index}", began, time.monotonic())
 
 

@@ -410,6 +410,15 @@ class Phase:
         while time.monotonic() < deadline and any(self._last_ack(i) <= since for i in self.active):
             time.sleep(0.05)
 
+    def await_ack(self, index: int, since: float) -> None:
+        """Returns once worker `index` logged a push acknowledged after `since`; a hang after START_SECONDS."""
+        deadline = time.monotonic() + START_SECONDS
+        while self._last_ack(index) <= since:
+            if time.monotonic() > deadline:
+                self.hangs.append(f"worker {index} had no push acknowledged {START_SECONDS:g} s after it started")
+                return
+            time.sleep(0.05)
+
     def _last_ack(self, index: int) -> float:
         """When worker `index` last logged an acknowledged push (CLOCK_MONOTONIC), or 0: its log's tail only."""
         try:
