@@ -22,7 +22,11 @@ Meanwhile a chaos loop injects, at random, every kind once per round:
   disk-full          a shard's files may grow no further (RLIMIT_FSIZE, as `prlimit --fsize` sets it): its next
                      journal append fails with EFBIG, so it must stop itself (exit 70, a fail-stop, counted in
                      `failstops`) before acknowledging that push; it is started again with room
-A kind is a `_fault_<kind>` method and an entry of KINDS. A shard that stops by itself (fail-stop: exit code
+and the job's size changes (bench/resizes.py, a table of resize kinds drawn with the faults):
+  worker-added       a worker starts under a name with no process: past the starting spec (its credentials
+                     minted then, `ps-certs --add`; the shards re-read their token file), or a removed one's
+  worker-removed     a worker other than the chief leaves for good (Leave) and exits 0
+A fault kind is a `_fault_<kind>` method and an entry of FAULT_KINDS; a resize kind an entry of RESIZES. A shard that stops by itself (fail-stop: exit code
 70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
 each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
 does not is wedged. Worker 0, the chief, checkpoints every CHECKPOINT_EVERY global steps.
@@ -48,7 +52,9 @@ STALL_SECONDS with faults over and no push acknowledged, is a hang. Last, the
 job's final checkpoint must be committed for both shards and restore, through
 `ps-server --restore-from` onto one shard, to exactly the values served.
 
-Keys: faults_injected (by kind), pushes_acked, lost, duplicated, hangs,
+Keys: faults_injected (by kind), resizes (how many resize events happened),
+resizes_by_kind, resize_pause_p99_s (the pause each caused, defined in
+bench/resizes.py), pushes_acked, lost, duplicated, hangs,
 checkpoint_complete, failstops (shards that stopped themselves, each started
 again), wedged (shards that answered health but applied nothing within
 WEDGE_SECONDS), hostile_pulls and hostile_pulls_answered, optimizer_toggles
@@ -76,7 +82,11 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKERS, SHARDS = 4, 2
+sys.path.insert(0, str(ROOT / "bench"))
+from resizes import RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
+
+WORKERS, SHARDS = 4, 2       # the starting spec's workers (worker 0 the chief) and the shards
+MAX_WORKERS = WORKERS + 2    # names a phase may ever run: worker-added starts 4 and 5 past the spec
 LEASE_SECONDS = 3.0
 PROGRESS_SECONDS = 10.0
 CHECKPOINT_EVERY = 200
@@ -85,8 +95,9 @@ EXIT_SECONDS = 60.0          # a worker asked to stop must be gone within this
 FAULT_EVERY = (2.0, 5.0)     # seconds between faults, uniformly (--fault-every)
 ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long, until every kind of fault happened
 START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
-KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
-         "toggle-optimizer", "disk-full")
+FAULT_KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
+               "toggle-optimizer", "disk-full")
+KINDS = FAULT_KINDS + tuple(RESIZES)
 WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
 HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
 FAR = 1 << 62                # the hostile evaluator's min_step
@@ -102,7 +113,7 @@ def counter_names(index: int) -> list[str]:
     return [f"w{index}/a", f"w{index}/b"]  # created in this order: a on ps 0, b on ps 1
 
 
-ALL_NAMES = [name for i in range(WORKERS) for name in counter_names(i)] + ["ones/a", "ones/b"]
+ALL_NAMES = [name for i in range(MAX_WORKERS) for name in counter_names(i)] + ["ones/a", "ones/b"]
 
 
 def sizes() -> dict[str, int]:
@@ -151,7 +162,7 @@ def worker_main(args: argparse.Namespace) -> int:
         targets = {name: torch.zeros(n) for name, n in sizes().items() if name in shared or
                    name in counter_names(args.index)}
         checkpointer = Checkpointer(ps, every_steps=CHECKPOINT_EVERY, keep=2).start() if args.index == 0 else None
-        while not os.path.exists(args.stop_file):
+        while not (os.path.exists(args.stop_file) or os.path.exists(args.leave_file)):
             one_hot = torch.zeros(SLOTS)
             one_hot[number % SLOTS] = 1.0
             mine = {**{name: one_hot for name in counter_names(args.index)}, **shared}
@@ -167,12 +178,12 @@ def worker_main(args: argparse.Namespace) -> int:
                 log.write(f"error {type(exc).__name__}: {str(exc)[:200]}\n")
                 continue
             stale = " ".join(str(int(ps.last_replies[s].stale)) for s in range(len(cluster.ps)))
-            log.write(f"acked {number - 1} {ps.step} {stale}\n")
+            log.write(f"acked {number - 1} {ps.step} {stale} t={time.monotonic():.4f}\n")
             if checkpointer is not None:
                 checkpointer.note_step(ps.step)
         if checkpointer is not None:
             checkpointer.stop(final=False)
-    log.write("exit\n")
+    log.write("exit\n")  # leaving the `with`: Leave on every shard (a removed worker leaves for good)
     return 0
 
 
@@ -278,6 +289,9 @@ class Phase:
         self.workers: dict[int, subprocess.Popen] = {}
         self.hangs: list[str] = []
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
+        self.active: set[int] = set()   # the workers running (resizes add and remove some)
+        self.max_workers = MAX_WORKERS
+        self.resizes: list = []         # resizes.Resize records, in order
         self.failstops: list[str] = []  # a shard that stopped itself (exit code 70), started again
         self.crashes: list[str] = []    # a shard that exited by itself otherwise, started again
         self.wedged: list[str] = []     # a shard that answered health but applied nothing in time
@@ -293,17 +307,49 @@ class Phase:
 
         return task_security(self.credentials, self.cluster, TaskSpec(task_type, 0))
 
+    def leave_file(self, index: int) -> pathlib.Path:
+        return self.dir / f"leave{index}"
+
     def start_worker(self, index: int) -> None:
+        self.leave_file(index).unlink(missing_ok=True)
         out = open(self.dir / f"worker{index}.out", "ab")
         self.workers[index] = subprocess.Popen(
             [sys.executable, __file__, "--worker", "--cluster", json.dumps(self.cluster.to_dict()), "--index",
              str(index), "--mode", self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file),
-             "--credentials", str(self.credentials)],
+             "--leave-file", str(self.leave_file(index)), "--credentials", str(self.credentials)],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         out.close()
+        self.active.add(index)
+
+    def ensure_credentials(self, index: int) -> None:
+        """Mints worker `index`'s token into the job folder if it has none (a name past the starting spec)."""
+        from torchps.certs import add_to_job
+        from torchps.cluster import TaskSpec
+
+        if not (self.credentials / f"worker-{index}.token").exists():
+            add_to_job(self.credentials, [TaskSpec("worker", index)])
+
+    def retire_worker(self, index: int) -> None:
+        """Asks worker `index` to leave for good and waits for it (EXIT_SECONDS, else a hang)."""
+        self.active.discard(index)
+        proc = self.workers.pop(index)
+        self.leave_file(index).touch()
+        try:
+            proc.wait(timeout=EXIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.hangs.append(f"worker {index} did not leave within {EXIT_SECONDS:g} s of being removed")
+            proc.kill()
+            proc.wait()
+            return
+        if proc.returncode != 0:
+            self.failures.append(f"worker {index} ended with code {proc.returncode} when removed")
+
+    def indices(self) -> list[int]:
+        """Every worker that ever ran in this phase (it has a log)."""
+        return [i for i in range(MAX_WORKERS) if self.log_path(i).exists()]
 
     def acked(self) -> int:
-        return sum(self._counts(i)[1] for i in range(WORKERS) if self.log_path(i).exists())
+        return sum(self._counts(i)[1] for i in self.indices())
 
     def run(self) -> dict:
         from torchps.cluster import Cluster
@@ -312,7 +358,7 @@ class Phase:
         self.shards.start()
         self.proxy = Proxy(("127.0.0.1", self.shards.ports[1]))
         self.cluster = Cluster(ps=(f"127.0.0.1:{self.shards.ports[0]}", f"127.0.0.1:{self.proxy.port}"),
-                               worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + WORKERS)),
+                               worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + MAX_WORKERS)),
                                evaluator=("127.0.0.1:20000",))
         try:
             for index in range(WORKERS):
@@ -331,23 +377,61 @@ class Phase:
     def _chaos(self, until: float) -> None:
         """Injects faults until `until`, and past it (at most ROUND_SECONDS) until every kind was injected once."""
         last_acked, last_progress = 0, time.monotonic()
-        while (now := time.monotonic()) < until or (len(self.faults) < len(KINDS) and now < until + ROUND_SECONDS):
+        while (now := time.monotonic()) < until or (self._kinds_seen() < len(KINDS) and now < until + ROUND_SECONDS):
             time.sleep(self.rng.uniform(*self.fault_every))
             self._check_workers()
             self._check_shards()
             if not self._order:  # every kind once per round, in a random order
                 self._order = self.rng.sample(KINDS, len(KINDS))
             kind = self._order.pop()
-            if getattr(self, "_fault_" + kind.replace("-", "_"))() is False:
+            if kind in RESIZES:
+                self._await_training()
+                done = RESIZES[kind](self)
+                if done is not None:
+                    self.resizes.append(done)
+            else:
+                done = getattr(self, "_fault_" + kind.replace("-", "_"))() is not False
+                if done:
+                    self.faults[kind] += 1
+            if not done:
                 self._order.insert(0, kind)  # it could not be injected yet: later in this round
                 continue
-            self.faults[kind] += 1
             acked = self.acked()
             if acked > last_acked:
                 last_acked, last_progress = acked, time.monotonic()
             elif time.monotonic() - last_progress > STALL_SECONDS:
                 self.hangs.append(f"no push acknowledged for {STALL_SECONDS:g} s (at {acked})")
                 return
+
+    def _await_training(self) -> None:
+        """Returns once every running worker had a push acknowledged after this call (the job trains, no fault
+        still settling), or after STALL_SECONDS."""
+        since, deadline = time.monotonic(), time.monotonic() + STALL_SECONDS
+        while time.monotonic() < deadline and any(self._last_ack(i) <= since for i in self.active):
+            time.sleep(0.05)
+
+    def await_ack(self, index: int, since: float) -> None:
+        """Returns once worker `index` logged a push acknowledged after `since`; a hang after START_SECONDS."""
+        deadline = time.monotonic() + START_SECONDS
+        while self._last_ack(index) <= since:
+            if time.monotonic() > deadline:
+                self.hangs.append(f"worker {index} had no push acknowledged {START_SECONDS:g} s after it started")
+                return
+            time.sleep(0.05)
+
+    def _last_ack(self, index: int) -> float:
+        """When worker `index` last logged an acknowledged push (CLOCK_MONOTONIC), or 0: its log's tail only."""
+        try:
+            with open(self.log_path(index), "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+                tail = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            return 0.0
+        stamps = [line.split()[-1] for line in tail if line.startswith("acked ")]
+        return float(stamps[-1][2:]) if stamps and stamps[-1].startswith("t=") else 0.0
+
+    def _kinds_seen(self) -> int:
+        return len(self.faults) + len({r.kind for r in self.resizes})
 
     def _check_workers(self) -> None:
         """Records and restarts a worker that ended by itself (the chaos loop only ever kills them)."""
@@ -369,7 +453,7 @@ class Phase:
             self.shards.start_ps(index)
 
     def _fault_kill_worker(self) -> None:
-        index = self.rng.randrange(WORKERS)
+        index = self.rng.choice(sorted(self.active))
         self.workers[index].kill()
         self.workers[index].wait()
         self.start_worker(index)
@@ -380,7 +464,7 @@ class Phase:
         self.shards.start_ps(index)
 
     def _fault_pause_worker(self) -> None:
-        self._pause(self.workers[self.rng.randrange(WORKERS)], LEASE_SECONDS * 1.7)
+        self._pause(self.workers[self.rng.choice(sorted(self.active))], LEASE_SECONDS * 1.7)
 
     def _fault_pause_shard(self) -> None:
         self._pause(self.shards.procs[self.rng.randrange(SHARDS)], self.rng.uniform(0.5, 3.0))
@@ -517,7 +601,8 @@ class Phase:
         from torchps.client import PSClient
         from torchps.ps_server.checkpoint import latest_committed
 
-        counts = [self._counts(index) for index in range(WORKERS)]
+        counts = [self._counts(index) if self.log_path(index).exists() else (0, 0, [0] * SHARDS, [0] * SHARDS)
+                  for index in range(MAX_WORKERS)]
         lost = duplicated = 0
         misses: list[str] = []  # the first few slots that did not add up, for the report
         averaged = 0
@@ -564,12 +649,26 @@ class Phase:
                 "hostile_pull_outcomes": dict(self.hostile),
                 "optimizer_toggles": self.toggles["refused"] + self.toggles["accepted"],
                 "optimizer_toggles_accepted": self.toggles["accepted"], "optimizer_toggle_outcomes": dict(self.toggles),
+                **self._resize_figures(),
                 "pushes_acked": sum(a for _, a, _, _ in counts), "pushes_sent": sum(s for s, _, _, _ in counts),
                 "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
                 "hang_reasons": self.hangs, "worker_failures": self.failures, "audit_misses": misses[:20],
                 "sync_slots_averaged": averaged if self.mode == "sync" else None, "sync_steps_applied_once": steps_ok,
                 "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final,
                 "checkpoint_detail": checkpoint_detail}
+
+    def _resize_figures(self) -> dict:
+        """resizes, resizes_by_kind, resize_pause_p99_s and each resize with its pause (bench/resizes.py)."""
+        acks = sorted(float(line.split()[-1][2:]) for index in self.indices()
+                      for line in self.log_path(index).read_text().splitlines()
+                      if line.startswith("acked") and line.split()[-1].startswith("t="))
+        for resize in self.resizes:
+            resize.pause_s = round(pause_around(acks, resize), 3)
+        p99 = percentile([r.pause_s for r in self.resizes], 99)
+        return {"resizes": len(self.resizes), "resizes_by_kind": dict(collections.Counter(r.kind for r in self.resizes)),
+                "resize_pause_p99_s": p99,
+                "resize_events": [{"kind": r.kind, "what": r.what, "seconds": round(r.ended - r.began, 3),
+                                   "pause_s": r.pause_s} for r in self.resizes]}
 
     def _counts(self, index: int) -> tuple[int, int, list, list]:
         """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, and for each shard, per
@@ -630,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the phases, in order; --minutes is split between them")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file", "--credentials"):
+    for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file", "--leave-file", "--credentials"):
         parser.add_argument(flag, help=argparse.SUPPRESS, type=int if flag == "--index" else str)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -646,10 +745,14 @@ def main(argv: list[str] | None = None) -> int:
             seconds = args.minutes * 60 / len(modes)
             print(f"[soak] {mode} phase: {seconds:.0f} s of chaos", flush=True)
             phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng, args.fault_every).run())
-    faults = collections.Counter()
+    faults, resizes = collections.Counter(), collections.Counter()
     for phase in phases:
         faults.update(phase["faults_injected"])
+        resizes.update(phase["resizes_by_kind"])
+    pauses = [event["pause_s"] for phase in phases for event in phase["resize_events"]]
     result = {"minutes": args.minutes, "seed": args.seed, "faults_injected": dict(faults),
+              "resizes": sum(resizes.values()), "resizes_by_kind": dict(resizes),
+              "resize_pause_p99_s": percentile(pauses, 99),
               "pushes_acked": sum(p["pushes_acked"] for p in phases), "lost": sum(p["lost"] for p in phases),
               "duplicated": sum(p["duplicated"] for p in phases), "hangs": sum(p["hangs"] for p in phases),
               "checkpoint_complete": all(p["checkpoint_complete"] for p in phases),
@@ -665,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['duplicated']:>4} {p['hangs']:>5} {p['wedged']:>6} {p['failstops']:>9} "
               f"{str(p['checkpoint_complete']):>10}")
     print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+    print("resizes by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(resizes.items())))
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

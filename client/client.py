@@ -34,7 +34,7 @@ from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
 from .fanout import ShardFanout
 from .layout import LayoutFollower
-from .membership import Heartbeats
+from .membership import Heartbeats, LiveWorkers
 from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
 from .recovery import ShardRefill
 from .stats import WorkerStats
@@ -136,6 +136,7 @@ class PSClient(DataPath, TablePath):
         self._device = DeviceStaging(pinned=pin_memory)  # staging buffers, streams and events for CUDA tensors
         self.last_replies: dict[int, ps_pb2.PushResponse] = {}  # shard -> its reply to this client's last push
         self._heartbeats = Heartbeats(self._fanout.channels, self._worker_ref, self._on_heartbeat)
+        self._live = LiveWorkers()  # shard 0's count of live workers, and the callbacks on its changes
         self._refill = ShardRefill(self._fanout, self.placement, refill_timeout, step=lambda: self.step)
         self._encoder = Encoder()  # wire compression: a policy per variable, error-feedback residuals
         self._tables: dict[str, TableLayout] = {}  # embedding tables created or waited for (tables.py)
@@ -369,12 +370,13 @@ class PSClient(DataPath, TablePath):
 
     def configure(self, mode: str = "async", *, replicas_to_aggregate: int = 0, total_num_replicas: int = 0,
                   max_staleness: int = 0, lease_seconds: float = 10.0, startup_grace_seconds: float = 60.0,
-                  progress_seconds: float = 60.0) -> None:
+                  progress_seconds: float = 60.0, replicas_fraction: float = 0.0) -> None:
         """Sets the training mode on every shard (the chief does this before creating variables).
 
         mode: "async", "sync" (SyncReplicasOptimizer: replicas_to_aggregate R
-        of total_num_replicas N per step) or "ssp" (bounded staleness:
-        max_staleness). A worker that heartbeats but pushes nothing for
+        of total_num_replicas N per step, or with replicas_fraction f in (0, 1]
+        instead, ceil(f x the live workers): the quorum follows workers joining
+        and leaving) or "ssp" (bounded staleness: max_staleness). A worker that heartbeats but pushes nothing for
         max(progress_seconds, 20 x the median push interval) is left out like
         a dead one until it pushes again. Idempotent; ModeConflictError if the
         shards already run another mode with workers joined;
@@ -384,7 +386,7 @@ class PSClient(DataPath, TablePath):
         config = ps_pb2.SyncConfig(mode=mode, replicas_to_aggregate=replicas_to_aggregate,
                                    total_num_replicas=total_num_replicas, max_staleness=max_staleness,
                                    lease_seconds=lease_seconds, startup_grace_seconds=startup_grace_seconds,
-                                   progress_seconds=progress_seconds)
+                                   progress_seconds=progress_seconds, replicas_fraction=replicas_fraction)
         self._fanout.every(lambda stub, t: stub.Configure(config, timeout=t))
         self._refill.config = config
 
@@ -410,6 +412,7 @@ class PSClient(DataPath, TablePath):
         self.mode = lead.config
         self.step = lead.step
         self.restarted = lead.restarted
+        self._live.note(lead.live_workers)
         self._heartbeats.start(lead.config.lease_seconds / 3)
         return lead.step
 
@@ -428,6 +431,27 @@ class PSClient(DataPath, TablePath):
     def _on_heartbeat(self, shard: int, reply: ps_pb2.HeartbeatResponse) -> None:
         self._fanout.note_generation(shard, reply.generation)
         self._layout.refresh(seen=reply.layout_epoch)
+        if shard == GLOBAL_STEP_SHARD:
+            self._live.note(reply.live_workers)
+
+    @property
+    def live_workers(self) -> int | None:
+        """The live workers of the job as shard 0 last reported them (its reply to join(), then to heartbeats,
+        every lease / 3 while joined); None before join(). Never blocks."""
+        return self._live.count
+
+    def on_live_workers_change(self, fn: Callable[[int, int | None], None]) -> None:
+        """Registers fn(live, previous): run when the live workers' count changes (previous None the first
+        time), in the thread that pushes, before its next push or push_pull (so it may set hyperparameters for
+        that push: `ps-worker --scale-lr` scales the learning rate with the count this way). Horovod's elastic
+        reset callbacks, for a job whose workers come and go. A callback that raises fails that push, which
+        then sends nothing."""
+        self._live.add(fn)
+
+    def dispatch_live_workers(self) -> None:
+        """Runs the on_live_workers_change callbacks if the count changed since they last ran (push and
+        push_pull call it first; so does an overlapped ModuleBinding.push). Blocks for the callbacks."""
+        self._live.dispatch()
 
     def check_fenced(self) -> None:
         """WorkerReplacedError if the heartbeats learned that a newer process of this task joined. Never

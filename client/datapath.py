@@ -112,6 +112,7 @@ class DataPath:
         the gradients and the others do not; NaN/Inf and shape errors change
         nothing anywhere.
         """
+        self.dispatch_live_workers()  # callbacks on a change of the live workers' count
         grads = self.partitions.split(grads)
         with self._push_lock:
             self.check_fenced()
@@ -162,6 +163,7 @@ class DataPath:
         is read again (min_step), so the guarantees are those of push then
         pull_into. Returns the next step.
         """
+        self.dispatch_live_workers()
         grads, targets = self.partitions.split(grads), self.partitions.split(targets)
         groups = self.placement.group(grads)
         pulls = self.placement.group(targets)

@@ -5,6 +5,12 @@ concurrently, each with a deadline of one interval, so a slow or dead shard
 never delays the others' leases. A shard that answers WorkerReplacedError (a
 newer process of this task joined) fences this client: its next call raises
 that error.
+
+Shard 0's replies to joins and heartbeats carry the number of live workers
+(LiveWorkers): a client follows the job's size from them, and runs the
+callbacks registered for a change in its training thread, before its next
+push (as Horovod's elastic reset callbacks run at a reset), never in the
+heartbeat thread, whose beats must not wait for them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from ..proto import ps_pb2
 from .channels import ShardChannels
 from .errors import error_from_rpc
 
-__all__ = ["Heartbeats"]
+__all__ = ["Heartbeats", "LiveWorkers"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -74,3 +80,45 @@ class Heartbeats:
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             self.beat(interval)
+
+
+class LiveWorkers:
+    """The live workers shard 0 last reported, and the callbacks to run when that number changes.
+
+    `note(n)` (join, the heartbeat thread) records a count; `dispatch()` (a pushing
+    thread, before its push) runs every callback `fn(live, previous)` once per
+    change, in registration order, with the latest count: a callback may call
+    the client (set_hyperparams, status), but not push. Thread-safe; one thread
+    dispatches at a time. A callback that raises propagates to the push, which
+    then sends nothing; the change counts as handled.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()        # the count and the callbacks
+        self._dispatching = threading.Lock()  # one dispatching thread at a time
+        self.count: int | None = None        # None until shard 0 answered a join
+        self._handled: int | None = None     # the count the callbacks last saw
+        self._callbacks: list[Callable[[int, int | None], None]] = []
+
+    def add(self, fn: Callable[[int, int | None], None]) -> None:
+        with self._lock:
+            self._callbacks.append(fn)
+
+    def note(self, count: int) -> None:
+        with self._lock:
+            self.count = count
+
+    def dispatch(self) -> None:
+        """Runs the callbacks if the count changed since they last ran (see the class docstring)."""
+        if not self._callbacks or self.count == self._handled:
+            return
+        with self._dispatching:
+            with self._lock:
+                live, previous, callbacks = self.count, self._handled, list(self._callbacks)
+                if live == previous or live is None:
+                    return
+                self._handled = live
+            if previous is not None or live != 0:
+                _LOGGER.info("live workers %s -> %d", "?" if previous is None else previous, live)
+            for fn in callbacks:
+                fn(live, previous)

@@ -156,5 +156,6 @@ class ModuleBinding:
         """
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
         if self._overlap is not None:
+            self.client.dispatch_live_workers()  # what PSClient.push does first (on_live_workers_change)
             return self._overlap.push_step(grads)
         return self.client.push(grads, rows=take_rows(self.tables))

@@ -4,6 +4,8 @@ The interceptor checks the token every call carries (metadata
 `torchps-token`) against the admin token and the job token in constant time,
 and against the per-task tokens by their digest, before any request byte is
 read; a call without a valid one gets UNAUTHENTICATED and changes nothing.
+The per-task tokens come from a TokenFile (tokens.py), which follows the
+shard's token file: a task added to it is accepted from its first call.
 The health service stays open (it tells nothing and probes carry no secret).
 
 `Authority.caller(method, context)` then names the caller and its role (see
@@ -23,6 +25,7 @@ import grpc
 
 from ..errors import ERROR_METADATA_KEY, AuthenticationError, PermissionDeniedError
 from ..security import ROLES, TOKEN_METADATA_KEY, Security, allowed_methods
+from .tokens import TokenFile
 
 __all__ = ["Caller", "Authority", "TokenInterceptor"]
 
@@ -59,11 +62,15 @@ def _aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, error: str,
     return kinds[(handler.request_streaming, handler.response_streaming)](refuse)
 
 
+def _accepts(security: Security, token: str) -> bool:
+    return _matches(token, security.token) or _matches(token, security.admin_token) or bool(security.task_of(token))
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call that does not carry the job or admin token."""
 
-    def __init__(self, security: Security, index: int):
-        self._security = security
+    def __init__(self, tokens: TokenFile, index: int):
+        self._tokens = tokens
         self._index = index
 
     def intercept_service(self, continuation, handler_call_details):
@@ -71,8 +78,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith("/grpc.health."):
             return handler
         token = _token_of(handler_call_details.invocation_metadata)
-        security = self._security
-        if _matches(token, security.token) or _matches(token, security.admin_token) or security.task_of(token):
+        if _accepts(self._tokens.current(), token) or (token and self._tokens.refresh()
+                                                        and _accepts(self._tokens.current(), token)):
             return handler
         why = "carries no token" if not token else "carries a wrong token"
         return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
@@ -83,8 +90,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
 class Authority:
     """Names callers and checks their roles (see the module docstring). Insecure: everyone is chief."""
 
-    def __init__(self, security: Security, index: int):
-        self.security = security
+    def __init__(self, security: Security, index: int, tokens: TokenFile | None = None):
+        self.tokens = tokens or TokenFile(security)
         self.index = index
 
     def caller(self, method: str, context: grpc.ServicerContext) -> Caller:
@@ -103,7 +110,7 @@ class Authority:
                                         f"a worker acts in its own name only")
 
     def _identify(self, context: grpc.ServicerContext) -> Caller:
-        security = self.security
+        security = self.tokens.current()
         if security.insecure:
             return Caller(None, "chief")
         admin = _matches(_token_of(context.invocation_metadata()), security.admin_token)

@@ -106,8 +106,8 @@ class Bookkeeping:
         previous = self.pending.set_quorum(quorum, counted=sync)
         if quorum != previous and sync:
             _LOGGER.log(logging.WARNING if quorum < previous and not left else logging.INFO,
-                        "quorum %d -> %d (%d live workers) at step %d",
-                        previous, quorum, self.membership.live(), self.store.step)
+                        "quorum %d -> %d (%s) at step %d",
+                        previous, quorum, self.clock.config.describe_quorum(self.membership.live()), self.store.step)
 
     def _compute_quorum(self) -> int:
         config = self.clock.config

@@ -6,7 +6,9 @@
 
 The quorum of a sync step is max(1, min(R, live * k)) with k = ceil(R / N)
 batches per worker: N > R gives backup workers, a dead, departed or stalled
-worker lowers the quorum instead of hanging the job.
+worker lowers the quorum instead of hanging the job. With a fraction f of the
+live workers instead (replicas_fraction), it is max(1, ceil(f * live)), one
+batch per worker: it follows the job up as workers join, and down as they go.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SyncConfig:
     # A worker that pushes nothing for max(progress_seconds, PROGRESS_MULTIPLE x the median push
     # interval) while it still heartbeats (a stuck data loader) is left out like a dead one.
     progress_seconds: float = 60.0
+    replicas_fraction: float = 0.0  # f in (0, 1]: the quorum is that share of the live workers; 0: R, fixed
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,6 +60,11 @@ class SyncConfig:
                 raise InvalidArgumentError(f"{name} must be in [0, {MAX_REPLICAS}]. Received: {value}")
         if not 0 <= self.max_staleness <= MAX_STALENESS:
             raise InvalidArgumentError(f"max_staleness must be in [0, {MAX_STALENESS}]. Received: {self.max_staleness}")
+        if not (math.isfinite(self.replicas_fraction) and 0 <= self.replicas_fraction <= 1):
+            raise InvalidArgumentError(f"replicas_fraction must be in (0, 1] (0: none). Received: {self.replicas_fraction}")
+        if self.replicas_fraction and self.replicas_to_aggregate:
+            raise InvalidArgumentError("give replicas_to_aggregate (a number of gradients) or replicas_fraction (a "
+                                       "share of the live workers), not both")
         _seconds("lease_seconds", self.lease_seconds, zero_ok=False)
         _seconds("startup_grace_seconds", self.startup_grace_seconds, zero_ok=True)
         _seconds("progress_seconds", self.progress_seconds, zero_ok=False)
@@ -68,14 +76,25 @@ class SyncConfig:
 
     @property
     def batches_per_worker(self) -> int:
-        """k = ceil(R / N): batches each worker contributes to one step."""
+        """k = ceil(R / N): batches each worker contributes to one step (1 with a fraction)."""
+        if self.replicas_fraction:
+            return 1
         return max(1, math.ceil(self.aggregate / max(1, self.total_num_replicas)))
+
+    def describe_quorum(self, live: int) -> str:
+        """How the quorum for `live` workers is reached, for the shard's log line at each change."""
+        if self.replicas_fraction:
+            return f"{self.replicas_fraction:.0%} of {live} live workers"
+        k = self.batches_per_worker
+        return f"{live} live workers{f' x {k} batches' if k > 1 else ''}, R {self.aggregate}"
 
 
 def quorum_for(config: SyncConfig, live: int) -> int:
     """Gradients a sync step needs with `live` workers counted (0 outside sync mode)."""
     if config.mode != "sync":
         return 0
+    if config.replicas_fraction:  # a hair under the product first: 0.75 x 4 is 3, not ceil(3.0000000000000004)
+        return max(1, math.ceil(config.replicas_fraction * live - 1e-9))
     return max(1, min(config.aggregate, live * config.batches_per_worker))
 
 

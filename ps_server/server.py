@@ -26,6 +26,7 @@ from .metrics import ShardMetrics
 from .quotas import Quotas
 from .flags import DEFAULT_THREADS
 from .stalls import DEFAULT_IDLE_SECONDS
+from .tokens import TokenFile
 
 __all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
            "DEFAULT_THREADS"]
@@ -76,9 +77,10 @@ def create_server(
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
+    tokens = TokenFile(security)  # the interceptor and the roles follow the token file as it changes
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
-        interceptors=[TokenInterceptor(security, index)] if security.checks_tokens else None,
+        interceptors=[TokenInterceptor(tokens, index)] if security.checks_tokens else None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -107,7 +109,7 @@ def create_server(
     recover(coordinator, journal, restore)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
-                                       security=security, quotas=quotas, metrics=metrics,
+                                       security=security, tokens=tokens, quotas=quotas, metrics=metrics,
                                        stream_idle_seconds=stream_idle_seconds)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -42,6 +42,7 @@ from .modes import SyncConfig
 from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
+from .tokens import TokenFile
 
 __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
@@ -183,11 +184,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
                  security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
-                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS):
+                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
-        self.authority = Authority(security, index)
+        self.authority = Authority(security, index, tokens)  # `tokens`: security's, following its token file
         self.quotas = quotas or Quotas()
         self.checkpoint_dir = checkpoint_dir
         self.on_shutdown = on_shutdown
@@ -603,6 +604,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
         return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
                                    generation=self.generation, restarted=self.coordinator.restarted(request.worker),
+                                   live_workers=self.coordinator.live_workers(),
                                    layout_epoch=self.coordinator.layout.epoch)
 
     @_map_errors
@@ -611,6 +613,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step,
                                           by=_step_authority(caller))
         return ps_pb2.HeartbeatResponse(step=step, generation=self.generation,
+                                        live_workers=self.coordinator.live_workers(),
                                         layout_epoch=self.coordinator.layout.epoch)
 
     @_map_errors
@@ -853,7 +856,8 @@ def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
         total_num_replicas=message.total_num_replicas, max_staleness=message.max_staleness,
         lease_seconds=message.lease_seconds or defaults.lease_seconds,
         startup_grace_seconds=message.startup_grace_seconds or defaults.startup_grace_seconds,
-        progress_seconds=message.progress_seconds or defaults.progress_seconds)
+        progress_seconds=message.progress_seconds or defaults.progress_seconds,
+        replicas_fraction=message.replicas_fraction)
 
 
 def config_to_proto(config: SyncConfig) -> ps_pb2.SyncConfig:

@@ -2,6 +2,7 @@
 
     ps-certs DIR --cluster cluster.json          # files for every task of a cluster (several hosts)
     ps-certs DIR --cluster cluster.json --kubernetes-secret NAME > secrets.yaml  # one per task
+    ps-certs DIR --add worker:4                  # a worker joining the running job: its files, a line in DIR/tokens
 
 Each task's certificate is signed by the job's CA. Its common name is the task
 ("worker:1"), its organizational unit the role the shards grant it ("chief"
@@ -41,10 +42,12 @@ from .errors import ClusterConfigError
 from .security import Security
 
 __all__ = ["JobCredentials", "TaskCredentials", "issue_job_credentials", "make_job_credentials",
-           "read_job_credentials", "kubernetes_secrets", "role_of", "main"]
+           "read_job_credentials", "kubernetes_secrets", "role_of", "added_task", "add_to_job", "append_tokens",
+           "token_line", "main"]
 
 VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
 TOKEN_BYTES = 32
+ADDABLE = ("worker", "evaluator")  # task types that may join a running job with credentials minted for them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,14 @@ class JobCredentials:
         """What `task`'s token file holds: its own token, or for a shard the table of every other task's."""
         return self.token_table() if task.type == "ps" else self.tokens[task]
 
+    def with_task(self, task: TaskSpec) -> "JobCredentials":
+        """These credentials and those of `task`, a worker or evaluator joining the running job (added_task);
+        ClusterConfigError unless the CA's key was kept."""
+        if self.ca_key is None:
+            raise ClusterConfigError(f"cannot add {task}: this job's CA key was not kept")
+        cert, key, token = added_task(self.ca_cert, self.ca_key, task)
+        return dataclasses.replace(self, tasks={**self.tasks, task: (cert, key)}, tokens={**self.tokens, task: token})
+
     def write(self, directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]:
         """Every file into `directory` (made with mode 0700) as ps-certs lays them out; ca.key if kept."""
         directory = _private_dir(directory)
@@ -174,6 +185,22 @@ def _private_dir(directory: str | os.PathLike) -> pathlib.Path:
     return directory
 
 
+def _sign(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, task: TaskSpec, role: str, host: str,
+          days: int) -> tuple[bytes, bytes]:
+    """(certificate, key) in PEM for `task` with `role`, signed by the CA, valid from 5 minutes ago for `days`."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(_name(str(task), role))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_alt_names(host), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
 def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_key: bool = False) -> JobCredentials:
     """A new CA, a certificate, key and token per task of `cluster` (the shards: the table of tokens) and the
     admin token, in memory only. The CA's key is dropped once every certificate is signed, unless
@@ -189,21 +216,78 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
                .sign(ca_key, hashes.SHA256()))
     tasks, tokens = {}, {}
     for task, address in cluster.tasks():
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(_name(str(task), role_of(cluster, task)))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(start).not_valid_after(end)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(_alt_names(address.rpartition(":")[0]), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        tasks[task] = (cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+        tasks[task] = _sign(ca_key, ca_name, task, role_of(cluster, task), address.rpartition(":")[0], days)
         if task.type != "ps":
             tokens[task] = secrets.token_urlsafe(TOKEN_BYTES).encode()
     return JobCredentials(cluster, ca_cert.public_bytes(serialization.Encoding.PEM),
                           secrets.token_urlsafe(TOKEN_BYTES).encode(), tasks, tokens,
                           _pem_key(ca_key) if keep_ca_key else None)
+
+
+def added_task(ca_cert: bytes, ca_key: bytes, task: TaskSpec, *, host: str = "localhost",
+               days: int = VALID_DAYS) -> tuple[bytes, bytes, bytes]:
+    """(certificate, key, token) for a worker or evaluator `task` joining a running job: signed by the job's
+    CA (PEM certificate and key), its role its type. ClusterConfigError for another type (a chief or a shard
+    is part of a job's start)."""
+    if task.type not in ADDABLE:
+        raise ClusterConfigError(f"{task}: only {' and '.join(ADDABLE)} tasks join a running job")
+    ca_name = x509.load_pem_x509_certificate(ca_cert).subject
+    cert, key = _sign(serialization.load_pem_private_key(ca_key, None), ca_name, task, task.type, host, days)
+    return cert, key, secrets.token_urlsafe(TOKEN_BYTES).encode()
+
+
+def token_line(task: TaskSpec, token: bytes) -> str:
+    """`task`'s line of the shards' token table (an added task's role is its type)."""
+    return f"{task} {task.type} {token.decode()}\n"
+
+
+def append_tokens(path: str | os.PathLike, lines: str) -> None:
+    """Adds `lines` to the token table at `path`, replacing the file whole (written aside, then renamed over
+    it: a shard re-reading it never sees half of it). Mode 0600."""
+    path = pathlib.Path(path)
+    aside = path.with_name(path.name + ".new")
+    _write(aside, path.read_bytes() + lines.encode(), secret=True)
+    os.replace(aside, path)
+
+
+def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int = VALID_DAYS
+               ) -> dict[TaskSpec, TaskCredentials]:
+    """Credentials for `tasks` (workers or evaluators) joining the running job whose folder ps-certs made:
+    each task's certificate (signed by DIR/ca.key), key and token, and a line per task added to DIR/tokens
+    (the shards re-read it: ps_server/tokens.py). ClusterConfigError (one line, nothing written) for a folder
+    without the CA's key or the table, a task whose files exist, or a chief or shard."""
+    directory = pathlib.Path(directory)
+    for name in ("ca.crt", "ca.key", "tokens"):
+        if not (directory / name).is_file():
+            raise ClusterConfigError(f"{directory} has no {name}: --add needs the folder ps-certs made for the job "
+                                     "(with its CA key)")
+    for task in tasks:
+        if (directory / f"{task.type}-{task.index}.crt").exists():
+            raise ClusterConfigError(f"{directory} already holds {task}'s files: pick an index no task has")
+    ca_cert, ca_key = (directory / "ca.crt").read_bytes(), (directory / "ca.key").read_bytes()
+    made, lines = {}, ""
+    for task in tasks:
+        cert, key, token = added_task(ca_cert, ca_key, task, days=days)
+        stem = directory / f"{task.type}-{task.index}"
+        made[task] = files = TaskCredentials(stem.with_suffix(".crt"), stem.with_suffix(".key"),
+                                             directory / "ca.crt", stem.with_suffix(".token"))
+        _write(files.cert, cert, secret=False)
+        _write(files.key, key, secret=True)
+        _write(files.token, token, secret=True)
+        lines += token_line(task, token)
+    append_tokens(directory / "tokens", lines)
+    return made
+
+
+def shard_files(directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]:
+    """The shards' files in a folder ps-certs made, by the ps-N.crt found there (their Secrets hold the token
+    table, which --add changes)."""
+    directory = pathlib.Path(directory)
+    indices = sorted(int(p.stem.removeprefix("ps-")) for p in directory.glob("ps-*.crt")
+                     if p.stem.removeprefix("ps-").isdigit())
+    return {TaskSpec("ps", i): TaskCredentials(directory / f"ps-{i}.crt", directory / f"ps-{i}.key",
+                                               directory / "ca.crt", directory / "tokens", directory / "admin-token")
+            for i in indices}
 
 
 def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
@@ -262,25 +346,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="ps-certs", description="Make a job's CA, per-task certificates and "
                                      "tokens (see torchps.certs).")
     parser.add_argument("directory", help="the folder to write (created with mode 0700)")
-    parser.add_argument("--cluster", required=True, help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")
+    parser.add_argument("--cluster", help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")
+    parser.add_argument("--add", metavar="TYPE:INDEX", action="append", default=[],
+                        help="instead of --cluster: credentials for a worker or evaluator joining the running job "
+                        "of DIR (signed by DIR/ca.key; its token added to DIR/tokens, which the shards re-read); "
+                        "repeat for several")
     parser.add_argument("--days", type=int, default=VALID_DAYS, help="validity (default: %(default)s)")
     parser.add_argument("--kubernetes-secret", metavar="NAME", help="print Kubernetes Secrets instead of flags: "
-                        "NAME-TYPE-INDEX per task, each with only that task's files (mount one per pod)")
+                        "NAME-TYPE-INDEX per task, each with only that task's files (mount one per pod); with "
+                        "--add, the added tasks' and every shard's (their token table changed)")
     args = parser.parse_args(argv)
+    if bool(args.cluster) == bool(args.add):
+        parser.error("give --cluster (a new job) or --add TYPE:INDEX (a task joining a running job)")
     try:
-        cluster = Cluster.from_json(args.cluster)
         if args.days < 1:
             raise ClusterConfigError(f"--days must be >= 1. Received: {args.days}")
-        made = make_job_credentials(args.directory, cluster, days=args.days)
+        if args.add:
+            made = add_to_job(args.directory, [_task_arg(text) for text in args.add], days=args.days)
+            shown = {**shard_files(args.directory), **made} if args.kubernetes_secret else made
+        else:
+            made = shown = make_job_credentials(args.directory, Cluster.from_json(args.cluster), days=args.days)
     except (ClusterConfigError, OSError) as exc:
         print(f"ps-certs: error: {exc}", file=sys.stderr)
         return 2
     if args.kubernetes_secret:
-        print(kubernetes_secrets(made, args.kubernetes_secret), end="")
+        print(kubernetes_secrets(shown, args.kubernetes_secret), end="")
     else:
         for task, files in made.items():
             print(f"{task}: {' '.join(files.flags())}")
     return 0
+
+
+def _task_arg(text: str) -> TaskSpec:
+    """TYPE:INDEX as a TaskSpec; ClusterConfigError (one line) otherwise."""
+    kind, _, index = text.partition(":")
+    if not index.isdigit():
+        raise ClusterConfigError(f"--add {text!r}: expected TYPE:INDEX, e.g. worker:4")
+    return TaskSpec(kind, int(index))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import tempfile
 from .errors import ClusterConfigError
 
 __all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS", "allowed_methods",
-           "diagnose", "ENV", "require_credentials"]
+           "diagnose", "ENV", "require_credentials", "read_token_table"]
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
@@ -95,6 +95,12 @@ def _parse_tokens(data: bytes, path: str) -> tuple[str | None, tuple[tuple[str, 
                              f"(ps-certs writes both kinds)")
 
 
+def read_token_table(path: str) -> tuple[str | None, tuple[tuple[str, str, str], ...]]:
+    """(one job token, or None; the (task, role, token) lines) of the token file at `path`; ClusterConfigError
+    (one line) if it cannot be read, is empty or holds neither kind."""
+    return _parse_tokens(_read(path, "token file"), path)
+
+
 @dataclasses.dataclass(frozen=True)
 class Security:
     """One task's credentials (see the module docstring). Build with `load`.
@@ -109,6 +115,7 @@ class Security:
     token: str | None = None
     admin_token: str | None = None
     task_tokens: tuple[tuple[str, str, str], ...] = ()
+    token_path: str | None = None  # the token file read (a shard re-reads it when it changes: ps_server/tokens.py)
 
     @property
     def tls(self) -> bool:
@@ -148,12 +155,11 @@ class Security:
         if any(tls) and not all(tls):
             raise ClusterConfigError("TLS needs all of --tls-cert, --tls-key and --tls-ca (the job's CA); "
                                      f"given: {', '.join(k for k in ('tls_cert', 'tls_key', 'tls_ca') if paths[k])}")
-        token = _read(paths["token_file"], "token file")
-        one, table = _parse_tokens(token, paths["token_file"]) if token else (None, ())
+        one, table = read_token_table(paths["token_file"]) if paths["token_file"] else (None, ())
         admin = _read(paths["admin_token_file"], "admin token file")
         return cls(cert=_read(paths["tls_cert"], "certificate"), key=_read(paths["tls_key"], "private key"),
                    ca=_read(paths["tls_ca"], "CA certificate"), token=one, task_tokens=table,
-                   admin_token=admin.decode().strip() if admin else None)
+                   admin_token=admin.decode().strip() if admin else None, token_path=paths["token_file"] or None)
 
     def env(self, paths: dict[str, str]) -> dict[str, str]:
         """Environment variables naming `paths` (keys as in load()), for a child process."""

@@ -185,7 +185,9 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if client.is_chief:
         client.configure(args.mode, replicas_to_aggregate=args.replicas_to_aggregate, total_num_replicas=replicas,
                          max_staleness=args.max_staleness, lease_seconds=args.lease_seconds,
-                         progress_seconds=args.progress_timeout)
+                         progress_seconds=args.progress_timeout, replicas_fraction=args.replicas_fraction)
+        if args.scale_lr:  # the chief's to set (UpdateOptimizer is an admin call), before its next push
+            client.on_live_workers_change(lambda live, _: _scale_lr(client, args.lr, live, replicas))
     compression = Compression.parse(args.compression) if args.compression else None
     if group is not None:
         binding = client.register_module(job.model, optimizer, create=client.is_chief, dense="allreduce",
@@ -285,6 +287,14 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
             "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": cluster.num_ps,
             "nproc_per_host": args.nproc_per_host,
             "checkpoints": checkpointer.saved_steps if checkpointer else []}
+
+
+def _scale_lr(client: PSClient, lr: float, live: int, replicas: int) -> None:
+    """--scale-lr: the learning rate for `live` workers, lr x live / the spec's training tasks (logged)."""
+    scaled = lr * max(1, live) / replicas
+    client.set_hyperparams(lr=scaled)
+    _LOGGER.info("%d live workers: learning rate %g (--scale-lr: %g x %d / %d)", live, scaled, lr, max(1, live),
+                 replicas)
 
 
 def _lockstep_steps(args, examples: int, replicas: int) -> int:

@@ -78,7 +78,12 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=float, default=None, help="sgd momentum (default: 0.9)")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--mode", default="async", choices=["async", "sync", "ssp"])
-    g.add_argument("--replicas-to-aggregate", type=int, default=0, help="sync: R (default: every worker)")
+    g.add_argument("--replicas-to-aggregate", default="0", metavar="R|P%",
+                   help="sync: R gradients per step (default: every worker), or P%% of the live workers, which "
+                        "follows workers joining and leaving (e.g. 75%%)")
+    g.add_argument("--scale-lr", action="store_true",
+                   help="scale the learning rate with the live workers: lr x live / the cluster spec's training "
+                        "tasks, set again whenever shard 0 reports another count (workers joining or leaving)")
     g.add_argument("--max-staleness", type=int, default=2, help="ssp: the bound s (default: %(default)s)")
     g.add_argument("--lease-seconds", type=float, default=10.0, help="a silent worker is dropped after this")
     g.add_argument("--progress-timeout", type=float, default=60.0,
@@ -179,6 +184,7 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
     --init-from is the chief's alone (models.read_init)."""
     model = args.model if not args.entry else "mlp"
     defaults = MODEL_DEFAULTS[model]
+    args.replicas_to_aggregate, args.replicas_fraction = _replicas(args.replicas_to_aggregate)
     if args.epochs is None and args.steps is None:
         args.epochs = defaults["epochs"]
     if args.optimizer is None:
@@ -195,7 +201,6 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         ("--lr", math.isfinite(args.lr) and args.lr > 0, "a finite number > 0"),
         ("--momentum", 0 <= args.momentum < 1, "in [0, 1)"),
         ("--weight-decay", math.isfinite(args.weight_decay) and args.weight_decay >= 0, ">= 0"),
-        ("--replicas-to-aggregate", args.replicas_to_aggregate >= 0, ">= 0"),
         ("--max-staleness", args.max_staleness >= 0, ">= 0"),
         ("--lease-seconds", math.isfinite(args.lease_seconds) and args.lease_seconds > 0, "> 0"),
         ("--progress-timeout", math.isfinite(args.progress_timeout) and args.progress_timeout > 0, "> 0"),
@@ -235,6 +240,23 @@ def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
         check_dataset(args.dataset or default_dataset_name())
     check_output("--export", args.export)
     return args
+
+
+def _replicas(value: str | int) -> tuple[int, float]:
+    """--replicas-to-aggregate as (R, 0.0) or (0, a fraction in (0, 1]) for "P%"; ClusterConfigError (one line)
+    otherwise. Idempotent on what it returned (ps-launch checks the flags its workers check again)."""
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            percent = float(text[:-1])
+            if math.isfinite(percent) and 0 < percent <= 100:
+                return 0, percent / 100
+        elif int(text) >= 0:
+            return int(text), 0.0
+    except ValueError:
+        pass
+    raise ClusterConfigError(f"--replicas-to-aggregate must be a number >= 0 or a share of the live workers in "
+                             f"(0%, 100%], e.g. 75%. Received: {value}")
 
 
 def _check_dense(args: argparse.Namespace) -> None:

@@ -10,10 +10,16 @@ prefixed with its role. ps-worker's flags are accepted and passed to every
 worker (checked first, before torch is imported: a bad flag or value stops
 ps-launch before anything starts). Secure by default: a throw-away CA, a
 certificate per task and the tokens are made in memory for the job, the CA's
-key dropped once they are signed, and each task's files go to a folder of its
-own (jobfolder.py) removed with the job (--credentials DIR: a folder ps-certs
-made instead; --tokens-only: tokens without TLS; --insecure: plaintext, no
-tokens).
+key kept in memory only (never written, to sign the certificates of workers
+added later), and each task's files go to a folder of its own (jobfolder.py)
+removed with the job (--credentials DIR: a folder ps-certs made instead;
+--tokens-only: tokens without TLS; --insecure: plaintext, no tokens).
+
+Workers come and go while the job runs: `ps-launch scale --job-dir DIR
+--workers N` (control.py; DIR is the job folder the launcher prints) starts
+new workers, each under a new name with credentials of its own, or stops the
+newest ones (SIGTERM: each leaves the job, its data shard going back to the
+queue with --dynamic-sharding). At most --max-workers names ever join.
 
 With --dense allreduce the chief's cluster entry gets a port free when the
 job starts (the all-reduce group meets there, unless --allreduce-port says
@@ -59,6 +65,7 @@ from ..security import ENV
 from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_output, check_specs,
                     finish_training_flags)
+from .control import ControlServer, scale_main
 from .jobfolder import JobFolder
 from .local_cluster import SHARD_MODULE
 
@@ -72,6 +79,7 @@ MAX_RESTARTS = 3  # per task, with --restart-on-failure
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
 FINISHED_FILE = "job-finished.json"  # in --checkpoint-dir: the summary of a job that ended well
 SHARDS_MEMORY_PERCENT = 50  # of the machine's memory, split among the shards: the workers need the rest
+DEFAULT_MAX_WORKERS = 16    # worker names a job may ever have (ps-launch scale), unless --workers is more
 
 
 class StartError(Exception):
@@ -116,8 +124,14 @@ class Launcher:
     def __init__(self, *, num_ps: int, workers: int, chief: bool, evaluator: bool, worker_args: list[str],
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
                  secure: bool = True, tls: bool = True, credentials: str | os.PathLike | None = None,
-                 out=sys.stdout, rendezvous_port: bool = False, log_level: str = "INFO"):
+                 out=sys.stdout, rendezvous_port: bool = False, log_level: str = "INFO",
+                 max_workers: int | None = None, allreduce: bool = False):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
+        self.max_workers = max(workers, DEFAULT_MAX_WORKERS) if max_workers is None else max_workers
+        self.worker_indices = list(range(workers))  # every worker started, added ones too
+        self.removed: set[TaskSpec] = set()         # workers ps-launch scale stopped: they left for good
+        self.control: ControlServer | None = None
+        self.allreduce = allreduce  # --dense allreduce: the group's members are fixed when it forms
         self.worker_args = worker_args + (["--keep-ps"] if evaluator else [])  # the evaluator sees the end too
         self.ps_args = [*ps_args, "--log-level", log_level]
         self.log_level = log_level
@@ -134,12 +148,12 @@ class Launcher:
         self.cluster: Cluster | None = None
         self.summary: dict | None = None  # the chief's final summary line, parsed
         tasks = job_tasks(num_ps, workers, chief, evaluator)
-        # The user's folder is only read. Made here, the credentials live in memory (the CA's key not even
-        # there, once the certificates are signed) and each task's files in its own subfolder of the job's
-        # folder, which close() removes.
+        # The user's folder is only read. Made here, the credentials live in memory (the CA's key too, never
+        # written: it signs the certificates of workers added later) and each task's files in its own subfolder
+        # of the job's folder, which close() removes.
         user_files = read_job_credentials(credentials, tasks) if credentials is not None else None
-        issued = issue_job_credentials(tasks, days=1) if credentials is None and secure else None
-        self.folder = JobFolder(credentials=issued, user_files=user_files, tls=tls)
+        issued = issue_job_credentials(tasks, days=1, keep_ca_key=True) if credentials is None and secure else None
+        self.folder = JobFolder(credentials=issued, user_files=user_files, tls=tls, user_dir=credentials)
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -224,8 +238,9 @@ class Launcher:
         return int(self._port_file(index).read_text())
 
     def training_tasks(self) -> list[TaskSpec]:
+        """The chief and every worker started and not removed (ps-launch scale)."""
         tasks = [TaskSpec("chief", 0)] if self.chief else []
-        return tasks + [TaskSpec("worker", i) for i in range(self.workers)]
+        return tasks + [t for t in (TaskSpec("worker", i) for i in self.worker_indices) if t not in self.removed]
 
     def start_task(self, task: TaskSpec) -> Proc:
         argv = ["--cluster", json.dumps(self.cluster.to_dict()), "--task-type", task.type, "--index", str(task.index),
@@ -243,6 +258,9 @@ class Launcher:
                 self._show_tail(exc.proc)
                 return USAGE_ERROR if exc.proc.popen.returncode == USAGE_ERROR else 1
             self.say(f"[launch] cluster: {json.dumps(self.cluster.to_dict())}")
+            self.control = ControlServer(self.folder.path)
+            self.say(f"[launch] job folder {self.folder.path}: ps-launch scale --job-dir {self.folder.path} "
+                     "--workers N adds or removes workers")
             for task in self.training_tasks():
                 self.start_task(task)
             if self.evaluator:
@@ -258,6 +276,8 @@ class Launcher:
         """Stops every process, then the fork server, and removes the job's private folder (its credentials
         with it)."""
         try:
+            if self.control is not None:
+                self.control.close()
             self.stop()
             self.starter.close()
         finally:
@@ -269,7 +289,6 @@ class Launcher:
             self.say(f"[launch]   | {line}")
 
     def _watch(self) -> int:
-        training = self.training_tasks()
         chief = self.cluster.chief_task
         failed: dict[TaskSpec, Proc] = {}  # failed while the job ran, and not restarted
         seen: set[TaskSpec] = set()         # exits already dealt with
@@ -279,9 +298,11 @@ class Launcher:
             restarted = False
             if ended_at is None and self.procs[chief].popen.poll() == 0:
                 ended_at = time.monotonic()
+            self.control.serve_pending(lambda body: self._control_request(body, over=ended_at is not None or stopping))
+            training = self.training_tasks()
             for task, proc in list(self.procs.items()):
                 code = proc.popen.poll()
-                if code in (None, 0) or task in seen:
+                if code in (None, 0) or task in seen or task in self.removed:
                     continue
                 seen.add(task)
                 if ended_at is not None:  # the job is over: nothing is restarted against it, nothing fails it
@@ -323,11 +344,66 @@ class Launcher:
         if stopping:
             self.stop()
         elif ended_at is None:  # exits the loop's last pass did not see
-            failed.update({p.task: p for p in self.procs.values()
-                           if p.task.type != "ps" and p.task not in seen and p.popen.poll() not in (None, 0)})
+            failed.update({p.task: p for p in self.procs.values() if p.task.type != "ps" and p.task not in seen
+                           and p.task not in self.removed and p.popen.poll() not in (None, 0)})
         for proc in failed.values():
             self._show_tail(proc)
         return 1 if failed else 0
+
+    def _control_request(self, body: dict, *, over: bool) -> dict:
+        """The answer to a control request (control.py): {"workers": N} scales the workers to N."""
+        workers = body.get("workers")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            return {"error": f"workers must be a number >= 0. Received: {workers!r}"}
+        if over:
+            return {"error": "the job is ending: no worker is added or removed any more"}
+        if self.allreduce:
+            return {"error": "a --dense allreduce job's group is fixed when it forms: its workers cannot change"}
+        try:
+            added, removed = self.scale(workers)
+        except ClusterConfigError as exc:
+            return {"error": " ".join(str(exc).split())}
+        return {"workers": workers, "added": [str(t) for t in added], "removed": [str(t) for t in removed]}
+
+    def scale(self, workers: int) -> tuple[list[TaskSpec], list[TaskSpec]]:
+        """Runs `workers` workers from now on (the chief counted when it is worker 0): starts new ones, each
+        under a new name, or stops the newest (SIGTERM: they leave the job; SIGKILL after STOP_GRACE_SECONDS);
+        returns (added, removed) once started or exited. ClusterConfigError (nothing changed) past
+        --max-workers, for removing the chief, or for missing credentials of the user's folder."""
+        running = [t for t in self.training_tasks() if t.type == "worker" and self.procs[t].popen.poll() is None]
+        if workers > len(running):
+            wanted = [TaskSpec("worker", i) for i in range(len(self.worker_indices),
+                                                           len(self.worker_indices) + workers - len(running))]
+            if wanted[-1].index >= self.max_workers:
+                raise ClusterConfigError(f"{wanted[-1]} would be past --max-workers {self.max_workers} (the worker "
+                                         "names the shards admit over the job's life, removed ones included)")
+            for task in wanted:
+                self.folder.add_task(task)  # credentials first: a refusal changes nothing
+            for task in wanted:
+                taken = {int(a.rpartition(":")[2]) for _, a in self.cluster.tasks()}
+                self.cluster = dataclasses.replace(
+                    self.cluster, worker=(*self.cluster.worker, f"127.0.0.1:{_free_port(taken)}"))
+                self.worker_indices.append(task.index)
+                self.start_task(task)
+                self.say(f"[launch] {task} added: it joins the running job")
+            return wanted, []
+        leaving = sorted((t for t in running if t != self.cluster.chief_task), key=lambda t: -t.index)
+        leaving = leaving[:len(running) - workers]
+        if len(running) - workers > len(leaving):
+            raise ClusterConfigError(f"{self.cluster.chief_task} is the chief (it creates, checkpoints and ends the "
+                                     f"job): at least 1 worker runs")
+        for task in leaving:
+            self.removed.add(task)
+            self.procs[task].popen.send_signal(signal.SIGTERM)  # it leaves the job (PSClient.close)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for task in leaving:
+            proc = self.procs[task]
+            self._wait(proc, max(0.0, deadline - time.monotonic()))
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+                proc.popen.wait()
+            self.say(f"[launch] {task} removed (exit code {proc.popen.returncode}): it left the job")
+        return [], leaving
 
     def _restart(self, task: TaskSpec, code: int) -> bool:
         """Starts `task` again (a ps on its old port); False if it would not come up."""
@@ -388,6 +464,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     g.add_argument("--max-memory", metavar="SIZE", help="each ps-server's --max-memory: what it may hold, e.g. 2G "
                    f"or a share of this machine's memory, e.g. 20%% (default: {SHARDS_MEMORY_PERCENT}%% split among "
                    "the shards)")
+    g.add_argument("--max-workers", type=int, default=None, help="worker names the job may ever have, added "
+                   f"ones included (ps-launch scale; default: --workers or {DEFAULT_MAX_WORKERS}, the larger)")
     g.add_argument("--restart-on-failure", action="store_true",
                    help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
     g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
@@ -404,6 +482,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     everything = parser.parse_args(argv)  # unknown flags and bad types stop here
     if everything.ps < 1 or everything.workers + int(everything.chief) < 1:
         parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
+    if everything.max_workers is not None and everything.max_workers < everything.workers:
+        parser.error(f"--max-workers must be >= --workers ({everything.workers}). Received: {everything.max_workers}")
     if everything.insecure and everything.tokens_only:
         parser.error("--tokens-only and --insecure contradict each other (tokens, or nothing)")
     if everything.insecure and everything.credentials:
@@ -473,6 +553,8 @@ def _stop_once(signum, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["scale"]:  # ps-launch scale --job-dir DIR --workers N: talk to a running launcher
+        return scale_main(argv[1:])
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop_once)
     launcher = None
@@ -539,12 +621,14 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
     if args.restore_from:
         ps_args += ["--restore-from", args.restore_from]
     # Quotas: the shards share the machine with the workers; the job's tasks join under their own names.
+    max_workers = max(args.workers, DEFAULT_MAX_WORKERS) if args.max_workers is None else args.max_workers
     ps_args += ["--max-memory", args.max_memory or f"{SHARDS_MEMORY_PERCENT / args.ps:.4g}%",
-                "--elastic-workers", str(args.workers + int(args.chief))]
+                "--elastic-workers", str(max_workers + int(args.chief))]
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,
-                    credentials=args.credentials, rendezvous_port=args.rendezvous_port, log_level=args.log_level)
+                    credentials=args.credentials, rendezvous_port=args.rendezvous_port, log_level=args.log_level,
+                    max_workers=max_workers, allreduce=args.dense == "allreduce")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ against Kubernetes' schemas and Kubeflow's TFJob rules, and the jobs they descri
   mount them; container paths map to folders under tmp_path, the hosts to 127.0.0.1 ports, the image's
   programs to this checkout's. One shard is SIGKILLed once training has started and is started again with
   the same command (restartPolicy OnFailure), and the job must end by itself: the chief exits 0, its
-  Shutdown makes every shard exit 0, the workers and the evaluator exit 0, and no process is left.
+  Shutdown makes every shard exit 0, the workers and the evaluator exit 0, and no process is left. The
+  plain Kubernetes play also scales its workers' Job up and down while it trains, as deploy/README.md
+  says (see scale_workers).
 """
 
 from __future__ import annotations
@@ -208,11 +210,13 @@ def flag(args: list[str], name: str) -> str | None:
     return args[args.index(name) + 1] if name in args else None
 
 
-def secret_mounts(pod_spec: dict) -> dict[str, str]:
-    """secretName -> mountPath, for the Secret volumes the pod's containers mount."""
+def secret_mounts(pod_spec: dict, optional: bool = False) -> dict[str, str]:
+    """secretName -> mountPath, for the Secret volumes the pod's containers mount (the optional ones with
+    `optional`: the places of workers a Job may be scaled up to)."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
     return {volumes[m["name"]]["secret"]["secretName"]: m["mountPath"]
-            for c in pod_spec["containers"] for m in c.get("volumeMounts", []) if "secret" in volumes[m["name"]]}
+            for c in pod_spec["containers"] for m in c.get("volumeMounts", []) if "secret" in volumes[m["name"]]
+            and volumes[m["name"]]["secret"].get("optional", False) == optional}
 
 
 # -- what the operator and the Job controller give each pod ----------------------------------------------
@@ -290,11 +294,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_secrets(directory: pathlib.Path, cluster: dict[str, list[str]], name: str = "torchps") -> dict:
-    """`ps-certs DIR --cluster C --kubernetes-secret NAME`, run as a user runs it: Secret name -> its files."""
+def make_secrets(directory: pathlib.Path, cluster: dict[str, list[str]] | None, name: str = "torchps",
+                 add: str | None = None) -> dict:
+    """`ps-certs DIR --cluster C --kubernetes-secret NAME` (or `--add TASK` in place of --cluster), run as a
+    user runs it: Secret name -> its files."""
     command = pathlib.Path(sys.executable).with_name("ps-certs")
     argv = [str(command)] if command.is_file() else [sys.executable, "-m", "torchps.certs"]
-    result = subprocess.run([*argv, str(directory), "--cluster", json.dumps(cluster), "--kubernetes-secret", name],
+    what = ["--add", add] if add else ["--cluster", json.dumps(cluster)]
+    result = subprocess.run([*argv, str(directory), *what, "--kubernetes-secret", name],
                             capture_output=True, text=True, timeout=120, env=environ())
     assert result.returncode == 0, result.stderr
     secrets = {}
@@ -344,6 +351,8 @@ class Node:
             target.mkdir(parents=True, exist_ok=True)
             if "secret" in volume:
                 name = volume["secret"]["secretName"]
+                if name not in self.secrets and volume["secret"].get("optional"):
+                    continue  # a place for a worker added later: mounted empty until its Secret exists
                 assert name in self.secrets, f"{pod.name} mounts Secret {name}, which ps-certs did not make"
                 files = self.secrets[name]
             elif "configMap" in volume:  # files the pod runs (torchps-task.sh): their container paths mapped too
@@ -352,9 +361,11 @@ class Node:
             else:
                 assert volume.get("persistentVolumeClaim", {}).get("claimName") == "torchps-checkpoints", volume
                 continue
-            for key, data in files.items():
-                (target / key).write_bytes(data)
-                (target / key).chmod(0o600)
+            for key, data in files.items():  # replaced whole, as the kubelet swaps an updated Secret in
+                aside = target / f".{key}.new"
+                aside.write_bytes(data)
+                aside.chmod(0o600)
+                aside.replace(target / key)
 
     def argv(self, pod: Pod, args: list[str] | None = None, ports: dict[str, int] | None = None) -> list[str]:
         """The container's command and args (or `args` instead), its paths mapped, and the ports of
@@ -521,15 +532,17 @@ class Play:
     metrics: dict[str, set[str]]     # "ps", "chief": the names a scrape found during training
     health: dict[str, str]           # "ps-N", "ps-N restarted": the health port's answer
     left: dict[int, str]             # processes left in the pods' process groups at the end
+    scaled: dict                     # what scale_workers saw, if the play scaled the workers' Job
 
     def of(self, task_type: str) -> list[Task]:
         return [t for t in self.tasks.values() if t.pod.task_type == task_type]
 
 
-def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.Path) -> Play:
+def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.Path, scale=None) -> Play:
     """Runs every pod as a local process, shards first (their ports are in everyone's TF_CONFIG already),
     SIGKILLs the last shard once the first checkpoint is committed and starts it again with the same command,
-    and waits for every process to exit by itself."""
+    then `scale(tasks, node, cwd)` if given (its result is Play.scaled), and waits for every process to exit
+    by itself."""
     tasks = {}
     for pod in pods:
         node.mount(pod)
@@ -559,6 +572,7 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
         recovered = int(victim.wait_for(RECOVERED)[1])
         victim.wait_for(SERVING)
         statuses[f"ps-{victim.pod.index} restarted"] = health(victim.ports["--health-port"])
+        scaled = scale(tasks, node, cwd) if scale is not None else {}
 
         def left_time() -> float:
             return max(1.0, PLAY_TIMEOUT - (time.monotonic() - started))
@@ -582,7 +596,59 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
         for pid in left_in_groups(groups):
             with_suppressed(lambda: os.kill(pid, signal.SIGKILL))
     return Play(tasks, {name: [p.returncode for p in t.procs] for name, t in tasks.items()}, checkpointed,
-                recovered, summary, metrics, statuses, left)
+                recovered, summary, metrics, statuses, left, scaled)
+
+
+def gauge(port: int, name: str) -> float:
+    """The value of an unlabelled gauge a scrape of 127.0.0.1:port/metrics finds."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == name)
+
+
+def scale_workers(creds: pathlib.Path):
+    """The play's step for deploy/README.md's "Scaling the workers": with the job training, the workers' Job
+    goes up by one worker and back. `ps-certs creds --add worker:N --kubernetes-secret torchps` makes the new
+    worker's Secret and the shards' (their token table), which are applied: the shards' files are replaced
+    as the kubelet does, and each shard must log that it took the new token (no restart). The chief is
+    stopped meanwhile (SIGSTOP, within its lease), so the sync job cannot end before the new worker joins:
+    with R = 3, the two other workers need its gradients for a step. The Job's new index N is run as the
+    Job controller would after `kubectl patch` (JOB_COMPLETION_INDEX=N, its optional Secret mounted now); it
+    joins under a name past cluster.json and two steps pass with it; then the Job scales down: index N's pod
+    gets SIGTERM, its worker leaves the job (Leave) and exits 0, and the chief goes on."""
+    def scale(tasks: dict, node: Node, cwd: pathlib.Path) -> dict:
+        shards = [t for t in tasks.values() if t.pod.task_type == "ps"]
+        workers = [t for t in tasks.values() if t.pod.task_type == "worker"]
+        (chief,) = [t for t in tasks.values() if t.pod.task_type == "chief"]
+        index = len(workers)
+        node.secrets.update(make_secrets(creds, None, add=f"worker:{index}"))
+        for shard in shards:
+            node.mount(shard.pod)
+        for shard in shards:
+            shard.wait_for(rf"token file \S+ re-read: .*added \['worker:{index}'\]")
+        pod = Pod(f"torchps-worker-{index}", "worker", index, copy.deepcopy(workers[0].pod.spec),
+                  {"JOB_COMPLETION_INDEX": str(index)})
+        node.mount(pod)
+        ports = {"--bind": free_port(), "--health-port": free_port(), "--metrics-port": free_port()}
+        added = tasks[pod.name] = Task(pod, node.argv(pod, ports=ports), node.env(pod), cwd, ports)
+        os.kill(chief.proc.pid, signal.SIGSTOP)
+        try:
+            added.start()
+            joined = int(shards[0].wait_for(rf"worker:{index} joined at step (\d+)", timeout=PLAY_TIMEOUT)[1])
+            metrics = shards[0].ports["--metrics-port"]
+            deadline = time.monotonic() + PLAY_TIMEOUT
+            while gauge(metrics, "torchps_step") < joined + 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            trained = int(gauge(metrics, "torchps_step"))
+            added.proc.send_signal(signal.SIGTERM)  # the Job scaled down: its pod is deleted
+            code = added.wait(30)
+            shards[0].wait_for(rf"worker:{index} left", timeout=10)
+        finally:
+            os.kill(chief.proc.pid, signal.SIGCONT)
+        return {"worker": f"worker:{index}", "joined_at": joined, "step_before_leaving": trained, "exit": code}
+
+    return scale
 
 
 def local_hosts(cluster: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -610,7 +676,7 @@ def plain_play(tmp_path_factory):
     config_maps = {name: cm["data"] for name, cm in by_kind(docs, "ConfigMap").items()}
     config_maps["torchps-job"] = {**config_maps["torchps-job"], "cluster.json": json.dumps(local)}
     node = Node(tmp, make_secrets(tmp / "creds", local), config_maps)
-    return play(job_pods(docs), node, local, tmp)
+    return play(job_pods(docs), node, local, tmp, scale=scale_workers(tmp / "creds"))
 
 
 # -- the tests: manifests --------------------------------------------------------------------------------
@@ -764,6 +830,9 @@ def test_plain_kubernetes_pods_derive_the_operators_tf_config_and_their_own_cred
         assert cluster[kind] == [f"{name}-{i}.{pod_spec['subdomain']}:2222" for i in range(spec["completions"])]
         assert secret_mounts(pod_spec) == {f"torchps-{kind}-{i}": f"/etc/torchps/{kind}-{i}"
                                            for i in range(spec["completions"])}, name
+        spare = secret_mounts(pod_spec, optional=True)  # places to scale up to: past the starting indices
+        assert spare == {f"torchps-{kind}-{i}": f"/etc/torchps/{kind}-{i}"
+                         for i in range(spec["completions"], spec["completions"] + len(spare))}, name
         if kind == "ps":
             args = pod_spec["containers"][0]["args"]
             assert flag(args, "--bind") == "0.0.0.0:2222"
@@ -862,6 +931,17 @@ def test_plain_kubernetes_played_locally_ends_by_itself_with_nothing_left(plain_
     assert plain_play.codes["torchps-ps-1"] == [-signal.SIGKILL, 0]
     assert plain_play.recovered >= plain_play.checkpointed > 0
     assert plain_play.summary["test_accuracy"] >= MIN_ACCURACY, plain_play.summary
+
+
+@needs_mnist5k
+def test_plain_kubernetes_workers_job_scales_up_and_down_while_the_job_trains(plain_play):
+    """deploy/README.md's scaling, played (scale_workers): a worker past cluster.json joined with the Secret
+    `ps-certs --add` made while the shards ran (they took its token without a restart: one process each but
+    the killed one), trained in at least two steps, and left when its index was scaled away, exiting 0."""
+    scaled = plain_play.scaled
+    assert scaled["worker"] == "worker:2" and scaled["exit"] == 0, scaled
+    assert scaled["step_before_leaving"] >= scaled["joined_at"] + 2, scaled
+    assert plain_play.codes["torchps-worker-2"] == [0] and plain_play.codes["torchps-ps-0"] == [0]
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian's prometheus package) is not installed")

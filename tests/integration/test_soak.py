@@ -1,8 +1,9 @@
 """The chaos soak's one-minute variant (bench/soak.py --minutes 1): kills, pauses, cut connections, full disks, a hostile
-evaluator and a structural optimizer change while four workers push, then the audit: nothing acknowledged lost,
+evaluator and a structural optimizer change while four workers push, and workers added (under names past the
+starting spec, their tokens minted while the shards run) and removed, then the audit: nothing acknowledged lost,
 nothing applied twice, no hang, no wedged shard, a shard that stopped itself for every full disk, no far min_step
-answered, no optimizer change accepted, a complete final checkpoint that restores exactly. Every fault kind must
-have been injected in each run.
+answered, no optimizer change accepted, a complete final checkpoint that restores exactly. Every fault kind and
+every resize kind must have happened in each run, each resize with its measured pause.
 
 A phase goes on past its time until every kind of fault was injected once, so each kind happens and is audited,
 with both phases training between faults (over 100 acknowledged pushes each). Denser faults (half a minute, one
@@ -17,6 +18,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
          "toggle-optimizer", "disk-full"}
+RESIZE_KINDS = {"worker-added", "worker-removed"}
 
 
 def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
@@ -27,6 +29,12 @@ def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tm
     result = json.loads(out.read_text())
     report = json.dumps({k: v for k, v in result.items() if k != "phases"}) + "\n" + run.stdout[-2000:]
     assert set(result["faults_injected"]) == KINDS, f"every kind of fault happened: {report}"
+    assert set(result["resizes_by_kind"]) == RESIZE_KINDS, f"every kind of resize happened: {report}"
+    events = [event for phase in result["phases"] for event in phase["resize_events"]]
+    assert result["resizes"] == len(events) and all(event["pause_s"] >= 0 for event in events), report
+    assert result["resize_pause_p99_s"] == max(event["pause_s"] for event in events) or len(events) > 100, report
+    added = {event["what"] for event in events if event["kind"] == "worker-added"}
+    assert added & {"worker 4", "worker 5"}, f"a name past the starting spec joined: {report}"
     assert all(p["pushes_acked"] > 100 for p in result["phases"]), f"both phases trained: {report}"
     assert (result["lost"], result["duplicated"], result["hangs"], result["worker_failures"]) == (0, 0, 0, 0), report
     assert (result["wedged"], result["hostile_pulls_answered"], result["optimizer_toggles_accepted"]) == (0, 0, 0), \

@@ -24,7 +24,7 @@ from helpers import wait_until
 from torchps.errors import (InvalidArgumentError, ModeConflictError, ResourceExhaustedError, ServerUnavailableError,
                             StepPassedError, WaitTimeoutError, WorkerReplacedError)
 from torchps.ps_server.coordinator import CHIEF, READER, WORKER, Coordinator
-from torchps.ps_server.modes import PushResult, SyncConfig
+from torchps.ps_server.modes import PushResult, SyncConfig, quorum_for
 from torchps.ps_server.store import NewVariable, VariableStore
 
 RELEASE_TIMEOUT = 10  # seconds a thread that must be released gets (generous on a loaded machine)
@@ -539,6 +539,9 @@ def test_the_first_mode_of_a_job_is_taken_even_after_a_worker_joined(coordinator
     dict(mode="sync", total_num_replicas=2, lease_seconds=0),
     dict(mode="sync", total_num_replicas=2, lease_seconds=-1.0),
     dict(mode="sync", total_num_replicas=2, startup_grace_seconds=-1.0),
+    dict(mode="sync", total_num_replicas=2, replicas_fraction=1.5),
+    dict(mode="sync", total_num_replicas=2, replicas_fraction=float("nan")),
+    dict(mode="sync", total_num_replicas=2, replicas_fraction=0.5, replicas_to_aggregate=2),  # one or the other
 ])
 def test_invalid_sync_config_is_rejected(kwargs):
     with pytest.raises(InvalidArgumentError):
@@ -845,3 +848,11 @@ def test_only_a_process_that_replaced_an_earlier_one_of_its_name_is_restarted_ev
         assert restored.restarted("worker:1") and not restored.restarted("worker:2")
     finally:
         restored.close()
+
+
+def test_a_fractional_quorum_is_that_share_of_the_live_workers_rounded_up_and_never_zero():
+    config = SyncConfig(mode="sync", total_num_replicas=4, replicas_fraction=0.75)
+    assert [quorum_for(config, live) for live in range(7)] == [1, 1, 2, 3, 3, 4, 5]
+    assert config.batches_per_worker == 1
+    fixed = SyncConfig(mode="sync", total_num_replicas=4, replicas_to_aggregate=4)
+    assert [quorum_for(fixed, live) for live in (2, 4, 8)] == [2, 4, 4]  # R fixed: joiners are backups

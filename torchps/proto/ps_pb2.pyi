@@ -350,7 +350,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., heap_in_use_bytes: _Optional[int] = ..., heap_free_bytes: _Optional[int] = ..., mapped_bytes: _Optional[int] = ...) -> None: ...
 
 class SyncConfig(_message.Message):
-    __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds", "progress_seconds")
+    __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds", "progress_seconds", "replicas_fraction")
     MODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,7 @@ class SyncConfig(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STARTUP_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FRACTION_FIELD_NUMBER: _ClassVar[int]
     mode: str
     replicas_to_aggregate: int
     total_num_replicas: int
@@ -365,7 +366,8 @@ class SyncConfig(_message.Message):
     lease_seconds: float
     startup_grace_seconds: float
     progress_seconds: float
-    def __init__(self, mode: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., max_staleness: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., startup_grace_seconds: _Optional[float] = ..., progress_seconds: _Optional[float] = ...) -> None: ...
+    replicas_fraction: float
+    def __init__(self, mode: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., max_staleness: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., startup_grace_seconds: _Optional[float] = ..., progress_seconds: _Optional[float] = ..., replicas_fraction: _Optional[float] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("changed",)
@@ -384,28 +386,32 @@ class WorkerRef(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("step", "config", "generation", "restarted", "layout_epoch")
+    __slots__ = ("step", "config", "generation", "restarted", "live_workers", "layout_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     config: SyncConfig
     generation: int
     restarted: bool
+    live_workers: int
     layout_epoch: int
-    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ..., restarted: _Optional[bool] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., generation: _Optional[int] = ..., restarted: _Optional[bool] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("step", "generation", "layout_epoch")
+    __slots__ = ("step", "generation", "live_workers", "layout_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
+    live_workers: int
     layout_epoch: int
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
     __slots__ = ("epoch", "addresses", "placement", "outbox")

@@ -3,7 +3,9 @@
 #
 # 1. TF_CONFIG, the same as Kubeflow's operator would write: the cluster of cluster.json and the pod's
 #    task, its type from TORCHPS_TASK_TYPE (set by its Job) and its index from JOB_COMPLETION_INDEX (set
-#    by its Indexed Job; the suffix of the pod's hostname, torchps-TYPE-INDEX).
+#    by its Indexed Job; the suffix of the pod's hostname, torchps-TYPE-INDEX). A worker whose index is
+#    past cluster.json's list (the workers Job scaled up: deploy/README.md) adds itself to the list under
+#    its pod's DNS name; the job's shards and the other workers keep the list they started with.
 # 2. Its own credentials: every pod of a type mounts the Secrets of all replicas of that type (they share
 #    a pod template) at /etc/torchps/TYPE-INDEX; the TORCHPS_* variables name this task's files to
 #    ps-server and ps-worker (the admin token is in the chief's and the shards' Secrets only).
@@ -11,10 +13,17 @@
 set -eu
 : "${TORCHPS_TASK_TYPE:?set by the Job}" "${JOB_COMPLETION_INDEX:?set by an Indexed Job}"
 TF_CONFIG=$(python -c '
-import json, os, sys
+import json, os, re, sys
 with open(sys.argv[1]) as f:
     cluster = json.load(f)
 task = {"type": os.environ["TORCHPS_TASK_TYPE"], "index": int(os.environ["JOB_COMPLETION_INDEX"])}
+listed, used = cluster.setdefault(task["type"], []), {a for v in cluster.values() for a in v}
+while task["type"] == "worker" and listed and len(listed) <= task["index"]:  # the workers Job scaled up
+    named = re.sub(r"-\d+\.", f"-{len(listed)}.", listed[-1], count=1)  # JOB-N.SUBDOMAIN:PORT, the pod DNS name
+    host, _, port = listed[-1].rpartition(":")
+    free = (f"{host}:{p}" for p in range(int(port) + 1, 65536) if f"{host}:{p}" not in used)
+    listed.append(named if named not in used else next(free))  # an address without a pod name: another port
+    used.add(listed[-1])
 print(json.dumps({"cluster": cluster, "task": task, "environment": "cloud"}, separators=(",", ":")))
 ' "$(dirname "$0")/cluster.json")
 export TF_CONFIG

@@ -1,0 +1,92 @@
+"""The shard's table of tokens, re-read when its file changes, so new tasks join without a restart. No gRPC.
+
+A job that grows (a worker not in the starting spec, its token minted by
+`ps-certs DIR --add worker:N`) appends a line to the shards' token file; a
+Kubernetes Secret updated with `kubectl apply` is swapped in place by the
+kubelet. The shard notices either without a signal (SIGHUP already stops a
+shard, and a kubelet cannot send one): `current()` looks at the file's
+identity (inode, size, modification time) at most every RECHECK_SECONDS, and
+`refresh()` looks at once (the interceptor calls it for a token it does not
+know, so a new task's first call is accepted, not refused). A changed file is
+read whole and replaces the table: a line removed revokes that token within
+RECHECK_SECONDS. A file that cannot be read or parsed (mid-write by a
+writer that does not rename into place) keeps the table in force, with one
+warning per version of the file.
+
+Thread-safe: its own lock (a leaf, an "owner" in locks.LOCK_ORDER) guards the
+table and the file's identity; reads return an immutable Security.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from ..errors import ClusterConfigError
+from ..security import Security, read_token_table
+
+__all__ = ["TokenFile", "RECHECK_SECONDS"]
+
+_LOGGER = logging.getLogger(__name__)
+RECHECK_SECONDS = 1.0  # the longest a changed token file goes unnoticed (a revoked token still accepted)
+
+
+def _identity(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)  # follows symlinks: a Kubernetes Secret's files point into a folder swapped whole
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class TokenFile:
+    """`security`'s tokens, following the file they were read from (`security.token_path`; None: fixed)."""
+
+    def __init__(self, security: Security, *, recheck: float = RECHECK_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._security = security
+        self._path = security.token_path
+        self._recheck = recheck
+        self._clock = clock
+        self._identity = _identity(self._path) if self._path else None
+        self._checked = clock()
+        self._warned: tuple | None = None
+        self.reloads = 0  # times a changed file replaced the table
+
+    def current(self) -> Security:
+        """The credentials in force, the file looked at if RECHECK_SECONDS passed since the last look. Never
+        raises; a stat at most."""
+        if self._path is not None and self._clock() - self._checked >= self._recheck:
+            self.refresh()
+        return self._security
+
+    def refresh(self) -> bool:
+        """Looks at the file now; re-reads it if it changed. True if the table changed. Never raises."""
+        if self._path is None:
+            return False
+        with self._lock:
+            self._checked = self._clock()
+            identity = _identity(self._path)
+            if identity is None or identity == self._identity:
+                return False
+            try:
+                token, table = read_token_table(self._path)
+            except ClusterConfigError as exc:
+                if identity != self._warned:
+                    self._warned = identity
+                    _LOGGER.warning("token file changed but cannot be read, the tokens in force stay: %s", exc)
+                return False
+            self._identity = identity
+            before = {task for task, _, _ in self._security.task_tokens}
+            self._security = dataclasses.replace(self._security, token=token, task_tokens=table)
+            self.reloads += 1
+        after = {task for task, _, _ in table}
+        _LOGGER.info("token file %s re-read: %d task tokens%s%s", self._path, len(table),
+                     f", added {sorted(after - before)}" if after - before else "",
+                     f", removed {sorted(before - after)}" if before - after else "")
+        return True

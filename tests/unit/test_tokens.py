@@ -1,0 +1,49 @@
+"""The shard's token table follows its file (ps_server/tokens.py): looked at on demand or once per recheck
+interval, re-read whole when it changed, kept as it was when the new file cannot be read."""
+
+from __future__ import annotations
+
+import os
+
+from torchps.ps_server.tokens import TokenFile
+from torchps.security import Security
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write(path, text: str) -> None:
+    aside = path.with_name(path.name + ".new")
+    aside.write_text(text)
+    os.replace(aside, path)
+
+
+def test_a_changed_file_is_taken_at_the_next_look_and_a_bad_one_keeps_the_table(tmp_path):
+    path = tmp_path / "tokens"
+    write(path, "worker:0 worker aaa\n")
+    clock = Clock()
+    tokens = TokenFile(Security.load(token_file=str(path), environ={}), recheck=1.0, clock=clock)
+    assert tokens.current().task_of("aaa") == ("worker:0", "worker")
+
+    write(path, "worker:0 worker aaa\nworker:4 worker bbb\n")
+    assert tokens.current().task_of("bbb") is None  # not looked at yet: the recheck interval has not passed
+    clock.now = 1.0
+    assert tokens.current().task_of("bbb") == ("worker:4", "worker") and tokens.reloads == 1
+
+    write(path, "worker:4 worker bbb\n")  # worker:0 revoked
+    assert tokens.refresh() and tokens.current().task_of("aaa") is None
+
+    write(path, "worker:4 worker bbb extra words\n")  # neither kind of token file: the table in force stays
+    assert not tokens.refresh() and tokens.current().task_of("bbb") == ("worker:4", "worker")
+    path.unlink()  # gone (a Secret being swapped): the same
+    assert not tokens.refresh() and tokens.reloads == 2
+
+
+def test_credentials_without_a_token_file_never_look_at_the_disk():
+    tokens = TokenFile(Security(), recheck=0.0)
+    assert not tokens.refresh() and tokens.current() == Security()
