@@ -12,8 +12,12 @@ once per round. Kinds today:
                   acknowledged (it joined and trains)
   worker-removed  a live worker other than the chief is asked to leave for good (its leave file): it stops
                   pushing, calls Leave and exits 0; it must be gone within the soak's EXIT_SECONDS
-
-Shard-added and shard-removed kinds go here too, as functions over the Phase (its `shards`).
+  shard-added     a shard starts (the next index) and the chief resizes the job onto it live
+                  (PSClient.resize, what ps-admin resize runs): variables move to it while the workers push;
+                  it ends when every variable is at its new shard; at most MAX_SHARDS
+  shard-removed   the chief resizes the job off its last shard (never below the starting two): its variables
+                  move to the others, then it is stopped
+The shard kinds happen in async phases only (ASYNC_ONLY: a sync job changes its shard count at a restore).
 
 A resize begins once every running worker has had a push acknowledged since the chaos loop turned to it
 (at most the soak's STALL_SECONDS): a fault injected before it has settled, and the job trains.
@@ -33,10 +37,11 @@ import math
 import time
 from typing import Callable
 
-__all__ = ["Resize", "RESIZES", "SETTLE_SECONDS", "pause_around", "percentile"]
+__all__ = ["Resize", "RESIZES", "ASYNC_ONLY", "SETTLE_SECONDS", "pause_around", "percentile"]
 
 SETTLE_SECONDS = 1.0  # after a resize's end, the span its pause is looked for in
 MIN_WORKERS = 2       # worker-removed leaves at least this many (the chief included)
+MIN_SHARDS, MAX_SHARDS = 2, 4  # shard-removed and shard-added keep the job between these
 
 
 @dataclasses.dataclass
@@ -73,10 +78,33 @@ def worker_removed(phase) -> Resize | None:
     return Resize("worker-removed", f"worker {index}", began, time.monotonic())
 
 
+def shard_added(phase) -> Resize | None:
+    """Starts the next shard and resizes the job onto it (the variables that even the load move to it)."""
+    shards = phase.live_shards
+    if len(shards) >= MAX_SHARDS:
+        return None
+    began = time.monotonic()
+    phase.resize_shards([*shards, phase.shards.add_ps(len(shards))])
+    return Resize("shard-added", f"ps {len(shards)}", began, time.monotonic())
+
+
+def shard_removed(phase) -> Resize | None:
+    """Resizes the job off its last shard (its variables move to the others; it is stopped)."""
+    shards = phase.live_shards
+    if len(shards) <= MIN_SHARDS:
+        return None
+    began = time.monotonic()
+    phase.resize_shards(shards[:-1])
+    return Resize("shard-removed", f"ps {len(shards) - 1}", began, time.monotonic())
+
+
 RESIZES: dict[str, Callable[[object], Resize | None]] = {
     "worker-added": worker_added,
     "worker-removed": worker_removed,
+    "shard-added": shard_added,
+    "shard-removed": shard_removed,
 }
+ASYNC_ONLY = frozenset({"shard-added", "shard-removed"})
 
 
 def pause_around(acks: list[float], resize: Resize) -> float:

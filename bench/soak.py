@@ -26,6 +26,8 @@ and the job's size changes (bench/resizes.py, a table of resize kinds drawn with
   worker-added       a worker starts under a name with no process: past the starting spec (its credentials
                      minted then, `ps-certs --add`; the shards re-read their token file), or a removed one's
   worker-removed     a worker other than the chief leaves for good (Leave) and exits 0
+  shard-added        (async) a shard starts and the chief resizes the job onto it live (PSClient.resize)
+  shard-removed      (async) the chief resizes the job off its last added shard, which is then stopped
 A fault kind is a `_fault_<kind>` method and an entry of FAULT_KINDS; a resize kind an entry of RESIZES. A shard that stops by itself (fail-stop: exit code
 70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
 each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
@@ -83,7 +85,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from resizes import RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
+from resizes import ASYNC_ONLY, RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
 
 WORKERS, SHARDS = 4, 2       # the starting spec's workers (worker 0 the chief) and the shards
 MAX_WORKERS = WORKERS + 2    # names a phase may ever run: worker-added starts 4 and 5 past the spec
@@ -291,6 +293,8 @@ class Phase:
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
         self.active: set[int] = set()   # the workers running (resizes add and remove some)
         self.max_workers = MAX_WORKERS
+        self.kinds = tuple(k for k in KINDS if mode == "async" or k not in ASYNC_ONLY)
+        self.live_shards: list[str] = []  # the job's shards now, in index order (shard resizes change them)
         self.resizes: list = []         # resizes.Resize records, in order
         self.failstops: list[str] = []  # a shard that stopped itself (exit code 70), started again
         self.crashes: list[str] = []    # a shard that exited by itself otherwise, started again
@@ -360,6 +364,7 @@ class Phase:
         self.cluster = Cluster(ps=(f"127.0.0.1:{self.shards.ports[0]}", f"127.0.0.1:{self.proxy.port}"),
                                worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + MAX_WORKERS)),
                                evaluator=("127.0.0.1:20000",))
+        self.live_shards = list(self.cluster.ps)
         try:
             for index in range(WORKERS):
                 self.start_worker(index)
@@ -377,12 +382,13 @@ class Phase:
     def _chaos(self, until: float) -> None:
         """Injects faults until `until`, and past it (at most ROUND_SECONDS) until every kind was injected once."""
         last_acked, last_progress = 0, time.monotonic()
-        while (now := time.monotonic()) < until or (self._kinds_seen() < len(KINDS) and now < until + ROUND_SECONDS):
+        while (now := time.monotonic()) < until or (self._kinds_seen() < len(self.kinds)
+                                                    and now < until + ROUND_SECONDS):
             time.sleep(self.rng.uniform(*self.fault_every))
             self._check_workers()
             self._check_shards()
             if not self._order:  # every kind once per round, in a random order
-                self._order = self.rng.sample(KINDS, len(KINDS))
+                self._order = self.rng.sample(self.kinds, len(self.kinds))
             kind = self._order.pop()
             if kind in RESIZES:
                 self._await_training()
@@ -433,6 +439,19 @@ class Phase:
     def _kinds_seen(self) -> int:
         return len(self.faults) + len({r.kind for r in self.resizes})
 
+    def resize_shards(self, addresses: list[str]) -> None:
+        """The chief (worker 0's credentials, the admin token) resizes the job onto `addresses` live; a failure
+        is recorded (the shards stay as the layout says)."""
+        from torchps.client import PSClient, PSError
+
+        with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as chief:
+            try:
+                chief.resize(addresses)
+            except PSError as exc:
+                self.failures.append(f"resize onto {len(addresses)} shards failed: {type(exc).__name__}: {exc}")
+                return
+        self.live_shards = list(addresses)
+
     def _check_workers(self) -> None:
         """Records and restarts a worker that ended by itself (the chaos loop only ever kills them)."""
         for index, proc in self.workers.items():
@@ -444,7 +463,7 @@ class Phase:
     def _check_shards(self) -> None:
         """Counts and starts again a shard that exited by itself (the chaos loop restarts the ones it kills at
         once): exit code 70 is a fail-stop, anything else a crash."""
-        for index, proc in enumerate(self.shards.procs):
+        for index, proc in enumerate(self.shards.procs[:len(self.live_shards)]):  # not those a resize removed
             if proc.poll() is None:
                 continue
             tail = " | ".join(self.shards.log(index).splitlines()[-3:])
@@ -459,7 +478,7 @@ class Phase:
         self.start_worker(index)
 
     def _fault_kill_shard(self) -> None:
-        index = self.rng.randrange(SHARDS)
+        index = self.rng.randrange(len(self.live_shards))
         self.shards.kill_ps(index)
         self.shards.start_ps(index)
 
@@ -467,7 +486,7 @@ class Phase:
         self._pause(self.workers[self.rng.choice(sorted(self.active))], LEASE_SECONDS * 1.7)
 
     def _fault_pause_shard(self) -> None:
-        self._pause(self.shards.procs[self.rng.randrange(SHARDS)], self.rng.uniform(0.5, 3.0))
+        self._pause(self.shards.procs[self.rng.randrange(len(self.live_shards))], self.rng.uniform(0.5, 3.0))
 
     @staticmethod
     def _pause(proc: subprocess.Popen, seconds: float) -> None:
@@ -486,7 +505,7 @@ class Phase:
         from torchps.security import TOKEN_METADATA_KEY
 
         metadata = ((TOKEN_METADATA_KEY, self.security("evaluator").call_token()),)
-        for port in self.shards.ports:
+        for port in self.shards.ports[:len(self.live_shards)]:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 pull = ps_pb2_grpc.ParameterServerStub(channel).Pull
                 self.hostile["sent"] += 1
@@ -505,11 +524,12 @@ class Phase:
         with PSClient(self.cluster, connect_timeout=5, timeout=10, security=self.security("worker")) as chief:
             chief.declare([(name, 4 * n) for name, n in sizes().items()])
             try:
+                shards = len(chief.shard_addresses())  # follows the layout (shard resizes)
                 stepped = [info.spec.name for info in chief.list_variables() if info.version > 0]
             except PSError:
                 return False
             by_shard = {shard: [name for name in stepped if chief.placement.shard_of(name) == shard]
-                        for shard in range(SHARDS)}
+                        for shard in range(shards)}
             if not all(by_shard.values()):
                 return False
             for names in by_shard.values():
@@ -546,7 +566,7 @@ class Phase:
         """Faults over, workers pushing: every shard that answers health must apply something (its variables'
         versions move) within WEDGE_SECONDS; one that answers SERVING and does not is wedged. A shard that
         stopped itself meanwhile is counted by _check_shards."""
-        versions = {index: self._versions(index) for index in range(SHARDS)}
+        versions = {index: self._versions(index) for index in range(len(self.live_shards))}
         serving = dict.fromkeys(versions, True)
         deadline = time.monotonic() + WEDGE_SECONDS
         waiting = {i for i, v in versions.items() if v is not None}
@@ -565,7 +585,8 @@ class Phase:
                                    f"s while the workers pushed (versions stayed {versions[index]})")
 
     def _versions(self, index: int) -> int | None:
-        """The sum of shard `index`'s variables' versions if it answers health SERVING, else None."""
+        """The sum of shard `index`'s variables' versions if it answers health SERVING and holds any, else None
+        (a shard a resize left without variables has nothing to apply)."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from torchps.proto import ps_pb2, ps_pb2_grpc
@@ -581,7 +602,7 @@ class Phase:
                                                                               metadata=metadata)
             except grpc.RpcError:
                 return None
-        return sum(info.version for info in listed.variables)
+        return sum(info.version for info in listed.variables) if listed.variables else None
 
 
     def _stop_workers(self) -> None:
@@ -636,7 +657,7 @@ class Phase:
             final = admin.save_checkpoint(0, keep=2, timeout=120)
             admin.shutdown_cluster("the soak phase is over")
         found = latest_committed(self.ckpt)
-        complete = found is not None and found[0] == final and len(found[1]["shards"]) == SHARDS
+        complete = found is not None and found[0] == final and len(found[1]["shards"]) == len(self.live_shards)
         differing = self._restore_differences(values) if complete else None
         restored_equal = differing == []
         checkpoint_detail = {"saved_step": final, "latest_committed_step": found[0] if found else None,

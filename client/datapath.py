@@ -173,7 +173,7 @@ class DataPath:
         def nbytes(tensors: Mapping[str, torch.Tensor], names: list[str]) -> int:
             return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
 
-        if any(nbytes(grads, groups.get(s, [])) + sum(e.payload.numel() for e in table_sent[s].values())
+        if any(nbytes(grads, groups.get(s, [])) + sum(e.payload.numel() for e in table_sent.get(s, {}).values())
                > self.chunk_bytes or nbytes(targets, pulls.get(s, [])) > self.chunk_bytes
                for s in range(self._layout.shards)):
             self.push(grads, step=step, advance_step=advance_step, rows=rows)
@@ -195,7 +195,7 @@ class DataPath:
             def exchange(shard: int, names: list[str], first: bool, again: bool) -> tuple[int, ps_pb2.PushResponse]:
                 if again:  # sent again after a live resize: a push alone (the values are read below)
                     return -1, resend(shard, names, first, again)
-                tables = table_sent[shard]
+                tables = table_sent.get(shard, {})  # a shard a live resize added holds no table
                 shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
                                                  pull_cast=self._pull_casts(pulls.get(shard, []), sink))
                 if bases is not None:  # a retry of this one message is answered before anything is written

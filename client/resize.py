@@ -104,6 +104,10 @@ def _complete_exports(fanout: ShardFanout) -> None:
         except ServerUnavailableError:
             continue  # stopped (a removed shard): it exports nothing any more
         for request in layout.outbox:
+            held = fanout.call(request.to, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t),
+                               fanout.control_timeout)
+            if set(request.names) <= {info.spec.name for info in held.variables}:
+                continue  # imported: the resize that exported them finished
             chunks = fanout.call(shard, lambda stub, t: list(stub.ExportVariables(request, timeout=t)), fanout.timeout)
             fanout.call(request.to, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
             _LOGGER.info("completed an export cut off earlier: %d variables from ps %d to ps %d",

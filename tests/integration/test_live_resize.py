@@ -21,15 +21,20 @@ PS_ADMIN = str(pathlib.Path(sys.executable).with_name("ps-admin"))  # the consol
 
 
 def _push_ones(cluster, index, stop, counts, errors, followed):
-    """Child process: pushes ones to every variable until `stop`; counts each acknowledged push, and reports
+    """Child process: pushes ones to every variable until `stop` (every other push a push_pull, which reads the
+    values in the same round trip); counts each acknowledged push, and reports
     the layout it ended at and what the resizes cost it (PSClient.layout_waits)."""
     try:
         with PSClient(cluster, connect_timeout=60, partitioner=None) as ps:
             ps.declare({name: torch.zeros(shape) for name, shape in SHAPES.items()})
             ps.wait_for_variables(SHAPES, timeout=60)
             grads = {name: torch.ones(shape) for name, shape in SHAPES.items()}
+            targets = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
             while not stop.is_set():
-                ps.push(grads)
+                if counts[index] % 2:  # push then pull, or both in one round trip per shard
+                    ps.push_pull(grads, targets)
+                else:
+                    ps.push(grads)
                 counts[index] += 1
             followed.put((ps.layout_epoch, *ps.layout_waits))
     except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it

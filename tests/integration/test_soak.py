@@ -1,6 +1,7 @@
 """The chaos soak's one-minute variant (bench/soak.py --minutes 1): kills, pauses, cut connections, full disks, a hostile
 evaluator and a structural optimizer change while four workers push, and workers added (under names past the
-starting spec, their tokens minted while the shards run) and removed, then the audit: nothing acknowledged lost,
+starting spec, their tokens minted while the shards run) and removed, shards added and removed live (the async
+phase), then the audit: nothing acknowledged lost,
 nothing applied twice, no hang, no wedged shard, a shard that stopped itself for every full disk, no far min_step
 answered, no optimizer change accepted, a complete final checkpoint that restores exactly. Every fault kind and
 every resize kind must have happened in each run, each resize with its measured pause.
@@ -18,7 +19,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
          "toggle-optimizer", "disk-full"}
-RESIZE_KINDS = {"worker-added", "worker-removed"}
+RESIZE_KINDS = {"worker-added", "worker-removed", "shard-added", "shard-removed"}  # shards: the async phase
 
 
 def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
