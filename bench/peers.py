@@ -300,10 +300,10 @@ def plan(args) -> list[tuple[str, int]]:
 
 
 def window(model: str, args) -> tuple[float, int, int]:
-    """(seconds, torch warm-up steps per worker, TF warm-up steps over both workers)."""
+    """(seconds, torch warm-up steps per worker, TF warm-up steps over both workers); --seconds sets the first."""
     if model == "small":
-        return (3.0 if args.quick else 6.0), 50, 100
-    return (4.0 if args.quick else 10.0), 3, 6
+        return args.seconds or (3.0 if args.quick else 6.0), 50, 100
+    return args.seconds or (4.0 if args.quick else 10.0), 3, 6
 
 
 def bench(args) -> dict:
@@ -417,6 +417,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 1)")
     parser.add_argument("--quick", action="store_true",
                         help="1 round, 3 s (seed MLP) and 4 s (big MLP) windows instead of 6 s and 10 s")
+    parser.add_argument("--seconds", type=float, help="every timed window this long instead (a smoke run: its "
+                        "figures are not comparable to the others')")
     parser.add_argument("--only", default="small,big", help="small, big or small,big (default)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"torchps variants, comma-separated (default {','.join(VARIANTS)})")
@@ -444,6 +446,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown variants {sorted(set(args.variants) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
     if any(p < 1 for p in args.big_ps + args.small_ps):
         parser.error("ps counts must be >= 1")
+    if args.seconds is not None and args.seconds <= 0:
+        parser.error("--seconds must be > 0")
     args.tf_python = args.tf_python or default_tf_python()
     args.tf_version = None
     return args

@@ -102,7 +102,8 @@ def train(index: int, cluster: Cluster, args: argparse.Namespace, files: TaskCre
 
 def run_workers(cluster: Cluster, args: argparse.Namespace, credentials: dict | None) -> int:
     """Starts every worker process; stops the rest as soon as one fails. Returns 0 if all succeeded."""
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")  # each worker forked from a server that imported
+    context.set_forkserver_preload(["__main__"])         # this script (torch, torchps) once
     procs = [context.Process(target=train, name=f"worker-{i}", args=(
         i, cluster, args, credentials[TaskSpec("worker", i)] if credentials else None)) for i in range(args.workers)]
     for proc in procs:

@@ -222,7 +222,8 @@ def main(argv=None) -> int:
     if device != "cpu":
         runner.run("demo-cpu", [*launch, *data, *demo_steps, "--device", "cpu", "--metrics-out",
                                 str(out / "demo-cpu.summary.json")], 150, launch_summary(out / "demo-cpu.summary.json"))
-    peers = ["--only", "small", "--variants", "fp32"] if quick else ["--big-ps", "1"]  # within the 8 minutes
+    # within the 8 minutes; --quick: a 1 s window, enough to show the benchmark runs and reports
+    peers = ["--only", "small", "--variants", "fp32", "--seconds", "1"] if quick else ["--big-ps", "1"]
     say(TF_NOTE)
     runner.run("peers-torchps", [py, str(ROOT / "bench" / "peers.py"), "--quick", "--no-tf", *peers, "--json",
                                  str(out / "peers-torchps.figures.json")], 240,

@@ -4,6 +4,11 @@ Configuration mistakes must end the process with a non-zero code and ONE clear
 line on stderr ("ps-server: error: ..."), never a traceback; a good
 configuration serves on the right address, reports its port and a ready line,
 and SIGTERM / SIGHUP end it promptly with code 0, SIGINT (Ctrl-C) with 130 and one line.
+
+Tests of how the process starts, answers signals and exits run a fresh interpreter, as a user or a pod
+does. Tests of what a serving shard does (its flags, calls, shutdown with calls under way, health) fork it
+from the warm fork server, as LocalCluster and ps-launch start shards: the same `main`, with the same
+arguments and environment, without a second of torch's import each.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from torchps.forkserver import ProcessStarter
 from torchps.proto import ps_pb2, ps_pb2_grpc
+from torchps.worker.local_cluster import SHARD_MODULE
 
 from helpers import wait_until
 
@@ -66,12 +73,17 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 @contextlib.contextmanager
-def ps_server(args: list[str], tmp_path: pathlib.Path, env: dict[str, str] | None = None):
-    """A running ps-server process; its stderr goes to a file (read it with `log_of`). Killed at exit."""
+def ps_server(args: list[str], tmp_path: pathlib.Path, env: dict[str, str] | None = None, *, forked: bool = False):
+    """A running ps-server process; its stderr goes to a file (read it with `log_of`). Killed at exit.
+    `forked`: from the fork server (see the module docstring), else a fresh interpreter."""
     log_path = tmp_path / f"ps-server-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*PS_SERVER, *args], env=env or environ(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        if forked:
+            proc = ProcessStarter.shared().start(SHARD_MODULE, [*PS_SERVER[3:], *args], prog="ps-server",
+                                                 env=env or environ(), stdout=log.fileno())
+        else:
+            proc = subprocess.Popen([*PS_SERVER, *args], env=env or environ(), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
     proc.log_path = log_path
     try:
         yield proc
@@ -187,7 +199,7 @@ def test_a_signal_the_kernel_hands_to_another_thread_still_stops_the_shard(tmp_p
 
 
 def test_torch_threads_are_set_and_logged_before_the_ready_line(tmp_path):
-    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--torch-threads", "1"], tmp_path) as proc:
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--torch-threads", "1"], tmp_path, forked=True) as proc:
         wait_for_log(proc, r"^.*serving.*$")
         assert "ps 0 uses 1 torch thread(s) for updates and lookups" in log_of(proc), log_of(proc)
         assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
@@ -197,7 +209,7 @@ def test_metrics_port_0_logs_the_port_it_bound(tmp_path):
     """The port the kernel picked is in the log, and /metrics answers there."""
     import urllib.request
 
-    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--metrics-port", "0"], tmp_path) as proc:
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--metrics-port", "0"], tmp_path, forked=True) as proc:
         port = int(wait_for_log(proc, r"ps 0 metrics on http://127\.0\.0\.1:(\d+)/metrics$")[1])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             assert b"torchps_calls_started_total" in reply.read()
@@ -215,7 +227,8 @@ def test_a_bad_torch_thread_count_is_one_line_and_exit_2(value):
 def test_sigterm_with_a_call_waiting(tmp_path):
     """A worker blocked in a long ListVariables wait must not keep the shard from stopping."""
     port_file = tmp_path / "ps.port"
-    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path,
+                   forked=True) as proc:
         wait_for_log(proc, "serving")
         address = f"127.0.0.1:{port_file.read_text()}"
         with grpc.insecure_channel(address) as channel:
@@ -235,7 +248,8 @@ def test_sigterm_after_garbage_input(tmp_path):
     port_file = tmp_path / "ps.port"
     junk = b"\xff" * 12 + b"not a protobuf"
     header = ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="w")).SerializeToString()
-    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
+    with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path,
+                   forked=True) as proc:
         wait_for_log(proc, "serving")
         with grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as channel:
             for method, messages in (("CreateVariables", [junk]), ("Push", [header, junk])):
@@ -254,7 +268,7 @@ def test_tf_config_serves_on_own_entry(tmp_path):
         ports[1] = free_port()
     cluster = {"ps": [f"127.0.0.1:{p}" for p in ports], "worker": ["127.0.0.1:1"]}
     tf_config = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 1}})
-    with ps_server([], tmp_path, env=environ(TF_CONFIG=tf_config)) as proc:
+    with ps_server([], tmp_path, env=environ(TF_CONFIG=tf_config), forked=True) as proc:
         line = wait_for_log(proc, r"^.*serving.*$").group(0)
         assert "ps 1" in line and f"127.0.0.1:{ports[1]}" in line, line
         reply = status(cluster["ps"][1])
@@ -304,7 +318,7 @@ def test_health_port_is_not_serving_while_restoring_and_reveals_nothing_else(tmp
 
     saved, port_file = tmp_path / "saved", tmp_path / "ps.port"
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-                    "--checkpoint-dir", str(saved)], tmp_path) as proc:
+                    "--checkpoint-dir", str(saved)], tmp_path, forked=True) as proc:
         wait_for_log(proc, "serving")
         with PSClient(Cluster(ps=(f"127.0.0.1:{port_file.read_text()}",)), connect_timeout=10) as chief:
             chief.create_variables({"w": torch.arange(3.0)}, Optimizer("sgd", lr=1.0))
@@ -318,7 +332,7 @@ def test_health_port_is_not_serving_while_restoring_and_reveals_nothing_else(tmp
     health_file = tmp_path / "health.port"
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--num-ps", "1", "--restore-from", str(saved),
                     "--port-file", str(port_file), "--health-port", "0", "--health-port-file", str(health_file)],
-                   tmp_path) as proc:
+                   tmp_path, forked=True) as proc:
         wait_until(health_file.exists, START_TIMEOUT, "the health port file")
         health = f"127.0.0.1:{health_file.read_text()}"
         assert health_of(health) == (health_pb2.HealthCheckResponse.NOT_SERVING,) * 2
