@@ -188,7 +188,7 @@ def test_job_completes_and_every_ps_server_exits_with_the_job(uninterrupted):
     run = uninterrupted["run"]
     assert uninterrupted["code"] == 0, f"ps-launch exit code {uninterrupted['code']}:\n{run.tail()}"
     launcher = [line for line in run.lines if line.startswith("[launch]")]
-    bad = [line for line in launcher if not re.match(r"\[launch\] (cluster: |test accuracy |done, exit code 0$)", line)]
+    bad = [line for line in launcher if not re.match(r"\[launch\] (cluster: |job folder |test accuracy |done, exit code 0$)", line)]
     assert not bad, f"the launcher reported problems: {bad}"
     for index in (0, 1):
         (pid,) = ps_pids(run, index)
