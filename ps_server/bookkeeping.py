@@ -37,6 +37,7 @@ from .modes import SyncConfig, quorum_for
 from .recording import Recorder
 from .step_clock import CHIEF, StepClock
 from .store import VariableStore
+from .waits import WatchedCondition
 
 __all__ = ["Bookkeeping"]
 
@@ -53,7 +54,7 @@ class Bookkeeping:
     def __init__(self, store: VariableStore, recorder: Recorder, clock: Callable[[], float],
                  membership: Membership | None = None):
         lock = threading.RLock()
-        self.cond = threading.Condition(lock)
+        self.cond = WatchedCondition(lock)  # its waits are threads' or an event loop's (waits.py)
         self.reaper_wake = threading.Condition(lock)
         self.store = store
         self.recorder = recorder
