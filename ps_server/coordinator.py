@@ -399,7 +399,7 @@ class Coordinator:
         if not reached:
             with self.waits.slot("pull"):
                 yield Wait(book.cond, lambda: self.store.step >= min_step or cancelled() or book.closed,
-                           lambda: book.clock.left(deadline))
+                           lambda: book.clock.left(deadline), level=min_step)
         with book.cond:
             book.check_open()
             if self.store.step < min_step and not cancelled():

@@ -99,22 +99,14 @@ class CallContext:
 
     def requests(self, iterator) -> "_Requests":
         """A blocking iterator, for the body's thread, over the call's async request stream."""
-        return _Requests(self, iterator)
+        return _Requests(self, iterator.__aiter__())
 
-
-class _Requests:
-    def __init__(self, context: CallContext, iterator):
-        self._context, self._iterator = context, iterator.__aiter__()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        context = self._context
-        with context._lock:
-            if context._ended:
+    def next_request(self, iterator):
+        """The stream's next message (blocks); StopIteration at its end, CallEnded once the call ended."""
+        with self._lock:
+            if self._ended:
                 raise CallEnded("the call ended before its stream was read")
-            future = context._reading = asyncio.run_coroutine_threadsafe(self._iterator.__anext__(), context._loop)
+            future = self._reading = asyncio.run_coroutine_threadsafe(iterator.__anext__(), self._loop)
         try:
             return future.result()
         except StopAsyncIteration:
@@ -122,8 +114,19 @@ class _Requests:
         except concurrent.futures.CancelledError:
             raise CallEnded("the call ended while its stream was read") from None
         finally:
-            with context._lock:
-                context._reading = None
+            with self._lock:
+                self._reading = None
+
+
+class _Requests:
+    def __init__(self, context: CallContext, iterator):
+        self._context, self._iterator = context, iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._context.next_request(self._iterator)
 
 
 def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures.Executor,
@@ -229,7 +232,7 @@ async def _await(wait: Wait, pool: concurrent.futures.Executor, abandon: Callabl
     def wake() -> None:
         loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
 
-    key = wait.cond.watch(wait.ready, wake)
+    key = wait.cond.watch(wait.ready, wake, wait.level)
     try:
         await asyncio.wait_for(woken, wait.left())
     except asyncio.TimeoutError:

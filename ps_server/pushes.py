@@ -169,10 +169,11 @@ class PushPath:
         book.ledger.answer(record, result)
         return result
 
-    def _wait(self, ready: Callable[[], bool], deadline: float) -> Wait:
-        """A Wait on the bookkeeping condition until ready(), close() or `deadline`."""
+    def _wait(self, ready: Callable[[], bool], deadline: float, level: int | None = None) -> Wait:
+        """A Wait on the bookkeeping condition until ready(), close() or `deadline` (ready() false before the
+        step reaches `level`)."""
         book = self._book
-        return Wait(book.cond, lambda: ready() or book.closed, lambda: book.clock.left(deadline))
+        return Wait(book.cond, lambda: ready() or book.closed, lambda: book.clock.left(deadline), level)
 
     def _duplicate(self, worker: str, incarnation: int, record: PushRecord, seq: int, cancelled, hold: bool,
                    deadline: float) -> Waiting[PushResult | None]:
@@ -237,7 +238,7 @@ class PushPath:
         def ahead() -> int:
             return book.membership.clock_of(worker) - book.min_clock()
 
-        yield from self._hold(worker, lambda: ahead() <= bound or cancelled(), deadline,
+        yield from self._hold(worker, lambda: ahead() <= bound or cancelled(), deadline, None,
                               lambda: f"{worker} is {ahead()} pushes ahead of the slowest live worker (bound {bound})")
         with book.cond:
             current = self._store.step
@@ -283,7 +284,7 @@ class PushPath:
                 return (self._store.step > step or cancelled()
                         or book.pending.wants_more(step, worker, per_worker))
 
-            yield from self._hold(worker, may_go_on, deadline,
+            yield from self._hold(worker, may_go_on, deadline, step + 1 if per_worker == 1 else None,
                                   lambda: f"step {step} was not released (shard at step {self._store.step}, quorum "
                                           f"{book.pending.quorum}, {book.membership.live()} live workers)")
         with book.cond:
@@ -291,19 +292,21 @@ class PushPath:
             return PushResult(step=current, next_step=max(current, step), wait_seconds=book.clock.now() - start,
                               quorum=book.pending.quorum)
 
-    def _hold(self, worker: str, condition: Callable[[], bool], deadline: float, describe: Callable[[], str]
-              ) -> Waiting[None]:
-        """Waits (with the push's waiting slot, holding no lock) until `condition()`, counting as a held push
-        of `worker` (never a stall). WaitTimeoutError at `deadline`, ServerUnavailableError at close."""
+    def _hold(self, worker: str, condition: Callable[[], bool], deadline: float, level: int | None,
+              describe: Callable[[], str]) -> Waiting[None]:
+        """Waits (with the push's waiting slot, holding no lock) until `condition()` (false before the step
+        reaches `level`, None: unknown), counting as a held push of `worker` (never a stall).
+        WaitTimeoutError at `deadline`, ServerUnavailableError at close."""
         book = self._book
         with book.cond:
             member = book.membership.hold(worker)
         try:
-            yield self._wait(condition, deadline)
+            yield self._wait(condition, deadline, level)
         finally:
             with book.cond:
-                if book.membership.unhold(member, book.clock.now()):
-                    book.reaper_wake.notify()  # its progress deadline counts again
+                now = book.clock.now()
+                if book.membership.unhold(member, now):
+                    book.progress_renewed(now)  # its progress deadline counts again
         with book.cond:
             book.check_open()
             if not condition():

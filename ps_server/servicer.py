@@ -796,30 +796,41 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
     stream_unary = grpc.stream_unary_rpc_method_handler
     handlers = {
         # Streams of requests, and PushPull, are decoded by the handlers (see _decoded).
-        "CreateVariables": on_loop(stream_unary, servicer.CreateVariables, None, ps_pb2.CreateResponse.SerializeToString),
-        "Pull": on_loop(unary_stream, servicer.Pull, ps_pb2.PullRequest.FromString, bytes),  # Pull yields serialized messages
+        "CreateVariables": on_loop(stream_unary, servicer.CreateVariables, None,
+            ps_pb2.CreateResponse.SerializeToString),
+        "Pull": on_loop(unary_stream, servicer.Pull, ps_pb2.PullRequest.FromString,
+            bytes),  # Pull yields serialized messages
         "Push": on_loop(stream_unary, servicer.Push, None, ps_pb2.PushResponse.SerializeToString),
         "PushPull": on_loop(unary, servicer.PushPull, None, bytes),  # returns a serialized message
         "UpdateOptimizer": on_loop(unary, servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
             ps_pb2.UpdateOptimizerResponse.SerializeToString),
-        "ListVariables": on_loop(unary, servicer.ListVariables, ps_pb2.ListRequest.FromString, ps_pb2.ListResponse.SerializeToString),
-        "GetStatus": on_loop(unary, servicer.GetStatus, ps_pb2.StatusRequest.FromString, ps_pb2.StatusResponse.SerializeToString),
-        "Configure": on_loop(unary, servicer.Configure, ps_pb2.SyncConfig.FromString, ps_pb2.ConfigureResponse.SerializeToString),
+        "ListVariables": on_loop(unary, servicer.ListVariables, ps_pb2.ListRequest.FromString,
+            ps_pb2.ListResponse.SerializeToString),
+        "GetStatus": on_loop(unary, servicer.GetStatus, ps_pb2.StatusRequest.FromString,
+            ps_pb2.StatusResponse.SerializeToString),
+        "Configure": on_loop(unary, servicer.Configure, ps_pb2.SyncConfig.FromString,
+            ps_pb2.ConfigureResponse.SerializeToString),
         "Join": on_loop(unary, servicer.Join, ps_pb2.WorkerRef.FromString, ps_pb2.JoinResponse.SerializeToString),
-        "Heartbeat": on_loop(unary, servicer.Heartbeat, ps_pb2.WorkerRef.FromString, ps_pb2.HeartbeatResponse.SerializeToString),
+        "Heartbeat": on_loop(unary, servicer.Heartbeat, ps_pb2.WorkerRef.FromString,
+            ps_pb2.HeartbeatResponse.SerializeToString),
         "Leave": on_loop(unary, servicer.Leave, ps_pb2.WorkerRef.FromString, ps_pb2.LeaveResponse.SerializeToString),
         "Save": on_loop(unary, servicer.Save, ps_pb2.SaveRequest.FromString, ps_pb2.SaveResponse.SerializeToString),
-        "CommitCheckpoint": on_loop(unary, servicer.CommitCheckpoint, ps_pb2.CommitRequest.FromString, ps_pb2.CommitResponse.SerializeToString),
-        "Shutdown": on_loop(unary, servicer.Shutdown, ps_pb2.ShutdownRequest.FromString, ps_pb2.ShutdownResponse.SerializeToString),
+        "CommitCheckpoint": on_loop(unary, servicer.CommitCheckpoint, ps_pb2.CommitRequest.FromString,
+            ps_pb2.CommitResponse.SerializeToString),
+        "Shutdown": on_loop(unary, servicer.Shutdown, ps_pb2.ShutdownRequest.FromString,
+            ps_pb2.ShutdownResponse.SerializeToString),
         "CreateTables": on_loop(unary, servicer.CreateTables, ps_pb2.CreateTablesRequest.FromString,
             ps_pb2.CreateTablesResponse.SerializeToString),
-        "LookupRows": on_loop(unary_stream, servicer.LookupRows, ps_pb2.LookupRowsRequest.FromString, bytes),  # yields serialized PullResponses
-        "ListTables": on_loop(unary, servicer.ListTables, ps_pb2.ListRequest.FromString, ps_pb2.ListTablesResponse.SerializeToString),
+        "LookupRows": on_loop(unary_stream, servicer.LookupRows, ps_pb2.LookupRowsRequest.FromString,
+            bytes),  # yields serialized PullResponses
+        "ListTables": on_loop(unary, servicer.ListTables, ps_pb2.ListRequest.FromString,
+            ps_pb2.ListTablesResponse.SerializeToString),
         "CreateDataQueue": on_loop(unary, servicer.CreateDataQueue, ps_pb2.DataQueueSpec.FromString,
             ps_pb2.CreateDataQueueResponse.SerializeToString),
         "TakeDataShard": on_loop(unary, servicer.TakeDataShard, ps_pb2.TakeDataShardRequest.FromString,
             ps_pb2.TakeDataShardResponse.SerializeToString),
-        "GetDataQueue": on_loop(unary, servicer.GetDataQueue, ps_pb2.DataQueueRequest.FromString, ps_pb2.DataQueueStatus.SerializeToString),
+        "GetDataQueue": on_loop(unary, servicer.GetDataQueue, ps_pb2.DataQueueRequest.FromString,
+            ps_pb2.DataQueueStatus.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import heapq
 import threading
 import time
 from typing import Callable, Container, Generator, TypeVar
@@ -39,23 +40,39 @@ T = TypeVar("T")
 
 
 class WatchedCondition(threading.Condition):
-    """A threading.Condition that also calls back watchers (Wait.watch) whose predicate is true when it is
+    """A threading.Condition that also calls back watchers (watch()) whose predicate is true when it is
     notified. A watcher's predicate runs holding the lock, in the notifier's thread; its callback must not
-    block (an event loop's call_soon_threadsafe)."""
+    block (an event loop's call_soon_threadsafe).
 
-    def __init__(self, lock) -> None:
+    A watcher that gives a `level` (its predicate cannot turn true before `level()` of the condition, the
+    shard's step, reaches it, but at notify_all(every=True)) is checked only once it does: a notify costs
+    O(log n) for such watchers, not O(n), so a step that releases n held pushes costs O(n log n) in all.
+    """
+
+    def __init__(self, lock, level: Callable[[], int]) -> None:
         super().__init__(lock)
-        self._watchers: dict[int, tuple[Callable[[], bool], Callable[[], None]]] = {}
+        self._level = level
+        self._watchers: dict[int, tuple[Callable[[], bool], Callable[[], None]]] = {}  # checked at every notify
+        self._leveled: dict[int, tuple[Callable[[], bool], Callable[[], None]]] = {}  # once the level is reached
+        self._levels: list[tuple[int, int]] = []  # heap of (level, key) over _leveled (and keys since gone)
         self._next = 0
 
-    def notify_all(self) -> None:
+    def notify_all(self, *, every: bool = False) -> None:
+        """Wakes the threads waiting and calls back the watchers now ready (`every`: each watcher is checked,
+        whatever its level: the shard is closing)."""
         super().notify_all()
+        if self._leveled:
+            level = None if every else self._level()
+            while self._levels and (level is None or self._levels[0][0] <= level):
+                key = heapq.heappop(self._levels)[1]
+                if key in self._leveled:
+                    self._watchers[key] = self._leveled.pop(key)  # from now on checked at every notify
         if self._watchers:
             ready = [key for key, (predicate, _) in self._watchers.items() if predicate()]
             for key in ready:
                 self._watchers.pop(key)[1]()
 
-    def watch(self, predicate: Callable[[], bool], wake: Callable[[], None]) -> int | None:
+    def watch(self, predicate: Callable[[], bool], wake: Callable[[], None], level: int | None = None) -> int | None:
         """Calls wake() once, at the first notify_all after which predicate() holds (at once, and None is
         returned, if it holds now); else returns a key for unwatch(). Takes the lock."""
         with self:
@@ -63,7 +80,11 @@ class WatchedCondition(threading.Condition):
                 wake()
                 return None
             self._next += 1
-            self._watchers[self._next] = (predicate, wake)
+            if level is None or level <= self._level():
+                self._watchers[self._next] = (predicate, wake)
+            else:
+                self._leveled[self._next] = (predicate, wake)
+                heapq.heappush(self._levels, (level, self._next))
             return self._next
 
     def unwatch(self, key: int | None) -> None:
@@ -71,19 +92,21 @@ class WatchedCondition(threading.Condition):
         if key is not None:
             with self:
                 self._watchers.pop(key, None)
-
-    def watchers(self) -> int:
-        return len(self._watchers)
+                self._leveled.pop(key, None)
+                if not self._leveled:
+                    self._levels.clear()
 
 
 @dataclasses.dataclass(frozen=True)
 class Wait:
     """A point where a call waits, holding no lock: until `ready()` (read holding `cond`) or `left()` is 0.
-    Whoever drives the call resumes it then; the call itself decides what the end of the wait means."""
+    Whoever drives the call resumes it then; the call itself decides what the end of the wait means. `level`:
+    ready() cannot turn true before the shard's step reaches it, but at close (WatchedCondition)."""
 
     cond: WatchedCondition
     ready: Callable[[], bool]
     left: Callable[[], float | None]  # seconds to the deadline (None: none)
+    level: int | None = None
 
     def block(self) -> None:
         """Waits in this thread."""
