@@ -116,6 +116,7 @@ class Poller:
     def __init__(self, stubs, pids: list[int], period: float):
         self.stubs, self.pids, self.period = stubs, pids, period
         self.latencies: list[float] = []
+        self.by_shard: list[list[float]] = [[] for _ in stubs]
         self.samples: list[dict] = []  # {"shard", "waiting", "threads", "step"}
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -139,6 +140,7 @@ class Poller:
                     self.errors.append(f"ps {shard}: {exc.code().name}: {exc.details()}")
                     continue
                 self.latencies.append(time.perf_counter() - started)
+                self.by_shard[shard].append(self.latencies[-1])
                 self.samples.append({"shard": shard, "waiting": status.waiting_calls, "threads": _threads_of(pid),
                                      "step": status.step})
 
@@ -209,6 +211,8 @@ def run(workers: int, steps: int, processes: int, floats: int, poll_ms: float, t
         "getstatus_p50_ms": round(float(np.percentile(latencies, 50)), 2),
         "getstatus_p99_ms": round(float(np.percentile(latencies, 99)), 2),
         "getstatus_max_ms": round(float(latencies.max()), 2),
+        "getstatus_p99_ms_by_shard": [round(float(np.percentile(np.array(x) * 1000.0, 99)), 2)
+                                      for x in poller.by_shard],
         "max_waiting_calls_seen": max((s["waiting"] for s in poller.samples), default=0),
         "shard_threads_idle": idle_threads,
         "shard_threads_max_while_waiting": [max((s["threads"] for s in busy if s["shard"] == i), default=0)

@@ -229,18 +229,21 @@ async def _await(wait: Wait, pool: concurrent.futures.Executor, abandon: Callabl
     loop = asyncio.get_running_loop()
     woken = loop.create_future()
 
-    def wake() -> None:
-        loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+    def end() -> None:
+        if not woken.done():
+            woken.set_result(None)
 
-    key = wait.cond.watch(wait.ready, wake, wait.level)
+    key = wait.cond.watch(wait.ready, lambda: loop.call_soon_threadsafe(end), wait.level)
+    left = wait.left()
+    timer = loop.call_later(left, end) if left is not None else None
     try:
-        await asyncio.wait_for(woken, wait.left())
-    except asyncio.TimeoutError:
-        pass
+        await woken
     except asyncio.CancelledError:
         pool.submit(abandon)
         raise
     finally:
+        if timer is not None:
+            timer.cancel()
         wait.cond.unwatch(key)
 
 
