@@ -170,8 +170,11 @@ def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures
                         await _await(reply, pool, abandon)
                     else:
                         yield reply
-            except (asyncio.CancelledError, GeneratorExit):
+            except asyncio.CancelledError:  # at an await: _segment or _await abandons the body
                 call.end()
+                raise
+            except GeneratorExit:  # at `yield reply`: the client is gone, the body waits for its next turn
+                pool.submit(abandon)
                 raise
             except Exception as exc:  # noqa: BLE001 - the edge maps everything
                 await failed(context, call, exc)
