@@ -2,12 +2,13 @@
 
 A call that waits (a sync push held for its release, an ssp push held by the
 staleness bound, a pull waiting for min_step, a list waiting for variables, a
-save waiting for its step, a retry waiting for its original) holds one of the
-shard's RPC threads. `ps-server --threads T` lets max(1, T - max(1, T // 4))
-of them wait (`--max-waiting-calls` overrides it); past that a waiting call is
-refused at once with RESOURCE_EXHAUSTED (torchps-error ResourceExhaustedError)
-naming the limit, and changes nothing, while status, membership and plain
-calls are still served. A shard that stops (Shutdown, SIGTERM) answers every
+save waiting for its step, a retry waiting for its original) takes one of
+`--max-waiting-calls` slots; the pushes, retries and pulls wait on the
+shard's event loop and hold no thread, the lists and saves hold one of
+`--threads T` (at most max(1, T - max(1, T // 4)) of them). Past either
+limit a waiting call is refused at once with RESOURCE_EXHAUSTED
+(torchps-error ResourceExhaustedError) naming it, and changes nothing, while
+status, membership and plain calls are still served. A shard that stops (Shutdown, SIGTERM) answers every
 waiting call UNAVAILABLE (ServerUnavailableError), never with a success.
 
 Waits are observed through GetStatus.waiting_calls, and every handler's return
@@ -72,12 +73,15 @@ def _chunks(value: float | None, name: str) -> list[ps_pb2.TensorChunk]:
     return [] if value is None else list(codec.encode_chunks(name, torch.full((N,), value)))
 
 
+def _push_requests(worker: str, value: float | None = 1.0, *, step: int = 0, seq: int = 1, name: str = "w"):
+    chunks = _chunks(value, name)
+    return [ps_pb2.PushRequest(header=push_header(worker, step, seq, len(chunks)))] + [
+        ps_pb2.PushRequest(chunks=[c]) for c in chunks]
+
+
 def push(stub, worker: str, value: float | None = 1.0, *, step: int = 0, seq: int = 1, name: str = "w"):
     """A push of `value`s to `name`; value None: a header-only push (a contribution of no gradient)."""
-    chunks = _chunks(value, name)
-    requests = [ps_pb2.PushRequest(header=push_header(worker, step, seq, len(chunks)))] + [
-        ps_pb2.PushRequest(chunks=[c]) for c in chunks]
-    return stub.Push(iter(requests), timeout=TIMEOUT)
+    return stub.Push(iter(_push_requests(worker, value, step=step, seq=seq, name=name)), timeout=TIMEOUT)
 
 
 def pushpull(stub, worker: str, value: float | None = 1.0, *, step: int = 0, seq: int = 1, name: str = "w"):
@@ -178,7 +182,8 @@ def check_refused(stub, call, limit: int, kind: str) -> None:
 def test_waits_hold_no_thread_a_sync_quorum_above_the_threads_completes(local_cluster):
     """--threads 2: a sync step of 8 workers completes (before the asyncio edge no more than one push could wait
     for it): 7 pushes wait for its release and 4 pulls for its step, holding no thread, while status, joins,
-    heartbeats and plain reads go on. A wait that holds a thread (a wait for names) may take one of the 2
+    heartbeats and plain reads go on. A held push whose client goes away frees its slot, and its retry is held
+    again as a duplicate, counted once. A wait that holds a thread (a wait for names) may take one of the 2
     (three quarters, at least 1); a second is refused, naming --threads."""
     local = local_cluster(1, server_args=["--threads", "2"])
     channel, stub = connect(local)
@@ -188,9 +193,13 @@ def test_waits_hold_no_thread_a_sync_quorum_above_the_threads_completes(local_cl
         create(stub)
         for worker in workers:
             join(stub, worker)
+        vanishing = stub.Push.future(iter(_push_requests(workers[6])), timeout=TIMEOUT)
+        wait_waiting(stub, 1, "worker:6's push held for step 0's release")
+        assert vanishing.cancel()
+        wait_waiting(stub, 0, "the cancelled push to free its slot")
         held = [Outcome(lambda w=w: push(stub, w), f"{w}'s push held for step 0's release") for w in workers[:7]]
         pulls = [Outcome(lambda: list(pull_min_step(stub, 1)), f"pull {i} waiting for step 1") for i in range(4)]
-        wait_waiting(stub, 11, "7 pushes held for step 0's release and 4 pulls waiting for step 1")
+        wait_waiting(stub, 11, "7 pushes (worker:6's retry among them) held and 4 pulls waiting for step 1")
 
         listing = stub.ListVariables.future(ps_pb2.ListRequest(names=["never/created"], wait_seconds=20.0),
                                             timeout=TIMEOUT)
@@ -208,6 +217,7 @@ def test_waits_hold_no_thread_a_sync_quorum_above_the_threads_completes(local_cl
         last = push(stub, workers[7])  # completes step 0: every held push and waiting pull goes on
         assert last.next_step == 1
         assert [outcome.result().next_step for outcome in held] == [1] * 7
+        assert [outcome.result().duplicate for outcome in held] == [False] * 6 + [True]
         for outcome in pulls:
             assert outcome.result()[0].step == 1
         assert torch.equal(value_of(stub), -torch.ones(N))  # the average of 8 ones, applied once
