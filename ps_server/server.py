@@ -58,6 +58,10 @@ def create_server(
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
+    The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
+    blocking start and stop): call bodies run on a pool of `threads`, held sync pushes and min_step pulls wait
+    on the loop holding none; at most `max_waiting_calls` calls wait at once (default
+    flags.DEFAULT_MAX_WAITING_CALLS), of them at most threaded_waits(threads) holding a thread.
 
     Port 0 picks a free port. Raises RuntimeError if the address cannot be
     bound (in use, or not a local address). Messages above max_chunk_bytes plus
