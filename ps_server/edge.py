@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import threading
 from typing import Callable
@@ -154,6 +155,7 @@ def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures
 
     if streaming:
         async def stream(request, context):
+            loop = asyncio.get_running_loop()
             call = prepare(request, context)
             replies = body(request_of(request, call), call)
 
@@ -162,12 +164,14 @@ def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures
                 replies.close()
 
             try:
+                watch = None
                 while True:
-                    reply = await _segment(pool, abandon, lambda: next(replies, _DONE))
+                    reply = await _segment(pool, abandon, functools.partial(_part, loop, watch, next, replies, _DONE))
                     if reply is _DONE:
                         return
-                    if isinstance(reply, Wait):
-                        await _await(reply, pool, abandon)
+                    watch = reply if isinstance(reply, _Watch) else None
+                    if watch is not None:
+                        await _await(watch, pool, abandon)
                     else:
                         yield reply
             except asyncio.CancelledError:  # at an await: _segment or _await abandons the body
@@ -181,6 +185,7 @@ def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures
         return stream
 
     async def unary(request, context):
+        loop = asyncio.get_running_loop()
         call = prepare(request, context)
         try:
             if inline:
@@ -193,11 +198,13 @@ def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures
                 call.end()
                 _finish(run)
 
+            watch = None
             while True:
-                step = await _segment(pool, abandon, lambda: _step(run))
-                if not isinstance(step, Wait):
+                step = await _segment(pool, abandon, functools.partial(_part, loop, watch, _step, run))
+                if not isinstance(step, _Watch):
                     return step[0]
-                await _await(step, pool, abandon)
+                watch = step
+                await _await(watch, pool, abandon)
         except asyncio.CancelledError:
             call.end()
             raise
@@ -225,29 +232,48 @@ async def _segment(pool: concurrent.futures.Executor, abandon: Callable[[], None
         raise
 
 
-async def _await(wait: Wait, pool: concurrent.futures.Executor, abandon: Callable[[], None]) -> None:
-    """Waits on the loop until `wait` is ready or its deadline passed (the body then decides what that
-    means). If the caller is cancelled meanwhile, abandon() runs on the pool (the call ended, its body run to
-    its end) and CancelledError goes on."""
-    loop = asyncio.get_running_loop()
-    woken = loop.create_future()
+class _Watch:
+    """A Wait, watched from a pool thread (WatchedCondition.watch takes the bookkeeping lock there, never on the
+    loop): `woken`, a future of the loop, is done once the wait is ready or its deadline passed."""
 
-    def end() -> None:
-        if not woken.done():
-            woken.set_result(None)
+    def __init__(self, wait: Wait, loop: asyncio.AbstractEventLoop):
+        self.wait, self.loop = wait, loop
+        self.woken = loop.create_future()
+        self.left = wait.left()
+        self.key = wait.cond.watch(wait.ready, lambda: loop.call_soon_threadsafe(self.end), wait.level)
 
-    key = wait.cond.watch(wait.ready, lambda: loop.call_soon_threadsafe(end), wait.level)
-    left = wait.left()
-    timer = loop.call_later(left, end) if left is not None else None
+    def end(self) -> None:
+        """(On the loop.) The wait is over."""
+        if not self.woken.done():
+            self.woken.set_result(None)
+
+    def forget(self) -> None:
+        """(On the pool.) Its watcher goes, if it was not called back (a deadline passed, a cancelled call)."""
+        self.wait.cond.unwatch(self.key)
+
+
+def _part(loop: asyncio.AbstractEventLoop, watch: _Watch | None, function, *args):
+    """(On the pool.) The previous wait's watcher forgotten, function(*args): a Wait it returns is watched."""
+    if watch is not None:
+        watch.forget()
+    result = function(*args)
+    return _Watch(result, loop) if isinstance(result, Wait) else result
+
+
+async def _await(watch: _Watch, pool: concurrent.futures.Executor, abandon: Callable[[], None]) -> None:
+    """Waits on the loop, taking no lock, until `watch` is ready or its deadline passed (the body then decides
+    what that means). If the caller is cancelled meanwhile, the watcher is forgotten and abandon() runs on the
+    pool (the call ended, its body run to its end), and CancelledError goes on."""
+    timer = watch.loop.call_later(watch.left, watch.end) if watch.left is not None else None
     try:
-        await woken
+        await watch.woken
     except asyncio.CancelledError:
+        pool.submit(watch.forget)
         pool.submit(abandon)
         raise
     finally:
         if timer is not None:
             timer.cancel()
-        wait.cond.unwatch(key)
 
 
 def _finish(run) -> None:
