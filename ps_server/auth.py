@@ -52,10 +52,9 @@ def _matches(token: str, secret: str | None) -> bool:
 
 
 def _aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, error: str, details: str):
-    """A handler of the same shape as `handler` that refuses the call."""
-    def refuse(request_or_iterator, context):
-        context.set_trailing_metadata(((ERROR_METADATA_KEY, error),))
-        context.abort(code, details)
+    """A handler (asyncio, for the shard's grpc.aio server) of the same shape as `handler` that refuses the call."""
+    async def refuse(request_or_iterator, context):
+        await context.abort(code, details, ((ERROR_METADATA_KEY, error),))
 
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
              (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
@@ -66,15 +65,15 @@ def _accepts(security: Security, token: str) -> bool:
     return _matches(token, security.token) or _matches(token, security.admin_token) or bool(security.task_of(token))
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call that does not carry the job or admin token."""
 
     def __init__(self, tokens: TokenFile, index: int):
         self._tokens = tokens
         self._index = index
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith("/grpc.health."):
             return handler
         token = _token_of(handler_call_details.invocation_metadata)

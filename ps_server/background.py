@@ -10,6 +10,7 @@ never answers with one of them dead.
 from __future__ import annotations
 
 import logging
+import math
 
 from .aggregation import apply_step
 from .bookkeeping import Bookkeeping
@@ -74,4 +75,5 @@ def reap(book: Bookkeeping) -> None:
             grace_end = clock.grace_end()
             deadlines = [d for d in (membership.next_deadline(config.lease_seconds, config.progress_seconds),
                                      grace_end if grace_end > now else None) if d is not None]
-            book.reaper_wake.wait(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None)
+            book.reaper_until = min(deadlines) + 0.01 if deadlines else math.inf
+            book.reaper_wake.wait(max(0.0, book.reaper_until - now) if deadlines else None)

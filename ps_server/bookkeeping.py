@@ -12,9 +12,10 @@ several of them (a push's admission, a worker's lease and the quorum, a shard
 catching up with the job's step) is made holding `cond` ("bookkeeping" in
 locks.LOCK_ORDER), and so are the decisions of the push path (pushes.py), the
 saves (snapshots.py) and the background threads (background.py). Every wait
-waits on `cond` (the lease reaper on `reaper_wake`, over the same lock, woken
-only when a deadline may have moved earlier: membership, mode, a held push
-released, close), and whoever changes what a wait looks at calls notify()
+waits on `cond`, a thread in it or an event loop's watcher of it (waits.py)
+(the lease reaper on `reaper_wake`, over the same lock, woken only when a
+deadline may have moved earlier: membership, mode, a held push released
+while it sleeps past that push's progress deadline, close), and whoever changes what a wait looks at calls notify()
 or cond.notify_all() holding it. Every wait ends: at its deadline (at most
 step_clock.MAX_WAIT_SECONDS) with WaitTimeoutError, at close() with
 ServerUnavailableError, or when its caller went away (`cancelled()`, checked
@@ -37,6 +38,7 @@ from .modes import SyncConfig, quorum_for
 from .recording import Recorder
 from .step_clock import CHIEF, StepClock
 from .store import VariableStore
+from .waits import WatchedCondition
 
 __all__ = ["Bookkeeping"]
 
@@ -53,7 +55,7 @@ class Bookkeeping:
     def __init__(self, store: VariableStore, recorder: Recorder, clock: Callable[[], float],
                  membership: Membership | None = None):
         lock = threading.RLock()
-        self.cond = threading.Condition(lock)
+        self.cond = WatchedCondition(lock, lambda: store.step)  # waits of threads or of an event loop
         self.reaper_wake = threading.Condition(lock)
         self.store = store
         self.recorder = recorder
@@ -62,6 +64,7 @@ class Bookkeeping:
         self.ledger = PushLedger()
         self.pending = PendingSteps()
         self.closed = False
+        self.reaper_until: float | None = None  # when the lease reaper wakes next (None: not known yet)
 
     # -- waking and stopping -----------------------------------------------------------------------
 
@@ -74,7 +77,15 @@ class Bookkeeping:
         """Ends every wait (they raise ServerUnavailableError) and the background threads. Never blocks."""
         with self.cond:
             self.closed = True
-            self.notify()
+            self.cond.notify_all(every=True)
+            self.reaper_wake.notify()
+
+    def progress_renewed(self, now: float) -> None:
+        """A worker's progress deadline counts again from `now` (a held push let go): wakes the lease reaper
+        only if it sleeps past the earliest that deadline can be (holds cond), so a released step costs O(1)
+        here per push, not a reaper pass over every member."""
+        if self.reaper_until is None or self.reaper_until > now + self.clock.config.progress_seconds:
+            self.reaper_wake.notify()
 
     def check_open(self) -> None:
         """ServerUnavailableError once close()d."""
@@ -133,7 +144,8 @@ class Bookkeeping:
         now = self.clock.now()
         event, retired = self.membership.touch(
             worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
-            in_grace=self.clock.in_grace(now), level=self.min_clock(), progress=progress)
+            in_grace=self.clock.in_grace(now), progress=progress,
+            level=self.min_clock() if self.clock.config.mode != "sync" else 0)  # sync mode moves no clocks
         if retired is not None:
             self.ledger.forget(worker, retired)
         if event is not None:

@@ -56,7 +56,7 @@ from .snapshots import Saves, state_of
 from .step_clock import CHIEF, MAX_WAIT_SECONDS, READER, WORKER
 from .store import NewVariable, VariableStore
 from .tables import TableStore, split_rows
-from .waits import WaitLimit
+from .waits import Wait, Waiting, WaitLimit, run_blocking
 
 __all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP", "CHIEF", "WORKER", "READER"]
 
@@ -76,7 +76,9 @@ class Coordinator:
     lease reaper, the sync applier) run under `failstop`: an exception in
     one ends the process (failstop.FailStop; a default one if not given).
     `membership` bounds who may join (membership.Membership; unbounded if
-    not given).
+    not given). At most `max_waiting_calls` calls wait at once, of them at
+    most `threaded_waits` (None: no separate bound) of the kinds that block
+    a thread (waits.WaitLimit).
 
     The owners are attributes, for status and tests: `membership`, `ledger`,
     `pending` (aggregation.PendingSteps), `recorder`, `gate`, `waits`,
@@ -84,13 +86,13 @@ class Coordinator:
     """
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
-                 max_waiting_calls: int = 96, journal=None, start: bool = True, failstop: FailStop | None = None,
-                 membership: Membership | None = None, index: int = 0):
+                 max_waiting_calls: int = 96, threaded_waits: int | None = None, journal=None, start: bool = True,
+                 failstop: FailStop | None = None, membership: Membership | None = None, index: int = 0):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
         self.owns_step = owns_step
-        self.waits = WaitLimit(max_waiting_calls)
+        self.waits = WaitLimit(max_waiting_calls, threaded_waits)
         self.gate = ApplyGate()
         self.layout = ShardLayout(index)  # the layout epoch and what left this shard (live resize)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
@@ -359,14 +361,23 @@ class Coordinator:
              step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
              timeout: float | None = None, by: str = CHIEF,
              received: Mapping[str, tuple] | None = None, repeat: bool = False) -> PushResult:
-        """Handles one push according to the mode, at most once per (worker, incarnation, seq).
+        """push_waiting (which see), waiting in this thread."""
+        return run_blocking(self.push_waiting(worker, incarnation, seq, step, grads, step_increment, cancelled,
+                                              hold=hold, timeout=timeout, by=by, received=received, repeat=repeat))
+
+    def push_waiting(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
+                     step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
+                     timeout: float | None = None, by: str = CHIEF,
+                     received: Mapping[str, tuple] | None = None, repeat: bool = False) -> Waiting[PushResult]:
+        """Handles one push according to the mode, at most once per (worker, incarnation, seq); a generator
+        that yields a waits.Wait wherever it waits (run it with waits.run_blocking, or on an event loop).
 
         `grads` maps variables to dense gradients and tables to their
         tables.RowGradient (a ROWS tensor), applied together (async, ssp) or,
         in sync mode, summed together into the step's pending sums and
         averaged when the step applies (pushes.py). Raises (changing
         nothing) for invalid gradients or numbers, or a replaced incarnation.
-        Blocks on shard 0 (on every shard with `hold`, for PushPull, or with
+        Waits on shard 0 (on every shard with `hold`, for PushPull, or with
         row gradients) in sync mode until the worker may go on, on shard 0 in
         ssp mode while it is too far ahead; a retry waits for its original.
         `by`: who makes the call (see "Authority over the step").
@@ -378,6 +389,8 @@ class Coordinator:
         `repeat`: a retry carrying gradients of variables that moved away since
         (a live resize), left out of `grads`: answered as a duplicate if its
         original was applied, else LayoutChangedError (nothing applied here).
+        A call closed at a wait (its generator's close()) before its push was
+        counted is forgotten, as if it had failed.
         """
         self._check_step(step, "push step")
         if step_increment not in (0, 1):
@@ -386,23 +399,30 @@ class Coordinator:
         self.store.validate(grads)
         self.tables.validate(table_rows)
         deadline = self._book.clock.deadline(timeout)
-        return self._pushes.push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled,
-                                 hold, deadline, by, received, repeat)
+        return (yield from self._pushes.push(worker, incarnation, seq, step, grads, table_rows, step_increment,
+                                             cancelled, hold, deadline, by, received, repeat))
 
     def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
                       by: str = CHIEF) -> int:
-        """Blocks until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s.
-        `by`: who makes the call (see "Authority over the step")."""
+        """step_waiting (which see), waiting in this thread."""
+        return run_blocking(self.step_waiting(min_step, timeout, cancelled, by=by))
+
+    def step_waiting(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
+                     by: str = CHIEF) -> Waiting[int]:
+        """Waits until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s.
+        `by`: who makes the call (see "Authority over the step"). A generator, as push_waiting."""
         self._check_step(min_step, "min_step")
         book = self._book
         deadline = book.clock.deadline(timeout)
         with book.cond:
             book.check_open()
             book.catch_up(min_step, by)
-            if self.store.step < min_step:
-                with self.waits.slot("pull"):
-                    book.cond.wait_for(lambda: self.store.step >= min_step or cancelled() or book.closed,
-                                       book.clock.left(deadline))
+            reached = self.store.step >= min_step
+        if not reached:
+            with self.waits.slot("pull"):
+                yield Wait(book.cond, lambda: self.store.step >= min_step or cancelled() or book.closed,
+                           lambda: book.clock.left(deadline), level=min_step)
+        with book.cond:
             book.check_open()
             if self.store.step < min_step and not cancelled():
                 raise WaitTimeoutError(

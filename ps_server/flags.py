@@ -17,12 +17,15 @@ from ..security import Security, require_credentials
 from ..sizes import DEFAULT_MAX_CHUNK_BYTES, parse_bytes
 from .stalls import DEFAULT_IDLE_SECONDS
 
-__all__ = ["parse_args", "resolve", "load_security", "DEFAULT_THREADS", "DEFAULT_ELASTIC_WORKERS"]
+__all__ = ["parse_args", "resolve", "load_security", "DEFAULT_THREADS", "DEFAULT_MAX_WAITING_CALLS", "DEFAULT_ELASTIC_WORKERS"]
 
 _LOGGER = logging.getLogger("torchps.ps_server")
-# gRPC handler threads. Every worker held for a sync release, or waiting in a min_step pull, occupies one; at
-# most max_waiting_calls of them wait at once, so the rest always serve status, heartbeats and plain calls.
+# Threads that run the shard's RPC bodies (the gRPC edge is an event loop, edge.py). A sync push held for its
+# release or a min_step pull waits on the loop and holds none; a save or a wait for names or data holds one (at
+# most three quarters of them), so the rest always serve status, heartbeats and plain calls.
 DEFAULT_THREADS = 128
+# Calls waiting at once, of every kind: each costs a coroutine and a watcher of the bookkeeping, no thread.
+DEFAULT_MAX_WAITING_CALLS = 4096
 DEFAULT_ELASTIC_WORKERS = 8  # names beyond the cluster spec: a few restarts under new names, not an invented horde
 
 
@@ -46,12 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk accepted or sent (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help="RPC threads (default: %(default)s)")
+                        help="threads that run RPC bodies; calls held for a sync release or a step hold none "
+                        "(default: %(default)s)")
     parser.add_argument("--torch-threads", type=_threads, default=0, help="torch's CPU threads for updates and "
                         "lookups (default: torch's own, one per core; 1 suits a shard sharing its cores with others)")
     parser.add_argument("--max-waiting-calls", type=int, default=None,
                         help="calls that may wait at once (held sync pushes, min_step pulls, saves, ...); past it a "
-                        "call gets RESOURCE_EXHAUSTED at once (default: three quarters of --threads)")
+                        "call gets RESOURCE_EXHAUSTED at once; not tied to --threads (saves and waits for names "
+                        "or data also stop at three quarters of --threads) (default: 4096)")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here when the chief asks (a folder every shard "
                         "shares), and on start restore the newest committed one")
     parser.add_argument("--restore-from", help="start from the newest committed checkpoint in this folder, "

@@ -3,7 +3,10 @@
 Coordinator.push validates a push and hands it to PushPath.push. Decisions
 are made holding the bookkeeping condition (bookkeeping.py), gradients are
 applied or summed under the apply gate without it, and the push's journal
-record is waited for holding no lock (locks.LOCK_ORDER).
+record is waited for holding no lock (locks.LOCK_ORDER). A push is a
+generator that yields a waits.Wait where it waits for a release, the ssp
+bound or its original, holding no lock, so its caller may wait in a thread
+or on an event loop (waits.py).
 
 Row gradients (embedding tables) follow their push in every mode: applied
 with it in async and ssp modes; in sync mode summed into the step's buffer
@@ -32,7 +35,7 @@ from .ledger import PushRecord
 from .modes import PushResult
 from .recording import Recorder
 from .tables import TableStore
-from .waits import WaitLimit
+from .waits import Wait, Waiting, WaitLimit
 
 __all__ = ["PushPath"]
 
@@ -58,14 +61,23 @@ class PushPath:
 
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              table_rows: Mapping, step_increment: int, cancelled: Callable[[], bool], hold: bool, deadline: float,
-             by: str, received: Mapping[str, tuple] | None, repeat: bool = False) -> PushResult:
-        """Handles one push (validated: see Coordinator.push for what it does, blocks on and raises)."""
+             by: str, received: Mapping[str, tuple] | None, repeat: bool = False) -> Waiting[PushResult]:
+        """Handles one push (validated: see Coordinator.push for what it does and raises); yields a Wait
+        (waits.py) where it waits, holding no lock. Each part between two waits runs with the push's journal
+        context (Recorder.pushing) in the thread that runs it."""
         slot: list[str] = []  # the waiting slot this push took, if it will be held
+        call = self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
+                          deadline, slot, by, repeat)
         try:
-            with self._recorder.pushing(table_rows, received):  # its journal record carries them
-                return self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled,
-                                  hold, deadline, slot, by, repeat)
+            while True:
+                with self._recorder.pushing(table_rows, received):  # its journal record carries them
+                    try:
+                        wait = next(call)
+                    except StopIteration as stop:
+                        return stop.value
+                yield wait
         finally:
+            call.close()
             if slot:
                 self._waits.release(slot[0])
 
@@ -85,7 +97,8 @@ class PushPath:
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
-              cancelled, hold: bool, deadline: float, slot: list[str], by: str, repeat: bool) -> PushResult:
+              cancelled, hold: bool, deadline: float, slot: list[str], by: str, repeat: bool
+              ) -> Waiting[PushResult]:
         # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
         # then read the rows of the released step on every shard.
@@ -95,49 +108,59 @@ class PushPath:
             with book.cond:
                 book.check_open()
                 book.membership.check(worker, incarnation)
-                record = ledger.seen(worker, incarnation, seq)
-                if record is not None:
-                    result = self._duplicate(worker, incarnation, record, seq, cancelled, hold, deadline)
-                    if result is None and not repeat:
-                        continue  # the original failed before changing anything: apply this one
-                    if result is not None:
-                        ledger.count_duplicate()
-                        break
-                if repeat:  # its original changed nothing, and some of its variables left: the client sends again
-                    raise LayoutChangedError(f"push {seq} of {worker} names variables that moved to another shard "
-                                             f"since it was first sent, and was not applied here; nothing was "
-                                             f"changed: ask for the layout")
-                book.catch_up(step, by, pushed=True)
-                mode = book.clock.config.mode
-                if mode == "sync":
-                    book.check_ahead(step, "push step")
-                if mode == "ssp" or (mode == "sync" and step >= pending.open_step(self._store.step)):
-                    kind = self._hold_kind(worker, step, hold)
-                    if kind is not None:  # refused here, before the push changes anything
-                        self._waits.acquire(kind)
-                        slot.append(kind)
-                book.touch(worker, incarnation, step, progress=True)
-                book.membership.pushed(worker, book.clock.now())
-                if mode == "sync" and step < pending.open_step(self._store.step):
-                    return self._stale(worker, incarnation, seq, step)
-                record = ledger.begin(worker, incarnation, seq, step)
-                buffer = pending.reserve(step) if mode == "sync" else None
-            try:
-                if buffer is not None:
-                    return self._push_sync(worker, incarnation, seq, step, grads, table_rows, record, buffer,
-                                           cancelled, hold, deadline)
-                return self._push_async(worker, incarnation, seq, step, grads, table_rows, step_increment, record,
-                                        mode == "ssp", cancelled, deadline)
-            except BaseException:
+                original = ledger.seen(worker, incarnation, seq)
+                if original is None and repeat:
+                    raise _refused_repeat(worker, seq)
+                if original is None:
+                    admitted = self._admit(worker, incarnation, seq, step, hold, slot, by)
+                    if isinstance(admitted, PushResult):
+                        return admitted
+                    record, buffer = admitted
+                    break
+            result = yield from self._duplicate(worker, incarnation, original, seq, cancelled, hold, deadline)
+            if result is None and repeat:
+                raise _refused_repeat(worker, seq)
+            if result is not None:
                 with book.cond:
-                    if record is None or not record.applied:
-                        ledger.abort(worker, incarnation, record)
-                        if buffer is not None:
-                            pending.unreserve(buffer)
-                    book.cond.notify_all()
-                raise
-        self._recorder.durable_all(book.clock.left(deadline))  # a retry is acknowledged once its original's
-        return result                                          # record is written
+                    ledger.count_duplicate()
+                self._recorder.durable_all(book.clock.left(deadline))  # a retry is acknowledged once its
+                return result                                          # original's record is written
+            # else the original failed before changing anything: this one is applied
+        try:
+            if buffer is not None:
+                return (yield from self._push_sync(worker, incarnation, seq, step, grads, table_rows, record, buffer,
+                                                   cancelled, hold, deadline))
+            return (yield from self._push_async(worker, incarnation, seq, step, grads, table_rows, step_increment,
+                                                record, book.clock.config.mode == "ssp", cancelled, deadline))
+        except BaseException:  # GeneratorExit too: a call closed before it was applied is forgotten
+            with book.cond:
+                if record is None or not record.applied:
+                    ledger.abort(worker, incarnation, record)
+                    if buffer is not None:
+                        pending.unreserve(buffer)
+                book.cond.notify_all()
+            raise
+
+    def _admit(self, worker: str, incarnation: int, seq: int, step: int, hold: bool, slot: list[str], by: str
+               ) -> PushResult | tuple[PushRecord | None, StepBuffer | None]:
+        """A new push's admission (holds cond): its stale reply, or (its ledger record, the sync step's buffer
+        it will add to or None). Takes the waiting slot it will need (ResourceExhaustedError, nothing changed)."""
+        book, pending = self._book, self._book.pending
+        book.catch_up(step, by, pushed=True)
+        mode = book.clock.config.mode
+        if mode == "sync":
+            book.check_ahead(step, "push step")
+        if mode == "ssp" or (mode == "sync" and step >= pending.open_step(self._store.step)):
+            kind = self._hold_kind(worker, step, hold)
+            if kind is not None:  # refused here, before the push changes anything
+                self._waits.acquire(kind)
+                slot.append(kind)
+        book.touch(worker, incarnation, step, progress=True)
+        book.membership.pushed(worker, book.clock.now())
+        if mode == "sync" and step < pending.open_step(self._store.step):
+            return self._stale(worker, incarnation, seq, step)
+        record = book.ledger.begin(worker, incarnation, seq, step)
+        return record, pending.reserve(step) if mode == "sync" else None
 
     def _stale(self, worker: str, incarnation: int, seq: int, step: int) -> PushResult:
         """The reply to a sync push computed at a step already applied, which is dropped (holds cond)."""
@@ -151,31 +174,48 @@ class PushPath:
         book.ledger.answer(record, result)
         return result
 
+    def _wait(self, ready: Callable[[], bool], deadline: float, level: int | None = None) -> Wait:
+        """A Wait on the bookkeeping condition until ready(), close() or `deadline` (ready() false before the
+        step reaches `level`)."""
+        book = self._book
+        return Wait(book.cond, lambda: ready() or book.closed, lambda: book.clock.left(deadline), level)
+
     def _duplicate(self, worker: str, incarnation: int, record: PushRecord, seq: int, cancelled, hold: bool,
-                   deadline: float) -> PushResult | None:
-        """The reply to a repeated push (holds cond); None if its original failed and it must be applied."""
+                   deadline: float) -> Waiting[PushResult | None]:
+        """The reply to a repeated push of `record`; None if its original failed (or its record is no longer
+        the ledger's) and it must be applied. Takes cond."""
         book, ledger = self._book, self._book.ledger
-        current = self._store.step
-        if record.seq != seq or record.step < 0:  # a straggler of an older push: never applied now
-            return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
-        if not record.stale and not ledger.settled(record):
-            with self._waits.slot("retry"):  # a retry waiting for its original, still being handled
-                done = book.cond.wait_for(lambda: ledger.settled(record) or book.closed
-                                          or ledger.seen(worker, incarnation, seq) is not record
-                                          or cancelled(), book.clock.left(deadline))
-            book.check_open()
-            if ledger.seen(worker, incarnation, seq) is not record:
+
+        def replaced() -> bool:
+            return ledger.seen(worker, incarnation, seq) is not record
+
+        with book.cond:
+            if replaced():
                 return None
-            if not done:
-                raise WaitTimeoutError(f"a retried push from {worker} waited for its original, still running")
-        if book.clock.config.mode == "sync" and not record.stale:
-            held = (self._owns_step or hold) and self._store.step <= record.step
-            with self._waits.slot("release") if held else contextlib.nullcontext():
-                released = self._await_release(worker, record.step, cancelled, hold, deadline)
-            return dataclasses.replace(released, duplicate=True)
-        if record.result is None:  # cancelled before the original finished
-            return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
-        return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
+            current = self._store.step
+            if record.seq != seq or record.step < 0:  # a straggler of an older push: never applied now
+                return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
+            running = not record.stale and not ledger.settled(record)
+        if running:  # a retry waiting for its original, still being handled
+            with self._waits.slot("retry"):
+                yield self._wait(lambda: ledger.settled(record) or replaced() or cancelled(), deadline)
+            with book.cond:
+                book.check_open()
+                if replaced():
+                    return None
+                if not (ledger.settled(record) or cancelled()):
+                    raise WaitTimeoutError(f"a retried push from {worker} waited for its original, still running")
+        with book.cond:
+            sync = book.clock.config.mode == "sync" and not record.stale
+            held = sync and (self._owns_step or hold) and self._store.step <= record.step
+            if not sync:
+                current = self._store.step
+                if record.result is None:  # cancelled before the original finished
+                    return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
+                return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
+        with self._waits.slot("release") if held else contextlib.nullcontext():
+            released = yield from self._await_release(worker, record.step, cancelled, hold, deadline)
+        return dataclasses.replace(released, duplicate=True)
 
     def _push_async(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
                     step_increment: int, record: PushRecord | None, ssp: bool, cancelled, deadline: float
@@ -200,18 +240,19 @@ class PushPath:
             bound = book.clock.config.max_staleness
             start = book.clock.now()
 
-            def ahead() -> int:
-                return book.membership.clock_of(worker) - book.min_clock()
+        def ahead() -> int:
+            return book.membership.clock_of(worker) - book.min_clock()
 
-            self._hold(worker, lambda: ahead() <= bound or cancelled(), deadline,
-                       lambda: f"{worker} is {ahead()} pushes ahead of the slowest live worker (bound {bound})")
+        yield from self._hold(worker, lambda: ahead() <= bound or cancelled(), deadline, None,
+                              lambda: f"{worker} is {ahead()} pushes ahead of the slowest live worker (bound {bound})")
+        with book.cond:
             current = self._store.step
             return dataclasses.replace(result, step=current, next_step=current,
                                        wait_seconds=book.clock.now() - start)
 
     def _push_sync(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
                    record: PushRecord | None, buffer: StepBuffer, cancelled, hold: bool, deadline: float
-                   ) -> PushResult:
+                   ) -> Waiting[PushResult]:
         """Adds a push (dense and row gradients, all or nothing) to the buffer of `step` that _push reserved,
         counts it, then waits as _await_release says. If the add raises, nothing was added (_push then
         forgets the push and unreserves the buffer). Its journal record ("add") carries the rows too
@@ -227,15 +268,16 @@ class PushPath:
                 book.pending.counted(buffer, worker)
                 book.cond.notify_all()
         recorder.durable(tickets[0], book.clock.left(deadline))  # written (outside every lock) before it is
-        with book.cond:                                           # acknowledged
-            result = self._await_release(worker, step, cancelled, hold, deadline)
+        result = yield from self._await_release(worker, step, cancelled, hold, deadline)  # acknowledged
+        with book.cond:
             book.ledger.answer(record, result)
-            return result
+        return result
 
-    def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float) -> PushResult:
+    def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float
+                       ) -> Waiting[PushResult]:
         """On shard 0 (any shard with `hold`), waits until `worker` may go on after pushing for `step`.
 
-        Holds cond. The worker may go on once this shard has applied `step`,
+        Takes cond. The worker may go on once this shard has applied `step`,
         or while the step still wants more of its batches (R > N).
         """
         book = self._book
@@ -247,26 +289,39 @@ class PushPath:
                 return (self._store.step > step or cancelled()
                         or book.pending.wants_more(step, worker, per_worker))
 
-            self._hold(worker, may_go_on, deadline,
-                       lambda: f"step {step} was not released (shard at step {self._store.step}, quorum "
-                               f"{book.pending.quorum}, {book.membership.live()} live workers)")
-        current = self._store.step
-        return PushResult(step=current, next_step=max(current, step), wait_seconds=book.clock.now() - start,
-                          quorum=book.pending.quorum)
+            yield from self._hold(worker, may_go_on, deadline, step + 1 if per_worker == 1 else None,
+                                  lambda: f"step {step} was not released (shard at step {self._store.step}, quorum "
+                                          f"{book.pending.quorum}, {book.membership.live()} live workers)")
+        with book.cond:
+            current = self._store.step
+            return PushResult(step=current, next_step=max(current, step), wait_seconds=book.clock.now() - start,
+                              quorum=book.pending.quorum)
 
-    def _hold(self, worker: str, condition: Callable[[], bool], deadline: float, describe: Callable[[], str]) -> None:
-        """Waits (holds cond, and the push's waiting slot) until `condition()`, counting as a held push of
-        `worker` (never a stall). WaitTimeoutError at `deadline`, ServerUnavailableError at close."""
+    def _hold(self, worker: str, condition: Callable[[], bool], deadline: float, level: int | None,
+              describe: Callable[[], str]) -> Waiting[None]:
+        """Waits (with the push's waiting slot, holding no lock) until `condition()` (false before the step
+        reaches `level`, None: unknown), counting as a held push of `worker` (never a stall).
+        WaitTimeoutError at `deadline`, ServerUnavailableError at close."""
         book = self._book
-        member = book.membership.hold(worker)
+        with book.cond:
+            member = book.membership.hold(worker)
         try:
-            done = book.cond.wait_for(lambda: condition() or book.closed, book.clock.left(deadline))
+            yield self._wait(condition, deadline, level)
         finally:
-            if book.membership.unhold(member, book.clock.now()):
-                book.reaper_wake.notify()  # its progress deadline counts again
-        book.check_open()
-        if not done:
-            raise WaitTimeoutError(describe())
+            with book.cond:
+                now = book.clock.now()
+                if book.membership.unhold(member, now):
+                    book.progress_renewed(now)  # its progress deadline counts again
+        with book.cond:
+            book.check_open()
+            if not condition():
+                raise WaitTimeoutError(describe())
+
+
+def _refused_repeat(worker: str, seq: int) -> LayoutChangedError:
+    """A retry whose original changed nothing here, naming variables that left since: the client sends again."""
+    return LayoutChangedError(f"push {seq} of {worker} names variables that moved to another shard since it was "
+                              f"first sent, and was not applied here; nothing was changed: ask for the layout")
 
 
 def _push_meta(worker: str, incarnation: int, seq: int, step: int) -> dict:

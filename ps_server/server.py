@@ -24,12 +24,13 @@ from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
-from .flags import DEFAULT_THREADS
+from .edge import LoopServer
+from .flags import DEFAULT_MAX_WAITING_CALLS, DEFAULT_THREADS
 from .stalls import DEFAULT_IDLE_SECONDS
 from .tokens import TokenFile
 
-__all__ = ["create_server", "recover", "default_max_waiting_calls", "serve_health", "set_health", "SERVICE_NAME",
-           "DEFAULT_THREADS"]
+__all__ = ["create_server", "recover", "threaded_waits", "serve_health", "set_health", "SERVICE_NAME",
+           "DEFAULT_THREADS", "DEFAULT_MAX_WAITING_CALLS"]
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -56,8 +57,12 @@ def create_server(
     workers: frozenset[str] = frozenset(),
     elastic_workers: int | None = None,
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
-) -> tuple[grpc.Server, int, Coordinator]:
+) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
+    The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
+    blocking start and stop): call bodies run on a pool of `threads`, held sync pushes and min_step pulls wait
+    on the loop holding none; at most `max_waiting_calls` calls wait at once (default
+    flags.DEFAULT_MAX_WAITING_CALLS), of them at most threaded_waits(threads) holding a thread.
 
     Port 0 picks a free port. Raises RuntimeError if the address cannot be
     bound (in use, or not a local address). Messages above max_chunk_bytes plus
@@ -77,9 +82,17 @@ def create_server(
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
+    if threads < 2:
+        raise RuntimeError(f"--threads must be at least 2 (one always free for calls that never wait). "
+                           f"Received: {threads}")
+    if max_waiting_calls is None:
+        max_waiting_calls = DEFAULT_MAX_WAITING_CALLS
+    if max_waiting_calls < 1:
+        raise RuntimeError(f"--max-waiting-calls must be at least 1. Received: {max_waiting_calls}")
     tokens = TokenFile(security)  # the interceptor and the roles follow the token file as it changes
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}"),
+    pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}")
+    server = LoopServer(lambda: grpc.aio.server(
+        migration_thread_pool=pool,  # the health and reflection services' handlers
         interceptors=[TokenInterceptor(tokens, index)] if security.checks_tokens else None,
         options=[
             ("grpc.max_receive_message_length", limit),
@@ -89,33 +102,25 @@ def create_server(
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
-    )
-    if threads < 2:
-        raise RuntimeError(f"--threads must be at least 2 (one always free for calls that never wait). "
-                           f"Received: {threads}")
-    if max_waiting_calls is None:
-        max_waiting_calls = default_max_waiting_calls(threads)
-    if not 1 <= max_waiting_calls < threads:
-        raise RuntimeError(f"--max-waiting-calls must be at least 1 and below --threads ({threads}). "
-                           f"Received: {max_waiting_calls}")
+    ), name=f"ps{index}-loop")
     if health_servicer is None:
         health_servicer = health.HealthServicer()
         set_health(health_servicer, serving=True)
     if failstop is None:
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
     coordinator = Coordinator(store, owns_step=index == 0, index=index, max_waiting_calls=max_waiting_calls,
-                              start=False,
-                              failstop=failstop, membership=Membership(workers, elastic_workers))
+                              threaded_waits=threaded_waits(threads), start=False, failstop=failstop,
+                              membership=Membership(workers, elastic_workers))
     recover(coordinator, journal, restore)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
                                        security=security, tokens=tokens, quotas=quotas, metrics=metrics,
                                        stream_idle_seconds=stream_idle_seconds)
-    add_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.call(add_to_server, servicer, server.server, pool)
+    server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:
-        reflection_service.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection_service.SERVICE_NAME), server)
+        server.call(reflection_service.enable_server_reflection,
+                    (SERVICE_NAME, health.SERVICE_NAME, reflection_service.SERVICE_NAME), server.server)
     credentials = grpc.ssl_server_credentials([(security.key, security.cert)], root_certificates=security.ca,
                                               require_client_auth=True) if security.tls else None
     port = _add_port(server, address, credentials, address)
@@ -177,12 +182,13 @@ def serve_health(health_servicer: health.HealthServicer, address: str) -> tuple[
     return server, port
 
 
-def default_max_waiting_calls(threads: int) -> int:
-    """Three quarters of the RPC threads may wait; the rest serve calls that never do."""
+def threaded_waits(threads: int) -> int:
+    """Calls that may wait holding an RPC thread (waits.THREADED): three quarters of the threads; the rest serve
+    calls that never wait."""
     return max(1, threads - max(1, threads // 4))
 
 
-def _add_port(server: grpc.Server, address: str, credentials, what: str) -> int:
+def _add_port(server: grpc.Server | LoopServer, address: str, credentials, what: str) -> int:
     """The port `server` bound at `address` (TLS with `credentials`); RuntimeError naming `what` if none."""
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

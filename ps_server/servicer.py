@@ -1,6 +1,9 @@
 """The gRPC edge of a shard: decode requests, call the store, encode replies, map errors.
 
-Every handler is wrapped by `_map_errors`, the one place where PSError
+Every method runs as an asyncio handler (edge.py): its body here is blocking
+code on the shard's thread pool, and the bodies that wait for a sync release
+or a step (Push, PushPull, Pull) yield their waits (waits.Wait) to the event
+loop instead of holding a thread. `_status_of` is the one place where PSError
 subclasses become gRPC status codes (with the class name in the trailing
 metadata key `torchps-error`) and anything unexpected becomes INTERNAL, so a
 bad request never takes the server down.
@@ -18,6 +21,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import Executor
 from typing import Callable
 
 import grpc
@@ -36,6 +40,7 @@ from ..security import INSECURE, Security
 from .auth import Authority, Caller
 from .metrics import ShardMetrics
 from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
+from .edge import CallContext, CallEnded, handler
 from .dataqueue import QueueSpec
 from .quotas import Quotas, optimizer_slots
 from .modes import SyncConfig
@@ -43,6 +48,7 @@ from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
 from .tokens import TokenFile
+from .waits import Waiting
 
 __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
@@ -51,24 +57,22 @@ MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; client
 MEMORY_REFRESH_SECONDS = 1.0  # GetStatus is the clients' readiness probe: /proc and malloc are read this often
 
 
-def _abort(context: grpc.ServicerContext, exc: PSError) -> None:
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
-    context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
-
-
-def _handle(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+def _status_of(method: str, exc: Exception, context: CallContext) -> tuple[grpc.StatusCode, str, tuple]:
+    """The status a call that raised `exc` ends with: (code, details, trailing metadata)."""
+    if context.stalled is not None:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, context.stalled, ()
     if isinstance(exc, PSError):
         _LOGGER.debug("%s rejected: %s", method, exc)
-        _abort(context, exc)
-    elif isinstance(exc, grpc.RpcError) or not context.is_active():
+        return getattr(grpc.StatusCode, exc.grpc_code), str(exc), ((ERROR_METADATA_KEY, type(exc).__name__),)
+    if isinstance(exc, (grpc.RpcError, CallEnded)) or not context.is_active():
         _LOGGER.info("%s: the client went away mid-call; nothing was applied", method)
-        context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the call")
-    else:
-        _LOGGER.exception("%s failed unexpectedly", method)
-        _abort(context, InternalServerError(f"{method} failed on the shard: {type(exc).__name__}: {exc}"))
+        return grpc.StatusCode.CANCELLED, "the client cancelled the call", ()
+    _LOGGER.exception("%s failed unexpectedly", method, exc_info=exc)
+    error = InternalServerError(f"{method} failed on the shard: {type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, str(error), ((ERROR_METADATA_KEY, type(error).__name__),)
 
 
-def _remaining(context: grpc.ServicerContext) -> float | None:
+def _remaining(context: CallContext) -> float | None:
     """Seconds left before the call's deadline, or None without one (gRPC then reports a huge value)."""
     remaining = context.time_remaining()
     return None if remaining is None or remaining > 1e7 else max(0.0, remaining)
@@ -89,17 +93,6 @@ def _decoded(request_iterator, decode):
         yield _decode(decode, raw)
 
 
-def _end_stalled(context: grpc.ServicerContext, details: str) -> None:
-    """Ends a call from outside its handler with DEADLINE_EXCEEDED and `details`. gRPC Python has no public
-    call for that (RpcContext.cancel() ends it CANCELLED, the fallback where its internals differ)."""
-    try:
-        from grpc._cython import cygrpc
-
-        context._rpc_event.call.cancel(cygrpc.StatusCode.deadline_exceeded, details)
-    except Exception:  # noqa: BLE001 - another grpcio's internals
-        context.cancel()
-
-
 def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -> None:
     """SpecConflictError if a stream re-declares a held variable with another dtype or shape."""
     if declared.meta != held.meta:
@@ -108,28 +101,27 @@ def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -
                                 f"same spec.")
 
 
-def _require_active(context: grpc.ServicerContext) -> None:
+def _require_active(context: CallContext) -> None:
     """Raises unless the call is still alive: gRPC may have cut the stream (an oversized message)."""
     if not context.is_active():
         raise MalformedStreamError("the call ended before the stream was complete; nothing was applied")
 
 
 def _map_errors(method):
-    """Checks the caller's role, then maps exceptions of a unary or streaming-response handler to gRPC
-    statuses; counts finished calls."""
+    """Checks the caller's role and the client's quota of calls, then runs a handler's body (edge.handler maps
+    what it raises); counts finished calls. A generator body (streaming replies, or yielding its waits) stays
+    one."""
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
-        def streaming(self, request, context):
+        def waiting(self, request, context):
             self.calls_started.add()
             try:
                 caller = self.authority.caller(method.__name__, context)
                 with self.quotas.call(caller.name or context.peer()):
-                    yield from method(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - the edge maps everything
-                _handle(context, method.__name__, exc)
+                    return (yield from method(self, request, context))
             finally:
                 self.calls_done.add()
-        return streaming
+        return waiting
 
     @functools.wraps(method)
     def unary(self, request, context):
@@ -138,8 +130,6 @@ def _map_errors(method):
             caller = self.authority.caller(method.__name__, context)
             with self.quotas.call(caller.name or context.peer()):
                 return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            _handle(context, method.__name__, exc)
         finally:
             self.calls_done.add()
     return unary
@@ -265,26 +255,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         casts = self._casts(list(request.names), list(request.cast), "cast")
         bases = self._bases(list(request.names), list(request.base_versions), request.base_generation,
                             "base_versions")
-        if request.min_step:
-            context.add_callback(self.coordinator.wake)
-            self.coordinator.wait_for_step(request.min_step, _remaining(context), lambda: not context.is_active(),
-                                           by=_step_authority(self.authority.caller("Pull", context)))
+        if request.min_step:  # waits on the event loop (edge.py)
+            yield from self.coordinator.step_waiting(request.min_step, _remaining(context),
+                                                     lambda: not context.is_active(),
+                                                     by=_step_authority(self.authority.caller("Pull", context)))
         yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases)
 
     @_map_errors
     def Push(self, request_iterator, context):
-        """Applies a complete, valid stream of gradients (see Coordinator.push)."""
-        return self._receive_push(_decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request),
-                                  context)[1]
+        """Applies a complete, valid stream of gradients (see Coordinator.push); a held push waits on the event
+        loop (edge.py)."""
+        header, reply = yield from self._receive_push(
+            _decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request), context)
+        return reply
 
-    def _watched(self, request_iterator, context: grpc.ServicerContext, method: str):
+    def _watched(self, request_iterator, context: CallContext, method: str):
         """The stream's messages; one that sends nothing for the shard's idle limit is ended (stalls.py) with
         DEADLINE_EXCEEDED, and its handler, woken with an error, applies nothing."""
         def stop(idle: float) -> None:
             _LOGGER.warning("%s from %s sent nothing for %g s: the call was ended, nothing was applied", method,
                             context.peer(), idle)
-            _end_stalled(context, f"ps {self.index} ended this {method} stream: no message for {idle:g} s "
-                                  f"(--stream-idle-seconds); nothing was applied")
+            context.end_stalled(f"ps {self.index} ended this {method} stream: no message for {idle:g} s "
+                                f"(--stream-idle-seconds); nothing was applied")
 
         with self.stalls.watching(stop) as touch:
             for raw in request_iterator:
@@ -316,7 +308,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                             "pull_base_versions")
         casts = [casts[i] for i in keep]
         bases = None if bases is None else [bases[i] for i in keep]
-        _, result = self._receive_push([(header, chunks, end)], context, hold=True)
+        _, result = yield from self._receive_push([(header, chunks, end)], context, hold=True)
         result.moved.extend(name for name in asked if name not in names)
         (reply,) = self._read(names, self.max_chunk_bytes, result, casts, bases)
         return reply
@@ -369,8 +361,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             received[name] = (meta, raw)
         return compression.decode(name, meta, raw, variable)
 
-    def _receive_push(self, messages, context, *, hold: bool = False) -> tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]:
-        """Assembles decoded (header, chunks, end) messages, then hands the push to the coordinator.
+    def _receive_push(self, messages, context, *, hold: bool = False
+                      ) -> Waiting[tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]]:
+        """Assembles decoded (header, chunks, end) messages, then hands the push to the coordinator; yields
+        where the push waits (Coordinator.push_waiting).
 
         The tensor count is checked before anything is applied: the header's `tensors` if declared, or for
         a streamed push (PushHeader.streamed) the `end` its last message carries, which must be there.
@@ -441,11 +435,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             data = self.queue_desk.before_push(header)  # its data positions (ps 0): checked before it is applied
             result = None
             try:
-                result = self.coordinator.push(header.worker, header.incarnation, header.seq, header.step,
-                                               {n: g for n, g in grads.items() if n not in moved},
-                                               header.step_increment, cancelled=lambda: not context.is_active(),
-                                               hold=hold, timeout=_remaining(context), by=_step_authority(caller),
-                                               received=received, repeat=bool(moved))
+                result = yield from self.coordinator.push_waiting(
+                    header.worker, header.incarnation, header.seq, header.step,
+                    {n: g for n, g in grads.items() if n not in moved}, header.step_increment,
+                    cancelled=lambda: not context.is_active(), hold=hold, timeout=_remaining(context),
+                    by=_step_authority(caller), received=received, repeat=bool(moved))
             finally:
                 self.queue_desk.after_push(data, header, result)  # counted once applied, before it is answered
             if self.metrics is not None:
@@ -592,7 +586,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Configure(self, request, context):
         return ps_pb2.ConfigureResponse(changed=self.coordinator.configure(config_from_proto(request)))
 
-    def _check_self(self, context: grpc.ServicerContext, worker: str, method: str) -> Caller:
+    def _check_self(self, context: CallContext, worker: str, method: str) -> Caller:
         """The caller; PermissionDeniedError if a named worker names another worker in its request."""
         caller = self.authority.caller(method, context)
         self.authority.check_self(caller, worker, method)
@@ -864,63 +858,62 @@ def config_to_proto(config: SyncConfig) -> ps_pb2.SyncConfig:
     return ps_pb2.SyncConfig(**dataclasses.asdict(config))
 
 
-def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
-    """Registers every RPC of ps.proto's ParameterServer service on `server`."""
+def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, pool: Executor) -> None:
+    """Registers every RPC of ps.proto's ParameterServer service on `server` (edge.handler: bodies on `pool`,
+    waits on the event loop; GetStatus on the loop itself)."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+
+    def on_loop(kind, body, deserializer, serializer):
+        streaming = kind is unary_stream
+        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=_status_of,
+                            streaming=streaming), deserializer, serializer)
+
+    unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    stream_unary = grpc.stream_unary_rpc_method_handler
     handlers = {
         # Streams of requests, and PushPull, are decoded by the handlers (see _decoded).
-        "CreateVariables": grpc.stream_unary_rpc_method_handler(
-            servicer.CreateVariables, None, ps_pb2.CreateResponse.SerializeToString),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull, ps_pb2.PullRequest.FromString, bytes),  # Pull yields serialized messages
-        "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push, None, ps_pb2.PushResponse.SerializeToString),
-        "PushPull": grpc.unary_unary_rpc_method_handler(
-            servicer.PushPull, None, bytes),  # returns a serialized message
-        "UpdateOptimizer": grpc.unary_unary_rpc_method_handler(
-            servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
+        "CreateVariables": on_loop(stream_unary, servicer.CreateVariables, None,
+            ps_pb2.CreateResponse.SerializeToString),
+        "Pull": on_loop(unary_stream, servicer.Pull, ps_pb2.PullRequest.FromString,
+            bytes),  # Pull yields serialized messages
+        "Push": on_loop(stream_unary, servicer.Push, None, ps_pb2.PushResponse.SerializeToString),
+        "PushPull": on_loop(unary, servicer.PushPull, None, bytes),  # returns a serialized message
+        "UpdateOptimizer": on_loop(unary, servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
             ps_pb2.UpdateOptimizerResponse.SerializeToString),
-        "ListVariables": grpc.unary_unary_rpc_method_handler(
-            servicer.ListVariables, ps_pb2.ListRequest.FromString, ps_pb2.ListResponse.SerializeToString),
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStatus, ps_pb2.StatusRequest.FromString, ps_pb2.StatusResponse.SerializeToString),
-        "Configure": grpc.unary_unary_rpc_method_handler(
-            servicer.Configure, ps_pb2.SyncConfig.FromString, ps_pb2.ConfigureResponse.SerializeToString),
-        "Join": grpc.unary_unary_rpc_method_handler(
-            servicer.Join, ps_pb2.WorkerRef.FromString, ps_pb2.JoinResponse.SerializeToString),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            servicer.Heartbeat, ps_pb2.WorkerRef.FromString, ps_pb2.HeartbeatResponse.SerializeToString),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            servicer.Leave, ps_pb2.WorkerRef.FromString, ps_pb2.LeaveResponse.SerializeToString),
-        "Save": grpc.unary_unary_rpc_method_handler(
-            servicer.Save, ps_pb2.SaveRequest.FromString, ps_pb2.SaveResponse.SerializeToString),
-        "CommitCheckpoint": grpc.unary_unary_rpc_method_handler(
-            servicer.CommitCheckpoint, ps_pb2.CommitRequest.FromString, ps_pb2.CommitResponse.SerializeToString),
-        "Shutdown": grpc.unary_unary_rpc_method_handler(
-            servicer.Shutdown, ps_pb2.ShutdownRequest.FromString, ps_pb2.ShutdownResponse.SerializeToString),
-        "CreateTables": grpc.unary_unary_rpc_method_handler(
-            servicer.CreateTables, ps_pb2.CreateTablesRequest.FromString,
+        "ListVariables": on_loop(unary, servicer.ListVariables, ps_pb2.ListRequest.FromString,
+            ps_pb2.ListResponse.SerializeToString),
+        "GetStatus": on_loop(unary, servicer.GetStatus, ps_pb2.StatusRequest.FromString,
+            ps_pb2.StatusResponse.SerializeToString),
+        "Configure": on_loop(unary, servicer.Configure, ps_pb2.SyncConfig.FromString,
+            ps_pb2.ConfigureResponse.SerializeToString),
+        "Join": on_loop(unary, servicer.Join, ps_pb2.WorkerRef.FromString, ps_pb2.JoinResponse.SerializeToString),
+        "Heartbeat": on_loop(unary, servicer.Heartbeat, ps_pb2.WorkerRef.FromString,
+            ps_pb2.HeartbeatResponse.SerializeToString),
+        "Leave": on_loop(unary, servicer.Leave, ps_pb2.WorkerRef.FromString, ps_pb2.LeaveResponse.SerializeToString),
+        "Save": on_loop(unary, servicer.Save, ps_pb2.SaveRequest.FromString, ps_pb2.SaveResponse.SerializeToString),
+        "CommitCheckpoint": on_loop(unary, servicer.CommitCheckpoint, ps_pb2.CommitRequest.FromString,
+            ps_pb2.CommitResponse.SerializeToString),
+        "Shutdown": on_loop(unary, servicer.Shutdown, ps_pb2.ShutdownRequest.FromString,
+            ps_pb2.ShutdownResponse.SerializeToString),
+        "CreateTables": on_loop(unary, servicer.CreateTables, ps_pb2.CreateTablesRequest.FromString,
             ps_pb2.CreateTablesResponse.SerializeToString),
-        "LookupRows": grpc.unary_stream_rpc_method_handler(
-            servicer.LookupRows, ps_pb2.LookupRowsRequest.FromString, bytes),  # yields serialized PullResponses
-        "ListTables": grpc.unary_unary_rpc_method_handler(
-            servicer.ListTables, ps_pb2.ListRequest.FromString, ps_pb2.ListTablesResponse.SerializeToString),
-        "CreateDataQueue": grpc.unary_unary_rpc_method_handler(
-            servicer.CreateDataQueue, ps_pb2.DataQueueSpec.FromString,
+        "LookupRows": on_loop(unary_stream, servicer.LookupRows, ps_pb2.LookupRowsRequest.FromString,
+            bytes),  # yields serialized PullResponses
+        "ListTables": on_loop(unary, servicer.ListTables, ps_pb2.ListRequest.FromString,
+            ps_pb2.ListTablesResponse.SerializeToString),
+        "CreateDataQueue": on_loop(unary, servicer.CreateDataQueue, ps_pb2.DataQueueSpec.FromString,
             ps_pb2.CreateDataQueueResponse.SerializeToString),
-        "TakeDataShard": grpc.unary_unary_rpc_method_handler(
-            servicer.TakeDataShard, ps_pb2.TakeDataShardRequest.FromString,
+        "TakeDataShard": on_loop(unary, servicer.TakeDataShard, ps_pb2.TakeDataShardRequest.FromString,
             ps_pb2.TakeDataShardResponse.SerializeToString),
-        "GetDataQueue": grpc.unary_unary_rpc_method_handler(
-            servicer.GetDataQueue, ps_pb2.DataQueueRequest.FromString, ps_pb2.DataQueueStatus.SerializeToString),
-        "GetLayout": grpc.unary_unary_rpc_method_handler(
-            servicer.GetLayout, ps_pb2.LayoutRequest.FromString, ps_pb2.Layout.SerializeToString),
-        "SetLayout": grpc.unary_unary_rpc_method_handler(
-            servicer.SetLayout, ps_pb2.Layout.FromString, ps_pb2.Layout.SerializeToString),
-        "ExportVariables": grpc.unary_stream_rpc_method_handler(
-            servicer.ExportVariables, ps_pb2.MoveRequest.FromString, ps_pb2.MoveChunk.SerializeToString),
-        "ImportVariables": grpc.stream_unary_rpc_method_handler(
-            servicer.ImportVariables, None, ps_pb2.MoveResponse.SerializeToString),
+        "GetDataQueue": on_loop(unary, servicer.GetDataQueue, ps_pb2.DataQueueRequest.FromString,
+            ps_pb2.DataQueueStatus.SerializeToString),
+        "GetLayout": on_loop(unary, servicer.GetLayout, ps_pb2.LayoutRequest.FromString,
+            ps_pb2.Layout.SerializeToString),
+        "SetLayout": on_loop(unary, servicer.SetLayout, ps_pb2.Layout.FromString, ps_pb2.Layout.SerializeToString),
+        "ExportVariables": on_loop(unary_stream, servicer.ExportVariables, ps_pb2.MoveRequest.FromString,
+            ps_pb2.MoveChunk.SerializeToString),
+        "ImportVariables": on_loop(stream_unary, servicer.ImportVariables, None,
+            ps_pb2.MoveResponse.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -1,24 +1,131 @@
-"""A cap on calls that wait. No gRPC.
+"""Calls that wait: what they wait for, and a cap on them. No gRPC.
 
-A call that waits (a sync push held for its release, a push held by the ssp
-bound, a pull waiting for min_step, a retry waiting for its original, a save
-waiting for its step, a wait for variables) holds one of the server's RPC
-threads. Past `limit` such calls a shard answers the next one
-RESOURCE_EXHAUSTED at once, so the threads left always serve status,
-membership, heartbeats and plain pushes and pulls.
+The waits of the push and pull paths (a sync push held for its release, a
+push held by the ssp bound, a retry waiting for its original, a pull waiting
+for min_step) are written as generators that yield a `Wait` at the point
+where they would block, holding no lock. A caller either blocks on it
+(`run_blocking`: a thread waits, as tests and in-process callers do) or
+hands it to an event loop (`Wait.watch`: the bookkeeping condition calls
+back when its predicate turns true), so the shard's asyncio edge holds no
+thread while such a call waits. Every wait has a deadline; the generator
+decides, holding the lock again, what its end means (released, timed out,
+cancelled, closed).
+
+The other waits (a save waiting for its step, a wait for variables, tables
+or a data queue) block one of the server's RPC threads.
+
+WaitLimit caps them: past `limit` waiting calls of any kind
+(ps-server --max-waiting-calls) a shard answers the next one
+RESOURCE_EXHAUSTED at once; the thread-holding kinds (THREADED) are also
+capped at `threaded` (three quarters of --threads), so the threads left
+always serve status, membership, heartbeats and plain pushes and pulls.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import heapq
 import threading
 import time
-from typing import Callable, Container
+from typing import Callable, Container, Generator, TypeVar
 
 from ..errors import ResourceExhaustedError, ServerUnavailableError, WaitTimeoutError
 
-__all__ = ["WaitLimit", "NamesAwaited"]
+__all__ = ["WaitLimit", "NamesAwaited", "WatchedCondition", "Wait", "Waiting", "run_blocking", "THREADED"]
+
+THREADED = frozenset({"save", "list", "take"})  # the kinds of wait that block an RPC thread
+T = TypeVar("T")
+
+
+class WatchedCondition(threading.Condition):
+    """A threading.Condition that also calls back watchers (watch()) whose predicate is true when it is
+    notified. A watcher's predicate runs holding the lock, in the notifier's thread; its callback must not
+    block (an event loop's call_soon_threadsafe).
+
+    A watcher that gives a `level` (its predicate cannot turn true before `level()` of the condition, the
+    shard's step, reaches it, but at notify_all(every=True)) is checked only once it does: a notify costs
+    O(log n) for such watchers, not O(n), so a step that releases n held pushes costs O(n log n) in all.
+    """
+
+    def __init__(self, lock, level: Callable[[], int]) -> None:
+        super().__init__(lock)
+        self._level = level
+        self._watchers: dict[int, tuple[Callable[[], bool], Callable[[], None]]] = {}  # checked at every notify
+        self._leveled: dict[int, tuple[Callable[[], bool], Callable[[], None]]] = {}  # once the level is reached
+        self._levels: list[tuple[int, int]] = []  # heap of (level, key) over _leveled (and keys since gone)
+        self._next = 0
+
+    def notify_all(self, *, every: bool = False) -> None:
+        """Wakes the threads waiting and calls back the watchers now ready (`every`: each watcher is checked,
+        whatever its level: the shard is closing)."""
+        super().notify_all()
+        if self._leveled:
+            level = None if every else self._level()
+            while self._levels and (level is None or self._levels[0][0] <= level):
+                key = heapq.heappop(self._levels)[1]
+                if key in self._leveled:
+                    self._watchers[key] = self._leveled.pop(key)  # from now on checked at every notify
+        if self._watchers:
+            ready = [key for key, (predicate, _) in self._watchers.items() if predicate()]
+            for key in ready:
+                self._watchers.pop(key)[1]()
+
+    def watch(self, predicate: Callable[[], bool], wake: Callable[[], None], level: int | None = None) -> int | None:
+        """Calls wake() once, at the first notify_all after which predicate() holds (at once, and None is
+        returned, if it holds now); else returns a key for unwatch(). Takes the lock."""
+        with self:
+            if predicate():
+                wake()
+                return None
+            self._next += 1
+            if level is None or level <= self._level():
+                self._watchers[self._next] = (predicate, wake)
+            else:
+                self._leveled[self._next] = (predicate, wake)
+                heapq.heappush(self._levels, (level, self._next))
+            return self._next
+
+    def unwatch(self, key: int | None) -> None:
+        """Forgets a watcher (a no-op once it was called back). Takes the lock."""
+        if key is not None:
+            with self:
+                self._watchers.pop(key, None)
+                self._leveled.pop(key, None)
+                if not self._leveled:
+                    self._levels.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A point where a call waits, holding no lock: until `ready()` (read holding `cond`) or `left()` is 0.
+    Whoever drives the call resumes it then; the call itself decides what the end of the wait means. `level`:
+    ready() cannot turn true before the shard's step reaches it, but at close (WatchedCondition)."""
+
+    cond: WatchedCondition
+    ready: Callable[[], bool]
+    left: Callable[[], float | None]  # seconds to the deadline (None: none)
+    level: int | None = None
+
+    def block(self) -> None:
+        """Waits in this thread."""
+        with self.cond:
+            self.cond.wait_for(self.ready, self.left())
+
+
+Waiting = Generator[Wait, None, T]  # a call that yields its waits and returns its result
+
+
+def run_blocking(call: Waiting[T]) -> T:
+    """Runs a call that yields Waits to its end, blocking this thread at each; returns its result."""
+    try:
+        wait = next(call)
+        while True:
+            wait.block()
+            wait = next(call)
+    except StopIteration as stop:
+        return stop.value
 
 
 class NamesAwaited:
@@ -69,10 +176,12 @@ class NamesAwaited:
 
 
 class WaitLimit:
-    """Counts waiting calls by kind and refuses those past the limit. Thread-safe."""
+    """Counts waiting calls by kind and refuses those past the limit (the THREADED kinds also past
+    `threaded`; None: no separate bound). Thread-safe."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, threaded: int | None = None):
         self.limit = limit
+        self.threaded = threaded
         self._lock = threading.Lock()
         self._waiting: collections.Counter[str] = collections.Counter()
 
@@ -93,7 +202,14 @@ class WaitLimit:
                 raise ResourceExhaustedError(
                     f"this shard already holds {total} waiting calls, its limit (ps-server --max-waiting-calls "
                     f"{self.limit}); the {kind} call was refused and changed nothing: retry later, or raise "
-                    f"--max-waiting-calls (with --threads)")
+                    f"--max-waiting-calls")
+            if kind in THREADED and self.threaded is not None:
+                held = sum(self._waiting[k] for k in THREADED)
+                if held >= self.threaded:
+                    raise ResourceExhaustedError(
+                        f"this shard already holds {held} calls waiting on an RPC thread (saves, waits for "
+                        f"names or data), its limit (three quarters of ps-server --threads); the {kind} call "
+                        f"was refused and changed nothing: retry later, or raise --threads")
             self._waiting[kind] += 1
 
     def release(self, kind: str) -> None:

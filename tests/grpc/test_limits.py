@@ -2,12 +2,13 @@
 
 A call that waits (a sync push held for its release, an ssp push held by the
 staleness bound, a pull waiting for min_step, a list waiting for variables, a
-save waiting for its step, a retry waiting for its original) holds one of the
-shard's RPC threads. `ps-server --threads T` lets max(1, T - max(1, T // 4))
-of them wait (`--max-waiting-calls` overrides it); past that a waiting call is
-refused at once with RESOURCE_EXHAUSTED (torchps-error ResourceExhaustedError)
-naming the limit, and changes nothing, while status, membership and plain
-calls are still served. A shard that stops (Shutdown, SIGTERM) answers every
+save waiting for its step, a retry waiting for its original) takes one of
+`--max-waiting-calls` slots; the pushes, retries and pulls wait on the
+shard's event loop and hold no thread, the lists and saves hold one of
+`--threads T` (at most max(1, T - max(1, T // 4)) of them). Past either
+limit a waiting call is refused at once with RESOURCE_EXHAUSTED
+(torchps-error ResourceExhaustedError) naming it, and changes nothing, while
+status, membership and plain calls are still served. A shard that stops (Shutdown, SIGTERM) answers every
 waiting call UNAVAILABLE (ServerUnavailableError), never with a success.
 
 Waits are observed through GetStatus.waiting_calls, and every handler's return
@@ -72,12 +73,15 @@ def _chunks(value: float | None, name: str) -> list[ps_pb2.TensorChunk]:
     return [] if value is None else list(codec.encode_chunks(name, torch.full((N,), value)))
 
 
+def _push_requests(worker: str, value: float | None = 1.0, *, step: int = 0, seq: int = 1, name: str = "w"):
+    chunks = _chunks(value, name)
+    return [ps_pb2.PushRequest(header=push_header(worker, step, seq, len(chunks)))] + [
+        ps_pb2.PushRequest(chunks=[c]) for c in chunks]
+
+
 def push(stub, worker: str, value: float | None = 1.0, *, step: int = 0, seq: int = 1, name: str = "w"):
     """A push of `value`s to `name`; value None: a header-only push (a contribution of no gradient)."""
-    chunks = _chunks(value, name)
-    requests = [ps_pb2.PushRequest(header=push_header(worker, step, seq, len(chunks)))] + [
-        ps_pb2.PushRequest(chunks=[c]) for c in chunks]
-    return stub.Push(iter(requests), timeout=TIMEOUT)
+    return stub.Push(iter(_push_requests(worker, value, step=step, seq=seq, name=name)), timeout=TIMEOUT)
 
 
 def pushpull(stub, worker: str, value: float | None = 1.0, *, step: int = 0, seq: int = 1, name: str = "w"):
@@ -175,49 +179,50 @@ def check_refused(stub, call, limit: int, kind: str) -> None:
 # -- the cap -------------------------------------------------------------------------------------------------
 
 
-def test_threads_set_the_default_limit_and_the_free_thread_still_serves(local_cluster):
-    """--threads 4: 3 calls may wait; a 4th is refused whatever its kind, and status, joins, heartbeats and
-    plain reads go on through the thread left; once the waits end, calls may wait again."""
-    local = local_cluster(1, server_args=["--threads", "4"])
+def test_waits_hold_no_thread_a_sync_quorum_above_the_threads_completes(local_cluster):
+    """--threads 2: a sync step of 8 workers completes (before the asyncio edge no more than one push could wait
+    for it): 7 pushes wait for its release and 4 pulls for its step, holding no thread, while status, joins,
+    heartbeats and plain reads go on. A held push whose client goes away frees its slot, and its retry is held
+    again as a duplicate, counted once. A wait that holds a thread (a wait for names) may take one of the 2
+    (three quarters, at least 1); a second is refused, naming --threads."""
+    local = local_cluster(1, server_args=["--threads", "2"])
     channel, stub = connect(local)
     with channel:
-        configure(stub, "ssp", total_num_replicas=2, max_staleness=0)
+        workers = [f"worker:{i}" for i in range(8)]
+        configure(stub, "sync", total_num_replicas=8)
         create(stub)
-        join(stub, "worker:0"), join(stub, "worker:1")
-        pulls = [pull_min_step(stub, 1) for _ in range(3)]
-        waiting = [Outcome(lambda call=call: list(call), f"waiting pull {i}") for i, call in enumerate(pulls)]
-        wait_waiting(stub, 3, "three pulls waiting for step 1")
+        for worker in workers:
+            join(stub, worker)
+        vanishing = stub.Push.future(iter(_push_requests(workers[6])), timeout=TIMEOUT)
+        wait_waiting(stub, 1, "worker:6's push held for step 0's release")
+        assert vanishing.cancel()
+        wait_waiting(stub, 0, "the cancelled push to free its slot")
+        held = [Outcome(lambda w=w: push(stub, w), f"{w}'s push held for step 0's release") for w in workers[:7]]
+        pulls = [Outcome(lambda: list(pull_min_step(stub, 1)), f"pull {i} waiting for step 1") for i in range(4)]
+        wait_waiting(stub, 11, "7 pushes (worker:6's retry among them) held and 4 pulls waiting for step 1")
 
-        check_refused(stub, lambda: list(pull_min_step(stub, 1)), 3, "pull")
-        check_refused(stub, lambda: list_wait(stub), 3, "list")
-        # worker:0 is at the bound (staleness 0, nobody has pushed): its push would be held, so it needs a slot.
-        check_refused(stub, lambda: push(stub, "worker:0"), 3, "ssp")
-        check_refused(stub, lambda: pushpull(stub, "worker:0"), 3, "ssp")
-
-        # The fourth thread serves everything that does not wait.
-        status = status_of(stub)
-        assert (status.waiting_calls, status.step, status.live_workers) == (3, 0, 2)
+        listing = stub.ListVariables.future(ps_pb2.ListRequest(names=["never/created"], wait_seconds=20.0),
+                                            timeout=TIMEOUT)
+        wait_waiting(stub, 12, "a wait for a variable holding one of the 2 threads")
+        with pytest.raises(grpc.RpcError) as info:
+            list_wait(stub)
+        assert_error(info.value, EXHAUSTED, "ResourceExhaustedError", "three quarters of ps-server --threads",
+                     "the list call was refused")
+        status = status_of(stub)  # the thread left serves everything that does not wait
+        assert (status.waiting_calls, status.step, status.live_workers, status.quorum) == (12, 0, 8, 8)
         stub.Heartbeat(ps_pb2.WorkerRef(worker="worker:0", incarnation=1), timeout=TIMEOUT)
-        join(stub, "worker:2")
-        assert status_of(stub).live_workers == 3
         assert torch.equal(value_of(stub), torch.zeros(N))
-        assert stub.ListVariables(ps_pb2.ListRequest(names=["w"]), timeout=TIMEOUT).variables[0].version == 0
-        stub.Leave(ps_pb2.WorkerRef(worker="worker:2", incarnation=1), timeout=TIMEOUT)
-        assert all(not outcome.done for outcome in waiting), "a waiting pull ended while nothing reached its step"
+        assert not any(outcome.done for outcome in held + pulls), "a wait ended before step 0 was complete"
 
-        for call in pulls:
-            assert call.cancel()
-        for outcome in waiting:
-            assert outcome.error_of().code() == grpc.StatusCode.CANCELLED
-        wait_waiting(stub, 0, "the cancelled pulls to stop waiting")
-
-        # Free slots again: worker:0's push is held by the bound until worker:1 pushes, then both go on.
-        held = Outcome(lambda: push(stub, "worker:0"), "worker:0's held ssp push")
-        wait_waiting(stub, 1, "worker:0's push to be held by the staleness bound")
-        assert push(stub, "worker:1").step == 2
-        assert held.result().step == 2
-        assert torch.equal(value_of(stub), -2 * torch.ones(N))
-        assert status_of(stub).waiting_calls == 0
+        last = push(stub, workers[7])  # completes step 0: every held push and waiting pull goes on
+        assert last.next_step == 1
+        assert [outcome.result().next_step for outcome in held] == [1] * 7
+        assert [outcome.result().duplicate for outcome in held] == [False] * 6 + [True]
+        for outcome in pulls:
+            assert outcome.result()[0].step == 1
+        assert torch.equal(value_of(stub), -torch.ones(N))  # the average of 8 ones, applied once
+        assert listing.cancel()
+        wait_waiting(stub, 0, "the cancelled wait for a variable to stop waiting")
 
 
 def test_max_waiting_calls_refuses_every_kind_of_wait_before_it_changes_anything(local_cluster, tmp_path):
