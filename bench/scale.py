@@ -202,8 +202,7 @@ def run(workers: int, steps: int, processes: int, floats: int, poll_ms: float, t
     latencies = np.array(poller.latencies) * 1000.0
     busy = [s for s in poller.samples if s["waiting"] > 0]
     return {
-        "bench": "scale", "command": "python bench/scale.py" + (
-            "" if (workers, steps) == (256, 20) else f" --workers {workers} --steps {steps}"),
+        "bench": "scale", "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
         "workers": workers, "replicas_to_aggregate": workers, "shards": 2, "steps": steps, "processes": processes,
         "floats_per_shard": floats, "shard_threads_flag": threads,
         "steps_completed": [s.step for s in final], "every_step_completed": all(s.step == steps for s in final)
