@@ -310,7 +310,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         bases = None if bases is None else [bases[i] for i in keep]
         _, result = yield from self._receive_push([(header, chunks, end)], context, hold=True)
         result.moved.extend(name for name in asked if name not in names)
-        (reply,) = self._read(names, self.max_chunk_bytes, result, casts, bases)
+        try:
+            (reply,) = self._read(names, self.max_chunk_bytes, result, casts, bases)
+        except LayoutChangedError:  # a pull name left (a live resize) after the push was applied: the push stands
+            result.moved.extend(name for name in names if name not in result.moved)
+            result.layout_epoch = self.coordinator.layout.epoch  # the client follows, then reads them elsewhere
+            (reply,) = self._read([], self.max_chunk_bytes, result)
         return reply
 
     def _casts(self, names: list[str], casts: list[int], field: str) -> list:
