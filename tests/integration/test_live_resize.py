@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from helpers import wait_until
 from torchps.client import Optimizer, PSClient
 from torchps.errors import ClusterConfigError, ModeConflictError
 from torchps.worker.local_cluster import LocalCluster
@@ -44,12 +45,12 @@ def _push_ones(cluster, index, stop, counts, errors, followed):
 def _pushes_go_on(counts, at_least: int, errors) -> None:
     """Returns once every pusher acknowledged `at_least` more pushes than now (each resize is under load)."""
     target = [c + at_least for c in counts[:]]
-    import time
-    deadline = time.monotonic() + 120
-    while any(c < t for c, t in zip(counts[:], target)):
-        assert errors.empty(), errors.get()
-        assert time.monotonic() < deadline, f"pushes stalled at {counts[:]}"
-        time.sleep(0.01)
+
+    def done() -> bool:
+        assert errors.empty(), errors.get()  # a pusher's error fails the test at once, not at the deadline
+        return all(c >= t for c, t in zip(counts[:], target))
+
+    wait_until(done, 120, f"every pusher to acknowledge {at_least} more pushes (now {counts[:]})")
 
 
 def test_exact_sum_across_live_resizes():
