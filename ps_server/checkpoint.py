@@ -218,6 +218,8 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, 
     if found is None:
         return None
     step, manifest = found
+    if num_ps is None and not new_job and index >= manifest["num_ps"]:
+        return None  # a standalone shard past the checkpoint's shards: added live (a resize brings its variables)
     resized = manifest.get("layout", {}).get("epoch", 0)  # saved after a live resize: placed as its layout said
     if (num_ps is None or manifest["num_ps"] == num_ps) and not (resized and new_job):
         path = step_dir(directory, step) / f"ps-{index}.pt"
