@@ -554,6 +554,7 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
     others = [t for t in tasks.values() if t.pod.task_type != "ps"]
     (chief,) = [t for t in others if t.pod.task_type == "chief"]
     started = time.monotonic()
+    stopped: list = []
     try:
         for task in shards:
             task.start()
@@ -564,6 +565,9 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
             task.start()
         checkpointed = int(chief.wait_for(CHECKPOINTED, timeout=PLAY_TIMEOUT)[1])
         metrics = {"ps": scrape(shards[0].ports["--metrics-port"]), "chief": scrape(chief.ports["--metrics-port"])}
+        if scale is not None:  # the chief holds the sync job (R = 3) until scale() is done: it cannot end first
+            os.kill(chief.proc.pid, signal.SIGSTOP)
+            stopped.append(chief)
 
         victim = shards[-1]
         victim.kill()
@@ -573,6 +577,8 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
         victim.wait_for(SERVING)
         statuses[f"ps-{victim.pod.index} restarted"] = health(victim.ports["--health-port"])
         scaled = scale(tasks, node, cwd) if scale is not None else {}
+        while stopped:
+            os.kill(stopped.pop().proc.pid, signal.SIGCONT)
 
         def left_time() -> float:
             return max(1.0, PLAY_TIMEOUT - (time.monotonic() - started))
@@ -611,9 +617,10 @@ def scale_workers(creds: pathlib.Path):
     """The play's step for deploy/README.md's "Scaling the workers": with the job training, the workers' Job
     goes up by one worker and back. `ps-certs creds --add worker:N --kubernetes-secret torchps` makes the new
     worker's Secret and the shards' (their token table), which are applied: the shards' files are replaced
-    as the kubelet does, and each shard must log that it took the new token (no restart). The chief is
-    stopped meanwhile (SIGSTOP, within its lease), so the sync job cannot end before the new worker joins:
-    with R = 3, the two other workers need its gradients for a step. The Job's new index N is run as the
+    as the kubelet does, and each shard must log that it took the new token (no restart). play() stopped the
+    chief (SIGSTOP) before its shard restart, so that the sync job cannot end before the new worker joins
+    (under load it once trained its last 90 steps while the shards re-read their tokens): with R = 3 the two
+    other workers need a third gradient for a step, until the chief's lease runs out. The Job's new index N is run as the
     Job controller would after `kubectl patch` (JOB_COMPLETION_INDEX=N, its optional Secret mounted now); it
     joins under a name past cluster.json and two steps pass with it; then the Job scales down: index N's pod
     gets SIGTERM, its worker leaves the job (Leave) and exits 0, and the chief goes on."""
@@ -632,7 +639,6 @@ def scale_workers(creds: pathlib.Path):
         node.mount(pod)
         ports = {"--bind": free_port(), "--health-port": free_port(), "--metrics-port": free_port()}
         added = tasks[pod.name] = Task(pod, node.argv(pod, ports=ports), node.env(pod), cwd, ports)
-        os.kill(chief.proc.pid, signal.SIGSTOP)
         try:
             added.start()
             joined = int(shards[0].wait_for(rf"worker:{index} joined at step (\d+)", timeout=PLAY_TIMEOUT)[1])
@@ -645,7 +651,7 @@ def scale_workers(creds: pathlib.Path):
             code = added.wait(30)
             shards[0].wait_for(rf"worker:{index} left", timeout=10)
         finally:
-            os.kill(chief.proc.pid, signal.SIGCONT)
+            os.kill(chief.proc.pid, signal.SIGCONT)  # play() stopped it
         return {"worker": f"worker:{index}", "joined_at": joined, "step_before_leaving": trained, "exit": code}
 
     return scale
