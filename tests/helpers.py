@@ -4,9 +4,20 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import time
 
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different ports nobody listens on right now: bound to 127.0.0.1:0 all at once, then released
+    (one at a time, the kernel may hand the same port out twice in a row)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):

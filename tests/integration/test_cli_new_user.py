@@ -265,9 +265,9 @@ def test_the_several_machines_recipe_ends_with_a_committed_checkpoint(tmp_path):
     """ps-certs, two ps-servers with --checkpoint-dir, a chief and a worker in sync mode, each from its own
     TF_CONFIG as on separate hosts: the chief saves at the end without any checkpoint flag."""
     from torchps.ps_server.checkpoint import latest_committed
-    from test_ps_server_cli import free_port
+    from helpers import free_ports
 
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"],
                "ps": [f"127.0.0.1:{ports[2]}", f"127.0.0.1:{ports[3]}"]}
     certs = ps_certs(tmp_path / "job", cluster)

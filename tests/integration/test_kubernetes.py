@@ -44,7 +44,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import mnist5k_installed
+from helpers import free_ports, mnist5k_installed
 from test_launch import environ
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -659,7 +659,8 @@ def scale_workers(creds: pathlib.Path):
 
 def local_hosts(cluster: dict[str, list[str]]) -> dict[str, list[str]]:
     """The cluster's hosts as this machine's: every task at 127.0.0.1 and a free port (the play's DNS)."""
-    return {kind: [f"127.0.0.1:{free_port()}" for _ in addresses] for kind, addresses in cluster.items()}
+    ports = iter(free_ports(sum(len(addresses) for addresses in cluster.values())))
+    return {kind: [f"127.0.0.1:{next(ports)}" for _ in addresses] for kind, addresses in cluster.items()}
 
 
 @pytest.fixture(scope="module")
