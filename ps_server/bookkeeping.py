@@ -144,7 +144,7 @@ class Bookkeeping:
         now = self.clock.now()
         event, retired = self.membership.touch(
             worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
-            in_grace=self.clock.in_grace(now), progress=progress,
+            progress=progress,
             level=self.min_clock() if self.clock.config.mode != "sync" else 0)  # sync mode moves no clocks
         if retired is not None:
             self.ledger.forget(worker, retired)

@@ -108,8 +108,8 @@ class Membership:
                 f"this process must stop")
 
     @guarded
-    def touch(self, worker: str, incarnation: int, *, now: float, step: int, start_step: int, in_grace: bool,
-              level: int, progress: bool) -> tuple[str | None, int | None]:
+    def touch(self, worker: str, incarnation: int, *, now: float, step: int, start_step: int, level: int,
+              progress: bool) -> tuple[str | None, int | None]:
         """Renews `worker`'s lease (and progress if it pushed); returns (what changed, retired incarnation).
 
         What changed is None, "joined", "rejoined", "restarted" or "resumed"
@@ -121,7 +121,7 @@ class Membership:
         member = self.members.get(worker)
         if member is None:
             self._admit(worker)
-            counts_from = step if in_grace else max(step, start_step)
+            counts_from = max(step, start_step)  # never a step it will not push for (in the grace too)
             self.members[worker] = Member(incarnation, now, now, counts_from=counts_from, clock=level)
             return "joined", None
         retired = None

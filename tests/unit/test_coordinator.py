@@ -313,6 +313,24 @@ def test_sync_restarted_worker_rejoins_and_counts_again(coordinators):
     assert torch.equal(w(c), -torch.tensor([4.0, 4.0, 4.0])), "step 1 alone (1), step 2 averaged (3)"
 
 
+def test_sync_a_joiner_never_counts_for_a_step_before_the_one_it_starts_at_even_in_the_startup_grace(coordinators):
+    """Found by the soak: a shard restarted from its journal runs a startup grace again, and a worker added then
+    was counted from this shard's open step although shard 0 (a step ahead) had told it to start at the next:
+    it could never push for that step, which waited the progress timeout (10 s) for it. It counts from the
+    step it starts at, in the grace too."""
+    c = coordinators(sync(3, lease_seconds=600.0, progress_seconds=600.0))  # in its startup grace all along
+    for worker in ("worker:0", "worker:1", "worker:2"):
+        c.join(worker, 1)
+    c.leave("worker:2", 1)
+    assert c.quorum == 2
+    held = Call(push, c, "worker:0", 0, g(1, 1, 1))
+    assert held.waits()
+    c.join("worker:3", 1, 1)  # added: shard 0 is at step 1 already, this shard still at 0
+    assert c.quorum == 2, "not counted for step 0, which it will never push for"
+    assert push(c, "worker:1", 0, g(3, 3, 3)).next_step == 1 and held.result().next_step == 1
+    assert c.quorum == 3, "counted from step 1"
+
+
 def test_sync_restart_without_lease_expiry_keeps_the_quorum(coordinators):
     """A new incarnation of a live worker (crash and quick restart) replaces it; the quorum stays N."""
     c = coordinators(sync(2))

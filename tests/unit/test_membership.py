@@ -8,7 +8,7 @@ LEASE = 1e9  # leases never run out here: only progress is under test
 
 
 def touch(members: Membership, worker: str, now: float, *, progress: bool) -> None:
-    members.touch(worker, 1, now=now, step=0, start_step=0, in_grace=False, level=0, progress=progress)
+    members.touch(worker, 1, now=now, step=0, start_step=0, level=0, progress=progress)
 
 
 def pushing(members: Membership, worker: str, start: float, interval: float, pushes: int) -> float:
@@ -48,7 +48,7 @@ def test_a_heartbeating_worker_stalls_only_past_the_timeout_and_resumes_when_it_
     assert members.expire(now, LEASE, 1.0) == ([], ["worker:1"])
     assert members.members["worker:1"].stalled and members.stalls == 1
     assert members.members["worker:0"].live and not members.members["worker:0"].stalled
-    event, _ = members.touch("worker:1", 1, now=now + 1, step=0, start_step=0, in_grace=False, level=0,
+    event, _ = members.touch("worker:1", 1, now=now + 1, step=0, start_step=0, level=0,
                              progress=True)
     assert event == "resumed" and not members.members["worker:1"].stalled
 
