@@ -109,6 +109,15 @@ class Bookkeeping:
         self.pending.set_quorum(self._compute_quorum(), counted=False)
         self.notify()
 
+    def end_grace_if_started(self) -> None:
+        """A state taken back (restore, journal replay) in which workers had joined is a job past its start:
+        its startup grace does not run again, so spec workers that never joined do not count as live, and the
+        quorum is the live members' (holds cond)."""
+        if self.membership.joined():
+            self.clock.end_grace()
+            self.pending.set_quorum(self._compute_quorum(), counted=False)
+            self.notify()
+
     def update_quorum(self, left: bool = False) -> None:
         """Recomputes the quorum; a drop is a warning unless a worker left (its job done), a rise never is
         (holds cond)."""

@@ -120,6 +120,7 @@ class Coordinator:
         with self._book.cond:
             if not self._started:
                 self._started = True
+                self._book.end_grace_if_started()
                 self._reaper.start()
                 self._start_applier()
 

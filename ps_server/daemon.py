@@ -7,6 +7,7 @@ ps-server's main (ps_server/__main__.py) checks the flags first (ps_server/flags
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import pathlib
@@ -106,6 +107,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
     (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks."""
     tune_malloc("shard")
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in its log
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     health_servicer, health_server = health.HealthServicer(), None

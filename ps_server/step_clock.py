@@ -68,6 +68,13 @@ class StepClock:
         with self._lock:
             self._config, self._configured_at = config, now
 
+    def end_grace(self) -> None:
+        """The startup grace is over from now on, if it was not already (a job restored or recovered after
+        it had started)."""
+        now = self.now()
+        with self._lock:
+            self._configured_at = min(self._configured_at, now - self._config.startup_grace_seconds)
+
     def in_grace(self, now: float) -> bool:
         """Whether the mode's startup grace still runs at `now`."""
         with self._lock:

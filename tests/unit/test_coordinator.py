@@ -844,6 +844,28 @@ def test_a_state_taken_while_pushes_run_holds_each_push_once_after_a_restore(coo
         restored.close()
 
 
+def test_a_shard_taken_back_after_its_job_started_runs_no_startup_grace_again(coordinators):
+    """A job of N = 3 that only ever ran 2 workers: once its grace is over, a step needs their 2 gradients. A
+    shard restarted from its journal (or restored) in that job must not wait for the third again for a whole
+    grace; a state in which no worker had joined yet keeps its grace."""
+    clock = FakeClock()
+    c = coordinators(sync(3, lease_seconds=600.0, progress_seconds=600.0), clock=clock)
+    started = c.state(with_pending=False)  # configured, nobody joined yet
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    assert c.quorum == 3, "in the grace, the worker that has not joined counts"
+    clock.advance(61.0)
+    wait_until(lambda: c.wake() or c.quorum == 2, RELEASE_TIMEOUT, "the grace's end noticed by the reaper")
+    for state, quorum in ((c.state(with_pending=False), 2), (started, 3)):
+        restored = Coordinator(VariableStore(), owns_step=True, start=False, clock=clock)
+        try:
+            restored.restore(state, exact=True)
+            restored.start()
+            assert restored.quorum == quorum
+        finally:
+            restored.close()
+
+
 def test_only_a_process_that_replaced_an_earlier_one_of_its_name_is_restarted_even_across_a_restore(coordinators):
     """A name joining late for the first time has trained nothing (it must skip no batch); a new incarnation
     of a known name is a restarted task, and stays one for its retries and after the shard's restore."""
