@@ -24,6 +24,7 @@ import concurrent.futures
 import functools
 import inspect
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -41,11 +42,17 @@ class CallEnded(Exception):
 
 class CallContext:
     """What a handler's body, on a pool thread, sees of its call: the grpc.ServicerContext methods the
-    servicer uses. Thread-safe."""
+    servicer uses. Thread-safe. The call's peer, metadata, auth context and deadline are read once, on the
+    loop, when the call starts: grpc.aio's context is the loop's alone (read from another thread once its
+    call was over, by a stalled stream's watchdog naming its peer, it crashed the shard in cygrpc)."""
 
     def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop,
                  pool: concurrent.futures.Executor):
-        self._context, self._loop, self._pool = context, loop, pool
+        self._loop, self._pool = loop, pool
+        self._peer, self._metadata = context.peer(), context.invocation_metadata()
+        self._auth = context.auth_context()
+        remaining = context.time_remaining()
+        self._deadline = None if remaining is None else time.monotonic() + remaining
         self._lock = threading.Lock()
         self._ended = False
         self._callbacks: list[Callable[[], None]] = []
@@ -57,16 +64,16 @@ class CallContext:
         return not self._ended
 
     def time_remaining(self) -> float | None:
-        return self._context.time_remaining()
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def peer(self) -> str:
-        return self._context.peer()
+        return self._peer
 
     def invocation_metadata(self):
-        return self._context.invocation_metadata()
+        return self._metadata
 
     def auth_context(self):
-        return self._context.auth_context()
+        return self._auth
 
     def set_trailing_metadata(self, metadata) -> None:
         self.trailing = tuple(metadata)
