@@ -10,6 +10,11 @@ import time
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
 
 
+def free_port() -> int:
+    """A port nobody listens on right now (bound to 127.0.0.1:0, then released)."""
+    return free_ports(1)[0]
+
+
 def free_ports(count: int) -> list[int]:
     """`count` different ports nobody listens on right now: bound to 127.0.0.1:0 all at once, then released
     (one at a time, the kernel may hand the same port out twice in a row)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,18 +18,12 @@ import grpc
 import pytest
 import torch
 
-from helpers import wait_until
+from helpers import free_port, wait_until
 from torchps.client import (Cluster, NonFiniteGradientError, Optimizer, OptimizerSpecError, PSClient, PSError,
                             ServerUnavailableError, SpecConflictError, TaskSpec, TensorMismatchError,
                             UnknownVariableError, WaitTimeoutError)
 
 SLOW_CALL = 30.0  # loose upper bound in seconds for anything that "waits about the timeout" on a loaded machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

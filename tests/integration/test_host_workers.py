@@ -9,7 +9,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,18 +23,12 @@ from torchps.worker.local_cluster import LocalCluster
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import host_workers  # noqa: E402 - needs the path above under any import mode
 import sync_workers  # noqa: E402
-from helpers import mnist5k_installed  # noqa: E402
+from helpers import free_port, mnist5k_installed  # noqa: E402
 from test_launch import alive, assert_nothing_left, launch  # noqa: E402
 
 CTX = multiprocessing.get_context("forkserver")
 CTX.set_forkserver_preload(["torch"])
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def reference(steps: int, global_batch: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import time
 import torch
 from torch import nn
 
+from helpers import free_port
 from torchps.client import Cluster, PSClient
 from torchps.worker.local_cluster import LocalCluster
 
@@ -41,12 +41,6 @@ CTX.set_forkserver_preload(["torch", "torch._dynamo"])
 TIMEOUT = 90.0
 STEPS, BATCH = 5, 4
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hybrid_cluster(local: LocalCluster, workers: int = 2) -> dict:

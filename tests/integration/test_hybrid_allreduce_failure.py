@@ -19,7 +19,6 @@ import pathlib
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import time
 
 import pytest
 
+from helpers import free_port
 from test_launch import PS_LAUNCH, PS_WORKER, environ
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -41,12 +41,6 @@ STOP_BOUND = 20.0     # seconds from the kill to the survivor's exit (detection 
 START_BOUND = 90.0    # two workers importing torch on a loaded 2-core machine
 PROBE_SLACK = 7.0     # what a diagnosis may add to a timeout: a liveness probe (2 s), slack for a loaded machine
 STEP = re.compile(r" epoch \d+ step (\d+) loss ")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:

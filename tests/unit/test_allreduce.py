@@ -20,16 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import free_port
 from torchps.client import (AllreduceError, AllreduceGroup, Cluster, ClusterConfigError, Optimizer,
                             OptimizerSpecError, PSClient, Rendezvous, TaskSpec, local_optimizer)
 from torchps.worker import launch
 from torchps.worker.__main__ import _lockstep_steps, finish_training_flags, parse_args, resolve_task
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SPEC = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"], "ps": ["h3:2222"], "evaluator": ["h5:2222"]}
