@@ -1,14 +1,18 @@
-"""Server-side optimizers: torch.optim's own implementations, one per variable.
+"""Server-side optimizers: torch.optim's own arithmetic, one optimizer per variable.
 
-A shard keeps, for each trainable variable, a torch.optim optimizer over that
-variable, so its updates are torch.optim's updates bit for bit. The optimizer
-sees the variable as pieces of PIECE_ELEMENTS elements (views of its memory;
-every optimizer here works element by element), so the temporaries of a step
-(Adam's square root and quotient, a weight decay's sum) are a piece's size,
-not the variable's; state_dict and load_state_dict speak for the whole
-variable, as torch.optim over one tensor would. This module also turns an
-OptimizerSpec (name + hyperparameters as floats) into one and back. No gRPC
-here.
+A shard keeps, for each trainable variable, the state torch.optim would keep
+for it (momentum buffers, Adam's moments, step counts) and steps it with
+torch.optim's functional forms (torch.optim.sgd.sgd, adam.adam, ...), the
+functions torch.optim's classes call themselves, with the same arguments: its
+updates are torch.optim's bit for bit. (The classes are not used: making one,
+and each step, imports torch._dynamo, a second and more of CPU in every shard
+process for a compiler a shard never runs.) The variable is stepped as pieces
+of PIECE_ELEMENTS elements (views of its memory; every optimizer here works
+element by element), so the temporaries of a step (Adam's square root and
+quotient, a weight decay's sum) are a piece's size, not the variable's;
+state_dict and load_state_dict speak for the whole variable, as torch.optim
+over one tensor would. This module also turns an OptimizerSpec (name +
+hyperparameters as floats) into one and back. No gRPC here.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import math
 from typing import Mapping
 
 import torch
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+from torch.optim.sgd import sgd
 
 from ..errors import OptimizerSpecError
 
-__all__ = ["OPTIMIZERS", "normalize_spec", "structural_changes", "VariableOptimizer"]
+__all__ = ["OPTIMIZERS", "normalize_spec", "structural_changes", "torch_refusal", "VariableOptimizer"]
 
 # name -> (torch.optim class, hyperparameters accepted on the wire).
 # Adam's `betas` travels as beta1/beta2 because the wire map holds floats.
@@ -94,19 +102,34 @@ def _check_values(name: str, cls: type, hyperparams: Mapping[str, float]) -> Non
     bad = {k: v for k, v in hyperparams.items() if not math.isfinite(v) or (k in _BOOLEAN and v not in (0.0, 1.0))}
     if bad:
         raise OptimizerSpecError(f"{name}: hyperparameters must be finite numbers (flags 0 or 1). Received: {bad}")
-    probe = torch.zeros(1, requires_grad=True)
+    refusal = torch_refusal(cls, _torch_kwargs(hyperparams))
+    if refusal is not None:
+        raise OptimizerSpecError(f"{name}: {refusal}")
+
+
+_NO_PARAMETERS = "optimizer got an empty parameter list"
+
+
+def torch_refusal(cls: type, kwargs: Mapping) -> str | None:
+    """What torch.optim class `cls` says against `kwargs` ("Invalid learning rate: -1"), or None if it takes
+    them. Asked of the class with no parameters: each torch.optim class checks its hyperparameters before
+    torch.optim.Optimizer refuses the empty list, which it does before anything imports torch._dynamo."""
     try:
-        cls([probe], **_torch_kwargs(hyperparams))
-    except (ValueError, TypeError, RuntimeError) as exc:  # torch's own range checks: "Invalid learning rate: -1"
-        raise OptimizerSpecError(f"{name}: {exc}") from None
+        cls([], **kwargs)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return None if str(exc) == _NO_PARAMETERS else str(exc)
+    return None
 
 
-def _piece_of(key: str, value, start: int, end: int):
-    """A piece's own copy of one entry of a whole variable's optimizer state (a step counter whole: every
-    piece counts its own steps, and a shared tensor would be counted once per piece)."""
+def _piece_of(key: str, value, start: int, end: int, dtype: torch.dtype):
+    """A piece's own copy of one entry of a whole variable's optimizer state, in the variable's dtype as
+    torch.optim loads it (a step counter whole: every piece counts its own steps, and a shared tensor would be
+    counted once per piece)."""
     if not isinstance(value, torch.Tensor):
         return value
-    return value.clone() if key in _SCALAR_STATE else value.reshape(-1)[start:end].clone()
+    if key in _SCALAR_STATE:
+        return value.clone()
+    return value.reshape(-1)[start:end].to(dtype=dtype, copy=True)
 
 
 def _torch_kwargs(hyperparams: Mapping[str, float]) -> dict:
@@ -116,74 +139,122 @@ def _torch_kwargs(hyperparams: Mapping[str, float]) -> dict:
     return kwargs
 
 
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim gives a step counter."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _sgd(h: Mapping[str, float], params: list, grads: list, states: list[dict]) -> None:
+    momentum = h["momentum"]
+    buffers = [state.get("momentum_buffer") for state in states] if momentum != 0 else []
+    sgd(params, grads, buffers, weight_decay=h["weight_decay"], momentum=momentum, lr=h["lr"],
+        dampening=h["dampening"], nesterov=bool(h["nesterov"]), maximize=bool(h["maximize"]), has_sparse_grad=False,
+        foreach=None, fused=None)
+    for state, buffer in zip(states, buffers):
+        state["momentum_buffer"] = buffer
+
+
+def _adam_family(function):
+    def step(h: Mapping[str, float], params: list, grads: list, states: list[dict]) -> None:
+        amsgrad = bool(h["amsgrad"])
+        for state, param in zip(states, params):
+            if not state:  # torch.optim makes Adam's state at a parameter's first step
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if amsgrad:
+                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        function(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                 [s["max_exp_avg_sq"] for s in states] if amsgrad else [], [s["step"] for s in states],
+                 foreach=None, capturable=False, differentiable=False, fused=None, amsgrad=amsgrad,
+                 beta1=h["beta1"], beta2=h["beta2"], lr=h["lr"], weight_decay=h["weight_decay"], eps=h["eps"],
+                 maximize=bool(h["maximize"]))
+    return step
+
+
+def _adagrad(h: Mapping[str, float], params: list, grads: list, states: list[dict]) -> None:
+    adagrad(params, grads, [s["sum"] for s in states], [s["step"] for s in states], lr=h["lr"],
+            weight_decay=h["weight_decay"], lr_decay=h["lr_decay"], eps=h["eps"], maximize=bool(h["maximize"]),
+            has_sparse_grad=False, foreach=None, differentiable=False, fused=None)
+
+
+def _adagrad_state(h: Mapping[str, float], param: torch.Tensor) -> dict:
+    """Adagrad's state, which torch.optim makes with the optimizer."""
+    return {"step": torch.tensor(0.0, dtype=_scalar_dtype()),
+            "sum": torch.full_like(param, h["initial_accumulator_value"], memory_format=torch.preserve_format)}
+
+
+_STEPS = {"sgd": _sgd, "adam": _adam_family(adam), "adamw": _adam_family(adamw),
+          "adagrad": _adagrad}
+
+
 class VariableOptimizer:
     """The optimizer of one variable. Not thread-safe: the store holds the lock."""
 
     def __init__(self, name: str, hyperparams: Mapping[str, float], param: torch.Tensor):
         self.name, self.hyperparams = normalize_spec(name, hyperparams)
         self.param = param
-        cls = OPTIMIZERS[self.name][0]
-        self._optimizer = None
+        self._step = _STEPS.get(self.name)
         flat = param.detach().view(-1)
         self._bounds = [(start, min(start + PIECE_ELEMENTS, flat.numel()))
                         for start in range(0, max(flat.numel(), 1), PIECE_ELEMENTS)]
-        self._pieces: list[torch.nn.Parameter] = []
-        if cls is not None:
+        self._pieces: list[torch.Tensor] = []
+        self._states: list[dict] = []  # torch.optim's state of each piece
+        if self._step is not None:
             if not param.is_floating_point():
                 raise OptimizerSpecError(f"optimizer {self.name!r} needs a floating-point variable, got {param.dtype}")
-            self._pieces = [torch.nn.Parameter(flat[start:end]) for start, end in self._bounds]  # views: no copy
-            try:
-                self._optimizer = cls(self._pieces, **_torch_kwargs(self.hyperparams))
-            except ValueError as exc:  # torch validates ranges: "Invalid learning rate: -1"
-                raise OptimizerSpecError(f"{self.name}: {exc}") from None
+            self._pieces = [flat[start:end] for start, end in self._bounds]  # views: no copy
+            self._states = [self._new_state(piece) for piece in self._pieces]
+
+    def _new_state(self, piece: torch.Tensor) -> dict:
+        return _adagrad_state(self.hyperparams, piece) if self.name == "adagrad" else {}
 
     @property
     def trainable(self) -> bool:
-        return self._optimizer is not None
+        return self._step is not None
 
     def apply(self, grad: torch.Tensor) -> None:
         """One optimizer step on the variable with `grad` (same dtype and shape)."""
         flat = grad.reshape(-1)
-        for piece, (start, end) in zip(self._pieces, self._bounds):
-            piece.grad = flat[start:end]
-        self._optimizer.step()
-        for piece in self._pieces:
-            piece.grad = None
+        with torch.no_grad():
+            self._step(self.hyperparams, self._pieces, [flat[start:end] for start, end in self._bounds],
+                       self._states)
 
     def set_hyperparams(self, updates: Mapping[str, float]) -> None:
         """Changes hyperparameters from the next step on (e.g. {'lr': 0.01})."""
-        _, current = normalize_spec(self.name, {**self.hyperparams, **updates})
-        self._optimizer.param_groups[0].update(_torch_kwargs(current))
-        self.hyperparams = current
+        _, self.hyperparams = normalize_spec(self.name, {**self.hyperparams, **updates})
 
     def state_dict(self) -> dict:
-        """The torch optimizer's state (momentum buffers, Adam moments, step counts), copied, as torch.optim
-        over the variable as one tensor would give it: {"state": {0: ...}, "param_groups": [...]}."""
-        if self._optimizer is None:
+        """The optimizer's state (momentum buffers, Adam moments, step counts), copied, as torch.optim over the
+        variable as one tensor would give it: {"state": {0: ...}, "param_groups": [{hyperparameters...}]}."""
+        if self._step is None:
             return {}
-        state = self._optimizer.state_dict()
-        pieces = [state["state"].get(i, {}) for i in range(len(self._pieces))]
         whole = {}
-        for key, value in pieces[0].items():
+        for key, value in self._states[0].items():
             if isinstance(value, torch.Tensor) and key not in _SCALAR_STATE:
-                whole[key] = torch.cat([p[key].reshape(-1) for p in pieces]).view(self.param.shape)
+                whole[key] = torch.cat([s[key].reshape(-1) for s in self._states]).view(self.param.shape)
             else:
                 whole[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        (group,) = state["param_groups"]
-        return {"state": {0: whole} if whole else {}, "param_groups": [{**group, "params": [0]}]}
+        group = {**_torch_kwargs(self.hyperparams), "params": [0]}
+        return {"state": {0: whole} if whole else {}, "param_groups": [group]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what state_dict() returned (hyperparameters included)."""
-        if self._optimizer is None or not state:
+        """Restores what state_dict() returned (hyperparameters included; also torch.optim's own state_dict of
+        an optimizer over the variable as one tensor)."""
+        if self._step is None or not state:
             return
         whole = state["state"].get(0, state["state"].get("0", {}))
-        pieces = {}
-        if whole:
-            for i, (start, end) in enumerate(self._bounds):
-                pieces[i] = {key: _piece_of(key, value, start, end) for key, value in whole.items()}
         (group,) = state["param_groups"]
-        self._optimizer.load_state_dict({"state": pieces,
-                                         "param_groups": [{**group, "params": list(range(len(self._pieces)))}]})
+        allowed = OPTIMIZERS[self.name][1]
+        loaded = {k: float(v) for k, v in group.items() if k in allowed}
+        if "betas" in group and "beta1" in allowed:
+            loaded["beta1"], loaded["beta2"] = (float(b) for b in group["betas"])
+        self.set_hyperparams(loaded)
+        if not whole:
+            self._states = [self._new_state(piece) for piece in self._pieces]
+            return
+        self._states = [{key: _piece_of(key, value, start, end, self.param.dtype) for key, value in whole.items()}
+                        for start, end in self._bounds]
 
     def current(self) -> dict[str, float]:
         """The hyperparameters in force now."""

@@ -35,6 +35,7 @@ from typing import Iterable, Mapping
 import torch
 
 from ..errors import InvalidArgumentError, OptimizerSpecError, TensorMismatchError
+from .optimizers import torch_refusal
 
 __all__ = ["ROW_OPTIMIZERS", "normalize_row_spec", "coalesce", "RowOptimizer"]
 
@@ -88,10 +89,9 @@ def normalize_row_spec(name: str, hyperparams: Mapping[str, float] | None = None
     kwargs = {k: v for k, v in full.items() if k not in ("beta1", "beta2", "maximize")}
     if "beta1" in full:
         kwargs["betas"] = (full["beta1"], full["beta2"])
-    try:
-        cls([torch.zeros(1, requires_grad=True)], maximize=bool(full["maximize"]), **kwargs)
-    except (ValueError, TypeError, RuntimeError) as exc:  # torch's own range checks: "Invalid learning rate: -1"
-        raise OptimizerSpecError(f"{key}: {exc}") from None
+    refusal = torch_refusal(cls, {**kwargs, "maximize": bool(full["maximize"])})  # "Invalid learning rate: -1"
+    if refusal is not None:
+        raise OptimizerSpecError(f"{key}: {refusal}")
     return key, full
 
 

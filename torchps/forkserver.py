@@ -47,9 +47,9 @@ __all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "Proces
            "run_entry"]
 
 # What the fork server imports before forking: the shard's and the worker's entry modules pull in torch,
-# numpy, grpc and the rest of the project; torch._dynamo is what torch imports the first time an optimizer
-# is made (a second's CPU in every shard's first CreateVariables otherwise). None of them starts a thread.
-ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.ps_server.daemon", "torchps.worker.__main__", "torch._dynamo")
+# numpy, grpc and the rest of the project. None of them starts a thread. (Not torch._dynamo: a shard steps
+# torch.optim's functional forms, which never import it; see ps_server/optimizers.py.)
+ENTRY_MODULES = ("torchps.ps_server.__main__", "torchps.ps_server.daemon", "torchps.worker.__main__")
 DISABLE_ENV = "TORCHPS_NO_FORK_SERVER"  # set to 1: every process starts a fresh interpreter instead
 # Read once, when an interpreter starts or imports gRPC, torch or their libraries: a child that needs other
 # values than the fork server started with is started as a fresh interpreter instead.

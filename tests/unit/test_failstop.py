@@ -100,7 +100,7 @@ def test_a_sync_applier_that_raises_stops_the_shard_instead_of_wedging_it():
         c.create([NewVariable("w", torch.zeros(4), "adam", {"lr": 0.1})])
         c.join("worker:0", 1)
         assert c.push("worker:0", 1, 1, 0, {"w": torch.ones(4)}, timeout=TIMEOUT).next_step == 1
-        c.store.get("w").optimizer._optimizer.param_groups[0]["amsgrad"] = True  # the old UpdateOptimizer's doing
+        c.store.get("w").optimizer.hyperparams["amsgrad"] = 1.0  # the old UpdateOptimizer's doing
         held = threading.Thread(target=lambda: pytest.raises(ServerUnavailableError, c.push, "worker:0", 1, 2, 1,
                                                              {"w": torch.ones(4)}, timeout=TIMEOUT), daemon=True)
         held.start()  # completes step 1's quorum: the applier applies it, and raises

@@ -1,6 +1,9 @@
 """VariableOptimizer steps a variable piece by piece: the same bits as torch.optim over the whole tensor,
 and a state_dict that is the whole tensor's (checkpoints, journals and restores keep their format)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,3 +56,55 @@ def test_piecewise_steps_match_torch_optim_bit_for_bit_across_a_restore(monkeypa
         ref_param.grad = grad.clone()
         ref.step()
         assert torch.equal(param.detach(), ref_param.detach()), (name, i)
+
+
+@pytest.mark.parametrize("name,hyper", CASES)
+def test_torch_optims_own_state_dict_loads_and_steps_on_bit_for_bit(name, hyper):
+    """What checkpoints made before the shard stepped torch.optim's functional forms hold: torch.optim's own
+    state_dict of an optimizer over the variable (its param_groups with torch's every key)."""
+    torch.manual_seed(1)
+    value = torch.randn(5, 7)
+    grads = [torch.randn(5, 7) for _ in range(4)]
+    ref_param, ref = _reference(name, hyper, value)
+    for grad in grads[:2]:
+        ref_param.grad = grad.clone()
+        ref.step()
+    param = torch.nn.Parameter(ref_param.detach().clone())
+    ours = VariableOptimizer(name, {}, param)  # the defaults: the loaded param_groups bring the hyperparameters
+    ours.load_state_dict(ref.state_dict())
+    assert ours.current() == VariableOptimizer(name, hyper, param).current()
+    for grad in grads[2:]:
+        ours.apply(grad.clone())
+        ref_param.grad = grad.clone()
+        ref.step()
+        assert torch.equal(param.detach(), ref_param.detach()), name
+
+
+NO_DYNAMO = """
+import sys, torch
+from torchps.ps_server.optimizers import VariableOptimizer
+from torchps.ps_server.row_optimizers import ROW_OPTIMIZERS, normalize_row_spec
+from torchps.errors import OptimizerSpecError
+for name, hyper in {cases!r}:
+    ours = VariableOptimizer(name, hyper, torch.zeros(4))
+    ours.apply(torch.ones(4))
+    ours.load_state_dict(ours.state_dict())
+    try:
+        VariableOptimizer(name, {{"lr": -1.0}}, torch.zeros(4))
+    except OptimizerSpecError as exc:
+        assert "Invalid learning rate: -1" in str(exc), exc
+    else:
+        raise AssertionError("a negative learning rate was taken")
+for name in ROW_OPTIMIZERS:
+    normalize_row_spec(name, {{"lr": 0.5}})
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_shards_optimizers_never_import_torch_dynamo():
+    """Making, stepping, saving and loading every optimizer, and checking specs, imports no torch._dynamo (what
+    torch.optim's classes import: over a second of CPU in every shard process)."""
+    result = subprocess.run([sys.executable, "-c", NO_DYNAMO.format(cases=CASES)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
