@@ -320,7 +320,9 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
 
 
 def task_of(argv: list[str]) -> str | None:
-    """'ps:0', 'worker:1', ... from a child's argv, or None for another process."""
+    """'ps:0', 'worker:1', ... from a child's argv, or None for another process. A child that named itself
+    (setproctitle) shows its title as one string: the words are split out of it."""
+    argv = " ".join(argv).split()
     if "ps-server" in argv:  # python -m torchps.forkserver MODULE PROG ARGS...
         return f"ps:{argv[argv.index('--index') + 1]}"
     if "ps-worker" in argv and "--task-type" in argv:
