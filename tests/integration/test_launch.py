@@ -10,6 +10,7 @@ while it runs), so no psutil is needed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -264,34 +265,48 @@ def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
                                            (["--insecure"], "INSECURE", False)], ids=["default", "tokens-only", "insecure"])
 def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
     """The shards say how they are secured; each process is given only its own files, in a folder of its own
-    (mode 0700) inside the job's (mode 0700), which holds no CA key; all of it gone when ps-launch has ended."""
+    (mode 0700) inside the job's (mode 0700), which holds no CA key; all of it gone when ps-launch has ended.
+    The shard is stopped (SIGSTOP) from its serving line until every process was looked at: a 20-step job
+    could otherwise end before this test reads the lines that say its processes run."""
     seen: dict[str, dict] = {}  # task -> what it was given, read while the job runs
+    stopped: list[int] = []
 
     def on_line(line: str, launcher: int) -> None:
-        if line.startswith("[worker:1]") and not seen:  # every process runs by now
-            for pid in descendants(launcher):
-                try:
-                    task = task_of(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
-                    variables = {k: v for k, v in environ_of(pid).items()
-                                 if k.startswith("TORCHPS_") and k != DISABLE_ENV}
-                except OSError:
-                    continue
-                if task is None:
-                    continue
-                seen[task] = {"variables": variables}
-                if variables:
-                    folder = pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent
-                    seen[task].update(folder=folder, files=sorted(p.name for p in folder.iterdir()),
-                                      modes=(folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777),
-                                      everything=sorted(p.name for p in folder.parent.rglob("*")),
-                                      token=(folder / "token").read_text())
+        if (serving := SERVING.search(line)) and not seen:
+            stopped.append(int(serving[1]))
+            os.kill(stopped[-1], signal.SIGSTOP)
+        if not stopped:
+            return
+        for pid in descendants(launcher):
+            try:
+                task = task_of(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+                variables = {k: v for k, v in environ_of(pid).items()
+                             if k.startswith("TORCHPS_") and k != DISABLE_ENV}
+            except OSError:
+                continue
+            if task is None or task in seen:
+                continue
+            seen[task] = {"variables": variables}
+            if variables:
+                folder = pathlib.Path(variables["TORCHPS_TOKEN_FILE"]).parent
+                seen[task].update(folder=folder, files=sorted(p.name for p in folder.iterdir()),
+                                  modes=(folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777),
+                                  everything=sorted(p.name for p in folder.parent.rglob("*")),
+                                  token=(folder / "token").read_text())
+        if len(seen) == 3:
+            os.kill(stopped.pop(), signal.SIGCONT)
 
     # Each process's environment is read from /proc, which shows what a process was exec'd with: a child
     # forked from the fork server shows the fork server's. So this job's processes start as fresh
     # interpreters; the environment each is given is built the same way (and test_forkserver shows a forked
     # child gets exactly the environment it was given).
-    run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--steps", "20", *flags], on_line=on_line,
-                 env=environ(**{DISABLE_ENV: "1"}))
+    try:
+        run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--steps", "20", *flags],
+                     on_line=on_line, env=environ(**{DISABLE_ENV: "1"}))
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
     assert run.code == 0, run.output
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and mode in serving[0], serving
