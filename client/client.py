@@ -516,10 +516,11 @@ class PSClient(DataPath, TablePath):
         """The global step (shard 0's counter of applied pushes). Blocks for one round trip."""
         return self.status(GLOBAL_STEP_SHARD).step
 
-    def status(self, shard: int) -> ps_pb2.StatusResponse:
-        """One shard's status (index, step, variable count, bytes, pid, counters). Never waits for training."""
-        return self._fanout.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
-                                 self.control_timeout)
+    def status(self, shard: int, joined_of: Iterable[str] = ()) -> ps_pb2.StatusResponse:
+        """One shard's status (index, step, variable count, bytes, pid, counters); its `not_joined` lists the
+        names of `joined_of` that never joined the job there. Never waits for training."""
+        request = ps_pb2.StatusRequest(joined_of=list(joined_of))
+        return self._fanout.call(shard, lambda stub, t: stub.GetStatus(request, timeout=t), self.control_timeout)
 
     # -- modules --------------------------------------------------------------------------------
 

@@ -163,6 +163,10 @@ class Coordinator:
                 "workers_expired": membership.expired, "workers_stalled": membership.stalls,
                 "duplicates": self.ledger.duplicates, "waiting_calls": self.waits.waiting()}
 
+    def never_joined(self, names: list[str]) -> list[str]:
+        """Those of `names` that never joined this job here (the membership's alone: never waits)."""
+        return self.membership.never_joined(names)
+
     def paces(self) -> dict[str, tuple[float, float]]:
         """{worker: (push interval seconds, straggler score)}: see membership.paces_of (computed after the
         membership's lock is let go: it is held only to copy the intervals)."""

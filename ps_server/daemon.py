@@ -61,8 +61,7 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int)
 
 def _spec_workers(cluster: Cluster | None) -> frozenset[str]:
     """The names the cluster spec's chief and workers join with ("worker:1")."""
-    return frozenset(str(task) for task, _ in cluster.tasks() if task.type in ("chief", "worker")) if cluster else \
-        frozenset()
+    return frozenset(cluster.training_names()) if cluster else frozenset()
 
 
 def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,

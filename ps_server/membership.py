@@ -237,6 +237,11 @@ class Membership:
         """Workers that ever joined this job here, live or not."""
         return len(self.members)
 
+    @guarded
+    def never_joined(self, names: list[str]) -> list[str]:
+        """Those of `names` that never joined this job here, in order."""
+        return [name for name in names if name not in self.members]
+
     # -- the passing of time ---------------------------------------------------------------------
 
     @guarded

@@ -53,6 +53,7 @@ from .waits import Waiting
 __all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
 
 _LOGGER = logging.getLogger(__name__)
+MAX_JOINED_OF = 65536  # StatusRequest.joined_of: names looked up in one GetStatus
 MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; clients repeat shorter waits
 MEMORY_REFRESH_SECONDS = 1.0  # GetStatus is the clients' readiness probe: /proc and malloc are read this often
 
@@ -574,6 +575,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_map_errors
     def GetStatus(self, request, context):
         coordinator = self.coordinator
+        if len(request.joined_of) > MAX_JOINED_OF:
+            raise InvalidArgumentError(f"GetStatus looks up at most {MAX_JOINED_OF} names in joined_of. "
+                                       f"Received: {len(request.joined_of)}")
         values, state = self.held_bytes()
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
@@ -585,7 +589,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,
             push_bytes_received=self.push_bytes.value, tables=coordinator.tables.status(),
-            layout_epoch=coordinator.layout.epoch, **coordinator.counters())
+            layout_epoch=coordinator.layout.epoch, not_joined=coordinator.never_joined(list(request.joined_of)),
+            **coordinator.counters())
 
     @_map_errors
     def Configure(self, request, context):

@@ -119,6 +119,10 @@ class Cluster:
         """Every (task, address), in TASK_TYPES order then by index."""
         return [(TaskSpec(kind, i), a) for kind in TASK_TYPES for i, a in enumerate(getattr(self, kind))]
 
+    def training_names(self) -> list[str]:
+        """The names the chief and the workers join a job with ("worker:1"), in spec order."""
+        return [str(task) for task, _ in self.tasks() if task.type in ("chief", "worker")]
+
     def address(self, task: TaskSpec) -> str:
         """The address of `task`; ClusterConfigError if the cluster lacks it."""
         if task.type not in TASK_TYPES:

@@ -7,6 +7,7 @@ import logging
 import pathlib
 import threading
 import time
+from typing import Iterable
 
 import torch
 
@@ -16,6 +17,7 @@ __all__ = ["Checkpointer", "StragglerWatch", "finish_job"]
 
 _LOGGER = logging.getLogger(__name__)
 FINAL_WAIT_SECONDS = 600.0  # how long the chief waits for the other workers before its final evaluation
+WAIT_LOG_SECONDS = 10.0  # between two lines saying which workers the chief still waits for
 STRAGGLER_CHECK_SECONDS = 10.0  # between two looks at the workers' paces
 
 
@@ -120,15 +122,39 @@ def fixed_tables(binding) -> list[str]:
     return [name for name, table in binding.tables.items() if table.num_embeddings is not None]
 
 
+def _wait_for_workers(client: PSClient, expected: list[str], join_wait: float) -> None:
+    """Returns once no worker is live on ps 0 and every name of `expected` joined there, or the waits' bounds
+    passed; logs what it waits for every WAIT_LOG_SECONDS."""
+    started = time.monotonic()
+    logged = started - WAIT_LOG_SECONDS  # the first wait is named at once
+    while True:
+        status = client.status(0, joined_of=expected)
+        waited = time.monotonic() - started
+        missing = list(status.not_joined)
+        joins_awaited = bool(missing) and waited < join_wait
+        if (status.live_workers == 0 and not joins_awaited) or waited >= FINAL_WAIT_SECONDS:
+            break
+        if joins_awaited and time.monotonic() - logged >= WAIT_LOG_SECONDS:
+            logged = time.monotonic()
+            _LOGGER.info("waiting up to %.0f s more for %s to join: not joined yet, its part of the data is not "
+                         "trained", join_wait - waited, ", ".join(missing))
+        time.sleep(0.5)  # end of the job: a few status calls, not on the training path
+    if missing:
+        _LOGGER.warning("%s never joined this job (waited %.0f s): what %s would have trained was not trained",
+                        ", ".join(missing), waited, "they" if len(missing) > 1 else "it")
+
+
 def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path | None,
-               checkpointer: Checkpointer | None, shutdown: bool) -> int:
+               checkpointer: Checkpointer | None, shutdown: bool, expected: Iterable[str] = (),
+               join_wait: float = 0.0) -> int:
     """Waits for the other workers, saves a last checkpoint, exports the model, stops the shards.
 
-    Returns the final global step. The module holds the final parameters afterwards.
+    The other workers: every live one, for up to FINAL_WAIT_SECONDS, and every name of `expected` (the
+    cluster spec's workers) that never joined the job, for up to `join_wait` s (a worker that starts late
+    still trains its part of the data; one that never comes is named in a warning). Returns the final global
+    step. The module holds the final parameters afterwards.
     """
-    deadline = time.monotonic() + FINAL_WAIT_SECONDS
-    while client.status(0).live_workers > 0 and time.monotonic() < deadline:
-        time.sleep(0.5)  # end of the job: a few status calls, not on the training path
+    _wait_for_workers(client, list(expected), join_wait)
     binding.pull()
     binding.wait()  # an overlapped pull runs in the background
     step = client.global_step()

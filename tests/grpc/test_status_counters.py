@@ -25,6 +25,7 @@ from torchps.worker.local_cluster import LocalCluster
 
 from torchps import codec
 from torchps.proto import ps_pb2, ps_pb2_grpc
+from torchps.ps_server.servicer import MAX_JOINED_OF
 
 TIMEOUT = 30.0
 N = 8  # float32 elements: 32 bytes
@@ -232,3 +233,17 @@ def test_workers_expired_and_stalled_count_leases_and_progress_that_ran_out(stub
     finally:
         stop.set()
         beating.join(TIMEOUT)
+
+
+def test_not_joined_names_those_asked_about_that_never_joined_and_too_many_names_are_refused(stubs):
+    """StatusRequest.joined_of (the chief's end-of-job question): the names that never joined, in the order
+    asked; a worker that joined and left counts as joined. Over MAX_JOINED_OF names: INVALID_ARGUMENT."""
+    stub = stubs[0]
+    stub.Join(ps_pb2.WorkerRef(worker="worker:7", incarnation=1), timeout=TIMEOUT)
+    stub.Leave(ps_pb2.WorkerRef(worker="worker:7", incarnation=1), timeout=TIMEOUT)
+    asked = ["worker:9", "worker:7", "chief:0"]
+    status = stub.GetStatus(ps_pb2.StatusRequest(joined_of=asked), timeout=TIMEOUT)
+    assert list(status.not_joined) == ["worker:9", "chief:0"]
+    assert list(status_of(stub).not_joined) == []  # nothing asked, nothing listed
+    too_many = ps_pb2.StatusRequest(joined_of=[f"worker:{i}" for i in range(MAX_JOINED_OF + 1)])
+    assert fails(lambda: stub.GetStatus(too_many, timeout=TIMEOUT)) == grpc.StatusCode.INVALID_ARGUMENT

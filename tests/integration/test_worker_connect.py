@@ -170,3 +170,50 @@ def test_a_tls_chief_and_a_plaintext_shard_name_the_mismatch_and_neither_logs_gr
     finally:
         shard.kill()
     assert not GRPC_LOG.search(shard.output), shard.output
+
+
+def _summary(process: Process) -> dict:
+    return json.loads(process.wait_for(r"summary (\{.*\})$")[1])
+
+
+def test_a_chief_done_before_a_worker_started_waits_for_it_and_the_job_trains_both_slices():
+    """A pod that starts late: the chief trains its slice, then waits for worker 1 (named at once), which has
+    not joined yet; worker 1 then trains its slice and the chief ends the job with both in the global step.
+    (The chief once ended the job as soon as no worker was live, and worker 1's slice was never trained.)"""
+    port = free_port()
+    cluster = {"ps": [f"127.0.0.1:{port}"], "worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
+    started = [Process([*PS_SERVER, "--index", "0", "--cluster", json.dumps(cluster), "--insecure"])]
+    try:
+        started[0].wait_for(r"serving on")
+        started.append(worker(cluster, 0, "--epochs", "1", "--insecure"))
+        started[1].wait_for(r"waiting up to \d+ s more for worker:1 to join: not joined yet, its part of the data "
+                            r"is not trained$")
+        started.append(worker(cluster, 1, "--epochs", "1", "--insecure"))
+        codes = [started[1].finish(), started[2].finish(), started[0].finish()]
+        assert codes == [0, 0, 0], "\n\n".join(p.output[-3000:] for p in started)
+        chief = _summary(started[1])
+        late = re.search(r"worker:1 finished: (\d+) local steps", started[2].output)
+        assert late and int(late[1]) > 0, started[2].output
+        assert chief["global_step"] == chief["local_steps"] + int(late[1]), chief
+        assert "never joined" not in started[1].output
+    finally:
+        for process in started:
+            process.kill()
+
+
+def test_a_spec_worker_that_never_comes_is_named_and_the_chief_ends_after_its_connect_timeout():
+    port = free_port()
+    cluster = {"ps": [f"127.0.0.1:{port}"], "worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
+    started = [Process([*PS_SERVER, "--index", "0", "--cluster", json.dumps(cluster), "--insecure"])]
+    try:
+        started[0].wait_for(r"serving on")
+        started.append(worker(cluster, 0, "--epochs", "1", "--insecure", "--connect-timeout", "2"))
+        assert started[1].finish() == 0, started[1].output
+        started[1].wait_for(r"worker:1 never joined this job \(waited \d+ s\): what it would have trained was not "
+                            r"trained$")
+        chief = _summary(started[1])
+        assert chief["global_step"] == chief["local_steps"], chief  # only the chief's slice was trained
+        assert started[0].finish() == 0, started[0].output  # the chief stopped the shard
+    finally:
+        for process in started:
+            process.kill()

@@ -266,11 +266,13 @@ class ListResponse(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("joined_of",)
+    JOINED_OF_FIELD_NUMBER: _ClassVar[int]
+    joined_of: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, joined_of: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +299,7 @@ class StatusResponse(_message.Message):
     PACES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NOT_JOINED_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -323,7 +326,8 @@ class StatusResponse(_message.Message):
     paces: _containers.RepeatedCompositeFieldContainer[WorkerPace]
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     layout_epoch: int
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    not_joined: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerPace(_message.Message):
     __slots__ = ("worker", "push_interval_seconds", "straggler_score")
