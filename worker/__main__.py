@@ -273,11 +273,13 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if group is not None:
         return _finish_allreduce(client, task, job, args, device, binding, result, started, start_step, replicas,
                                  cluster.num_ps)
-    # With static slices, a spec worker that has not joined yet still has its slice to train; with dynamic
-    # sharding the queue hands every data shard out once, and a latecomer has nothing left to do.
+    # With static slices, a spec worker that has not joined yet still has its slice to train, unless the job
+    # has nothing left to train (its --steps reached, or the chief itself, resuming it, trained nothing);
+    # with dynamic sharding the queue hands every data shard out once, and a latecomer has nothing left to do.
+    training_left = result["local_steps"] > 0 and (args.steps is None or client.global_step() < args.steps)
     global_step = finish_job(client, ps_binding, export=args.export, checkpointer=checkpointer,
                              shutdown=not args.keep_ps and queue is None,
-                             expected=cluster.training_names() if queue is None else (),
+                             expected=cluster.training_names() if queue is None and training_left else (),
                              join_wait=args.connect_timeout)
     if queue is not None:  # what ps 0 counted, read once the other workers left and before the shards stop
         result = {**result, **queue_summary(queue)}
