@@ -3,21 +3,18 @@
 Every method runs as an asyncio handler (edge.py): its body here is blocking
 code on the shard's thread pool, and the bodies that wait for a sync release
 or a step (Push, PushPull, Pull) yield their waits (waits.Wait) to the event
-loop instead of holding a thread. `_status_of` is the one place where PSError
-subclasses become gRPC status codes (with the class name in the trailing
-metadata key `torchps-error`) and anything unexpected becomes INTERNAL, so a
-bad request never takes the server down.
+loop instead of holding a thread. This module holds the servicer and its data
+path (CreateVariables, Pull, Push, PushPull, UpdateOptimizer, ListVariables);
+control_rpcs.py (status, mode, membership, checkpoints, shutdown) and
+job_rpcs.py (tables, data queues, live resizes) hold the other RPCs, mixed in;
+rpc_support.py maps errors to status codes, so a bad request never takes the
+server down.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
-import json
 import logging
 import math
-import os
 import random
 import threading
 import time
@@ -25,73 +22,31 @@ from concurrent.futures import Executor
 from typing import Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from .. import codec, compression, rows, wire
-from . import checkpoint
-from ..errors import (ERROR_METADATA_KEY, CheckpointError, InternalServerError, InvalidArgumentError,
-                      LayoutChangedError, MalformedStreamError, ModeConflictError, PermissionDeniedError, PSError,
-                      SpecConflictError)
+from ..errors import InvalidArgumentError, LayoutChangedError, MalformedStreamError, SpecConflictError
 from ..memory import memory_usage
-from ..partitioning import check_manifest
-from ..placement import Placement
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
-from .auth import Authority, Caller
+from .auth import Authority
+from .control_rpcs import ControlRPCs
+from .coordinator import Coordinator
+from .edge import CallContext, handler
+from .job_rpcs import JobRPCs
 from .metrics import ShardMetrics
-from .coordinator import CHIEF, MAX_STEP, READER, WORKER, Coordinator
-from .edge import CallContext, CallEnded, handler
-from .dataqueue import QueueSpec
 from .quotas import Quotas, optimizer_slots
-from .modes import SyncConfig
+from .rpc_support import (MAX_LIST_WAIT_SECONDS, decode_request, decoded, map_errors, remaining, require_active,
+                          status_of, step_authority)
 from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
 from .tokens import TokenFile
 from .waits import Waiting
 
-__all__ = ["ParameterServerServicer", "add_to_server", "config_from_proto", "config_to_proto"]
+__all__ = ["ParameterServerServicer", "add_to_server"]
 
 _LOGGER = logging.getLogger(__name__)
-MAX_JOINED_OF = 65536  # StatusRequest.joined_of: names looked up in one GetStatus
-MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables wait holds an RPC thread; clients repeat shorter waits
 MEMORY_REFRESH_SECONDS = 1.0  # GetStatus is the clients' readiness probe: /proc and malloc are read this often
-
-
-def _status_of(method: str, exc: Exception, context: CallContext) -> tuple[grpc.StatusCode, str, tuple]:
-    """The status a call that raised `exc` ends with: (code, details, trailing metadata)."""
-    if context.stalled is not None:
-        return grpc.StatusCode.DEADLINE_EXCEEDED, context.stalled, ()
-    if isinstance(exc, PSError):
-        _LOGGER.debug("%s rejected: %s", method, exc)
-        return getattr(grpc.StatusCode, exc.grpc_code), str(exc), ((ERROR_METADATA_KEY, type(exc).__name__),)
-    if isinstance(exc, (grpc.RpcError, CallEnded)) or not context.is_active():
-        _LOGGER.info("%s: the client went away mid-call; nothing was applied", method)
-        return grpc.StatusCode.CANCELLED, "the client cancelled the call", ()
-    _LOGGER.exception("%s failed unexpectedly", method, exc_info=exc)
-    error = InternalServerError(f"{method} failed on the shard: {type(exc).__name__}: {exc}")
-    return grpc.StatusCode.INTERNAL, str(error), ((ERROR_METADATA_KEY, type(error).__name__),)
-
-
-def _remaining(context: CallContext) -> float | None:
-    """Seconds left before the call's deadline, or None without one (gRPC then reports a huge value)."""
-    remaining = context.time_remaining()
-    return None if remaining is None or remaining > 1e7 else max(0.0, remaining)
-
-
-def _decode(decode, raw: bytes):
-    """decode(raw), with any parse failure as MalformedStreamError (INVALID_ARGUMENT)."""
-    try:
-        return decode(raw)
-    except DecodeError as exc:
-        raise MalformedStreamError(f"malformed protobuf message: {exc}") from None
-
-
-def _decoded(request_iterator, decode):
-    """Decodes a request stream in the handler, not in gRPC: gRPC would end a stream whose next
-    message does not parse as if it had simply finished, and the handler would apply a prefix."""
-    for raw in request_iterator:
-        yield _decode(decode, raw)
 
 
 def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -> None:
@@ -100,40 +55,6 @@ def _check_same_meta(declared: ps_pb2.VariableSpec, held: ps_pb2.VariableSpec) -
         raise SpecConflictError(f"variable {held.name!r} already exists as {codec.describe_meta(held.meta)}; the "
                                 f"request declared {codec.describe_meta(declared.meta)}. Use another name, or the "
                                 f"same spec.")
-
-
-def _require_active(context: CallContext) -> None:
-    """Raises unless the call is still alive: gRPC may have cut the stream (an oversized message)."""
-    if not context.is_active():
-        raise MalformedStreamError("the call ended before the stream was complete; nothing was applied")
-
-
-def _map_errors(method):
-    """Checks the caller's role and the client's quota of calls, then runs a handler's body (edge.handler maps
-    what it raises); counts finished calls. A generator body (streaming replies, or yielding its waits) stays
-    one."""
-    if inspect.isgeneratorfunction(method):
-        @functools.wraps(method)
-        def waiting(self, request, context):
-            self.calls_started.add()
-            try:
-                caller = self.authority.caller(method.__name__, context)
-                with self.quotas.call(caller.name or context.peer()):
-                    return (yield from method(self, request, context))
-            finally:
-                self.calls_done.add()
-        return waiting
-
-    @functools.wraps(method)
-    def unary(self, request, context):
-        self.calls_started.add()
-        try:
-            caller = self.authority.caller(method.__name__, context)
-            with self.quotas.call(caller.name or context.peer()):
-                return method(self, request, context)
-        finally:
-            self.calls_done.add()
-    return unary
 
 
 class _Count:
@@ -165,7 +86,7 @@ class _Recent:
             return self._value
 
 
-class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's VariableStore over the ParameterServer service.
 
     Register it with `add_to_server`, which uses wire.py's codecs for Pull's
@@ -198,7 +119,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
         self.queue_desk = coordinator.queue_desk  # data queues: ps 0's
 
-    @_map_errors
+    @map_errors
     def CreateVariables(self, request_iterator, context):
         requests: list[NewVariable] = []
         pending = None  # the spec whose initial value is arriving
@@ -207,7 +128,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         existing = set(self.store.names())
         held = self.held_total()
         incoming = 0
-        for message in _decoded(self._watched(request_iterator, context, "CreateVariables"),
+        for message in decoded(self._watched(request_iterator, context, "CreateVariables"),
                                 ps_pb2.CreateRequest.FromString):
             if declared is None:
                 declared, job_step = message.count, message.step
@@ -234,7 +155,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise MalformedStreamError(f"stream ended before the initial value of {pending.name!r} was complete")
         if declared and len(requests) != declared:
             raise MalformedStreamError(f"the stream declared {declared} variables but {len(requests)} arrived")
-        _require_active(context)
+        require_active(context)
         with self._creating:  # the memory check again, now that no other stream can create in between
             names = set(self.store.names())
             self.quotas.check_total(self.held_total(),
@@ -243,7 +164,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             created = self.coordinator.create(requests, job_step=job_step or 0)
         return ps_pb2.CreateResponse(created=created, generation=self.generation)
 
-    @_map_errors
+    @map_errors
     def Pull(self, request, context):
         """Yields serialized PullResponse messages (see wire.py); each variable is copied under its lock."""
         self.coordinator.layout.check_member()
@@ -257,17 +178,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         bases = self._bases(list(request.names), list(request.base_versions), request.base_generation,
                             "base_versions")
         if request.min_step:  # waits on the event loop (edge.py)
-            yield from self.coordinator.step_waiting(request.min_step, _remaining(context),
+            yield from self.coordinator.step_waiting(request.min_step, remaining(context),
                                                      lambda: not context.is_active(),
-                                                     by=_step_authority(self.authority.caller("Pull", context)))
+                                                     by=step_authority(self.authority.caller("Pull", context)))
         yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases)
 
-    @_map_errors
+    @map_errors
     def Push(self, request_iterator, context):
         """Applies a complete, valid stream of gradients (see Coordinator.push); a held push waits on the event
         loop (edge.py)."""
         header, reply = yield from self._receive_push(
-            _decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request), context)
+            decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request), context)
         return reply
 
     def _watched(self, request_iterator, context: CallContext, method: str):
@@ -284,14 +205,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 touch()
                 yield raw
 
-    @_map_errors
+    @map_errors
     def PushPull(self, request, context):
         """Push of one message, then the header's `pull` variables in one reply.
 
         In sync mode the reply waits until the worker may go on, as shard 0's
         reply to a Push does, so it carries the released step's values.
         """
-        header, chunks, end = _decode(wire.decode_push_request, request)
+        header, chunks, end = decode_request(wire.decode_push_request, request)
         if header is None:
             raise MalformedStreamError("a PushPull request must carry a header")
         asked = list(header.pull)
@@ -434,7 +355,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if header.tensors and len(grads) != header.tensors:
                 raise MalformedStreamError(f"the push declared {header.tensors} tensors but {len(grads)} arrived "
                                            f"complete; nothing was applied")
-            _require_active(context)
+            require_active(context)
             caller = self._check_self(context, header.worker, "Push")
             context.add_callback(self.coordinator.wake)
             staleness = self.store.step - header.step if self.metrics is not None else 0
@@ -444,8 +365,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 result = yield from self.coordinator.push_waiting(
                     header.worker, header.incarnation, header.seq, header.step,
                     {n: g for n, g in grads.items() if n not in moved}, header.step_increment,
-                    cancelled=lambda: not context.is_active(), hold=hold, timeout=_remaining(context),
-                    by=_step_authority(caller), received=received, repeat=bool(moved))
+                    cancelled=lambda: not context.is_active(), hold=hold, timeout=remaining(context),
+                    by=step_authority(caller), received=received, repeat=bool(moved))
             finally:
                 self.queue_desk.after_push(data, header, result)  # counted once applied, before it is answered
             if self.metrics is not None:
@@ -523,7 +444,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if small or not sent:
             yield message(small)
 
-    @_map_errors
+    @map_errors
     def UpdateOptimizer(self, request, context):
         """Sets hyperparameters (store.set_hyperparams, which refuses a change of the state's structure after
         a variable's first step); optimizer state the change adds (momentum turned on) must fit --max-memory."""
@@ -542,7 +463,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             updated = self.coordinator.set_hyperparams(names, updates)
         return ps_pb2.UpdateOptimizerResponse(updated=updated)
 
-    @_map_errors
+    @map_errors
     def ListVariables(self, request, context):
         names = list(request.names)
         if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
@@ -561,312 +482,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             infos.append(ps_pb2.VariableInfo(spec=variable.spec, version=variable.version, nbytes=variable.nbytes))
         return ps_pb2.ListResponse(variables=infos, step=self.store.step, generation=self.generation)
 
-    def held_bytes(self) -> tuple[int, int]:
-        """(bytes of values, bytes of optimizer state, as the hyperparameters in force keep it) of the
-        variables the shard holds."""
-        variables = [self.store.get(name) for name in self.store.names()]
-        values = sum(v.nbytes for v in variables)
-        return values, sum(v.nbytes * optimizer_slots(v.optimizer.name, v.optimizer.current()) for v in variables)
-
-    def held_total(self) -> int:
-        """What the memory quota counts as held: variables with their optimizer state, and embedding tables."""
-        return sum(self.held_bytes()) + self.coordinator.tables.nbytes()
-
-    @_map_errors
-    def GetStatus(self, request, context):
-        coordinator = self.coordinator
-        if len(request.joined_of) > MAX_JOINED_OF:
-            raise InvalidArgumentError(f"GetStatus looks up at most {MAX_JOINED_OF} names in joined_of. "
-                                       f"Received: {len(request.joined_of)}")
-        values, state = self.held_bytes()
-        return ps_pb2.StatusResponse(
-            index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
-            state_bytes=state, pid=os.getpid(),
-            memory=ps_pb2.MemoryUsage(**self.memory.get()), metrics_port=self.metrics_port,
-            paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
-                   for w, (i, score) in coordinator.paces().items()],
-            config=config_to_proto(coordinator.config), generation=self.generation,
-            restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
-            calls_started=self.calls_started.value, calls_done=self.calls_done.value,
-            push_bytes_received=self.push_bytes.value, tables=coordinator.tables.status(),
-            layout_epoch=coordinator.layout.epoch, not_joined=coordinator.never_joined(list(request.joined_of)),
-            **coordinator.counters())
-
-    @_map_errors
-    def Configure(self, request, context):
-        return ps_pb2.ConfigureResponse(changed=self.coordinator.configure(config_from_proto(request)))
-
-    def _check_self(self, context: CallContext, worker: str, method: str) -> Caller:
-        """The caller; PermissionDeniedError if a named worker names another worker in its request."""
-        caller = self.authority.caller(method, context)
-        self.authority.check_self(caller, worker, method)
-        return caller
-
-    @_map_errors
-    def Join(self, request, context):
-        caller = self._check_self(context, request.worker, "Join")
-        step = self.coordinator.join(request.worker, request.incarnation, request.step, by=_step_authority(caller))
-        return ps_pb2.JoinResponse(step=step, config=config_to_proto(self.coordinator.config),
-                                   generation=self.generation, restarted=self.coordinator.restarted(request.worker),
-                                   live_workers=self.coordinator.live_workers(),
-                                   layout_epoch=self.coordinator.layout.epoch)
-
-    @_map_errors
-    def Heartbeat(self, request, context):
-        caller = self._check_self(context, request.worker, "Heartbeat")
-        step = self.coordinator.heartbeat(request.worker, request.incarnation, request.step,
-                                          by=_step_authority(caller))
-        return ps_pb2.HeartbeatResponse(step=step, generation=self.generation,
-                                        live_workers=self.coordinator.live_workers(),
-                                        layout_epoch=self.coordinator.layout.epoch)
-
-    @_map_errors
-    def Leave(self, request, context):
-        self._check_self(context, request.worker, "Leave")
-        self.coordinator.leave(request.worker, request.incarnation)
-        return ps_pb2.LeaveResponse()
-
-    @_map_errors
-    def Save(self, request, context):
-        """Writes this shard's state at the checkpoint's step (snapshots.py): variables and every embedding
-        table (table_state.py), copied at one instant under the apply gate. Blocks until the shard reaches
-        the step (at most the call's deadline), then for the copy and the file's write and fsync; if it
-        raises, no file of this shard counts for the checkpoint (shard 0 will not commit it)."""
-        if not 0 <= request.step <= MAX_STEP:
-            raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
-        self._require_checkpoints()
-        started = time.monotonic()
-        context.add_callback(self.coordinator.wake)
-        state = self.coordinator.snapshot_at(request.step, _remaining(context), lambda: not context.is_active(),
-                                             now=request.now)
-        try:
-            path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, request.step, state)
-        except OSError as exc:
-            raise CheckpointError(f"ps {self.index} could not write its checkpoint under {self.checkpoint_dir}: "
-                                  f"{exc}") from None
-        _LOGGER.info("ps %d saved its state at step %d for checkpoint %d (%s, %d bytes)", self.index, state["step"],
-                     request.step, path, size)
-        if self.metrics is not None:
-            self.metrics.saved(time.monotonic() - started)
-        return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size, index=self.index)
-
-    @_map_errors
-    def CommitCheckpoint(self, request, context):
-        """Shard 0 commits a checkpoint every shard saved: checks each file (size, table section) and writes
-        the manifest with the client's placement and the tables the files hold (checkpoint.commit). Blocks
-        for the checks and writes; if it raises, the checkpoint is not committed."""
-        self._require_checkpoints()
-        if not 0 <= request.step <= MAX_STEP:
-            raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
-        if self.index != 0:
-            raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
-        manifest = _placement_manifest(request.manifest_json)
-        shards = [(s.index, s.bytes, s.step) for s in request.shards]
-        try:
-            path = checkpoint.commit(self.checkpoint_dir, request.step, manifest, shards, request.keep)
-        except OSError as exc:
-            raise CheckpointError(f"ps 0 could not commit checkpoint {request.step}: {exc}") from None
-        _LOGGER.info("checkpoint %d committed (%s)", request.step, path)
-        return ps_pb2.CommitResponse(path=str(path))
-
-    def _require_checkpoints(self) -> None:
-        if not self.checkpoint_dir:
-            raise ModeConflictError(f"ps {self.index} has no checkpoint directory: start ps-server with --checkpoint-dir")
-
-    # -- embedding tables ---------------------------------------------------------------------
-
-    @_map_errors
-    def CreateTables(self, request, context):
-        if request.shard_index != self.index:
-            raise ModeConflictError(f"this is ps {self.index}; the request was made for ps {request.shard_index}")
-        with self._creating:  # against CreateVariables: one namespace, one memory quota
-            def check_memory(adding: dict[str, int]) -> None:
-                self.quotas.check_total(self.held_total(), adding)
-
-            created = self.coordinator.create_tables(list(request.tables), request.shard_index, request.num_shards,
-                                                     check_memory=check_memory)
-        return ps_pb2.CreateTablesResponse(created=created, generation=self.generation)
-
-    @_map_errors
-    def LookupRows(self, request, context):
-        """Yields serialized PullResponses (wire.py) with each table's rows, read by tables.TableStore.lookup."""
-        if request.admit and self.authority.caller("LookupRows", context).role == "evaluator":
-            raise PermissionDeniedError(f"ps {self.index} refused an admitting LookupRows from an evaluator: "
-                                        f"evaluators read rows without admit")
-        if request.chunk_bytes and request.chunk_bytes < codec.MIN_CHUNK_BYTES:
-            raise InvalidArgumentError(f"chunk_bytes must be 0 or at least {codec.MIN_CHUNK_BYTES}. "
-                                       f"Received: {request.chunk_bytes}")
-        chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
-        names = [t.name for t in request.tables]
-        if request.admit and self.quotas.max_memory:  # dynamic tables grow by admitting: within --max-memory
-            tables = self.coordinator.tables
-            dynamic = [name for name in names if not tables.get(name).table.fixed]
-            if dynamic:
-                self.quotas.check_admission(self.held_total(), dynamic)
-        found = self.coordinator.lookup_rows([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
-                                             admit=request.admit)
-        step = self.store.step
-        pieces = (piece for name, value in zip(names, found) for piece in wire.tensor_pieces(name, value, chunk_bytes))
-        sent = False
-        for batch in wire.pack(pieces, chunk_bytes):
-            sent = True
-            self.pull_bytes.add(sum(len(piece[3]) for piece in batch))
-            yield wire.encode_pull_response(batch, step)
-        if not sent:
-            yield wire.encode_pull_response([], step)
-
-    @_map_errors
-    def ListTables(self, request, context):
-        names = list(request.names)
-        if not (math.isfinite(request.wait_seconds) and request.wait_seconds >= 0):
-            raise InvalidArgumentError(f"wait_seconds must be finite and >= 0. Received: {request.wait_seconds}")
-        tables = self.coordinator.tables
-        if names and request.wait_seconds > 0:
-            context.add_callback(tables.wake)
-            with self.coordinator.waits.slot("list"):
-                tables.wait_for(names, min(request.wait_seconds, MAX_LIST_WAIT_SECONDS),
-                                lambda: not context.is_active())
-        return ps_pb2.ListTablesResponse(tables=tables.infos(names or None), step=self.store.step,
-                                         generation=self.generation)
-
-    # -- data queues (dynamic sharding) -----------------------------------------------------------
-
-    @_map_errors
-    def CreateDataQueue(self, request, context):
-        spec = QueueSpec(request.name, request.num_examples, request.shard_size, request.epochs, request.seed)
-        return ps_pb2.CreateDataQueueResponse(created=self.queue_desk.create(spec))
-
-    @_map_errors
-    def TakeDataShard(self, request, context):
-        self._check_self(context, request.worker, "TakeDataShard")
-        wait = _wait_seconds(request.wait_seconds)
-        context.add_callback(self.coordinator.wake)
-        lease, finished = self.queue_desk.take(request.queue, request.worker, request.incarnation, wait,
-                                               lambda: not context.is_active())
-        return ps_pb2.TakeDataShardResponse(shard=_data_shard(request.queue, lease) if lease else None,
-                                            finished=finished)
-
-    @_map_errors
-    def GetDataQueue(self, request, context):
-        wait = _wait_seconds(request.wait_seconds)
-        context.add_callback(self.coordinator.wake)
-        status = self.queue_desk.status(request.name, wait, lambda: not context.is_active())
-        spec = status["spec"]
-        return ps_pb2.DataQueueStatus(
-            spec=ps_pb2.DataQueueSpec(name=spec.name, num_examples=spec.num_examples, shard_size=spec.shard_size,
-                                      epochs=spec.epochs, seed=spec.seed),
-            epoch=status["epoch"], trained=status["trained"], epochs_done=status["epochs_done"],
-            finished=status["finished"], shards_done=status["shards_done"],
-            held=[_data_shard(spec.name, lease) for lease in status["held"]],
-            holders=[lease.worker for lease in status["held"]], reclaimed=status["reclaimed"],
-            requeued_examples=status["requeued_examples"], duplicates=status["duplicates"])
-
-    # -- live resize (moves.py, layout.py) ------------------------------------------------------------
-
-    @_map_errors
-    def GetLayout(self, request, context):
-        epoch, addresses, placement = self.coordinator.layout.layout()
-        return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
-            ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()])
-
-    @_map_errors
-    def SetLayout(self, request, context):
-        if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement)):
-            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed", self.index, request.epoch,
-                         len(request.addresses), len(request.placement))
-        return self.GetLayout(request, context)
-
-    @_map_errors
-    def ExportVariables(self, request, context):
-        """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export)."""
-        data, step = self.coordinator.moves.export(list(request.names), request.epoch, request.to)
-        _LOGGER.info("ps %d: %d variables (%d bytes) exported to ps %d at layout epoch %d", self.index,
-                     len(request.names), len(data), request.to, request.epoch)
-        view = memoryview(data)
-        for offset in range(0, max(1, len(data)), self.max_chunk_bytes):
-            first = {"epoch": request.epoch, "from_shard": self.index, "step": step, "total_bytes": len(data)}
-            yield ps_pb2.MoveChunk(data=bytes(view[offset:offset + self.max_chunk_bytes]),
-                                   **(first if offset == 0 else {}))
-
-    @_map_errors
-    def ImportVariables(self, request_iterator, context):
-        """Takes an exported state (moves.Moves.import_) once every byte its first chunk declared arrived."""
-        data, head = bytearray(), None
-        for chunk in _decoded(request_iterator, ps_pb2.MoveChunk.FromString):
-            if head is None:
-                head = chunk
-                self.quotas.check_total(self.held_total(), {"imported variables": 2 * chunk.total_bytes})
-            data += chunk.data
-            if len(data) > head.total_bytes:
-                raise MalformedStreamError(f"the moved state is longer than the {head.total_bytes} bytes declared")
-        _require_active(context)
-        if head is None or len(data) != head.total_bytes:
-            raise MalformedStreamError(f"the moved state ended after {len(data)} of "
-                                       f"{0 if head is None else head.total_bytes} bytes; nothing was imported")
-        names = self.coordinator.moves.import_(bytes(data), head.epoch, head.step)
-        _LOGGER.info("ps %d: %d variables imported from ps %d at layout epoch %d", self.index, len(names),
-                     head.from_shard, head.epoch)
-        return ps_pb2.MoveResponse(names=names, step=self.store.step)
-
-    @_map_errors
-    def Shutdown(self, request, context):
-        _LOGGER.info("ps %d: shutdown requested (%s)", self.index, request.reason or "no reason given")
-        self.coordinator.finish(request.reason or "shutdown requested")  # the job is done: its journal says so
-        if self.on_shutdown is not None:
-            context.add_callback(lambda: self.on_shutdown(request.reason))
-        return ps_pb2.ShutdownResponse()
-
-
-def _wait_seconds(seconds: float) -> float:
-    """A request's wait_seconds; InvalidArgumentError unless finite and >= 0."""
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise InvalidArgumentError(f"wait_seconds must be finite and >= 0. Received: {seconds}")
-    return seconds
-
-
-def _data_shard(queue: str, lease) -> ps_pb2.DataShard:
-    return ps_pb2.DataShard(queue=queue, lease=lease.id, epoch=lease.epoch, begin=lease.begin, end=lease.end,
-                            progress=lease.progress)
-
-
-def _step_authority(caller: Caller) -> str:
-    """What a caller's step counts for on a shard catching up (coordinator: "Authority over the step")."""
-    return {"chief": CHIEF, "worker": WORKER}.get(caller.role, READER)
-
-
-def _placement_manifest(text: str) -> dict:
-    """The client's placement manifest, checked the way a restore will read it; InvalidArgumentError if not."""
-    try:
-        manifest = json.loads(text)
-        num_ps, strategy, variables = manifest["num_ps"], manifest["strategy"], manifest["variables"]
-        if not isinstance(num_ps, int) or not 1 <= num_ps <= 100_000:
-            raise ValueError(f"num_ps must be in [1, 100000], got {num_ps!r}")
-        placement = Placement(num_ps, strategy)
-        for name, nbytes in variables:
-            if not isinstance(name, str) or not isinstance(nbytes, int) or nbytes < 0:
-                raise ValueError(f"variables must be [name, bytes] pairs, got {[name, nbytes]!r}")
-            placement.add(name, nbytes)
-        check_manifest(manifest.get("partitions") or {"splits": {}})
-    except (ValueError, KeyError, TypeError, PSError) as exc:
-        raise InvalidArgumentError(f"manifest_json is not a placement manifest: {exc}") from None
-    return manifest
-
-
-def config_from_proto(message: ps_pb2.SyncConfig) -> SyncConfig:
-    """SyncConfig from its message; zero lease, grace and progress timeout take the defaults."""
-    defaults = SyncConfig()
-    return SyncConfig(
-        mode=message.mode or "async", replicas_to_aggregate=message.replicas_to_aggregate,
-        total_num_replicas=message.total_num_replicas, max_staleness=message.max_staleness,
-        lease_seconds=message.lease_seconds or defaults.lease_seconds,
-        startup_grace_seconds=message.startup_grace_seconds or defaults.startup_grace_seconds,
-        progress_seconds=message.progress_seconds or defaults.progress_seconds,
-        replicas_fraction=message.replicas_fraction)
-
-
-def config_to_proto(config: SyncConfig) -> ps_pb2.SyncConfig:
-    return ps_pb2.SyncConfig(**dataclasses.asdict(config))
-
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, pool: Executor) -> None:
     """Registers every RPC of ps.proto's ParameterServer service on `server` (edge.handler: bodies on `pool`,
@@ -875,13 +490,13 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
 
     def on_loop(kind, body, deserializer, serializer):
         streaming = kind is unary_stream
-        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=_status_of,
+        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=status_of,
                             streaming=streaming), deserializer, serializer)
 
     unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
     stream_unary = grpc.stream_unary_rpc_method_handler
     handlers = {
-        # Streams of requests, and PushPull, are decoded by the handlers (see _decoded).
+        # Streams of requests, and PushPull, are decoded by the handlers (see decoded).
         "CreateVariables": on_loop(stream_unary, servicer.CreateVariables, None,
             ps_pb2.CreateResponse.SerializeToString),
         "Pull": on_loop(unary_stream, servicer.Pull, ps_pb2.PullRequest.FromString,

@@ -25,7 +25,7 @@ from torchps.worker.local_cluster import LocalCluster
 
 from torchps import codec
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.ps_server.servicer import MAX_JOINED_OF
+from torchps.ps_server.control_rpcs import MAX_JOINED_OF
 
 TIMEOUT = 30.0
 N = 8  # float32 elements: 32 bytes
