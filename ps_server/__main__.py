@@ -14,6 +14,7 @@ import sys
 
 from ..cli import USAGE_ERROR
 from ..errors import PSError
+from ..forkserver import run_main
 from .flags import load_security, parse_args, resolve
 
 __all__ = ["main", "parse_args"]
@@ -33,5 +34,5 @@ def main(argv: list[str] | None = None) -> int:
     return serve(args, cluster, index, address, security)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as the console script: ends at once with main's code
+    run_main(main, sys.argv[1:], "ps-server")

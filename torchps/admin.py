@@ -20,6 +20,7 @@ import sys
 from .cli import USAGE_ERROR, ArgumentParser
 from .cluster import Cluster
 from .errors import ClusterConfigError, PSError
+from .forkserver import run_main
 
 __all__ = ["main"]
 
@@ -76,5 +77,5 @@ def _layout(admin) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as the console script: ends at once with main's code
+    run_main(main, sys.argv[1:], "ps-admin")

@@ -44,7 +44,7 @@ from typing import Mapping
 import setproctitle
 
 __all__ = ["DISABLE_ENV", "ENTRY_MODULES", "INTERRUPTED", "ForkedChild", "ProcessStarter", "fork_server_enabled",
-           "run_entry"]
+           "run_entry", "run_main"]
 
 # What the fork server imports before forking: the shard's and the worker's entry modules pull in torch,
 # numpy, grpc and the rest of the project. None of them starts a thread. (Not torch._dynamo: a shard steps
@@ -79,18 +79,28 @@ def fork_server_enabled() -> bool:
 
 
 def run_entry(module: str, argv: list[str], prog: str | None = None) -> typing.NoReturn:
-    """Runs `module`.main(argv) and ends the process with its code at once: a thread still in a call (a
-    client closed after an interrupt leaves within 3 s, its retries may not) cannot hold it. A Ctrl-C, also
-    during the (slow: torch, gRPC) imports, is one line "PROG: interrupted" and code 130; an exception is
-    its traceback and code 1, as `python -m` prints it."""
-    sys.argv = [prog or module, *argv]
-    code = 1
-    try:
+    """Runs `module`.main(argv) as run_main does; a Ctrl-C during the (slow: torch, gRPC) imports is
+    answered as one during main."""
+    def main(args: list[str]) -> int | None:
         import importlib
 
-        code = importlib.import_module(module).main(argv) or 0
+        return importlib.import_module(module).main(args)
+
+    run_main(main, argv, prog or module)
+
+
+def run_main(main: typing.Callable[[list[str]], int | None], argv: list[str], prog: str) -> typing.NoReturn:
+    """Runs main(argv) and ends the process with its code at once, its output flushed: a thread still in a
+    call (a client closed after an interrupt leaves within 3 s, its retries may not) cannot hold it, nor
+    can the interpreter's teardown of torch and of a gRPC server's event loop (seconds on a loaded machine).
+    A Ctrl-C is one line "PROG: interrupted" and code 130; an exception is its traceback and code 1, as
+    `python -m` prints it."""
+    sys.argv = [prog, *argv]
+    code = 1
+    try:
+        code = main(argv) or 0
     except KeyboardInterrupt:
-        print(f"{prog or module}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         code = INTERRUPTED
     except SystemExit as exc:  # argparse's usage errors, sys.exit(n)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

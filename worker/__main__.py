@@ -35,6 +35,7 @@ import torch
 from ..client import AllreduceGroup, Compression, HostBinding, PSClient, PSError
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
+from ..forkserver import run_main
 from ..memory import tune_malloc
 from ..partitioning import partitioner_from_spec
 from ..metrics_http import serve_metrics
@@ -395,5 +396,5 @@ def _tensorboard(logdir: str | None, task: TaskSpec):
     return SummaryWriter(log_dir=str(pathlib.Path(logdir) / f"{task.type}{task.index}"))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as the console script: ends at once with main's code
+    run_main(main, sys.argv[1:], "ps-worker")

@@ -60,7 +60,7 @@ from ..certs import issue_job_credentials, read_job_credentials
 from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser, grpc_log_env
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
-from ..forkserver import ForkedChild, ProcessStarter
+from ..forkserver import ForkedChild, ProcessStarter, run_main
 from ..security import ENV
 from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_output, check_specs,
@@ -631,5 +631,5 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
                     max_workers=max_workers, allreduce=args.dense == "allreduce")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # as the console script: ends at once with main's code
+    run_main(main, sys.argv[1:], "ps-launch")

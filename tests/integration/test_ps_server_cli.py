@@ -117,6 +117,9 @@ def exit_code_within_bound(proc, after: str) -> int:
     try:
         return proc.wait(timeout=EXIT_TIMEOUT)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to the log
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
         pytest.fail(f"ps-server still running {EXIT_TIMEOUT:g} s after {after}:\n{log_of(proc)}")
 
 
