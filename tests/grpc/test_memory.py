@@ -29,7 +29,9 @@ def test_status_reports_optimizer_state_and_the_process_memory(shared_cluster):
 
 
 def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
-    """Pushes of a 64 MiB gradient leave the shard's RSS where creation left it (within a quarter of one)."""
+    """Pushes of a 64 MiB gradient leave the shard's RSS where creation left it (within half of one: a gradient
+    kept would be a whole one; a loaded machine, gRPC buffering more of a stream at once, left 21 MiB of heap
+    behind once, 5-8 MiB on a quiet one)."""
     local = local_cluster(1)
     with PSClient(local.cluster) as ps:
         ps.create_variables({"g": torch.zeros(64 * MIB // 4)}, Optimizer("sgd", lr=0.1))
@@ -43,10 +45,10 @@ def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
             ps.pull(["g"])
         after = wait_until(lambda: (lambda m: m if m.peak_rss_bytes - before >= 64 * MIB else None)(ps.status(0).memory),
                            20, "a push's gradient, held whole while it arrived, to show in the peak")
-        if after.rss_bytes - before >= 16 * MIB:  # figures read during the last push: take the next ones
-            after = wait_until(lambda: (lambda m: m if m.rss_bytes - before < 16 * MIB else None)(ps.status(0).memory),
+        if after.rss_bytes - before >= 32 * MIB:  # figures read during the last push: take the next ones
+            after = wait_until(lambda: (lambda m: m if m.rss_bytes - before < 32 * MIB else None)(ps.status(0).memory),
                                5, f"the pushes' memory to be given back (RSS {before} before, {after.rss_bytes} after)")
-    assert after.rss_bytes - before < 16 * MIB, (before, after)
+    assert after.rss_bytes - before < 32 * MIB, (before, after)
 
 
 def test_pulls_racing_pushes_always_get_one_version(local_cluster):
