@@ -12,6 +12,9 @@ resumes the body on the pool. A waiting call so costs a coroutine and a
 watcher, not a thread. A client that goes away ends its CallContext (its
 callbacks run, `is_active()` turns false) and its body is run to its end on
 the pool, where every wait it meets is over at once (its `cancelled()`).
+A request stream is read on the loop by a task of its own, one message ahead
+of the body, which takes each message on its thread without a trip to the
+loop (_RequestStream).
 
 LoopServer runs a grpc.aio server on its own loop thread behind the blocking
 start/stop of a grpc.Server.
@@ -56,7 +59,7 @@ class CallContext:
         self._lock = threading.Lock()
         self._ended = False
         self._callbacks: list[Callable[[], None]] = []
-        self._reading: concurrent.futures.Future | None = None
+        self._stream: _RequestStream | None = None
         self.stalled: str | None = None  # why the shard ended the call's stream (end_stalled), if it did
         self.trailing: tuple = ()
 
@@ -94,9 +97,9 @@ class CallContext:
                 return
             self._ended = True
             callbacks, self._callbacks = self._callbacks, []
-            reading = self._reading
-        if reading is not None:
-            reading.cancel()
+            stream = self._stream
+        if stream is not None:
+            stream.close()
         for callback in callbacks:
             self._pool.submit(callback)
 
@@ -105,36 +108,88 @@ class CallContext:
         self.stalled = details
         self.end()
 
-    def requests(self, iterator) -> "_Requests":
-        """A blocking iterator, for the body's thread, over the call's async request stream."""
-        return _Requests(self, iterator.__aiter__())
-
-    def next_request(self, iterator):
-        """The stream's next message (blocks); StopIteration at its end, CallEnded once the call ended."""
+    def requests(self, iterator) -> "_RequestStream":
+        """(On the loop.) A blocking iterator, for the body's thread, over the call's async request stream,
+        which is read from now on, one message ahead of the body."""
+        stream = _RequestStream(iterator, self._loop)
         with self._lock:
-            if self._ended:
-                raise CallEnded("the call ended before its stream was read")
-            future = self._reading = asyncio.run_coroutine_threadsafe(iterator.__anext__(), self._loop)
+            self._stream = stream
+            ended = self._ended
+        if ended:
+            stream.close()
+        return stream
+
+
+class _RequestStream:
+    """A call's request stream, read on the loop by a task of its own one message ahead of the body, which
+    takes each from its pool thread without a trip to the loop: per message, the loop only reads it (the
+    body's wait for the next one costs the loop nothing). At most one message waits unread by the body.
+    Iterating blocks; StopIteration at the stream's end, CallEnded once the call ended (close()), and what
+    reading raised otherwise."""
+
+    def __init__(self, iterator, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._cond = threading.Condition(threading.Lock())
+        self._message = _DONE  # the message read and not yet taken; _DONE: none
+        self._end: BaseException | None = None  # StopIteration, CallEnded or what reading raised
+        self._space: asyncio.Future | None = None  # (the loop's) set once the body took the waiting message
+        self._task = loop.create_task(self._read(iterator))
+
+    async def _read(self, iterator) -> None:
         try:
-            return future.result()
-        except StopAsyncIteration:
-            raise StopIteration from None
-        except concurrent.futures.CancelledError:
-            raise CallEnded("the call ended while its stream was read") from None
-        finally:
-            with self._lock:
-                self._reading = None
-
-
-class _Requests:
-    def __init__(self, context: CallContext, iterator):
-        self._context, self._iterator = context, iterator
+            async for message in iterator:
+                while True:
+                    with self._cond:
+                        if self._end is not None:
+                            return
+                        if self._message is _DONE:
+                            self._message = message
+                            self._cond.notify()
+                            break
+                        space = self._space = self._loop.create_future()
+                    await space
+            end: BaseException = StopIteration()
+        except asyncio.CancelledError:
+            end = CallEnded("the call ended while its stream was read")
+        except Exception as exc:  # noqa: BLE001 - the body raises it where it reads
+            end = exc
+        with self._cond:
+            if self._end is None:
+                self._end = end
+            self._cond.notify()
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return self._context.next_request(self._iterator)
+        with self._cond:
+            while self._message is _DONE and self._end is None:
+                self._cond.wait()
+            if isinstance(self._end, CallEnded) or self._message is _DONE:
+                raise self._end
+            message, self._message = self._message, _DONE
+            space, self._space = self._space, None
+        if space is not None:
+            self._loop.call_soon_threadsafe(_set_done, space)
+        return message
+
+    def close(self) -> None:
+        """The call ended: the body's next read raises CallEnded, and reading stops. Any thread; idempotent."""
+        with self._cond:
+            if not isinstance(self._end, CallEnded):
+                self._end = CallEnded("the call ended before its stream was read")
+            self._cond.notify()
+            space, self._space = self._space, None
+        if space is not None:
+            self._loop.call_soon_threadsafe(_set_done, space)
+        if not self._task.done():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+
+
+def _set_done(future: asyncio.Future) -> None:
+    """(On the loop.) Sets `future`'s result to None unless it is done."""
+    if not future.done():
+        future.set_result(None)
 
 
 def handler(body: Callable, *, name: str, inline: bool, pool: concurrent.futures.Executor,

@@ -357,7 +357,6 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerS
                                            f"complete; nothing was applied")
             require_active(context)
             caller = self._check_self(context, header.worker, "Push")
-            context.add_callback(self.coordinator.wake)
             staleness = self.store.step - header.step if self.metrics is not None else 0
             data = self.queue_desk.before_push(header)  # its data positions (ps 0): checked before it is applied
             result = None

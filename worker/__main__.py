@@ -22,6 +22,7 @@ configuration error (one line, before anything starts); 130 interrupted (Ctrl-C)
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -248,6 +249,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     observer = _observer(cluster, task, args)
     if observer is not None and observer.timeline is not None:
         client.tracer = observer.tracer
+    gc.freeze()  # the modules, model and dataset live as long as the task: out of the collector's full passes
     try:
         if queue is not None:
             result = train_dynamic(client, job, binding, queue, options=options, on_step=on_step, observer=observer)
