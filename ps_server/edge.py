@@ -97,7 +97,7 @@ class CallContext:
                 return
             self._ended = True
             callbacks, self._callbacks = self._callbacks, []
-            stream = self._stream
+            stream, self._stream = self._stream, None  # gRPC's context, a cycle, keeps this object: not the stream
         if stream is not None:
             stream.close()
         for callback in callbacks:
@@ -131,7 +131,9 @@ class _RequestStream:
         self._loop = loop
         self._cond = threading.Condition(threading.Lock())
         self._message = _DONE  # the message read and not yet taken; _DONE: none
-        self._end: BaseException | None = None  # StopIteration, CallEnded or what reading raised
+        # How the stream ended: StopIteration, CallEnded (each raised afresh: one kept here and raised would hold
+        # its traceback, which holds this object, a cycle per call) or what reading raised.
+        self._end: type[BaseException] | BaseException | None = None
         self._space: asyncio.Future | None = None  # (the loop's) set once the body took the waiting message
         self._task = loop.create_task(self._read(iterator))
 
@@ -148,9 +150,9 @@ class _RequestStream:
                             break
                         space = self._space = self._loop.create_future()
                     await space
-            end: BaseException = StopIteration()
+            end: type[BaseException] | BaseException = StopIteration
         except asyncio.CancelledError:
-            end = CallEnded("the call ended while its stream was read")
+            end = CallEnded
         except Exception as exc:  # noqa: BLE001 - the body raises it where it reads
             end = exc
         with self._cond:
@@ -165,8 +167,10 @@ class _RequestStream:
         with self._cond:
             while self._message is _DONE and self._end is None:
                 self._cond.wait()
-            if isinstance(self._end, CallEnded) or self._message is _DONE:
-                raise self._end
+            if self._end is CallEnded:
+                raise CallEnded("the call ended before its stream was read")
+            if self._message is _DONE:
+                raise self._end() if self._end is StopIteration else self._end
             message, self._message = self._message, _DONE
             space, self._space = self._space, None
         if space is not None:
@@ -176,8 +180,7 @@ class _RequestStream:
     def close(self) -> None:
         """The call ended: the body's next read raises CallEnded, and reading stops. Any thread; idempotent."""
         with self._cond:
-            if not isinstance(self._end, CallEnded):
-                self._end = CallEnded("the call ended before its stream was read")
+            self._end = CallEnded
             self._cond.notify()
             space, self._space = self._space, None
         if space is not None:

@@ -542,4 +542,7 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:
         raise RuntimeError(f"servicer and ps.proto disagree on methods: {sorted(missing)}")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    # Registered, each method is accepted on its own: gRPC's aio server takes its next call of each registered
+    # method as soon as one came in, where one generic handler takes every call in one line, so a GetStatus
+    # would wait behind each of the hundreds of pushes a sync step's release sets off.
+    server.add_registered_method_handlers(service.full_name, handlers)
