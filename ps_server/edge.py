@@ -109,8 +109,8 @@ class CallContext:
         self.end()
 
     def requests(self, iterator) -> "_RequestStream":
-        """(On the loop.) A blocking iterator, for the body's thread, over the call's async request stream,
-        which is read from now on, one message ahead of the body."""
+        """A blocking iterator, for the body's thread, over the call's async request stream, read from the
+        body's first request on, one message ahead of the body."""
         stream = _RequestStream(iterator, self._loop)
         with self._lock:
             self._stream = stream
@@ -124,18 +124,34 @@ class _RequestStream:
     """A call's request stream, read on the loop by a task of its own one message ahead of the body, which
     takes each from its pool thread without a trip to the loop: per message, the loop only reads it (the
     body's wait for the next one costs the loop nothing). At most one message waits unread by the body.
-    Iterating blocks; StopIteration at the stream's end, CallEnded once the call ended (close()), and what
-    reading raised otherwise."""
+    Reading starts at the body's first request, not before: gRPC refuses an oversized message when it is
+    read, and a call refused before its body ran would never run it (the body is always entered, as
+    GetStatus's calls_started counts). Iterating blocks; StopIteration at the stream's end, CallEnded once
+    the call ended (close()), and what reading raised otherwise."""
 
     def __init__(self, iterator, loop: asyncio.AbstractEventLoop):
         self._loop = loop
+        self._iterator = iterator
+        self._task: asyncio.Task | None = None  # the loop's alone: set by _start, cancelled by _cancel
+        self._asked = False  # the body asked for its first message
         self._cond = threading.Condition(threading.Lock())
         self._message = _DONE  # the message read and not yet taken; _DONE: none
         # How the stream ended: StopIteration, CallEnded (each raised afresh: one kept here and raised would hold
         # its traceback, which holds this object, a cycle per call) or what reading raised.
         self._end: type[BaseException] | BaseException | None = None
         self._space: asyncio.Future | None = None  # (the loop's) set once the body took the waiting message
-        self._task = loop.create_task(self._read(iterator))
+
+    def _start(self) -> None:
+        """(On the loop.) Starts reading, unless the call ended first."""
+        with self._cond:
+            if self._end is not None:
+                return
+        self._task = self._loop.create_task(self._read(self._iterator))
+
+    def _cancel(self) -> None:
+        """(On the loop.) Stops reading."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
     async def _read(self, iterator) -> None:
         try:
@@ -165,6 +181,9 @@ class _RequestStream:
 
     def __next__(self):
         with self._cond:
+            if not self._asked:
+                self._asked = True
+                self._loop.call_soon_threadsafe(self._start)
             while self._message is _DONE and self._end is None:
                 self._cond.wait()
             if self._end is CallEnded:
@@ -185,8 +204,8 @@ class _RequestStream:
             space, self._space = self._space, None
         if space is not None:
             self._loop.call_soon_threadsafe(_set_done, space)
-        if not self._task.done():
-            self._loop.call_soon_threadsafe(self._task.cancel)
+        if self._asked:  # else nothing reads the stream
+            self._loop.call_soon_threadsafe(self._cancel)
 
 
 def _set_done(future: asyncio.Future) -> None:

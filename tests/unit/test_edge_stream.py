@@ -55,9 +55,11 @@ def test_messages_arrive_in_order_read_at_most_one_ahead_then_stop(loop):
             yield i
 
     stream = on_loop(loop, lambda: _RequestStream(source(), loop))
-    wait_until(lambda: len(pulled) == 2, 10, "the first message taken off the stream and the second read")
-    taken = []
-    for expected in range(5):
+    settle(loop)
+    assert pulled == [], "nothing is read before the body asks: gRPC refuses an oversized message as it is read"
+    taken = [next(stream)]
+    wait_until(lambda: len(pulled) == 2, 10, "the second message read ahead")
+    for expected in range(1, 5):
         settle(loop)
         assert len(pulled) <= len(taken) + 2, (pulled, taken)  # one waits for the body, one for room
         taken.append(next(stream))
@@ -66,6 +68,21 @@ def test_messages_arrive_in_order_read_at_most_one_ahead_then_stop(loop):
         next(stream)
     with pytest.raises(StopIteration):
         next(stream)
+
+
+def test_a_call_ended_before_its_body_asked_reads_nothing(loop):
+    pulled = []
+
+    async def source():
+        pulled.append("first")
+        yield "first"
+
+    stream = on_loop(loop, lambda: _RequestStream(source(), loop))
+    stream.close()
+    with pytest.raises(CallEnded):
+        next(stream)
+    settle(loop)
+    assert pulled == []
 
 
 def test_close_ends_a_body_waiting_for_a_message_and_stops_reading(loop):
@@ -101,13 +118,16 @@ def test_close_ends_a_body_waiting_for_a_message_and_stops_reading(loop):
 
 
 def test_a_message_waiting_when_the_call_ends_is_not_handed_out(loop):
+    pulled = []
+
     async def source():
-        yield "first"
-        yield "second"
+        for message in ("first", "second"):
+            pulled.append(message)
+            yield message
 
     stream = on_loop(loop, lambda: _RequestStream(source(), loop))
     assert next(stream) == "first"
-    settle(loop)
+    wait_until(lambda: len(pulled) == 2, 10, "the second message read ahead")
     stream.close()
     with pytest.raises(CallEnded):
         next(stream)
