@@ -43,8 +43,15 @@ def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
         for _ in range(3):
             ps.push({"g": grad})
             ps.pull(["g"])
-        after = wait_until(lambda: (lambda m: m if m.peak_rss_bytes - before >= 64 * MIB else None)(ps.status(0).memory),
-                           20, "a push's gradient, held whole while it arrived, to show in the peak")
+        seen = []
+
+        def peaked():
+            seen[:] = [ps.status(0).memory]
+            return seen[0] if seen[0].peak_rss_bytes - before >= 64 * MIB else None
+        try:
+            after = wait_until(peaked, 20, "a push's gradient, held whole while it arrived, to show in the peak")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: RSS {before} before the pushes; last figures {seen[0]}") from None
         if after.rss_bytes - before >= 32 * MIB:  # figures read during the last push: take the next ones
             after = wait_until(lambda: (lambda m: m if m.rss_bytes - before < 32 * MIB else None)(ps.status(0).memory),
                                5, f"the pushes' memory to be given back (RSS {before} before, {after.rss_bytes} after)")
