@@ -878,7 +878,8 @@ def test_dockerfile_installs_this_project_as_the_manifests_run_it():
 
 def assert_job_ended_by_itself(run: Play) -> None:
     codes = {name: codes[-1] for name, codes in run.codes.items()}
-    assert all(code == 0 for code in codes.values()), codes
+    failed = [task for name, task in run.tasks.items() if codes.get(name) != 0]
+    assert not failed, f"{codes}\n" + "\n".join(f"{task.pod.name}:\n{task.output()}" for task in failed)
     for task in run.of("ps"):
         assert any("shutdown requested (the chief finished the job)" in line for line in task.lines[-1]), \
             f"{task.pod.name} must stop because the chief's Shutdown asked it to:\n{task.output()}"
