@@ -556,6 +556,11 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
         statuses = {f"ps-{t.pod.index}": health(t.ports["--health-port"]) for t in shards}
         for task in others:
             task.start()
+        job_over = threading.Event()
+        evaluators = [threading.Thread(target=restart_on_failure, args=(t, job_over), daemon=True)
+                      for t in others if t.pod.task_type == "evaluator"]
+        for watcher in evaluators:
+            watcher.start()
         checkpointed = int(chief.wait_for(CHECKPOINTED, timeout=PLAY_TIMEOUT)[1])
         metrics = {"ps": scrape(shards[0].ports["--metrics-port"]), "chief": scrape(chief.ports["--metrics-port"])}
         if scale is not None:  # the chief holds the sync job (R = 3) until scale() is done: it cannot end first
@@ -577,6 +582,9 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
             return max(1.0, PLAY_TIMEOUT - (time.monotonic() - started))
 
         chief.wait(left_time())
+        job_over.set()
+        for watcher in evaluators:
+            watcher.join(30)
         for task in [*others, *shards]:
             task.wait(min(30.0, left_time()))
         summary = json.loads(chief.wait_for(r"^summary (\{.*\})$", timeout=1)[1])
@@ -596,6 +604,20 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
             with_suppressed(lambda: os.kill(pid, signal.SIGKILL))
     return Play(tasks, {name: [p.returncode for p in t.procs] for name, t in tasks.items()}, checkpointed,
                 recovered, summary, metrics, statuses, left, scaled)
+
+
+def restart_on_failure(task: Task, job_over: threading.Event, limit: int = 10) -> None:
+    """The evaluator's restartPolicy OnFailure while the job runs (its Job's backoffLimit): an evaluator that
+    found a shard unreachable before it saw a worker (started while the last shard was killed) exits 1 and
+    is started again, as the kubelet would; its Job expects a few such restarts."""
+    for _ in range(limit):
+        proc = task.proc
+        while proc.poll() is None:
+            if job_over.wait(0.1):
+                return
+        if proc.returncode == 0 or job_over.is_set():
+            return
+        task.start()
 
 
 def gauge(port: int, name: str) -> float:
