@@ -3,13 +3,16 @@
     python bench/resize.py --json bench/results/resize.json    # a few minutes on 2 cores
     python bench/resize.py --quick                              # the suite's smoke run: small models
 
-Two runs, each a LocalCluster of 2 shards with async pusher processes pushing gradients of ones (SGD,
+Three runs, each a LocalCluster of 2 shards with pusher processes pushing gradients of ones (SGD,
 lr 1) as fast as they can while the chief resizes the job 2 -> 4 -> 3 -> 2 shards:
-- "exact": 8 pushers, a 4M-float model (32 variables of 128k floats). At the end every element must be
-  exactly minus the pushes acknowledged, each variable on one shard with that many updates.
-- "pause": 2 pushers, a 100 MB model (50 variables of 500k floats). For each resize, each pusher's
+- "exact": 8 async pushers, a 4M-float model (32 variables of 128k floats). At the end every element
+  must be exactly minus the pushes acknowledged, each variable on one shard with that many updates.
+- "pause": 2 async pushers, a 100 MB model (50 variables of 500k floats). For each resize, each pusher's
   longest interval between two acknowledged pushes that overlaps the resize ("gap"), against its median
   interval away from every resize ("step"); the pause is gap - step (what the resize added).
+- "sync": the same 100 MB model, a sync job of 2 workers (R = N = 2): each resize holds the job at a step
+  boundary while the variables move (client/resize.py). Every step averages ones, so every element must
+  end at exactly minus the global step, each variable with that many updates; the pause as above.
 Rows: per run and resize, the variables and bytes moved, the move's seconds (first SetLayout to last
 import), the pause's p50/p99/max over pushers; the JSON has every figure and the exact-sum check.
 """
@@ -28,14 +31,15 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from pullpush import log, worker_processes  # noqa: E402
 
-from torchps.client import Optimizer, PSClient  # noqa: E402
+from torchps.client import Optimizer, PSClient, TaskSpec  # noqa: E402
 from torchps.worker.local_cluster import LocalCluster  # noqa: E402
 
-RUNS = {  # name: (pushers, variables, floats per variable)
-    "exact": (8, 32, 128 << 10),
-    "pause": (2, 50, 500_000),
+RUNS = {  # name: (pushers, variables, floats per variable, mode)
+    "exact": (8, 32, 128 << 10, "async"),
+    "pause": (2, 50, 500_000, "async"),
+    "sync": (2, 50, 500_000, "sync"),
 }
-QUICK = {"exact": (8, 16, 4096), "pause": (2, 8, 16_384)}
+QUICK = {"exact": (8, 16, 4096, "async"), "pause": (2, 8, 16_384, "async"), "sync": (2, 8, 16_384, "sync")}
 PUSHES_BETWEEN = 3  # acknowledged pushes of every pusher before each resize and after the last
 
 
@@ -43,17 +47,23 @@ def _shapes(variables: int, floats: int) -> dict[str, tuple[int]]:
     return {f"bench/v{i:02d}": (floats,) for i in range(variables)}
 
 
-def _pusher(cluster, shapes, index, stop, counts, times):
-    """Child process: pushes ones until `stop`; counts acknowledged pushes and sends their times."""
+def _pusher(cluster, shapes, index, stop, counts, times, mode):
+    """Child process: pushes ones until `stop` (sync: as worker:<index>, which then leaves, so the others'
+    last steps complete); counts acknowledged pushes and sends their times."""
     acked = []
-    with PSClient(cluster, connect_timeout=60, partitioner=None, timeout=600) as ps:
+    with PSClient(cluster, task=TaskSpec("worker", index), connect_timeout=60, partitioner=None,
+                  timeout=600) as ps:
         ps.declare({name: torch.zeros(shape) for name, shape in shapes.items()})
         ps.wait_for_variables(shapes, timeout=120)
+        if mode == "sync":
+            ps.join()
         grads = {name: torch.ones(shape) for name, shape in shapes.items()}
         while not stop.is_set():
             ps.push(grads)
             acked.append(time.monotonic())
             counts[index] += 1
+        if mode == "sync":
+            ps.leave()
         times.put((index, acked, ps.layout_epoch, *ps.layout_waits))
 
 
@@ -66,14 +76,16 @@ def _wait_for_pushes(counts, more: int) -> None:
         time.sleep(0.01)
 
 
-def run(name: str, pushers: int, variables: int, floats: int) -> dict:
+def run(name: str, pushers: int, variables: int, floats: int, mode: str) -> dict:
     shapes = _shapes(variables, floats)
     ctx = worker_processes()
     with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=60, partitioner=None,
                                             timeout=600) as chief:
+        if mode == "sync":
+            chief.configure("sync", replicas_to_aggregate=pushers, total_num_replicas=pushers)
         chief.create_variables({n: torch.zeros(s) for n, s in shapes.items()}, Optimizer("sgd", lr=1.0))
         stop, counts, times = ctx.Event(), ctx.Array("q", pushers), ctx.Queue()
-        procs = [ctx.Process(target=_pusher, args=(local.cluster, shapes, i, stop, counts, times))
+        procs = [ctx.Process(target=_pusher, args=(local.cluster, shapes, i, stop, counts, times, mode))
                  for i in range(pushers)]
         for proc in procs:
             proc.start()
@@ -96,10 +108,11 @@ def run(name: str, pushers: int, variables: int, floats: int) -> dict:
             for proc in procs:
                 proc.join(timeout=120)
         total = sum(counts[:])
+        updates = chief.status(0).step if mode == "sync" else total  # sync: one update per step, of mean 1
         values = chief.pull(shapes)
-        exact = all(torch.equal(v, torch.full(shapes[n], -float(total))) for n, v in values.items())
+        exact = all(torch.equal(v, torch.full(shapes[n], -float(updates))) for n, v in values.items())
         versions = {info.spec.name: info.version for info in chief.list_variables()}
-        exact = exact and versions == {n: total for n in shapes}
+        exact = exact and versions == {n: updates for n in shapes}
     windows = [resize.pop("window") for resize in resizes]
     for resize, window in zip(resizes, windows):
         pauses = []
@@ -113,7 +126,8 @@ def run(name: str, pushers: int, variables: int, floats: int) -> dict:
         pauses.sort()
         resize.update(pause_p50_s=statistics.median(pauses), pause_p99_s=pauses[min(len(pauses) - 1,
                       int(0.99 * len(pauses)))], pause_max_s=pauses[-1])
-    return {"run": name, "pushers": pushers, "model_bytes": variables * floats * 4, "pushes": total,
+    return {"run": name, "mode": mode, "pushers": pushers, "model_bytes": variables * floats * 4, "pushes": total,
+            "updates": updates,
             "exact_sum": exact, "epochs_followed": [e for _, _, e, _, _ in ends],
             "refused_parts": sum(r for *_, r, _ in ends), "moving_waits": sum(w for *_, w in ends),
             "resizes": resizes}
@@ -132,7 +146,7 @@ def main() -> int:
             print(f"{result['run']:6} {result['model_bytes'] / 1e6:8.1f}M {r['from']}->{r['to']:<4} {r['moved']:6d} "
                   f"{r['moved_bytes'] / 1e6:7.1f} {r['move_seconds']:7.2f} {r['pause_p50_s']:9.2f} "
                   f"{r['pause_p99_s']:6.2f} {r['pause_max_s']:6.2f}")
-        print(f"{result['run']:6} {result['pushes']} pushes, exact sum: {result['exact_sum']}, "
+        print(f"{result['run']:6} {result['pushes']} pushes, {result['updates']} updates, exact sum: {result['exact_sum']}, "
               f"refused parts {result['refused_parts']}, moving waits {result['moving_waits']}")
     summary = {"results": results, "exact_sum": all(r["exact_sum"] for r in results),
                "resize_pause_p99_s": max(r["pause_p99_s"] for res in results for r in res["resizes"]),

@@ -17,7 +17,7 @@ once per round. Kinds today:
                   it ends when every variable is at its new shard; at most MAX_SHARDS
   shard-removed   the chief resizes the job off its last shard (never below the starting two): its variables
                   move to the others, then it is stopped
-The shard kinds happen in async phases only (ASYNC_ONLY: a sync job changes its shard count at a restore).
+Every kind happens in both phases: a sync job's shard resizes pause it at a step boundary (client/resize.py).
 
 A resize begins once every running worker has had a push acknowledged since the chaos loop turned to it
 (at most the soak's STALL_SECONDS): a fault injected before it has settled, and the job trains.
@@ -37,7 +37,7 @@ import math
 import time
 from typing import Callable
 
-__all__ = ["Resize", "RESIZES", "ASYNC_ONLY", "SETTLE_SECONDS", "pause_around", "percentile"]
+__all__ = ["Resize", "RESIZES", "SETTLE_SECONDS", "pause_around", "percentile"]
 
 SETTLE_SECONDS = 1.0  # after a resize's end, the span its pause is looked for in
 MIN_WORKERS = 2       # worker-removed leaves at least this many (the chief included)
@@ -104,7 +104,6 @@ RESIZES: dict[str, Callable[[object], Resize | None]] = {
     "shard-added": shard_added,
     "shard-removed": shard_removed,
 }
-ASYNC_ONLY = frozenset({"shard-added", "shard-removed"})
 
 
 def pause_around(acks: list[float], resize: Resize) -> float:

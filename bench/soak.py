@@ -26,8 +26,8 @@ and the job's size changes (bench/resizes.py, a table of resize kinds drawn with
   worker-added       a worker starts under a name with no process: past the starting spec (its credentials
                      minted then, `ps-certs --add`; the shards re-read their token file), or a removed one's
   worker-removed     a worker other than the chief leaves for good (Leave) and exits 0
-  shard-added        (async) a shard starts and the chief resizes the job onto it live (PSClient.resize)
-  shard-removed      (async) the chief resizes the job off its last added shard, which is then stopped
+  shard-added        a shard starts and the chief resizes the job onto it live (PSClient.resize)
+  shard-removed      the chief resizes the job off its last added shard, which is then stopped
 A fault kind is a `_fault_<kind>` method and an entry of FAULT_KINDS; a resize kind an entry of RESIZES. A shard that stops by itself (fail-stop: exit code
 70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
 each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
@@ -85,7 +85,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from resizes import ASYNC_ONLY, RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
+from resizes import RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
 
 WORKERS, SHARDS = 4, 2       # the starting spec's workers (worker 0 the chief) and the shards
 MAX_WORKERS = WORKERS + 2    # names a phase may ever run: worker-added starts 4 and 5 past the spec
@@ -293,7 +293,7 @@ class Phase:
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
         self.active: set[int] = set()   # the workers running (resizes add and remove some)
         self.max_workers = MAX_WORKERS
-        self.kinds = tuple(k for k in KINDS if mode == "async" or k not in ASYNC_ONLY)
+        self.kinds = KINDS
         self.live_shards: list[str] = []  # the job's shards now, in index order (shard resizes change them)
         self.resizes: list = []         # resizes.Resize records, in order
         self.failstops: list[str] = []  # a shard that stopped itself (exit code 70), started again

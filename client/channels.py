@@ -142,6 +142,7 @@ class ShardChannels:
             if security.tls else None
         self._token = security.call_token()
         self._channels: list[grpc.Channel] = []
+        self._retired: list[grpc.Channel] = []  # replaced by follow(): closed with the client
         self.stubs: list[ps_pb2_grpc.ParameterServerStub] = []
         self._ready: list[bool] = []
         for address in self.addresses:
@@ -150,21 +151,31 @@ class ShardChannels:
         self.moving_waits = 0  # attempts retried because a variable was on its way to the shard (live resize)
         self._closed = threading.Event()
 
-    def _open(self, address: str) -> None:
+    def _open(self, address: str, index: int | None = None) -> None:
+        """A channel to `address`: the next shard's, or shard `index`'s instead of the one it had."""
         channel = grpc.secure_channel(address, self._credentials, options=self._options) if self._credentials \
             else grpc.insecure_channel(address, options=self._options)
-        self._channels.append(channel)
-        self.stubs.append(_stub(grpc.intercept_channel(channel, _TokenMetadata(self._token)) if self._token
-                                else channel))
-        self._ready.append(False)
+        stub = _stub(grpc.intercept_channel(channel, _TokenMetadata(self._token)) if self._token else channel)
+        if index is None:
+            self._channels.append(channel)
+            self.stubs.append(stub)
+            self._ready.append(False)
+        else:
+            self._channels[index], self.stubs[index], self._ready[index] = channel, stub, False
 
     def follow(self, addresses: list[str]) -> None:
         """The job's shards are now `addresses` (a live resize: the same first ones, some added or removed at
-        the end): channels are opened to new ones; those beyond stay open but are no longer `live`."""
+        the end): channels are opened to new ones; those beyond stay open but are no longer `live`. An index a
+        resize removed and a later one added again may come back at another address: its channel is replaced
+        (the old one is closed with the client)."""
         for index, address in enumerate(addresses):
             if index >= len(self.addresses):
                 self.addresses.append(address)
                 self._open(address)
+            elif self.addresses[index] != address and index >= self.live:
+                self._retired.append(self._channels[index])
+                self.addresses[index] = address
+                self._open(address, index)
             elif self.addresses[index] != address:
                 raise ServerUnavailableError(f"the job's layout puts {address} at ps:{index}, which this client "
                                              f"knows at {self.addresses[index]}: a resize keeps shard indices")
@@ -238,5 +249,5 @@ class ShardChannels:
 
     def close(self) -> None:
         self._closed.set()
-        for channel in self._channels:
+        for channel in [*self._channels, *self._retired]:
             channel.close()

@@ -307,9 +307,10 @@ class PSClient(DataPath, TablePath):
     def resize(self, addresses: list[str], *, drain_seconds: float = resize.DRAIN_SECONDS) -> resize.ResizeReport:
         """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
         how). The shards it adds must be running (ps-server --index N with a cluster spec naming them); the
-        ones it removes are stopped. Async and ssp jobs without embedding tables (a sync job or one with
-        tables changes its shard count at a restore). Blocks until every variable is at its new shard;
-        raises PSError with the moves done so far in force (run it again with the same addresses)."""
+        ones it removes are stopped. Jobs without embedding tables (one with tables changes its shard count
+        at a restore); a sync job pauses at a step boundary while variables move. Blocks until every
+        variable is at its new shard; raises PSError with the moves done so far in force (run it again with
+        the same addresses)."""
         return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds)
 
     def shard_addresses(self) -> list[str]:

@@ -141,6 +141,7 @@ class DataPath:
             if again:
                 shard_header.seq = next(self._seq)
                 shard_header.step_increment = header.step_increment if first else 0
+                shard_header.layout_epoch = self._layout.epoch  # the layout it was placed by this time
             reply = self._fanout.call(shard, lambda stub, t: stub.Push(
                 push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
                 timeout=t), self.timeout)
@@ -234,7 +235,7 @@ class DataPath:
         data positions it trained (data_progress) if set."""
         return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
                                  step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq),
-                                 data=self.data_progress)
+                                 data=self.data_progress, layout_epoch=self._layout.epoch)
 
     def _stage_out(self, grads: Mapping[str, torch.Tensor]) -> Staged:
         """The gradients on the host: CUDA ones that travel uncompressed copied into reused pinned buffers

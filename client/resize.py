@@ -17,8 +17,15 @@ Shard indices stay: a resize adds shards at the end or removes the last ones
 4. with shards removed, a last epoch without them; they are stopped
    (Shutdown) after `drain_seconds`, in which they answer the clients that
    did not yet follow with LayoutChangedError.
-Training goes on throughout; a client waits only for the variables in
-transit (VariableMovingError, retried). Blocks until done; raises PSError
+Async and ssp training goes on throughout; a client waits only for the
+variables in transit (VariableMovingError, retried). A sync job instead
+pauses at a step boundary, as no step's pending sums may span a move: two
+epochs before step 1 set a hold on every shard (pushes computed at step F
+or later wait, F the first step no shard counted a push for), the resize
+waits until every shard applied the steps before F (at most
+`quiet_seconds`), the variables move, and the last epoch ends the hold;
+the held pushes then go again, placed anew (layout.py). The pause is the
+time from the hold to its end. Blocks until done; raises PSError
 (a refused layout, a shard unreachable) with the moves done so far in force:
 variables exported but not imported stay in their exporter's outbox (see
 layout.py), and the next resize (to the same shards or others) imports them
@@ -32,7 +39,7 @@ import dataclasses
 import logging
 import time
 
-from ..errors import ClusterConfigError, ServerUnavailableError
+from ..errors import ClusterConfigError, PSError, ServerUnavailableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .fanout import ShardFanout
 from .layout import LayoutFollower
@@ -43,6 +50,8 @@ _LOGGER = logging.getLogger(__name__)
 DRAIN_SECONDS = 2.0  # a removed shard answers LayoutChangedError this long before it stops
 OUTBOX_RETRY_SECONDS = 3.0  # how long a resize waits for a shard it asks for exports cut off earlier
 BATCH_BYTES = 16 << 20  # variables moved under one layout epoch: a client waits for one batch in transit at most
+QUIET_SECONDS = 60.0  # sync: how long a resize waits for the steps before its hold to be applied everywhere
+QUIET_POLL_SECONDS = 0.02
 
 
 @dataclasses.dataclass
@@ -54,7 +63,8 @@ class ResizeReport:
     shards_after: int
     moved: int              # variables that changed shards
     moved_bytes: int
-    move_seconds: float     # from the first SetLayout to the last import: the longest a variable was in transit
+    move_seconds: float     # from the first SetLayout to the last import (sync: to the hold's end): the longest a
+                            # variable was in transit, and a sync job's pause
     stopped: list[str]      # removed shards' addresses, stopped
 
     def line(self) -> str:
@@ -94,10 +104,11 @@ def plan(held: dict[int, list[tuple[str, int]]], shards: int, *, balance: bool) 
     return placement
 
 
-def _complete_exports(fanout: ShardFanout) -> None:
-    """Imports again what a resize cut off after an export left in its exporter's outbox (GetLayout), so no
-    variable stays in transit; a shard that does not answer within a few seconds is passed over."""
-    for shard in range(len(fanout.channels.addresses)):
+def _complete_exports(fanout: ShardFanout, shards: int) -> None:
+    """Imports again what a resize cut off after an export left in the outbox of its exporter, one of the
+    job's first `shards` (GetLayout), so no variable stays in transit; a shard that does not answer within a
+    few seconds is passed over."""
+    for shard in range(shards):
         try:
             layout = fanout.call(shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
                                  fanout.control_timeout, retry_for=OUTBOX_RETRY_SECONDS)
@@ -127,8 +138,33 @@ def _batches(names: list[str], sizes: dict[str, int], limit: int) -> list[list[s
     return batches
 
 
+def _hold(fanout: ShardFanout, set_layout, current: dict[str, int], quiet_seconds: float) -> int:
+    """Sync jobs: holds pushes from one step on every shard (two epochs, set_layout(placement, hold) each),
+    then waits until every shard is quiet under it; returns the step. ClusterConfigError if the shards
+    disagree, WaitTimeoutError if one is not quiet in `quiet_seconds` (the hold is left to the caller)."""
+    asked = set_layout(current, 1)  # each shard holds from the lowest step it may
+    hold = max(layout.hold_from_step for layout in asked.values())
+    agreed = set_layout(current, hold)
+    if any(layout.hold_from_step != hold for layout in agreed.values()):
+        raise ClusterConfigError(f"the shards could not all hold pushes from step {hold}: "
+                                 f"{ {s: layout.hold_from_step for s, layout in sorted(agreed.items())} }")
+    give_up = time.monotonic() + quiet_seconds
+    waiting = sorted(agreed)
+    while waiting:
+        layouts = fanout.each({s: [] for s in waiting}, lambda shard, _: fanout.call(
+            shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), fanout.control_timeout))
+        waiting = [s for s in waiting if not layouts[s].quiet]
+        if waiting and time.monotonic() > give_up:
+            raise WaitTimeoutError(f"ps {waiting} did not apply every step before {hold} within {quiet_seconds:g} "
+                                   f"s (a sync step short of its quorum); no variable moved")
+        if waiting:
+            time.sleep(QUIET_POLL_SECONDS)
+    _LOGGER.info("sync job held at step %d: every shard quiet", hold)
+    return hold
+
+
 def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
-        drain_seconds: float = DRAIN_SECONDS) -> ResizeReport:
+        drain_seconds: float = DRAIN_SECONDS, quiet_seconds: float = QUIET_SECONDS) -> ResizeReport:
     """The resize (see the module docstring); `fanout` must carry the chief's credentials."""
     follower.refresh()
     before = follower.shards
@@ -137,61 +173,79 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     if not addresses or addresses[:common] != old[:common] or len(set(addresses)) != len(addresses):
         raise ClusterConfigError(f"a resize keeps the shards' order and adds or removes shards at the end: the job "
                                  f"has {old}; asked for {addresses}")
-    _complete_exports(fanout)
-    if len(addresses) > before:
-        fanout.channels.follow(addresses)  # channels to the added shards (this client's own)
-    everyone = range(max(before, len(addresses)))
     control = fanout.control_timeout
 
     def call(shard: int, fn):
         return fanout.call(shard, fn, control)
 
-    listed = fanout.each({s: [] for s in everyone}, lambda shard, _: call(
-        shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t)))
-    held = {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in everyone}
-    placement = plan(held, len(addresses), balance=len(addresses) >= before)
-    source = {name: shard for shard, variables in held.items() for name, _ in variables}
-    sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
-    moving = sorted((name for name in placement if source[name] != placement[name]), key=lambda n: (-sizes[n], n))
     config = call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t)).config
+    sync = config.mode == "sync"
+    if len(addresses) > before:
+        fanout.channels.follow(addresses)  # channels to the added shards (this client's own)
+    everyone = range(max(before, len(addresses)))
     added = {s: [] for s in range(before, len(addresses))}
     fanout.each(added, lambda shard, _: call(shard, lambda stub, t: stub.Configure(config, timeout=t)))
     wide = addresses if len(addresses) > before else old  # every shard that holds or takes variables meanwhile
-    now = dict(source)
     epoch = follower.epoch
-    started = time.monotonic()
+    hold = 0
+    started: list[float] = []  # when the first epoch was set
 
-    def set_layout(addresses_then: list[str]) -> None:
-        """The next epoch with the placement `now`, on every shard: the others, then ps 0, then those it removes
-        (so a client that one of them sends away finds the epoch on ps 0)."""
-        layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=now)
+    def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int) -> dict[int, ps_pb2.Layout]:
+        """The next epoch, on every shard: the others, then ps 0, then those it removes (so a client that one
+        of them sends away finds the epoch on ps 0); {shard: its reply}."""
+        nonlocal epoch
+        epoch += 1
+        started[:] = started or [time.monotonic()]
+        layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=placement, hold_from_step=hold_from)
+        replies: dict[int, ps_pb2.Layout] = {}
         for group in (range(1, len(addresses_then)), [0], range(len(addresses_then), len(wide))):
-            fanout.each({s: [] for s in group}, lambda shard, _: call(shard, lambda stub, t: stub.SetLayout(
-                layout, timeout=t)))
+            replies.update(fanout.each({s: [] for s in group}, lambda shard, _: call(
+                shard, lambda stub, t: stub.SetLayout(layout, timeout=t))))
+        return replies
 
-    for batch in _batches(moving, sizes, BATCH_BYTES) or ([[]] if len(addresses) != before else []):
-        for name in batch:
-            now[name] = placement[name]
-        epoch += 1
-        set_layout(wide)
-        pairs: dict[tuple[int, int], list[str]] = {}
-        for name in batch:
-            pairs.setdefault((source[name], placement[name]), []).append(name)
+    try:
+        if sync:
+            current = dict(call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t)).placement)
+            current.update({name: s for s, held in _held(fanout, range(before)).items() for name, _ in held})
+            hold = _hold(fanout, lambda placement, step: set_layout(wide, placement, step), current, quiet_seconds)
+        _complete_exports(fanout, before)
+        held = _held(fanout, everyone)
+        placement = plan(held, len(addresses), balance=len(addresses) >= before)
+        source = {name: shard for shard, variables in held.items() for name, _ in variables}
+        sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
+        moving = sorted((name for name in placement if source[name] != placement[name]),
+                        key=lambda n: (-sizes[n], n))
+        now = dict(source)
+        for batch in _batches(moving, sizes, BATCH_BYTES) or ([[]] if len(addresses) != before else []):
+            for name in batch:
+                now[name] = placement[name]
+            set_layout(wide, now, hold)
+            pairs: dict[tuple[int, int], list[str]] = {}
+            for name in batch:
+                pairs.setdefault((source[name], placement[name]), []).append(name)
 
-        def move_from(shard: int, _, pairs=pairs, epoch=epoch) -> None:
-            for (src, dst), names in sorted(pairs.items()):
-                if src == shard:
-                    request = ps_pb2.MoveRequest(names=names, epoch=epoch, to=dst)
-                    chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
-                                         fanout.timeout)
-                    fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
+            def move_from(shard: int, _, pairs=pairs, epoch=epoch) -> None:
+                for (src, dst), names in sorted(pairs.items()):
+                    if src == shard:
+                        request = ps_pb2.MoveRequest(names=names, epoch=epoch, to=dst)
+                        chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
+                                             fanout.timeout)
+                        fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t),
+                                    fanout.timeout)
 
-        fanout.each({src: [] for src in sorted({src for src, _ in pairs})}, move_from)
+            fanout.each({src: [] for src in sorted({src for src, _ in pairs})}, move_from)
+        if len(addresses) < before or hold:  # an epoch without the removed shards, and without the hold
+            set_layout(addresses if len(addresses) < before else wide, now, 0)
+            hold = 0
+    finally:
+        if hold:  # cut off: training goes on (a variable in transit waits for the resize to be run again)
+            try:
+                set_layout(wide, dict(call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(),
+                                                                             timeout=t)).placement), 0)
+            except PSError as exc:
+                _LOGGER.warning("could not end the hold at step %d after a failed resize: %s", hold, exc)
+    seconds = time.monotonic() - started[0] if started else 0.0
     stopped = []
-    if len(addresses) < before:  # the removed shards hold nothing now: an epoch without them
-        epoch += 1
-        set_layout(addresses)
-    seconds = time.monotonic() - started
     if len(addresses) < before:
         time.sleep(drain_seconds)  # the removed shards keep answering LayoutChangedError meanwhile
         gone = {s: [] for s in range(len(addresses), before)}
@@ -203,3 +257,10 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
                           stopped)
     _LOGGER.info("%s", report.line())
     return report
+
+
+def _held(fanout: ShardFanout, shards) -> dict[int, list[tuple[str, int]]]:
+    """{shard: [(name, bytes)]} of the variables each of `shards` holds."""
+    listed = fanout.each({s: [] for s in shards}, lambda shard, _: fanout.call(
+        shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t), fanout.control_timeout))
+    return {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in shards}

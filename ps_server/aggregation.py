@@ -115,7 +115,22 @@ class PendingSteps:
     @guarded
     def open_step(self, store_step: int) -> int:
         """The lowest step a push may still be counted in."""
+        return self._open(store_step)
+
+    def _open(self, store_step: int) -> int:
         return store_step + 1 if self._applying is not None else store_step
+
+    @guarded
+    def hold_floor(self, store_step: int) -> int:
+        """The lowest step pushes may be held from (layout.py's hold): the open step, past every step a push
+        was counted or is adding in (that step must complete)."""
+        busy = [s for s, b in self.buffers.items() if b.pushes or b.adding]
+        return max([self._open(store_step), *(s + 1 for s in busy)])
+
+    @guarded
+    def idle(self) -> bool:
+        """No push counted or adding in any step (nothing summed that a move could split)."""
+        return self._applying is None and not any(b.pushes or b.adding for b in self.buffers.values())
 
     @guarded
     def reserve(self, step: int) -> StepBuffer:

@@ -103,7 +103,8 @@ class Coordinator:
         self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
                                                                          with_pending=False, layout=self.layout))
         self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout)
-        self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, owns_step=owns_step)
+        self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, self.layout,
+                                owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
         self.queue_desk = QueueDesk(book, self.queues, self.recorder, self.waits, home=owns_step)
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
@@ -365,15 +366,18 @@ class Coordinator:
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
              timeout: float | None = None, by: str = CHIEF,
-             received: Mapping[str, tuple] | None = None, repeat: bool = False) -> PushResult:
+             received: Mapping[str, tuple] | None = None, repeat: bool = False, layout_epoch: int = 0
+             ) -> PushResult:
         """push_waiting (which see), waiting in this thread."""
         return run_blocking(self.push_waiting(worker, incarnation, seq, step, grads, step_increment, cancelled,
-                                              hold=hold, timeout=timeout, by=by, received=received, repeat=repeat))
+                                              hold=hold, timeout=timeout, by=by, received=received, repeat=repeat,
+                                              layout_epoch=layout_epoch))
 
     def push_waiting(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
                      step_increment: int = 0, cancelled: Callable[[], bool] = _NEVER, *, hold: bool = False,
                      timeout: float | None = None, by: str = CHIEF,
-                     received: Mapping[str, tuple] | None = None, repeat: bool = False) -> Waiting[PushResult]:
+                     received: Mapping[str, tuple] | None = None, repeat: bool = False, layout_epoch: int = 0
+                     ) -> Waiting[PushResult]:
         """Handles one push according to the mode, at most once per (worker, incarnation, seq); a generator
         that yields a waits.Wait wherever it waits (run it with waits.run_blocking, or on an event loop).
 
@@ -394,6 +398,10 @@ class Coordinator:
         `repeat`: a retry carrying gradients of variables that moved away since
         (a live resize), left out of `grads`: answered as a duplicate if its
         original was applied, else LayoutChangedError (nothing applied here).
+        `layout_epoch`: the layout the client placed the push by; in sync mode a
+        push at a step a live resize holds waits for the hold to end, and one
+        placed before the epoch that ended it raises LayoutChangedError
+        (layout.py; nothing changed).
         A call closed at a wait (its generator's close()) before its push was
         counted is forgotten, as if it had failed.
         """
@@ -405,7 +413,7 @@ class Coordinator:
         self.tables.validate(table_rows)
         deadline = self._book.clock.deadline(timeout)
         return (yield from self._pushes.push(worker, incarnation, seq, step, grads, table_rows, step_increment,
-                                             cancelled, hold, deadline, by, received, repeat))
+                                             cancelled, hold, deadline, by, received, repeat, layout_epoch))
 
     def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
                       by: str = CHIEF) -> int:

@@ -116,13 +116,17 @@ class JobRPCs:
     def GetLayout(self, request, context):
         epoch, addresses, placement = self.coordinator.layout.layout()
         return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
-            ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()])
+            ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()],
+            hold_from_step=self.coordinator.layout.hold_from, quiet=self.coordinator.moves.quiet())
 
     @map_errors
     def SetLayout(self, request, context):
-        if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement)):
-            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed", self.index, request.epoch,
-                         len(request.addresses), len(request.placement))
+        if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
+                                             request.hold_from_step):
+            hold = self.coordinator.layout.hold_from
+            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s", self.index, request.epoch,
+                         len(request.addresses), len(request.placement),
+                         f", pushes from step {hold} held" if hold else "")
         return self.GetLayout(request, context)
 
     @map_errors

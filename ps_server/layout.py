@@ -13,8 +13,17 @@ explains a name it does not hold:
 
 An export's state is kept (`outbox`) until a later epoch is set, so a
 resize cut off between an export and its import can be run again and
-receive the same state. Thread-safe: its own lock (an "owner" in
-locks.LOCK_ORDER).
+receive the same state.
+
+Sync jobs: a resize first sets a hold (`hold_from`, a step): pushes computed
+at it or later wait before anything of them is summed, so the steps before
+it complete and no step's sums span a move; variables move; an epoch
+without the hold ends it (`released`: that step and epoch). A push held
+then, or computed later, that was placed by an earlier epoch than the one
+that ended the hold is refused (LayoutChangedError): on every shard alike,
+so its client places the whole push anew and no shard counts it twice.
+
+Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 """
 
 from __future__ import annotations
@@ -55,21 +64,46 @@ class ShardLayout:
         self._exported: dict[str, int] = {}     # name -> the shard it went to
         self._outbox: dict[tuple[str, ...], tuple[int, bytes]] = {}  # this epoch's exports by their names: (to,
                                                                       # state), sent again if asked
+        self._asked = 0                         # the hold this epoch was set with (a repeat must match it)
+        self.hold_from = 0                      # pushes computed at this step or later wait (0: none); read
+                                                # without the lock
+        self._released = (0, 0)                 # (step, epoch) of the last hold ended
 
     @guarded
-    def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int]) -> bool:
-        """Takes a later layout (True), or the one in force again (False: nothing changes). ModeConflictError
-        for an earlier epoch, or another layout under this epoch; nothing changes then."""
+    def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int], asked: int = 0,
+            hold: int = 0) -> bool:
+        """Takes a later layout (True), or the one in force again (False: nothing changes), holding pushes from
+        step `hold` (0: none; `asked`: the hold it was asked for, which a repeat must ask again).
+        ModeConflictError for an earlier epoch, or another layout under this epoch; nothing changes then."""
         check_layout(epoch, addresses, placement)
-        if epoch == self.epoch and addresses == self._addresses and dict(placement) == self._placement:
+        if (epoch == self.epoch and addresses == self._addresses and dict(placement) == self._placement
+                and asked == self._asked):
             return False
         if epoch <= self.epoch:
             raise ModeConflictError(f"ps {self.index} is at layout epoch {self.epoch}; epoch {epoch} "
                                     f"{'is older' if epoch < self.epoch else 'was set with another layout'}; "
                                     f"nothing was changed")
+        if self.hold_from and not hold:
+            self._released = (self.hold_from, epoch)
         self.epoch, self._addresses, self._placement = epoch, list(addresses), dict(placement)
+        self._asked, self.hold_from = asked, hold
         self._outbox.clear()
         return True
+
+    def holds(self, step: int) -> bool:
+        """Whether a push computed at `step` waits for the hold to end."""
+        hold = self.hold_from
+        return bool(hold) and step >= hold
+
+    @guarded
+    def check_push(self, step: int, epoch: int) -> None:
+        """LayoutChangedError for a push computed at `step` that was placed by layout `epoch`, if the last hold
+        ended at a later epoch and not before `step` (see the module docstring)."""
+        held_from, ended = self._released
+        if ended and step >= held_from and epoch < ended:
+            raise LayoutChangedError(f"a push computed at step {step} was placed by layout epoch {epoch}; the "
+                                     f"variables moved at a hold from step {held_from}, ended at epoch {ended}; "
+                                     f"nothing was changed here: ask for the layout and push again")
 
     @guarded
     def layout(self) -> tuple[int, list[str], dict[str, int]]:
@@ -136,7 +170,8 @@ class ShardLayout:
     def export(self) -> dict:
         """The layout for a checkpoint or journal base, the outbox with it."""
         return {"epoch": self.epoch, "addresses": list(self._addresses), "placement": dict(self._placement),
-                "exported": dict(self._exported),
+                "exported": dict(self._exported), "asked": self._asked, "hold_from": self.hold_from,
+                "released": list(self._released),
                 "outbox": [[list(names), to, state] for names, (to, state) in self._outbox.items()]}
 
     @guarded
@@ -148,3 +183,5 @@ class ShardLayout:
         self._placement = dict(state.get("placement", {}))
         self._exported = dict(state.get("exported", {}))
         self._outbox = {tuple(names): (to, data) for names, to, data in state.get("outbox", [])}
+        self._asked, self.hold_from = state.get("asked", 0), state.get("hold_from", 0)
+        self._released = tuple(state.get("released", (0, 0)))

@@ -2,8 +2,13 @@
 
 See layout.py for what a shard answers about names it does not hold. Here:
 * `set_layout` records the epoch (journaled before it is acknowledged);
-  refused in sync mode (a step's pending sums span every shard) and with
-  embedding tables (their rows change shards at a restore);
+  refused with embedding tables (their rows change shards at a restore).
+  In sync mode it may set a hold (layout.py): from the step asked for, or
+  the lowest this shard may hold from if that is later (a step it counted a
+  push for must complete); a shard that holds nothing takes the hold's step
+  as its own (one added to the job starts at the job's step);
+* `quiet` says when a sync shard's variables may move: under a hold, every
+  step before it applied, nothing summed; export and import need it there;
 * `export` takes the named variables out at one instant, holding the apply
   gate alone: an update in progress finishes first and is in the state
   exported; one that comes after finds them gone (store.apply checks every
@@ -70,21 +75,48 @@ class Moves:
         self.layout = layout
         store.explain_missing(layout.missing)
 
-    def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int]) -> bool:
-        """Takes a later layout epoch (True) or the same again (False); raises as ps.proto's SetLayout says.
-        Blocks until its journal record is written."""
-        if self._book.clock.config.mode == "sync":
-            raise ModeConflictError("a sync job's shards change only at a restore (--restore-from onto another "
-                                    "count): a step's pending sums span every shard; nothing was changed")
+    def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0
+                   ) -> bool:
+        """Takes a later layout epoch (True) or the same again (False), holding sync pushes from `hold_from`
+        or later (see the module docstring; 0: no hold); raises as ps.proto's SetLayout says. Wakes the
+        pushes a hold ended. Blocks until its journal record is written."""
+        book = self._book
+        if not 0 <= hold_from < 2 ** 62:
+            raise InvalidArgumentError(f"a hold's step must be in [0, 2**62). Received: {hold_from}")
+        if hold_from and book.clock.config.mode != "sync":
+            raise InvalidArgumentError(f"a hold (hold_from_step {hold_from}) is for sync jobs; this one is "
+                                       f"{book.clock.config.mode}; nothing was changed")
         if self._tables.names():
             raise ModeConflictError("a job with embedding tables changes its shard count at a restore "
                                     "(--restore-from onto another count); nothing was changed")
-        with self._gate.change(), self._recorder.ordering:
-            changed = self.layout.set(epoch, addresses, placement)
-            ticket = self._recorder.log("layout", {"epoch": epoch, "addresses": list(addresses),
-                                                   "placement": dict(placement)}) if changed else None
+        with self._gate.change(), self._recorder.ordering, book.cond:
+            hold = max(hold_from, book.pending.hold_floor(self._store.step)) if hold_from else 0
+            adopt = hold > self._store.step and not self._store.names() and book.pending.idle()
+            changed = self.layout.set(epoch, addresses, placement, hold_from, hold)
+            ticket = None
+            if changed:
+                if adopt:
+                    self._store.set_step(hold)
+                    book.pending.clear()
+                ticket = self._recorder.log("layout", {"epoch": epoch, "addresses": list(addresses),
+                                                       "placement": dict(placement), "asked": hold_from,
+                                                       "hold": hold, "step": hold if adopt else None})
+                book.cond.notify_all()
         self._recorder.durable(ticket)
         return changed
+
+    def quiet(self) -> bool:
+        """Under a hold (sync): every step before it applied and nothing summed, so variables may move."""
+        book = self._book
+        with book.cond:
+            hold = self.layout.hold_from
+            return bool(hold) and self._store.step >= hold and book.pending.idle()
+
+    def _check_quiet(self, what: str) -> None:
+        if self._book.clock.config.mode == "sync" and not self.quiet():
+            raise ModeConflictError(f"{what} in a sync job waits for a hold (SetLayout's hold_from_step) and for "
+                                    f"ps {self.layout.index} to be quiet under it (step {self._store.step}, hold "
+                                    f"from {self.layout.hold_from}); nothing was changed")
 
     def export(self, names: list[str], epoch: int, to: int) -> tuple[bytes, int]:
         """(state bytes, this shard's step) of `names`, which leave this shard for shard `to`; the same bytes
@@ -100,6 +132,7 @@ class Moves:
             again = self.layout.sent(names)
             if again is not None:
                 return again, self._store.step
+            self._check_quiet("an export")
             for name in names:
                 self._store.get(name)  # UnknownVariableError (or the layout's answer) before anything changes
             data = encode_entries(self._store.snapshot_of(names))
@@ -123,6 +156,8 @@ class Moves:
         held = set(self._store.names())
         with self._gate.change(), self._recorder.ordering:
             placement = self.layout.layout()[2]
+            if not set(names) <= held:
+                self._check_quiet("an import")
             for name in names:
                 if placement.get(name) != self.layout.index:
                     raise InvalidArgumentError(f"layout epoch {epoch} does not place {name!r} on "
@@ -142,7 +177,11 @@ class Moves:
     def replay(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
         """Re-applies a "layout", "export" or "import" journal record (recovery, before the shard serves)."""
         if kind == "layout":
-            self.layout.set(meta["epoch"], meta["addresses"], meta["placement"])
+            self.layout.set(meta["epoch"], meta["addresses"], meta["placement"], meta.get("asked", 0),
+                            meta.get("hold", 0))
+            if meta.get("step") is not None:
+                self._store.set_step(meta["step"])
+                self._book.pending.clear()
         elif kind == "export":
             self._store.remove(meta["names"])
             self.layout.exported(meta["names"], meta["to"], tensors["state"].numpy().tobytes())

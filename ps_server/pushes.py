@@ -16,6 +16,11 @@ step by the applier (aggregation.apply_step), averaged over the pushes that
 carried each table. A sync push with row gradients is held on every shard
 until that shard applied its step, so the worker's next lookups read the
 released step's rows everywhere.
+
+A sync push computed at a step a live resize holds from waits before its
+admission (nothing of it counted or summed) until the hold ends, then is
+refused if it was placed by an earlier layout than the one that ended the
+hold (layout.py); a retry of a push admitted before is answered as ever.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ..errors import LayoutChangedError, WaitTimeoutError
 from .aggregation import StepBuffer
 from .bookkeeping import Bookkeeping
 from .gate import ApplyGate
+from .layout import ShardLayout
 from .ledger import PushRecord
 from .modes import PushResult
 from .recording import Recorder
@@ -50,8 +56,9 @@ class PushPath:
     """
 
     def __init__(self, book: Bookkeeping, tables: TableStore, gate: ApplyGate, waits: WaitLimit,
-                 recorder: Recorder, *, owns_step: bool):
+                 recorder: Recorder, layout: ShardLayout, *, owns_step: bool):
         self._book = book
+        self._layout = layout
         self._store = book.store
         self._tables = tables
         self._gate = gate
@@ -61,13 +68,14 @@ class PushPath:
 
     def push(self, worker: str, incarnation: int, seq: int, step: int, grads: Mapping[str, torch.Tensor],
              table_rows: Mapping, step_increment: int, cancelled: Callable[[], bool], hold: bool, deadline: float,
-             by: str, received: Mapping[str, tuple] | None, repeat: bool = False) -> Waiting[PushResult]:
-        """Handles one push (validated: see Coordinator.push for what it does and raises); yields a Wait
-        (waits.py) where it waits, holding no lock. Each part between two waits runs with the push's journal
-        context (Recorder.pushing) in the thread that runs it."""
+             by: str, received: Mapping[str, tuple] | None, repeat: bool = False, layout_epoch: int = 0
+             ) -> Waiting[PushResult]:
+        """Handles one push (validated: see Coordinator.push for what it does and raises), placed by the
+        client at `layout_epoch`; yields a Wait (waits.py) where it waits, holding no lock. Each part between
+        two waits runs with the push's journal context (Recorder.pushing) in the thread that runs it."""
         slot: list[str] = []  # the waiting slot this push took, if it will be held
         call = self._push(worker, incarnation, seq, step, grads, table_rows, step_increment, cancelled, hold,
-                          deadline, slot, by, repeat)
+                          deadline, slot, by, repeat, layout_epoch)
         try:
             while True:
                 with self._recorder.pushing(table_rows, received):  # its journal record carries them
@@ -97,7 +105,7 @@ class PushPath:
         return None
 
     def _push(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows, step_increment: int,
-              cancelled, hold: bool, deadline: float, slot: list[str], by: str, repeat: bool
+              cancelled, hold: bool, deadline: float, slot: list[str], by: str, repeat: bool, layout_epoch: int
               ) -> Waiting[PushResult]:
         # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
@@ -111,12 +119,26 @@ class PushPath:
                 original = ledger.seen(worker, incarnation, seq)
                 if original is None and repeat:
                     raise _refused_repeat(worker, seq)
-                if original is None:
+                held = original is None and book.clock.config.mode == "sync" and self._layout.holds(step)
+                if original is None and not held:
+                    if book.clock.config.mode == "sync":
+                        self._layout.check_push(step, layout_epoch)
                     admitted = self._admit(worker, incarnation, seq, step, hold, slot, by)
                     if isinstance(admitted, PushResult):
                         return admitted
                     record, buffer = admitted
                     break
+            if held:  # a live resize moves variables: wait for the hold to end, then admit it afresh
+                with self._waits.slot("release"):
+                    yield from self._hold(worker, lambda: not self._layout.holds(step) or cancelled(), deadline,
+                                          None, lambda: f"a live resize held pushes from step "
+                                                        f"{self._layout.hold_from}; it did not end in time")
+                if cancelled():
+                    raise WaitTimeoutError(f"{worker} went away while a live resize held its push; nothing was "
+                                           f"changed")
+                for name in grads:  # still here (else the layout's error: nothing was changed)
+                    self._store.get(name)
+                continue
             result = yield from self._duplicate(worker, incarnation, original, seq, cancelled, hold, deadline)
             if result is None and repeat:
                 raise _refused_repeat(worker, seq)

@@ -365,7 +365,8 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerS
                     header.worker, header.incarnation, header.seq, header.step,
                     {n: g for n, g in grads.items() if n not in moved}, header.step_increment,
                     cancelled=lambda: not context.is_active(), hold=hold, timeout=remaining(context),
-                    by=step_authority(caller), received=received, repeat=bool(moved))
+                    by=step_authority(caller), received=received, repeat=bool(moved),
+                    layout_epoch=header.layout_epoch)
             finally:
                 self.queue_desk.after_push(data, header, result)  # counted once applied, before it is answered
             if self.metrics is not None:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from helpers import wait_until
-from torchps.client import Optimizer, PSClient
-from torchps.errors import ClusterConfigError, ModeConflictError
+from torchps.client import Optimizer, PSClient, TaskSpec
+from torchps.errors import ClusterConfigError, InvalidArgumentError, ModeConflictError
+from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
 PROCESSES = multiprocessing.get_context("forkserver")
@@ -98,8 +99,79 @@ def test_exact_sum_across_live_resizes():
         assert held == {name: total for name in SHAPES}  # each variable once, on one shard, every push counted
 
 
+SYNC_WORKERS = 4
+
+
+def _sync_worker(cluster, index, stop_at, counts, errors, followed):
+    """Child process: worker:<index> of a sync job (R = N = SYNC_WORKERS) pushing ones, every other step a
+    push_pull, until its next step reaches `stop_at` (set by the test; 0: go on); counts its pushes."""
+    try:
+        with PSClient(cluster, task=TaskSpec("worker", index), connect_timeout=60, partitioner=None) as ps:
+            ps.declare({name: torch.zeros(shape) for name, shape in SHAPES.items()})
+            ps.wait_for_variables(SHAPES, timeout=60)
+            step = ps.join()
+            grads = {name: torch.ones(shape) for name, shape in SHAPES.items()}
+            targets = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+            while not stop_at.value or step < stop_at.value:
+                if step % 2:
+                    step = ps.push_pull(grads, targets)
+                else:
+                    step = ps.push(grads)
+                    ps.pull_into(targets, min_step=step)
+                counts[index] += 1
+            followed.put((ps.layout_epoch, *ps.layout_waits))
+            ps.leave()
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+        errors.put(f"worker {index}: {type(exc).__name__}: {exc}")
+
+
+def test_a_sync_job_resizes_at_a_step_boundary():
+    """A sync job (R = N = 4) goes 2 -> 3 -> 2 shards while its workers train: each resize holds the pushes of
+    one step until the variables moved, every step still averages all 4 workers' gradients (none dropped as
+    stale, none counted twice), and every variable ends at minus the number of steps."""
+    with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
+        chief.configure("sync", replicas_to_aggregate=SYNC_WORKERS, total_num_replicas=SYNC_WORKERS)
+        chief.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+        stop_at, counts, errors, followed = (PROCESSES.Value("q", 0), PROCESSES.Array("q", SYNC_WORKERS),
+                                             PROCESSES.Queue(), PROCESSES.Queue())
+        workers = [PROCESSES.Process(target=_sync_worker, args=(local.cluster, i, stop_at, counts, errors, followed))
+                   for i in range(SYNC_WORKERS)]
+        for worker in workers:
+            worker.start()
+        try:
+            _pushes_go_on(counts, 3, errors)
+            grown = chief.resize([*local.cluster.ps, local.add_ps()])
+            # two epochs set the hold, one moves the variables, one ends the hold
+            assert (grown.shards_after, grown.epoch) == (3, 4) and grown.moved > 0
+            _pushes_go_on(counts, 3, errors)
+            back = chief.resize(list(local.cluster.ps))
+            assert (back.shards_after, back.stopped) == (2, [local.address(2)])
+            assert local.procs[2].wait(timeout=30) == 0
+            _pushes_go_on(counts, 3, errors)
+            stop_at.value = chief.status(0).step + 3
+        finally:
+            if not stop_at.value:  # the test failed before: the workers stop at once
+                stop_at.value = 1
+            for worker in workers:
+                worker.join(timeout=120)
+        assert errors.empty(), errors.get()
+        assert [w.exitcode for w in workers] == [0] * SYNC_WORKERS
+        ends = [followed.get(timeout=10) for _ in range(SYNC_WORKERS)]
+        assert {epoch for epoch, _, _ in ends} == {back.epoch}
+        assert sum(refused for _, refused, _ in ends) > 0, ends  # held pushes were placed anew after a hold
+        steps = stop_at.value
+        assert list(counts[:]) == [steps] * SYNC_WORKERS  # one push per worker and step, each acknowledged
+        statuses = [chief.status(s) for s in range(2)]
+        assert [(st.step, st.stale_dropped) for st in statuses] == [(steps, 0)] * 2
+        values = chief.pull(SHAPES)
+        for name, value in values.items():
+            assert torch.equal(value, torch.full(SHAPES[name], -float(steps))), (name, value[:3], steps)
+        assert {info.spec.name: info.version for info in chief.list_variables()} == {n: steps for n in SHAPES}
+
+
 def test_resize_refusals_change_nothing(local_cluster):
-    """A sync job, a reordered shard list and a stale epoch are refused; the layout stays at epoch 0."""
+    """A reordered shard list, a hold outside sync mode and a sync export without a hold are refused; the
+    layout stays at epoch 0."""
     local = local_cluster(2)
     with PSClient(local.cluster, connect_timeout=30) as chief:
         chief.create_variables({"refuse/w": torch.zeros(8)}, Optimizer("sgd", lr=1.0))
@@ -107,10 +179,18 @@ def test_resize_refusals_change_nothing(local_cluster):
             chief.resize([local.address(1), local.address(0)])
         same = chief.resize(list(local.cluster.ps))  # the same shards: a rebalance, with nothing to move here
         assert (same.epoch, same.moved) == (0, 0)
+        owner = next(s for s in range(2) if chief.status(s).num_variables)
+        held = ps_pb2.Layout(epoch=1, addresses=list(local.cluster.ps), placement={"refuse/w": owner},
+                             hold_from_step=1)
+        with pytest.raises(InvalidArgumentError, match="for sync jobs"):
+            chief.call(owner, lambda stub, t: stub.SetLayout(held, timeout=t))
         chief.configure("sync", replicas_to_aggregate=1, total_num_replicas=1)
-        with pytest.raises(ModeConflictError, match="sync job"):
-            chief.resize([local.address(0)])
-        assert [chief.status(s).layout_epoch for s in range(2)] == [0, 0]
+        plain = ps_pb2.Layout(epoch=1, addresses=list(local.cluster.ps), placement={"refuse/w": 1 - owner})
+        assert chief.call(owner, lambda stub, t: stub.SetLayout(plain, timeout=t)).hold_from_step == 0
+        move = ps_pb2.MoveRequest(names=["refuse/w"], epoch=1, to=1 - owner)
+        with pytest.raises(ModeConflictError, match="waits for a hold"):
+            chief.call(owner, lambda stub, t: list(stub.ExportVariables(move, timeout=t)))
+        assert [chief.status(s).layout_epoch for s in range(2)] == [int(s == owner) for s in range(2)]
         assert {i.spec.name for i in chief.list_variables()} == {"refuse/w"}
 
 

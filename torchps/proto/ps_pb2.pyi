@@ -114,7 +114,7 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data", "layout_epoch")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class PushHeader(_message.Message):
     PULL_BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PULL_BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
@@ -139,7 +140,8 @@ class PushHeader(_message.Message):
     pull_base_versions: _containers.RepeatedScalarFieldContainer[int]
     pull_base_generation: int
     data: DataProgress
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunks", "end")
@@ -418,7 +420,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement", "outbox")
+    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet")
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -430,11 +432,15 @@ class Layout(_message.Message):
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     OUTBOX_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     placement: _containers.ScalarMap[str, int]
     outbox: _containers.RepeatedCompositeFieldContainer[MoveRequest]
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ...) -> None: ...
+    hold_from_step: int
+    quiet: bool
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ...) -> None: ...
 
 class LayoutRequest(_message.Message):
     __slots__ = ()

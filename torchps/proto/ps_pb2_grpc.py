@@ -373,10 +373,10 @@ class ParameterServerServicer:
     def SetLayout(self, request, context):
         """The chief's (ps-admin resize): sets a later layout epoch (the same one
         again, unchanged, is a no-op). FAILED_PRECONDITION for an earlier epoch or
-        another layout under this epoch, in sync mode, or with embedding tables
-        (those change their shard count at a restore); INVALID_ARGUMENT for a
-        malformed layout. Never blocks on training (it waits for its journal
-        record).
+        another layout under this epoch, or with embedding tables (those change
+        their shard count at a restore); INVALID_ARGUMENT for a malformed layout,
+        or a hold outside sync mode. Never blocks on training (it waits for its
+        journal record).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -386,7 +386,8 @@ class ParameterServerServicer:
         """The chief's: hands variables over (see MoveRequest). Blocks while the
         updates in progress finish (not for new ones). NOT_FOUND for a name
         neither held nor exported at this epoch; FAILED_PRECONDITION for another
-        epoch than the one set.
+        epoch than the one set, or in sync mode unless the shard is quiet under a
+        hold (see Layout).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,101 @@
+"""A sync job's live resize on the shard's side (moves.py, layout.py's hold, pushes.py), with threads and no
+sockets: a hold lets the steps before it complete and keeps later pushes out of every sum; variables move only
+while the shard is quiet; the hold's end sends the pushes it kept back to their clients, placed anew."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import wait_until
+from test_coordinator import Call, g, push, sync, w
+from torchps.errors import InvalidArgumentError, LayoutChangedError, ModeConflictError
+from torchps.ps_server.coordinator import Coordinator
+from torchps.ps_server.modes import SyncConfig
+from torchps.ps_server.store import NewVariable, VariableStore
+
+ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]
+
+
+@pytest.fixture
+def shards():
+    """Factory: shard(config, index=0, holding=True) -> a Coordinator (ps `index`; ps 0 owns the step) over a
+    store holding SGD variable "w" = zeros(3), lr 1 (or nothing); closed after the test."""
+    made: list[Coordinator] = []
+
+    def make(config: SyncConfig | None = None, *, index: int = 0, holding: bool = True) -> Coordinator:
+        store = VariableStore()
+        if holding:
+            store.create([NewVariable("w", torch.zeros(3), "sgd", {"lr": 1.0})])
+        shard = Coordinator(store, owns_step=index == 0, index=index)
+        made.append(shard)
+        if config is not None:
+            shard.configure(config)
+        return shard
+
+    yield make
+    for shard in made:
+        shard.close()
+
+
+def test_a_hold_lets_the_open_step_complete_and_keeps_later_pushes_out(shards):
+    c = shards(sync(2))
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    first = Call(push, c, "worker:0", 0, g(2, 2, 2), seq=1)
+    assert first.waits()  # counted for step 0, held for its release
+    assert c.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=1)
+    assert c.layout.hold_from == 1 and not c.moves.quiet()  # step 0 has a push counted: it must complete
+    with pytest.raises(ModeConflictError, match="quiet"):
+        c.moves.export(["w"], 1, 1)
+    push(c, "worker:1", 0, g(4, 4, 4), seq=1)
+    assert first.result().next_step == 1 and c.store.step == 1 and c.moves.quiet()
+    held = Call(push, c, "worker:0", 1, g(1, 1, 1), seq=2, layout_epoch=1)
+    assert held.waits()  # waits for the hold's end, before anything of it is counted
+    assert c.moves.quiet() and c.pending.idle()
+    data, step = c.moves.export(["w"], 1, 1)
+    assert step == 1 and c.store.names() == []
+    assert c.moves.set_layout(2, ADDRESSES, {"w": 1})  # the hold ends: the held push names what left
+    with pytest.raises(LayoutChangedError, match="moved from ps 0 to ps 1"):
+        held.result()
+    assert c.store.step == 1 and c.pending.idle() and c.stale_dropped == 0
+    assert data  # the state left with the variable
+
+
+def test_pushes_placed_by_the_epoch_that_ended_the_hold_are_counted(shards):
+    source, target = shards(sync(1)), shards(sync(1), index=1, holding=False)
+    for shard in (source, target):
+        shard.join("worker:0", 1)
+    push(source, "worker:0", 0, g(1, 1, 1), seq=1)
+    for shard in (source, target):
+        assert shard.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=1)
+    assert (source.layout.hold_from, target.layout.hold_from) == (1, 1)
+    assert target.store.step == 1  # it holds nothing: it takes the hold's step as its own
+    for shard in (source, target):
+        assert shard.moves.set_layout(2, ADDRESSES, {"w": 1}, hold_from=1)
+    assert source.moves.quiet() and target.moves.quiet()
+    data, step = source.moves.export(["w"], 2, 1)
+    assert target.moves.import_(data, 2, step) == ["w"]
+    for shard in (source, target):
+        assert shard.moves.set_layout(3, ADDRESSES, {"w": 1})
+    with pytest.raises(LayoutChangedError, match="ended at epoch 3"):  # placed before the hold's end
+        push(target, "worker:0", 1, g(3, 3, 3), seq=2, layout_epoch=2)
+    result = push(target, "worker:0", 1, g(3, 3, 3), seq=3, layout_epoch=3)
+    assert not result.stale and not result.duplicate
+    wait_until(lambda: target.store.step == 2, 10, "ps 1 to apply step 1")  # its applier's, after the reply
+    assert torch.equal(w(target), -torch.tensor([4.0, 4.0, 4.0]))  # step 0's on the source, step 1's here
+
+
+def test_a_hold_is_for_sync_jobs_and_a_repeat_is_a_no_op(shards):
+    plain = shards()
+    with pytest.raises(InvalidArgumentError, match="for sync jobs"):
+        plain.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=3)
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 2\*\*62\)"):
+        plain.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=2 ** 62)
+    assert plain.layout.epoch == 0
+    c = shards(sync(1))
+    assert c.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=5)
+    assert not c.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=5)  # a retried SetLayout
+    with pytest.raises(ModeConflictError, match="another layout"):
+        c.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=6)
+    assert c.layout.hold_from == 5 and c.store.step == 0  # it holds "w": its step stays
