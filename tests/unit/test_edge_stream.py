@@ -58,7 +58,7 @@ def test_messages_arrive_in_order_read_at_most_one_ahead_then_stop(loop):
     settle(loop)
     assert pulled == [], "nothing is read before the body asks: gRPC refuses an oversized message as it is read"
     taken = [next(stream)]
-    wait_until(lambda: len(pulled) == 2, 10, "the second message read ahead")
+    wait_until(lambda: len(pulled) >= 2, 10, "the second message read ahead")  # the third may follow
     for expected in range(1, 5):
         settle(loop)
         assert len(pulled) <= len(taken) + 2, (pulled, taken)  # one waits for the body, one for room
@@ -127,7 +127,7 @@ def test_a_message_waiting_when_the_call_ends_is_not_handed_out(loop):
 
     stream = on_loop(loop, lambda: _RequestStream(source(), loop))
     assert next(stream) == "first"
-    wait_until(lambda: len(pulled) == 2, 10, "the second message read ahead")
+    wait_until(lambda: len(pulled) >= 2, 10, "the second message read ahead")
     stream.close()
     with pytest.raises(CallEnded):
         next(stream)
