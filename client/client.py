@@ -304,14 +304,17 @@ class PSClient(DataPath, TablePath):
         return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout,
                                 layout_epoch=self._layout.epoch)
 
-    def resize(self, addresses: list[str], *, drain_seconds: float = resize.DRAIN_SECONDS) -> resize.ResizeReport:
+    def resize(self, addresses: list[str], *, drain_seconds: float = resize.DRAIN_SECONDS,
+               quiet_seconds: float = resize.QUIET_SECONDS) -> resize.ResizeReport:
         """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
         how). The shards it adds must be running (ps-server --index N with a cluster spec naming them); the
         ones it removes are stopped. Jobs without embedding tables (one with tables changes its shard count
         at a restore); a sync job pauses at a step boundary while variables move. Blocks until every
         variable is at its new shard; raises PSError with the moves done so far in force (run it again with
-        the same addresses)."""
-        return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds)
+        the same addresses): WaitTimeoutError, nothing moved and the pause ended, if a sync job does not
+        apply the steps before the hold within `quiet_seconds`."""
+        return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds,
+                          quiet_seconds=quiet_seconds)
 
     def shard_addresses(self) -> list[str]:
         """The job's shards now, in index order (the cluster's, after a live resize the layout's): asks shard 0

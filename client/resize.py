@@ -44,7 +44,7 @@ from ..proto import ps_pb2
 from .fanout import ShardFanout
 from .layout import LayoutFollower
 
-__all__ = ["ResizeReport", "run", "plan", "DRAIN_SECONDS"]
+__all__ = ["ResizeReport", "run", "plan", "DRAIN_SECONDS", "QUIET_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 DRAIN_SECONDS = 2.0  # a removed shard answers LayoutChangedError this long before it stops
@@ -188,6 +188,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     wide = addresses if len(addresses) > before else old  # every shard that holds or takes variables meanwhile
     epoch = follower.epoch
     hold = 0
+    holding = False  # a hold may be set on some shard: end it before returning or raising
     started: list[float] = []  # when the first epoch was set
 
     def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int) -> dict[int, ps_pb2.Layout]:
@@ -207,6 +208,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
         if sync:
             current = dict(call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t)).placement)
             current.update({name: s for s, held in _held(fanout, range(before)).items() for name, _ in held})
+            holding = True
             hold = _hold(fanout, lambda placement, step: set_layout(wide, placement, step), current, quiet_seconds)
         _complete_exports(fanout, before)
         held = _held(fanout, everyone)
@@ -234,16 +236,16 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
                                     fanout.timeout)
 
             fanout.each({src: [] for src in sorted({src for src, _ in pairs})}, move_from)
-        if len(addresses) < before or hold:  # an epoch without the removed shards, and without the hold
+        if len(addresses) < before or holding:  # an epoch without the removed shards, and without the hold
             set_layout(addresses if len(addresses) < before else wide, now, 0)
-            hold = 0
+            holding = False
     finally:
-        if hold:  # cut off: training goes on (a variable in transit waits for the resize to be run again)
+        if holding:  # cut off: training goes on (a variable in transit waits for the resize to be run again)
             try:
                 set_layout(wide, dict(call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(),
                                                                              timeout=t)).placement), 0)
             except PSError as exc:
-                _LOGGER.warning("could not end the hold at step %d after a failed resize: %s", hold, exc)
+                _LOGGER.warning("could not end the hold (step %d) after a failed resize: %s", hold, exc)
     seconds = time.monotonic() - started[0] if started else 0.0
     stopped = []
     if len(addresses) < before:

@@ -5,13 +5,14 @@ import multiprocessing
 import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from helpers import wait_until
 from torchps.client import Optimizer, PSClient, TaskSpec
-from torchps.errors import ClusterConfigError, InvalidArgumentError, ModeConflictError
+from torchps.errors import ClusterConfigError, InvalidArgumentError, ModeConflictError, WaitTimeoutError
 from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
@@ -167,6 +168,36 @@ def test_a_sync_job_resizes_at_a_step_boundary():
         for name, value in values.items():
             assert torch.equal(value, torch.full(SHAPES[name], -float(steps))), (name, value[:3], steps)
         assert {info.spec.name: info.version for info in chief.list_variables()} == {n: steps for n in SHAPES}
+
+
+def test_a_sync_step_that_cannot_complete_ends_the_resize_and_its_hold(local_cluster):
+    """A sync step short of its quorum (worker:1 joined, never pushes, its lease long) keeps the job from
+    being quiet: the resize gives up after quiet_seconds with nothing moved, and ends its hold, so the step
+    completes as soon as worker:1 pushes."""
+    local = local_cluster(2)
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
+            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as first, \
+            PSClient(local.cluster, task=TaskSpec("worker", 1), connect_timeout=30, partitioner=None) as second:
+        chief.configure("sync", replicas_to_aggregate=2, total_num_replicas=2, lease_seconds=120)
+        chief.create_variables({n: torch.zeros(s) for n, s in NAMES.items()}, Optimizer("sgd", lr=1.0))
+        for worker in (first, second):
+            worker.declare({n: torch.zeros(s) for n, s in NAMES.items()})
+            worker.join()
+        ones = {n: torch.ones(s) for n, s in NAMES.items()}
+        pushed = {}
+        waiting = threading.Thread(target=lambda: pushed.update(step=first.push(ones)))
+        waiting.start()
+        wait_until(lambda: chief.status(0).waiting_calls == 1, 30, "worker:0's push held for worker:1's")
+        with pytest.raises(WaitTimeoutError, match="did not apply every step before 1"):
+            chief.resize([*local.cluster.ps, local.add_ps()], quiet_seconds=1.0)
+        layouts = [chief.call(s, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))
+                   for s in range(2)]
+        assert [(layout.hold_from_step, layout.addresses[-1]) for layout in layouts] == \
+            [(0, local.address(2))] * 2  # the hold ended; the added shard is known, holds nothing
+        assert {info.spec.name for info in chief.list_variables()} == set(NAMES)  # nothing moved
+        assert second.push(ones) == 1
+        waiting.join(timeout=30)
+        assert pushed == {"step": 1} and [chief.status(s).step for s in range(2)] == [1, 1]
 
 
 def test_resize_refusals_change_nothing(local_cluster):
