@@ -45,7 +45,12 @@ the mean of the gradients it counted, and a worker can have two pushes counted
 in one step on a shard (one it was told failed because another shard did not
 answer, then its next, at the same step): each then holds 1/2 of its slot. So
 there a push counts as present when its slot is above 0, and as duplicated
-when its slot is above 1 (sync_slots_averaged counts the shared slots). In async mode the global
+when its slot is above 1 (sync_slots_averaged counts the shared slots).
+A counter's staleness is that of the shard holding it (a resize moves
+counters, and in sync mode shards drop a backup worker's push as stale each
+on its own); a sync push during which its counter changed shards (held by a
+resize, sent again to the new owner) logs "m" for it: present at most once,
+the exact count being test_live_resize.py's to check. In async mode the global
 step (every push counts one on shard 0) lies between the pushes acknowledged
 and sent; in sync mode a shared counter on each shard must equal minus the
 global step (every shard applied every released step exactly once). A phase ends with every worker asked to stop: a
@@ -170,6 +175,7 @@ def worker_main(args: argparse.Namespace) -> int:
             mine = {**{name: one_hot for name in counter_names(args.index)}, **shared}
             log.write(f"sent {number}\n")
             number += 1
+            before = _holders(ps, args.index)
             try:
                 if rng.random() < 0.5:
                     ps.push_pull(mine, targets)
@@ -179,7 +185,8 @@ def worker_main(args: argparse.Namespace) -> int:
             except PSError as exc:
                 log.write(f"error {type(exc).__name__}: {str(exc)[:200]}\n")
                 continue
-            stale = " ".join(str(int(ps.last_replies[s].stale)) for s in range(len(cluster.ps)))
+            after = _holders(ps, args.index)
+            stale = " ".join(_stale_flag(ps, b, a) if args.mode == "sync" else "0" for b, a in zip(before, after))
             log.write(f"acked {number - 1} {ps.step} {stale} t={time.monotonic():.4f}\n")
             if checkpointer is not None:
                 checkpointer.note_step(ps.step)
@@ -187,6 +194,20 @@ def worker_main(args: argparse.Namespace) -> int:
             checkpointer.stop(final=False)
     log.write("exit\n")  # leaving the `with`: Leave on every shard (a removed worker leaves for good)
     return 0
+
+
+def _holders(ps, index: int) -> list[int]:
+    """The shard each of worker `index`'s counters is on, as the client places them now (live resizes move
+    them)."""
+    held = {name: shard for shard, names in ps.placement.group(counter_names(index)).items() for name in names}
+    return [held[name] for name in counter_names(index)]
+
+
+def _stale_flag(ps, before: int, after: int) -> str:
+    """A sync push's staleness for a counter held by shard `before` when it was sent and `after` now: that
+    shard's (1: dropped as stale), or "m" if it moved meanwhile."""
+    reply = ps.last_replies.get(after)
+    return "m" if before != after or reply is None else str(int(reply.stale))
 
 
 def job_tasks() -> "Cluster":
@@ -711,7 +732,7 @@ class Phase:
                 for shard, stale in enumerate(fields[3:3 + SHARDS]):
                     slot = int(fields[1]) % SLOTS
                     must[shard][slot] += int(stale == "0")
-                    may[shard][slot] -= int(stale != "0")
+                    may[shard][slot] -= int(stale == "1")
         return sent, acked, must, may
 
     def _restore_differences(self, values: dict) -> list[str]:
