@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from torchps.errors import CheckpointError, ServerUnavailableError
+from torchps.errors import CheckpointError, LayoutChangedError, ServerUnavailableError
 from torchps.ps_server import journal_log
 from torchps.ps_server.coordinator import Coordinator
 from torchps.ps_server.journal import Journal
@@ -437,3 +437,39 @@ def test_a_finished_job_begun_again_keeps_the_shards_bound_on_membership(tmp_pat
     with pytest.raises(PermissionDeniedError, match="elastic-workers"):
         back.join("worker:7", 8)
     back.close()
+
+
+def test_a_live_resize_s_hold_and_its_end_survive_a_crash(tmp_path):
+    """A sync shard killed under a resize's hold comes back holding from the same step (pushes at it wait);
+    an empty one that took the hold's step as its own comes back at it; the hold's end, journaled, still
+    refuses a push placed before it."""
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    held, empty = tmp_path / "held", tmp_path / "empty"
+    c, e = shard(held, owns_step=False), shard(empty, owns_step=False)
+    for each in (c, e):
+        each.configure(SyncConfig(mode="sync", total_num_replicas=1, startup_grace_seconds=0))
+        each.join("worker:0", 1)
+    create(c, "sgd", lr=1.0)
+    c.push("worker:0", 1, 1, 0, grads(1))
+    c.wait_for_step(1, timeout=10)
+    for each in (c, e):
+        each.moves.set_layout(1, addresses, {"a": 0, "b": 0}, hold_from=1)
+    assert (c.layout.hold_from, e.store.step) == (1, 1)
+    expected = observed(c)
+    c.close()
+    e.close()
+
+    c, e = shard(held, owns_step=False), shard(empty, owns_step=False)
+    assert_same(observed(c), expected)
+    assert (c.layout.epoch, c.layout.hold_from, c.moves.quiet()) == (1, 1, True)
+    assert (e.store.step, e.layout.hold_from) == (1, 1), "the empty shard's adopted step came back"
+    c.moves.set_layout(2, addresses, {"a": 0, "b": 0})
+    c.close()
+    c = shard(held, owns_step=False)
+    assert (c.layout.epoch, c.layout.hold_from) == (2, 0)
+    with pytest.raises(LayoutChangedError, match="ended at epoch 2"):
+        c.push("worker:0", 1, 2, 1, grads(2), layout_epoch=1)
+    c.push("worker:0", 1, 3, 1, grads(2), layout_epoch=2)
+    assert c.wait_for_step(2, timeout=10) == 2
+    c.close()
+    e.close()
