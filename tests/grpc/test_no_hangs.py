@@ -88,9 +88,10 @@ def test_heartbeats_reach_every_shard_while_one_hangs(local_cluster):
 
 def test_status_never_waits_behind_applies(local_cluster):
     """GetStatus stays fast while 80 MB Adam updates are applied back to back (it never takes their locks). One
-    torch thread makes each apply long (hundreds of ms), so a GetStatus that waited behind one would take a
-    large part of a push, far above the bound even on a loaded machine (where a status call took up to 70 ms
-    beside 40 MB applies of 200 ms)."""
+    torch thread makes each apply long (hundreds of ms), so a GetStatus that waited behind them would wait out
+    the rest of the apply in progress: half a push at the median. The bounds leave room for a loaded machine,
+    where the slowest status calls took a quarter of a push (104 ms beside applies of 400 ms, in a CI run at
+    load 7 from other jobs) without waiting for any apply."""
     local = local_cluster(1, server_args=["--torch-threads", "1"])
     size = 20 << 20  # float32: 80 MB
     with PSClient(local.cluster, connect_timeout=10, timeout=60) as client:
@@ -116,9 +117,10 @@ def test_status_never_waits_behind_applies(local_cluster):
                 latencies.append(time.monotonic() - started)
         stop.set()
         pusher.join(60)
-    p99 = statistics.quantiles(latencies, n=100)[98]
+    median, p99 = statistics.median(latencies), statistics.quantiles(latencies, n=100)[98]
     push = statistics.median(apply_seconds)
-    assert p99 < push / 4, f"GetStatus p99 {p99 * 1e3:.1f} ms vs a push of {push * 1e3:.0f} ms: it waited behind applies"
+    figures = f"GetStatus median {median * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms vs a push of {push * 1e3:.0f} ms"
+    assert median < push / 8 and p99 < push / 2, f"{figures}: it waited behind applies"
 
 
 def test_backoff_doubles_with_jitter_and_stops_at_the_deadline():
