@@ -44,6 +44,14 @@ def _push_ones(cluster, index, stop, counts, errors, followed):
         errors.put(f"pusher {index}: {type(exc).__name__}: {exc}")
 
 
+def _started(body, count: int, cluster, *shared) -> list:
+    """`count` child processes running body(cluster, index, *shared), started."""
+    children = [PROCESSES.Process(target=body, args=(cluster, i, *shared)) for i in range(count)]
+    for child in children:
+        child.start()
+    return children
+
+
 def _pushes_go_on(counts, at_least: int, errors) -> None:
     """Returns once every pusher acknowledged `at_least` more pushes than now (each resize is under load)."""
     target = [c + at_least for c in counts[:]]
@@ -60,10 +68,7 @@ def test_exact_sum_across_live_resizes():
         chief.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
         stop, counts, errors, followed = (PROCESSES.Event(), PROCESSES.Array("q", PUSHERS), PROCESSES.Queue(),
                                           PROCESSES.Queue())
-        pushers = [PROCESSES.Process(target=_push_ones, args=(local.cluster, i, stop, counts, errors, followed))
-                   for i in range(PUSHERS)]
-        for pusher in pushers:
-            pusher.start()
+        pushers = _started(_push_ones, PUSHERS, local.cluster, stop, counts, errors, followed)
         try:
             _pushes_go_on(counts, 3, errors)
             grown = chief.resize([*local.cluster.ps, local.add_ps(), local.add_ps()])
@@ -135,10 +140,7 @@ def test_a_sync_job_resizes_at_a_step_boundary():
         chief.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
         stop_at, counts, errors, followed = (PROCESSES.Value("q", 0), PROCESSES.Array("q", SYNC_WORKERS),
                                              PROCESSES.Queue(), PROCESSES.Queue())
-        workers = [PROCESSES.Process(target=_sync_worker, args=(local.cluster, i, stop_at, counts, errors, followed))
-                   for i in range(SYNC_WORKERS)]
-        for worker in workers:
-            worker.start()
+        workers = _started(_sync_worker, SYNC_WORKERS, local.cluster, stop_at, counts, errors, followed)
         try:
             _pushes_go_on(counts, 3, errors)
             grown = chief.resize([*local.cluster.ps, local.add_ps()])
