@@ -189,14 +189,14 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     epoch = follower.epoch
     hold = 0
     holding = False  # a hold may be set on some shard: end it before returning or raising
-    started: list[float] = []  # when the first epoch was set
+    started: float | None = None  # when the first epoch was set
 
     def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int) -> dict[int, ps_pb2.Layout]:
         """The next epoch, on every shard: the others, then ps 0, then those it removes (so a client that one
         of them sends away finds the epoch on ps 0); {shard: its reply}."""
-        nonlocal epoch
+        nonlocal epoch, started
         epoch += 1
-        started[:] = started or [time.monotonic()]
+        started = started or time.monotonic()
         layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=placement, hold_from_step=hold_from)
         replies: dict[int, ps_pb2.Layout] = {}
         for group in (range(1, len(addresses_then)), [0], range(len(addresses_then), len(wide))):
@@ -246,7 +246,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
                                                                              timeout=t)).placement), 0)
             except PSError as exc:
                 _LOGGER.warning("could not end the hold (step %d) after a failed resize: %s", hold, exc)
-    seconds = time.monotonic() - started[0] if started else 0.0
+    seconds = time.monotonic() - started if started else 0.0
     stopped = []
     if len(addresses) < before:
         time.sleep(drain_seconds)  # the removed shards keep answering LayoutChangedError meanwhile
