@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import UnknownVariableError, WaitTimeoutError
+from ..errors import LayoutChangedError, UnknownVariableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .transfer import IntoTargets, read_stream
@@ -63,7 +63,7 @@ class LayerPull:
         client = self.client
         try:
             names = list(self._wire)
-            step = client._refill.guard(names, lambda: client._fanout.each(
+            step = client._refill.guard(names, lambda: client._layout.each(  # follows a live resize
                 client.placement.group(names), self._pull, "pull")).get(GLOBAL_STEP_SHARD, -1)
             self._sink.complete_all()  # device copies queued; the training thread's waits order its compute after them
             if self._set_step and step >= 0:
@@ -76,7 +76,7 @@ class LayerPull:
                 self.finished = True
                 self._cond.notify_all()
 
-    def _pull(self, shard: int, names: list[str]) -> int:
+    def _pull(self, shard: int, names: list[str], first: bool = True, again: bool = False) -> int:
         client = self.client
         request = ps_pb2.PullRequest(names=names, chunk_bytes=client.chunk_bytes, min_step=self._min_step,
                                      cast=client._pull_casts(names, self._sink))
@@ -84,8 +84,8 @@ class LayerPull:
             return client._fanout.call(shard, lambda stub, t: read_stream(
                 self._unless_cancelled(stub.Pull(request, timeout=t)), names, self._buffer,
                 client._fanout.target(shard), self._landed, client.stats)[0], client.timeout)
-        except UnknownVariableError:
-            raise  # a shard that restarted empty: the refill guard around the whole pull may recover it
+        except (UnknownVariableError, LayoutChangedError):
+            raise  # a shard that restarted empty (the refill guard recovers it) or that they left (sent again)
         except BaseException as exc:
             with self._cond:  # the layers waiting for this shard hear it now, not when every shard is done
                 self.error = self.error or exc

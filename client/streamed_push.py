@@ -25,7 +25,7 @@ from typing import Iterator, Mapping
 import torch
 
 from .. import wire
-from ..errors import PSError, WaitTimeoutError
+from ..errors import LayoutChangedError, PSError, WaitTimeoutError
 from ..proto import ps_pb2
 from .datapath import DataPath
 from .transfer import wire_pieces
@@ -119,7 +119,8 @@ class StreamedPush:
         self._finishing = False
         self._released = False
         self._timed_out: PSError | None = None  # the bound's wait ran out: the push was abandoned
-        self._streams = [_ShardStream(shard) for shard in range(client.cluster.num_ps)]
+        self._streams = [_ShardStream(shard) for shard in range(client._layout.shards)]
+        self._unstreamed: list[str] = []  # wire variables placed past the streams (a live resize): sent after them
         if isinstance(client._push_lock, PushLock):
             client._push_lock.streaming = self
         first = wire.encode_push_request(self.header, [])
@@ -192,7 +193,11 @@ class StreamedPush:
         self._left.update(left)
         chunk_bytes = client.chunk_bytes
         for wire_name, value in sent.items():
-            stream = self._streams[client.placement.shard_of(wire_name)]
+            shard = client.placement.shard_of(wire_name)
+            if shard >= len(self._streams):  # placed on a shard a live resize added after this push opened
+                self._unstreamed.append(wire_name)
+                continue
+            stream = self._streams[shard]
             stream.names.append(wire_name)
             for piece in wire_pieces(wire_name, value, chunk_bytes, client.stats):
                 if stream.pending and stream.pending_bytes + len(piece[3]) > chunk_bytes:
@@ -359,16 +364,48 @@ class StreamedPush:
                 for stream in self._streams:
                     try:
                         replies[stream.shard] = stream.future.result()
+                    except LayoutChangedError:  # its variables left that shard: nothing of it applied there
+                        moved.extend(stream.names)
                     except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
                         error = error or exc
                 if error is not None:
                     raise error
 
+            moved: list[str] = []
             names = [name for stream in self._streams for name in stream.names]
             client._refill.guard(names, gather)
+            if moved or self._unstreamed:
+                replies.update(self._send_placed_anew([*moved, *self._unstreamed], replies))
             return client._finish_push(replies)
         finally:
             self._release()
+
+    def _send_placed_anew(self, names: list[str], replies: Mapping[int, ps_pb2.PushResponse]
+                          ) -> dict[int, ps_pb2.PushResponse]:
+        """The wire variables a live resize took from their streams' shards (refused there, or placed past
+        them), as a normal push's parts (LayoutFollower.each) to their owners in the layout followed now: new
+        numbers, no second step where a stream was applied. Encoded again from the unchanged gradients."""
+        client = self.client
+        client._layout.refresh()
+        wanted = set(names)
+        grads = {name: value for name, value in client.partitions.split(
+            {name: grad.detach() for name, (grad, _) in self.grads.items()}).items() if name in wanted}
+        header = ps_pb2.PushHeader()
+        header.CopyFrom(self.header)
+        header.streamed = False
+        staged = client._stage_out(grads)
+        try:
+            sent, left = client._encode(staged.tensors, header.step)
+            push = client._part_sender(header, sent, left, {})
+            groups = client.placement.group(grads)
+            for shard in range(client._layout.shards):  # one that counted no step of this push counts it now
+                if shard not in replies:
+                    groups.setdefault(shard, [])
+            return client._layout.each(groups,
+                                       lambda shard, part, first, again: push(shard, part, first and shard not in
+                                                                              replies, True), "push")
+        finally:
+            staged.release()
 
     def abort(self) -> None:
         """Gives this push up: every stream ends without its end (each shard applies nothing), the calls are

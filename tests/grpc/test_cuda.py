@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torchps.client import Optimizer, PSClient
 from torchps.security import INSECURE
 
+from resize_training import train_through_live_resizes
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 STEPS = 4
 
@@ -83,3 +85,11 @@ def test_pageable_staging_gives_the_same_values(local_cluster):
         cpu, _ = train(ps, "cpu", "cpu/")
         for got, want in zip(gpu.parameters(), cpu.parameters()):
             torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+
+
+
+def test_a_cuda_module_trains_through_live_resizes_with_every_push_applied_once(local_cluster):
+    """A cuda module with overlap trains while the job goes 2 -> 3 -> 2 shards: its gradients are staged from the
+    GPU, a part refused by a shard its variables left is sent again, and the module ends where a CPU module
+    trained on the same batches without a resize ends (resize_training.py)."""
+    train_through_live_resizes(local_cluster(2, workers=1), "cuda")

@@ -22,6 +22,7 @@ from torchps.client import overlap as overlap_module
 from torchps.proto import ps_pb2
 
 from helpers import stopped, wait_until
+from resize_training import train_through_live_resizes
 
 TIMEOUT = 30.0
 MIN = codec.MIN_CHUNK_BYTES
@@ -333,3 +334,10 @@ def test_a_worker_joined_in_sync_mode_pushes_streamed_and_waits_for_its_release(
         assert len(streamed_pushes) == 3
         values = ps.pull(binding.names)
         assert all(torch.equal(p.detach(), values[n]) for n, p in binding.params.items())
+
+
+def test_an_overlapped_module_trains_through_live_resizes(local_cluster):
+    """Streamed pushes and layer-by-layer pulls follow a live resize (2 -> 3 -> 2 shards) mid-training: a part
+    refused by a shard its variables left, or placed on a shard added after the push opened, is sent again to its
+    owner, and the module ends where one trained without overlap or resizes ends (resize_training.py)."""
+    train_through_live_resizes(local_cluster(2, workers=1), "cpu")
