@@ -482,12 +482,14 @@ class PSClient(DataPath, TablePath):
         values = wire_hyperparams(hyperparams)
         groups = self.placement.group(self.partitions.wire_names(names)) if names is not None else self._fanout.all_shards()
 
-        def update(shard: int, shard_names: list[str]) -> int:
+        def update(shard: int, shard_names: list[str], first: bool = True, again: bool = False) -> int:
             request = ps_pb2.UpdateOptimizerRequest(names=shard_names, hyperparams=values)
             return self._fanout.call(shard, lambda stub, t: stub.UpdateOptimizer(request, timeout=t),
                                      self.control_timeout).updated
 
-        return sum(self._fanout.each(groups, update).values())
+        if names is None:
+            return sum(self._fanout.each(groups, update).values())
+        return sum(self._layout.each(groups, update).values())  # names that moved in a live resize: their owners
 
     # -- compression --------------------------------------------------------------------------------
 

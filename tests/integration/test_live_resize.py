@@ -291,3 +291,20 @@ def test_ps_admin_resizes_a_running_job(local_cluster):
         assert all(torch.equal(v, torch.full((256,), -1.0)) for v in values.values())
         wrong = subprocess.run([PS_ADMIN, "resize", "--cluster", spec], capture_output=True, text=True, timeout=60)
         assert wrong.returncode == 2 and len(wrong.stderr.splitlines()) == 1 and "--ps" in wrong.stderr
+
+
+def test_a_client_behind_a_resize_sets_hyperparameters_at_the_new_owners(local_cluster):
+    """set_hyperparams(names) from a client still at epoch 0 reaches every named variable after a resize moved
+    some of them: a shard they left refuses (LayoutChangedError, nothing changed), the client follows."""
+    local = local_cluster(2)
+    shapes = {f"hp{i}": (1000 * (i + 1),) for i in range(6)}
+    with PSClient(local.cluster, partitioner=None) as chief, PSClient(local.cluster, partitioner=None) as other:
+        chief.create_variables({n: torch.zeros(s) for n, s in shapes.items()}, Optimizer("sgd", lr=1.0))
+        other.declare({n: torch.zeros(s) for n, s in shapes.items()})
+        other.wait_for_variables(shapes, timeout=30)
+        assert chief.resize([*local.cluster.ps, local.add_ps()]).moved > 0
+        assert other.layout_epoch == 0
+        assert other.set_hyperparams(list(shapes), lr=0.5) == len(shapes)
+        assert other.layout_epoch == 1
+        assert other.push({n: torch.ones(s) for n, s in shapes.items()}) > 0
+        assert all(torch.equal(v, torch.full_like(v, -0.5)) for v in chief.pull(list(shapes)).values())
