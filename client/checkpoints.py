@@ -15,6 +15,7 @@ from ..errors import StepPassedError
 from ..partitioning import Partitions
 from ..placement import Placement
 from ..proto import ps_pb2
+from .datapath import GLOBAL_STEP_SHARD
 from .fanout import ShardFanout
 
 __all__ = ["save"]
@@ -36,7 +37,8 @@ def save(fanout: ShardFanout, placement: Placement, partitions: Partitions, step
     shards = fanout.all_shards()
     for _ in range(ATTEMPTS):
         steps = fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
-        target = step if step else max(status.step for status in steps.values()) + (1 if step is None else 0)
+        # numbered by the global step (ps 0's count): a shard that a later resize removes may count ahead
+        target = step if step else steps[GLOBAL_STEP_SHARD].step + (1 if step is None else 0)
         request = ps_pb2.SaveRequest(step=target, now=step == 0)
         try:
             replies = fanout.each(shards, lambda shard, _: fanout.call(

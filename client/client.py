@@ -291,9 +291,10 @@ class PSClient(DataPath, TablePath):
     def save_checkpoint(self, step: int | None = None, *, keep: int = 3, timeout: float = 600.0) -> int:
         """Makes every shard save its state at the same step, then commits it; returns that step.
 
-        step None: the step after the furthest shard's current one (saved as
+        step None: the step after the global step (shard 0's count; saved as
         training reaches it; asked again with a later step if a shard got past
-        it first); 0: each shard's state now (an idle job, or at shutdown).
+        it first); 0: each shard's state now, numbered with the global step
+        (an idle job, or at shutdown).
         Blocks until every shard has durably written its file and shard 0 has
         written the manifest that makes the checkpoint count (at most `timeout`).
         Keeps the `keep` newest committed checkpoints. ModeConflictError if a

@@ -102,7 +102,7 @@ class Coordinator:
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
                                                                          with_pending=False, layout=self.layout))
-        self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout)
+        self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step)
         self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, self.layout,
                                 owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.

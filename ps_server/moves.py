@@ -16,7 +16,9 @@ See layout.py for what a shard answers about names it does not hold. Here:
   state, so a shard restarted from its journal still has it to send again;
 * `import_` adds exported variables (value, optimizer state, version), and
   moves the step counter up to the exporter's, so a checkpoint's step is
-  reached here as on the others.
+  reached here as on the others; not on the shard that owns the step (ps 0),
+  whose count is the global step: an async exporter ahead of it by the
+  pushes in flight would count those twice there.
 The state travels as torch.save bytes of store.snapshot() entries, read back
 with weights_only (tensors, numbers, strings, lists and dicts only).
 """
@@ -66,7 +68,8 @@ class Moves:
     """A shard's side of live resizes (see the module docstring). Thread-safe."""
 
     def __init__(self, book: Bookkeeping, store: VariableStore, tables: TableStore, gate: ApplyGate,
-                 recorder: Recorder, layout: ShardLayout):
+                 recorder: Recorder, layout: ShardLayout, *, owns_step: bool):
+        self._owns_step = owns_step
         self._book = book
         self._store = store
         self._tables = tables
@@ -145,8 +148,9 @@ class Moves:
         return data, step
 
     def import_(self, data: bytes, epoch: int, step: int) -> list[str]:
-        """Takes the variables in `data` (export's bytes) and moves the step counter up to `step`; returns
-        their names. Variables already held that came at this epoch are kept as they are (a repeated import).
+        """Takes the variables in `data` (export's bytes) and, unless this shard owns the step, moves the step
+        counter up to `step`; returns their names. Variables already held that came at this epoch are kept as
+        they are (a repeated import).
         Blocks until its journal record is written. Raises (nothing changed) ModeConflictError for another
         epoch than the one set, SpecConflictError for a name held from before, InvalidArgumentError for
         bytes that are not exported state."""
@@ -168,6 +172,7 @@ class Moves:
                                         f"imported")
             ticket = None
             if fresh:
+                step = 0 if self._owns_step else step  # the global step is this shard's own count
                 self._store.adopt(fresh, step)
                 self.layout.imported(names)
                 ticket = self._recorder.log("import", {"step": step}, _blob(data))

@@ -99,3 +99,23 @@ def test_a_hold_is_for_sync_jobs_and_a_repeat_is_a_no_op(shards):
     with pytest.raises(ModeConflictError, match="another layout"):
         c.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=6)
     assert c.layout.hold_from == 5 and c.store.step == 0  # it holds "w": its step stays
+
+
+def test_an_import_moves_the_step_up_except_on_the_shard_that_counts_the_global_step(shards):
+    """Async: every shard counts the pushes it applied, and ps 0's count is the global step. A shard ahead of
+    ps 0 by the pushes in flight exports to it (a shrink): ps 0 keeps its own count (those pushes count once
+    there, when they arrive); any other shard moves up to the exporter's."""
+    owner, ahead, other = shards(), shards(index=1, holding=False), shards(index=2, holding=False)
+    ahead.store.create([NewVariable("v", torch.zeros(2), "sgd", {"lr": 1.0})])
+    for _ in range(3):
+        push(ahead, "worker:0", 0, {"v": torch.ones(2)}, step_increment=1)
+    addresses = [*ADDRESSES, "127.0.0.1:3"]
+    for shard in (owner, ahead, other):
+        shard.moves.set_layout(1, addresses, {"w": 0, "v": 0})
+    data, step = ahead.moves.export(["v"], 1, 0)
+    assert step == 3 and owner.moves.import_(data, 1, step) == ["v"]
+    assert owner.store.step == 0, "ps 0's step is the global step: its own count"
+    for shard in (owner, ahead, other):
+        shard.moves.set_layout(2, addresses, {"w": 0, "v": 2})
+    data, step = owner.moves.export(["v"], 2, 2)
+    assert other.moves.import_(data, 2, 3) == ["v"] and other.store.step == 3
