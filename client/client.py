@@ -309,9 +309,9 @@ class PSClient(DataPath, TablePath):
                quiet_seconds: float = resize.QUIET_SECONDS) -> resize.ResizeReport:
         """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
         how). The shards it adds must be running (ps-server --index N with a cluster spec naming them); the
-        ones it removes are stopped. Jobs without embedding tables (one with tables changes its shard count
-        at a restore); a sync job pauses at a step boundary while variables move. Blocks until every
-        variable is at its new shard; raises PSError with the moves done so far in force (run it again with
+        ones it removes are stopped. Embedding tables are re-laid out onto the new count (their rows frozen
+        meanwhile); a sync job pauses at a step boundary while variables move. Blocks until every
+        variable and table row is at its new shard; raises PSError with the moves done so far in force (run it again with
         the same addresses): WaitTimeoutError, nothing moved and the pause ended, if a sync job does not
         apply the steps before the hold within `quiet_seconds`."""
         return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds,
@@ -330,7 +330,7 @@ class PSClient(DataPath, TablePath):
 
     @property
     def layout_waits(self) -> tuple[int, int]:
-        """(parts refused by a shard their variables had left, sent again; attempts retried while a variable
+        """(parts refused by a shard their variables or table rows had left, sent again; attempts retried while a variable
         was on its way to its shard): what live resizes cost this client."""
         return self._layout.refused, self._fanout.channels.moving_waits
 

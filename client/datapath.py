@@ -2,25 +2,80 @@
 
 A mixin of PSClient: it uses the client's fan-out to the shards (fanout.py),
 placement, refill, push lock and device staging (see PSClient.__init__), and for
-embedding tables' row gradients TablePath._row_tensors (tables.py). The
+embedding tables' row gradients TablePath._summed_rows and _cut_rows (tables.py). The
 overlapped push and pull (streamed_push.py, layer_pull.py) extend it.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable, Mapping
 
 import torch
 
 from ..compression import Encoded
+from ..errors import LayoutChangedError
 from ..proto import ps_pb2
 from .deltas import PullBases
 from .device import Staged
+from .layout import MAX_ROUNDS
 from .transfer import IntoTargets, NewTensors, push_requests, read_stream
 
 __all__ = ["DataPath", "GLOBAL_STEP_SHARD"]
 
 GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
+
+
+class _RowsSent:
+    """A push's row gradients: summed per table, cut by the table layout they were placed by (`parts`), and
+    the rows that shards refused as placed by an older one (DataPath._rows_again sends them again)."""
+
+    def __init__(self, client: "DataPath", rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]):
+        self._client = client
+        self.summed = client._summed_rows(rows)
+        self._counts = {name: client.table_layout(name).num_shards for name in self.summed}
+        self.parts = client._cut_rows(self.summed)
+        self._lock = threading.Lock()
+        self._refused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.counted: set[int] = set()  # shards that counted this push's optimizer step of the tables
+
+    def accepted(self, shard: int, tables: Mapping) -> None:
+        """A shard applied (or summed) its part with `tables` in it: it counted their step."""
+        if tables:
+            with self._lock:
+                self.counted.add(shard)
+
+    def placed_by(self) -> dict[str, int]:
+        """{table: the shards it was spread over when this push's rows were last cut}."""
+        return dict(self._counts)
+
+    def placed(self, counts: Mapping[str, int]) -> None:
+        """Its rows were sent again, cut by `counts`."""
+        self._counts = dict(counts)
+
+    def refused(self, shard: int, tables: Mapping) -> None:
+        """A shard refused its part (LayoutChangedError) with its rows of `tables` in it."""
+        if tables:
+            self._client._layout.count_refused()
+            self._keep(self._client._rows_placed_by({n: self.summed[n] for n in tables}, self._counts, {shard}))
+
+    def refused_again(self, sent: Mapping[str, tuple[torch.Tensor, torch.Tensor]], counts: Mapping[str, int],
+                      shard: int) -> None:
+        """A shard refused the rows of `sent` it was sent again, placed by `counts`."""
+        self._keep(self._client._rows_placed_by(sent, counts, {shard}))
+
+    def _keep(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with self._lock:
+            for name, (ids, grads) in rows.items():
+                if name in self._refused:
+                    kept_ids, kept = self._refused[name]
+                    ids, grads = torch.cat([kept_ids, ids]), torch.cat([kept, grads])
+                self._refused[name] = (ids, grads)
+
+    def take_refused(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        with self._lock:
+            out, self._refused = self._refused, {}
+            return out
 
 
 class DataPath:
@@ -118,37 +173,92 @@ class DataPath:
             self.check_fenced()
             groups = self.placement.group(grads)
             groups = {shard: groups.get(shard, []) for shard in range(self._layout.shards)}
-            table_sent = self._row_tensors(rows or {})
+            table_rows = _RowsSent(self, rows or {})
             header = self._header(step, advance_step)
             staged = self._stage_out(grads)  # CUDA gradients: host copies, kept for retries until the push is over
             sent, left = self._encode(staged.tensors, header.step)  # once: a retry resends the same bytes
-            push = self._part_sender(header, sent, left, table_sent)
+            push = self._part_sender(header, sent, left, table_rows)
             try:
-                return self._finish_push(self._refill.guard(grads, lambda: self._layout.each(groups, push, "push")))
+                replies = self._refill.guard(grads, lambda: self._layout.each(groups, push, "push"))
+                replies.update({shard: reply for shard, reply in self._rows_again(table_rows, replies, header).items()
+                                if shard not in replies})
+                return self._finish_push(replies)
             finally:
                 staged.release()
 
-    def _part_sender(self, header: ps_pb2.PushHeader, sent: Mapping, left: Mapping, table_sent: Mapping):
+    def _part_sender(self, header: ps_pb2.PushHeader, sent: Mapping, left: Mapping, table_rows: "_RowsSent"):
         """push(shard, names, first, again): one shard's part of the push `header` starts, as a Push stream;
-        the gradients `sent` as encoded, rows `table_sent` by shard. A part sent `again` after a live resize
-        moved its names (layout.LayoutFollower) is a push of its own (the next number; the first attempt's
-        keeps its number through every retry), counting no step where the push already counted one (`first`
-        False)."""
+        the gradients `sent` as encoded, rows `table_rows.parts` by shard. A part sent `again` after a live
+        resize moved its names (layout.LayoutFollower) is a push of its own (the next number; the first
+        attempt's keeps its number through every retry), counting no step where the push already counted one
+        (`first` False); the rows of a refused part go by _rows_again."""
         def push(shard: int, names: list[str], first: bool, again: bool = False) -> ps_pb2.PushResponse:
-            tables = table_sent.get(shard, {}) if not again else {}
+            tables = table_rows.parts.get(shard, {}) if not again else {}
             shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
             shard_header.MergeFrom(header)
             if again:
                 shard_header.seq = next(self._seq)
                 shard_header.step_increment = header.step_increment if first else 0
                 shard_header.layout_epoch = self._layout.epoch  # the layout it was placed by this time
-            reply = self._fanout.call(shard, lambda stub, t: stub.Push(
-                push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes, self.stats),
-                timeout=t), self.timeout)
+            try:
+                reply = self._fanout.call(shard, lambda stub, t: stub.Push(
+                    push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
+                                  self.stats), timeout=t), self.timeout)
+            except LayoutChangedError:
+                table_rows.refused(shard, tables)
+                raise
+            table_rows.accepted(shard, tables)
             self._encoder.commit(left, names)  # applied there: their residuals move on
             return reply
 
         return push
+
+    def _rows_again(self, table_rows: "_RowsSent", replies: Mapping[int, ps_pb2.PushResponse],
+                    header: ps_pb2.PushHeader) -> dict[int, ps_pb2.PushResponse]:
+        """After a push placed by an older table layout than a live resize made (its `replies` carry a later
+        epoch, or a shard refused rows): the refused rows go to their owners now, and every shard of the new
+        count that counted no optimizer step of the push's tables counts it (its rows, or none), the others
+        take their rows without counting one (PushHeader.rows_again). Rounds of that until every row was taken
+        or MAX_ROUNDS layouts were followed; no global step is counted again. {shard: its first reply}."""
+        if not table_rows.summed:
+            return {}
+        if replies:
+            self._layout.refresh(seen=max(reply.layout_epoch for reply in replies.values()))
+        out: dict[int, ps_pb2.PushResponse] = {}
+        for _ in range(MAX_ROUNDS):
+            again = table_rows.take_refused()
+            if again:
+                self._layout.refresh()
+            counts = {name: self.table_layout(name).num_shards for name in table_rows.summed}
+            if not again and counts == table_rows.placed_by():
+                return out
+            parts = self._cut_rows(again, every_shard=False)
+            empty = self._cut_rows({name: (ids[:0], grads[:0]) for name, (ids, grads) in table_rows.summed.items()})
+            targets = set(parts) | {s for s in range(max(counts.values())) if s not in table_rows.counted}
+
+            def send(shard: int, _) -> ps_pb2.PushResponse | None:
+                counts_step = shard not in table_rows.counted
+                tables = {**(empty.get(shard, {}) if counts_step else {}), **parts.get(shard, {})}
+                shard_header = ps_pb2.PushHeader(tensors=len(tables))
+                shard_header.MergeFrom(header)
+                shard_header.seq, shard_header.step_increment = next(self._seq), 0
+                shard_header.layout_epoch, shard_header.rows_again = self._layout.epoch, not counts_step
+                try:
+                    reply = self._fanout.call(shard, lambda stub, t: stub.Push(push_requests(
+                        shard_header, tables, list(tables), self.chunk_bytes, self.stats), timeout=t), self.timeout)
+                except LayoutChangedError:
+                    return None
+                table_rows.accepted(shard, tables)
+                return reply
+
+            for shard, reply in self._fanout.each({s: [] for s in sorted(targets)}, send, "push").items():
+                if reply is None:
+                    self._layout.count_refused()
+                    table_rows.refused_again(again, counts, shard)
+                else:
+                    out.setdefault(shard, reply)
+            table_rows.placed(counts)
+        raise LayoutChangedError(f"row gradients were refused as moved after {MAX_ROUNDS} table layouts")
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], *,
                   step: int | None = None, advance_step: bool = True,
@@ -169,7 +279,8 @@ class DataPath:
         groups = self.placement.group(grads)
         pulls = self.placement.group(targets)
         sync = self.mode is not None and self.mode.mode == "sync"
-        table_sent = self._row_tensors(rows or {})
+        table_rows = _RowsSent(self, rows or {})
+        table_sent = table_rows.parts
 
         def nbytes(tensors: Mapping[str, torch.Tensor], names: list[str]) -> int:
             return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
@@ -191,7 +302,7 @@ class DataPath:
                 staged.release()
                 raise
 
-            resend = self._part_sender(header, sent, left, table_sent)
+            resend = self._part_sender(header, sent, left, table_rows)
 
             def exchange(shard: int, names: list[str], first: bool, again: bool) -> tuple[int, ps_pb2.PushResponse]:
                 if again:  # sent again after a live resize: a push alone (the values are read below)
@@ -205,10 +316,14 @@ class DataPath:
                 shard_header.MergeFrom(header)
                 (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                              self.stats)
-                reply = self._fanout.call(shard, lambda stub, t: read_stream(
-                    [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink, self._fanout.target(shard),
-                    stats=self.stats, bases=bases),
-                    self.timeout)
+                try:
+                    reply = self._fanout.call(shard, lambda stub, t: read_stream(
+                        [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink,
+                        self._fanout.target(shard), stats=self.stats, bases=bases), self.timeout)
+                except LayoutChangedError:
+                    table_rows.refused(shard, tables)
+                    raise
+                table_rows.accepted(shard, tables)
                 self._encoder.commit(left, names)  # applied there: their residuals move on
                 return reply
 
@@ -216,6 +331,9 @@ class DataPath:
                 epoch = self._layout.epoch
                 replies = self._refill.guard({**grads, **targets}, lambda: self._layout.each(
                     {s: groups.get(s, []) for s in range(self._layout.shards)}, exchange, "push_pull"))
+                replies.update({shard: (-1, reply) for shard, reply in self._rows_again(
+                    table_rows, {shard: reply for shard, (_, reply) in replies.items()}, header).items()
+                                if shard not in replies})
             finally:
                 staged.release()
             next_step = self._finish_push({shard: result for shard, (_, result) in replies.items()})

@@ -51,12 +51,18 @@ class LayoutFollower:
         self._placement = placement
         self._lock = threading.Lock()
         self.epoch = 0
-        self.refused = 0  # parts a shard refused because their variables had moved, sent again
+        self.table_shards = 0  # the shards the embedding tables are spread over since a live resize (0: as created)
+        self.refused = 0  # parts a shard refused because their variables or table rows had moved, sent again
 
     @property
     def shards(self) -> int:
         """The number of shards in the job now."""
         return self._fanout.channels.live
+
+    def count_refused(self) -> None:
+        """A part with table rows was refused as placed by an older layout (sent again by its caller)."""
+        with self._lock:
+            self.refused += 1
 
     def refresh(self, seen: int | None = None) -> bool:
         """Asks shard 0 for the layout and follows it if it is later than this client's (True). With `seen`
@@ -70,6 +76,7 @@ class LayoutFollower:
                 return False
             self._fanout.channels.follow(list(layout.addresses))
             self._placement.follow(len(layout.addresses), dict(layout.placement))
+            self.table_shards = layout.table_shards
             _LOGGER.info("following layout epoch %d: %d shards (was epoch %d)", layout.epoch,
                          len(layout.addresses), self.epoch)
             self.epoch = layout.epoch

@@ -14,7 +14,15 @@ Shard indices stay: a resize adds shards at the end or removes the last ones
    on ps 0 and the new owner expecting the variable (layout.py);
 3. then each variable of the batch is exported by its old shard and imported
    by its new one, relayed here, the shards' moves in parallel;
-4. with shards removed, a last epoch without them; they are stopped
+4. with embedding tables, whose rows are spread over every shard by id, an
+   epoch with `table_shards` (the new count) freezes them on every shard;
+   then each old shard in turn exports, for every shard of the new count,
+   the rows that shard owns now, imported there (the parts of one old shard
+   in flight here at a time); a shard builds its tables once every old
+   shard's part arrived, and they serve again. Clients that placed rows by
+   the old count are refused and send them to their owners (datapath.py);
+5. with shards removed, or a hold, or tables, a last epoch without them,
+   ending the hold and the tables' re-layout; removed shards are stopped
    (Shutdown) after `drain_seconds`, in which they answer the clients that
    did not yet follow with LayoutChangedError.
 Async and ssp training goes on throughout; a client waits only for the
@@ -191,13 +199,15 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     holding = False  # a hold may be set on some shard: end it before returning or raising
     started: float | None = None  # when the first epoch was set
 
-    def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int) -> dict[int, ps_pb2.Layout]:
+    def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int, table_shards: int = 0
+                   ) -> dict[int, ps_pb2.Layout]:
         """The next epoch, on every shard: the others, then ps 0, then those it removes (so a client that one
         of them sends away finds the epoch on ps 0); {shard: its reply}."""
         nonlocal epoch, started
         epoch += 1
         started = started or time.monotonic()
-        layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=placement, hold_from_step=hold_from)
+        layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=placement, hold_from_step=hold_from,
+                               table_shards=table_shards)
         replies: dict[int, ps_pb2.Layout] = {}
         for group in (range(1, len(addresses_then)), [0], range(len(addresses_then), len(wide))):
             replies.update(fanout.each({s: [] for s in group}, lambda shard, _: call(
@@ -236,8 +246,20 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
                                     fanout.timeout)
 
             fanout.each({src: [] for src in sorted({src for src, _ in pairs})}, move_from)
-        if len(addresses) < before or holding:  # an epoch without the removed shards, and without the hold
-            set_layout(addresses if len(addresses) < before else wide, now, 0)
+        tables = _table_sources(fanout, range(max(len(wide), len(addresses))), len(addresses))
+        if tables is not None:  # the embedding tables' rows, re-laid out onto the new count
+            set_layout(wide, now, hold, len(addresses))
+            for src in range(tables):  # one old shard at a time: the rows of one shard's tables in flight here
+                def rows_to(dst: int, _, src=src, epoch=epoch) -> None:
+                    request = ps_pb2.MoveRequest(epoch=epoch, to=dst, tables=True)
+                    chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
+                                         fanout.timeout)
+                    fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
+
+                fanout.each({dst: [] for dst in range(len(addresses))}, rows_to)
+        if len(addresses) < before or holding or tables is not None:  # an epoch without the removed shards,
+            set_layout(addresses if len(addresses) < before else wide, now, 0,  # the hold, the tables' freeze
+                       len(addresses) if tables is not None else 0)
             holding = False
     finally:
         if holding:  # cut off: training goes on (a variable in transit waits for the resize to be run again)
@@ -259,6 +281,25 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
                           stopped)
     _LOGGER.info("%s", report.line())
     return report
+
+
+def _table_sources(fanout: ShardFanout, shards, count: int) -> int | None:
+    """How many old shards' embedding-table rows a re-layout onto `count` shards takes (ListTables on
+    `shards`): the count the tables are spread over where a shard still holds them so, if not `count`; None if
+    the job has no tables, or every one of the `count` shards holds them spread over `count`; else 0 (a
+    re-layout cut off before its end epoch: only that epoch is set again)."""
+    listed = fanout.each({s: [] for s in shards}, lambda shard, _: fanout.call(
+        shard, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(), timeout=t), fanout.control_timeout))
+    counts = {s: {info.num_shards for info in reply.tables} for s, reply in listed.items()}
+    if not any(counts.values()):
+        return None
+    old = {c for cs in counts.values() for c in cs} - {count}
+    if len(old) > 1:
+        raise ClusterConfigError(f"the shards' embedding tables are spread over {sorted(old)} shards: no one layout "
+                                 f"to re-lay out from")
+    if old:
+        return old.pop()
+    return 0 if any(not counts.get(s) for s in range(count)) else None
 
 
 def _held(fanout: ShardFanout, shards) -> dict[int, list[tuple[str, int]]]:

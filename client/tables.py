@@ -2,7 +2,7 @@
 
 A mixin of PSClient: it uses the client's fan-out to the shards (fanout.py)
 and timeouts (see PSClient.__init__); datapath.push and push_pull take `rows` through
-`_row_tensors`. A table's rows are spread over every shard by id
+`_summed_rows` and `_cut_rows`. A table's rows are spread over every shard by id
 (torchps/rows.py), so each call goes to the shards holding the ids it
 names, all at once.
 """
@@ -16,10 +16,11 @@ import torch
 
 from .. import codec, rows
 from ..compression import Encoded
-from ..errors import (ClusterConfigError, InvalidArgumentError, NonFiniteGradientError, TensorMismatchError,
-                      UnknownVariableError)
+from ..errors import (ClusterConfigError, InvalidArgumentError, LayoutChangedError, NonFiniteGradientError,
+                      TensorMismatchError, UnknownVariableError)
 from ..proto import ps_pb2
 from .embedding import ShardedTable
+from .layout import MAX_ROUNDS
 from .transfer import NewTensors, read_stream
 
 __all__ = ["TablePath", "TableLayout", "tables_in", "take_rows"]
@@ -56,7 +57,8 @@ class TablePath:
         parts may exist (calling again with the right specs completes them).
         """
         specs = list(specs)
-        num_shards = self.cluster.num_ps
+        self._layout.refresh()
+        num_shards = self._layout.table_shards or self._layout.shards
 
         def create(shard: int, _) -> list[bool]:
             request = ps_pb2.CreateTablesRequest(tables=specs, shard_index=shard, num_shards=num_shards)
@@ -73,26 +75,31 @@ class TablePath:
         layout. WaitTimeoutError naming the missing ones after `timeout` s; ClusterConfigError if a table is
         spread over another number of shards than this cluster has."""
         names = list(names)
-        self._fanout.wait_listed({s: names for s in range(self.cluster.num_ps)}, "ListTables", timeout)
+        self._layout.refresh()
+        self._fanout.wait_listed({s: names for s in range(self._layout.table_shards or self._layout.shards)},
+                                 "ListTables", timeout)
         self._learn_tables(names)
 
     def _learn_tables(self, names: list[str]) -> None:
         """Records the layout of `names` as shard 0 describes them."""
         reply = self._fanout.call(0, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(names=names), timeout=t),
                                   self.control_timeout)
+        count = self._layout.table_shards or self._layout.shards
         for info in reply.tables:
-            if info.num_shards != self.cluster.num_ps:
+            if info.num_shards != count:
                 raise ClusterConfigError(f"table {info.spec.name!r} is spread over {info.num_shards} shards; this "
-                                         f"cluster has {self.cluster.num_ps}")
+                                         f"job has {count}")
             self._tables[info.spec.name] = TableLayout(info.spec, info.num_shards)
 
     def table_layout(self, name: str) -> TableLayout:
-        """The layout of a table this client created or waited for; UnknownVariableError otherwise."""
+        """The layout of a table this client created or waited for, over the shards a live resize spread it
+        (the layout this client follows); UnknownVariableError otherwise."""
         layout = self._tables.get(name)
         if layout is None:
             raise UnknownVariableError(f"embedding table {name!r} is not known to this client; create it or wait "
                                        f"for it first (register_module, create_tables or wait_for_tables)")
-        return layout
+        count = self._layout.table_shards
+        return dataclasses.replace(layout, num_shards=count) if count and count != layout.num_shards else layout
 
     def lookup_rows(self, ids: Mapping[str, torch.Tensor], *, admit: bool = False) -> dict[str, torch.Tensor]:
         """The rows of distinct ids: {table: (len(ids), dim) CPU tensor}, row i for ids[i].
@@ -108,24 +115,38 @@ class TablePath:
         wanted = {name: (self.table_layout(name), _flat_ids(name, value)) for name, value in ids.items()}
         out = {name: torch.empty(len(value), layout.spec.dim, dtype=layout.dtype)
                for name, (layout, value) in wanted.items()}
-        per_shard: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-        for name, (layout, value) in wanted.items():
-            owner = rows.shard_of(value, layout.num_shards, layout.partition)
-            for shard in torch.unique(owner).tolist():
-                positions = torch.nonzero(owner == shard).flatten()
-                per_shard.setdefault(shard, []).append((name, value[positions], positions))
+        pending = [(name, value, torch.arange(len(value))) for name, (_, value) in wanted.items()]
         limit = max(1, self.chunk_bytes // 8)  # ids per request: a request stays within one chunk's size
 
-        def lookup(shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-            if sum(len(value) for _, value, _ in parts) <= limit:
-                self._lookup_on(shard, parts, admit, out)
-                return
-            for name, value, positions in parts:  # more ids than one request should carry: a call per slice
-                for i in range(0, len(value), limit):
-                    self._lookup_on(shard, [(name, value[i:i + limit], positions[i:i + limit])], admit, out)
+        def lookup(shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list:
+            """[] once read; the parts not read if the shard refused them as placed by an older table layout."""
+            slices = ([parts] if sum(len(value) for _, value, _ in parts) <= limit else  # else a call per slice
+                      [[(name, value[i:i + limit], positions[i:i + limit])]
+                       for name, value, positions in parts for i in range(0, len(value), limit)])
+            for k, piece in enumerate(slices):
+                try:
+                    self._lookup_on(shard, piece, admit, out)
+                except LayoutChangedError:  # a live resize re-laid the tables out: nothing was read or admitted
+                    self._layout.count_refused()
+                    return [part for later in slices[k:] for part in later]
+            return []
 
-        self._fanout.each(per_shard, lookup, "lookup")
-        return out
+        for _ in range(MAX_ROUNDS):
+            per_shard: dict[int, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+            for name, value, positions in pending:
+                layout = self.table_layout(name)
+                owner = rows.shard_of(value, layout.num_shards, layout.partition)
+                for shard in torch.unique(owner).tolist():
+                    mine = torch.nonzero(owner == shard).flatten()
+                    per_shard.setdefault(shard, {}).setdefault(name, []).append((value[mine], positions[mine]))
+            parts = {shard: [(name, torch.cat([v for v, _ in got]), torch.cat([p for _, p in got]))
+                             for name, got in tables.items()] for shard, tables in per_shard.items()}
+            pending = [part for left in self._fanout.each(parts, lookup, "lookup").values() for part in left]
+            if not pending:
+                return out
+            self._layout.refresh()
+        raise LayoutChangedError(f"rows of {sorted({name for name, _, _ in pending})} were refused as moved after "
+                                 f"{MAX_ROUNDS} table layouts")
 
     def _lookup_on(self, shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]], admit: bool,
                    out: dict[str, torch.Tensor]) -> None:
@@ -176,7 +197,8 @@ class TablePath:
         """placement_report's lines on the tables this client knows, with each shard's counters (one GetStatus
         per shard, all at once)."""
         statuses = self._fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
-        lines = [f"tables ({len(self._tables)}; rows spread over all {self.cluster.num_ps} shards by id):"]
+        lines = [f"tables ({len(self._tables)}; rows spread over all {self._layout.table_shards or self._layout.shards} "
+                 f"shards by id):"]
         for name, layout in self._tables.items():
             spec = layout.spec
             size = f"{spec.num_embeddings:,d}" if spec.num_embeddings else "dynamic"
@@ -189,13 +211,27 @@ class TablePath:
                                      f"evicted, {s.bytes:,d} B")
         return lines
 
-    def _row_tensors(self, table_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
-                     ) -> dict[int, dict[str, Encoded]]:
-        """{shard: {table: ROWS tensor}} for a push: each table's (ids, row gradients), repeated ids summed,
-        cut by shard; every shard gets every table's tensor (with no rows where it has none), as each counts
-        one optimizer step of the table. Raises before anything is sent: UnknownVariableError (a table not
-        known here), TensorMismatchError (not (len(ids), dim) of the table's dtype), NonFiniteGradientError."""
-        out: dict[int, dict[str, Encoded]] = {shard: {} for shard in range(self.cluster.num_ps)}
+    def _cut_rows(self, summed: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, every_shard: bool = True
+                  ) -> dict[int, dict[str, Encoded]]:
+        """{shard: {table: ROWS tensor}} of _summed_rows' (ids, gradients) by the shards each table is spread
+        over now; with `every_shard` each of them gets every table's tensor (with no rows where it has none),
+        as each counts one optimizer step of the table, else only those with rows."""
+        out: dict[int, dict[str, Encoded]] = {}
+        for name, (ids, grads) in summed.items():
+            layout = self.table_layout(name)
+            owner = rows.shard_of(ids, layout.num_shards, layout.partition)
+            for shard in range(layout.num_shards):
+                mine = owner == shard
+                if every_shard or bool(mine.any()):
+                    out.setdefault(shard, {})[name] = rows.encode_rows(ids[mine], grads[mine])
+        return out
+
+    def _summed_rows(self, table_rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each table's (ids, row gradients) for a push, repeated ids summed. Raises before anything is sent:
+        UnknownVariableError (a table not known here), TensorMismatchError (not (len(ids), dim) of the table's
+        dtype), NonFiniteGradientError."""
+        out = {}
         for name, (ids, grads) in table_rows.items():
             layout = self.table_layout(name)
             ids = _flat_ids(name, ids, unique=False)
@@ -205,11 +241,18 @@ class TablePath:
                                           f"table takes ({len(ids)}, {layout.spec.dim}) of {layout.dtype}")
             if grads.numel() and not bool(torch.isfinite(grads).all()):
                 raise NonFiniteGradientError(f"row gradients of {name!r} contain NaN or Inf; nothing was pushed")
-            ids, grads = _summed(ids, grads)
-            owner = rows.shard_of(ids, layout.num_shards, layout.partition)
-            for shard in out:
-                mine = owner == shard
-                out[shard][name] = rows.encode_rows(ids[mine], grads[mine])
+            out[name] = _summed(ids, grads)
+        return out
+
+    def _rows_placed_by(self, summed: Mapping[str, tuple[torch.Tensor, torch.Tensor]], counts: Mapping[str, int],
+                        shards: set[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The rows of `summed` that tables spread over `counts` {table: shards} placed on one of `shards`."""
+        out = {}
+        for name, (ids, grads) in summed.items():
+            owner = rows.shard_of(ids, counts[name], self.table_layout(name).partition)
+            mine = torch.isin(owner, torch.tensor(sorted(shards), dtype=owner.dtype))
+            if bool(mine.any()):
+                out[name] = (ids[mine], grads[mine])
         return out
 
 

@@ -288,7 +288,7 @@ class Coordinator:
     def replay(self, record) -> bool:
         """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
         of the job's end (finish)."""
-        if record.kind in ("layout", "export", "import"):
+        if record.kind in ("layout", "export", "import", "table_export", "table_import"):
             self.moves.replay(record.kind, record.meta, record.tensors)
             return False
         return replay(self._book, self.tables, self.queues, record)

@@ -51,7 +51,7 @@ from ..rows import GOLDEN as _GOLDEN, PARTITIONS, owner as _owner, shard_of, spl
 from .row_optimizers import RowOptimizer, coalesce
 from .row_storage import MIN_SLAB as _MIN_SLAB, Keyed as _Keyed, Slabs as _Slabs, ids_array as _ids_array
 
-__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "PARTITIONS", "INITS"]
+__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "rows_for", "PARTITIONS", "INITS"]
 
 INITS = ("normal", "uniform")
 STATE_FORMAT = 1
@@ -248,10 +248,11 @@ class EmbeddingTable:
         self._events["admitted"] += len(ids)
         return slots
 
-    def apply(self, ids: torch.Tensor, grads: torch.Tensor, step: int) -> int:
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, step: int, *, count_step: bool = True) -> int:
         """One optimizer step at training step `step` with grads[i] the gradient of row ids[i] (repeated ids are
         summed first); returns the number of rows updated. Absent ids of a dynamic table are skipped (the step
-        still counts). Raises InvalidArgumentError (bad ids or step), TensorMismatchError (grads not
+        still counts). `count_step` False: the rows are updated as by the step counted last, counting none
+        (rows sent again after a live re-layout). Raises InvalidArgumentError (bad ids or step), TensorMismatchError (grads not
         (len(ids), dim) of the table's dtype) or NonFiniteGradientError."""
         with self._lock:
             step = self._checked_step(step)
@@ -268,7 +269,7 @@ class EmbeddingTable:
             if present.size < len(slots):
                 slots, summed = slots[present], summed[torch.from_numpy(present)]
             self.optimizer.step([(slab["values"], {k: slab[k] for k in self._spec}, rows, summed[positions])
-                                 for slab, rows, positions in self._slabs.groups(slots)])
+                                 for slab, rows, positions in self._slabs.groups(slots)], count=count_step)
             if not self.fixed:
                 self._rows.cols["updated"][slots] = step
             self._step = max(self._step, step)
@@ -436,15 +437,37 @@ class EmbeddingTable:
         return optimizer, ids, tensors, counters, step, events
 
 
+def rows_for(state: Mapping, shard_index: int, num_shards: int) -> dict:
+    """`state` (a state_dict()) with only the rows and occurrence counters shard `shard_index` of `num_shards`
+    owns under its partition: what one old shard sends a new one in a live re-layout (relayout() with
+    `live` takes every old shard's such part)."""
+    partition = state["config"]["partition"]
+
+    def kept(ids: torch.Tensor) -> torch.Tensor:
+        return shard_of(ids, num_shards, partition) == shard_index
+
+    mine = kept(state["ids"])
+    out = {**state, "ids": state["ids"][mine], "values": state["values"][mine],
+           "state": {k: v[mine] for k, v in state["state"].items()}}
+    if "last_update" in state:
+        out["last_update"] = state["last_update"][mine]
+    if state.get("pending") is not None:
+        waiting = kept(state["pending"]["ids"])
+        out["pending"] = {k: v[waiting] for k, v in state["pending"].items()}
+    return out
+
+
 def relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, *,
-             partition: str | None = None) -> dict:
+             partition: str | None = None, live: bool = False) -> dict:
     """The state of shard `shard_index` of `num_shards` (partitioned by `partition`, default: as before) of the
     table whose old shards' state_dict()s are `states`, all of them, in any order: every row the new shard owns,
     with its optimizer state and age, and its occurrence counters. Event counters restart at zero; per-shard
     capacity stays (the next evict() applies it). Raises InvalidArgumentError unless the states are one
-    table's complete old layout with one optimizer step count (the states are only read)."""
+    table's complete old layout with one optimizer step count (the states are only read). `live` (a live
+    re-layout, where the old shards froze a few pushes apart): their step counts may differ, the highest is
+    kept."""
     try:
-        return _relayout(states, shard_index, num_shards, partition)
+        return _relayout(states, shard_index, num_shards, partition, live)
     except (KeyError, TypeError, IndexError, RuntimeError) as exc:
         raise InvalidArgumentError(f"not the states of an embedding table: missing or bad {exc}") from None
 
@@ -462,7 +485,8 @@ def _hash_owned(num_embeddings: int, shard_index: int, num_shards: int) -> np.nd
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None) -> dict:
+def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None,
+              live: bool = False) -> dict:
     configs = [dict(s["config"]) for s in states]
     if not configs:
         raise InvalidArgumentError("relayout needs the states of every old shard")
@@ -470,6 +494,8 @@ def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, part
     layout = sorted(c["shard_index"] for c in configs)
     same = all({**c, "shard_index": 0} == {**old, "shard_index": 0} for c in configs)
     steps = {int(s["optimizer_steps"]) for s in states}
+    if live:
+        steps = {max(steps)}
     if not same or layout != list(range(old["num_shards"])) or len(steps) != 1:
         raise InvalidArgumentError(f"relayout needs one table's states from all of its {old['num_shards']} shards "
                                    f"with one optimizer step count; got shards {layout}, step counts {sorted(steps)}")

@@ -115,29 +115,40 @@ class JobRPCs:
     @map_errors
     def GetLayout(self, request, context):
         epoch, addresses, placement = self.coordinator.layout.layout()
+        held = self.coordinator.tables.held()
         return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
             ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()],
-            hold_from_step=self.coordinator.layout.hold_from, quiet=self.coordinator.moves.quiet())
+            hold_from_step=self.coordinator.layout.hold_from, quiet=self.coordinator.moves.quiet(),
+            table_shards=self.coordinator.layout.table_shards or (held[0].num_shards if held else 0))
 
     @map_errors
     def SetLayout(self, request, context):
         if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
-                                             request.hold_from_step):
+                                             request.hold_from_step, request.table_shards):
             hold = self.coordinator.layout.hold_from
-            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s", self.index, request.epoch,
+            relaying = self.coordinator.layout.table_shards
+            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s%s", self.index, request.epoch,
                          len(request.addresses), len(request.placement),
-                         f", pushes from step {hold} held" if hold else "")
+                         f", pushes from step {hold} held" if hold else "",
+                         f", embedding tables re-laid out onto {relaying} shards" if relaying else "")
         return self.GetLayout(request, context)
 
     @map_errors
     def ExportVariables(self, request, context):
         """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export)."""
-        data, step = self.coordinator.moves.export(list(request.names), request.epoch, request.to)
-        _LOGGER.info("ps %d: %d variables (%d bytes) exported to ps %d at layout epoch %d", self.index,
-                     len(request.names), len(data), request.to, request.epoch)
+        if request.tables:
+            if request.names:
+                raise InvalidArgumentError("an export of table rows names no variables")
+            data, step = self.coordinator.moves.export_tables(request.epoch, request.to)
+        else:
+            data, step = self.coordinator.moves.export(list(request.names), request.epoch, request.to)
+        _LOGGER.info("ps %d: %s (%d bytes) exported to ps %d at layout epoch %d", self.index,
+                     "embedding-table rows" if request.tables else f"{len(request.names)} variables", len(data),
+                     request.to, request.epoch)
         view = memoryview(data)
         for offset in range(0, max(1, len(data)), self.max_chunk_bytes):
-            first = {"epoch": request.epoch, "from_shard": self.index, "step": step, "total_bytes": len(data)}
+            first = {"epoch": request.epoch, "from_shard": self.index, "step": step, "total_bytes": len(data),
+                     "tables": request.tables}
             yield ps_pb2.MoveChunk(data=bytes(view[offset:offset + self.max_chunk_bytes]),
                                    **(first if offset == 0 else {}))
 
@@ -156,6 +167,11 @@ class JobRPCs:
         if head is None or len(data) != head.total_bytes:
             raise MalformedStreamError(f"the moved state ended after {len(data)} of "
                                        f"{0 if head is None else head.total_bytes} bytes; nothing was imported")
+        if head.tables:
+            names = self.coordinator.moves.import_tables(bytes(data), head.epoch, head.from_shard, head.step)
+            _LOGGER.info("ps %d: embedding-table rows of ps %d imported at layout epoch %d%s", self.index,
+                         head.from_shard, head.epoch, f"; tables {names} built" if names else "")
+            return ps_pb2.MoveResponse(names=names, step=self.store.step)
         names = self.coordinator.moves.import_(bytes(data), head.epoch, head.step)
         _LOGGER.info("ps %d: %d variables imported from ps %d at layout epoch %d", self.index, len(names),
                      head.from_shard, head.epoch)

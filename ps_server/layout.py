@@ -23,6 +23,17 @@ then, or computed later, that was placed by an earlier epoch than the one
 that ended the hold is refused (LayoutChangedError): on every shard alike,
 so its client places the whole push anew and no shard counts it twice.
 
+Embedding tables: a table's rows are spread over every shard by id, so a
+resize that changes the number of shards re-lays out every table. An epoch
+that sets `table_shards` (the new count) starts it on every shard: the
+tables freeze there (lookups and pushes naming one get VariableMovingError)
+and each shard exports, once, the rows every shard owns under the new count
+(`table_outbox`, kept until a later epoch, sent again if asked). A shard
+takes the rows each old shard sends it (`inbox`); once all of them arrived,
+the caller (moves.py) builds its tables from them and they serve again. The
+next epoch that sets the same count ends the re-layout (refused while rows
+are missing).
+
 Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 """
 
@@ -68,6 +79,11 @@ class ShardLayout:
         self.hold_from = 0                      # pushes computed at this step or later wait (0: none); read
                                                 # without the lock
         self._released = (0, 0)                 # (step, epoch) of the last hold ended
+        self.table_shards = 0                   # the count the tables are being re-laid out to (0: none); read
+                                                # without the lock
+        self._inbox: dict[int, bytes] = {}      # old shard -> the table rows it sent here at this re-layout
+        self._inbox_from = 0                    # how many old shards send rows (0: not known yet)
+        self._table_outbox: dict[int, bytes] = {}  # shard -> the table rows exported for it at this re-layout
 
     @guarded
     def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int], asked: int = 0,
@@ -166,13 +182,85 @@ class ShardLayout:
         for name in names:
             self._exported.pop(name, None)
 
+    # -- embedding tables (see the module docstring) -------------------------------------------
+
+    @guarded
+    def relayout_tables(self, count: int, held: int | None, *, check_only: bool = False) -> str:
+        """An epoch set `table_shards` = `count` (> 0) on a shard whose tables are spread over `held` shards
+        (None: it holds none). Returns "begun" (the tables freeze), "ended" (every old shard's rows arrived) or
+        "same"; ModeConflictError (nothing changed) for another count while one is under way, or for the end
+        of one whose rows did not all arrive. `check_only`: raises or returns, changing nothing."""
+        if self.table_shards:
+            if count != self.table_shards:
+                raise ModeConflictError(f"ps {self.index} is re-laying out its embedding tables onto "
+                                        f"{self.table_shards} shards; a layout for {count} must wait for it")
+            if self.index < count and not self._inbox_complete():  # a shard past the count takes no rows
+                raise ModeConflictError(
+                    f"ps {self.index} has the embedding-table rows of old shards {sorted(self._inbox)} of "
+                    f"{self._inbox_from or '?'}; the re-layout onto {count} shards cannot end yet")
+            if check_only:
+                return "ended"
+            self.table_shards = 0
+            self._inbox, self._inbox_from, self._table_outbox = {}, 0, {}
+            return "ended"
+        if held == count or check_only:
+            return "same" if held == count else "begun"
+        self.table_shards = count
+        self._inbox, self._inbox_from, self._table_outbox = {}, 0, {}
+        return "begun"
+
+    def _inbox_complete(self) -> bool:
+        return bool(self._inbox_from) and len(self._inbox) == self._inbox_from
+
+    @guarded
+    def check_tables(self, installed: bool) -> None:
+        """VariableMovingError while the tables are re-laid out and this shard's are not built yet
+        (`installed`: they were, from every old shard's rows)."""
+        if self.table_shards and not installed:
+            raise VariableMovingError(f"ps {self.index}'s embedding tables are being re-laid out onto "
+                                      f"{self.table_shards} shards (layout epoch {self.epoch}); nothing was "
+                                      f"changed: retry shortly")
+
+    @guarded
+    def tables_exported(self) -> dict[int, bytes] | None:
+        """The rows exported for each shard at this re-layout, or None before the first export."""
+        return dict(self._table_outbox) if self._table_outbox else None
+
+    @guarded
+    def export_tables(self, parts: Mapping[int, bytes]) -> None:
+        """Records this shard's exported rows for every shard of the new count (kept for repeated exports)."""
+        self._table_outbox = dict(parts)
+
+    @guarded
+    def receive_tables(self, source: int, sources: int, data: bytes, *, check_only: bool = False
+                       ) -> dict[int, bytes] | None:
+        """Takes the rows old shard `source` (of `sources`) sent; every old shard's rows once all arrived (the
+        caller builds the tables from them), else None. A repeat is ignored. ModeConflictError outside a
+        re-layout, InvalidArgumentError for another number of old shards than the first sender said.
+        `check_only`: raises or returns, changing nothing."""
+        if not self.table_shards:
+            raise ModeConflictError(f"ps {self.index} is not re-laying out its embedding tables (no layout epoch "
+                                    f"set table_shards); nothing was imported")
+        if not 0 <= source < sources or (self._inbox_from and sources != self._inbox_from):
+            raise InvalidArgumentError(f"table rows from ps {source} of {sources} old shards, but ps {self.index} "
+                                       f"takes them from {self._inbox_from} shards")
+        if self._inbox_complete() or source in self._inbox:
+            return None
+        inbox = {**self._inbox, source: data}
+        if not check_only:
+            self._inbox_from, self._inbox = sources, inbox
+        return inbox if len(inbox) == sources else None
+
     @guarded
     def export(self) -> dict:
         """The layout for a checkpoint or journal base, the outbox with it."""
         return {"epoch": self.epoch, "addresses": list(self._addresses), "placement": dict(self._placement),
                 "exported": dict(self._exported), "asked": self._asked, "hold_from": self.hold_from,
                 "released": list(self._released),
-                "outbox": [[list(names), to, state] for names, (to, state) in self._outbox.items()]}
+                "outbox": [[list(names), to, state] for names, (to, state) in self._outbox.items()],
+                "tables": {"shards": self.table_shards, "from": self._inbox_from,
+                           "inbox": {str(k): v for k, v in self._inbox.items()},
+                           "outbox": {str(k): v for k, v in self._table_outbox.items()}}}
 
     @guarded
     def restore(self, state: dict | None) -> None:
@@ -185,3 +273,7 @@ class ShardLayout:
         self._outbox = {tuple(names): (to, data) for names, to, data in state.get("outbox", [])}
         self._asked, self.hold_from = state.get("asked", 0), state.get("hold_from", 0)
         self._released = tuple(state.get("released", (0, 0)))
+        tables = state.get("tables") or {}
+        self.table_shards, self._inbox_from = tables.get("shards", 0), tables.get("from", 0)
+        self._inbox = {int(k): v for k, v in (tables.get("inbox") or {}).items()}
+        self._table_outbox = {int(k): v for k, v in (tables.get("outbox") or {}).items()}

@@ -1,9 +1,9 @@
 """Live resize on one shard: taking a layout epoch, handing variables over, taking them in. No gRPC.
 
 See layout.py for what a shard answers about names it does not hold. Here:
-* `set_layout` records the epoch (journaled before it is acknowledged);
-  refused with embedding tables (their rows change shards at a restore).
-  In sync mode it may set a hold (layout.py): from the step asked for, or
+* `set_layout` records the epoch (journaled before it is acknowledged),
+  beginning or ending a re-layout of the embedding tables when it sets
+  `table_shards` (layout.py). In sync mode it may set a hold (layout.py): from the step asked for, or
   the lowest this shard may hold from if that is later (a step it counted a
   push for must complete); a shard that holds nothing takes the hold's step
   as its own (one added to the job starts at the job's step);
@@ -19,6 +19,11 @@ See layout.py for what a shard answers about names it does not hold. Here:
   reached here as on the others; not on the shard that owns the step (ps 0),
   whose count is the global step: an async exporter ahead of it by the
   pushes in flight would count those twice there.
+* `export_tables` cuts every table's rows (with their optimizer state and a
+  dynamic table's metadata) for each shard of the new count at one instant,
+  journaled and kept; `import_tables` takes one old shard's part, and once
+  every old shard's arrived builds this shard's tables from them
+  (table_state.built_from), moving the step counter up as `import_` does.
 The state travels as torch.save bytes of store.snapshot() entries, read back
 with weights_only (tensors, numbers, strings, lists and dicts only).
 """
@@ -31,6 +36,7 @@ from typing import Mapping
 import torch
 
 from ..errors import InvalidArgumentError, ModeConflictError, SpecConflictError
+from . import table_state
 from .bookkeeping import Bookkeeping
 from .gate import ApplyGate
 from .layout import ShardLayout
@@ -77,36 +83,110 @@ class Moves:
         self._recorder = recorder
         self.layout = layout
         store.explain_missing(layout.missing)
+        tables.guard(lambda held: layout.check_tables(held is not None and held.num_shards == layout.table_shards))
 
-    def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0
-                   ) -> bool:
+    def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0,
+                   table_shards: int = 0) -> bool:
         """Takes a later layout epoch (True) or the same again (False), holding sync pushes from `hold_from`
-        or later (see the module docstring; 0: no hold); raises as ps.proto's SetLayout says. Wakes the
-        pushes a hold ended. Blocks until its journal record is written."""
+        or later (see the module docstring; 0: no hold), and with `table_shards` beginning or ending a
+        re-layout of the embedding tables onto that many shards (layout.py); raises as ps.proto's SetLayout
+        says. Wakes the pushes a hold ended. Blocks until its journal record is written."""
         book = self._book
         if not 0 <= hold_from < 2 ** 62:
             raise InvalidArgumentError(f"a hold's step must be in [0, 2**62). Received: {hold_from}")
+        if not 0 <= table_shards <= len(addresses):
+            raise InvalidArgumentError(f"table_shards must be in [0, the layout's {len(addresses)} shards]. "
+                                       f"Received: {table_shards}")
         if hold_from and book.clock.config.mode != "sync":
             raise InvalidArgumentError(f"a hold (hold_from_step {hold_from}) is for sync jobs; this one is "
                                        f"{book.clock.config.mode}; nothing was changed")
-        if self._tables.names():
-            raise ModeConflictError("a job with embedding tables changes its shard count at a restore "
-                                    "(--restore-from onto another count); nothing was changed")
         with self._gate.change(), self._recorder.ordering, book.cond:
             hold = max(hold_from, book.pending.hold_floor(self._store.step)) if hold_from else 0
             adopt = hold > self._store.step and not self._store.names() and book.pending.idle()
+            if table_shards:
+                self.layout.relayout_tables(table_shards, self._table_count(), check_only=True)
             changed = self.layout.set(epoch, addresses, placement, hold_from, hold)
             ticket = None
             if changed:
                 if adopt:
                     self._store.set_step(hold)
                     book.pending.clear()
+                if table_shards:
+                    self.layout.relayout_tables(table_shards, self._table_count())
                 ticket = self._recorder.log("layout", {"epoch": epoch, "addresses": list(addresses),
                                                        "placement": dict(placement), "asked": hold_from,
-                                                       "hold": hold, "step": hold if adopt else None})
+                                                       "hold": hold, "step": hold if adopt else None,
+                                                       "table_shards": table_shards})
                 book.cond.notify_all()
         self._recorder.durable(ticket)
         return changed
+
+    def _table_count(self) -> int | None:
+        """The number of shards this shard's tables are spread over (None: it holds none)."""
+        held = self._tables.held()
+        return held[0].num_shards if held else None
+
+    def export_tables(self, epoch: int, to: int) -> tuple[bytes, int]:
+        """(bytes, this shard's step): the rows of every table that shard `to` owns under the re-layout in
+        progress (layout.py), with their optimizer state and counters. The first export cuts them for every
+        new shard at one instant (the tables are frozen) and keeps them; later ones, repeated ones too, send
+        the kept bytes. Blocks until its journal record is written. ModeConflictError for another epoch than
+        the one set or outside a re-layout; InvalidArgumentError for a shard past the new count."""
+        self.layout.check_epoch(epoch, "an export of table rows")
+        count = self.layout.table_shards
+        if not count:
+            raise ModeConflictError(f"ps {self.layout.index} is not re-laying out its embedding tables (no "
+                                    f"layout epoch set table_shards); nothing was exported")
+        if not 0 <= to < count:
+            raise InvalidArgumentError(f"table rows go to one of the {count} shards of the re-layout; asked for "
+                                       f"ps {to}")
+        ticket = None
+        with self._gate.snapshot():
+            parts = self.layout.tables_exported()
+            if parts is None:
+                self._check_quiet("an export of table rows")
+                parts = {shard: encode_entries(entries)
+                         for shard, entries in table_state.parts_for(table_state.section(self._tables), count).items()}
+                with self._recorder.ordering:
+                    self.layout.export_tables(parts)
+                    ticket = self._recorder.log("table_export", {"shards": sorted(parts)},
+                                                {str(shard): _blob(data)["state"] for shard, data in parts.items()})
+            step = self._store.step
+        self._recorder.durable(ticket)
+        return parts[to], step
+
+    def import_tables(self, data: bytes, epoch: int, source: int, step: int) -> list[str]:
+        """Takes the table rows old shard `source` exported for this one, and (unless this shard owns the step)
+        moves the step counter up to `step`, the exporter's, as import_ does (a row's age counts this shard's
+        steps); once every old shard's rows arrived, builds this shard's tables from them (they serve again).
+        Returns the tables' names once built, else []; a repeat changes nothing. Blocks until its journal record is written. Raises (nothing changed)
+        ModeConflictError for another epoch or outside a re-layout, InvalidArgumentError for bytes that are
+        not exported rows or rows that do not fit together."""
+        self.layout.check_epoch(epoch, "an import of table rows")
+        entries = decode_entries(data)
+        sources = {entry.get("num_shards") for entry in entries}
+        if len(sources) != 1 or not isinstance(next(iter(sources)), int):
+            raise InvalidArgumentError("table rows name no common number of old shards; nothing was imported")
+        step = 0 if self._owns_step else step
+        with self._gate.change(), self._recorder.ordering:
+            built = self._receive_tables(source, sources.pop(), data, step)
+            ticket = self._recorder.log("table_import", {"from": source, "step": step}, _blob(data))
+        self._recorder.durable(ticket)
+        return built
+
+    def _receive_tables(self, source: int, sources: int, data: bytes, step: int) -> list[str]:
+        inbox = self.layout.receive_tables(source, sources, data, check_only=True)
+        built = None
+        if inbox is not None:  # every old shard's rows: built before anything changes (raises if they do not fit)
+            built = table_state.built_from({s: decode_entries(d) for s, d in inbox.items()}, self.layout.index,
+                                           self.layout.table_shards)
+        self.layout.receive_tables(source, sources, data)
+        if step > self._store.step:
+            self._store.set_step(step)
+        if built is None:
+            return []
+        self._tables.install(built)
+        return [held.spec.name for held in built]
 
     def quiet(self) -> bool:
         """Under a hold (sync): every step before it applied and nothing summed, so variables may move."""
@@ -187,6 +267,14 @@ class Moves:
             if meta.get("step") is not None:
                 self._store.set_step(meta["step"])
                 self._book.pending.clear()
+            if meta.get("table_shards"):
+                self.layout.relayout_tables(meta["table_shards"], self._table_count())
+        elif kind == "table_export":
+            self.layout.export_tables({int(shard): tensors[str(shard)].numpy().tobytes() for shard in meta["shards"]})
+        elif kind == "table_import":
+            data = tensors["state"].numpy().tobytes()
+            sources = {entry["num_shards"] for entry in decode_entries(data)}
+            self._receive_tables(meta["from"], sources.pop(), data, meta.get("step", 0))
         elif kind == "export":
             self._store.remove(meta["names"])
             self.layout.exported(meta["names"], meta["to"], tensors["state"].numpy().tobytes())

@@ -244,6 +244,7 @@ class PushPath:
                     ) -> PushResult:
         book, recorder = self._book, self._recorder
         with self._gate.change():
+            self._tables.check_applies(table_rows)  # none frozen for a live re-layout (nothing changed if so)
             with recorder.ordering:  # with a journal, applies are queued for it in the order they happened
                 step_after, versions = self._store.apply(grads, step_increment, validated=True)
                 self._tables.apply(table_rows, step_after)  # journaled with the dense gradients (pushing())
@@ -283,6 +284,7 @@ class PushPath:
         book, recorder = self._book, self._recorder
         tickets = []
         with self._gate.change():
+            self._tables.check_applies(table_rows)
             buffer.add(grads, lambda: tickets.append(recorder.log("add", _push_meta(worker, incarnation, seq, step),
                                                                   grads)), rows=table_rows)
             with book.cond:

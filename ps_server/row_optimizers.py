@@ -127,12 +127,14 @@ class RowOptimizer:
             return {"exp_avg": (dim, 0.0), "exp_avg_sq": (dim, 0.0)}
         return {}
 
-    def step(self, parts: Iterable[tuple[torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor]]
-             ) -> None:
-        """One optimizer step (torch's optimizer.step()): counts it, then, for each (values, states, rows,
-        grads) part, updates values[rows] and states[*][rows] in place with the unique rows' coalesced
-        grads. Parts are disjoint pieces of one table (slabs); an empty iterable still counts the step."""
-        self.steps += 1
+    def step(self, parts: Iterable[tuple[torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor]],
+             *, count: bool = True) -> None:
+        """One optimizer step (torch's optimizer.step()): counts it (unless `count` is False: as the step
+        counted last), then, for each (values, states, rows, grads) part, updates values[rows] and
+        states[*][rows] in place with the unique rows' coalesced grads. Parts are disjoint pieces of one table
+        (slabs); an empty iterable still counts the step."""
+        if count or not self.steps:
+            self.steps += 1
         update = getattr(self, "_" + self.name)
         coefficients = self._coefficients()
         for values, states, rows, grads in parts:

@@ -45,6 +45,7 @@ class AveragedRows(NamedTuple):
     ids: torch.Tensor
     values: torch.Tensor
     received: int
+    counts_step: bool = True  # a step's average counts one optimizer step (as a RowGradient does)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -278,11 +278,12 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerS
         variable = self.store.get(name).spec.meta
         return nbytes if meta == variable else nbytes + codec.meta_nbytes(variable)
 
-    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict):
-        """A complete pushed tensor (checked by _check_gradient): a table's RowGradient, or a dense tensor of
-        its variable's dtype; a compressed one is also kept as it came in `received` (for the journal)."""
+    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict, again: bool = False):
+        """A complete pushed tensor (checked by _check_gradient): a table's RowGradient (`again`: the push's
+        rows_again), or a dense tensor of its variable's dtype; a compressed one is also kept as it came in
+        `received` (for the journal)."""
         if meta.encoding == ps_pb2.ROWS:
-            return RowGradient(*rows.decode_rows(meta, raw))
+            return RowGradient(*rows.decode_rows(meta, raw), counts_step=not again)
         variable = self.store.get(name).spec.meta
         if meta.encoding != ps_pb2.DENSE or meta.dtype != variable.dtype:
             received[name] = (meta, raw)
@@ -316,7 +317,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerS
 
         assembler = codec.ChunkAssembler(
             begin=begin, decode=lambda name, meta, raw: None if name in moved
-            else self._decode_gradient(name, meta, raw, received))
+            else self._decode_gradient(name, meta, raw, received, header.rows_again))
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:

@@ -42,9 +42,9 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from .. import codec, rows
-from ..errors import CheckpointError, PSError
+from ..errors import CheckpointError, InvalidArgumentError, PSError
 from ..proto import ps_pb2
-from .embeddings import EmbeddingTable, relayout as relayout_rows
+from .embeddings import EmbeddingTable, relayout as relayout_rows, rows_for
 from .tables import RowGradient, TableStore, _arguments, _Held, _normalized
 
 __all__ = ["section", "restore", "manifest_tables", "check_section", "relayout", "record_rows", "rows_of_record",
@@ -201,6 +201,34 @@ def relayout(manifest: Mapping, sections: Sequence[tuple[object, str]], index: i
     return out
 
 
+def parts_for(section_: list[dict], num_shards: int) -> dict[int, list[dict]]:
+    """A live re-layout onto `num_shards` shards: {new shard: this shard's section (section()'s entries) cut to
+    the rows and counters that shard owns}."""
+    return {index: [{**entry, "state": rows_for(entry["state"], index, num_shards)}
+                    for entry in section_] for index in range(num_shards)}
+
+
+def built_from(parts: Mapping[int, list], index: int, num_shards: int) -> list[_Held]:
+    """Shard `index` of `num_shards`'s tables from what every old shard sent it ({old shard: parts_for()'s
+    entries}), marked as built live. InvalidArgumentError (nothing built) unless they are one set of tables
+    laid out over len(parts) old shards."""
+    names = [[entry.get("name") for entry in part] for _, part in sorted(parts.items())]
+    if any(n != names[0] for n in names):
+        raise InvalidArgumentError(f"the old shards sent rows of different tables: {names}")
+    out = []
+    for position, name in enumerate(names[0]):
+        entries = [part[position] for _, part in sorted(parts.items())]
+        try:
+            state = relayout_rows([entry["state"] for entry in entries], index, num_shards, live=True)
+            held = _build({"name": name, "spec": entries[0]["spec"], "shard_index": index,
+                           "num_shards": num_shards, "state": state}, "a live re-layout")
+        except (CheckpointError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"embedding table {name!r}: the rows sent do not fit together: {exc}") from None
+        held.relaid = True
+        out.append(held)
+    return out
+
+
 def _check_owned(state: Mapping, index: int, num_shards: int, partition: str, file: str) -> None:
     """CheckpointError unless every row id and pending id of an old shard's state belongs to that shard."""
     for what, ids in (("rows", state["ids"]), ("occurrence counters", (state.get("pending") or {}).get("ids"))):
@@ -233,11 +261,15 @@ def record_rows(meta: dict, tensors: Mapping[str, torch.Tensor], table_rows: Map
     out = dict(tensors)
     for i, (name, grad) in enumerate(table_rows.items()):
         out[f"{prefix}{i}:ids"], out[f"{prefix}{i}:values"] = grad.ids, grad.values
-    return {**meta, "rows": list(table_rows), "rows_prefix": prefix}, out
+    uncounted = [name for name, grad in table_rows.items() if not grad.counts_step]
+    return {**meta, "rows": list(table_rows), "rows_prefix": prefix,
+            **({"rows_again": uncounted} if uncounted else {})}, out
 
 
 def rows_of_record(meta: Mapping, tensors: dict[str, torch.Tensor]) -> dict[str, RowGradient]:
     """The row gradients of an "apply" record, taken out of `tensors` (which keeps the dense gradients)."""
     prefix = meta.get("rows_prefix")
-    return {name: RowGradient(tensors.pop(f"{prefix}{i}:ids"), tensors.pop(f"{prefix}{i}:values"))
+    again = set(meta.get("rows_again", ()))
+    return {name: RowGradient(tensors.pop(f"{prefix}{i}:ids"), tensors.pop(f"{prefix}{i}:values"),
+                              counts_step=name not in again)
             for i, name in enumerate(meta.get("rows", ()))}

@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from .. import codec, rows
-from ..errors import (InvalidArgumentError, NonFiniteGradientError, SpecConflictError, TensorMismatchError,
-                      UnknownVariableError)
+from ..errors import (InvalidArgumentError, LayoutChangedError, NonFiniteGradientError, SpecConflictError,
+                      TensorMismatchError, UnknownVariableError)
 from ..proto import ps_pb2
 from .embeddings import EmbeddingTable
 from .row_optimizers import RowOptimizer
@@ -38,6 +38,7 @@ class RowGradient:
 
     ids: torch.Tensor     # 1-D int64
     values: torch.Tensor  # (len(ids), dim)
+    counts_step: bool = True  # False: sent again after a live re-layout (PushHeader.rows_again)
 
 
 def split_rows(grads: Mapping[str, object]) -> tuple[dict[str, torch.Tensor], dict[str, RowGradient]]:
@@ -55,6 +56,7 @@ class _Held:
     table: EmbeddingTable
     rows_read: int = 0      # guarded by the store's lock
     rows_pushed: int = 0
+    relaid: bool = False    # built in a live resize: ids a client placed by an older count are refused as moved
 
     @property
     def evicts(self) -> bool:
@@ -107,6 +109,7 @@ class TableStore(NamesAwaited):
         self._changed = threading.Condition()  # guards _tables and the read/push counters; notified on create
         self._tables: dict[str, _Held] = {}
         self._closed = False
+        self._guard: Callable[[_Held | None], None] | None = None
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -153,10 +156,27 @@ class TableStore(NamesAwaited):
             self._changed.notify_all()
         return created
 
+    def guard(self, check: Callable[[_Held | None], None]) -> None:
+        """`check(held)` runs first for every table a lookup or push names (None: not on this shard) and may
+        raise instead (a live re-layout: layout.ShardLayout.check_tables)."""
+        self._guard = check
+
     def get(self, name: str) -> _Held:
-        """The table called `name`; UnknownVariableError (NOT_FOUND) if absent."""
+        """The table called `name`, after the guard's check; UnknownVariableError (NOT_FOUND) if absent."""
         with self._changed:
             held = self._tables.get(name)
+        if self._guard is not None:
+            self._guard(held)
+        return self._found(name, held)
+
+    def check_applies(self, names: Iterable[str]) -> None:
+        """Raises what get() raises for a table of `names` (called under the apply gate right before a push's
+        apply, so nothing is applied to a table frozen for a live re-layout meanwhile)."""
+        for name in names:
+            self.get(name)
+
+    @staticmethod
+    def _found(name: str, held: _Held | None) -> _Held:
         if held is None:
             raise UnknownVariableError(f"no embedding table {name!r} on this shard; create it first (the chief "
                                        f"does, via PSClient.register_module or create_tables)")
@@ -173,7 +193,8 @@ class TableStore(NamesAwaited):
             return list(self._tables.values())
 
     def install(self, held: Iterable[_Held]) -> None:
-        """Makes `held` the shard's tables, replacing any (a restore, table_state.py, before the shard serves)."""
+        """Makes `held` the shard's tables, replacing any (a restore, table_state.py, before the shard serves;
+        a live re-layout, moves.py)."""
         with self._changed:
             self._tables = {h.spec.name: h for h in held}
             self._changed.notify_all()
@@ -199,7 +220,8 @@ class TableStore(NamesAwaited):
         names = [name for name, _ in requests]
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"a LookupRows request names a table more than once: {names}")
-        for h, (_, ids) in zip(held, requests):
+        for h, (name, ids) in zip(held, requests):
+            _check_placed(name, h, ids)
             h.table.check_ids(ids, unique=True)
         out = [h.table.lookup(ids, admit=admit) for h, (_, ids) in zip(held, requests)]
         with self._changed:
@@ -223,6 +245,7 @@ class TableStore(NamesAwaited):
         for name, grad in table_rows.items():
             held = self.get(name)
             self.check_meta(name, codec.meta_of(grad.values))
+            _check_placed(name, held, grad.ids)
             held.table.check_ids(grad.ids, unique=False)
             if grad.values.numel() and not bool(torch.isfinite(grad.values).all()):
                 raise NonFiniteGradientError(f"row gradients for table {name!r} contain NaN or Inf; nothing was "
@@ -234,8 +257,9 @@ class TableStore(NamesAwaited):
         eviction of those with max_age or capacity. `received`: {table: gradient rows pushed} where that is
         not len(ids) (a sync step's sums, repeats summed across pushes)."""
         for name, grad in table_rows.items():
-            held = self.get(name)
-            held.table.apply(grad.ids, grad.values, step)
+            with self._changed:
+                held = self._found(name, self._tables.get(name))  # validated: no guard here, an apply never stops
+            held.table.apply(grad.ids, grad.values, step, count_step=grad.counts_step)
             if held.evicts:
                 held.table.evict(step)
             with self._changed:
@@ -272,6 +296,19 @@ class TableStore(NamesAwaited):
                 evicted_by_capacity=c["evicted_by_capacity"], bytes=c["bytes"], row_bytes=c["row_bytes"],
                 optimizer_steps=c["optimizer_steps"], rows_read=read, rows_pushed=pushed)))
         return out
+
+
+def _check_placed(name: str, held: _Held, ids: torch.Tensor) -> None:
+    """LayoutChangedError if a table built in a live re-layout is sent ids another shard owns now (a client that
+    placed them by the old count; nothing is changed, it asks for the layout and sends them again)."""
+    if not held.relaid or not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+        return
+    config = held.table.config()
+    owner = rows.shard_of(ids, config["num_shards"], config["partition"])
+    if bool((owner != config["shard_index"]).any()):
+        raise LayoutChangedError(f"embedding table {name!r} is spread over {config['num_shards']} shards since a "
+                                 f"live resize; ps {config['shard_index']} was sent ids of others; nothing was "
+                                 f"changed here: ask for the layout and send them to their owners")
 
 
 def _show(spec: ps_pb2.TableSpec) -> str:

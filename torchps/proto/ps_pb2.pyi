@@ -114,7 +114,7 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data", "layout_epoch")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data", "layout_epoch", "rows_again")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class PushHeader(_message.Message):
     PULL_BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_AGAIN_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
@@ -141,7 +142,8 @@ class PushHeader(_message.Message):
     pull_base_generation: int
     data: DataProgress
     layout_epoch: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    rows_again: bool
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ..., layout_epoch: _Optional[int] = ..., rows_again: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunks", "end")
@@ -420,7 +422,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet")
+    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards")
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -434,41 +436,47 @@ class Layout(_message.Message):
     OUTBOX_FIELD_NUMBER: _ClassVar[int]
     HOLD_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     QUIET_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SHARDS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     placement: _containers.ScalarMap[str, int]
     outbox: _containers.RepeatedCompositeFieldContainer[MoveRequest]
     hold_from_step: int
     quiet: bool
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ...) -> None: ...
+    table_shards: int
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ...) -> None: ...
 
 class LayoutRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class MoveRequest(_message.Message):
-    __slots__ = ("names", "epoch", "to")
+    __slots__ = ("names", "epoch", "to", "tables")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     epoch: int
     to: int
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., to: _Optional[int] = ...) -> None: ...
+    tables: bool
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., to: _Optional[int] = ..., tables: _Optional[bool] = ...) -> None: ...
 
 class MoveChunk(_message.Message):
-    __slots__ = ("data", "epoch", "from_shard", "step", "total_bytes")
+    __slots__ = ("data", "epoch", "from_shard", "step", "total_bytes", "tables")
     DATA_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     epoch: int
     from_shard: int
     step: int
     total_bytes: int
-    def __init__(self, data: _Optional[bytes] = ..., epoch: _Optional[int] = ..., from_shard: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    tables: bool
+    def __init__(self, data: _Optional[bytes] = ..., epoch: _Optional[int] = ..., from_shard: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., tables: _Optional[bool] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
     __slots__ = ("names", "step")

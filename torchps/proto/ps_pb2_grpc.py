@@ -373,10 +373,10 @@ class ParameterServerServicer:
     def SetLayout(self, request, context):
         """The chief's (ps-admin resize): sets a later layout epoch (the same one
         again, unchanged, is a no-op). FAILED_PRECONDITION for an earlier epoch or
-        another layout under this epoch, or with embedding tables (those change
-        their shard count at a restore); INVALID_ARGUMENT for a malformed layout,
-        or a hold outside sync mode. Never blocks on training (it waits for its
-        journal record).
+        another layout under this epoch, for another table_shards while a
+        re-layout of the tables is under way, or for its end while rows are
+        missing; INVALID_ARGUMENT for a malformed layout, or a hold outside sync
+        mode. Never blocks on training (it waits for its journal record).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
