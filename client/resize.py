@@ -74,10 +74,13 @@ class ResizeReport:
     move_seconds: float     # from the first SetLayout to the last import (sync: to the hold's end): the longest a
                             # variable was in transit, and a sync job's pause
     stopped: list[str]      # removed shards' addresses, stopped
+    table_bytes: int = 0    # embedding-table rows re-laid out (bytes relayed, optimizer state and metadata included)
 
     def line(self) -> str:
         return (f"layout epoch {self.epoch}: {self.shards_before} -> {self.shards_after} shards, {self.moved} "
-                f"variables ({self.moved_bytes:,} bytes) moved in {self.move_seconds:.2f} s"
+                f"variables ({self.moved_bytes:,} bytes) moved"
+                + (f", tables re-laid out ({self.table_bytes:,} bytes)" if self.table_bytes else "")
+                + f" in {self.move_seconds:.2f} s"
                 + (f", stopped {', '.join(self.stopped)}" if self.stopped else ""))
 
 
@@ -198,6 +201,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     hold = 0
     holding = False  # a hold may be set on some shard: end it before returning or raising
     started: float | None = None  # when the first epoch was set
+    table_bytes = 0
 
     def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int, table_shards: int = 0
                    ) -> dict[int, ps_pb2.Layout]:
@@ -250,13 +254,14 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
         if tables is not None:  # the embedding tables' rows, re-laid out onto the new count
             set_layout(wide, now, hold, len(addresses))
             for src in range(tables):  # one old shard at a time: the rows of one shard's tables in flight here
-                def rows_to(dst: int, _, src=src, epoch=epoch) -> None:
+                def rows_to(dst: int, _, src=src, epoch=epoch) -> int:
                     request = ps_pb2.MoveRequest(epoch=epoch, to=dst, tables=True)
                     chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
                                          fanout.timeout)
                     fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
+                    return sum(len(chunk.data) for chunk in chunks)
 
-                fanout.each({dst: [] for dst in range(len(addresses))}, rows_to)
+                table_bytes += sum(fanout.each({dst: [] for dst in range(len(addresses))}, rows_to).values())
         if len(addresses) < before or holding or tables is not None:  # an epoch without the removed shards,
             set_layout(addresses if len(addresses) < before else wide, now, 0,  # the hold, the tables' freeze
                        len(addresses) if tables is not None else 0)
@@ -278,7 +283,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
         stopped = old[len(addresses):]
     follower.refresh()
     report = ResizeReport(epoch, before, len(addresses), len(moving), sum(sizes[n] for n in moving), seconds,
-                          stopped)
+                          stopped, table_bytes)
     _LOGGER.info("%s", report.line())
     return report
 

@@ -127,3 +127,55 @@ def test_row_gradients_in_flight_across_live_resizes_are_applied_exactly_once():
         torch.testing.assert_close(chief.lookup_rows({"ones": torch.arange(ROWS)})["ones"], start - total,
                                    rtol=0, atol=1e-4 * total)
         assert torch.equal(chief.pull(["v"])["v"], torch.full((4,), -float(total)))
+
+
+def test_shards_that_re_laid_out_their_tables_recover_from_their_journals_and_the_checkpoint_restores(tmp_path):
+    """After a live re-layout onto 3 shards, ps 0 (exported and built its tables) and ps 2 (built them from
+    the others' rows) are killed and come back from their journals with the same rows; a checkpoint taken
+    after it restores onto 2 and onto 3 shards; all as the job that was never resized holds them."""
+    checkpoints = tmp_path / "checkpoints"
+    with LocalCluster(2) as plain, PSClient(plain.cluster) as reference, \
+            LocalCluster(2, server_args=["--checkpoint-dir", str(checkpoints)]) as local, \
+            PSClient(local.cluster, connect_timeout=30) as chief:
+        setup(reference)
+        setup(chief)
+        for k in range(1, 4):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}")
+        chief.save_checkpoint()  # of 2 shards: the shard added next has no part in it
+        assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
+        for k in range(4, 6):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}")
+        for index in (0, 2):
+            local.kill_ps(index)
+            local.start_ps(index)
+        assert_equal(everything(chief), everything(reference), "after the restarts")
+        assert_equal(step(chief, 6), step(reference, 6), "step 6")
+        chief.save_checkpoint(0)
+        expected = everything(reference)
+    for count in (2, 3):
+        with LocalCluster(count, server_args=["--restore-from", str(checkpoints), "--num-ps", str(count)]) as back, \
+                PSClient(back.cluster, connect_timeout=30) as restored:
+            restored.declare({"w": torch.zeros(3)})
+            restored.wait_for_tables(["fix", "dyn"], timeout=30)
+            assert_equal(everything(restored), expected, f"restored onto {count} shards")
+
+
+def test_a_sync_job_with_tables_resizes_at_a_step_boundary():
+    """A sync job (R = N = 1) with tables goes 2 -> 3 -> 2 shards between its steps: the hold, the tables'
+    re-layout and the variables' moves happen at one step boundary, and it trains on as the job never resized."""
+    with LocalCluster(2) as plain, PSClient(plain.cluster, task=TaskSpec("worker", 0)) as reference, \
+            LocalCluster(2) as local, PSClient(local.cluster, task=TaskSpec("worker", 0)) as chief:
+        for client in (reference, chief):
+            setup(client)
+            client.configure("sync", total_num_replicas=1)
+            client.join()
+        for k in range(1, 4):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}")
+        assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
+        for k in range(4, 6):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}")
+        assert chief.resize(list(local.cluster.ps)).shards_after == 2
+        for k in range(6, 8):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}")
+        assert_equal(everything(chief), everything(reference), "every row and variable")
+        assert [chief.status(s).step for s in range(2)] == [7, 7]
