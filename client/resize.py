@@ -16,9 +16,9 @@ Shard indices stay: a resize adds shards at the end or removes the last ones
    by its new one, relayed here, the shards' moves in parallel;
 4. with embedding tables, whose rows are spread over every shard by id, an
    epoch with `table_shards` (the new count) freezes them on every shard;
-   then each old shard in turn exports, for every shard of the new count,
-   the rows that shard owns now, imported there (the parts of one old shard
-   in flight here at a time); a shard builds its tables once every old
+   then every old shard exports, for each shard of the new count in turn,
+   the rows that shard owns now, imported there (one part per old shard in
+   flight here at a time); a shard builds its tables once every old
    shard's part arrived, and they serve again. Clients that placed rows by
    the old count are refused and send them to their owners (datapath.py);
 5. with shards removed, or a hold, or tables, a last epoch without them,
@@ -253,15 +253,17 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
         tables = _table_sources(fanout, range(max(len(wide), len(addresses))), len(addresses))
         if tables is not None:  # the embedding tables' rows, re-laid out onto the new count
             set_layout(wide, now, hold, len(addresses))
-            for src in range(tables):  # one old shard at a time: the rows of one shard's tables in flight here
-                def rows_to(dst: int, _, src=src, epoch=epoch) -> int:
+            def rows_from(src: int, _, epoch=epoch) -> int:  # the old shards at once, each to one shard at a time
+                moved = 0
+                for dst in range(len(addresses)):
                     request = ps_pb2.MoveRequest(epoch=epoch, to=dst, tables=True)
                     chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
                                          fanout.timeout)
                     fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
-                    return sum(len(chunk.data) for chunk in chunks)
+                    moved += sum(len(chunk.data) for chunk in chunks)
+                return moved
 
-                table_bytes += sum(fanout.each({dst: [] for dst in range(len(addresses))}, rows_to).values())
+            table_bytes = sum(fanout.each({src: [] for src in range(tables)}, rows_from).values())
         if len(addresses) < before or holding or tables is not None:  # an epoch without the removed shards,
             set_layout(addresses if len(addresses) < before else wide, now, 0,  # the hold, the tables' freeze
                        len(addresses) if tables is not None else 0)

@@ -31,6 +31,7 @@ with weights_only (tensors, numbers, strings, lists and dicts only).
 from __future__ import annotations
 
 import io
+import threading
 from typing import Mapping
 
 import torch
@@ -82,6 +83,7 @@ class Moves:
         self._gate = gate
         self._recorder = recorder
         self.layout = layout
+        self._receiving = threading.Lock()  # table rows taken in (an inbox checked, then filled, at one time)
         store.explain_missing(layout.missing)
         tables.guard(lambda held: layout.check_tables(held is not None and held.num_shards == layout.table_shards))
 
@@ -168,7 +170,7 @@ class Moves:
         if len(sources) != 1 or not isinstance(next(iter(sources)), int):
             raise InvalidArgumentError("table rows name no common number of old shards; nothing was imported")
         step = 0 if self._owns_step else step
-        with self._gate.change(), self._recorder.ordering:
+        with self._gate.change(), self._recorder.ordering, self._receiving:  # one import at a time completes
             built = self._receive_tables(source, sources.pop(), data, step)
             ticket = self._recorder.log("table_import", {"from": source, "step": step}, _blob(data))
         self._recorder.durable(ticket)
