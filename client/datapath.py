@@ -186,14 +186,15 @@ class DataPath:
             finally:
                 staged.release()
 
-    def _part_sender(self, header: ps_pb2.PushHeader, sent: Mapping, left: Mapping, table_rows: "_RowsSent"):
+    def _part_sender(self, header: ps_pb2.PushHeader, sent: Mapping, left: Mapping,
+                     table_rows: "_RowsSent | None"):
         """push(shard, names, first, again): one shard's part of the push `header` starts, as a Push stream;
         the gradients `sent` as encoded, rows `table_rows.parts` by shard. A part sent `again` after a live
         resize moved its names (layout.LayoutFollower) is a push of its own (the next number; the first
         attempt's keeps its number through every retry), counting no step where the push already counted one
         (`first` False); the rows of a refused part go by _rows_again."""
         def push(shard: int, names: list[str], first: bool, again: bool = False) -> ps_pb2.PushResponse:
-            tables = table_rows.parts.get(shard, {}) if not again else {}
+            tables = table_rows.parts.get(shard, {}) if table_rows and not again else {}
             shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
             shard_header.MergeFrom(header)
             if again:
@@ -205,9 +206,11 @@ class DataPath:
                     push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                   self.stats), timeout=t), self.timeout)
             except LayoutChangedError:
-                table_rows.refused(shard, tables)
+                if tables:
+                    table_rows.refused(shard, tables)
                 raise
-            table_rows.accepted(shard, tables)
+            if tables:
+                table_rows.accepted(shard, tables)
             self._encoder.commit(left, names)  # applied there: their residuals move on
             return reply
 

@@ -396,7 +396,7 @@ class StreamedPush:
         staged = client._stage_out(grads)
         try:
             sent, left = client._encode(staged.tensors, header.step)
-            push = client._part_sender(header, sent, left, {})
+            push = client._part_sender(header, sent, left, None)
             groups = client.placement.group(grads)
             for shard in range(client._layout.shards):  # one that counted no step of this push counts it now
                 if shard not in replies:
