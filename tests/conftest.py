@@ -3,6 +3,7 @@
 tests/ is put on sys.path, so every test module can `from helpers import wait_until`.
 """
 
+import json
 import pathlib
 import sys
 
@@ -12,6 +13,35 @@ from torchps.client import PSClient
 from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+LONG_TESTS = pathlib.Path(__file__).with_name("long_tests.json")  # seconds of the longest tests in a full run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (-n N, --dist worksteal) the longest tests start first, spread over the workers: worksteal
+    hands each worker a contiguous slice of the collected order (sized as it cuts them) and idle workers steal
+    from the slices' ends, so each slice begins with its share of the long tests (longest first, each to the
+    slice with the fewest seconds so far) and goes on in file order. Only the order changes: every test still
+    runs, alone and in any order. Without xdist the order stays the files'."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if not workers or workers < 2 or not LONG_TESTS.is_file():
+        return
+    seconds = json.loads(LONG_TESTS.read_text())["seconds"]
+    sizes, left = [], len(items)
+    for i in range(workers):  # as worksteal cuts the first slices: what is left over the workers left
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    slices: list[list] = [[] for _ in sizes]
+    totals = [0.0] * workers
+    for item in sorted((item for item in items if item.nodeid in seconds), key=lambda it: -seconds[it.nodeid]):
+        open_slices = [i for i in range(workers) if len(slices[i]) < sizes[i]]
+        target = min(open_slices, key=lambda i: (totals[i], i))
+        slices[target].append(item)
+        totals[target] += seconds[item.nodeid]
+    rest = iter(item for item in items if item.nodeid not in seconds)
+    for i, size in enumerate(sizes):
+        slices[i].extend(next(rest) for _ in range(size - len(slices[i])))
+    items[:] = [item for part in slices for item in part]
 
 
 @pytest.fixture
