@@ -110,7 +110,9 @@ class TablePath:
         min_count; rows that do not exist read as zeros. Blocks until every
         row arrived (at most `timeout` per attempt). InvalidArgumentError for
         ids that repeat, are out of range or not int64; UnknownVariableError
-        for an unknown table: then nothing was admitted on that shard.
+        for an unknown table: then nothing was admitted on that shard. Ids a shard refuses as placed by an older
+        table layout (a live resize re-laid the tables out: nothing read or admitted there) are looked up again
+        at their owners in the layout then followed.
         """
         wanted = {name: (self.table_layout(name), _flat_ids(name, value)) for name, value in ids.items()}
         out = {name: torch.empty(len(value), layout.spec.dim, dtype=layout.dtype)
