@@ -16,6 +16,7 @@ import torch
 from ..compression import Encoded
 from ..errors import LayoutChangedError
 from ..proto import ps_pb2
+from ..rows import encode_rows, shard_of as row_owner
 from .deltas import PullBases
 from .device import Staged
 from .layout import MAX_ROUNDS
@@ -72,9 +73,33 @@ class _RowsSent:
                     ids, grads = torch.cat([kept_ids, ids]), torch.cat([kept, grads])
                 self._refused[name] = (ids, grads)
 
+    def take_refused_for(self, shard: int) -> tuple[dict[str, Encoded], bool, dict]:
+        """(ROWS tensors, whether they count the tables' step there, the rows taken): the refused rows `shard`
+        owns in the table layout followed now, taken out of the refused ones (put_back() if refused again);
+        every table of the push (empty where it owns none), counting, if the shard has not counted the push's
+        optimizer step of the tables yet."""
+        client = self._client
+        with self._lock:
+            counts = {name: client.table_layout(name).num_shards for name in self.summed}
+            mine = {name: (ids, grads) for name, (ids, grads) in
+                    client._rows_placed_by(self._refused, counts, {shard}).items()}
+            for name, (ids, grads) in list(self._refused.items()):
+                keep = row_owner(ids, counts[name], client.table_layout(name).partition) != shard
+                self._refused[name] = (ids[keep], grads[keep])
+            counted = shard in self.counted
+        if counted:
+            return {name: encode_rows(ids, grads) for name, (ids, grads) in mine.items()}, False, mine
+        empty = {name: (ids[:0], grads[:0]) for name, (ids, grads) in self.summed.items()}
+        return {name: encode_rows(*mine.get(name, empty[name])) for name in self.summed}, True, mine
+
+    def put_back(self, taken: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Rows take_refused_for() gave that were refused again."""
+        self._client._layout.count_refused()
+        self._keep(taken)
+
     def take_refused(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         with self._lock:
-            out, self._refused = self._refused, {}
+            out, self._refused = {n: r for n, r in self._refused.items() if len(r[0])}, {}
             return out
 
 
@@ -194,19 +219,27 @@ class DataPath:
         attempt's keeps its number through every retry), counting no step where the push already counted one
         (`first` False); the rows of a refused part go by _rows_again."""
         def push(shard: int, names: list[str], first: bool, again: bool = False) -> ps_pb2.PushResponse:
-            tables = table_rows.parts.get(shard, {}) if table_rows and not again else {}
+            tables, counts_step, taken = {}, True, None
+            if table_rows is not None:  # sent again: the refused rows this shard owns now, in the same part
+                if again:
+                    tables, counts_step, taken = table_rows.take_refused_for(shard)
+                else:
+                    tables = table_rows.parts.get(shard, {})
             shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
             shard_header.MergeFrom(header)
             if again:
                 shard_header.seq = next(self._seq)
                 shard_header.step_increment = header.step_increment if first else 0
                 shard_header.layout_epoch = self._layout.epoch  # the layout it was placed by this time
+                shard_header.rows_again = bool(tables) and not counts_step
             try:
                 reply = self._fanout.call(shard, lambda stub, t: stub.Push(
                     push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                   self.stats), timeout=t), self.timeout)
             except LayoutChangedError:
-                if tables:
+                if taken is not None:
+                    table_rows.put_back(taken)
+                elif tables:
                     table_rows.refused(shard, tables)
                 raise
             if tables:

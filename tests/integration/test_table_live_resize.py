@@ -11,9 +11,10 @@ import pathlib
 import sys
 import threading
 
+import pytest
 import torch
 
-from torchps.client import Optimizer, PSClient, TaskSpec
+from torchps.client import ModeConflictError, Optimizer, PSClient, TaskSpec
 from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
@@ -160,22 +161,25 @@ def test_shards_that_re_laid_out_their_tables_recover_from_their_journals_and_th
             assert_equal(everything(restored), expected, f"restored onto {count} shards")
 
 
-def test_a_sync_job_with_tables_resizes_at_a_step_boundary():
-    """A sync job (R = N = 1) with tables goes 2 -> 3 -> 2 shards between its steps: the hold, the tables'
-    re-layout and the variables' moves happen at one step boundary, and it trains on as the job never resized."""
+def test_a_sync_job_with_tables_is_refused_a_live_resize_and_trains_on():
+    """A sync job (R = N = 1) with tables: a resize that changes its shard count is refused before anything
+    changed (its tables change their count at a restore), a shard told to re-lay them out refuses too, and the
+    job trains on as the job never asked."""
     with LocalCluster(2) as plain, PSClient(plain.cluster, task=TaskSpec("worker", 0)) as reference, \
             LocalCluster(2) as local, PSClient(local.cluster, task=TaskSpec("worker", 0)) as chief:
         for client in (reference, chief):
             setup(client)
             client.configure("sync", total_num_replicas=1)
             client.join()
-        for k in range(1, 4):
+        for k in range(1, 3):
             assert_equal(step(chief, k), step(reference, k), f"step {k}")
-        assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
-        for k in range(4, 6):
-            assert_equal(step(chief, k), step(reference, k), f"step {k}")
-        assert chief.resize(list(local.cluster.ps)).shards_after == 2
-        for k in range(6, 8):
+        added = local.add_ps()
+        with pytest.raises(ModeConflictError, match="at a restore"):
+            chief.resize([*local.cluster.ps, added])
+        with pytest.raises(ModeConflictError, match="at a restore"):
+            chief._fanout.call(1, lambda stub, t: stub.SetLayout(ps_pb2.Layout(
+                epoch=1, addresses=[*local.cluster.ps, added], table_shards=3), timeout=t), 10.0)
+        assert [chief.status(s).layout_epoch for s in range(2)] == [0, 0]
+        for k in range(3, 5):
             assert_equal(step(chief, k), step(reference, k), f"step {k}")
         assert_equal(everything(chief), everything(reference), "every row and variable")
-        assert [chief.status(s).step for s in range(2)] == [7, 7]
