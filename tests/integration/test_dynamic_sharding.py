@@ -123,8 +123,8 @@ def test_a_job_stopped_mid_epoch_and_started_again_goes_on_where_its_queue_stood
     summary = summary_of(tmp_path / "summary.json")
     assert summary["start_step"] > 0, summary
     assert summary["data_trained"] == [EXAMPLES] * epochs and summary["data_epochs_done"] == epochs, summary
-    # The job's step is its last checkpoint's, the highest shard step: a push the SIGTERM cut off after ps 1
-    # applied it and before ps 0 did is trained again (ps 0 never counted it), one at most per worker.
+    # The job's step is its last checkpoint's, ps 0's count: a push the SIGTERM cut off after ps 1 applied it
+    # and before ps 0 did is trained again (ps 0 never counted it), one at most per worker.
     batches = epochs * EXAMPLES // BATCH
     assert batches <= summary["global_step"] <= batches + 4, summary
     assert summary["test_accuracy"] >= 0.8, summary  # the other test compares with an uninterrupted run
