@@ -310,7 +310,7 @@ class PSClient(DataPath, TablePath):
         """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
         how). The shards it adds must be running (ps-server --index N with a cluster spec naming them); the
         ones it removes are stopped. Embedding tables are re-laid out onto the new count (their rows frozen
-        meanwhile; a sync job with tables: ModeConflictError, nothing changed); a sync job pauses at a step boundary while variables move. Blocks until every
+        meanwhile); a sync job pauses at a step boundary while variables move. Blocks until every
         variable and table row is at its new shard; raises PSError with the moves done so far in force (run it again with
         the same addresses): WaitTimeoutError, nothing moved and the pause ended, if a sync job does not
         apply the steps before the hold within `quiet_seconds`."""

@@ -20,8 +20,7 @@ Shard indices stay: a resize adds shards at the end or removes the last ones
    the rows that shard owns now, imported there (one part per old shard in
    flight here at a time); a shard builds its tables once every old
    shard's part arrived, and they serve again. Clients that placed rows by
-   the old count are refused and send them to their owners (datapath.py).
-   Not in sync jobs (ModeConflictError before anything changed);
+   the old count are refused and send them to their owners (datapath.py);
 5. with shards removed, or a hold, or tables, a last epoch without them,
    ending the hold and the tables' re-layout; removed shards are stopped
    (Shutdown) after `drain_seconds`, in which they answer the clients that
@@ -48,7 +47,7 @@ import dataclasses
 import logging
 import time
 
-from ..errors import ClusterConfigError, ModeConflictError, PSError, ServerUnavailableError, WaitTimeoutError
+from ..errors import ClusterConfigError, PSError, ServerUnavailableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .fanout import ShardFanout
 from .layout import LayoutFollower
@@ -192,10 +191,6 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
 
     config = call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t)).config
     sync = config.mode == "sync"
-    if sync and len(addresses) != before and call(0, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(),
-                                                                                    timeout=t)).tables:
-        raise ModeConflictError("a sync job with embedding tables changes its shard count at a restore "
-                                "(--restore-from onto another count), not in a live resize; nothing was changed")
     if len(addresses) > before:
         fanout.channels.follow(addresses)  # channels to the added shards (this client's own)
     everyone = range(max(before, len(addresses)))

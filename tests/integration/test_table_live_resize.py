@@ -11,10 +11,9 @@ import pathlib
 import sys
 import threading
 
-import pytest
 import torch
 
-from torchps.client import ModeConflictError, Optimizer, PSClient, TaskSpec
+from torchps.client import Optimizer, PSClient, TaskSpec
 from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
@@ -161,25 +160,86 @@ def test_shards_that_re_laid_out_their_tables_recover_from_their_journals_and_th
             assert_equal(everything(restored), expected, f"restored onto {count} shards")
 
 
-def test_a_sync_job_with_tables_is_refused_a_live_resize_and_trains_on():
-    """A sync job (R = N = 1) with tables: a resize that changes its shard count is refused before anything
-    changed (its tables change their count at a restore), a shard told to re-lay them out refuses too, and the
-    job trains on as the job never asked."""
+def test_a_sync_job_with_tables_resizes_at_a_step_boundary():
+    """A sync job (R = N = 1) with tables goes 2 -> 3 -> 2 shards between its steps: the hold, the tables'
+    re-layout and the variables' moves happen at one step boundary, and it trains on as the job never resized."""
     with LocalCluster(2) as plain, PSClient(plain.cluster, task=TaskSpec("worker", 0)) as reference, \
             LocalCluster(2) as local, PSClient(local.cluster, task=TaskSpec("worker", 0)) as chief:
         for client in (reference, chief):
             setup(client)
             client.configure("sync", total_num_replicas=1)
             client.join()
-        for k in range(1, 3):
+        for k in range(1, 4):
             assert_equal(step(chief, k), step(reference, k), f"step {k}")
-        added = local.add_ps()
-        with pytest.raises(ModeConflictError, match="at a restore"):
-            chief.resize([*local.cluster.ps, added])
-        with pytest.raises(ModeConflictError, match="at a restore"):
-            chief._fanout.call(1, lambda stub, t: stub.SetLayout(ps_pb2.Layout(
-                epoch=1, addresses=[*local.cluster.ps, added], table_shards=3), timeout=t), 10.0)
-        assert [chief.status(s).layout_epoch for s in range(2)] == [0, 0]
-        for k in range(3, 5):
+        assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
+        for k in range(4, 6):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}")
+        assert chief.resize(list(local.cluster.ps)).shards_after == 2
+        for k in range(6, 8):
             assert_equal(step(chief, k), step(reference, k), f"step {k}")
         assert_equal(everything(chief), everything(reference), "every row and variable")
+        assert [chief.status(s).step for s in range(2)] == [7, 7]
+
+
+def _sync_rows(cluster, index: int, stop_at: list[int], counts: list[int], errors: list[str]) -> None:
+    """worker:<index> of a sync job (R = N = 2): pushes ones to every row of "ones" and to "v" each step until
+    its next step reaches stop_at[0] (0: go on), then leaves."""
+    try:
+        with PSClient(cluster, task=TaskSpec("worker", index)) as ps:
+            ps.declare({"v": torch.zeros(4)})
+            ps.wait_for_variables({"v": (4,)}, timeout=60)
+            ps.wait_for_tables(["ones"], timeout=60)
+            step_ = ps.join()
+            while not stop_at[0] or step_ < stop_at[0]:
+                step_ = ps.push({"v": torch.ones(4)}, rows={"ones": (torch.arange(ROWS), torch.ones(ROWS, DIM))})
+                counts[index] += 1
+            ps.leave()
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+        errors.append(f"worker {index}: {type(exc).__name__}: {exc}")
+
+
+def test_a_sync_job_pushing_rows_resizes_live_and_every_step_averages_every_worker():
+    """2 sync workers (R = N = 2) push ones into every row while the job goes 2 -> 3 -> 2 shards: every step
+    averages both workers' rows once on every shard, none dropped as stale (a shard holding table rows but no
+    variable completes the steps before the hold as the others do), so every row ends at exactly its start
+    minus the steps."""
+    spec = ps_pb2.TableSpec(name="ones", dim=DIM, num_embeddings=ROWS, dtype=ps_pb2.FLOAT32,
+                            init=ps_pb2.TableInit(distribution="uniform", scale=1.0, seed=5),
+                            optimizer=Optimizer("sgd", lr=1.0).to_proto())
+    with LocalCluster(2) as local, PSClient(local.cluster) as chief:
+        chief.configure("sync", replicas_to_aggregate=2, total_num_replicas=2)
+        chief.create_variables({"v": torch.zeros(4)}, Optimizer("sgd", lr=1.0))  # on ps 0: ps 1 holds rows only
+        chief.create_tables([spec])
+        start = chief.lookup_rows({"ones": torch.arange(ROWS)})["ones"]
+        stop_at, counts, errors = [0], [0, 0], []
+
+        def go_on(more: int) -> None:
+            target = [c + more for c in counts]
+            wait_until(lambda: errors or all(c >= t for c, t in zip(counts, target)), TIMEOUT,
+                       f"both workers to push {more} more steps ({counts})")
+            assert not errors, errors
+
+        workers = [threading.Thread(target=_sync_rows, args=(local.cluster, i, stop_at, counts, errors))
+                   for i in range(2)]
+        for worker in workers:
+            worker.start()
+        try:
+            go_on(3)
+            assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
+            go_on(3)
+            assert chief.resize(list(local.cluster.ps)).shards_after == 2
+            go_on(3)
+            stop_at[0] = chief.status(0).step + 3
+        finally:
+            stop_at[0] = stop_at[0] or 1
+            for worker in workers:
+                worker.join(timeout=TIMEOUT)
+        assert not errors, errors
+        steps = stop_at[0]
+        assert counts == [steps, steps]
+        assert [(chief.status(s).step, chief.status(s).stale_dropped) for s in range(2)] == [(steps, 0)] * 2
+        expected = start.clone()
+        for _ in range(steps):
+            expected -= 1.0
+        assert torch.equal(chief.lookup_rows({"ones": torch.arange(ROWS)})["ones"], expected)
+        assert torch.equal(chief.pull(["v"])["v"], torch.full((4,), -float(steps)))
