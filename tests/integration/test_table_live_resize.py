@@ -70,6 +70,25 @@ def test_tables_move_live_and_the_job_trains_on_as_if_never_resized():
 ROWS, DIM, PUSHERS = 300, 2, 3
 
 
+def _resize_under_pushes(local, chief: PSClient, threads: list[threading.Thread], counts: list[int],
+                         errors: list[str]) -> None:
+    """Starts `threads` (each counting its acknowledged pushes in `counts`), then resizes the job 2 -> 3 -> 2
+    shards, each resize after every thread acknowledged 3 more pushes, and waits for 3 more after the last."""
+    def go_on(more: int) -> None:
+        target = [c + more for c in counts]
+        wait_until(lambda: errors or all(c >= t for c, t in zip(counts, target)), TIMEOUT,
+                   f"every pusher to acknowledge {more} more pushes ({counts})")
+        assert not errors, errors
+
+    for thread in threads:
+        thread.start()
+    go_on(3)
+    assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
+    go_on(3)
+    assert chief.resize(list(local.cluster.ps)).shards_after == 2
+    go_on(3)
+
+
 def _push_rows(cluster, index: int, stop: threading.Event, counts: list[int], errors: list[str]) -> None:
     """Pushes a gradient of ones for every row of table "ones" and for variable "v", every other push a
     push_pull, until `stop`; counts each acknowledged push."""
@@ -102,22 +121,10 @@ def test_row_gradients_in_flight_across_live_resizes_are_applied_exactly_once():
         start = chief.lookup_rows({"ones": torch.arange(ROWS)})["ones"]
         stop, counts, errors = threading.Event(), [0] * PUSHERS, []
 
-        def go_on(more: int) -> None:
-            target = [c + more for c in counts]
-            wait_until(lambda: errors or all(c >= t for c, t in zip(counts, target)), TIMEOUT,
-                       f"every pusher to acknowledge {more} more pushes ({counts})")
-            assert not errors, errors
-
         pushers = [threading.Thread(target=_push_rows, args=(local.cluster, i, stop, counts, errors))
                    for i in range(PUSHERS)]
-        for pusher in pushers:
-            pusher.start()
         try:
-            go_on(3)
-            assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
-            go_on(3)
-            assert chief.resize(list(local.cluster.ps)).shards_after == 2
-            go_on(3)
+            _resize_under_pushes(local, chief, pushers, counts, errors)
         finally:
             stop.set()
             for pusher in pushers:
@@ -213,22 +220,10 @@ def test_a_sync_job_pushing_rows_resizes_live_and_every_step_averages_every_work
         start = chief.lookup_rows({"ones": torch.arange(ROWS)})["ones"]
         stop_at, counts, errors = [0], [0, 0], []
 
-        def go_on(more: int) -> None:
-            target = [c + more for c in counts]
-            wait_until(lambda: errors or all(c >= t for c, t in zip(counts, target)), TIMEOUT,
-                       f"both workers to push {more} more steps ({counts})")
-            assert not errors, errors
-
         workers = [threading.Thread(target=_sync_rows, args=(local.cluster, i, stop_at, counts, errors))
                    for i in range(2)]
-        for worker in workers:
-            worker.start()
         try:
-            go_on(3)
-            assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
-            go_on(3)
-            assert chief.resize(list(local.cluster.ps)).shards_after == 2
-            go_on(3)
+            _resize_under_pushes(local, chief, workers, counts, errors)
             stop_at[0] = chief.status(0).step + 3
         finally:
             stop_at[0] = stop_at[0] or 1
