@@ -79,13 +79,14 @@ class _RowsSent:
         every table of the push (empty where it owns none), counting, if the shard has not counted the push's
         optimizer step of the tables yet."""
         client = self._client
+        mine = {}
         with self._lock:
-            counts = {name: client.table_layout(name).num_shards for name in self.summed}
-            mine = {name: (ids, grads) for name, (ids, grads) in
-                    client._rows_placed_by(self._refused, counts, {shard}).items()}
             for name, (ids, grads) in list(self._refused.items()):
-                keep = row_owner(ids, counts[name], client.table_layout(name).partition) != shard
-                self._refused[name] = (ids[keep], grads[keep])
+                layout = client.table_layout(name)
+                ours = row_owner(ids, layout.num_shards, layout.partition) == shard
+                if bool(ours.any()):
+                    mine[name] = (ids[ours], grads[ours])
+                self._refused[name] = (ids[~ours], grads[~ours])
             counted = shard in self.counted
         if counted:
             return {name: encode_rows(ids, grads) for name, (ids, grads) in mine.items()}, False, mine

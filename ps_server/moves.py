@@ -85,7 +85,7 @@ class Moves:
         self.layout = layout
         self._receiving = threading.Lock()  # table rows taken in (an inbox checked, then filled, at one time)
         store.explain_missing(layout.missing)
-        tables.guard(lambda held: layout.check_tables(held is not None and held.num_shards == layout.table_shards))
+        tables.guard(self._check_table)
 
     def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0,
                    table_shards: int = 0) -> bool:
@@ -123,6 +123,13 @@ class Moves:
                 book.cond.notify_all()
         self._recorder.durable(ticket)
         return changed
+
+    def _check_table(self, held) -> None:
+        """TableStore's guard: a table frozen for a re-layout, or not built here yet, raises (layout.py). Reads
+        table_shards without the layout's lock first: outside a re-layout (every push and lookup) it takes none."""
+        count = self.layout.table_shards
+        if count:
+            self.layout.check_tables(held is not None and held.num_shards == count)
 
     def _table_count(self) -> int | None:
         """The number of shards this shard's tables are spread over (None: it holds none)."""
