@@ -35,17 +35,25 @@ def save(fanout: ShardFanout, placement: Placement, partitions: Partitions, step
                            **({"layout": {"epoch": layout_epoch, "placement": {n: placement.shard_of(n) for n in names}}}
                               if layout_epoch else {})})
     shards = fanout.all_shards()
+    now = step == 0
     for _ in range(ATTEMPTS):
         steps = fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
         # numbered by the global step (ps 0's count): a shard that a later resize removes may count ahead
-        target = step if step else steps[GLOBAL_STEP_SHARD].step + (1 if step is None else 0)
-        request = ps_pb2.SaveRequest(step=target, now=step == 0)
+        target = steps[GLOBAL_STEP_SHARD].step if now else step or steps[GLOBAL_STEP_SHARD].step + 1
+        request = ps_pb2.SaveRequest(step=target, now=now)
         try:
             replies = fanout.each(shards, lambda shard, _: fanout.call(
                 shard, lambda stub, t: stub.Save(request, timeout=t), timeout))
         except StepPassedError:
             if step is not None:
                 raise
+            continue
+        if replies[GLOBAL_STEP_SHARD].step < target:
+            # the shards saved before the step came: every worker had left, so nothing would make it. Their
+            # files stay uncommitted (pruned by the next commit); the state now is saved under its own step.
+            _LOGGER.info("the job went idle at step %d before checkpoint %d's step: saving the state now",
+                         replies[GLOBAL_STEP_SHARD].step, target)
+            now = True
             continue
         commit = ps_pb2.CommitRequest(step=target, manifest_json=manifest, keep=keep,
                                       shards=[replies[s] for s in sorted(replies)])

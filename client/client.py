@@ -294,7 +294,9 @@ class PSClient(DataPath, TablePath):
         step None: the step after the global step (shard 0's count; saved as
         training reaches it; asked again with a later step if a shard got past
         it first); 0: each shard's state now, numbered with the global step
-        (an idle job, or at shutdown).
+        (an idle job, or at shutdown). A save whose step never comes because
+        every worker left is taken as with 0: a checkpoint's number is always
+        the global step its state holds.
         Blocks until every shard has durably written its file and shard 0 has
         written the manifest that makes the checkpoint count (at most `timeout`).
         Keeps the `keep` newest committed checkpoints. ModeConflictError if a

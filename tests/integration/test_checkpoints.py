@@ -485,6 +485,10 @@ def test_checkpointer_stop_does_not_wait_for_a_step_the_finished_job_never_reach
         assert not hung, "Checkpointer.stop(final=True) blocked on the save of a step the finished job never reaches"
         assert checkpointer.saved_steps and checkpointer.saved_steps[-1] == 10, checkpointer.saved_steps
         assert load_shard(ckpt, 10, 0)["step"] == 10, "the final checkpoint holds the last step"
+        # the periodic save the idle job released holds step 10 too: it is numbered 10, never 11 (a checkpoint
+        # numbered past its state would rank above the final one)
+        assert checkpointer.saved_steps == [10, 10], checkpointer.saved_steps
+        assert latest_committed(ckpt)[0] == 10
 
 
 def test_a_commit_that_does_not_add_up_is_refused_and_commits_nothing(tmp_path):
