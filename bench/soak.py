@@ -309,7 +309,7 @@ class Phase:
             "--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
             "--admin-token-file", str(shard.admin_token)])
         self.faults: collections.Counter[str] = collections.Counter()
-        self.workers: dict[int, subprocess.Popen] = {}
+        self.workers: dict = {}  # index -> its process: a ForkedChild (a Popen where the fork server is off)
         self.hangs: list[str] = []
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
         self.active: set[int] = set()   # the workers running (resizes add and remove some)
@@ -337,13 +337,16 @@ class Phase:
 
     def start_worker(self, index: int) -> None:
         self.leave_file(index).unlink(missing_ok=True)
-        out = open(self.dir / f"worker{index}.out", "ab")
-        self.workers[index] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--cluster", json.dumps(self.cluster.to_dict()), "--index",
-             str(index), "--mode", self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file),
-             "--leave-file", str(self.leave_file(index)), "--credentials", str(self.credentials)],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        out.close()
+        # forked by the shards' fork server, as ps-launch starts ps-worker (real processes, torch imported
+        # once); run from this folder, whose soak.py its `python -m`-like start then imports
+        with open(self.dir / f"worker{index}.out", "ab") as out:
+            self.workers[index] = self.shards.starter.start(
+                pathlib.Path(__file__).stem,
+                ["--worker", "--cluster", json.dumps(self.cluster.to_dict()), "--index", str(index), "--mode",
+                 self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file), "--leave-file",
+                 str(self.leave_file(index)), "--credentials", str(self.credentials)],
+                prog="soak-worker", env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(pathlib.Path(__file__).parent),
+                stdout=out.fileno())
         self.active.add(index)
 
     def ensure_credentials(self, index: int) -> None:
