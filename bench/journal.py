@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.dims = tuple(int(d) for d in args.dims.split(","))
     args.setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    args.shard_args = []  # pullpush's --shard-torch-threads: the shards keep torch's default threads here
+    args.shard_args = []  # pullpush's --shard-torch-threads: LocalCluster's default (1) here
     if "plain" not in args.setups or set(args.setups) - set(SETUPS):
         parser.error(f"--setups: plain and any of {', '.join(SETUPS[1:])}")
     return args

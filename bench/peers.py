@@ -474,7 +474,7 @@ def main(argv=None) -> int:
         "big_ps": args.big_ps, "small_ps": args.small_ps, "batch": BATCH, "lr": LR, "workers": WORKERS,
         "dims": {m: list(d) for m, d in MODELS.items()}, "activation": "sigmoid (pullpush.make_mlp, both models)",
         "windows_seconds": {m: window(m, args)[0] for m in MODELS},
-        "torch_threads": "workers torch.set_num_threads(1); shards torch's default",
+        "torch_threads": "workers torch.set_num_threads(1); shards 1 unless --torch-threads in shard_args",
         "tf_threads": "every task 1 intra-op, 2 inter-op thread(s) (1 inter-op deadlocks TF 2.21's first step)",
         "tf": {"python": args.tf_python if args.tf else None, "version": args.tf_version,
                "isolation": args.tf_isolation if args.tf else None,

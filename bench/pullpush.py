@@ -886,8 +886,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk-bytes", type=int, default=BASELINE_CHUNK_BYTES,
                         help="baseline gRPC chunk size (default 1 MiB); torchps uses its client's default")
     parser.add_argument("--shard-torch-threads", type=int, default=None,
-                        help="every shard's --torch-threads (default: torch's, one per core; 1 where shards share "
-                             "the cores with the client and workers, as bench/network.py's do)")
+                        help="every shard's --torch-threads (default: LocalCluster's, 1: the shards share the "
+                             "cores with the client and workers; the core count for torch's own default)")
     parser.add_argument("--lr-small", type=float, default=0.05, help="SGD learning rate, small model")
     parser.add_argument("--lr-big", type=float, default=1e-3, help="SGD learning rate, big model")
     # internal: the bare gRPC server process

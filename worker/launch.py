@@ -67,7 +67,7 @@ from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_ou
                     finish_training_flags)
 from .control import ControlServer, scale_main
 from .jobfolder import JobFolder
-from .local_cluster import SHARD_MODULE
+from .local_cluster import SHARD_MODULE, local_shard_threads
 
 __all__ = ["main", "Launcher"]
 
@@ -624,6 +624,7 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
     max_workers = max(args.workers, DEFAULT_MAX_WORKERS) if args.max_workers is None else args.max_workers
     ps_args += ["--max-memory", args.max_memory or f"{SHARDS_MEMORY_PERCENT / args.ps:.4g}%",
                 "--elastic-workers", str(max_workers + int(args.chief))]
+    ps_args += local_shard_threads(ps_args)  # the shards share this machine with each other and the workers
     return Launcher(num_ps=args.ps, workers=args.workers, chief=args.chief, evaluator=args.evaluator,
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,

@@ -26,7 +26,14 @@ from ..cluster import Cluster
 from ..errors import ServerUnavailableError
 from ..forkserver import ForkedChild, ProcessStarter
 
-__all__ = ["LocalCluster", "ps_server_command"]
+__all__ = ["LocalCluster", "local_shard_threads", "ps_server_command"]
+
+
+def local_shard_threads(server_args: list[str]) -> list[str]:
+    """`--torch-threads 1` unless `server_args` set it: a shard started beside others and their workers on one
+    machine computes on one thread (torch's default, one per core in every process, oversubscribes the cores
+    and spends CPU waiting at its parallel regions' ends)."""
+    return [] if any(a.startswith("--torch-threads") for a in server_args) else ["--torch-threads", "1"]
 
 START_TIMEOUT_SECONDS = 30.0  # a fresh shard imports torch and grpc: seconds on a loaded 2-core machine
 SHARD_MODULE = "torchps.ps_server.__main__"
@@ -43,7 +50,9 @@ class LocalCluster:
     Worker and chief addresses are not served by anything here; `workers`
     only fills the cluster's worker list (placeholders on unused ports) so
     clients can derive roles from it. Shards run `--insecure` (loopback, tests
-    and benchmarks) unless `server_args` give TLS files or a token.
+    and benchmarks) unless `server_args` give TLS files or a token, and with
+    `--torch-threads 1` unless they give another count: they share the
+    machine's cores with each other and with the clients.
     """
 
     def __init__(self, num_ps: int = 1, *, workers: int = 0, chief: bool = False,
@@ -100,7 +109,8 @@ class LocalCluster:
         try:
             self.procs[index] = self.starter.start(
                 SHARD_MODULE, prog="ps-server", argv=["--index", str(index), "--bind", f"127.0.0.1:{port}", "--port-file", str(port_file),
-                               *([] if secured else ["--insecure"]), *self.server_args],
+                               *([] if secured else ["--insecure"]), *local_shard_threads(self.server_args),
+                               *self.server_args],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.fileno(),
                 parent_death_signal=signal.SIGTERM)  # should this process die without stopping it
         finally:

@@ -124,6 +124,15 @@ def test_a_shard_killed_and_restarted_serves_again_on_its_port_while_the_other_g
         assert ps.status(0).index == 0
 
 
+@pytest.mark.parametrize("server_args, threads", [([], 1), (["--torch-threads", "2"], 2)])
+def test_local_shards_compute_on_one_torch_thread_unless_told_otherwise(server_args, threads):
+    """Shards that share the machine with each other and their clients: torch's default (one thread per core in
+    every process) would spend CPU spinning at the end of each parallel step."""
+    with LocalCluster(1, server_args=server_args) as local:
+        line = f"ps 0 uses {threads} torch thread(s) for updates and lookups"
+        wait_until(lambda: line in local.log(0), TIMEOUT, f"'{line}' in the shard's log")
+
+
 def test_a_child_that_needs_other_startup_settings_is_a_fresh_interpreter(probe):
     """gRPC reads GRPC_VERBOSITY when it is imported, in the fork server: a child asking for another value (a
     debug log) must start afresh to get it; one asking for the same is forked."""

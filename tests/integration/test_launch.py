@@ -226,6 +226,9 @@ def test_launch_trains_and_reports(tmp_path):
     assert_prefixed(run)
     for role in ("ps:0", "ps:1", "worker:0", "worker:1"):
         assert run.of(role), f"no line from {role}:\n{run.output}"
+    for index in (0, 1):  # the shards share the machine with the workers: one torch thread each
+        assert any(line.endswith(f"ps {index} uses 1 torch thread(s) for updates and lookups")
+                   for line in run.of(f"ps:{index}")), run.output
     final = run.final()
     accuracy, dataset, steps, mode = float(final[1]), final[2], int(final[3]), final[6]
     assert (dataset, steps, mode) == ("mnist5k", 120, "async"), final[0]
