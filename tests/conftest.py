@@ -8,11 +8,15 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 from torchps.client import PSClient
 from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+# The tests' own tensor work on one thread: the xdist workers share the cores with the shards they start, and
+# torch's default (a thread per core in every process) spends CPU in OpenMP's idle threads spinning.
+torch.set_num_threads(1)
 
 LONG_TESTS = pathlib.Path(__file__).with_name("long_tests.json")  # seconds of the longest tests in a full run
 
