@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import pathlib
 import statistics
 import sys
@@ -95,13 +96,31 @@ def _minus_ones(start: torch.Tensor, updates: int) -> torch.Tensor:
     return out
 
 
-def _wait_for_pushes(counts, more: int) -> None:
+def _wait_for_pushes(counts, more: int, procs) -> None:
+    """Until every pusher acknowledged `more` pushes; RuntimeError at once if one ended (its traceback is in
+    the output), TimeoutError after 600 s."""
     target = [c + more for c in counts[:]]
     deadline = time.monotonic() + 600
     while any(c < t for c, t in zip(counts[:], target)):
+        ended = [i for i, proc in enumerate(procs) if proc.exitcode is not None]
+        if ended:
+            raise RuntimeError(f"pusher(s) {ended} ended (exit codes {[procs[i].exitcode for i in ended]}) "
+                               f"with pushes at {counts[:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"pushes stalled at {counts[:]}")
         time.sleep(0.01)
+
+
+def _pusher_ends(times, procs) -> list:
+    """What each pusher sent when it stopped; a pusher that ended without sending it counts no wait."""
+    ends, deadline = [], time.monotonic() + 600
+    while len(ends) < len(procs) and time.monotonic() < deadline:
+        try:
+            ends.append(times.get(timeout=0.5))
+        except queue.Empty:
+            if all(proc.exitcode is not None for proc in procs) and times.empty():
+                break
+    return ends
 
 
 def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_rows: int) -> dict:
@@ -123,7 +142,7 @@ def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_r
             proc.start()
         resizes = []
         try:
-            _wait_for_pushes(counts, PUSHES_BETWEEN)
+            _wait_for_pushes(counts, PUSHES_BETWEEN, procs)
             for target in ([*local.cluster.ps, local.add_ps(), local.add_ps()], None, list(local.cluster.ps)):
                 if target is None:
                     target = [local.address(i) for i in range(3)]
@@ -134,10 +153,10 @@ def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_r
                                 "table_bytes": report.table_bytes, "move_seconds": report.move_seconds,
                                 "window": (started, time.monotonic())})
                 log(f"{name}: {report.line()}")
-                _wait_for_pushes(counts, PUSHES_BETWEEN)
+                _wait_for_pushes(counts, PUSHES_BETWEEN, procs)
         finally:
             stop.set()
-            ends = [times.get(timeout=600) for _ in procs]
+            ends = _pusher_ends(times, procs)
             for proc in procs:
                 proc.join(timeout=120)
         total = sum(counts[:])
