@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""The CPU a command and every process it starts use, by program: for figures about CPU rather than wall time.
+
+    python bench/cpu_of.py [--json F] [--every S] -- COMMAND [ARGS...]
+
+Runs COMMAND and reads /proc every S seconds (default 0.2) until it exits: each process descended from it
+(children of a fork server included: they are the fork server's children) is counted at the last CPU time
+(user + system) seen for it, under the name it had then (ps-server, ps-worker, soak-worker, ...). A process
+that lives less than S seconds may be missed, and one that outlives COMMAND stops being counted when it
+exits. Prints a table by program and the total; with --json, writes them too. Linux only. Exit code:
+COMMAND's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _read(pid: str) -> tuple[int, float, str] | None:
+    """(parent pid, CPU seconds, program) of `pid`, or None if it is gone."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    words = [w.decode(errors="replace") for w in argv if w]
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, _program(words)
+
+
+def _program(words: list[str]) -> str:
+    """A process's program: a Python's script or module (`python -c` for code), else its command's name."""
+    if not words:
+        return "?"
+    if os.path.basename(words[0]).startswith("python"):
+        rest = words[1:]
+        while rest and rest[0].startswith("-") and rest[0] not in ("-c", "-m"):
+            rest = rest[1:]
+        if rest[:1] == ["-c"]:
+            return "python -c"
+        if rest[:1] == ["-m"]:
+            return rest[1] if len(rest) > 1 else "python -m"
+        return os.path.basename(rest[0]) if rest else "python"
+    return os.path.basename(words[0].split()[0])
+
+
+def measure(command: list[str], every: float) -> tuple[int, float, dict[int, tuple[str, float]]]:
+    """Runs `command`; (exit code, wall seconds, {pid: (program, CPU seconds)} of it and its descendants)."""
+    started = time.monotonic()
+    root = subprocess.Popen(command)
+    seen: dict[int, tuple[str, float]] = {}
+    ours = {root.pid}
+    while True:
+        done = root.poll() is not None
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            info = _read(name)
+            pid = int(name)
+            if info is None or (pid not in ours and info[0] not in ours):
+                continue
+            ours.add(pid)
+            seen[pid] = (info[2], max(info[1], seen.get(pid, ("", 0.0))[1]))
+        if done:
+            break
+        time.sleep(every)
+    return root.returncode, time.monotonic() - started, seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
+    parser.add_argument("--every", type=float, default=0.2, help="seconds between two reads of /proc")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command: python bench/cpu_of.py -- COMMAND [ARGS...]")
+    code, wall, seen = measure(command, args.every)
+    programs: dict[str, list[float]] = collections.defaultdict(list)
+    for program, cpu in seen.values():
+        programs[program].append(cpu)
+    total = sum(cpu for _, cpu in seen.values())
+    print(f"{'program':<24} {'processes':>9} {'cpu_s':>9}", file=sys.stderr)
+    for program, cpus in sorted(programs.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{program:<24} {len(cpus):>9} {sum(cpus):>9.1f}", file=sys.stderr)
+    print(f"{'total':<24} {len(seen):>9} {total:>9.1f}   wall {wall:.1f} s, exit code {code}", file=sys.stderr)
+    result = {"command": command, "exit_code": code, "wall_s": round(wall, 2), "cpu_s": round(total, 2),
+              "by_program": {p: {"processes": len(c), "cpu_s": round(sum(c), 2)} for p, c in programs.items()}}
+    print(json.dumps(result), file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""bench/cpu_of.py counts the CPU of a command and of the processes it starts, and passes its exit code on."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# A parent that starts a child burning CPU for half a second, waits, then exits with code 3.
+BURN = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+        "'import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass']); sys.exit(3)")
+
+
+def test_cpu_of_counts_a_child_process_and_returns_the_commands_exit_code(tmp_path):
+    out = tmp_path / "cpu.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_of.py"), "--json", str(out), "--every", "0.05",
+                          "--", sys.executable, "-c", BURN], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 3 and result["wall_s"] >= 0.5
+    assert result["by_program"]["python -c"]["processes"] == 2, result  # the parent and its child, both `python -c`
+    assert result["by_program"]["python -c"]["cpu_s"] >= 0.4 and result["cpu_s"] >= 0.4, result
+    assert "total" in run.stderr
