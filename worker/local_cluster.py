@@ -28,15 +28,15 @@ from ..forkserver import ForkedChild, ProcessStarter
 
 __all__ = ["LocalCluster", "local_shard_threads", "ps_server_command"]
 
+START_TIMEOUT_SECONDS = 30.0  # a fresh shard imports torch and grpc: seconds on a loaded 2-core machine
+SHARD_MODULE = "torchps.ps_server.__main__"
+
 
 def local_shard_threads(server_args: list[str]) -> list[str]:
     """`--torch-threads 1` unless `server_args` set it: a shard started beside others and their workers on one
     machine computes on one thread (torch's default, one per core in every process, oversubscribes the cores
     and spends CPU waiting at its parallel regions' ends)."""
     return [] if any(a.startswith("--torch-threads") for a in server_args) else ["--torch-threads", "1"]
-
-START_TIMEOUT_SECONDS = 30.0  # a fresh shard imports torch and grpc: seconds on a loaded 2-core machine
-SHARD_MODULE = "torchps.ps_server.__main__"
 
 
 def ps_server_command() -> list[str]:
