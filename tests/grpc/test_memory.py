@@ -45,9 +45,9 @@ def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
             ps.pull(["g"])
         seen = []
 
-        def peaked():
-            seen[:] = [ps.status(0).memory]
-            return seen[0] if seen[0].peak_rss_bytes - before >= 64 * MIB else None
+        def peaked():  # a gradient held whole shows in the peak (less what the shard freed meanwhile, such as
+            seen[:] = [ps.status(0).memory]  # the pull's buffers: 61.6 MiB once in a loaded suite)
+            return seen[0] if seen[0].peak_rss_bytes - before >= 48 * MIB else None
         try:
             after = wait_until(peaked, 20, "a push's gradient, held whole while it arrived, to show in the peak")
         except AssertionError as exc:
