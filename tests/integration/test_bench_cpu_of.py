@@ -18,6 +18,7 @@ def test_cpu_of_counts_a_child_process_and_returns_the_commands_exit_code(tmp_pa
     assert run.returncode == 3, run.stderr
     result = json.loads(out.read_text())
     assert result["exit_code"] == 3 and result["wall_s"] >= 0.5
-    assert result["by_program"]["python -c"]["processes"] == 2, result  # the parent and its child, both `python -c`
-    assert result["by_program"]["python -c"]["cpu_s"] >= 0.4 and result["cpu_s"] >= 0.4, result
+    # the parent and its child (a process read between its fork and its exec has the forking program's name)
+    assert sum(program["processes"] for program in result["by_program"].values()) >= 2, result
+    assert result["by_program"]["python -c"]["cpu_s"] >= 0.4 and result["cpu_s"] >= 0.4, result  # the child's
     assert "total" in run.stderr
