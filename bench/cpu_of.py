@@ -25,16 +25,23 @@ import time
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _read(pid: str) -> tuple[int, float, str] | None:
-    """(parent pid, CPU seconds, program) of `pid`, or None if it is gone."""
+def _stat(pid: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of `pid`, or None if it is gone."""
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
     fields = stat[stat.rfind(")") + 2:].split()
-    words = [w.decode(errors="replace") for w in argv if w]
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, _program(words)
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _name(pid: str) -> str | None:
+    """The program `pid` runs now (see _program), or None if it is gone."""
+    try:
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return _program([w.decode(errors="replace") for w in argv if w])
 
 
 def _program(words: list[str]) -> str:
@@ -64,12 +71,14 @@ def measure(command: list[str], every: float) -> tuple[int, float, dict[int, tup
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
-            info = _read(name)
-            pid = int(name)
+            info, pid = _stat(name), int(name)
             if info is None or (pid not in ours and info[0] not in ours):
+                continue  # another process's: its command line is never read
+            program = _name(name)
+            if program is None:
                 continue
             ours.add(pid)
-            seen[pid] = (info[2], max(info[1], seen.get(pid, ("", 0.0))[1]))
+            seen[pid] = (program, max(info[1], seen.get(pid, ("", 0.0))[1]))
         if done:
             break
         time.sleep(every)
