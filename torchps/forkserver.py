@@ -319,14 +319,21 @@ class ProcessStarter:
 
         def before_exec() -> None:
             if signum and _PRCTL is not None:
-                _PRCTL(_PR_SET_PDEATHSIG, signum)
-                if os.getppid() != parent:
-                    os._exit(1)
+                _die_with_parent(parent, signum)
 
         return subprocess.Popen(
             [sys.executable, "-m", __name__, request["module"], request["prog"], *request["argv"]],
             env=request["env"], cwd=request["cwd"], stdout=stdout, stderr=None if stdout is None else subprocess.STDOUT,
             start_new_session=request["new_session"], preexec_fn=before_exec if signum else None)
+
+
+def _die_with_parent(parent: int, signum: int) -> None:
+    """In a new child of `parent`: the kernel sends it `signum` when its parent dies. A parent that died
+    already (between the fork and this call) would never be signalled for: the child dies of `signum` now."""
+    _PRCTL(_PR_SET_PDEATHSIG, signum)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)  # signum was ignored or handled here
 
 
 # -- the fork server's side ------------------------------------------------------------------------------
@@ -354,6 +361,7 @@ def _serve(sock: socket.socket) -> None:
 
 
 def _answer(sock: socket.socket, request: dict, out: int | None, own: tuple[int, ...]) -> None:
+    server = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -365,7 +373,7 @@ def _answer(sock: socket.socket, request: dict, out: int | None, own: tuple[int,
             for fd in own:
                 os.close(fd)
             sock.close()
-            _become(request, out)
+            _become(request, out, server)
         os._exit(1)
     if out is not None:
         os.close(out)
@@ -383,10 +391,11 @@ def _report_exits(sock: socket.socket) -> None:
         sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _become(request: dict, out: int | None) -> typing.NoReturn:
-    """In the forked child: become the process `python -m torchps.forkserver MODULE` would be, and run it."""
+def _become(request: dict, out: int | None, server: int) -> typing.NoReturn:
+    """In the child forked by the fork server `server`: become the process `python -m torchps.forkserver
+    MODULE` would be, and run it."""
     if request["parent_death_signal"] and _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, request["parent_death_signal"])
+        _die_with_parent(server, request["parent_death_signal"])
     # A process group of its own at least: in the fork server's (orphaned: its parent is in another session),
     # any member's exit would send SIGHUP and SIGCONT to every member, waking one stopped on purpose.
     if request["new_session"]:

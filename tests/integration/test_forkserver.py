@@ -15,7 +15,7 @@ import pytest
 from helpers import process_state, wait_until
 
 from torchps.client import PSClient
-from torchps.forkserver import DISABLE_ENV, ForkedChild, ProcessStarter
+from torchps.forkserver import DISABLE_ENV, ForkedChild, ProcessStarter, _die_with_parent
 from torchps.worker.local_cluster import LocalCluster
 
 TIMEOUT = 30.0
@@ -175,6 +175,23 @@ def test_a_child_asked_to_die_with_its_parent_dies_when_the_parent_is_killed(pro
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+@pytest.mark.parametrize("parent_gone", [False, True])
+def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_dies_at_once(parent_gone):
+    """The fork server's child asks for its parent-death signal just after the fork: a parent that died in between
+    is never signalled for, so the child must see it gone and die then (the test above met that race once, on a
+    loaded machine: the child lived on). Here the parent it expects is another process than its own."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            expected = os.getpid() if parent_gone else os.getppid()  # itself: never its own parent
+            _die_with_parent(expected, signal.SIGKILL)
+            os._exit(0)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == (-signal.SIGKILL if parent_gone else 0)
 
 
 def _command_line(pid: int) -> str:
