@@ -25,8 +25,10 @@ def pytest_collection_modifyitems(config, items):
     """Under xdist (-n N, --dist worksteal) the longest tests start first, spread over the workers: worksteal
     hands each worker a contiguous slice of the collected order (sized as it cuts them) and idle workers steal
     from the slices' ends, so each slice begins with its share of the long tests (longest first, each to the
-    slice with the fewest seconds so far) and goes on in file order. Only the order changes: every test still
-    runs, alone and in any order. Without xdist the order stays the files'."""
+    slice with the fewest seconds so far) and goes on in file order. A long test and the tests of its file that
+    share one of its module-scoped fixtures (a played job, a reference run) go to one slice together, one after
+    the other: on two workers the fixture would run twice. Only the order changes: every test still runs, alone
+    and in any order. Without xdist the order stays the files'."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if not workers or workers < 2 or not LONG_TESTS.is_file():
         return
@@ -37,15 +39,43 @@ def pytest_collection_modifyitems(config, items):
         left -= sizes[-1]
     slices: list[list] = [[] for _ in sizes]
     totals = [0.0] * workers
-    for item in sorted((item for item in items if item.nodeid in seconds), key=lambda it: -seconds[it.nodeid]):
-        open_slices = [i for i in range(workers) if len(slices[i]) < sizes[i]]
-        target = min(open_slices, key=lambda i: (totals[i], i))
-        slices[target].append(item)
-        totals[target] += seconds[item.nodeid]
-    rest = iter(item for item in items if item.nodeid not in seconds)
+    for group in _long_groups(items, seconds):
+        weight = max(seconds.get(item.nodeid, 0.0) for item in group)
+        while group:
+            open_slices = [i for i in range(workers) if len(slices[i]) < sizes[i]]
+            target = min(open_slices, key=lambda i: (len(slices[i]) + len(group) > sizes[i], totals[i], i))
+            taken = group[:sizes[target] - len(slices[target])]  # the whole group wherever it fits
+            slices[target].extend(taken)
+            totals[target] += weight
+            group = group[len(taken):]
+    placed = {id(item) for part in slices for item in part}
+    rest = iter(item for item in items if id(item) not in placed)
     for i, size in enumerate(sizes):
         slices[i].extend(next(rest) for _ in range(size - len(slices[i])))
     items[:] = [item for part in slices for item in part]
+
+
+def _long_groups(items, seconds: dict) -> list[list]:
+    """The long tests (in `seconds`), each with the tests of its file that share a module-scoped fixture with
+    it, in file order; groups longest first."""
+    def shared(item) -> set:
+        # pytest keeps the fixtures' definitions per test here (no public accessor): the suite's own (a baseid
+        # in tests/, not a plugin's such as tmp_path_factory) that are set up once a module or more.
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        return {(str(item.path), name) for name, chain in defs.items()
+                if chain and chain[-1].baseid and chain[-1].scope in ("module", "package", "session")}
+
+    fixtures = {id(item): shared(item) for item in items}
+    groups: list[list] = []
+    grouped: set[int] = set()
+    for item in sorted((item for item in items if item.nodeid in seconds), key=lambda it: -seconds[it.nodeid]):
+        if id(item) in grouped:
+            continue
+        keys = fixtures[id(item)]
+        group = [other for other in items if other is item or (keys & fixtures[id(other)] and id(other) not in grouped)]
+        grouped.update(id(other) for other in group)
+        groups.append(group)
+    return groups
 
 
 @pytest.fixture
