@@ -77,6 +77,8 @@ def measure(command: list[str], every: float) -> tuple[int, float, dict[int, tup
             program = _name(name)
             if program is None:
                 continue
+            if program == "?" and pid in seen:  # a zombie's command line is empty: keep the name it ran under
+                program = seen[pid][0]
             ours.add(pid)
             seen[pid] = (program, max(info[1], seen.get(pid, ("", 0.0))[1]))
         if done:

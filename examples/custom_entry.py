@@ -22,7 +22,7 @@ The module must be importable in the worker processes. examples/ is not an
 installed package, so put the repository root on PYTHONPATH (ps-launch passes
 its environment on to every process it starts):
 
-    PYTHONPATH=. ps-launch --entry examples.custom_entry:task --ps 1 --workers 2 --epochs 3 --lr 0.1 --momentum 0.9
+    PYTHONPATH=. ps-launch --entry examples.custom_entry:task --ps 1 --workers 2 --epochs 3 --lr 0.1 --momentum 0.5
 
 The same works for your own code: `--entry mypackage.train:task` with
 mypackage on PYTHONPATH (or installed).

@@ -48,7 +48,10 @@ SMALL = ["--dataset", "mnist5k", "--epochs", "3", "--lr", "0.1", "--momentum", "
 # 2 ps, 2 async workers, 3 epochs of their 2,000-digit shards, batch 100: 120 global steps.
 # Measured test accuracy 0.843-0.862 over 3 runs (about 2 s of training, load average ~2).
 MIN_ACCURACY = 0.80
-# examples/custom_entry.py, 1 ps, 2 workers, the SMALL flags: measured 0.835-0.893 over 4 runs.
+# examples/custom_entry.py (a ReLU network with dropout), 1 ps, 2 workers, the SMALL flags with momentum 0.5, as
+# the example says: 0.880-0.895 over 8 runs beside two busy loops. With SMALL's 0.9 its async steps were unstable
+# under load: 0.737-0.893 over 6 runs there, 0.753 once in a fresh clone's full suite at eecfd3d.
+ENTRY_FLAGS = [*SMALL[:-1], "0.5"]
 MIN_ENTRY_ACCURACY = 0.78
 LINE = re.compile(r"^\[(launch|ps:\d+|chief:\d+|worker:\d+|evaluator:\d+)\] ")
 FINAL = re.compile(r"^\[launch\] test accuracy ([\d.]+) on (\S+) after (\d+) global steps in ([\d.]+) s "
@@ -421,7 +424,7 @@ def test_custom_entry_example_is_a_valid_entry():
 
 def test_custom_entry_example_through_ps_launch(tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    run = launch(["--ps", "1", "--workers", "2", "--entry", "examples.custom_entry:task", *SMALL,
+    run = launch(["--ps", "1", "--workers", "2", "--entry", "examples.custom_entry:task", *ENTRY_FLAGS,
                   "--metrics-out", str(metrics_path)], env=environ([REPO]))
     assert run.code == 0, run.output
     assert_prefixed(run)
