@@ -11,6 +11,9 @@ its call number TORCHPS_TEST_FAIL_AFTER + 1, so that task has pushed exactly
 TORCHPS_TEST_FAIL_AFTER gradients before it dies. With TORCHPS_TEST_FAIL_AT_START
 set, the chosen task fails before it creates or waits for anything; with
 TORCHPS_TEST_FAIL_ONCE=FILE too, only the first time (the file marks it done).
+With TORCHPS_TEST_HOLD_UNTIL=FILE, every other task's loss call number
+TORCHPS_TEST_FAIL_AFTER + 1 waits until FILE exists (the test makes it once it
+saw the failure handled), so the others cannot end the job first.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from torch import nn
 
 from torchps.worker.models import build_model
 
 FAILURE_MESSAGE = "injected failure for the test"
+HOLD_TIMEOUT_SECONDS = 120.0
 
 
 def this_task() -> str:
@@ -44,10 +49,25 @@ def task():
                 open(once, "w").close()
             raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} at start)")
     job = build_model("mlp", "mnist5k", 100)
-    if this_task() != os.environ.get("TORCHPS_TEST_FAIL_TASK"):
-        return job.model, job.dataset, nn.functional.cross_entropy
     fail_after = int(os.environ.get("TORCHPS_TEST_FAIL_AFTER", "5"))
     calls = 0
+    if this_task() != os.environ.get("TORCHPS_TEST_FAIL_TASK"):
+        hold = os.environ.get("TORCHPS_TEST_HOLD_UNTIL")
+        if not hold:
+            return job.model, job.dataset, nn.functional.cross_entropy
+
+        def held_loss(logits, labels):
+            nonlocal calls
+            calls += 1
+            if calls == fail_after + 1:
+                deadline = time.monotonic() + HOLD_TIMEOUT_SECONDS
+                while not os.path.exists(hold):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{this_task()}: {hold} did not appear in {HOLD_TIMEOUT_SECONDS:g} s")
+                    time.sleep(0.01)
+            return nn.functional.cross_entropy(logits, labels)
+
+        return job.model, job.dataset, held_loss
 
     def loss(logits, labels):
         nonlocal calls

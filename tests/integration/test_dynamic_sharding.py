@@ -87,15 +87,23 @@ def test_a_worker_killed_mid_epoch_leaves_every_epoch_trained_exactly_once(launc
 
 def kill_holding_a_shard(run: Launch, ps0) -> tuple[int, ps_pb2.DataShard]:
     """SIGKILLs the worker (1, 2 or 3) of a progress line of epoch 1 or later where, stopped, ps 0 shows it holding
-    a shard with at least 2 batches left; returns its index and that shard as ps 0 showed it."""
+    a shard with at least 2 batches left; returns its index and that shard as ps 0 showed it. A worker that ended
+    before its line was read (a loaded machine) is passed over for the next line."""
     tried: set[str] = set()
     while True:
         line = run.wait_for(PROGRESS, RUN_TIMEOUT, accept=lambda m: int(m[2]) >= 1 and m.string not in tried)
         tried.add(line.string)
         index = int(line[1])
-        pid = run.worker_pid(index)
-        os.kill(pid, signal.SIGSTOP)
-        wait_until(lambda: process_state(pid) in ("T", "t"), 30, f"worker:{index} to stop")
+        (pid,) = run.worker_pids(index) or (None,)
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        wait_until(lambda: process_state(pid) in ("T", "t", "Z", ""), 30, f"worker:{index} to stop")
+        if process_state(pid) not in ("T", "t"):  # it ended meanwhile
+            continue
         status = ps0.GetDataQueue(ps_pb2.DataQueueRequest(name="train"), timeout=30)
         held = [shard for shard, holder in zip(status.held, status.holders) if holder == f"worker:{index}"]
         if held and held[0].end - held[0].progress >= 2 * BATCH:

@@ -354,10 +354,18 @@ def task_of(argv: list[str]) -> str | None:
 
 
 def test_a_failing_worker_does_not_stop_the_others(tmp_path):
-    metrics_path = tmp_path / "metrics.json"
-    env = environ([HERE], TORCHPS_TEST_FAIL_TASK="worker:1", TORCHPS_TEST_FAIL_AFTER="5")
+    metrics_path, handled = tmp_path / "metrics.json", tmp_path / "failure-handled"
+    # The chief waits at its 6th step until the launcher said it goes on without worker:1 (it ended the job
+    # first once, on a loaded machine, and the failure then came after the job: exit code 0).
+    env = environ([HERE], TORCHPS_TEST_FAIL_TASK="worker:1", TORCHPS_TEST_FAIL_AFTER="5",
+                  TORCHPS_TEST_HOLD_UNTIL=str(handled))
+
+    def on_line(line: str, _) -> None:
+        if line == "[launch] worker:1 exited with code 1; the others go on":
+            handled.touch()
+
     run = launch(["--ps", "1", "--workers", "2", "--entry", "failing_entry:task", *SMALL,
-                  "--metrics-out", str(metrics_path)], env=env)
+                  "--metrics-out", str(metrics_path)], env=env, on_line=on_line)
     assert run.code != 0, run.output
     assert_prefixed(run)
     assert "[launch] worker:1 exited with code 1; the others go on" in run.lines, run.output

@@ -105,10 +105,14 @@ class Launch:
         """pid -> command line of the launcher's live descendants (its children come from its fork server)."""
         return {pid: command_line(pid) for pid in descendants(self.proc.pid) if alive(pid)}
 
+    def worker_pids(self, index: int) -> list[int]:
+        """The pids of the live `worker:index` processes (one while it runs, none once it ended)."""
+        return [pid for pid, cmd in self.children().items()
+                if "ps-worker " in cmd and f"--task-type worker --index {index} " in cmd + " "]
+
     def worker_pid(self, index: int) -> int:
         """The pid of the live `worker:index` process."""
-        found = [pid for pid, cmd in self.children().items()
-                 if "ps-worker " in cmd and f"--task-type worker --index {index} " in cmd + " "]
+        found = self.worker_pids(index)
         assert len(found) == 1, f"expected one worker:{index} process among the launcher's children: {found}"
         return found[0]
 
