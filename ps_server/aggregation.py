@@ -121,6 +121,15 @@ class PendingSteps:
         return store_step + 1 if self._applying is not None else store_step
 
     @guarded
+    def counted_through(self, store_step: int) -> int:
+        """The open step, past every step after it whose quorum is counted already (to be applied next, in
+        order): the first step this shard still waits for pushes of."""
+        step = self._open(store_step)
+        while (buffer := self.buffers.get(step)) is not None and buffer.pushes >= self._quorum and not buffer.adding:
+            step += 1
+        return step
+
+    @guarded
     def hold_floor(self, store_step: int) -> int:
         """The lowest step pushes may be held from (layout.py's hold): the open step, past every step a push
         was counted or is adding in (that step must complete)."""

@@ -195,13 +195,15 @@ class Bookkeeping:
             self.clock.pushed_at(step, self.store.step)
 
     def check_ahead(self, step: int, what: str) -> None:
-        """Sync: a step more than one past the open step is never legitimate on a shard that has its state
-        (InvalidArgumentError); on one catching up it may be, once the chief vouches for it (a retryable
-        ServerUnavailableError until then). Holds cond."""
+        """Sync: a step more than one past the first step this shard still waits for pushes of is never
+        legitimate on a shard that has its state (InvalidArgumentError); on one catching up it may be, once
+        the chief vouches for it (a retryable ServerUnavailableError until then). Steps counted in full but not
+        applied yet (an applier behind on a loaded machine) are passed: a worker that saw shard 0 release them
+        pushes on. Holds cond."""
         if self.clock.config.mode != "sync":
             return
         current = self.store.step
-        if step <= self.pending.open_step(current) + 1:
+        if step <= self.pending.counted_through(current) + 1:
             return
         if self.clock.behind:
             raise ServerUnavailableError(

@@ -223,6 +223,34 @@ def test_sync_pushes_ahead_of_the_step_wait_in_their_own_buffer(coordinators):
     assert c.stale_dropped == 0
 
 
+def test_a_push_past_steps_counted_but_not_applied_yet_is_taken():
+    """A non-owner shard whose applier is behind (here: not started; under load: starved of CPU) has step 0
+    counted in full but not applied; worker 0, which saw shard 0 release steps 0 and 1, pushes step 2: taken,
+    and the steps apply in order once the applier runs. A push past a step not counted in full is still refused
+    (bench/resize.py's sync run met the refusal once the applier lagged two steps: the workers failed)."""
+    store = VariableStore()
+    store.create([NewVariable("w", torch.zeros(3), "sgd", {"lr": 1.0})])
+    c = Coordinator(store, owns_step=False, start=False)
+    try:
+        assert c.configure(sync(2)) is True
+        c.join("worker:0", 1)
+        c.join("worker:1", 1)
+        push(c, "worker:0", 0, g(2, 0, 0))
+        push(c, "worker:1", 0, g(4, 0, 0))
+        push(c, "worker:0", 1, g(0, 100, 0))
+        push(c, "worker:0", 2, g(0, 0, 10))  # refused before: 2 steps past the store's step 0
+        assert c.store.step == 0 and version(c) == 0, "nothing applied: step 0 is counted, not applied"
+        with pytest.raises(InvalidArgumentError, match="ahead"):
+            push(c, "worker:0", 3, g(1, 1, 1))  # step 1 waits for worker 1: 3 is more than one past it
+        push(c, "worker:1", 1, g(0, 200, 0))
+        push(c, "worker:1", 2, g(0, 0, 30))
+        c.start()
+        c.wait_for_step(3, RELEASE_TIMEOUT)
+        assert torch.equal(w(c), -torch.tensor([3.0, 150.0, 20.0])), "each step's average, applied once, in order"
+    finally:
+        c.close()
+
+
 # -- leases, leaving and restarts -----------------------------------------------------------------
 
 def test_sync_expired_lease_lowers_the_quorum_and_releases_the_waiter(coordinators):
