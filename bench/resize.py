@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import pathlib
+import queue
 import statistics
 import sys
 import time

@@ -87,10 +87,15 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from resizes import RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
+
+if typing.TYPE_CHECKING:  # imported where used: a soak worker imports torchps after its setup
+    from torchps.cluster import Cluster
+    from torchps.forkserver import ForkedChild
 
 WORKERS, SHARDS = 4, 2       # the starting spec's workers (worker 0 the chief) and the shards
 MAX_WORKERS = WORKERS + 2    # names a phase may ever run: worker-added starts 4 and 5 past the spec
@@ -210,7 +215,7 @@ def _stale_flag(ps, before: int, after: int) -> str:
     return "m" if before != after or reply is None else str(int(reply.stale))
 
 
-def job_tasks() -> "Cluster":
+def job_tasks() -> Cluster:
     """The soak's tasks on placeholder addresses (credentials name tasks, not ports)."""
     from torchps.cluster import Cluster
 
@@ -309,7 +314,7 @@ class Phase:
             "--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
             "--admin-token-file", str(shard.admin_token)])
         self.faults: collections.Counter[str] = collections.Counter()
-        self.workers: dict = {}  # index -> its process: a ForkedChild (a Popen where the fork server is off)
+        self.workers: dict[int, ForkedChild | subprocess.Popen] = {}  # a Popen where the fork server is off
         self.hangs: list[str] = []
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
         self.active: set[int] = set()   # the workers running (resizes add and remove some)

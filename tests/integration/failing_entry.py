@@ -50,30 +50,28 @@ def task():
             raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} at start)")
     job = build_model("mlp", "mnist5k", 100)
     fail_after = int(os.environ.get("TORCHPS_TEST_FAIL_AFTER", "5"))
+    failing = this_task() == os.environ.get("TORCHPS_TEST_FAIL_TASK")
+    hold = None if failing else os.environ.get("TORCHPS_TEST_HOLD_UNTIL")
+    if not failing and not hold:
+        return job.model, job.dataset, nn.functional.cross_entropy
     calls = 0
-    if this_task() != os.environ.get("TORCHPS_TEST_FAIL_TASK"):
-        hold = os.environ.get("TORCHPS_TEST_HOLD_UNTIL")
-        if not hold:
-            return job.model, job.dataset, nn.functional.cross_entropy
-
-        def held_loss(logits, labels):
-            nonlocal calls
-            calls += 1
-            if calls == fail_after + 1:
-                deadline = time.monotonic() + HOLD_TIMEOUT_SECONDS
-                while not os.path.exists(hold):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{this_task()}: {hold} did not appear in {HOLD_TIMEOUT_SECONDS:g} s")
-                    time.sleep(0.01)
-            return nn.functional.cross_entropy(logits, labels)
-
-        return job.model, job.dataset, held_loss
 
     def loss(logits, labels):
         nonlocal calls
         calls += 1
-        if calls > fail_after:
+        if failing and calls > fail_after:
             raise RuntimeError(f"{FAILURE_MESSAGE} ({this_task()} after {fail_after} steps)")
+        if hold and calls == fail_after + 1:
+            _wait_for(hold)
         return nn.functional.cross_entropy(logits, labels)
 
     return job.model, job.dataset, loss
+
+
+def _wait_for(path: str) -> None:
+    """Until the file at `path` exists; RuntimeError after HOLD_TIMEOUT_SECONDS."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{this_task()}: {path} did not appear in {HOLD_TIMEOUT_SECONDS:g} s")
+        time.sleep(0.01)
