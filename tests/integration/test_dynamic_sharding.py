@@ -2,18 +2,19 @@
 epoch still trains exactly its number of examples, as ps 0 counted them from acknowledged pushes, with the
 accuracy of the same job run without a failure.
 
-The job: mnist5k (4000 training images), 2 shards, 4 async workers taking shards of 500 examples (5 batches
-of 100) from the queue on ps 0, 10 epochs: 400 global steps, a few seconds of training here. A worker other
-than the chief is killed on events: once one logs progress in epoch 1 or later, it is stopped (SIGSTOP), and if
-ps 0 then shows it holding a shard with at least 2 batches left it is SIGKILLed (else it goes on, and the next
-progress line is tried). Any of the three will do: on a loaded machine one may start so late that the job is
-nearly over when it first trains. Its shard goes back to the queue once its lease (--lease-seconds 2) runs out, and a waiting
-worker trains the rest. The launcher reports the killed worker and ends with exit code 1 (a task failed);
-the chief's summary (--metrics-out) holds ps 0's counts.
+The job: mnist5k (4000 training images), 2 shards, 4 async workers taking shards of 500 examples (5 batches of 100)
+from the queue on ps 0, 10 epochs: 400 global steps, a few seconds of training here. A worker other than the chief
+is killed on events: once one logs progress in epoch 1 or later, workers 1-3 are stopped (SIGSTOP) together, and
+one that ps 0 then shows holding a shard with at least 2 batches left is SIGKILLed (else all go on, and the next
+progress line is tried). Stopping the three together gives every try three chances: one worker at a time, tried
+line by line, once let a loaded machine's job end before any try found a shard to take. Its shard goes back to the
+queue once its lease (--lease-seconds 2) runs out, and a waiting worker trains the rest. The launcher reports the
+killed worker and ends with exit code 1 (a task failed); the chief's summary (--metrics-out) holds ps 0's counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,30 +87,33 @@ def test_a_worker_killed_mid_epoch_leaves_every_epoch_trained_exactly_once(launc
 
 
 def kill_holding_a_shard(run: Launch, ps0) -> tuple[int, ps_pb2.DataShard]:
-    """SIGKILLs the worker (1, 2 or 3) of a progress line of epoch 1 or later where, stopped, ps 0 shows it holding
-    a shard with at least 2 batches left; returns its index and that shard as ps 0 showed it. A worker that ended
-    before its line was read (a loaded machine) is passed over for the next line."""
+    """On a progress line of worker 1, 2 or 3 in epoch 1 or later, SIGSTOPs all three, asks ps 0 what each holds,
+    SIGKILLs one holding a shard with at least 2 batches left and SIGCONTs the others; returns its index and that
+    shard as ps 0 showed it. If none does (a shard nearly done, a worker that ended: a loaded machine), all go
+    on and the next line printed after that try starts the next."""
     tried: set[str] = set()
     while True:
-        line = run.wait_for(PROGRESS, RUN_TIMEOUT, accept=lambda m: int(m[2]) >= 1 and m.string not in tried)
-        tried.add(line.string)
-        index = int(line[1])
-        (pid,) = run.worker_pids(index) or (None,)
-        if pid is None:
-            continue
+        run.wait_for(PROGRESS, RUN_TIMEOUT, accept=lambda m: int(m[2]) >= 1 and m.string not in tried)
+        tried.update(run.lines)
+        pids = {index: pid for index in (1, 2, 3) for pid in run.worker_pids(index)}
+        for pid in list(pids.values()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
         try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            continue
-        wait_until(lambda: process_state(pid) in ("T", "t", "Z", ""), 30, f"worker:{index} to stop")
-        if process_state(pid) not in ("T", "t"):  # it ended meanwhile
-            continue
-        status = ps0.GetDataQueue(ps_pb2.DataQueueRequest(name="train"), timeout=30)
-        held = [shard for shard, holder in zip(status.held, status.holders) if holder == f"worker:{index}"]
-        if held and held[0].end - held[0].progress >= 2 * BATCH:
-            os.kill(pid, signal.SIGKILL)
-            return index, held[0]
-        os.kill(pid, signal.SIGCONT)
+            for index, pid in pids.items():
+                wait_until(lambda: process_state(pid) in ("T", "t", "Z", ""), 30, f"worker:{index} to stop")
+            status = ps0.GetDataQueue(ps_pb2.DataQueueRequest(name="train"), timeout=30)
+            holders = dict(zip(status.holders, status.held))
+            for index, pid in pids.items():
+                held = holders.get(f"worker:{index}")
+                if process_state(pid) in ("T", "t") and held and held.end - held.progress >= 2 * BATCH:
+                    os.kill(pid, signal.SIGKILL)
+                    del pids[index]
+                    return index, held
+        finally:
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
 
 def test_a_job_stopped_mid_epoch_and_started_again_goes_on_where_its_queue_stood(launch, tmp_path):
