@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import io
 import json
 import logging
@@ -84,9 +85,24 @@ def run_entry(module: str, argv: list[str], prog: str | None = None) -> typing.N
     def main(args: list[str]) -> int | None:
         import importlib
 
-        return importlib.import_module(module).main(args)
+        with _collector_paused():
+            entry = importlib.import_module(module)
+        return entry.main(args)
 
     run_main(main, argv, prog or module)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Imports (torch's above all) allocate many objects and make few cycles: the cyclic garbage collector,
+    which would run every few hundred allocations, is off while they run, and on again after (if it was)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def run_main(main: typing.Callable[[list[str]], int | None], argv: list[str], prog: str) -> typing.NoReturn:
@@ -362,6 +378,7 @@ def _serve(sock: socket.socket) -> None:
 
 def _answer(sock: socket.socket, request: dict, out: int | None, own: tuple[int, ...]) -> None:
     server = os.getpid()
+    gc.freeze()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -396,6 +413,7 @@ def _become(request: dict, out: int | None, server: int) -> typing.NoReturn:
     MODULE` would be, and run it."""
     if request["parent_death_signal"] and _PRCTL is not None:
         _die_with_parent(server, request["parent_death_signal"])
+    gc.enable()
     # A process group of its own at least: in the fork server's (orphaned: its parent is in another session),
     # any member's exit would send SIGHUP and SIGCONT to every member, waking one stopped on purpose.
     if request["new_session"]:
@@ -430,6 +448,10 @@ def _text_stream(fd: int, *, write_through: bool) -> io.TextIOWrapper:
 
 def _server_main(fd: int, preload: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the process that started it
+    # As Python's gc documentation advises for a process that forks without exec: the collector off here, what
+    # exists frozen before each fork (no child's collection walks it, nor writes to its pages: they stay
+    # shared), and on again in each child (_become).
+    gc.disable()
     for module in preload:
         __import__(module)
     with socket.socket(fileno=fd) as sock:

@@ -36,6 +36,10 @@ PROBE = textwrap.dedent("""
         if argv[0] == "wait":
             sys.stdin.read()  # /dev/null: returns at once
             signal_wait()
+        if argv[0] == "gc":
+            import gc
+            print("gc", gc.isenabled(), gc.get_freeze_count(), "torch" in sys.modules)
+            return 0
         return int(argv[0])
 
     def signal_wait():
@@ -66,6 +70,26 @@ def test_a_child_gets_the_folder_environment_arguments_and_output_it_was_given(p
     assert child.pid != os.getpid()
     assert log.read_text().splitlines() == [
         f"cwd {probe}", "env given False", "argv ['7', 'x'] ['7', 'x']", "stderr too"]
+
+
+def test_a_forked_child_collects_its_garbage_and_leaves_the_servers_imports_frozen(probe):
+    """The fork server imports with the collector off and freezes what exists before each fork (Python's gc
+    documentation's advice for fork without exec): in its child the collector is on again, and torch's
+    objects, imported already, lie outside each of its collections. A fresh interpreter (another GRPC_VERBOSITY)
+    has its collector on after its imports too, and nothing frozen."""
+    starter = ProcessStarter.shared()
+    same = os.environ.get("GRPC_VERBOSITY")
+    forked, forked_log = run_probe(starter, probe, ["gc", "forked"],
+                                   env={} if same is None else {"GRPC_VERBOSITY": same})
+    fresh, fresh_log = run_probe(starter, probe, ["gc", "fresh"],
+                                 env={"GRPC_VERBOSITY": "debug" if same != "debug" else "info"})
+    assert isinstance(forked, ForkedChild) and isinstance(fresh, subprocess.Popen)
+    assert forked.wait(TIMEOUT) == 0 and fresh.wait(TIMEOUT) == 0
+    (_, enabled, frozen, torch_imported), = [line.split() for line in forked_log.read_text().splitlines()
+                                              if line.startswith("gc ")]
+    assert (enabled, torch_imported) == ("True", "True") and int(frozen) > 100_000, forked_log.read_text()
+    (_, enabled, frozen, _), = [line.split() for line in fresh_log.read_text().splitlines() if line.startswith("gc ")]
+    assert (enabled, frozen) == ("True", "0"), fresh_log.read_text()
 
 
 @pytest.mark.parametrize("argv,code", [(["0"], 0), (["exit", "3"], 3), (["raise"], 1)],
