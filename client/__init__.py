@@ -8,7 +8,7 @@ from ..compression import Compression
 from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, DataShardError, InternalServerError,
                       InvalidArgumentError, LayoutChangedError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
                       OptimizerSpecError, PermissionDeniedError, PSError,
-                      ResourceExhaustedError, ServerUnavailableError, ShardLostError, SpecConflictError,
+                      ResourceExhaustedError, ServerUnavailableError, ShardBusyError, ShardLostError, SpecConflictError,
                       StepPassedError, TensorMismatchError, UnknownDataQueueError, UnknownVariableError,
                       VariableMovingError, WaitTimeoutError, WorkerReplacedError)
 from ..memory import tune_malloc
@@ -67,6 +67,7 @@ __all__ = [
     "ResourceExhaustedError",
     "Security",
     "ServerUnavailableError",
+    "ShardBusyError",
     "ShardLostError",
     "ShardedTable",
     "SpecConflictError",

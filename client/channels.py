@@ -3,10 +3,11 @@
 `ShardChannels.call(shard, fn, timeout)` runs `fn(stub, deadline_seconds)`
 against a shard; `fn` must pass the deadline to its stub call, so no attempt
 waits longer than `timeout`. A shard that cannot be reached (UNAVAILABLE), or
-that refuses a call at its waiting-call limit (RESOURCE_EXHAUSTED, which
+that refuses a call at a limit on work in progress (ShardBusyError, which
 changes nothing), is retried with exponential backoff and jitter for up to
 `connect_timeout` from the first failure, then ServerUnavailableError (or
-ResourceExhaustedError) names the address. While a shard cannot be reached,
+ShardBusyError) names the address; its other limits (ResourceExhaustedError:
+memory, a variable's size) are raised at once. While a shard cannot be reached,
 a line every PROGRESS_SECONDS (logging, INFO) names it, its address and what
 answers there. Every call torchps makes may be
 retried: creates and optimizer updates are idempotent, and pushes carry
@@ -25,7 +26,7 @@ import grpc
 
 from .. import wire
 from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
-from ..errors import ResourceExhaustedError, ServerUnavailableError, VariableMovingError
+from ..errors import ServerUnavailableError, ShardBusyError, VariableMovingError
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
@@ -86,9 +87,10 @@ def _retryable(exc: grpc.RpcError) -> bool:
     code = exc.code()
     if code is grpc.StatusCode.UNAVAILABLE:
         return True
-    # RESOURCE_EXHAUSTED from a shard's waiting-call limit changed nothing; gRPC's own (a message over
-    # the size limit) carries no torchps-error and is not retried.
-    return code is grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(error_from_rpc(exc, ""), ResourceExhaustedError)
+    # A shard at a limit on work in progress (ShardBusyError) changed nothing and may take the call later; its
+    # other limits (memory, a variable's size) stand until the caller changes something, and gRPC's own (a
+    # message over the size limit) carries no torchps-error: neither is retried.
+    return code is grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(error_from_rpc(exc, ""), ShardBusyError)
 
 
 class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

@@ -1,12 +1,14 @@
 """A shard's limits: memory for values and optimizer state, the size of one variable, calls per client.
 
-Sizes are checked against what a CreateVariables stream declares (each
-spec's dtype and shape), before any of its bytes are received or allocated;
-a call over a limit gets RESOURCE_EXHAUSTED naming the limit, nothing is
-created, and the shard keeps serving everyone else. --max-memory counts what
-the shard holds (variables with their optimizer state, embedding tables)
-and, while a push is being received, its buffers: each tensor of a push is
-reserved (`reserve`) before its buffer is allocated. No gRPC.
+Sizes are checked against what a CreateVariables stream declares (each spec's
+dtype and shape), before any of its bytes are received or allocated; a call
+over a limit gets RESOURCE_EXHAUSTED naming the limit, nothing is created, and
+the shard keeps serving everyone else: ShardBusyError where the call may pass
+once others end (a client's calls in progress, pushes being received), which
+clients retry, else ResourceExhaustedError, which they raise. --max-memory
+counts what the shard holds (variables with their optimizer state, embedding
+tables) and, while a push is being received, its buffers: each tensor of a push
+is reserved (`reserve`) before its buffer is allocated. No gRPC.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 from typing import Callable
 
 from .. import codec
-from ..errors import ResourceExhaustedError
+from ..errors import ResourceExhaustedError, ShardBusyError
 from ..proto import ps_pb2
 
 __all__ = ["Quotas", "Reservation", "state_bytes", "optimizer_slots"]
@@ -51,11 +53,13 @@ class Quotas:
         return Reservation(self, held)
 
     def reserve(self, held: int, nbytes: int, what: str) -> None:
-        """Counts `nbytes` of a push's buffer (for `what`) as in flight until release(); ResourceExhaustedError,
-        reserving nothing, if that with `held` and what other pushes reserved is over --max-memory."""
+        """Counts `nbytes` of a push's buffer (for `what`) as in flight until release(); reserving nothing, if
+        that with `held` and what other pushes reserved is over --max-memory: ShardBusyError where it would fit
+        without the others, else ResourceExhaustedError."""
         with self._lock:
             if self.max_memory and held + self._in_flight + nbytes > self.max_memory:
-                raise ResourceExhaustedError(
+                refused = ShardBusyError if held + nbytes <= self.max_memory else ResourceExhaustedError
+                raise refused(
                     f"{what} needs {nbytes} bytes to be received; this shard holds {held}, pushes being received "
                     f"hold {self._in_flight}, and its --max-memory is {self.max_memory}; nothing was applied "
                     f"(retry, or raise the limit)")
@@ -107,13 +111,13 @@ class Quotas:
 
     @contextlib.contextmanager
     def call(self, client: str):
-        """Held while `client` has a call in progress; ResourceExhaustedError past --max-calls-per-client."""
+        """Held while `client` has a call in progress; ShardBusyError past --max-calls-per-client."""
         if not self.max_calls_per_client:
             yield
             return
         with self._lock:
             if self._calls[client] >= self.max_calls_per_client:
-                raise ResourceExhaustedError(
+                raise ShardBusyError(
                     f"{client} already has {self._calls[client]} calls in progress on this shard, its "
                     f"--max-calls-per-client; this one was refused and changed nothing")
             self._calls[client] += 1

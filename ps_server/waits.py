@@ -16,7 +16,7 @@ or a data queue) block one of the server's RPC threads.
 
 WaitLimit caps them: past `limit` waiting calls of any kind
 (ps-server --max-waiting-calls) a shard answers the next one
-RESOURCE_EXHAUSTED at once; the thread-holding kinds (THREADED) are also
+RESOURCE_EXHAUSTED (ShardBusyError: clients retry it) at once; the thread-holding kinds (THREADED) are also
 capped at `threaded` (three quarters of --threads), so the threads left
 always serve status, membership, heartbeats and plain pushes and pulls.
 """
@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, Container, Generator, TypeVar
 
-from ..errors import ResourceExhaustedError, ServerUnavailableError, WaitTimeoutError
+from ..errors import ShardBusyError, ServerUnavailableError, WaitTimeoutError
 
 __all__ = ["WaitLimit", "NamesAwaited", "WatchedCondition", "Wait", "Waiting", "run_blocking", "THREADED"]
 
@@ -187,7 +187,7 @@ class WaitLimit:
 
     @contextlib.contextmanager
     def slot(self, kind: str):
-        """Held while a call of `kind` waits; ResourceExhaustedError (naming the limit) if none is free."""
+        """Held while a call of `kind` waits; ShardBusyError (naming the limit) if none is free."""
         self.acquire(kind)
         try:
             yield
@@ -195,18 +195,18 @@ class WaitLimit:
             self.release(kind)
 
     def acquire(self, kind: str) -> None:
-        """Takes a slot for a call of `kind` (release() gives it back); ResourceExhaustedError if none is free."""
+        """Takes a slot for a call of `kind` (release() gives it back); ShardBusyError if none is free."""
         with self._lock:
             total = sum(self._waiting.values())
             if total >= self.limit:
-                raise ResourceExhaustedError(
+                raise ShardBusyError(
                     f"this shard already holds {total} waiting calls, its limit (ps-server --max-waiting-calls "
                     f"{self.limit}); the {kind} call was refused and changed nothing: retry later, or raise "
                     f"--max-waiting-calls")
             if kind in THREADED and self.threaded is not None:
                 held = sum(self._waiting[k] for k in THREADED)
                 if held >= self.threaded:
-                    raise ResourceExhaustedError(
+                    raise ShardBusyError(
                         f"this shard already holds {held} calls waiting on an RPC thread (saves, waits for "
                         f"names or data), its limit (three quarters of ps-server --threads); the {kind} call "
                         f"was refused and changed nothing: retry later, or raise --threads")

@@ -22,6 +22,8 @@
     ├── PermissionDeniedError      PERMISSION_DENIED: the caller's role may not make this call
     ├── WaitTimeoutError           DEADLINE_EXCEEDED: waited too long (names what for)
     ├── ResourceExhaustedError     RESOURCE_EXHAUSTED: a shard limit was reached (names it); nothing changed
+    │   └── ShardBusyError         a limit on work in progress (waiting calls, a client's calls, bytes being
+    │                              received): a retry may pass, and the client retries it
     ├── ServerUnavailableError     UNAVAILABLE: a shard could not be reached in time, or is stopping
     │   ├── ShardLostError         a shard restarted empty and nobody refilled it (client side only)
     │   └── VariableMovingError    a variable named is on its way to this shard (a live resize): retry
@@ -55,6 +57,7 @@ __all__ = [
     "PermissionDeniedError",
     "WaitTimeoutError",
     "ResourceExhaustedError",
+    "ShardBusyError",
     "ServerUnavailableError",
     "ShardLostError",
     "VariableMovingError",
@@ -184,6 +187,12 @@ class ResourceExhaustedError(PSError):
     """A shard refused a call at one of its limits (named in the message); nothing changed."""
 
     grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class ShardBusyError(ResourceExhaustedError):
+    """A shard refused a call at a limit on work in progress (its waiting calls, a client's calls in progress,
+    bytes of pushes being received); nothing changed, and the same call may pass once other calls end. The
+    other ResourceExhaustedErrors (memory, a variable's size) stand until the caller changes something."""
 
 
 class ServerUnavailableError(PSError, ConnectionError):

@@ -7,7 +7,7 @@ save waiting for its step, a retry waiting for its original) takes one of
 shard's event loop and hold no thread, the lists and saves hold one of
 `--threads T` (at most max(1, T - max(1, T // 4)) of them). Past either
 limit a waiting call is refused at once with RESOURCE_EXHAUSTED
-(torchps-error ResourceExhaustedError) naming it, and changes nothing, while
+(torchps-error ShardBusyError, which clients retry) naming it, and changes nothing, while
 status, membership and plain calls are still served. A shard that stops (Shutdown, SIGTERM) answers every
 waiting call UNAVAILABLE (ServerUnavailableError), never with a success.
 
@@ -170,7 +170,7 @@ def check_refused(stub, call, limit: int, kind: str) -> None:
     before = state(stub)
     with pytest.raises(grpc.RpcError) as info:
         call()
-    assert_error(info.value, EXHAUSTED, "ResourceExhaustedError", f"--max-waiting-calls {limit}",
+    assert_error(info.value, EXHAUSTED, "ShardBusyError", f"--max-waiting-calls {limit}",
                  f"the {kind} call was refused")
     assert quiet(stub).waiting_calls == limit, "the refused call is waiting after all"
     assert state(stub) == before, f"a refused {kind} call changed the shard"
@@ -206,7 +206,7 @@ def test_waits_hold_no_thread_a_sync_quorum_above_the_threads_completes(local_cl
         wait_waiting(stub, 12, "a wait for a variable holding one of the 2 threads")
         with pytest.raises(grpc.RpcError) as info:
             list_wait(stub)
-        assert_error(info.value, EXHAUSTED, "ResourceExhaustedError", "three quarters of ps-server --threads",
+        assert_error(info.value, EXHAUSTED, "ShardBusyError", "three quarters of ps-server --threads",
                      "the list call was refused")
         status = status_of(stub)  # the thread left serves everything that does not wait
         assert (status.waiting_calls, status.step, status.live_workers, status.quorum) == (12, 0, 8, 8)

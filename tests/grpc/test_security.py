@@ -17,8 +17,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from torchps.certs import make_job_credentials
-from torchps.client import (AuthenticationError, Optimizer, PermissionDeniedError, PSClient, ResourceExhaustedError,
-                            ServerUnavailableError, TaskSpec)
+from torchps.client import (AuthenticationError, Optimizer, PermissionDeniedError, PSClient, ServerUnavailableError,
+                            ShardBusyError, TaskSpec)
 from torchps.cluster import Cluster
 from torchps.security import Security
 
@@ -195,14 +195,15 @@ def test_max_calls_per_client_counts_a_certificate_across_its_connections(local_
     files, security = job
     local = local_cluster(1, server_args=[*shard_flags(files), "--max-calls-per-client", "1"])
     with start_job(local, security) as chief, client(local, WORKER, security(WORKER)) as first, \
-            client(local, WORKER, security(WORKER)) as second, client(local, OTHER, security(OTHER)) as other:
+            client(local, WORKER, security(WORKER), connect_timeout=1) as second, \
+            client(local, OTHER, security(OTHER)) as other:
         for c in (first, second, other):
             c.declare({"w": torch.zeros(2)})
         waiting = threading.Thread(target=lambda: first.pull_into({"w": torch.zeros(2)}, min_step=1), daemon=True)
         waiting.start()
         wait_until(lambda: chief.status(0).waiting_calls == 1, 20, "worker:0's pull to wait")
-        with pytest.raises(ResourceExhaustedError, match="worker:0 already has 1 calls"):
-            second.pull(["w"])  # another connection, the same certificate
+        with pytest.raises(ShardBusyError, match="worker:0 already has 1 calls"):
+            second.pull(["w"])  # another connection, the same certificate: retried for 1 s, then raised
         other.push({"w": torch.ones(2)})  # worker:1's own quota
         waiting.join(20)
         assert not waiting.is_alive() and chief.status(0).step == 1
