@@ -46,8 +46,10 @@ TIMEOUT = 120.0  # seconds for one whole launch on a loaded 2-core machine
 STOP_BOUND = 20.0
 SMALL = ["--dataset", "mnist5k", "--epochs", "3", "--lr", "0.1", "--momentum", "0.9"]
 # 2 ps, 2 async workers, 3 epochs of their 2,000-digit shards, batch 100: 120 global steps.
-# Measured test accuracy 0.843-0.862 over 3 runs (about 2 s of training, load average ~2).
-MIN_ACCURACY = 0.80
+# Measured test accuracy 0.843-0.862 over 3 runs (about 2 s of training, load average ~2); 0.829-0.875 over 8 runs
+# beside two busy loops, and 0.795 once in a fresh clone's full suite at 30d1747 (two async workers interleave
+# differently under load). Chance is 0.10: the bound says the job trained.
+MIN_ACCURACY = 0.75
 # examples/custom_entry.py (a ReLU network with dropout), 1 ps, 2 workers, the SMALL flags with momentum 0.5, as
 # the example says: 0.880-0.895 over 8 runs beside two busy loops. With SMALL's 0.9 its async steps were unstable
 # under load: 0.737-0.893 over 6 runs there, 0.753 once in a fresh clone's full suite at eecfd3d.
