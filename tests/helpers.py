@@ -2,12 +2,28 @@
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import socket
 import time
 
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+
+
+# What multiprocessing's fork server imports before it forks a test's worker processes. It is one per test process,
+# started by the first test that needs it, with the list set last: each module once set its own, so the module
+# collected last chose for all (torch alone), and the other modules' children imported the client, or torch._dynamo
+# (torch.optim's first optimizer does), themselves. One list for every module.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torchps.client"]
+
+
+def forkserver_context() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's 'forkserver' context: fresh processes, never forked from a test process (which runs
+    gRPC's threads), forked from one that imported FORKSERVER_PRELOAD once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return context
 
 
 def free_port() -> int:

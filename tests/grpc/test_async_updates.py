@@ -1,15 +1,13 @@
 """Asynchronous training: concurrent pushes from several processes lose nothing, pulls are atomic."""
 
-import multiprocessing
-
 import torch
+from helpers import forkserver_context
 
 from torchps.client import Optimizer, PSClient
 
 # Fresh processes forked from multiprocessing's fork server (torch imported once there), never from this
 # gRPC-threaded process; each has its own PSClient, as separate worker processes do.
-PROCESSES = multiprocessing.get_context("forkserver")
-PROCESSES.set_forkserver_preload(["torch", "torchps.client"])
+PROCESSES = forkserver_context()
 SHAPES = {"async/a": (64, 33), "async/b": (1000,)}  # round robin: a on ps:0, b on ps:1
 
 

@@ -4,7 +4,6 @@ for them. Real shards, real processes; every wait bounded."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pathlib
 import re
@@ -23,11 +22,10 @@ from torchps.worker.local_cluster import LocalCluster
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import host_workers  # noqa: E402 - needs the path above under any import mode
 import sync_workers  # noqa: E402
-from helpers import free_port, mnist5k_installed  # noqa: E402
+from helpers import forkserver_context, free_port, mnist5k_installed  # noqa: E402
 from test_launch import alive, assert_nothing_left, launch  # noqa: E402
 
-CTX = multiprocessing.get_context("forkserver")
-CTX.set_forkserver_preload(["torch"])
+CTX = forkserver_context()
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -132,7 +130,7 @@ def test_a_process_of_the_host_killed_mid_step_fails_the_host_as_one_and_it_rejo
     assert run.code == 0, run.output
     assert len(children) == 3, f"three incarnations of the host expected:\n{run.output}"
     lost = [line for line in run.of("worker:0") if "AllreduceError" in line]
-    assert len(lost) == 1 and f"lost worker:0 local rank 1 (its process is gone" in lost[0], run.output
+    assert len(lost) == 1 and "lost worker:0 local rank 1 (its process is gone" in lost[0], run.output
     assert lost[0].startswith("ps-worker: worker:0: AllreduceError: "), "one line on local rank 0's stderr"
     assert events["host-failed"] - events["kill-child"] < 15.0, "local rank 0 stops promptly, not at a timeout"
     assert "[launch] worker:0 exited with code -9; restarting it (2 of 3)" in run.lines

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import pathlib
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import time
 import torch
 from torch import nn
 
-from helpers import free_port
+from helpers import forkserver_context, free_port
 from torchps.client import Cluster, PSClient
 from torchps.worker.local_cluster import LocalCluster
 
@@ -35,9 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import hybrid_workers  # noqa: E402 - needs the path above under any import mode
 from test_launch import PS_LAUNCH, environ  # noqa: E402
 
-CTX = multiprocessing.get_context("forkserver")  # fresh processes, never forked from this gRPC-threaded one
-# torch.optim's first optimizer imports torch._dynamo (seconds on a loaded 2-core machine): once, in the server.
-CTX.set_forkserver_preload(["torch", "torch._dynamo"])
+CTX = forkserver_context()  # fresh processes, never forked from this gRPC-threaded one
 TIMEOUT = 90.0
 STEPS, BATCH = 5, 4
 HERE = pathlib.Path(__file__).resolve().parent

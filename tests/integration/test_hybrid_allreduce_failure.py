@@ -14,7 +14,6 @@ anything starts.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import pathlib
 import queue
 import re
@@ -26,14 +25,13 @@ import time
 
 import pytest
 
-from helpers import free_port
+from helpers import forkserver_context, free_port
 from test_launch import PS_LAUNCH, PS_WORKER, environ
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import hybrid_workers  # noqa: E402 - needs the path above under any import mode
 
-CTX = multiprocessing.get_context("forkserver")  # fresh processes, never forked from this gRPC-threaded one
-CTX.set_forkserver_preload(["torch"])
+CTX = forkserver_context()  # fresh processes, never forked from this gRPC-threaded one
 
 HERE = pathlib.Path(__file__).resolve().parent
 GROUP_TIMEOUT = 60.0  # the collective's own timeout: the survivor must stop long before it

@@ -1,7 +1,6 @@
 """Live resize: the job goes 2 -> 4 -> 3 -> 2 shards while 8 processes push; no push is lost or applied twice."""
 
 import json
-import multiprocessing
 import pathlib
 import subprocess
 import sys
@@ -10,14 +9,13 @@ import threading
 import pytest
 import torch
 
-from helpers import wait_until
+from helpers import forkserver_context, wait_until
 from torchps.client import Optimizer, PSClient, TaskSpec
 from torchps.errors import ClusterConfigError, InvalidArgumentError, ModeConflictError, WaitTimeoutError
 from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
-PROCESSES = multiprocessing.get_context("forkserver")
-PROCESSES.set_forkserver_preload(["torch", "torchps.client"])
+PROCESSES = forkserver_context()
 SHAPES = {f"resize/v{i}": (4096,) for i in range(16)}  # 64k floats in 16 variables: they spread over the shards
 PUSHERS = 8
 PS_ADMIN = str(pathlib.Path(sys.executable).with_name("ps-admin"))  # the console script, as a user runs it

@@ -2,7 +2,7 @@
 
 Each test runs its own 2-shard LocalCluster (a shard's mode cannot change once
 workers joined) and fresh worker processes (multiprocessing forkserver, see
-START_METHOD; bodies in sync_workers.py). Every wait is bounded, so a hang
+CTX; bodies in sync_workers.py). Every wait is bounded, so a hang
 fails the test instead of blocking the suite.
 """
 
@@ -26,15 +26,12 @@ from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import sync_workers  # noqa: E402 - needs the path above under any import mode
-from helpers import wait_until
+from helpers import forkserver_context, wait_until
 
 # Fresh worker processes, never forked from this (gRPC-threaded) test process. 'forkserver' forks them
 # from one clean helper process that imported torch once: the same isolation as 'spawn' without paying
-# a torch import (several seconds on a loaded 2-core machine) per worker. "spawn" works too, slower.
-START_METHOD = "forkserver"
-CTX = multiprocessing.get_context(START_METHOD)
-if START_METHOD == "forkserver":
-    CTX.set_forkserver_preload(["torch"])
+# a torch import (several seconds on a loaded 2-core machine) per worker.
+CTX = forkserver_context()
 STAT_KEYS = {"pushes", "wait_seconds", "stale_dropped", "quorum"}
 
 
