@@ -4,12 +4,13 @@ accuracy of the same job run without a failure.
 
 The job: mnist5k (4000 training images), 2 shards, 4 async workers taking shards of 500 examples (5 batches of 100)
 from the queue on ps 0, 10 epochs: 400 global steps, a few seconds of training here. A worker other than the chief
-is killed on events: once one logs progress in epoch 1 or later, workers 1-3 are stopped (SIGSTOP) together, and
-one that ps 0 then shows holding a shard with at least 2 batches left is SIGKILLed (else all go on, and the next
-progress line is tried). Stopping the three together gives every try three chances: one worker at a time, tried
-line by line, once let a loaded machine's job end before any try found a shard to take. Its shard goes back to the
-queue once its lease (--lease-seconds 2) runs out, and a waiting worker trains the rest. The launcher reports the
-killed worker and ends with exit code 1 (a task failed); the chief's summary (--metrics-out) holds ps 0's counts.
+is killed on events: once one logs the first batch of a shard it took in epoch 1 or later, workers 1-3 are stopped
+(SIGSTOP) together, and one that ps 0 then shows holding a shard with at least 2 batches left is SIGKILLed (else
+all go on, and the next progress line is tried). Stopping the three together gives every try three chances, and a
+shard just begun has 4 batches to go: one worker at a time, tried line by line on any progress line, once let a
+loaded machine's job end before any try found a shard to take. Its shard goes back to the queue once its lease
+(--lease-seconds 2) runs out, and a waiting worker trains the rest. The launcher reports the killed worker and ends
+with exit code 1 (a task failed); the chief's summary (--metrics-out) holds ps 0's counts.
 """
 
 from __future__ import annotations
@@ -87,15 +88,19 @@ def test_a_worker_killed_mid_epoch_leaves_every_epoch_trained_exactly_once(launc
 
 
 def kill_holding_a_shard(run: Launch, ps0) -> tuple[int, ps_pb2.DataShard]:
-    """On a progress line of worker 1, 2 or 3 in epoch 1 or later, SIGSTOPs all three, asks ps 0 what each holds,
-    SIGKILLs one holding a shard with at least 2 batches left and SIGCONTs the others; returns its index and that
-    shard as ps 0 showed it. If none does (a shard nearly done, a worker that ended: a loaded machine), all go
-    on and the next line printed after that try starts the next."""
+    """On a progress line of worker 1, 2 or 3 in epoch 1 or later showing a shard just begun (its first batch
+    trained, 4 to go), SIGSTOPs all three, asks ps 0 what each holds, SIGKILLs one holding a shard with at least
+    2 batches left and SIGCONTs the others; returns its index and that shard as ps 0 showed it. If none does (the
+    line read late on a loaded machine, the shard nearly done by then), all go on and the next such line printed
+    after that try starts the next."""
     tried: set[str] = set()
     while True:
-        run.wait_for(PROGRESS, RUN_TIMEOUT, accept=lambda m: int(m[2]) >= 1 and m.string not in tried)
+        run.wait_for(PROGRESS, RUN_TIMEOUT,
+                     accept=lambda m: int(m[2]) >= 1 and int(m[5]) - int(m[3]) <= BATCH and m.string not in tried)
         tried.update(run.lines)
         pids = {index: pid for index in (1, 2, 3) for pid in run.worker_pids(index)}
+        if not pids:
+            pytest.fail("workers 1-3 had all ended before a try could stop one holding a shard:\n" + run.tail())
         for pid in list(pids.values()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
