@@ -58,11 +58,11 @@ class Quotas:
         without the others, else ResourceExhaustedError."""
         with self._lock:
             if self.max_memory and held + self._in_flight + nbytes > self.max_memory:
-                refused = ShardBusyError if held + nbytes <= self.max_memory else ResourceExhaustedError
-                raise refused(
+                busy = held + nbytes <= self.max_memory
+                raise (ShardBusyError if busy else ResourceExhaustedError)(
                     f"{what} needs {nbytes} bytes to be received; this shard holds {held}, pushes being received "
                     f"hold {self._in_flight}, and its --max-memory is {self.max_memory}; nothing was applied "
-                    f"(retry, or raise the limit)")
+                    f"({'it fits once they are in: retry' if busy else 'raise the limit, or push less at once'})")
             self._in_flight += nbytes
 
     def release(self, nbytes: int) -> None:
