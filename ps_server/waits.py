@@ -14,11 +14,12 @@ cancelled, closed).
 The other waits (a save waiting for its step, a wait for variables, tables
 or a data queue) block one of the server's RPC threads.
 
-WaitLimit caps them: past `limit` waiting calls of any kind
-(ps-server --max-waiting-calls) a shard answers the next one
-RESOURCE_EXHAUSTED (ShardBusyError: clients retry it) at once; the thread-holding kinds (THREADED) are also
-capped at `threaded` (three quarters of --threads), so the threads left
-always serve status, membership, heartbeats and plain pushes and pulls.
+WaitLimit caps them: past `limit` waiting calls of any kind (ps-server
+--max-waiting-calls) a shard answers the next one RESOURCE_EXHAUSTED
+(ShardBusyError: clients retry it) at once; the thread-holding kinds
+(THREADED) are also capped at `threaded` (three quarters of --threads),
+so the threads left always serve status, membership, heartbeats and
+plain pushes and pulls.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import threading
 import time
 from typing import Callable, Container, Generator, TypeVar
 
-from ..errors import ShardBusyError, ServerUnavailableError, WaitTimeoutError
+from ..errors import ServerUnavailableError, ShardBusyError, WaitTimeoutError
 
 __all__ = ["WaitLimit", "NamesAwaited", "WatchedCondition", "Wait", "Waiting", "run_blocking", "THREADED"]
 

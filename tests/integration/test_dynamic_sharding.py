@@ -98,10 +98,11 @@ def kill_holding_a_shard(run: Launch, ps0) -> tuple[int, ps_pb2.DataShard]:
         run.wait_for(PROGRESS, RUN_TIMEOUT,
                      accept=lambda m: int(m[2]) >= 1 and int(m[5]) - int(m[3]) <= BATCH and m.string not in tried)
         tried.update(run.lines)
+        victim = None
         pids = {index: pid for index in (1, 2, 3) for pid in run.worker_pids(index)}
         if not pids:
             pytest.fail("workers 1-3 had all ended before a try could stop one holding a shard:\n" + run.tail())
-        for pid in list(pids.values()):
+        for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
         try:
@@ -113,12 +114,14 @@ def kill_holding_a_shard(run: Launch, ps0) -> tuple[int, ps_pb2.DataShard]:
                 held = holders.get(f"worker:{index}")
                 if process_state(pid) in ("T", "t") and held and held.end - held.progress >= 2 * BATCH:
                     os.kill(pid, signal.SIGKILL)
-                    del pids[index]
+                    victim = index
                     return index, held
         finally:
-            for pid in pids.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+            for index, pid in pids.items():
+                if index != victim:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+
 
 
 def test_a_job_stopped_mid_epoch_and_started_again_goes_on_where_its_queue_stood(launch, tmp_path):
