@@ -154,6 +154,10 @@ def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_r
                                 "window": (started, time.monotonic())})
                 log(f"{name}: {report.line()}")
                 _wait_for_pushes(counts, PUSHES_BETWEEN, procs)
+        except (RuntimeError, TimeoutError) as exc:  # the shards' own account goes with the pushers' tracebacks
+            tails = "".join(f"\n--- ps {i}'s log (last lines)\n" + "\n".join(local.log(i).splitlines()[-40:])
+                            for i in range(len(local.procs)))
+            raise RuntimeError(f"{exc}{tails}") from exc
         finally:
             stop.set()
             ends = _pusher_ends(times, procs)

@@ -124,10 +124,22 @@ class PendingSteps:
     def counted_through(self, store_step: int) -> int:
         """The open step, past every step after it whose quorum is counted already (to be applied next, in
         order): the first step this shard still waits for pushes of."""
+        return self._counted_through(store_step)
+
+    def _counted_through(self, store_step: int) -> int:
         step = self._open(store_step)
         while (buffer := self.buffers.get(step)) is not None and buffer.pushes >= self._quorum and not buffer.adding:
             step += 1
         return step
+
+    @guarded
+    def waiting_for(self, store_step: int) -> str:
+        """What the first step this shard still waits for pushes of has (for refusals that name it)."""
+        step = self._counted_through(store_step)
+        buffer = self.buffers.get(step) or StepBuffer()
+        by = ", ".join(f"{w} {n}" for w, n in sorted(buffer.by_worker.items()) if n)
+        return (f"step {step} has {buffer.pushes} of its quorum {self._quorum} pushes"
+                + (f" ({by})" if by else "") + (f", {buffer.adding} adding" if buffer.adding else ""))
 
     @guarded
     def hold_floor(self, store_step: int) -> int:

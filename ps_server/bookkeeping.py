@@ -209,8 +209,8 @@ class Bookkeeping:
             raise ServerUnavailableError(
                 f"this shard restored checkpoint step {self.clock.restored_step} and is at step {current}; the "
                 f"chief has not vouched for {what} {step} yet (its next heartbeat does): retry")
-        raise InvalidArgumentError(f"{what} {step} is ahead of this shard's step {current} by more than one; "
-                                   f"nothing was changed")
+        raise InvalidArgumentError(f"{what} {step} is ahead of this shard's step {current} by more than one "
+                                   f"({self.pending.waiting_for(current)}); nothing was changed")
 
     # -- whole states ------------------------------------------------------------------------------
 
