@@ -31,8 +31,10 @@ pauses at a step boundary, as no step's pending sums may span a move: two
 epochs before step 1 set a hold on every shard (pushes computed at step F
 or later wait, F the first step no shard counted a push for), the resize
 waits until every shard applied the steps before F (at most
-`quiet_seconds`), the variables move, and the last epoch ends the hold;
-the held pushes then go again, placed anew (layout.py). The pause is the
+`quiet_seconds`), the variables move (each epoch of theirs gives an added
+shard, which took F as its own step, ps 0's workers as ps 0 counts them,
+so that it expects the gradients ps 0 does), and the last epoch ends the
+hold; the held pushes then go again, placed anew (layout.py). The pause is the
 time from the hold to its end. Blocks until done; raises PSError
 (a refused layout, a shard unreachable) with the moves done so far in force:
 variables exported but not imported stay in their exporter's outbox (see
@@ -199,19 +201,24 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
     wide = addresses if len(addresses) > before else old  # every shard that holds or takes variables meanwhile
     epoch = follower.epoch
     hold = 0
+    job = None  # sync: ps 0's layout once the job is held, with the workers an added shard takes
     holding = False  # a hold may be set on some shard: end it before returning or raising
     started: float | None = None  # when the first epoch was set
     table_bytes = 0
 
-    def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int, table_shards: int = 0
-                   ) -> dict[int, ps_pb2.Layout]:
+    def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int, table_shards: int = 0,
+                   job: ps_pb2.Layout | None = None) -> dict[int, ps_pb2.Layout]:
         """The next epoch, on every shard: the others, then ps 0, then those it removes (so a client that one
-        of them sends away finds the epoch on ps 0); {shard: its reply}."""
+        of them sends away finds the epoch on ps 0); {shard: its reply}. `job`: ps 0's layout under the hold,
+        whose workers a shard that joins the job takes (ps.proto's Layout.members)."""
         nonlocal epoch, started
         epoch += 1
         started = started or time.monotonic()
         layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=placement, hold_from_step=hold_from,
                                table_shards=table_shards)
+        if job is not None:
+            layout.members.extend(job.members)
+            layout.grace_left_seconds = job.grace_left_seconds
         replies: dict[int, ps_pb2.Layout] = {}
         for group in (range(1, len(addresses_then)), [0], range(len(addresses_then), len(wide))):
             replies.update(fanout.each({s: [] for s in group}, lambda shard, _: call(
@@ -224,6 +231,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
             current.update({name: s for s, held in _held(fanout, range(before)).items() for name, _ in held})
             holding = True
             hold = _hold(fanout, lambda placement, step: set_layout(wide, placement, step), current, quiet_seconds)
+            job = call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))  # its workers, quiet
         _complete_exports(fanout, before)
         held = _held(fanout, everyone)
         placement = plan(held, len(addresses), balance=len(addresses) >= before)
@@ -235,7 +243,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
         for batch in _batches(moving, sizes, BATCH_BYTES) or ([[]] if len(addresses) != before else []):
             for name in batch:
                 now[name] = placement[name]
-            set_layout(wide, now, hold)
+            set_layout(wide, now, hold, job=job)
             pairs: dict[tuple[int, int], list[str]] = {}
             for name in batch:
                 pairs.setdefault((source[name], placement[name]), []).append(name)

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..errors import InvalidArgumentError, ServerUnavailableError
 from .aggregation import PendingSteps
@@ -160,6 +160,18 @@ class Bookkeeping:
         if event is not None:
             _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
             self.membership_changed(worker)
+
+    def job_members(self) -> tuple[dict[str, dict], float]:
+        """(every worker as Membership.export_member gives it, seconds until the startup grace ends): what a
+        shard that a live resize adds to the job takes from ps 0 (holds cond)."""
+        return self.membership.export()["members"], self.clock.grace_left(self.clock.now())
+
+    def take_job_members(self, members: Mapping[str, dict], grace_left: float) -> None:
+        """A shard added to a running job: each of ps 0's workers it does not know joins here as ps 0 counts
+        it, and its startup grace ends with ps 0's; journaled, the quorum recomputed (holds cond)."""
+        now = self.clock.now()
+        self.clock.end_grace_by(now + grace_left)
+        self.membership_changed(*self.membership.adopt(members, now))
 
     def membership_changed(self, *workers: str, left: bool = False) -> None:
         """Journals the members that changed, recomputes the quorum and wakes every wait (holds cond: a

@@ -116,15 +116,22 @@ class JobRPCs:
     def GetLayout(self, request, context):
         epoch, addresses, placement = self.coordinator.layout.layout()
         held = self.coordinator.tables.held()
+        members, grace_left = self.coordinator.moves.job_members()
         return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
             ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()],
             hold_from_step=self.coordinator.layout.hold_from, quiet=self.coordinator.moves.quiet(),
-            table_shards=self.coordinator.layout.table_shards or (held[0].num_shards if held else 0))
+            table_shards=self.coordinator.layout.table_shards or (held[0].num_shards if held else 0),
+            members=[ps_pb2.JobMember(worker=worker, incarnation=entry["incarnation"],
+                                      counts_from=entry["counts_from"], gone=entry["gone"])
+                     for worker, entry in sorted(members.items())], grace_left_seconds=grace_left)
 
     @map_errors
     def SetLayout(self, request, context):
+        members = {m.worker: {"incarnation": m.incarnation, "counts_from": m.counts_from, "gone": m.gone, "clock": 0}
+                   for m in request.members}
         if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
-                                             request.hold_from_step, request.table_shards):
+                                             request.hold_from_step, request.table_shards, members,
+                                             request.grace_left_seconds):
             hold = self.coordinator.layout.hold_from
             relaying = self.coordinator.layout.table_shards
             _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s%s", self.index, request.epoch,

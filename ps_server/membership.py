@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import statistics
 import threading
+from typing import Mapping
 
 import numpy as np
 
@@ -333,6 +334,15 @@ class Membership:
         """Sets one member as export_member() gave it, with a fresh lease."""
         self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
                                       clock=entry["clock"], gone=entry["gone"])
+
+    @guarded
+    def adopt(self, entries: Mapping[str, dict], now: float) -> list[str]:
+        """Takes each worker of `entries` (export_member's form) it does not know, its lease starting `now` (a
+        shard added to a running job takes ps 0's workers); returns their names."""
+        new = [worker for worker in entries if worker not in self.members]
+        for worker in new:
+            self.restore_member(worker, entries[worker], now)
+        return new
 
     @guarded
     def restore(self, state: dict, now: float) -> None:

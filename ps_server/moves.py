@@ -31,6 +31,7 @@ with weights_only (tensors, numbers, strings, lists and dicts only).
 from __future__ import annotations
 
 import io
+import math
 import threading
 from typing import Mapping
 
@@ -41,11 +42,15 @@ from . import table_state
 from .bookkeeping import Bookkeeping
 from .gate import ApplyGate
 from .layout import ShardLayout
+from .modes import MAX_SECONDS
 from .recording import Recorder
 from .store import VariableStore
 from .tables import TableStore
 
-__all__ = ["Moves", "encode_entries", "decode_entries"]
+__all__ = ["Moves", "encode_entries", "decode_entries", "MAX_MEMBERS"]
+
+MAX_MEMBERS = 1_000_000  # workers a layout may name (Layout.members), as many as --elastic-workers admits
+MAX_NAME_CHARS = 256     # characters of a member's name
 
 
 def encode_entries(entries: list[dict]) -> bytes:
@@ -67,6 +72,18 @@ def decode_entries(data: bytes) -> list[dict]:
     return entries
 
 
+def _check_members(members: Mapping[str, dict], grace_left: float) -> None:
+    """InvalidArgumentError unless `members` and `grace_left` are what ps 0 could have sent (Layout.members)."""
+    if not (math.isfinite(grace_left) and 0 <= grace_left <= MAX_SECONDS):
+        raise InvalidArgumentError(f"grace_left_seconds must be in [0, {MAX_SECONDS:g}]. Received: {grace_left}")
+    if len(members) > MAX_MEMBERS:
+        raise InvalidArgumentError(f"a layout names at most {MAX_MEMBERS} members. Received: {len(members)}")
+    for worker, entry in members.items():
+        if not worker or len(worker) > MAX_NAME_CHARS or not 0 <= entry["counts_from"] < 2 ** 62:
+            raise InvalidArgumentError(f"a layout's member needs a name of 1 to {MAX_NAME_CHARS} characters and "
+                                       f"a step in [0, 2**62). Received: {worker[:80]!r}, {entry['counts_from']}")
+
+
 def _blob(data: bytes) -> dict[str, torch.Tensor]:
     return {"state": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
 
@@ -84,18 +101,23 @@ class Moves:
         self._recorder = recorder
         self.layout = layout
         self._receiving = threading.Lock()  # table rows taken in (an inbox checked, then filled, at one time)
+        self._joined_at = 0  # the hold step this shard took as its own (it joined a running sync job), or 0
         store.explain_missing(layout.missing)
         tables.guard(self._check_table)
 
     def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0,
-                   table_shards: int = 0) -> bool:
+                   table_shards: int = 0, members: Mapping[str, dict] | None = None, grace_left: float = 0.0
+                   ) -> bool:
         """Takes a later layout epoch (True) or the same again (False), holding sync pushes from `hold_from`
         or later (see the module docstring; 0: no hold), and with `table_shards` beginning or ending a
         re-layout of the embedding tables onto that many shards (layout.py); raises as ps.proto's SetLayout
-        says. Wakes the pushes a hold ended. Blocks until its journal record is written."""
+        says. Wakes the pushes a hold ended. A shard that took the hold step as its own takes `members`
+        (ps 0's workers, Membership.export_member's form) and ends its startup grace in `grace_left` s
+        (Bookkeeping.take_job_members). Blocks until its journal records are written."""
         book = self._book
         if not 0 <= hold_from < 2 ** 62:
             raise InvalidArgumentError(f"a hold's step must be in [0, 2**62). Received: {hold_from}")
+        _check_members(members or {}, grace_left)
         if not 0 <= table_shards <= len(addresses):
             raise InvalidArgumentError(f"table_shards must be in [0, the layout's {len(addresses)} shards]. "
                                        f"Received: {table_shards}")
@@ -114,6 +136,9 @@ class Moves:
                 if adopt:
                     self._store.set_step(hold)
                     book.pending.clear()
+                    self._joined_at = hold
+                if members and hold and self._joined_at == hold:
+                    book.take_job_members(members, grace_left)
                 if table_shards:
                     self.layout.relayout_tables(table_shards, self._table_count())
                 ticket = self._recorder.log("layout", {"epoch": epoch, "addresses": list(addresses),
@@ -123,6 +148,14 @@ class Moves:
                 book.cond.notify_all()
         self._recorder.durable(ticket)
         return changed
+
+    def job_members(self) -> tuple[dict[str, dict], float]:
+        """Under a sync hold: (this shard's workers, seconds until its startup grace ends), for a shard the
+        resize adds (ps.proto's Layout.members); else ({}, 0)."""
+        with self._book.cond:
+            if not self.layout.hold_from:
+                return {}, 0.0
+            return self._book.job_members()
 
     def _check_table(self, held) -> None:
         """TableStore's guard: a table frozen for a re-layout, or not built here yet, raises (layout.py). Reads

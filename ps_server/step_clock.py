@@ -71,9 +71,17 @@ class StepClock:
     def end_grace(self) -> None:
         """The startup grace is over from now on, if it was not already (a job restored or recovered after
         it had started)."""
-        now = self.now()
+        self.end_grace_by(self.now())
+
+    def end_grace_by(self, end: float) -> None:
+        """The startup grace ends at `end` at the latest (a shard added to a running job ends it with ps 0's)."""
         with self._lock:
-            self._configured_at = min(self._configured_at, now - self._config.startup_grace_seconds)
+            self._configured_at = min(self._configured_at, end - self._config.startup_grace_seconds)
+
+    def grace_left(self, now: float) -> float:
+        """Seconds from `now` until the startup grace ends (0 once it has)."""
+        with self._lock:
+            return max(0.0, self._configured_at + self._config.startup_grace_seconds - now)
 
     def in_grace(self, now: float) -> bool:
         """Whether the mode's startup grace still runs at `now`."""

@@ -170,6 +170,44 @@ def test_a_sync_job_resizes_at_a_step_boundary():
         assert {info.spec.name: info.version for info in chief.list_variables()} == {n: steps for n in SHAPES}
 
 
+def test_a_shard_added_to_a_sync_job_a_worker_left_expects_the_job_s_workers_not_the_spec_s():
+    """A sync job of N = R = 5 whose worker:4 joined and left: ps 0 counts 4 workers in its startup grace (a
+    long one). The shard a resize adds takes ps 0's workers, worker:4 gone among them, and ps 0's grace end: it
+    expects the same 4 gradients a step. (Before, it counted the spec's 5 in a grace of its own, so the
+    workers' next pushes were refused as ahead of its step, or, waiting there, the job stood still for the
+    grace: the 2-minute soak met a 60 s pause.) Every step still averages the 4 workers' gradients."""
+    spec = SYNC_WORKERS + 1
+    with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
+        chief.configure("sync", replicas_to_aggregate=spec, total_num_replicas=spec, startup_grace_seconds=600)
+        chief.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+        with PSClient(local.cluster, task=TaskSpec("worker", SYNC_WORKERS), connect_timeout=30) as left:
+            left.join()
+            left.leave()
+        assert chief.status(0).quorum == SYNC_WORKERS
+        stop_at, counts, errors, followed = (PROCESSES.Value("q", 0), PROCESSES.Array("q", SYNC_WORKERS),
+                                             PROCESSES.Queue(), PROCESSES.Queue())
+        workers = _started(_sync_worker, SYNC_WORKERS, local.cluster, stop_at, counts, errors, followed)
+        try:
+            _pushes_go_on(counts, 3, errors)
+            grown = chief.resize([*local.cluster.ps, local.add_ps()])
+            assert grown.shards_after == 3
+            assert chief.status(2).quorum == SYNC_WORKERS, "the added shard expects the job's 4, not the spec's 5"
+            _pushes_go_on(counts, 3, errors)
+            stop_at.value = chief.status(0).step + 3
+        finally:
+            if not stop_at.value:
+                stop_at.value = 1
+            for worker in workers:
+                worker.join(timeout=120)
+        assert errors.empty(), errors.get()
+        assert [w.exitcode for w in workers] == [0] * SYNC_WORKERS
+        steps = stop_at.value
+        assert list(counts[:]) == [steps] * SYNC_WORKERS
+        assert [chief.status(s).stale_dropped for s in range(3)] == [0, 0, 0]
+        for name, value in chief.pull(SHAPES).items():
+            assert torch.equal(value, torch.full(SHAPES[name], -float(steps))), (name, value[:3], steps)
+
+
 def test_a_sync_step_that_cannot_complete_ends_the_resize_and_its_hold(local_cluster):
     """A sync step short of its quorum (worker:1 joined, never pushes, its lease long) keeps the job from
     being quiet: the resize gives up after quiet_seconds with nothing moved, and ends its hold, so the step

@@ -119,3 +119,35 @@ def test_an_import_moves_the_step_up_except_on_the_shard_that_counts_the_global_
         shard.moves.set_layout(2, addresses, {"w": 0, "v": 2})
     data, step = owner.moves.export(["v"], 2, 2)
     assert other.moves.import_(data, 2, 3) == ["v"] and other.store.step == 3
+
+
+def test_a_shard_that_joins_a_running_sync_job_takes_ps_0s_workers_and_its_grace_end(shards):
+    """N = 3 in a long startup grace; worker:2 joined and left, so ps 0 counts 2. A shard the resize adds
+    (holding nothing, it takes the hold step as its own) counts the spec's 3 in a grace of its own until the
+    resize gives it ps 0's workers (moves.job_members, sent in Layout.members): then it counts ps 0's 2 and its
+    grace ends with ps 0's. Malformed members change nothing; a shard that did not join at this hold ignores
+    them."""
+    config = sync(3, startup_grace_seconds=600)
+    owner, added, kept = shards(config), shards(config, index=1, holding=False), shards(config, index=2)
+    for worker in ("worker:0", "worker:1", "worker:2"):
+        owner.join(worker, 1)
+    owner.leave("worker:2", 1)
+    assert owner.quorum == 2
+    for shard in (owner, added, kept):
+        assert shard.moves.set_layout(1, ADDRESSES, {"w": 0}, hold_from=1)
+    assert added.store.step == 1 and added.quorum == 3 and kept.quorum == 3
+    members, grace_left = owner.moves.job_members()
+    assert sorted(members) == ["worker:0", "worker:1", "worker:2"] and members["worker:2"]["gone"]
+    assert 590 < grace_left <= 600
+    for bad in ({"": members["worker:0"]}, {"worker:9": {**members["worker:0"], "counts_from": -1}}):
+        with pytest.raises(InvalidArgumentError, match="member"):
+            added.moves.set_layout(2, ADDRESSES, {"w": 0}, hold_from=1, members=bad, grace_left=grace_left)
+    with pytest.raises(InvalidArgumentError, match="grace_left_seconds"):
+        added.moves.set_layout(2, ADDRESSES, {"w": 0}, hold_from=1, members=members, grace_left=float("nan"))
+    assert added.layout.epoch == 1 and added.quorum == 3  # nothing changed
+    for shard in (added, kept):
+        assert shard.moves.set_layout(2, ADDRESSES, {"w": 0}, hold_from=1, members=members, grace_left=grace_left)
+    assert added.quorum == 2, "ps 0's workers: worker:2 is absent"
+    assert kept.quorum == 3 and kept.membership.joined() == 0, "it holds variables: it did not join at this hold"
+    assert owner.moves.set_layout(2, ADDRESSES, {"w": 0})  # the hold's end
+    assert owner.moves.job_members() == ({}, 0.0), "only under a hold"

@@ -422,7 +422,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards")
+    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds")
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,8 @@ class Layout(_message.Message):
     HOLD_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     QUIET_FIELD_NUMBER: _ClassVar[int]
     TABLE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     placement: _containers.ScalarMap[str, int]
@@ -444,7 +446,21 @@ class Layout(_message.Message):
     hold_from_step: int
     quiet: bool
     table_shards: int
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[JobMember]
+    grace_left_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ...) -> None: ...
+
+class JobMember(_message.Message):
+    __slots__ = ("worker", "incarnation", "counts_from", "gone")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FROM_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    incarnation: int
+    counts_from: int
+    gone: bool
+    def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., counts_from: _Optional[int] = ..., gone: _Optional[bool] = ...) -> None: ...
 
 class LayoutRequest(_message.Message):
     __slots__ = ()
