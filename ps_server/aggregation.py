@@ -133,6 +133,12 @@ class PendingSteps:
         return step
 
     @guarded
+    def pushed_awaited(self, store_step: int, worker: str) -> bool:
+        """Whether `worker` has a push counted in the first step this shard still waits for pushes of."""
+        buffer = self.buffers.get(self._counted_through(store_step))
+        return buffer is not None and buffer.by_worker[worker] > 0
+
+    @guarded
     def waiting_for(self, store_step: int) -> str:
         """What the first step this shard still waits for pushes of has (for refusals that name it)."""
         step = self._counted_through(store_step)

@@ -162,9 +162,10 @@ class Bookkeeping:
             self.membership_changed(worker)
 
     def job_members(self) -> tuple[dict[str, dict], float]:
-        """(every worker as Membership.export_member gives it, seconds until the startup grace ends): what a
+        """(every worker as Membership.export_leases gives it, seconds until the startup grace ends): what a
         shard that a live resize adds to the job takes from ps 0 (holds cond)."""
-        return self.membership.export()["members"], self.clock.grace_left(self.clock.now())
+        now = self.clock.now()
+        return self.membership.export_leases(now), self.clock.grace_left(now)
 
     def take_job_members(self, members: Mapping[str, dict], grace_left: float) -> None:
         """A shard added to a running job: each of ps 0's workers it does not know joins here as ps 0 counts
@@ -206,12 +207,14 @@ class Bookkeeping:
         if pushed:
             self.clock.pushed_at(step, self.store.step)
 
-    def check_ahead(self, step: int, what: str) -> None:
+    def check_ahead(self, step: int, what: str, worker: str = "") -> None:
         """Sync: a step more than one past the first step this shard still waits for pushes of is never
         legitimate on a shard that has its state (InvalidArgumentError); on one catching up it may be, once
         the chief vouches for it (a retryable ServerUnavailableError until then). Steps counted in full but not
         applied yet (an applier behind on a loaded machine) are passed: a worker that saw shard 0 release them
-        pushes on. Holds cond."""
+        pushes on. So is, retryably (ServerUnavailableError), `worker` whose own push for the step waited
+        for is counted here: ps 0 released that step without another worker's gradients (its lease ran out
+        there first), and this shard's lease reaper leaves that worker out in turn. Holds cond."""
         if self.clock.config.mode != "sync":
             return
         current = self.store.step
@@ -221,6 +224,11 @@ class Bookkeeping:
             raise ServerUnavailableError(
                 f"this shard restored checkpoint step {self.clock.restored_step} and is at step {current}; the "
                 f"chief has not vouched for {what} {step} yet (its next heartbeat does): retry")
+        if worker and self.pending.pushed_awaited(current, worker):
+            raise ServerUnavailableError(
+                f"{what} {step} is ahead of this shard's step {current} by more than one "
+                f"({self.pending.waiting_for(current)}): ps 0 went on without a worker this shard still counts "
+                f"until its lease runs out here; nothing was changed: retry")
         raise InvalidArgumentError(f"{what} {step} is ahead of this shard's step {current} by more than one "
                                    f"({self.pending.waiting_for(current)}); nothing was changed")
 

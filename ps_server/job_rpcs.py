@@ -122,13 +122,14 @@ class JobRPCs:
             hold_from_step=self.coordinator.layout.hold_from, quiet=self.coordinator.moves.quiet(),
             table_shards=self.coordinator.layout.table_shards or (held[0].num_shards if held else 0),
             members=[ps_pb2.JobMember(worker=worker, incarnation=entry["incarnation"],
-                                      counts_from=entry["counts_from"], gone=entry["gone"])
+                                      counts_from=entry["counts_from"], gone=entry["gone"],
+                                      silent_seconds=entry["silent"])
                      for worker, entry in sorted(members.items())], grace_left_seconds=grace_left)
 
     @map_errors
     def SetLayout(self, request, context):
-        members = {m.worker: {"incarnation": m.incarnation, "counts_from": m.counts_from, "gone": m.gone, "clock": 0}
-                   for m in request.members}
+        members = {m.worker: {"incarnation": m.incarnation, "counts_from": m.counts_from, "gone": m.gone, "clock": 0,
+                              "silent": m.silent_seconds} for m in request.members}
         if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
                                              request.hold_from_step, request.table_shards, members,
                                              request.grace_left_seconds):

@@ -336,12 +336,18 @@ class Membership:
                                       clock=entry["clock"], gone=entry["gone"])
 
     @guarded
+    def export_leases(self, now: float) -> dict[str, dict]:
+        """Every member as export_member gives it, with "silent": seconds since it was last heard from."""
+        return {w: {**self.export_member(w), "silent": max(0.0, now - m.last_seen)} for w, m in self.members.items()}
+
+    @guarded
     def adopt(self, entries: Mapping[str, dict], now: float) -> list[str]:
-        """Takes each worker of `entries` (export_member's form) it does not know, its lease starting `now` (a
-        shard added to a running job takes ps 0's workers); returns their names."""
+        """Takes each worker of `entries` (export_leases' form) it does not know, last heard from "silent"
+        seconds before `now` (a shard added to a running job takes ps 0's workers and their leases); returns
+        their names."""
         new = [worker for worker in entries if worker not in self.members]
         for worker in new:
-            self.restore_member(worker, entries[worker], now)
+            self.restore_member(worker, entries[worker], now - entries[worker].get("silent", 0.0))
         return new
 
     @guarded

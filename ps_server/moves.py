@@ -79,9 +79,12 @@ def _check_members(members: Mapping[str, dict], grace_left: float) -> None:
     if len(members) > MAX_MEMBERS:
         raise InvalidArgumentError(f"a layout names at most {MAX_MEMBERS} members. Received: {len(members)}")
     for worker, entry in members.items():
-        if not worker or len(worker) > MAX_NAME_CHARS or not 0 <= entry["counts_from"] < 2 ** 62:
-            raise InvalidArgumentError(f"a layout's member needs a name of 1 to {MAX_NAME_CHARS} characters and "
-                                       f"a step in [0, 2**62). Received: {worker[:80]!r}, {entry['counts_from']}")
+        silent = entry.get("silent", 0.0)
+        if (not worker or len(worker) > MAX_NAME_CHARS or not 0 <= entry["counts_from"] < 2 ** 62
+                or not (math.isfinite(silent) and 0 <= silent <= MAX_SECONDS)):
+            raise InvalidArgumentError(f"a layout's member needs a name of 1 to {MAX_NAME_CHARS} characters, a "
+                                       f"step in [0, 2**62) and silent_seconds in [0, {MAX_SECONDS:g}]. Received: "
+                                       f"{worker[:80]!r}, {entry['counts_from']}, {silent}")
 
 
 def _blob(data: bytes) -> dict[str, torch.Tensor]:
@@ -112,7 +115,7 @@ class Moves:
         or later (see the module docstring; 0: no hold), and with `table_shards` beginning or ending a
         re-layout of the embedding tables onto that many shards (layout.py); raises as ps.proto's SetLayout
         says. Wakes the pushes a hold ended. A shard that took the hold step as its own takes `members`
-        (ps 0's workers, Membership.export_member's form) and ends its startup grace in `grace_left` s
+        (ps 0's workers, Membership.export_leases' form) and ends its startup grace in `grace_left` s
         (Bookkeeping.take_job_members). Blocks until its journal records are written."""
         book = self._book
         if not 0 <= hold_from < 2 ** 62:

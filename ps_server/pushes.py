@@ -171,7 +171,7 @@ class PushPath:
         book.catch_up(step, by, pushed=True)
         mode = book.clock.config.mode
         if mode == "sync":
-            book.check_ahead(step, "push step")
+            book.check_ahead(step, "push step", worker)
         if mode == "ssp" or (mode == "sync" and step >= pending.open_step(self._store.step)):
             kind = self._hold_kind(worker, step, hold)
             if kind is not None:  # refused here, before the push changes anything

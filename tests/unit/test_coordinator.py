@@ -227,7 +227,10 @@ def test_a_push_past_steps_counted_but_not_applied_yet_is_taken():
     """A non-owner shard whose applier is behind (here: not started; under load: starved of CPU) has step 0
     counted in full but not applied; worker 0, which saw shard 0 release steps 0 and 1, pushes step 2: taken,
     and the steps apply in order once the applier runs. A push past a step not counted in full is still refused
-    (bench/resize.py's sync run met the refusal once the applier lagged two steps: the workers failed)."""
+    (bench/resize.py's sync run met the refusal once the applier lagged two steps: the workers failed): for
+    retry if its worker's own push for that step is counted (ps 0 went on without the other worker:
+    test_a_worker_ps_0_left_out_first_holds_back_the_others_pushes_until_its_lease_runs_out_here), as bad
+    input if not."""
     store = VariableStore()
     store.create([NewVariable("w", torch.zeros(3), "sgd", {"lr": 1.0})])
     c = Coordinator(store, owns_step=False, start=False)
@@ -240,8 +243,10 @@ def test_a_push_past_steps_counted_but_not_applied_yet_is_taken():
         push(c, "worker:0", 1, g(0, 100, 0))
         push(c, "worker:0", 2, g(0, 0, 10))  # refused before: 2 steps past the store's step 0
         assert c.store.step == 0 and version(c) == 0, "nothing applied: step 0 is counted, not applied"
-        with pytest.raises(InvalidArgumentError, match=r"ahead .*\(step 1 has 1 of its quorum 2 pushes \(worker:0 1\)\)"):
+        with pytest.raises(ServerUnavailableError, match=r"ahead .*\(step 1 has 1 of its quorum 2 pushes \(worker:0 1\)\)"):
             push(c, "worker:0", 3, g(1, 1, 1))  # step 1 waits for worker 1: 3 is more than one past it
+        with pytest.raises(InvalidArgumentError, match="ahead"):
+            push(c, "worker:1", 3, g(1, 1, 1))  # worker 1 skips its own step 1
         push(c, "worker:1", 1, g(0, 200, 0))
         push(c, "worker:1", 2, g(0, 0, 30))
         c.start()
@@ -268,6 +273,29 @@ def test_sync_expired_lease_lowers_the_quorum_and_releases_the_waiter(coordinato
     assert c.membership.expired == 1 and c.quorum_changes >= 1 and c.quorum == 1
     assert c.live_workers() == 1
     assert torch.equal(w(c), -torch.tensor([2.0, 4.0, 6.0])) and c.store.step == 1
+
+
+def test_a_worker_ps_0_left_out_first_holds_back_the_others_pushes_until_its_lease_runs_out_here(coordinators):
+    """Each shard runs the leases itself: ps 0 left worker 1 out (its lease ran out there first) and released
+    steps 0 and 1 with worker 0's gradients alone. Here worker 1 still counts, so worker 0's push of step 2 is
+    refused for retry, changing nothing, until worker 1's lease runs out here too; then the steps complete
+    with worker 0's gradients and the push is taken."""
+    clock = FakeClock()
+    c = coordinators(sync(2, lease_seconds=1.0), owns_step=False, clock=clock)
+    c.join("worker:0", 1)
+    c.join("worker:1", 1)
+    push(c, "worker:0", 0, g(1, 1, 1), seq=1)
+    push(c, "worker:0", 1, g(2, 2, 2), seq=2)
+    with pytest.raises(ServerUnavailableError, match=r"step 0 has 1 of its quorum 2 pushes .*retry"):
+        push(c, "worker:0", 2, g(4, 4, 4), seq=3)
+    assert c.store.step == 0 and version(c) == 0
+    clock.advance(0.9)
+    c.heartbeat("worker:0", 1)  # worker 0 stays; worker 1 (seen at 0) does not
+    expire_leases(c, clock, 0.3, expected_expired=1)
+    result = push(c, "worker:0", 2, g(4, 4, 4), seq=3)  # the retry: taken now
+    assert not result.stale and not result.duplicate
+    c.wait_for_step(2, RELEASE_TIMEOUT)
+    assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0])), "steps 0 and 1 with worker 0's gradients"
 
 
 def test_sync_real_short_lease_releases_the_waiter(coordinators):

@@ -104,3 +104,20 @@ def test_paces_are_each_workers_interval_over_the_median_of_the_others():
         assert list(got) == sorted(intervals)
         assert {w: (i, round(s, 12)) for w, (i, s) in got.items()} == \
             {w: (i, round(s, 12)) for w, (i, s) in expected.items()}, intervals
+
+
+def test_a_shard_that_adopts_another_shards_workers_runs_their_leases_as_that_shard_does():
+    """export_leases() on ps 0 gives each worker with the seconds since it was last heard from; adopt() on a
+    shard added to the job takes the workers it does not know with those ages, so a lease about to run out on
+    ps 0 runs out here at the same moment, not a whole lease later, and a worker it knows already stays as
+    it is."""
+    ps0, added = Membership(), Membership()
+    touch(ps0, "worker:0", 100.0, progress=True)
+    touch(ps0, "worker:1", 108.0, progress=True)
+    touch(added, "worker:1", 109.0, progress=False)  # its heartbeat reached the added shard already
+    leases = ps0.export_leases(109.0)
+    assert (leases["worker:0"]["silent"], leases["worker:1"]["silent"]) == (9.0, 1.0)
+    assert added.adopt(leases, 109.5) == ["worker:0"]
+    assert added.expire(110.4, 10.0, 1e9) == ([], [])
+    assert added.expire(110.6, 10.0, 1e9) == (["worker:0"], []), "heard from last at 100 on ps 0: out at 110"
+    assert added.live() == 1

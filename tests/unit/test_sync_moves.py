@@ -139,7 +139,8 @@ def test_a_shard_that_joins_a_running_sync_job_takes_ps_0s_workers_and_its_grace
     members, grace_left = owner.moves.job_members()
     assert sorted(members) == ["worker:0", "worker:1", "worker:2"] and members["worker:2"]["gone"]
     assert 590 < grace_left <= 600
-    for bad in ({"": members["worker:0"]}, {"worker:9": {**members["worker:0"], "counts_from": -1}}):
+    for bad in ({"": members["worker:0"]}, {"worker:9": {**members["worker:0"], "counts_from": -1}},
+                {"worker:9": {**members["worker:0"], "silent": -1.0}}):
         with pytest.raises(InvalidArgumentError, match="member"):
             added.moves.set_layout(2, ADDRESSES, {"w": 0}, hold_from=1, members=bad, grace_left=grace_left)
     with pytest.raises(InvalidArgumentError, match="grace_left_seconds"):

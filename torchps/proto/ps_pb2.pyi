@@ -451,16 +451,18 @@ class Layout(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ...) -> None: ...
 
 class JobMember(_message.Message):
-    __slots__ = ("worker", "incarnation", "counts_from", "gone")
+    __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FROM_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     incarnation: int
     counts_from: int
     gone: bool
-    def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., counts_from: _Optional[int] = ..., gone: _Optional[bool] = ...) -> None: ...
+    silent_seconds: float
+    def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., counts_from: _Optional[int] = ..., gone: _Optional[bool] = ..., silent_seconds: _Optional[float] = ...) -> None: ...
 
 class LayoutRequest(_message.Message):
     __slots__ = ()
