@@ -191,6 +191,10 @@ class ParameterServerServicer:
         --allow-nonfinite); NOT_FOUND for an unknown variable or table. A client that goes away before every tensor it carries
         arrived has nothing applied; one that sent them all and died before closing
         its stream may have it applied (at most once: its retry is a duplicate).
+        Sync: a step more than one past the first step this shard still waits for
+        gradients of is INVALID_ARGUMENT, or UNAVAILABLE (retry, nothing changed)
+        where the worker's own gradients for that step are counted here: ps 0
+        went on without a worker this shard counts until its lease runs out here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
