@@ -47,7 +47,7 @@ from .recording import Recorder
 from .store import VariableStore
 from .tables import TableStore
 
-__all__ = ["Moves", "encode_entries", "decode_entries", "MAX_MEMBERS"]
+__all__ = ["Moves", "encode_entries", "decode_entries"]
 
 MAX_MEMBERS = 1_000_000  # workers a layout may name (Layout.members), as many as --elastic-workers admits
 MAX_NAME_CHARS = 256     # characters of a member's name
@@ -313,6 +313,7 @@ class Moves:
             if meta.get("step") is not None:
                 self._store.set_step(meta["step"])
                 self._book.pending.clear()
+                self._joined_at = meta["step"]
             if meta.get("table_shards"):
                 self.layout.relayout_tables(meta["table_shards"], self._table_count())
         elif kind == "table_export":
