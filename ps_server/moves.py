@@ -104,7 +104,8 @@ class Moves:
         self._recorder = recorder
         self.layout = layout
         self._receiving = threading.Lock()  # table rows taken in (an inbox checked, then filled, at one time)
-        self._joined_at = 0  # the hold step this shard took as its own (it joined a running sync job), or 0
+        self._joined_at = 0  # the hold step this shard took as its own (it joined a running sync job), or 0;
+                             # under the bookkeeping condition
         store.explain_missing(layout.missing)
         tables.guard(self._check_table)
 
