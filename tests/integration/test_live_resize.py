@@ -1,5 +1,6 @@
 """Live resize: the job goes 2 -> 4 -> 3 -> 2 shards while 8 processes push; no push is lost or applied twice."""
 
+import contextlib
 import json
 import pathlib
 import subprocess
@@ -129,6 +130,24 @@ def _sync_worker(cluster, index, stop_at, counts, errors, followed):
         errors.put(f"worker {index}: {type(exc).__name__}: {exc}")
 
 
+@contextlib.contextmanager
+def _sync_workers(cluster):
+    """SYNC_WORKERS _sync_worker processes: yields (stop_at, counts, errors, followed); on the way out, stops
+    them (at once if the test set no stop_at) and checks that each ended cleanly, having reported no error."""
+    shared = stop_at, _, errors, _ = (PROCESSES.Value("q", 0), PROCESSES.Array("q", SYNC_WORKERS),
+                                      PROCESSES.Queue(), PROCESSES.Queue())
+    workers = _started(_sync_worker, SYNC_WORKERS, cluster, *shared)
+    try:
+        yield shared
+    finally:
+        if not stop_at.value:  # the test failed before: the workers stop at once
+            stop_at.value = 1
+        for worker in workers:
+            worker.join(timeout=120)
+    assert errors.empty(), errors.get()
+    assert [w.exitcode for w in workers] == [0] * SYNC_WORKERS
+
+
 def test_a_sync_job_resizes_at_a_step_boundary():
     """A sync job (R = N = 4) goes 2 -> 3 -> 2 shards while its workers train: each resize holds the pushes of
     one step until the variables moved, every step still averages all 4 workers' gradients (none dropped as
@@ -136,10 +155,7 @@ def test_a_sync_job_resizes_at_a_step_boundary():
     with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
         chief.configure("sync", replicas_to_aggregate=SYNC_WORKERS, total_num_replicas=SYNC_WORKERS)
         chief.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-        stop_at, counts, errors, followed = (PROCESSES.Value("q", 0), PROCESSES.Array("q", SYNC_WORKERS),
-                                             PROCESSES.Queue(), PROCESSES.Queue())
-        workers = _started(_sync_worker, SYNC_WORKERS, local.cluster, stop_at, counts, errors, followed)
-        try:
+        with _sync_workers(local.cluster) as (stop_at, counts, errors, followed):
             _pushes_go_on(counts, 3, errors)
             grown = chief.resize([*local.cluster.ps, local.add_ps()])
             # two epochs set the hold, one moves the variables, one ends the hold
@@ -150,13 +166,6 @@ def test_a_sync_job_resizes_at_a_step_boundary():
             assert local.procs[2].wait(timeout=30) == 0
             _pushes_go_on(counts, 3, errors)
             stop_at.value = chief.status(0).step + 3
-        finally:
-            if not stop_at.value:  # the test failed before: the workers stop at once
-                stop_at.value = 1
-            for worker in workers:
-                worker.join(timeout=120)
-        assert errors.empty(), errors.get()
-        assert [w.exitcode for w in workers] == [0] * SYNC_WORKERS
         ends = [followed.get(timeout=10) for _ in range(SYNC_WORKERS)]
         assert {epoch for epoch, _, _ in ends} == {back.epoch}
         assert sum(refused for _, refused, _ in ends) > 0, ends  # held pushes were placed anew after a hold
@@ -184,23 +193,13 @@ def test_a_shard_added_to_a_sync_job_a_worker_left_expects_the_job_s_workers_not
             left.join()
             left.leave()
         assert chief.status(0).quorum == SYNC_WORKERS
-        stop_at, counts, errors, followed = (PROCESSES.Value("q", 0), PROCESSES.Array("q", SYNC_WORKERS),
-                                             PROCESSES.Queue(), PROCESSES.Queue())
-        workers = _started(_sync_worker, SYNC_WORKERS, local.cluster, stop_at, counts, errors, followed)
-        try:
+        with _sync_workers(local.cluster) as (stop_at, counts, errors, _):
             _pushes_go_on(counts, 3, errors)
             grown = chief.resize([*local.cluster.ps, local.add_ps()])
             assert grown.shards_after == 3
             assert chief.status(2).quorum == SYNC_WORKERS, "the added shard expects the job's 4, not the spec's 5"
             _pushes_go_on(counts, 3, errors)
             stop_at.value = chief.status(0).step + 3
-        finally:
-            if not stop_at.value:
-                stop_at.value = 1
-            for worker in workers:
-                worker.join(timeout=120)
-        assert errors.empty(), errors.get()
-        assert [w.exitcode for w in workers] == [0] * SYNC_WORKERS
         steps = stop_at.value
         assert list(counts[:]) == [steps] * SYNC_WORKERS
         assert [chief.status(s).stale_dropped for s in range(3)] == [0, 0, 0]
