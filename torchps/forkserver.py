@@ -16,10 +16,13 @@ it by its program name and arguments. The fork server
 leaves the terminal's session (a Ctrl-C or hang-up reaches the process that
 started it, which stops its children in order), reports each child's exit
 code, and exits when that process goes away, however it ends; children
-asked to die with their parent then get their signal.
+asked to die with their parent then get their signal. Should the fork server
+die first (an OOM killer may pick it), those children die with it, and the
+next start starts a new one (see ProcessStarter).
 
 Requests and replies travel over a Unix socketpair, one JSON datagram
-each; a child's output descriptor rides along (SCM_RIGHTS).
+each (the fork server's first says its imports are done); a child's output
+descriptor rides along (SCM_RIGHTS).
 """
 
 from __future__ import annotations
@@ -55,12 +58,15 @@ DISABLE_ENV = "TORCHPS_NO_FORK_SERVER"  # set to 1: every process starts a fresh
 # Read once, when an interpreter starts or imports gRPC, torch or their libraries: a child that needs other
 # values than the fork server started with is started as a fresh interpreter instead.
 STARTUP_ENV = ("GRPC_VERBOSITY", "GRPC_TRACE", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONMALLOC", "LD_PRELOAD",
-               "LD_LIBRARY_PATH", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+               "LD_LIBRARY_PATH", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+               "TORCHPS_LOCK_CHECK")  # ps_server/locks.py's checker, chosen at import
 INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 START_TIMEOUT_SECONDS = 120.0  # the fork server's imports plus one fork, on a loaded machine
 MAX_MESSAGE_BYTES = 1 << 20
 ORPHAN_POLL_SECONDS = 0.05  # once the fork server is gone, how often a wait looks whether a child still exists
+EXIT_STATUS_SECONDS = 5.0  # from a fork server's socket closing to its exit status, on a loaded machine
 _PR_SET_PDEATHSIG = 1
+_LOGGER = logging.getLogger(__name__)
 
 
 def _load_prctl():
@@ -134,26 +140,35 @@ def run_main(main: typing.Callable[[list[str]], int | None], argv: list[str], pr
 
 
 class ForkedChild:
-    """A child of the fork server, with subprocess.Popen's calls for waiting and signalling (pid, args,
+    """A child of a fork server, with subprocess.Popen's calls for waiting and signalling (pid, args,
     returncode, poll, wait, send_signal, terminate, kill). Its exit code arrives from the fork server; should
     the fork server itself be gone, a child that is gone too reads as killed (-SIGKILL)."""
 
-    def __init__(self, pid: int, args: list[str], exits: "_Exits"):
+    def __init__(self, pid: int, args: list[str], server: "_ForkServer", dies_with_server: bool):
         self.pid = pid
         self.args = args
-        self._exits = exits
+        self._server = server
+        self._dies_with_server = dies_with_server
 
     @property
     def returncode(self) -> int | None:
-        return self._exits.code(self.pid)
+        return self._server.exits.code(self.pid)
+
+    @property
+    def server_death(self) -> str | None:
+        """How its fork server ended ("the fork server, pid N, was killed by signal 9") if that ended this
+        child: it was asked to die with its parent and is gone, its exit unreported. Else None."""
+        if not self._dies_with_server or self.poll() is None or self._server.exits.reported(self.pid):
+            return None
+        return self._server.death
 
     def poll(self) -> int | None:
         """Its exit code (negative: the signal that ended it), or None while it runs. Never blocks."""
-        return self._exits.code(self.pid)
+        return self._server.exits.code(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
         """Blocks until it exits, at most `timeout` s (then subprocess.TimeoutExpired)."""
-        code = self._exits.wait(self.pid, timeout)
+        code = self._server.exits.wait(self.pid, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return code
@@ -173,7 +188,7 @@ class ForkedChild:
 
 class _Exits:
     """Exit codes the fork server reported, by pid; owns its lock. Once the fork server is gone, a pid that
-    no longer exists counts as killed."""
+    no longer runs counts as killed."""
 
     def __init__(self):
         self._changed = threading.Condition()
@@ -189,6 +204,10 @@ class _Exits:
         with self._changed:
             self._server_gone = True
             self._changed.notify_all()
+
+    def reported(self, pid: int) -> bool:
+        with self._changed:
+            return pid in self._codes
 
     def code(self, pid: int) -> int | None:
         with self._changed:
@@ -209,19 +228,97 @@ class _Exits:
     def _code(self, pid: int) -> int | None:
         if pid in self._codes:
             return self._codes[pid]
-        if self._server_gone and not _exists(pid):
+        if self._server_gone and not _runs(pid):
             return -signal.SIGKILL
         return None
 
 
-def _exists(pid: int) -> bool:
+def _runs(pid: int) -> bool:
+    """False once `pid` is gone or a zombie: an orphan waits as one until its new parent reaps it, and some
+    containers' first process never does."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:  # gone since, or no /proc: it ran a moment ago
+        return True
+
+
+class _ForkServer:
+    """One fork server process and the socketpair to it; owns the thread that reads its replies and the
+    exits it reports. `death` says how it ended, once its socket has closed."""
+
+    def __init__(self, preload: tuple[str, ...], env: Mapping[str, str]):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", __name__, "--serve", str(theirs.fileno()), *preload],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        self.pid = self.popen.pid
+        self.exits = _Exits()
+        self.ready = False  # its imports are done: it reads requests from now on
+        self.death: str | None = None
+        self._sock = ours
+        self._replies: list[dict] = []
+        self._replied = threading.Condition()
+        threading.Thread(target=self._read, name="fork-server-replies", daemon=True).start()
+
+    def request(self, data: bytes, stdout: int | None, *, dies_with_it: bool) -> dict | None:
+        """Its reply to one start request; blocks until it answers, at most START_TIMEOUT_SECONDS (then
+        OSError). None if it ended first and no child of the request can be running: the request never
+        reached it (or it died before it read any), or the child was asked to die with it (`dies_with_it`).
+        OSError if it ended after it may have read the request, and a child may run. One caller at a time."""
+        try:
+            socket.send_fds(self._sock, [data], [] if stdout is None else [stdout])
+        except ConnectionError:  # its end is closed: it is gone, or going
+            delivered = False
+        else:
+            delivered = True
+        with self._replied:
+            if not self._replied.wait_for(lambda: self._replies or self.death, START_TIMEOUT_SECONDS):
+                raise OSError(f"the fork server, pid {self.pid}, did not answer within {START_TIMEOUT_SECONDS:.0f} s")
+            if self._replies:
+                return self._replies.pop(0)
+        if delivered and self.ready and not dies_with_it:
+            raise OSError(f"{self.death} after it was asked to start a process, which may run")
+        return None
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data = self._sock.recv(MAX_MESSAGE_BYTES)
+                if not data:
+                    break
+                message = json.loads(data)
+                if "exit" in message:
+                    self.exits.record(message["exit"], message["code"])
+                elif "ready" in message:
+                    self.ready = True
+                else:
+                    with self._replied:
+                        self._replies.append(message)
+                        self._replied.notify_all()
+        try:  # its socket closes as it exits: its exit status follows at once
+            code = self.popen.wait(timeout=EXIT_STATUS_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            code = self.popen.wait()
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        with self._replied:
+            self.death = f"the fork server, pid {self.pid}, {how}"  # before its children read as gone
+            self._replied.notify_all()
+        self.exits.server_gone()
+
+    def close(self) -> None:
+        """Ends it and waits for it (its children run on; those asked to die with their parent die)."""
+        with contextlib.suppress(OSError):
+            self.popen.kill()
+        self.popen.wait()
 
 
 class ProcessStarter:
@@ -229,7 +326,14 @@ class ProcessStarter:
     (fork_server_enabled). Creating one starts the fork server's imports in the background, in `env` (default:
     this process's environment), which decides its STARTUP_ENV settings; `start` blocks
     until the child exists (the first, until the imports are done), and is safe from several threads.
-    `close` ends the fork server (children keep running; those asked to die with their parent die)."""
+    `close` ends the fork server (children keep running; those asked to die with their parent die).
+
+    A fork server that dies (any signal: an OOM killer may pick it, it holds torch) takes with it the
+    children asked to die with their parent (ForkedChild.server_death names it); the others run on. The
+    next `start` starts a new fork server, logs one line, and waits for its imports: one import and then a
+    fork each brings several children back sooner than as many interpreters importing torch side by side,
+    and forked children share the imported memory, which counts after an out-of-memory kill. A fork server
+    that dies before its imports are done cannot start: from then on every child is a fresh interpreter."""
 
     _shared: tuple[int, "ProcessStarter"] | None = None
     _shared_lock = threading.Lock()
@@ -245,25 +349,11 @@ class ProcessStarter:
             return cls._shared[1]
 
     def __init__(self, preload: tuple[str, ...] = ENTRY_MODULES, env: Mapping[str, str] | None = None):
-        self._lock = threading.Lock()
-        self._exits = _Exits()
-        self._replies: list[dict] = []
-        self._replied = threading.Condition()
-        self._server: subprocess.Popen | None = None
-        self._sock: socket.socket | None = None
-        env = dict(os.environ if env is None else env)
-        self._server_env = {key: env.get(key) for key in STARTUP_ENV}
-        if fork_server_enabled():
-            self._launch(preload, env)
-
-    def _launch(self, preload: tuple[str, ...], env: dict[str, str]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
-            self._server = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--serve", str(theirs.fileno()), *preload],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        self._sock = ours
-        threading.Thread(target=self._read_replies, name="fork-server-replies", daemon=True).start()
+        self._lock = threading.Lock()  # one request at a time; held while a new fork server starts
+        self._preload = preload
+        self._env = dict(os.environ if env is None else env)
+        self._server_env = {key: self._env.get(key) for key in STARTUP_ENV}
+        self._server = _ForkServer(preload, self._env) if fork_server_enabled() else None
 
     def start(self, module: str, argv: list[str], *, prog: str | None = None, env: dict[str, str] | None = None,
               cwd: str | None = None, stdout: int | None = None, new_session: bool = False,
@@ -274,7 +364,8 @@ class ProcessStarter:
         descriptor for its output and errors (else this process's); `new_session`: its own session, away
         from the terminal's signals; `parent_death_signal`: sent to it when the process that started it
         dies (through the fork server, which ends with that process). Returns a Popen or its look-alike;
-        raises OSError if the child cannot be started."""
+        raises OSError if the child cannot be started (or, its fork server killed while forking it, may
+        run without a parent death signal to end it)."""
         env = dict(os.environ if env is None else env)
         cwd = cwd or os.getcwd()
         request = {"module": module, "prog": prog or module, "argv": list(argv), "env": env, "cwd": cwd,
@@ -285,49 +376,40 @@ class ProcessStarter:
         if len(data) > MAX_MESSAGE_BYTES:
             raise OSError(f"a start request of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
         with self._lock:
-            try:
-                socket.send_fds(self._sock, [data], [] if stdout is None else [stdout])
-            except OSError as exc:
-                raise OSError(f"the fork server is gone ({exc}); exit code {self._server.poll()}") from None
-            reply = self._next_reply()
-        if "error" in reply:
-            raise OSError(f"the fork server could not start {module}: {reply['error']}")
-        return ForkedChild(reply["pid"], [sys.executable, "-m", module, *argv], self._exits)
-
-    def _next_reply(self) -> dict:
-        with self._replied:
-            if not self._replied.wait_for(lambda: self._replies or self._sock is None, START_TIMEOUT_SECONDS):
-                raise OSError(f"the fork server did not answer within {START_TIMEOUT_SECONDS:.0f} s")
-            if not self._replies:
-                raise OSError(f"the fork server is gone; exit code {self._server.poll()}")
-            return self._replies.pop(0)
-
-    def _read_replies(self) -> None:
-        sock = self._sock
-        with contextlib.suppress(OSError):
-            while True:
-                data = sock.recv(MAX_MESSAGE_BYTES)
-                if not data:
+            for _ in range(2):  # again only if the fork server died first, and with it any child of this request
+                server = self._live_server()
+                if server is None:
                     break
-                message = json.loads(data)
-                if "exit" in message:
-                    self._exits.record(message["exit"], message["code"])
-                else:
-                    with self._replied:
-                        self._replies.append(message)
-                        self._replied.notify_all()
-        self._exits.server_gone()
-        with self._replied:
-            self._sock = None
-            self._replied.notify_all()
+                reply = server.request(data, stdout, dies_with_it=bool(parent_death_signal))
+                if reply is None:
+                    continue
+                if "error" in reply:
+                    raise OSError(f"the fork server could not start {module}: {reply['error']}")
+                return ForkedChild(reply["pid"], [sys.executable, "-m", module, *argv], server,
+                                   bool(parent_death_signal))
+        return self._spawn(request, stdout)
+
+    def _live_server(self) -> _ForkServer | None:
+        """The fork server to ask (the lock held): a new one if the last died after its imports, None (fresh
+        interpreters from now on) if it died before they were done."""
+        server = self._server
+        if server is None or server.death is None:
+            return server
+        if not server.ready:
+            _LOGGER.warning("%s before its imports were done: every process starts as a fresh interpreter from "
+                            "now on", server.death)
+            self._server = None
+            return None
+        self._server = _ForkServer(self._preload, self._env)
+        _LOGGER.warning("%s: started a new fork server, pid %d", server.death, self._server.pid)
+        return self._server
 
     def close(self) -> None:
-        """Ends the fork server and waits for it (children it started run on)."""
-        if self._server is None:
-            return
-        with contextlib.suppress(OSError):
-            self._server.kill()
-        self._server.wait()
+        """Ends the fork server and waits for it (children it started run on; those asked to die with their
+        parent die); later `start` calls start fresh interpreters."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
 
     @staticmethod
     def _spawn(request: dict, stdout: int | None) -> subprocess.Popen:
@@ -455,6 +537,7 @@ def _server_main(fd: int, preload: list[str]) -> None:
     for module in preload:
         __import__(module)
     with socket.socket(fileno=fd) as sock:
+        sock.send(json.dumps({"ready": os.getpid()}).encode())
         _serve(sock)
     os._exit(0)  # at once: children asked to die with it are waiting for that
 

@@ -28,11 +28,12 @@ otherwise), and a worker lost stops the others (the group cannot go on).
 A worker that dies does not stop the others; the chief failing, a shard
 failing (unless --restart-on-failure brings it back), the end of training,
 Ctrl-C, SIGTERM or SIGHUP stops everything, and every child also dies with
-the launcher if it is killed (the parent-death signal). Once the chief has
-ended the job nothing is restarted. The exit code is 0, 1 if a process
-failed and was not restarted (its last lines are shown), 2 for a usage error
-(one line, nothing started; or a shard refusing its configuration), 130 if
-interrupted.
+the launcher if it is killed (the parent-death signal), or with the fork
+server they were forked from (its death is named; --restart-on-failure
+restarts them from a new one). Once the chief has ended the job nothing is
+restarted. The exit code is 0, 1 if a process failed and was not restarted
+(its last lines are shown), 2 for a usage error (one line, nothing started;
+or a shard refusing its configuration), 130 if interrupted.
 
 With --checkpoint-dir, a job that ends well is noted in the folder
 (job-finished.json); run again on that folder, ps-launch says so in one line
@@ -46,6 +47,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -154,6 +156,8 @@ class Launcher:
         user_files = read_job_credentials(credentials, tasks) if credentials is not None else None
         issued = issue_job_credentials(tasks, days=1, keep_ca_key=True) if credentials is None and secure else None
         self.folder = JobFolder(credentials=issued, user_files=user_files, tls=tls, user_dir=credentials)
+        self._starter_log = _SayLog(self.say)  # the starter's one line when it starts a new fork server
+        logging.getLogger(ProcessStarter.__module__).addHandler(self._starter_log)
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -281,6 +285,7 @@ class Launcher:
             self.stop()
             self.starter.close()
         finally:
+            logging.getLogger(ProcessStarter.__module__).removeHandler(self._starter_log)
             self.folder.remove()
 
     def _show_tail(self, proc: Proc) -> None:
@@ -305,26 +310,27 @@ class Launcher:
                 if code in (None, 0) or task in seen or task in self.removed:
                     continue
                 seen.add(task)
+                ended = _ended(proc, code)
                 if ended_at is not None:  # the job is over: nothing is restarted against it, nothing fails it
                     if task.type != "ps":
-                        self.say(f"[launch] {task} exited with code {code} after the chief ended the job")
+                        self.say(f"[launch] {task} {ended} after the chief ended the job")
                     continue
-                if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS and self._restart(task, code):
+                if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS and self._restart(task, ended):
                     seen.discard(task)
                     restarted = True
                     continue
                 failed[task] = proc
                 if task == chief:  # nobody else creates, checkpoints or ends the job
-                    self.say(f"[launch] {task} (the chief) exited with code {code}: stopping the job")
+                    self.say(f"[launch] {task} (the chief) {ended}: stopping the job")
                     stopping = True
                     break
                 if task.type == "ps":  # its variables are nowhere else: no step can be taken without it
                     why = "it did not come back" if self.restart_on_failure else "--restart-on-failure restarts one"
-                    self.say(f"[launch] {task} exited with code {code}; the job cannot go on without it ({why}): "
+                    self.say(f"[launch] {task} {ended}; the job cannot go on without it ({why}): "
                              "stopping the job")
                     stopping = True
                     break
-                self.say(f"[launch] {task} exited with code {code}; the others go on")
+                self.say(f"[launch] {task} {ended}; the others go on")
             if stopping or (not restarted and all(self.procs[t].popen.poll() is not None for t in training)):
                 break
             if ended_at is not None and time.monotonic() - ended_at > STOP_GRACE_SECONDS:
@@ -405,17 +411,18 @@ class Launcher:
             self.say(f"[launch] {task} removed (exit code {proc.popen.returncode}): it left the job")
         return [], leaving
 
-    def _restart(self, task: TaskSpec, code: int) -> bool:
-        """Starts `task` again (a ps on its old port); False if it would not come up."""
+    def _restart(self, task: TaskSpec, ended: str) -> bool:
+        """Starts `task` again (a ps on its old port), forked from a new fork server if the last one died;
+        False if it would not come up."""
         self.restarts[task] += 1
-        self.say(f"[launch] {task} exited with code {code}; restarting it ({self.restarts[task]} of {MAX_RESTARTS})")
+        self.say(f"[launch] {task} {ended}; restarting it ({self.restarts[task]} of {MAX_RESTARTS})")
         try:
             if task.type == "ps":
                 self._spawn_ps(task.index, self.ports[task.index])
                 self._wait_port(task.index)
             else:
                 self.start_task(task)
-        except StartError as exc:
+        except (StartError, OSError) as exc:  # OSError: no process could be started
             self.say(f"[launch] {task} did not come back: {exc}")
             return False
         return True
@@ -443,6 +450,24 @@ class Launcher:
                     proc.popen.wait()
                 if proc.reader is not None:
                     proc.reader.join(timeout=5)
+
+
+def _ended(proc: Proc, code: int) -> str:
+    """'exited with code C', and what ended it when that was the fork server's death (it takes with it
+    the children asked to die with their parent, as the launcher's are)."""
+    cause = proc.popen.server_death if isinstance(proc.popen, ForkedChild) else None
+    return f"exited with code {code}" + (f" ({cause})" if cause else "")
+
+
+class _SayLog(logging.Handler):
+    """Log records as the launcher's own lines, "[launch] MESSAGE"."""
+
+    def __init__(self, say: typing.Callable[[str], None]):
+        super().__init__()
+        self._say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._say(f"[launch] {record.getMessage()}")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -5,7 +5,9 @@ Shards started by LocalCluster and ps-launch come from it, so what holds for a p
 same port, the environment, folder and output it was given, and `python -m`'s exit codes.
 """
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 from helpers import process_state, wait_until
 
 from torchps.client import PSClient
-from torchps.forkserver import DISABLE_ENV, ForkedChild, ProcessStarter, _die_with_parent
+from torchps.forkserver import DISABLE_ENV, STARTUP_ENV, ForkedChild, ProcessStarter, _die_with_parent
 from torchps.worker.local_cluster import LocalCluster
 
 TIMEOUT = 30.0
@@ -54,11 +56,13 @@ def probe(tmp_path):
     return tmp_path
 
 
-def run_probe(starter: ProcessStarter, folder, argv, env=None):
+def run_probe(starter: ProcessStarter, folder, argv, env=None, **options):
+    """The probe started with `env` over this process's STARTUP_ENV settings (forked unless `env` changes one)."""
     log = folder / f"out-{'-'.join(argv)}.log"
+    startup = {key: os.environ[key] for key in STARTUP_ENV if key in os.environ}
     with open(log, "wb") as out:
-        child = starter.start("forkserver_probe", argv, env={"PROBE_VALUE": "given", **(env or {})}, cwd=str(folder),
-                              stdout=out.fileno())
+        child = starter.start("forkserver_probe", argv, env={**startup, "PROBE_VALUE": "given", **(env or {})},
+                              cwd=str(folder), stdout=out.fileno(), **options)
     return child, log
 
 
@@ -201,6 +205,54 @@ def test_a_child_asked_to_die_with_its_parent_dies_when_the_parent_is_killed(pro
             parent.wait()
 
 
+def test_a_killed_fork_server_is_replaced_and_takes_only_the_children_asked_to_die_with_it(probe, caplog):
+    """What an OOM killer may do (the fork server holds torch): SIGKILL it. A child asked to die with its parent
+    dies with it and names it as the cause; one not asked runs on (only its parent could read its exit code: once
+    gone it reads as killed); the next start forks from a new fork server, one log line saying so."""
+    starter = ProcessStarter(preload=())  # a fork server of its own, quick to start: the probe needs no torch
+    tied = untied = None
+    try:
+        tied, _ = run_probe(starter, probe, ["wait", "tied"], parent_death_signal=signal.SIGKILL)
+        untied, _ = run_probe(starter, probe, ["wait", "untied"])
+        server = parent_of(tied.pid)
+        assert server == parent_of(untied.pid) != os.getpid()
+        os.kill(server, signal.SIGKILL)
+        assert tied.wait(TIMEOUT) == -signal.SIGKILL
+        with caplog.at_level(logging.WARNING, logger="torchps.forkserver"):
+            again, log = run_probe(starter, probe, ["7", "again"])
+            assert isinstance(again, ForkedChild) and again.wait(TIMEOUT) == 7
+        assert "argv ['7', 'again'] ['7', 'again']" in log.read_text()
+        [started] = [r.getMessage() for r in caplog.records if r.name == "torchps.forkserver"]
+        assert re.fullmatch(rf"the fork server, pid {server}, was killed by signal 9: started a new fork server, "
+                            r"pid \d+", started), started
+        assert tied.server_death == f"the fork server, pid {server}, was killed by signal 9"
+        assert untied.poll() is None and untied.server_death is None
+        untied.kill()
+        assert untied.wait(TIMEOUT) == -signal.SIGKILL and untied.server_death is None
+    finally:
+        starter.close()
+        for child in (tied, untied):
+            if child is not None:
+                child.kill()  # a test that failed midway leaves none behind
+
+
+def test_a_fork_server_that_dies_before_it_starts_anything_leaves_every_child_to_a_fresh_interpreter(
+        probe, caplog, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(probe))  # a fresh interpreter finds the probe through it
+    starter = ProcessStarter(preload=("no_such_module",))  # its imports fail: it exits at once
+    try:
+        with caplog.at_level(logging.WARNING, logger="torchps.forkserver"):
+            first, _ = run_probe(starter, probe, ["7"])
+            second, _ = run_probe(starter, probe, ["0"])
+        assert isinstance(first, subprocess.Popen) and isinstance(second, subprocess.Popen)
+        assert first.wait(TIMEOUT) == 7 and second.wait(TIMEOUT) == 0
+        [fallen_back] = [r.getMessage() for r in caplog.records if r.name == "torchps.forkserver"]
+        assert re.fullmatch(r"the fork server, pid \d+, exited with code 1 before its imports were done: every "
+                            r"process starts as a fresh interpreter from now on", fallen_back), fallen_back
+    finally:
+        starter.close()
+
+
 @pytest.mark.parametrize("parent_gone", [False, True])
 def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_dies_at_once(parent_gone):
     """The fork server's child asks for its parent-death signal just after the fork: a parent that died in between
@@ -221,6 +273,12 @@ def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_dies_at_once(p
 def _command_line(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         return cmdline.read().replace(b"\0", b" ").decode()
+
+
+def parent_of(pid: int) -> int:
+    """Its parent's pid, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def _alive(pid: int) -> bool:
