@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from ..errors import ERROR_METADATA_KEY, InternalServerError, MalformedStreamError, PSError
 from .auth import Caller
-from .coordinator import CHIEF, READER, WORKER
+from .coordinator import CHIEF, WORKER
 from .edge import CallContext, CallEnded
 
 __all__ = ["MAX_LIST_WAIT_SECONDS", "decode_request", "decoded", "map_errors", "remaining", "require_active",
@@ -99,5 +99,6 @@ def map_errors(method):
 
 
 def step_authority(caller: Caller) -> str:
-    """What a caller's step counts for on a shard catching up (coordinator: "Authority over the step")."""
-    return {"chief": CHIEF, "worker": WORKER}.get(caller.role, READER)
+    """What the step a caller's write shows counts for on a shard catching up (step_clock.py: "Authority over
+    the step"): the chief's vouches for itself, anyone else's moves the step no further than that."""
+    return CHIEF if caller.role == "chief" else WORKER

@@ -6,14 +6,24 @@ A call waits until its deadline, at most MAX_WAIT_SECONDS away.
 The mode (a SyncConfig) starts its startup grace when it is set: until the
 grace ends, workers that have not joined yet count as live for the quorum.
 
-Authority over the step. A shard restored from an older checkpoint catches
-up with the job's step, but only as far as the chief vouches for: the step of
-the committed checkpoint it restored, then any step the chief's own calls
-show (`by=CHIEF`: its Join, Heartbeat, Push, Pull). A worker's number
-(`by=WORKER`) moves it up to that and no further; a read-only caller
-(`by=READER`: an evaluator) moves nothing. Without roles (an insecure
-shard) every caller is the chief. A push at the shard's own step shows it is
-not behind any more.
+Authority over the step. A shard restored from an older checkpoint is
+behind the job, whose step ps 0 owns. It moves to a later step only as far
+as an authority on the job's step vouches for: the committed checkpoint it
+restored (the chief committed it), then the steps the chief's own writes
+show (`by=CHIEF`: its Join, Heartbeat and Push carry the step ps 0 gave it).
+The chief is whom the security policy gives the chief role
+(torchps/access.py): its certificate, the admin token or its own token line
+authenticates it; a shard without credentials (or with one job token and
+no admin token) tells nobody apart and treats every caller as the chief, as
+it does for every call. Anyone else's write (`by=WORKER`) moves the step up
+to what the chief vouched for and no further. A read never moves it,
+whoever sends it: Pull's min_step waits for the step, GetStatus and
+LookupRows read it. Why the chief: it may already rewrite every shard
+(commit a checkpoint, import variables, re-lay out), so its word on the
+step grants no power it lacks; and every shard takes it rather than ask
+ps 0 itself, which a shard of a token table (naming no shard) has no
+credentials for. A push at the shard's own step shows it is not behind any
+more.
 
 Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER) guards it all.
 """
@@ -26,10 +36,10 @@ from typing import Callable
 
 from .modes import SyncConfig
 
-__all__ = ["StepClock", "MAX_WAIT_SECONDS", "CHIEF", "WORKER", "READER"]
+__all__ = ["StepClock", "MAX_WAIT_SECONDS", "CHIEF", "WORKER"]
 
 MAX_WAIT_SECONDS = 3600.0  # the longest any call waits when it brings no deadline
-CHIEF, WORKER, READER = "chief", "worker", "reader"  # who shows a step (see "Authority over the step")
+CHIEF, WORKER = "chief", "worker"  # whose write shows a step (see "Authority over the step")
 
 
 class StepClock:
@@ -122,10 +132,10 @@ class StepClock:
             return self._behind
 
     def catch_up_to(self, step: int, by: str) -> int | None:
-        """The step a shard that is behind may move to when `by` shows `step`: as far as the chief vouched for
-        (the chief's own step vouches for itself). None when it is not behind or a reader showed it."""
+        """The step a shard that is behind may move to when a write of `by` shows `step`: as far as the chief
+        vouched for (the chief's own step vouches for itself). None when it is not behind."""
         with self._lock:
-            if not self._behind or by == READER:
+            if not self._behind:
                 return None
             if by == CHIEF:
                 self._vouched = max(self._vouched, step)

@@ -13,6 +13,10 @@ RECHECK_SECONDS. A file that cannot be read or parsed (mid-write by a
 writer that does not rename into place) keeps the table in force, with one
 warning per version of the file.
 
+A re-read file that changes the security policy in force (one job token
+replaced by a table of per-task tokens) says so in a warning naming the new
+one (torchps.access.describe; ps-server logs the first at start).
+
 Thread-safe: its own lock (a leaf, an "owner" in locks.LOCK_ORDER) guards the
 table and the file's identity; reads return an immutable Security.
 """
@@ -26,6 +30,7 @@ import threading
 import time
 from typing import Callable
 
+from ..access import describe
 from ..errors import ClusterConfigError
 from ..security import Security, read_token_table
 
@@ -82,11 +87,13 @@ class TokenFile:
                     _LOGGER.warning("token file changed but cannot be read, the tokens in force stay: %s", exc)
                 return False
             self._identity = identity
-            before = {task for task, _, _ in self._security.task_tokens}
-            self._security = dataclasses.replace(self._security, token=token, task_tokens=table)
+            previous = self._security
+            self._security = current = dataclasses.replace(previous, token=token, task_tokens=table)
             self.reloads += 1
-        after = {task for task, _, _ in table}
+        before, after = {task for task, _, _ in previous.task_tokens}, {task for task, _, _ in table}
         _LOGGER.info("token file %s re-read: %d task tokens%s%s", self._path, len(table),
                      f", added {sorted(after - before)}" if after - before else "",
                      f", removed {sorted(before - after)}" if before - after else "")
+        if describe(current) != describe(previous):
+            _LOGGER.warning("security policy now: %s", describe(current))
         return True

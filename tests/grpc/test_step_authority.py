@@ -2,8 +2,9 @@
 
 A shard restored from an older checkpoint (here: SIGKILLed and started again without a journal) catches up
 with the job's step. Only what the chief vouches for moves it: the committed checkpoint it restored, the
-chief's Join, Heartbeat, Push and Pull. A worker's number moves it no further than that; an evaluator (a
-read-only role) moves nothing: its Pull(min_step=2**62) waits, and the step stays where it was.
+chief's Join, Heartbeat and Push. A worker's number moves it no further than that; a read moves nothing,
+whoever sends it (an evaluator, the chief, anyone on a shard without credentials): its
+Pull(min_step=2**62) waits, and the step stays where it was.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def test_only_the_chief_moves_a_restored_shards_step(local_cluster, tmp_path):
         except grpc.RpcError as exc:
             assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc
         assert chief.step() == 3
+        try:  # the chief's own read moves nothing either: a read is no proof of the job's step
+            chief("Pull", ps_pb2.PullRequest(names=["w"], min_step=FAR), timeout=1.0)
+            raise AssertionError("the chief's Pull(min_step=2**62) was answered: it moved the step")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc
+        assert chief.step() == 3
 
         # A worker's numbers: checked against what the chief vouched for (so far the checkpoint's step 3).
         assert worker("Join", ps_pb2.WorkerRef(worker="worker:0", incarnation=11, step=FAR)).step == 3
@@ -91,3 +98,28 @@ def test_only_the_chief_moves_a_restored_shards_step(local_cluster, tmp_path):
     finally:
         for caller in (chief, worker, evaluator):
             caller.channel.close()
+
+
+def test_a_read_never_moves_a_restored_shards_step_on_a_shard_without_credentials(local_cluster, tmp_path):
+    """--insecure: every caller counts as the chief there, yet a Pull's min_step is a read and moves nothing
+    (it waits until its deadline); the shard restored with --restore-from stays at its checkpoint's step."""
+    ckpt = tmp_path / "ckpt"
+    first = local_cluster(1, server_args=["--checkpoint-dir", str(ckpt), "--no-journal"])
+    with PSClient(first.cluster, connect_timeout=DEADLINE) as chief:
+        chief.create_variables({"w": torch.zeros(2)}, Optimizer("sgd", lr=1.0))
+        for _ in range(3):
+            chief.push({"w": torch.ones(2)})
+        assert chief.save_checkpoint(3) == 3
+    first.stop()
+    restored = local_cluster(1, server_args=["--restore-from", str(ckpt), "--num-ps", "1", "--no-journal",
+                                             "--insecure"])
+    with grpc.insecure_channel(restored.cluster.ps[0], options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        status = stub.GetStatus(ps_pb2.StatusRequest(), timeout=DEADLINE)
+        assert (status.restored_step, status.step) == (3, 3), status
+        try:
+            list(stub.Pull(ps_pb2.PullRequest(names=["w"], min_step=FAR), timeout=1.0))
+            raise AssertionError("Pull(min_step=2**62) was answered: it moved the step")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc
+        assert stub.GetStatus(ps_pb2.StatusRequest(), timeout=DEADLINE).step == 3

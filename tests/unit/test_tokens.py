@@ -3,6 +3,7 @@ interval, re-read whole when it changed, kept as it was when the new file cannot
 
 from __future__ import annotations
 
+import logging
 import os
 
 from torchps.ps_server.tokens import TokenFile
@@ -47,3 +48,17 @@ def test_a_changed_file_is_taken_at_the_next_look_and_a_bad_one_keeps_the_table(
 def test_credentials_without_a_token_file_never_look_at_the_disk():
     tokens = TokenFile(Security(), recheck=0.0)
     assert not tokens.refresh() and tokens.current() == Security()
+
+
+def test_a_re_read_that_changes_the_policy_in_force_says_so(tmp_path, caplog):
+    path = tmp_path / "tokens"
+    write(path, "one-job-token\n")
+    tokens = TokenFile(Security.load(token_file=str(path), environ={}), recheck=0.0)
+    with caplog.at_level(logging.INFO, logger="torchps.ps_server.tokens"):
+        write(path, "chief:0 chief aaa\nworker:0 worker bbb\n")
+        assert tokens.refresh()
+        write(path, "chief:0 chief aaa\n")  # a token revoked: the same policy, no new line about it
+        assert tokens.refresh()
+    policies = [r.getMessage() for r in caplog.records if r.getMessage().startswith("security policy")]
+    assert policies == ["security policy now: plaintext, per-task tokens: each names its task and role, no admin "
+                        "token: the chief's own token line makes the chief"], policies
