@@ -4,6 +4,7 @@
     python bench/journal.py --json bench/results/journal.json     # the README's figures, a few minutes
     python bench/journal.py --dims 784,64,10 --seconds 1 --repeats 1 --warmup 1   # a smoke run, seconds
     python bench/journal.py --stores --json bench/results/journal_stores.json      # the log beside SQLite, LMDB
+    python bench/journal.py --calls --seconds 20 --json bench/results/journal_calls.json  # GetStatus, Join p99
 
 1 ps and 2 async worker processes push and pull the 784-8192-2304-10 MLP
 (25.3M float32, 101 MB each way, server-side SGD) as fast as they can, in
@@ -29,12 +30,27 @@ mode (the standard library's sqlite3, one row per record, synchronous=OFF:
 the page cache too), and to LMDB (if the lmdb package is importable,
 sync=False), each keeping the last few records as a journal does (see
 bench_stores); the median of --store-records timed records.
+
+--calls measures instead what the control calls wait while the journal
+works: one shard with the journal (--checkpoint-dir DIR), one variable of the
+model's size (101 MB), and --workers processes pushing its whole gradient
+(SGD, async) back to back, each push's record written before it is
+acknowledged and the log compacted every few pushes (a new base of the whole
+state). Meanwhile this process calls GetStatus and Join (a worker joining
+under a new incarnation each time: a membership change, queued for the
+journal) in turn, one every --probe-ms, for --seconds after every worker's
+first push; each call's latency percentiles (nearest rank), the pushes and
+the compactions in that time. The same runs first on a shard without the
+journal (--no-journal), for comparison. The pushing processes run under
+SCHED_IDLE (as bench/scale.py's workers: on a job they run on other hosts).
+The bar (CALLS_TARGET_MS) is the journaled shard's p99 under 50 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import sys
@@ -46,6 +62,7 @@ import pullpush  # noqa: E402 - bench/ is not a package
 
 SETUPS = ("plain", "journal", "journal_sync")
 TARGET = 0.90  # the journal costs under 10% (issue #22)
+CALLS_TARGET_MS = 50.0  # --calls: GetStatus's and Join's p99 while the journal takes 100 MB pushes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dir", type=pathlib.Path, help="where the journals go (default: the temporary folder)")
     parser.add_argument("--stores", action="store_true", help="only the stores' cost of appending a record")
     parser.add_argument("--store-records", type=int, default=8, help="records per store with --stores (default 8)")
+    parser.add_argument("--calls", action="store_true", help="only GetStatus's and Join's latency under pushes")
+    parser.add_argument("--probe-ms", type=float, default=10.0, help="one control call every so many ms with "
+                        "--calls (default 10)")
     args = parser.parse_args(argv)
     args.dims = tuple(int(d) for d in args.dims.split(","))
     args.setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -85,6 +105,8 @@ def main(argv=None) -> int:
                      **pullpush.environment()}
     if args.stores:
         return report_stores(args, results, started)
+    if args.calls:
+        return report_calls(args, results, started)
     with tempfile.TemporaryDirectory(prefix="torchps-bench-journal-", dir=args.dir) as folder:
         flags = {"plain": ["--no-journal"],
                  "journal": ["--checkpoint-dir", os.path.join(folder, "journal")],
@@ -198,6 +220,109 @@ def bench_stores(args) -> dict[str, float | None]:
             out["LMDB, sync=False"] = median_ms(put)
             env.close()
     return out
+
+
+def report_calls(args, results: dict, started: float) -> int:
+    with tempfile.TemporaryDirectory(prefix="torchps-bench-calls-", dir=args.dir) as folder:
+        results["calls"] = {"plain": bench_calls(args, None), "journal": bench_calls(args, folder)}
+    journaled = results["calls"]["journal"]
+    results.update(target_ms=CALLS_TARGET_MS, met=all(journaled[call]["p99_ms"] < CALLS_TARGET_MS
+                                                       for call in ("GetStatus", "Join")))
+    finish(results, started, args)
+    print("| shard | call | calls | p50 ms | p99 ms | max ms | pushes | compactions |\n" + "| --- " * 8 + "|")
+    for setup, run in results["calls"].items():
+        for call in ("GetStatus", "Join"):
+            r = run[call]
+            print(f"| {setup} | {call} | {r['calls']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | "
+                  f"{run['pushes']} | {run['compactions']} |")
+    print(f"\n{args.workers} processes pushing {journaled['push_mb']:.0f} MB gradients, {args.seconds:g} s per shard; "
+          f"p99 under {CALLS_TARGET_MS:g} ms with the journal: {results['met']}; load "
+          f"{results['machine']['loadavg_start'][0]:.1f} -> {results['machine']['loadavg_end'][0]:.1f}")
+    return 0
+
+
+def bench_calls(args, checkpoint_dir: str | None) -> dict:
+    """--calls on one shard (see the module docstring), with its journal under `checkpoint_dir` (None: without
+    one): the latencies of GetStatus and Join while `args.workers` processes push, and the pushes and
+    compactions meanwhile."""
+    import grpc
+    import torch
+
+    from torchps.client import Optimizer, PSClient
+    from torchps.proto import ps_pb2, ps_pb2_grpc
+    from torchps.worker.local_cluster import LocalCluster
+
+    numel = pullpush.mlp_numel(args.dims)
+    flags = ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else ["--no-journal"]
+    journal = pathlib.Path(checkpoint_dir, "journal", "ps-0") if checkpoint_dir else None
+    with LocalCluster(1, server_args=flags) as local:
+        with PSClient(local.cluster) as client:
+            client.create_variables({"w": torch.zeros(numel)}, Optimizer("sgd", lr=args.lr))
+        context = pullpush.worker_processes()
+        stop = context.Event()
+        procs = [context.Process(target=push_loop, args=(local.cluster, numel, stop), name=f"pusher-{i}")
+                 for i in range(args.workers)]
+        for proc in procs:
+            proc.start()
+        channel = grpc.insecure_channel(local.cluster.ps[0])
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        deadline = time.monotonic() + 300
+        while stub.GetStatus(ps_pb2.StatusRequest(), timeout=60).step < args.workers:  # every worker pushing
+            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                raise RuntimeError("the pushing processes did not all push in time")
+            time.sleep(0.05)
+        step, compacted = stub.GetStatus(ps_pb2.StatusRequest(), timeout=60).step, newest_log(journal)
+        latencies: dict[str, list[float]] = {"GetStatus": [], "Join": []}
+        began = time.monotonic()
+        while time.monotonic() - began < args.seconds:
+            for call, latency in latencies.items():
+                before = time.perf_counter()
+                if call == "GetStatus":
+                    stub.GetStatus(ps_pb2.StatusRequest(), timeout=60)
+                else:
+                    stub.Join(ps_pb2.WorkerRef(worker="worker:99", incarnation=len(latency) + 1), timeout=60)
+                latency.append(time.perf_counter() - before)
+                time.sleep(args.probe_ms / 1e3)
+        pushes = stub.GetStatus(ps_pb2.StatusRequest(), timeout=60).step - step
+        compactions = newest_log(journal) - compacted
+        stop.set()
+        for proc in procs:
+            proc.join(300)
+        channel.close()
+    return {**{call: percentiles(values) for call, values in latencies.items()}, "pushes": pushes,
+            "compactions": compactions, "push_mb": numel * 4 / 1e6, "flags": " ".join(flags[:1])}
+
+
+def push_loop(cluster, numel: int, stop) -> None:
+    """A pushing process (--calls): the variable's whole gradient, again and again, until `stop`. It runs
+    under SCHED_IDLE, as bench/scale.py's workers: on a job they are on other hosts, and here the shard comes
+    first on the cores they share."""
+    import torch
+
+    from torchps.client import PSClient
+
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    torch.set_num_threads(1)
+    grad = {"w": torch.full((numel,), 1e-6)}
+    with PSClient(cluster, timeout=300) as client:
+        client.declare(grad)
+        while not stop.is_set():
+            client.push(grad)
+
+
+def newest_log(journal: pathlib.Path | None) -> int:
+    """The number of the newest log in a journal folder: the compactions so far (0 without a journal)."""
+    return max((int(p.stem.split("-")[1]) for p in journal.glob("log-*.bin")), default=0) if journal else 0
+
+
+def percentiles(seconds: list[float]) -> dict:
+    """Calls, p50, p99 and max in ms (nearest rank)."""
+    ranked = sorted(seconds)
+
+    def rank(q: float) -> float:
+        return 1e3 * ranked[max(0, math.ceil(q * len(ranked)) - 1)]
+
+    return {"calls": len(ranked), "p50_ms": rank(0.50), "p99_ms": rank(0.99), "max_ms": 1e3 * ranked[-1]}
 
 
 def table(results: dict, args) -> str:

@@ -30,7 +30,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .locks import guarded
+from .locks import checked, guarded
 from .row_sums import AveragedRows, RowSums
 
 __all__ = ["StepBuffer", "PendingSteps", "apply_step"]
@@ -40,7 +40,7 @@ class StepBuffer:
     """The sums of the gradients pushed for one step."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # guards sums, counts and rows while a push adds to them
+        self.lock = checked(threading.Lock(), "sums", "a step's sums")  # guards sums, counts and rows as a push adds
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         self.rows = RowSums()  # embedding tables' row gradients

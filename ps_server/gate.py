@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from . import locks
+
 __all__ = ["ApplyGate"]
 
 
@@ -24,6 +26,7 @@ class ApplyGate:
         self._snapshot = False
         self._snapshots_waiting = 0
 
+    @locks.ranked("gate", "the apply gate")
     @contextlib.contextmanager
     def change(self):
         """Held while state changes; waits only while a snapshot is taken or waiting."""
@@ -38,6 +41,7 @@ class ApplyGate:
                 if not self._changes:
                     self._cond.notify_all()
 
+    @locks.ranked("gate", "the apply gate")
     @contextlib.contextmanager
     def snapshot(self):
         """Held while state is copied: no change runs meanwhile."""

@@ -18,10 +18,17 @@ recorded the same way: their creation ("tables") and admitting lookups of
 dynamic tables ("admit") under the gate and `ordering`, and a push's row
 gradients inside its own "apply" (or sync "add") record (see pushing()), so a
 push is replayed whole or not at all. A compressed gradient is recorded as it
-came (as_received) and decoded again on replay (replay.py). A compaction
-writes the state as a base under the gate alone, from the shard's own
-tensors, having rotated the log under the bookkeeping condition in the same
-instant (snapshots.state_of(then=)).
+came (as_received) and decoded again on replay (replay.py).
+
+A compaction copies the whole state under the gate alone, rotating the log
+under the bookkeeping condition in the same instant (snapshots.state_of(then=)):
+every record queued before the copy is in the old log, every one after it in
+the new. It lets go of the gate before it writes the copy to disk as the new
+log's base, so changes go on meanwhile (their records go to the new log). A
+crash before the base is whole leaves the older base and both logs, which
+replay to the same state. The price is memory: the shard holds a second copy
+of its variables' values (the optimizer state and tables are copied anyway)
+until the base is written.
 
 Membership records are queued in order too but nobody waits for them: a
 process killed at once may lose the last joins and lease renewals not followed
@@ -41,6 +48,7 @@ import torch
 from . import table_state
 from .gate import ApplyGate
 from .journal import Journal
+from .locks import check_unlocked, checked
 
 __all__ = ["Recorder", "as_received"]
 
@@ -51,8 +59,8 @@ class Recorder:
     """Queues a shard's changes into its journal, once attach()ed (before that, log() records nothing), and
     compacts the journal when it grows.
 
-    `state(then)` gives the shard's whole state with its own tensors (snapshots.state_of with copy=False,
-    then=`then`); the compaction calls it holding `gate` alone.
+    `state(then)` gives a copy of the shard's whole state (snapshots.state_of with then=`then`); the
+    compaction calls it holding `gate` alone.
     """
 
     def __init__(self, gate: ApplyGate, state: Callable[[Callable[[], int]], dict]):
@@ -64,13 +72,13 @@ class Recorder:
         self._gate = gate
         self._state = state
         self._pushing = threading.local()  # .rows, .received: of the push this thread makes (pushing())
-        self._lock = threading.Lock()  # guards _compactor
+        self._lock = checked(threading.Lock(), "compaction", "the recorder's compaction lock")  # guards _compactor
         self._compactor: threading.Thread | None = None
 
     def attach(self, journal: Journal) -> None:
         """Records every change from now on in `journal`. Call it before the shard serves."""
         self.journal = journal
-        self.ordering = threading.Lock()
+        self.ordering = checked(threading.Lock(), "ordering", "the journal's ordering")
 
     @property
     def directory(self):
@@ -108,12 +116,14 @@ class Recorder:
         """Blocks (call it holding no lock) until record `ticket` is written; None: nothing to wait for.
         ServerUnavailableError if the journal failed first, WaitTimeoutError after `timeout` s."""
         if ticket is not None:
+            check_unlocked("waits for its journal record")
             self.journal.wait(ticket, timeout)
 
     def durable_all(self, timeout: float | None) -> None:
         """Blocks (holding no lock) until every record queued so far is written (a retry's reply); raises as
         durable() does. Nothing to wait for without a journal."""
         if self.journal is not None:
+            check_unlocked("waits for the journal's records")
             self.journal.wait(None, timeout)
 
     def wait_for_compaction(self, timeout: float | None = None) -> None:
@@ -124,14 +134,14 @@ class Recorder:
             compactor.join(timeout)
 
     def _compact(self) -> None:
-        """Writes the whole state as the journal's new base, so its log starts afresh (thread body)."""
+        """Writes the whole state as the journal's new base, so its log starts afresh (thread body). Holds the
+        gate alone while it copies the state only."""
         journal = self.journal
         try:
-            with self._gate.snapshot():  # written from the shard's own tensors: nothing changes them meanwhile
+            with self._gate.snapshot():  # a copy at one instant, with the log rotated in the same one
                 state = self._state(journal.rotate)
-                number = state.pop("then")
-                written = journal.write_base(number, state)
-            journal.finish_compaction(number, written)
+            number = state.pop("then")
+            journal.finish_compaction(number, journal.write_base(number, state))
         except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
             _LOGGER.exception("journal compaction failed")
 

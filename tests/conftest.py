@@ -4,14 +4,19 @@ tests/ is put on sys.path, so every test module can `from helpers import wait_un
 """
 
 import json
+import os
 import pathlib
 import sys
 
 import pytest
 import torch
 
-from torchps.client import PSClient
-from torchps.worker.local_cluster import LocalCluster
+# Before torchps is imported here or in a shard this suite starts: every shard lock is checked against
+# ps_server/locks.py's LOCK_ORDER, in this process's core tests and in the ps-server processes (they inherit it).
+os.environ.setdefault("TORCHPS_LOCK_CHECK", "1")
+
+from torchps.client import PSClient  # noqa: E402 - after the checker is turned on
+from torchps.worker.local_cluster import LocalCluster  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 # The tests' own tensor work on one thread: the xdist workers share the cores with the shards they start, and

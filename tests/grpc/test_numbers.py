@@ -407,6 +407,11 @@ def _outcome(call, results: list, index: int) -> None:
 
 
 def test_pushes_one_step_ahead_never_drop_a_gradient_counted_for_the_open_step(local_cluster):
+    """Step 0 has worker:0's gradient counted (its push held) when two other pushes complete step 1 (one past
+    the open step: legal). The shard must not jump over step 0: worker:1's step-0 push completes it, step 1
+    follows, and no push is answered stale. The regression (the applier jumping to step 1 as soon as it is
+    complete) drops a gradient, so worker:1's push comes back stale and the value misses step 0, however
+    worker:0's push is answered."""
     local = local_cluster(1)
     with grpc.insecure_channel(local.cluster.ps[0]) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
@@ -425,20 +430,23 @@ def test_pushes_one_step_ahead_never_drop_a_gradient_counted_for_the_open_step(l
                 daemon=True))
             threads[-1].start()
 
-        def made_up_settled() -> bool:  # each answered, or held on the shard
+        def step_one_complete() -> bool:  # both counted: held on the shard, or answered once a jump let them go
             answered = sum(r is not None for r in results[1:3])
             held = status_of(stub).waiting_calls - (results[0] is None)
             return answered + held >= 2
 
-        wait_until(made_up_settled, TIMEOUT, "the two step-1 pushes to be answered or held")
+        wait_until(step_one_complete, TIMEOUT, "the two step-1 pushes to be counted")
         _outcome(lambda: push(stub, "worker:1", "w", torch.full((N,), 3.0), step=0, seq=1), results, 3)
         for thread in threads:
             thread.join(TIMEOUT)
-        real = results[0]
-        assert isinstance(real, ps_pb2.PushResponse), f"worker:0's push failed: {real}"
+        assert not any(thread.is_alive() for thread in threads), f"a push is still held: {results}"
+        replies = dict(zip(("worker:0", "made-up:1", "made-up:2", "worker:1"), results))
+        assert all(isinstance(r, ps_pb2.PushResponse) for r in results), f"a push failed: {replies}"
+        stale = [worker for worker, reply in replies.items() if reply.stale]
+        status = status_of(stub)
         value = value_of(stub, "w")
-        if not real.stale:
-            # Step 0 is the average of worker:0's ones and worker:1's threes; step 1 may add the made-up 100s.
-            assert torch.equal(value, -2 * torch.ones(N)) or torch.equal(value, -102 * torch.ones(N)), (
-                f"worker:0 was told its step-0 push was released (next_step {real.next_step}, not stale) but the "
-                f"value is {value.tolist()}: its gradient was dropped; worker:1's reply: {results[3]}")
+        # Step 0 is the average of worker:0's ones and worker:1's threes, step 1 the made-up 100s.
+        assert not stale and status.stale_dropped == 0 and status.step == 2 and torch.equal(
+            value, -102 * torch.ones(N)), (
+            f"a gradient counted for step 0 was dropped: pushes answered stale {stale}, stale_dropped "
+            f"{status.stale_dropped}, step {status.step}, value {value.tolist()} (want -102 at step 2)")

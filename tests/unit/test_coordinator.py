@@ -23,7 +23,7 @@ import torch
 from helpers import wait_until
 from torchps.errors import (InvalidArgumentError, ModeConflictError, ResourceExhaustedError, ServerUnavailableError,
                             StepPassedError, WaitTimeoutError, WorkerReplacedError)
-from torchps.ps_server.coordinator import CHIEF, READER, WORKER, Coordinator
+from torchps.ps_server.coordinator import CHIEF, WORKER, Coordinator
 from torchps.ps_server.modes import PushResult, SyncConfig, quorum_for
 from torchps.ps_server.store import NewVariable, VariableStore
 
@@ -294,8 +294,8 @@ def test_a_worker_ps_0_left_out_first_holds_back_the_others_pushes_until_its_lea
     expire_leases(c, clock, 0.3, expected_expired=1)
     result = push(c, "worker:0", 2, g(4, 4, 4), seq=3)  # the retry: taken now
     assert not result.stale and not result.duplicate
-    c.wait_for_step(2, RELEASE_TIMEOUT)
-    assert torch.equal(w(c), -torch.tensor([3.0, 3.0, 3.0])), "steps 0 and 1 with worker 0's gradients"
+    c.wait_for_step(3, RELEASE_TIMEOUT)  # step 2 too: the quorum is 1 once worker 1 is out
+    assert torch.equal(w(c), -torch.tensor([7.0, 7.0, 7.0])), "steps 0, 1 and 2 with worker 0's gradients alone"
 
 
 def test_sync_real_short_lease_releases_the_waiter(coordinators):
@@ -707,8 +707,8 @@ def test_a_save_for_a_step_the_shard_jumps_over_fails_as_past(coordinators):
 def test_a_restored_shard_catches_up_only_as_far_as_the_chief_vouches(coordinators):
     """Sync mode, a shard restored from the checkpoint of step 0 while the job is at step 10: a worker's step
     beyond what the chief vouched for (the checkpoint's) moves nothing and is answered UNAVAILABLE (retried by
-    clients, not a wrong request); an evaluator's wait moves nothing; the chief's heartbeat vouches for step 10
-    and the worker's join and push then go through."""
+    clients, not a wrong request); a wait for a step (a read) moves nothing; the chief's heartbeat vouches for
+    step 10 and the worker's join and push then go through."""
     state = coordinators(sync(1, lease_seconds=30.0)).snapshot_at(0, 1.0)
     c = Coordinator(VariableStore(), owns_step=False)
     try:
@@ -718,12 +718,12 @@ def test_a_restored_shard_catches_up_only_as_far_as_the_chief_vouches(coordinato
         with pytest.raises(ServerUnavailableError, match="not vouched"):
             push(c, "worker:0", 10, g(1, 1, 1), seq=1, by=WORKER)
         with pytest.raises(WaitTimeoutError):
-            c.wait_for_step(10, 0.0, by=READER)
+            c.wait_for_step(10, 0.0)
         assert c.store.step == 0
         assert c.heartbeat("chief:0", 2, 10, by=CHIEF) == 10
         assert c.join("worker:0", 1, 10, by=WORKER) == 10
         assert not push(c, "worker:0", 10, g(1, 1, 1), seq=2, by=WORKER).stale
-        assert c.wait_for_step(11, RELEASE_TIMEOUT, by=WORKER) == 11, "the step was applied"
+        assert c.wait_for_step(11, RELEASE_TIMEOUT) == 11, "the step was applied"
     finally:
         c.close()
 
