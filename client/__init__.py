@@ -8,7 +8,7 @@ from ..compression import Compression
 from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, DataShardError, InternalServerError,
                       InvalidArgumentError, LayoutChangedError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
                       OptimizerSpecError, PermissionDeniedError, PSError,
-                      ResourceExhaustedError, ServerUnavailableError, ShardBusyError, ShardLostError, SpecConflictError,
+                      ResizeConflictError, ResourceExhaustedError, ServerUnavailableError, ShardBusyError, ShardLostError, SpecConflictError,
                       StepPassedError, TensorMismatchError, UnknownDataQueueError, UnknownVariableError,
                       VariableMovingError, WaitTimeoutError, WorkerReplacedError)
 from ..memory import tune_malloc
@@ -63,6 +63,7 @@ __all__ = [
     "Placement",
     "PullBases",
     "Rendezvous",
+    "ResizeConflictError",
     "ResizeReport",
     "ResourceExhaustedError",
     "Security",

@@ -29,7 +29,8 @@ from ..placement import Placement
 from ..proto import ps_pb2
 from ..security import Security
 from ..specs import Optimizer, wire_hyperparams
-from . import checkpoints, resize
+from . import checkpoints
+from . import resize as live_resize
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
 from .fanout import ShardFanout
@@ -307,17 +308,47 @@ class PSClient(DataPath, TablePath):
         return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout,
                                 layout_epoch=self._layout.epoch)
 
-    def resize(self, addresses: list[str], *, drain_seconds: float = resize.DRAIN_SECONDS,
-               quiet_seconds: float = resize.QUIET_SECONDS) -> resize.ResizeReport:
+    def resize(self, addresses: list[str], *, drain_seconds: float = live_resize.DRAIN_SECONDS,
+               quiet_seconds: float = live_resize.QUIET_SECONDS, lease_seconds: float = live_resize.LEASE_SECONDS
+               ) -> live_resize.ResizeReport:
         """Makes the job's shards `addresses` while training goes on: the chief's call (client/resize.py says
-        how). The shards it adds must be running (ps-server --index N with a cluster spec naming them); the
-        ones it removes are stopped. Embedding tables are re-laid out onto the new count (their rows frozen
-        meanwhile); a sync job pauses at a step boundary while variables move. Blocks until every
-        variable and table row is at its new shard; raises PSError with the moves done so far in force (run it again with
-        the same addresses): WaitTimeoutError, nothing moved and the pause ended, if a sync job does not
-        apply the steps before the hold within `quiet_seconds`."""
-        return resize.run(self._fanout, self._layout, list(addresses), drain_seconds=drain_seconds,
-                          quiet_seconds=quiet_seconds)
+        how). The shards it adds must be running and empty (ps-server --index N --join); the ones it removes
+        are stopped. Embedding tables are re-laid out onto the new count (their rows frozen meanwhile); a sync
+        job pauses at a step boundary while variables move. ps 0 records the resize, which this client drives
+        under a lease of `lease_seconds` (renewed by a thread of its own; should this process die, the
+        resize is cut off once it runs out: see resume_resize and abort_resize). Blocks until every variable
+        and table row is at its new shard. Raises ResizeConflictError (nothing changed) while another resize
+        runs or was cut off, ClusterConfigError for addresses that drop or reorder current shards or add one
+        that does not answer; once begun, a failure (WaitTimeoutError: a sync job did not apply the steps
+        before the hold within `quiet_seconds`; a shard refused an import, or went away) rolls the resize
+        back before it is raised, so every variable is where it was."""
+        return live_resize.run(self._fanout, self._layout, list(addresses), driver=self._driver_name(),
+                               drain_seconds=drain_seconds, quiet_seconds=quiet_seconds, lease_seconds=lease_seconds)
+
+    def resume_resize(self, *, drain_seconds: float = live_resize.DRAIN_SECONDS,
+                      quiet_seconds: float = live_resize.QUIET_SECONDS,
+                      lease_seconds: float = live_resize.LEASE_SECONDS) -> live_resize.ResizeReport:
+        """Takes over a resize that was cut off (its driver stopped renewing its lease) and finishes it, as
+        resize() would have. Blocks until done; ResizeConflictError if no resize is cut off (or its driver
+        still renews it); raises as resize() does, without rolling back."""
+        return live_resize.resume(self._fanout, self._layout, driver=self._driver_name(),
+                                  drain_seconds=drain_seconds, quiet_seconds=quiet_seconds,
+                                  lease_seconds=lease_seconds)
+
+    def abort_resize(self, *, quiet_seconds: float = live_resize.QUIET_SECONDS,
+                     lease_seconds: float = live_resize.LEASE_SECONDS) -> live_resize.ResizeReport:
+        """Takes over a resize that was cut off and rolls it back: every variable not confirmed on its new
+        shard goes back to its old one. Blocks until done; ResizeConflictError if no resize is cut off (or its
+        driver still renews it); PSError if a shard cannot be reached (the resize stays cut off)."""
+        return live_resize.abort(self._fanout, self._layout, driver=self._driver_name(),
+                                 quiet_seconds=quiet_seconds, lease_seconds=lease_seconds)
+
+    def resize_state(self) -> ps_pb2.ResizeState:
+        """ps 0's record of the job's last live resize: its phase, driver, lease, shards and moves (one call)."""
+        return live_resize.state(self._fanout)
+
+    def _driver_name(self) -> str:
+        return live_resize.driver_name(str(self.task) if self.task is not None else "a client")
 
     def shard_addresses(self) -> list[str]:
         """The job's shards now, in index order (the cluster's, after a live resize the layout's): asks shard 0

@@ -50,6 +50,7 @@ class ShardFanout:
     def __init__(self, cluster: Cluster, *, connect_timeout: float, security: Security, timeout: float,
                  control_timeout: float, chunk_bytes: int):
         self.channels = ShardChannels(list(cluster.ps), connect_timeout=connect_timeout, security=security)
+        self.cluster_shards = cluster.num_ps  # the job's shards before any live resize, as this client knows them
         self.timeout = timeout
         self.control_timeout = control_timeout
         self.chunk_bytes = chunk_bytes

@@ -1,74 +1,98 @@
-"""A live resize, run by the chief (PSClient.resize, ps-admin resize): the job's shards become `addresses`.
+"""A live resize, driven by the chief (PSClient.resize, ps-admin resize): the job's shards become `addresses`.
+
+ps 0 owns the resize (ps_server/resizes.py): the driver begins it there,
+reports its plan and each move, and holds a lease it renews every quarter
+of `lease_seconds` (a thread here). A driver that dies leaves the resize cut
+off once the lease runs out; `resume` (ps-admin resize --resume) takes it
+over and finishes it, `abort` (--abort, and a chief that starts) takes it
+over and rolls it back. A driver that fails (a shard refused an import, a
+sync step that would not complete) rolls back itself before it raises.
 
 Shard indices stay: a resize adds shards at the end or removes the last ones
-(ps 0 always stays, it counts the global step). The steps:
-1. the plan: every variable stays where it is, except those of removed
-   shards (each to the least loaded shard that stays, largest first) and,
-   when shards are added, the largest that make the load more even (greedy
-   by bytes: moved until no move would lower the most loaded shard's bytes);
-2. the variables that move go in batches of at most BATCH_BYTES (largest
+(ps 0 always stays, it counts the global step). The current shards are ps
+0's layout (before any resize, the cluster spec it was started with). The
+steps:
+1. checks: a resize runs alone; added shards answer, start empty and save
+   checkpoints if the job does; no variable is held by two shards, or by one
+   the layout does not place it on (each refused in one line naming both);
+2. sync jobs pause at a step boundary, as no step's pending sums may span a
+   move: two epochs before step 1 set a hold on every shard (pushes computed
+   at step F or later wait, F the first step no shard counted a push for),
+   with a lease the driver renews by setting the same layout again (a hold
+   whose lease runs out ends by itself: layout.py), and the resize waits
+   until every shard applied the steps before F (at most `quiet_seconds`);
+3. exports an earlier resize left in an outbox are completed (imported and
+   confirmed, or taken back by their exporter where the layout places them
+   there); then the plan: every variable stays where it is, except those of
+   removed shards (each to the least loaded shard that stays, largest
+   first) and, when shards are added, the largest that make the load more
+   even (greedy by bytes: moved until no move would lower the most loaded
+   shard's bytes);
+4. the variables that move go in batches of at most BATCH_BYTES (largest
    first), each under a layout epoch of its own, so a client waits for one
-   batch in transit at most. Each epoch is set on every shard: the added
-   ones (configured in the job's mode first) and those that stay, then ps 0,
-   then the removed ones, so a client sent away by any shard finds the epoch
-   on ps 0 and the new owner expecting the variable (layout.py);
-3. then each variable of the batch is exported by its old shard and imported
-   by its new one, relayed here, the shards' moves in parallel;
-4. with embedding tables, whose rows are spread over every shard by id, an
+   batch in transit at most. Each epoch is set on every shard: the others,
+   then ps 0, then the removed ones, so a client sent away by any shard finds
+   the epoch on ps 0 and the new owner expecting the variable (layout.py; in
+   a sync job an added shard, which took F as its own step, takes ps 0's
+   workers as ps 0 counts them, so that it expects the gradients ps 0 does).
+   Then each variable is relayed (`relay`: exported by its old shard,
+   imported by its new one, confirmed to the old one, which drops what it
+   kept), the shards' moves in parallel;
+5. with embedding tables, whose rows are spread over every shard by id, an
    epoch with `table_shards` (the new count) freezes them on every shard;
    then every old shard exports, for each shard of the new count in turn,
    the rows that shard owns now, imported there (one part per old shard in
    flight here at a time); a shard builds its tables once every old
-   shard's part arrived, and they serve again. Clients that placed rows by
-   the old count are refused and send them to their owners (datapath.py);
-5. with shards removed, or a hold, or tables, a last epoch without them,
-   ending the hold and the tables' re-layout; removed shards are stopped
-   (Shutdown) after `drain_seconds`, in which they answer the clients that
-   did not yet follow with LayoutChangedError.
+   shard's part arrived, and they serve again;
+6. a last epoch without the removed shards, the hold and the tables' freeze;
+   ps 0 records the resize done; removed shards are stopped (Shutdown) after
+   `drain_seconds`, in which they answer the clients that did not yet follow
+   with LayoutChangedError.
 Async and ssp training goes on throughout; a client waits only for the
-variables in transit (VariableMovingError, retried). A sync job instead
-pauses at a step boundary, as no step's pending sums may span a move: two
-epochs before step 1 set a hold on every shard (pushes computed at step F
-or later wait, F the first step no shard counted a push for), the resize
-waits until every shard applied the steps before F (at most
-`quiet_seconds`), the variables move (each epoch of theirs gives an added
-shard, which took F as its own step, ps 0's workers as ps 0 counts them,
-so that it expects the gradients ps 0 does), and the last epoch ends the
-hold; the held pushes then go again, placed anew (layout.py). The pause is the
-time from the hold to its end. Blocks until done; raises PSError
-(a refused layout, a shard unreachable) with the moves done so far in force:
-variables exported but not imported stay in their exporter's outbox (see
-layout.py), and the next resize (to the same shards or others) imports them
-before anything else. The same shards again: a rebalance (step 1's moves
-for added shards, if any).
+variables in transit (VariableMovingError, retried). A rollback (`abort`)
+first sets an epoch placing every variable in transit on its old shard (so
+no import of it can succeed elsewhere any more), then finds which of them
+their new shard took in before that (those stay there, confirmed) and has
+the old shard take the others back from its outbox; its last epoch places
+every variable where it is, over the shards the job had before. Every
+function blocks until done.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
+import threading
 import time
+from typing import Callable
 
-from ..errors import ClusterConfigError, PSError, ServerUnavailableError, WaitTimeoutError
+from ..errors import ClusterConfigError, PSError, ResizeConflictError, ServerUnavailableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .fanout import ShardFanout
 from .layout import LayoutFollower
 
-__all__ = ["ResizeReport", "run", "plan", "DRAIN_SECONDS", "QUIET_SECONDS"]
+__all__ = ["ResizeReport", "run", "resume", "abort", "state", "plan", "driver_name", "DRAIN_SECONDS",
+           "QUIET_SECONDS", "LEASE_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 DRAIN_SECONDS = 2.0  # a removed shard answers LayoutChangedError this long before it stops
-OUTBOX_RETRY_SECONDS = 3.0  # how long a resize waits for a shard it asks for exports cut off earlier
 BATCH_BYTES = 16 << 20  # variables moved under one layout epoch: a client waits for one batch in transit at most
 QUIET_SECONDS = 60.0  # sync: how long a resize waits for the steps before its hold to be applied everywhere
 QUIET_POLL_SECONDS = 0.02
+LEASE_SECONDS = 30.0  # the driver's lease on ps 0, and its hold's on every shard: renewed every quarter of it
+ADDED_SHARD_SECONDS = 10.0  # how long a resize waits for a shard it adds to answer
+_ACTION = ps_pb2.ResizeRequest.Action
+_PHASE = ps_pb2.ResizeState.Phase
+_STATUS = ps_pb2.ResizeMove.Status
 
 
 @dataclasses.dataclass
 class ResizeReport:
     """What a resize did."""
 
-    epoch: int              # the layout epoch it set
+    epoch: int              # the layout epoch it set last
     shards_before: int
     shards_after: int
     moved: int              # variables that changed shards
@@ -77,13 +101,24 @@ class ResizeReport:
                             # variable was in transit, and a sync job's pause
     stopped: list[str]      # removed shards' addresses, stopped
     table_bytes: int = 0    # embedding-table rows re-laid out (bytes relayed, optimizer state and metadata included)
+    resize_id: int = 0      # ps 0's number for it
+    outcome: str = "done"   # "done", or "aborted" (rolled back: moved is what came back)
 
     def line(self) -> str:
+        if self.outcome == "aborted":
+            return (f"resize {self.resize_id} rolled back at layout epoch {self.epoch}: {self.shards_after} shards, "
+                    f"{self.moved} variables ({self.moved_bytes:,} bytes) back on their shards in "
+                    f"{self.move_seconds:.2f} s")
         return (f"layout epoch {self.epoch}: {self.shards_before} -> {self.shards_after} shards, {self.moved} "
                 f"variables ({self.moved_bytes:,} bytes) moved"
                 + (f", tables re-laid out ({self.table_bytes:,} bytes)" if self.table_bytes else "")
                 + f" in {self.move_seconds:.2f} s"
                 + (f", stopped {', '.join(self.stopped)}" if self.stopped else ""))
+
+
+def driver_name(who: str) -> str:
+    """A driver's name as ps 0 records it: who, host and pid."""
+    return f"{who} on {socket.gethostname()} pid {os.getpid()}"
 
 
 def plan(held: dict[int, list[tuple[str, int]]], shards: int, *, balance: bool) -> dict[str, int]:
@@ -117,27 +152,6 @@ def plan(held: dict[int, list[tuple[str, int]]], shards: int, *, balance: bool) 
     return placement
 
 
-def _complete_exports(fanout: ShardFanout, shards: int) -> None:
-    """Imports again what a resize cut off after an export left in the outbox of its exporter, one of the
-    job's first `shards` (GetLayout), so no variable stays in transit; a shard that does not answer within a
-    few seconds is passed over."""
-    for shard in range(shards):
-        try:
-            layout = fanout.call(shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                                 fanout.control_timeout, retry_for=OUTBOX_RETRY_SECONDS)
-        except ServerUnavailableError:
-            continue  # stopped (a removed shard): it exports nothing any more
-        for request in layout.outbox:
-            held = fanout.call(request.to, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t),
-                               fanout.control_timeout)
-            if set(request.names) <= {info.spec.name for info in held.variables}:
-                continue  # imported: the resize that exported them finished
-            chunks = fanout.call(shard, lambda stub, t: list(stub.ExportVariables(request, timeout=t)), fanout.timeout)
-            fanout.call(request.to, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
-            _LOGGER.info("completed an export cut off earlier: %d variables from ps %d to ps %d",
-                         len(request.names), shard, request.to)
-
-
 def _batches(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
     """`names` in order, cut into batches of at most `limit` bytes (a larger variable alone)."""
     batches: list[list[str]] = []
@@ -151,160 +165,450 @@ def _batches(names: list[str], sizes: dict[str, int], limit: int) -> list[list[s
     return batches
 
 
-def _hold(fanout: ShardFanout, set_layout, current: dict[str, int], quiet_seconds: float) -> int:
-    """Sync jobs: holds pushes from one step on every shard (two epochs, set_layout(placement, hold) each),
-    then waits until every shard is quiet under it; returns the step. ClusterConfigError if the shards
-    disagree, WaitTimeoutError if one is not quiet in `quiet_seconds` (the hold is left to the caller)."""
-    asked = set_layout(current, 1)  # each shard holds from the lowest step it may
-    hold = max(layout.hold_from_step for layout in asked.values())
-    agreed = set_layout(current, hold)
-    if any(layout.hold_from_step != hold for layout in agreed.values()):
-        raise ClusterConfigError(f"the shards could not all hold pushes from step {hold}: "
-                                 f"{ {s: layout.hold_from_step for s, layout in sorted(agreed.items())} }")
-    give_up = time.monotonic() + quiet_seconds
-    waiting = sorted(agreed)
-    while waiting:
-        layouts = fanout.each({s: [] for s in waiting}, lambda shard, _: fanout.call(
-            shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), fanout.control_timeout))
-        waiting = [s for s in waiting if not layouts[s].quiet]
-        if waiting and time.monotonic() > give_up:
-            raise WaitTimeoutError(f"ps {waiting} did not apply every step before {hold} within {quiet_seconds:g} "
-                                   f"s (a sync step short of its quorum); no variable moved")
-        if waiting:
-            time.sleep(QUIET_POLL_SECONDS)
-    _LOGGER.info("sync job held at step %d: every shard quiet", hold)
-    return hold
+def state(fanout: ShardFanout) -> ps_pb2.ResizeState:
+    """ps 0's record of the job's last resize (one call)."""
+    return fanout.call(0, lambda stub, t: stub.Resize(ps_pb2.ResizeRequest(action=_ACTION.GET), timeout=t),
+                       fanout.control_timeout)
 
 
-def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *,
-        drain_seconds: float = DRAIN_SECONDS, quiet_seconds: float = QUIET_SECONDS) -> ResizeReport:
-    """The resize (see the module docstring); `fanout` must carry the chief's credentials."""
+class _Driver:
+    """One resize as its driver runs it: its record on ps 0, its lease, the epochs it sets, its moves."""
+
+    def __init__(self, fanout: ShardFanout, record: ps_pb2.ResizeState, name: str, lease: float, epoch: int):
+        self.fanout = fanout
+        self.id = record.id
+        self.name = name
+        self.lease = lease
+        self.epoch = epoch
+        self.before, self.after = list(record.before), list(record.after)
+        self.wide = self.after if len(self.after) > len(self.before) else self.before
+        self.hold = 0
+        self.job: ps_pb2.Layout | None = None  # sync: ps 0's layout once held, with the workers an added shard takes
+        self.started: float | None = None      # when the first epoch was set
+        self._lock = threading.Lock()          # a layout's fan-out, or a renewal, at a time
+        self._sent: dict[int, ps_pb2.Layout] = {}  # the layout each shard got last (sent again to renew a hold)
+        self._stop = threading.Event()
+        self._lost: str | None = None
+        self._renewer = threading.Thread(target=self._renew, name="resize-lease", daemon=True)
+        self._renewer.start()
+
+    @classmethod
+    def begin(cls, fanout: ShardFanout, name: str, before: list[str], after: list[str], lease: float,
+              epoch: int) -> "_Driver":
+        record = _ask(fanout, ps_pb2.ResizeRequest(action=_ACTION.BEGIN, driver=name, before=before, after=after,
+                                                   lease_seconds=lease))
+        _LOGGER.info("resize %d begun: %d -> %d shards (driver %s)", record.id, len(before), len(after), name)
+        return cls(fanout, record, name, lease, epoch)
+
+    @classmethod
+    def take_over(cls, fanout: ShardFanout, name: str, lease: float, epoch: int) -> "_Driver":
+        found = state(fanout)
+        if found.phase != _PHASE.RUNNING:
+            raise ResizeConflictError(f"no resize to take over: resize {found.id} is "
+                                      f"{_PHASE.Name(found.phase).lower()}")
+        record = _ask(fanout, ps_pb2.ResizeRequest(action=_ACTION.TAKE_OVER, id=found.id, driver=name,
+                                                   lease_seconds=lease))
+        _LOGGER.warning("resize %d (%d -> %d shards, driven by %s) taken over by %s", found.id,
+                        len(record.before), len(record.after), found.driver, name)
+        return cls(fanout, record, name, lease, epoch)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._renewer.join()
+
+    # -- ps 0's record ---------------------------------------------------------------------------
+
+    def report(self, action: int, **fields) -> ps_pb2.ResizeState:
+        """One action on the record (renews the lease); ResizeConflictError once another driver took over."""
+        self.check()
+        return _ask(self.fanout, ps_pb2.ResizeRequest(action=action, id=self.id, driver=self.name, **fields))
+
+    def moved(self, moves: list[tuple[str, int, int, int]], status: int) -> None:
+        self.report(_ACTION.MOVED, moves=[ps_pb2.ResizeMove(name=name, status=status) for name, *_ in moves])
+
+    def check(self) -> None:
+        """ResizeConflictError if the lease was lost (another driver took the resize over)."""
+        if self._lost is not None:
+            raise ResizeConflictError(self._lost)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease / 4):
+            try:
+                with self._lock:
+                    _ask(self.fanout, ps_pb2.ResizeRequest(action=_ACTION.RENEW, id=self.id, driver=self.name))
+                    if self.hold:  # the same layout again renews each shard's hold
+                        self._each(self._sent, lambda shard, layout: self._call(shard, "SetLayout", layout))
+            except ResizeConflictError as exc:
+                self._lost = str(exc)
+                _LOGGER.error("resize %d: %s", self.id, exc)
+                return
+            except PSError as exc:  # a shard slow or away: the next renewal tries again
+                _LOGGER.warning("resize %d: a lease renewal failed: %s", self.id, exc)
+
+    # -- the shards ------------------------------------------------------------------------------
+
+    def _call(self, shard: int, method: str, request, timeout: float | None = None):
+        return self.fanout.call(shard, lambda stub, t: getattr(stub, method)(request, timeout=t),
+                                timeout or self.fanout.control_timeout)
+
+    def _each(self, shards, fn: Callable) -> dict:
+        groups = shards if isinstance(shards, dict) else {s: None for s in shards}
+        return self.fanout.each({s: [] for s in groups}, lambda shard, _: fn(shard, groups[shard]))
+
+    def layout(self, shard: int = 0) -> ps_pb2.Layout:
+        return self._call(shard, "GetLayout", ps_pb2.LayoutRequest())
+
+    def held(self, shards) -> dict[int, list[tuple[str, int]]]:
+        return _held(self.fanout, shards)
+
+    def outboxes(self, shards) -> dict[int, list[ps_pb2.MoveRequest]]:
+        """{shard: the exports it keeps} of `shards`."""
+        return {s: list(layout.outbox) for s, layout in self._each(shards, lambda s, _: self.layout(s)).items()}
+
+    def set_layout(self, addresses: list[str], placement: dict[str, int], hold: int, table_shards: int = 0,
+                   members: ps_pb2.Layout | None = None) -> dict[int, ps_pb2.Layout]:
+        """The next epoch, on every shard of `wide`: the others, then ps 0, then those it removes (so a client
+        that one of them sends away finds the epoch on ps 0); {shard: its reply}. `members`: ps 0's layout
+        under the hold, whose workers a shard that joins the job takes (ps.proto's Layout.members)."""
+        self.check()
+        with self._lock:
+            self.epoch += 1
+            self.started = self.started or time.monotonic()
+            layout = ps_pb2.Layout(epoch=self.epoch, addresses=addresses, placement=placement, hold_from_step=hold,
+                                   table_shards=table_shards, hold_lease_seconds=self.lease)
+            if members is not None:
+                layout.members.extend(members.members)
+                layout.grace_left_seconds = members.grace_left_seconds
+            replies: dict[int, ps_pb2.Layout] = {}
+            for group in (range(1, len(addresses)), [0], range(len(addresses), len(self.wide))):
+                for shard in group:
+                    self._sent[shard] = layout
+                replies.update(self._each(group, lambda shard, _: self._call(shard, "SetLayout", layout)))
+            self.hold = hold
+            return replies
+
+    def hold_job(self, placement: dict[str, int], quiet_seconds: float) -> None:
+        """Sync jobs: holds pushes from one step on every shard (two epochs), then waits until every shard is
+        quiet under it; keeps the step and ps 0's layout then (its workers). ClusterConfigError if the shards
+        disagree, WaitTimeoutError if one is not quiet in `quiet_seconds`."""
+        asked = self.set_layout(self.wide, placement, 1)  # each shard holds from the lowest step it may
+        hold = max(layout.hold_from_step for layout in asked.values())
+        agreed = self.set_layout(self.wide, placement, hold)
+        if any(layout.hold_from_step != hold for layout in agreed.values()):
+            raise ClusterConfigError(f"the shards could not all hold pushes from step {hold}: "
+                                     f"{ {s: layout.hold_from_step for s, layout in sorted(agreed.items())} }")
+        give_up = time.monotonic() + quiet_seconds
+        waiting = sorted(agreed)
+        while waiting:
+            layouts = self._each(waiting, lambda shard, _: self.layout(shard))
+            waiting = [s for s in waiting if not layouts[s].quiet]
+            if waiting and time.monotonic() > give_up:
+                raise WaitTimeoutError(f"ps {waiting} did not apply every step before {hold} within "
+                                       f"{quiet_seconds:g} s (a sync step short of its quorum)")
+            if waiting:
+                time.sleep(QUIET_POLL_SECONDS)
+        self.job = self.layout(0)  # its workers, quiet
+        _LOGGER.info("sync job held at step %d: every shard quiet", hold)
+
+    def relay(self, source: int, target: int, request: ps_pb2.MoveRequest) -> int:
+        """Moves what `request` names from shard `source` to `target`: exported there (a kept export is sent
+        again), imported here; variables are then confirmed to `source`, which drops what it kept. `target`
+        == `source`: a kept export taken back (a rolled-back move; nothing to confirm). Returns the bytes."""
+        self.check()
+        chunks = self.fanout.call(source, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
+                                  self.fanout.timeout)
+        self.fanout.call(target, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), self.fanout.timeout)
+        if not request.tables and target != source:
+            self._call(source, "ConfirmMove", ps_pb2.MoveRequest(names=request.names, to=target))
+        return sum(len(chunk.data) for chunk in chunks)
+
+
+def _held(fanout: ShardFanout, shards) -> dict[int, list[tuple[str, int]]]:
+    """{shard: [(name, bytes)]} of the variables each of `shards` holds."""
+    listed = fanout.each({s: [] for s in shards}, lambda shard, _: fanout.call(
+        shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t), fanout.control_timeout))
+    return {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in listed}
+
+
+def _ask(fanout: ShardFanout, request: ps_pb2.ResizeRequest) -> ps_pb2.ResizeState:
+    return fanout.call(0, lambda stub, t: stub.Resize(request, timeout=t), fanout.control_timeout)
+
+
+def _current(fanout: ShardFanout, follower: LayoutFollower) -> tuple[int, list[str]]:
+    """(epoch, the job's shards) as ps 0 knows them: its layout's, before any resize the cluster spec it was
+    started with (a shard started without one: this client's)."""
     follower.refresh()
-    before = follower.shards
-    old = list(fanout.channels.addresses[:before])
+    layout = fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                         fanout.control_timeout)
+    return layout.epoch, list(layout.addresses) or list(fanout.channels.addresses[:fanout.cluster_shards])
+
+
+def _busy(record: ps_pb2.ResizeState) -> str:
+    what = (f"its driver {record.driver} holds the lease for {record.lease_left_seconds:.1f} s more"
+            if record.lease_left_seconds > 0 else
+            f"it was cut off (its driver {record.driver} stopped renewing it): run ps-admin resize --resume to "
+            f"finish it or --abort to roll it back")
+    return f"resize {record.id} ({len(record.before)} -> {len(record.after)} shards) is running: {what}"
+
+
+def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, driver: str,
+        drain_seconds: float = DRAIN_SECONDS, quiet_seconds: float = QUIET_SECONDS,
+        lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
+    """The resize (see the module docstring); `fanout` must carry the chief's credentials. Raises
+    ResizeConflictError (nothing changed) while another resize runs or was cut off; ClusterConfigError for
+    addresses that do not keep the shards' order; on a failure once it began, rolls it back and raises
+    what failed (if the rollback fails too, the resize is left cut off for --resume or --abort)."""
+    found = state(fanout)
+    if found.phase == _PHASE.RUNNING:
+        raise ResizeConflictError(_busy(found))
+    epoch, old = _current(fanout, follower)
     common = min(len(old), len(addresses))
     if not addresses or addresses[:common] != old[:common] or len(set(addresses)) != len(addresses):
         raise ClusterConfigError(f"a resize keeps the shards' order and adds or removes shards at the end: the job "
                                  f"has {old}; asked for {addresses}")
-    control = fanout.control_timeout
-
-    def call(shard: int, fn):
-        return fanout.call(shard, fn, control)
-
-    config = call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t)).config
-    sync = config.mode == "sync"
-    if len(addresses) > before:
-        fanout.channels.follow(addresses)  # channels to the added shards (this client's own)
-    everyone = range(max(before, len(addresses)))
-    added = {s: [] for s in range(before, len(addresses))}
-    fanout.each(added, lambda shard, _: call(shard, lambda stub, t: stub.Configure(config, timeout=t)))
-    wide = addresses if len(addresses) > before else old  # every shard that holds or takes variables meanwhile
-    epoch = follower.epoch
-    hold = 0
-    job = None  # sync: ps 0's layout once the job is held, with the workers an added shard takes
-    holding = False  # a hold may be set on some shard: end it before returning or raising
-    started: float | None = None  # when the first epoch was set
-    table_bytes = 0
-
-    def set_layout(addresses_then: list[str], placement: dict[str, int], hold_from: int, table_shards: int = 0,
-                   job: ps_pb2.Layout | None = None) -> dict[int, ps_pb2.Layout]:
-        """The next epoch, on every shard: the others, then ps 0, then those it removes (so a client that one
-        of them sends away finds the epoch on ps 0); {shard: its reply}. `job`: ps 0's layout under the hold,
-        whose workers a shard that joins the job takes (ps.proto's Layout.members)."""
-        nonlocal epoch, started
-        epoch += 1
-        started = started or time.monotonic()
-        layout = ps_pb2.Layout(epoch=epoch, addresses=addresses_then, placement=placement, hold_from_step=hold_from,
-                               table_shards=table_shards)
-        if job is not None:
-            layout.members.extend(job.members)
-            layout.grace_left_seconds = job.grace_left_seconds
-        replies: dict[int, ps_pb2.Layout] = {}
-        for group in (range(1, len(addresses_then)), [0], range(len(addresses_then), len(wide))):
-            replies.update(fanout.each({s: [] for s in group}, lambda shard, _: call(
-                shard, lambda stub, t: stub.SetLayout(layout, timeout=t))))
-        return replies
-
+    fanout.channels.follow(old)
+    fanout.channels.follow(addresses if len(addresses) > len(old) else old)
+    _check_added(fanout, old, addresses)
+    placement = dict(fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                                 fanout.control_timeout).placement)
+    _check_copies(_held(fanout, range(max(len(old), len(addresses)))), placement, range(len(old), len(addresses)))
+    resize = _Driver.begin(fanout, driver, old, addresses, lease_seconds, epoch)
     try:
-        if sync:
-            current = dict(call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t)).placement)
-            current.update({name: s for s, held in _held(fanout, range(before)).items() for name, _ in held})
-            holding = True
-            hold = _hold(fanout, lambda placement, step: set_layout(wide, placement, step), current, quiet_seconds)
-            job = call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))  # its workers, quiet
-        _complete_exports(fanout, before)
-        held = _held(fanout, everyone)
-        placement = plan(held, len(addresses), balance=len(addresses) >= before)
-        source = {name: shard for shard, variables in held.items() for name, _ in variables}
-        sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
-        moving = sorted((name for name in placement if source[name] != placement[name]),
-                        key=lambda n: (-sizes[n], n))
-        now = dict(source)
-        for batch in _batches(moving, sizes, BATCH_BYTES) or ([[]] if len(addresses) != before else []):
-            for name in batch:
-                now[name] = placement[name]
-            set_layout(wide, now, hold, job=job)
-            pairs: dict[tuple[int, int], list[str]] = {}
-            for name in batch:
-                pairs.setdefault((source[name], placement[name]), []).append(name)
-
-            def move_from(shard: int, _, pairs=pairs, epoch=epoch) -> None:
-                for (src, dst), names in sorted(pairs.items()):
-                    if src == shard:
-                        request = ps_pb2.MoveRequest(names=names, epoch=epoch, to=dst)
-                        chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
-                                             fanout.timeout)
-                        fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t),
-                                    fanout.timeout)
-
-            fanout.each({src: [] for src in sorted({src for src, _ in pairs})}, move_from)
-        tables = _table_sources(fanout, range(max(len(wide), len(addresses))), len(addresses))
-        if tables is not None:  # the embedding tables' rows, re-laid out onto the new count
-            set_layout(wide, now, hold, len(addresses))
-            def rows_from(src: int, _, epoch=epoch) -> int:  # the old shards at once, each to one shard at a time
-                moved = 0
-                for dst in range(len(addresses)):
-                    request = ps_pb2.MoveRequest(epoch=epoch, to=dst, tables=True)
-                    chunks = fanout.call(src, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
-                                         fanout.timeout)
-                    fanout.call(dst, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), fanout.timeout)
-                    moved += sum(len(chunk.data) for chunk in chunks)
-                return moved
-
-            table_bytes = sum(fanout.each({src: [] for src in range(tables)}, rows_from).values())
-        if len(addresses) < before or holding or tables is not None:  # an epoch without the removed shards,
-            set_layout(addresses if len(addresses) < before else wide, now, 0,  # the hold, the tables' freeze
-                       len(addresses) if tables is not None else 0)
-            holding = False
-    finally:
-        if holding:  # cut off: training goes on (a variable in transit waits for the resize to be run again)
+        try:
+            return _drive(resize, follower, fresh=True, drain_seconds=drain_seconds, quiet_seconds=quiet_seconds)
+        except ResizeConflictError:
+            raise
+        except PSError as exc:
+            _LOGGER.error("resize %d failed (%s): rolling it back", resize.id, exc)
             try:
-                set_layout(wide, dict(call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(),
-                                                                             timeout=t)).placement), 0)
-            except PSError as exc:
-                _LOGGER.warning("could not end the hold (step %d) after a failed resize: %s", hold, exc)
-    seconds = time.monotonic() - started if started else 0.0
+                _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"rolled back after a failure: {exc}")
+            except PSError as again:
+                raise type(exc)(f"{exc}; the rollback failed too ({again}): the resize is left cut off: run "
+                                f"ps-admin resize --resume or --abort once its lease ({lease_seconds:g} s) ran out"
+                                ) from exc
+            raise type(exc)(f"{exc}; the resize was rolled back: every variable is on a shard it was on "
+                            f"before") from exc
+    finally:
+        resize.close()
+
+
+def resume(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_seconds: float = DRAIN_SECONDS,
+           quiet_seconds: float = QUIET_SECONDS, lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
+    """Takes over the resize that was cut off (its lease ran out) and finishes it. ResizeConflictError if none
+    is, or its driver still renews it; raises as `run` does once taken over (without rolling back)."""
+    epoch, _ = _current(fanout, follower)
+    resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
+    try:
+        fanout.channels.follow(resize.wide)
+        return _drive(resize, follower, fresh=False, drain_seconds=drain_seconds, quiet_seconds=quiet_seconds)
+    finally:
+        resize.close()
+
+
+def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_seconds: float = QUIET_SECONDS,
+          lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
+    """Takes over the resize that was cut off and rolls it back (see the module docstring). ResizeConflictError
+    if none is, or its driver still renews it; PSError if a shard cannot be reached (it stays cut off)."""
+    epoch, _ = _current(fanout, follower)
+    resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
+    try:
+        fanout.channels.follow(resize.wide)
+        return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
+    finally:
+        resize.close()
+
+
+def _check_added(fanout: ShardFanout, old: list[str], addresses: list[str]) -> None:
+    """ClusterConfigError (one line) unless every shard `addresses` adds answers within ADDED_SHARD_SECONDS (or
+    the client's connect timeout if shorter) and saves checkpoints if ps 0 does."""
+    added = range(len(old), len(addresses))
+    if not added:
+        return
+    wait = min(ADDED_SHARD_SECONDS, fanout.channels.connect_timeout)
+    saves = fanout.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                        fanout.control_timeout).checkpoints
+    for shard in added:
+        try:
+            status = fanout.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                                 min(fanout.control_timeout, wait), retry_for=wait)
+        except ServerUnavailableError as exc:
+            raise ClusterConfigError(f"ps {shard} at {addresses[shard]} does not answer: start it first "
+                                     f"(ps-server --index {shard} --join ...; {exc})") from None
+        if saves and not status.checkpoints:
+            raise ClusterConfigError(f"ps {shard} at {addresses[shard]} runs without --checkpoint-dir while the "
+                                     f"job's shards save checkpoints: start it with the job's --checkpoint-dir "
+                                     f"(it starts empty, its own journal there)")
+
+
+def _check_copies(held: dict[int, list[tuple[str, int]]], placement: dict[str, int], added: range) -> None:
+    """ResizeConflictError (one line naming both) for a variable held by two shards, held by a shard the layout
+    places it elsewhere, or held by a shard the resize adds (they start empty)."""
+    where: dict[str, int] = {}
+    for shard, variables in sorted(held.items()):
+        for name, _ in variables:
+            if name in where:
+                raise ResizeConflictError(f"variable {name!r} is held by ps {where[name]} and by ps {shard}: a "
+                                          f"resize never trusts two copies; stop the shard that should not hold it "
+                                          f"(one started with another job's state?) and start it empty (--join)")
+            where[name] = shard
+            if shard in added:
+                raise ResizeConflictError(f"ps {shard}, which the resize adds, holds {name!r} already: an added "
+                                          f"shard must start empty (ps-server --join)")
+            if placement.get(name, shard) != shard:
+                raise ResizeConflictError(f"variable {name!r} is held by ps {shard}, but the layout places it on "
+                                          f"ps {placement[name]}: a resize never trusts such a copy")
+
+
+def _complete_outboxes(resize: _Driver, placement: dict[str, int]) -> None:
+    """Finishes what an earlier resize left in an outbox: confirmed where its importer holds it, taken back
+    where the layout places it on its exporter, else imported by its importer."""
+    for source, kept in resize.outboxes(range(len(resize.wide))).items():
+        for request in kept:
+            names, target = list(request.names), request.to
+            if set(names) <= {name for name, _ in resize.held([target])[target]}:
+                resize._call(source, "ConfirmMove", ps_pb2.MoveRequest(names=names, to=target))
+                what = "confirmed"
+            elif all(placement.get(name) == source for name in names):
+                resize.relay(source, source, ps_pb2.MoveRequest(names=names, to=target))
+                what = "taken back"
+            else:
+                resize.relay(source, target, ps_pb2.MoveRequest(names=names, to=target))
+                what = "imported"
+            _LOGGER.info("an export cut off earlier (%d variables of ps %d for ps %d) %s", len(names), source,
+                         target, what)
+
+
+def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seconds: float,
+           quiet_seconds: float) -> ResizeReport:
+    """The resize's steps from the hold on (see the module docstring); ends it done."""
+    before, after, wide = resize.before, resize.after, resize.wide
+    config = resize._call(0, "GetStatus", ps_pb2.StatusRequest()).config
+    added = range(len(before), len(after))
+    held = resize.held(range(len(wide)))
+    current = dict(resize.layout(0).placement)
+    if not fresh:  # (`run` checked before it began)
+        _check_copies(held, current, range(0))
+    resize._each(added, lambda shard, _: resize._call(shard, "Configure", config))
+    current.update({name: shard for shard, variables in held.items() for name, _ in variables})
+    if config.mode == "sync":
+        resize.hold_job(current, quiet_seconds)
+        resize.report(_ACTION.PLAN, hold_from_step=resize.hold)
+    _complete_outboxes(resize, current)
+    held = resize.held(range(len(wide)))
+    placement = plan(held, len(after), balance=len(after) >= len(before))
+    source = {name: shard for shard, variables in held.items() for name, _ in variables}
+    sizes = {name: nbytes for variables in held.values() for name, nbytes in variables}
+    moving = sorted((name for name in placement if source[name] != placement[name]), key=lambda n: (-sizes[n], n))
+    resize.report(_ACTION.PLAN, hold_from_step=resize.hold, moves=[
+        ps_pb2.ResizeMove(name=name, from_shard=source[name], to=placement[name], bytes=sizes[name])
+        for name in moving])
+    now = dict(source)
+    for batch in _batches(moving, sizes, BATCH_BYTES) or ([[]] if len(after) != len(before) else []):
+        for name in batch:
+            now[name] = placement[name]
+        resize.set_layout(wide, now, resize.hold, members=resize.job)
+        pairs: dict[tuple[int, int], list[str]] = {}
+        for name in batch:
+            pairs.setdefault((source[name], placement[name]), []).append(name)
+
+        def move_from(shard: int, _, pairs=pairs) -> None:
+            for (src, dst), names in sorted(pairs.items()):
+                if src == shard:
+                    resize.relay(src, dst, ps_pb2.MoveRequest(names=names, epoch=resize.epoch, to=dst))
+
+        resize._each({src: None for src, _ in pairs}, move_from)
+        if batch:
+            resize.report(_ACTION.MOVED, moves=[ps_pb2.ResizeMove(name=name, status=_STATUS.CONFIRMED)
+                                                for name in batch])
+    table_bytes = _relayout_tables(resize, now, len(after))
+    if len(after) < len(before) or resize.hold or table_bytes is not None:  # an epoch without the removed shards,
+        resize.set_layout(after if len(after) < len(before) else wide, now, 0,  # the hold, the tables' freeze
+                          len(after) if table_bytes is not None else 0)
+    seconds = time.monotonic() - resize.started if resize.started else 0.0
+    resize.report(_ACTION.END, phase=_PHASE.DONE, why=f"{len(moving)} variables moved")
     stopped = []
-    if len(addresses) < before:
+    if len(after) < len(before):
         time.sleep(drain_seconds)  # the removed shards keep answering LayoutChangedError meanwhile
-        gone = {s: [] for s in range(len(addresses), before)}
-        fanout.each(gone, lambda shard, _: call(shard, lambda stub, t: stub.Shutdown(
-            ps_pb2.ShutdownRequest(reason=f"removed from the job at layout epoch {epoch}"), timeout=t)))
-        stopped = old[len(addresses):]
+        gone = range(len(after), len(before))
+        resize._each(gone, lambda shard, _: resize._call(shard, "Shutdown", ps_pb2.ShutdownRequest(
+            reason=f"removed from the job at layout epoch {resize.epoch}")))
+        stopped = before[len(after):]
     follower.refresh()
-    report = ResizeReport(epoch, before, len(addresses), len(moving), sum(sizes[n] for n in moving), seconds,
-                          stopped, table_bytes)
+    report = ResizeReport(resize.epoch, len(before), len(after), len(moving), sum(sizes[n] for n in moving), seconds,
+                          stopped, table_bytes or 0, resize.id)
     _LOGGER.info("%s", report.line())
     return report
 
 
-def _table_sources(fanout: ShardFanout, shards, count: int) -> int | None:
+def _relayout_tables(resize: _Driver, now: dict[str, int], count: int) -> int | None:
+    """Re-lays the embedding tables out onto `count` shards (module docstring, step 5); the bytes relayed,
+    None if the job has none to re-lay out."""
+    tables = _table_sources(resize, range(max(len(resize.wide), count)), count)
+    if tables is None:
+        return None
+    resize.set_layout(resize.wide, now, resize.hold, count)
+
+    def rows_from(src: int, _) -> int:  # the old shards at once, each to one shard at a time
+        return sum(resize.relay(src, dst, ps_pb2.MoveRequest(epoch=resize.epoch, to=dst, tables=True))
+                   for dst in range(count))
+
+    return sum(resize._each(range(tables), rows_from).values())
+
+
+def _roll_back(resize: _Driver, follower: LayoutFollower, *, quiet_seconds: float, why: str) -> ResizeReport:
+    """Rolls the resize back (see the module docstring) and records it aborted."""
+    before, wide = resize.before, resize.wide
+    shards = range(len(wide))
+    current = dict(resize.layout(0).placement)
+    current.update({name: shard for shard, variables in resize.held(shards).items() for name, _ in variables})
+    kept = {source: entries for source, entries in resize.outboxes(shards).items() if entries}
+    if kept and resize._call(0, "GetStatus", ps_pb2.StatusRequest()).config.mode == "sync":
+        resize.hold_job(current, quiet_seconds)  # a shard takes a variable back only quiet under a hold
+    fenced = dict(current)
+    for source, entries in kept.items():
+        for request in entries:
+            fenced.update({name: source for name in request.names})
+    if kept:  # from here no shard takes a variable in transit in but its old one
+        resize.set_layout(wide, fenced, resize.hold)
+    held = resize.held(shards)
+    returned: list[tuple[str, int]] = []
+    for source, entries in kept.items():
+        for request in entries:
+            names, target = list(request.names), request.to
+            if set(names) <= {name for name, _ in held.get(target, [])}:  # taken in before the fence: it stays
+                resize._call(source, "ConfirmMove", ps_pb2.MoveRequest(names=names, to=target))
+                _report_moved(resize, names, _STATUS.CONFIRMED)
+            else:
+                nbytes = resize.relay(source, source, ps_pb2.MoveRequest(names=names, to=target))
+                returned += [(name, nbytes) for name in names]
+                _report_moved(resize, names, _STATUS.RETURNED)
+    held = resize.held(shards)
+    where = {name: shard for shard, variables in held.items() for name, _ in variables}
+    used = max([len(before) - 1, *where.values()]) + 1
+    resize.set_layout(wide[:used], where, 0)  # every variable where it is, the hold ended
+    seconds = time.monotonic() - resize.started if resize.started else 0.0
+    resize.report(_ACTION.END, phase=_PHASE.ABORTED, why=why[:1000])
+    follower.refresh()
+    report = ResizeReport(resize.epoch, len(before), used, len(returned), sum(n for _, n in returned), seconds, [],
+                          resize_id=resize.id, outcome="aborted")
+    _LOGGER.warning("%s (%s)", report.line(), why)
+    return report
+
+
+def _report_moved(resize: _Driver, names: list[str], status: int) -> None:
+    """Records `names` at `status`, those of them the resize planned (not an earlier resize's leftovers)."""
+    planned = {move.name for move in state(resize.fanout).moves}
+    moves = [ps_pb2.ResizeMove(name=name, status=status) for name in names if name in planned]
+    if moves:
+        resize.report(_ACTION.MOVED, moves=moves)
+
+
+def _table_sources(resize: _Driver, shards, count: int) -> int | None:
     """How many old shards' embedding-table rows a re-layout onto `count` shards takes (ListTables on
     `shards`): the count the tables are spread over where a shard still holds them so, if not `count`; None if
     the job has no tables, or every one of the `count` shards holds them spread over `count`; else 0 (a
     re-layout cut off before its end epoch: only that epoch is set again)."""
-    listed = fanout.each({s: [] for s in shards}, lambda shard, _: fanout.call(
-        shard, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(), timeout=t), fanout.control_timeout))
+    listed = resize._each(shards, lambda shard, _: resize._call(shard, "ListTables", ps_pb2.ListRequest()))
     counts = {s: {info.num_shards for info in reply.tables} for s, reply in listed.items()}
     if not any(counts.values()):
         return None
@@ -315,10 +619,3 @@ def _table_sources(fanout: ShardFanout, shards, count: int) -> int | None:
     if old:
         return old.pop()
     return 0 if any(not counts.get(s) for s in range(count)) else None
-
-
-def _held(fanout: ShardFanout, shards) -> dict[int, list[tuple[str, int]]]:
-    """{shard: [(name, bytes)]} of the variables each of `shards` holds."""
-    listed = fanout.each({s: [] for s in shards}, lambda shard, _: fanout.call(
-        shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t), fanout.control_timeout))
-    return {s: [(v.spec.name, v.nbytes) for v in listed[s].variables] for s in shards}

@@ -33,6 +33,7 @@ from typing import Callable, Mapping
 from ..errors import InvalidArgumentError, ServerUnavailableError
 from .aggregation import PendingSteps
 from .ledger import PushLedger
+from .locks import checked
 from .membership import Membership
 from .modes import SyncConfig, quorum_for
 from .recording import Recorder
@@ -54,7 +55,7 @@ class Bookkeeping:
 
     def __init__(self, store: VariableStore, recorder: Recorder, clock: Callable[[], float],
                  membership: Membership | None = None):
-        lock = threading.RLock()
+        lock = checked(threading.RLock(), "bookkeeping", "the bookkeeping condition")
         self.cond = WatchedCondition(lock, lambda: store.step)  # waits of threads or of an event loop
         self.reaper_wake = threading.Condition(lock)
         self.store = store
@@ -191,8 +192,8 @@ class Bookkeeping:
 
     def catch_up(self, step: int, by: str, *, pushed: bool = False) -> None:
         """A shard without the job's latest state (restored from an older checkpoint) adopts a later step a
-        client shows, as far as the chief vouches for (step_clock.py); a push at its own step shows it is
-        not behind either (holds cond)."""
+        client's write (Join, Heartbeat, Push) shows, as far as the chief vouches for (step_clock.py; a read
+        never comes here); a push at its own step shows it is not behind either (holds cond)."""
         target = self.clock.catch_up_to(step, by)
         if target is None:
             return

@@ -39,6 +39,7 @@ from ..errors import CheckpointError, InvalidArgumentError
 from ..partitioning import partitioner_from_dict, piece_names, row_ranges
 from ..placement import Placement
 from . import table_state
+from .entries import decode_entries
 
 __all__ = ["FORMAT", "MANIFEST_FORMAT", "FORMAT_TABLES", "MANIFEST_FORMAT_TABLES", "write_shard", "commit",
            "latest_committed", "load", "restore_state", "relayout", "clean_partial", "write_atomic", "fsync_dir"]
@@ -96,35 +97,74 @@ def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict
     return path, size
 
 
-def commit(directory: str | os.PathLike, step: int, manifest: dict, shards: list[tuple[int, int, int]],
+def commit(directory: str | os.PathLike, step: int, manifest: dict, shards: list[tuple[int, int, int, int]],
            keep: int) -> pathlib.Path:
-    """Phase 2: checks every shard's file (index, bytes, state step, tables), writes the manifest, prunes.
+    """Phase 2: checks every shard's file (index, bytes, state step, layout epoch, tables, variables), writes
+    the manifest, prunes.
 
-    The manifest's "tables" come from the shard files, which must all hold the
-    same tables (table_state.manifest_tables); each file's table section is
-    read memory-mapped, its rows left on disk. CheckpointError names a missing
-    or different file: the checkpoint is then not committed.
+    Every file must be of one layout epoch (a live resize that moved
+    variables between two shards' saves would leave one in two files or in
+    none), and every variable the manifest names must be in exactly one file,
+    among its variables or in its outbox (an export its importer had not
+    confirmed: layout.py). The manifest's "tables" come from the shard files,
+    which must all hold the same tables (table_state.manifest_tables). Each
+    file is read memory-mapped, its tensors left on disk. CheckpointError
+    names a missing or different file, or the variable: the checkpoint is then
+    not committed.
     """
     folder = step_dir(directory, step)
-    indices = sorted(index for index, _, _ in shards)
+    indices = sorted(index for index, _, _, _ in shards)
     if indices != list(range(manifest["num_ps"])):
         raise CheckpointError(f"checkpoint {step}: shard files {indices} do not cover the {manifest['num_ps']} shards")
-    for index, nbytes, _ in shards:
+    epochs = {index: epoch for index, _, _, epoch in shards}
+    if len(set(epochs.values())) > 1:
+        raise CheckpointError(f"checkpoint {step}: the shards saved at layout epochs {epochs}: a live resize moved "
+                              f"variables between their saves; it is not committed (the next checkpoint will be)")
+    for index, nbytes, _, _ in shards:
         path = folder / f"ps-{index}.pt"
         size = path.stat().st_size if path.is_file() else None
         if size != nbytes:
             raise CheckpointError(
                 f"checkpoint {step}: {path} is {'missing' if size is None else f'{size} bytes'} where shard {index} "
                 f"wrote {nbytes}; every shard must share one --checkpoint-dir")
-    tables = table_state.manifest_tables({index: _table_section(folder / f"ps-{index}.pt") for index in indices},
+    states = {index: load(folder / f"ps-{index}.pt", mmap=True) for index in indices}
+    tables = table_state.manifest_tables({index: state.get("tables", []) for index, state in states.items()},
                                          manifest["num_ps"], f"checkpoint {step}")
+    _check_each_once([name for name, _ in manifest["variables"]], states, step)
     body = {**manifest, "format": MANIFEST_FORMAT_TABLES if tables else MANIFEST_FORMAT, "step": step,
             "tables": tables,
-            "shards": [{"index": i, "file": f"ps-{i}.pt", "bytes": b, "state_step": s} for i, b, s in sorted(shards)]}
+            "shards": [{"index": i, "file": f"ps-{i}.pt", "bytes": b, "state_step": s}
+                       for i, b, s, _ in sorted(shards)]}
     path = folder / MANIFEST
     write_atomic(path, lambda f: f.write(json.dumps(body, indent=1).encode()))
     _prune(pathlib.Path(directory), keep)
     return path
+
+
+def held_entries(state: dict[str, Any]) -> list[dict]:
+    """A shard state's variable entries: those it holds, then those its outbox keeps (layout.py), decoded
+    where an older journal kept them as bytes."""
+    kept = []
+    for names, _, entries, *_ in (state.get("layout") or {}).get("outbox", []):
+        if isinstance(entries, (bytes, bytearray)):  # a shard file of an older torchps
+            entries = decode_entries(bytes(entries))
+        kept += entries
+    return list(state["variables"]) + kept
+
+
+def _check_each_once(names: list[str], states: dict[int, dict], step: int) -> None:
+    """CheckpointError naming the first of `names` not in exactly one of the shard `states`."""
+    where: dict[str, list[int]] = {}
+    for index, state in sorted(states.items()):
+        for entry in held_entries(state):
+            where.setdefault(entry["name"], []).append(index)
+    for name in names:
+        found = where.get(name, [])
+        if len(found) != 1:
+            raise CheckpointError(f"checkpoint {step}: variable {name!r} is in "
+                                  f"{'no shard file' if not found else f'the files of ps {found}'}; a checkpoint "
+                                  f"holds each variable exactly once (a live resize moving it?): it is not "
+                                  f"committed (the next checkpoint will be)")
 
 
 def _steps(directory: pathlib.Path) -> list[int]:
@@ -198,18 +238,14 @@ def load(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]:
     return state
 
 
-def _table_section(path: pathlib.Path) -> object:
-    """The table section of a shard file (empty if it has none), read without its rows."""
-    return load(path, mmap=True).get("tables", [])
-
-
 def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, *,
-                  max_bytes: int = 0, new_job: bool = False) -> dict[str, Any] | None:
+                  max_bytes: int = 0, new_job: bool = False, join_past: bool = False) -> dict[str, Any] | None:
     """The state shard `index` of `num_ps` starts from: the newest committed checkpoint in `directory`
     (its own file when the shard count is the same or not given, else a re-layout), or None if there is none.
     A checkpoint saved after a live resize is re-laid out for a `new_job` (--restore-from): it starts at
     layout epoch 0, placed as every client computes; a shard restarting in its job (--checkpoint-dir) takes
-    its own file, its layout epoch with it.
+    its own file, its layout epoch with it. A shard past the checkpoint's shards restarting in its job starts
+    empty (None: a live resize adds it) when `num_ps` is not given or with `join_past`.
 
     Shard files are mapped, not read whole: only what this shard takes is
     read, into memory of its own. CheckpointError if that is over `max_bytes`
@@ -218,8 +254,10 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, 
     if found is None:
         return None
     step, manifest = found
-    if num_ps is None and not new_job and index >= manifest["num_ps"]:
-        return None  # a standalone shard past the checkpoint's shards: added live (a resize brings its variables)
+    if (num_ps is None or join_past) and not new_job and index >= manifest["num_ps"]:
+        _LOGGER.info("ps %d starts empty: its index is past the %d shards of the newest checkpoint (%d), so it "
+                     "joins the running job and a live resize brings its variables", index, manifest["num_ps"], step)
+        return None
     resized = manifest.get("layout", {}).get("epoch", 0)  # saved after a live resize: placed as its layout said
     if (num_ps is None or manifest["num_ps"] == num_ps) and not (resized and new_job):
         path = step_dir(directory, step) / f"ps-{index}.pt"
@@ -259,7 +297,7 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
     states = [load(path, mmap=True) for path in paths]  # read as used: this shard's part, not every file whole
     tables = table_state.relayout(manifest, [(s.get("tables"), str(p)) for s, p in zip(states, paths)], index, num_ps,
                                   f"checkpoint {step} of {directory}")
-    by_name = {v["name"]: v for state in states for v in state["variables"]}
+    by_name = {v["name"]: v for state in states for v in held_entries(state)}
     variables = [_gather(name, *recut[name], by_name) if name in recut else by_name[name]
                  for name in mine if name in recut or name in by_name]
     _LOGGER.info("re-layout: checkpoint %d from %d shards -> shard %d of %d takes %d variables and its rows of %d "

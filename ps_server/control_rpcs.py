@@ -120,7 +120,8 @@ class ControlRPCs:
                      request.step, path, size)
         if self.metrics is not None:
             self.metrics.saved(time.monotonic() - started)
-        return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size, index=self.index)
+        return ps_pb2.SaveResponse(step=state["step"], path=str(path), bytes=size, index=self.index,
+                                   layout_epoch=state.get("layout", {}).get("epoch", 0))
 
     @map_errors
     def CommitCheckpoint(self, request, context):
@@ -133,7 +134,7 @@ class ControlRPCs:
         if self.index != 0:
             raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
         manifest = _placement_manifest(request.manifest_json)
-        shards = [(s.index, s.bytes, s.step) for s in request.shards]
+        shards = [(s.index, s.bytes, s.step, s.layout_epoch) for s in request.shards]
         try:
             path = checkpoint.commit(self.checkpoint_dir, request.step, manifest, shards, request.keep)
         except OSError as exc:

@@ -22,7 +22,7 @@ worker is more than max_staleness pushes ahead of the slowest live worker.
 Every wait ends: at the call's deadline (at most MAX_WAIT_SECONDS) with
 WaitTimeoutError, at close() with ServerUnavailableError, or when the caller
 went away (`cancelled()`, checked after wake()). Who may move the step of a
-shard restored from an older checkpoint (`by`: CHIEF, WORKER, READER) is
+shard restored from an older checkpoint (`by`: CHIEF, WORKER) is
 step_clock.py's "Authority over the step".
 """
 
@@ -48,17 +48,19 @@ from .gate import ApplyGate
 from .layout import ShardLayout
 from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig
-from .moves import Moves
+from .entries import decode_entries
+from .moves import KINDS as MOVE_KINDS, Moves
+from .resizes import ResizeOwner
 from .pushes import PushPath
 from .recording import Recorder
 from .replay import replay
 from .snapshots import Saves, state_of
-from .step_clock import CHIEF, MAX_WAIT_SECONDS, READER, WORKER
+from .step_clock import CHIEF, MAX_WAIT_SECONDS, WORKER
 from .store import NewVariable, VariableStore
 from .tables import TableStore, split_rows
 from .waits import Wait, Waiting, WaitLimit, run_blocking
 
-__all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP", "CHIEF", "WORKER", "READER"]
+__all__ = ["Coordinator", "MAX_WAIT_SECONDS", "MAX_STEP", "CHIEF", "WORKER"]
 
 _LOGGER = logging.getLogger(__name__)
 MAX_STEP = 1 << 62              # steps beyond this are nonsense, in every mode
@@ -87,22 +89,26 @@ class Coordinator:
 
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
                  max_waiting_calls: int = 96, threaded_waits: int | None = None, journal=None, start: bool = True,
-                 failstop: FailStop | None = None, membership: Membership | None = None, index: int = 0):
+                 failstop: FailStop | None = None, membership: Membership | None = None, index: int = 0,
+                 addresses: list[str] | tuple[str, ...] = ()):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
         self.owns_step = owns_step
         self.waits = WaitLimit(max_waiting_calls, threaded_waits)
         self.gate = ApplyGate()
-        self.layout = ShardLayout(index)  # the layout epoch and what left this shard (live resize)
+        self.layout = ShardLayout(index, addresses)  # the layout epoch and what left this shard (live resize)
+        self.resizes = ResizeOwner() if owns_step else None  # the job's live resize: ps 0 owns it (resizes.py)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
-                                                                  with_pending=True, then=then, copy=False,
-                                                                  layout=self.layout))
+                                                                  with_pending=True, then=then,
+                                                                  layout=self.layout, resize=self.resizes))
         self._book = book = Bookkeeping(store, self.recorder, clock, membership)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
-                                                                         with_pending=False, layout=self.layout))
-        self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step)
+                                                                         with_pending=False, layout=self.layout,
+                                                                         resize=self.resizes))
+        self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step,
+                           owner=self.resizes)
         self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, self.layout,
                                 owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
@@ -110,6 +116,7 @@ class Coordinator:
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
+        self._hold_leases = self.failstop.thread(self.moves.run_hold_lease, name="hold-lease")
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -123,6 +130,7 @@ class Coordinator:
                 self._started = True
                 self._book.end_grace_if_started()
                 self._reaper.start()
+                self._hold_leases.start()
                 self._start_applier()
 
     def attach_journal(self, journal) -> None:
@@ -282,13 +290,15 @@ class Coordinator:
         with self._book.cond:
             self._book.restore(state, exact=exact)
             self.queues.restore(state.get("queues"))
-            self.layout.restore(state.get("layout"))
+            self.layout.restore(state.get("layout"), decode_entries)
+            if self.resizes is not None:
+                self.resizes.restore(state.get("resize"))
             self._start_applier()
 
     def replay(self, record) -> bool:
         """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
         of the job's end (finish)."""
-        if record.kind in ("layout", "export", "import", "table_export", "table_import"):
+        if record.kind in MOVE_KINDS:
             self.moves.replay(record.kind, record.meta, record.tensors)
             return False
         return replay(self._book, self.tables, self.queues, record)
@@ -347,6 +357,7 @@ class Coordinator:
         """Ends every wait (ServerUnavailableError), stops the reaper and the applier, and lets a journal
         compaction in progress finish."""
         self._book.close()
+        self.moves.close()
         self.store.close()  # waits for variables end too
         self.tables.close()
         self.wait_for_compaction(MAX_WAIT_SECONDS)
@@ -415,21 +426,20 @@ class Coordinator:
         return (yield from self._pushes.push(worker, incarnation, seq, step, grads, table_rows, step_increment,
                                              cancelled, hold, deadline, by, received, repeat, layout_epoch))
 
-    def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
-                      by: str = CHIEF) -> int:
+    def wait_for_step(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER) -> int:
         """step_waiting (which see), waiting in this thread."""
-        return run_blocking(self.step_waiting(min_step, timeout, cancelled, by=by))
+        return run_blocking(self.step_waiting(min_step, timeout, cancelled))
 
-    def step_waiting(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER, *,
-                     by: str = CHIEF) -> Waiting[int]:
+    def step_waiting(self, min_step: int, timeout: float | None, cancelled: Callable[[], bool] = _NEVER
+                     ) -> Waiting[int]:
         """Waits until the shard's step reaches `min_step`; returns it. WaitTimeoutError after `timeout` s.
-        `by`: who makes the call (see "Authority over the step"). A generator, as push_waiting."""
+        A read: `min_step` never moves the step, whoever asks (see "Authority over the step"). A generator,
+        as push_waiting."""
         self._check_step(min_step, "min_step")
         book = self._book
         deadline = book.clock.deadline(timeout)
         with book.cond:
             book.check_open()
-            book.catch_up(min_step, by)
             reached = self.store.step >= min_step
         if not reached:
             with self.waits.slot("pull"):
@@ -451,7 +461,8 @@ class Coordinator:
     def state(self, *, with_pending: bool) -> dict:
         """The whole state now (takes the apply gate alone while it copies)."""
         with self.gate.snapshot():
-            return state_of(self._book, self.store, self.tables, self.queues, with_pending=with_pending)
+            return state_of(self._book, self.store, self.tables, self.queues, with_pending=with_pending,
+                            layout=self.layout, resize=self.resizes)
 
     @staticmethod
     def _check_step(step: int, what: str) -> None:

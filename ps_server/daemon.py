@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from grpc_health.v1 import health
 
+from ..access import describe
 from ..cli import INTERRUPTED, USAGE_ERROR
 from ..cluster import Cluster
 from ..errors import ClusterConfigError, PSError
@@ -40,19 +41,29 @@ STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before t
 SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
 
 
-def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int) -> dict | None:
-    """The state to start from: the newest committed checkpoint under --checkpoint-dir, else one of
-    --restore-from (re-laid out for this cluster, embedding tables included), else None. Without a shard
-    count (a standalone shard) the checkpoint is taken as written for this layout. Blocks while the files
+def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int, *, journaled: bool = False
+                  ) -> dict | None:
+    """The state to start from: none with --join (a shard a live resize adds); else the newest committed
+    checkpoint under --checkpoint-dir, else one of --restore-from (re-laid out for this cluster, embedding
+    tables included), else None. Without a shard count (a standalone shard) the checkpoint is taken as
+    written for this layout. A `journaled` shard (its journal empty) whose index is past the newest
+    checkpoint's shards starts empty too: it can only be one a live resize adds (a restart of the job on
+    more shards finds the old shards' journals of fewer shards, and those refuse it). Blocks while the files
     are read; CheckpointError for a checkpoint that is damaged or incomplete (tables included), or whose part
     for this shard is over --max-memory: the shard then does not start."""
     num_ps = cluster.num_ps if cluster is not None else args.num_ps
+    if args.join:
+        if args.restore_from:
+            raise ClusterConfigError("--join starts a shard empty, --restore-from from a checkpoint: pass one")
+        _LOGGER.info("ps %d joins a running job: it starts empty, and a live resize brings its variables", index)
+        return None
     if args.restore_from and not num_ps:
         raise ClusterConfigError("--restore-from needs the number of shards: pass --cluster or --num-ps")
     for directory in (args.checkpoint_dir, args.restore_from):
         if directory:
             state = checkpoint.restore_state(directory, index, num_ps, max_bytes=args.max_memory,
-                                             new_job=directory != args.checkpoint_dir)
+                                             new_job=directory != args.checkpoint_dir,
+                                             join_past=journaled and directory == args.checkpoint_dir)
             if state is not None:
                 return state
     if args.restore_from:
@@ -123,7 +134,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         journal = open_journal(args, cluster, index, failstop.fatal)
         if args.checkpoint_dir:
             checkpoint.clean_partial(args.checkpoint_dir, index)
-        restore = initial_state(args, cluster, index) if journal is None or not journal.holds_state() else None
+        restore = initial_state(args, cluster, index, journaled=journal is not None) \
+            if journal is None or not journal.holds_state() else None
         stop = threading.Event()
         metrics = ShardMetrics(args.metrics_port) if args.metrics_port is not None else None
         server, port, coordinator = create_server(
@@ -133,7 +145,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             quotas=Quotas(max_memory=args.max_memory, max_variable_bytes=args.max_variable_bytes,
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
             metrics=metrics, reflection=args.reflection, failstop=failstop, workers=_spec_workers(cluster),
-            elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds)
+            elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds,
+            addresses=tuple(cluster.ps) if cluster is not None else ())
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)
@@ -166,6 +179,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _LOGGER.info("ps %d holds at most %d bytes (--max-memory)", index, args.max_memory)
     _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                  "INSECURE: no TLS, no token" if security.insecure else mode)
+    _LOGGER.info("ps %d security policy: %s", index, describe(security))
     if metrics is not None:
         _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
     # Waits in short slices: a signal the kernel hands to one of gRPC's threads only sets a flag, which the

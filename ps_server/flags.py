@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "cut and placed again, embedding tables' rows moved to the shard their id partition names, "
                         "with their optimizer state; a checkpoint missing any part is refused")
     parser.add_argument("--num-ps", type=int, help="shards in the cluster, for --restore-from without --cluster")
+    parser.add_argument("--join", action="store_true", help="this shard joins a running job (ps-admin resize adds "
+                        "it): it starts empty, whatever --checkpoint-dir holds, with its own journal there, and "
+                        "the resize brings its variables (the default for a journaled shard whose index is past "
+                        "the newest checkpoint's shards and that has no journal yet)")
     parser.add_argument("--journal-dir", help="record every change here before acknowledging it, and recover from it "
                         "after a crash with nothing acknowledged lost (default: CHECKPOINT_DIR/journal/ps-INDEX)")
     parser.add_argument("--no-journal", action="store_true", help="no journal: a restarted shard falls back to the "

@@ -1,6 +1,6 @@
 """The shard's job-structure RPCs, a part of its servicer (servicer.ParameterServerServicer mixes it in):
-embedding tables (CreateTables, LookupRows, ListTables), data queues (ps 0's: CreateDataQueue,
-TakeDataShard, GetDataQueue) and live resizes (GetLayout, SetLayout, ExportVariables, ImportVariables). Each
+embedding tables (CreateTables, LookupRows, ListTables) and data queues (ps 0's: CreateDataQueue,
+TakeDataShard, GetDataQueue); live resizes are resize_rpcs.py's. Each
 body is blocking code on the shard's pool (edge.py). The mixin reads the servicer's store, coordinator,
 authority, index, quotas and queue desk.
 """
@@ -11,10 +11,10 @@ import logging
 import math
 
 from .. import codec, rows, wire
-from ..errors import InvalidArgumentError, MalformedStreamError, ModeConflictError, PermissionDeniedError
+from ..errors import InvalidArgumentError, ModeConflictError, PermissionDeniedError
 from ..proto import ps_pb2
 from .dataqueue import QueueSpec
-from .rpc_support import MAX_LIST_WAIT_SECONDS, decoded, map_errors, require_active
+from .rpc_support import MAX_LIST_WAIT_SECONDS, map_errors
 
 __all__ = ["JobRPCs"]
 
@@ -22,7 +22,7 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class JobRPCs:
-    """Table, data-queue and live-resize RPCs of ParameterServerServicer."""
+    """Table and data-queue RPCs of ParameterServerServicer."""
 
     @map_errors
     def CreateTables(self, request, context):
@@ -109,81 +109,6 @@ class JobRPCs:
             held=[_data_shard(spec.name, lease) for lease in status["held"]],
             holders=[lease.worker for lease in status["held"]], reclaimed=status["reclaimed"],
             requeued_examples=status["requeued_examples"], duplicates=status["duplicates"])
-
-    # -- live resize (moves.py, layout.py) ------------------------------------------------------------
-
-    @map_errors
-    def GetLayout(self, request, context):
-        epoch, addresses, placement = self.coordinator.layout.layout()
-        held = self.coordinator.tables.held()
-        members, grace_left = self.coordinator.moves.job_members()
-        return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
-            ps_pb2.MoveRequest(names=names, epoch=epoch, to=to) for names, to in self.coordinator.layout.outbox()],
-            hold_from_step=self.coordinator.layout.hold_from, quiet=self.coordinator.moves.quiet(),
-            table_shards=self.coordinator.layout.table_shards or (held[0].num_shards if held else 0),
-            members=[ps_pb2.JobMember(worker=worker, incarnation=entry["incarnation"],
-                                      counts_from=entry["counts_from"], gone=entry["gone"],
-                                      silent_seconds=entry["silent"])
-                     for worker, entry in sorted(members.items())], grace_left_seconds=grace_left)
-
-    @map_errors
-    def SetLayout(self, request, context):
-        members = {m.worker: {"incarnation": m.incarnation, "counts_from": m.counts_from, "gone": m.gone, "clock": 0,
-                              "silent": m.silent_seconds} for m in request.members}
-        if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
-                                             request.hold_from_step, request.table_shards, members,
-                                             request.grace_left_seconds):
-            hold = self.coordinator.layout.hold_from
-            relaying = self.coordinator.layout.table_shards
-            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s%s", self.index, request.epoch,
-                         len(request.addresses), len(request.placement),
-                         f", pushes from step {hold} held" if hold else "",
-                         f", embedding tables re-laid out onto {relaying} shards" if relaying else "")
-        return self.GetLayout(request, context)
-
-    @map_errors
-    def ExportVariables(self, request, context):
-        """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export)."""
-        if request.tables:
-            if request.names:
-                raise InvalidArgumentError("an export of table rows names no variables")
-            data, step = self.coordinator.moves.export_tables(request.epoch, request.to)
-        else:
-            data, step = self.coordinator.moves.export(list(request.names), request.epoch, request.to)
-        _LOGGER.info("ps %d: %s (%d bytes) exported to ps %d at layout epoch %d", self.index,
-                     "embedding-table rows" if request.tables else f"{len(request.names)} variables", len(data),
-                     request.to, request.epoch)
-        view = memoryview(data)
-        for offset in range(0, max(1, len(data)), self.max_chunk_bytes):
-            first = {"epoch": request.epoch, "from_shard": self.index, "step": step, "total_bytes": len(data),
-                     "tables": request.tables}
-            yield ps_pb2.MoveChunk(data=bytes(view[offset:offset + self.max_chunk_bytes]),
-                                   **(first if offset == 0 else {}))
-
-    @map_errors
-    def ImportVariables(self, request_iterator, context):
-        """Takes an exported state (moves.Moves.import_) once every byte its first chunk declared arrived."""
-        data, head = bytearray(), None
-        for chunk in decoded(request_iterator, ps_pb2.MoveChunk.FromString):
-            if head is None:
-                head = chunk
-                self.quotas.check_total(self.held_total(), {"imported variables": 2 * chunk.total_bytes})
-            data += chunk.data
-            if len(data) > head.total_bytes:
-                raise MalformedStreamError(f"the moved state is longer than the {head.total_bytes} bytes declared")
-        require_active(context)
-        if head is None or len(data) != head.total_bytes:
-            raise MalformedStreamError(f"the moved state ended after {len(data)} of "
-                                       f"{0 if head is None else head.total_bytes} bytes; nothing was imported")
-        if head.tables:
-            names = self.coordinator.moves.import_tables(bytes(data), head.epoch, head.from_shard, head.step)
-            _LOGGER.info("ps %d: embedding-table rows of ps %d imported at layout epoch %d%s", self.index,
-                         head.from_shard, head.epoch, f"; tables {names} built" if names else "")
-            return ps_pb2.MoveResponse(names=names, step=self.store.step)
-        names = self.coordinator.moves.import_(bytes(data), head.epoch, head.step)
-        _LOGGER.info("ps %d: %d variables imported from ps %d at layout epoch %d", self.index, len(names),
-                     head.from_shard, head.epoch)
-        return ps_pb2.MoveResponse(names=names, step=self.store.step)
 
 
 def _wait_seconds(seconds: float) -> float:

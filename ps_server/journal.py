@@ -57,6 +57,7 @@ from ..errors import CheckpointError, ClusterConfigError, ServerUnavailableError
 from . import journal_log
 from .checkpoint import fsync_dir, write_atomic
 from .journal_log import Record
+from .locks import check_unlocked, checked
 
 __all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES"]
 
@@ -110,7 +111,8 @@ class Journal:
         self.compact_factor = compact_factor
         self.min_compact_bytes = min_compact_bytes
         self._on_failure = on_failure
-        self._cond = threading.Condition(threading.Lock())  # guards everything below but the writer's own
+        # guards everything below but the writer's own
+        self._cond = threading.Condition(checked(threading.Lock(), "journal", "the journal's queue"))
         self._queue: list[tuple] = []   # ("record", number, head, views) and ("rotate", log number)
         self._appended = 0              # records numbered so far
         self._written = 0               # records written (synced, with `sync`) so far, in order
@@ -155,6 +157,15 @@ class Journal:
                 f"journal {self.directory} does not belong to this shard ({self.wanted.describe()}): {why}. Its "
                 f"state is not mixed with another layout: to start from a checkpoint instead pass --restore-from "
                 f"CHECKPOINT_DIR --replace-journal (the journal is moved aside, not deleted)")
+
+    def note_shards(self, num_ps: int) -> None:
+        """A live resize's layout epoch made the job `num_ps` shards: layout.json says so from now on (the same
+        job), so this shard restarted with the job's new cluster spec takes its journal back, and with the old
+        one refuses it. Writes the file (atomically) only when the count changes; call it holding no lock."""
+        found = self.recorded_layout()
+        if found is not None and found.num_ps not in (None, num_ps):
+            text = json.dumps(dataclasses.asdict(dataclasses.replace(found, num_ps=num_ps))).encode()
+            write_atomic(self.directory / LAYOUT, lambda f: f.write(text), sync=self.sync)
 
     def move_aside(self) -> pathlib.Path:
         """Renames the folder to FOLDER.aside-TIME (kept, never deleted) and starts an empty one; returns
@@ -289,8 +300,9 @@ class Journal:
 
     def write_base(self, number: int, state: dict) -> pathlib.Path:
         """Writes `state` (the state when log `number` began) as one record into a spare file, into the page
-        cache only (not copied first: nothing may change it meanwhile); returns that file for
-        finish_compaction()."""
+        cache only (its tensors as they are: they must not change until it returns); returns that file for
+        finish_compaction(). Call it holding no lock of the shard."""
+        check_unlocked("writes a journal base")
         path = self._take_spare(largest=False)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -307,7 +319,9 @@ class Journal:
 
     def finish_compaction(self, number: int, written: pathlib.Path) -> None:
         """Makes `written` (write_base) base `number` (synced first, with `sync`); once every record before
-        log `number` is written, retires the older bases and logs as spares."""
+        log `number` is written, retires the older bases and logs as spares. Call it holding no lock of the
+        shard."""
+        check_unlocked("finishes a journal compaction")
         if self.sync:
             fd = os.open(written, os.O_WRONLY)
             try:

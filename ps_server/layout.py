@@ -11,9 +11,12 @@ explains a name it does not hold:
   (retryable: it is on its way);
 * otherwise nothing: the caller raises UnknownVariableError as before.
 
-An export's state is kept (`outbox`) until a later epoch is set, so a
-resize cut off between an export and its import can be run again and
-receive the same state.
+An export's state is kept (`outbox`, the exported entries themselves) until
+its importer confirms it holds them (`confirm`), whatever epochs pass
+meanwhile: a resize cut off between an export and its confirmation is
+completed (the same state exported again, imported, confirmed) or rolled back
+(imported back here, which drops it from the outbox). Checkpoints and journal
+bases hold the outbox, so a variable in transit is in exactly one place.
 
 Sync jobs: a resize first sets a hold (`hold_from`, a step): pushes computed
 at it or later wait before anything of them is summed, so the steps before
@@ -22,6 +25,10 @@ without the hold ends it (`released`: that step and epoch). A push held
 then, or computed later, that was placed by an earlier epoch than the one
 that ended the hold is refused (LayoutChangedError): on every shard alike,
 so its client places the whole push anew and no shard counts it twice.
+A hold has a lease (`hold_lease`): the resize's driver renews it by setting
+the same layout again; if it runs out (the driver died), `end_hold` ends it
+as an epoch without it would, at the epoch in force (`released`: the hold's
+step and that epoch).
 
 Embedding tables: a table's rows are spread over every shard by id, so a
 resize that changes the number of shards re-lays out every table. An epoch
@@ -39,15 +46,19 @@ Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 
 from __future__ import annotations
 
+import math
 import threading
-from typing import Mapping
+import time
+from typing import Callable, Mapping
 
 from ..errors import InvalidArgumentError, LayoutChangedError, ModeConflictError, VariableMovingError
 from .locks import guarded
 
-__all__ = ["ShardLayout", "check_layout", "MAX_SHARDS"]
+__all__ = ["ShardLayout", "check_layout", "MAX_SHARDS", "HOLD_LEASE_SECONDS", "MAX_HOLD_LEASE_SECONDS"]
 
 MAX_SHARDS = 100_000
+HOLD_LEASE_SECONDS = 30.0       # a hold its resize does not renew this long ends by itself
+MAX_HOLD_LEASE_SECONDS = 3600.0
 
 
 def check_layout(epoch: int, addresses: list[str], placement: Mapping[str, int]) -> None:
@@ -63,21 +74,37 @@ def check_layout(epoch: int, addresses: list[str], placement: Mapping[str, int])
                                        f"{len(addresses)} shards")
 
 
-class ShardLayout:
-    """One shard's layout epoch, the job's placement at it, and what it exported (see the module docstring)."""
+def hold_lease_of(seconds: float) -> float:
+    """A hold's lease in seconds (0: HOLD_LEASE_SECONDS); InvalidArgumentError unless in (0, MAX]."""
+    if seconds == 0:
+        return HOLD_LEASE_SECONDS
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_HOLD_LEASE_SECONDS):
+        raise InvalidArgumentError(f"a hold's lease must be in (0, {MAX_HOLD_LEASE_SECONDS:g}] seconds. "
+                                   f"Received: {seconds}")
+    return seconds
 
-    def __init__(self, index: int) -> None:
+
+class ShardLayout:
+    """One shard's layout epoch, the job's placement at it, and what it exported (see the module docstring).
+    `addresses`: the job's shards as this shard was started with them (epoch 0; none for a standalone shard).
+    `now`: monotonic seconds (injectable)."""
+
+    def __init__(self, index: int, addresses: list[str] | tuple[str, ...] = (),
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.index = index
+        self._now = now
         self._lock = threading.Lock()
         self.epoch = 0                          # read without the lock (replies carry it)
-        self._addresses: list[str] = []
+        self._addresses: list[str] = list(addresses)
         self._placement: dict[str, int] = {}
         self._exported: dict[str, int] = {}     # name -> the shard it went to
-        self._outbox: dict[tuple[str, ...], tuple[int, bytes]] = {}  # this epoch's exports by their names: (to,
-                                                                      # state), sent again if asked
+        self._outbox: dict[tuple[str, ...], tuple[int, list, int]] = {}  # exports by their names: (to, the
+                                                # exported entries, the epoch), until their importer confirms them
         self._asked = 0                         # the hold this epoch was set with (a repeat must match it)
         self.hold_from = 0                      # pushes computed at this step or later wait (0: none); read
                                                 # without the lock
+        self._hold_lease = HOLD_LEASE_SECONDS   # the hold in force ends by itself at _hold_deadline
+        self._hold_deadline = math.inf
         self._released = (0, 0)                 # (step, epoch) of the last hold ended
         self.table_shards = 0                   # the count the tables are being re-laid out to (0: none); read
                                                 # without the lock
@@ -87,13 +114,16 @@ class ShardLayout:
 
     @guarded
     def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int], asked: int = 0,
-            hold: int = 0) -> bool:
-        """Takes a later layout (True), or the one in force again (False: nothing changes), holding pushes from
-        step `hold` (0: none; `asked`: the hold it was asked for, which a repeat must ask again).
+            hold: int = 0, lease: float = HOLD_LEASE_SECONDS) -> bool:
+        """Takes a later layout (True), or the one in force again (False: nothing changes but a hold's lease,
+        renewed for `lease` s), holding pushes from step `hold` (0: none; `asked`: the hold it was asked for,
+        which a repeat must ask again) until an epoch without it or `lease` s without a repeat.
         ModeConflictError for an earlier epoch, or another layout under this epoch; nothing changes then."""
         check_layout(epoch, addresses, placement)
         if (epoch == self.epoch and addresses == self._addresses and dict(placement) == self._placement
                 and asked == self._asked):
+            if self.hold_from:
+                self._hold_lease, self._hold_deadline = lease, self._now() + lease
             return False
         if epoch <= self.epoch:
             raise ModeConflictError(f"ps {self.index} is at layout epoch {self.epoch}; epoch {epoch} "
@@ -103,8 +133,23 @@ class ShardLayout:
             self._released = (self.hold_from, epoch)
         self.epoch, self._addresses, self._placement = epoch, list(addresses), dict(placement)
         self._asked, self.hold_from = asked, hold
-        self._outbox.clear()
+        self._hold_lease, self._hold_deadline = lease, (self._now() + lease if hold else math.inf)
         return True
+
+    @guarded
+    def hold_lease(self) -> tuple[float, float]:
+        """(the hold's lease, seconds left of it); (lease, inf) without a hold."""
+        return self._hold_lease, (self._hold_deadline - self._now() if self.hold_from else math.inf)
+
+    @guarded
+    def end_hold(self, epoch: int) -> int:
+        """Ends the hold in force at `epoch` as an epoch without it would (its lease ran out); returns its step,
+        0 if there is none at that epoch (nothing changes)."""
+        hold = self.hold_from
+        if not hold or epoch != self.epoch:
+            return 0
+        self._released, self.hold_from, self._hold_deadline = (hold, epoch), 0, math.inf
+        return hold
 
     def holds(self, step: int) -> bool:
         """Whether a push computed at `step` waits for the hold to end."""
@@ -159,28 +204,48 @@ class ShardLayout:
                                  f"ps {self.index}; nothing was changed here: ask for the layout")
 
     @guarded
-    def exported(self, names: list[str], to: int, state: bytes) -> None:
-        """Records that `names` left for shard `to` with `state` (kept for a repeated export at this epoch)."""
+    def exported(self, names: list[str], to: int, entries: list, epoch: int) -> None:
+        """Records that `names` left for shard `to` at `epoch` as `entries` (store.snapshot_of's), kept until
+        confirmed."""
         for name in names:
             self._exported[name] = to
-        self._outbox[tuple(names)] = (to, state)
+        self._outbox[tuple(names)] = (to, entries, epoch)
 
     @guarded
-    def sent(self, names: list[str]) -> bytes | None:
-        """The state exported for exactly `names` at this epoch, or None."""
+    def sent(self, names: list[str]) -> tuple[int, list] | None:
+        """(to, entries) of the kept export of exactly `names`, or None."""
         kept = self._outbox.get(tuple(names))
-        return None if kept is None else kept[1]
+        return None if kept is None else kept[:2]
 
     @guarded
-    def outbox(self) -> list[tuple[list[str], int]]:
-        """(names, to) of each export of this epoch."""
-        return [(list(names), to) for names, (to, _) in self._outbox.items()]
+    def outbox(self) -> list[tuple[list[str], int, int]]:
+        """(names, to, epoch) of each export kept."""
+        return [(list(names), to, epoch) for names, (to, _, epoch) in self._outbox.items()]
+
+    @guarded
+    def kept(self) -> list[dict]:
+        """The entries of every export kept (a checkpoint holds them with the variables)."""
+        return [entry for _, entries, _ in self._outbox.values() for entry in entries]
+
+    @guarded
+    def confirm(self, names: list[str], to: int) -> list[str]:
+        """Drops the kept exports to shard `to` all of whose names are in `names` (it holds them); returns the
+        names dropped."""
+        return self._drop(set(names), to)
 
     @guarded
     def imported(self, names: list[str]) -> None:
-        """`names` arrived here: no longer exported from here (a variable may come back in a later epoch)."""
+        """`names` arrived here: no longer exported from here (a variable may come back in a later epoch), and
+        an export of them kept here is over (a move rolled back)."""
         for name in names:
             self._exported.pop(name, None)
+        self._drop(set(names))
+
+    def _drop(self, names: set[str], to: int | None = None) -> list[str]:
+        gone = [key for key, kept in self._outbox.items() if set(key) <= names and to in (None, kept[0])]
+        for key in gone:
+            del self._outbox[key]
+        return [name for key in gone for name in key]
 
     # -- embedding tables (see the module docstring) -------------------------------------------
 
@@ -256,22 +321,27 @@ class ShardLayout:
         """The layout for a checkpoint or journal base, the outbox with it."""
         return {"epoch": self.epoch, "addresses": list(self._addresses), "placement": dict(self._placement),
                 "exported": dict(self._exported), "asked": self._asked, "hold_from": self.hold_from,
-                "released": list(self._released),
-                "outbox": [[list(names), to, state] for names, (to, state) in self._outbox.items()],
+                "released": list(self._released), "hold_lease": self._hold_lease,
+                "outbox": [[list(names), to, entries, epoch] for names, (to, entries, epoch) in self._outbox.items()],
                 "tables": {"shards": self.table_shards, "from": self._inbox_from,
                            "inbox": {str(k): v for k, v in self._inbox.items()},
                            "outbox": {str(k): v for k, v in self._table_outbox.items()}}}
 
     @guarded
-    def restore(self, state: dict | None) -> None:
-        """Takes export()'s state (None: epoch 0, nothing exported)."""
+    def restore(self, state: dict | None, decode: Callable[[bytes], list]) -> None:
+        """Takes export()'s state (None: epoch 0, nothing exported; the addresses stay the spec's). A hold
+        restored gets a whole lease from now. `decode`: an outbox kept as bytes (an older journal) to entries."""
         state = state or {}
         self.epoch = state.get("epoch", 0)
-        self._addresses = list(state.get("addresses", []))
+        self._addresses = list(state.get("addresses", [])) or self._addresses
         self._placement = dict(state.get("placement", {}))
         self._exported = dict(state.get("exported", {}))
-        self._outbox = {tuple(names): (to, data) for names, to, data in state.get("outbox", [])}
+        self._outbox = {tuple(kept[0]): (kept[1], decode(kept[2]) if isinstance(kept[2], bytes) else kept[2],
+                                         kept[3] if len(kept) > 3 else self.epoch)
+                        for kept in state.get("outbox", [])}
         self._asked, self.hold_from = state.get("asked", 0), state.get("hold_from", 0)
+        self._hold_lease = state.get("hold_lease", HOLD_LEASE_SECONDS)
+        self._hold_deadline = self._now() + self._hold_lease if self.hold_from else math.inf
         self._released = tuple(state.get("released", (0, 0)))
         tables = state.get("tables") or {}
         self.table_shards, self._inbox_from = tables.get("shards", 0), tables.get("from", 0)

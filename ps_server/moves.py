@@ -1,24 +1,36 @@
 """Live resize on one shard: taking a layout epoch, handing variables over, taking them in. No gRPC.
 
-See layout.py for what a shard answers about names it does not hold. Here:
+See layout.py for what a shard answers about names it does not hold. Every
+change here is a journal record made by one function, `_apply`, live (the
+caller checks, builds the record, applies it and queues it) and when the
+journal is replayed (`replay`), so recovery runs the live code. Here:
 * `set_layout` records the epoch (journaled before it is acknowledged),
   beginning or ending a re-layout of the embedding tables when it sets
   `table_shards` (layout.py). In sync mode it may set a hold (layout.py): from the step asked for, or
   the lowest this shard may hold from if that is later (a step it counted a
   push for must complete); a shard that holds nothing takes the hold's step
-  as its own (one added to the job starts at the job's step);
+  as its own (one added to the job starts at the job's step). The hold has a
+  lease, renewed by the same layout set again: `run_hold_lease` (a thread)
+  ends a hold whose lease ran out, as an epoch without it would, and says so;
 * `quiet` says when a sync shard's variables may move: under a hold, every
   step before it applied, nothing summed; export and import need it there;
 * `export` takes the named variables out at one instant, holding the apply
   gate alone: an update in progress finishes first and is in the state
   exported; one that comes after finds them gone (store.apply checks every
-  name before changing any) and changes nothing. The record carries the
-  state, so a shard restarted from its journal still has it to send again;
-* `import_` adds exported variables (value, optimizer state, version), and
-  moves the step counter up to the exporter's, so a checkpoint's step is
-  reached here as on the others; not on the shard that owns the step (ps 0),
-  whose count is the global step: an async exporter ahead of it by the
-  pushes in flight would count those twice there.
+  name before changing any) and changes nothing. They go into the outbox as
+  they were (no copy is made under the gate), and are encoded for the wire
+  and the journal after the gate is let go; the outbox keeps them until the
+  importer confirms them (`confirm`), and sends them again if asked, at any
+  epoch;
+* `import_` adds exported variables (value, optimizer state, version) the
+  layout in force places here, whatever epoch they were exported at (a
+  shard's own kept export too: a move rolled back), and moves the step
+  counter up to the exporter's, so a checkpoint's step is reached here as
+  on the others; not on the shard that owns the step (ps 0), whose count is
+  the global step: an async exporter ahead of it by the pushes in flight
+  would count those twice there. One import at a time: a retry that overlaps
+  its original finds it done;
+* `resize` (ps 0) changes the job's resize record (resizes.py) and journals it;
 * `export_tables` cuts every table's rows (with their optimizer state and a
   dynamic table's metadata) for each shard of the new count at one instant,
   journaled and kept; `import_tables` takes one old shard's part, and once
@@ -30,46 +42,32 @@ with weights_only (tensors, numbers, strings, lists and dicts only).
 
 from __future__ import annotations
 
-import io
+import logging
 import math
 import threading
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from ..errors import InvalidArgumentError, ModeConflictError, SpecConflictError
 from . import table_state
 from .bookkeeping import Bookkeeping
+from .entries import decode_entries, encode_entries
 from .gate import ApplyGate
-from .layout import ShardLayout
+from .layout import ShardLayout, hold_lease_of
+from .locks import checked
 from .modes import MAX_SECONDS
 from .recording import Recorder
+from .resizes import ResizeOwner
 from .store import VariableStore
 from .tables import TableStore
 
-__all__ = ["Moves", "encode_entries", "decode_entries"]
+__all__ = ["Moves", "KINDS"]
+
+_LOGGER = logging.getLogger(__name__)
 
 MAX_MEMBERS = 1_000_000  # workers a layout may name (Layout.members), as many as --elastic-workers admits
 MAX_NAME_CHARS = 256     # characters of a member's name
-
-
-def encode_entries(entries: list[dict]) -> bytes:
-    """store.snapshot() entries as bytes (torch.save)."""
-    buffer = io.BytesIO()
-    torch.save(entries, buffer)
-    return buffer.getvalue()
-
-
-def decode_entries(data: bytes) -> list[dict]:
-    """encode_entries' bytes back as entries; InvalidArgumentError if they are not such bytes."""
-    try:
-        entries = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - whatever torch.load raises for bytes that are not its own
-        raise InvalidArgumentError(f"the moved state could not be read: {exc}") from None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str)
-                                                for e in entries):
-        raise InvalidArgumentError("the moved state is not a list of variable entries")
-    return entries
 
 
 def _check_members(members: Mapping[str, dict], grace_left: float) -> None:
@@ -92,10 +90,11 @@ def _blob(data: bytes) -> dict[str, torch.Tensor]:
 
 
 class Moves:
-    """A shard's side of live resizes (see the module docstring). Thread-safe."""
+    """A shard's side of live resizes (see the module docstring). Thread-safe. `owner`: the job's resize record
+    (ps 0's; None elsewhere)."""
 
     def __init__(self, book: Bookkeeping, store: VariableStore, tables: TableStore, gate: ApplyGate,
-                 recorder: Recorder, layout: ShardLayout, *, owns_step: bool):
+                 recorder: Recorder, layout: ShardLayout, *, owns_step: bool, owner: ResizeOwner | None = None):
         self._owns_step = owns_step
         self._book = book
         self._store = store
@@ -103,24 +102,31 @@ class Moves:
         self._gate = gate
         self._recorder = recorder
         self.layout = layout
-        self._receiving = threading.Lock()  # table rows taken in (an inbox checked, then filled, at one time)
+        self.owner = owner
+        self._receiving = checked(threading.Lock(), "receiving", "an import's (moves.Moves)")  # checked, then
+                                            # made, at one time (variables or table rows)
         self._joined_at = 0  # the hold step this shard took as its own (it joined a running sync job), or 0;
                              # under the bookkeeping condition
+        self._leases = threading.Condition()  # wakes run_hold_lease: a hold set, renewed or ended, or close;
+                                              # taken alone, around the layout's own lock only
+        self._closed = False
         store.explain_missing(layout.missing)
         tables.guard(self._check_table)
 
     def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0,
-                   table_shards: int = 0, members: Mapping[str, dict] | None = None, grace_left: float = 0.0
-                   ) -> bool:
-        """Takes a later layout epoch (True) or the same again (False), holding sync pushes from `hold_from`
-        or later (see the module docstring; 0: no hold), and with `table_shards` beginning or ending a
-        re-layout of the embedding tables onto that many shards (layout.py); raises as ps.proto's SetLayout
-        says. Wakes the pushes a hold ended. A shard that took the hold step as its own takes `members`
-        (ps 0's workers, Membership.export_leases' form) and ends its startup grace in `grace_left` s
-        (Bookkeeping.take_job_members). Blocks until its journal records are written."""
+                   table_shards: int = 0, members: Mapping[str, dict] | None = None, grace_left: float = 0.0,
+                   hold_lease: float = 0.0) -> bool:
+        """Takes a later layout epoch (True) or the same again (False: renews a hold's lease), holding sync
+        pushes from `hold_from` or later (see the module docstring; 0: no hold) until an epoch without it or
+        `hold_lease` s (0: layout.HOLD_LEASE_SECONDS) without the same layout again, and with `table_shards`
+        beginning or ending a re-layout of the embedding tables onto that many shards (layout.py); raises as
+        ps.proto's SetLayout says. Wakes the pushes a hold ended. A shard that took the hold step as its own
+        takes `members` (ps 0's workers, Membership.export_leases' form) and ends its startup grace in
+        `grace_left` s (Bookkeeping.take_job_members). Blocks until its journal records are written."""
         book = self._book
         if not 0 <= hold_from < 2 ** 62:
             raise InvalidArgumentError(f"a hold's step must be in [0, 2**62). Received: {hold_from}")
+        lease = hold_lease_of(hold_lease)
         _check_members(members or {}, grace_left)
         if not 0 <= table_shards <= len(addresses):
             raise InvalidArgumentError(f"table_shards must be in [0, the layout's {len(addresses)} shards]. "
@@ -134,24 +140,60 @@ class Moves:
                      and book.pending.idle())  # a shard with table rows completes its steps as the others do
             if table_shards:
                 self.layout.relayout_tables(table_shards, self._table_count(), check_only=True)
-            changed = self.layout.set(epoch, addresses, placement, hold_from, hold)
+            meta = {"epoch": epoch, "addresses": list(addresses), "placement": dict(placement), "asked": hold_from,
+                    "hold": hold, "step": hold if adopt else None, "table_shards": table_shards, "lease": lease}
+            changed = self._apply("layout", meta)
             ticket = None
             if changed:
-                if adopt:
-                    self._store.set_step(hold)
-                    book.pending.clear()
-                    self._joined_at = hold
                 if members and hold and self._joined_at == hold:
                     book.take_job_members(members, grace_left)
-                if table_shards:
-                    self.layout.relayout_tables(table_shards, self._table_count())
-                ticket = self._recorder.log("layout", {"epoch": epoch, "addresses": list(addresses),
-                                                       "placement": dict(placement), "asked": hold_from,
-                                                       "hold": hold, "step": hold if adopt else None,
-                                                       "table_shards": table_shards})
+                ticket = self._recorder.log("layout", meta)
                 book.cond.notify_all()
+        self._wake_leases()
         self._recorder.durable(ticket)
+        if changed and self._recorder.journal is not None:
+            self._recorder.journal.note_shards(len(addresses))
         return changed
+
+    def run_hold_lease(self) -> None:
+        """Ends a hold whose lease ran out (thread body; returns at close)."""
+        while True:
+            with self._leases:
+                _, left = self.layout.hold_lease()
+                if self._closed:
+                    return
+                if left > 0:
+                    self._leases.wait(None if left == math.inf else left + 0.01)
+                    continue
+            self._end_expired_hold()
+
+    def close(self) -> None:
+        """Stops run_hold_lease."""
+        with self._leases:
+            self._closed = True
+            self._leases.notify_all()
+
+    def _wake_leases(self) -> None:
+        with self._leases:
+            self._leases.notify_all()
+
+    def _end_expired_hold(self) -> None:
+        book = self._book
+        with self._gate.change(), self._recorder.ordering, book.cond:
+            lease, left = self.layout.hold_lease()
+            epoch = self.layout.epoch
+            if left > 0:  # renewed, or ended by an epoch, meanwhile
+                return
+            meta = {"epoch": epoch}
+            hold = self._apply("hold_ended", meta)
+            ticket = self._recorder.log("hold_ended", meta) if hold else None
+            book.cond.notify_all()
+        self._recorder.durable(ticket)
+        if hold:
+            _LOGGER.warning("ps %d: the hold of pushes from step %d (layout epoch %d) ended by itself: its resize "
+                            "renewed nothing for %g s (its driver died or was cut off); held pushes go on. Run "
+                            "`ps-admin resize --resume` to finish the resize or `--abort` to roll it back",
+                            self.layout.index, hold, epoch, lease)
 
     def job_members(self) -> tuple[dict[str, dict], float]:
         """Under a sync hold: (this shard's workers, seconds until its startup grace ends), for a shard the
@@ -194,10 +236,11 @@ class Moves:
                 self._check_quiet("an export of table rows")
                 parts = {shard: encode_entries(entries)
                          for shard, entries in table_state.parts_for(table_state.section(self._tables), count).items()}
+                meta = {"shards": sorted(parts)}
                 with self._recorder.ordering:
-                    self.layout.export_tables(parts)
-                    ticket = self._recorder.log("table_export", {"shards": sorted(parts)},
-                                                {str(shard): _blob(data)["state"] for shard, data in parts.items()})
+                    self._apply("table_export", meta, parts=parts)
+                    ticket = self._recorder.log("table_export", meta, {str(shard): _blob(data)["state"]
+                                                                       for shard, data in parts.items()})
             step = self._store.step
         self._recorder.durable(ticket)
         return parts[to], step
@@ -206,18 +249,19 @@ class Moves:
         """Takes the table rows old shard `source` exported for this one, and (unless this shard owns the step)
         moves the step counter up to `step`, the exporter's, as import_ does (a row's age counts this shard's
         steps); once every old shard's rows arrived, builds this shard's tables from them (they serve again).
-        Returns the tables' names once built, else []; a repeat changes nothing. Blocks until its journal record is written. Raises (nothing changed)
-        ModeConflictError for another epoch or outside a re-layout, InvalidArgumentError for bytes that are
-        not exported rows or rows that do not fit together."""
+        Returns the tables' names once built, else []; a repeat changes nothing. Blocks until its journal
+        record is written. Raises (nothing changed) ModeConflictError for another epoch or outside a
+        re-layout, InvalidArgumentError for bytes that are not exported rows or rows that do not fit together."""
         self.layout.check_epoch(epoch, "an import of table rows")
         entries = decode_entries(data)
         sources = {entry.get("num_shards") for entry in entries}
         if len(sources) != 1 or not isinstance(next(iter(sources)), int):
             raise InvalidArgumentError("table rows name no common number of old shards; nothing was imported")
-        step = 0 if self._owns_step else step
+        meta = {"from": source, "step": 0 if self._owns_step else step}
+        blob = _blob(data)
         with self._gate.change(), self._recorder.ordering, self._receiving:  # one import at a time completes
-            built = self._receive_tables(source, sources.pop(), data, step)
-            ticket = self._recorder.log("table_import", {"from": source, "step": step}, _blob(data))
+            built = self._apply("table_import", meta, blob, data=data, sources=sources.pop())
+            ticket = self._recorder.log("table_import", meta, blob)
         self._recorder.durable(ticket)
         return built
 
@@ -249,86 +293,152 @@ class Moves:
                                     f"from {self.layout.hold_from}); nothing was changed")
 
     def export(self, names: list[str], epoch: int, to: int) -> tuple[bytes, int]:
-        """(state bytes, this shard's step) of `names`, which leave this shard for shard `to`; the same bytes
-        again for a repeated export at this epoch. Blocks while updates in progress finish, then until its
-        journal record is written. ModeConflictError for another epoch than the one set;
-        UnknownVariableError for a name neither held nor exported."""
+        """(state bytes, this shard's step) of `names`, which leave this shard for shard `to`; the same state
+        again for names whose export is kept (at any epoch, until confirmed). Blocks while updates in
+        progress finish, then until its journal record is written. Raises (nothing changed)
+        ModeConflictError for another epoch than the one set (or, sync, unless quiet); UnknownVariableError
+        for a name neither held nor kept; InvalidArgumentError for names kept for another shard."""
         if not names or len(set(names)) != len(names):
             raise InvalidArgumentError("an export names its variables, each once")
-        self.layout.check_epoch(epoch, "an export")
         if to == self.layout.index:
             raise InvalidArgumentError(f"ps {to} cannot export to itself")
+        kept = self.layout.sent(names)
+        if kept is not None:
+            return self._send_again(names, to, kept)
+        self.layout.check_epoch(epoch, "an export")
         with self._gate.snapshot():
-            again = self.layout.sent(names)
-            if again is not None:
-                return again, self._store.step
-            self._check_quiet("an export")
-            for name in names:
-                self._store.get(name)  # UnknownVariableError (or the layout's answer) before anything changes
-            data = encode_entries(self._store.snapshot_of(names))
-            with self._recorder.ordering:
-                self._store.remove(names)
-                self.layout.exported(names, to, data)
-                ticket = self._recorder.log("export", {"names": names, "to": to}, _blob(data))
+            kept = self.layout.sent(names)  # the same export, made meanwhile
+            if kept is None:
+                self._check_quiet("an export")
+                entries = self._store.snapshot_of(names, copy=False)  # UnknownVariableError: nothing changed
+                meta = {"names": names, "to": to, "epoch": epoch}
+                with self._recorder.ordering:
+                    self._apply("export", meta, entries=entries)
             step = self._store.step
-        self._recorder.durable(ticket)
+        if kept is not None:
+            return self._send_again(names, to, kept)
+        # Encoded and recorded once out of the gate (the outbox holds the entries meanwhile, so a compaction
+        # or a checkpoint in between has them; replaying the record then finds them there already).
+        data = encode_entries(entries)
+        self._recorder.durable(self._recorder.log("export", meta, _blob(data)))
         return data, step
 
+    def _send_again(self, names: list[str], to: int, kept: tuple[int, list]) -> tuple[bytes, int]:
+        if kept[0] != to:
+            raise InvalidArgumentError(f"ps {self.layout.index} exported {names} to ps {kept[0]}, not ps {to}; "
+                                       f"nothing was sent")
+        return encode_entries(kept[1]), self._store.step
+
     def import_(self, data: bytes, epoch: int, step: int) -> list[str]:
-        """Takes the variables in `data` (export's bytes) and, unless this shard owns the step, moves the step
-        counter up to `step`; returns their names. Variables already held that came at this epoch are kept as
-        they are (a repeated import).
-        Blocks until its journal record is written. Raises (nothing changed) ModeConflictError for another
-        epoch than the one set, SpecConflictError for a name held from before, InvalidArgumentError for
-        bytes that are not exported state."""
-        self.layout.check_epoch(epoch, "an import")
+        """Takes the variables in `data` (export's bytes, at any epoch `epoch`) and, unless this shard owns the
+        step, moves the step counter up to `step`; returns their names. Variables already held (all of them)
+        are a repeated import: kept as they are. Blocks until its journal record is written. Raises (nothing
+        changed) ModeConflictError for a name the layout in force does not place here (or, sync, unless
+        quiet), SpecConflictError for some of the names held already, InvalidArgumentError for bytes that
+        are not exported state."""
         entries = decode_entries(data)
         names = [entry["name"] for entry in entries]
-        held = set(self._store.names())
-        with self._gate.change(), self._recorder.ordering:
-            placement = self.layout.layout()[2]
-            if not set(names) <= held:
-                self._check_quiet("an import")
-            for name in names:
-                if placement.get(name) != self.layout.index:
-                    raise InvalidArgumentError(f"layout epoch {epoch} does not place {name!r} on "
-                                               f"ps {self.layout.index}; nothing was imported")
-            fresh = [entry for entry in entries if entry["name"] not in held]
-            if fresh and len(fresh) != len(entries):
+        blob = _blob(data)  # the record's copy, made before any lock
+        ticket = None
+        with self._gate.change(), self._recorder.ordering, self._receiving:  # checked and made at one time
+            held = set(self._store.names())
+            if set(names) <= held:
+                return names
+            if held & set(names):
                 raise SpecConflictError(f"ps {self.layout.index} holds some of {names} already; nothing was "
                                         f"imported")
-            ticket = None
-            if fresh:
-                step = 0 if self._owns_step else step  # the global step is this shard's own count
-                self._store.adopt(fresh, step)
-                self.layout.imported(names)
-                ticket = self._recorder.log("import", {"step": step}, _blob(data))
+            placement = self.layout.layout()[2]
+            elsewhere = [name for name in names if placement.get(name) != self.layout.index]
+            if elsewhere:
+                raise ModeConflictError(f"layout epoch {self.layout.epoch} does not place {elsewhere[:5]} on ps "
+                                        f"{self.layout.index} (exported at epoch {epoch}); nothing was imported")
+            self._check_quiet("an import")
+            meta = {"step": 0 if self._owns_step else step}  # the global step is ps 0's own count
+            self._apply("import", meta, blob, entries=entries)
+            ticket = self._recorder.log("import", meta, blob)
         self._recorder.durable(ticket)
         return names
 
+    def confirm(self, names: list[str], to: int) -> list[str]:
+        """Shard `to` holds `names`: drops the kept exports to it all of whose names are in `names`; returns the
+        names dropped (none: a repeat). Blocks until its journal record is written."""
+        if not names or len(set(names)) != len(names):
+            raise InvalidArgumentError("a confirmation names its variables, each once")
+        if to == self.layout.index:
+            raise InvalidArgumentError(f"ps {to} cannot confirm a move to itself")
+        meta = {"names": names, "to": to}
+        with self._gate.change(), self._recorder.ordering:
+            dropped = self._apply("confirm", meta)
+            ticket = self._recorder.log("confirm", meta) if dropped else None
+        self._recorder.durable(ticket)
+        return dropped
+
+    def resize(self, change: Callable[[ResizeOwner], dict | None]) -> dict:
+        """ps 0: `change(owner)` makes a change to the job's resize record (resizes.py; it raises as that says,
+        nothing changed), journaled; returns the record. ModeConflictError on another shard. Blocks until its
+        journal record is written."""
+        if self.owner is None:
+            raise ModeConflictError(f"ps {self.layout.index} does not keep the job's resize: ask ps 0")
+        with self._gate.change(), self._recorder.ordering:
+            event = change(self.owner)
+            ticket = None
+            if event is not None:
+                self._apply("resize", event)
+                ticket = self._recorder.log("resize", event)
+        self._recorder.durable(ticket)
+        return self.owner.state()
+
     def replay(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Re-applies a "layout", "export" or "import" journal record (recovery, before the shard serves)."""
+        """Makes the change of one journal record of this module's kinds again (recovery, before the shard
+        serves): the live path's own `_apply`."""
+        self._apply(kind, meta, tensors)
+
+    def _apply(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None, *,
+               entries: list[dict] | None = None, parts: Mapping[int, bytes] | None = None,
+               data: bytes | None = None, sources: int | None = None):
+        """The change one record describes (live, the caller holding the locks its kind needs, and at replay).
+        The keywords hand the live path's decoded state over instead of decoding the record's tensors again."""
         if kind == "layout":
-            self.layout.set(meta["epoch"], meta["addresses"], meta["placement"], meta.get("asked", 0),
-                            meta.get("hold", 0))
-            if meta.get("step") is not None:
+            changed = self.layout.set(meta["epoch"], meta["addresses"], meta["placement"], meta.get("asked", 0),
+                                      meta.get("hold", 0), meta.get("lease") or hold_lease_of(0))
+            if changed and meta.get("step") is not None:
                 self._store.set_step(meta["step"])
                 self._book.pending.clear()
                 self._joined_at = meta["step"]
-            if meta.get("table_shards"):
+            if changed and meta.get("table_shards"):
                 self.layout.relayout_tables(meta["table_shards"], self._table_count())
-        elif kind == "table_export":
-            self.layout.export_tables({int(shard): tensors[str(shard)].numpy().tobytes() for shard in meta["shards"]})
-        elif kind == "table_import":
-            data = tensors["state"].numpy().tobytes()
-            sources = {entry["num_shards"] for entry in decode_entries(data)}
-            self._receive_tables(meta["from"], sources.pop(), data, meta.get("step", 0))
-        elif kind == "export":
+            return changed
+        if kind == "hold_ended":
+            return self.layout.end_hold(meta["epoch"])
+        if kind == "export":
+            if entries is None:
+                entries = decode_entries(_bytes(tensors["state"]))
             self._store.remove(meta["names"])
-            self.layout.exported(meta["names"], meta["to"], tensors["state"].numpy().tobytes())
+            self.layout.exported(meta["names"], meta["to"], entries, meta.get("epoch", self.layout.epoch))
         elif kind == "import":
-            entries = decode_entries(tensors["state"].numpy().tobytes())
+            if entries is None:
+                entries = decode_entries(_bytes(tensors["state"]))
             self._store.adopt(entries, meta["step"])
             self.layout.imported([entry["name"] for entry in entries])
+        elif kind == "confirm":
+            return self.layout.confirm(meta["names"], meta.get("to"))
+        elif kind == "resize":
+            self.owner.apply(meta)
+        elif kind == "table_export":
+            self.layout.export_tables(parts if parts is not None else
+                                      {int(shard): _bytes(tensors[str(shard)]) for shard in meta["shards"]})
+        elif kind == "table_import":
+            if data is None:
+                data = _bytes(tensors["state"])
+                sources = {entry["num_shards"] for entry in decode_entries(data)}.pop()
+            return self._receive_tables(meta["from"], sources, data, meta.get("step", 0))
         else:
             raise ValueError(f"not a move record: {kind}")
+        return None
+
+
+KINDS = ("layout", "hold_ended", "export", "import", "confirm", "resize", "table_export", "table_import")
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.numpy().tobytes()

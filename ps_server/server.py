@@ -57,6 +57,7 @@ def create_server(
     workers: frozenset[str] = frozenset(),
     elastic_workers: int | None = None,
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
+    addresses: tuple[str, ...] = (),
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -79,6 +80,7 @@ def create_server(
     without one, a FailStop marking the health service NOT_SERVING is made here. The worker names in
     `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any). A
     client stream (Push, CreateVariables) with no message for `stream_idle_seconds` is ended (stalls.py).
+    `addresses`: the job's shards as the cluster spec names them (GetLayout's before any live resize).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -110,7 +112,7 @@ def create_server(
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
     coordinator = Coordinator(store, owns_step=index == 0, index=index, max_waiting_calls=max_waiting_calls,
                               threaded_waits=threaded_waits(threads), start=False, failstop=failstop,
-                              membership=Membership(workers, elastic_workers))
+                              membership=Membership(workers, elastic_workers), addresses=addresses)
     recover(coordinator, journal, restore)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,

@@ -33,6 +33,7 @@ from .control_rpcs import ControlRPCs
 from .coordinator import Coordinator
 from .edge import CallContext, handler
 from .job_rpcs import JobRPCs
+from .resize_rpcs import ResizeRPCs
 from .metrics import ShardMetrics
 from .quotas import Quotas, optimizer_slots
 from .rpc_support import (MAX_LIST_WAIT_SECONDS, decode_request, decoded, map_errors, remaining, require_active,
@@ -86,7 +87,7 @@ class _Recent:
             return self._value
 
 
-class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerServicer):
+class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's VariableStore over the ParameterServer service.
 
     Register it with `add_to_server`, which uses wire.py's codecs for Pull's
@@ -179,8 +180,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ps_pb2_grpc.ParameterServerS
                             "base_versions")
         if request.min_step:  # waits on the event loop (edge.py)
             yield from self.coordinator.step_waiting(request.min_step, remaining(context),
-                                                     lambda: not context.is_active(),
-                                                     by=step_authority(self.authority.caller("Pull", context)))
+                                                     lambda: not context.is_active())
         yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases)
 
     @map_errors
@@ -540,6 +540,10 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
             ps_pb2.MoveChunk.SerializeToString),
         "ImportVariables": on_loop(stream_unary, servicer.ImportVariables, None,
             ps_pb2.MoveResponse.SerializeToString),
+        "ConfirmMove": on_loop(unary, servicer.ConfirmMove, ps_pb2.MoveRequest.FromString,
+            ps_pb2.MoveResponse.SerializeToString),
+        "Resize": on_loop(unary, servicer.Resize, ps_pb2.ResizeRequest.FromString,
+            ps_pb2.ResizeState.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -5,6 +5,8 @@ lazy optimizer state and dynamic tables' metadata: table_state.py), step, mode,
 the push ledger and the membership (and, for the journal, sync mode's pending
 sums); it runs under the apply gate alone, so every change is in it whole or
 not at all, and a table's rows are those of the same step as the variables.
+What it copied is written (a checkpoint, a journal's base) after the gate is
+let go.
 
 A checkpoint of step s is taken when the shard's step reaches s: exactly at s
 in sync mode, where every shard passes through every step (the applier takes
@@ -24,6 +26,7 @@ from .bookkeeping import Bookkeeping
 from .dataqueue import DataQueues
 from .gate import ApplyGate
 from .layout import ShardLayout
+from .resizes import ResizeOwner
 from .store import VariableStore
 from .tables import TableStore
 from .waits import WaitLimit
@@ -32,14 +35,14 @@ __all__ = ["state_of", "Saves"]
 
 
 def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues: DataQueues, *,
-             with_pending: bool, then: Callable[[], object] | None = None, copy: bool = True,
-             layout: ShardLayout | None = None) -> dict:
-    """The shard's state (call under the apply gate taken alone); `then()` runs at the same instant, under
-    the bookkeeping condition (a journal rotation), its value under the key "then". The data queues
-    (dynamic sharding: queue_desk.py) are taken at that instant too, consistent with the push ledger.
-    `copy=False`: the variables' values are their own tensors, not copies (use them before leaving the
-    gate). `layout`: the shard's layout epoch and exports (live resize), kept with the state."""
-    variables = store.snapshot(copy=copy)
+             with_pending: bool, then: Callable[[], object] | None = None,
+             layout: ShardLayout | None = None, resize: ResizeOwner | None = None) -> dict:
+    """A copy of the shard's state (call under the apply gate taken alone; the copy is the caller's, to use
+    after leaving it); `then()` runs at the same instant, under the bookkeeping condition (a journal
+    rotation), its value under the key "then". The data queues (dynamic sharding: queue_desk.py) are taken
+    at that instant too, consistent with the push ledger. `layout`: the shard's layout epoch and exports
+    (live resize), kept with the state; `resize`: ps 0's record of the job's resizes (resizes.py)."""
+    variables = store.snapshot()
     table_section = table_state.section(tables)
     kept = book.export(with_pending=with_pending,
                        then=lambda: (queues.export(), then() if then is not None else None))
@@ -48,7 +51,8 @@ def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues
         kept["then"] = then_value
     return {"step": kept.pop("step"), "config": kept.pop("config"), "variables": variables,
             "tables": table_section, "queues": queue_state,
-            **({"layout": layout.export()} if layout is not None and layout.epoch else {}), **kept}
+            **({"layout": layout.export()} if layout is not None and layout.epoch else {}),
+            **({"resize": resize.export()} if resize is not None and resize.state()["id"] else {}), **kept}
 
 
 class Saves:

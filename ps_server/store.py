@@ -269,12 +269,14 @@ class VariableStore(NamesAwaited):
 
     def adopt(self, entries: list[dict], step: int) -> None:
         """Adds variables from snapshot() entries (a live resize brings them) and moves the step counter up
-        to `step` if it is behind. SpecConflictError (nothing added) if one of the names is held."""
-        taken = [entry["name"] for entry in entries if entry["name"] in self.names()]
-        if taken:
-            raise SpecConflictError(f"variables {taken} are held here already; nothing was added")
-        self._add_entries(entries)
+        to `step` if it is behind. SpecConflictError (nothing added) if one of the names is held: checked
+        and added at one instant, so two adoptions of a name never both succeed."""
+        built = self._built(entries)
         with self._changed:
+            taken = [name for name in built if name in self._variables]
+            if taken:
+                raise SpecConflictError(f"variables {taken} are held here already; nothing was added")
+            self._variables.update(built)
             self._step = max(self._step, step)
             self._changed.notify_all()
 
@@ -286,6 +288,14 @@ class VariableStore(NamesAwaited):
                 self._variables.pop(name, None)
 
     def _add_entries(self, entries: list[dict]) -> None:
+        built = self._built(entries)
+        with self._changed:
+            self._variables.update(built)
+            self._changed.notify_all()
+
+    def _built(self, entries: list[dict]) -> dict[str, Variable]:
+        """Variables (value, optimizer state, version) built from snapshot() entries, in their order."""
+        built = {}
         for entry in entries:
             new = NewVariable(entry["name"], entry["value"], entry["optimizer"], entry["hyperparams"])
             variable = self._build(self.spec_for(new), new)
@@ -293,9 +303,8 @@ class VariableStore(NamesAwaited):
             if variable.optimizer.trainable:
                 variable.optimizer.set_hyperparams(entry["current"])
             variable.version = entry["version"]
-            with self._changed:
-                self._variables[entry["name"]] = variable
-                self._changed.notify_all()
+            built[entry["name"]] = variable
+        return built
 
     def set_step(self, step: int) -> None:
         """Sets the step counter (restores, and a restored shard catching up with the job)."""

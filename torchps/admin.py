@@ -2,15 +2,22 @@
 
     ps-admin layout --cluster CLUSTER
         prints the job's layout: its epoch, its shards and how many variables and bytes each holds
+    ps-admin layout --cluster CLUSTER
+        prints the job's layout (its epoch, its shards and how many variables and bytes each holds) and its
+        last live resize as ps 0 records it (phase, driver, lease, moves)
     ps-admin resize --cluster CLUSTER --ps ADDR[,ADDR...]
         makes the job's shards ADDR... while it trains (PSClient.resize, client/resize.py); added shards
-        must be running (ps-server --index N), removed ones are stopped
+        must be running (ps-server --index N --join), removed ones are stopped
+    ps-admin resize --cluster CLUSTER --resume | --abort
+        takes over a resize that was cut off (its driver died: ps 0 says so once its lease ran out) and
+        finishes it, or rolls it back
 
-CLUSTER is the cluster JSON (or a file holding it) the job started with, else TF_CONFIG's. The calls
-carry the chief's credentials: TORCHPS_TLS_CERT/KEY/CA with a chief certificate, and/or
-TORCHPS_ADMIN_TOKEN_FILE (ps-certs writes both). Exit codes: 0 done, 1 a shard refused or could not be
-reached (the message says which; nothing was changed, or the moves done so far are in force), 2 a usage
-error, answered before torch and gRPC are imported.
+CLUSTER is the cluster JSON (or a file holding it) the job started with, else TF_CONFIG's: it names ps 0,
+and the job's current shards are those of ps 0's layout. The calls carry the chief's credentials:
+TORCHPS_TLS_CERT/KEY/CA with a chief certificate, and/or TORCHPS_ADMIN_TOKEN_FILE (ps-certs writes both).
+Exit codes: 0 done, 1 a shard refused or could not be reached (the message says which; a resize that
+failed was rolled back, or is left cut off for --resume or --abort), 2 a usage error, answered before
+torch and gRPC are imported.
 """
 
 from __future__ import annotations
@@ -33,10 +40,16 @@ def _parser() -> ArgumentParser:
         command.add_argument("--cluster", help="the job's cluster JSON or a file holding it (default: TF_CONFIG)")
         command.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for a shard")
         if name == "resize":
-            command.add_argument("--ps", required=True, help="the job's shards after the resize, comma-separated, "
-                                 "the current ones first in their order (added at the end, removed from the end)")
+            what = command.add_mutually_exclusive_group(required=True)
+            what.add_argument("--ps", help="the job's shards after the resize, comma-separated, the current ones "
+                              "first in their order (added at the end, removed from the end)")
+            what.add_argument("--resume", action="store_true", help="finish the resize that was cut off")
+            what.add_argument("--abort", action="store_true", help="roll back the resize that was cut off")
             command.add_argument("--drain-seconds", type=float, help="how long removed shards answer before they "
                                  "are stopped (default: client/resize.py's DRAIN_SECONDS, 2)")
+            command.add_argument("--lease-seconds", type=float, help="the resize's lease: should this process die, "
+                                 "the resize is cut off, and a sync job's hold ends, this long after its last "
+                                 "renewal (default: client/resize.py's LEASE_SECONDS, 30)")
     return parser
 
 
@@ -46,13 +59,21 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster.from_json(args.cluster) if args.cluster else Cluster.from_tf_config()[0]
         if not args.connect_timeout > 0:
             raise ClusterConfigError(f"--connect-timeout must be > 0. Received: {args.connect_timeout}")
+        if args.command == "resize" and args.lease_seconds is not None and not 0 < args.lease_seconds <= 3600:
+            raise ClusterConfigError(f"--lease-seconds must be in (0, 3600]. Received: {args.lease_seconds}")
         from .client import PSClient  # torch and gRPC: only once the flags are right
 
         with PSClient(cluster, connect_timeout=args.connect_timeout, partitioner=None) as admin:
             if args.command == "resize":
-                addresses = [a.strip() for a in args.ps.split(",") if a.strip()]
-                drain = {} if args.drain_seconds is None else {"drain_seconds": args.drain_seconds}
-                print(admin.resize(addresses, **drain).line())
+                options = {key: value for key, value in (("drain_seconds", args.drain_seconds),
+                                                         ("lease_seconds", args.lease_seconds)) if value is not None}
+                if args.resume:
+                    report = admin.resume_resize(**options)
+                elif args.abort:
+                    report = admin.abort_resize(**{k: v for k, v in options.items() if k == "lease_seconds"})
+                else:
+                    report = admin.resize([a.strip() for a in args.ps.split(",") if a.strip()], **options)
+                print(report.line())
             else:
                 print(_layout(admin))
     except ClusterConfigError as exc:
@@ -74,6 +95,16 @@ def _layout(admin) -> str:
         listed = admin.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
         lines.append(f"  ps:{shard} {address}: {len(listed.variables)} variables, "
                      f"{sum(v.nbytes for v in listed.variables):,} bytes")
+    record = admin.resize_state()
+    if record.id:
+        phase = ps_pb2.ResizeState.Phase.Name(record.phase).lower()
+        if record.phase == ps_pb2.ResizeState.RUNNING:
+            phase += (f", lease {record.lease_left_seconds:.1f} s left" if record.lease_left_seconds else
+                      ", cut off: ps-admin resize --resume finishes it, --abort rolls it back")
+        statuses = [ps_pb2.ResizeMove.Status.Name(move.status).lower() for move in record.moves]
+        counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) or "no moves"
+        lines.append(f"resize {record.id}: {len(record.before)} -> {len(record.after)} shards, {phase}; driver "
+                     f"{record.driver}; {counts}" + (f"; {record.ended_why}" if record.ended_why else ""))
     return "\n".join(lines)
 
 

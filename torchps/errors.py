@@ -11,7 +11,9 @@
     │   └── OptimizerSpecError     unknown optimizer or hyperparameter
     ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
     ├── ModeConflictError          FAILED_PRECONDITION: reconfiguring a running job
-    │   └── StepPassedError        a checkpoint's step the shard already went past
+    │   ├── StepPassedError        a checkpoint's step the shard already went past
+    │   └── ResizeConflictError    another live resize runs, or this one was cut off or taken over: the
+    │                              message says whether to wait, --resume or --abort
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
     ├── LayoutChangedError         ABORTED: a variable named moved to another shard (a live resize); nothing
@@ -49,6 +51,7 @@ __all__ = [
     "SpecConflictError",
     "ModeConflictError",
     "StepPassedError",
+    "ResizeConflictError",
     "CheckpointError",
     "WorkerReplacedError",
     "DataShardError",
@@ -136,6 +139,11 @@ class ModeConflictError(PSError):
 
 class StepPassedError(ModeConflictError):
     """A checkpoint asked for a step the shard already went past: ask again with a later one."""
+
+
+class ResizeConflictError(ModeConflictError):
+    """A live resize cannot go on as asked: another one runs (its driver holds the lease), one was cut off
+    (run `ps-admin resize --resume` or `--abort`), or this driver's resize was taken over by another."""
 
 
 class CheckpointError(PSError):

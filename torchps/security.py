@@ -14,7 +14,8 @@ accepted by a shard as a job token every task shares: it names nobody, so
 its holders may act in any worker's name (the shard says so when it starts).
 
 Roles, granted by shards from the caller's certificate (organizational unit,
-see torchps.certs) or, without TLS, from the token it sent:
+see torchps.certs) or, without TLS, from the token it sent (the one policy
+deciding it all is torchps.access.policy):
 
     chief      everything: the admin calls below, and what a worker does
     worker     pull, push, join, heartbeat, leave (as itself: the name in the
@@ -25,8 +26,8 @@ see torchps.certs) or, without TLS, from the token it sent:
 
 Admin calls: Configure, CreateVariables, CreateTables, UpdateOptimizer, Save,
 CommitCheckpoint, Shutdown, CreateDataQueue, and a live resize's SetLayout,
-ExportVariables and ImportVariables (GetLayout is a worker's and an
-evaluator's too).
+ExportVariables, ImportVariables, ConfirmMove and Resize (GetLayout is a
+worker's and an evaluator's too).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ __all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
-                           "CreateTables", "CreateDataQueue", "SetLayout", "ExportVariables", "ImportVariables"})
+                           "CreateTables", "CreateDataQueue", "SetLayout", "ExportVariables", "ImportVariables",
+                           "ConfirmMove", "Resize"})
 _WORKER_METHODS = frozenset({"Pull", "Push", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
                              "LookupRows", "ListTables", "TakeDataShard", "GetDataQueue", "GetLayout"})
 ROLES = {

@@ -44,7 +44,7 @@ from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import check_output, check_specs, finish_training_flags, parse_args, resolve_security, resolve_task
 from .host import HostProcesses, die_with_parent, local_device, run_local_rank
 from .models import build_model, load_entry, load_init, read_init
-from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables
+from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables, repair_resize
 from .dynamic import open_queue, queue_summary, train_dynamic
 from .observe import EvaluatorMetrics, StepObserver, Timeline, WorkerMetrics, parse_step_range
 from .residuals import ResidualFile
@@ -188,6 +188,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         client.configure(args.mode, replicas_to_aggregate=args.replicas_to_aggregate, total_num_replicas=replicas,
                          max_staleness=args.max_staleness, lease_seconds=args.lease_seconds,
                          progress_seconds=args.progress_timeout, replicas_fraction=args.replicas_fraction)
+        repair_resize(client)  # a resize its driver (this chief's earlier incarnation?) left cut off
         if args.scale_lr:  # the chief's to set (UpdateOptimizer is an admin call), before its next push
             client.on_live_workers_change(lambda live, _: _scale_lr(client, args.lr, live, replicas))
     compression = Compression.parse(args.compression) if args.compression else None

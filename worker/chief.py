@@ -13,12 +13,31 @@ import torch
 
 from ..client import ModuleBinding, PSClient, PSError
 
-__all__ = ["Checkpointer", "StragglerWatch", "finish_job"]
+__all__ = ["Checkpointer", "StragglerWatch", "finish_job", "repair_resize"]
 
 _LOGGER = logging.getLogger(__name__)
 FINAL_WAIT_SECONDS = 600.0  # how long the chief waits for the other workers before its final evaluation
 WAIT_LOG_SECONDS = 10.0  # between two lines saying which workers the chief still waits for
 STRAGGLER_CHECK_SECONDS = 10.0  # between two looks at the workers' paces
+
+
+def repair_resize(client: PSClient) -> None:
+    """A chief that starts rolls back the live resize ps 0 records as cut off (its driver died: an earlier
+    incarnation of this chief, or a ps-admin), so nothing stays in transit; one whose driver still renews its
+    lease is left to it. Blocks while it rolls back; a failure is logged (ps-admin resize --abort remains)."""
+    try:
+        record = client.resize_state()
+        if record.phase != record.RUNNING:
+            return
+        if record.lease_left_seconds > 0:
+            _LOGGER.info("resize %d is under way, driven by %s", record.id, record.driver)
+            return
+        report = client.abort_resize()
+    except PSError as exc:
+        _LOGGER.warning("could not roll back the live resize that was cut off: %s; run ps-admin resize --abort",
+                        exc)
+        return
+    _LOGGER.warning("resize %d (driven by %s, cut off): %s", record.id, record.driver, report.line())
 
 
 class Checkpointer:

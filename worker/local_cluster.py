@@ -47,7 +47,8 @@ def ps_server_command() -> list[str]:
 class LocalCluster:
     """`num_ps` ps-server processes on 127.0.0.1, plus the Cluster value naming them.
 
-    Worker and chief addresses are not served by anything here; `workers`
+    `ports`: the shards' ports (default: any free one each). Worker and chief addresses are not served by
+    anything here; `workers`
     only fills the cluster's worker list (placeholders on unused ports) so
     clients can derive roles from it. Shards run `--insecure` (loopback, tests
     and benchmarks) unless `server_args` give TLS files or a token, and with
@@ -57,14 +58,15 @@ class LocalCluster:
 
     def __init__(self, num_ps: int = 1, *, workers: int = 0, chief: bool = False,
                  server_args: list[str] | None = None, log_dir: str | os.PathLike | None = None,
-                 starter: ProcessStarter | None = None):
+                 starter: ProcessStarter | None = None, ports: list[int] | None = None):
         self.num_ps = num_ps
         self.server_args = list(server_args or ())
         self._tmp = tempfile.TemporaryDirectory(prefix="torchps-local-")
         self.log_dir = pathlib.Path(log_dir or self._tmp.name)
         self.starter = starter or ProcessStarter.shared()
         self.procs: list[subprocess.Popen | ForkedChild | None] = [None] * num_ps
-        self.ports: list[int] = [0] * num_ps
+        self.ports: list[int] = list(ports) if ports is not None else [0] * num_ps  # 0: any free port
+        self._args: dict[int, list[str]] = {}  # a shard's own arguments, where not server_args
         self._extra = {"worker": workers, "chief": 1 if chief else 0}
         self.cluster: Cluster | None = None
 
@@ -82,7 +84,7 @@ class LocalCluster:
     def start(self) -> Cluster:
         """Starts every shard and waits until each serves; returns the cluster."""
         for index in range(self.num_ps):
-            self._spawn(index)
+            self._spawn(index, self.ports[index])
         for index in range(self.num_ps):
             self._wait_port(index)
         placeholders = iter(range(1, 1 << 16))
@@ -101,16 +103,19 @@ class LocalCluster:
                                worker=tuple(fake(self._extra["worker"])), chief=tuple(fake(self._extra["chief"])))
         return self.cluster
 
-    def _spawn(self, index: int, port: int = 0) -> None:
+    def _spawn(self, index: int, port: int = 0, args: list[str] | None = None) -> None:
         port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
         port_file.unlink(missing_ok=True)
         log = open(self.log_dir / f"ps{index}.log", "ab")
-        secured = any(a.startswith(("--tls-", "--token-file")) for a in self.server_args)
+        if args is not None:
+            self._args[index] = list(args)
+        server_args = self._args.get(index, self.server_args)
+        secured = any(a.startswith(("--tls-", "--token-file")) for a in server_args)
         try:
             self.procs[index] = self.starter.start(
                 SHARD_MODULE, prog="ps-server", argv=["--index", str(index), "--bind", f"127.0.0.1:{port}", "--port-file", str(port_file),
-                               *([] if secured else ["--insecure"]), *local_shard_threads(self.server_args),
-                               *self.server_args],
+                               *([] if secured else ["--insecure"]), *local_shard_threads(server_args),
+                               *server_args],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.fileno(),
                 parent_death_signal=signal.SIGTERM)  # should this process die without stopping it
         finally:
@@ -136,22 +141,22 @@ class LocalCluster:
         proc.send_signal(sig)
         return proc.wait(timeout=30)
 
-    def start_ps(self, index: int) -> None:
-        """Starts shard `index` again on its previous port (after kill_ps)."""
-        self._spawn(index, self.ports[index])
+    def start_ps(self, index: int, args: list[str] | None = None) -> None:
+        """Starts shard `index` again on its previous port (after kill_ps), with `args` (default: those it had)."""
+        self._spawn(index, self.ports[index], args)
         self._wait_port(index)
 
-    def add_ps(self, index: int | None = None) -> str:
+    def add_ps(self, index: int | None = None, *, args: list[str] | None = None, port: int = 0) -> str:
         """Starts a shard for a live resize (PSClient.resize) and returns its address: at `index` (default: the
-        next one), on a new port; a shard there must have ended (one a resize removed). `cluster` still names
-        the shards the job started with."""
+        next one), on `port` (0: a new one), with `args` (default: the others'); a shard there must have ended
+        (one a resize removed). `cluster` still names the shards the job started with."""
         index = len(self.procs) if index is None else index
         if index < len(self.procs) and self.procs[index] is not None and self.procs[index].poll() is None:
             raise ValueError(f"ps {index} is running")
         if index >= len(self.procs):
             self.procs.extend([None] * (index + 1 - len(self.procs)))
             self.ports.extend([0] * (index + 1 - len(self.ports)))
-        self._spawn(index)
+        self._spawn(index, port, args)
         self._wait_port(index)
         return self.address(index)
 

@@ -62,7 +62,8 @@ READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTabl
 # The chief's moves of a live resize, refused on this shard whatever the caller (the chief's SetLayout, served
 # before them, sets epoch 1 with "w" on ps 0: the export asks ps 0 to send "w" to itself, the import carries no
 # state): the chief's get past the credentials to this refusal, and change nothing either.
-REFUSED_FOR_THE_CHIEF = {"ExportVariables": "cannot export to itself", "ImportVariables": "could not be read"}
+REFUSED_FOR_THE_CHIEF = {"ExportVariables": "cannot export to itself", "ImportVariables": "could not be read",
+                         "ConfirmMove": "a move to itself"}
 
 
 def _ones(n: int) -> bytes:
@@ -113,6 +114,10 @@ def requests_for(shard: "Shard") -> dict[str, list]:
         "SetLayout": [ps_pb2.Layout(epoch=1, addresses=[shard.local.address(0)], placement={"w": 0})],
         "ExportVariables": [ps_pb2.MoveRequest(names=["w"], epoch=1, to=0)],
         "ImportVariables": [ps_pb2.MoveChunk(epoch=1)],
+        "ConfirmMove": [ps_pb2.MoveRequest(names=["w"], to=0)],
+        "Resize": [ps_pb2.ResizeRequest(action=ps_pb2.ResizeRequest.BEGIN, driver="intruder",
+                                        before=[shard.local.address(0)],
+                                        after=[shard.local.address(0), "127.0.0.1:9"])],
     }
 
 
@@ -390,3 +395,38 @@ def test_the_chiefs_own_requests_do_change_the_shard(tmp_path):
                         f"the chief's {name} changed nothing, an intruder's would not show: see requests_for and READS"
     finally:
         made.local.stop()
+
+
+def test_a_token_table_without_an_admin_token_takes_roles_from_the_table(tmp_path):
+    """Plaintext, per-task tokens and no --admin-token-file (issue 37, item 5: every token holder was the chief
+    there): worker:0's own token is refused the admin RPCs of a live resize and of the optimizer, changing
+    nothing; the chief's own token line is the chief's; the shard's log names the policy in force."""
+    files = make_job_credentials(tmp_path / "job", PLACEHOLDER)
+    with LocalCluster(1, server_args=["--token-file", str(files[PS].token)]) as local, \
+            PSClient(local.cluster, task=CHIEF, connect_timeout=DEADLINE, timeout=DEADLINE,
+                     security=Security.load(token_file=str(files[CHIEF].token), environ={})) as chief, \
+            channel(local.cluster.ps[0], None, None, None) as chan:
+        chief.configure("async", lease_seconds=LONG, startup_grace_seconds=LONG, progress_seconds=LONG)
+        chief.create_variables({"w": torch.zeros(2)}, Optimizer("sgd", lr=1.0))
+        chief.push({"w": torch.ones(2)})
+
+        def state() -> dict:
+            status = chief.status(0)
+            return {"values": chief.pull(["w"])["w"].tolist(), "status": {f: getattr(status, f) for f in STATUS_FIELDS},
+                    "variables": [json_format.MessageToDict(info) for info in chief.list_variables()]}
+
+        before = state()
+        worker = files[WORKER0].token.read_text().strip()
+        refused = {"UpdateOptimizer": [ps_pb2.UpdateOptimizerRequest(hyperparams={"lr": 5.0})],
+                   "SetLayout": [ps_pb2.Layout(epoch=1, addresses=[local.cluster.ps[0]], placement={"w": 0})],
+                   "ExportVariables": [ps_pb2.MoveRequest(names=["w"], epoch=1, to=0)]}
+        for name, requests in refused.items():
+            code, details, _ = call(chan, METHODS[name], requests, worker)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (name, code, details)
+            assert f"refused {name} from worker:0: the worker role" in details, details
+        assert state() == before, "a refused call changed the shard"
+        code, details, _ = call(chan, METHODS["UpdateOptimizer"], refused["UpdateOptimizer"],
+                                files[CHIEF].token.read_text().strip())
+        assert code == grpc.StatusCode.OK, details
+        assert "security policy: plaintext, per-task tokens" in local.log(0)
+        assert "the chief's own token line makes the chief" in local.log(0)

@@ -209,8 +209,8 @@ def test_a_shard_added_to_a_sync_job_a_worker_left_expects_the_job_s_workers_not
 
 def test_a_sync_step_that_cannot_complete_ends_the_resize_and_its_hold(local_cluster):
     """A sync step short of its quorum (worker:1 joined, never pushes, its lease long) keeps the job from
-    being quiet: the resize gives up after quiet_seconds with nothing moved, and ends its hold, so the step
-    completes as soon as worker:1 pushes."""
+    being quiet: the resize gives up after quiet_seconds with nothing moved and rolls back (its hold ends, the
+    job keeps its two shards, ps 0 records it aborted), so the step completes as soon as worker:1 pushes."""
     local = local_cluster(2)
     with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
             PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as first, \
@@ -225,12 +225,13 @@ def test_a_sync_step_that_cannot_complete_ends_the_resize_and_its_hold(local_clu
         waiting = threading.Thread(target=lambda: pushed.update(step=first.push(ones)))
         waiting.start()
         wait_until(lambda: chief.status(0).waiting_calls == 1, 30, "worker:0's push held for worker:1's")
-        with pytest.raises(WaitTimeoutError, match="did not apply every step before 1"):
+        with pytest.raises(WaitTimeoutError, match="did not apply every step before 1.*rolled back"):
             chief.resize([*local.cluster.ps, local.add_ps()], quiet_seconds=1.0)
         layouts = [chief.call(s, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))
                    for s in range(2)]
-        assert [(layout.hold_from_step, layout.addresses[-1]) for layout in layouts] == \
-            [(0, local.address(2))] * 2  # the hold ended; the added shard is known, holds nothing
+        assert [(layout.hold_from_step, list(layout.addresses)) for layout in layouts] == \
+            [(0, list(local.cluster.ps))] * 2  # the hold ended; the job's shards are the two it had
+        assert chief.resize_state().phase == ps_pb2.ResizeState.ABORTED
         assert {info.spec.name for info in chief.list_variables()} == set(NAMES)  # nothing moved
         assert second.push(ones) == 1
         waiting.join(timeout=30)
@@ -318,8 +319,9 @@ def test_ps_admin_resizes_a_running_job(local_cluster):
         assert done.stdout.startswith("layout epoch 1: 1 -> 2 shards, 2 variables (2,048 bytes) moved"), done.stdout
         shown = subprocess.run([PS_ADMIN, "layout", "--cluster", spec], capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and shown.stdout.splitlines()[0] == "layout epoch 1: 2 shards", shown.stderr
-        assert shown.stdout.splitlines()[1:] == [f"  ps:0 {local.address(0)}: 2 variables, 2,048 bytes",
-                                                 f"  ps:1 {added}: 2 variables, 2,048 bytes"], shown.stdout
+        assert shown.stdout.splitlines()[1:3] == [f"  ps:0 {local.address(0)}: 2 variables, 2,048 bytes",
+                                                  f"  ps:1 {added}: 2 variables, 2,048 bytes"], shown.stdout
+        assert shown.stdout.splitlines()[3].startswith("resize 1: 1 -> 2 shards, done; driver "), shown.stdout
         chief.push({f"admin/v{i}": torch.ones(256) for i in range(4)})  # the chief follows the new layout
         assert chief.layout_epoch == 1
         values = chief.pull([f"admin/v{i}" for i in range(4)])

@@ -85,7 +85,7 @@ def test_ps_server_refuses_a_checkpoint_whose_table_section_is_incomplete(tmp_pa
         c.close()
     written = [checkpoint.write_shard(tmp_path, i, 0, state) for i, state in enumerate(states)]
     checkpoint.commit(tmp_path, 0, {"strategy": "round_robin", "num_ps": 2, "variables": []},
-                      [(i, size, 0) for i, (_, size) in enumerate(written)], keep=0)
+                      [(i, size, 0, 0) for i, (_, size) in enumerate(written)], keep=0)
     path = checkpoint.step_dir(tmp_path, 0) / "ps-1.pt"
     state = torch.load(path, weights_only=True)
     state["tables"] = state["tables"][:1]  # "dyn" gone

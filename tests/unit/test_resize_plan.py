@@ -42,10 +42,13 @@ def test_a_layout_explains_names_it_does_not_hold():
         layout.missing("x")
     with pytest.raises(LayoutChangedError, match="on ps 0"):
         layout.missing("y")
-    layout.exported(["z"], 0, b"state")
+    layout.exported(["z"], 0, [{"name": "z"}], 1)
     with pytest.raises(LayoutChangedError, match="moved from ps 1 to ps 0"):
         layout.missing("z")
-    assert layout.sent(["z"]) == b"state" and layout.sent(["y"]) is None
+    assert layout.sent(["z"]) == (0, [{"name": "z"}]) and layout.sent(["y"]) is None
+    assert layout.set(2, ["h:0", "h:1"], {"x": 1, "y": 0, "z": 0})  # kept whatever epochs pass
+    assert layout.outbox() == [(["z"], 0, 1)] and layout.confirm(["z"], 1) == []  # not ps 1's to confirm
+    assert layout.confirm(["z", "w"], 0) == ["z"] and layout.sent(["z"]) is None
     layout.check_member()
 
 
@@ -64,5 +67,5 @@ def test_a_layout_takes_later_epochs_only():
         layout.set(3, ["h:0"], {"x": 1})  # placed past the shards
     state = layout.export()
     again = ShardLayout(2)
-    again.restore(state)
+    again.restore(state, decode=None)
     assert again.layout() == layout.layout()

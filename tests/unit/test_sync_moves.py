@@ -152,3 +152,35 @@ def test_a_shard_that_joins_a_running_sync_job_takes_ps_0s_workers_and_its_grace
     assert kept.quorum == 3 and kept.membership.joined() == 0, "it holds variables: it did not join at this hold"
     assert owner.moves.set_layout(2, ADDRESSES, {"w": 0})  # the hold's end
     assert owner.moves.job_members() == ({}, 0.0), "only under a hold"
+
+
+def test_imports_that_overlap_adopt_once_and_a_repeat_keeps_what_was_pushed_since(shards):
+    """A retried ImportVariables that overlaps its original (the first's reply lost): the two are checked
+    and made one at a time, so the variable is adopted once; the later repeat changes nothing, not even
+    a push applied to the first copy meanwhile."""
+    import threading
+
+    source = shards(index=0)
+    source.moves.set_layout(1, ADDRESSES, {"w": 1})
+    data, step = source.moves.export(["w"], 1, 1)
+    for _ in range(20):
+        target = shards(index=1, holding=False)
+        target.moves.set_layout(1, ADDRESSES, {"w": 1})
+        start, results = threading.Barrier(2), []
+
+        def importing() -> None:
+            start.wait()
+            try:
+                results.append(target.moves.import_(data, 1, step))
+            except Exception as exc:  # noqa: BLE001 - a failure is what the test looks for
+                results.append(exc)
+
+        threads = [threading.Thread(target=importing) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert results == [["w"], ["w"]]
+        push(target, "worker:0", 0, g(1, 1, 1))
+        assert target.moves.import_(data, 1, step) == ["w"]  # a third, after the push
+        assert torch.equal(w(target), -torch.ones(3))

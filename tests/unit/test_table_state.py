@@ -176,7 +176,7 @@ def two_shard_checkpoint(directory: pathlib.Path, steps: int = 6) -> list[list[d
             train(c, k, seq=k, shard=index, num_shards=2, dense=index == 0)
         shards.append(c)
     written = [checkpoint.write_shard(directory, i, steps, c.state(with_pending=False)) for i, c in enumerate(shards)]
-    checkpoint.commit(directory, steps, MANIFEST, [(i, size, steps) for i, (_, size) in enumerate(written)], keep=0)
+    checkpoint.commit(directory, steps, MANIFEST, [(i, size, steps, 0) for i, (_, size) in enumerate(written)], keep=0)
     sections = [table_state.section(c.tables) for c in shards]
     for c in shards:
         c.close()
@@ -261,7 +261,7 @@ def test_shard_files_that_disagree_on_tables_are_not_committed(tmp_path):
     other.create_tables(specs()[:1], 1, 2)  # ps 1 lost the dynamic table
     written = [checkpoint.write_shard(tmp_path, i, 0, s.state(with_pending=False)) for i, s in enumerate([c, other])]
     with pytest.raises(CheckpointError, match=r"ps-1.pt holds embedding tables \['fix'\] and ps-0.pt \['fix', 'dyn'\]"):
-        checkpoint.commit(tmp_path, 0, MANIFEST, [(i, size, 0) for i, (_, size) in enumerate(written)], keep=0)
+        checkpoint.commit(tmp_path, 0, MANIFEST, [(i, size, 0, 0) for i, (_, size) in enumerate(written)], keep=0)
     assert checkpoint.latest_committed(tmp_path) is None, "nothing committed"
     c.close()
     other.close()

@@ -422,7 +422,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds")
+    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds", "hold_lease_seconds", "hold_lease_left_seconds")
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +439,8 @@ class Layout(_message.Message):
     TABLE_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_LEASE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     placement: _containers.ScalarMap[str, int]
@@ -448,7 +450,9 @@ class Layout(_message.Message):
     table_shards: int
     members: _containers.RepeatedCompositeFieldContainer[JobMember]
     grace_left_seconds: float
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ...) -> None: ...
+    hold_lease_seconds: float
+    hold_lease_left_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ...) -> None: ...
 
 class JobMember(_message.Message):
     __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")
@@ -517,16 +521,18 @@ class SaveRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., now: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("step", "path", "bytes", "index")
+    __slots__ = ("step", "path", "bytes", "index", "layout_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     bytes: int
     index: int
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., index: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("step", "manifest_json", "shards", "keep")
@@ -775,3 +781,103 @@ class DataQueueStatus(_message.Message):
     requeued_examples: int
     duplicates: int
     def __init__(self, spec: _Optional[_Union[DataQueueSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., trained: _Optional[_Iterable[int]] = ..., epochs_done: _Optional[int] = ..., finished: _Optional[bool] = ..., shards_done: _Optional[int] = ..., held: _Optional[_Iterable[_Union[DataShard, _Mapping]]] = ..., holders: _Optional[_Iterable[str]] = ..., reclaimed: _Optional[int] = ..., requeued_examples: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class ResizeState(_message.Message):
+    __slots__ = ("id", "phase", "driver", "before", "after", "hold_from_step", "moves", "lease_seconds", "lease_left_seconds", "ended_why")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[ResizeState.Phase]
+        RUNNING: _ClassVar[ResizeState.Phase]
+        DONE: _ClassVar[ResizeState.Phase]
+        ABORTED: _ClassVar[ResizeState.Phase]
+    NONE: ResizeState.Phase
+    RUNNING: ResizeState.Phase
+    DONE: ResizeState.Phase
+    ABORTED: ResizeState.Phase
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_WHY_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    phase: ResizeState.Phase
+    driver: str
+    before: _containers.RepeatedScalarFieldContainer[str]
+    after: _containers.RepeatedScalarFieldContainer[str]
+    hold_from_step: int
+    moves: _containers.RepeatedCompositeFieldContainer[ResizeMove]
+    lease_seconds: float
+    lease_left_seconds: float
+    ended_why: str
+    def __init__(self, id: _Optional[int] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., lease_left_seconds: _Optional[float] = ..., ended_why: _Optional[str] = ...) -> None: ...
+
+class ResizeMove(_message.Message):
+    __slots__ = ("name", "from_shard", "to", "bytes", "status")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PLANNED: _ClassVar[ResizeMove.Status]
+        EXPORTED: _ClassVar[ResizeMove.Status]
+        IMPORTED: _ClassVar[ResizeMove.Status]
+        CONFIRMED: _ClassVar[ResizeMove.Status]
+        RETURNED: _ClassVar[ResizeMove.Status]
+    PLANNED: ResizeMove.Status
+    EXPORTED: ResizeMove.Status
+    IMPORTED: ResizeMove.Status
+    CONFIRMED: ResizeMove.Status
+    RETURNED: ResizeMove.Status
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    from_shard: int
+    to: int
+    bytes: int
+    status: ResizeMove.Status
+    def __init__(self, name: _Optional[str] = ..., from_shard: _Optional[int] = ..., to: _Optional[int] = ..., bytes: _Optional[int] = ..., status: _Optional[_Union[ResizeMove.Status, str]] = ...) -> None: ...
+
+class ResizeRequest(_message.Message):
+    __slots__ = ("action", "id", "driver", "before", "after", "lease_seconds", "hold_from_step", "moves", "phase", "why")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        GET: _ClassVar[ResizeRequest.Action]
+        BEGIN: _ClassVar[ResizeRequest.Action]
+        RENEW: _ClassVar[ResizeRequest.Action]
+        TAKE_OVER: _ClassVar[ResizeRequest.Action]
+        PLAN: _ClassVar[ResizeRequest.Action]
+        MOVED: _ClassVar[ResizeRequest.Action]
+        END: _ClassVar[ResizeRequest.Action]
+    GET: ResizeRequest.Action
+    BEGIN: ResizeRequest.Action
+    RENEW: ResizeRequest.Action
+    TAKE_OVER: ResizeRequest.Action
+    PLAN: ResizeRequest.Action
+    MOVED: ResizeRequest.Action
+    END: ResizeRequest.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    action: ResizeRequest.Action
+    id: int
+    driver: str
+    before: _containers.RepeatedScalarFieldContainer[str]
+    after: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    hold_from_step: int
+    moves: _containers.RepeatedCompositeFieldContainer[ResizeMove]
+    phase: ResizeState.Phase
+    why: str
+    def __init__(self, action: _Optional[_Union[ResizeRequest.Action, str]] = ..., id: _Optional[int] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., why: _Optional[str] = ...) -> None: ...

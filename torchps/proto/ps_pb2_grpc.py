@@ -154,6 +154,16 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.MoveChunk.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.MoveResponse.FromString,
                 _registered_method=True)
+        self.ConfirmMove = channel.unary_unary(
+                '/torchps.v1.ParameterServer/ConfirmMove',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.MoveRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.MoveResponse.FromString,
+                _registered_method=True)
+        self.Resize = channel.unary_unary(
+                '/torchps.v1.ParameterServer/Resize',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ResizeRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ResizeState.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -388,21 +398,47 @@ class ParameterServerServicer:
 
     def ExportVariables(self, request, context):
         """The chief's: hands variables over (see MoveRequest). Blocks while the
-        updates in progress finish (not for new ones). NOT_FOUND for a name
-        neither held nor exported at this epoch; FAILED_PRECONDITION for another
-        epoch than the one set, or in sync mode unless the shard is quiet under a
-        hold (see Layout).
+        updates in progress finish (not for new ones). The names of an export
+        kept in the outbox are sent again at any epoch. Otherwise NOT_FOUND for a
+        name neither held nor kept; FAILED_PRECONDITION for another epoch than
+        the one set, or in sync mode unless the shard is quiet under a hold (see
+        Layout).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ImportVariables(self, request_iterator, context):
-        """The chief's: takes the variables another shard exported (see MoveChunk)
-        and serves them from now on. Idempotent per epoch. FAILED_PRECONDITION for
-        another epoch than the one set, or a variable held here from before;
-        INVALID_ARGUMENT for a malformed stream; RESOURCE_EXHAUSTED past
-        --max-memory.
+        """The chief's: takes the variables another shard exported (see MoveChunk),
+        or this shard's own kept export (a rolled-back move), and serves them
+        from now on. Taken whatever epoch they were exported at, as long as the
+        layout in force places every name here; the same import again is a
+        no-op. FAILED_PRECONDITION for a name the layout places elsewhere, a
+        variable held here from before, or in sync mode unless quiet under a
+        hold; INVALID_ARGUMENT for a malformed stream; RESOURCE_EXHAUSTED past
+        --max-memory (nothing is imported: the state stays kept by its exporter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConfirmMove(self, request, context):
+        """The chief's: shard `to` holds `names` (it imported them): this shard
+        drops the state it kept for them since their export (MoveRequest).
+        Idempotent: names it keeps nothing for change nothing. MoveResponse.names:
+        those dropped. Never blocks on training (it waits for its journal record).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resize(self, request, context):
+        """The chief's, on ps 0 (FAILED_PRECONDITION elsewhere): the job's live
+        resize, recorded and journaled there (see ResizeState). FAILED_PRECONDITION
+        for BEGIN while a resize runs (the message names its driver and lease),
+        TAKE_OVER while its lease runs, and any other action of a driver that
+        no longer drives it (it was taken over); INVALID_ARGUMENT for a malformed
+        request. Never blocks on training.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -530,6 +566,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ImportVariables,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.MoveChunk.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.MoveResponse.SerializeToString,
+            ),
+            'ConfirmMove': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmMove,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.MoveRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.MoveResponse.SerializeToString,
+            ),
+            'Resize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resize,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ResizeRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ResizeState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1180,6 +1226,60 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/ImportVariables',
             torchps_dot_v1_dot_ps__pb2.MoveChunk.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmMove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/ConfirmMove',
+            torchps_dot_v1_dot_ps__pb2.MoveRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/Resize',
+            torchps_dot_v1_dot_ps__pb2.ResizeRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ResizeState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,153 @@
+"""The shard's live-resize RPCs, a part of its servicer (servicer.ParameterServerServicer mixes it in): the
+layout (GetLayout, SetLayout), moves (ExportVariables, ImportVariables, ConfirmMove) and ps 0's record of the
+job's resize (Resize). Each body is blocking code on the shard's pool (edge.py); the changes are
+moves.Moves's (and resizes.ResizeOwner's). The mixin reads the servicer's coordinator, index, quotas and chunk
+size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..errors import InvalidArgumentError, MalformedStreamError
+from ..proto import ps_pb2
+from .resizes import PHASES, STATUSES
+from .rpc_support import decoded, map_errors, require_active
+
+__all__ = ["ResizeRPCs", "resize_state_of"]
+
+_LOGGER = logging.getLogger(__name__)
+_ACTIONS = ps_pb2.ResizeRequest.Action
+
+
+def resize_state_of(record: dict) -> ps_pb2.ResizeState:
+    """ResizeOwner.state()'s record as its message."""
+    return ps_pb2.ResizeState(
+        id=record["id"], phase=PHASES.index(record["phase"]), driver=record["driver"], before=record["before"],
+        after=record["after"], hold_from_step=record["hold"], lease_seconds=record["lease"],
+        lease_left_seconds=record["lease_left"], ended_why=record["why"],
+        moves=[ps_pb2.ResizeMove(name=name, from_shard=source, to=target, bytes=nbytes,
+                                 status=STATUSES.index(status))
+               for name, source, target, nbytes, status in record["moves"]])
+
+
+class ResizeRPCs:
+    """Live-resize RPCs of ParameterServerServicer."""
+
+    @map_errors
+    def GetLayout(self, request, context):
+        layout = self.coordinator.layout
+        epoch, addresses, placement = layout.layout()
+        held = self.coordinator.tables.held()
+        members, grace_left = self.coordinator.moves.job_members()
+        lease, left = layout.hold_lease()
+        return ps_pb2.Layout(epoch=epoch, addresses=addresses, placement=placement, outbox=[
+            ps_pb2.MoveRequest(names=names, epoch=at, to=to) for names, to, at in layout.outbox()],
+            hold_from_step=layout.hold_from, quiet=self.coordinator.moves.quiet(),
+            table_shards=layout.table_shards or (held[0].num_shards if held else 0),
+            members=[ps_pb2.JobMember(worker=worker, incarnation=entry["incarnation"],
+                                      counts_from=entry["counts_from"], gone=entry["gone"],
+                                      silent_seconds=entry["silent"])
+                     for worker, entry in sorted(members.items())], grace_left_seconds=grace_left,
+            hold_lease_seconds=lease, hold_lease_left_seconds=max(0.0, left) if math.isfinite(left) else 0.0)
+
+    @map_errors
+    def SetLayout(self, request, context):
+        members = {m.worker: {"incarnation": m.incarnation, "counts_from": m.counts_from, "gone": m.gone, "clock": 0,
+                              "silent": m.silent_seconds} for m in request.members}
+        if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
+                                             request.hold_from_step, request.table_shards, members,
+                                             request.grace_left_seconds, request.hold_lease_seconds):
+            hold = self.coordinator.layout.hold_from
+            relaying = self.coordinator.layout.table_shards
+            _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s%s", self.index, request.epoch,
+                         len(request.addresses), len(request.placement),
+                         f", pushes from step {hold} held" if hold else "",
+                         f", embedding tables re-laid out onto {relaying} shards" if relaying else "")
+        return self.GetLayout(request, context)
+
+    @map_errors
+    def ExportVariables(self, request, context):
+        """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export)."""
+        if request.tables:
+            if request.names:
+                raise InvalidArgumentError("an export of table rows names no variables")
+            data, step = self.coordinator.moves.export_tables(request.epoch, request.to)
+        else:
+            data, step = self.coordinator.moves.export(list(request.names), request.epoch, request.to)
+        _LOGGER.info("ps %d: %s (%d bytes) exported to ps %d at layout epoch %d", self.index,
+                     "embedding-table rows" if request.tables else f"{len(request.names)} variables", len(data),
+                     request.to, request.epoch)
+        view = memoryview(data)
+        for offset in range(0, max(1, len(data)), self.max_chunk_bytes):
+            first = {"epoch": request.epoch, "from_shard": self.index, "step": step, "total_bytes": len(data),
+                     "tables": request.tables}
+            yield ps_pb2.MoveChunk(data=bytes(view[offset:offset + self.max_chunk_bytes]),
+                                   **(first if offset == 0 else {}))
+
+    @map_errors
+    def ImportVariables(self, request_iterator, context):
+        """Takes an exported state (moves.Moves.import_) once every byte its first chunk declared arrived."""
+        data, head = bytearray(), None
+        for chunk in decoded(request_iterator, ps_pb2.MoveChunk.FromString):
+            if head is None:
+                head = chunk
+                self.quotas.check_total(self.held_total(), {"imported variables": 2 * chunk.total_bytes})
+            data += chunk.data
+            if len(data) > head.total_bytes:
+                raise MalformedStreamError(f"the moved state is longer than the {head.total_bytes} bytes declared")
+        require_active(context)
+        if head is None or len(data) != head.total_bytes:
+            raise MalformedStreamError(f"the moved state ended after {len(data)} of "
+                                       f"{0 if head is None else head.total_bytes} bytes; nothing was imported")
+        if head.tables:
+            names = self.coordinator.moves.import_tables(bytes(data), head.epoch, head.from_shard, head.step)
+            _LOGGER.info("ps %d: embedding-table rows of ps %d imported at layout epoch %d%s", self.index,
+                         head.from_shard, head.epoch, f"; tables {names} built" if names else "")
+            return ps_pb2.MoveResponse(names=names, step=self.store.step)
+        names = self.coordinator.moves.import_(bytes(data), head.epoch, head.step)
+        _LOGGER.info("ps %d: %d variables imported from ps %d (exported at layout epoch %d)", self.index,
+                     len(names), head.from_shard, head.epoch)
+        return ps_pb2.MoveResponse(names=names, step=self.store.step)
+
+    @map_errors
+    def ConfirmMove(self, request, context):
+        """Drops the kept exports shard `to` confirmed (moves.Moves.confirm)."""
+        dropped = self.coordinator.moves.confirm(list(request.names), request.to)
+        if dropped:
+            _LOGGER.info("ps %d: ps %d confirmed %d variables; their kept state is dropped", self.index, request.to,
+                         len(dropped))
+        return ps_pb2.MoveResponse(names=dropped, step=self.store.step)
+
+    @map_errors
+    def Resize(self, request, context):
+        """ps 0's record of the job's resize (resizes.ResizeOwner): one action of its driver."""
+        action, resize_id, driver = request.action, request.id, request.driver
+        if action == _ACTIONS.GET:
+            change = lambda owner: None  # noqa: E731
+        elif action == _ACTIONS.BEGIN:
+            change = lambda owner: owner.begin(driver, list(request.before), list(request.after),  # noqa: E731
+                                               request.lease_seconds)
+        elif action == _ACTIONS.RENEW:
+            change = lambda owner: owner.renew(resize_id, driver)  # noqa: E731
+        elif action == _ACTIONS.TAKE_OVER:
+            change = lambda owner: owner.take_over(resize_id, driver, request.lease_seconds)  # noqa: E731
+        elif action == _ACTIONS.PLAN:
+            moves = [(m.name, m.from_shard, m.to, m.bytes) for m in request.moves]
+            change = lambda owner: owner.plan(resize_id, driver, moves, request.hold_from_step)  # noqa: E731
+        elif action == _ACTIONS.MOVED:
+            moves = [(m.name, STATUSES[m.status] if m.status < len(STATUSES) else str(m.status))
+                     for m in request.moves]
+            change = lambda owner: owner.moved(resize_id, driver, moves)  # noqa: E731
+        elif action == _ACTIONS.END:
+            phase = PHASES[request.phase] if request.phase < len(PHASES) else str(request.phase)
+            change = lambda owner: owner.end(resize_id, driver, phase, request.why)  # noqa: E731
+        else:
+            raise InvalidArgumentError(f"unknown resize action {action}")
+        record = self.coordinator.moves.resize(change)
+        if action in (_ACTIONS.BEGIN, _ACTIONS.END):
+            _LOGGER.info("ps %d: resize %d %s (%d -> %d shards, driver %s)%s", self.index, record["id"],
+                         "begun" if action == _ACTIONS.BEGIN else record["phase"], len(record["before"]),
+                         len(record["after"]), record["driver"], f": {record['why']}" if record["why"] else "")
+        return resize_state_of(record)
