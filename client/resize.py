@@ -237,7 +237,7 @@ class _Driver:
                 with self._lock:
                     _ask(self.fanout, ps_pb2.ResizeRequest(action=_ACTION.RENEW, id=self.id, driver=self.name))
                     if self.hold:  # the same layout again renews each shard's hold
-                        self._each(self._sent, lambda shard, layout: self._call(shard, "SetLayout", layout))
+                        self.each(self._sent, lambda shard, layout: self.call(shard, "SetLayout", layout))
             except ResizeConflictError as exc:
                 self._lost = str(exc)
                 _LOGGER.error("resize %d: %s", self.id, exc)
@@ -247,23 +247,23 @@ class _Driver:
 
     # -- the shards ------------------------------------------------------------------------------
 
-    def _call(self, shard: int, method: str, request, timeout: float | None = None):
+    def call(self, shard: int, method: str, request, timeout: float | None = None):
         return self.fanout.call(shard, lambda stub, t: getattr(stub, method)(request, timeout=t),
                                 timeout or self.fanout.control_timeout)
 
-    def _each(self, shards, fn: Callable) -> dict:
+    def each(self, shards, fn: Callable) -> dict:
         groups = shards if isinstance(shards, dict) else {s: None for s in shards}
         return self.fanout.each({s: [] for s in groups}, lambda shard, _: fn(shard, groups[shard]))
 
     def layout(self, shard: int = 0) -> ps_pb2.Layout:
-        return self._call(shard, "GetLayout", ps_pb2.LayoutRequest())
+        return self.call(shard, "GetLayout", ps_pb2.LayoutRequest())
 
     def held(self, shards) -> dict[int, list[tuple[str, int]]]:
         return _held(self.fanout, shards)
 
     def outboxes(self, shards) -> dict[int, list[ps_pb2.MoveRequest]]:
         """{shard: the exports it keeps} of `shards`."""
-        return {s: list(layout.outbox) for s, layout in self._each(shards, lambda s, _: self.layout(s)).items()}
+        return {s: list(layout.outbox) for s, layout in self.each(shards, lambda s, _: self.layout(s)).items()}
 
     def set_layout(self, addresses: list[str], placement: dict[str, int], hold: int, table_shards: int = 0,
                    members: ps_pb2.Layout | None = None) -> dict[int, ps_pb2.Layout]:
@@ -283,7 +283,7 @@ class _Driver:
             for group in (range(1, len(addresses)), [0], range(len(addresses), len(self.wide))):
                 for shard in group:
                     self._sent[shard] = layout
-                replies.update(self._each(group, lambda shard, _: self._call(shard, "SetLayout", layout)))
+                replies.update(self.each(group, lambda shard, _: self.call(shard, "SetLayout", layout)))
             self.hold = hold
             return replies
 
@@ -300,7 +300,7 @@ class _Driver:
         give_up = time.monotonic() + quiet_seconds
         waiting = sorted(agreed)
         while waiting:
-            layouts = self._each(waiting, lambda shard, _: self.layout(shard))
+            layouts = self.each(waiting, lambda shard, _: self.layout(shard))
             waiting = [s for s in waiting if not layouts[s].quiet]
             if waiting and time.monotonic() > give_up:
                 raise WaitTimeoutError(f"ps {waiting} did not apply every step before {hold} within "
@@ -319,7 +319,7 @@ class _Driver:
                                   self.fanout.timeout)
         self.fanout.call(target, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), self.fanout.timeout)
         if not request.tables and target != source:
-            self._call(source, "ConfirmMove", ps_pb2.MoveRequest(names=request.names, to=target))
+            self.call(source, "ConfirmMove", ps_pb2.MoveRequest(names=request.names, to=target))
         return sum(len(chunk.data) for chunk in chunks)
 
 
@@ -466,7 +466,7 @@ def _complete_outboxes(resize: _Driver, placement: dict[str, int]) -> None:
         for request in kept:
             names, target = list(request.names), request.to
             if set(names) <= {name for name, _ in resize.held([target])[target]}:
-                resize._call(source, "ConfirmMove", ps_pb2.MoveRequest(names=names, to=target))
+                resize.call(source, "ConfirmMove", ps_pb2.MoveRequest(names=names, to=target))
                 what = "confirmed"
             elif all(placement.get(name) == source for name in names):
                 resize.relay(source, source, ps_pb2.MoveRequest(names=names, to=target))
@@ -482,13 +482,13 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
            quiet_seconds: float) -> ResizeReport:
     """The resize's steps from the hold on (see the module docstring); ends it done."""
     before, after, wide = resize.before, resize.after, resize.wide
-    config = resize._call(0, "GetStatus", ps_pb2.StatusRequest()).config
+    config = resize.call(0, "GetStatus", ps_pb2.StatusRequest()).config
     added = range(len(before), len(after))
     held = resize.held(range(len(wide)))
     current = dict(resize.layout(0).placement)
     if not fresh:  # (`run` checked before it began)
         _check_copies(held, current, range(0))
-    resize._each(added, lambda shard, _: resize._call(shard, "Configure", config))
+    resize.each(added, lambda shard, _: resize.call(shard, "Configure", config))
     current.update({name: shard for shard, variables in held.items() for name, _ in variables})
     if config.mode == "sync":
         resize.hold_job(current, quiet_seconds)
@@ -516,7 +516,7 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
                 if src == shard:
                     resize.relay(src, dst, ps_pb2.MoveRequest(names=names, epoch=resize.epoch, to=dst))
 
-        resize._each({src: None for src, _ in pairs}, move_from)
+        resize.each({src: None for src, _ in pairs}, move_from)
         if batch:
             resize.report(_ACTION.MOVED, moves=[ps_pb2.ResizeMove(name=name, status=_STATUS.CONFIRMED)
                                                 for name in batch])
@@ -530,7 +530,7 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
     if len(after) < len(before):
         time.sleep(drain_seconds)  # the removed shards keep answering LayoutChangedError meanwhile
         gone = range(len(after), len(before))
-        resize._each(gone, lambda shard, _: resize._call(shard, "Shutdown", ps_pb2.ShutdownRequest(
+        resize.each(gone, lambda shard, _: resize.call(shard, "Shutdown", ps_pb2.ShutdownRequest(
             reason=f"removed from the job at layout epoch {resize.epoch}")))
         stopped = before[len(after):]
     follower.refresh()
@@ -552,7 +552,7 @@ def _relayout_tables(resize: _Driver, now: dict[str, int], count: int) -> int | 
         return sum(resize.relay(src, dst, ps_pb2.MoveRequest(epoch=resize.epoch, to=dst, tables=True))
                    for dst in range(count))
 
-    return sum(resize._each(range(tables), rows_from).values())
+    return sum(resize.each(range(tables), rows_from).values())
 
 
 def _roll_back(resize: _Driver, follower: LayoutFollower, *, quiet_seconds: float, why: str) -> ResizeReport:
@@ -562,7 +562,7 @@ def _roll_back(resize: _Driver, follower: LayoutFollower, *, quiet_seconds: floa
     current = dict(resize.layout(0).placement)
     current.update({name: shard for shard, variables in resize.held(shards).items() for name, _ in variables})
     kept = {source: entries for source, entries in resize.outboxes(shards).items() if entries}
-    if kept and resize._call(0, "GetStatus", ps_pb2.StatusRequest()).config.mode == "sync":
+    if kept and resize.call(0, "GetStatus", ps_pb2.StatusRequest()).config.mode == "sync":
         resize.hold_job(current, quiet_seconds)  # a shard takes a variable back only quiet under a hold
     fenced = dict(current)
     for source, entries in kept.items():
@@ -576,7 +576,7 @@ def _roll_back(resize: _Driver, follower: LayoutFollower, *, quiet_seconds: floa
         for request in entries:
             names, target = list(request.names), request.to
             if set(names) <= {name for name, _ in held.get(target, [])}:  # taken in before the fence: it stays
-                resize._call(source, "ConfirmMove", ps_pb2.MoveRequest(names=names, to=target))
+                resize.call(source, "ConfirmMove", ps_pb2.MoveRequest(names=names, to=target))
                 _report_moved(resize, names, _STATUS.CONFIRMED)
             else:
                 nbytes = resize.relay(source, source, ps_pb2.MoveRequest(names=names, to=target))
@@ -608,7 +608,7 @@ def _table_sources(resize: _Driver, shards, count: int) -> int | None:
     `shards`): the count the tables are spread over where a shard still holds them so, if not `count`; None if
     the job has no tables, or every one of the `count` shards holds them spread over `count`; else 0 (a
     re-layout cut off before its end epoch: only that epoch is set again)."""
-    listed = resize._each(shards, lambda shard, _: resize._call(shard, "ListTables", ps_pb2.ListRequest()))
+    listed = resize.each(shards, lambda shard, _: resize.call(shard, "ListTables", ps_pb2.ListRequest()))
     counts = {s: {info.num_shards for info in reply.tables} for s, reply in listed.items()}
     if not any(counts.values()):
         return None

@@ -54,11 +54,11 @@ from typing import Callable, Mapping
 from ..errors import InvalidArgumentError, LayoutChangedError, ModeConflictError, VariableMovingError
 from .locks import guarded
 
-__all__ = ["ShardLayout", "check_layout", "MAX_SHARDS", "HOLD_LEASE_SECONDS", "MAX_HOLD_LEASE_SECONDS"]
+__all__ = ["ShardLayout", "check_layout", "lease_of", "MAX_SHARDS", "LEASE_SECONDS", "MAX_LEASE_SECONDS"]
 
 MAX_SHARDS = 100_000
-HOLD_LEASE_SECONDS = 30.0       # a hold its resize does not renew this long ends by itself
-MAX_HOLD_LEASE_SECONDS = 3600.0
+LEASE_SECONDS = 30.0       # a hold (or a resize on ps 0: resizes.py) its driver does not renew this long ends
+MAX_LEASE_SECONDS = 3600.0
 
 
 def check_layout(epoch: int, addresses: list[str], placement: Mapping[str, int]) -> None:
@@ -74,12 +74,13 @@ def check_layout(epoch: int, addresses: list[str], placement: Mapping[str, int])
                                        f"{len(addresses)} shards")
 
 
-def hold_lease_of(seconds: float) -> float:
-    """A hold's lease in seconds (0: HOLD_LEASE_SECONDS); InvalidArgumentError unless in (0, MAX]."""
+def lease_of(seconds: float, what: str) -> float:
+    """A lease asked for in seconds (0: LEASE_SECONDS), of `what` ("a hold", "a resize");
+    InvalidArgumentError unless in (0, MAX_LEASE_SECONDS]."""
     if seconds == 0:
-        return HOLD_LEASE_SECONDS
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_HOLD_LEASE_SECONDS):
-        raise InvalidArgumentError(f"a hold's lease must be in (0, {MAX_HOLD_LEASE_SECONDS:g}] seconds. "
+        return LEASE_SECONDS
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_LEASE_SECONDS):
+        raise InvalidArgumentError(f"{what}'s lease must be in (0, {MAX_LEASE_SECONDS:g}] seconds. "
                                    f"Received: {seconds}")
     return seconds
 
@@ -103,7 +104,7 @@ class ShardLayout:
         self._asked = 0                         # the hold this epoch was set with (a repeat must match it)
         self.hold_from = 0                      # pushes computed at this step or later wait (0: none); read
                                                 # without the lock
-        self._hold_lease = HOLD_LEASE_SECONDS   # the hold in force ends by itself at _hold_deadline
+        self._hold_lease = LEASE_SECONDS   # the hold in force ends by itself at _hold_deadline
         self._hold_deadline = math.inf
         self._released = (0, 0)                 # (step, epoch) of the last hold ended
         self.table_shards = 0                   # the count the tables are being re-laid out to (0: none); read
@@ -114,7 +115,7 @@ class ShardLayout:
 
     @guarded
     def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int], asked: int = 0,
-            hold: int = 0, lease: float = HOLD_LEASE_SECONDS) -> bool:
+            hold: int = 0, lease: float = LEASE_SECONDS) -> bool:
         """Takes a later layout (True), or the one in force again (False: nothing changes but a hold's lease,
         renewed for `lease` s), holding pushes from step `hold` (0: none; `asked`: the hold it was asked for,
         which a repeat must ask again) until an epoch without it or `lease` s without a repeat.
@@ -340,7 +341,7 @@ class ShardLayout:
                                          kept[3] if len(kept) > 3 else self.epoch)
                         for kept in state.get("outbox", [])}
         self._asked, self.hold_from = state.get("asked", 0), state.get("hold_from", 0)
-        self._hold_lease = state.get("hold_lease", HOLD_LEASE_SECONDS)
+        self._hold_lease = state.get("hold_lease", LEASE_SECONDS)
         self._hold_deadline = self._now() + self._hold_lease if self.hold_from else math.inf
         self._released = tuple(state.get("released", (0, 0)))
         tables = state.get("tables") or {}

@@ -54,7 +54,7 @@ from . import table_state
 from .bookkeeping import Bookkeeping
 from .entries import decode_entries, encode_entries
 from .gate import ApplyGate
-from .layout import ShardLayout, hold_lease_of
+from .layout import ShardLayout, lease_of
 from .locks import checked
 from .modes import MAX_SECONDS
 from .recording import Recorder
@@ -118,7 +118,7 @@ class Moves:
                    hold_lease: float = 0.0) -> bool:
         """Takes a later layout epoch (True) or the same again (False: renews a hold's lease), holding sync
         pushes from `hold_from` or later (see the module docstring; 0: no hold) until an epoch without it or
-        `hold_lease` s (0: layout.HOLD_LEASE_SECONDS) without the same layout again, and with `table_shards`
+        `hold_lease` s (0: layout.LEASE_SECONDS) without the same layout again, and with `table_shards`
         beginning or ending a re-layout of the embedding tables onto that many shards (layout.py); raises as
         ps.proto's SetLayout says. Wakes the pushes a hold ended. A shard that took the hold step as its own
         takes `members` (ps 0's workers, Membership.export_leases' form) and ends its startup grace in
@@ -126,7 +126,7 @@ class Moves:
         book = self._book
         if not 0 <= hold_from < 2 ** 62:
             raise InvalidArgumentError(f"a hold's step must be in [0, 2**62). Received: {hold_from}")
-        lease = hold_lease_of(hold_lease)
+        lease = lease_of(hold_lease, "a hold")
         _check_members(members or {}, grace_left)
         if not 0 <= table_shards <= len(addresses):
             raise InvalidArgumentError(f"table_shards must be in [0, the layout's {len(addresses)} shards]. "
@@ -400,7 +400,7 @@ class Moves:
         The keywords hand the live path's decoded state over instead of decoding the record's tensors again."""
         if kind == "layout":
             changed = self.layout.set(meta["epoch"], meta["addresses"], meta["placement"], meta.get("asked", 0),
-                                      meta.get("hold", 0), meta.get("lease") or hold_lease_of(0))
+                                      meta.get("hold", 0), meta.get("lease") or lease_of(0, "a hold"))
             if changed and meta.get("step") is not None:
                 self._store.set_step(meta["step"])
                 self._book.pending.clear()

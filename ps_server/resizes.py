@@ -29,22 +29,19 @@ Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from typing import Callable
 
 from ..errors import InvalidArgumentError, ResizeConflictError
-from .layout import MAX_SHARDS
+from .layout import LEASE_SECONDS, MAX_SHARDS, lease_of
 from .locks import guarded
 
-__all__ = ["ResizeOwner", "PHASES", "STATUSES", "RESIZE_LEASE_SECONDS", "MAX_LEASE_SECONDS"]
+__all__ = ["ResizeOwner", "PHASES", "STATUSES"]
 
 _LOGGER = logging.getLogger(__name__)
 PHASES = ("none", "running", "done", "aborted")                           # ps.proto's ResizeState.Phase, in order
 STATUSES = ("planned", "exported", "imported", "confirmed", "returned")  # ResizeMove.Status, in order
-RESIZE_LEASE_SECONDS = 30.0  # a driver that reports nothing this long leaves its resize cut off
-MAX_LEASE_SECONDS = 3600.0
 MAX_DRIVER_CHARS = 256
 MAX_WHY_CHARS = 1000
 MAX_NAME_CHARS = 1024
@@ -52,16 +49,6 @@ _NEXT = {"planned": {"exported", "imported", "confirmed", "returned"}, "exported
          "imported": {"confirmed"}, "confirmed": set(), "returned": set()}
 
 Event = dict
-
-
-def lease_of(seconds: float) -> float:
-    """A requested lease in seconds (0: the default); InvalidArgumentError unless in (0, MAX_LEASE_SECONDS]."""
-    if seconds == 0:
-        return RESIZE_LEASE_SECONDS
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_LEASE_SECONDS):
-        raise InvalidArgumentError(f"a resize's lease must be in (0, {MAX_LEASE_SECONDS:g}] seconds. "
-                                   f"Received: {seconds}")
-    return seconds
 
 
 def _check_addresses(addresses: list[str], what: str) -> None:
@@ -83,7 +70,7 @@ class ResizeOwner:
         self._after: list[str] = []
         self._hold = 0
         self._moves: dict[str, dict] = {}  # name -> {"from", "to", "bytes", "status"}, in plan order
-        self._lease = RESIZE_LEASE_SECONDS
+        self._lease = LEASE_SECONDS
         self._deadline = 0.0               # when the driver's lease runs out (monotonic)
         self._why = ""
         self._cut_off_logged = False
@@ -119,7 +106,7 @@ class ResizeOwner:
         self._check_driver(driver)
         _check_addresses(before, "current")
         _check_addresses(after, "new")
-        lease = lease_of(lease)
+        lease = lease_of(lease, "a resize")
         if self._phase == "running":
             raise ResizeConflictError(self._busy())
         event = {"op": "begin", "id": self._id + 1, "driver": driver, "before": list(before), "after": list(after),
@@ -132,7 +119,7 @@ class ResizeOwner:
         """`driver` drives the running resize `resize_id` from now on; ResizeConflictError while its driver's
         lease runs (a driver may take its own back at any time), or if it is not the one running."""
         self._check_driver(driver)
-        lease = lease_of(lease)
+        lease = lease_of(lease, "a resize")
         self._check_id(resize_id)
         if driver != self._driver and self._now() < self._deadline:
             raise ResizeConflictError(self._busy())
@@ -247,7 +234,7 @@ class ResizeOwner:
         state = state or {}
         self._id, self._phase, self._driver = state.get("id", 0), state.get("phase", "none"), state.get("driver", "")
         self._before, self._after = list(state.get("before", [])), list(state.get("after", []))
-        self._hold, self._lease, self._why = state.get("hold", 0), state.get("lease", RESIZE_LEASE_SECONDS), \
+        self._hold, self._lease, self._why = state.get("hold", 0), state.get("lease", LEASE_SECONDS), \
             state.get("why", "")
         self._moves = {name: {"from": source, "to": target, "bytes": nbytes, "status": status}
                        for name, source, target, nbytes, status in state.get("moves", [])}
