@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Mapping, TypeVar
 
-from ..errors import LayoutChangedError
+from ..errors import LayoutChangedError, PSError
 from ..placement import Placement
 from ..proto import ps_pb2
 from .fanout import ShardFanout
@@ -32,6 +32,7 @@ __all__ = ["LayoutFollower", "MAX_ROUNDS"]
 T = TypeVar("T")
 _LOGGER = logging.getLogger(__name__)
 MAX_ROUNDS = 8  # layouts followed within one call before its LayoutChangedError is raised
+COUNTED = ("push", "push_pull")  # calls a shard counts a step for, even with no variable of it
 NOT_YET_SECONDS = 0.1  # pause before sending again when shard 0 did not have a later layout yet
 
 
@@ -74,13 +75,36 @@ class LayoutFollower:
                                        self._fanout.control_timeout)
             if layout.epoch <= self.epoch:
                 return False
-            self._fanout.channels.follow(list(layout.addresses))
-            self._placement.follow(len(layout.addresses), dict(layout.placement))
-            self.table_shards = layout.table_shards
-            _LOGGER.info("following layout epoch %d: %d shards (was epoch %d)", layout.epoch,
-                         len(layout.addresses), self.epoch)
-            self.epoch = layout.epoch
+            self._follow(layout)
             return True
+
+    def _follow(self, layout: ps_pb2.Layout) -> None:
+        """Takes `layout` (a later epoch; holding the lock)."""
+        self._fanout.channels.follow(list(layout.addresses))
+        self._placement.follow(len(layout.addresses), dict(layout.placement))
+        self.table_shards = layout.table_shards
+        _LOGGER.info("following layout epoch %d: %d shards (was epoch %d)", layout.epoch, len(layout.addresses),
+                     self.epoch)
+        self.epoch = layout.epoch
+
+    def _refresh_from(self, replies: Mapping[int, object]) -> bool:
+        """Follows the layout of a shard that refused a part, if later than this client's (ps 0 may lag behind
+        the others: a resize's driver that died between setting an epoch on them and on ps 0). Every shard
+        of an epoch got the same layout, so any shard's is the job's. Blocks for one call a refusing shard."""
+        for shard, reply in replies.items():
+            if not isinstance(reply, _Moved):
+                continue
+            with self._lock:
+                try:
+                    layout = self._fanout.call(shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(),
+                                                                                     timeout=t),
+                                               self._fanout.control_timeout)
+                except PSError:
+                    continue  # stopped meanwhile (a removed shard): another refusal may tell
+                if layout.epoch > self.epoch and layout.addresses:
+                    self._follow(layout)
+                    return True
+        return False
 
     def each(self, groups: Mapping[int, list[str]], fn: Callable[[int, list[str], bool, bool], T],
              phase: str | None = None) -> dict[int, T]:
@@ -109,13 +133,15 @@ class LayoutFollower:
                     results.setdefault(shard, reply)
             if error is None:
                 return results
-            if not self.refresh():  # a shard knew the new layout before shard 0 did: a moment
-                time.sleep(NOT_YET_SECONDS)
+            if not self.refresh() and not self._refresh_from(replies):
+                time.sleep(NOT_YET_SECONDS)  # a shard knew the new layout before shard 0 did: a moment
             regrouped = self._placement.group(moved)
             pending = {shard: (names, shard not in results) for shard, names in regrouped.items()}
-            for shard, reply in replies.items():  # a live shard that refused its part serves none of this call yet
-                if isinstance(reply, _Moved) and shard < self.shards and shard not in results:
-                    pending.setdefault(shard, ([], True))
+            for shard, reply in replies.items():  # a live shard that refused its part of a push counts no step of
+                if (phase in COUNTED and isinstance(reply, _Moved) and shard < self.shards  # it yet: an empty part
+                        and shard not in results):                                         # counts it (a pull's or
+                    pending.setdefault(shard, ([], True))                                  # an update's would mean
+                                                                                           # "every variable")
             if not pending:
                 return results
         raise error

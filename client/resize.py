@@ -191,6 +191,11 @@ class _Driver:
         self._lost: str | None = None
         self._renewer = threading.Thread(target=self._renew, name="resize-lease", daemon=True)
         self._renewer.start()
+        # The next epoch follows the highest any shard knows: a driver that died between setting an epoch on
+        # the other shards and on ps 0 left ps 0 one behind, and that number is taken there already.
+        fanout.channels.follow(self.wide)
+        self.epoch = max(epoch, *(layout.epoch for layout in self.each(
+            range(len(self.wide)), lambda shard, _: self.layout(shard)).values()))
 
     @classmethod
     def begin(cls, fanout: ShardFanout, name: str, before: list[str], after: list[str], lease: float,
@@ -399,7 +404,6 @@ def resume(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_
     epoch, _ = _current(fanout, follower)
     resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
     try:
-        fanout.channels.follow(resize.wide)
         return _drive(resize, follower, fresh=False, drain_seconds=drain_seconds, quiet_seconds=quiet_seconds)
     finally:
         resize.close()
@@ -412,7 +416,6 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_s
     epoch, _ = _current(fanout, follower)
     resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
     try:
-        fanout.channels.follow(resize.wide)
         return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
     finally:
         resize.close()
@@ -486,8 +489,8 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
     added = range(len(before), len(after))
     held = resize.held(range(len(wide)))
     current = dict(resize.layout(0).placement)
-    if not fresh:  # (`run` checked before it began)
-        _check_copies(held, current, range(0))
+    if not fresh:  # (`run` checked before it began); mid-resize a layout may place a variable ahead of its move
+        _check_copies(held, {}, range(0))
     resize.each(added, lambda shard, _: resize.call(shard, "Configure", config))
     current.update({name: shard for shard, variables in held.items() for name, _ in variables})
     if config.mode == "sync":

@@ -55,12 +55,13 @@ class DeadDriver:
     def _resize(self, request):
         return self.client.call(0, lambda stub, t: stub.Resize(request, timeout=t))
 
-    def set_layout(self, placement: dict[str, int], hold: int = 0) -> list[ps_pb2.Layout]:
+    def set_layout(self, placement: dict[str, int], hold: int = 0, shards=None) -> list[ps_pb2.Layout]:
+        """The next epoch on `shards` (default: every shard, ps 0 last, as the resize sets it)."""
         self.epoch += 1
         layout = ps_pb2.Layout(epoch=self.epoch, addresses=self.after, placement=placement, hold_from_step=hold,
                                hold_lease_seconds=LEASE)
         return [self.client.call(s, lambda stub, t: stub.SetLayout(layout, timeout=t))
-                for s in reversed(range(len(self.after)))]
+                for s in (shards if shards is not None else reversed(range(len(self.after))))]
 
     def export(self, names: list[str], source: int, target: int) -> list[ps_pb2.MoveChunk]:
         request = ps_pb2.MoveRequest(names=names, epoch=self.epoch, to=target)
@@ -230,3 +231,63 @@ def test_ps_admin_takes_the_current_shards_from_ps_0_not_from_the_cluster_it_is_
         assert [list(_layout(chief, s).outbox) for s in range(3)] == [[], [], []]
     shown = subprocess.run([PS_ADMIN, "layout", "--cluster", extended], capture_output=True, text=True, timeout=120)
     assert "resize 1: 2 -> 3 shards, done" in shown.stdout, shown.stderr
+
+
+def test_a_driver_that_died_between_shards_and_before_its_exports_is_resumed_and_pulls_follow_meanwhile(
+        local_cluster):
+    """The dead driver set epoch 1 on ps 2 and ps 1 but not on ps 0 (SetLayout goes to the others first), and
+    placed "c" on ps 2 without exporting it: resume numbers its epochs past the highest any shard knows,
+    and trusts the placement ahead of its move (only two copies are refused). Then a client still placing by
+    epoch 0 pulls only what moved: its old shard refuses the part, and it is not sent there again empty
+    (which would mean every variable there)."""
+    local = local_cluster(2)
+    names = ["a", "b", "c", "d"]  # round robin: a, c on ps 0
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
+            PSClient(local.cluster, connect_timeout=30, partitioner=None) as worker:
+        chief.create_variables({n: torch.zeros(4) for n in names}, Optimizer("sgd", lr=1.0))
+        chief.push({n: torch.ones(4) for n in names})
+        worker.declare({n: torch.zeros(4) for n in names})
+        third = local.add_ps(args=["--join"])
+        dead = DeadDriver(chief, list(local.cluster.ps), [*local.cluster.ps, third])
+        layout = ps_pb2.Layout(epoch=1, addresses=dead.after, placement={"a": 0, "b": 1, "c": 2, "d": 1})
+        with PSClient(Cluster(ps=tuple(dead.after)), connect_timeout=30, partitioner=None) as raw:
+            for shard in (2, 1):  # ... and it dies before ps 0's
+                raw.call(shard, lambda stub, t: stub.SetLayout(layout, timeout=t))
+            assert [_layout(raw, s).epoch for s in range(3)] == [0, 1, 1]
+        wait_until(lambda: chief.resize_state().lease_left_seconds == 0, 30, "the dead driver's lease to run out")
+        report = chief.resume_resize(lease_seconds=5)
+        assert report.epoch >= 2 and chief.resize_state().phase == ps_pb2.ResizeState.DONE
+        assert len({_layout(chief, s).epoch for s in range(3)}) == 1
+        holders = _holders(chief, 3)
+        assert sorted(holders) == names and all(len(shards) == 1 for shards in holders.values()), holders
+        moved = {n: torch.zeros(4) for n, shards in holders.items() if shards == [2]}
+        assert moved and worker.layout_epoch == 0
+        worker.pull_into(moved)
+        assert all(torch.equal(value, -torch.ones(4)) for value in moved.values())
+        worker.push({n: torch.ones(4) for n in names})
+        assert [v[0].item() for v in chief.pull(names).values()] == [-2.0] * 4
+
+
+def test_a_sync_hold_ended_by_its_lease_on_shards_of_different_epochs_lets_pushes_follow_the_latest(local_cluster):
+    """The dead driver set the hold's second epoch on ps 1 only (it died before ps 0's), so the hold ends by
+    itself at epoch 1 on ps 0 and at epoch 2 on ps 1, each refusing pushes placed by an earlier epoch than
+    its own: a client whose ps 0 knows only epoch 1 follows ps 1's layout, and the push is taken."""
+    local = local_cluster(2)
+    names = {"e/a": 4, "e/f": 4}  # a on ps 0, f on ps 1
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
+            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as worker:
+        _sync_job(local, chief, worker, names)
+        ones = {name: torch.ones(4) for name in names}
+        assert worker.push(ones) == 1
+        dead = DeadDriver(chief, list(local.cluster.ps), list(local.cluster.ps))
+        current = {"e/a": 0, "e/f": 1}
+        hold = max(layout.hold_from_step for layout in dead.set_layout(current, 1))
+        dead.set_layout(current, hold, shards=[1])  # ... and it dies before ps 0's
+        wait_until(lambda: "ended by itself" in local.log(0) and "ended by itself" in local.log(1), 30,
+                   "both holds to end by their lease")
+        assert [_layout(chief, s).epoch for s in range(2)] == [1, 2]
+        assert worker.push(ones) == 2
+        assert worker.layout_epoch == 2
+        chief.resume_resize(lease_seconds=5)
+        assert worker.push(ones) == 3
+        assert [v[0].item() for v in chief.pull(list(names)).values()] == [-3.0, -3.0]
