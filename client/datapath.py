@@ -226,13 +226,9 @@ class DataPath:
                     tables, counts_step, taken = table_rows.take_refused_for(shard)
                 else:
                     tables = table_rows.parts.get(shard, {})
-            shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables))
-            shard_header.MergeFrom(header)
-            if again:
-                shard_header.seq = next(self._seq)
-                shard_header.step_increment = header.step_increment if first else 0
-                shard_header.layout_epoch = self._layout.epoch  # the layout it was placed by this time
-                shard_header.rows_again = bool(tables) and not counts_step
+            shard_header = self._shard_header(header, len(names) + len(tables), again=again,
+                                              step_increment=header.step_increment if first else 0,
+                                              rows_again=bool(tables) and not counts_step)
             try:
                 reply = self._fanout.call(shard, lambda stub, t: stub.Push(
                     push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
@@ -276,10 +272,7 @@ class DataPath:
             def send(shard: int, _) -> ps_pb2.PushResponse | None:
                 counts_step = shard not in table_rows.counted
                 tables = {**(empty.get(shard, {}) if counts_step else {}), **parts.get(shard, {})}
-                shard_header = ps_pb2.PushHeader(tensors=len(tables))
-                shard_header.MergeFrom(header)
-                shard_header.seq, shard_header.step_increment = next(self._seq), 0
-                shard_header.layout_epoch, shard_header.rows_again = self._layout.epoch, not counts_step
+                shard_header = self._shard_header(header, len(tables), again=True, rows_again=not counts_step)
                 try:
                     reply = self._fanout.call(shard, lambda stub, t: stub.Push(push_requests(
                         shard_header, tables, list(tables), self.chunk_bytes, self.stats), timeout=t), self.timeout)
@@ -345,12 +338,12 @@ class DataPath:
                 if again:  # sent again after a live resize: a push alone (the values are read below)
                     return -1, resend(shard, names, first, again)
                 tables = table_sent.get(shard, {})  # a shard a live resize added holds no table
-                shard_header = ps_pb2.PushHeader(tensors=len(names) + len(tables), pull=pulls.get(shard, []),
-                                                 pull_cast=self._pull_casts(pulls.get(shard, []), sink))
-                if bases is not None:  # a retry of this one message is answered before anything is written
-                    shard_header.pull_base_generation, versions = bases.take(pulls.get(shard, []), targets)
-                    shard_header.pull_base_versions.extend(versions)
-                shard_header.MergeFrom(header)
+                pull = pulls.get(shard, [])
+                pull_cast = self._pull_casts(pull, sink)
+                # a retry of this one message is answered before anything is written
+                generation, versions = bases.take(pull, targets) if bases is not None else (0, [])
+                shard_header = self._shard_header(header, len(names) + len(tables), pull=pull, pull_cast=pull_cast,
+                                                  pull_base_generation=generation, pull_base_versions=versions)
                 (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                              self.stats)
                 try:
@@ -387,10 +380,26 @@ class DataPath:
 
     def _header(self, step: int | None, advance_step: bool) -> ps_pb2.PushHeader:
         """The header of a new push: this client's incarnation and the push's number (kept by retries), and the
-        data positions it trained (data_progress) if set."""
+        data positions it trained (data_progress) if set. Each shard's message gets _shard_header's."""
         return ps_pb2.PushHeader(worker=self.worker, step=self.step if step is None else step,
                                  step_increment=int(advance_step), incarnation=self.incarnation, seq=next(self._seq),
                                  data=self.data_progress, layout_epoch=self._layout.epoch)
+
+    def _shard_header(self, header: ps_pb2.PushHeader, tensors: int, *, again: bool = False,
+                      step_increment: int = 0, rows_again: bool = False, **fields) -> ps_pb2.PushHeader:
+        """The header of one shard's part of the push `header` (_header's; sent unstreamed): `tensors` tensors,
+        and `fields` (PushPull's pulls). `again`: a part sent again after a live resize moved it, a push of
+        its own: the next number, the layout it was placed by this time, `step_increment`, and `rows_again`
+        (its rows count no optimizer step there: PushHeader.rows_again)."""
+        shard_header = ps_pb2.PushHeader(tensors=tensors, **fields)
+        shard_header.MergeFrom(header)
+        shard_header.streamed = False
+        if again:
+            shard_header.seq = next(self._seq)
+            shard_header.step_increment = step_increment
+            shard_header.layout_epoch = self._layout.epoch
+            shard_header.rows_again = rows_again
+        return shard_header
 
     def _stage_out(self, grads: Mapping[str, torch.Tensor]) -> Staged:
         """The gradients on the host: CUDA ones that travel uncompressed copied into reused pinned buffers

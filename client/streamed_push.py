@@ -390,13 +390,10 @@ class StreamedPush:
         wanted = set(names)
         grads = {name: value for name, value in client.partitions.split(
             {name: grad.detach() for name, (grad, _) in self.grads.items()}).items() if name in wanted}
-        header = ps_pb2.PushHeader()
-        header.CopyFrom(self.header)
-        header.streamed = False
         staged = client._stage_out(grads)
         try:
-            sent, left = client._encode(staged.tensors, header.step)
-            push = client._part_sender(header, sent, left, None)
+            sent, left = client._encode(staged.tensors, self.header.step)
+            push = client._part_sender(self.header, sent, left, None)  # unstreamed pushes (_shard_header)
             groups = client.placement.group(grads)
             for shard in range(client._layout.shards):  # one that counted no step of this push counts it now
                 if shard not in replies:

@@ -1,4 +1,5 @@
-"""The coordinator's two background threads: the lease reaper and the sync applier. No gRPC.
+"""The coordinator's two background threads, the lease reaper and the sync applier; a sync step's change. No
+gRPC.
 
 Both make their decisions holding the bookkeeping condition only for that;
 the applier applies a step's average under the apply gate, like any other
@@ -11,15 +12,16 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
-from .aggregation import apply_step
+from .aggregation import StepBuffer, apply_step
 from .bookkeeping import Bookkeeping
 from .gate import ApplyGate
 from .recording import Recorder
 from .snapshots import Saves
 from .tables import TableStore
 
-__all__ = ["apply_steps", "reap"]
+__all__ = ["apply_steps", "reap", "take_step", "replay_step"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -37,20 +39,41 @@ def apply_steps(book: Bookkeeping, saves: Saves, gate: ApplyGate, recorder: Reco
             save_due = buffer is not None and saves.due(step)
         if save_due:  # a checkpoint of this step waits: take it before the step moves on
             saves.take(step)
+        meta = {"step": step}
         with gate.change():
             if buffer is not None:
-                with recorder.ordering:  # after the hyperparameters it was applied with, in the journal too
-                    apply_step(buffer, step, store, tables)  # row averages, then dense ones
-                    recorder.log("step", {"step": step})
-            with book.cond:
-                if kind == "jump":
-                    _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up",
-                                    step, store.step)
-                    store.set_step(step)
-                    recorder.log("set_step", {"step": step})
-                pending.done_applying(store.step)
-                book.update_quorum()
-                book.cond.notify_all()
+                take_step(book, tables, meta, buffer, lambda: recorder.log("step", meta))
+            else:
+                with book.cond:
+                    _LOGGER.warning("step %d is complete while this shard waits at step %d: catching up", step,
+                                    store.step)
+                    book.set_step(meta)
+                    recorder.log("set_step", meta)
+                    pending.done_applying(store.step)
+
+
+def take_step(book: Bookkeeping, tables: TableStore, meta: dict, buffer: StepBuffer,
+              then: Callable[[], None] = lambda: None) -> None:
+    """The change of a "step" record, the applier's and at replay (replay_step): step meta["step"] applied
+    from its sums `buffer` (aggregation.apply_step) under the journal's ordering, `then()` right after it
+    (the applier: its record queued); then, taking cond, the sums before the new step dropped, the quorum
+    recomputed (it counts members from their first step) and every wait woken. Call it holding the apply
+    gate alone."""
+    with book.recorder.ordering:  # after the hyperparameters it was applied with, in the journal too
+        apply_step(buffer, meta["step"], book.store, tables)  # row averages, then dense ones
+        then()
+    with book.cond:
+        book.pending.done_applying(book.store.step)
+        book.update_quorum()
+        book.cond.notify_all()
+
+
+def replay_step(book: Bookkeeping, gate: ApplyGate, tables: TableStore, kind: str, meta: dict, tensors=None
+                ) -> None:
+    """Makes a "step" record's change again (recovery, before the shard serves): take_step from that step's
+    sums, under the apply gate as the applier does."""
+    with gate.change():
+        take_step(book, tables, meta, book.pending.buffer(meta["step"]))
 
 
 def reap(book: Bookkeeping) -> None:

@@ -152,13 +152,11 @@ class Bookkeeping:
         moves the quorum (holds cond). WorkerReplacedError for a retired incarnation, PermissionDeniedError
         for a name past the bound: nothing changed."""
         now = self.clock.now()
-        event, retired = self.membership.touch(
+        event, _ = self.membership.touch(
             worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
             progress=progress,
             level=self.min_clock() if self.clock.config.mode != "sync" else 0)  # sync mode moves no clocks
-        if retired is not None:
-            self.ledger.forget(worker, retired)
-        if event is not None:
+        if event is not None:  # a restart's retired incarnation: its "member" record forgets its pushes
             _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
             self.membership_changed(worker)
 
@@ -176,13 +174,38 @@ class Bookkeeping:
         self.membership_changed(*self.membership.adopt(members, now))
 
     def membership_changed(self, *workers: str, left: bool = False) -> None:
-        """Journals the members that changed, recomputes the quorum and wakes every wait (holds cond: a
-        compaction reads and rotates the journal under it)."""
-        for worker in workers:
-            self.recorder.log("member", {"worker": worker, **self.membership.export_member(worker),
-                                         "retired": self.membership.retired_of(worker)})
+        """Journals the members that membership.py changed, each as a "member" record of its state after the
+        change, made by _members as replay makes it (holds cond: a compaction reads and rotates the journal
+        under it). `left`: a worker left (its job done), so a lower quorum is no warning."""
+        records = [{"worker": worker, **self.membership.export_member(worker),
+                    "retired": self.membership.retired_of(worker)} for worker in workers]
+        self._members(records, left)
+        for meta in records:
+            self.recorder.log("member", meta)
+
+    def _members(self, records: list[dict], left: bool = False) -> None:
+        """The change of "member" records (holds cond): each member takes its recorded state (Membership.take;
+        live, it has it already), its retired incarnations' pushes are forgotten; then the quorum is
+        recomputed and every wait woken."""
+        now = self.clock.now()
+        for meta in records:
+            worker = meta["worker"]
+            self.membership.take(worker, meta, now)
+            for incarnation in meta["retired"]:
+                self.ledger.forget(worker, incarnation)
         self.update_quorum(left)
         self.notify()
+
+    def replay(self, kind: str, meta: dict, tensors=None) -> None:
+        """Makes one "set_step" or "member" record's change again (recovery, before the shard serves), as the
+        live path makes it. Takes cond."""
+        with self.cond:
+            if kind == "set_step":
+                self.set_step(meta)
+            elif kind == "member":
+                self._members([meta])
+            else:
+                raise ValueError(f"not a bookkeeping record: {kind}")
 
     def idle(self) -> bool:
         """The job has ended: workers joined and none is live, nothing pending (holds cond)."""
@@ -201,12 +224,24 @@ class Bookkeeping:
             _LOGGER.warning("this shard is at step %d and the job at step %d (%s): catching up (updates in "
                             "between are lost)", self.store.step, target,
                             "the chief's" if by == CHIEF else "a worker's, as far as the chief vouched for")
-            self.store.set_step(target)
-            self.pending.clear()
-            self.recorder.log("set_step", {"step": target, "clear": True})
-            self.cond.notify_all()
+            meta = {"step": target, "clear": True}
+            self.set_step(meta)
+            self.recorder.log("set_step", meta)
         if pushed:
             self.clock.pushed_at(step, self.store.step)
+
+    def set_step(self, meta: dict) -> None:
+        """The change of a "set_step" record (holds cond), live and at replay: the store's step becomes
+        meta["step"]; every pending sum goes with meta "clear", else those of the steps before it; the quorum
+        is recomputed (it counts members from their first step) and every wait woken."""
+        step = meta["step"]
+        self.store.set_step(step)
+        if meta.get("clear"):
+            self.pending.clear()
+        else:
+            self.pending.drop_before(step)
+        self.update_quorum()
+        self.cond.notify_all()
 
     def check_ahead(self, step: int, what: str, worker: str = "") -> None:
         """Sync: a step more than one past the first step this shard still waits for pushes of is never

@@ -29,6 +29,7 @@ step_clock.py's "Authority over the step".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -41,7 +42,7 @@ from ..proto import ps_pb2
 from . import table_state
 from .dataqueue import DataQueues
 from .queue_desk import QueueDesk
-from .background import apply_steps, reap
+from .background import apply_steps, reap, replay_step
 from .bookkeeping import Bookkeeping
 from .failstop import FailStop
 from .gate import ApplyGate
@@ -49,11 +50,11 @@ from .layout import ShardLayout
 from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig
 from .entries import decode_entries
-from .moves import KINDS as MOVE_KINDS, Moves
+from .moves import Moves
 from .resizes import ResizeOwner
 from .pushes import PushPath
 from .recording import Recorder
-from .replay import replay
+from .replay import changes, replay
 from .snapshots import Saves, state_of
 from .step_clock import CHIEF, MAX_WAIT_SECONDS, WORKER
 from .store import NewVariable, VariableStore
@@ -113,6 +114,9 @@ class Coordinator:
                                 owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
         self.queue_desk = QueueDesk(book, self.queues, self.recorder, self.waits, home=owns_step)
+        self._changes = changes(coordinator=self._replay, pushes=self._pushes.replay, book=book.replay,
+                                step=functools.partial(replay_step, book, self.gate, self.tables),
+                                queues=self.queue_desk.replay, moves=self.moves.replay)  # what replay() runs
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
@@ -200,9 +204,9 @@ class Coordinator:
                 raise ModeConflictError(
                     f"this shard already runs {current} with workers joined{journal}; it cannot switch to "
                     f"{config}. Restart the job to change the mode")
-            book.set_config(config)
-            self._start_applier()
-            ticket = self.recorder.log("configure", {"config": dataclasses.asdict(config)})
+            meta = {"config": dataclasses.asdict(config)}
+            self._apply("configure", meta, config=config)
+            ticket = self.recorder.log("configure", meta)
         self.recorder.durable(ticket)
         _LOGGER.info("mode set: %s", config)
         return True
@@ -228,9 +232,10 @@ class Coordinator:
             with self._book.cond:
                 if job_step > self.store.step and not self.store.names():
                     _LOGGER.warning("refilled while the job is at step %d: this shard starts there", job_step)
-                    self.store.set_step(job_step)
-                    recorder.log("set_step", {"step": job_step, "clear": True})
-            created = self.store.create(requests)
+                    meta = {"step": job_step, "clear": True}
+                    self._book.set_step(meta)
+                    recorder.log("set_step", meta)
+            created = self._apply("create", requests=requests)  # the record names the variables it created
             # the values are the variables' own (pushes change them): the record gets a copy, written later
             ticket = recorder.log("create", {"variables": [{"name": r.name, "optimizer": r.optimizer,
                                                             "hyperparams": dict(r.hyperparams)}
@@ -245,8 +250,8 @@ class Coordinator:
         """tables.create (which see), in every mode, recorded in the journal (before any push to the new tables
         can be). Never blocks on training (with a journal, on one apply's record at most)."""
         with self.gate.change(), self.recorder.ordering:
-            created = self.tables.create(specs, shard_index, num_shards, taken=self.store.names(),
-                                         check_memory=check_memory)
+            created = self._apply("tables", {"shard_index": shard_index, "num_shards": num_shards}, specs=specs,
+                                  check_memory=check_memory)  # the record names the tables it created
             ticket = self.recorder.log("tables", table_state.creation_record(
                 [s for s, new in zip(specs, created) if new], shard_index, num_shards)) if any(created) else None
         self.recorder.durable(ticket)
@@ -261,7 +266,7 @@ class Coordinator:
                                                              for name, _ in requests):
             return self.tables.lookup(requests, admit=admit)
         with self.gate.change(), self.recorder.ordering:
-            found = self.tables.lookup(requests, admit=True)
+            found = self._apply("admit", requests=requests)  # the record names the dynamic tables only
             dynamic = [(name, ids) for name, ids in requests if not self.tables.get(name).table.fixed]
             ticket = self.recorder.log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
         self.recorder.durable(ticket)
@@ -269,11 +274,44 @@ class Coordinator:
 
     def set_hyperparams(self, names: list[str], updates: Mapping[str, float]) -> int:
         """store.set_hyperparams, recorded in the journal."""
+        meta = {"names": names, "updates": dict(updates)}
         with self.gate.change(), self.recorder.ordering:  # in the order the applies around it see it
-            count = self.store.set_hyperparams(names, updates)
-            ticket = self.recorder.log("hyperparams", {"names": names, "updates": dict(updates)})
+            count = self._apply("hyperparams", meta)
+            ticket = self.recorder.log("hyperparams", meta)
         self.recorder.durable(ticket)
         return count
+
+    def _apply(self, kind: str, meta: dict | None = None, tensors: Mapping[str, torch.Tensor] | None = None, *,
+               config: SyncConfig | None = None, requests: list | None = None,
+               specs: list[ps_pb2.TableSpec] | None = None, check_memory: Callable | None = None):
+        """The change one record of the kinds configure, create, hyperparams, tables and admit describes, live
+        (the caller holding the locks its kind needs, after its checks; the keywords hand over its decoded
+        arguments) and at replay (_replay: decoded here from the record). Returns what the store's or the
+        tables' call returns."""
+        if kind == "configure":
+            self._book.set_config(config if config is not None else SyncConfig(**meta["config"]))
+            self._start_applier()
+            return None
+        if kind == "create":
+            return self.store.create(requests if requests is not None else [
+                NewVariable(v["name"], tensors[v["name"]], v["optimizer"], v["hyperparams"])
+                for v in meta["variables"]])
+        if kind == "hyperparams":
+            return self.store.set_hyperparams(meta["names"], meta["updates"])
+        if kind == "tables":
+            return self.tables.create(specs if specs is not None else table_state.specs_of_record(meta),
+                                      meta["shard_index"], meta["num_shards"], taken=self.store.names(),
+                                      check_memory=check_memory)
+        if kind == "admit":
+            return self.tables.lookup(requests if requests is not None else
+                                      [(name, tensors[name]) for name in meta["tables"]], admit=True)
+        raise ValueError(f"not a record of the coordinator: {kind}")
+
+    def _replay(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Makes one of _apply's records again (recovery, before the shard serves), under the locks its live
+        path holds."""
+        with self.gate.change(), self._book.cond if kind == "configure" else self.recorder.ordering:
+            self._apply(kind, meta, tensors)
 
     def forget_job(self) -> None:
         """Before start(): keeps the variables, tables and step, and drops what belonged to a finished job (its
@@ -296,12 +334,9 @@ class Coordinator:
             self._start_applier()
 
     def replay(self, record) -> bool:
-        """Re-applies one journal record (journal.Record) during recovery, before start(); True for the record
-        of the job's end (finish)."""
-        if record.kind in MOVE_KINDS:
-            self.moves.replay(record.kind, record.meta, record.tensors)
-            return False
-        return replay(self._book, self.tables, self.queues, record)
+        """Makes the change of one journal record (journal.Record) again during recovery, before start(), with
+        the function that made it live (replay.py); True for the record of the job's end (finish)."""
+        return replay(record, self._changes, self.store)
 
     def finish(self, reason: str) -> None:
         """The job is done (the chief's Shutdown): the journal records it, so a shard started on this volume

@@ -66,8 +66,6 @@ class Member:
     held: int = 0             # its pushes this shard is holding right now
     last_push: float | None = None
     interval: float | None = None  # moving average of its push intervals (its step time, as seen here)
-    restarted: bool = False   # its process is not the first of its name here (an earlier one joined, maybe
-                              # before a restore): what that one trained is done
 
     @property
     def live(self) -> bool:
@@ -132,7 +130,6 @@ class Membership:
             retired = member.incarnation
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
-            member.restarted = True
             event = "restarted"
         elif member.gone:
             event = "rejoined"
@@ -151,9 +148,9 @@ class Membership:
 
     @guarded
     def restarted(self, worker: str) -> bool:
-        """Whether `worker` is known and its current incarnation replaced an earlier one."""
-        member = self.members.get(worker)
-        return member is not None and member.restarted
+        """Whether `worker` is known and its current incarnation replaced an earlier one (here, or before a
+        restore or replay: it has retired incarnations), so what that one trained is done."""
+        return worker in self.members and bool(self.retired.get(worker))
 
     def _admit(self, worker: str) -> None:
         """PermissionDeniedError unless a new `worker` may join (see the module docstring)."""
@@ -334,6 +331,25 @@ class Membership:
         """Sets one member as export_member() gave it, with a fresh lease."""
         self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
                                       clock=entry["clock"], gone=entry["gone"])
+
+    @guarded
+    def take(self, worker: str, entry: Mapping, now: float) -> None:
+        """Gives `worker` the state a "member" record holds (export_member's, with "retired": its retired
+        incarnations): one not known here joins with a fresh lease at `now`; a known one keeps its lease,
+        progress and pace, and one stalled stays stalled (the record counts it as gone). Live, the record
+        was made from the member after its change: nothing changes."""
+        member = self.members.get(worker)
+        if member is None:
+            self.restore_member(worker, entry, now)
+        else:
+            member.incarnation, member.clock, member.counts_from = (entry["incarnation"], entry["clock"],
+                                                                    entry["counts_from"])
+            if not entry["gone"]:
+                member.gone = member.stalled = False
+            elif not member.stalled:
+                member.gone = True
+        for incarnation in entry["retired"]:
+            self.retire(worker, incarnation)
 
     @guarded
     def export_leases(self, now: float) -> dict[str, dict]:

@@ -6,7 +6,10 @@ applied or summed under the apply gate without it, and the push's journal
 record is waited for holding no lock (locks.LOCK_ORDER). A push is a
 generator that yields a waits.Wait where it waits for a release, the ssp
 bound or its original, holding no lock, so its caller may wait in a thread
-or on an event loop (waits.py).
+or on an event loop (waits.py). What an applied push changes (its "apply"
+or "add" record) is made by _apply, which the journal's replay calls too.
+An async push's reply is kept in the ledger as it is applied, so a retry
+arriving before its record is written gets it (after that record is written).
 
 Row gradients (embedding tables) follow their push in every mode: applied
 with it in async and ssp modes; in sync mode summed into the step's buffer
@@ -33,6 +36,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import LayoutChangedError, WaitTimeoutError
+from . import table_state
 from .aggregation import StepBuffer
 from .bookkeeping import Bookkeeping
 from .gate import ApplyGate
@@ -46,6 +50,7 @@ from .waits import Wait, Waiting, WaitLimit
 __all__ = ["PushPath"]
 
 _LOGGER = logging.getLogger(__name__)
+_nothing = lambda: None  # noqa: E731
 
 
 class PushPath:
@@ -243,23 +248,16 @@ class PushPath:
                     step_increment: int, record: PushRecord | None, ssp: bool, cancelled, deadline: float
                     ) -> PushResult:
         book, recorder = self._book, self._recorder
+        meta = {"step_increment": step_increment, **_push_meta(worker, incarnation, seq, step)}
+        tickets = []
         with self._gate.change():
             self._tables.check_applies(table_rows)  # none frozen for a live re-layout (nothing changed if so)
-            with recorder.ordering:  # with a journal, applies are queued for it in the order they happened
-                step_after, versions = self._store.apply(grads, step_increment, validated=True)
-                self._tables.apply(table_rows, step_after)  # journaled with the dense gradients (pushing())
-                ticket = recorder.log("apply", {"step_increment": step_increment,
-                                                **_push_meta(worker, incarnation, seq, step)}, grads)
-            with book.cond:
-                book.ledger.mark_applied(record)
-        recorder.durable(ticket, book.clock.left(deadline))  # written (outside every lock) before it is acknowledged
+            result = self._apply("apply", meta, grads, table_rows, record,  # rows journaled with it (pushing())
+                                 then=lambda: tickets.append(recorder.log("apply", meta, grads)))
+        recorder.durable(tickets[0], book.clock.left(deadline))  # written (outside every lock) before it is
+        if not (ssp and self._owns_step):                         # acknowledged
+            return result
         with book.cond:
-            book.membership.advance_clock(worker)
-            result = PushResult(step=step_after, next_step=step_after, versions=versions)
-            book.ledger.answer(record, result)
-            book.cond.notify_all()
-            if not (ssp and self._owns_step):
-                return result
             bound = book.clock.config.max_staleness
             start = book.clock.now()
 
@@ -282,20 +280,59 @@ class PushPath:
         (Recorder.pushing), and is written before the push is acknowledged (the step's record, queued after
         every add it sums, need not be: replaying the adds brings the step back)."""
         book, recorder = self._book, self._recorder
+        meta = _push_meta(worker, incarnation, seq, step)
         tickets = []
         with self._gate.change():
             self._tables.check_applies(table_rows)
-            buffer.add(grads, lambda: tickets.append(recorder.log("add", _push_meta(worker, incarnation, seq, step),
-                                                                  grads)), rows=table_rows)
-            with book.cond:
-                book.ledger.mark_applied(record, pending=True)
-                book.pending.counted(buffer, worker)
-                book.cond.notify_all()
+            self._apply("add", meta, grads, table_rows, record, buffer,
+                        then=lambda: tickets.append(recorder.log("add", meta, grads)))
         recorder.durable(tickets[0], book.clock.left(deadline))  # written (outside every lock) before it is
         result = yield from self._await_release(worker, step, cancelled, hold, deadline)  # acknowledged
         with book.cond:
             book.ledger.answer(record, result)
         return result
+
+    def _apply(self, kind: str, meta: dict, grads: Mapping[str, torch.Tensor], rows: Mapping,
+               record: PushRecord | None, buffer: StepBuffer | None = None, then: Callable[[], None] = _nothing
+               ) -> PushResult | None:
+        """The change of one push's record, "apply" (async, ssp) or "add" (sync), live and at replay (replay()):
+        its gradients `grads` and row gradients `rows` applied (under the ordering lock) or summed into
+        `buffer` (under the buffer's), `then()` right after them under that lock (live: the record queued);
+        then, taking cond, the ledger's `record` marked applied, an apply's reply kept and its worker's ssp
+        clock moved, an add counted in its step. The caller holds the apply gate, after the push's
+        admission (its ledger record begun, its step's place in `buffer` reserved). Returns an apply's
+        reply."""
+        book, worker = self._book, meta["worker"]
+        if kind == "add":
+            buffer.add(grads, then, rows=rows)
+            with book.cond:
+                book.ledger.mark_applied(record, pending=True)
+                book.pending.counted(buffer, worker)
+                book.cond.notify_all()
+            return None
+        with self._recorder.ordering:  # with a journal, applies are queued for it in the order they happened
+            step, versions = self._store.apply(grads, meta["step_increment"], validated=True)
+            self._tables.apply(rows, step)
+            then()
+        result = PushResult(step=step, next_step=step, versions=versions)
+        with book.cond:
+            book.ledger.mark_applied(record)
+            book.ledger.answer(record, result)
+            book.membership.advance_clock(worker)
+            book.cond.notify_all()
+        return result
+
+    def replay(self, kind: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Makes one "apply" or "add" record's change again (recovery, before the shard serves; its compressed
+        gradients decoded already: replay.from_received): what the push's admission did that the change
+        needs, then _apply, under the locks the live path holds."""
+        rows = table_state.rows_of_record(meta, tensors)  # taken out of `tensors`: the dense gradients stay
+        book = self._book
+        with book.cond:
+            record = book.ledger.begin(meta["worker"], meta["incarnation"], meta["seq"], meta["step"])
+            buffer = book.pending.reserve(meta["step"]) if kind == "add" else None
+        with self._gate.change():
+            self._apply(kind, meta, tensors, rows, record, buffer)
 
     def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float
                        ) -> Waiting[PushResult]:

@@ -165,6 +165,12 @@ class QueueDesk:
             if events:
                 book.cond.notify_all()
 
+    def replay(self, kind: str, meta: dict, tensors=None) -> None:
+        """Makes one "queue" record's event again (recovery, before the shard serves) with the function that
+        made it live (dataqueue.DataQueues applies every event it returns), under cond as live."""
+        with self._book.cond:
+            self._queues.replay(meta)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _check_member(self, worker: str, incarnation: int) -> None:

@@ -20,6 +20,10 @@ gradients inside its own "apply" (or sync "add") record (see pushing()), so a
 push is replayed whole or not at all. A compressed gradient is recorded as it
 came (as_received) and decoded again on replay (replay.py).
 
+A record's change is made by one function, live and on replay (replay.py
+lists them by kind): the live path checks and decides, makes the change with
+it and queues the record; recovery calls the same function with the record.
+
 A compaction copies the whole state under the gate alone, rotating the log
 under the bookkeeping condition in the same instant (snapshots.state_of(then=)):
 every record queued before the copy is in the old log, every one after it in

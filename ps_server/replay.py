@@ -1,31 +1,63 @@
 """A journal replayed into a shard being recovered, record by record, before it serves. No gRPC.
 
-Each record (recording.py says when each kind is queued) is applied as the
-change it records was: applies, sync adds and steps, creations, admitting
-lookups, hyperparameters, the mode, members, data queues' events; a compressed gradient is decoded
-again from the bytes that came (recording.as_received). Replaying every record
-after a base brings back exactly what the shard had acknowledged.
+Each kind of record (recording.py says when each is queued) is made again by
+the one function that made its change live, called as the live path calls it
+(under the same locks), so recovery cannot drift from the live paths:
+
+    configure, create, hyperparams, tables, admit   coordinator.Coordinator._apply
+    apply, add                                      pushes.PushPath._apply, after what the push's
+                                                    admission did (its ledger record, its step's place)
+    step                                            background.take_step (the sync applier's)
+    set_step, member                                bookkeeping.Bookkeeping.set_step, _members
+    queue                                           dataqueue.DataQueues: each event, applied as it was
+    layout, hold_ended, export, import, confirm,    moves.Moves._apply
+    resize, table_export, table_import
+    finish                                          none: the job ended (server.recover begins a new one)
+
+This module only dispatches, after decoding again the compressed gradients
+recorded as they came (recording.as_received), as the shard decoded them.
+Replaying every record after a base brings back exactly what the shard had
+acknowledged.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from .. import compression
 from ..proto import ps_pb2
-from . import table_state
-from .aggregation import apply_step
-from .bookkeeping import Bookkeeping
-from .dataqueue import DataQueues
 from .journal import Record
-from .ledger import PushRecord
-from .modes import PushResult, SyncConfig
-from .store import NewVariable, VariableStore
-from .tables import TableStore
+from .moves import KINDS as MOVE_KINDS
+from .store import VariableStore
 
-__all__ = ["replay", "from_received"]
+__all__ = ["Change", "changes", "replay", "from_received"]
+
+Change = Callable[[str, dict, dict], object]  # (kind, meta, tensors): one record's change made again
+
+
+def changes(*, coordinator: Change, pushes: Change, step: Change, book: Change, queues: Change, moves: Change
+            ) -> dict[str, Change]:
+    """{kind of record: what makes it again}, from each owner's replay entry (see the module docstring)."""
+    return {**dict.fromkeys(("configure", "create", "hyperparams", "tables", "admit"), coordinator),
+            **dict.fromkeys(("apply", "add"), pushes), "step": step, **dict.fromkeys(("set_step", "member"), book),
+            "queue": queues, **dict.fromkeys(MOVE_KINDS, moves)}
+
+
+def replay(record: Record, made_by: Mapping[str, Change], store: VariableStore) -> bool:
+    """Makes one journal record's change again with made_by[its kind] (`changes`), holding no lock, before the
+    shard starts; True if it is the record of the job's end (Coordinator.finish). Raises ValueError for an
+    unknown kind of record."""
+    kind, meta, tensors = record.kind, record.meta, record.tensors
+    if kind == "finish":
+        return True
+    change = made_by.get(kind)
+    if change is None:
+        raise ValueError(f"unknown journal record {kind!r}")
+    from_received(store, meta, tensors)
+    change(kind, meta, tensors)
+    return False
 
 
 def from_received(store: VariableStore, meta: Mapping, tensors: dict[str, torch.Tensor]) -> None:
@@ -33,65 +65,3 @@ def from_received(store: VariableStore, meta: Mapping, tensors: dict[str, torch.
     for name, wire in meta.get("received", {}).items():
         tensor_meta = ps_pb2.TensorMeta.FromString(bytes.fromhex(wire))
         tensors[name] = compression.decode(name, tensor_meta, tensors[name].numpy(), store.get(name).spec.meta)
-
-
-def replay(book: Bookkeeping, tables: TableStore, queues: DataQueues, record: Record) -> bool:
-    """Re-applies one journal record to a shard being recovered (before it starts); True if it is the
-    record of the job's end (Coordinator.finish). Raises ValueError for an unknown kind of record."""
-    store, pending, ledger, membership = book.store, book.pending, book.ledger, book.membership
-    kind, meta, tensors = record.kind, record.meta, record.tensors
-    if kind == "finish":
-        return True
-    if kind in ("apply", "add"):
-        from_received(store, meta, tensors)
-    with book.cond:  # nothing runs concurrently yet; the condition only keeps the bookkeeping's rules
-        if kind == "configure":
-            book.set_config(SyncConfig(**meta["config"]))
-        elif kind == "create":
-            store.create([NewVariable(v["name"], tensors[v["name"]], v["optimizer"], v["hyperparams"])
-                          for v in meta["variables"]])
-        elif kind == "hyperparams":
-            store.set_hyperparams(meta["names"], meta["updates"])
-        elif kind == "tables":
-            tables.create(table_state.specs_of_record(meta), meta["shard_index"], meta["num_shards"],
-                          taken=store.names())
-        elif kind == "admit":
-            tables.lookup([(name, tensors[name]) for name in meta["tables"]], admit=True)
-        elif kind == "apply":
-            table_rows = table_state.rows_of_record(meta, tensors)
-            step, versions = store.apply(tensors, meta["step_increment"], validated=True)
-            tables.apply(table_rows, step)
-            _replayed_push(book, meta, PushResult(step=step, next_step=step, versions=versions))
-            membership.advance_clock(meta["worker"])
-        elif kind == "add":
-            buffer = pending.reserve(meta["step"])
-            table_rows = table_state.rows_of_record(meta, tensors)
-            buffer.add(tensors, rows=table_rows)
-            pending.counted(buffer, meta["worker"])
-            ledger.mark_applied(_replayed_push(book, meta, None), pending=True)
-        elif kind == "step":
-            apply_step(pending.buffer(meta["step"]), meta["step"], store, tables)  # rows, then dense
-            pending.drop_before(store.step)
-        elif kind == "set_step":
-            store.set_step(meta["step"])
-            pending.clear() if meta.get("clear") else pending.drop_before(meta["step"])
-        elif kind == "queue":
-            queues.replay(meta)
-        elif kind == "member":
-            worker = meta["worker"]
-            membership.restore_member(worker, meta, book.clock.now())
-            for incarnation in meta["retired"]:
-                membership.retire(worker, incarnation)
-                ledger.forget(worker, incarnation)
-            book.update_quorum()
-        else:
-            raise ValueError(f"unknown journal record {kind!r}")
-    return False
-
-
-def _replayed_push(book: Bookkeeping, meta: dict, result: PushResult | None) -> PushRecord | None:
-    """The ledger's record of a replayed push, applied, with its reply `result`."""
-    pushed = book.ledger.begin(meta["worker"], meta["incarnation"], meta["seq"], meta["step"])
-    book.ledger.mark_applied(pushed)
-    book.ledger.answer(pushed, result)
-    return pushed
