@@ -390,8 +390,10 @@ class Moves:
 
     def replay(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
         """Makes the change of one journal record of this module's kinds again (recovery, before the shard
-        serves): the live path's own `_apply`."""
-        self._apply(kind, meta, tensors)
+        serves): the live path's own `_apply`, under the locks the live path of "layout" holds (the others'
+        are fewer)."""
+        with self._gate.change(), self._recorder.ordering, self._book.cond:
+            self._apply(kind, meta, tensors)
 
     def _apply(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None, *,
                entries: list[dict] | None = None, parts: Mapping[int, bytes] | None = None,
@@ -402,8 +404,7 @@ class Moves:
             changed = self.layout.set(meta["epoch"], meta["addresses"], meta["placement"], meta.get("asked", 0),
                                       meta.get("hold", 0), meta.get("lease") or lease_of(0, "a hold"))
             if changed and meta.get("step") is not None:
-                self._store.set_step(meta["step"])
-                self._book.pending.clear()
+                self._book.set_step({"step": meta["step"], "clear": True})  # the quorum, as any step set
                 self._joined_at = meta["step"]
             if changed and meta.get("table_shards"):
                 self.layout.relayout_tables(meta["table_shards"], self._table_count())
