@@ -137,11 +137,10 @@ class LayoutFollower:
                 time.sleep(NOT_YET_SECONDS)  # a shard knew the new layout before shard 0 did: a moment
             regrouped = self._placement.group(moved)
             pending = {shard: (names, shard not in results) for shard, names in regrouped.items()}
-            for shard, reply in replies.items():  # a live shard that refused its part of a push counts no step of
-                if (phase in COUNTED and isinstance(reply, _Moved) and shard < self.shards  # it yet: an empty part
-                        and shard not in results):                                         # counts it (a pull's or
-                    pending.setdefault(shard, ([], True))                                  # an update's would mean
-                                                                                           # "every variable")
+            if phase in COUNTED:  # a push goes to every shard of the layout followed, once: one that refused its
+                for shard in range(self.shards):  # part, or one the layout added, gets an empty part (it counts
+                    if shard not in results:      # the step) where it has none (a pull's or an update's would
+                        pending.setdefault(shard, ([], True))  # mean "every variable": not sent)
             if not pending:
                 return results
         raise error

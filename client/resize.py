@@ -292,13 +292,21 @@ class _Driver:
             self.hold = hold
             return replies
 
-    def hold_job(self, placement: dict[str, int], quiet_seconds: float) -> None:
+    def hold_job(self, placement: dict[str, int], quiet_seconds: float) -> dict[str, int]:
         """Sync jobs: holds pushes from one step on every shard (two epochs), then waits until every shard is
-        quiet under it; keeps the step and ps 0's layout then (its workers). ClusterConfigError if the shards
-        disagree, WaitTimeoutError if one is not quiet in `quiet_seconds`."""
-        asked = self.set_layout(self.wide, placement, 1)  # each shard holds from the lowest step it may
+        quiet under it; keeps the step and ps 0's layout then (its workers). The hold's epochs place every
+        variable where it is (a kept export where `placement` has it, else on its importer) over the shards
+        that hold or expect one (at least the job's before the resize): should the resize be cut off
+        before its moves, the layout in force then names no added shard that has not taken the job's step
+        yet. Returns that placement. ClusterConfigError if the shards disagree, WaitTimeoutError if one is
+        not quiet in `quiet_seconds`."""
+        where = {name: shard for shard, variables in self.held(range(len(self.wide))).items() for name, _ in variables}
+        for source, kept in self.outboxes(range(len(self.wide))).items():
+            where.update({name: placement.get(name, request.to) for request in kept for name in request.names})
+        addresses = self.wide[:max([len(self.before) - 1, *where.values()]) + 1]
+        asked = self.set_layout(addresses, where, 1)  # each shard holds from the lowest step it may
         hold = max(layout.hold_from_step for layout in asked.values())
-        agreed = self.set_layout(self.wide, placement, hold)
+        agreed = self.set_layout(addresses, where, hold)
         if any(layout.hold_from_step != hold for layout in agreed.values()):
             raise ClusterConfigError(f"the shards could not all hold pushes from step {hold}: "
                                      f"{ {s: layout.hold_from_step for s, layout in sorted(agreed.items())} }")
@@ -314,6 +322,7 @@ class _Driver:
                 time.sleep(QUIET_POLL_SECONDS)
         self.job = self.layout(0)  # its workers, quiet
         _LOGGER.info("sync job held at step %d: every shard quiet", hold)
+        return where
 
     def relay(self, source: int, target: int, request: ps_pb2.MoveRequest) -> int:
         """Moves what `request` names from shard `source` to `target`: exported there (a kept export is sent
@@ -494,7 +503,7 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
     resize.each(added, lambda shard, _: resize.call(shard, "Configure", config))
     current.update({name: shard for shard, variables in held.items() for name, _ in variables})
     if config.mode == "sync":
-        resize.hold_job(current, quiet_seconds)
+        current = resize.hold_job(current, quiet_seconds)
         resize.report(_ACTION.PLAN, hold_from_step=resize.hold)
     _complete_outboxes(resize, current)
     held = resize.held(range(len(wide)))
@@ -566,7 +575,7 @@ def _roll_back(resize: _Driver, follower: LayoutFollower, *, quiet_seconds: floa
     current.update({name: shard for shard, variables in resize.held(shards).items() for name, _ in variables})
     kept = {source: entries for source, entries in resize.outboxes(shards).items() if entries}
     if kept and resize.call(0, "GetStatus", ps_pb2.StatusRequest()).config.mode == "sync":
-        resize.hold_job(current, quiet_seconds)  # a shard takes a variable back only quiet under a hold
+        current = resize.hold_job(current, quiet_seconds)  # a shard takes a variable back only quiet, held
     fenced = dict(current)
     for source, entries in kept.items():
         for request in entries:

@@ -225,8 +225,17 @@ def test_a_sync_step_that_cannot_complete_ends_the_resize_and_its_hold(local_clu
         waiting = threading.Thread(target=lambda: pushed.update(step=first.push(ones)))
         waiting.start()
         wait_until(lambda: chief.status(0).waiting_calls == 1, 30, "worker:0's push held for worker:1's")
-        with pytest.raises(WaitTimeoutError, match="did not apply every step before 1.*rolled back"):
-            chief.resize([*local.cluster.ps, local.add_ps()], quiet_seconds=1.0)
+        failed = {}
+        resizing = threading.Thread(target=lambda: failed.update(
+            error=pytest.raises(WaitTimeoutError, chief.resize, [*local.cluster.ps, local.add_ps()],
+                                quiet_seconds=3.0)))
+        resizing.start()
+        # Under the hold the layout names the job's two shards only: should the driver die before its moves,
+        # no added shard that has not taken the job's step is in the layout clients follow.
+        wait_until(lambda: _hold_of(chief) > 0, 30, "the resize's hold")
+        assert len(chief.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t)).addresses) == 2
+        resizing.join(timeout=60)
+        assert failed["error"].match("did not apply every step before 1.*rolled back")
         layouts = [chief.call(s, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))
                    for s in range(2)]
         assert [(layout.hold_from_step, list(layout.addresses)) for layout in layouts] == \
@@ -236,6 +245,10 @@ def test_a_sync_step_that_cannot_complete_ends_the_resize_and_its_hold(local_clu
         assert second.push(ones) == 1
         waiting.join(timeout=30)
         assert pushed == {"step": 1} and [chief.status(s).step for s in range(2)] == [1, 1]
+
+
+def _hold_of(client: PSClient) -> int:
+    return client.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t)).hold_from_step
 
 
 def test_resize_refusals_change_nothing(local_cluster):

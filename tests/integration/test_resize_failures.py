@@ -13,7 +13,6 @@ import sys
 import threading
 import pathlib
 
-import grpc
 import pytest
 import torch
 
@@ -45,21 +44,23 @@ class DeadDriver:
     """Raw calls of a resize driver that stops halfway (as a killed ps-admin would): it begins a resize on ps 0,
     sets epochs and exports, and then never renews anything."""
 
-    def __init__(self, client: PSClient, before: list[str], after: list[str]):
+    def __init__(self, client: PSClient, before: list[str], after: list[str], lease: float = LEASE):
         self.client = client
         self.after = after
+        self.lease = lease
         self.record = self._resize(ps_pb2.ResizeRequest(action=ps_pb2.ResizeRequest.BEGIN, driver="dead driver",
-                                                        before=before, after=after, lease_seconds=LEASE))
+                                                        before=before, after=after, lease_seconds=lease))
         self.epoch = _layout(client, 0).epoch
 
     def _resize(self, request):
         return self.client.call(0, lambda stub, t: stub.Resize(request, timeout=t))
 
-    def set_layout(self, placement: dict[str, int], hold: int = 0, shards=None) -> list[ps_pb2.Layout]:
-        """The next epoch on `shards` (default: every shard, ps 0 last, as the resize sets it)."""
+    def set_layout(self, placement: dict[str, int], hold: int = 0, shards=None, members=()) -> list[ps_pb2.Layout]:
+        """The next epoch on `shards` (default: every shard, ps 0 last, as the resize sets it); `members`: ps
+        0's workers, for a shard that joins (Layout.members)."""
         self.epoch += 1
         layout = ps_pb2.Layout(epoch=self.epoch, addresses=self.after, placement=placement, hold_from_step=hold,
-                               hold_lease_seconds=LEASE)
+                               hold_lease_seconds=self.lease, members=members)
         return [self.client.call(s, lambda stub, t: stub.SetLayout(layout, timeout=t))
                 for s in (shards if shards is not None else reversed(range(len(self.after))))]
 
@@ -291,3 +292,53 @@ def test_a_sync_hold_ended_by_its_lease_on_shards_of_different_epochs_lets_pushe
         chief.resume_resize(lease_seconds=5)
         assert worker.push(ones) == 3
         assert [v[0].item() for v in chief.pull(list(names)).values()] == [-3.0, -3.0]
+
+
+def test_a_sync_push_held_through_a_grow_reaches_the_added_shard_too(local_cluster):
+    """Sent by the two-shard layout before a grow, worker:0's push of the hold's step touches no variable
+    that moves: held, then refused by the epoch that ended the hold, it is placed anew and must reach every
+    shard of the new layout, the added one too (which took the hold's step as its own and waits for every
+    worker's push of it). The epochs are set by hand as a driver sets them (hold, move "d", end)."""
+    local = local_cluster(2)
+    names = {"a": 4, "b": 4, "c": 4, "d": 4}  # a, c on ps 0; b, d on ps 1; d moves to ps 2
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
+            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as w0, \
+            PSClient(local.cluster, task=TaskSpec("worker", 1), connect_timeout=30, partitioner=None) as w1:
+        chief.configure("sync", replicas_to_aggregate=2, total_num_replicas=2, lease_seconds=120)
+        chief.create_variables({n: torch.zeros(k) for n, k in names.items()}, Optimizer("sgd", lr=1.0))
+        for w in (w0, w1):
+            w.declare({n: torch.zeros(k) for n, k in names.items()})
+            w.join()
+
+        def both(grads: dict) -> dict:
+            pushed, threads = {}, [threading.Thread(target=lambda w=w: pushed.update({w: w.push(grads[w])}))
+                                   for w in grads]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            return pushed
+
+        ones = {n: torch.ones(k) for n, k in names.items()}
+        for _ in range(3):
+            both({w0: ones, w1: ones})
+        after = [*local.cluster.ps, local.add_ps()]
+        with PSClient(Cluster(ps=tuple(after)), connect_timeout=30, partitioner=None) as raw:
+            driver = DeadDriver(raw, list(local.cluster.ps), after, lease=60)
+            raw.call(2, lambda stub, t: stub.Configure(chief.status(0).config, timeout=t))
+            placement = dict(_layout(raw, 0).placement)  # epoch 0: none
+            hold = max(layout.hold_from_step for layout in driver.set_layout(placement, 1))
+            driver.set_layout(placement, hold, members=_layout(raw, 0).members)  # ps 2 takes ps 0's workers
+            mine = {w0: {"a": ones["a"]}, w1: {"a": ones["a"], "d": ones["d"]}}  # w0's moves nothing
+            held = threading.Thread(target=both, args=(mine,))
+            held.start()  # both clients still place by the two-shard layout
+            wait_until(lambda: chief.status(0).waiting_calls == 2, 30, "both pushes held")
+            moved = {**placement, "d": 2}
+            driver.set_layout(moved, hold)
+            chunks = driver.export(["d"], 1, 2)
+            raw.call(2, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t))
+            raw.call(1, lambda stub, t: stub.ConfirmMove(ps_pb2.MoveRequest(names=["d"], to=2), timeout=t))
+            driver.set_layout(moved, 0)  # the hold ends
+            held.join(timeout=60)
+            assert both(mine) == {w0: 5, w1: 5}
+            wait_until(lambda: [raw.status(s).step for s in range(3)] == [5, 5, 5], 30, "every shard at step 5")
