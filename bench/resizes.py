@@ -84,7 +84,7 @@ def shard_added(phase) -> Resize | None:
     if len(shards) >= MAX_SHARDS:
         return None
     began = time.monotonic()
-    phase.resize_shards([*shards, phase.shards.add_ps(len(shards))])
+    phase.resize_shards([*shards, phase.add_shard(len(shards))])
     return Resize("shard-added", f"ps {len(shards)}", began, time.monotonic())
 
 

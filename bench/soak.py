@@ -28,6 +28,15 @@ and the job's size changes (bench/resizes.py, a table of resize kinds drawn with
   worker-removed     a worker other than the chief leaves for good (Leave) and exits 0
   shard-added        a shard starts and the chief resizes the job onto it live (PSClient.resize)
   shard-removed      the chief resizes the job off its last added shard, which is then stopped
+and shard resizes fail (bench/resize_faults.py, drawn the same way; each failed one is repaired, and
+recovered once a later resize succeeds):
+  driver-killed      the driver (`ps-admin resize`, a 3 s lease) is SIGKILLed at its hold (sync) or once a variable
+                     was exported (async); repaired by --resume, --abort or the chief started again, in turn
+  import-refused     the added shard's --max-memory refuses its import: the driver rolls the resize back
+  importer-killed    the added shard is SIGKILLed once it took a variable in; started again (its journal), the
+                     resize left cut off is resumed, aborted or rolled back by the chief
+  save-during-move   the chief saves a checkpoint while a resize moves variables: committed with every variable
+                     in exactly one shard file, or refused (CheckpointError)
 A fault kind is a `_fault_<kind>` method and an entry of FAULT_KINDS; a resize kind an entry of RESIZES. A shard that stops by itself (fail-stop: exit code
 70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
 each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
@@ -56,25 +65,32 @@ and sent; in sync mode a shared counter on each shard must equal minus the
 global step (every shard applied every released step exactly once). A phase ends with every worker asked to stop: a
 process that does not end within its deadline, or a stretch of
 STALL_SECONDS with faults over and no push acknowledged, is a hang. Last, the
-job's final checkpoint must be committed for both shards and restore, through
-`ps-server --restore-from` onto one shard, to exactly the values served.
+job's final checkpoint must be committed for the job's shards, hold every variable in exactly one shard
+file, and restore, through `ps-server --restore-from` onto one shard, to exactly the values served.
+`--kinds` draws only the kinds it names (the test suite's one-minute soak leaves the failing resizes out).
 
 Keys: faults_injected (by kind), resizes (how many resize events happened),
-resizes_by_kind, resize_pause_p99_s (the pause each caused, defined in
-bench/resizes.py), pushes_acked, lost, duplicated, hangs,
-checkpoint_complete, failstops (shards that stopped themselves, each started
+resizes_by_kind, resize_pause_p99_s (the pause each resize of RESIZES caused, defined in
+bench/resizes.py; a failing one's is in its resize_events entry), pushes_acked, lost, duplicated, hangs,
+checkpoint_complete, resizes_failed (resizes that raised or were cut off) and resizes_recovered (of those,
+the ones a later resize succeeded after), saves_during_moves (committed, refused) and
+moved_checkpoint_problems (a committed one not holding every variable once), failstops (shards that
+stopped themselves, each started
 again), wedged (shards that answered health but applied nothing within
 WEDGE_SECONDS), hostile_pulls and hostile_pulls_answered, optimizer_toggles
 and optimizer_toggles_accepted; per phase the same and more. Target: lost =
 duplicated = hangs = wedged = hostile_pulls_answered =
-optimizer_toggles_accepted = 0, and a fail-stop for every disk-full.
+optimizer_toggles_accepted = moved_checkpoint_problems = 0, resizes_recovered = resizes_failed, and a
+fail-stop for every disk-full.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
+import itertools
 import json
 import os
 import pathlib
@@ -92,6 +108,7 @@ import typing
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from resizes import RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
+from resize_faults import REPAIRS, RESIZE_FAULTS, Watch, checkpoint_problems, settle  # noqa: E402
 
 if typing.TYPE_CHECKING:  # imported where used: a soak worker imports torchps after its setup
     from torchps.cluster import Cluster
@@ -109,7 +126,7 @@ ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long,
 START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
 FAULT_KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
                "toggle-optimizer", "disk-full")
-KINDS = FAULT_KINDS + tuple(RESIZES)
+KINDS = FAULT_KINDS + tuple(RESIZES) + tuple(RESIZE_FAULTS)
 WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
 HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
 FAR = 1 << 62                # the hostile evaluator's min_step
@@ -147,7 +164,7 @@ def worker_main(args: argparse.Namespace) -> int:
     rng = random.Random(args.index * 7919 + os.getpid())
     number = pushes_logged(pathlib.Path(args.log))
     log = open(args.log, "a", buffering=1)
-    from torchps.worker.chief import Checkpointer
+    from torchps.worker.chief import Checkpointer, repair_resize
 
     task = TaskSpec("worker", args.index)
     with PSClient(cluster, task=task, connect_timeout=15, timeout=60, refill_timeout=60,
@@ -156,6 +173,7 @@ def worker_main(args: argparse.Namespace) -> int:
             if args.index == 0:
                 ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,
                              progress_seconds=PROGRESS_SECONDS)
+                repair_resize(ps)  # as ps-worker's chief: a resize cut off (its driver killed) is rolled back
                 ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
             else:
                 ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
@@ -297,7 +315,7 @@ class Phase:
     """One job (mode) under chaos for `seconds`, then its audit."""
 
     def __init__(self, mode: str, seconds: float, workdir: pathlib.Path, rng: random.Random,
-                 fault_every: tuple[float, float] = FAULT_EVERY):
+                 fault_every: tuple[float, float] = FAULT_EVERY, kinds: tuple[str, ...] = KINDS):
         from torchps.certs import TaskCredentials, make_job_credentials
         from torchps.cluster import TaskSpec
         from torchps.worker.local_cluster import LocalCluster
@@ -319,9 +337,15 @@ class Phase:
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
         self.active: set[int] = set()   # the workers running (resizes add and remove some)
         self.max_workers = MAX_WORKERS
-        self.kinds = KINDS
+        self.kinds = kinds
         self.live_shards: list[str] = []  # the job's shards now, in index order (shard resizes change them)
         self.resizes: list = []         # resizes.Resize records, in order
+        self.resize_failures: list = []  # resize_faults.Failure records: resizes that raised or were cut off
+        self.repairs = itertools.cycle(REPAIRS)  # how the next cut-off resize is repaired
+        self.saves = collections.Counter()  # checkpoints saved during a resize's moves: committed, refused
+        self.save_lines: list[str] = []     # why each refused one was
+        self.checkpoint_problems: list[str] = []  # a committed one missing a variable or holding one twice
+        self._admin_runs = 0
         self.failstops: list[str] = []  # a shard that stopped itself (exit code 70), started again
         self.crashes: list[str] = []    # a shard that exited by itself otherwise, started again
         self.wedged: list[str] = []     # a shard that answered health but applied nothing in time
@@ -367,15 +391,20 @@ class Phase:
         self.active.discard(index)
         proc = self.workers.pop(index)
         self.leave_file(index).touch()
+        code = self.await_exit(proc, EXIT_SECONDS, f"worker {index} did not leave within {EXIT_SECONDS:g} s of "
+                                                    f"being removed")
+        if code not in (0, None):
+            self.failures.append(f"worker {index} ended with code {code} when removed")
+
+    def await_exit(self, proc, seconds: float, hang: str) -> int | None:
+        """`proc`'s exit code once it ended, within `seconds`; else `hang` is recorded, it is killed, and None."""
         try:
-            proc.wait(timeout=EXIT_SECONDS)
+            return proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
-            self.hangs.append(f"worker {index} did not leave within {EXIT_SECONDS:g} s of being removed")
+            self.hangs.append(hang)
             proc.kill()
             proc.wait()
-            return
-        if proc.returncode != 0:
-            self.failures.append(f"worker {index} ended with code {proc.returncode} when removed")
+            return None
 
     def indices(self) -> list[int]:
         """Every worker that ever ran in this phase (it has a log)."""
@@ -398,6 +427,7 @@ class Phase:
             for index in range(WORKERS):
                 self.start_worker(index)
             self._chaos(started + self.seconds)
+            settle(self)  # a failed resize no later one recovered gets one now
             self._check_wedged()
             self._stop_workers()
             return self._audit(time.monotonic() - started)
@@ -419,9 +449,9 @@ class Phase:
             if not self._order:  # every kind once per round, in a random order
                 self._order = self.rng.sample(self.kinds, len(self.kinds))
             kind = self._order.pop()
-            if kind in RESIZES:
+            if kind in RESIZES or kind in RESIZE_FAULTS:
                 self._await_training()
-                done = RESIZES[kind](self)
+                done = (RESIZES.get(kind) or RESIZE_FAULTS[kind])(self)
                 if done is not None:
                     self.resizes.append(done)
             else:
@@ -454,6 +484,10 @@ class Phase:
                 return
             time.sleep(0.05)
 
+    def trained_since(self, since: float) -> bool:
+        """Whether a running worker logged a push acknowledged after `since` (CLOCK_MONOTONIC)."""
+        return any(self._last_ack(i) > since for i in self.active)
+
     def _last_ack(self, index: int) -> float:
         """When worker `index` last logged an acknowledged push (CLOCK_MONOTONIC), or 0: its log's tail only."""
         try:
@@ -468,9 +502,9 @@ class Phase:
     def _kinds_seen(self) -> int:
         return len(self.faults) + len({r.kind for r in self.resizes})
 
-    def resize_shards(self, addresses: list[str]) -> None:
-        """The chief (worker 0's credentials, the admin token) resizes the job onto `addresses` live; a failure
-        is recorded (the shards stay as the layout says)."""
+    def resize_shards(self, addresses: list[str]) -> bool:
+        """The chief (worker 0's credentials, the admin token) resizes the job onto `addresses` live; whether it
+        succeeded. A failure is recorded, and the shards taken from ps 0's layout."""
         from torchps.client import PSClient, PSError
 
         with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as chief:
@@ -478,8 +512,66 @@ class Phase:
                 chief.resize(addresses)
             except PSError as exc:
                 self.failures.append(f"resize onto {len(addresses)} shards failed: {type(exc).__name__}: {exc}")
-                return
+                self.follow_layout()
+                return False
         self.live_shards = list(addresses)
+        self.resize_succeeded()
+        return True
+
+    def resize_succeeded(self) -> None:
+        """A resize of the job succeeded: every failed one before it is recovered."""
+        for failure in self.resize_failures:
+            failure.recovered = True
+
+    def add_shard(self, index: int, extra: list[str] | tuple[str, ...] = ()) -> str:
+        """Starts shard `index` for a resize to add, with the job's flags and `extra`; its address."""
+        return self.shards.add_ps(index, args=[*self.shards.server_args, *extra])
+
+    def follow_layout(self) -> None:
+        """Takes the job's shards from ps 0's layout (a failed or repaired resize leaves the shards it says) and
+        stops a shard past them that still runs: it must hold nothing, not even in its outbox."""
+        from torchps.client import PSClient
+
+        with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as chief:
+            self.live_shards = chief.shard_addresses()
+        for index in range(len(self.live_shards), len(self.shards.procs)):
+            proc = self.shards.procs[index]
+            if proc is None or proc.poll() is not None:
+                continue
+            with Watch(self) as watch:
+                held, layout = watch.held(index), watch.layout(index)
+            if held or (layout is not None and layout.outbox):
+                self.failures.append(f"ps {index}, past the job's {len(self.live_shards)} shards, still holds "
+                                     f"{held[:3] if held else list(layout.outbox)[:1]}")
+            self.shards.kill_ps(index, signal.SIGTERM)
+
+    def start_admin(self, argv: list[str]) -> tuple:
+        """Starts `ps-admin ARGV[0] --cluster CLUSTER ARGV[1:]` with the chief's credentials, forked as the
+        workers are; returns it (a Popen or its look-alike) and the file its output goes to."""
+        from torchps.certs import TaskCredentials
+        from torchps.cluster import TaskSpec
+
+        files = TaskCredentials.of(self.credentials, self.cluster, TaskSpec("worker", 0))
+        self._admin_runs += 1
+        path = self.dir / f"ps-admin{self._admin_runs}.out"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHPS_TOKEN_FILE": str(files.token),
+               "TORCHPS_ADMIN_TOKEN_FILE": str(files.admin_token)}
+        argv = [argv[0], "--cluster", json.dumps(self.cluster.to_dict()), *argv[1:]]
+        with open(path, "wb") as out:
+            proc = self.shards.starter.start("torchps.admin", argv, prog="ps-admin", env=env, stdout=out.fileno(),
+                                             parent_death_signal=signal.SIGTERM)
+        return proc, path
+
+    def restart_chief(self) -> None:
+        """SIGKILLs the chief (worker 0) and starts it again: as it starts it rolls back a resize cut off."""
+        self.workers[0].kill()
+        self.workers[0].wait()
+        self.start_worker(0)
+
+    @staticmethod
+    def declared() -> list[tuple[str, int]]:
+        """Every variable of the job with its bytes, as a client declares them."""
+        return [(name, 4 * n) for name, n in sizes().items()]
 
     def _check_workers(self) -> None:
         """Records and restarts a worker that ended by itself (the chaos loop only ever kills them)."""
@@ -579,12 +671,9 @@ class Phase:
         proc = self.shards.procs[index]
         limit = (self.dir / f"ps{index}.log").stat().st_size + (1 << 20)
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
-        try:
-            code = proc.wait(timeout=FAILSTOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.hangs.append(f"ps {index} went on {FAILSTOP_SECONDS:g} s with a full disk instead of stopping")
-            proc.kill()
-            proc.wait()
+        code = self.await_exit(proc, FAILSTOP_SECONDS, f"ps {index} went on {FAILSTOP_SECONDS:g} s with a full disk "
+                                                       f"instead of stopping")
+        if code is None:
             self.shards.start_ps(index)
             return
         if code != FAILSTOP_CODE:
@@ -614,8 +703,9 @@ class Phase:
                                    f"s while the workers pushed (versions stayed {versions[index]})")
 
     def _versions(self, index: int) -> int | None:
-        """The sum of shard `index`'s variables' versions if it answers health SERVING and holds any, else None
-        (a shard a resize left without variables has nothing to apply)."""
+        """The sum of the versions of the variables shard `index` holds that running workers push, if it answers
+        health SERVING and holds any, else None (a shard resizes left only the counters of workers that left
+        or never ran, or none, has nothing to apply)."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from torchps.proto import ps_pb2, ps_pb2_grpc
@@ -631,7 +721,9 @@ class Phase:
                                                                               metadata=metadata)
             except grpc.RpcError:
                 return None
-        return sum(info.version for info in listed.variables) if listed.variables else None
+        pushed = {"ones/a", "ones/b"} | {name for i in self.active for name in counter_names(i)}
+        versions = [info.version for info in listed.variables if info.spec.name in pushed]
+        return sum(versions) if versions else None
 
 
     def _stop_workers(self) -> None:
@@ -648,7 +740,7 @@ class Phase:
                 self.failures.append(f"worker {index} ended with code {proc.returncode} when asked to stop")
 
     def _audit(self, wall: float) -> dict:
-        from torchps.client import PSClient
+        from torchps.client import PSClient, PSError
         from torchps.ps_server.checkpoint import latest_committed
 
         counts = [self._counts(index) if self.log_path(index).exists() else (0, 0, [0] * SHARDS, [0] * SHARDS)
@@ -657,7 +749,7 @@ class Phase:
         misses: list[str] = []  # the first few slots that did not add up, for the report
         averaged = 0
         with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as admin:
-            admin.declare([(name, 4 * n) for name, n in sizes().items()])
+            admin.declare(self.declared())
             values = admin.pull(ALL_NAMES)
             global_step = admin.global_step()
             for index, (sent, _, must, may) in enumerate(counts):
@@ -683,15 +775,21 @@ class Phase:
                 steps_ok = applied_steps == [global_step, global_step]
                 lost += sum(max(0, global_step - s) for s in applied_steps)
                 duplicated += sum(max(0, s - global_step) for s in applied_steps)
-            final = admin.save_checkpoint(0, keep=2, timeout=120)
+            try:  # refused while a resize is left cut off (a variable in two places, the shards' epochs differ)
+                final, refused = admin.save_checkpoint(0, keep=2, timeout=120), None
+            except PSError as exc:
+                final, refused = None, f"{type(exc).__name__}: {exc}"[:500]
             admin.shutdown_cluster("the soak phase is over")
         found = latest_committed(self.ckpt)
-        complete = found is not None and found[0] == final and len(found[1]["shards"]) == len(self.live_shards)
+        not_once = checkpoint_problems(self.ckpt, found[0], ALL_NAMES) if found else []
+        complete = (final is not None and found is not None and found[0] == final
+                    and len(found[1]["shards"]) == len(self.live_shards) and not not_once)
         differing = self._restore_differences(values) if complete else None
         restored_equal = differing == []
-        checkpoint_detail = {"saved_step": final, "latest_committed_step": found[0] if found else None,
+        checkpoint_detail = {"saved_step": final, "save_refused": refused,
+                             "latest_committed_step": found[0] if found else None,
                              "shard_files": len(found[1]["shards"]) if found else 0,
-                             "restored_differing": differing}
+                             "not_in_exactly_one_file": not_once[:10], "restored_differing": differing}
         return {"mode": self.mode, "seconds": round(wall, 1), "faults_injected": dict(self.faults),
                 "failstops": len(self.failstops), "failstop_lines": self.failstops, "shard_crashes": self.crashes,
                 "wedged": len(self.wedged), "wedged_reasons": self.wedged,
@@ -700,6 +798,10 @@ class Phase:
                 "optimizer_toggles": self.toggles["refused"] + self.toggles["accepted"],
                 "optimizer_toggles_accepted": self.toggles["accepted"], "optimizer_toggle_outcomes": dict(self.toggles),
                 **self._resize_figures(),
+                "resizes_failed": len(self.resize_failures),
+                "resizes_recovered": sum(f.recovered for f in self.resize_failures),
+                "saves_during_moves": dict(self.saves), "save_refusals": self.save_lines[:10],
+                "moved_checkpoint_problems": self.checkpoint_problems,
                 "pushes_acked": sum(a for _, a, _, _ in counts), "pushes_sent": sum(s for s, _, _, _ in counts),
                 "global_step": global_step, "lost": lost, "duplicated": duplicated, "hangs": len(self.hangs),
                 "hang_reasons": self.hangs, "worker_failures": self.failures, "audit_misses": misses[:20],
@@ -714,11 +816,15 @@ class Phase:
                       if line.startswith("acked") and line.split()[-1].startswith("t="))
         for resize in self.resizes:
             resize.pause_s = round(pause_around(acks, resize), 3)
-        p99 = percentile([r.pause_s for r in self.resizes], 99)
+        p99 = percentile([r.pause_s for r in self.resizes if r.kind in RESIZES], 99)  # failing ones: listed alone
+        failures = [{**f.figures(), "acked_while_cut_off": None if f.cut_off is None else
+                     bisect.bisect(acks, f.cut_off[1]) - bisect.bisect(acks, f.cut_off[0])}
+                    for f in self.resize_failures]
         return {"resizes": len(self.resizes), "resizes_by_kind": dict(collections.Counter(r.kind for r in self.resizes)),
                 "resize_pause_p99_s": p99,
                 "resize_events": [{"kind": r.kind, "what": r.what, "seconds": round(r.ended - r.began, 3),
-                                   "pause_s": r.pause_s} for r in self.resizes]}
+                                   "pause_s": r.pause_s} for r in self.resizes],
+                "resize_failures": failures}
 
     def _counts(self, index: int) -> tuple[int, int, list, list]:
         """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, and for each shard, per
@@ -768,6 +874,14 @@ def _seconds_range(text: str) -> tuple[float, float]:
     return low, high
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    chosen = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    unknown = sorted(set(chosen) - set(KINDS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown kinds {unknown}; the kinds are {', '.join(KINDS)}")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Chaos soak of torchps (see the module docstring).")
     parser.add_argument("--minutes", type=float, default=10.0, help="total time, split between async and sync")
@@ -777,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between two faults, drawn uniformly from this range (default 2,5)")
     parser.add_argument("--modes", default="async,sync", choices=["async,sync", "async", "sync"], metavar="MODES",
                         help="the phases, in order; --minutes is split between them")
+    parser.add_argument("--kinds", type=_kinds, default=KINDS, metavar="KIND,...",
+                        help="the kinds of fault and resize drawn, each once per round (default: all)")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file", "--leave-file", "--credentials"):
@@ -794,15 +910,20 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             seconds = args.minutes * 60 / len(modes)
             print(f"[soak] {mode} phase: {seconds:.0f} s of chaos", flush=True)
-            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng, args.fault_every).run())
-    faults, resizes = collections.Counter(), collections.Counter()
+            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng, args.fault_every, args.kinds).run())
+    faults, resizes, saves = collections.Counter(), collections.Counter(), collections.Counter()
     for phase in phases:
         faults.update(phase["faults_injected"])
         resizes.update(phase["resizes_by_kind"])
-    pauses = [event["pause_s"] for phase in phases for event in phase["resize_events"]]
+        saves.update(phase["saves_during_moves"])
+    pauses = [event["pause_s"] for phase in phases for event in phase["resize_events"] if event["kind"] in RESIZES]
     result = {"minutes": args.minutes, "seed": args.seed, "faults_injected": dict(faults),
               "resizes": sum(resizes.values()), "resizes_by_kind": dict(resizes),
               "resize_pause_p99_s": percentile(pauses, 99),
+              "resizes_failed": sum(p["resizes_failed"] for p in phases),
+              "resizes_recovered": sum(p["resizes_recovered"] for p in phases),
+              "saves_during_moves": dict(saves),
+              "moved_checkpoint_problems": sum(len(p["moved_checkpoint_problems"]) for p in phases),
               "pushes_acked": sum(p["pushes_acked"] for p in phases), "lost": sum(p["lost"] for p in phases),
               "duplicated": sum(p["duplicated"] for p in phases), "hangs": sum(p["hangs"] for p in phases),
               "checkpoint_complete": all(p["checkpoint_complete"] for p in phases),
@@ -819,16 +940,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(p['checkpoint_complete']):>10}")
     print("faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     print("resizes by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(resizes.items())))
+    print(f"resizes failed {result['resizes_failed']}, recovered {result['resizes_recovered']}; checkpoints saved "
+          "during moves: " + ", ".join(f"{k} {v}" for k, v in sorted(saves.items())))
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     for phase in phases:
+        unrecovered = [f"{f['kind']} ({f['what']}) not recovered: {f['how']}; repair {f['repair']}"
+                       for f in phase["resize_failures"] if not f["recovered"]]
         for problem in (phase["hang_reasons"] + phase["worker_failures"] + phase["audit_misses"]
-                        + phase["wedged_reasons"] + phase["failstop_lines"] + phase["shard_crashes"]):
+                        + phase["wedged_reasons"] + phase["failstop_lines"] + phase["shard_crashes"] + unrecovered
+                        + phase["moved_checkpoint_problems"]):
             print(f"[soak] {phase['mode']}: {problem}")
     ok = (result["lost"] == result["duplicated"] == result["hangs"] == result["worker_failures"] == result["wedged"]
-          == result["hostile_pulls_answered"] == result["optimizer_toggles_accepted"] == result["shard_crashes"] == 0
-          and result["checkpoint_complete"])
+          == result["hostile_pulls_answered"] == result["optimizer_toggles_accepted"] == result["shard_crashes"]
+          == result["moved_checkpoint_problems"] == 0
+          and result["resizes_recovered"] == result["resizes_failed"] and result["checkpoint_complete"])
     return 0 if ok else 1
 
 

@@ -11,7 +11,10 @@ with both phases training between faults (over 100 acknowledged pushes each). Th
 two events from 1-2.5 s instead of the soak's 2-5 s (FAULT_EVERY): a phase is then about as long as its 12 kinds
 take, and every kind still happens with training between them (a resize waits for every worker
 to have trained first; the asserts below check over 100 acknowledged pushes per phase). Denser faults with a fixed half minute (one every
-1-2 s) once starved the sync phase (22 pushes in 15 s): the phases now go on until every kind happened."""
+1-2 s) once starved the sync phase (22 pushes in 15 s): the phases now go on until every kind happened. The
+resizes that fail (bench/resize_faults.py: a driver killed, an import refused, an importer killed, a save during a
+move) are left out here (`--kinds`): each waits out a lease and a repair, which would lengthen every phase; the
+full soak draws them."""
 
 import json
 import pathlib
@@ -27,7 +30,7 @@ RESIZE_KINDS = {"worker-added", "worker-removed", "shard-added", "shard-removed"
 def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--fault-every", "1,2.5",
-                          "--json", str(out)],
+                          "--kinds", ",".join(sorted(KINDS | RESIZE_KINDS)), "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert out.is_file(), f"no results (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
