@@ -7,6 +7,7 @@ variables, a checkpoint is taken while a variable is in transit. Leases are shor
 resize and its hold end within the test.
 """
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -69,13 +70,18 @@ class DeadDriver:
         return self.client.call(source, lambda stub, t: list(stub.ExportVariables(request, timeout=t)))
 
 
-def _sync_job(local, chief: PSClient, worker: PSClient, names: dict[str, int]) -> None:
-    """Sync mode, one replica (worker:0), SGD lr 1 on zeros of `names` {name: elements}, in that order."""
-    chief.configure("sync", replicas_to_aggregate=1, total_num_replicas=1, lease_seconds=120)
-    chief.declare([(name, 4 * n) for name, n in names.items()])
-    chief.create_variables({name: torch.zeros(n) for name, n in names.items()}, Optimizer("sgd", lr=1.0))
-    worker.declare({name: torch.zeros(n) for name, n in names.items()})
-    worker.join()
+@contextlib.contextmanager
+def _sync_job(local, names: dict[str, int]):
+    """(chief, worker:0): sync mode, one replica (worker:0), SGD lr 1 on zeros of `names` {name: elements},
+    in that order; both clients closed at the end."""
+    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
+            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as worker:
+        chief.configure("sync", replicas_to_aggregate=1, total_num_replicas=1, lease_seconds=120)
+        chief.declare([(name, 4 * n) for name, n in names.items()])
+        chief.create_variables({name: torch.zeros(n) for name, n in names.items()}, Optimizer("sgd", lr=1.0))
+        worker.declare({name: torch.zeros(n) for name, n in names.items()})
+        worker.join()
+        yield chief, worker
 
 
 def test_a_sync_import_refused_by_the_added_shards_memory_limit_is_rolled_back(local_cluster):
@@ -83,9 +89,7 @@ def test_a_sync_import_refused_by_the_added_shards_memory_limit_is_rolled_back(l
     with every update; the job trains on and ps 0 records the resize aborted."""
     local = local_cluster(2)
     names = {"m/big": 300_000, "m/tiny": 4, "m/mid": 100_000}  # big and mid on ps 0: big moves to ps 2
-    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
-            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as worker:
-        _sync_job(local, chief, worker, names)
+    with _sync_job(local, names) as (chief, worker):
         ones = {name: torch.ones(n) for name, n in names.items()}
         for _ in range(2):
             worker.push(ones)
@@ -107,9 +111,7 @@ def test_an_orphaned_sync_hold_ends_by_itself_and_the_cut_off_resize_is_finished
     where it waited, and every update is there once."""
     local = local_cluster(2)
     names = {"s/a": 4, "s/filler": 4, "s/b": 4}  # round robin: a, b on ps 0
-    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
-            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as worker:
-        _sync_job(local, chief, worker, names)
+    with _sync_job(local, names) as (chief, worker):
         ones = {name: torch.ones(4) for name in names}
         assert worker.push(ones) == 1
         dead = DeadDriver(chief, list(local.cluster.ps), list(local.cluster.ps))
@@ -275,9 +277,7 @@ def test_a_sync_hold_ended_by_its_lease_on_shards_of_different_epochs_lets_pushe
     its own: a client whose ps 0 knows only epoch 1 follows ps 1's layout, and the push is taken."""
     local = local_cluster(2)
     names = {"e/a": 4, "e/f": 4}  # a on ps 0, f on ps 1
-    with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
-            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as worker:
-        _sync_job(local, chief, worker, names)
+    with _sync_job(local, names) as (chief, worker):
         ones = {name: torch.ones(4) for name in names}
         assert worker.push(ones) == 1
         dead = DeadDriver(chief, list(local.cluster.ps), list(local.cluster.ps))
