@@ -54,7 +54,8 @@ class ControlRPCs:
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
             state_bytes=state, pid=os.getpid(),
-            memory=ps_pb2.MemoryUsage(**self.memory.get()), metrics_port=self.metrics_port,
+            memory=ps_pb2.MemoryUsage(**self.memory.get(), kept_receive_bytes=self.receive_buffers.free_bytes,
+                                      receive_buffers_reused=self.receive_buffers.reused), metrics_port=self.metrics_port,
             paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
                    for w, (i, score) in coordinator.paces().items()],
             config=config_to_proto(coordinator.config), generation=self.generation,

@@ -146,7 +146,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                           max_calls_per_client=args.max_calls_per_client), health_servicer=health_servicer,
             metrics=metrics, reflection=args.reflection, failstop=failstop, workers=_spec_workers(cluster),
             elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds,
-            addresses=tuple(cluster.ps) if cluster is not None else ())
+            addresses=tuple(cluster.ps) if cluster is not None else (),
+            keep_receive_bytes=args.keep_receive_buffers)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

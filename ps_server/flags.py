@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "this process may use (the machine's, or its container's or pod's limit), e.g. 75%% "
                    "(default: no limit)")
     q.add_argument("--max-variable-bytes", type=_size, default=0, help="largest variable, e.g. 2G (default: none)")
+    q.add_argument("--keep-receive-buffers", type=_size, default=-1, metavar="BYTES",
+                   help="free receive buffers kept between pushes, so that a gradient lands in memory already "
+                   "faulted in (buffers of 4 MiB and more; with --max-memory they count against it until a push "
+                   "takes them); 0: none (default: as many bytes as the shard's variables, one push's worth)")
     q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
                    "else a connection) may have in progress at once (default: no limit)")
     q.add_argument("--stream-idle-seconds", type=_seconds, default=DEFAULT_IDLE_SECONDS, help="a client stream "

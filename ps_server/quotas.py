@@ -47,6 +47,7 @@ class Quotas:
         self._lock = threading.Lock()
         self._calls: collections.Counter[str] = collections.Counter()
         self._in_flight = 0  # bytes reserved by pushes being received
+        self._kept = 0  # bytes of free receive buffers kept for later pushes (buffers.py)
 
     def reservation(self, held: Callable[[], int]) -> "Reservation":
         """A push's reservation; `held()` is what the shard holds (read once, at its first tensor)."""
@@ -57,13 +58,33 @@ class Quotas:
         that with `held` and what other pushes reserved is over --max-memory: ShardBusyError where it would fit
         without the others, else ResourceExhaustedError."""
         with self._lock:
-            if self.max_memory and held + self._in_flight + nbytes > self.max_memory:
+            if self.max_memory and held + self._in_flight + self._kept + nbytes > self.max_memory:
                 busy = held + nbytes <= self.max_memory
                 raise (ShardBusyError if busy else ResourceExhaustedError)(
                     f"{what} needs {nbytes} bytes to be received; this shard holds {held}, pushes being received "
-                    f"hold {self._in_flight}, and its --max-memory is {self.max_memory}; nothing was applied "
+                    f"hold {self._in_flight}, kept receive buffers {self._kept}, and its --max-memory is "
+                    f"{self.max_memory}; nothing was applied "
                     f"({'it fits once they are in: retry' if busy else 'raise the limit, or push less at once'})")
             self._in_flight += nbytes
+
+    def keep(self, held: Callable[[], int], nbytes: int) -> bool:
+        """Counts a free receive buffer of `nbytes` as held until release_kept(); False (nothing counted) if
+        that would take what is held (`held()`) and reserved past --max-memory. Without --max-memory True."""
+        if not self.max_memory:
+            with self._lock:
+                self._kept += nbytes
+            return True
+        held_now = held()
+        with self._lock:
+            if held_now + self._in_flight + self._kept + nbytes > self.max_memory:
+                return False
+            self._kept += nbytes
+            return True
+
+    def release_kept(self, nbytes: int) -> None:
+        """Ends keep()'s count of `nbytes` (the buffer was taken by a push, or let go)."""
+        with self._lock:
+            self._kept -= nbytes
 
     def release(self, nbytes: int) -> None:
         """Ends a reservation's `nbytes` (the push was applied, refused or abandoned)."""

@@ -58,6 +58,7 @@ def create_server(
     elastic_workers: int | None = None,
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
     addresses: tuple[str, ...] = (),
+    keep_receive_bytes: int = -1,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -117,7 +118,8 @@ def create_server(
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
                                        security=security, tokens=tokens, quotas=quotas, metrics=metrics,
-                                       stream_idle_seconds=stream_idle_seconds)
+                                       stream_idle_seconds=stream_idle_seconds,
+                                       keep_receive_bytes=keep_receive_bytes)
     server.call(add_to_server, servicer, server.server, pool)
     server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:

@@ -24,11 +24,13 @@ from typing import Callable
 import grpc
 
 from .. import codec, compression, rows, wire
-from ..errors import InvalidArgumentError, LayoutChangedError, MalformedStreamError, SpecConflictError
+from ..errors import (InvalidArgumentError, LayoutChangedError, MalformedStreamError, ResourceExhaustedError,
+                      ShardBusyError, SpecConflictError)
 from ..memory import memory_usage
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
 from .auth import Authority
+from .buffers import ReceiveBuffers
 from .control_rpcs import ControlRPCs
 from .coordinator import Coordinator
 from .edge import CallContext, handler
@@ -97,7 +99,8 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
     def __init__(self, store: VariableStore, coordinator: Coordinator, index: int, *, max_chunk_bytes: int,
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
                  security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
-                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None):
+                 stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None,
+                 keep_receive_bytes: int = -1):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -119,6 +122,9 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
         self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
         self.queue_desk = coordinator.queue_desk  # data queues: ps 0's
+        self.receive_buffers = ReceiveBuffers(self.quotas, self.held_total,
+                                              lambda: self.held_bytes()[0] if keep_receive_bytes < 0
+                                              else keep_receive_bytes)
 
     @map_errors
     def CreateVariables(self, request_iterator, context):
@@ -298,7 +304,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         a streamed push (PushHeader.streamed) the `end` its last message carries, which must be there.
         """
         started = time.monotonic()
-        header = end = None
+        header = end = done = None
         grads, received = {}, {}
         reservation = self.quotas.reservation(self.held_total)  # the push's buffers, within --max-memory
 
@@ -313,11 +319,23 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                 moved.add(name)
                 return
             if self.quotas.max_memory:
-                reservation.add(self._receive_bytes(name, meta), f"the gradient for {name!r}")
+                nbytes = self._receive_bytes(name, meta)
+                try:
+                    reservation.add(nbytes, f"the gradient for {name!r}")
+                except (ShardBusyError, ResourceExhaustedError):
+                    if not self.receive_buffers.drop():  # the room kept buffers hold first
+                        raise
+                    reservation.add(nbytes, f"the gradient for {name!r}")
+
+        taken: list = []  # the receive buffers, kept for the next push once nothing holds them (buffers.py)
+
+        def allocate(nbytes: int):
+            taken.append(self.receive_buffers.take(nbytes))
+            return taken[-1]
 
         assembler = codec.ChunkAssembler(
             begin=begin, decode=lambda name, meta, raw: None if name in moved
-            else self._decode_gradient(name, meta, raw, received, header.rows_again))
+            else self._decode_gradient(name, meta, raw, received, header.rows_again), allocate=allocate)
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -375,7 +393,10 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
             received.clear()
-            reservation.release()
+            del assembler, done  # a tensor it was filling; the last one it completed
+            reservation.release()  # before the buffers are kept: they count as kept from then on
+            while taken:
+                self.receive_buffers.give_back(taken.pop())
         return header, ps_pb2.PushResponse(
             step=result.step, versions=result.versions, next_step=result.next_step, stale=result.stale,
             duplicate=result.duplicate, wait_seconds=result.wait_seconds, quorum=result.quorum,

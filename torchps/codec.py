@@ -109,6 +109,10 @@ def meta_nbytes(meta: ps_pb2.TensorMeta) -> int:
     raise InvalidArgumentError(f"unknown encoding {meta.encoding} (Encoding enum)")
 
 
+def _new_buffer(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 def dense_tensor(meta: ps_pb2.TensorMeta, raw: np.ndarray) -> torch.Tensor:
     """A DENSE tensor's bytes (uint8, meta_nbytes(meta) of them) as the tensor, sharing their memory."""
     dtype, shape = torch_dtype(meta.dtype), tuple(meta.shape)
@@ -173,9 +177,10 @@ class ChunkAssembler:
     `begin(name, meta)` is called with each new tensor's name and meta before
     any memory is allocated; it may raise (unknown variable, wrong shape) to
     reject the stream early. Bytes go into `sink(name, meta)`'s uint8 buffer
-    (of exactly the tensor's size) if given, else into fresh memory, which
-    goes back to the allocator with the last tensor using it (a big block back
-    to the kernel: see torchps.memory). Every chunk but a tensor's last must carry at least
+    (of exactly the tensor's size) if given, else into `allocate(nbytes)`
+    (a shard's kept receive buffers) or fresh memory, which goes back to the
+    allocator with the last tensor using it (a big block back to the kernel:
+    see torchps.memory). Every chunk but a tensor's last must carry at least
     `min_chunk` bytes. A complete tensor is `decode(name, meta, buffer)` if
     given (a shard decoding compressed gradients), else the buffer viewed as
     the meta's DENSE tensor; without `decode`, a SPARSE meta is refused. A
@@ -189,8 +194,9 @@ class ChunkAssembler:
                  *, sink: Callable[[str, ps_pb2.TensorMeta], np.ndarray] | None = None,
                  decode: Callable[[str, ps_pb2.TensorMeta, np.ndarray], torch.Tensor] | None = None,
                  delta: Callable[[str, ps_pb2.TensorMeta, np.ndarray], None] | None = None,
-                 min_chunk: int = MIN_CHUNK_BYTES):
+                 allocate: Callable[[int], np.ndarray] | None = None, min_chunk: int = MIN_CHUNK_BYTES):
         self._begin = begin
+        self._allocate = allocate or _new_buffer
         self._sink = sink
         self._decode = decode
         self._delta = delta
@@ -281,7 +287,7 @@ class ChunkAssembler:
                                            f"{self._buffer.size} are expected")
         else:
             try:
-                self._buffer = np.empty(nbytes, dtype=np.uint8)
+                self._buffer = self._allocate(nbytes)
             except (MemoryError, ValueError):
                 raise InvalidArgumentError(f"cannot allocate {nbytes} bytes for {chunk.name!r}") from None
         self._name, self._meta, self._filled = chunk.name, meta, 0

@@ -29,10 +29,10 @@ def test_status_reports_optimizer_state_and_the_process_memory(shared_cluster):
 
 
 def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
-    """Pushes of a 64 MiB gradient leave the shard's RSS where creation left it (within half of one: a gradient
-    kept would be a whole one; a loaded machine, gRPC buffering more of a stream at once, left 21 MiB of heap
-    behind once, 5-8 MiB on a quiet one)."""
-    local = local_cluster(1)
+    """With --keep-receive-buffers 0, pushes of a 64 MiB gradient leave the shard's RSS where creation left it
+    (within half of one: a gradient kept would be a whole one; a loaded machine, gRPC buffering more of a stream
+    at once, left 21 MiB of heap behind once, 5-8 MiB on a quiet one)."""
+    local = local_cluster(1, server_args=["--keep-receive-buffers", "0"])
     with PSClient(local.cluster) as ps:
         ps.create_variables({"g": torch.zeros(64 * MIB // 4)}, Optimizer("sgd", lr=0.1))
         ps.pull(["g"])
@@ -56,6 +56,40 @@ def test_a_shard_gives_a_push_s_gradient_memory_back(local_cluster):
             after = wait_until(lambda: (lambda m: m if m.rss_bytes - before < 32 * MIB else None)(ps.status(0).memory),
                                5, f"the pushes' memory to be given back (RSS {before} before, {after.rss_bytes} after)")
     assert after.rss_bytes - before < 32 * MIB, (before, after)
+    assert after.kept_receive_bytes == 0 and after.receive_buffers_reused == 0
+
+
+def test_a_shard_keeps_one_push_s_receive_buffer_and_lands_the_next_pushes_in_it(local_cluster):
+    """By default a shard keeps as many free receive-buffer bytes as its variables hold: the 64 MiB gradient's
+    buffer is kept after the first push and every later push lands in it (no fresh pages), and RSS stays
+    within that one buffer of where creation left it."""
+    local = local_cluster(1)
+    with PSClient(local.cluster) as ps:
+        ps.create_variables({"g": torch.zeros(64 * MIB // 4)}, Optimizer("sgd", lr=0.1))
+        before = wait_until(lambda: (lambda m: m if m.mapped_bytes >= 64 * MIB else None)(ps.status(0).memory),
+                            20, "GetStatus's memory figures to show the 64 MiB variable").rss_bytes
+        grad = torch.full((64 * MIB // 4,), 1e-3)
+        for _ in range(4):
+            ps.push({"g": grad})
+        memory = wait_until(lambda: (lambda m: m if m.receive_buffers_reused >= 3 else None)(ps.status(0).memory),
+                            20, "GetStatus's figures to show the pushes after the first landing in its buffer")
+        assert memory.kept_receive_bytes == 64 * MIB
+        assert memory.rss_bytes - before < 64 * MIB + 32 * MIB, (before, memory)
+        torch.testing.assert_close(ps.pull(["g"])["g"], torch.full((64 * MIB // 4,), -4 * 0.1 * 1e-3))
+
+
+def test_kept_receive_buffers_count_against_max_memory_and_give_way_to_a_push(local_cluster):
+    """Under --max-memory a kept buffer counts as held: with room for the 64 MiB variable and one gradient but not
+    a kept one besides, each push takes the kept buffer's room back instead of being refused, and nothing is
+    kept beyond the limit."""
+    local = local_cluster(1, server_args=["--max-memory", str(150 * MIB)])
+    with PSClient(local.cluster) as ps:
+        ps.create_variables({"g": torch.zeros(64 * MIB // 4)}, Optimizer("sgd", lr=0.1))
+        grad = torch.full((64 * MIB // 4,), 1e-3)
+        for _ in range(3):
+            ps.push({"g": grad})  # refused (ShardBusyError) if the kept buffer's room were not given back
+            assert ps.status(0).memory.kept_receive_bytes == 64 * MIB  # 64 held + 64 kept <= 150
+        torch.testing.assert_close(ps.pull(["g"])["g"], torch.full((64 * MIB // 4,), -3 * 0.1 * 1e-3))
 
 
 def test_pulls_racing_pushes_always_get_one_version(local_cluster):
