@@ -6,7 +6,7 @@
 from ..cluster import Cluster, TaskSpec
 from ..compression import Compression
 from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, DataShardError, InternalServerError,
-                      InvalidArgumentError, LayoutChangedError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
+                      InvalidArgumentError, LaneBrokenError, LayoutChangedError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
                       OptimizerSpecError, PermissionDeniedError, PSError,
                       ResizeConflictError, ResourceExhaustedError, ServerUnavailableError, ShardBusyError, ShardLostError, SpecConflictError,
                       StepPassedError, TensorMismatchError, UnknownDataQueueError, UnknownVariableError,
@@ -45,6 +45,7 @@ __all__ = [
     "HybridBinding",
     "InternalServerError",
     "InvalidArgumentError",
+    "LaneBrokenError",
     "LayoutChangedError",
     "LocalRank",
     "LocalReplica",

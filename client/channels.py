@@ -26,7 +26,7 @@ import grpc
 
 from .. import wire
 from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
-from ..errors import ServerUnavailableError, ShardBusyError, VariableMovingError
+from ..errors import LaneBrokenError, ServerUnavailableError, ShardBusyError, VariableMovingError
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
@@ -235,6 +235,10 @@ class ShardChannels:
                 if not self._ready[shard]:
                     self.wait_ready(shard, time.monotonic() + retry_for if backoff is None else backoff.deadline)
                 return fn(self.stubs[shard], timeout)
+            except LaneBrokenError:  # the attempt's bulk lane broke (closed, out of step): nothing applied
+                backoff = backoff or Backoff(time.monotonic() + retry_for)
+                if not backoff.pause(MOVING_RETRY_SECONDS):
+                    raise
             except grpc.RpcError as exc:
                 if not _retryable(exc):
                     raise error_from_rpc(exc, self.target(shard)) from exc

@@ -34,6 +34,7 @@ from . import resize as live_resize
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
 from .fanout import ShardFanout
+from .lanes import ClientLanes
 from .layout import LayoutFollower
 from .membership import Heartbeats, LiveWorkers
 from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
@@ -86,6 +87,12 @@ class PSClient(DataPath, TablePath):
     buffers allocated once and reused (pinned memory unless `pin_memory` is
     False), copied by non-blocking copies on side streams ordered by events
     (client/device.py); on a host without CUDA nothing of that is used.
+
+    With `lanes` (default), pulls and pushes of a MiB or more to a shard that
+    offers bulk lanes (a plaintext shard: torchps/lanes.py) move their bytes
+    on a TCP connection beside the gRPC call, copied only by the kernel; a
+    lane that breaks fails the attempt, which is retried (on a new lane, or
+    inline) like a lost connection.
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class PSClient(DataPath, TablePath):
         refill_timeout: float = 120.0,
         security: Security | None = None,
         pin_memory: bool = True,
+        lanes: bool = True,
     ):
         if cluster is None:
             cluster, env_task = Cluster.from_tf_config()
@@ -123,6 +131,8 @@ class PSClient(DataPath, TablePath):
         self._fanout = ShardFanout(cluster, connect_timeout=connect_timeout, security=self.security, timeout=timeout,
                                    control_timeout=min(timeout, CONTROL_TIMEOUT_SECONDS), chunk_bytes=chunk_bytes)
         self._layout = LayoutFollower(self._fanout, self.placement)  # the layout across live resizes
+        self._lanes = ClientLanes(lambda shard: self._fanout.channels.addresses[shard],
+                                  lambda shard: self.status(shard).lane_port, enabled=lanes)
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries
@@ -156,6 +166,7 @@ class PSClient(DataPath, TablePath):
                     _LOGGER.warning("could not leave cleanly: %s", exc)
             self._heartbeats.stop()
             self._closed = True
+            self._lanes.close()
             self._fanout.close()
             self._device.close()
 

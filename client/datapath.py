@@ -11,20 +11,28 @@ from __future__ import annotations
 import threading
 from typing import Iterable, Mapping
 
+import grpc
 import torch
 
 from ..compression import Encoded
-from ..errors import LayoutChangedError
+from ..errors import LaneBrokenError, LayoutChangedError
 from ..proto import ps_pb2
 from ..rows import encode_rows, shard_of as row_owner
 from .deltas import PullBases
 from .device import Staged
 from .layout import MAX_ROUNDS
-from .transfer import IntoTargets, NewTensors, push_requests, read_stream
+from .transfer import IntoTargets, NewTensors, lane_messages, push_requests, read_stream
 
 __all__ = ["DataPath", "GLOBAL_STEP_SHARD"]
 
 GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
+LANE_CHUNK_BYTES = 8 << 20  # a chunk on a bulk lane: its message is a few bytes, its frame one sendmsg
+
+
+def _wire_nbytes(grad) -> int:
+    """The bytes a gradient (a tensor, or compression.Encoded) puts on the wire."""
+    tensor = grad.payload if isinstance(grad, Encoded) else grad
+    return tensor.numel() * tensor.element_size()
 
 
 class _RowsSent:
@@ -158,8 +166,22 @@ class DataPath:
                 if bases is not None:
                     request.base_generation, versions = bases.take(shard_names, sink.targets)
                     request.base_versions.extend(versions)
-                return read_stream(stub.Pull(request, timeout=timeout), shard_names, sink,
-                                   self._fanout.target(shard), stats=self.stats, bases=bases)[0]
+                targets = getattr(sink, "targets", None)  # a pull into known targets: its size is known
+                nbytes = 0 if targets is None else sum(targets[n].numel() * targets[n].element_size()
+                                                       for n in shard_names)
+                lane = self._lanes.borrow(shard, nbytes, timeout)
+                if lane is not None:
+                    request.lane, request.chunk_bytes = lane.key, LANE_CHUNK_BYTES
+                responses, ok = stub.Pull(request, timeout=timeout), False
+                try:
+                    step = read_stream(lane_messages(responses, lane, timeout), shard_names, sink,
+                                       self._fanout.target(shard), stats=self.stats, bases=bases)[0]
+                    ok = True
+                    return step
+                finally:
+                    if not ok:
+                        responses.cancel()
+                    self._lanes.give_back(shard, lane, ok)
 
             return self._fanout.call(shard, attempt, self.timeout)
 
@@ -229,10 +251,30 @@ class DataPath:
             shard_header = self._shard_header(header, len(names) + len(tables), again=again,
                                               step_increment=header.step_increment if first else 0,
                                               rows_again=bool(tables) and not counts_step)
+            def attempt(stub, timeout: float) -> ps_pb2.PushResponse:
+                grads = {**sent, **tables}
+                lane = self._lanes.borrow(shard, sum(_wire_nbytes(grads[n]) for n in names), timeout)
+                header, ok = shard_header, False
+                if lane is not None:
+                    header = ps_pb2.PushHeader()
+                    header.CopyFrom(shard_header)
+                    header.lane = lane.key
+                try:
+                    reply = stub.Push(push_requests(header, grads, [*names, *tables],
+                                                    LANE_CHUNK_BYTES if lane else self.chunk_bytes, self.stats,
+                                                    lane, timeout), timeout=timeout)
+                    ok = True
+                    return reply
+                except grpc.RpcError:
+                    if lane is not None and lane.closed:  # the lane broke while gRPC read the requests
+                        raise LaneBrokenError(f"the bulk lane to {self._fanout.target(shard)} broke during a "
+                                              f"push; nothing was applied") from None
+                    raise
+                finally:
+                    self._lanes.give_back(shard, lane, ok)
+
             try:
-                reply = self._fanout.call(shard, lambda stub, t: stub.Push(
-                    push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
-                                  self.stats), timeout=t), self.timeout)
+                reply = self._fanout.call(shard, attempt, self.timeout)
             except LayoutChangedError:
                 if taken is not None:
                     table_rows.put_back(taken)

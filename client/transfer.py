@@ -17,34 +17,47 @@ import torch
 from .. import codec, compression, wire
 from ..compression import Encoded
 from ..errors import InvalidArgumentError, MalformedStreamError, TensorMismatchError
+from ..lanes import Lane, LaneBytes, bind as bind_lane
 from ..proto import ps_pb2
 from .deltas import PullBases
 from .device import DeviceStaging
 from .stats import WorkerStats
 
-__all__ = ["push_requests", "wire_pieces", "read_stream", "NewTensors", "IntoTargets", "apply_delta"]
+__all__ = ["push_requests", "lane_messages", "wire_pieces", "read_stream", "NewTensors", "IntoTargets", "apply_delta"]
 
 Sink = Callable[[str, ps_pb2.TensorMeta], np.ndarray]
 _WIDE, _NARROW = (torch.float32, torch.float64), (torch.float16, torch.bfloat16)  # pulls cast (PullRequest.cast)
 
 
 def push_requests(header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor | Encoded], names: list[str],
-                  chunk_bytes: int, stats: WorkerStats | None = None) -> Iterator[bytes]:
+                  chunk_bytes: int, stats: WorkerStats | None = None, lane: Lane | None = None,
+                  timeout: float | None = None) -> Iterator[bytes]:
     """Serialized PushRequests: the header with the first batch, tensors packed up to chunk_bytes.
 
     A gradient is a tensor (sent as it is) or compression.Encoded (its meta and bytes). Each piece's bytes
     are copied once, into its message (counted in `stats` as sent and copied, as the messages are made).
+    With a bulk `lane` (header.lane names it), a message carries its pieces' lengths, and their bytes go on
+    the lane from their own memory once gRPC took the message (blocking up to `timeout`): sent, not copied.
     """
     pieces = (piece for name in names for piece in wire_pieces(name, grads[name], chunk_bytes, stats))
     first = True
     for batch in wire.pack(pieces, chunk_bytes):
-        yield wire.encode_push_request(header if first else None, batch)
+        yield wire.encode_push_request(header if first else None, batch, lane=lane is not None)
+        nbytes = sum(memoryview(piece[3]).nbytes for piece in batch)
+        if lane is not None:
+            lane.send([piece[3] for piece in batch], timeout)
         if stats is not None:
-            nbytes = sum(memoryview(piece[3]).nbytes for piece in batch)
-            stats.count_bytes(sent=nbytes, copied=nbytes)
+            stats.count_bytes(sent=nbytes, copied=0 if lane is not None else nbytes)
         first = False
     if first:
         yield wire.encode_push_request(header, [])
+
+
+def lane_messages(responses: Iterable, lane: Lane | None, timeout: float | None) -> Iterator:
+    """Pull responses with each message's lane bytes bound to `lane` (read as the chunks are assembled)."""
+    for message in responses:
+        bind_lane(message.chunks, lane, timeout)
+        yield message
 
 
 def wire_pieces(name: str, grad: torch.Tensor | Encoded, chunk_bytes: int,
@@ -83,8 +96,8 @@ def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str,
         step = message_step
         result = result or first_result
         if stats is not None:
-            nbytes = sum(memoryview(chunk.data).nbytes for chunk in chunks)
-            stats.count_bytes(received=nbytes, copied=nbytes)
+            inline = sum(memoryview(chunk.data).nbytes for chunk in chunks if not isinstance(chunk.data, LaneBytes))
+            stats.count_bytes(received=sum(len(chunk.data) for chunk in chunks), copied=inline)
         for chunk in chunks:
             done = assembler.add(chunk)
             if done is not None and on_tensor is not None:

@@ -378,6 +378,7 @@ class LoopServer:
 
     def __init__(self, make: Callable[[], grpc.aio.Server], name: str):
         self.loop = asyncio.new_event_loop()
+        self.closers: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.server = self.call(make)
@@ -398,7 +399,10 @@ class LoopServer:
         asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result()
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Stops serving; calls still running after `grace` s are cancelled. The event is set once stopped."""
+        """Stops serving; calls still running after `grace` s are cancelled. The event is set once stopped.
+        What was added to `closers` (the bulk lanes) is closed first."""
+        for close in self.closers:
+            close()
         stopped = threading.Event()
         asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).add_done_callback(
             lambda _: stopped.set())

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection as reflection_service
 
 from .. import codec
 from ..proto import ps_pb2
+from .lanes import LaneServer
 from .servicer import ParameterServerServicer, add_to_server
 from .store import VariableStore
 from ..security import INSECURE, Security
@@ -59,6 +60,7 @@ def create_server(
     stream_idle_seconds: float = DEFAULT_IDLE_SECONDS,
     addresses: tuple[str, ...] = (),
     keep_receive_bytes: int = -1,
+    lane_port: int | None = 0,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -115,11 +117,16 @@ def create_server(
                               threaded_waits=threaded_waits(threads), start=False, failstop=failstop,
                               membership=Membership(workers, elastic_workers), addresses=addresses)
     recover(coordinator, journal, restore)
+    # Bulk lanes (torchps/lanes.py) are plaintext with no credential: offered only by a shard that has none.
+    lanes = LaneServer(address.rpartition(":")[0], lane_port, failstop) \
+        if lane_port is not None and security.insecure else None
+    if lanes is not None:
+        server.closers.append(lanes.close)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
                                        security=security, tokens=tokens, quotas=quotas, metrics=metrics,
                                        stream_idle_seconds=stream_idle_seconds,
-                                       keep_receive_bytes=keep_receive_bytes)
+                                       keep_receive_bytes=keep_receive_bytes, lanes=lanes)
     server.call(add_to_server, servicer, server.server, pool)
     server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:

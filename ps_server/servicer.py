@@ -22,15 +22,18 @@ from concurrent.futures import Executor
 from typing import Callable
 
 import grpc
+import numpy as np
 
 from .. import codec, compression, rows, wire
-from ..errors import (InvalidArgumentError, LayoutChangedError, MalformedStreamError, ResourceExhaustedError,
-                      ShardBusyError, SpecConflictError)
+from ..errors import (InvalidArgumentError, LaneBrokenError, LayoutChangedError, MalformedStreamError,
+                      ResourceExhaustedError, ShardBusyError, SpecConflictError)
+from ..lanes import Lane, bind as bind_lane
 from ..memory import memory_usage
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
 from .auth import Authority
 from .buffers import ReceiveBuffers
+from .lanes import LaneServer
 from .control_rpcs import ControlRPCs
 from .coordinator import Coordinator
 from .edge import CallContext, handler
@@ -100,7 +103,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
                  security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
                  stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None,
-                 keep_receive_bytes: int = -1):
+                 keep_receive_bytes: int = -1, lanes: LaneServer | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -122,6 +125,8 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         self.stalls = StallWatch(stream_idle_seconds, coordinator.failstop)  # ends client streams that stall
         self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
         self.queue_desk = coordinator.queue_desk  # data queues: ps 0's
+        self.lanes = lanes  # bulk lanes (ps_server/lanes.py), or None
+        self._lanes_in_calls: set[Lane] = set()  # claimed by a call: closed if the call ends first
         self.receive_buffers = ReceiveBuffers(self.quotas, self.held_total,
                                               lambda: self.held_bytes()[0] if keep_receive_bytes < 0
                                               else keep_receive_bytes)
@@ -184,10 +189,42 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         casts = self._casts(list(request.names), list(request.cast), "cast")
         bases = self._bases(list(request.names), list(request.base_versions), request.base_generation,
                             "base_versions")
-        if request.min_step:  # waits on the event loop (edge.py)
-            yield from self.coordinator.step_waiting(request.min_step, remaining(context),
-                                                     lambda: not context.is_active())
-        yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases)
+        lane = self._claim_lane(request.lane, context)
+        ok = False
+        try:
+            if request.min_step:  # waits on the event loop (edge.py)
+                yield from self.coordinator.step_waiting(request.min_step, remaining(context),
+                                                         lambda: not context.is_active())
+            yield from self._read(names, request.chunk_bytes, casts=casts, bases=bases, lane=lane, context=context)
+            ok = True
+        finally:
+            self._release_lane(lane, ok)
+
+    def _claim_lane(self, key: bytes, context: CallContext) -> Lane | None:
+        """The bulk lane (torchps/lanes.py) a call names, now the call's (None if it names none); the call's
+        end closes it unless _release_lane gave it back first. LaneBrokenError (UNAVAILABLE: the client
+        opens another) if this shard has no such lane idle."""
+        if not key:
+            return None
+        if self.lanes is None:
+            raise LaneBrokenError("this shard offers no bulk lanes (StatusResponse.lane_port is 0); nothing "
+                                  "was applied")
+        lane = self.lanes.claim(key)
+        held = self._lanes_in_calls
+        held.add(lane)
+        context.add_callback(lambda: lane.close() if lane in held else None)  # a client gone mid-transfer
+        return lane
+
+    def _release_lane(self, lane: Lane | None, ok: bool) -> None:
+        if lane is not None:
+            self._lanes_in_calls.discard(lane)
+            self.lanes.release(lane, ok)
+
+    def _lane_seconds(self, context: CallContext) -> float:
+        """How long one lane frame may take: what is left of the call, at most the stream idle limit."""
+        left = remaining(context)
+        idle = self.stalls.idle_seconds
+        return idle if left is None else min(left, idle) if idle else left
 
     @map_errors
     def Push(self, request_iterator, context):
@@ -304,7 +341,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         a streamed push (PushHeader.streamed) the `end` its last message carries, which must be there.
         """
         started = time.monotonic()
-        header = end = done = None
+        header = end = done = lane = None
         grads, received = {}, {}
         reservation = self.quotas.reservation(self.held_total)  # the push's buffers, within --max-memory
 
@@ -349,8 +386,10 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                     if header.streamed and header.tensors:
                         raise MalformedStreamError(f"a streamed push declares its tensors in its end, not in its "
                                                    f"header (tensors {header.tensors} with streamed set)")
+                    lane = self._claim_lane(header.lane, context)
                 elif header is None:
                     raise MalformedStreamError("a Push stream must start with a header")
+                bind_lane(chunks, lane, self._lane_seconds(context))
                 for chunk in chunks:
                     self.push_bytes.add(len(chunk.data))
                     done = assembler.add(chunk)
@@ -364,6 +403,9 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
             assembler.finish()
             if header is None:
                 raise MalformedStreamError("empty Push stream: no header")
+            if lane is not None:  # every byte it carried was read: give it back before the push waits
+                self._release_lane(lane, lane.finished())
+                lane = None
             if header.streamed:
                 if end is None:
                     raise MalformedStreamError(f"a streamed push ended without its end message ({len(grads)} "
@@ -393,6 +435,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         finally:
             grads.clear()  # the gradients' memory goes now, not when gRPC lets go of this frame
             received.clear()
+            self._release_lane(lane, False)  # still held: the stream failed before its end
             del assembler, done  # a tensor it was filling; the last one it completed
             reservation.release()  # before the buffers are kept: they count as kept from then on
             while taken:
@@ -403,7 +446,21 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
             generation=self.generation, layout_epoch=self.coordinator.layout.epoch)
 
     def _read(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None,
-              casts: list | None = None, bases: list[int] | None = None):
+              casts: list | None = None, bases: list[int] | None = None, lane: Lane | None = None,
+              context: CallContext | None = None):
+        """_messages' replies; with a bulk `lane`, each message without its chunks' data, which follows on
+        the lane as one frame once gRPC took the message (the client reads it after the message)."""
+        if lane is None:
+            yield from self._messages(names, chunk_bytes, result, casts, bases)
+            return
+        pending: list = []
+        for message in self._messages(names, chunk_bytes, result, casts, bases, pending):
+            yield message
+            lane.send(pending, self._lane_seconds(context))
+            pending.clear()
+
+    def _messages(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None,
+                  casts: list | None = None, bases: list[int] | None = None, pending: list | None = None):
         """Serialized PullResponses for `names`, in order; `result` rides on the first message.
 
         Each variable is sent as one consistent version with at most one
@@ -423,11 +480,28 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         small_bytes = 0
         sent = False
 
+        staging = None  # lane replies: a large variable's chunk, copied under its lock, waits here to be sent
+
         def message(pieces) -> bytes:
             nonlocal sent
             first, sent = not sent, True
             self.pull_bytes.add(sum(len(piece[3]) for piece in pieces))
-            return wire.encode_pull_response(pieces, step, result if first else None, self.generation)
+            if pending is not None:
+                pending.extend(piece[3] for piece in pieces)
+            return wire.encode_pull_response(pieces, step, result if first else None, self.generation,
+                                             lane=pending is not None)
+
+        def staged(view):
+            """`view` (a variable's memory, under its lock) itself inline, where encoding copies it; copied
+            into the staging buffer for a lane (sent after the lock is let go)."""
+            nonlocal staging
+            if pending is None:
+                return view
+            if staging is None or len(staging) < len(view):
+                staging = np.empty(chunk_bytes, dtype=np.uint8)
+            out = staging[:len(view)]
+            out[:] = np.frombuffer(view, dtype=np.uint8)
+            return memoryview(out)
 
         for name, cast, base in zip(names, casts or [None] * len(names), bases or [None] * len(names)):
             delta = None if base is None else self.store.read_delta(name, base, cast)
@@ -449,6 +523,8 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                 def piece(view, offset):  # under the variable's lock: encodes (copies) before returning
                     if cast is not None:
                         view, offset = compression.cast_bytes(view, stored, cast), offset // width * cast.itemsize
+                    else:
+                        view = staged(view)
                     return message([(name, meta if offset == 0 else None, offset, view,
                                      read.version if offset == 0 else 0)])
 

@@ -14,7 +14,7 @@ import torchps.errors as errors
 # Submodules of torchps.client whose public classes and functions users need (all exported from
 # torchps.client), and those that are plumbing. A new submodule must be put in one of the two.
 USER_FACING = {"allreduce", "client", "dataqueue", "deltas", "embedding", "host", "hybrid", "module", "stats"}
-INTERNAL = {"channels", "checkpoints", "datapath", "device", "errors", "fanout", "layer_pull", "layout", "membership",
+INTERNAL = {"channels", "checkpoints", "datapath", "device", "errors", "fanout", "lanes", "layer_pull", "layout", "membership",
             "overlap", "recovery", "resize", "streamed_push", "tables", "transfer"}
 
 

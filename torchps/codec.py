@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidArgumentError, MalformedStreamError, TensorMismatchError
+from .lanes import LaneBytes
 from .proto import ps_pb2
 from .sizes import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES, MIN_CHUNK_BYTES
 
@@ -237,7 +238,10 @@ class ChunkAssembler:
             raise MalformedStreamError(
                 f"a chunk of {self._name!r} carries {len(data)} bytes and is not its last: chunks must carry at "
                 f"least {self.min_chunk} bytes")
-        self._buffer[self._filled:end] = np.frombuffer(data, dtype=np.uint8)
+        if isinstance(data, LaneBytes):  # read from the call's bulk lane straight into place
+            data.read_into(memoryview(self._buffer)[self._filled:end])
+        else:
+            self._buffer[self._filled:end] = np.frombuffer(data, dtype=np.uint8)
         self._filled = end
         if end < len(self._buffer):
             return None

@@ -65,6 +65,7 @@ __all__ = [
     "ShardLostError",
     "VariableMovingError",
     "InternalServerError",
+    "LaneBrokenError",
     "error_class_by_name",
     "ERROR_METADATA_KEY",
 ]
@@ -215,6 +216,11 @@ class ShardLostError(ServerUnavailableError):
 
 class VariableMovingError(ServerUnavailableError):
     """A variable the call named is on its way to this shard in a live resize; nothing was changed: retry."""
+
+
+class LaneBrokenError(ServerUnavailableError):
+    """A bulk lane (torchps/lanes.py) broke, stalled past the deadline or went out of step during a call; the
+    call applied nothing and is retried (on another lane, or inline)."""
 
 
 class InternalServerError(PSError):

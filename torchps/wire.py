@@ -19,6 +19,7 @@ import torch
 
 from . import codec
 from .errors import MalformedStreamError
+from .lanes import LaneBytes
 from .codec import WireChunk
 from .proto import ps_pb2
 
@@ -88,18 +89,23 @@ def pack(pieces: Iterable[Piece], chunk_bytes: int) -> Iterator[list[Piece]]:
         yield batch
 
 
-def _encode_chunks(field: int, pieces: Iterable[Piece], out: list) -> None:
+def _encode_chunks(field: int, pieces: Iterable[Piece], out: list, lane: bool = False) -> None:
     for name, meta, offset, data, version in pieces:
         head, tail = _chunk_parts(name.encode(), None if meta is None else meta.SerializeToString(),
-                                  offset, data, version)
-        out += [_key(field, _LEN), _varint(len(head) + len(data) + len(tail)), head, data, tail]
+                                  offset, b"" if lane else data, version)
+        if lane:  # the data follows on the call's bulk lane (torchps/lanes.py): only its length goes here
+            tail += _key(6, _VARINT) + _varint(len(data)) if len(data) else b""
+            out += [_key(field, _LEN), _varint(len(head) + len(tail)), head, tail]
+        else:
+            out += [_key(field, _LEN), _varint(len(head) + len(data) + len(tail)), head, data, tail]
 
 
 def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.PushResponse | None = None,
-                         generation: int = 0) -> bytes:
-    """Serialized PullResponse{chunks, step, result, generation}, copying each piece's data once."""
+                         generation: int = 0, lane: bool = False) -> bytes:
+    """Serialized PullResponse{chunks, step, result, generation}, copying each piece's data once; with
+    `lane`, each chunk's lane_bytes in place of its data (which the caller sends on the lane)."""
     out: list = []
-    _encode_chunks(1, pieces, out)
+    _encode_chunks(1, pieces, out, lane)
     if step:
         out += [_key(2, _VARINT), _varint(step & (1 << 64) - 1)]
     if result is not None:
@@ -111,8 +117,9 @@ def encode_pull_response(pieces: Iterable[Piece], step: int, result: ps_pb2.Push
 
 
 def encode_push_request(header: ps_pb2.PushHeader | None, pieces: Iterable[Piece],
-                        end: ps_pb2.PushEnd | None = None) -> bytes:
-    """Serialized PushRequest{header, chunks, end}, copying each piece's data once.
+                        end: ps_pb2.PushEnd | None = None, lane: bool = False) -> bytes:
+    """Serialized PushRequest{header, chunks, end}, copying each piece's data once; with `lane`, each
+    chunk's lane_bytes in place of its data (which the caller sends on the lane).
 
     `end` closes a streamed push (PushHeader.streamed): the stream's last message carries it.
     """
@@ -120,7 +127,7 @@ def encode_push_request(header: ps_pb2.PushHeader | None, pieces: Iterable[Piece
     if header is not None:
         raw = header.SerializeToString()
         out += [_key(1, _LEN), _varint(len(raw)), raw]
-    _encode_chunks(2, pieces, out)
+    _encode_chunks(2, pieces, out, lane)
     if end is not None:
         raw = end.SerializeToString()
         out += [_key(3, _LEN), _varint(len(raw)), raw]
@@ -166,7 +173,9 @@ def _fields(buf: memoryview):
 
 
 def _decode_chunk(buf: memoryview) -> WireChunk:
+    """A TensorChunk; with lane_bytes, its data a lanes.LaneBytes to be read from the call's lane."""
     chunk = WireChunk("", None, 0, memoryview(b""))
+    lane_bytes = 0
     for field, wire_type, value in _fields(buf):
         if field == 1 and wire_type == _LEN:
             try:
@@ -183,6 +192,12 @@ def _decode_chunk(buf: memoryview) -> WireChunk:
             chunk.data = value
         elif field == 5 and wire_type == _VARINT:
             chunk.version = value
+        elif field == 6 and wire_type == _VARINT and value:
+            lane_bytes = value
+    if lane_bytes:
+        if len(chunk.data):
+            raise MalformedStreamError(f"a chunk of {chunk.name!r} carries both data and lane_bytes")
+        chunk.data = LaneBytes(lane_bytes)
     return chunk
 
 

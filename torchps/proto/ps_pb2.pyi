@@ -55,18 +55,20 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., nnz: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "meta", "offset", "data", "version")
+    __slots__ = ("name", "meta", "offset", "data", "version", "lane_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     meta: TensorMeta
     offset: int
     data: bytes
     version: int
-    def __init__(self, name: _Optional[str] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
+    lane_bytes: int
+    def __init__(self, name: _Optional[str] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ..., lane_bytes: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "hyperparams")
@@ -114,7 +116,7 @@ class CreateResponse(_message.Message):
     def __init__(self, created: _Optional[_Iterable[bool]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data", "layout_epoch", "rows_again")
+    __slots__ = ("worker", "step", "step_increment", "incarnation", "seq", "pull", "pull_cast", "streamed", "tensors", "pull_base_versions", "pull_base_generation", "data", "layout_epoch", "rows_again", "lane")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_INCREMENT_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class PushHeader(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROWS_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     step_increment: int
@@ -143,7 +146,8 @@ class PushHeader(_message.Message):
     data: DataProgress
     layout_epoch: int
     rows_again: bool
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ..., layout_epoch: _Optional[int] = ..., rows_again: _Optional[bool] = ...) -> None: ...
+    lane: bytes
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., step_increment: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., pull: _Optional[_Iterable[str]] = ..., pull_cast: _Optional[_Iterable[_Union[DType, str]]] = ..., streamed: _Optional[bool] = ..., tensors: _Optional[int] = ..., pull_base_versions: _Optional[_Iterable[int]] = ..., pull_base_generation: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ..., layout_epoch: _Optional[int] = ..., rows_again: _Optional[bool] = ..., lane: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunks", "end")
@@ -193,20 +197,22 @@ class PushResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., versions: _Optional[_Mapping[str, int]] = ..., next_step: _Optional[int] = ..., stale: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., quorum: _Optional[int] = ..., generation: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., moved: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("names", "chunk_bytes", "min_step", "cast", "base_versions", "base_generation")
+    __slots__ = ("names", "chunk_bytes", "min_step", "cast", "base_versions", "base_generation", "lane")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     CAST_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     chunk_bytes: int
     min_step: int
     cast: _containers.RepeatedScalarFieldContainer[DType]
     base_versions: _containers.RepeatedScalarFieldContainer[int]
     base_generation: int
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., min_step: _Optional[int] = ..., cast: _Optional[_Iterable[_Union[DType, str]]] = ..., base_versions: _Optional[_Iterable[int]] = ..., base_generation: _Optional[int] = ...) -> None: ...
+    lane: bytes
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., min_step: _Optional[int] = ..., cast: _Optional[_Iterable[_Union[DType, str]]] = ..., base_versions: _Optional[_Iterable[int]] = ..., base_generation: _Optional[int] = ..., lane: _Optional[bytes] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("chunks", "step", "result", "generation")
@@ -276,7 +282,7 @@ class StatusRequest(_message.Message):
     def __init__(self, joined_of: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined", "lane_port")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +310,7 @@ class StatusResponse(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NOT_JOINED_FIELD_NUMBER: _ClassVar[int]
+    LANE_PORT_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -331,7 +338,8 @@ class StatusResponse(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
     layout_epoch: int
     not_joined: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ...) -> None: ...
+    lane_port: int
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ..., lane_port: _Optional[int] = ...) -> None: ...
 
 class WorkerPace(_message.Message):
     __slots__ = ("worker", "push_interval_seconds", "straggler_score")

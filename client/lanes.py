@@ -1,0 +1,101 @@
+"""A client's bulk lanes (torchps/lanes.py) to its shards: opened on first need, lent to one call at a time.
+
+ClientLanes learns a shard's lane port from GetStatus (0: the shard offers
+none, and the client sends inline), opens lanes to it as calls need them and
+keeps those given back in step for the next calls. A lane that broke is
+closed and the port asked again before the next one is opened; a shard whose
+lanes cannot be opened is sent to inline for NO_LANE_SECONDS.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..errors import LaneBrokenError
+from ..lanes import Lane, connect
+
+__all__ = ["ClientLanes", "LANE_MIN_BYTES"]
+
+_LOGGER = logging.getLogger(__name__)
+LANE_MIN_BYTES = 1 << 20  # a call moving fewer bytes goes inline: one message, no frame to read
+NO_LANE_SECONDS = 30.0    # after a lane could not be opened, the shard's calls go inline this long
+_KEPT_PER_SHARD = 4       # idle lanes kept per shard (more calls at once open more, closed when given back)
+
+
+class ClientLanes:
+    """Lanes by shard. `address(shard)` is the shard's gRPC host:port, `lane_port(shard)` asks it for its lane
+    port (GetStatus; 0: none). Thread-safe; borrow() blocks only to open a lane (up to `timeout`)."""
+
+    def __init__(self, address: Callable[[int], str], lane_port: Callable[[int], int], enabled: bool = True):
+        self._address, self._lane_port, self.enabled = address, lane_port, enabled
+        self._lock = threading.Lock()
+        self._ports: dict[int, int] = {}
+        self._idle: dict[int, list[Lane]] = {}
+        self._inline_until: dict[int, float] = {}
+        self.opened = 0  # lanes opened so far (tests read it)
+
+    def borrow(self, shard: int, nbytes: int, timeout: float) -> Lane | None:
+        """A lane to `shard` for one call moving `nbytes`, or None: send inline (few bytes, lanes off, none
+        offered, or none could be opened)."""
+        if not self.enabled or nbytes < LANE_MIN_BYTES:
+            return None
+        with self._lock:
+            if time.monotonic() < self._inline_until.get(shard, 0.0):
+                return None
+            idle = self._idle.get(shard)
+            if idle:
+                return idle.pop()
+            port = self._ports.get(shard)
+        try:
+            if port is None:
+                port = self._lane_port(shard)
+                with self._lock:
+                    self._ports[shard] = port
+            if not port:
+                return None
+            lane = connect(self._address(shard).rpartition(":")[0].strip("[]"), port, timeout)
+        except Exception as exc:  # noqa: BLE001 - no lane: the call goes inline, as it would without lanes
+            self._go_inline(shard, exc)
+            return None
+        with self._lock:
+            self.opened += 1
+        return lane
+
+    def give_back(self, shard: int, lane: Lane | None, ok: bool) -> None:
+        """Ends a borrow: the lane kept for the next call if `ok` and in step, else closed (and the shard's
+        port asked again before another is opened)."""
+        if lane is None:
+            return
+        keep = ok and not lane.closed and lane.finished()
+        with self._lock:
+            if not keep:
+                self._ports.pop(shard, None)
+            elif len(self._idle.setdefault(shard, [])) < _KEPT_PER_SHARD:
+                self._idle[shard].append(lane)
+                return
+        lane.close()
+
+    def forget(self, shard: int) -> None:
+        """Closes `shard`'s idle lanes and forgets its port (the shard restarted, or left the layout)."""
+        with self._lock:
+            lanes = self._idle.pop(shard, [])
+            self._ports.pop(shard, None)
+        for lane in lanes:
+            lane.close()
+
+    def close(self) -> None:
+        with self._lock:
+            lanes = [lane for idle in self._idle.values() for lane in idle]
+            self._idle.clear()
+        for lane in lanes:
+            lane.close()
+
+    def _go_inline(self, shard: int, exc: Exception) -> None:
+        with self._lock:
+            self._inline_until[shard] = time.monotonic() + NO_LANE_SECONDS
+            self._ports.pop(shard, None)
+        _LOGGER.info("no bulk lane to shard %d (%s): its calls go inline for %g s", shard,
+                     exc if isinstance(exc, LaneBrokenError) else repr(exc), NO_LANE_SECONDS)

@@ -1,0 +1,146 @@
+"""A shard's bulk lanes (torchps/lanes.py): the listening port, the lanes clients opened, one call per lane.
+
+LaneServer owns the lanes: a thread of its own accepts connections on a port
+of the shard's gRPC host, welcomes each with a fresh random key and keeps it
+idle until a call names that key (claim); the call gives it back (release)
+in step, or it is closed. While idle, a lane whose client closed it is
+closed; one with bytes waiting (a push's first frame, sent just before its
+call claims the lane) is left alone until claimed. At most MAX_LANES are
+open: past that a new connection is closed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import select
+import socket
+import threading
+
+from ..errors import LaneBrokenError
+from ..lanes import KEY_BYTES, WELCOME, Lane
+
+__all__ = ["LaneServer", "MAX_LANES"]
+
+_LOGGER = logging.getLogger(__name__)
+MAX_LANES = 256
+_POLL_SECONDS = 1.0  # how often the thread wakes to notice close()
+_WELCOME_SECONDS = 5.0
+
+
+class LaneServer:
+    """Listens for lanes on `host`:`port` (0: a free port); its thread runs under `failstop` (a dead accept
+    loop stops the shard) when given. Thread-safe."""
+
+    def __init__(self, host: str, port: int = 0, failstop=None):
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._idle: dict[bytes, Lane] = {}
+        self._busy: dict[bytes, Lane] = {}
+        self._waiting: set[bytes] = set()  # idle lanes with bytes waiting for the call that will claim them
+        self._stop = threading.Event()
+        body = self._run if failstop is None else lambda: failstop.run("the bulk lanes' listener", self._run)
+        self._thread = threading.Thread(target=body, name="bulk-lanes", daemon=True)
+        self._thread.start()
+
+    def claim(self, key: bytes) -> Lane:
+        """The idle lane named `key`, now this call's; LaneBrokenError if there is none (unknown, closed, or
+        in another call)."""
+        with self._lock:
+            lane = self._idle.pop(key, None)
+            if lane is not None:
+                self._busy[key] = lane
+                self._waiting.discard(key)
+        if lane is None:
+            raise LaneBrokenError("the bulk lane this call names is not open on this shard (closed, or in use "
+                                  "by another call); nothing was applied")
+        return lane
+
+    def release(self, lane: Lane, ok: bool) -> None:
+        """Gives a claimed lane back: idle again if the call ended `ok` with the lane in step, else closed."""
+        with self._lock:
+            self._busy.pop(lane.key, None)
+            keep = ok and not lane.closed and lane.finished() and not self._stop.is_set()
+            if keep:
+                self._idle[lane.key] = lane
+        if not keep:
+            lane.close()
+
+    @property
+    def open_lanes(self) -> int:
+        with self._lock:
+            return len(self._idle) + len(self._busy)
+
+    def close(self) -> None:
+        """Stops listening and closes every lane (a call using one fails)."""
+        self._stop.set()
+        with self._lock:
+            lanes = [*self._idle.values(), *self._busy.values()]
+            self._idle.clear()
+        for lane in lanes:
+            lane.close()
+        self._listener.close()
+        self._thread.join(2 * _POLL_SECONDS)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                idle = {lane.sock: lane for key, lane in self._idle.items() if key not in self._waiting}
+            poller = select.poll()  # not select(): a shard's descriptors may pass FD_SETSIZE
+            by_fd = {}
+            for sock, lane in [(self._listener, None), *idle.items()]:
+                try:
+                    fd = sock.fileno()
+                except OSError:
+                    continue
+                if fd >= 0:
+                    poller.register(fd, select.POLLIN)
+                    by_fd[fd] = lane
+            for fd, _ in poller.poll(_POLL_SECONDS * 1000):
+                if fd not in by_fd:
+                    continue
+                if by_fd[fd] is None:
+                    self._accept()
+                else:
+                    self._check_idle(by_fd[fd])
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self._listener.accept()
+        except OSError:
+            return
+        if self.open_lanes >= MAX_LANES:
+            _LOGGER.warning("a bulk lane from %s was refused: %d are open (the most a shard keeps)", peer,
+                            MAX_LANES)
+            sock.close()
+            return
+        key = secrets.token_bytes(KEY_BYTES)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(_WELCOME_SECONDS)
+            sock.sendall(WELCOME + key)
+        except OSError:
+            sock.close()
+            return
+        with self._lock:
+            self._idle[key] = Lane(sock, key)
+
+    def _check_idle(self, lane: Lane) -> None:
+        """An idle lane turned readable: closed if its client closed it; else bytes wait for the call that will
+        claim it, and it is not watched until then."""
+        try:
+            closed = lane.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return
+        except OSError:
+            closed = True
+        with self._lock:
+            if self._idle.get(lane.key) is not lane:
+                return  # claimed meanwhile: its call reads what came
+            if not closed:
+                self._waiting.add(lane.key)
+                return
+            del self._idle[lane.key]
+        lane.close()
