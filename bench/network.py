@@ -144,9 +144,15 @@ def inside(args) -> int:
 def namespaced(args, link: str, model: str, entry: str) -> dict:
     """Runs one entry in a fresh namespace for `link`; its result, or RuntimeError with its output's tail."""
     seconds, warmup, tf_warmup = window(model, args)
-    cmd = [*unshare_prefix(), sys.executable, str(pathlib.Path(__file__).resolve()), "--inside", link,
-           "--model", model, "--entry", entry, "--seconds", str(seconds), "--warmup", str(warmup),
-           "--tf-warmup", str(tf_warmup), "--tf-python", args.tf_python]
+    return in_namespace(pathlib.Path(__file__), ["--inside", link, "--model", model, "--entry", entry,
+                                                 "--seconds", str(seconds), "--warmup", str(warmup),
+                                                 "--tf-warmup", str(tf_warmup), "--tf-python", args.tf_python])
+
+
+def in_namespace(script, script_args: list[str]) -> dict:
+    """Runs `script` with this interpreter in a fresh network namespace (it calls setup_namespace and prints
+    RESULT_PREFIX + its JSON): that JSON, or RuntimeError with its output's tail."""
+    cmd = [*unshare_prefix(), sys.executable, str(pathlib.Path(script).resolve()), *script_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=HERE)
     except subprocess.TimeoutExpired:
@@ -228,12 +234,19 @@ def summarize(out: dict, args) -> dict:
                 mine = keys[f"{name}_{entry}_steps_per_s"]
                 keys[f"{name}_ratio_{entry}"] = mine / tf if mine and tf else None
     keys.update(ps_cost(out["raw"]))
-    keys["targets"] = {}
-    for key, threshold, at_most, what in TARGETS:
+    keys["targets"] = verdicts(keys, TARGETS)
+    return keys
+
+
+def verdicts(keys: dict, targets) -> dict:
+    """{key: {what, threshold, value, met}} of (key, threshold, at most, what) targets against `keys` (met None
+    where the key is None)."""
+    out = {}
+    for key, threshold, at_most, what in targets:
         value = keys.get(key)
         met = None if value is None else (value <= threshold if at_most else value >= threshold)
-        keys["targets"][key] = {"what": what, "threshold": threshold, "value": value, "met": met}
-    return keys
+        out[key] = {"what": what, "threshold": threshold, "value": value, "met": met}
+    return out
 
 
 def ps_cost(raw: dict) -> dict:
@@ -287,11 +300,16 @@ def table(results: dict, args) -> str:
              f"| forward + backward alone | {fmt(results['local_cpu_ms_torchps'], 0)} | "
              f"{fmt(results['local_cpu_ms_tf'], 0)} |",
              f"| the PS's own | {fmt(results['ps_cost_ms_torchps'], 0)} | {fmt(results['ps_cost_ms_tf'], 0)} |"]
-    rows += ["", "| target | figure | |", "| --- | --- | --- |"]
-    for key, target in results["targets"].items():
+    return "\n".join(rows + target_rows(results["targets"]))
+
+
+def target_rows(targets: dict) -> list[str]:
+    """verdicts() as a markdown table: met, NOT met or not measured."""
+    rows = ["", "| target | figure | |", "| --- | --- | --- |"]
+    for key, target in targets.items():
         verdict = "not measured" if target["met"] is None else ("met" if target["met"] else "NOT met")
         rows.append(f"| {target['what']} (`{key}`) | {fmt(target['value'])} | {verdict} |")
-    return "\n".join(rows)
+    return rows
 
 
 def check_tf(args) -> str | None:
@@ -347,23 +365,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def prepare(args) -> tuple[str | None, str | None]:
+    """Before the first run: torchps's malloc settings for every process to come (TensorFlow's too); (why
+    namespaces cannot be made here, why TensorFlow cannot run: args.tf turned off, logged), None where they can."""
+    from torchps.client import tune_malloc
+    from torchps.memory import malloc_env
+
+    os.environ.update(malloc_env())
+    tune_malloc()
+    problem = probe()
+    tf_problem = check_tf(args) if args.tf and not problem else None
+    if tf_problem:
+        log(f"TensorFlow side skipped: {tf_problem}")
+        args.tf = False
+    return problem, tf_problem
+
+
+def finish(results: dict, started: float, tables: str, args, lead: str = "") -> None:
+    """Adds the load at the end and the wall time to `results`; prints `tables` and a line of the machine (after
+    `lead`); writes --json."""
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["wall_seconds"] = time.monotonic() - started
+    print(tables)
+    print(f"\n{lead}{results['machine']['nproc']} CPUs; torch {results['versions']['torch']}; "
+          f"TensorFlow {args.tf_version or 'not run'}; load {results['machine']['loadavg_start'][0]:.1f} -> "
+          f"{results['machine']['loadavg_end'][0]:.1f}; {results['wall_seconds']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.inside:
         return inside(args)
-    from torchps.client import tune_malloc
-    from torchps.memory import malloc_env
-
-    os.environ.update(malloc_env())  # every process inherits them, TensorFlow's too
-    tune_malloc()
-    problem = probe()
+    problem, tf_problem = prepare(args)
     if problem:
         print(f"network.py: {problem}", file=sys.stderr)
         return 2
-    tf_problem = check_tf(args) if args.tf else None
-    if tf_problem:
-        log(f"TensorFlow side skipped: {tf_problem}")
-        args.tf = False
     started = time.monotonic()
     results: dict = {**environment()}
     results["config"] = {
@@ -378,16 +418,7 @@ def main(argv=None) -> int:
     out = bench(args)
     results.update(summarize(out, args))
     results["raw"], results["status"], results["rounds"] = out["raw"], out["status"], out["rounds"]
-    results["machine"]["loadavg_end"] = os.getloadavg()
-    results["wall_seconds"] = time.monotonic() - started
-    print(table(results, args))
-    print(f"\n{results['machine']['nproc']} CPUs; torch {results['versions']['torch']}; "
-          f"TensorFlow {args.tf_version or 'not run'}; load {results['machine']['loadavg_start'][0]:.1f} -> "
-          f"{results['machine']['loadavg_end'][0]:.1f}; {results['wall_seconds']:.0f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    finish(results, started, table(results, args), args)
     return 0 if all(state == "ok" for state in out["status"].values()) else 1
 
 

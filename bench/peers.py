@@ -70,6 +70,7 @@ MODELS = {"small": SMALL_DIMS, "big": BIG_DIMS}
 VARIANTS = {
     "fp32": ("float32 (defaults)", {}, {}, "exchange"),
     "tls": ("float32, mutual TLS + job token (what a deployment runs)", {"tls": True}, {}, "exchange"),
+    "inline": ("float32, no bulk lanes: every byte over gRPC", {"lanes": False}, {}, "exchange"),
     "bf16": ("bf16 compression", {}, {"compression": ("Compression", "bf16", {})}, "exchange"),
     "topk": ("top-k 1% + error feedback", {}, {"compression": ("Compression", "topk", {"ratio": 0.01})}, "exchange"),
     "topk_delta": ("top-k 1% + error feedback, delta pulls", {},
@@ -120,8 +121,11 @@ def resolve(variant: str, num_ps: int) -> tuple[dict, dict, str, dict]:
 
 # -- torchps side -------------------------------------------------------------------------------
 
-def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, res_q, security=None) -> None:
-    """One async worker: register, warm up, then train for the window the parent sends; reports its steps."""
+def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, res_q, security=None,
+                 compute: bool = True) -> None:
+    """One async worker: register, warm up, then train for the window the parent sends; reports its steps.
+    Without `compute`, no forward or backward: every .grad is set once to fixed random tensors and each step
+    is the variant's update alone (the data plane)."""
     try:
         import torch
         import torch.nn.functional as F
@@ -136,6 +140,9 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
         client_kw, register_kw, update_kind, _ = resolve(variant, cluster.num_ps)
         with PSClient(cluster, task=TaskSpec("worker", index), security=security or INSECURE, **client_kw) as ps:
             binding = ps.register_module(model, Optimizer("sgd", lr=LR), create=False, **register_kw)
+            if not compute:
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p) * 1e-3
             if update_kind == "push_pull":
                 def update():
                     binding.push()
@@ -146,13 +153,19 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
 
             def step(i: int) -> float:
                 nonlocal update_cpu
-                model.zero_grad()
-                loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
-                loss.backward()
+                loss = None
+                if compute:
+                    model.zero_grad()
+                    loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+                    loss.backward()
                 started = time.process_time()
                 update()
                 update_cpu += time.process_time() - started
-                return loss.item()
+                return float("nan") if loss is None else loss.item()
+
+            def stages() -> dict | None:  # PSClient.stats.stage_seconds where the client keeps it
+                held = getattr(ps.stats, "stage_seconds", None)
+                return None if held is None else dict(held)
 
             for i in range(warmup):
                 step(i)
@@ -161,23 +174,27 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
             while time.time() < start_at:
                 time.sleep(min(0.01, max(0.0, start_at - time.time())))
             end, steps, loss = start_at + duration, 0, float("nan")
-            update_cpu, cpu0, copied0 = 0.0, time.process_time(), ps.stats.bytes_copied
+            update_cpu, cpu0, copied0, stages0 = 0.0, time.process_time(), ps.stats.bytes_copied, stages()
             while time.time() < end:
                 loss = step(steps)
                 steps += 1
+            stages1 = stages()
             res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at, "last_loss": loss,
                                          "cpu_seconds": time.process_time() - cpu0, "update_cpu_seconds": update_cpu,
                                          "bytes_copied": ps.stats.bytes_copied - copied0,
+                                         "stage_seconds": None if stages1 is None else
+                                         {k: v - (stages0 or {}).get(k, 0.0) for k, v in stages1.items()},
                                          "stats": ps.stats.as_dict()}))
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         res_q.put(("error", index, traceback.format_exc()))
 
 
 def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, shard_args=(),
-              count_loopback: bool = False) -> dict:
-    """Fresh shards and 2 worker processes for one variant; steps/s of both workers together over the window.
-    `shard_args` go to every shard (e.g. --torch-threads 1); with `count_loopback`, the window's bytes on `lo`
-    (`loopback_bytes`) as MB per step."""
+              count_loopback: bool = False, workers: int = WORKERS, compute: bool = True, during=None) -> dict:
+    """Fresh shards and `workers` worker processes for one variant; steps/s of the workers together over the
+    window. `shard_args` go to every shard (e.g. --torch-threads 1); with `count_loopback`, the window's bytes on
+    `lo` (`loopback_bytes`) as MB per step; `compute` False: the workers only update (torch_worker).
+    `during({name: pid}, start_at)`, if given, is called as the window is announced (it must not block)."""
     import torch
     from torchps.client import Optimizer, PSClient, TaskSpec
     from torchps.security import INSECURE
@@ -187,21 +204,22 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, s
     client_kw, register_kw, _, info = resolve(variant, num_ps)
     started = time.monotonic()
     ctx = worker_processes()
-    job = JobSecurity(num_ps, WORKERS) if info["tls"] else None
+    job = JobSecurity(num_ps, workers) if info["tls"] else None
     chief_security = job.security(TaskSpec("chief", 0)) if job else INSECURE
-    securities = [job.security(TaskSpec("worker", i)) if job else None for i in range(WORKERS)]
+    securities = [job.security(TaskSpec("worker", i)) if job else None for i in range(workers)]
     try:
-        with LocalCluster(num_ps, workers=WORKERS, server_args=[*(job.server_args() if job else []), *shard_args]
+        with LocalCluster(num_ps, workers=workers, server_args=[*(job.server_args() if job else []), *shard_args]
                           ) as local:
             torch.manual_seed(0)
             with PSClient(local.cluster, security=chief_security, **client_kw) as chief:
                 chief.register_module(make_mlp(dims), Optimizer("sgd", lr=LR), create=True, **register_kw)
                 placement = chief.placement_report()
             res_q = ctx.Queue()
-            cmd_qs = [ctx.Queue() for _ in range(WORKERS)]
+            cmd_qs = [ctx.Queue() for _ in range(workers)]
             procs = [ctx.Process(target=torch_worker, daemon=True, name=f"peers-{variant}-{i}",
-                                 args=(dims, local.cluster, i, variant, warmup, cmd_qs[i], res_q, securities[i]))
-                     for i in range(WORKERS)]
+                                 args=(dims, local.cluster, i, variant, warmup, cmd_qs[i], res_q, securities[i],
+                                       compute))
+                     for i in range(workers)]
             for proc in procs:
                 proc.start()
             try:
@@ -209,11 +227,14 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, s
                 setup_seconds = time.monotonic() - started
                 ps_pids = [p.pid for p in local.procs]
                 start_at = time.time() + 0.2
-                ps_cpu0, wire0 = cpu_seconds(ps_pids), loopback_bytes()
+                ps_cpu0, wire0 = [cpu_seconds([pid]) for pid in ps_pids], loopback_bytes()
                 for q in cmd_qs:
                     q.put((start_at, seconds))
+                if during is not None:
+                    during({**{f"ps-{i}": pid for i, pid in enumerate(ps_pids)},
+                            **{f"worker-{i}": proc.pid for i, proc in enumerate(procs)}}, start_at)
                 got = collect(res_q, procs, "result", seconds + 120)
-                ps_cpu1, wire1 = cpu_seconds(ps_pids), loopback_bytes()
+                ps_cpu1, wire1 = [cpu_seconds([pid]) for pid in ps_pids], loopback_bytes()
             finally:
                 for proc in procs:
                     proc.join(timeout=30)
@@ -224,15 +245,18 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, s
         if job is not None:
             job.close()
     steps = sum(w["steps"] for w in got)
+    each = {f"ps-{i}": None if None in (a, b) else (b - a) / steps for i, (a, b) in enumerate(zip(ps_cpu0, ps_cpu1))}
+    each.update({f"worker-{i}": w["cpu_seconds"] / steps for i, w in enumerate(got)})
+    shards = [v for k, v in each.items() if k.startswith("ps-")]
     cpu = {"workers": sum(w["cpu_seconds"] for w in got) / steps,
            "workers_update": sum(w["update_cpu_seconds"] for w in got) / steps,
-           "ps": (ps_cpu1 - ps_cpu0) / steps if ps_cpu0 is not None and ps_cpu1 is not None else None}
+           "ps": None if None in shards else sum(shards)}
     wire = (wire1 - wire0) / steps / 1e6 if count_loopback and None not in (wire0, wire1) else None
     return {"steps_per_s": sum(w["steps"] / w["seconds"] for w in got), "steps": steps,
             "MB_copied_per_step": sum(w["bytes_copied"] for w in got) / steps / 1e6, "MB_on_wire_per_step": wire,
             "seconds": max(w["seconds"] for w in got), "last_loss": median([w["last_loss"] for w in got]),
-            "cpu_seconds_per_step": cpu, "setup_seconds": setup_seconds, "workers": got, "placement": placement,
-            "shard_args": list(shard_args), **info}
+            "cpu_seconds_per_step": cpu, "cpu_seconds_per_step_each": each, "setup_seconds": setup_seconds,
+            "workers": got, "placement": placement, "shard_args": list(shard_args), "compute": compute, **info}
 
 
 # -- TensorFlow side ------------------------------------------------------------------------------
@@ -267,10 +291,10 @@ def check_tf(args) -> str | None:
 
 
 def run_tf(dims, num_ps: int, seconds: float, warmup: int, args, *, prefix: list[str] | None = None,
-           extra=()) -> dict:
+           extra=(), workers: int = WORKERS) -> dict:
     """bench/tf_peer.py's result; `prefix` (default: args.tf_isolation's) goes before its command, `extra` after."""
     cmd = [*(tf_prefix(args.tf_isolation) if prefix is None else prefix), args.tf_python, str(TF_PEER),
-           "--dims", ",".join(map(str, dims)), "--num-ps", str(num_ps), "--workers", str(WORKERS),
+           "--dims", ",".join(map(str, dims)), "--num-ps", str(num_ps), "--workers", str(workers),
            "--seconds", str(seconds), "--warmup", str(warmup), "--batch", str(BATCH), "--lr", str(LR), *extra]
     if args.tf_isolation == "netns" and prefix is None:
         cmd.append("--isolated")

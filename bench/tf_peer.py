@@ -4,6 +4,7 @@
     python bench/tf_peer.py --dims 784,100,10 --num-ps 1 --seconds 5
     python bench/tf_peer.py --dims 784,8192,2304,10 --num-ps 2 --seconds 10 --isolated
     python bench/tf_peer.py --dims 784,8192,2304,10 --local --seconds 5 --warmup 2   # forward + backward alone
+    python bench/tf_peer.py --dims 784,8192,2304,10 --no-compute --seconds 10 --isolated   # the data plane alone
 
 Runs with TensorFlow's interpreter (tensorflow-cpu 2.21; see bench/README.md),
 imports neither torch nor torchps, and prints one line
@@ -27,9 +28,20 @@ coordinator.schedule) reads the variables from the ps tasks, takes a random
 batch of 100 from a per-worker dataset (4 fixed random batches, repeated, as
 the torch workers cycle through 4), computes the gradients on the worker and
 applies SGD (variable.assign_sub(lr * gradient)) on the ps tasks: asynchronous
-training, each worker at its own pace. After warm-up steps, steps are
+training, each worker at its own pace. With --no-compute (bench/dataplane.py)
+there is no batch, forward or backward: each step reads every variable onto
+the worker and multiplies it there by a constant (the "gradient", as large as
+the variable; a Mul has no device of its own, so it runs on the step's worker,
+where an Identity would be placed beside its input on the ps), and applies
+assign_sub(lr * gradient) on the ps: the whole model crosses the wire each
+way per step. After warm-up steps, steps are
 scheduled for `--seconds` (at most 4 waiting per worker) and the run ends when
 they have all finished: steps/s = steps / that time.
+
+CPU seconds per step (Linux /proc) are given per group (workers, ps, chief)
+and per process. --profile DIR records the machine with `perf record -a -g`
+(bench/perf_profile.py) for --profile-seconds, starting a second into the
+timed window, for the caller to summarize per task (DIR/targets.json).
 
 Threads: every task (chief, workers, ps) runs with 1 intra-op thread (as the
 torch workers run torch.set_num_threads(1)) and 2 inter-op threads: with 1
@@ -192,6 +204,14 @@ def run(args, report) -> None:
 
         per_worker_iter = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
+        gradient_scale = tf.constant(0.01)
+
+        def replica_fn_no_compute(x, y):  # the data plane alone: x and y unused
+            for v in train_vars:
+                g = tf.convert_to_tensor(v) * gradient_scale  # read on the ps, multiplied on this worker
+                v.assign_sub(lr * g)
+            return tf.constant(float("nan"))
+
         def replica_fn(x, y):
             with tf.GradientTape() as tape:
                 h = x
@@ -208,7 +228,7 @@ def run(args, report) -> None:
         @tf.function
         def train_step(iterator):
             x, y = next(iterator)
-            return strategy.run(replica_fn, args=(x, y))
+            return strategy.run(replica_fn_no_compute if args.no_compute else replica_fn, args=(x, y))
 
         log(f"{args.num_ps} ps + {args.workers} workers, {numel:,} parameters in {len(train_vars)} variables; "
             f"warming up")
@@ -219,7 +239,14 @@ def run(args, report) -> None:
 
         pids = {"workers": [p.pid for p in procs if p.name.startswith("tf-worker")],
                 "ps": [p.pid for p in procs if p.name.startswith("tf-ps")], "chief": [os.getpid()]}
+        pids.update({p.name[len("tf-"):]: [p.pid] for p in procs})  # per process: ps-0, worker-1, ...
         cpu_before, wire_before = {k: cpu_seconds(v) for k, v in pids.items()}, loopback_bytes()
+        recording = None
+        if args.profile:
+            from perf_profile import Recording
+
+            recording = Recording({f"tf-{k}": v[0] for k, v in pids.items() if "-" in k} | {"tf-chief": os.getpid()},
+                                  args.profile, delay=1.0, seconds=args.profile_seconds)
         backlog_limit = 4 * args.workers
         pending: list = []
         steps, last_loss = 0, float("nan")
@@ -232,6 +259,8 @@ def run(args, report) -> None:
                 last_loss = float(pending.pop(0).fetch())
         coordinator.join()
         seconds = time.perf_counter() - t0
+        if recording is not None:
+            recording.finish()
         if pending:
             last_loss = float(pending[-1].fetch())
         cpu_after, wire_after = {k: cpu_seconds(v) for k, v in pids.items()}, loopback_bytes()
@@ -241,13 +270,15 @@ def run(args, report) -> None:
             raise RuntimeError("the first kernel did not change: SGD was not applied on the ps tasks")
         cpu = {k: (cpu_after[k] - cpu_before[k]) / steps if cpu_before[k] is not None and cpu_after[k] is not None
                else None for k in pids}
+        each = {k: cpu.pop(k) for k in list(cpu) if k.startswith(("ps-", "worker-"))} | {"chief": cpu["chief"]}
         report({
             "steps_per_s": steps / seconds, "steps": steps, "seconds": seconds, "warmup_steps": args.warmup,
             "last_loss": last_loss, "first_kernel_max_change": max_change, "parameters": numel,
             "variables": len(train_vars), "placement": placement,
             "partitioner": (f"MinSizePartitioner(min_shard_bytes={MIN_SHARD_BYTES}, max_shards={args.num_ps})"
                             if partitioner else None),
-            "cpu_seconds_per_step": cpu, "setup_seconds": setup_seconds,
+            "cpu_seconds_per_step": cpu, "cpu_seconds_per_step_each": each, "setup_seconds": setup_seconds,
+            "no_compute": args.no_compute,
             "loopback_bytes": None if None in (wire_before, wire_after) else wire_after - wire_before,
             "threads": {"intra_op": args.intra_threads, "inter_op": args.inter_threads,
                         "applies_to": "chief, every worker and ps (server config and the cluster's session config)"},
@@ -328,6 +359,12 @@ def main(argv=None) -> int:
                              "refuse to run if any other interface is there")
     parser.add_argument("--local", action="store_true",
                         help="no cluster: the CPU of the model's forward and backward in this one process")
+    parser.add_argument("--no-compute", action="store_true",
+                        help="no forward or backward: each step moves every variable to the worker and a gradient "
+                             "of its size back (the data plane alone)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="perf record -a -g into DIR for part of the window (bench/perf_profile.py)")
+    parser.add_argument("--profile-seconds", type=float, default=4.0, help="how long --profile records (default 4)")
     args = parser.parse_args(argv)
     if args.local:
         run_local(args, lambda result: print(RESULT_PREFIX + json.dumps(result), flush=True))
