@@ -24,6 +24,7 @@ from .. import codec
 from ..cluster import Cluster, TaskSpec
 from ..compression import Compression, Encoder, policies_for
 from ..errors import ClusterConfigError, InvalidArgumentError, PSError
+from ..lanes import tls_context
 from ..partitioning import MinSizePartitioner, NoPartitioner, Partitioner, Partitions
 from ..placement import Placement
 from ..proto import ps_pb2
@@ -89,10 +90,11 @@ class PSClient(DataPath, TablePath):
     (client/device.py); on a host without CUDA nothing of that is used.
 
     With `lanes` (default), pulls and pushes of a MiB or more to a shard that
-    offers bulk lanes (a plaintext shard: torchps/lanes.py) move their bytes
-    on a TCP connection beside the gRPC call, copied only by the kernel; a
-    lane that breaks fails the attempt, which is retried (on a new lane, or
-    inline) like a lost connection.
+    offers bulk lanes (torchps/lanes.py; TLS with these credentials where the
+    shard serves TLS) move their bytes on a TCP connection beside the gRPC
+    call, copied only by the kernel (and TLS); a lane that breaks fails the
+    attempt, which is retried (on a new lane, or inline) like a lost
+    connection.
     """
 
     def __init__(
@@ -132,7 +134,8 @@ class PSClient(DataPath, TablePath):
                                    control_timeout=min(timeout, CONTROL_TIMEOUT_SECONDS), chunk_bytes=chunk_bytes)
         self._layout = LayoutFollower(self._fanout, self.placement)  # the layout across live resizes
         self._lanes = ClientLanes(lambda shard: self._fanout.channels.addresses[shard],
-                                  lambda shard: self.status(shard).lane_port, enabled=lanes)
+                                  lambda shard: self.status(shard).lane_port, enabled=lanes,
+                                  context=tls_context(self.security, server=False))
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries

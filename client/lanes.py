@@ -10,6 +10,7 @@ lanes cannot be opened is sent to inline for NO_LANE_SECONDS.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from typing import Callable
@@ -27,10 +28,12 @@ _KEPT_PER_SHARD = 4       # idle lanes kept per shard (more calls at once open m
 
 class ClientLanes:
     """Lanes by shard. `address(shard)` is the shard's gRPC host:port, `lane_port(shard)` asks it for its lane
-    port (GetStatus; 0: none). Thread-safe; borrow() blocks only to open a lane (up to `timeout`)."""
+    port (GetStatus; 0: none); `context` (lanes.tls_context) makes them TLS. Thread-safe; borrow() blocks only
+    to open a lane (up to `timeout`)."""
 
-    def __init__(self, address: Callable[[int], str], lane_port: Callable[[int], int], enabled: bool = True):
-        self._address, self._lane_port, self.enabled = address, lane_port, enabled
+    def __init__(self, address: Callable[[int], str], lane_port: Callable[[int], int], enabled: bool = True,
+                 context: ssl.SSLContext | None = None):
+        self._address, self._lane_port, self.enabled, self._context = address, lane_port, enabled, context
         self._lock = threading.Lock()
         self._ports: dict[int, int] = {}
         self._idle: dict[int, list[Lane]] = {}
@@ -56,7 +59,7 @@ class ClientLanes:
                     self._ports[shard] = port
             if not port:
                 return None
-            lane = connect(self._address(shard).rpartition(":")[0].strip("[]"), port, timeout)
+            lane = connect(self._address(shard).rpartition(":")[0].strip("[]"), port, timeout, self._context)
         except Exception as exc:  # noqa: BLE001 - no lane: the call goes inline, as it would without lanes
             self._go_inline(shard, exc)
             return None

@@ -15,6 +15,7 @@ import logging
 import secrets
 import select
 import socket
+import ssl
 import threading
 
 from ..errors import LaneBrokenError
@@ -29,10 +30,10 @@ _WELCOME_SECONDS = 5.0
 
 
 class LaneServer:
-    """Listens for lanes on `host`:`port` (0: a free port); its thread runs under `failstop` (a dead accept
-    loop stops the shard) when given. Thread-safe."""
+    """Listens for lanes on `host`:`port` (0: a free port), TLS with `context` (lanes.tls_context) if given;
+    its thread runs under `failstop` (a dead accept loop stops the shard) when given. Thread-safe."""
 
-    def __init__(self, host: str, port: int = 0, failstop=None):
+    def __init__(self, host: str, port: int = 0, failstop=None, context: ssl.SSLContext | None = None):
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
         self.port = self._listener.getsockname()[1]
@@ -41,6 +42,8 @@ class LaneServer:
         self._busy: dict[bytes, Lane] = {}
         self._waiting: set[bytes] = set()  # idle lanes with bytes waiting for the call that will claim them
         self._stop = threading.Event()
+        self._context = context
+        self._welcoming = 0  # connections in their TLS handshake
         body = self._run if failstop is None else lambda: failstop.run("the bulk lanes' listener", self._run)
         self._thread = threading.Thread(target=body, name="bulk-lanes", daemon=True)
         self._thread.start()
@@ -111,27 +114,47 @@ class LaneServer:
             sock, peer = self._listener.accept()
         except OSError:
             return
-        if self.open_lanes >= MAX_LANES:
+        with self._lock:
+            full = len(self._idle) + len(self._busy) + self._welcoming >= MAX_LANES
+            if not full:
+                self._welcoming += 1
+        if full:
             _LOGGER.warning("a bulk lane from %s was refused: %d are open (the most a shard keeps)", peer,
                             MAX_LANES)
             sock.close()
             return
+        if self._context is None:
+            self._welcome(sock)
+        else:  # a TLS handshake takes round trips: never on the accept loop
+            threading.Thread(target=self._welcome, args=(sock,), name="bulk-lane-welcome", daemon=True).start()
+
+    def _welcome(self, sock: socket.socket) -> None:
+        """Completes the handshake (TLS) and sends the welcome with a new key; the lane is then idle."""
         key = secrets.token_bytes(KEY_BYTES)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(_WELCOME_SECONDS)
+            if self._context is not None:
+                sock = self._context.wrap_socket(sock, server_side=True)
             sock.sendall(WELCOME + key)
-        except OSError:
+        except (OSError, ValueError):  # ssl.SSLError is an OSError: a client without the job's certificate
             sock.close()
+            with self._lock:
+                self._welcoming -= 1
             return
         with self._lock:
+            self._welcoming -= 1
+            if self._stop.is_set():
+                sock.close()
+                return
             self._idle[key] = Lane(sock, key)
 
     def _check_idle(self, lane: Lane) -> None:
         """An idle lane turned readable: closed if its client closed it; else bytes wait for the call that will
         claim it, and it is not watched until then."""
         try:
-            closed = lane.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            # The TCP stream itself (under TLS too): b"" once the client closed it.
+            closed = socket.socket.recv(lane.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
             return
         except OSError:

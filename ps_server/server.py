@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection as reflection_service
 
 from .. import codec
+from ..lanes import tls_context
 from ..proto import ps_pb2
 from .lanes import LaneServer
 from .servicer import ParameterServerServicer, add_to_server
@@ -117,9 +118,9 @@ def create_server(
                               threaded_waits=threaded_waits(threads), start=False, failstop=failstop,
                               membership=Membership(workers, elastic_workers), addresses=addresses)
     recover(coordinator, journal, restore)
-    # Bulk lanes (torchps/lanes.py) are plaintext with no credential: offered only by a shard that has none.
-    lanes = LaneServer(address.rpartition(":")[0], lane_port, failstop) \
-        if lane_port is not None and security.insecure else None
+    # Bulk lanes (torchps/lanes.py): TLS with the shard's own credentials where it serves TLS.
+    lanes = LaneServer(address.rpartition(":")[0], lane_port, failstop, tls_context(security, server=True)) \
+        if lane_port is not None else None
     if lanes is not None:
         server.closers.append(lanes.close)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,

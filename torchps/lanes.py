@@ -26,21 +26,28 @@ Protocol (ps.proto names the fields; this module is the rest of it):
   call fails having applied nothing, and both ends close it; the client
   retries on a new lane or inline.
 
-Lanes are plaintext and carry no credential: a shard offers them only when
-it serves without TLS and tokens (ps-server --insecure), and a client uses
-them only when the shard offers them.
+A shard that serves TLS speaks TLS on its lanes too, with the same
+credentials (mutual: each side's certificate checked against the job's CA,
+the shard's against the address the client dials, as gRPC does). A lane
+carries no token: the gRPC call that names it does, and passes the shard's
+access policy like any other; the key, 128 random bits sent only inside the
+lane's TLS (or in plaintext where the gRPC calls are plaintext too), ties
+the lane to calls of the client that opened it.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 import struct
+import tempfile
 import threading
 import time
 
 from .errors import LaneBrokenError, MalformedStreamError
 
-__all__ = ["KEY_BYTES", "WELCOME", "Lane", "LaneBytes", "bind", "connect"]
+__all__ = ["KEY_BYTES", "WELCOME", "Lane", "LaneBytes", "bind", "connect", "tls_context"]
 
 WELCOME = b"TPSW"
 FRAME_MAGIC = b"TPSL"
@@ -108,6 +115,11 @@ class Lane:
         pending = [memoryview(header), *views]
         self._start(timeout)
         try:
+            if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg under TLS: each buffer is encrypted from its memory
+                for view in pending:
+                    self._arm()
+                    self.sock.sendall(view)
+                return
             while pending:
                 self._arm()
                 sent = self.sock.sendmsg(pending[:_IOV_MAX])
@@ -193,13 +205,34 @@ class Lane:
         return LaneBrokenError(f"bulk lane broken: {why}; nothing was applied")
 
 
-def connect(host: str, port: int, timeout: float) -> Lane:
-    """A new lane to a shard's lane port (blocks up to `timeout`); LaneBrokenError if none can be opened."""
+def tls_context(security, *, server: bool) -> ssl.SSLContext | None:
+    """The TLS context of a lane with `security` (torchps.security.Security): mutual TLS against the job's CA,
+    this task's certificate and key; None without TLS."""
+    if not security.tls:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=security.ca.decode())
+    with tempfile.TemporaryDirectory(prefix="torchps-lane-") as folder:  # ssl loads a key only from a file
+        path = os.path.join(folder, "task.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as pem:
+            pem.write(security.cert.rstrip(b"\n") + b"\n" + security.key)
+        context.load_cert_chain(path)
+    return context
+
+
+def connect(host: str, port: int, timeout: float, context: ssl.SSLContext | None = None) -> Lane:
+    """A new lane to a shard's lane port, TLS with `context` (tls_context) if given (blocks up to `timeout`);
+    LaneBrokenError if none can be opened."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if context is not None:
+            sock = context.wrap_socket(sock, server_hostname=host)
+    except (OSError, ssl.SSLError) as exc:
         raise LaneBrokenError(f"cannot open a bulk lane to {host}:{port}: {exc}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     lane = Lane(sock, b"")
     lane._start(timeout)
     welcome = bytearray(len(WELCOME) + KEY_BYTES)

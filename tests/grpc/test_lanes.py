@@ -197,3 +197,46 @@ def test_a_client_retries_a_pull_whose_lane_the_shard_lost(raw):
         ps.pull_into(target)
         assert ps._lanes.opened >= 2
     torch.testing.assert_close(target["v"], -torch.ones(N))
+
+
+def test_a_tls_shard_s_lanes_are_tls_and_refuse_a_client_without_the_job_s_certificate(local_cluster, tmp_path):
+    from torchps.certs import make_job_credentials
+    from torchps.client import TaskSpec
+    from torchps.cluster import Cluster
+    from torchps.lanes import tls_context
+    from torchps.security import Security
+
+    chief, ps_task = TaskSpec("chief", 0), TaskSpec("ps", 0)
+    files = make_job_credentials(tmp_path / "job", Cluster(ps=("127.0.0.1:1",), chief=("127.0.0.1:2",)))
+    ours = make_job_credentials(tmp_path / "other", Cluster(ps=("127.0.0.1:1",), chief=("127.0.0.1:2",)))
+
+    def security(found) -> Security:
+        f = found[chief]
+        return Security.load(tls_cert=str(f.cert), tls_key=str(f.key), tls_ca=str(f.ca), token_file=str(f.token),
+                             admin_token_file=str(f.admin_token), environ={})
+
+    p = files[ps_task]
+    local = local_cluster(1, server_args=["--tls-cert", str(p.cert), "--tls-key", str(p.key), "--tls-ca", str(p.ca),
+                                          "--token-file", str(p.token), "--admin-token-file",
+                                          str(files[chief].admin_token)])
+    with PSClient(local.cluster, task=chief, security=security(files)) as ps:
+        port = ps.status(0).lane_port
+        ps.create_variables({"v": torch.zeros(N)}, Optimizer("sgd", lr=1.0))
+        ps.push({"v": torch.ones(N)})
+        target = {"v": torch.empty(N)}
+        ps.pull_into(target)
+        assert ps._lanes.opened == 1
+        torch.testing.assert_close(target["v"], -torch.ones(N))
+        # Plaintext, or TLS with another job's certificate: no welcome, no lane.
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+            sock.sendall(b"TPSW" + bytes(16))
+            try:
+                answer = sock.recv(64)
+            except ConnectionResetError:  # the handshake failed: the shard closed it
+                answer = b""
+            assert not answer.startswith(lane_wire.WELCOME)
+        with pytest.raises(Exception, match="cannot open a bulk lane"):
+            connect("127.0.0.1", port, TIMEOUT, tls_context(security(ours), server=False))
+        ps.push({"v": torch.ones(N)})  # the shard serves on
+        ps.pull_into(target)
+    torch.testing.assert_close(target["v"], -2 * torch.ones(N))
