@@ -9,6 +9,7 @@ overlapped push and pull (streamed_push.py, layer_pull.py) extend it.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable, Mapping
 
 import grpc
@@ -172,11 +173,13 @@ class DataPath:
                 lane = self._lanes.borrow(shard, nbytes, timeout)
                 if lane is not None:
                     request.lane, request.chunk_bytes = lane.key, LANE_CHUNK_BYTES
+                started = time.perf_counter()
                 responses, ok = stub.Pull(request, timeout=timeout), False
                 try:
                     step = read_stream(lane_messages(responses, lane, timeout), shard_names, sink,
                                        self._fanout.target(shard), stats=self.stats, bases=bases)[0]
                     ok = True
+                    self.stats.add_stage("pull_call", time.perf_counter() - started)
                     return step
                 finally:
                     if not ok:
@@ -259,11 +262,13 @@ class DataPath:
                     header = ps_pb2.PushHeader()
                     header.CopyFrom(shard_header)
                     header.lane = lane.key
+                started = time.perf_counter()
                 try:
                     reply = stub.Push(push_requests(header, grads, [*names, *tables],
                                                     LANE_CHUNK_BYTES if lane else self.chunk_bytes, self.stats,
                                                     lane, timeout), timeout=timeout)
                     ok = True
+                    self.stats.add_stage("push_call", time.perf_counter() - started)
                     return reply
                 except grpc.RpcError:
                     if lane is not None and lane.closed:  # the lane broke while gRPC read the requests

@@ -6,7 +6,16 @@ import dataclasses
 import threading
 import time
 
-__all__ = ["WorkerStats"]
+__all__ = ["STAGES", "WorkerStats"]
+
+
+STAGES = {  # stage -> what its timer covers (client/datapath.py, client/transfer.py)
+    "push_call": "a shard's push attempt, from its call to its reply (the shard's receive and apply inside)",
+    "push_encode": "making the push's messages (inline: copying the bytes into them)",
+    "push_lane_send": "sending the push's bytes on a bulk lane",
+    "pull_call": "a shard's pull attempt, from its call to its last byte in place",
+    "pull_into_place": "the pulled bytes into their tensors: read from the lane, or copied out of messages",
+}
 
 
 @dataclasses.dataclass
@@ -27,6 +36,9 @@ class WorkerStats:
     bytes_copied: int = 0        # bytes this process wrote to move those: into push messages, out of pull
                                  # messages into tensors, staging copies and casts (gRPC's own copies excluded)
     delta_tensors: int = 0       # tensors a delta pull received as what changed since the version held
+    # Seconds spent in each stage of the data path, summed over shards (their calls run at once, so a step's
+    # stages may add up to more than its wall time): see STAGES.
+    stage_seconds: dict = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.monotonic)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -48,6 +60,11 @@ class WorkerStats:
             self.bytes_copied += copied
             self.delta_tensors += delta_tensors
 
+    def add_stage(self, stage: str, seconds: float) -> None:
+        """Adds `seconds` to `stage` (one of STAGES; thread-safe)."""
+        with self._lock:
+            self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
+
     @property
     def steps_per_second(self) -> float:
         """Pushes per second since the client started."""
@@ -60,7 +77,8 @@ class WorkerStats:
                     "wait_seconds": round(self.wait_seconds, 3), "stale_dropped": self.stale_dropped,
                     "duplicates": self.duplicates, "quorum": self.quorum, "quorum_changes": self.quorum_changes,
                     "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                    "bytes_copied": self.bytes_copied, "delta_tensors": self.delta_tensors}
+                    "bytes_copied": self.bytes_copied, "delta_tensors": self.delta_tensors,
+                    "stage_seconds": {k: round(v, 6) for k, v in self.stage_seconds.items()}}
 
     def summary(self) -> str:
         """A log line; the quorum only where there is one (sync mode: shard 0 reports it with every push)."""

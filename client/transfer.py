@@ -9,6 +9,7 @@ caller's memory (a new tensor, or the target tensor in place).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -42,10 +43,17 @@ def push_requests(header: ps_pb2.PushHeader, grads: Mapping[str, torch.Tensor | 
     pieces = (piece for name in names for piece in wire_pieces(name, grads[name], chunk_bytes, stats))
     first = True
     for batch in wire.pack(pieces, chunk_bytes):
-        yield wire.encode_push_request(header if first else None, batch, lane=lane is not None)
+        started = time.perf_counter()
+        message = wire.encode_push_request(header if first else None, batch, lane=lane is not None)
+        if stats is not None:
+            stats.add_stage("push_encode", time.perf_counter() - started)
+        yield message
         nbytes = sum(memoryview(piece[3]).nbytes for piece in batch)
         if lane is not None:
+            started = time.perf_counter()
             lane.send([piece[3] for piece in batch], timeout)
+            if stats is not None:
+                stats.add_stage("push_lane_send", time.perf_counter() - started)
         if stats is not None:
             stats.count_bytes(sent=nbytes, copied=0 if lane is not None else nbytes)
         first = False
@@ -98,10 +106,13 @@ def read_stream(responses: Iterable, names: list[str], sink: Sink, shard: str,
         if stats is not None:
             inline = sum(memoryview(chunk.data).nbytes for chunk in chunks if not isinstance(chunk.data, LaneBytes))
             stats.count_bytes(received=sum(len(chunk.data) for chunk in chunks), copied=inline)
+        started = time.perf_counter()
         for chunk in chunks:
             done = assembler.add(chunk)
             if done is not None and on_tensor is not None:
                 on_tensor(done[0])
+        if stats is not None:
+            stats.add_stage("pull_into_place", time.perf_counter() - started)
     assembler.finish()
     if result is not None and result.moved:  # a retried exchange's names that moved since: read elsewhere
         names = [name for name in names if name not in set(result.moved)]

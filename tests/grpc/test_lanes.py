@@ -42,6 +42,9 @@ def test_pulls_and_pushes_over_lanes_match_inline_ones_bit_for_bit(local_cluster
             results[lanes] = {k.partition("/")[2]: t for k, t in targets.items()}
             assert (ps._lanes.opened == 1) == lanes  # one lane, kept for every call after the first
             copied = ps.stats.bytes_copied
+            stages = ps.stats.as_dict()["stage_seconds"]  # the client's own timers, by stage
+            assert {"push_call", "push_encode", "pull_call", "pull_into_place"} <= set(stages)
+            assert ("push_lane_send" in stages) == lanes
         if lanes:
             lane_copied = copied
     assert torch.equal(results[True]["w"], results[False]["w"]) and torch.equal(results[True]["b"],
