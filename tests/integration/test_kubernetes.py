@@ -362,7 +362,7 @@ class Node:
 
     def argv(self, pod: Pod, args: list[str] | None = None, ports: dict[str, int] | None = None) -> list[str]:
         """The container's command and args (or `args` instead), its paths mapped, and the ports of
-        --bind, --health-port and --metrics-port made this pod's own (`ports`)."""
+        --bind, --health-port, --metrics-port and --lane-port made this pod's own (`ports`)."""
         argv = [self.map_paths(a) for a in [*pod.main.get("command", []), *(pod.main.get("args", [])
                                                                               if args is None else args)]]
         for name, port in (ports or {}).items():
@@ -541,7 +541,7 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
         node.mount(pod)
         address = local[pod.task_type][pod.index]
         ports = {"--bind": int(address.rpartition(":")[2]), "--health-port": free_port(),
-                 "--metrics-port": free_port()}
+                 "--metrics-port": free_port(), "--lane-port": free_port()}
         tasks[pod.name] = Task(pod, node.argv(pod, ports=ports), node.env(pod), cwd, ports)
     shards = [t for t in tasks.values() if t.pod.task_type == "ps"]
     others = [t for t in tasks.values() if t.pod.task_type != "ps"]
@@ -652,7 +652,8 @@ def scale_workers(creds: pathlib.Path):
         pod = Pod(f"torchps-worker-{index}", "worker", index, copy.deepcopy(workers[0].pod.spec),
                   {"JOB_COMPLETION_INDEX": str(index)})
         node.mount(pod)
-        ports = {"--bind": free_port(), "--health-port": free_port(), "--metrics-port": free_port()}
+        ports = {"--bind": free_port(), "--health-port": free_port(), "--metrics-port": free_port(),
+                 "--lane-port": free_port()}
         added = tasks[pod.name] = Task(pod, node.argv(pod, ports=ports), node.env(pod), cwd, ports)
         try:
             added.start()
@@ -794,7 +795,8 @@ def test_tfjob_shards_probes_metrics_and_volumes_agree_with_their_flags():
         assert main[probe]["grpc"]["port"] == int(flag(args, "--health-port")), probe
     assert ps["metadata"]["annotations"]["prometheus.io/port"] == flag(args, "--metrics-port")
     ports = {p["containerPort"] for p in main["ports"]}
-    assert {2222, int(flag(args, "--health-port")), int(flag(args, "--metrics-port"))} <= ports
+    assert {2222, int(flag(args, "--health-port")), int(flag(args, "--metrics-port")),
+            int(flag(args, "--lane-port"))} <= ports
     mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
     volumes = {v["name"]: v for v in ps["spec"]["volumes"]}
     (claim,) = [n for n, v in volumes.items() if "persistentVolumeClaim" in v]
