@@ -5,6 +5,7 @@
     python bench/journal.py --dims 784,64,10 --seconds 1 --repeats 1 --warmup 1   # a smoke run, seconds
     python bench/journal.py --stores --json bench/results/journal_stores.json      # the log beside SQLite, LMDB
     python bench/journal.py --calls --seconds 20 --json bench/results/journal_calls.json  # GetStatus, Join p99
+    python bench/journal.py --no-compute --json bench/results/journal_no_compute.json   # the record path alone
 
 1 ps and 2 async worker processes push and pull the 784-8192-2304-10 MLP
 (25.3M float32, 101 MB each way, server-side SGD) as fast as they can, in
@@ -30,6 +31,16 @@ mode (the standard library's sqlite3, one row per record, synchronous=OFF:
 the page cache too), and to LMDB (if the lmdb package is importable,
 sync=False), each keeping the last few records as a journal does (see
 bench_stores); the median of --store-records timed records.
+
+--no-compute measures the record path alone, as GPU workers see it: 1 ps
+(--torch-threads 1) and --workers processes that only exchange() the MLP
+(push its gradient, pull its values), the .grad of every parameter set once
+to fixed random tensors, no forward or backward. plain and journal shards are
+started side by side and run in turn (the order rotated every round),
+--repeats rounds of --seconds each after --warmup steps per worker; the
+steps/s ratio (medians, and the median of the paired rounds) and the shard's
+and the workers' CPU ms per step in each. The shards' pids are logged at the
+start, for a profiler to attach to (perf record -g -p PID, py-spy --native).
 
 --calls measures instead what the control calls wait while the journal
 works: one shard with the journal (--checkpoint-dir DIR), one variable of the
@@ -77,16 +88,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the journal's third compaction, from which on it writes over its retired files)")
     parser.add_argument("--workers", type=int, default=2, help="async workers (default 2)")
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default 1e-3)")
-    parser.add_argument("--setups", default=",".join(SETUPS), help=f"which of {', '.join(SETUPS)} (default all)")
+    parser.add_argument("--setups", help=f"which of {', '.join(SETUPS)} (default all; plain,journal with "
+                        "--no-compute)")
     parser.add_argument("--dir", type=pathlib.Path, help="where the journals go (default: the temporary folder)")
     parser.add_argument("--stores", action="store_true", help="only the stores' cost of appending a record")
     parser.add_argument("--store-records", type=int, default=8, help="records per store with --stores (default 8)")
     parser.add_argument("--calls", action="store_true", help="only GetStatus's and Join's latency under pushes")
+    parser.add_argument("--no-compute", action="store_true", help="workers that only push and pull, no "
+                        "forward or backward: the journal's cost as GPU workers see it")
     parser.add_argument("--probe-ms", type=float, default=10.0, help="one control call every so many ms with "
                         "--calls (default 10)")
     args = parser.parse_args(argv)
     args.dims = tuple(int(d) for d in args.dims.split(","))
-    args.setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    default = "plain,journal" if args.no_compute else ",".join(SETUPS)
+    args.setups = [s.strip() for s in (args.setups or default).split(",") if s.strip()]
     args.shard_args = []  # pullpush's --shard-torch-threads: LocalCluster's default (1) here
     if "plain" not in args.setups or set(args.setups) - set(SETUPS):
         parser.error(f"--setups: plain and any of {', '.join(SETUPS[1:])}")
@@ -107,10 +122,10 @@ def main(argv=None) -> int:
         return report_stores(args, results, started)
     if args.calls:
         return report_calls(args, results, started)
+    if args.no_compute:
+        return report_no_compute(args, results, started)
     with tempfile.TemporaryDirectory(prefix="torchps-bench-journal-", dir=args.dir) as folder:
-        flags = {"plain": ["--no-journal"],
-                 "journal": ["--checkpoint-dir", os.path.join(folder, "journal")],
-                 "journal_sync": ["--checkpoint-dir", os.path.join(folder, "journal_sync"), "--journal-sync"]}
+        flags = setup_flags(folder)
         # pullpush.bench_training reads these from its args; "async" setups are --insecure shards
         args.train_repeats, args.train_warmup = args.repeats, args.warmup
         names = {f"async_{s}": s for s in args.setups}
@@ -220,6 +235,142 @@ def bench_stores(args) -> dict[str, float | None]:
             out["LMDB, sync=False"] = median_ms(put)
             env.close()
     return out
+
+
+def report_no_compute(args, results: dict, started: float) -> int:
+    with tempfile.TemporaryDirectory(prefix="torchps-bench-no-compute-", dir=args.dir) as folder:
+        flags = setup_flags(folder)
+        raw, shard_cpu = bench_no_compute(args, {s: flags[s] for s in args.setups})
+        flags = {s: " ".join(flags[s]).replace(folder, "DIR") for s in args.setups}
+    rates = {s: [sum(w["steps"] / w["seconds"] for w in run) for run in runs] for s, runs in raw.items()}
+    medians = {s: pullpush.median(v) for s, v in rates.items()}
+    cpu = {}
+    for setup, runs in raw.items():
+        steps = sum(w["steps"] for run in runs for w in run)
+        cpu[setup] = {"server_ms": 1e3 * sum(shard_cpu[setup]) / steps,
+                      "workers_ms": 1e3 * sum(w["cpu_seconds"] for run in runs for w in run) / steps}
+    results.update(rates=rates, steps_per_s=medians, cpu_per_step=cpu, raw=raw, shard_cpu_seconds=shard_cpu,
+                   target=TARGET, flags=flags)
+    for setup in args.setups[1:]:
+        results[f"{setup}_over_plain"] = medians[setup] / medians["plain"]
+        results[f"{setup}_over_plain_paired"] = pullpush.median(
+            [j / p for p, j in zip(rates["plain"], rates[setup])])
+    finish(results, started, args)
+    rows = ["| setup | ps-server flags | steps/s (median) | over plain (paired) | CPU per step, ms: ps | workers |",
+            "| --- " * 6 + "|"]
+    for setup in args.setups:
+        ratio = "1" if setup == "plain" else \
+            f"{results[f'{setup}_over_plain']:.3f} ({results[f'{setup}_over_plain_paired']:.3f})"
+        rows.append(f"| {setup} | {flags[setup]} | {medians[setup]:.2f} | {ratio} | {cpu[setup]['server_ms']:.0f} | "
+                    f"{cpu[setup]['workers_ms']:.0f} |")
+    print("\n".join(rows))
+    print(f"\n{pullpush.mlp_numel(args.dims):,} parameters, 1 ps, {args.workers} workers exchanging with no compute, "
+          f"{args.repeats} x {args.seconds:g} s per setup; journal_over_plain "
+          f"{results.get('journal_over_plain', float('nan')):.3f} (target >= {TARGET:.2f}); load "
+          f"{results['machine']['loadavg_start'][0]:.1f} -> {results['machine']['loadavg_end'][0]:.1f}; "
+          f"{results['wall_seconds']:.0f} s")
+    return 0
+
+
+def setup_flags(folder: str) -> dict[str, list[str]]:
+    """Each setup's ps-server flags, its journal (if any) under `folder`."""
+    return {"plain": ["--no-journal"],
+            "journal": ["--checkpoint-dir", os.path.join(folder, "journal")],
+            "journal_sync": ["--checkpoint-dir", os.path.join(folder, "journal_sync"), "--journal-sync"]}
+
+
+def bench_no_compute(args, flags: dict[str, list[str]]) -> tuple[dict[str, list], dict[str, list[float]]]:
+    """--no-compute (see the module docstring): ({setup: [each round's per-worker results]}, {setup: the shard's
+    CPU seconds in each round})."""
+    import contextlib
+
+    import torch
+
+    from torchps.client import Optimizer, PSClient
+    from torchps.security import INSECURE
+
+    raw: dict[str, list] = {s: [] for s in flags}
+    shard_cpu: dict[str, list[float]] = {s: [] for s in flags}
+    pools, pids = {}, {}
+    context = pullpush.worker_processes()
+    with contextlib.ExitStack() as stack:
+        for setup, extra in flags.items():
+            local = pullpush.start_cluster(1, None, ["--torch-threads", "1", *extra], workers=args.workers)
+            stack.callback(local.stop)
+            pids[setup] = [p.pid for p in local.procs]
+            torch.manual_seed(0)
+            with PSClient(local.cluster, security=INSECURE) as client:
+                client.register_module(pullpush.make_mlp(args.dims), Optimizer("sgd", lr=args.lr), create=True)
+            res_q, cmd_qs = context.Queue(), [context.Queue() for _ in range(args.workers)]
+            procs = [context.Process(target=exchange_main, daemon=True, name=f"exchange-{setup}-{i}",
+                                     args=(args.dims, local.cluster, i, args.warmup, cmd_qs[i], res_q))
+                     for i in range(args.workers)]
+            for proc in procs:
+                proc.start()
+            stack.callback(stop_workers, procs, cmd_qs)
+            pools[setup] = (procs, cmd_qs, res_q)
+        for setup, (procs, _, res_q) in pools.items():
+            pullpush.collect(res_q, procs, "ready", pullpush.READY_TIMEOUT)
+        pullpush.log(f"no-compute: shard pids {pids}")
+        names = list(pools)
+        for r in range(args.repeats):
+            for setup in names[r % len(names):] + names[:r % len(names)]:  # rotated to cancel drift
+                procs, cmd_qs, res_q = pools[setup]
+                before = pullpush.cpu_seconds(pids[setup])
+                start_at = time.time() + 0.2
+                for q in cmd_qs:
+                    q.put((start_at, args.seconds))
+                raw[setup].append(pullpush.collect(res_q, procs, "result", args.seconds + 120))
+                shard_cpu[setup].append(pullpush.cpu_seconds(pids[setup]) - before)
+            pullpush.log(f"no-compute round {r + 1}/{args.repeats}: " + ", ".join(
+                f"{s} {sum(w['steps'] / w['seconds'] for w in raw[s][-1]):.2f} steps/s" for s in names))
+    return raw, shard_cpu
+
+
+def exchange_main(dims, cluster, index: int, warmup: int, cmd_q, res_q) -> None:
+    """A --no-compute worker: the MLP's .grads set once, then exchange() (push, pull) in a loop for each
+    (start time, seconds) command off `cmd_q` until None; its steps, seconds and CPU seconds to `res_q`."""
+    import traceback
+
+    try:
+        import torch
+
+        from torchps.client import PSClient, TaskSpec
+        from torchps.security import INSECURE
+
+        torch.set_num_threads(1)
+        torch.manual_seed(100 + index)
+        model = pullpush.make_mlp(dims)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * 1e-3
+        with PSClient(cluster, task=TaskSpec("worker", index), security=INSECURE) as client:
+            binding = client.register_module(model, create=False)
+            for _ in range(warmup):
+                binding.exchange()
+            res_q.put(("ready", index, None))
+            while (cmd := cmd_q.get()) is not None:
+                start_at, seconds = cmd
+                time.sleep(max(0.0, start_at - time.time()))
+                steps, cpu = 0, time.process_time()
+                while time.time() < start_at + seconds:
+                    binding.exchange()
+                    steps += 1
+                res_q.put(("result", index, {"steps": steps, "seconds": time.time() - start_at,
+                                             "cpu_seconds": time.process_time() - cpu}))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        res_q.put(("error", index, traceback.format_exc()))
+
+
+def stop_workers(procs, cmd_qs) -> None:
+    """Tells each --no-compute worker to end (None), then joins it; terminates one that does not end in 10 s."""
+    for q in cmd_qs:
+        q.put(None)
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
 
 
 def report_calls(args, results: dict, started: float) -> int:

@@ -262,7 +262,8 @@ class Journal:
 
     def append(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> int:
         """Queues one record (in the order of the calls); returns its number for wait(). Never blocks on I/O.
-        The tensors must not change until it is written. ServerUnavailableError once the journal failed."""
+        The tensors must not change until it is written; once wait() returns for it the journal holds no
+        reference to them. ServerUnavailableError once the journal failed."""
         head, views = journal_log.encode(kind, meta, tensors)
         with self._cond:
             self._check()
@@ -307,10 +308,7 @@ class Journal:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             head, views = journal_log.encode("base", {}, journal_log.state_record(state))
-            offset = _write_at(fd, head, 0)
-            for view in views:
-                offset = _write_at(fd, view, offset)
-            offset = _write_at(fd, journal_log.tail(head, views, number), offset)
+            offset = journal_log.write(fd, 0, head, views, number)
         finally:
             os.close(fd)
         with self._cond:
@@ -367,19 +365,14 @@ class Journal:
                 if not self._queue:
                     return
                 batch, self._queue = self._queue, []
+            batch.reverse()  # taken from its end, in order
             try:
                 last = 0
-                for item in batch:
-                    if item[0] == "rotate":
-                        self._open(item[1])
-                        continue
-                    _, last, head, views = item
-                    offset = _write_at(self._fd, head, self._offset)
-                    for view in views:
-                        offset = _write_at(self._fd, view, offset)
-                    self._offset = _write_at(self._fd, journal_log.tail(head, views, self._writing), offset)
-                    if not self.sync:
-                        self._done(last)
+                while batch:
+                    number = self._write(batch.pop())
+                    last = number or last
+                    if number and not self.sync:
+                        self._done(number)
                 if self.sync:  # one fdatasync for the batch: the records queued while the last one ran
                     os.fdatasync(self._fd)
                     self._done(last)
@@ -389,6 +382,17 @@ class Journal:
             except Exception as exc:  # noqa: BLE001 - a bug: nothing more can be written, so the shard stops
                 self._fail(f"journal {self.directory}: the writer failed: {exc!r}")
                 return
+
+    def _write(self, item: tuple) -> int:
+        """Writes one queued item, a record (its number is returned) or a rotation to a new log (0). Nothing of
+        a record is held here once it returns, so once its wait() returns the journal holds none of its
+        tensors' memory (a shard reuses a push's receive buffers)."""
+        if item[0] == "rotate":
+            self._open(item[1])
+            return 0
+        _, number, head, views = item
+        self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
+        return number
 
     def _done(self, number: int) -> None:
         with self._cond:
@@ -470,12 +474,3 @@ class Journal:
             self.wanted = dataclasses.replace(self.wanted, job=secrets.token_hex(6))
             text = json.dumps(dataclasses.asdict(self.wanted)).encode()
             write_atomic(self.directory / LAYOUT, lambda f: f.write(text), sync=self.sync)
-
-
-def _write_at(fd: int, data, offset: int) -> int:
-    """Writes all of `data` at `offset`; returns where it ends."""
-    view = memoryview(data).cast("B")
-    while len(view):
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-    return offset

@@ -12,6 +12,9 @@ The data's check is the sum of its little-endian 64-bit words (each tensor's
 last bytes padded with zeros), modulo 2**64: one pass at memory speed where
 Adler-32 takes several, and it catches what a torn or damaged write leaves (a
 page lost, zeroed or stale). Adler-32 covers the head, the meta and the number.
+`write` writes a record from the tensors' own memory, PIECE bytes at a time,
+each piece summed just before it is written: the write copies it from the
+cache, so the data is read from memory once for both.
 
 A log is scanned from its start (`scan`): its whole records in order, up to
 the first bad one. A bad record with no whole record of its log after it, in
@@ -37,8 +40,8 @@ import torch
 from .. import codec
 from ..errors import CheckpointError
 
-__all__ = ["Record", "TAIL_BYTES", "encode", "tail", "scan", "first", "check_tail", "mapped", "state_record",
-           "state_of_record"]
+__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "tail", "write", "scan", "first", "check_tail", "mapped",
+           "state_record", "state_of_record"]
 
 MAGIC, END = b"TPJ2", b"TPJE"
 _HEAD = struct.Struct("<4sIQ")     # magic, meta length, data length
@@ -47,6 +50,7 @@ _NUMBER = struct.Struct("<I")
 _MASK = (1 << 64) - 1
 _TENSOR = "\0tensor"                # a tensor's place in a state record's skeleton
 TAIL_BYTES = _TAIL.size
+PIECE = 2 << 20                     # bytes summed, then written, at a time: a multiple of 8 that stays in the cache
 
 
 class Record:
@@ -69,8 +73,33 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> tuple[
 
 def tail(head: bytes, views: list[memoryview], number: int) -> bytes:
     """The tail of a record written into file `number`: its checks and the end marker."""
-    return _TAIL.pack(zlib.adler32(_NUMBER.pack(number), zlib.adler32(head)), sum(map(_sum64, views)) & _MASK,
-                      number, END)
+    return _tail(head, sum(map(_sum64, views)), number)
+
+
+def write(fd: int, offset: int, head: bytes, views: list[memoryview], number: int) -> int:
+    """Writes the record of file `number` made of encode()'s `head` and `views` at `offset` of the open file
+    `fd`, its tail last; returns where it ends. Raises OSError as os.pwrite does (a record cut short)."""
+    at, total = _write_all(fd, head, offset), 0
+    for view in views:
+        view = memoryview(view).cast("B")
+        for start in range(0, len(view), PIECE):
+            piece = view[start:start + PIECE]
+            total += _sum64(piece)
+            at = _write_all(fd, piece, at)
+    return _write_all(fd, _tail(head, total, number), at)
+
+
+def _tail(head: bytes, data_sum: int, number: int) -> bytes:
+    return _TAIL.pack(zlib.adler32(_NUMBER.pack(number), zlib.adler32(head)), data_sum & _MASK, number, END)
+
+
+def _write_all(fd: int, data, offset: int) -> int:
+    """Writes all of `data` at `offset`; returns where it ends."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    return offset
 
 
 def _sum64(view) -> int:
