@@ -779,7 +779,8 @@ def table(results: dict) -> str:
                          f"{med['ours_1ps']['pull']:.3f})", "-"))
         add("ratio", "ratio = baseline / ours (2 shards)", "{:.2f}", REFERENCES["ratio"])
         add("client_copies_per_byte", "bytes the client copies per byte moved", "{:.2f}",
-            "1.00: each byte once into its push message, once out of its pull message (gRPC's own copies aside)")
+            "0 on bulk lanes (only the kernel copies); 1.00 inline: each byte once into its push message, once "
+            "out of its pull message (gRPC's own copies aside)")
         if "pullpush_cpu_seconds" in results:
             rows.append(("CPU per push + pull, client + shards (ms)", f"{1e3 * results['pullpush_cpu_seconds']:.0f}",
                          f"bare gRPC, same run: {1e3 * results['grpc_baseline_cpu_seconds']:.0f}; raw bytes, "

@@ -8,7 +8,9 @@ Two phases (async, then sync; half the time each, or longer until every kind of
 fault below was injected once), each a fresh job: 2 ps-server shards with a
 checkpoint folder (so each keeps a journal) and 4 worker
 processes that push counters as fast as they can, with roles on (per-task
-tokens from ps-certs, no TLS). Shard 1 is reached through a small TCP proxy.
+tokens from ps-certs, no TLS). Shard 1 is reached through a small TCP proxy. Every push and pull_into
+travels on a bulk lane (PSClient(lane_min_bytes=0)): lanes go to the shards directly, not through the
+proxy, so their failures come from the kills, pauses and disk-full stops below.
 Meanwhile a chaos loop injects, at random, every kind once per round:
   kill-worker        SIGKILL a worker, start it again (a new incarnation)
   kill-shard         SIGKILL a shard, start it again on its port (it recovers from its journal)
@@ -168,7 +170,8 @@ def worker_main(args: argparse.Namespace) -> int:
 
     task = TaskSpec("worker", args.index)
     with PSClient(cluster, task=task, connect_timeout=15, timeout=60, refill_timeout=60,
-                  security=task_security(pathlib.Path(args.credentials), cluster, task)) as ps:
+                  security=task_security(pathlib.Path(args.credentials), cluster, task),
+                  lane_min_bytes=0) as ps:  # every push and pull_into on a bulk lane: their failures are soaked
         def start() -> None:  # idempotent: retried while a shard the chaos loop killed comes back
             if args.index == 0:
                 ps.configure(args.mode, total_num_replicas=WORKERS, lease_seconds=LEASE_SECONDS,

@@ -35,7 +35,7 @@ from . import resize as live_resize
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
 from .fanout import ShardFanout
-from .lanes import ClientLanes
+from .lanes import LANE_MIN_BYTES, ClientLanes
 from .layout import LayoutFollower
 from .membership import Heartbeats, LiveWorkers
 from .overlap import OVERLAP_INFLIGHT_BYTES, PushLock
@@ -89,12 +89,12 @@ class PSClient(DataPath, TablePath):
     False), copied by non-blocking copies on side streams ordered by events
     (client/device.py); on a host without CUDA nothing of that is used.
 
-    With `lanes` (default), pulls and pushes of a MiB or more to a shard that
-    offers bulk lanes (torchps/lanes.py; TLS with these credentials where the
-    shard serves TLS) move their bytes on a TCP connection beside the gRPC
-    call, copied only by the kernel (and TLS); a lane that breaks fails the
-    attempt, which is retried (on a new lane, or inline) like a lost
-    connection.
+    With `lanes` (default), pulls into known tensors and pushes of
+    `lane_min_bytes` (1 MiB) or more to a shard that offers bulk lanes
+    (torchps/lanes.py; TLS with these credentials where the shard serves
+    TLS) move their bytes on a TCP connection beside the gRPC call, copied
+    only by the kernel (and TLS); a lane that breaks fails the attempt, which
+    is retried (on a new lane, or inline) like a lost connection.
     """
 
     def __init__(
@@ -111,6 +111,7 @@ class PSClient(DataPath, TablePath):
         security: Security | None = None,
         pin_memory: bool = True,
         lanes: bool = True,
+        lane_min_bytes: int = LANE_MIN_BYTES,
     ):
         if cluster is None:
             cluster, env_task = Cluster.from_tf_config()
@@ -135,7 +136,7 @@ class PSClient(DataPath, TablePath):
         self._layout = LayoutFollower(self._fanout, self.placement)  # the layout across live resizes
         self._lanes = ClientLanes(lambda shard: self._fanout.channels.addresses[shard],
                                   lambda shard: self.status(shard).lane_port, enabled=lanes,
-                                  context=tls_context(self.security, server=False))
+                                  context=tls_context(self.security, server=False), min_bytes=lane_min_bytes)
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
         self.incarnation = random.getrandbits(63) or 1  # new per start: shards tell restarts from retries

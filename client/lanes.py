@@ -21,19 +21,20 @@ from ..lanes import Lane, connect
 __all__ = ["ClientLanes", "LANE_MIN_BYTES"]
 
 _LOGGER = logging.getLogger(__name__)
-LANE_MIN_BYTES = 1 << 20  # a call moving fewer bytes goes inline: one message, no frame to read
+LANE_MIN_BYTES = 1 << 20  # by default a call moving fewer bytes goes inline: one message, no frame to read
 NO_LANE_SECONDS = 30.0    # after a lane could not be opened, the shard's calls go inline this long
 _KEPT_PER_SHARD = 4       # idle lanes kept per shard (more calls at once open more, closed when given back)
 
 
 class ClientLanes:
     """Lanes by shard. `address(shard)` is the shard's gRPC host:port, `lane_port(shard)` asks it for its lane
-    port (GetStatus; 0: none); `context` (lanes.tls_context) makes them TLS. Thread-safe; borrow() blocks only
-    to open a lane (up to `timeout`)."""
+    port (GetStatus; 0: none); `context` (lanes.tls_context) makes them TLS; calls of fewer than `min_bytes`
+    go inline. Thread-safe; borrow() blocks only to open a lane (up to `timeout`)."""
 
     def __init__(self, address: Callable[[int], str], lane_port: Callable[[int], int], enabled: bool = True,
-                 context: ssl.SSLContext | None = None):
+                 context: ssl.SSLContext | None = None, min_bytes: int = LANE_MIN_BYTES):
         self._address, self._lane_port, self.enabled, self._context = address, lane_port, enabled, context
+        self.min_bytes = min_bytes
         self._lock = threading.Lock()
         self._ports: dict[int, int] = {}
         self._idle: dict[int, list[Lane]] = {}
@@ -43,7 +44,7 @@ class ClientLanes:
     def borrow(self, shard: int, nbytes: int, timeout: float) -> Lane | None:
         """A lane to `shard` for one call moving `nbytes`, or None: send inline (few bytes, lanes off, none
         offered, or none could be opened)."""
-        if not self.enabled or nbytes < LANE_MIN_BYTES:
+        if not self.enabled or nbytes < self.min_bytes:
             return None
         with self._lock:
             if time.monotonic() < self._inline_until.get(shard, 0.0):

@@ -454,13 +454,14 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
             yield from self._messages(names, chunk_bytes, result, casts, bases)
             return
         pending: list = []
-        for message in self._messages(names, chunk_bytes, result, casts, bases, pending):
+        for message in self._messages(names, chunk_bytes, result, casts, bases, pending, lane):
             yield message
             lane.send(pending, self._lane_seconds(context))
             pending.clear()
 
     def _messages(self, names: list[str], chunk_bytes: int, result: ps_pb2.PushResponse | None = None,
-                  casts: list | None = None, bases: list[int] | None = None, pending: list | None = None):
+                  casts: list | None = None, bases: list[int] | None = None, pending: list | None = None,
+                  lane: Lane | None = None):
         """Serialized PullResponses for `names`, in order; `result` rides on the first message.
 
         Each variable is sent as one consistent version with at most one
@@ -480,7 +481,6 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         small_bytes = 0
         sent = False
 
-        staging = None  # lane replies: a large variable's chunk, copied under its lock, waits here to be sent
 
         def message(pieces) -> bytes:
             nonlocal sent
@@ -493,13 +493,12 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
 
         def staged(view):
             """`view` (a variable's memory, under its lock) itself inline, where encoding copies it; copied
-            into the staging buffer for a lane (sent after the lock is let go)."""
-            nonlocal staging
+            into the lane's scratch buffer for a lane (sent after the lock is let go)."""
             if pending is None:
                 return view
-            if staging is None or len(staging) < len(view):
-                staging = np.empty(chunk_bytes, dtype=np.uint8)
-            out = staging[:len(view)]
+            if lane.scratch is None or len(lane.scratch) < len(view):  # kept with the lane, reused call to call
+                lane.scratch = np.empty(max(chunk_bytes, len(view)), dtype=np.uint8)
+            out = lane.scratch[:len(view)]
             out[:] = np.frombuffer(view, dtype=np.uint8)
             return memoryview(out)
 

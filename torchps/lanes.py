@@ -100,6 +100,7 @@ class Lane:
         self._left = 0               # bytes of the current frame not read yet
         self._closed = threading.Event()
         self._deadline: float | None = None
+        self.scratch = None  # a buffer its user keeps with it between calls (a shard stages pulled chunks in it)
 
     @property
     def closed(self) -> bool:

@@ -4,6 +4,8 @@ A float32 push copies each byte once into its message, a pull in place once
 out of its message into the parameter; a bf16 cast adds the cast's output, a
 cast pull its staging copy. The counters are what bench/pullpush.py reports
 as bytes copied per step, so these tests pin them to the data path's copies.
+These tensors are below PSClient's lane_min_bytes, so they travel inline; on
+a bulk lane nothing is copied (tests/grpc/test_lanes.py).
 """
 
 from __future__ import annotations
