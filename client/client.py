@@ -49,6 +49,7 @@ T = TypeVar("T")
 _LOGGER = logging.getLogger(__name__)
 CONTROL_TIMEOUT_SECONDS = 30.0  # deadline of calls that never wait for training (status, join, configure, ...)
 LEAVE_ON_CLOSE_SECONDS = 3.0    # close() does not wait longer for shards to hear it leave: leases expire anyway
+LANE_PORT_RETRY_SECONDS = 2.0   # how long a shard's lane port is asked for before its call goes inline
 
 
 class PSClient(DataPath, TablePath):
@@ -134,8 +135,7 @@ class PSClient(DataPath, TablePath):
         self._fanout = ShardFanout(cluster, connect_timeout=connect_timeout, security=self.security, timeout=timeout,
                                    control_timeout=min(timeout, CONTROL_TIMEOUT_SECONDS), chunk_bytes=chunk_bytes)
         self._layout = LayoutFollower(self._fanout, self.placement)  # the layout across live resizes
-        self._lanes = ClientLanes(lambda shard: self._fanout.channels.addresses[shard],
-                                  lambda shard: self.status(shard).lane_port, enabled=lanes,
+        self._lanes = ClientLanes(lambda shard: self._fanout.channels.addresses[shard], self._lane_port, enabled=lanes,
                                   context=tls_context(self.security, server=False), min_bytes=lane_min_bytes)
         self._closed = False
         self.worker = str(task) if task else f"client-{os.getpid()}"
@@ -570,6 +570,12 @@ class PSClient(DataPath, TablePath):
     def global_step(self) -> int:
         """The global step (shard 0's counter of applied pushes). Blocks for one round trip."""
         return self.status(GLOBAL_STEP_SHARD).step
+
+    def _lane_port(self, shard: int) -> int:
+        """The shard's bulk-lane port (0: none), asked without waiting long for a shard that is down: its call
+        then goes inline, and the call's own retries wait for the shard."""
+        return self._fanout.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                                 self.control_timeout, retry_for=LANE_PORT_RETRY_SECONDS).lane_port
 
     def status(self, shard: int, joined_of: Iterable[str] = ()) -> ps_pb2.StatusResponse:
         """One shard's status (index, step, variable count, bytes, pid, counters); its `not_joined` lists the
