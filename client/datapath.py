@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import grpc
 import torch
@@ -170,25 +170,32 @@ class DataPath:
                 targets = getattr(sink, "targets", None)  # a pull into known targets: its size is known
                 nbytes = 0 if targets is None else sum(targets[n].numel() * targets[n].element_size()
                                                        for n in shard_names)
-                lane = self._lanes.borrow(shard, nbytes, timeout)
-                if lane is not None:
-                    request.lane, request.chunk_bytes = lane.key, LANE_CHUNK_BYTES
-                started = time.perf_counter()
-                responses, ok = stub.Pull(request, timeout=timeout), False
-                try:
-                    step = read_stream(lane_messages(responses, lane, timeout), shard_names, sink,
-                                       self._fanout.target(shard), stats=self.stats, bases=bases)[0]
-                    ok = True
-                    self.stats.add_stage("pull_call", time.perf_counter() - started)
-                    return step
-                finally:
-                    if not ok:
-                        responses.cancel()
-                    self._lanes.give_back(shard, lane, ok)
+                return self._pull_stream(shard, stub, request, timeout, nbytes, lambda messages: read_stream(
+                    messages, shard_names, sink, self._fanout.target(shard), stats=self.stats, bases=bases)[0])
 
             return self._fanout.call(shard, attempt, self.timeout)
 
         return self._layout.each(self.placement.group(names), pull, "pull").get(GLOBAL_STEP_SHARD, -1)
+
+    def _pull_stream(self, shard: int, stub, request: ps_pb2.PullRequest, timeout: float, nbytes: int,
+                     read: Callable[[Iterator], int], watch: Callable[[object], Iterator] = iter) -> int:
+        """read(messages) of `request`'s Pull stream from `shard` (`watch(call)` iterates the call), its bytes
+        on a bulk lane if one is lent for the `nbytes` to come (client/lanes.py): the lane is given back in
+        step, or closed if the stream failed (LaneBrokenError is retried by the caller's fanout call)."""
+        lane = self._lanes.borrow(shard, nbytes, timeout)
+        if lane is not None:
+            request.lane, request.chunk_bytes = lane.key, LANE_CHUNK_BYTES
+        started = time.perf_counter()
+        call, ok = stub.Pull(request, timeout=timeout), False
+        try:
+            step = read(lane_messages(watch(call), lane, timeout))
+            ok = True
+            self.stats.add_stage("pull_call", time.perf_counter() - started)
+            return step
+        finally:
+            if not ok:
+                call.cancel()
+            self._lanes.give_back(shard, lane, ok)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, step: int | None = None, advance_step: bool = True,
              rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:

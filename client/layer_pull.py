@@ -1,7 +1,8 @@
 """A layer-by-layer pull: a module's values landing in place while forward runs (overlap.py's second half).
 
 LayerPull pulls every parameter in forward order, one Pull stream per shard
-in background threads, and signals each parameter's arrival (all its pieces,
+in background threads (its bytes on a bulk lane where one is lent:
+DataPath._pull_stream), and signals each parameter's arrival (all its pieces,
 in place) as its last chunk lands; overlap.py's forward pre-hook on every
 submodule that owns parameters waits for those parameters only. A parameter
 on a GPU arrives in a reused host buffer and its copy to the device is
@@ -78,12 +79,17 @@ class LayerPull:
 
     def _pull(self, shard: int, names: list[str], first: bool = True, again: bool = False) -> int:
         client = self.client
-        request = ps_pb2.PullRequest(names=names, chunk_bytes=client.chunk_bytes, min_step=self._min_step,
-                                     cast=client._pull_casts(names, self._sink))
+        nbytes = sum(self._wire[name].numel() * self._wire[name].element_size() for name in names)
+
+        def attempt(stub, timeout: float) -> int:
+            request = ps_pb2.PullRequest(names=names, chunk_bytes=client.chunk_bytes, min_step=self._min_step,
+                                         cast=client._pull_casts(names, self._sink))
+            return client._pull_stream(shard, stub, request, timeout, nbytes, lambda messages: read_stream(
+                messages, names, self._buffer, client._fanout.target(shard), self._landed, client.stats)[0],
+                watch=self._unless_cancelled)
+
         try:
-            return client._fanout.call(shard, lambda stub, t: read_stream(
-                self._unless_cancelled(stub.Pull(request, timeout=t)), names, self._buffer,
-                client._fanout.target(shard), self._landed, client.stats)[0], client.timeout)
+            return client._fanout.call(shard, attempt, client.timeout)
         except (UnknownVariableError, LayoutChangedError):
             raise  # a shard that restarted empty (the refill guard recovers it) or that they left (sent again)
         except BaseException as exc:

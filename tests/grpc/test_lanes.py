@@ -243,3 +243,25 @@ def test_a_tls_shard_s_lanes_are_tls_and_refuse_a_client_without_the_job_s_certi
         ps.push({"v": torch.ones(N)})  # the shard serves on
         ps.pull_into(target)
     torch.testing.assert_close(target["v"], -2 * torch.ones(N))
+
+
+def test_an_overlapped_pull_lands_each_layer_from_a_lane(local_cluster):
+    """overlap=True pulls layer by layer in background threads: on lanes too, to the same values as inline."""
+    local = local_cluster(1)
+    results, copied = {}, {}
+    for lanes in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.Linear(512, 4))  # 2 MiB of weight
+        with PSClient(local.cluster, lanes=lanes) as ps:
+            binding = ps.register_module(model, Optimizer("sgd", lr=0.1), create=True,
+                                         prefix="overlap-lane/" if lanes else "overlap-inline/", overlap=True)
+            for _ in range(3):
+                model(torch.ones(2, 1024)).sum().backward()
+                binding.push()
+                binding.pull()
+            model(torch.ones(1, 1024))  # waits for the last pull, layer by layer
+            results[lanes] = [p.detach().clone() for p in model.parameters()]
+            copied[lanes] = ps.stats.bytes_copied
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    # Inline, each pulled byte is copied out of its message; on the lane only the (streamed, inline) pushes copy.
+    assert copied[True] < 0.6 * copied[False], copied
