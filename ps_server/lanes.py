@@ -5,8 +5,11 @@ of the shard's gRPC host, welcomes each with a fresh random key and keeps it
 idle until a call names that key (claim); the call gives it back (release)
 in step, or it is closed. While idle, a lane whose client closed it is
 closed; one with bytes waiting (a push's first frame, sent just before its
-call claims the lane) is left alone until claimed. At most MAX_LANES are
-open: past that a new connection is closed at once.
+call claims the lane) is left alone until claimed; one no call claimed for
+`idle_seconds` is closed (its client, if still there, retries the call that
+finds it closed on a new lane), and TCP keepalive closes one whose client's
+host is gone. At most MAX_LANES are open: past that a new connection is
+closed at once.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ import select
 import socket
 import ssl
 import threading
+import time
 
 from ..errors import LaneBrokenError
 from ..lanes import KEY_BYTES, WELCOME, Lane
 
-__all__ = ["LaneServer", "MAX_LANES"]
+__all__ = ["IDLE_SECONDS", "LaneServer", "MAX_LANES"]
 
 _LOGGER = logging.getLogger(__name__)
 MAX_LANES = 256
+IDLE_SECONDS = 600.0  # a lane no call claimed for this long is closed
+_KEEPALIVE = ((getattr(socket, "TCP_KEEPIDLE", None), 60), (getattr(socket, "TCP_KEEPINTVL", None), 10),
+              (getattr(socket, "TCP_KEEPCNT", None), 3))  # a dead peer's lane errors within about 90 s
 _POLL_SECONDS = 1.0  # how often the thread wakes to notice close()
 _WELCOME_SECONDS = 5.0
 
@@ -33,7 +40,8 @@ class LaneServer:
     """Listens for lanes on `host`:`port` (0: a free port), TLS with `context` (lanes.tls_context) if given;
     its thread runs under `failstop` (a dead accept loop stops the shard) when given. Thread-safe."""
 
-    def __init__(self, host: str, port: int = 0, failstop=None, context: ssl.SSLContext | None = None):
+    def __init__(self, host: str, port: int = 0, failstop=None, context: ssl.SSLContext | None = None,
+                 idle_seconds: float = IDLE_SECONDS):
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
         self.port = self._listener.getsockname()[1]
@@ -43,6 +51,8 @@ class LaneServer:
         self._waiting: set[bytes] = set()  # idle lanes with bytes waiting for the call that will claim them
         self._stop = threading.Event()
         self._context = context
+        self._idle_seconds = idle_seconds
+        self._idle_since: dict[bytes, float] = {}  # idle lane -> when it became idle
         self._welcoming = 0  # connections in their TLS handshake
         body = self._run if failstop is None else lambda: failstop.run("the bulk lanes' listener", self._run)
         self._thread = threading.Thread(target=body, name="bulk-lanes", daemon=True)
@@ -56,6 +66,7 @@ class LaneServer:
             if lane is not None:
                 self._busy[key] = lane
                 self._waiting.discard(key)
+                self._idle_since.pop(key, None)
         if lane is None:
             raise LaneBrokenError("the bulk lane this call names is not open on this shard (closed, or in use "
                                   "by another call); nothing was applied")
@@ -68,6 +79,7 @@ class LaneServer:
             keep = ok and not lane.closed and lane.finished() and not self._stop.is_set()
             if keep:
                 self._idle[lane.key] = lane
+                self._idle_since[lane.key] = time.monotonic()
         if not keep:
             lane.close()
 
@@ -89,6 +101,7 @@ class LaneServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._close_stale()
             with self._lock:
                 idle = {lane.sock: lane for key, lane in self._idle.items() if key not in self._waiting}
             poller = select.poll()  # not select(): a shard's descriptors may pass FD_SETSIZE
@@ -133,6 +146,10 @@ class LaneServer:
         key = secrets.token_bytes(KEY_BYTES)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in _KEEPALIVE:
+                if option is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
             sock.settimeout(_WELCOME_SECONDS)
             if self._context is not None:
                 sock = self._context.wrap_socket(sock, server_side=True)
@@ -148,6 +165,19 @@ class LaneServer:
                 sock.close()
                 return
             self._idle[key] = Lane(sock, key)
+            self._idle_since[key] = time.monotonic()
+
+    def _close_stale(self) -> None:
+        """Closes the idle lanes no call claimed for idle_seconds."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [key for key, since in self._idle_since.items() if now - since >= self._idle_seconds]
+            lanes = [self._idle.pop(key) for key in stale]
+            for key in stale:
+                del self._idle_since[key]
+                self._waiting.discard(key)
+        for lane in lanes:
+            lane.close()
 
     def _check_idle(self, lane: Lane) -> None:
         """An idle lane turned readable: closed if its client closed it; else bytes wait for the call that will
@@ -166,4 +196,5 @@ class LaneServer:
                 self._waiting.add(lane.key)
                 return
             del self._idle[lane.key]
+            self._idle_since.pop(lane.key, None)
         lane.close()
