@@ -32,8 +32,7 @@ LANE_CHUNK_BYTES = 8 << 20  # a chunk on a bulk lane: its message is a few bytes
 
 def _wire_nbytes(grad) -> int:
     """The bytes a gradient (a tensor, or compression.Encoded) puts on the wire."""
-    tensor = grad.payload if isinstance(grad, Encoded) else grad
-    return tensor.numel() * tensor.element_size()
+    return (grad.payload if isinstance(grad, Encoded) else grad).nbytes
 
 
 class _RowsSent:
@@ -168,8 +167,7 @@ class DataPath:
                     request.base_generation, versions = bases.take(shard_names, sink.targets)
                     request.base_versions.extend(versions)
                 targets = getattr(sink, "targets", None)  # a pull into known targets: its size is known
-                nbytes = 0 if targets is None else sum(targets[n].numel() * targets[n].element_size()
-                                                       for n in shard_names)
+                nbytes = 0 if targets is None else sum(targets[n].nbytes for n in shard_names)
                 return self._pull_stream(shard, stub, request, timeout, nbytes, lambda messages: read_stream(
                     messages, shard_names, sink, self._fanout.target(shard), stats=self.stats, bases=bases)[0])
 

@@ -79,7 +79,7 @@ class LayerPull:
 
     def _pull(self, shard: int, names: list[str], first: bool = True, again: bool = False) -> int:
         client = self.client
-        nbytes = sum(self._wire[name].numel() * self._wire[name].element_size() for name in names)
+        nbytes = sum(self._wire[name].nbytes for name in names)
 
         def attempt(stub, timeout: float) -> int:
             request = ps_pb2.PullRequest(names=names, chunk_bytes=client.chunk_bytes, min_step=self._min_step,
