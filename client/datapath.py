@@ -398,10 +398,12 @@ class DataPath:
                                                   pull_base_generation=generation, pull_base_versions=versions)
                 (request,) = push_requests(shard_header, {**sent, **tables}, [*names, *tables], self.chunk_bytes,
                                              self.stats)
+                started = time.perf_counter()
                 try:
                     reply = self._fanout.call(shard, lambda stub, t: read_stream(
                         [stub.PushPull(request, timeout=t)], list(shard_header.pull), sink,
                         self._fanout.target(shard), stats=self.stats, bases=bases), self.timeout)
+                    self.stats.add_stage("exchange_call", time.perf_counter() - started)
                 except LayoutChangedError:
                     table_rows.refused(shard, tables)
                     raise

@@ -14,6 +14,7 @@ STAGES = {  # stage -> what its timer covers (client/datapath.py, client/transfe
     "push_encode": "making the push's messages (inline: copying the bytes into them)",
     "push_lane_send": "sending the push's bytes on a bulk lane",
     "pull_call": "a shard's pull attempt, from its call to its last byte in place",
+    "exchange_call": "a shard's PushPull (a small model's push and pull in one call), call to values in place",
     "pull_into_place": "the pulled bytes into their tensors: read from the lane, or copied out of messages",
 }
 

@@ -265,3 +265,15 @@ def test_an_overlapped_pull_lands_each_layer_from_a_lane(local_cluster):
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
     # Inline, each pulled byte is copied out of its message; on the lane only the (streamed, inline) pushes copy.
     assert copied[True] < 0.6 * copied[False], copied
+
+
+def test_a_small_model_s_exchange_is_one_inline_call_timed_as_such(local_cluster):
+    """Below lane_min_bytes a step's push and pull are one PushPull per shard, inline, and its timer says so."""
+    local = local_cluster(1)
+    model = torch.nn.Linear(16, 4)
+    with PSClient(local.cluster) as ps:
+        binding = ps.register_module(model, Optimizer("sgd", lr=0.1), create=True, prefix="small-exchange/")
+        model(torch.ones(2, 16)).sum().backward()
+        binding.exchange()
+        stages = ps.stats.as_dict()["stage_seconds"]
+        assert stages.get("exchange_call", 0) > 0 and ps._lanes.opened == 0, stages
