@@ -24,8 +24,7 @@ from typing import Callable, TypeVar
 
 import grpc
 
-from .. import wire
-from ..codec import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
+from ..sizes import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
 from ..errors import LaneBrokenError, ServerUnavailableError, ShardBusyError, VariableMovingError
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
@@ -43,6 +42,14 @@ DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a 
 PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answers at its address
 
 
+def _decode_pull(data: bytes):
+    """wire.decode_pull_response, wire (and torch) imported at the first reply that needs it: ps-admin, which
+    never pulls, runs without torch."""
+    from .. import wire
+
+    return wire.decode_pull_response(data)
+
+
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
 
@@ -52,14 +59,14 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     service = "/" + ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
     stub.Pull = channel.unary_stream(f"{service}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
-                                     response_deserializer=wire.decode_pull_response)
+                                     response_deserializer=_decode_pull)
     stub.Push = channel.stream_unary(f"{service}/Push", request_serializer=None,
                                      response_deserializer=ps_pb2.PushResponse.FromString)
     stub.PushPull = channel.unary_unary(f"{service}/PushPull", request_serializer=None,
-                                        response_deserializer=wire.decode_pull_response)
+                                        response_deserializer=_decode_pull)
     stub.LookupRows = channel.unary_stream(f"{service}/LookupRows",
                                            request_serializer=ps_pb2.LookupRowsRequest.SerializeToString,
-                                           response_deserializer=wire.decode_pull_response)
+                                           response_deserializer=_decode_pull)
     return stub
 
 

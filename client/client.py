@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -34,7 +35,8 @@ from . import checkpoints
 from . import resize as live_resize
 from .datapath import GLOBAL_STEP_SHARD, DataPath
 from .device import DeviceStaging
-from .fanout import ShardFanout
+from .fanout import CONTROL_TIMEOUT_SECONDS, ShardFanout
+from .held import HeldPushWatch, held_reason
 from .lanes import LANE_MIN_BYTES, ClientLanes
 from .layout import LayoutFollower
 from .membership import Heartbeats, LiveWorkers
@@ -47,7 +49,6 @@ __all__ = ["PSClient"]
 
 T = TypeVar("T")
 _LOGGER = logging.getLogger(__name__)
-CONTROL_TIMEOUT_SECONDS = 30.0  # deadline of calls that never wait for training (status, join, configure, ...)
 LEAVE_ON_CLOSE_SECONDS = 3.0    # close() does not wait longer for shards to hear it leave: leases expire anyway
 LANE_PORT_RETRY_SECONDS = 2.0   # how long a shard's lane port is asked for before its call goes inline
 
@@ -156,6 +157,7 @@ class PSClient(DataPath, TablePath):
         self._encoder = Encoder()  # wire compression: a policy per variable, error-feedback residuals
         self._tables: dict[str, TableLayout] = {}  # embedding tables created or waited for (tables.py)
         self._table_padding: dict[str, int | None] = {}  # a registered module's padding_idx, by table
+        self._held = HeldPushWatch(self._held_reason)  # names what a push held long on ps 0 waits for
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -169,6 +171,7 @@ class PSClient(DataPath, TablePath):
                 except PSError as exc:
                     _LOGGER.warning("could not leave cleanly: %s", exc)
             self._heartbeats.stop()
+            self._held.close()
             self._closed = True
             self._lanes.close()
             self._fanout.close()
@@ -179,6 +182,17 @@ class PSClient(DataPath, TablePath):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _watch_held(self) -> contextlib.AbstractContextManager:
+        """Around a push's wait for its replies: in sync and ssp modes, where ps 0 may hold it, a push held
+        longer than usual is named in a warning saying what it waits for (held.py)."""
+        if self.mode is None or self.mode.mode not in ("sync", "ssp"):
+            return contextlib.nullcontext()
+        return self._held.watching()
+
+    def _held_reason(self, waited: float) -> str | None:
+        names = self.cluster.training_names()
+        return held_reason(self.status(GLOBAL_STEP_SHARD, joined_of=names), names, self.worker, waited)
 
     # -- what the fan-out keeps (fanout.ShardFanout) -----------------------------------------------
 

@@ -235,7 +235,8 @@ class DataPath:
             sent, left = self._encode(staged.tensors, header.step)  # once: a retry resends the same bytes
             push = self._part_sender(header, sent, left, table_rows)
             try:
-                replies = self._refill.guard(grads, lambda: self._layout.each(groups, push, "push"))
+                with self._watch_held():
+                    replies = self._refill.guard(grads, lambda: self._layout.each(groups, push, "push"))
                 replies.update({shard: reply for shard, reply in self._rows_again(table_rows, replies, header).items()
                                 if shard not in replies})
                 return self._finish_push(replies)
@@ -413,8 +414,9 @@ class DataPath:
 
             try:
                 epoch = self._layout.epoch
-                replies = self._refill.guard({**grads, **targets}, lambda: self._layout.each(
-                    {s: groups.get(s, []) for s in range(self._layout.shards)}, exchange, "push_pull"))
+                with self._watch_held():
+                    replies = self._refill.guard({**grads, **targets}, lambda: self._layout.each(
+                        {s: groups.get(s, []) for s in range(self._layout.shards)}, exchange, "push_pull"))
                 replies.update({shard: (-1, reply) for shard, reply in self._rows_again(
                     table_rows, {shard: reply for shard, (_, reply) in replies.items()}, header).items()
                                 if shard not in replies})

@@ -20,21 +20,22 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
-import torch
-
-from .. import codec
 from ..cluster import Cluster
 from ..errors import WaitTimeoutError
 from ..proto import ps_pb2
 from ..security import Security
 from .channels import ShardChannels
 
-__all__ = ["ShardFanout", "WAIT_SLICE_SECONDS"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ShardFanout", "WAIT_SLICE_SECONDS", "CONTROL_TIMEOUT_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
+CONTROL_TIMEOUT_SECONDS = 30.0  # deadline of calls that never wait for training (status, join, configure, ...)
 WAIT_SLICE_SECONDS = 5.0  # longest single server-side wait for variables; the client repeats until its deadline
 
 
@@ -107,6 +108,8 @@ class ShardFanout:
                   job_step: int = 0) -> list[bool]:
         """CreateVariables of `tensors` on one shard; the per-variable `created` flags. `job_step`: a refill.
         Blocks for one round trip (at most `timeout` per attempt)."""
+        from .. import codec  # torch: the fan-out itself runs without it (ps-admin)
+
         def requests():
             for i, (name, tensor) in enumerate(tensors.items()):
                 value = tensor.detach().cpu()

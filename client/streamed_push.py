@@ -373,7 +373,8 @@ class StreamedPush:
 
             moved: list[str] = []
             names = [name for stream in self._streams for name in stream.names]
-            client._refill.guard(names, gather)
+            with client._watch_held():
+                client._refill.guard(names, gather)
             if moved or self._unstreamed:
                 replies.update(self._send_placed_anew([*moved, *self._unstreamed], replies))
             return client._finish_push(replies)

@@ -139,6 +139,16 @@ class PendingSteps:
         return buffer is not None and buffer.by_worker[worker] > 0
 
     @guarded
+    def awaited(self, store_step: int) -> tuple[int, int, list[str]]:
+        """(the first step this shard still waits for pushes of, the pushes counted in it, the workers that
+        pushed them, sorted): what a push held for its release waits for (GetStatus)."""
+        step = self._counted_through(store_step)
+        buffer = self.buffers.get(step)
+        if buffer is None:
+            return step, 0, []
+        return step, buffer.pushes, sorted(w for w, n in buffer.by_worker.items() if n)
+
+    @guarded
     def waiting_for(self, store_step: int) -> str:
         """What the first step this shard still waits for pushes of has (for refusals that name it)."""
         step = self._counted_through(store_step)

@@ -34,7 +34,11 @@ def _token_of(metadata) -> str:
     return ""
 
 
-def _unauthenticated(index: int, token: str) -> str:
+def _unauthenticated(index: int, token: str, retired: bool) -> str:
+    if retired:
+        return (f"ps {index} refused the call: its token was replaced by ps-certs --rotate and its grace period "
+                f"has ended; restart this task with its token file, which holds the new token "
+                f"(DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
     why = "carries no token" if not token else "carries a wrong token"
     return (f"ps {index} refused the call: it {why}; pass this task's --token-file "
             f"(ps-certs writes DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
@@ -63,11 +67,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method.rpartition("/")[2]
         token = _token_of(handler_call_details.invocation_metadata)
-        if policy(self._tokens.current(), method, token=token).authenticated or (
-                token and self._tokens.refresh() and policy(self._tokens.current(), method, token=token).authenticated):
+        verdict = policy(self._tokens.current(), method, token=token)
+        if not verdict.authenticated and token and self._tokens.refresh():
+            verdict = policy(self._tokens.current(), method, token=token)
+        if verdict.authenticated:
             return handler
         return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
-                         _unauthenticated(self._index, token))
+                         _unauthenticated(self._index, token, verdict.retired))
 
 
 class Authority:
@@ -84,7 +90,7 @@ class Authority:
         subject = (context.auth_context().get("x509_subject") or [b""])[0].decode(errors="replace")
         verdict = policy(self.tokens.current(), method, token=token, subject=subject)
         if not verdict.authenticated:
-            raise AuthenticationError(_unauthenticated(self.index, token))
+            raise AuthenticationError(_unauthenticated(self.index, token, verdict.retired))
         if not verdict.allowed:
             raise PermissionDeniedError(
                 f"ps {self.index} refused {method} from {verdict.name or 'a token holder'}: the {verdict.role} role "

@@ -175,7 +175,7 @@ def _steps(directory: pathlib.Path) -> list[int]:
 
 
 def _manifest(directory: pathlib.Path, step: int) -> dict | None:
-    """The manifest of checkpoint `step` if it is committed and every file it names is there, else None."""
+    """The manifest of checkpoint `step` if it is committed (a manifest naming shard files), else None."""
     path = step_dir(directory, step) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -183,23 +183,56 @@ def _manifest(directory: pathlib.Path, step: int) -> dict | None:
         return None
     if not isinstance(manifest, dict) or manifest.get("format") not in _MANIFEST_FORMATS:
         return None
-    files = [step_dir(directory, step) / shard["file"] for shard in manifest.get("shards", [])]
-    return manifest if files and all(f.is_file() for f in files) else None
+    return manifest if manifest.get("shards") else None
+
+
+def _damage(directory: pathlib.Path, step: int, manifest: dict) -> str | None:
+    """How committed checkpoint `step`'s files differ from what its manifest recorded (the first file missing
+    or of another size: cut short, or written over), or None. Every shard reads the same answer."""
+    for shard in manifest["shards"]:
+        path = step_dir(directory, step) / shard["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or size != shard.get("bytes", size):
+            return f"{path} is {'missing' if size is None else f'{size} bytes'} where {shard.get('bytes')} were written"
+    return None
+
+
+def _intact(directory: pathlib.Path, step: int) -> dict | None:
+    """The manifest of checkpoint `step` if it is committed and its files are as it recorded them, else None."""
+    manifest = _manifest(directory, step)
+    return manifest if manifest is not None and _damage(directory, step, manifest) is None else None
 
 
 def latest_committed(directory: str | os.PathLike) -> tuple[int, dict] | None:
-    """(step, manifest) of the newest committed checkpoint, or None."""
+    """(step, manifest) of the newest committed checkpoint whose files are intact, or None if none is
+    committed. A newer committed one that is damaged (a file missing, cut short or written over) is passed
+    over with a WARNING naming both, the same for every shard. If every committed one is damaged, the newest
+    (a WARNING says so): restoring it refuses a file that cannot be read, naming it and why."""
     directory = pathlib.Path(directory)
+    damaged: list[tuple[int, dict, str]] = []
     for step in reversed(_steps(directory)):
         manifest = _manifest(directory, step)
-        if manifest is not None:
+        if manifest is None:
+            continue
+        why = _damage(directory, step, manifest)
+        if why is None:
+            if damaged:
+                _LOGGER.warning("the newest committed checkpoint in %s is damaged (%s): restoring the newest intact "
+                                "one, %s", directory, "; ".join(d[2] for d in damaged), step_dir(directory, step).name)
             return step, manifest
+        damaged.append((step, manifest, why))
+    if damaged:
+        _LOGGER.warning("every committed checkpoint in %s is damaged (%s): trying the newest", directory,
+                        "; ".join(d[2] for d in damaged))
+        step, manifest, _ = damaged[0]
+        return step, manifest
     return None
 
 
 def _prune(directory: pathlib.Path, keep: int) -> None:
-    """Deletes committed checkpoints beyond the `keep` newest (0: keep all) and partial ones older than the newest."""
-    committed = [s for s in _steps(directory) if _manifest(directory, s) is not None]
+    """Deletes intact committed checkpoints beyond the `keep` newest (0: keep all) and older ones that are
+    partial or damaged; a damaged one newer than every intact one stays (for the user to look at)."""
+    committed = [s for s in _steps(directory) if _intact(directory, s) is not None]
     if not committed:
         return
     doomed = [s for s in _steps(directory) if s < committed[-1] and s not in committed]
@@ -266,14 +299,15 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, 
         table_state.check_section(state.get("tables"), manifest, index, str(path))
         state = {**state, "source": str(path)}
     else:
-        state = relayout(directory, index, num_ps or manifest["num_ps"])
+        state = relayout(directory, index, num_ps or manifest["num_ps"], found)
     _check_size(state, max_bytes, index)
     return _owned(state)
 
 
-def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str, Any]:
+def relayout(directory: str | os.PathLike, index: int, num_ps: int, found: tuple[int, dict] | None = None
+             ) -> dict[str, Any]:
     """The state shard `index` of `num_ps` should start from, taken from the newest committed checkpoint
-    in `directory`, whatever the old number of shards.
+    in `directory` (`found`: latest_committed's answer, if asked already), whatever the old number of shards.
 
     Partitioned variables are cut again as the manifest's partitioner cuts
     them for `num_ps` shards (rows, values and optimizer state gathered from
@@ -286,7 +320,7 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int) -> dict[str,
     restore onto another layout starts a new job from the checkpoint's values.
     CheckpointError if a shard file is missing a table or damaged.
     """
-    found = latest_committed(directory)
+    found = found or latest_committed(directory)
     if found is None:
         raise InvalidArgumentError(f"no committed checkpoint under {directory}")
     step, manifest = found

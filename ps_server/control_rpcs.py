@@ -51,6 +51,8 @@ class ControlRPCs:
             raise InvalidArgumentError(f"GetStatus looks up at most {MAX_JOINED_OF} names in joined_of. "
                                        f"Received: {len(request.joined_of)}")
         values, state = self.held_bytes()
+        names = list(request.joined_of)
+        awaited_step, awaited_pushes, awaited_pushers = coordinator.awaited()
         return ps_pb2.StatusResponse(
             index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
             state_bytes=state, pid=os.getpid(),
@@ -63,7 +65,10 @@ class ControlRPCs:
             restored_step=coordinator.restored_step, checkpoints=bool(self.checkpoint_dir),
             calls_started=self.calls_started.value, calls_done=self.calls_done.value,
             push_bytes_received=self.push_bytes.value, tables=coordinator.tables.status(),
-            layout_epoch=coordinator.layout.epoch, not_joined=coordinator.never_joined(list(request.joined_of)),
+            layout_epoch=coordinator.layout.epoch, not_joined=coordinator.never_joined(names),
+            members=[ps_pb2.MemberStatus(worker=w, state=s, pushes=p, last_push_step=last, restarts=r)
+                     for w, s, p, last, r in coordinator.standing(names)],
+            awaited_step=awaited_step, awaited_pushes=awaited_pushes, awaited_pushers=awaited_pushers,
             **coordinator.counters())
 
     @map_errors

@@ -180,6 +180,17 @@ class Coordinator:
         """Those of `names` that never joined this job here (the membership's alone: never waits)."""
         return self.membership.never_joined(names)
 
+    def standing(self, names: list[str]) -> list[tuple[str, str, int, int, int]]:
+        """Membership.standing of `names` (the membership's alone: never waits)."""
+        return self.membership.standing(names)
+
+    def awaited(self) -> tuple[int, int, list[str]]:
+        """Sync: PendingSteps.awaited at the shard's step (the pending steps' alone: never waits); else
+        (0, 0, [])."""
+        if self.config.mode != "sync":
+            return 0, 0, []
+        return self.pending.awaited(self.store.step)
+
     def paces(self) -> dict[str, tuple[float, float]]:
         """{worker: (push interval seconds, straggler score)}: see membership.paces_of (computed after the
         membership's lock is let go: it is held only to copy the intervals)."""
@@ -200,7 +211,7 @@ class Coordinator:
             if (self.membership.joined() and current != SyncConfig()) or not self.pending.is_empty():
                 journal = "" if self.recorder.journal is None else (
                     f" (as its journal {self.recorder.directory} recorded: a job on the same volume must finish, "
-                    f"or start anew with --restore-from CHECKPOINT_DIR --replace-journal)")
+                    f"or start anew: {self.recorder.journal.start_over()})")
                 raise ModeConflictError(
                     f"this shard already runs {current} with workers joined{journal}; it cannot switch to "
                     f"{config}. Restart the job to change the mode")

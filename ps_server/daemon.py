@@ -21,6 +21,7 @@ import torch
 from grpc_health.v1 import health
 
 from ..access import describe
+from ..checkpoint_folder import LAUNCH_ADVICE, hold_shard, journal_dir
 from ..cli import INTERRUPTED, USAGE_ERROR
 from ..cluster import Cluster
 from ..errors import ClusterConfigError, PSError
@@ -80,18 +81,20 @@ def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,
                  on_failure: Callable[[str], None]) -> Journal | None:
     """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal. One that
     holds another job's or layout's state is refused (ClusterConfigError), or with --replace-journal moved
-    aside for --restore-from's checkpoint."""
+    aside for --restore-from's checkpoint. Its messages name ps-launch's --replace-journal to a shard
+    ps-launch started (--launched-by), ps-server's flags otherwise."""
     if args.replace_journal and not args.restore_from:
         raise ClusterConfigError("--replace-journal moves a journal aside for --restore-from's checkpoint: pass "
                                  "--restore-from too")
     if args.no_journal:
         return None
-    directory = args.journal_dir or (args.checkpoint_dir and os.path.join(args.checkpoint_dir, "journal", f"ps-{index}"))
+    directory = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
     if not directory:
         return None
     layout = Layout(index, cluster.num_ps if cluster is not None else args.num_ps,
                     os.path.abspath(args.restore_from) if args.restore_from else None)
-    journal = Journal(directory, layout=layout, sync=args.journal_sync, on_failure=on_failure)
+    journal = Journal(directory, layout=layout, sync=args.journal_sync, on_failure=on_failure,
+                      advice=LAUNCH_ADVICE if args.launched_by == "ps-launch" else None)
     if journal.holds_state():
         try:
             journal.check_layout()
@@ -124,6 +127,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     health_servicer, health_server = health.HealthServicer(), None
     set_health(health_servicer, serving=False)
     try:
+        # Its files are this process's alone until it exits (the kernel lets go of the locks then, however it ends).
+        held = hold_shard(args.checkpoint_dir, args.journal_dir, index)
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:
@@ -193,6 +198,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     stopped = server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 5)
     if journal is not None:
         journal.close()
+    held.release()
     _stop(health_server)
     if not stopped:
         _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replace-journal", action="store_true", help="with --restore-from: a journal that belongs "
                         "to another job or layout is moved aside (renamed, kept) and the shard starts from the "
                         "checkpoint; without it such a journal is refused")
+    parser.add_argument("--launched-by", choices=["ps-launch"], help="the command that started this shard (ps-launch "
+                        "says so): what the shard says to do about a journal it refuses names that command's flags")
     q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
     q.add_argument("--max-memory", type=_memory, default=0, help="bytes this shard may hold: variables with their "
                    "optimizer state, embedding tables, and pushes being received, e.g. 8G, or a share of the memory "

@@ -25,16 +25,20 @@ one (so it is the log's torn end), and `on_failure(cause)` runs once (the
 shard's FailStop.fatal: it stops there, ps_server/failstop.py).
 
 Compaction: once the log passes `compact_factor` times the newest base's
-size (at least `min_compact_bytes`), the shard writes its state as a new base
-and starts a new log (rotate, write_base, finish_compaction), and the older
-files are kept as spares for the next base and log to be written over: pages
-the kernel already holds are reused instead of allocated and freed again for
-every record. The folder holds about 2 x (1 + compact_factor) states' worth
-at most.
+size, and a floor (`compaction_floor`: FLOOR_FACTOR times the base's size,
+within MIN_COMPACT_BYTES and MAX_COMPACT_BYTES, unless `min_compact_bytes`
+sets it), the shard writes its state as a new base and starts a new log
+(rotate, write_base, finish_compaction), and the older files are kept as
+spares for the next base and log to be written over: pages the kernel already
+holds are reused instead of allocated and freed again for every record. The
+folder holds about two logs at that threshold and two bases at most: a few
+MiB for a small model.
 
-Recovery (`recover`) cuts a torn record off the end of the last log (a crash
-mid-write) and refuses a journal with a damaged record before a whole one
-(corruption: CheckpointError naming the file and the byte).
+Recovery (`recover`) cuts off what follows the last whole record of the last
+log: a torn record (a crash mid-write; a warning says so) or bytes left from
+a reused file's earlier use (routine: logged at DEBUG). It refuses a journal
+with a damaged record before a whole one (corruption: CheckpointError naming
+the file and the byte, and what to do: `advice`).
 """
 
 from __future__ import annotations
@@ -59,11 +63,16 @@ from .checkpoint import fsync_dir, write_atomic
 from .journal_log import Record
 from .locks import check_unlocked, checked
 
-__all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES"]
+__all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES", "MAX_COMPACT_BYTES",
+           "compaction_floor"]
 
 _LOGGER = logging.getLogger(__name__)
 COMPACT_FACTOR = 4              # log bytes per base byte before a compaction: a base costs 1/4 of its log
-MIN_COMPACT_BYTES = 64 << 20    # so a small model's journal is not compacted every few pushes
+FLOOR_FACTOR = 8                # a small base's log grows to this many times it: not compacted every few pushes,
+MIN_COMPACT_BYTES = 4 << 20     # nor a tiny model's every push, while its journal stays a few MiB;
+MAX_COMPACT_BYTES = 64 << 20    # past 16 MiB of base, COMPACT_FACTOR alone decides
+# A journal refused (corrupt, or another job's or layout's), what a shard started by hand says to do.
+_REPLACE = "pass --restore-from CHECKPOINT_DIR --replace-journal (the journal is moved aside, not deleted)"
 SPARES = 2                      # retired files kept to be written over: a base's and a log's
 LAYOUT = "layout.json"
 _BASE = re.compile(r"^base-(\d{6})\.bin$")
@@ -97,19 +106,28 @@ class Layout:
         return f"job {self.job}, {shards}" + (f", from {self.origin}" if self.origin else "")
 
 
+def compaction_floor(base_bytes: int) -> int:
+    """The least log, in bytes, that is compacted with a base of `base_bytes`: FLOOR_FACTOR times it, within
+    MIN_COMPACT_BYTES and MAX_COMPACT_BYTES."""
+    return min(MAX_COMPACT_BYTES, max(MIN_COMPACT_BYTES, FLOOR_FACTOR * base_bytes))
+
+
 class Journal:
     """A shard's journal folder (see the module docstring). append() and wait() are thread-safe."""
 
     def __init__(self, directory: str | os.PathLike, *, layout: Layout | None = None, sync: bool = False,
-                 compact_factor: float = COMPACT_FACTOR, min_compact_bytes: int = MIN_COMPACT_BYTES,
-                 on_failure: Callable[[str], None] | None = None):
-        """`layout`: the shard this journal serves (check_layout; a new journal records it)."""
+                 compact_factor: float = COMPACT_FACTOR, min_compact_bytes: int | None = None,
+                 on_failure: Callable[[str], None] | None = None, advice: str | None = None):
+        """`layout`: the shard this journal serves (check_layout; a new journal records it). `min_compact_bytes`:
+        the least log compacted (default: compaction_floor of the base). `advice`: what a refusal of the
+        journal tells the user to do to start from a checkpoint instead (default: ps-server's flags)."""
         self.directory = pathlib.Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.wanted = layout
         self.sync = sync
         self.compact_factor = compact_factor
         self.min_compact_bytes = min_compact_bytes
+        self.advice = advice
         self._on_failure = on_failure
         # guards everything below but the writer's own
         self._cond = threading.Condition(checked(threading.Lock(), "journal", "the journal's queue"))
@@ -155,8 +173,12 @@ class Journal:
         if why is not None:
             raise ClusterConfigError(
                 f"journal {self.directory} does not belong to this shard ({self.wanted.describe()}): {why}. Its "
-                f"state is not mixed with another layout: to start from a checkpoint instead pass --restore-from "
-                f"CHECKPOINT_DIR --replace-journal (the journal is moved aside, not deleted)")
+                f"state is not mixed with another layout: to start from a checkpoint instead {self.start_over()}")
+
+    def start_over(self) -> str:
+        """What to do to start from a checkpoint instead of this journal (moved aside, kept), for the way the
+        shard was started: `advice`, else ps-server's flags."""
+        return self.advice or _REPLACE
 
     def note_shards(self, num_ps: int) -> None:
         """A live resize's layout epoch made the job `num_ps` shards: layout.json says so from now on (the same
@@ -225,10 +247,7 @@ class Journal:
                 for record, good in journal_log.scan(view, number):
                     yield record
                 if good < len(view):
-                    journal_log.check_tail(path, view, number, good,
-                                           [(self._log_path(n), n) for n in numbers[i + 1:]])
-                    _LOGGER.warning("journal %s: nothing whole from byte %d on (a torn record, or bytes of the "
-                                    "file's earlier use): %d bytes cut off", path, good, len(view) - good)
+                    self._check_tail(path, view, number, good, [(self._log_path(n), n) for n in numbers[i + 1:]])
             finally:
                 view.release()
                 if mapping is not None:
@@ -237,6 +256,28 @@ class Journal:
                 os.truncate(path, good)
             if number == self._number:
                 self._log_bytes = good
+
+    def _check_tail(self, path: pathlib.Path, view: memoryview, number: int, good: int,
+                    later: list[tuple[pathlib.Path, int]]) -> None:
+        """What follows the whole records of log `number` from byte `good` on, to be cut off: a torn record
+        (a warning) or bytes of the file's earlier use (DEBUG); CheckpointError, with what to do, for a damaged
+        record with a whole one after it."""
+        try:
+            journal_log.check_tail(path, view, number, good, later)
+        except CheckpointError as exc:
+            if self.advice:
+                what = f"To go on from the newest committed checkpoint, {self.advice}"
+            else:
+                what = (f"Move it aside (mv {self.directory} {self.directory}.damaged) and start the shard again: "
+                        f"it starts as a shard without a journal does (from the newest committed checkpoint in "
+                        f"--checkpoint-dir)")
+            raise CheckpointError(f"{exc}. {what}; or restore the disk") from None
+        if journal_log.torn(view, number, good):
+            _LOGGER.warning("journal %s: a torn record at byte %d (a write cut short when the shard stopped: it was "
+                            "never acknowledged): %d bytes cut off", path, good, len(view) - good)
+        else:
+            _LOGGER.debug("journal %s: the %d bytes after its last record (byte %d) are left from the file's "
+                          "earlier use: cut off", path, len(view) - good, good)
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -286,7 +327,8 @@ class Journal:
 
     def wants_compaction(self) -> bool:
         with self._cond:
-            return self._log_bytes > max(self.min_compact_bytes, self.compact_factor * self._base_bytes)
+            floor = compaction_floor(self._base_bytes) if self.min_compact_bytes is None else self.min_compact_bytes
+            return self._log_bytes > max(floor, self.compact_factor * self._base_bytes)
 
     def rotate(self) -> int:
         """Starts a new log for the records appended from now on; returns its number. Call with the state

@@ -18,9 +18,10 @@ cache, so the data is read from memory once for both.
 
 A log is scanned from its start (`scan`): its whole records in order, up to
 the first bad one. A bad record with no whole record of its log after it, in
-its file or a later log, is a torn end (a process killed in the middle of a
-write): cut off. One with a whole record after it is corruption: the journal
-is refused, naming the file and the byte (`check_tail`).
+its file or a later log, is the log's end: cut off. It is a torn record (a
+process killed in the middle of a write: `torn`) or bytes left from the
+file's earlier use. One with a whole record after it is corruption: the
+journal is refused, naming the file and the byte (`check_tail`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from .. import codec
 from ..errors import CheckpointError
 
-__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "tail", "write", "scan", "first", "check_tail", "mapped",
+__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
            "state_record", "state_of_record"]
 
 MAGIC, END = b"TPJ2", b"TPJE"
@@ -135,8 +136,7 @@ def check_tail(path: pathlib.Path, view: memoryview, number: int, bad: int,
         if _decode(view, bad + 1 + at, number, check_only=True)[1] > bad + 1 + at:
             raise CheckpointError(
                 f"journal {path}: the record at byte {bad} is damaged and a whole one follows at byte "
-                f"{bad + 1 + at}: the log is corrupt, not cut short by a crash. Move the journal aside (ps-server "
-                f"--restore-from CHECKPOINT_DIR --replace-journal) or restore the disk")
+                f"{bad + 1 + at}: the log is corrupt, not cut short by a crash")
         at = rest.find(MAGIC, at + 1)
     for log, log_number in later:
         log_view, mapping = mapped(log)
@@ -149,8 +149,23 @@ def check_tail(path: pathlib.Path, view: memoryview, number: int, bad: int,
         if whole:
             raise CheckpointError(
                 f"journal {path}: the record at byte {bad} is damaged and a later log ({log.name}) holds records: "
-                f"the journal is corrupt, not cut short by a crash. Move it aside (ps-server --restore-from "
-                f"CHECKPOINT_DIR --replace-journal) or restore the disk")
+                f"the journal is corrupt, not cut short by a crash")
+
+
+def torn(view: memoryview, number: int, at: int) -> bool:
+    """True if a record of file `number` begins at byte `at` and is not whole: its head was written, not its
+    end (a write cut short). False for bytes left from the file's earlier use: no record's head there (zeros,
+    the middle of an older record), or a whole record of the file it was before."""
+    if bytes(view[at:at + len(MAGIC)]) != MAGIC:
+        return False
+    if at + _HEAD.size <= len(view):
+        _, meta_len, data_len = _HEAD.unpack_from(view, at)
+        tail_at = at + _HEAD.size + meta_len + data_len
+        if tail_at + _TAIL.size <= len(view):
+            earlier = _TAIL.unpack_from(view, tail_at)[2]
+            if earlier != number and _decode(view, at, earlier, check_only=True)[1] > at:
+                return False
+    return True
 
 
 def mapped(path: pathlib.Path) -> tuple[memoryview, mmap.mmap | None]:

@@ -9,6 +9,12 @@ A worker is *live* while both hold:
 Each worker's pace (a moving average of its push intervals) gives it a
 straggler score: its interval over the median of the other live workers'.
 
+Each member counts its pushes (count_push: applied, summed into a sync step
+or dropped as stale, live and at the journal's replay), over every
+incarnation of its name; the count and the step of its last push go into
+checkpoints and "member" records, and GetStatus reports them (the chief's
+account of the data trained, a restarted worker's batches to skip).
+
 Each client process draws a random incarnation (never 0; 0 means none was
 given, and fences nothing). A known worker arriving with a new incarnation is a restart: the old incarnation is retired, and every later
 call from it (a push, a heartbeat, a leave) is refused with
@@ -62,10 +68,18 @@ class Member:
                               # counts from the step it starts at, not for one being finished)
     clock: int = 0            # pushes applied (ssp)
     gone: bool = False        # left, or its lease ran out
+    left: bool = False        # gone by leave() (not by its lease running out)
     stalled: bool = False     # heartbeats, but pushed nothing for the progress timeout
     held: int = 0             # its pushes this shard is holding right now
     last_push: float | None = None
     interval: float | None = None  # moving average of its push intervals (its step time, as seen here)
+    pushes: int = 0           # pushes counted (count_push), every incarnation of the name
+    last_push_step: int = -1  # the step its last counted push was computed at
+
+    @property
+    def state(self) -> str:
+        """"live", "left" (it called Leave) or "lost" (its lease or progress ran out)."""
+        return "live" if self.live else "left" if self.left else "lost"
 
     @property
     def live(self) -> bool:
@@ -140,7 +154,7 @@ class Membership:
             if progress:
                 member.last_progress = now
             return None, None
-        member.gone = member.stalled = False
+        member.gone = member.stalled = member.left = False
         member.last_seen = member.last_progress = now
         member.counts_from = max(step, start_step)
         member.clock = max(member.clock, level)
@@ -183,7 +197,7 @@ class Membership:
         member = self.members.get(worker)
         if member is None or member.incarnation != incarnation or member.gone:
             return False
-        member.gone = True
+        member.gone = member.left = True
         return True
 
     @guarded
@@ -197,6 +211,15 @@ class Membership:
     def retired_of(self, worker: str) -> list[int]:
         """The retired incarnations of `worker`, oldest first."""
         return list(self.retired.get(worker, ()))
+
+    @guarded
+    def count_push(self, worker: str, step: int) -> None:
+        """Counts one push of `worker` computed at `step` (applied, summed or dropped as stale; live and at
+        replay); nothing for an unknown worker."""
+        member = self.members.get(worker)
+        if member is not None:
+            member.pushes += 1
+            member.last_push_step = step
 
     @guarded
     def advance_clock(self, worker: str) -> None:
@@ -239,6 +262,12 @@ class Membership:
     def never_joined(self, names: list[str]) -> list[str]:
         """Those of `names` that never joined this job here, in order."""
         return [name for name in names if name not in self.members]
+
+    @guarded
+    def standing(self, names: list[str]) -> list[tuple[str, str, int, int, int]]:
+        """(name, state, pushes, last push step, restarts) of each of `names` that joined here, in order."""
+        return [(name, m.state, m.pushes, m.last_push_step, len(self.retired.get(name, ())))
+                for name in names if (m := self.members.get(name)) is not None]
 
     # -- the passing of time ---------------------------------------------------------------------
 
@@ -324,13 +353,14 @@ class Membership:
     def export_member(self, worker: str) -> dict:
         m = self.members[worker]
         return {"incarnation": m.incarnation, "clock": m.clock, "counts_from": m.counts_from,
-                "gone": m.gone or m.stalled}
+                "gone": m.gone or m.stalled, "left": m.left, "pushes": m.pushes, "last_push_step": m.last_push_step}
 
     @guarded
     def restore_member(self, worker: str, entry: dict, now: float) -> None:
         """Sets one member as export_member() gave it, with a fresh lease."""
         self.members[worker] = Member(entry["incarnation"], now, now, counts_from=entry["counts_from"],
-                                      clock=entry["clock"], gone=entry["gone"])
+                                      clock=entry["clock"], gone=entry["gone"], left=entry.get("left", False),
+                                      pushes=entry.get("pushes", 0), last_push_step=entry.get("last_push_step", -1))
 
     @guarded
     def take(self, worker: str, entry: Mapping, now: float) -> None:
@@ -344,6 +374,11 @@ class Membership:
         else:
             member.incarnation, member.clock, member.counts_from = (entry["incarnation"], entry["clock"],
                                                                     entry["counts_from"])
+            # At replay the pushes journaled after the record may have been counted before it was made: the
+            # larger count is the right one (live, the two are equal).
+            if entry.get("pushes", 0) > member.pushes:
+                member.pushes, member.last_push_step = entry["pushes"], entry.get("last_push_step", -1)
+            member.left = entry.get("left", False)
             if not entry["gone"]:
                 member.gone = member.stalled = False
             elif not member.stalled:

@@ -3,17 +3,19 @@
 Names follow Prometheus's conventions: a `torchps_` prefix, base units
 (`_seconds`, `_bytes`), `_total` on counters, and no per-variable labels (the
 scrape target names the shard); only the workers' pace carries a `worker`
-label, one series per worker of the job. Counters and gauges
-are read from the shard's own figures when scraped (the ones GetStatus
-reports); histograms are observed as pushes and checkpoint saves happen.
-Each shard has its own registry: nothing here is process-global.
+label, one series per worker of the job, and the failed calls a `method` and
+`code` label. Counters and gauges are read from the shard's own figures when
+scraped (the ones GetStatus reports); histograms and the failed calls are
+observed as they happen. prometheus_client's process collector adds the
+standard `process_*` figures (CPU seconds, start time: a restart). Each shard
+has its own registry: nothing here is process-global.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..metrics_http import serve_metrics
@@ -29,6 +31,7 @@ class ShardMetrics:
     def __init__(self, port: int = 0) -> None:
         self.port = port  # where `serve` listens (0: a free port)
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
         self.push_seconds = Histogram(
             "torchps_push_seconds", "Push calls, from the handler's start to its reply (waits included)",
             registry=self.registry)
@@ -44,6 +47,12 @@ class ShardMetrics:
         self.checkpoint_seconds = Histogram(
             "torchps_checkpoint_save_seconds", "Time to snapshot and write this shard's part of a checkpoint",
             registry=self.registry)
+        self.journal_wait_seconds = Histogram(
+            "torchps_journal_wait_seconds", "Time a change waited for its journal record to be written before "
+            "it was acknowledged", registry=self.registry)
+        self.failed_calls = Counter(
+            "torchps_calls_failed", "RPC calls that ended with an error status, by method and status code",
+            ["method", "code"], registry=self.registry)
         self.last_checkpoint: float | None = None  # wall clock of the last successful save
 
     def pushed(self, seconds: float, wait_seconds: float, staleness: int, duplicate: bool) -> None:
@@ -58,9 +67,15 @@ class ShardMetrics:
         self.checkpoint_seconds.observe(seconds)
         self.last_checkpoint = time.time()
 
+    def failed(self, method: str, code: str) -> None:
+        """One call of `method` ended with status `code` (a grpc.StatusCode's name, not OK)."""
+        self.failed_calls.labels(method, code).inc()
+
     def watch(self, servicer) -> None:
-        """Adds the scrape-time figures of `servicer` (a ParameterServerServicer) to the registry."""
+        """Adds the scrape-time figures of `servicer` (a ParameterServerServicer) to the registry, and times
+        its waits for the journal."""
         self.registry.register(_ShardCollector(servicer, self))
+        servicer.coordinator.recorder.on_wait = self.journal_wait_seconds.observe
 
     def serve(self, host: str, failstop=None) -> int:
         """Starts the /metrics endpoint (a daemon thread) on host, at `port`; returns the port it got. With
@@ -108,8 +123,16 @@ class _ShardCollector:
                 ("torchps_waiting_calls", "Calls waiting now (held pushes, min_step pulls, saves)",
                  counters["waiting_calls"]),
                 ("torchps_push_receiving_bytes", "Bytes reserved for pushes being received (within --max-memory)",
-                 s.quotas.in_flight)):
+                 s.quotas.in_flight),
+                ("torchps_layout_epoch", "The job's layout epoch this shard knows (each live resize adds one)",
+                 s.coordinator.layout.epoch)):
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.coordinator.resizes is not None:  # ps 0 owns the job's live resize
+            yield GaugeMetricFamily("torchps_resize_running", "1 while a live resize runs (ps 0), else 0",
+                                    value=int(s.coordinator.resizes.running))
+        if s.lanes is not None:
+            yield GaugeMetricFamily("torchps_open_lanes", "Bulk lanes clients hold open to this shard",
+                                    value=s.lanes.open_lanes)
         paces = s.coordinator.paces()
         interval = GaugeMetricFamily("torchps_worker_push_interval_seconds",
                                      "A live worker's pace: moving average of its push intervals", labels=["worker"])

@@ -195,6 +195,7 @@ class PushPath:
         record = book.ledger.begin(worker, incarnation, seq, step)
         book.ledger.mark_stale(record)
         book.pending.count_stale()
+        book.membership.count_push(worker, step)  # its batch was trained, and dropped by design (sync)
         current = self._store.step
         _LOGGER.debug("dropped a stale gradient from %s (step %d < %d)", worker, step, current)
         result = PushResult(step=current, next_step=current, stale=True, quorum=book.pending.quorum)
@@ -308,6 +309,7 @@ class PushPath:
             with book.cond:
                 book.ledger.mark_applied(record, pending=True)
                 book.pending.counted(buffer, worker)
+                book.membership.count_push(worker, meta["step"])
                 book.cond.notify_all()
             return None
         with self._recorder.ordering:  # with a journal, applies are queued for it in the order they happened
@@ -319,6 +321,8 @@ class PushPath:
             book.ledger.mark_applied(record)
             book.ledger.answer(record, result)
             book.membership.advance_clock(worker)
+            if meta["step_increment"]:
+                book.membership.count_push(worker, meta["step"])
             book.cond.notify_all()
         return result
 

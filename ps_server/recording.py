@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Callable, Mapping
 
 import numpy as np
@@ -78,6 +79,7 @@ class Recorder:
         self._pushing = threading.local()  # .rows, .received: of the push this thread makes (pushing())
         self._lock = checked(threading.Lock(), "compaction", "the recorder's compaction lock")  # guards _compactor
         self._compactor: threading.Thread | None = None
+        self.on_wait: Callable[[float], None] | None = None  # given the seconds of each wait for the journal
 
     def attach(self, journal: Journal) -> None:
         """Records every change from now on in `journal`. Call it before the shard serves."""
@@ -121,14 +123,21 @@ class Recorder:
         ServerUnavailableError if the journal failed first, WaitTimeoutError after `timeout` s."""
         if ticket is not None:
             check_unlocked("waits for its journal record")
-            self.journal.wait(ticket, timeout)
+            self._wait(ticket, timeout)
 
     def durable_all(self, timeout: float | None) -> None:
         """Blocks (holding no lock) until every record queued so far is written (a retry's reply); raises as
         durable() does. Nothing to wait for without a journal."""
         if self.journal is not None:
             check_unlocked("waits for the journal's records")
-            self.journal.wait(None, timeout)
+            self._wait(None, timeout)
+
+    def _wait(self, ticket: int | None, timeout: float | None) -> None:
+        """journal.wait, its seconds given to on_wait when it returns."""
+        started = time.monotonic()
+        self.journal.wait(ticket, timeout)
+        if self.on_wait is not None:
+            self.on_wait(time.monotonic() - started)
 
     def wait_for_compaction(self, timeout: float | None = None) -> None:
         """Returns once no compaction is running (at most `timeout` s)."""

@@ -585,9 +585,15 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
     waits on the event loop; GetStatus on the loop itself)."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 
+    def fail(name: str, exc: Exception, context: CallContext) -> tuple[grpc.StatusCode, str, tuple]:
+        code, details, trailing = status_of(name, exc, context)
+        if servicer.metrics is not None:
+            servicer.metrics.failed(name, code.name)
+        return code, details, trailing
+
     def on_loop(kind, body, deserializer, serializer):
         streaming = kind is unary_stream
-        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=status_of,
+        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=fail,
                             streaming=streaming), deserializer, serializer)
 
     unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler

@@ -9,9 +9,11 @@ identity (inode, size, modification time) at most every RECHECK_SECONDS, and
 `refresh()` looks at once (the interceptor calls it for a token it does not
 know, so a new task's first call is accepted, not refused). A changed file is
 read whole and replaces the table: a line removed revokes that token within
-RECHECK_SECONDS. A file that cannot be read or parsed (mid-write by a
-writer that does not rename into place) keeps the table in force, with one
-warning per version of the file.
+RECHECK_SECONDS. `ps-certs DIR --rotate` writes each task's new token and
+leaves its old line ending in `until=TIME`: the policy accepts both until
+then, without another re-read. A file that cannot be read or parsed
+(mid-write by a writer that does not rename into place) keeps the table in
+force, with one warning per version of the file.
 
 A re-read file that changes the security policy in force (one job token
 replaced by a table of per-task tokens) says so in a warning naming the new
@@ -80,7 +82,7 @@ class TokenFile:
             if identity is None or identity == self._identity:
                 return False
             try:
-                token, table = read_token_table(self._path)
+                table = read_token_table(self._path)
             except ClusterConfigError as exc:
                 if identity != self._warned:
                     self._warned = identity
@@ -88,12 +90,14 @@ class TokenFile:
                 return False
             self._identity = identity
             previous = self._security
-            self._security = current = dataclasses.replace(previous, token=token, task_tokens=table)
+            self._security = current = dataclasses.replace(previous, token=table.token, task_tokens=table.lines,
+                                                           retiring=table.retiring)
             self.reloads += 1
-        before, after = {task for task, _, _ in previous.task_tokens}, {task for task, _, _ in table}
-        _LOGGER.info("token file %s re-read: %d task tokens%s%s", self._path, len(table),
+        before, after = {task for task, _, _ in previous.task_tokens}, {task for task, _, _ in table.lines}
+        _LOGGER.info("token file %s re-read: %d task tokens%s%s%s", self._path, len(table.lines),
                      f", added {sorted(after - before)}" if after - before else "",
-                     f", removed {sorted(before - after)}" if before - after else "")
+                     f", removed {sorted(before - after)}" if before - after else "",
+                     f", {len(table.retiring)} retiring (replaced by a rotation)" if table.retiring else "")
         if describe(current) != describe(previous):
             _LOGGER.warning("security policy now: %s", describe(current))
         return True

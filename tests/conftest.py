@@ -83,6 +83,33 @@ def _long_groups(items, seconds: dict) -> list[list]:
     return groups
 
 
+PRIVATE_KEY = ".key"  # how ps-certs, make_job_credentials and the job folders name a private key
+
+
+def _remove_keys(folder: pathlib.Path) -> None:
+    """Every private key below `folder`; a folder that went meanwhile (or cannot be read) is passed over."""
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            if name.endswith(PRIVATE_KEY):
+                pathlib.Path(parent, name).unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_keys_left(request):
+    """Once a test has ended, passed or failed, the private keys it wrote into its tmp_path are removed (the rest
+    stays for a look; pyproject's tmp_path_retention_policy keeps only failed tests' folders)."""
+    yield
+    if (path := request.node.funcargs.get("tmp_path")) is not None and path.is_dir():
+        _remove_keys(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_keys_left_in_the_session(tmp_path_factory):
+    """At the end of the session, the private keys in every temporary folder it made (module-scoped ones too)."""
+    yield
+    _remove_keys(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture
 def local_cluster():
     """Factory: local_cluster(num_ps=1, **kwargs) -> a started LocalCluster, stopped after the test."""

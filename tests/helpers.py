@@ -2,13 +2,29 @@
 
 import contextlib
 import ctypes
+import json
 import multiprocessing
 import os
+import pathlib
+import re
+import shutil
 import signal
 import socket
+import subprocess
+import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
 
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+
+PROMETHEUS = shutil.which("prometheus")
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed "
+                                      "(scripts/install.sh installs it where it runs as root with apt-get, and "
+                                      "says why not elsewhere)")
 
 
 # What multiprocessing's fork server imports before it forks a test's worker processes. It is one per test process,
@@ -113,3 +129,51 @@ def frozen_thread(tid: int):
         yield
     finally:
         libc.ptrace(detach, tid, None, None)
+
+
+@contextlib.contextmanager
+def prometheus(targets: list[str], folder: pathlib.Path, job: str = "torchps"):
+    """A real Prometheus (Debian's package) on 127.0.0.1 scraping `targets` (host:port) every second as job
+    `job`, its configuration and data in `folder`; yields its web port once its log says it is ready, and is
+    stopped after the block whatever happens."""
+    config = folder / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: " + job +
+                      "\n    static_configs:\n      - targets: " + json.dumps(targets) + "\n")
+    web = free_port()
+    server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in server.stdout:  # its log: ready once it says so
+            lines.append(line)
+            if re.search(r"Server is ready to receive web requests", line):
+                break
+        else:
+            pytest.fail("prometheus ended before it was ready:\n" + "".join(lines[-30:]))
+        threading.Thread(target=server.stdout.read, daemon=True).start()  # its later log must not fill the pipe
+        yield web
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def prometheus_api(port: int, path: str, **params):
+    """The `data` of a GET of /api/v1/`path` from the Prometheus on `port`; fails on an error reply."""
+    url = f"http://127.0.0.1:{port}/api/v1/{path}?" + urllib.parse.urlencode(params)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            answer = json.loads(reply.read())
+    except urllib.error.HTTPError as exc:  # a query it refuses (400, 422): its JSON says why
+        answer = json.loads(exc.read())
+    assert answer["status"] == "success", f"{path} {params}: {answer}"
+    return answer["data"]
+
+
+def prometheus_query(port: int, expression: str) -> list:
+    """The result of an instant query of the Prometheus on `port`."""
+    return prometheus_api(port, "query", query=expression)["result"]

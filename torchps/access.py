@@ -7,7 +7,9 @@ metadata, its TLS certificate's subject) and returns a Verdict:
 
     authenticated  a shard that checks tokens accepts the admin token, its job token and the tokens of its
                    table, nothing else (no token, a wrong one: UNAUTHENTICATED, before a request byte is
-                   read); a shard that checks none (TLS alone, or --insecure) accepts every call it gets
+                   read); a token `ps-certs --rotate` replaced (its line ends in until=TIME) only before
+                   that time (`now`), then it is `retired`; a shard that checks none (TLS alone, or
+                   --insecure) accepts every call it gets
     name, role     with TLS: the certificate's common name and organizational unit; the admin token makes
                    its holder the chief. Without TLS: the admin token names the chief (nobody by name); a
                    token of the table names its task, in the role its line gives (the chief's own line: the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import re
+import time
 
 from .security import ROLES, Security, allowed_methods
 
@@ -41,12 +44,14 @@ _SUBJECT = re.compile(r"(?:^|,)(CN|OU)=((?:[^,\\]|\\.)*)")
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What the policy says of one call: whether its credentials are accepted, the task they name ("worker:1";
-    None when they name nobody), its role (a key of ROLES, or "none") and whether it may call the method."""
+    None when they name nobody), its role (a key of ROLES, or "none") and whether it may call the method; and,
+    refused, whether for a token a rotation replaced whose grace period ended."""
 
     authenticated: bool
     name: str | None
     role: str
     allowed: bool
+    retired: bool = False
 
     def may_act_for(self, worker: str) -> bool:
         """Whether this caller may act in `worker`'s name: the chief in anyone's, a named caller in its own."""
@@ -57,10 +62,13 @@ def _matches(token: str, secret: str | None) -> bool:
     return secret is not None and hmac.compare_digest(token.encode(), secret.encode())
 
 
-def _accepted(security: Security, token: str) -> bool:
+def _accepted(security: Security, token: str, now: float) -> bool:
     if not security.checks_tokens:
         return True
-    return _matches(token, security.admin_token) or _matches(token, security.token) or bool(security.task_of(token))
+    if _matches(token, security.admin_token) or _matches(token, security.token):
+        return True
+    until = security.retires_at(token)
+    return security.task_of(token) is not None and (until is None or now < until)
 
 
 def _role(role: str) -> str:
@@ -83,11 +91,14 @@ def _identity(security: Security, token: str, subject: str | None) -> tuple[str 
     return None, "worker" if security.admin_token is not None else "chief"  # the one job token
 
 
-def policy(security: Security, method: str, *, token: str = "", subject: str | None = None) -> Verdict:
+def policy(security: Security, method: str, *, token: str = "", subject: str | None = None,
+           now: float | None = None) -> Verdict:
     """The verdict on a call of `method` (its name in ps.proto, e.g. "Push") that presented `token` ("" for
-    none) and, over TLS, a certificate of `subject` (RFC 2253, e.g. "CN=worker:0,OU=worker"). Never raises."""
-    if not _accepted(security, token):
-        return Verdict(False, None, "none", False)
+    none) and, over TLS, a certificate of `subject` (RFC 2253, e.g. "CN=worker:0,OU=worker"), at Unix time
+    `now` (default: the clock's; it decides only whether a retiring token is still accepted). Never raises."""
+    now = time.time() if now is None else now
+    if not _accepted(security, token, now):
+        return Verdict(False, None, "none", False, retired=security.retires_at(token) is not None)
     name, role = _identity(security, token, subject)
     return Verdict(True, name, role, method in allowed_methods(role))
 

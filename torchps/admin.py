@@ -1,8 +1,6 @@
 """ps-admin: a running job's administration from the command line, with the chief's credentials.
 
     ps-admin layout --cluster CLUSTER
-        prints the job's layout: its epoch, its shards and how many variables and bytes each holds
-    ps-admin layout --cluster CLUSTER
         prints the job's layout (its epoch, its shards and how many variables and bytes each holds) and its
         last live resize as ps 0 records it (phase, driver, lease, moves)
     ps-admin resize --cluster CLUSTER --ps ADDR[,ADDR...]
@@ -13,11 +11,14 @@
         finishes it, or rolls it back
 
 CLUSTER is the cluster JSON (or a file holding it) the job started with, else TF_CONFIG's: it names ps 0,
-and the job's current shards are those of ps 0's layout. The calls carry the chief's credentials:
-TORCHPS_TLS_CERT/KEY/CA with a chief certificate, and/or TORCHPS_ADMIN_TOKEN_FILE (ps-certs writes both).
+and the job's current shards are those of ps 0's layout. The calls carry the chief's credentials, given as
+ps-worker's are: --tls-cert/--tls-key/--tls-ca with the chief's certificate and/or --admin-token-file (or
+--token-file with the chief's token), else TORCHPS_TLS_CERT/KEY/CA, TORCHPS_TOKEN_FILE and
+TORCHPS_ADMIN_TOKEN_FILE (ps-certs writes them all); --insecure for shards started --insecure.
 Exit codes: 0 done, 1 a shard refused or could not be reached (the message says which; a resize that
 failed was rolled back, or is left cut off for --resume or --abort), 2 a usage error, answered before
-torch and gRPC are imported.
+gRPC is imported. ps-admin never imports torch: it runs the client's channels, fan-out, layout follower
+and resize driver (client/fanout.py, layout.py, resize.py) without PSClient.
 """
 
 from __future__ import annotations
@@ -26,17 +27,22 @@ import sys
 
 from .cli import USAGE_ERROR, ArgumentParser
 from .cluster import Cluster
+from .credential_flags import ENV_HELP, add_security_flags, resolve_security
 from .errors import ClusterConfigError, PSError
 from .forkserver import run_main
+from .security import Security
 
 __all__ = ["main"]
 
+RESIZE_CALL_SECONDS = 300.0  # each attempt of a move's export or import (PSClient's default timeout)
+
 
 def _parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="ps-admin", description="Administer a running torchps job (see client/admin.py).")
+    parser = ArgumentParser(prog="ps-admin", description="Administer a running torchps job (see torchps/admin.py). "
+                            "Every command takes the chief's " + ENV_HELP + ": see ps-admin COMMAND --help.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("layout", "print the job's layout"), ("resize", "change the job's shards live")):
-        command = commands.add_parser(name, help=text)
+        command = commands.add_parser(name, help=text, description=f"{text}, with the chief's {ENV_HELP}.")
         command.add_argument("--cluster", help="the job's cluster JSON or a file holding it (default: TF_CONFIG)")
         command.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for a shard")
         if name == "resize":
@@ -50,7 +56,37 @@ def _parser() -> ArgumentParser:
             command.add_argument("--lease-seconds", type=float, help="the resize's lease: should this process die, "
                                  "the resize is cut off, and a sync job's hold ends, this long after its last "
                                  "renewal (default: client/resize.py's LEASE_SECONDS, 30)")
+        add_security_flags(command)
     return parser
+
+
+class _Job:
+    """The job's shards, called as the chief's client calls them (fan-out, layout follower), without torch."""
+
+    def __init__(self, cluster: Cluster, security: Security, connect_timeout: float):
+        from .client.fanout import CONTROL_TIMEOUT_SECONDS, ShardFanout
+        from .client.layout import LayoutFollower
+        from .placement import Placement
+        from .sizes import DEFAULT_CHUNK_BYTES
+
+        self.fanout = ShardFanout(cluster, connect_timeout=connect_timeout, security=security,
+                                  timeout=RESIZE_CALL_SECONDS, control_timeout=CONTROL_TIMEOUT_SECONDS,
+                                  chunk_bytes=DEFAULT_CHUNK_BYTES)
+        self.follower = LayoutFollower(self.fanout, Placement(cluster.num_ps, "round_robin"))
+
+    def __enter__(self) -> "_Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fanout.close()
+
+    def call(self, shard: int, fn):
+        return self.fanout.call(shard, fn, self.fanout.control_timeout)
+
+    def shard_addresses(self) -> list[str]:
+        """The job's shards now (ps 0's layout; one call)."""
+        self.follower.refresh()
+        return list(self.fanout.channels.addresses[:self.follower.shards])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,21 +97,26 @@ def main(argv: list[str] | None = None) -> int:
             raise ClusterConfigError(f"--connect-timeout must be > 0. Received: {args.connect_timeout}")
         if args.command == "resize" and args.lease_seconds is not None and not 0 < args.lease_seconds <= 3600:
             raise ClusterConfigError(f"--lease-seconds must be in (0, 3600]. Received: {args.lease_seconds}")
-        from .client import PSClient  # torch and gRPC: only once the flags are right
+        security = resolve_security(args)
+        from .client import resize as live_resize  # gRPC: only once the flags are right
 
-        with PSClient(cluster, connect_timeout=args.connect_timeout, partitioner=None) as admin:
+        with _Job(cluster, security, args.connect_timeout) as job:
             if args.command == "resize":
                 options = {key: value for key, value in (("drain_seconds", args.drain_seconds),
                                                          ("lease_seconds", args.lease_seconds)) if value is not None}
+                driver = live_resize.driver_name("ps-admin")
                 if args.resume:
-                    report = admin.resume_resize(**options)
+                    report = live_resize.resume(job.fanout, job.follower, driver=driver, **options)
                 elif args.abort:
-                    report = admin.abort_resize(**{k: v for k, v in options.items() if k == "lease_seconds"})
+                    report = live_resize.abort(job.fanout, job.follower, driver=driver,
+                                               **{k: v for k, v in options.items() if k == "lease_seconds"})
                 else:
-                    report = admin.resize([a.strip() for a in args.ps.split(",") if a.strip()], **options)
+                    report = live_resize.run(job.fanout, job.follower,
+                                             [a.strip() for a in args.ps.split(",") if a.strip()], driver=driver,
+                                             **options)
                 print(report.line())
             else:
-                print(_layout(admin))
+                print(_layout(job, live_resize.state(job.fanout)))
     except ClusterConfigError as exc:
         print(f"ps-admin: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -85,17 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _layout(admin) -> str:
-    """The layout as text (admin: a PSClient): the epoch, then each shard's address, variables and bytes."""
+def _layout(job: _Job, record) -> str:
+    """The layout as text: the epoch, each shard's address, variables and bytes, and `record`, ps 0's record
+    of the last resize."""
     from .proto import ps_pb2
 
-    addresses = admin.shard_addresses()  # asks ps 0 for the layout
-    lines = [f"layout epoch {admin.layout_epoch}: {len(addresses)} shards"]
+    addresses = job.shard_addresses()  # asks ps 0 for the layout
+    lines = [f"layout epoch {job.follower.epoch}: {len(addresses)} shards"]
     for shard, address in enumerate(addresses):
-        listed = admin.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
+        listed = job.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
         lines.append(f"  ps:{shard} {address}: {len(listed.variables)} variables, "
                      f"{sum(v.nbytes for v in listed.variables):,} bytes")
-    record = admin.resize_state()
     if record.id:
         phase = ps_pb2.ResizeState.Phase.Name(record.phase).lower()
         if record.phase == ps_pb2.ResizeState.RUNNING:

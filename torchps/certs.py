@@ -2,7 +2,9 @@
 
     ps-certs DIR --cluster cluster.json          # files for every task of a cluster (several hosts)
     ps-certs DIR --cluster cluster.json --kubernetes-secret NAME > secrets.yaml  # one per task
-    ps-certs DIR --add worker:4                  # a worker joining the running job: its files, a line in DIR/tokens
+    ps-certs DIR --add worker:4=HOST:PORT        # a task joining the running job: its files, a line in DIR/tokens,
+                                                 # its TF_CONFIG (a worker, an evaluator or a shard: ps:N)
+    ps-certs DIR --rotate [--grace 10m]          # a new token for every task; the old ones accepted for the grace
 
 Each task's certificate is signed by the job's CA. Its common name is the task
 ("worker:1"), its organizational unit the role the shards grant it ("chief"
@@ -18,6 +20,12 @@ tokens are written with mode 0600 in a folder of mode 0700.
     DIR/<type>-<index>.token      per task but the shards: its token (the shards' --token-file is DIR/tokens)
     DIR/tokens                    the shards': "TASK ROLE TOKEN" for every other task
     DIR/admin-token               the admin token (the chief, and the shards that check it)
+    DIR/cluster.json              the cluster the folder was made for, with the tasks --add gave an address
+
+A folder that holds a job's credentials is never written over by --cluster:
+`--rotate` gives every task a new token, the old ones accepted for a grace
+period (torchps.rotation). `--add` of a task with HOST:PORT at the next index
+of its type adds it to cluster.json and prints the TF_CONFIG it starts with.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ import base64
 import dataclasses
 import datetime
 import ipaddress
+import json
 import os
 import pathlib
-import secrets
 import sys
 
 from cryptography import x509
@@ -39,15 +47,17 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from .cli import ArgumentParser
 from .cluster import Cluster, TaskSpec
 from .errors import ClusterConfigError
+from .rotation import DEFAULT_GRACE, parse_grace, rotate_tokens
+from .secret_files import new_token, private_dir, replace_file, write_file
 from .security import Security
 
 __all__ = ["JobCredentials", "TaskCredentials", "issue_job_credentials", "make_job_credentials",
            "read_job_credentials", "kubernetes_secrets", "role_of", "added_task", "add_to_job", "append_tokens",
-           "token_line", "main"]
+           "token_line", "job_cluster", "tf_config_lines", "main"]
 
 VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
-TOKEN_BYTES = 32
-ADDABLE = ("worker", "evaluator")  # task types that may join a running job with credentials minted for them
+ADDABLE = ("worker", "evaluator", "ps")  # task types that may join a running job (a shard: by a live resize)
+CLUSTER_FILE = "cluster.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +74,15 @@ class TaskCredentials:
     @classmethod
     def of(cls, directory: pathlib.Path, cluster: Cluster, task: TaskSpec) -> "TaskCredentials":
         """Where `task`'s files lie in a job's credentials folder (the admin token for the chief and shards)."""
+        return cls.at(directory, task, role_of(cluster, task))
+
+    @classmethod
+    def at(cls, directory: pathlib.Path, task: TaskSpec, role: str) -> "TaskCredentials":
+        """Where the files of `task`, of `role`, lie in a job's credentials folder."""
         stem = f"{task.type}-{task.index}"
-        knows_admin = role_of(cluster, task) in ("chief", "ps")
         token = directory / ("tokens" if task.type == "ps" else f"{stem}.token")
         return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", token,
-                   directory / "admin-token" if knows_admin else None)
+                   directory / "admin-token" if role in ("chief", "ps") else None)
 
     def security(self) -> Security:
         """These files as a client's Security (read now; the TORCHPS_* variables are not consulted)."""
@@ -103,12 +117,6 @@ def _alt_names(host: str) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(list(dict.fromkeys(names)))
 
 
-def _write(path: pathlib.Path, data: bytes, secret: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -137,35 +145,36 @@ class JobCredentials:
         return self.token_table() if task.type == "ps" else self.tokens[task]
 
     def with_task(self, task: TaskSpec) -> "JobCredentials":
-        """These credentials and those of `task`, a worker or evaluator joining the running job (added_task);
+        """These credentials and those of `task`, a task joining the running job (added_task);
         ClusterConfigError unless the CA's key was kept."""
         if self.ca_key is None:
             raise ClusterConfigError(f"cannot add {task}: this job's CA key was not kept")
         cert, key, token = added_task(self.ca_cert, self.ca_key, task)
-        return dataclasses.replace(self, tasks={**self.tasks, task: (cert, key)}, tokens={**self.tokens, task: token})
+        tokens = self.tokens if token is None else {**self.tokens, task: token}
+        return dataclasses.replace(self, tasks={**self.tasks, task: (cert, key)}, tokens=tokens)
 
     def write(self, directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]:
         """Every file into `directory` (made with mode 0700) as ps-certs lays them out; ca.key if kept."""
-        directory = _private_dir(directory)
-        _write(directory / "ca.crt", self.ca_cert, secret=False)
+        directory = private_dir(directory)
+        write_file(directory / "ca.crt", self.ca_cert, secret=False)
         if self.ca_key is not None:
-            _write(directory / "ca.key", self.ca_key, secret=True)
-        _write(directory / "admin-token", self.admin_token, secret=True)
-        _write(directory / "tokens", self.token_table(), secret=True)
+            write_file(directory / "ca.key", self.ca_key, secret=True)
+        write_file(directory / "admin-token", self.admin_token, secret=True)
+        write_file(directory / "tokens", self.token_table(), secret=True)
         out = {}
         for task, (cert, key) in self.tasks.items():
             out[task] = files = TaskCredentials.of(directory, self.cluster, task)
-            _write(files.cert, cert, secret=False)
-            _write(files.key, key, secret=True)
+            write_file(files.cert, cert, secret=False)
+            write_file(files.key, key, secret=True)
             if task.type != "ps":
-                _write(files.token, self.tokens[task], secret=True)
+                write_file(files.token, self.tokens[task], secret=True)
         return out
 
     def write_task(self, task: TaskSpec, directory: str | os.PathLike) -> TaskCredentials:
         """Only `task`'s files into `directory` (made with mode 0700), named as in its Kubernetes Secret:
         ca.crt, tls.crt, tls.key, token (its own; a shard's: the table of every other task's), and admin-token
         for the chief and the shards."""
-        directory = _private_dir(directory)
+        directory = private_dir(directory)
         cert, key = self.tasks[task]
         files = TaskCredentials(directory / "tls.crt", directory / "tls.key", directory / "ca.crt",
                                 directory / "token",
@@ -174,15 +183,8 @@ class JobCredentials:
                                    (files.token, self.token_of(task), True),
                                    (files.admin_token, self.admin_token, True)):
             if path is not None:
-                _write(path, data, secret=secret)
+                write_file(path, data, secret=secret)
         return files
-
-
-def _private_dir(directory: str | os.PathLike) -> pathlib.Path:
-    directory = pathlib.Path(directory)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
-    return directory
 
 
 def _sign(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, task: TaskSpec, role: str, host: str,
@@ -218,22 +220,28 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
     for task, address in cluster.tasks():
         tasks[task] = _sign(ca_key, ca_name, task, role_of(cluster, task), address.rpartition(":")[0], days)
         if task.type != "ps":
-            tokens[task] = secrets.token_urlsafe(TOKEN_BYTES).encode()
+            tokens[task] = new_token()
     return JobCredentials(cluster, ca_cert.public_bytes(serialization.Encoding.PEM),
-                          secrets.token_urlsafe(TOKEN_BYTES).encode(), tasks, tokens,
+                          new_token(), tasks, tokens,
                           _pem_key(ca_key) if keep_ca_key else None)
 
 
 def added_task(ca_cert: bytes, ca_key: bytes, task: TaskSpec, *, host: str = "localhost",
-               days: int = VALID_DAYS) -> tuple[bytes, bytes, bytes]:
-    """(certificate, key, token) for a worker or evaluator `task` joining a running job: signed by the job's
-    CA (PEM certificate and key), its role its type. ClusterConfigError for another type (a chief or a shard
-    is part of a job's start)."""
-    if task.type not in ADDABLE:
-        raise ClusterConfigError(f"{task}: only {' and '.join(ADDABLE)} tasks join a running job")
+               days: int = VALID_DAYS) -> tuple[bytes, bytes, bytes | None]:
+    """(certificate, key, token) for `task` joining a running job: a worker or evaluator, or a shard a live
+    resize adds (no token: a shard's token file is the job's table). Signed by the job's CA (PEM certificate
+    and key), its role its type, its certificate naming `host` (and localhost). ClusterConfigError for a chief
+    (part of a job's start)."""
+    _check_addable(task)
     ca_name = x509.load_pem_x509_certificate(ca_cert).subject
     cert, key = _sign(serialization.load_pem_private_key(ca_key, None), ca_name, task, task.type, host, days)
-    return cert, key, secrets.token_urlsafe(TOKEN_BYTES).encode()
+    return cert, key, None if task.type == "ps" else new_token()
+
+
+def _check_addable(task: TaskSpec) -> None:
+    if task.type not in ADDABLE:
+        raise ClusterConfigError(f"{task}: only worker, evaluator and ps tasks join a running job (the chief is "
+                                 "part of its start)")
 
 
 def token_line(task: TaskSpec, token: bytes) -> str:
@@ -245,38 +253,94 @@ def append_tokens(path: str | os.PathLike, lines: str) -> None:
     """Adds `lines` to the token table at `path`, replacing the file whole (written aside, then renamed over
     it: a shard re-reading it never sees half of it). Mode 0600."""
     path = pathlib.Path(path)
-    aside = path.with_name(path.name + ".new")
-    _write(aside, path.read_bytes() + lines.encode(), secret=True)
-    os.replace(aside, path)
+    replace_file(path, path.read_bytes() + lines.encode())
 
 
-def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int = VALID_DAYS
-               ) -> dict[TaskSpec, TaskCredentials]:
-    """Credentials for `tasks` (workers or evaluators) joining the running job whose folder ps-certs made:
-    each task's certificate (signed by DIR/ca.key), key and token, and a line per task added to DIR/tokens
-    (the shards re-read it: ps_server/tokens.py). ClusterConfigError (one line, nothing written) for a folder
-    without the CA's key or the table, a task whose files exist, or a chief or shard."""
-    directory = pathlib.Path(directory)
+def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int = VALID_DAYS,
+               addresses: dict[TaskSpec, str] | None = None) -> dict[TaskSpec, TaskCredentials]:
+    """Credentials for `tasks` (workers, evaluators, shards) joining the running job whose folder ps-certs
+    made: each task's certificate (signed by DIR/ca.key, naming the host of its address in `addresses`, else
+    localhost only) and key, a worker's or evaluator's token with its line added to DIR/tokens (the shards
+    re-read it: ps_server/tokens.py); a shard's token file is DIR/tokens. A task given an address at the next
+    index of its type is added to DIR/cluster.json (job_cluster). ClusterConfigError (one line, nothing
+    written) for a folder without the CA's key or the table, a task whose files exist, a chief, or an address
+    the cluster already lists."""
+    directory, addresses = pathlib.Path(directory), addresses or {}
     for name in ("ca.crt", "ca.key", "tokens"):
         if not (directory / name).is_file():
             raise ClusterConfigError(f"{directory} has no {name}: --add needs the folder ps-certs made for the job "
                                      "(with its CA key)")
     for task in tasks:
         if (directory / f"{task.type}-{task.index}.crt").exists():
-            raise ClusterConfigError(f"{directory} already holds {task}'s files: pick an index no task has")
+            raise ClusterConfigError(f"{directory} already holds {task}'s files: pick an index no task has (a shard "
+                                     "a resize removed starts again with its own files)")
+        _check_addable(task)
+    cluster = _extended(directory, addresses)
     ca_cert, ca_key = (directory / "ca.crt").read_bytes(), (directory / "ca.key").read_bytes()
     made, lines = {}, ""
     for task in tasks:
-        cert, key, token = added_task(ca_cert, ca_key, task, days=days)
-        stem = directory / f"{task.type}-{task.index}"
-        made[task] = files = TaskCredentials(stem.with_suffix(".crt"), stem.with_suffix(".key"),
-                                             directory / "ca.crt", stem.with_suffix(".token"))
-        _write(files.cert, cert, secret=False)
-        _write(files.key, key, secret=True)
-        _write(files.token, token, secret=True)
-        lines += token_line(task, token)
-    append_tokens(directory / "tokens", lines)
+        cert, key, token = added_task(ca_cert, ca_key, task, host=_host(addresses.get(task)), days=days)
+        made[task] = files = TaskCredentials.at(directory, task, task.type)
+        write_file(files.cert, cert, secret=False)
+        write_file(files.key, key, secret=True)
+        if token is not None:
+            write_file(files.token, token, secret=True)
+            lines += token_line(task, token)
+    if lines:
+        append_tokens(directory / "tokens", lines)
+    if cluster is not None:
+        write_file(directory / CLUSTER_FILE, json.dumps(cluster.to_dict(), indent=1).encode(), secret=False)
     return made
+
+
+def _host(address: str | None) -> str:
+    return address.rpartition(":")[0].strip("[]") if address else "localhost"
+
+
+def job_cluster(directory: str | os.PathLike) -> Cluster | None:
+    """The cluster DIR/cluster.json records (the one ps-certs --cluster was given, and the tasks --add gave an
+    address), or None for a folder without one; ClusterConfigError if it does not parse."""
+    path = pathlib.Path(directory) / CLUSTER_FILE
+    return Cluster.from_json(str(path)) if path.is_file() else None
+
+
+def _extended(directory: pathlib.Path, addresses: dict[TaskSpec, str]) -> Cluster | None:
+    """DIR/cluster.json's cluster with the tasks of `addresses` that come next in their type's list (a
+    cluster lists no gaps), or None if it has none of them (or the folder records no cluster)."""
+    cluster = job_cluster(directory)
+    if cluster is None:
+        return None
+    spec, grown = cluster.to_dict(), False
+    for task, address in sorted(addresses.items(), key=lambda item: (item[0].type, item[0].index)):
+        listed = spec.setdefault(task.type, [])
+        if task.index == len(listed):
+            listed.append(address)
+            grown = True
+    return Cluster.from_dict(spec) if grown else None  # raises for an address listed already
+
+
+def tf_config_lines(directory: str | os.PathLike, tasks: list[TaskSpec], addresses: dict[TaskSpec, str]
+                    ) -> tuple[list[str], list[str]]:
+    """After add_to_job: (a line "TASK: TF_CONFIG='...'" for each task DIR/cluster.json lists, a note saying
+    why for each it does not)."""
+    cluster, lines, notes = job_cluster(directory), [], []
+    for task in tasks:
+        if cluster is not None and task.index < len(getattr(cluster, task.type)) and \
+                cluster.address(task) == addresses.get(task):
+            lines.append(f"{task}: TF_CONFIG='{cluster.tf_config(task)}'")
+        elif task not in addresses:
+            notes.append(f"{task} needs the job's cluster with its address as {task.type} {task.index} (TF_CONFIG "
+                         f"or --cluster): pass --add {task}=HOST:PORT and ps-certs prints it"
+                         + ("; its certificate names only localhost and 127.0.0.1 (a shard on another host needs "
+                            "its host there)" if task.type == "ps" else ""))
+        elif cluster is None:
+            notes.append(f"no TF_CONFIG for {task}: {directory} has no {CLUSTER_FILE} (made by an older ps-certs): "
+                         f"add {addresses[task]} as {task.type} {task.index} to the job's cluster")
+        else:
+            notes.append(f"no TF_CONFIG for {task}: the cluster lists {len(getattr(cluster, task.type))} "
+                         f"{task.type} task(s), so the next is {task.type}:{len(getattr(cluster, task.type))} (a "
+                         f"cluster lists no gaps)")
+    return lines, notes
 
 
 def shard_files(directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]:
@@ -292,9 +356,22 @@ def shard_files(directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]
 
 def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
                          ) -> dict[TaskSpec, TaskCredentials]:
-    """Writes a CA (its key included), a certificate and a token per task, the shards' table of tokens and the
-    admin token into `directory` (made with mode 0700), as ps-certs does."""
-    return issue_job_credentials(cluster, days=days, keep_ca_key=True).write(directory)
+    """Writes a CA (its key included), a certificate and a token per task, the shards' table of tokens, the
+    admin token and cluster.json into `directory` (made with mode 0700), as ps-certs does. ClusterConfigError
+    (one line, nothing written) if `directory` holds any of those files already: a running job may use them."""
+    directory = pathlib.Path(directory)
+    names = ["ca.crt", "ca.key", "tokens", "admin-token", CLUSTER_FILE]
+    for task, _ in cluster.tasks():
+        names += [f"{task.type}-{task.index}{suffix}" for suffix in (".crt", ".key", ".token")]
+    found = [name for name in names if (directory / name).exists()]
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ClusterConfigError(f"{directory} already holds a job's credentials ({shown}), which a running job may "
+                                 f"use: `ps-certs {directory} --rotate` gives every task a new token (the old ones "
+                                 f"accepted for --grace, {DEFAULT_GRACE} by default); for a new job, pick a new folder")
+    made = issue_job_credentials(cluster, days=days, keep_ca_key=True).write(directory)
+    write_file(directory / CLUSTER_FILE, json.dumps(cluster.to_dict(), indent=1).encode(), secret=False)
+    return made
 
 
 def read_job_credentials(directory: str | os.PathLike, cluster: Cluster) -> dict[TaskSpec, TaskCredentials]:
@@ -345,44 +422,94 @@ def kubernetes_secrets(made: dict[TaskSpec, TaskCredentials], name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="ps-certs", description="Make a job's CA, per-task certificates and "
                                      "tokens (see torchps.certs).")
-    parser.add_argument("directory", help="the folder to write (created with mode 0700)")
+    parser.add_argument("directory", help="the folder to write (created with mode 0700; one that holds a job's "
+                        "credentials is refused: see --rotate)")
     parser.add_argument("--cluster", help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")
-    parser.add_argument("--add", metavar="TYPE:INDEX", action="append", default=[],
-                        help="instead of --cluster: credentials for a worker or evaluator joining the running job "
-                        "of DIR (signed by DIR/ca.key; its token added to DIR/tokens, which the shards re-read); "
-                        "repeat for several")
-    parser.add_argument("--days", type=int, default=VALID_DAYS, help="validity (default: %(default)s)")
+    parser.add_argument("--add", metavar="TYPE:INDEX[=HOST:PORT]", action="append", default=[],
+                        help="instead of --cluster: credentials for a worker, evaluator or shard (ps, for ps-admin "
+                        "resize) joining the running job of DIR (signed by DIR/ca.key, naming HOST; a worker's or "
+                        "evaluator's token added to DIR/tokens, which the shards re-read); with HOST:PORT at the "
+                        "next index of its type, its TF_CONFIG is printed too; repeat for several")
+    parser.add_argument("--rotate", action="store_true", help="instead of --cluster: a new token for every task "
+                        "of DIR/tokens (TYPE-INDEX.token rewritten); the shards accept the old ones too until "
+                        "--grace ends, so restart each task before then. The CA, keys, certificates and admin "
+                        "token stay (replacing those needs a new folder and a restart of the job)")
+    parser.add_argument("--grace", help=f"with --rotate: how long the old tokens stay valid, e.g. 90s, 10m, 1h "
+                        f"(0: refused at once; default: {DEFAULT_GRACE})")
+    parser.add_argument("--days", type=int, help=f"validity of the certificates made (default: {VALID_DAYS})")
     parser.add_argument("--kubernetes-secret", metavar="NAME", help="print Kubernetes Secrets instead of flags: "
                         "NAME-TYPE-INDEX per task, each with only that task's files (mount one per pod); with "
-                        "--add, the added tasks' and every shard's (their token table changed)")
+                        "--add, the added tasks' and every shard's (their token table changed); with --rotate, "
+                        "every task's")
     args = parser.parse_args(argv)
-    if bool(args.cluster) == bool(args.add):
-        parser.error("give --cluster (a new job) or --add TYPE:INDEX (a task joining a running job)")
+    if [bool(args.cluster), bool(args.add), args.rotate].count(True) != 1:
+        parser.error("give --cluster (a new job), --add TYPE:INDEX (a task joining a running job) or --rotate "
+                     "(new tokens for a running job)")
     try:
-        if args.days < 1:
-            raise ClusterConfigError(f"--days must be >= 1. Received: {args.days}")
+        if args.rotate:
+            return _rotate(args)
+        if args.grace is not None:
+            raise ClusterConfigError("--grace is for --rotate")
+        days = VALID_DAYS if args.days is None else args.days
+        if days < 1:
+            raise ClusterConfigError(f"--days must be >= 1. Received: {days}")
         if args.add:
-            made = add_to_job(args.directory, [_task_arg(text) for text in args.add], days=args.days)
-            shown = {**shard_files(args.directory), **made} if args.kubernetes_secret else made
-        else:
-            made = shown = make_job_credentials(args.directory, Cluster.from_json(args.cluster), days=args.days)
+            return _add(args, days)
+        made = make_job_credentials(args.directory, Cluster.from_json(args.cluster), days=days)
     except (ClusterConfigError, OSError) as exc:
         print(f"ps-certs: error: {exc}", file=sys.stderr)
         return 2
-    if args.kubernetes_secret:
-        print(kubernetes_secrets(shown, args.kubernetes_secret), end="")
-    else:
-        for task, files in made.items():
-            print(f"{task}: {' '.join(files.flags())}")
+    _print(made, made, args.kubernetes_secret)
     return 0
 
 
-def _task_arg(text: str) -> TaskSpec:
-    """TYPE:INDEX as a TaskSpec; ClusterConfigError (one line) otherwise."""
-    kind, _, index = text.partition(":")
+def _add(args, days: int) -> int:
+    """ps-certs DIR --add ...: the added tasks' flags and TF_CONFIGs (or Secrets, the shards' with them)."""
+    added = dict(_task_arg(text) for text in args.add)
+    addresses = {task: address for task, address in added.items() if address}
+    made = add_to_job(args.directory, list(added), days=days, addresses=addresses)
+    _print(made, {**shard_files(args.directory), **made}, args.kubernetes_secret)
+    if not args.kubernetes_secret:  # a pod's TF_CONFIG comes from its manifest
+        lines, notes = tf_config_lines(args.directory, list(added), addresses)
+        print("".join(f"{line}\n" for line in lines), end="")
+        print("".join(f"ps-certs: {note}\n" for note in notes), end="", file=sys.stderr)
+    return 0
+
+
+def _rotate(args) -> int:
+    """ps-certs DIR --rotate [--grace D]: one line saying until when the old tokens hold (or every Secret)."""
+    if args.days is not None:
+        raise ClusterConfigError("--days is for the certificates --cluster and --add make: --rotate makes none")
+    grace = parse_grace(DEFAULT_GRACE if args.grace is None else args.grace)
+    roles, line = rotate_tokens(args.directory, grace=grace)
+    made = {task: TaskCredentials.at(pathlib.Path(args.directory), task, role) for task, role in roles.items()}
+    if args.kubernetes_secret:
+        _print(made, {**shard_files(args.directory), **made}, args.kubernetes_secret)
+    else:
+        print(line)
+    return 0
+
+
+def _print(made: dict[TaskSpec, TaskCredentials], secrets_of: dict[TaskSpec, TaskCredentials],
+           kubernetes_secret: str | None) -> None:
+    """Each task's flags, or with `kubernetes_secret` the Secrets of `secrets_of`."""
+    if kubernetes_secret:
+        print(kubernetes_secrets(secrets_of, kubernetes_secret), end="")
+    else:
+        for task, files in made.items():
+            print(f"{task}: {' '.join(files.flags())}")
+
+
+def _task_arg(text: str) -> tuple[TaskSpec, str | None]:
+    """TYPE:INDEX[=HOST:PORT] as (TaskSpec, address or None); ClusterConfigError (one line) otherwise."""
+    name, _, address = text.partition("=")
+    kind, _, index = name.partition(":")
     if not index.isdigit():
-        raise ClusterConfigError(f"--add {text!r}: expected TYPE:INDEX, e.g. worker:4")
-    return TaskSpec(kind, int(index))
+        raise ClusterConfigError(f"--add {text!r}: expected TYPE:INDEX, e.g. worker:4, or TYPE:INDEX=HOST:PORT")
+    host, colon, port = address.rpartition(":")
+    if address and not (host and colon and port.isdigit()):
+        raise ClusterConfigError(f"--add {text!r}: expected HOST:PORT after '=', e.g. {name}=10.0.0.7:2222")
+    return TaskSpec(kind, int(index)), address or None
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ from typing import Mapping
 
 from .forkserver import INTERRUPTED, run_entry
 
-__all__ = ["ArgumentParser", "USAGE_ERROR", "INTERRUPTED", "grpc_log_env", "ps_server", "ps_worker", "ps_launch",
-           "ps_certs", "ps_admin"]
+__all__ = ["ArgumentParser", "USAGE_ERROR", "PARTIAL_JOB", "INTERRUPTED", "grpc_log_env", "ps_server", "ps_worker",
+           "ps_launch", "ps_certs", "ps_admin"]
 
 USAGE_ERROR = 2    # a bad flag or value, or a configuration that cannot work: nothing was started
+PARTIAL_JOB = 3    # ps-worker's chief and ps-launch: the job ended, but part of its planned data was not trained
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -12,6 +12,8 @@ task), so without TLS a token names its task as a certificate does, and a
 worker acts in its own name only. A token file holding one token is still
 accepted by a shard as a job token every task shares: it names nobody, so
 its holders may act in any worker's name (the shard says so when it starts).
+A line may end in `until=TIME` (UTC, e.g. until=2025-05-01T12:00:00Z): a
+token `ps-certs --rotate` replaced, accepted until then only.
 
 Roles, granted by shards from the caller's certificate (organizational unit,
 see torchps.certs) or, without TLS, from the token it sent (the one policy
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import functools
 import hashlib
 import os
@@ -41,11 +44,12 @@ import pathlib
 import socket
 import ssl
 import tempfile
+from typing import NamedTuple
 
 from .errors import ClusterConfigError
 
 __all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS", "allowed_methods",
-           "diagnose", "ENV", "require_credentials", "read_token_table"]
+           "diagnose", "ENV", "require_credentials", "read_token_table", "TokenTable", "until_text"]
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
@@ -86,20 +90,49 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def _parse_tokens(data: bytes, path: str) -> tuple[str | None, tuple[tuple[str, str, str], ...]]:
-    """(one token, or None; the per-task table's (task, role, token) lines) of a token file's text."""
+_UNTIL = "until="  # a token table line's fourth field: the time a retiring token stops being accepted
+
+
+class TokenTable(NamedTuple):
+    """A token file's contents: one job token (or None), the (task, role, token) lines, and the (token, Unix
+    time) of the lines a rotation left retiring (`until=`)."""
+
+    token: str | None
+    lines: tuple[tuple[str, str, str], ...]
+    retiring: tuple[tuple[str, float], ...]
+
+
+def until_text(when: float) -> str:
+    """`until=TIME` for a table line retiring at Unix time `when` (rounded up to the second, UTC)."""
+    moment = datetime.datetime.fromtimestamp(math.ceil(when), datetime.timezone.utc)
+    return f"{_UNTIL}{moment:%Y-%m-%dT%H:%M:%SZ}"
+
+
+def _until(field: str, path: str) -> float:
+    try:
+        moment = datetime.datetime.fromisoformat(field.removeprefix(_UNTIL).replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise ClusterConfigError(f"the token file {path} has {field!r}: expected until=YYYY-MM-DDTHH:MM:SSZ (UTC)")
+    return moment.timestamp()
+
+
+def _parse_tokens(data: bytes, path: str) -> TokenTable:
+    """The TokenTable of a token file's text."""
     lines = [line.split() for line in data.decode(errors="replace").splitlines() if line.strip()]
     if len(lines) == 1 and len(lines[0]) == 1:
-        return lines[0][0], ()
-    if all(len(line) == 3 for line in lines):
-        return None, tuple((task, role, token) for task, role, token in lines)
-    raise ClusterConfigError(f"the token file {path} holds neither one token nor lines 'TASK ROLE TOKEN' "
-                             f"(ps-certs writes both kinds)")
+        return TokenTable(lines[0][0], (), ())
+    if not all(len(line) == 3 or (len(line) == 4 and line[3].startswith(_UNTIL)) for line in lines):
+        raise ClusterConfigError(f"the token file {path} holds neither one token nor lines 'TASK ROLE TOKEN' "
+                                 f"(ps-certs writes both kinds; a retiring token's line ends in until=TIME)")
+    return TokenTable(None, tuple((task, role, token) for task, role, token, *_ in lines),
+                      tuple((line[2], _until(line[3], path)) for line in lines if len(line) == 4))
 
 
-def read_token_table(path: str) -> tuple[str | None, tuple[tuple[str, str, str], ...]]:
-    """(one job token, or None; the (task, role, token) lines) of the token file at `path`; ClusterConfigError
-    (one line) if it cannot be read, is empty or holds neither kind."""
+def read_token_table(path: str) -> TokenTable:
+    """The TokenTable of the token file at `path`; ClusterConfigError (one line) if it cannot be read, is empty
+    or holds neither kind."""
     return _parse_tokens(_read(path, "token file"), path)
 
 
@@ -108,7 +141,8 @@ class Security:
     """One task's credentials (see the module docstring). Build with `load`.
 
     `token` is what a client sends (and a shard's shared job token, if it
-    has one); `task_tokens`, a shard's, the (task, role, token) of every task.
+    has one); `task_tokens`, a shard's, the (task, role, token) of every task; `retiring`, the (token, Unix
+    time) of those a rotation replaced, accepted until then only.
     """
 
     cert: bytes | None = None
@@ -117,6 +151,7 @@ class Security:
     token: str | None = None
     admin_token: str | None = None
     task_tokens: tuple[tuple[str, str, str], ...] = ()
+    retiring: tuple[tuple[str, float], ...] = ()
     token_path: str | None = None  # the token file read (a shard re-reads it when it changes: ps_server/tokens.py)
 
     @property
@@ -136,9 +171,17 @@ class Security:
         """(task, role) a per-task token names, or None (looked up by its SHA-256, not compared byte by byte)."""
         return self._tasks.get(_digest(token)) if token else None
 
+    def retires_at(self, token: str) -> float | None:
+        """The Unix time a retiring token of the table stops being accepted; None for the others."""
+        return self._retiring.get(_digest(token)) if token else None
+
     @functools.cached_property
     def _tasks(self) -> dict[bytes, tuple[str, str]]:
         return {_digest(token): (task, role) for task, role, token in self.task_tokens}
+
+    @functools.cached_property
+    def _retiring(self) -> dict[bytes, float]:
+        return {_digest(token): until for token, until in self.retiring}
 
     @classmethod
     def load(cls, *, tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
@@ -157,10 +200,11 @@ class Security:
         if any(tls) and not all(tls):
             raise ClusterConfigError("TLS needs all of --tls-cert, --tls-key and --tls-ca (the job's CA); "
                                      f"given: {', '.join(k for k in ('tls_cert', 'tls_key', 'tls_ca') if paths[k])}")
-        one, table = read_token_table(paths["token_file"]) if paths["token_file"] else (None, ())
+        table = read_token_table(paths["token_file"]) if paths["token_file"] else TokenTable(None, (), ())
         admin = _read(paths["admin_token_file"], "admin token file")
         return cls(cert=_read(paths["tls_cert"], "certificate"), key=_read(paths["tls_key"], "private key"),
-                   ca=_read(paths["tls_ca"], "CA certificate"), token=one, task_tokens=table,
+                   ca=_read(paths["tls_ca"], "CA certificate"), token=table.token, task_tokens=table.lines,
+                   retiring=table.retiring,
                    admin_token=admin.decode().strip() if admin else None, token_path=paths["token_file"] or None)
 
     def env(self, paths: dict[str, str]) -> dict[str, str]:

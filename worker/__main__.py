@@ -17,7 +17,12 @@ only the embedding tables live on the shards, trained async. With
 their gradients locally and this process pushes and pulls for them.
 
 Exit codes: 0 done; 1 the task failed (one line naming the error); 2 a usage or
-configuration error (one line, before anything starts); 130 interrupted (Ctrl-C).
+configuration error (one line, before anything starts); 3 (the chief) the job
+ended but part of its planned data was not trained (account.py; one line
+saying what, and 0 with --allow-partial); 130 interrupted (Ctrl-C). SIGINT and
+SIGTERM in the chief's training loop save a last checkpoint first (a second
+Ctrl-C stops at once); a restarted task skips the batches ps 0 counted for
+its name and trains the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import gc
 import json
 import logging
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -33,6 +39,7 @@ import time
 
 import torch
 
+from ..cli import INTERRUPTED, PARTIAL_JOB
 from ..client import AllreduceGroup, Compression, HostBinding, PSClient, PSError
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
@@ -43,6 +50,7 @@ from ..metrics_http import serve_metrics
 from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import check_output, check_specs, finish_training_flags, parse_args, resolve_security, resolve_task
 from .host import HostProcesses, die_with_parent, local_device, run_local_rank
+from .account import account_job, batches_pushed
 from .models import build_model, load_entry, load_init, read_init
 from .chief import FINAL_WAIT_SECONDS, Checkpointer, StragglerWatch, finish_job, fixed_tables, repair_resize
 from .dynamic import open_queue, queue_summary, train_dynamic
@@ -121,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print("summary " + json.dumps(summary, sort_keys=True, allow_nan=False), flush=True)
         if args.metrics_out:
             args.metrics_out.write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        if summary.get("partial") and not args.allow_partial:
+            print(f"ps-worker: {task}: part of the job's planned data was not trained: {summary['data_account']} "
+                  f"(exit code {PARTIAL_JOB}; --allow-partial accepts a partial job)", file=sys.stderr, flush=True)
+            return PARTIAL_JOB
     return 0
 
 
@@ -173,7 +185,9 @@ def _observer(cluster: Cluster, task: TaskSpec, args) -> StepObserver | None:
         metrics = _serve_metrics(WorkerMetrics(), cluster, task, args.metrics_port)
     if args.trace_out is not None:
         first, last = parse_step_range(args.trace_steps)
-        timeline = Timeline(args.trace_out / f"{task.type}-{task.index}.trace.json", str(task), first, last)
+        replica = task.index + (len(cluster.chief) if task.type == "worker" else 0)
+        timeline = Timeline(args.trace_out / f"{task.type}-{task.index}.trace.json", str(task), first, last,
+                            pid=1 + replica)
     return StepObserver(metrics, timeline)
 
 
@@ -190,7 +204,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
                          progress_seconds=args.progress_timeout, replicas_fraction=args.replicas_fraction)
         repair_resize(client)  # a resize its driver (this chief's earlier incarnation?) left cut off
         if args.scale_lr:  # the chief's to set (UpdateOptimizer is an admin call), before its next push
-            client.on_live_workers_change(lambda live, _: _scale_lr(client, args.lr, live, replicas))
+            client.on_live_workers_change(lambda live, _: _scale_lr(client, args.lr, cluster.training_names()))
     compression = Compression.parse(args.compression) if args.compression else None
     if group is not None:
         binding = client.register_module(job.model, optimizer, create=client.is_chief, dense="allreduce",
@@ -202,6 +216,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if host is not None:
         binding = HostBinding(binding, host.group)
     start_step = binding.step  # a restarted task joins a job already under way
+    ps0_generation = client.generations.get(0)  # the end-of-job account judges ps 0's counts if it kept them
     residuals = ResidualFile(args.state_dir, task, args.state_every_steps) if args.state_dir and compression else None
     if residuals is not None:
         residuals.restore(client)
@@ -239,7 +254,10 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     # Only a restarted task skips: a task joining late for the first time has trained nothing yet. With
     # --dynamic-sharding nothing is skipped: the queue on ps 0 knows what was trained.
     queue = open_queue(client, job, args.dynamic_sharding, args.epochs, args.seed) if args.dynamic_sharding else None
-    done_before = _batches_done(start_step, args, replicas) if client.restarted and queue is None else 0
+    done_before = batches_pushed(client) if client.restarted and queue is None else 0
+    if client.restarted and queue is None and not done_before:
+        _LOGGER.info("%s restarted: ps 0 counts no batch pushed by its earlier processes; it trains its whole part",
+                     task)
     if host is not None:
         binding.share(done_before)  # the other processes skip as many of their batches
     options = TrainOptions(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
@@ -257,10 +275,17 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         else:
             result = train(client, job, binding, replica=replica, num_replicas=replicas, options=options,
                            on_step=on_step, observer=observer)
-    except Terminated:
-        _LOGGER.warning("%s: SIGTERM; %s", task, "saving a last checkpoint" if checkpointer else "stopping")
+    except (Terminated, KeyboardInterrupt) as stop:
+        interrupted = isinstance(stop, KeyboardInterrupt)
+        if interrupted:
+            _stop_at_next_interrupt(task)
+        _LOGGER.warning("%s: %s; %s", task, "SIGINT" if interrupted else "SIGTERM",
+                        ("saving a last checkpoint" + (" (Ctrl-C again stops at once)" if interrupted else ""))
+                        if checkpointer else "stopping")
         if checkpointer is not None:
             checkpointer.stop(final=True)
+        if interrupted:
+            raise
         return None
     finally:
         if stragglers is not None:
@@ -275,36 +300,44 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
     if not client.is_chief:
         return None
     if group is not None:
-        return _finish_allreduce(client, task, job, args, device, binding, result, started, start_step, replicas,
-                                 cluster.num_ps)
+        return _finish_allreduce(client, task, job, args, device, binding, result, started, start_step, replicas)
     # With static slices, a spec worker that has not joined yet still has its slice to train, unless the job
     # has nothing left to train (its --steps reached, or the chief itself, resuming it, trained nothing);
     # with dynamic sharding the queue hands every data shard out once, and a latecomer has nothing left to do.
     training_left = result["local_steps"] > 0 and (args.steps is None or client.global_step() < args.steps)
     global_step = finish_job(client, ps_binding, export=args.export, checkpointer=checkpointer,
-                             shutdown=not args.keep_ps and queue is None,
                              expected=cluster.training_names() if queue is None and training_left else (),
                              join_wait=args.connect_timeout)
-    if queue is not None:  # what ps 0 counted, read once the other workers left and before the shards stop
+    # What ps 0 counted, read once the other workers left and before the shards stop.
+    if queue is not None:
         result = {**result, **queue_summary(queue)}
-        if not args.keep_ps:
-            client.shutdown_cluster("the chief finished the job")
+    account = account_job(client, cluster, examples=len(job.dataset.y_train), batch_size=args.batch_size,
+                          epochs=args.epochs, steps=args.steps, nproc=args.nproc_per_host, global_step=global_step,
+                          generation=ps0_generation, queue=result if queue is not None else None)
+    shards = len(client.shard_addresses())  # the job's shards now: a live resize may have changed them
+    if not args.keep_ps:
+        client.shutdown_cluster("the chief finished the job")
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     wall = time.monotonic() - started
-    return {**result, "role": str(task), "mode": args.mode, "dense": args.dense, "dataset": job.dataset.name,
-            "test_accuracy": accuracy,
+    return {**result, **account.summary(), "role": str(task), "mode": args.mode, "dense": args.dense,
+            "dataset": job.dataset.name, "test_accuracy": accuracy,
             "global_step": global_step, "start_step": start_step, "wall_seconds": wall,
-            "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": cluster.num_ps,
+            "steps_per_second": (global_step - start_step) / wall, "workers": replicas, "ps": shards,
             "nproc_per_host": args.nproc_per_host,
             "checkpoints": checkpointer.saved_steps if checkpointer else []}
 
 
-def _scale_lr(client: PSClient, lr: float, live: int, replicas: int) -> None:
-    """--scale-lr: the learning rate for `live` workers, lr x live / the spec's training tasks (logged)."""
-    scaled = lr * max(1, live) / replicas
+def _scale_lr(client: PSClient, lr: float, names: list[str]) -> None:
+    """--scale-lr: lr x counted / the spec's training tasks `names`, counted = the live workers and the spec's
+    tasks that have not joined yet (they are coming: a job starts at lr); one that left or died is not
+    counted. One status call to ps 0; logged."""
+    status = client.status(0, joined_of=names)
+    coming = len(status.not_joined)
+    counted = max(1, status.live_workers + coming)
+    scaled = lr * counted / len(names)
     client.set_hyperparams(lr=scaled)
-    _LOGGER.info("%d live workers: learning rate %g (--scale-lr: %g x %d / %d)", live, scaled, lr, max(1, live),
-                 replicas)
+    _LOGGER.info("%d live workers%s: learning rate %g (--scale-lr: %g x %d / %d)", status.live_workers,
+                 f" and {coming} yet to join" if coming else "", scaled, lr, counted, len(names))
 
 
 def _lockstep_steps(args, examples: int, replicas: int) -> int:
@@ -317,35 +350,26 @@ def _lockstep_steps(args, examples: int, replicas: int) -> int:
 
 
 def _finish_allreduce(client: PSClient, task: TaskSpec, job, args, device: str, binding, result: dict,
-                      started: float, start_step: int, replicas: int, num_ps: int) -> dict:
+                      started: float, start_step: int, replicas: int) -> dict:
     """The chief's end of a --dense allreduce job: waits for the other workers to leave (their last row
     pushes are in), evaluates while the shards still serve the tables, exports the dense state_dict and the
     fixed-size tables whole, stops the shards; returns the summary. `global_step` counts the group's
     synchronous steps, `table_pushes` the shards' step (every worker's row pushes)."""
-    table_pushes = finish_job(client, binding, export=None, checkpointer=None, shutdown=False)
+    table_pushes = finish_job(client, binding, export=None, checkpointer=None)
     accuracy = evaluate(job.model, job.dataset.x_test, job.dataset.y_test, device)
     if args.export is not None:
         state = {name: value.detach().cpu() for name, value in job.model.state_dict().items()}
         state.update(client.export_state_dict(fixed_tables(binding)) if fixed_tables(binding) else {})
         torch.save(state, args.export)
         _LOGGER.info("exported %d tensors to %s (dense, and fixed-size tables whole)", len(state), args.export)
+    shards = len(client.shard_addresses())
     if not args.keep_ps:
         client.shutdown_cluster("the chief finished the job")
     wall = time.monotonic() - started
     return {**result, "role": str(task), "mode": args.mode, "dense": args.dense, "dataset": job.dataset.name,
             "test_accuracy": accuracy, "global_step": binding.step, "table_pushes": table_pushes,
             "start_step": start_step, "wall_seconds": wall, "steps_per_second": (binding.step - start_step) / wall,
-            "workers": replicas, "ps": num_ps, "checkpoints": []}
-
-
-def _batches_done(start_step: int, args, replicas: int) -> int:
-    """The batches this task's earlier incarnation worked through, judged from the global step it rejoins at:
-    in sync mode each step takes k = ceil(R / N) batches from every worker, otherwise steps count every
-    worker's pushes."""
-    if args.mode == "sync":
-        aggregate = args.replicas_to_aggregate or replicas
-        return start_step * max(1, -(-aggregate // replicas))
-    return start_step // max(1, replicas)
+            "workers": replicas, "ps": shards, "checkpoints": []}
 
 
 def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, started: float,
@@ -385,6 +409,16 @@ def _terminate_once() -> None:
         raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _stop_at_next_interrupt(task: TaskSpec) -> None:
+    """From now on a Ctrl-C (SIGINT) ends the process at once, with INTERRUPTED and one line: the first one is
+    being handled (a last checkpoint), a second means the user will not wait for it."""
+    def handler(*_) -> None:
+        print(f"ps-worker: {task}: interrupted again: stopping now", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -164,9 +164,9 @@ def _wait_for_workers(client: PSClient, expected: list[str], join_wait: float) -
 
 
 def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path | None,
-               checkpointer: Checkpointer | None, shutdown: bool, expected: Iterable[str] = (),
-               join_wait: float = 0.0) -> int:
-    """Waits for the other workers, saves a last checkpoint, exports the model, stops the shards.
+               checkpointer: Checkpointer | None, expected: Iterable[str] = (), join_wait: float = 0.0) -> int:
+    """Waits for the other workers, saves a last checkpoint, exports the model; the shards still serve (the
+    caller stops them).
 
     The other workers: every live one, for up to FINAL_WAIT_SECONDS, and every name of `expected` (the
     cluster spec's workers) that never joined the job, for up to `join_wait` s (a worker that starts late
@@ -189,6 +189,4 @@ def finish_job(client: PSClient, binding: ModuleBinding, *, export: pathlib.Path
         state = client.export_state_dict([*binding.names, *fixed_tables(binding)])
         torch.save(state, export)
         _LOGGER.info("exported %d tensors to %s (model.load_state_dict(torch.load(path)))", len(state), export)
-    if shutdown:
-        client.shutdown_cluster("the chief finished the job")
     return step

@@ -19,7 +19,7 @@ import sys
 from ..cli import ArgumentParser, USAGE_ERROR
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
-from ..security import Security, require_credentials
+from ..credential_flags import add_security_flags, resolve_security
 from ..specs import OPTIMIZER_NAMES
 from .datasets import DatasetNotFoundError, check_dataset, default_dataset_name
 from .observe import parse_step_range
@@ -82,8 +82,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                    help="sync: R gradients per step (default: every worker), or P%% of the live workers, which "
                         "follows workers joining and leaving (e.g. 75%%)")
     g.add_argument("--scale-lr", action="store_true",
-                   help="scale the learning rate with the live workers: lr x live / the cluster spec's training "
-                        "tasks, set again whenever shard 0 reports another count (workers joining or leaving)")
+                   help="scale the learning rate with the live workers: lr x (live + the cluster spec's training "
+                        "tasks yet to join) / the spec's training tasks (a job starts at --lr), set again whenever "
+                        "shard 0 reports another count (workers joining or leaving)")
     g.add_argument("--max-staleness", type=int, default=2, help="ssp: the bound s (default: %(default)s)")
     g.add_argument("--lease-seconds", type=float, default=10.0, help="a silent worker is dropped after this")
     g.add_argument("--progress-timeout", type=float, default=60.0,
@@ -144,7 +145,8 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port, on the "
                    "task's host (0: a free one, logged; with ps-launch use 0; default: none)")
     g.add_argument("--trace-out", type=pathlib.Path, help="write a timeline of --trace-steps (Chrome-trace JSON, "
-                   "for ui.perfetto.dev) to DIR/TASK.trace.json, e.g. worker-0.trace.json")
+                   "for ui.perfetto.dev) to DIR/TASK.trace.json, e.g. worker-0.trace.json; the tasks' files overlay "
+                   "(a pid per task, wall-clock timestamps)")
     g.add_argument("--trace-steps", default="10-20", help="this worker's steps the timeline covers, FIRST-LAST "
                    "(default: %(default)s)")
     g.add_argument("--log-every", type=float, default=5.0, help="seconds between log lines (default: %(default)s)")
@@ -156,25 +158,17 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=float, default=5.0, help="evaluator: seconds between evaluations")
     c = parser.add_argument_group("checkpoints and export (chief)")
     c.add_argument("--checkpoint-every-steps", type=int, default=0, help="save every N global steps "
-                   "(the ps-servers need --checkpoint-dir; with one, the chief also saves at the end and on SIGTERM)")
+                   "(the ps-servers need --checkpoint-dir; with one, the chief also saves at the end and on SIGTERM "
+                   "or Ctrl-C)")
     c.add_argument("--checkpoint-every-seconds", type=float, default=0.0, help="save every T seconds")
     c.add_argument("--keep-checkpoints", type=int, default=3, help="committed checkpoints kept (default: %(default)s)")
     c.add_argument("--export", type=pathlib.Path, help="write the final model as a plain PyTorch state_dict here")
     c.add_argument("--init-from", type=pathlib.Path, help="start from this state_dict file instead of a fresh init")
     c.add_argument("--keep-ps", action="store_true", help="leave the ps-servers running when the job ends "
                    "(default: the chief shuts them down, and they exit with code 0)")
-
-
-def add_security_flags(parser: argparse.ArgumentParser) -> None:
-    s = parser.add_argument_group("security (ps-certs makes the files; the TORCHPS_* variables stand in)")
-    s.add_argument("--tls-cert", help="this task's certificate ($TORCHPS_TLS_CERT)")
-    s.add_argument("--tls-key", help="its key ($TORCHPS_TLS_KEY)")
-    s.add_argument("--tls-ca", help="the job's CA certificate ($TORCHPS_TLS_CA)")
-    s.add_argument("--token-file", help="this task's token (ps-certs' TYPE-INDEX.token; $TORCHPS_TOKEN_FILE)")
-    s.add_argument("--admin-token-file", help="the admin token, the chief's only ($TORCHPS_ADMIN_TOKEN_FILE)")
-    s.add_argument("--insecure", action="store_true", help="talk to the shards in plaintext without a token (a "
-                   "trusted network only, the shards started --insecure too); needed when no TLS files and no "
-                   "token are given")
+    c.add_argument("--allow-partial", action="store_true", help="the chief exits 0 for a job that ended with part "
+                   "of its planned data not trained (a worker died or left and did not come back, or never joined; "
+                   "it still says so); default: exit code 3")
 
 
 def finish_training_flags(args: argparse.Namespace) -> argparse.Namespace:
@@ -360,14 +354,6 @@ def resolve_task(args: argparse.Namespace) -> tuple[Cluster, TaskSpec]:
         raise ClusterConfigError("--dense allreduce: an evaluator cannot see the dense parameters (they live in "
                                  "the workers, not on the shards); the chief reports the test accuracy at the end")
     return cluster, task
-
-
-def resolve_security(args: argparse.Namespace) -> Security:
-    """The task's credentials from the flags or the TORCHPS_* variables; ClusterConfigError unless it has some
-    or was told --insecure (as ps-server)."""
-    return require_credentials(Security.load(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                                             token_file=args.token_file, admin_token_file=args.admin_token_file),
-                               args.insecure)
 
 
 def check_specs(args: argparse.Namespace) -> None:

@@ -16,21 +16,35 @@ A worker added to the running job (`add_task`, ps-launch scale) gets
 credentials of its own: signed with the CA key the launcher keeps in memory
 (never written), its token added to every shard's table (which the shards
 re-read); with the user's folder, the files `ps-certs DIR --add` made there.
+
+A launcher killed with SIGKILL cannot remove its folder, so the next one does:
+each folder holds LOCK_FILE, locked (flock) by its launcher for as long as it
+lives and naming its pid and start time. `remove_dead_folders()` removes every
+folder of this user's in the temporary directory whose lock it can take (its
+launcher is gone: the kernel dropped the lock with the process), never one whose
+lock is held, nor one without the file (being made, or made before launchers
+kept one).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import pathlib
 import shutil
 import tempfile
+import time
 
 from ..certs import JobCredentials, TaskCredentials, append_tokens, token_line
 from ..cluster import TaskSpec
 from ..errors import ClusterConfigError
 from ..security import ENV
 
-__all__ = ["JobFolder"]
+__all__ = ["JobFolder", "remove_dead_folders"]
+
+PREFIX = "ps-launch-"        # the job folders' names in the temporary directory
+LOCK_FILE = "launcher.lock"  # flock'ed by the launcher while it lives; {"pid": ..., "started": ...} inside
 
 
 class JobFolder:
@@ -39,7 +53,8 @@ class JobFolder:
     def __init__(self, *, credentials: JobCredentials | None = None,
                  user_files: dict[TaskSpec, TaskCredentials] | None = None, tls: bool = True,
                  user_dir: str | os.PathLike | None = None):
-        self.path = pathlib.Path(tempfile.mkdtemp(prefix="ps-launch-"))  # mode 0700
+        self.path = pathlib.Path(tempfile.mkdtemp(prefix=PREFIX))  # mode 0700
+        self._lock: int | None = _hold_lock(self.path)
         self._credentials = credentials
         self._user_files = user_files
         self._user_dir = pathlib.Path(user_dir) if user_dir is not None else None  # where user_files lie
@@ -95,5 +110,61 @@ class JobFolder:
                     append_tokens(files.token, line)
 
     def remove(self) -> None:
-        """Removes the folder and everything in it. Idempotent."""
+        """Removes the folder and everything in it, then lets go of its lock. Idempotent."""
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _hold_lock(folder: pathlib.Path) -> int:
+    """The descriptor of folder/LOCK_FILE, locked for this process's life (the kernel drops the lock when the process
+    ends, however it ends; the descriptor is not inherited). Written and locked under another name, then renamed:
+    no other launcher ever finds the file unlocked while this one lives."""
+    making = folder / (LOCK_FILE + ".new")
+    fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+    os.rename(making, folder / LOCK_FILE)
+    return fd
+
+
+def remove_dead_folders(root: str | os.PathLike | None = None) -> list[str]:
+    """Removes the job folders in `root` (the temporary directory) that this user's dead launchers left (see the
+    module docstring); returns 'FOLDER (pid P, started T)' for each. Never blocks; a folder that cannot be
+    looked at is left alone."""
+    removed = []
+    for folder in sorted(pathlib.Path(root or tempfile.gettempdir()).glob(PREFIX + "*")):
+        try:
+            if folder.is_symlink() or folder.lstat().st_uid != os.geteuid():
+                continue
+            fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if _left_behind(folder, fd):
+                said = _launcher_of(fd)
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(f"{folder} (pid {said.get('pid', '?')}, started {said.get('started', '?')})")
+        finally:
+            os.close(fd)  # the lock, held while removing: no other launcher removes the folder too
+    return removed
+
+
+def _left_behind(folder: pathlib.Path, fd: int) -> bool:
+    """True once this process holds the lock of `folder`'s LOCK_FILE (open as `fd`) and the file is still there:
+    its launcher died without removing the folder."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # its launcher lives
+        return False
+    return (folder / LOCK_FILE).exists()  # else its launcher removed the folder as it ended, then let go
+
+
+def _launcher_of(fd: int) -> dict:
+    """What the launcher wrote into its LOCK_FILE ({} if unreadable)."""
+    try:
+        said = json.loads(os.read(fd, 4096))
+    except (OSError, ValueError):
+        return {}
+    return said if isinstance(said, dict) else {}

@@ -33,12 +33,23 @@ server they were forked from (its death is named; --restart-on-failure
 restarts them from a new one). Once the chief has ended the job nothing is
 restarted. The exit code is 0, 1 if a process failed and was not restarted
 (its last lines are shown), 2 for a usage error (one line, nothing started;
-or a shard refusing its configuration), 130 if interrupted.
+or a shard refusing its configuration), 3 if the chief ended the job with
+part of its planned data not trained (the line before the last says what;
+ps-worker --allow-partial makes it 0), 74 if a process died for want of room
+to write (a full disk, a file-size limit: one line names the path; nothing is
+restarted into it), 130 if interrupted. --restart-on-failure waits before each
+restart, doubling from 1 s (restarts.py). What a failed process's log shows is
+its last traceback, warnings and errors, and final lines (lastlines.py). A
+launcher killed with SIGKILL leaves its job folder; the next ps-launch removes
+it, in one line (jobfolder.py).
 
 With --checkpoint-dir, a job that ends well is noted in the folder
 (job-finished.json); run again on that folder, ps-launch says so in one line
 and exits 0 instead of resuming a job that has ended, unless --steps asks
-for more global steps than it reached.
+for more global steps than it reached. The folder is one job's: a second
+ps-launch on it is refused at once, naming the first (torchps/checkpoint_folder.py);
+--replace-journal moves its journals aside so the job starts from its newest
+committed checkpoint.
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ import time
 import typing
 
 from ..certs import issue_job_credentials, read_job_credentials
-from ..cli import INTERRUPTED, USAGE_ERROR, ArgumentParser, grpc_log_env
+from ..checkpoint_folder import hold_launch, move_journals_aside
+from ..cli import INTERRUPTED, PARTIAL_JOB, USAGE_ERROR, ArgumentParser, grpc_log_env
 from ..cluster import Cluster, TaskSpec
 from ..errors import ClusterConfigError
 from ..forkserver import ForkedChild, ProcessStarter, run_main
@@ -68,16 +80,18 @@ from .datasets import DatasetNotFoundError, default_dataset_name
 from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_output, check_specs,
                     finish_training_flags)
 from .control import ControlServer, scale_main
-from .jobfolder import JobFolder
+from .jobfolder import JobFolder, remove_dead_folders
+from .lastlines import LastLines, death
 from .local_cluster import SHARD_MODULE, local_shard_threads
+from .restarts import backoff, no_room
 
 __all__ = ["main", "Launcher"]
 
 START_TIMEOUT_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10.0
-TAIL_LINES = 15
 WORKER_MODULE = "torchps.worker.__main__"
-MAX_RESTARTS = 3  # per task, with --restart-on-failure
+MAX_RESTARTS = 3  # per task, with --restart-on-failure, each after a backoff (restarts.py)
+NO_ROOM = 74      # exit code (EX_IOERR, sysexits.h): a process died for want of room to write (restarts.py)
 DEFAULT_CHECKPOINT_STEPS = 100  # with --checkpoint-dir and no --checkpoint-every-* flag
 FINISHED_FILE = "job-finished.json"  # in --checkpoint-dir: the summary of a job that ended well
 SHARDS_MEMORY_PERCENT = 50  # of the machine's memory, split among the shards: the workers need the rest
@@ -94,12 +108,12 @@ class StartError(Exception):
 
 @dataclasses.dataclass
 class Proc:
-    """One child process, its role, its output, and the last lines it printed."""
+    """One child process, its role, its output, and the lines of it that explain its end (lastlines.py)."""
 
     task: TaskSpec
     popen: subprocess.Popen | ForkedChild
     output: typing.TextIO
-    tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    tail: LastLines = dataclasses.field(default_factory=LastLines)
     reader: threading.Thread | None = None
 
     @property
@@ -155,6 +169,9 @@ class Launcher:
         # of the job's folder, which close() removes.
         user_files = read_job_credentials(credentials, tasks) if credentials is not None else None
         issued = issue_job_credentials(tasks, days=1, keep_ca_key=True) if credentials is None and secure else None
+        if left := remove_dead_folders():  # launchers killed with SIGKILL could not remove theirs (jobfolder.py)
+            self.say(f"[launch] removed {len(left)} job folder{'s' * (len(left) > 1)} of ps-launch processes no longer "
+                     f"running, with their keys and tokens: {'; '.join(left)}")
         self.folder = JobFolder(credentials=issued, user_files=user_files, tls=tls, user_dir=credentials)
         self._starter_log = _SayLog(self.say)  # the starter's one line when it starts a new fork server
         logging.getLogger(ProcessStarter.__module__).addHandler(self._starter_log)
@@ -260,6 +277,9 @@ class Launcher:
                 self.start_ps()
             except StartError as exc:  # a shard refusing its flags (exit 2) is the user's configuration
                 self._show_tail(exc.proc)
+                if (room := self._no_room(exc.proc)) is not None:
+                    self.say(f"[launch] {exc.proc.name} did not start: {room}")
+                    return NO_ROOM
                 return USAGE_ERROR if exc.proc.popen.returncode == USAGE_ERROR else 1
             self.say(f"[launch] cluster: {json.dumps(self.cluster.to_dict())}")
             self.control = ControlServer(self.folder.path)
@@ -289,25 +309,45 @@ class Launcher:
             self.folder.remove()
 
     def _show_tail(self, proc: Proc) -> None:
-        self.say(f"[launch] {proc.name} failed (exit {proc.popen.returncode}); its last lines:")
-        for line in proc.tail:
+        code = proc.popen.returncode
+        self.say(f"[launch] {proc.name} failed (exit {code}{f', {death(code)}' if death(code) else ''}); its last lines:")
+        for line in proc.tail.shown():
             self.say(f"[launch]   | {line}")
+
+    def _no_room(self, proc: Proc) -> str | None:
+        """What the launcher says of `proc`, dead, if its log says a write failed for want of room (restarts.py):
+        why, and what to do; None otherwise (or if a signal ended it)."""
+        if proc.popen.returncode is None or proc.popen.returncode < 0:
+            return None
+        if proc.reader is not None:
+            proc.reader.join(timeout=5)  # the lines it printed as it died are in its tail
+        flags = self.ps_args
+        folder = flags[flags.index("--checkpoint-dir") + 1] if "--checkpoint-dir" in flags else None
+        room = no_room(proc.tail.shown(), pathlib.Path(folder if folder and proc.task.type == "ps" else "."))
+        if room is None:
+            return None
+        return (f"{room.cause}; stopping the job: restarting it would meet the same {room.wall}. {room.remedy} and run "
+                "ps-launch again" + (" (with the same --checkpoint-dir, the shards go on from their journals)"
+                                     if folder else ""))
 
     def _watch(self) -> int:
         chief = self.cluster.chief_task
         failed: dict[TaskSpec, Proc] = {}  # failed while the job ran, and not restarted
         seen: set[TaskSpec] = set()         # exits already dealt with
         stopping = False                    # the chief or a shard failed: the job cannot go on
-        ended_at = None                     # when the chief was seen to have ended the job (exit code 0)
+        ended_at = None                     # when the chief was seen to have ended the job (exit code 0 or 3)
+        pending: dict[TaskSpec, float] = {}  # restarts waiting out their backoff: when each is due (monotonic)
+        out_of_room = False                 # a process died for want of room to write: the job stopped
         while True:
-            restarted = False
-            if ended_at is None and self.procs[chief].popen.poll() == 0:
+            if ended_at is None and self.procs[chief].popen.poll() in (0, PARTIAL_JOB):
                 ended_at = time.monotonic()
             self.control.serve_pending(lambda body: self._control_request(body, over=ended_at is not None or stopping))
+            restarted = self._restart_due(pending, seen, over=ended_at is not None)
             training = self.training_tasks()
             for task, proc in list(self.procs.items()):
                 code = proc.popen.poll()
-                if code in (None, 0) or task in seen or task in self.removed:
+                if code in (None, 0) or (task == chief and code == PARTIAL_JOB) or task in seen or \
+                        task in self.removed:
                     continue
                 seen.add(task)
                 ended = _ended(proc, code)
@@ -315,11 +355,19 @@ class Launcher:
                     if task.type != "ps":
                         self.say(f"[launch] {task} {ended} after the chief ended the job")
                     continue
-                if self.restart_on_failure and self.restarts[task] < MAX_RESTARTS and self._restart(task, ended):
-                    seen.discard(task)
-                    restarted = True
+                room = self._no_room(proc)
+                if room is None and self.restart_on_failure and self.restarts[task] < MAX_RESTARTS:
+                    self.restarts[task] += 1
+                    delay = backoff(self.restarts[task])
+                    self.say(f"[launch] {task} {ended}; restarting it in {delay:g} s ({self.restarts[task]} of "
+                             f"{MAX_RESTARTS})")
+                    pending[task] = time.monotonic() + delay
                     continue
                 failed[task] = proc
+                if room is not None:  # a restart would meet the same wall at once
+                    self.say(f"[launch] {task} {ended}: {room}")
+                    out_of_room = stopping = True
+                    break
                 if task == chief:  # nobody else creates, checkpoints or ends the job
                     self.say(f"[launch] {task} (the chief) {ended}: stopping the job")
                     stopping = True
@@ -331,7 +379,8 @@ class Launcher:
                     stopping = True
                     break
                 self.say(f"[launch] {task} {ended}; the others go on")
-            if stopping or (not restarted and all(self.procs[t].popen.poll() is not None for t in training)):
+            if stopping or (not restarted and not pending and
+                            all(self.procs[t].popen.poll() is not None for t in training)):
                 break
             if ended_at is not None and time.monotonic() - ended_at > STOP_GRACE_SECONDS:
                 for task in training:  # never joined, or stuck: it has no job to take part in any more
@@ -354,7 +403,9 @@ class Launcher:
                            and p.task not in self.removed and p.popen.poll() not in (None, 0)})
         for proc in failed.values():
             self._show_tail(proc)
-        return 1 if failed else 0
+        if out_of_room:
+            return NO_ROOM
+        return 1 if failed else PARTIAL_JOB if self.procs[chief].popen.poll() == PARTIAL_JOB else 0
 
     def _control_request(self, body: dict, *, over: bool) -> dict:
         """The answer to a control request (control.py): {"workers": N} scales the workers to N."""
@@ -411,11 +462,21 @@ class Launcher:
             self.say(f"[launch] {task} removed (exit code {proc.popen.returncode}): it left the job")
         return [], leaving
 
-    def _restart(self, task: TaskSpec, ended: str) -> bool:
-        """Starts `task` again (a ps on its old port), forked from a new fork server if the last one died;
-        False if it would not come up."""
-        self.restarts[task] += 1
-        self.say(f"[launch] {task} {ended}; restarting it ({self.restarts[task]} of {MAX_RESTARTS})")
+    def _restart_due(self, pending: dict[TaskSpec, float], seen: set[TaskSpec], *, over: bool) -> bool:
+        """Restarts each task of `pending` whose backoff has passed (none once the job is `over`: they are
+        dropped); True if it restarted any. Its next exit is dealt with afresh (taken out of `seen`)."""
+        if over:
+            pending.clear()
+        due = [task for task, when in pending.items() if when <= time.monotonic()]
+        for task in due:
+            del pending[task]
+            seen.discard(task)
+            self._restart(task)
+        return bool(due)
+
+    def _restart(self, task: TaskSpec) -> None:
+        """Starts `task` again (a ps on its old port), forked from a new fork server if the last one died. If it
+        would not come up, says so: its exit is then dealt with as any other."""
         try:
             if task.type == "ps":
                 self._spawn_ps(task.index, self.ports[task.index])
@@ -424,8 +485,6 @@ class Launcher:
                 self.start_task(task)
         except (StartError, OSError) as exc:  # OSError: no process could be started
             self.say(f"[launch] {task} did not come back: {exc}")
-            return False
-        return True
 
     @staticmethod
     def _wait(proc: Proc, timeout: float) -> None:
@@ -486,13 +545,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    f"{DEFAULT_CHECKPOINT_STEPS} steps unless --checkpoint-every-* says otherwise, and at the end")
     g.add_argument("--restore-from", help="start the ps-servers from the newest committed checkpoint in this "
                    "folder, whatever number of shards wrote it")
+    g.add_argument("--replace-journal", action="store_true", help="move the shards' journals under --checkpoint-dir "
+                   "aside (renamed, kept) before starting: the job starts from the newest committed checkpoint there "
+                   "(what a shard refusing a corrupt journal, or another job's, asks for)")
     g.add_argument("--max-memory", metavar="SIZE", help="each ps-server's --max-memory: what it may hold, e.g. 2G "
                    f"or a share of this machine's memory, e.g. 20%% (default: {SHARDS_MEMORY_PERCENT}%% split among "
                    "the shards)")
     g.add_argument("--max-workers", type=int, default=None, help="worker names the job may ever have, added "
                    f"ones included (ps-launch scale; default: --workers or {DEFAULT_MAX_WORKERS}, the larger)")
     g.add_argument("--restart-on-failure", action="store_true",
-                   help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each)")
+                   help=f"restart a ps or worker process that dies (at most {MAX_RESTARTS} times each, waiting 1 s, "
+                   "then 2, 4, ... first; not one that died of a full disk: that stops the job, exit code 74)")
     g.add_argument("--insecure", action="store_true", help="no TLS, no tokens (default: a throw-away CA, "
                    "certificates and tokens made for this job)")
     g.add_argument("--credentials", metavar="DIR", help="use the CA, certificates and tokens ps-certs wrote into "
@@ -523,6 +586,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         check_output("--metrics-out", everything.metrics_out)
         if everything.entry:  # the workers import it from the folder they start in, as `python -m` does
             check_entry(everything.entry, [os.getcwd(), *sys.path])
+        if everything.replace_journal and not everything.checkpoint_dir:
+            raise ClusterConfigError("--replace-journal moves the journals under --checkpoint-dir aside: pass that too")
         if everything.restore_from and not pathlib.Path(everything.restore_from).is_dir():
             raise ClusterConfigError(f"--restore-from {everything.restore_from}: no such folder")
         if everything.credentials:
@@ -585,8 +650,16 @@ def main(argv: list[str] | None = None) -> int:
     launcher = None
     try:
         args, worker_args = parse_args(argv)
-        if args.checkpoint_dir and not _finished_job_may_go_on(args.checkpoint_dir, args.steps):
-            return 0
+        try:  # the folder is this job's until ps-launch exits: another job's is refused before anything starts
+            folder = hold_launch(args.checkpoint_dir) if args.checkpoint_dir else None  # noqa: F841
+            if args.checkpoint_dir and not _finished_job_may_go_on(args.checkpoint_dir, args.steps):
+                return 0
+            if args.replace_journal and (moved := move_journals_aside(args.checkpoint_dir)):
+                print(f"[launch] the journals in {args.checkpoint_dir} moved aside to {moved}: every shard starts "
+                      "from the newest committed checkpoint", flush=True)
+        except ClusterConfigError as exc:
+            print(f"ps-launch: error: {exc}", file=sys.stderr, flush=True)
+            return USAGE_ERROR
         launcher = _launcher(args, worker_args, demo=not argv)
         code = launcher.run()
     except KeyboardInterrupt:  # before the processes started (run() answers it from then on)
@@ -598,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         s = launcher.summary
         print(f"[launch] test accuracy {s['test_accuracy']:.4f} on {s['dataset']} after {s['global_step']} global steps "
               f"in {s['wall_seconds']:.1f} s ({s['steps_per_second']:.0f} steps/s, {s['mode']})", flush=True)
+        if s.get("partial"):  # the chief's account of what its plan left untrained
+            print(f"[launch] part of the planned data was not trained: {s['data_account']}", flush=True)
         if code == 0 and args.checkpoint_dir:
             _write_finished(pathlib.Path(args.checkpoint_dir), s)
     print(f"[launch] done, exit code {code}", flush=True)
@@ -638,7 +713,7 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
     """The Launcher for ps-launch's flags; ps-worker's flags go to every worker as they are."""
     if demo:
         print(f"[launch] demo: {args.ps} ps, {args.workers} workers, the MLP on {default_dataset_name()}", flush=True)
-    ps_args = []
+    ps_args = ["--launched-by", "ps-launch"]
     if args.checkpoint_dir:
         ps_args += ["--checkpoint-dir", args.checkpoint_dir]
         if not any(a.startswith("--checkpoint-every") for a in worker_args):

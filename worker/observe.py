@@ -7,6 +7,9 @@ every shard's push, pull and push_pull call (`StepObserver.tracer`, set as PSCli
 timeline shows, per step: compute (forward and backward) and exchange on the worker's track, each
 shard's calls on a track of its own, and the time shard 0 held the push (a sync release, the ssp bound)
 as `wait` at the end of its call. Open the file in Perfetto (ui.perfetto.dev) or chrome://tracing.
+The files of a job's tasks can be opened together: each task is a process of its own (its pid, the
+task's place among the job's training tasks from 1), and timestamps are wall-clock microseconds since
+the Unix epoch (hosts' clocks as NTP keeps them).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pathlib
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 __all__ = ["StepObserver", "WorkerMetrics", "EvaluatorMetrics", "Timeline", "parse_step_range"]
 
@@ -37,10 +40,11 @@ def parse_step_range(text: str) -> tuple[int, int]:
 
 
 class EvaluatorMetrics:
-    """An evaluator's Prometheus metrics, in a registry of its own."""
+    """An evaluator's Prometheus metrics, in a registry of its own (with the standard process_* figures)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
         self.evaluations = Counter("torchps_evaluator_evaluations", "Evaluations made", registry=self.registry)
         self.accuracy = Gauge("torchps_evaluator_accuracy", "Test accuracy at the last evaluation",
                               registry=self.registry)
@@ -54,10 +58,11 @@ class EvaluatorMetrics:
 
 
 class WorkerMetrics:
-    """One worker's Prometheus metrics, in a registry of its own."""
+    """One worker's Prometheus metrics, in a registry of its own (with the standard process_* figures)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
         r = self.registry
         self.steps = Counter("torchps_worker_steps", "Training steps this worker made", registry=r)
         self.step_seconds = Histogram("torchps_worker_step_seconds", "A training step: compute, then exchange",
@@ -75,13 +80,14 @@ class WorkerMetrics:
         self.loss = Gauge("torchps_worker_loss", "The training loss of this worker's last step", registry=r)
 
 class Timeline:
-    """Chrome-trace events of this worker's steps `first`..`last`, written to `path` by `write`."""
+    """Chrome-trace events of this worker's steps `first`..`last`, written to `path` by `write`, as process
+    `pid` (unique in the job, so several tasks' files overlay) at wall-clock timestamps."""
 
-    def __init__(self, path: pathlib.Path, task: str, first: int, last: int):
-        self.path, self.task, self.first, self.last = path, task, first, last
-        self.origin = time.monotonic()
-        self.events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": task}},
-                                   {"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "step"}}]
+    def __init__(self, path: pathlib.Path, task: str, first: int, last: int, pid: int):
+        self.path, self.task, self.first, self.last, self.pid = path, task, first, last, pid
+        self.wall_offset = time.time() - time.monotonic()  # monotonic seconds -> Unix time, read once
+        self.events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": task}},
+                                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "step"}}]
         self._shards: set[int] = set()
         self._lock = threading.Lock()  # shards' spans arrive from the client's threads
 
@@ -90,14 +96,15 @@ class Timeline:
 
     def span(self, name: str, tid: int, start: float, end: float, step: int) -> None:
         with self._lock:
-            self.events.append({"ph": "X", "name": name, "pid": 1, "tid": tid, "ts": (start - self.origin) * 1e6,
-                                "dur": max(0.0, end - start) * 1e6, "args": {"step": step}})
+            self.events.append({"ph": "X", "name": name, "pid": self.pid, "tid": tid,
+                                "ts": (start + self.wall_offset) * 1e6, "dur": max(0.0, end - start) * 1e6,
+                                "args": {"step": step}})
 
     def shard_span(self, name: str, shard: int, start: float, end: float, step: int) -> None:
         with self._lock:
             if shard not in self._shards:
                 self._shards.add(shard)
-                self.events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": 1 + shard,
+                self.events.append({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": 1 + shard,
                                     "args": {"name": f"ps:{shard}"}})
         self.span(name, 1 + shard, start, end, step)
 

@@ -29,13 +29,14 @@ class TrainOptions:
     """How a worker trains (ps-worker's flags)."""
 
     epochs: int | None = 1           # passes over this worker's shard; None: until `steps`
-    steps: int | None = None         # stop once the global step reaches this
+    steps: int | None = None         # stop once the global step reaches this (sync: exactly; async, ssp:
+                                     # the other workers' pushes under way still land, W - 1 at most)
     batch_size: int = 100
     seed: int = 0
     device: str = "cpu"
     log_every: float = 5.0           # seconds between log lines (no terminal)
     progress: bool | None = None     # tqdm bar; None: when stderr is a terminal
-    skip_batches: int = 0            # batches an earlier incarnation of this task already trained on
+    skip_batches: int = 0            # batches this task's earlier processes pushed (ps 0's count): not redone
     max_local_steps: int | None = None  # stop after this many steps of this worker (--dense allreduce: every
                                         # worker the same number, as each step is a collective all must make)
     local_shard: tuple[int, int] = (0, 1)  # (local rank, processes) of a --nproc-per-host host: this process
@@ -105,9 +106,12 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
     per_epoch = -(-len(y) // options.batch_size)
     first_epoch, skip = divmod(options.skip_batches, per_epoch)
     epochs = range(first_epoch, options.epochs) if options.epochs else itertools.count(first_epoch)
-    if options.skip_batches:
-        _LOGGER.info("%s goes on from epoch %d, batch %d (what its earlier incarnation trained is not redone)",
-                     client.worker, first_epoch, skip)
+    if options.skip_batches and options.epochs and first_epoch >= options.epochs:
+        _LOGGER.info("%s: its earlier processes pushed all %d of its batches (ps 0's count): nothing is left for it "
+                     "to train", client.worker, options.skip_batches)
+    elif options.skip_batches:
+        _LOGGER.info("%s goes on from epoch %d, batch %d: its earlier processes pushed its %d batches before (ps 0's "
+                     "count), which are not trained again", client.worker, first_epoch, skip, options.skip_batches)
     bar = _progress_bar(options, total=per_epoch * options.epochs - options.skip_batches if options.epochs
                         else options.steps)
     started = last_log = time.monotonic()

@@ -5,10 +5,11 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from torchps.client import Optimizer, PSClient
+from torchps.client import Optimizer, PSClient, UnknownVariableError
 
 MIB = 1 << 20
 
@@ -60,3 +61,25 @@ def test_a_checkpoint_save_is_timed_and_its_age_shown(local_cluster, tmp_path):
         metrics = scrape(ps.status(0).metrics_port)
     assert metrics["torchps_checkpoint_save_seconds_count"] == 1
     assert 0 <= metrics["torchps_checkpoint_age_seconds"] < 600
+
+
+def test_a_shard_serves_its_failed_calls_journal_waits_layout_lanes_and_process(local_cluster, tmp_path):
+    """The figures the Grafana dashboard (deploy/grafana/torchps.json) shows besides the ones above: failed
+    calls by method and code, the time acknowledged changes waited for the journal, the layout epoch, ps 0's
+    resize state, open bulk lanes, and the process's start time and CPU."""
+    local = local_cluster(1, server_args=["--metrics-port", "0", "--checkpoint-dir", str(tmp_path)])
+    with PSClient(local.cluster) as ps:
+        ps.create_variables({"w": torch.zeros(1024)}, Optimizer("sgd", lr=0.1))
+        ps.push({"w": torch.ones(1024)})
+        ps.declare({"nothing": torch.zeros(4)})  # placed by this client, never created: the shard says NOT_FOUND
+        with pytest.raises(UnknownVariableError):
+            ps.pull(["nothing"])
+        port = ps.status(0).metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(reply.read().decode()) for s in f.samples}
+    assert samples["torchps_calls_failed_total", (("code", "NOT_FOUND"), ("method", "Pull"))] == 1
+    assert samples["torchps_journal_wait_seconds_count", ()] >= 2  # the creation's record and the push's
+    assert samples["torchps_layout_epoch", ()] == 0 and samples["torchps_resize_running", ()] == 0
+    assert samples["torchps_open_lanes", ()] >= 0
+    assert samples["process_start_time_seconds", ()] > 0 and samples["process_cpu_seconds_total", ()] > 0

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_the_calls_benchmark_times_tiny_calls_beside_grpc_s_floor(tmp_path):
     out = tmp_path / "calls.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "calls.py"), "--calls", "100", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     for figures in [*result["torchps"].values(), result["grpc_aio_floor"], result["grpc_sync_floor"]]:

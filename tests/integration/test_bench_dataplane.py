@@ -21,7 +21,7 @@ def test_dataplane_smoke_times_the_exchange_alone_behind_a_shaped_loopback(tmp_p
         pytest.skip(problem)
     out = tmp_path / "dataplane.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "dataplane.py"), "--smoke", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     (record,) = result["rounds"]

@@ -14,7 +14,7 @@ def test_the_journal_benchmark_reports_its_ratios_over_the_plain_shard(tmp_path)
     out = tmp_path / "journal.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "journal.py"), "--dims", "784,16,10", "--workers", "1",
                           "--seconds", "0.5", "--repeats", "1", "--warmup", "1", "--dir", str(tmp_path),
-                          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert set(result["steps_per_s"]) == {"plain", "journal", "journal_sync"}
@@ -29,7 +29,7 @@ def test_the_journal_benchmark_times_status_and_joins_while_processes_push(tmp_p
     out = tmp_path / "calls.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "journal.py"), "--calls", "--dims", "784,16,10",
                           "--workers", "1", "--seconds", "0.3", "--dir", str(tmp_path), "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     for setup in ("plain", "journal"):
@@ -46,7 +46,7 @@ def test_the_journal_benchmark_without_compute_reports_its_ratio_and_the_shard_s
     out = tmp_path / "no_compute.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "journal.py"), "--no-compute", "--dims", "784,16,10",
                           "--workers", "1", "--seconds", "0.3", "--repeats", "2", "--warmup", "1", "--dir",
-                          str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert set(result["steps_per_s"]) == {"plain", "journal"} and all(len(r) == 2 for r in result["rates"].values())

@@ -6,11 +6,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--models", "seed", "--optimizers", "adam", "--shards", "1", "--no-worker"]
 
 
-def _run(args, tmp_path, timeout=300):
+def _run(args, tmp_path, timeout=240):
     run = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return run
@@ -28,6 +30,7 @@ def test_the_memory_benchmark_measures_every_stage_of_a_shard(tmp_path):
     assert result["rss_peak"] >= result["rss_steady"] > result["rss_empty"] > 0
 
 
+@pytest.mark.timeout(660)  # its subprocess may run 600 s
 def test_against_runs_a_benchmark_on_a_commit_and_on_this_tree(tmp_path):
     out = tmp_path / "against.json"
     run = _run([str(ROOT / "bench" / "against.py"), "HEAD", "--rounds", "1", "--keys", "wall_seconds",

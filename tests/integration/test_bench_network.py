@@ -26,7 +26,7 @@ def test_network_smoke_runs_torchps_behind_a_shaped_loopback(tmp_path):
         pytest.skip(problem)
     out = tmp_path / "network.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "network.py"), "--smoke", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert not [key for key in KEYS if key not in result]

@@ -14,7 +14,7 @@ def test_the_scale_benchmark_completes_every_step_with_more_waiting_workers_than
     out = tmp_path / "scale.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--workers", "24", "--steps", "3",
                           "--processes", "2", "--threads", "4", "--json", str(out)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+                         timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result["every_step_completed"] and result["steps_completed"] == [3, 3], result

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="ps-launch's job
 def test_the_startup_benchmark_times_the_forked_start(tmp_path):
     out = tmp_path / "startup.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--setups", "forked", "--rounds", "1",
-                          "--clusters", "2", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          "--clusters", "2", "--json", str(out)], capture_output=True, text=True, timeout=240,
                          cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())

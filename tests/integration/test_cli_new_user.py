@@ -122,11 +122,11 @@ def test_a_chief_that_fails_at_startup_ends_the_job_at_once():
 
 def test_a_chief_that_fails_at_startup_is_restarted_with_restart_on_failure_and_the_job_completes(tmp_path):
     env = environ([HERE], TORCHPS_TEST_FAIL_TASK="worker:0", TORCHPS_TEST_FAIL_AT_START="1",
-                  TORCHPS_TEST_FAIL_ONCE=str(tmp_path / "failed-once"))
+                  TORCHPS_TEST_FAIL_ONCE=str(tmp_path / "failed-once"), TORCHPS_TEST_FAIL_AFTER="1000000")
     run = launch(["--ps", "1", "--workers", "2", "--entry", "failing_entry:task", "--dataset", "mnist5k",
                   "--epochs", "1", "--restart-on-failure"], env=env)
     assert run.code == 0, run.output
-    assert "[launch] worker:0 exited with code 2; restarting it (1 of 3)" in run.lines, run.output
+    assert "[launch] worker:0 exited with code 2; restarting it in 1 s (1 of 3)" in run.lines, run.output
     assert not any("stopping the job" in line for line in run.lines), run.output
     assert (tmp_path / "failed-once").exists(), "the first chief did fail"
     assert run.final()[6] == "async"
@@ -186,8 +186,8 @@ def test_every_child_ends_with_the_launcher(signum, tmp_path):
         else:
             left = sorted(str(p.relative_to(job)) for p in job.rglob("*") if p.is_file() and p.suffix != ".port")
             tasks = ["ps-0", "ps-1", "worker-0", "worker-1"]
-            assert left == sorted(f"{task}/{name}" for task in tasks for name in (
-                "ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * (task != "worker-1"))), left
+            assert left == sorted(["launcher.lock", *(f"{task}/{name}" for task in tasks for name in (
+                "ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * (task != "worker-1")))]), left
     finally:
         shutil.rmtree(job, ignore_errors=True)
         for pid in children | {proc.pid}:
@@ -355,8 +355,8 @@ def test_ps_launch_uses_the_credentials_ps_certs_made_and_leaves_them_be(tmp_pat
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and serving[0].endswith(": mutual TLS, per-task tokens"), serving
     assert sorted(p.name for p in job.iterdir()) == sorted(
-        ["ca.crt", "ca.key", "tokens", "admin-token", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key",
-         "worker-0.token"])
+        ["ca.crt", "ca.key", "tokens", "admin-token", "cluster.json", "ps-0.crt", "ps-0.key", "worker-0.crt",
+         "worker-0.key", "worker-0.token"])
 
 
 def served_certificate(port: int, folder: pathlib.Path, client: str) -> bytes:

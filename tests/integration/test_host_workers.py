@@ -133,7 +133,7 @@ def test_a_process_of_the_host_killed_mid_step_fails_the_host_as_one_and_it_rejo
     assert len(lost) == 1 and "lost worker:0 local rank 1 (its process is gone" in lost[0], run.output
     assert lost[0].startswith("ps-worker: worker:0: AllreduceError: "), "one line on local rank 0's stderr"
     assert events["host-failed"] - events["kill-child"] < 15.0, "local rank 0 stops promptly, not at a timeout"
-    assert "[launch] worker:0 exited with code -9; restarting it (2 of 3)" in run.lines
+    assert "[launch] worker:0 exited with code -9; restarting it in 2 s (2 of 3)" in run.lines
     assert deaths[children[1]] - events["kill-rank0"] < 5.0, "local rank 1 dies with local rank 0"
     joins = [int(m[1]) for m in map(JOINED.match, run.lines) if m]
     assert len(joins) == 3 and joins[0] == 0 and 0 < joins[1] <= joins[2], f"each incarnation rejoins: {joins}"

@@ -89,7 +89,8 @@ def test_a_journal_that_cannot_write_stops_the_shard_unacknowledged_and_the_retr
 
 def test_a_damaged_record_before_whole_ones_is_refused_naming_the_file_and_byte(tmp_path):
     """A torn end is cut (a crash mid-write); a damaged record with whole ones after it is corruption: the
-    shard refuses to start, with one line naming the log and the byte, and changes nothing."""
+    shard refuses to start, with one line naming the log and the byte, and changes nothing. The line says what
+    to do (move the journal aside: `mv`), and done, the shard starts (as one without a journal does)."""
     with LocalCluster(1, server_args=["--checkpoint-dir", str(tmp_path)]) as local, \
             PSClient(local.cluster, connect_timeout=20) as client:
         client.create_variables({"w": torch.zeros(N)}, Optimizer("sgd", lr=1.0))
@@ -103,6 +104,13 @@ def test_a_damaged_record_before_whole_ones_is_refused_naming_the_file_and_byte(
     line = one_line_error(run_to_exit(["--index", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir", str(tmp_path)]))
     assert str(log) in line and f"byte {first_push_at}" in line and "corrupt" in line, line
     assert log.read_bytes() == bytes(data), "nothing was cut or rewritten"
+    move = f"mv {journal_dir(tmp_path)} {journal_dir(tmp_path)}.damaged"
+    assert move in line, line
+    subprocess.run(move.split(), check=True)
+    with LocalCluster(1, server_args=["--checkpoint-dir", str(tmp_path)]) as local, \
+            PSClient(local.cluster, connect_timeout=20) as client:
+        assert client.status(0).num_variables == 0, "no checkpoint: it starts empty, with a new journal"
+    assert (journal_dir(tmp_path) / "layout.json").is_file() and log.parent.with_name("ps-0.damaged").is_dir()
 
 
 # -- one layout per volume --------------------------------------------------------------------------------

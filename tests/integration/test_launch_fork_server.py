@@ -49,7 +49,8 @@ def test_with_restart_on_failure_a_killed_fork_server_is_replaced_and_the_job_en
     assert "Traceback" not in run.output, run.output
     assert run.code == 0, run.output
     for task in ("ps:0", "worker:0", "worker:1"):
-        assert f"[launch] {task} exited with code -9 ({kill.death()}); restarting it (1 of 3)" in run.lines, run.output
+        assert f"[launch] {task} exited with code -9 ({kill.death()}); restarting it in 1 s (1 of 3)" in run.lines, \
+            run.output
     assert [line for line in run.lines if re.fullmatch(
         rf"\[launch\] {kill.death()}: started a new fork server, pid \d+", line)], run.output
     [recovered] = [int(m[1]) for m in map(RECOVERED.match, run.lines) if m]

@@ -326,11 +326,12 @@ def test_ps_admin_resizes_a_running_job(local_cluster):
     with PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief:
         chief.create_variables({f"admin/v{i}": torch.zeros(256) for i in range(4)}, Optimizer("sgd", lr=1.0))
         added = local.add_ps()
-        done = subprocess.run([PS_ADMIN, "resize", "--cluster", spec, "--ps", f"{local.address(0)},{added}"],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run([PS_ADMIN, "resize", "--cluster", spec, "--ps", f"{local.address(0)},{added}",
+                               "--insecure"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("layout epoch 1: 1 -> 2 shards, 2 variables (2,048 bytes) moved"), done.stdout
-        shown = subprocess.run([PS_ADMIN, "layout", "--cluster", spec], capture_output=True, text=True, timeout=60)
+        shown = subprocess.run([PS_ADMIN, "layout", "--cluster", spec, "--insecure"], capture_output=True, text=True,
+                               timeout=60)
         assert shown.returncode == 0 and shown.stdout.splitlines()[0] == "layout epoch 1: 2 shards", shown.stderr
         assert shown.stdout.splitlines()[1:3] == [f"  ps:0 {local.address(0)}: 2 variables, 2,048 bytes",
                                                   f"  ps:1 {added}: 2 variables, 2,048 bytes"], shown.stdout

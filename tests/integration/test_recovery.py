@@ -278,10 +278,14 @@ def test_killed_worker_is_restarted_and_rejoins_the_job(launch, tmp_path):
                         accept=lambda m: int(m.group(1)) > 0, timeout=60)
     resumed = int(back.group(1))
     assert resumed >= killed_at, "the new worker:1 joins at the job's step"
-    went_on = run.wait_for(r"^\[worker:1\] .*worker:1 goes on from epoch (\d+), batch (\d+)")
-    assert int(went_on.group(1)) * 20 + int(went_on.group(2)) == resumed, "it skips the batches of the steps done"
+    went_on = run.wait_for(r"^\[worker:1\] .*worker:1 goes on from epoch (\d+), batch (\d+): its earlier processes "
+                           r"pushed its (\d+) batches before")
+    pushed = int(went_on.group(3))
+    assert int(went_on.group(1)) * 20 + int(went_on.group(2)) == pushed, "it skips the batches it pushed"
+    assert killed_at <= pushed <= resumed
     assert run.finish() == 0, run.tail()
     summary = summary_of(tmp_path / "metrics.json")
+    assert not summary["partial"] and summary["batches_trained"] == summary["batches_planned"] == 2 * STEPS, summary
     # the new worker:1 goes on from where the job is instead of redoing its epochs (which took the job
     # past STEPS + resumed global steps before)
     assert STEPS <= summary["global_step"] < STEPS + (resumed - killed_at) + 20, summary
@@ -298,9 +302,12 @@ def test_killed_chief_is_restarted_and_resumes_from_the_shards_step(launch, tmp_
                          accept=lambda m: int(m.group(1)) > killed_at)
     assert int(first.group(1)) > resumed
     assert run.finish() == 0, run.tail()
+    pushed = int(run.wait_for(r"^\[worker:0\] .*worker:0 goes on from epoch \d+, batch \d+: its earlier processes "
+                              r"pushed its (\d+) batches before").group(1))
     summary = summary_of(tmp_path / "metrics.json")
     assert summary["role"] == "worker:0" and summary["start_step"] == resumed, summary
-    assert summary["local_steps"] == STEPS - resumed, "the restarted chief does only the batches not yet done"
+    assert summary["local_steps"] == STEPS - pushed, "the restarted chief does only the batches it had not pushed"
+    assert not summary["partial"] and summary["batches_trained"] == summary["batches_planned"] == 2 * STEPS, summary
     assert summary["global_step"] >= resumed + summary["local_steps"] - 1, \
         f"the restarted chief's steps continue the shards' count from {resumed}: {summary}"
     assert summary["steps_per_second"] == pytest.approx((summary["global_step"] - resumed) / summary["wall_seconds"]), \

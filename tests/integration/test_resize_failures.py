@@ -155,8 +155,8 @@ def test_a_cut_off_async_resize_is_rolled_back_by_abort_and_a_checkpoint_meanwhi
         step = chief.save_checkpoint(0, timeout=60)
         wait_until(lambda: chief.resize_state().lease_left_seconds == 0, 30, "the dead driver's lease to run out")
         spec = json.dumps({"ps": list(local.cluster.ps)})
-        aborted = subprocess.run([PS_ADMIN, "resize", "--cluster", spec, "--abort"], capture_output=True, text=True,
-                                 timeout=120)
+        aborted = subprocess.run([PS_ADMIN, "resize", "--cluster", spec, "--abort", "--insecure"], capture_output=True,
+                                 text=True, timeout=120)
         assert aborted.returncode == 0, aborted.stderr
         assert aborted.stdout.startswith("resize 1 rolled back at layout epoch 3: 2 shards, 1 variables"), \
             aborted.stdout
@@ -223,16 +223,18 @@ def test_ps_admin_takes_the_current_shards_from_ps_0_not_from_the_cluster_it_is_
     extended = json.dumps({"ps": [f"127.0.0.1:{p}" for p in ports]})
     with PSClient(spec, connect_timeout=30, partitioner=None) as chief:
         chief.create_variables({f"x/{i}": torch.zeros(100) for i in range(4)}, Optimizer("sgd", lr=1.0))
-    missing = subprocess.run([PS_ADMIN, "resize", "--cluster", extended, "--connect-timeout", "2", "--ps", ",".join(
-        f"127.0.0.1:{p}" for p in ports)], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run([PS_ADMIN, "resize", "--cluster", extended, "--insecure", "--connect-timeout", "2",
+                              "--ps", ",".join(f"127.0.0.1:{p}" for p in ports)], capture_output=True, text=True,
+                             timeout=120)
     assert missing.returncode == 2 and "ps 3 at 127.0.0.1:" in missing.stderr, missing.stderr
-    done = subprocess.run([PS_ADMIN, "resize", "--cluster", extended, "--ps", ",".join([*spec.ps, third])],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([PS_ADMIN, "resize", "--cluster", extended, "--insecure", "--ps",
+                           ",".join([*spec.ps, third])], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "2 -> 3 shards" in done.stdout, done.stderr
     with PSClient(Cluster.from_json(extended), connect_timeout=30, partitioner=None) as chief:  # every move
         # confirmed: nothing kept
         assert [list(_layout(chief, s).outbox) for s in range(3)] == [[], [], []]
-    shown = subprocess.run([PS_ADMIN, "layout", "--cluster", extended], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run([PS_ADMIN, "layout", "--cluster", extended, "--insecure"], capture_output=True, text=True,
+                           timeout=120)
     assert "resize 1: 2 -> 3 shards, done" in shown.stdout, shown.stderr
 
 

@@ -21,12 +21,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
          "toggle-optimizer", "disk-full"}
 RESIZE_KINDS = {"worker-added", "worker-removed", "shard-added", "shard-removed"}
 
 
+@pytest.mark.timeout(660)  # its subprocess may run 600 s
 def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--fault-every", "1,2.5",

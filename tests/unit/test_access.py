@@ -128,3 +128,42 @@ def test_each_setup_is_described_in_one_line_of_its_own():
     assert describe(Security(task_tokens=TABLE)).startswith("plaintext, per-task tokens")
     assert "the chief's own token line makes the chief" in describe(Security(task_tokens=TABLE))
     assert describe(Security(task_tokens=TABLE, **TLS)).startswith("mutual TLS")
+
+
+# After `ps-certs --rotate`: worker:0's old line retires at T (until=TIME), its new one does not.
+T, OLD, NEW = 1_000_000.0, "worker-0-old-token", "worker-0-new-token"
+ROTATED = (("worker:0", "worker", OLD), ("worker:0", "worker", NEW), ("chief:0", "chief", CHIEF))
+RETIRING = ((OLD, T),)
+
+
+@pytest.mark.parametrize("security,subject", [
+    (Security(task_tokens=ROTATED, retiring=RETIRING), None),
+    (Security(task_tokens=ROTATED, retiring=RETIRING, admin_token=ADMIN), None),
+    (Security(task_tokens=ROTATED, retiring=RETIRING, **TLS), SUBJECTS["worker"][0]),
+    (Security(task_tokens=ROTATED, retiring=RETIRING, admin_token=ADMIN, **TLS), SUBJECTS["worker"][0]),
+], ids=["token table", "token table and admin token", "TLS and token table", "TLS, token table and admin token"])
+@pytest.mark.parametrize("token,now,expected", [
+    (OLD, T - 60, ("worker:0", "worker")),
+    (OLD, T - 0.001, ("worker:0", "worker")),
+    (OLD, T, None),
+    (OLD, T + 3600, None),
+    (NEW, T - 60, ("worker:0", "worker")),
+    (NEW, T + 3600, ("worker:0", "worker")),
+], ids=["old, in the grace", "old, at its end", "old, at the time", "old, after", "new, in the grace", "new, after"])
+def test_a_token_a_rotation_replaced_is_accepted_until_its_time_then_refused_as_retired(security, subject, token,
+                                                                                     now, expected):
+    for method in METHODS:
+        verdict = policy(security, method, token=token, subject=subject, now=now)
+        if expected is None:
+            assert (verdict.authenticated, verdict.allowed, verdict.retired) == (False, False, True), verdict
+            continue
+        assert verdict.authenticated and (verdict.name, verdict.role) == expected and not verdict.retired, verdict
+        assert verdict.allowed == (method in ROLES["worker"]), (method, verdict)
+
+
+def test_only_a_retiring_token_is_refused_as_retired():
+    security = Security(task_tokens=ROTATED, retiring=RETIRING, admin_token=ADMIN)
+    for token in ("", WRONG, W0):
+        verdict = policy(security, "Push", token=token, now=T + 1)
+        assert not verdict.authenticated and not verdict.retired, (token, verdict)
+    assert policy(security, "Configure", token=ADMIN, now=T + 1).allowed  # the admin token does not retire

@@ -8,6 +8,8 @@ with server.recover(), and compares everything a client can observe.
 
 from __future__ import annotations
 
+import logging
+import os
 import pathlib
 import threading
 
@@ -17,7 +19,7 @@ import torch
 from torchps.errors import CheckpointError, LayoutChangedError, ServerUnavailableError
 from torchps.ps_server import journal_log
 from torchps.ps_server.coordinator import Coordinator
-from torchps.ps_server.journal import Journal
+from torchps.ps_server.journal import MIN_COMPACT_BYTES, Journal, compaction_floor
 from torchps.ps_server.modes import SyncConfig
 from torchps.ps_server.server import recover
 from torchps.ps_server.store import NewVariable, VariableStore
@@ -473,3 +475,46 @@ def test_a_live_resize_s_hold_and_its_end_survive_a_crash(tmp_path):
     assert c.wait_for_step(2, timeout=10) == 2
     c.close()
     e.close()
+
+
+# -- the journal's size and what a restart says about the end of its log ------------------------------------
+
+def test_a_small_models_journal_is_compacted_past_a_few_mib_and_a_large_ones_floor_is_unchanged(tmp_path):
+    """A 64 KiB variable pushed 256 times (16 MiB of records): the journal compacts at its floor (8 times its
+    base, at least MIN_COMPACT_BYTES), so the folder holds two logs of a few MiB, not 16 MiB (before: a 64 MiB
+    floor for every model)."""
+    assert [compaction_floor(n) for n in (0, 1 << 20, 16 << 20, 1 << 30)] == [4 << 20, 8 << 20, 64 << 20, 64 << 20]
+    c = Coordinator(VariableStore(), owns_step=True, start=False)
+    recover(c, Journal(tmp_path), None)
+    c.create([NewVariable("w", torch.zeros(16384), "sgd", {"lr": 0.1})])
+    for seq in range(1, 257):
+        c.push("worker:0", 1, seq, 0, {"w": torch.full((16384,), float(seq))}, step_increment=1)
+        c.wait_for_compaction()
+    c.close()
+    assert max(tmp_path.glob("base-*.bin")).name != "base-000000.bin", "it compacted"
+    total = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert total <= 2 * MIN_COMPACT_BYTES + (1 << 20), f"{total} bytes of journal for a 64 KiB variable"
+
+
+def test_a_restart_cuts_a_reused_files_old_bytes_quietly_and_warns_only_of_a_torn_record(tmp_path, caplog):
+    """Compaction writes logs over retired ones, so a log usually ends in bytes of the file's earlier use: a
+    restart cuts them off with no WARNING (before: one on every ordinary restart). A record cut short by the
+    shard's death is still a WARNING, naming it torn."""
+    compacted_often(tmp_path)
+    (log,) = tmp_path.glob("log-*.bin")
+    assert log.stat().st_size > record_ends(log)[-1], "the current log was written over a longer retired one"
+    with caplog.at_level(logging.DEBUG, logger="torchps.ps_server.journal"):
+        back = shard(tmp_path)
+        back.push("worker:0", 3, 40, 0, grads(40), step_increment=1)
+        back.close()
+    assert [r.levelname for r in caplog.records if "cut off" in r.getMessage()] == ["DEBUG"], caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    caplog.clear()
+
+    ends = record_ends(log)
+    os.truncate(log, ends[-2] + (ends[-1] - ends[-2]) // 2)  # the last push's record, torn
+    with caplog.at_level(logging.DEBUG, logger="torchps.ps_server.journal"):
+        again = shard(tmp_path)
+        again.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"a torn record at byte {ends[-2]}" in warnings[0], caplog.text

@@ -62,3 +62,16 @@ def test_a_re_read_that_changes_the_policy_in_force_says_so(tmp_path, caplog):
     policies = [r.getMessage() for r in caplog.records if r.getMessage().startswith("security policy")]
     assert policies == ["security policy now: plaintext, per-task tokens: each names its task and role, no admin "
                         "token: the chief's own token line makes the chief"], policies
+
+
+def test_a_rotated_table_names_its_retiring_tokens_and_a_bad_time_keeps_the_table(tmp_path):
+    path = tmp_path / "tokens"
+    write(path, "worker:0 worker aaa\n")
+    tokens = TokenFile(Security.load(token_file=str(path), environ={}), recheck=1.0, clock=Clock())
+    write(path, "worker:0 worker aaa until=2030-01-02T03:04:05Z\nworker:0 worker bbb\n")
+    assert tokens.refresh()
+    security = tokens.current()
+    assert security.retires_at("aaa") == 1893553445.0 and security.retires_at("bbb") is None
+    assert security.task_of("aaa") == security.task_of("bbb") == ("worker:0", "worker")
+    write(path, "worker:0 worker aaa until=next-tuesday\nworker:0 worker bbb\n")
+    assert not tokens.refresh() and tokens.current() is security
