@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 # torch first, pinned: pip takes the local CPU wheel instead of a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test]"
+.venv/bin/pip install -q -e ".[test,docs]"
 # An editable install is not byte-compiled as a regular one is: compile it here, so that an interpreter that may
 # not write bytecode (PYTHONDONTWRITEBYTECODE=1) does not compile the project again each time it starts.
 .venv/bin/python -m compileall -q -j 0 torchps ps_server worker client >/dev/null

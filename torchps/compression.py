@@ -85,8 +85,8 @@ class Compression:
 
     @classmethod
     def parse(cls, spec: str) -> "Compression":
-        """From ps-worker's --compression: KIND[:RATIO][,min_bytes=N][,warmup=N][,pull=P][,error_feedback=0|1]
-        [,seed=N], e.g. "bf16", "topk:0.01", "randomk:0.05,warmup=100". ClusterConfigError if malformed."""
+        """From ps-worker's --compression: `KIND[:RATIO][,min_bytes=N][,warmup=N][,pull=P][,error_feedback=0|1]
+        [,seed=N]`, e.g. "bf16", "topk:0.01", "randomk:0.05,warmup=100". ClusterConfigError if malformed."""
         head, *options = [part.strip() for part in spec.split(",")]
         kind, _, ratio = head.partition(":")
         kwargs: dict = {"kind": kind.strip().lower()}

