@@ -425,7 +425,10 @@ def bench_calls(args, checkpoint_dir: str | None) -> dict:
         step, compacted = stub.GetStatus(ps_pb2.StatusRequest(), timeout=60).step, newest_log(journal)
         latencies: dict[str, list[float]] = {"GetStatus": [], "Join": []}
         began = time.monotonic()
-        while time.monotonic() - began < args.seconds:
+        # The window lasts --seconds and until a push landed in it: a push may take longer than a short window
+        # on a loaded machine, and latencies beside no push would show nothing.
+        while time.monotonic() - began < args.seconds or (
+                stub.GetStatus(ps_pb2.StatusRequest(), timeout=60).step == step and time.monotonic() < deadline):
             for call, latency in latencies.items():
                 before = time.perf_counter()
                 if call == "GetStatus":

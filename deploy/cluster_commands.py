@@ -4,7 +4,8 @@
     python deploy/cluster_commands.py --ps h3:2222 h4:2222 --workers h1:2222 h2:2222 --chief h0:2222 \\
         --credentials /etc/torchps/job -- --mode sync --epochs 10 --checkpoint-dir /shared/ckpt
 
-Run the first line (ps-certs) once, copy the credentials folder to every host
+Run the first line (ps-certs) once per job (it refuses a folder that holds credentials already; ps-certs DIR
+--rotate renews the tokens of a running job), copy the credentials folder to every host
 (each host needs ca.crt, its own task's .crt, .key and .token (a shard's: tokens),
 and for the chief and the shards admin-token; never ca.key), then run each task's line on the
 host it names (by ssh, a scheduler, or a container entrypoint). Flags after

@@ -294,7 +294,7 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, 
     resized = manifest.get("layout", {}).get("epoch", 0)  # saved after a live resize: placed as its layout said
     if (num_ps is None or manifest["num_ps"] == num_ps) and not (resized and new_job):
         path = step_dir(directory, step) / f"ps-{index}.pt"
-        _LOGGER.info("ps %d restoring %s (the newest committed checkpoint)", index, path)
+        _LOGGER.info("ps %d restoring %s (the newest intact committed checkpoint)", index, path)
         state = load(path, mmap=True)
         table_state.check_section(state.get("tables"), manifest, index, str(path))
         state = {**state, "source": str(path)}

@@ -78,8 +78,8 @@ class FailStop:
                 self._on_stop()
         except Exception as exc:  # noqa: BLE001 - stopping must not depend on the health service
             text += f" (and marking it NOT_SERVING failed: {exc!r})"
-        _LOGGER.critical("%s stops (fail-stop, exit code %d): %s; restart it: its journal brings back everything "
-                         "it acknowledged", self._what, EXIT_CODE, text)
+        _LOGGER.critical("%s stops (fail-stop, exit code %d): %s; restart it (once the disk has room, if it is full): its "
+                         "journal brings back everything it acknowledged", self._what, EXIT_CODE, text)
         _flush_logs()
         self._exit(EXIT_CODE)
         self._stopped.set()

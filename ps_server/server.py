@@ -159,7 +159,7 @@ def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | N
         _LOGGER.info("recovered from the journal in %s: %s, %d records replayed, step %d", journal.directory,
                      "a base state" if base is not None else "no base", count, coordinator.store.step)
         if finished:
-            _LOGGER.warning("the journal's job had finished (the chief's Shutdown): a new job begins from its "
+            _LOGGER.info("the journal's job had finished (the chief's Shutdown): a new job begins from its "
                             "state at step %d, without its members or mode", coordinator.store.step)
             coordinator.forget_job()
             journal.begin_again(coordinator.state(with_pending=True))

@@ -263,8 +263,9 @@ def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int
     localhost only) and key, a worker's or evaluator's token with its line added to DIR/tokens (the shards
     re-read it: ps_server/tokens.py); a shard's token file is DIR/tokens. A task given an address at the next
     index of its type is added to DIR/cluster.json (job_cluster). ClusterConfigError (one line, nothing
-    written) for a folder without the CA's key or the table, a task whose files exist, a chief, or an address
-    the cluster already lists."""
+    written) for a folder without the CA's key or the table, a task whose files exist, a chief, an address
+    the cluster already lists, or one that does not fit DIR/cluster.json (past its next index, or another
+    address for a task it lists)."""
     directory, addresses = pathlib.Path(directory), addresses or {}
     for name in ("ca.crt", "ca.key", "tokens"):
         if not (directory / name).is_file():
@@ -313,6 +314,12 @@ def _extended(directory: pathlib.Path, addresses: dict[TaskSpec, str]) -> Cluste
     spec, grown = cluster.to_dict(), False
     for task, address in sorted(addresses.items(), key=lambda item: (item[0].type, item[0].index)):
         listed = spec.setdefault(task.type, [])
+        if task.index > len(listed):
+            raise ClusterConfigError(f"--add {task}={address}: the job's cluster lists {len(listed)} {task.type} "
+                                     f"task(s), so the next is {task.type}:{len(listed)} (a cluster lists no gaps)")
+        if task.index < len(listed) and listed[task.index] != address:
+            raise ClusterConfigError(f"--add {task}={address}: the job's cluster lists {task} at "
+                                     f"{listed[task.index]}")
         if task.index == len(listed):
             listed.append(address)
             grown = True
@@ -333,13 +340,9 @@ def tf_config_lines(directory: str | os.PathLike, tasks: list[TaskSpec], address
                          f"or --cluster): pass --add {task}=HOST:PORT and ps-certs prints it"
                          + ("; its certificate names only localhost and 127.0.0.1 (a shard on another host needs "
                             "its host there)" if task.type == "ps" else ""))
-        elif cluster is None:
+        else:  # no cluster.json (add_to_job refuses an address that does not fit one)
             notes.append(f"no TF_CONFIG for {task}: {directory} has no {CLUSTER_FILE} (made by an older ps-certs): "
                          f"add {addresses[task]} as {task.type} {task.index} to the job's cluster")
-        else:
-            notes.append(f"no TF_CONFIG for {task}: the cluster lists {len(getattr(cluster, task.type))} "
-                         f"{task.type} task(s), so the next is {task.type}:{len(getattr(cluster, task.type))} (a "
-                         f"cluster lists no gaps)")
     return lines, notes
 
 

@@ -226,7 +226,8 @@ def require_credentials(security: Security, insecure: bool) -> Security:
         raise ClusterConfigError("no credentials: pass --tls-cert/--tls-key/--tls-ca and/or --token-file (ps-certs "
                                  "makes them; ps-launch does it for you), or --insecure on a trusted network")
     if insecure and not security.insecure:
-        raise ClusterConfigError("--insecure contradicts the TLS or token flags given")
+        raise ClusterConfigError("--insecure contradicts the TLS or token files given (by flags or by the TORCHPS_* "
+                                 "variables: unset those for an insecure job)")
     return security
 
 

@@ -35,7 +35,8 @@ restarted. The exit code is 0, 1 if a process failed and was not restarted
 (its last lines are shown), 2 for a usage error (one line, nothing started;
 or a shard refusing its configuration), 3 if the chief ended the job with
 part of its planned data not trained (the line before the last says what;
-ps-worker --allow-partial makes it 0), 74 if a process died for want of room
+ps-worker --allow-partial makes it 0; where only workers failed, the chief's
+account of the data is the job's outcome: its code, 0 or 3), 74 if a process died for want of room
 to write (a full disk, a file-size limit: one line names the path; nothing is
 restarted into it), 130 if interrupted. --restart-on-failure waits before each
 restart, doubling from 1 s (restarts.py). What a failed process's log shows is
@@ -405,7 +406,10 @@ class Launcher:
             self._show_tail(proc)
         if out_of_room:
             return NO_ROOM
-        return 1 if failed else PARTIAL_JOB if self.procs[chief].popen.poll() == PARTIAL_JOB else 0
+        chief_code = self.procs[chief].popen.poll()
+        if failed and ended_at is not None and all(task.type == "worker" for task in failed):
+            return chief_code  # the chief ended the job, its account stating what the lost workers left untrained
+        return 1 if failed else PARTIAL_JOB if chief_code == PARTIAL_JOB else 0
 
     def _control_request(self, body: dict, *, over: bool) -> dict:
         """The answer to a control request (control.py): {"workers": N} scales the workers to N."""
@@ -687,8 +691,11 @@ def _finished_job_may_go_on(folder: str, steps: int | None) -> bool:
     try:
         finished = json.loads((directory / FINISHED_FILE).read_text())
         step = int(finished["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return True  # no job ended here (a job that stopped midway resumes from its checkpoints)
+    except (OSError, ValueError, KeyError, TypeError):  # no job ended here
+        if any(directory.glob("journal/ps-*/*")) or any(directory.glob("step-*")):
+            print(f"[launch] {folder} holds a job that stopped before its end: it goes on from where it stood (the "
+                  "shards' journals, else the newest checkpoint); another --checkpoint-dir starts afresh", flush=True)
+        return True
     if steps is not None and steps > step:
         print(f"[launch] {folder} holds a job that finished at global step {step}: training it on to global "
               f"step {steps}", flush=True)

@@ -160,6 +160,22 @@ def test_ps_certs_add_prints_the_tf_config_of_a_task_given_its_address(tmp_path)
         "--add worker:5=HOST:PORT and ps-certs prints it"], added.stderr
 
 
+@pytest.mark.parametrize("add,why", [("worker:7=127.0.0.1:9", "so the next is worker:2 (a cluster lists no gaps)"),
+                                     ("worker:1=127.0.0.1:9", "lists worker:1 at 127.0.0.1:4")])
+def test_ps_certs_add_refuses_an_address_that_does_not_fit_the_cluster_and_writes_nothing(tmp_path, add, why):
+    """An address past the recorded cluster's next index, or another one for a task it lists (here worker:1,
+    whose files were deleted once it left), would give a task files but no cluster to start in: one line, exit
+    code 2, nothing written."""
+    folder = tmp_path / "job"
+    make_job_credentials(folder, SPEC)
+    for old in folder.glob("worker-1.*"):
+        old.unlink()
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    added = ps_certs(folder, "--add", add)
+    assert added.returncode == 2 and why in added.stderr and added.stderr.count("\n") == 1, added.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_ps_admin_help_names_the_credential_flags_and_variables():
     """Issue 39, item 6: ps-admin's error told to pass --tls-cert, which it did not take."""
     for args in (["--help"], ["layout", "--help"], ["resize", "--help"]):

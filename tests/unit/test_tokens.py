@@ -75,3 +75,18 @@ def test_a_rotated_table_names_its_retiring_tokens_and_a_bad_time_keeps_the_tabl
     assert security.task_of("aaa") == security.task_of("bbb") == ("worker:0", "worker")
     write(path, "worker:0 worker aaa until=next-tuesday\nworker:0 worker bbb\n")
     assert not tokens.refresh() and tokens.current() is security
+
+
+def test_insecure_beside_credentials_from_the_environment_names_the_variables(tmp_path):
+    """ps-admin --insecure in a shell with TORCHPS_TOKEN_FILE set: the refusal says where the credentials came
+    from, since no flag gave them."""
+    import pytest
+
+    from torchps.errors import ClusterConfigError
+    from torchps.security import require_credentials
+
+    path = tmp_path / "token"
+    path.write_text("s3cret\n")
+    security = Security.load(environ={"TORCHPS_TOKEN_FILE": str(path)})
+    with pytest.raises(ClusterConfigError, match=r"by the TORCHPS_\* variables: unset those"):
+        require_credentials(security, insecure=True)
