@@ -3,6 +3,7 @@
     python bench/resize.py --json bench/results/resize.json    # a few minutes on 2 cores
     python bench/resize.py --quick                              # the suite's smoke run: small models
     python bench/resize.py --only table                         # one run (exact, pause, sync, table)
+    python bench/resize.py --quick --only table sync --drain-seconds 0.5   # the suite's run
 
 Four runs, each a LocalCluster of 2 shards with pusher processes pushing gradients of ones (SGD,
 lr 1) as fast as they can while the chief resizes the job 2 -> 4 -> 3 -> 2 shards:
@@ -18,6 +19,9 @@ lr 1) as fast as they can while the chief resizes the job 2 -> 4 -> 3 -> 2 shard
   beside one small variable, every push a gradient of ones for every row: each resize re-lays the table
   out onto the new count (its rows frozen meanwhile). Every row must end at exactly its initial value
   minus the pushes acknowledged; the pause as above.
+A resize that removes shards stops them after --drain-seconds (client/resize.py's DRAIN_SECONDS by default), in
+which they answer the pushers that did not yet follow the new layout with LayoutChangedError; the pushers push
+throughout, so a shorter drain is a shorter (and cheaper) run.
 Rows: per run and resize, the variables moved and the bytes moved (table rows included), the move's seconds (first SetLayout to last
 import), the pause's p50/p99/max over pushers; the JSON has every figure and the exact-sum check.
 """
@@ -38,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from pullpush import log, worker_processes  # noqa: E402
 
 from torchps.client import Optimizer, PSClient, TaskSpec  # noqa: E402
+from torchps.client.resize import DRAIN_SECONDS  # noqa: E402
 from torchps.proto import ps_pb2  # noqa: E402
 from torchps.worker.local_cluster import LocalCluster  # noqa: E402
 
@@ -123,7 +128,8 @@ def _pusher_ends(times, procs) -> list:
     return ends
 
 
-def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_rows: int) -> dict:
+def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_rows: int,
+        drain_seconds: float = DRAIN_SECONDS) -> dict:
     shapes = _shapes(variables, floats)
     ctx = worker_processes()
     with LocalCluster(2) as local, PSClient(local.cluster, connect_timeout=60, partitioner=None,
@@ -147,7 +153,7 @@ def run(name: str, pushers: int, variables: int, floats: int, mode: str, table_r
                 if target is None:
                     target = [local.address(i) for i in range(3)]
                 started = time.monotonic()
-                report = chief.resize(target)
+                report = chief.resize(target, drain_seconds=drain_seconds)
                 resizes.append({"from": report.shards_before, "to": report.shards_after, "moved": report.moved,
                                 "moved_bytes": report.moved_bytes + report.table_bytes,
                                 "table_bytes": report.table_bytes, "move_seconds": report.move_seconds,
@@ -199,9 +205,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small models (the suite's smoke run)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only (default: all)")
+    parser.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                        help="how long a removed shard answers before it is stopped (default: %(default)s)")
     args = parser.parse_args()
-    results = [run(name, *spec) for name, spec in (QUICK if args.quick else RUNS).items()
-               if not args.only or name in args.only]
+    if args.drain_seconds < 0:
+        parser.error(f"--drain-seconds must be >= 0. Received: {args.drain_seconds}")
+    results = [run(name, *spec, drain_seconds=args.drain_seconds)
+               for name, spec in (QUICK if args.quick else RUNS).items() if not args.only or name in args.only]
     print(f"{'run':6} {'model':>9} {'resize':>7} {'moved':>6} {'MB':>7} {'move s':>7} {'pause p50':>9} "
           f"{'p99':>6} {'max':>6}")
     for result in results:

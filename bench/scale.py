@@ -38,11 +38,10 @@ import time
 
 import grpc
 import numpy as np
-import torch
 
-from torchps import codec
+# Only what the spawned worker processes need (each imports this module again): torch and the shards' side are
+# imported where used, in this process, and the workers get their gradients' chunks encoded already.
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.worker.local_cluster import LocalCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,10 +55,18 @@ def _push_requests(worker: str, step: int, chunks: list) -> list:
     return [ps_pb2.PushRequest(header=header), ps_pb2.PushRequest(chunks=chunks)]
 
 
-def _worker(stubs, worker: str, steps: int, floats: int, out: dict) -> None:
-    """One worker's steps; out[worker] = its step times, or the error that stopped it."""
+def _ones(floats: int) -> list[list[bytes]]:
+    """A gradient of ones for each shard's variable, w0 and w1: the chunks a push carries, serialized (a
+    spawned process takes them as bytes)."""
+    import torch
+    from torchps import codec
+
+    return [[c.SerializeToString() for c in codec.encode_chunks(f"w{i}", torch.ones(floats))] for i in range(2)]
+
+
+def _worker(stubs, worker: str, steps: int, ones: list[list], out: dict) -> None:
+    """One worker's steps, pushing the chunks `ones`; out[worker] = its step times, or the error that stopped it."""
     times = []
-    ones = [list(codec.encode_chunks(f"w{i}", torch.ones(floats))) for i in range(2)]
     try:
         for stub in stubs:
             stub.Join(ps_pb2.WorkerRef(worker=worker, incarnation=1, step=0), timeout=TIMEOUT)
@@ -79,7 +86,7 @@ def _worker(stubs, worker: str, steps: int, floats: int, out: dict) -> None:
         out[worker] = f"{type(exc).__name__}: {exc}"
 
 
-def _process(addresses: list[str], names: list[str], steps: int, floats: int, go, results) -> None:
+def _process(addresses: list[str], names: list[str], steps: int, ones: list[list[bytes]], go, results) -> None:
     """A process of worker threads: joins them all, waits for `go`, runs them; puts {worker: times|error}.
     Its threads run under SCHED_IDLE: on a real job the workers are on other hosts, and here the shards and
     the poller come first (with nice alone, 256 runnable worker threads outweigh a shard's few)."""
@@ -91,8 +98,9 @@ def _process(addresses: list[str], names: list[str], steps: int, floats: int, go
     for stub in stubs:
         for name in names:
             stub.Join(ps_pb2.WorkerRef(worker=name, incarnation=1, step=0), timeout=TIMEOUT)
+    ones = [[ps_pb2.TensorChunk.FromString(c) for c in chunks] for chunks in ones]
     go.wait()
-    threads = [threading.Thread(target=_worker, args=(stubs, n, steps, floats, out)) for n in names]
+    threads = [threading.Thread(target=_worker, args=(stubs, n, steps, ones, out)) for n in names]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -149,6 +157,9 @@ class Poller:
 
 
 def _configure(stubs, workers: int, floats: int) -> None:
+    import torch
+    from torchps import codec
+
     config = ps_pb2.SyncConfig(mode="sync", replicas_to_aggregate=workers, total_num_replicas=workers,
                                lease_seconds=300.0, startup_grace_seconds=300.0, progress_seconds=300.0)
     value = torch.zeros(floats)
@@ -163,6 +174,8 @@ def _configure(stubs, workers: int, floats: int) -> None:
 
 
 def run(workers: int, steps: int, processes: int, floats: int, poll_ms: float, threads: int) -> dict:
+    from torchps.worker.local_cluster import LocalCluster
+
     load_before = os.getloadavg()
     with LocalCluster(2, server_args=["--elastic-workers", str(workers), "--no-journal", "--threads", str(threads),
                                       "--torch-threads", "1"]) as local:
@@ -175,7 +188,8 @@ def run(workers: int, steps: int, processes: int, floats: int, poll_ms: float, t
         names = [f"worker:{i}" for i in range(workers)]
         context = mp.get_context("spawn")
         go, results = context.Event(), context.Queue()
-        procs = [context.Process(target=_process, args=(list(local.cluster.ps), names[p::processes], steps, floats,
+        ones = _ones(floats)
+        procs = [context.Process(target=_process, args=(list(local.cluster.ps), names[p::processes], steps, ones,
                                                         go, results)) for p in range(processes)]
         for proc in procs:
             proc.start()

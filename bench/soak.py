@@ -414,7 +414,10 @@ class Phase:
         return [i for i in range(MAX_WORKERS) if self.log_path(i).exists()]
 
     def acked(self) -> int:
-        return sum(self._counts(i)[1] for i in self.indices())
+        """Pushes acknowledged so far, every worker and incarnation: the logs' "acked" lines, counted alone (the
+        chaos loop asks after every event; the audit's per-slot tally in _counts is far costlier)."""
+        return sum(line.startswith("acked ") for i in self.indices()
+                   for line in self.log_path(i).read_text().splitlines())
 
     def run(self) -> dict:
         from torchps.cluster import Cluster

@@ -16,6 +16,7 @@ The machine is shared and noisy: the ratios of one run are what to compare.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -24,8 +25,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-import torch
 
 from torchps.forkserver import DISABLE_ENV
 
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "launch_cpu_seconds": {name: med(v) for name, v in cpus.items()},
         "raw": {"cluster_first": firsts, "cluster_next": nexts, "launch_wall": walls, "launch_cpu": cpus},
         "rounds": args.rounds, "clusters_per_process": args.clusters, "launch_args": LAUNCH,
-        "load_average": os.getloadavg(), "nproc": os.cpu_count(), "torch": torch.__version__,
+        "load_average": os.getloadavg(), "nproc": os.cpu_count(), "torch": importlib.metadata.version("torch"),
         "command": " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
     }
     if len(setups) == 2:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -38,6 +39,7 @@ import urllib.request
 
 import grpc
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,6 +61,9 @@ DOCS = REPO / "docs" / "deploy.md"
 # pyproject.toml asks kubernetes-validate>=1.30) and the newest kubernetes_validate knows.
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 NAMESPACE = "default"  # deploy/kubeflow/cluster.json is the TFJob's cluster in this namespace
+# kubernetes_validate reads and parses its schema files again on every call (_definitions.json is megabytes,
+# most of a call's CPU); this module validates over a hundred documents: each file is parsed once. Only read.
+kubernetes_validate.utils.schema_contents = functools.lru_cache(maxsize=None)(kubernetes_validate.utils.schema_contents)
 
 # training-operator 1.9: the CRD's fields (manifests/base/crds/kubeflow.org_tfjobs.yaml), the defaults of
 # pkg/apis/kubeflow.org/v1/tensorflow_types.go, and what its admission webhook refuses.
