@@ -654,8 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     launcher = None
     try:
         args, worker_args = parse_args(argv)
-        try:  # the folder is this job's until ps-launch exits: another job's is refused before anything starts
-            folder = hold_launch(args.checkpoint_dir) if args.checkpoint_dir else None  # noqa: F841
+        try:  # the folder is this job's until ps-launch exits (the lock's file stays open): another job's is
+            if args.checkpoint_dir:  # refused before anything starts
+                hold_launch(args.checkpoint_dir)
             if args.checkpoint_dir and not _finished_job_may_go_on(args.checkpoint_dir, args.steps):
                 return 0
             if args.replace_journal and (moved := move_journals_aside(args.checkpoint_dir)):
