@@ -149,3 +149,33 @@ def spread(groups: dict[str, list[float]], middle: dict[str, float | None], *, y
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", linewidth=0.4, alpha=0.5)
     return fig
+
+
+def timeline(phases: dict[str, dict], *, title: str) -> Figure:
+    """One panel per phase of a soak: pushes acknowledged per second, each fault a vertical line coloured by
+    its kind, each live resize a grey span and each failed resize's time cut off a red one."""
+    kinds = sorted({kind for phase in phases.values() for _, kind in phase.get("faults", [])})
+    colour = colours(kinds)
+    fig, axes = plt.subplots(len(phases), 1, figsize=(WIDTH, 2.4 * len(phases) + 0.9), squeeze=False)
+    for ax, (name, phase) in zip(axes[:, 0], phases.items()):
+        acked = phase.get("acked_per_second", [])
+        ax.step(range(len(acked)), acked, where="post", color="#333333", linewidth=0.9, label="pushes acknowledged")
+        for began, ended, _ in phase.get("resizes", []):
+            ax.axvspan(began, max(ended, began + 0.2), color="#bbbbbb", alpha=0.5, linewidth=0)
+        for began, ended, _ in phase.get("cut_off", []):
+            ax.axvspan(began, max(ended, began + 0.2), color="#d62728", alpha=0.25, linewidth=0)
+        for moment, kind in phase.get("faults", []):
+            ax.axvline(moment, color=colour[kind], linewidth=1.2)
+        ax.set_title(name, loc="left")
+        ax.set_ylabel("pushes / s")
+        ax.set_xlim(0, max(len(acked), 1))
+    axes[-1, 0].set_xlabel("seconds since the phase began")
+    handles = [plt.Line2D([], [], color="#333333", linewidth=0.9, label="pushes acknowledged per second"),
+               plt.Rectangle((0, 0), 1, 1, color="#bbbbbb", alpha=0.5, label="live resize"),
+               plt.Rectangle((0, 0), 1, 1, color="#d62728", alpha=0.25, label="failed resize, cut off"),
+               *[plt.Line2D([], [], color=colour[k], linewidth=1.2, label=k) for k in kinds]]
+    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig
+

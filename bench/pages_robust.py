@@ -37,9 +37,18 @@ def soak_page(results: list[Result]) -> Page:
               for kind in sorted({k for p in phases for k in p.get("faults_injected", {})})}
     resizes = {kind: {f"{p.get('mode')} phase": p.get("resizes_by_kind", {}).get(kind) for p in phases}
                for kind in sorted({k for p in phases for k in p.get("resizes_by_kind", {})})}
-    page.lines += [f"## The newest run: {code(r.name)}", "",
-                   "soak.py records no event times, so the figure counts the faults and resizes per kind and "
-                   "phase instead of placing them on a timeline.", ""]
+    page.lines += [f"## The newest run: {code(r.name)}", ""]
+    timelines = {f"{p.get('mode')} phase": p["timeline"] for p in phases if p.get("timeline")}
+    if timelines:
+        page.figures["soak-timeline.svg"] = functools.partial(
+            plot.timeline, timelines, title=f"Faults, resizes and acknowledged pushes over time ({r.name})")
+        page.lines += ["![faults, resizes and pushes acknowledged per second, per phase](soak-timeline.svg)", "",
+                       "Each vertical line is a fault injected, grey spans are live resizes, red spans the time a "
+                       "failed resize was left cut off until it was repaired; the line is the pushes acknowledged "
+                       "each second (a dip to zero is training paused).", ""]
+    else:
+        page.lines += ["This run's file records no event times (newer runs of soak.py record them), so the "
+                       "figures count the faults and resizes per kind and phase.", ""]
     if faults:
         page.figures["soak-faults.svg"] = functools.partial(
             plot.grouped, faults, ylabel="faults injected", fmt="{:.0f}", height=2.8,

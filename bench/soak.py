@@ -75,7 +75,8 @@ Keys: faults_injected (by kind), resizes (how many resize events happened),
 resizes_by_kind, resize_pause_p99_s (the pause each resize of RESIZES caused, defined in
 bench/resizes.py; a failing one's is in its resize_events entry), pushes_acked, lost, duplicated, hangs,
 checkpoint_complete, resizes_failed (resizes that raised or were cut off) and resizes_recovered (of those,
-the ones a later resize succeeded after), saves_during_moves (committed, refused) and
+the ones a later resize succeeded after), each phase's timeline (seconds since it began: faults, resizes'
+spans, failed resizes' time cut off, pushes acknowledged per second), saves_during_moves (committed, refused) and
 moved_checkpoint_problems (a committed one not holding every variable once), failstops (shards that
 stopped themselves, each started
 again), wedged (shards that answered health but applied nothing within
@@ -335,6 +336,8 @@ class Phase:
             "--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
             "--admin-token-file", str(shard.admin_token)])
         self.faults: collections.Counter[str] = collections.Counter()
+        self.fault_times: list[tuple[float, str]] = []  # (monotonic time, kind) of each fault injected
+        self.started = time.monotonic()
         self.workers: dict[int, ForkedChild | subprocess.Popen] = {}  # a Popen where the fork server is off
         self.hangs: list[str] = []
         self.failures: list[str] = []  # a worker that died by itself: its exit code and last lines
@@ -422,7 +425,7 @@ class Phase:
     def run(self) -> dict:
         from torchps.cluster import Cluster
 
-        started = time.monotonic()
+        started = self.started = time.monotonic()
         self.shards.start()
         self.proxy = Proxy(("127.0.0.1", self.shards.ports[1]))
         self.cluster = Cluster(ps=(f"127.0.0.1:{self.shards.ports[0]}", f"127.0.0.1:{self.proxy.port}"),
@@ -464,6 +467,7 @@ class Phase:
                 done = getattr(self, "_fault_" + kind.replace("-", "_"))() is not False
                 if done:
                     self.faults[kind] += 1
+                    self.fault_times.append((time.monotonic(), kind))
             if not done:
                 self._order.insert(0, kind)  # it could not be injected yet: later in this round
                 continue
@@ -830,7 +834,20 @@ class Phase:
                 "resize_pause_p99_s": p99,
                 "resize_events": [{"kind": r.kind, "what": r.what, "seconds": round(r.ended - r.began, 3),
                                    "pause_s": r.pause_s} for r in self.resizes],
-                "resize_failures": failures}
+                "resize_failures": failures, "timeline": self._timeline(acks)}
+
+    def _timeline(self, acks: list[float]) -> dict:
+        """Seconds since the phase began: each fault injected, each resize's span, each failed resize's time cut
+        off, and the pushes acknowledged in each second (every worker's, merged)."""
+        def since(moment: float) -> float:
+            return round(moment - self.started, 2)
+
+        per_second = collections.Counter(int(moment - self.started) for moment in acks)
+        return {"faults": [[since(moment), kind] for moment, kind in self.fault_times],
+                "resizes": [[since(r.began), since(r.ended), r.kind] for r in self.resizes],
+                "cut_off": [[since(f.cut_off[0]), since(f.cut_off[1]), f.kind] for f in self.resize_failures
+                            if f.cut_off is not None],
+                "acked_per_second": [per_second[s] for s in range(max(per_second, default=-1) + 1)]}
 
     def _counts(self, index: int) -> tuple[int, int, list, list]:
         """Worker `index`'s pushes over all its incarnations: (sent, acknowledged, and for each shard, per

@@ -55,4 +55,10 @@ def test_one_minute_of_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tm
     assert [p["mode"] for p in result["phases"]] == ["async", "sync"]
     assert result["phases"][1]["sync_steps_applied_once"] is True, report
     assert set(result["phases"][1]["resizes_by_kind"]) == RESIZE_KINDS, f"the sync job resized its shards: {report}"
+    for phase in result["phases"]:  # the timeline the soak's benchmark page draws: every event, in its phase
+        timeline = phase["timeline"]
+        assert len(timeline["faults"]) == sum(phase["faults_injected"].values()), timeline
+        assert len(timeline["resizes"]) == phase["resizes"], timeline
+        assert all(0 <= began <= ended <= phase["seconds"] for began, ended, _ in timeline["resizes"]), timeline
+        assert sum(timeline["acked_per_second"]) == phase["pushes_acked"], (timeline, phase["pushes_acked"])
     assert run.returncode == 0, report
