@@ -53,15 +53,20 @@ def _decode_pull(data: bytes):
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
 
-    Pull and LookupRows yield and PushPull returns wire.PullMessage (chunks, step, push result, generation);
-    Push (a stream) and PushPull (one message) take serialized PushRequest bytes.
+    Pull and LookupRows yield and PullOne and PushPull return wire.PullMessage (chunks, step, push result, generation);
+    Push (a stream), PushOne and PushPull (one message) take serialized PushRequest bytes.
     """
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     service = "/" + ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
     stub.Pull = channel.unary_stream(f"{service}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
                                      response_deserializer=_decode_pull)
+    stub.PullOne = channel.unary_unary(f"{service}/PullOne",
+                                       request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                       response_deserializer=_decode_pull)
     stub.Push = channel.stream_unary(f"{service}/Push", request_serializer=None,
                                      response_deserializer=ps_pb2.PushResponse.FromString)
+    stub.PushOne = channel.unary_unary(f"{service}/PushOne", request_serializer=None,
+                                       response_deserializer=ps_pb2.PushResponse.FromString)
     stub.PushPull = channel.unary_unary(f"{service}/PushPull", request_serializer=None,
                                         response_deserializer=_decode_pull)
     stub.LookupRows = channel.unary_stream(f"{service}/LookupRows",

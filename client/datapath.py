@@ -17,6 +17,7 @@ import torch
 
 from ..compression import Encoded
 from ..errors import LaneBrokenError, LayoutChangedError
+from ..lanes import Lane
 from ..proto import ps_pb2
 from ..rows import encode_rows, shard_of as row_owner
 from .deltas import PullBases
@@ -24,10 +25,20 @@ from .device import Staged
 from .layout import MAX_ROUNDS
 from .transfer import IntoTargets, NewTensors, lane_messages, push_requests, read_stream
 
-__all__ = ["DataPath", "GLOBAL_STEP_SHARD"]
+__all__ = ["DataPath", "GLOBAL_STEP_SHARD", "with_lane"]
 
 GLOBAL_STEP_SHARD = 0  # shard 0 counts the global step, as TensorFlow keeps global_step on ps 0
 LANE_CHUNK_BYTES = 8 << 20  # a chunk on a bulk lane: its message is a few bytes, its frame one sendmsg
+
+
+def with_lane(header: ps_pb2.PushHeader, lane: Lane | None) -> ps_pb2.PushHeader:
+    """`header`, or with a bulk `lane` a copy of it that names the lane (PushHeader.lane)."""
+    if lane is None:
+        return header
+    named = ps_pb2.PushHeader()
+    named.CopyFrom(header)
+    named.lane = lane.key
+    return named
 
 
 def _wire_nbytes(grad) -> int:
@@ -179,11 +190,16 @@ class DataPath:
                      read: Callable[[Iterator], int], watch: Callable[[object], Iterator] = iter) -> int:
         """read(messages) of `request`'s Pull stream from `shard` (`watch(call)` iterates the call), its bytes
         on a bulk lane if one is lent for the `nbytes` to come (client/lanes.py): the lane is given back in
-        step, or closed if the stream failed (LaneBrokenError is retried by the caller's fanout call)."""
+        step, or closed if the stream failed (LaneBrokenError is retried by the caller's fanout call). Known
+        bytes that fit in one message (`nbytes`, read without a `watch`) come as one PullOne call."""
+        started = time.perf_counter()
+        if 0 < nbytes <= self.chunk_bytes and watch is iter:
+            step = read([stub.PullOne(request, timeout=timeout)])
+            self.stats.add_stage("pull_call", time.perf_counter() - started)
+            return step
         lane = self._lanes.borrow(shard, nbytes, timeout)
         if lane is not None:
             request.lane, request.chunk_bytes = lane.key, LANE_CHUNK_BYTES
-        started = time.perf_counter()
         call, ok = stub.Pull(request, timeout=timeout), False
         try:
             step = read(lane_messages(watch(call), lane, timeout))
@@ -262,24 +278,21 @@ class DataPath:
                                               rows_again=bool(tables) and not counts_step)
             def attempt(stub, timeout: float) -> ps_pb2.PushResponse:
                 grads = {**sent, **tables}
-                lane = self._lanes.borrow(shard, sum(_wire_nbytes(grads[n]) for n in names), timeout)
-                header, ok = shard_header, False
-                if lane is not None:
-                    header = ps_pb2.PushHeader()
-                    header.CopyFrom(shard_header)
-                    header.lane = lane.key
+                nbytes = sum(_wire_nbytes(grads[n]) for n in names)
+                lane = self._lanes.borrow(shard, nbytes, timeout)
+                header, ok = with_lane(shard_header, lane), False
                 started = time.perf_counter()
                 try:
-                    reply = stub.Push(push_requests(header, grads, [*names, *tables],
-                                                    LANE_CHUNK_BYTES if lane else self.chunk_bytes, self.stats,
-                                                    lane, timeout), timeout=timeout)
+                    reply = _push_call(stub, push_requests(header, grads, [*names, *tables],
+                                                           LANE_CHUNK_BYTES if lane else self.chunk_bytes,
+                                                           self.stats, lane, timeout),
+                                       lane is None and nbytes <= self.chunk_bytes, timeout)
                     ok = True
                     self.stats.add_stage("push_call", time.perf_counter() - started)
                     return reply
                 except grpc.RpcError:
                     if lane is not None and lane.closed:  # the lane broke while gRPC read the requests
-                        raise LaneBrokenError(f"the bulk lane to {self._fanout.target(shard)} broke during a "
-                                              f"push; nothing was applied") from None
+                        raise self._lane_broke(shard) from None
                     raise
                 finally:
                     self._lanes.give_back(shard, lane, ok)
@@ -298,6 +311,12 @@ class DataPath:
             return reply
 
         return push
+
+    def _lane_broke(self, shard: int) -> LaneBrokenError:
+        """What a push attempt to `shard` raises when gRPC failed because its bulk lane broke (retried: nothing
+        was applied)."""
+        return LaneBrokenError(f"the bulk lane to {self._fanout.target(shard)} broke during a push; nothing was "
+                               f"applied")
 
     def _rows_again(self, table_rows: "_RowsSent", replies: Mapping[int, ps_pb2.PushResponse],
                     header: ps_pb2.PushHeader) -> dict[int, ps_pb2.PushResponse]:
@@ -327,8 +346,9 @@ class DataPath:
                 tables = {**(empty.get(shard, {}) if counts_step else {}), **parts.get(shard, {})}
                 shard_header = self._shard_header(header, len(tables), again=True, rows_again=not counts_step)
                 try:
-                    reply = self._fanout.call(shard, lambda stub, t: stub.Push(push_requests(
-                        shard_header, tables, list(tables), self.chunk_bytes, self.stats), timeout=t), self.timeout)
+                    reply = self._fanout.call(shard, lambda stub, t: _push_call(stub, push_requests(
+                        shard_header, tables, list(tables), self.chunk_bytes, self.stats),
+                        sum(map(_wire_nbytes, tables.values())) <= self.chunk_bytes, t), self.timeout)
                 except LayoutChangedError:
                     return None
                 table_rows.accepted(shard, tables)
@@ -490,3 +510,14 @@ class DataPath:
                           quorum=lead.quorum)
         self.step = lead.next_step
         return lead.next_step
+
+
+def _push_call(stub, requests: Iterator[bytes], small: bool, timeout: float) -> ps_pb2.PushResponse:
+    """One shard's push of serialized `requests`: a PushOne call where they are one message (`small`: the
+    push's bytes fit in one), else a Push stream."""
+    if small:
+        messages = list(requests)
+        if len(messages) == 1:
+            return stub.PushOne(messages[0], timeout=timeout)
+        requests = iter(messages)
+    return stub.Push(requests, timeout=timeout)

@@ -105,7 +105,7 @@ class Overlap:
                 if self.encoder is None and param.grad is not None and param.grad.device.type == "cuda":
                     self.encoder = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchps-grads")
                 try:
-                    self.streamed = StreamedPush(client, self.inflight_bytes, self.encoder)
+                    self.streamed = StreamedPush(client, self.inflight_bytes, self.encoder, self.params)
                 except BaseException:
                     client._push_lock.release()
                     raise

@@ -2,15 +2,20 @@
 
 At the first gradient of a step (a post-accumulate-grad hook on every
 parameter that requires grad) StreamedPush opens one streamed Push per shard
-(PushHeader.streamed, ps.proto), each sent by a pool thread from a buffer that
-keeps every message until the push is over, so a retry (channels.py calls the
-stub again) replays the stream from its header. Each hook encodes its
-parameter's gradient (its pieces, compressed as the client's policies say)
-into the right shards' streams, last layer first, and blocks while more than a
-bound of bytes is encoded but not yet handed to gRPC. push() closes every
-stream with PushEnd{tensors} and waits for the replies: a shard applies a
-streamed push only once its end arrived with the right count, so a stream cut
-short, aborted or never closed changes nothing. PushLock keeps other pushes
+(PushHeader.streamed, ps.proto), each sent by a pool thread from a list that
+keeps every message's pieces (views of the gradients' bytes, never copies)
+until the push is over, so a retry (channels.py calls the stub again) replays
+the stream from its header. Each hook cuts its parameter's gradient (its
+pieces, compressed as the client's policies say) into the right shards'
+streams, last layer first, and blocks while more than a bound of bytes is
+queued but not yet handed to gRPC. An attempt to a shard whose part of the
+module reaches lane_min_bytes borrows a bulk lane (client/lanes.py) if one is
+lent: its messages carry lane_bytes and each one's bytes follow on the lane
+(torchps/lanes.py); other attempts copy the bytes into the messages as they
+send them. push() closes every stream with PushEnd{tensors} and waits for the
+replies: a shard applies a streamed push only once its end arrived with the
+right count (and on a lane, its bytes), so a stream cut short, aborted or
+never closed, or a lane broken, changes nothing. PushLock keeps other pushes
 of the client out meanwhile.
 """
 
@@ -22,12 +27,14 @@ import time
 from concurrent import futures
 from typing import Iterator, Mapping
 
+import grpc
 import torch
 
 from .. import wire
 from ..errors import LayoutChangedError, PSError, WaitTimeoutError
+from ..lanes import Lane
 from ..proto import ps_pb2
-from .datapath import DataPath
+from .datapath import DataPath, with_lane
 from .transfer import wire_pieces
 
 __all__ = ["OVERLAP_INFLIGHT_BYTES", "PushLock", "StreamedPush"]
@@ -75,16 +82,40 @@ class PushLock:
         self.release()
 
 
+class _Message:
+    """One message of a stream after its header: chunk pieces (views of the bytes), and the end if it closes the
+    stream. Encoded by each attempt that sends it: the bytes copied in, or on a lane lane_bytes in their place."""
+
+    __slots__ = ("pieces", "end", "nbytes")
+
+    def __init__(self, pieces: list, end: ps_pb2.PushEnd | None):
+        self.pieces, self.end = pieces, end
+        self.nbytes = sum(len(piece[3]) for piece in pieces)
+
+
+def _placed_bytes(client: DataPath, params: Mapping[str, torch.Tensor]) -> list[int]:
+    """Per shard of the layout followed now, the bytes of the gradients of `params` (those that require grad)
+    placed there, before compression."""
+    placed = [0] * client._layout.shards
+    wire_params = client.partitions.split({name: p.detach() for name, p in params.items() if p.requires_grad})
+    for name, value in wire_params.items():
+        shard = client.placement.shard_of(name)
+        if shard < len(placed):  # placed on a shard a live resize added after this push opened: not streamed
+            placed[shard] += value.nbytes
+    return placed
+
+
 class _ShardStream:
     """One shard's part of a streamed push: every message so far (kept for replays) and its sender."""
 
-    def __init__(self, shard: int):
+    def __init__(self, shard: int, lane_bytes: int):
         self.shard = shard
-        self.messages: list[bytes] = []
+        self.lane_bytes = lane_bytes  # what its attempts ask a lane for: the module's gradient bytes placed there
+        self.messages: list[_Message] = []
         self.handed = 0              # messages handed to gRPC at least once (over every attempt)
         self.closed = False          # the end (or an abort) was appended: no more messages
         self.names: list[str] = []   # wire variables in this stream, in order
-        self.pending: list[bytes] = []  # encoded chunks not yet in a message (less than chunk_bytes)
+        self.pending: list = []      # pieces not yet in a message (less than chunk_bytes)
         self.pending_bytes = 0
         self.calls: list = []        # the attempts' gRPC calls, to cancel on abort
         self.failed = False          # its sender gave up: its bytes no longer count against the bound
@@ -101,10 +132,14 @@ class StreamedPush:
     reused pinned buffer by a non-blocking copy (device.py) and encoded there
     once its copy's event completed, so the hook returns at once and backward
     keeps the GPU busy; every gradient of the push is then encoded there, in
-    order (a CPU or compressed one as it is).
+    order (a CPU or compressed one as it is). The pinned buffers are kept
+    until the push is over: its messages are views of them. `params` are the
+    module's parameters: a shard's attempts ask for a lane if its share of
+    their bytes (before compression) reaches the client's lane_min_bytes.
     """
 
-    def __init__(self, client: DataPath, inflight_bytes: int, encoder: futures.Executor | None = None):
+    def __init__(self, client: DataPath, inflight_bytes: int, encoder: futures.Executor | None = None,
+                 params: Mapping[str, torch.Tensor] | None = None):
         self.client = client
         self._encoder = encoder  # one thread: encodes CUDA gradients once their copy to the host is done
         self._queued: list[futures.Future] = []  # encodings handed to it, in order
@@ -119,13 +154,12 @@ class StreamedPush:
         self._finishing = False
         self._released = False
         self._timed_out: PSError | None = None  # the bound's wait ran out: the push was abandoned
-        self._streams = [_ShardStream(shard) for shard in range(client._layout.shards)]
+        self._held: list[tuple] = []  # (key, pinned buffer, its copy's event): released once the push is over
+        placed = _placed_bytes(client, params or {})
+        self._streams = [_ShardStream(shard, placed[shard]) for shard in range(client._layout.shards)]
         self._unstreamed: list[str] = []  # wire variables placed past the streams (a live resize): sent after them
         if isinstance(client._push_lock, PushLock):
             client._push_lock.streaming = self
-        first = wire.encode_push_request(self.header, [])
-        for stream in self._streams:
-            self._append(stream, first)
         for stream in self._streams:
             stream.future = client._fanout.submit(self._send, stream)
 
@@ -134,8 +168,9 @@ class StreamedPush:
     def add(self, name: str, grad: torch.Tensor) -> None:
         """Encodes one parameter's gradient into its shards' streams; blocks while too many bytes are unsent.
 
-        The bytes are copied now: the gradient may change afterwards (finish()'s
-        caller checks it did not). Raises what encoding raises (a wrong shape).
+        The gradient's bytes are sent from where they lie, until the push is
+        over: it must not change meanwhile (finish()'s caller checks it did
+        not, else aborts). Raises what encoding raises (a wrong shape).
         With an encoder thread the gradient is only queued (on a GPU, its copy
         to the host starts): the thread encodes it and waits for room, never
         this hook, and its errors are raised by finish().
@@ -155,16 +190,19 @@ class StreamedPush:
         self._wait_for_room()
 
     def _encode_copied(self, name: str, host: torch.Tensor, copied, key: str) -> None:
-        """(encoder thread) Encodes a gradient copied to `host` once its copy is done, then hands the buffer
-        back."""
-        if self._aborted:
+        """(encoder thread) Encodes a gradient copied to `host` once its copy is done; the buffer is handed back
+        when the push is over."""
+        with self._cond:
+            held = not self._released
+            if held:  # its messages are views of it: kept until the push is over
+                self._held.append((key, host, copied))
+        if not held:
             self.client._device.release(key, host, copied)  # the copy may still run: its next user waits for it
             return
-        try:
-            copied.synchronize()  # this copy's event only
-            self._encode(name, host)
-        finally:
-            self.client._device.release(key, host)
+        if self._aborted:
+            return
+        copied.synchronize()  # this copy's event only
+        self._encode(name, host)
         self._wait_for_room()
 
     def _encode_queued(self, name: str, grad: torch.Tensor) -> None:
@@ -202,28 +240,21 @@ class StreamedPush:
             for piece in wire_pieces(wire_name, value, chunk_bytes, client.stats):
                 if stream.pending and stream.pending_bytes + len(piece[3]) > chunk_bytes:
                     self._flush(stream)
-                stream.pending.append(wire.encode_push_request(None, [piece]))  # chunks concatenate
+                stream.pending.append(piece)
                 stream.pending_bytes += len(piece[3])
-                client.stats.count_bytes(sent=len(piece[3]), copied=len(piece[3]))
                 if stream.pending_bytes >= chunk_bytes:
                     self._flush(stream)
 
     def _flush(self, stream: _ShardStream, end: ps_pb2.PushEnd | None = None) -> None:
-        parts = stream.pending
-        if end is not None:
-            parts = parts + [wire.encode_push_request(None, [], end)]
-        if len(parts) > 1:
-            self.client.stats.count_bytes(copied=sum(len(part) for part in parts))  # joined into one message
-        if parts:
-            self._append(stream, parts[0] if len(parts) == 1 else b"".join(parts))
+        """The pending pieces (and `end`) as the stream's next message."""
+        if stream.pending or end is not None:
+            message = _Message(stream.pending, end)
+            with self._cond:
+                stream.messages.append(message)
+                if not stream.failed:
+                    self._unsent += message.nbytes
+                self._cond.notify_all()
         stream.pending, stream.pending_bytes = [], 0
-
-    def _append(self, stream: _ShardStream, message: bytes) -> None:
-        with self._cond:
-            stream.messages.append(message)
-            if not stream.failed:
-                self._unsent += len(message)
-            self._cond.notify_all()
 
     def _wait_for_room(self) -> None:
         """Blocks while more than inflight_bytes are unsent, at most the client's timeout (then this push is
@@ -242,9 +273,14 @@ class StreamedPush:
 
     # -- the senders -----------------------------------------------------------------------------
 
-    def _requests(self, stream: _ShardStream, attempt: dict) -> Iterator[bytes]:
-        """One attempt's request stream: every message from the header on, waiting for the next ones.
-        Ends (without the end: the shard applies nothing) when the attempt is over or the push aborted."""
+    def _requests(self, stream: _ShardStream, attempt: dict, lane: Lane | None, timeout: float
+                  ) -> Iterator[bytes]:
+        """One attempt's request stream: the header (naming `lane` if given), then every message, waiting for
+        the next ones; on a lane each message's bytes follow it there once gRPC took it (blocking up to
+        `timeout`). Ends (without the end: the shard applies nothing) when the attempt is over or the push
+        aborted."""
+        stats = self.client.stats
+        yield wire.encode_push_request(with_lane(self.header, lane), [])
         index = 0
         while True:
             with self._cond:
@@ -256,26 +292,45 @@ class StreamedPush:
                 if index >= stream.handed:
                     stream.handed = index + 1
                     if not stream.failed:
-                        self._unsent -= len(message)
+                        self._unsent -= message.nbytes
                         self._cond.notify_all()
-            yield message
+            started = time.perf_counter()
+            encoded = wire.encode_push_request(None, message.pieces, message.end, lane=lane is not None)
+            stats.add_stage("push_encode", time.perf_counter() - started)
+            stats.count_bytes(sent=message.nbytes, copied=0 if lane is not None else message.nbytes)
+            yield encoded
+            if lane is not None and message.nbytes:  # empty pieces have no lane_bytes: no frame
+                started = time.perf_counter()
+                lane.send([piece[3] for piece in message.pieces], timeout)
+                stats.add_stage("push_lane_send", time.perf_counter() - started)
             index += 1
 
     def _attempt(self, stream: _ShardStream, stub, timeout: float) -> ps_pb2.PushResponse:
+        """One call of the stream, on a bulk lane if one is lent (given back in step, or closed if the call
+        failed: LaneBrokenError if it broke, which the caller's fanout call retries)."""
         attempt = {"over": False}
         if self._aborted:
             raise _Aborted()
-        call = stub.Push.future(self._requests(stream, attempt), timeout=timeout)
+        lanes, ok = self.client._lanes, False
+        lane = lanes.borrow(stream.shard, stream.lane_bytes, timeout)
+        call = stub.Push.future(self._requests(stream, attempt, lane, timeout), timeout=timeout)
         with self._cond:
             stream.calls.append(call)
             if self._aborted:
                 call.cancel()
         try:
-            return call.result()
+            reply = call.result()
+            ok = True
+            return reply
+        except grpc.RpcError:
+            if lane is not None and lane.closed:  # the lane broke while gRPC read the requests
+                raise self.client._lane_broke(stream.shard) from None
+            raise
         finally:
             with self._cond:
                 attempt["over"] = True
                 self._cond.notify_all()
+            lanes.give_back(stream.shard, lane, ok)
 
     def _send(self, stream: _ShardStream) -> ps_pb2.PushResponse:
         """The shard's Push (retried by channels.call, each attempt replaying the stream); commits its residuals."""
@@ -288,7 +343,7 @@ class StreamedPush:
         except BaseException:
             with self._cond:
                 stream.failed = True
-                self._unsent -= sum(len(m) for m in stream.messages[stream.handed:])
+                self._unsent -= sum(m.nbytes for m in stream.messages[stream.handed:])
                 self._cond.notify_all()
             raise
         finally:
@@ -299,8 +354,7 @@ class StreamedPush:
     def _replay(self, shard: int) -> ps_pb2.PushResponse:
         """The whole (closed) stream again to one shard, after a refill; commits its residuals."""
         client, stream = self.client, self._streams[shard]
-        reply = client._fanout.call(shard, lambda stub, t: stub.Push(iter(stream.messages), timeout=t),
-                                    client.timeout)
+        reply = client._fanout.call(shard, lambda stub, t: self._attempt(stream, stub, t), client.timeout)
         client._encoder.commit(self._left, stream.names)
         return reply
 
@@ -435,6 +489,9 @@ class StreamedPush:
             if self._released:
                 return
             self._released = True
+            held, self._held = self._held, []
+        for key, host, copied in held:
+            self.client._device.release(key, host, copied)
         lock = self.client._push_lock
         if isinstance(lock, PushLock) and lock.streaming is self:
             lock.streaming = None

@@ -50,6 +50,8 @@ class ShardMetrics:
         self.journal_wait_seconds = Histogram(
             "torchps_journal_wait_seconds", "Time a change waited for its journal record to be written before "
             "it was acknowledged", registry=self.registry)
+        self.calls = Counter("torchps_calls", "RPC calls answered, by method (failed ones too)", ["method"],
+                             registry=self.registry)
         self.failed_calls = Counter(
             "torchps_calls_failed", "RPC calls that ended with an error status, by method and status code",
             ["method", "code"], registry=self.registry)
@@ -66,6 +68,10 @@ class ShardMetrics:
     def saved(self, seconds: float) -> None:
         self.checkpoint_seconds.observe(seconds)
         self.last_checkpoint = time.time()
+
+    def answered(self, method: str) -> None:
+        """One call of `method` ended, whatever its status."""
+        self.calls.labels(method).inc()
 
     def failed(self, method: str, code: str) -> None:
         """One call of `method` ended with status `code` (a grpc.StatusCode's name, not OK)."""

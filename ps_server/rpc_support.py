@@ -84,6 +84,8 @@ def map_errors(method):
                     return (yield from method(self, request, context))
             finally:
                 self.calls_done.add()
+                if self.metrics is not None:
+                    self.metrics.answered(method.__name__)
         return waiting
 
     @functools.wraps(method)
@@ -95,6 +97,8 @@ def map_errors(method):
                 return method(self, request, context)
         finally:
             self.calls_done.add()
+            if self.metrics is not None:
+                self.metrics.answered(method.__name__)
     return unary
 
 

@@ -47,7 +47,7 @@ from .stalls import DEFAULT_IDLE_SECONDS, StallWatch
 from .store import NewVariable, VariableStore
 from .tables import RowGradient
 from .tokens import TokenFile
-from .waits import Waiting
+from .waits import Wait, Waiting
 
 __all__ = ["ParameterServerServicer", "add_to_server"]
 
@@ -179,6 +179,30 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
     @map_errors
     def Pull(self, request, context):
         """Yields serialized PullResponse messages (see wire.py); each variable is copied under its lock."""
+        yield from self._pull_replies(request, context)
+
+    @map_errors
+    def PullOne(self, request, context):
+        """Pull whose reply is one message, as a unary call: INVALID_ARGUMENT, before anything is read, for
+        variables larger than this shard's --max-chunk-bytes or a request naming a lane."""
+        if request.lane:
+            raise InvalidArgumentError("PullOne carries its reply in the message: it takes no lane")
+        size = sum(self.store.get(name).nbytes for name in request.names or self.store.names())
+        if size > self.max_chunk_bytes:
+            raise InvalidArgumentError(f"PullOne's reply would hold {size} bytes, more than this shard's "
+                                       f"{self.max_chunk_bytes}; use Pull")
+        request.chunk_bytes = self.max_chunk_bytes  # every variable in one message
+        replies = []
+        for reply in self._pull_replies(request, context):
+            if isinstance(reply, Wait):
+                yield reply
+            else:
+                replies.append(reply)
+        (reply,) = replies
+        return reply
+
+    def _pull_replies(self, request, context):
+        """Pull's serialized replies, among the Waits of a min_step."""
         self.coordinator.layout.check_member()
         names = list(request.names) or self.store.names()
         for name in names:
@@ -232,6 +256,12 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         loop (edge.py)."""
         header, reply = yield from self._receive_push(
             decoded(self._watched(request_iterator, context, "Push"), wire.decode_push_request), context)
+        return reply
+
+    @map_errors
+    def PushOne(self, request, context):
+        """Push of one message (a unary call): applied as Push applies a stream of it."""
+        header, reply = yield from self._receive_push([decode_request(wire.decode_push_request, request)], context)
         return reply
 
     def _watched(self, request_iterator, context: CallContext, method: str):
@@ -321,16 +351,17 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         variable = self.store.get(name).spec.meta
         return nbytes if meta == variable else nbytes + codec.meta_nbytes(variable)
 
-    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict, again: bool = False):
+    def _decode_gradient(self, name: str, meta: ps_pb2.TensorMeta, raw, received: dict, again: bool,
+                         allocate: Callable[[int], np.ndarray]):
         """A complete pushed tensor (checked by _check_gradient): a table's RowGradient (`again`: the push's
-        rows_again), or a dense tensor of its variable's dtype; a compressed one is also kept as it came in
-        `received` (for the journal)."""
+        rows_again), or a dense tensor of its variable's dtype (decoded into memory from `allocate`, where it
+        is not a view of `raw`); a compressed one is also kept as it came in `received` (for the journal)."""
         if meta.encoding == ps_pb2.ROWS:
             return RowGradient(*rows.decode_rows(meta, raw), counts_step=not again)
         variable = self.store.get(name).spec.meta
         if meta.encoding != ps_pb2.DENSE or meta.dtype != variable.dtype:
             received[name] = (meta, raw)
-        return compression.decode(name, meta, raw, variable)
+        return compression.decode(name, meta, raw, variable, allocate)
 
     def _receive_push(self, messages, context, *, hold: bool = False
                       ) -> Waiting[tuple[ps_pb2.PushHeader, ps_pb2.PushResponse]]:
@@ -372,7 +403,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
 
         assembler = codec.ChunkAssembler(
             begin=begin, decode=lambda name, meta, raw: None if name in moved
-            else self._decode_gradient(name, meta, raw, received, header.rows_again), allocate=allocate)
+            else self._decode_gradient(name, meta, raw, received, header.rows_again, allocate), allocate=allocate)
         try:
             for message_header, chunks, message_end in messages:
                 if end is not None:
@@ -605,6 +636,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
         "Pull": on_loop(unary_stream, servicer.Pull, ps_pb2.PullRequest.FromString,
             bytes),  # Pull yields serialized messages
         "Push": on_loop(stream_unary, servicer.Push, None, ps_pb2.PushResponse.SerializeToString),
+        "PullOne": on_loop(unary, servicer.PullOne, ps_pb2.PullRequest.FromString, bytes),  # one serialized message
+        "PushOne": on_loop(unary, servicer.PushOne, None, ps_pb2.PushResponse.SerializeToString),
         "PushPull": on_loop(unary, servicer.PushPull, None, bytes),  # returns a serialized message
         "UpdateOptimizer": on_loop(unary, servicer.UpdateOptimizer, ps_pb2.UpdateOptimizerRequest.FromString,
             ps_pb2.UpdateOptimizerResponse.SerializeToString),

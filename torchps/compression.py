@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Mapping, NamedTuple
+import sys
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ KINDS = ("none", "bf16", "fp16", "topk", "randomk")
 SUPPORT_ATTRIBUTE = "torchps_support"  # decode's SPARSE gradients: the flat indices they were built from
 DEFAULT_MIN_BYTES = 64 << 10  # smaller tensors travel as they are: the saving would not pay for the work
 _CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_ONLY_HERE = 2  # sys.getrefcount of a tensor only a local variable holds: it and getrefcount's argument
 _WIDE = (ps_pb2.FLOAT32, ps_pb2.FLOAT64)      # variables that may travel cast
 _NARROW = (ps_pb2.FLOAT16, ps_pb2.BFLOAT16)   # what they may travel as
 
@@ -149,30 +151,43 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2 ** 31 else torch.int64
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """True if no element is NaN or Inf: the float64 sum of 16-bit floats cannot overflow."""
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
+def _castable(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """True if every element is finite and within `dtype`'s largest finite value (one pass, no allocation: a
+    NaN makes both comparisons false)."""
+    if not tensor.numel():
+        return True
+    low, high = torch.aminmax(tensor)
+    limit = torch.finfo(dtype).max
+    return bool(low >= -limit) and bool(high <= limit)
 
 
-def encode(policy: Compression, name: str, grad: torch.Tensor, step: int,
-           residual: torch.Tensor | None) -> tuple[torch.Tensor | Encoded, torch.Tensor | None]:
+def _kept(buffer: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`buffer` if it has `like`'s shape and device and `dtype`, else a new tensor that has."""
+    if buffer is not None and buffer.shape == like.shape and buffer.dtype == dtype and buffer.device == like.device:
+        return buffer
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
+
+
+def encode(policy: Compression, name: str, grad: torch.Tensor, step: int, residual: torch.Tensor | None,
+           cast_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor | Encoded, torch.Tensor | None]:
     """(what to send for `grad` at `step`, the residual to keep once it is applied, or None: keep the old one).
 
     What to send is `grad` itself (uncompressed: kind none, a non-float
     tensor, under min_bytes, warm-up, or a cast that would overflow fp16) or
     Encoded. `residual` (same shape and dtype) is added first with error
-    feedback. Never blocks; touches neither `grad` nor `residual`.
+    feedback. A cast is written into `cast_buffer` where it fits (the last
+    push's cast of this name, whose push is over). Never blocks; touches
+    neither `grad` nor `residual`.
     """
     grad = grad.detach()
     if (policy.kind == "none" or not grad.is_floating_point()
             or not policy.applies(grad.numel() * grad.element_size(), step)):
         return grad, None
     if policy.kind in _CASTS:
-        if codec.wire_dtype(grad.dtype) not in _WIDE:
-            return grad, None
-        narrow = grad.to(_CASTS[policy.kind])
-        if not _all_finite(narrow):  # fp16 overflow (or a NaN the shard will name): sent as it is
-            return grad, None
+        narrow_dtype = _CASTS[policy.kind]
+        if codec.wire_dtype(grad.dtype) not in _WIDE or not _castable(grad, narrow_dtype):
+            return grad, None  # fp16 overflow (or a NaN the shard will name): sent as it is
+        narrow = _kept(cast_buffer, grad, narrow_dtype).copy_(grad)
         return Encoded(codec.meta_of(narrow), narrow.cpu().contiguous()), None
     flat = grad.reshape(-1)
     numel = flat.numel()
@@ -277,6 +292,7 @@ class Encoder:
     def __init__(self) -> None:
         self.policies: dict[str, Compression] = {}
         self.residuals = Residuals()
+        self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> its last cast, memory for the next one
 
     def set_policies(self, policies: Mapping[str, Compression]) -> None:
         """Sets the policy of each name (others keep theirs); ClusterConfigError (nothing set) for a non-Compression."""
@@ -296,7 +312,12 @@ class Encoder:
             if policy is None:
                 sent[name] = grad
                 continue
-            sent[name], residual = encode(policy, name, grad, step, self.residuals.get(name))
+            buffer = self._cast_buffers.pop(name, None)
+            if buffer is not None and sys.getrefcount(buffer) > _ONLY_HERE:  # a push not over still sends it
+                buffer = None
+            sent[name], residual = encode(policy, name, grad, step, self.residuals.get(name), buffer)
+            if isinstance(sent[name], Encoded) and policy.kind in _CASTS and sent[name].payload.device == grad.device:
+                self._cast_buffers[name] = sent[name].payload  # written again by a later push of this name
             if residual is not None:
                 left[name] = residual
         return sent, left
@@ -361,7 +382,13 @@ def sparse_parts(what: str, meta: ps_pb2.TensorMeta, raw: np.ndarray) -> tuple[t
     return index, _view(raw[split:], codec.torch_dtype(meta.dtype))
 
 
-def decode(name: str, meta: ps_pb2.TensorMeta, raw: np.ndarray, variable: ps_pb2.TensorMeta) -> torch.Tensor:
+def _new_bytes(nbytes: int) -> np.ndarray:
+    """Fresh memory: numpy asks the kernel for huge pages for a large block (a page fault per 2 MiB)."""
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def decode(name: str, meta: ps_pb2.TensorMeta, raw: np.ndarray, variable: ps_pb2.TensorMeta,
+           allocate: Callable[[int], np.ndarray] = _new_bytes) -> torch.Tensor:
     """A gradient's bytes (meta checked by check_gradient_meta, len(raw) by codec.meta_nbytes) as a dense tensor
     of the variable's dtype. InvalidArgumentError for SPARSE indices out of range or not strictly increasing.
     NaN and Inf are left to the caller (the shard's store rejects them unless --allow-nonfinite). A SPARSE
@@ -370,14 +397,21 @@ def decode(name: str, meta: ps_pb2.TensorMeta, raw: np.ndarray, variable: ps_pb2
     dtype = codec.torch_dtype(variable.dtype)
     if meta.encoding == ps_pb2.DENSE:
         tensor = codec.dense_tensor(meta, raw)
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+        return tensor if tensor.dtype == dtype else _widened(tensor, dtype, allocate)
     index, values = sparse_parts(f"gradient for {name!r}", meta, raw)
-    dense = torch.zeros(math.prod(variable.shape), dtype=dtype)
+    numel = math.prod(variable.shape)
+    dense = torch.from_numpy(allocate(numel * dtype.itemsize)).view(dtype).zero_()
     index = index.long()
     dense[index] = values.to(dtype)
     dense = dense.reshape(tuple(variable.shape))
     setattr(dense, SUPPORT_ATTRIBUTE, index)
     return dense
+
+
+def _widened(tensor: torch.Tensor, dtype: torch.dtype, allocate: Callable[[int], np.ndarray]) -> torch.Tensor:
+    """`tensor` converted to `dtype`, in memory from `allocate(nbytes)`."""
+    out = torch.from_numpy(allocate(tensor.numel() * dtype.itemsize)).view(dtype).view(tensor.shape)
+    return out.copy_(tensor)
 
 
 def pull_dtype(name: str, variable: ps_pb2.TensorMeta, cast: int) -> torch.dtype | None:

@@ -55,14 +55,14 @@ TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
                            "CreateTables", "CreateDataQueue", "SetLayout", "ExportVariables", "ImportVariables",
                            "ConfirmMove", "Resize"})
-_WORKER_METHODS = frozenset({"Pull", "Push", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
+_WORKER_METHODS = frozenset({"Pull", "PullOne", "Push", "PushOne", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
                              "LookupRows", "ListTables", "TakeDataShard", "GetDataQueue", "GetLayout"})
 ROLES = {
     "chief": ADMIN_METHODS | _WORKER_METHODS,
     "worker": _WORKER_METHODS,
     # LookupRows without admit only (the shard refuses an evaluator's admitting lookup).
-    "evaluator": frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue",
-                            "GetLayout"}),
+    "evaluator": frozenset({"Pull", "PullOne", "ListVariables", "GetStatus", "LookupRows", "ListTables",
+                            "GetDataQueue", "GetLayout"}),
     "ps": frozenset({"GetStatus"}),
 }
 # Environment variables read when flags are not given (ps-launch passes credentials to its children this way).

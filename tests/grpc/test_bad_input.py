@@ -780,7 +780,7 @@ def _raw(channel, method: str, kind: str, response_type):
     return factory(path, request_serializer=lambda b: b, response_deserializer=response_type.FromString)
 
 
-# handlers: 1 where the servicer decodes the request itself (streams, PushPull), 0 where gRPC's own decoding
+# handlers: 1 where the servicer decodes the request itself (streams, PushOne, PushPull), 0 where gRPC's own decoding
 # refuses it before any handler runs.
 @pytest.mark.parametrize("method, kind, response_type, requests, handlers", [
     pytest.param("Push", "stream_unary", ps_pb2.PushResponse, lambda v: [JUNK], 1, id="push-junk"),
@@ -794,7 +794,11 @@ def _raw(channel, method: str, kind: str, response_type):
                  lambda v: [m.SerializeToString() for m in create_requests(v + "/new", initial_value(M))] + [JUNK], 1,
                  id="create-junk-after-complete-variable"),
     pytest.param("Pull", "unary_stream", ps_pb2.PullResponse, lambda v: JUNK, 0, id="pull-junk"),
+    pytest.param("PullOne", "unary_unary", ps_pb2.PullResponse, lambda v: JUNK, 0, id="pullone-junk"),
     pytest.param("PushPull", "unary_unary", ps_pb2.PullResponse, lambda v: JUNK, 1, id="pushpull-junk"),
+    pytest.param("PushOne", "unary_unary", ps_pb2.PushResponse, lambda v: JUNK, 1, id="pushone-junk"),
+    pytest.param("PushOne", "unary_unary", ps_pb2.PushResponse,
+                 lambda v: ps_pb2.PushRequest(chunks=_c(v)[:1]).SerializeToString(), 1, id="pushone-without-header"),
     pytest.param("ListVariables", "unary_unary", ps_pb2.ListResponse, lambda v: JUNK, 0, id="list-junk"),
     pytest.param("UpdateOptimizer", "unary_unary", ps_pb2.UpdateOptimizerResponse, lambda v: JUNK, 0,
                  id="update-junk"),

@@ -263,7 +263,7 @@ def test_an_overlapped_pull_lands_each_layer_from_a_lane(local_cluster):
             results[lanes] = [p.detach().clone() for p in model.parameters()]
             copied[lanes] = ps.stats.bytes_copied
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
-    # Inline, each pulled byte is copied out of its message; on the lane only the (streamed, inline) pushes copy.
+    # Inline, each pulled and pushed byte is copied into or out of its message; on lanes, none of them.
     assert copied[True] < 0.6 * copied[False], copied
 
 

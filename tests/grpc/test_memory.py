@@ -9,7 +9,7 @@ import threading
 import torch
 
 from helpers import wait_until
-from torchps.client import Optimizer, PSClient
+from torchps.client import Compression, Optimizer, PSClient
 
 MIB = 1 << 20
 
@@ -123,3 +123,19 @@ def test_pulls_racing_pushes_always_get_one_version(local_cluster):
             stop.set()
             pusher.join(60)
     assert len(versions) > 1  # the pulls did see the pushes land
+
+
+def test_a_bf16_push_is_widened_into_a_kept_buffer(local_cluster):
+    """A gradient pushed as bfloat16 is converted to its float32 variable's dtype in a receive buffer the shard
+    keeps (the larger of the push's two buffers: the default keeps one push's worth, the variables' bytes), not
+    in fresh memory each push."""
+    local = local_cluster(1)
+    with PSClient(local.cluster) as ps:
+        ps.create_variables({"g": torch.zeros(16 * MIB // 4)}, Optimizer("sgd", lr=1.0))
+        ps.set_compression({"g": Compression("bf16")})
+        for _ in range(3):
+            ps.push({"g": torch.full((16 * MIB // 4,), 0.5)})
+        memory = wait_until(lambda: (lambda m: m if m.receive_buffers_reused >= 2 else None)(ps.status(0).memory),
+                            20, "GetStatus's figures to show the later pushes widened into a kept buffer")
+        assert memory.kept_receive_bytes == 16 * MIB  # the float32 buffer (the bfloat16 one is 8 MiB)
+        torch.testing.assert_close(ps.pull(["g"])["g"], torch.full((16 * MIB // 4,), -1.5))

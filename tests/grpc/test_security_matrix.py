@@ -58,7 +58,8 @@ STATUS_FIELDS = ("index", "step", "num_variables", "total_bytes", "pid", "live_w
 # RPCs whose request below cannot change the shard when served (they read). Every other request does,
 # but Configure: with worker:1 joined, the shard refuses another mode (FAILED_PRECONDITION) even to the
 # chief, so its denial shows in its status code alone.
-READS = frozenset({"Pull", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue", "GetLayout"})
+READS = frozenset({"Pull", "PullOne", "ListVariables", "GetStatus", "LookupRows", "ListTables", "GetDataQueue",
+                   "GetLayout"})
 # The chief's moves of a live resize, refused on this shard whatever the caller (the chief's SetLayout, served
 # before them, sets epoch 1 with "w" on ps 0: the export asks ps 0 to send "w" to itself, the import carries no
 # state): the chief's get past the credentials to this refusal, and change nothing either.
@@ -89,7 +90,10 @@ def requests_for(shard: "Shard") -> dict[str, list]:
             count=1, spec=ps_pb2.VariableSpec(name="intruder", meta=META, optimizer=ps_pb2.OptimizerSpec(name="sgd")),
             chunk=ps_pb2.TensorChunk(name="intruder", offset=0, data=_ones(2)))],
         "Pull": [ps_pb2.PullRequest(names=["w"])],
+        "PullOne": [ps_pb2.PullRequest(names=["w"])],
         "Push": [ps_pb2.PushRequest(header=push, chunks=[GRADIENT])],
+        "PushOne": [ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="worker:1", step=1, step_increment=1,
+                                                                 tensors=1, seq=2), chunks=[GRADIENT])],
         "PushPull": [ps_pb2.PushRequest(header=push_pull, chunks=[GRADIENT])],
         "UpdateOptimizer": [ps_pb2.UpdateOptimizerRequest(hyperparams={"lr": 5.0})],
         "ListVariables": [ps_pb2.ListRequest()],

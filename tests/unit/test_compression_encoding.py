@@ -308,3 +308,18 @@ def test_top_k_indices_keeps_tied_values_at_the_boundary():
     k = 20_000
     picked = magnitudes[compression.top_k_indices(magnitudes, k)]
     assert picked.numel() == k and torch.equal(picked.sort().values, magnitudes.topk(k).values.sort().values)
+
+
+def test_a_cast_is_written_into_the_last_push_s_buffer_once_that_push_let_go():
+    encoder = Encoder()
+    encoder.set_policies({"w": Compression("bf16", **ALL)})
+    sent, _ = encoder.encode_all({"w": grad(1000)}, 0)
+    held, _ = encoder.encode_all({"w": grad(1000)}, 1)  # the first push still holds its bytes: new memory
+    assert held["w"].payload.data_ptr() != sent["w"].payload.data_ptr()
+    last = held["w"].payload.data_ptr()
+    del sent, held
+    decoy = torch.empty(1000, dtype=torch.bfloat16)  # takes the last push's memory, were it freed
+    values = grad(1000)
+    again, _ = encoder.encode_all({"w": values}, 2)
+    assert again["w"].payload.data_ptr() == last
+    assert torch.equal(again["w"].payload, values.to(torch.bfloat16)) and decoy.data_ptr() != last

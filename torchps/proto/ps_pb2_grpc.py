@@ -44,8 +44,18 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullOne = channel.unary_unary(
+                '/torchps.v1.ParameterServer/PullOne',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/torchps.v1.ParameterServer/Push',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.PushOne = channel.unary_unary(
+                '/torchps.v1.ParameterServer/PushOne',
                 request_serializer=torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
@@ -190,6 +200,17 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullOne(self, request, context):
+        """Pull whose reply is one message, as a unary call: Pull's reply packed in
+        one message (chunk_bytes is not used), at a unary call's cost.
+        INVALID_ARGUMENT, before anything is read, where the variables hold more
+        than the shard's --max-chunk-bytes (use Pull) or the request names a
+        lane. Clients pull variables that fit in one message this way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Push(self, request_iterator, context):
         """Applies gradients with each variable's optimizer, once the whole stream
         has arrived and been validated: either every gradient in the stream is
@@ -205,6 +226,17 @@ class ParameterServerServicer:
         gradients of is INVALID_ARGUMENT, or UNAVAILABLE (retry, nothing changed)
         where the worker's own gradients for that step are counted here: ps 0
         went on without a worker this shard counts until its lease runs out here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushOne(self, request, context):
+        """Push of one message as a unary call: what Push does with a stream of one
+        request (header and every chunk, or a streamed push's header, chunks and
+        end), at a unary call's cost (no request stream to read). Clients send a
+        push whose bytes fit in one message (the shard's --max-chunk-bytes) this
+        way and larger ones as Push streams.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -457,8 +489,18 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
             ),
+            'PullOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullOne,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.PullRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
+            ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.PushRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PushOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushOne,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
             ),
@@ -643,6 +685,33 @@ class ParameterServer:
             _registered_method=True)
 
     @staticmethod
+    def PullOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/PullOne',
+            torchps_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Push(request_iterator,
             target,
             options=(),
@@ -657,6 +726,33 @@ class ParameterServer:
             request_iterator,
             target,
             '/torchps.v1.ParameterServer/Push',
+            torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/PushOne',
             torchps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.PushResponse.FromString,
             options,
