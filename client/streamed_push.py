@@ -299,7 +299,7 @@ class StreamedPush:
             stats.add_stage("push_encode", time.perf_counter() - started)
             stats.count_bytes(sent=message.nbytes, copied=0 if lane is not None else message.nbytes)
             yield encoded
-            if lane is not None and message.nbytes:  # empty pieces have no lane_bytes: no frame
+            if lane is not None:
                 started = time.perf_counter()
                 lane.send([piece[3] for piece in message.pieces], timeout)
                 stats.add_stage("push_lane_send", time.perf_counter() - started)

@@ -108,9 +108,12 @@ class Lane:
 
     def send(self, buffers, timeout: float | None) -> None:
         """Sends one frame of `buffers` (bytes-like, each sent from its own memory); blocks up to `timeout`.
-        LaneBrokenError (and the lane closed) if it cannot."""
+        None if they hold no bytes: a message whose chunks are all empty carries no lane_bytes, and its
+        reader (bind) reads no frame. LaneBrokenError (and the lane closed) if it cannot."""
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
+        if not views:
+            return
         header = _FRAME.pack(FRAME_MAGIC, self._sent & 0xFFFFFFFF, sum(len(v) for v in views))
         self._sent += 1
         pending = [memoryview(header), *views]

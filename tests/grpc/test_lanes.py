@@ -277,3 +277,17 @@ def test_a_small_model_s_exchange_is_one_inline_call_timed_as_such(local_cluster
         binding.exchange()
         stages = ps.stats.as_dict()["stage_seconds"]
         assert stages.get("exchange_call", 0) > 0 and ps._lanes.opened == 0, stages
+
+
+def test_a_call_with_no_bytes_sends_no_frame_and_the_lane_stays_in_step(local_cluster):
+    """A push of only empty tensors borrows a lane (lane_min_bytes 0) but sends no frame, as its messages carry
+    no lane_bytes for the shard to read; the next calls use the same lane, in step."""
+    local = local_cluster(1)
+    with PSClient(local.cluster, lane_min_bytes=0) as ps:
+        ps.create_variables({"e": torch.zeros(0), "w": torch.zeros(N)}, Optimizer("sgd", lr=1.0))
+        ps.push({"e": torch.zeros(0)})
+        ps.push({"w": torch.ones(N)})
+        target = torch.empty(N)
+        ps.pull_into({"w": target})
+        assert ps._lanes.opened == 1  # a frame the shard never read would have broken it: a second lane
+    torch.testing.assert_close(target, -torch.ones(N))
