@@ -44,6 +44,7 @@ class LaneServer:
                  idle_seconds: float = IDLE_SECONDS):
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
+        self._listener.setblocking(False)  # a connection reset between the poll and accept(): no wait for the next
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._idle: dict[bytes, Lane] = {}
@@ -125,7 +126,8 @@ class LaneServer:
     def _accept(self) -> None:
         try:
             sock, peer = self._listener.accept()
-        except OSError:
+            sock.setblocking(True)
+        except OSError:  # BlockingIOError too: the connection was reset before it was taken
             return
         with self._lock:
             full = len(self._idle) + len(self._busy) + self._welcoming >= MAX_LANES
@@ -180,21 +182,33 @@ class LaneServer:
             lane.close()
 
     def _check_idle(self, lane: Lane) -> None:
-        """An idle lane turned readable: closed if its client closed it; else bytes wait for the call that will
-        claim it, and it is not watched until then."""
-        try:
-            # The TCP stream itself (under TLS too): b"" once the client closed it.
-            closed = socket.socket.recv(lane.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return
-        except OSError:
-            closed = True
+        """A lane the poll saw readable while idle: closed if its client closed it; else bytes wait for the call
+        that will claim it, and it is not watched until then. Never waits: checked holding the lock (no call
+        claims the lane meanwhile) and peeked only if still readable, as a call may have taken its bytes since
+        the poll, and a lane's socket keeps its last call's timeout, which CPython's recv waits out whatever
+        its flags (this thread, waiting, welcomed no new lane)."""
         with self._lock:
             if self._idle.get(lane.key) is not lane:
                 return  # claimed meanwhile: its call reads what came
+            try:
+                if not _readable(lane.sock):
+                    return  # a call took what came: watched again
+                # The TCP stream itself (under TLS too): b"" once the client closed it.
+                closed = socket.socket.recv(lane.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return
+            except (OSError, ValueError):  # ValueError: its socket was closed meanwhile
+                closed = True
             if not closed:
                 self._waiting.add(lane.key)
                 return
             del self._idle[lane.key]
             self._idle_since.pop(lane.key, None)
         lane.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether `sock` has bytes to read, or its end to report, now (a poll that does not wait)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))

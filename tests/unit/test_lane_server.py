@@ -1,7 +1,8 @@
 """ps_server/lanes.py's LaneServer on 127.0.0.1, alone: lanes welcomed, claimed one call at a time, closed when
-their client goes or when no call claims them for its idle limit."""
+their client goes or when no call claims them for its idle limit; its listener never waits on a lane."""
 
 import socket
+import threading
 
 import pytest
 
@@ -45,3 +46,28 @@ def test_an_idle_lane_is_closed_at_its_limit_and_one_its_client_closed_at_once(s
         wait_until(lambda: patient.open_lanes == 0, 10, "the lane its client closed to be dropped")
     finally:
         patient.close()
+
+
+def test_the_listener_checks_a_lane_a_call_took_since_its_poll_without_waiting():
+    """The listener's poll saw an idle lane readable (a push's frame, sent as its call started); the call then
+    claimed the lane, read the frame within its deadline and gave the lane back before the listener looked.
+    That look returns at once and keeps the lane. It used to peek at the lane in the listener's thread with
+    the socket's timeout the call left, and so waited for that lane's next frame, up to the deadline, welcoming
+    no new lane meanwhile: the 2-minute soak at f81ee7b stood still 10 s (the progress timeout) after a shard
+    was removed, a worker's new lane to a shard unwelcomed while the others waited for its push there."""
+    server = LaneServer("127.0.0.1", 0)
+    try:
+        lane = connect("127.0.0.1", server.port, 10.0)
+        wait_until(lambda: server.open_lanes == 1, 10, "the lane to be welcomed")
+        lane.send([b"frame"], 10.0)
+        claimed = server.claim(lane.key)
+        claimed.begin(len(b"frame"), 60.0)  # the call's deadline: the socket keeps what is left of it
+        claimed.read_into(memoryview(bytearray(len(b"frame"))))
+        server.release(claimed, ok=True)
+        look = threading.Thread(target=server._check_idle, args=(claimed,), daemon=True)  # the listener's look
+        look.start()
+        look.join(timeout=5.0)
+        assert not look.is_alive(), "the listener's look at an idle lane waited for its next frame"
+        assert server.claim(lane.key) is claimed  # still open, in step, for the client's next call
+    finally:
+        server.close()
