@@ -9,6 +9,7 @@ Checks, in this order (a check that would not fit the time left is skipped, and 
   demo-DEVICE        ps-launch (2 shards, 2 async workers, the MLP on real data) with --device DEVICE
   custom-loop        examples/custom_loop.py --device DEVICE
   device-bench       bench/device.py: the 25.3M MLP's pull/push, pinned vs pageable, overlap off vs on, hidden copies
+  host-shards        bench/host_shards.py: the 101 MB model over k = 1, 2, 4, 8 shard processes of the host
   shared-device      ps-launch: 2 worker processes sharing the device, against CPU shards
   host-2-procs       ps-launch --nproc-per-host 2 --entry examples.custom_entry:task: one task's 2 processes on
                      the device, one push per host step, an --entry model
@@ -206,6 +207,11 @@ def main(argv=None) -> int:
     runner.run("device-bench", [py, str(ROOT / "bench" / "device.py"), "--device", device, *bench, "--json",
                                 str(out / "device-bench.figures.json")], 200,
                device_figures(out / "device-bench.figures.json"))
+    shards = ["--shards", "1,2", "--seconds", "1", "--floats", "1000000"] if quick else ["--shards", "1,2,4,8",
+                                                                                        "--seconds", "5"]
+    runner.run("host-shards", [py, str(ROOT / "bench" / "host_shards.py"), *shards, "--rounds", "1", "--json",
+                               str(out / "host-shards.figures.json")], 150,
+               lambda text: json.loads((out / "host-shards.figures.json").read_text())["summary"])
     steps = ["--steps", "60", "--ps", "1"] if quick else ["--steps", "1500", "--ps", "2"]
     runner.run("shared-device", [*launch, *data, *steps, "--device", device, "--workers", "2",
                                  "--hidden", "256" if quick else "2048", "--insecure", "--metrics-out",
