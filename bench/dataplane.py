@@ -6,6 +6,7 @@
     python bench/dataplane.py --model small --variants fp32,bf16 --no-tf
     python bench/dataplane.py --links none --setups 1ps --profile /tmp/dp-profile   # + perf, per process
     python bench/dataplane.py --smoke                            # the suite's check: seconds, no TensorFlow
+    python bench/dataplane.py --links none --setups 1ps --variants fp32,nocache --mode sync --no-tf --rounds 1
 
 Each step a worker moves the whole model from the ps and a gradient of the same
 size back, SGD applied on the ps, and computes nothing else: only the PS, the
@@ -27,7 +28,11 @@ peers.run_torch(compute=False). Variants: fp32; bf16 (compression both ways);
 tls (mutual TLS + the job token on every shard and client); inline (fp32
 with PSClient(lanes=False): every byte over gRPC, as before bulk lanes); journal (fp32,
 the shards started with --checkpoint-dir in a temporary folder: the journal
-on, as every shipped manifest runs it).
+on, as every shipped manifest runs it); nocache and bf16_nocache (fp32 and bf16
+with the shards started with --no-pull-cache: every pull copies or casts its
+variables itself). --mode sync runs the torchps workers in sync mode (every
+step waits for every worker's gradient, then each pulls the same version);
+the default is async.
 
 Every run starts in a fresh network namespace holding only lo, unshaped or
 shaped to the link's rate (bench/network.py: `tc qdisc add dev lo root tbf rate
@@ -72,10 +77,12 @@ from perf_profile import Recording, summarize_folder
 from pullpush import environment, log, median, mlp_numel
 
 SETUPS = {"1ps": (1, 2), "2ps": (2, 4)}  # name -> (ps, workers)
-VARIANTS = {"fp32": ("fp32", False), "inline": ("inline", False), "bf16": ("bf16", False), "tls": ("tls", False),
-            "journal": ("fp32", True)}  # name -> (peers.VARIANTS entry, shards with the journal)
+# name -> (peers.VARIANTS entry, shards with the journal, more shard flags)
+VARIANTS = {"fp32": ("fp32", False, []), "inline": ("inline", False, []), "bf16": ("bf16", False, []),
+            "tls": ("tls", False, []), "journal": ("fp32", True, []), "nocache": ("fp32", False, ["--no-pull-cache"]),
+            "bf16_nocache": ("bf16", False, ["--no-pull-cache"])}
 OVER_FP32 = ("inline", "tls", "bf16", "journal")
-WIRE_SHARE = {"bf16": 0.5}  # the wire's expected share of 2 x the model's float32 bytes (1 otherwise)
+WIRE_SHARE = {"bf16": 0.5, "bf16_nocache": 0.5}  # the wire's share of 2 x the model's float32 bytes (else 1)
 SHARD_ARGS = ["--torch-threads", "1"]
 PROFILE_DELAY = 1.0  # seconds into the window before perf starts
 
@@ -120,7 +127,7 @@ def inside(args) -> int:
         wire = result.get("loopback_bytes")
         result["MB_on_wire_per_step"] = None if wire is None else wire / result["steps"] / 1e6
     else:
-        variant, journal = VARIANTS[args.entry]
+        variant, journal, flags = VARIANTS[args.entry]
         recordings = []
 
         def record(pids: dict, start_at: float) -> None:
@@ -130,8 +137,9 @@ def inside(args) -> int:
 
         with tempfile.TemporaryDirectory(prefix="torchps-dataplane-") as journal_dir:
             result = run_torch(dims, num_ps, variant, args.seconds, args.warmup, count_loopback=True,
-                               shard_args=[*SHARD_ARGS, *(["--checkpoint-dir", journal_dir] if journal else [])],
-                               workers=workers, compute=False, during=record if folder else None)
+                               shard_args=[*SHARD_ARGS, *flags,
+                                           *(["--checkpoint-dir", journal_dir] if journal else [])],
+                               workers=workers, compute=False, during=record if folder else None, mode=args.mode)
         for recording in recordings:
             recording.finish()
         result["stage_ms_per_step_each"] = stage_ms(result["workers"])
@@ -179,8 +187,8 @@ def bench(args) -> dict:
         for setup, link, entry in plan(args):
             key = f"{setup}/{link}/{entry}"
             script_args = ["--inside", link, "--setup", setup, "--entry", entry, "--model", args.model,
-                           "--seconds", str(seconds), "--warmup", str(warmup), "--tf-warmup", str(tf_warmup),
-                           "--tf-python", args.tf_python]
+                           "--mode", args.mode, "--seconds", str(seconds), "--warmup", str(warmup),
+                           "--tf-warmup", str(tf_warmup), "--tf-python", args.tf_python]
             if args.profile:
                 script_args += ["--profile-dir", str(args.profile.resolve() / f"r{r + 1}-{setup}-{link}-{entry}")]
             t0 = time.monotonic()
@@ -324,6 +332,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"torchps variants, of {', '.join(VARIANTS)}")
     parser.add_argument("--model", default="big", choices=list(MODELS),
                         help="big: the 25.3M MLP (default); small: the seed MLP")
+    parser.add_argument("--mode", default="async", choices=["async", "sync"], help="the torchps workers' mode "
+                        "(default async; TensorFlow's side is always its own)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--seconds", type=float, help="timed window per run (default 10; 5 for the seed MLP)")
     parser.add_argument("--no-tf", dest="tf", action="store_false", help="torchps only")
@@ -371,7 +381,8 @@ def main(argv=None) -> int:
     results: dict = {**environment()}
     results["config"] = {
         "setups": {s: {"ps": SETUPS[s][0], "workers": SETUPS[s][1]} for s in args.setups}, "links": args.links,
-        "variants": {v: {"peers_variant": VARIANTS[v][0], "journal": VARIANTS[v][1]} for v in args.variants},
+        "variants": {v: {"peers_variant": VARIANTS[v][0], "journal": VARIANTS[v][1], "shard_flags": VARIANTS[v][2]}
+                     for v in args.variants}, "mode": args.mode,
         "model": args.model, "dims": list(dims), "parameters": mlp_numel(dims), "rounds": args.rounds,
         "window": dict(zip(("seconds", "torch_warmup_per_worker", "tf_warmup_per_worker"), window(args))),
         "lr": LR, "shard_args": SHARD_ARGS, "tbf": TBF_OPTIONS, "namespace": " ".join(unshare_prefix()),

@@ -190,10 +190,13 @@ def torch_worker(dims, cluster, index: int, variant: str, warmup: int, cmd_q, re
 
 
 def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, shard_args=(),
-              count_loopback: bool = False, workers: int = WORKERS, compute: bool = True, during=None) -> dict:
+              count_loopback: bool = False, workers: int = WORKERS, compute: bool = True, during=None,
+              mode: str = "async") -> dict:
     """Fresh shards and `workers` worker processes for one variant; steps/s of the workers together over the
     window. `shard_args` go to every shard (e.g. --torch-threads 1); with `count_loopback`, the window's bytes on
-    `lo` (`loopback_bytes`) as MB per step; `compute` False: the workers only update (torch_worker).
+    `lo` (`loopback_bytes`) as MB per step; `compute` False: the workers only update (torch_worker). `mode`
+    "sync": every step waits for all the workers' gradients (the quorum follows the live workers, so a worker
+    that ends its window first lets the others finish theirs).
     `during({name: pid}, start_at)`, if given, is called as the window is announced (it must not block)."""
     import torch
     from torchps.client import Optimizer, PSClient, TaskSpec
@@ -212,6 +215,8 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, s
                           ) as local:
             torch.manual_seed(0)
             with PSClient(local.cluster, security=chief_security, **client_kw) as chief:
+                if mode == "sync":
+                    chief.configure("sync", total_num_replicas=workers, replicas_fraction=1.0)
                 chief.register_module(make_mlp(dims), Optimizer("sgd", lr=LR), create=True, **register_kw)
                 placement = chief.placement_report()
             res_q = ctx.Queue()
@@ -256,7 +261,8 @@ def run_torch(dims, num_ps: int, variant: str, seconds: float, warmup: int, *, s
             "MB_copied_per_step": sum(w["bytes_copied"] for w in got) / steps / 1e6, "MB_on_wire_per_step": wire,
             "seconds": max(w["seconds"] for w in got), "last_loss": median([w["last_loss"] for w in got]),
             "cpu_seconds_per_step": cpu, "cpu_seconds_per_step_each": each, "setup_seconds": setup_seconds,
-            "workers": got, "placement": placement, "shard_args": list(shard_args), "compute": compute, **info}
+            "workers": got, "placement": placement, "shard_args": list(shard_args), "compute": compute, "mode": mode,
+            **info}
 
 
 # -- TensorFlow side ------------------------------------------------------------------------------

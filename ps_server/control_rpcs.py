@@ -57,7 +57,9 @@ class ControlRPCs:
             index=self.index, step=self.store.step, num_variables=len(self.store.names()), total_bytes=values,
             state_bytes=state, pid=os.getpid(),
             memory=ps_pb2.MemoryUsage(**self.memory.get(), kept_receive_bytes=self.receive_buffers.free_bytes,
-                                      receive_buffers_reused=self.receive_buffers.reused), metrics_port=self.metrics_port,
+                                      receive_buffers_reused=self.receive_buffers.reused,
+                                      pull_cache_bytes=self.pull_cache.nbytes, pull_cache_hits=self.pull_cache.hits),
+            metrics_port=self.metrics_port,
             lane_port=self.lanes.port if self.lanes is not None else 0,
             paces=[ps_pb2.WorkerPace(worker=w, push_interval_seconds=i, straggler_score=score)
                    for w, (i, score) in coordinator.paces().items()],

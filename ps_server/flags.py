@@ -94,6 +94,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="free receive buffers kept between pushes, so that a gradient lands in memory already "
                    "faulted in (buffers of 4 MiB and more; with --max-memory they count against it until a push "
                    "takes them); 0: none (default: as many bytes as the shard's variables, one push's worth)")
+    q.add_argument("--no-pull-cache", action="store_true", help="copy (or cast) a variable for every pull: without "
+                   "it a variable of 1 MiB or more is made once per version and cast and sent from those bytes "
+                   "to every pull of that version (from its first pull in sync mode, else its third, or its "
+                   "second cast; at most one version each, within --max-memory, given up to a push that needs "
+                   "the room)")
     q.add_argument("--max-calls-per-client", type=int, default=0, help="calls one client (a certificate's task, "
                    "else a connection) may have in progress at once (default: no limit)")
     q.add_argument("--stream-idle-seconds", type=_seconds, default=DEFAULT_IDLE_SECONDS, help="a client stream "

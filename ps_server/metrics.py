@@ -116,7 +116,9 @@ class _ShardCollector:
                  counters["duplicates"]),
                 ("torchps_workers_expired", "Worker leases that ran out", counters["workers_expired"]),
                 ("torchps_workers_stalled", "Workers left out for making no progress", counters["workers_stalled"]),
-                ("torchps_quorum_changes", "Times the sync quorum changed", counters["quorum_changes"])):
+                ("torchps_quorum_changes", "Times the sync quorum changed", counters["quorum_changes"]),
+                ("torchps_pull_cache_hits", "Pulls of a variable sent from bytes another pull made",
+                 s.pull_cache.hits)):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, value in (
                 ("torchps_step", "The shard's step counter", s.store.step),
@@ -130,6 +132,7 @@ class _ShardCollector:
                  counters["waiting_calls"]),
                 ("torchps_push_receiving_bytes", "Bytes reserved for pushes being received (within --max-memory)",
                  s.quotas.in_flight),
+                ("torchps_pull_cache_bytes", "Bytes the pull cache holds (within --max-memory)", s.pull_cache.nbytes),
                 ("torchps_layout_epoch", "The job's layout epoch this shard knows (each live resize adds one)",
                  s.coordinator.layout.epoch)):
             yield GaugeMetricFamily(name, doc, value=value)

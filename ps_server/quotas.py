@@ -47,7 +47,7 @@ class Quotas:
         self._lock = threading.Lock()
         self._calls: collections.Counter[str] = collections.Counter()
         self._in_flight = 0  # bytes reserved by pushes being received
-        self._kept = 0  # bytes of free receive buffers kept for later pushes (buffers.py)
+        self._kept = 0  # bytes kept for later calls: free receive buffers (buffers.py), cached pulls (pull_cache.py)
 
     def reservation(self, held: Callable[[], int]) -> "Reservation":
         """A push's reservation; `held()` is what the shard holds (read once, at its first tensor)."""
@@ -62,14 +62,15 @@ class Quotas:
                 busy = held + nbytes <= self.max_memory
                 raise (ShardBusyError if busy else ResourceExhaustedError)(
                     f"{what} needs {nbytes} bytes to be received; this shard holds {held}, pushes being received "
-                    f"hold {self._in_flight}, kept receive buffers {self._kept}, and its --max-memory is "
-                    f"{self.max_memory}; nothing was applied "
+                    f"hold {self._in_flight}, kept receive buffers and cached pulls {self._kept}, and its "
+                    f"--max-memory is {self.max_memory}; nothing was applied "
                     f"({'it fits once they are in: retry' if busy else 'raise the limit, or push less at once'})")
             self._in_flight += nbytes
 
     def keep(self, held: Callable[[], int], nbytes: int) -> bool:
-        """Counts a free receive buffer of `nbytes` as held until release_kept(); False (nothing counted) if
-        that would take what is held (`held()`) and reserved past --max-memory. Without --max-memory True."""
+        """Counts a free receive buffer or a cached pull of `nbytes` as held until release_kept(); False (nothing
+        counted) if that would take what is held (`held()`) and reserved past --max-memory. Without --max-memory
+        True."""
         if not self.max_memory:
             with self._lock:
                 self._kept += nbytes
@@ -82,7 +83,7 @@ class Quotas:
             return True
 
     def release_kept(self, nbytes: int) -> None:
-        """Ends keep()'s count of `nbytes` (the buffer was taken by a push, or let go)."""
+        """Ends keep()'s count of `nbytes` (a buffer taken by a push or let go, a cached pull let go)."""
         with self._lock:
             self._kept -= nbytes
 

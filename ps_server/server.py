@@ -62,6 +62,7 @@ def create_server(
     addresses: tuple[str, ...] = (),
     keep_receive_bytes: int = -1,
     lane_port: int | None = 0,
+    pull_cache: bool = True,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -85,6 +86,7 @@ def create_server(
     `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any). A
     client stream (Push, CreateVariables) with no message for `stream_idle_seconds` is ended (stalls.py).
     `addresses`: the job's shards as the cluster spec names them (GetLayout's before any live resize).
+    `pull_cache` False: every pull copies its variables itself (ps_server/pull_cache.py).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -127,7 +129,7 @@ def create_server(
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
                                        security=security, tokens=tokens, quotas=quotas, metrics=metrics,
                                        stream_idle_seconds=stream_idle_seconds,
-                                       keep_receive_bytes=keep_receive_bytes, lanes=lanes)
+                                       keep_receive_bytes=keep_receive_bytes, lanes=lanes, pull_cache=pull_cache)
     server.call(add_to_server, servicer, server.server, pool)
     server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:

@@ -13,6 +13,7 @@ server down.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -40,6 +41,7 @@ from .edge import CallContext, handler
 from .job_rpcs import JobRPCs
 from .resize_rpcs import ResizeRPCs
 from .metrics import ShardMetrics
+from .pull_cache import PullCache
 from .quotas import Quotas, optimizer_slots
 from .rpc_support import (MAX_LIST_WAIT_SECONDS, decode_request, decoded, map_errors, remaining, require_active,
                           status_of, step_authority)
@@ -103,7 +105,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
                  security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
                  stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None,
-                 keep_receive_bytes: int = -1, lanes: LaneServer | None = None):
+                 keep_receive_bytes: int = -1, lanes: LaneServer | None = None, pull_cache: bool = True):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -130,6 +132,8 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         self.receive_buffers = ReceiveBuffers(self.quotas, self.held_total,
                                               lambda: self.held_bytes()[0] if keep_receive_bytes < 0
                                               else keep_receive_bytes)
+        self.pull_cache = PullCache(self.quotas, self.held_total, enabled=pull_cache,
+                                    eager=lambda: coordinator.config.mode == "sync")  # sync: N pulls per version
 
     @map_errors
     def CreateVariables(self, request_iterator, context):
@@ -391,9 +395,14 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                 try:
                     reservation.add(nbytes, f"the gradient for {name!r}")
                 except (ShardBusyError, ResourceExhaustedError):
-                    if not self.receive_buffers.drop():  # the room kept buffers hold first
-                        raise
-                    reservation.add(nbytes, f"the gradient for {name!r}")
+                    for drop in (self.receive_buffers.drop, self.pull_cache.drop):  # the room they keep first
+                        if drop():
+                            try:
+                                reservation.add(nbytes, f"the gradient for {name!r}")
+                                return
+                            except (ShardBusyError, ResourceExhaustedError):
+                                pass
+                    raise
 
         taken: list = []  # the receive buffers, kept for the next push once nothing holds them (buffers.py)
 
@@ -501,9 +510,11 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         the read first saves the unread bytes); smaller ones are copied under
         their lock and packed several to a message. No lock is held while
         bytes go out. `casts` (from _casts) sends variables as a narrower
-        float, converted a chunk's worth of whole elements at a time. With
-        `bases` (from _bases), a variable whose changes since its base the
-        store knows goes as a DELTA of them (store.read_delta), packed as
+        float, converted a chunk's worth of whole elements at a time. A
+        variable the pull cache holds at its version (pull_cache.py) is sent
+        from the cache's bytes instead, held until the last message went out.
+        With `bases` (from _bases), a variable whose changes since its base
+        the store knows goes as a DELTA of them (store.read_delta), packed as
         small ones are.
         """
         chunk_bytes = min(chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
@@ -511,7 +522,6 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         small: list[wire.Piece] = []
         small_bytes = 0
         sent = False
-
 
         def message(pieces) -> bytes:
             nonlocal sent
@@ -533,44 +543,54 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
             out[:] = np.frombuffer(view, dtype=np.uint8)
             return memoryview(out)
 
-        for name, cast, base in zip(names, casts or [None] * len(names), bases or [None] * len(names)):
-            delta = None if base is None else self.store.read_delta(name, base, cast)
-            if delta is not None:
-                for piece in wire.delta_pieces(name, self.store.get(name).spec.meta.shape, *delta, chunk_bytes):
-                    if small and small_bytes + len(piece[3]) > chunk_bytes:
-                        yield message(small)
-                        small, small_bytes = [], 0
-                    small.append(piece)
-                    small_bytes += len(piece[3])
-                continue
-            variable = self.store.get(name)
-            stored, width = variable.value.dtype, variable.value.element_size()
-            size = variable.nbytes if cast is None else variable.nbytes // width * cast.itemsize
-            if size > chunk_bytes:
-                meta = variable.spec.meta if cast is None else ps_pb2.TensorMeta(
-                    dtype=codec.wire_dtype(cast), shape=variable.spec.meta.shape)
-
-                def piece(view, offset):  # under the variable's lock: encodes (copies) before returning
-                    if cast is not None:
-                        view, offset = compression.cast_bytes(view, stored, cast), offset // width * cast.itemsize
-                    else:
-                        view = staged(view)
-                    return message([(name, meta if offset == 0 else None, offset, view,
-                                     read.version if offset == 0 else 0)])
-
-                with self.store.versioned_read(name) as read:
-                    while read.offset < read.nbytes:
-                        yield read.take(chunk_bytes if cast is None else chunk_bytes // cast.itemsize * width, piece)
-                continue
-            pieces = self.store.read(name, lambda value, version: wire.tensor_pieces(
-                name, value.clone() if cast is None else value.to(cast), chunk_bytes, version))
+        def add_small(pieces, size):
+            nonlocal small, small_bytes
             if small and small_bytes + size > chunk_bytes:
                 yield message(small)
                 small, small_bytes = [], 0
             small += pieces
             small_bytes += size
-        if small or not sent:
-            yield message(small)
+
+        with contextlib.ExitStack() as held:  # the cached bytes this pull sends from, held to its end
+            for name, cast, base in zip(names, casts or [None] * len(names), bases or [None] * len(names)):
+                delta = None if base is None else self.store.read_delta(name, base, cast)
+                if delta is not None:
+                    for piece in wire.delta_pieces(name, self.store.get(name).spec.meta.shape, *delta, chunk_bytes):
+                        yield from add_small([piece], len(piece[3]))
+                    continue
+                variable = self.store.get(name)
+                stored, width = variable.value.dtype, variable.value.element_size()
+                size = variable.nbytes if cast is None else variable.nbytes // width * cast.itemsize
+                meta = variable.spec.meta if cast is None else ps_pb2.TensorMeta(
+                    dtype=codec.wire_dtype(cast), shape=variable.spec.meta.shape)
+                cached = held.enter_context(self.pull_cache.lookup(variable, cast))
+                if cached is not None:  # as read below, from the cache's bytes
+                    pieces = wire.byte_pieces(name, meta, memoryview(cached.data), chunk_bytes if cast is None
+                                              else chunk_bytes // cast.itemsize * cast.itemsize, cached.version)
+                    if size > chunk_bytes:
+                        for piece in pieces:
+                            yield message([piece])
+                    else:
+                        yield from add_small(pieces, size)
+                    continue
+                if size > chunk_bytes:
+                    def piece(view, offset):  # under the variable's lock: encodes (copies) before returning
+                        if cast is not None:
+                            view, offset = compression.cast_bytes(view, stored, cast), offset // width * cast.itemsize
+                        else:
+                            view = staged(view)
+                        return message([(name, meta if offset == 0 else None, offset, view,
+                                         read.version if offset == 0 else 0)])
+
+                    with self.store.versioned_read(name) as read:
+                        while read.offset < read.nbytes:
+                            yield read.take(chunk_bytes if cast is None else chunk_bytes // cast.itemsize * width,
+                                            piece)
+                    continue
+                yield from add_small(self.store.read(name, lambda value, version: wire.tensor_pieces(
+                    name, value.clone() if cast is None else value.to(cast), chunk_bytes, version)), size)
+            if small or not sent:
+                yield message(small)
 
     @map_errors
     def UpdateOptimizer(self, request, context):

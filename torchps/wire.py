@@ -23,8 +23,8 @@ from .lanes import LaneBytes
 from .codec import WireChunk
 from .proto import ps_pb2
 
-__all__ = ["Piece", "PullMessage", "tensor_pieces", "delta_pieces", "pack", "encode_pull_response", "encode_push_request",
-           "decode_pull_response", "decode_push_request"]
+__all__ = ["Piece", "PullMessage", "tensor_pieces", "delta_pieces", "byte_pieces", "pack", "encode_pull_response",
+           "encode_push_request", "decode_pull_response", "decode_push_request"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
@@ -72,8 +72,15 @@ def delta_pieces(name: str, shape, version: int, index: torch.Tensor, values: to
     payload = codec.tensor_bytes(torch.cat([index.view(torch.uint8), values.view(torch.uint8)]))
     meta = ps_pb2.TensorMeta(dtype=codec.wire_dtype(values.dtype), shape=shape, encoding=ps_pb2.DELTA,
                              nnz=index.numel())
-    return [(name, meta if offset == 0 else None, offset, payload[offset:offset + chunk_bytes],
-             version if offset == 0 else 0) for offset in range(0, max(len(payload), 1), chunk_bytes)]
+    return byte_pieces(name, meta, payload, chunk_bytes, version)
+
+
+def byte_pieces(name: str, meta: ps_pb2.TensorMeta, raw: memoryview, chunk_bytes: int, version: int = 0
+                ) -> list[Piece]:
+    """The pieces of one tensor's bytes `raw` (`meta` describes them), chunk_bytes each (at least one piece):
+    meta and version on the first. Views alias `raw`."""
+    return [(name, meta if offset == 0 else None, offset, raw[offset:offset + chunk_bytes],
+             version if offset == 0 else 0) for offset in range(0, max(len(raw), 1), chunk_bytes)]
 
 
 def pack(pieces: Iterable[Piece], chunk_bytes: int) -> Iterator[list[Piece]]:

@@ -374,7 +374,7 @@ class WorkerPace(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., push_interval_seconds: _Optional[float] = ..., straggler_score: _Optional[float] = ...) -> None: ...
 
 class MemoryUsage(_message.Message):
-    __slots__ = ("rss_bytes", "peak_rss_bytes", "heap_in_use_bytes", "heap_free_bytes", "mapped_bytes", "kept_receive_bytes", "receive_buffers_reused")
+    __slots__ = ("rss_bytes", "peak_rss_bytes", "heap_in_use_bytes", "heap_free_bytes", "mapped_bytes", "kept_receive_bytes", "receive_buffers_reused", "pull_cache_bytes", "pull_cache_hits")
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEAP_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +382,8 @@ class MemoryUsage(_message.Message):
     MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEPT_RECEIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_BUFFERS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    PULL_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     rss_bytes: int
     peak_rss_bytes: int
     heap_in_use_bytes: int
@@ -389,7 +391,9 @@ class MemoryUsage(_message.Message):
     mapped_bytes: int
     kept_receive_bytes: int
     receive_buffers_reused: int
-    def __init__(self, rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., heap_in_use_bytes: _Optional[int] = ..., heap_free_bytes: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., kept_receive_bytes: _Optional[int] = ..., receive_buffers_reused: _Optional[int] = ...) -> None: ...
+    pull_cache_bytes: int
+    pull_cache_hits: int
+    def __init__(self, rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., heap_in_use_bytes: _Optional[int] = ..., heap_free_bytes: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., kept_receive_bytes: _Optional[int] = ..., receive_buffers_reused: _Optional[int] = ..., pull_cache_bytes: _Optional[int] = ..., pull_cache_hits: _Optional[int] = ...) -> None: ...
 
 class SyncConfig(_message.Message):
     __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "max_staleness", "lease_seconds", "startup_grace_seconds", "progress_seconds", "replicas_fraction")
