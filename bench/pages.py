@@ -29,7 +29,8 @@ from pages_core import RESULTS, ROOT, Page, Result, code, load, section, short_c
 OUT = ROOT / "docs" / "benchmarks"
 # A results file's family is the first prefix its name starts with; no prefix: "other".
 PREFIXES = [("soak_cpu", "cpu"), ("ci_cpu", "cpu"), ("network", "network"), ("peers", "peers"),
-            ("dataplane", "dataplane"), ("pullpush", "pullpush"), ("shard_threads", "pullpush"), ("calls", "calls"),
+            ("dataplane", "dataplane"), ("host_shards", "host_shards"), ("pullpush", "pullpush"),
+            ("shard_threads", "pullpush"), ("calls", "calls"),
             ("gpu-check", "device"), ("soak", "soak"), ("resize", "resize"), ("journal", "journal"),
             ("memory", "memory"), ("compression_accuracy", "compression"), ("embedding", "embedding"),
             ("modes", "modes"), ("startup", "startup"), ("scale", "scale")]
@@ -40,6 +41,7 @@ PAGES = [
     ("dataplane", lambda by: pages_compare.dataplane_page(by["dataplane"])),
     ("pullpush", lambda by: pages_misc.pullpush_page(by["pullpush"])),
     ("calls", lambda by: pages_misc.calls_page(by["calls"])),
+    ("host_shards", lambda by: pages_misc.host_shards_page(by["host_shards"])),
     ("device", lambda by: pages_misc.device_page(by["device"])),
     ("soak", lambda by: pages_robust.soak_page(by["soak"])),
     ("resize", lambda by: pages_robust.resize_page(by["resize"], by["soak"])),

@@ -118,6 +118,27 @@ def calls_page(results: list[Result]) -> Page:
     return page
 
 
+def host_shards_page(results: list[Result]) -> Page:
+    page = Page.start(
+        "host-shards.md", "Shard processes per host",
+        "`bench/host_shards.py`: the model cut over k shard processes of one host, one client pushing and pulling "
+        "all of it (lanes on); GB/s each way, the scaling against one shard and the efficiency (scaling / k; the "
+        "issue's bar: 0.8, with a core per shard and one for the client).")
+    r = results[-1]
+    summary = r.get("summary") or {}
+    page.lines += [*table(["shard processes", "GB/s each way", "scaling", "efficiency", "client CPU s/GB",
+                           "shards CPU s/GB"],
+                          [[k, num(f.get("gb_per_s_each_way")), num(f.get("scaling")), num(f.get("efficiency")),
+                            num(f.get("client_cpu_s_per_gb"), 3), num(f.get("shards_cpu_s_per_gb"), 3)]
+                           for k, f in summary.items()]),
+                   *section("How this was measured", [source(r)])]
+    largest = max(summary, key=int, default=None)
+    if largest is not None and largest != "1":
+        page.headline.append((f"{largest} shard processes on a host: scaling over one",
+                              num(summary[largest].get("scaling")), r))
+    return page
+
+
 # -- the GPU check ----------------------------------------------------------------------------------------------
 
 def _summary(r: Result) -> dict:
