@@ -2,7 +2,7 @@
 """Chaos soak: real shards and workers under random faults, then an audit of exactly-once and checkpoints.
 
     python bench/soak.py --minutes 10 --json soak.json     # the full soak
-    python bench/soak.py --minutes 1                        # what the test suite runs
+    python bench/soak.py --minutes 0.5 --fault-every 0.5,1.25   # what the test suite runs
 
 Two phases (async, then sync; half the time each, or longer until every kind of
 fault below was injected once), each a fresh job: 2 ps-server shards with a

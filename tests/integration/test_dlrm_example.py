@@ -1,6 +1,7 @@
 """examples/dlrm.py end to end: a DLRM-style model with its EmbeddingBag tables on real shards, trained by
 async worker processes on synthetic Zipf-distributed click data with a hidden click model, evaluated on
-held-out samples by AUC."""
+held-out samples by AUC. Its defaults (a secured local cluster) are the README's line, which
+test_cli_readme.py runs and checks (the AUC it states, the secured shards, every worker's share)."""
 
 import json
 import pathlib
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "dlrm.py"
-# 40,000 training samples over 2 workers, batch 256: 158 pushes in all. Measured held-out AUC 0.71-0.75 over
+# 40,000 training samples, batch 256: 157 pushes for one worker, 158 over two. Measured held-out AUC 0.71-0.75 over
 # seeds 1-3 (the ground truth's own AUC on those samples: 0.88-0.91; a model that learned nothing: 0.5).
 SMALL = ["--train-samples", "40000", "--test-samples", "10000", "--batch-size", "256", "--log-every", "40"]
 MIN_AUC = 0.65
@@ -26,19 +27,6 @@ def _summary(output: str) -> dict:
     line = re.search(r"^summary: (.*)$", output, re.MULTILINE)
     assert line, output
     return dict(field.split("=", 1) for field in line[1].split())
-
-
-def test_dlrm_learns_the_hidden_click_model_on_a_secured_local_cluster():
-    output = _run(SMALL)
-    assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ per-task tokens\)$", output, re.MULTILINE), output
-    assert re.search(r"^epoch 1/1  step +\d+  loss [\d.]+ ", output, re.MULTILINE), output  # progress
-    assert "worker 1 done: 20000 samples x 1 epochs" in output
-    summary = _summary(output)
-    assert summary["global_steps"] == "158" and summary["tables"] == "8" and summary["ps"] == "2"
-    held_out = re.search(r"^held-out AUC: ([\d.]+) ", output, re.MULTILINE)
-    assert held_out and float(held_out[1]) == float(summary["heldout_auc"]), output
-    assert float(summary["heldout_auc"]) > MIN_AUC, output
-    assert float(summary["heldout_auc"]) < float(summary["oracle_auc"]) <= 1.0  # no model beats the truth
 
 
 def test_dlrm_trains_on_a_given_cluster(local_cluster):

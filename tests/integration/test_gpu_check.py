@@ -1,6 +1,8 @@
 """scripts/gpu_check.sh's CPU fallback, end to end and shrunk (--quick): every check of the device check runs here
 with --device cpu (the GPU tests skip), each writes its JSON, and the summary says so. The GPU run itself is
-docs/gpu.md's."""
+docs/gpu.md's. Its peers-torchps check is bench/peers.py on its smallest setting without TensorFlow (CI does
+not install it), whose JSON and table are checked here too: real shards and two async worker processes on the
+seed MLP, the issue's JSON keys written (null where not measured)."""
 
 import importlib.util
 import json
@@ -13,6 +15,12 @@ import pytest
 from helpers import mnist5k_installed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+PEERS_KEYS = ["tf_big_steps_per_s", "big_fp32_steps_per_s", "big_bf16_steps_per_s", "big_topk_steps_per_s",
+              "big_ratio_fp32", "big_ratio_bf16", "big_ratio_topk",
+              "tf_big_2ps_steps_per_s", "big_2ps_fp32_steps_per_s", "big_2ps_bf16_steps_per_s",
+              "big_2ps_topk_steps_per_s", "big_2ps_ratio_fp32", "big_2ps_ratio_bf16", "big_2ps_ratio_topk",
+              "big_2ps_over_1ps", "small_ratio", "tf_small_steps_per_s", "small_fp32_steps_per_s",
+              "targets", "MB_copied_per_step", "raw", "rounds", "versions", "git", "machine"]
 CHECKS = ["gpu-tests", "demo-cpu", "custom-loop", "device-bench", "host-shards", "shared-device", "host-2-procs",
           "peers-torchps"]
 
@@ -46,6 +54,25 @@ def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
     assert summary["environment"]["commit_source"] == "git HEAD", "--no-install: torchps is this tree's"
     for name in CHECKS:
         assert json.loads((out / f"{name}.json").read_text())["status"] == "ok"
+    check_peers(out)
+
+
+def check_peers(out: pathlib.Path) -> None:
+    """bench/peers.py --quick --no-tf --only small --variants fp32 --seconds 1 (the check's command): every key,
+    the steps and the bytes each step copies; a 1 s window instead of --quick's 3 s needs no more."""
+    result = json.loads((out / "peers-torchps.figures.json").read_text())
+    assert not [key for key in PEERS_KEYS if key not in result]
+    assert result["small_fp32_steps_per_s"] > 0
+    assert result["raw"]["small"]["fp32"] == [result["small_fp32_steps_per_s"]]
+    assert result["tf_small_steps_per_s"] is None and result["small_ratio"] is None  # --no-tf
+    assert result["targets"]["small_ratio"]["met"] is None
+    assert result["status"]["small"]["fp32"] == "ok"
+    (record,) = result["rounds"]
+    assert record["result"]["steps"] > 0 and len(record["result"]["workers"]) == 2
+    small_bytes = (784 * 100 + 100 + 100 * 10 + 10) * 4  # the seed MLP, float32: once into a push, once out
+    assert result["MB_copied_per_step"]["small"]["fp32"] == pytest.approx(2 * small_bytes / 1e6, rel=1e-6)
+    printed = (out / "peers-torchps.log").read_text()
+    assert "| small | torchps fp32 |" in printed and "not measured" in printed
 
 
 def load_gpu_check():

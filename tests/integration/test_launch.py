@@ -217,6 +217,17 @@ def launch(args: list[str], *, env: dict[str, str] | None = None, interrupt_when
     return result
 
 
+def assert_secured_shards(run: Launch, num_ps: int) -> None:
+    """Every shard (each start of it) said it serves mutual TLS with per-task tokens, as ps-launch secures a job
+    unless told otherwise, and that it holds at most its share of half the machine's memory (quotas on)."""
+    serving = [line for line in run.lines if SERVING.search(line)]
+    assert {line.partition("]")[0] for line in serving} == {f"[ps:{i}" for i in range(num_ps)}, serving
+    assert all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
+    limit = int(memory_limit() * SHARDS_MEMORY_PERCENT / num_ps / 100)
+    assert sum(f"holds at most {limit} bytes (--max-memory)" in line for line in run.lines) == len(serving), \
+        run.output
+
+
 def assert_prefixed(run: Launch) -> None:
     bad = [line for line in run.lines if not LINE.match(line)]
     assert not bad, "lines without a role prefix:\n" + "\n".join(bad[:20])
@@ -251,24 +262,7 @@ def test_launch_trains_and_reports(tmp_path):
 
     assert len(run.pids) >= 4, f"expected 2 ps and 2 worker processes, saw {run.pids}"
     assert_nothing_left(run.pids)
-    serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
-
-
-@pytest.mark.parametrize("flags,mode", [(["--mode", "sync"], "sync"),
-                                        (["--mode", "ssp", "--max-staleness", "1"], "ssp")], ids=["sync", "ssp"])
-def test_sync_and_ssp_train_over_mutual_tls_by_default(flags, mode):
-    """The other two modes, secured as ps-launch secures every job unless told otherwise."""
-    run = launch(["--ps", "2", "--workers", "2", *SMALL, *flags])
-    assert run.code == 0, run.output
-    final = run.final()
-    assert final[6] == mode and int(final[3]) > 0, final[0]
-    assert float(final[1]) >= 0.5, f"{mode} over TLS did not learn: {final[0]}"
-    serving = [line for line in run.lines if SERVING.search(line)]
-    assert len(serving) == 2 and all(line.endswith(": mutual TLS, per-task tokens") for line in serving), serving
-    limit = int(memory_limit() * SHARDS_MEMORY_PERCENT / 2 / 100)  # quotas on: half the machine, over 2 shards
-    assert sum(f"holds at most {limit} bytes (--max-memory)" in line for line in run.lines) == 2, run.output
-    assert_nothing_left(run.pids)
+    assert_secured_shards(run, 2)
 
 
 @pytest.mark.parametrize("flags,mode,tls", [([], "mutual TLS, per-task tokens", True),

@@ -296,7 +296,7 @@ def test_a_resized_job_recovers_from_its_journal_and_restores_onto_any_count(tmp
             ones = {n: torch.ones(s) for n, s in NAMES.items()}
             for _ in range(5):
                 chief.push(ones)
-            chief.save_checkpoint()  # of 2 shards: the shard added next has no part in it and starts empty
+            chief.save_checkpoint(0)  # of 2 shards, now: the shard added next has no part in it and starts empty
             report = chief.resize([*local.cluster.ps, local.add_ps()])
             assert (report.epoch, report.moved) == (1, 2)  # one variable from each old shard to the new one
             for _ in range(5):
@@ -310,7 +310,7 @@ def test_a_resized_job_recovers_from_its_journal_and_restores_onto_any_count(tmp
             values, epoch = _values(local.cluster)
             assert epoch == 1 and all(torch.equal(v, torch.full((1000,), -10.0)) for v in values.values())
             chief.push(ones)
-            chief.save_checkpoint()
+            chief.save_checkpoint(0)
     for count in (2, 3):
         with LocalCluster(count, server_args=["--restore-from", str(checkpoints), "--num-ps", str(count),
                                               "--checkpoint-dir", str(tmp_path / f"after-{count}")]) as restored:

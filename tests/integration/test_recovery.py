@@ -7,7 +7,7 @@ and, for workers, from /proc (the launcher's children). Every wait is bounded,
 and a test that fails stops the launcher and everything it started.
 
 The runs: mnist5k (4000 training images), 2 workers in sync mode, batch 100:
-20 global steps per epoch, EPOCHS epochs, about 5 s of training here.
+20 global steps per epoch, EPOCHS epochs.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from torchps.worker.local_cluster import LocalCluster
 from torchps.worker.models import build_model
 from torchps.worker.trainer import evaluate
 
-EPOCHS = 10
-STEPS = EPOCHS * 4000 // (2 * 100)  # 200 global steps: every step averages one batch from each worker
-# Not 10: a checkpoint triggered at the job's last step (200 is a multiple of 10) makes the chief wait
+EPOCHS = 5
+STEPS = EPOCHS * 4000 // (2 * 100)  # 100 global steps: every step averages one batch from each worker
+# Not 10: a checkpoint triggered at the job's last step (100 is a multiple of 10) makes the chief wait
 # 300 s for a step nobody makes (see test_checkpoints.py::test_checkpointer_stop_does_not_wait_...).
-# With 17 the last trigger is at step 187, 13 steps before the end.
+# With 17 the last trigger is at step 85, 15 steps before the end.
 CHECKPOINT_EVERY = 17
 JOB = ["--dataset", "mnist5k", "--ps", "2", "--workers", "2", "--mode", "sync", "--epochs", str(EPOCHS),
        "--lr", "0.1", "--momentum", "0.9"]
