@@ -228,7 +228,7 @@ def test_a_tls_shard_s_lanes_are_tls_and_refuse_a_client_without_the_job_s_certi
         ps.push({"v": torch.ones(N)})
         target = {"v": torch.empty(N)}
         ps.pull_into(target)
-        assert ps._lanes.opened == 1
+        assert ps._lanes.opened >= 1  # on a TLS lane (one given up under load is retried on a new one)
         torch.testing.assert_close(target["v"], -torch.ones(N))
         # Plaintext, or TLS with another job's certificate: no welcome, no lane.
         with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:

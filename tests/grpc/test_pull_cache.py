@@ -44,7 +44,8 @@ def test_sync_workers_pulling_one_version_share_one_copy_per_cast(local_cluster,
                     ps.set_compression({"v": Compression(cast)})
                 ps.pull_into({"v": target})
             assert torch.equal(targets[0], expected) and torch.equal(targets[1], expected), cast
-        assert w0._lanes.opened == 1 and w1._lanes.opened == 0
+        # w0's pulls went on a lane (a lane given up under load is retried on a new one), w1's never
+        assert w0._lanes.opened >= 1 and w1._lanes.opened == 0
         for step in range(3):
             grads = [torch.randn(N, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(2)]
 
