@@ -242,6 +242,7 @@ def _train(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device
         if client.is_chief and args.straggler_threshold and replicas > 1 else None
 
     def on_step(record: dict) -> None:
+        _raise_noted()
         if residuals is not None:
             residuals.stepped(client)
         if checkpointer is not None:
@@ -402,13 +403,30 @@ class Terminated(BaseException):
     is, so that no `except Exception` it is raised through (logging's, a retry loop's) swallows it."""
 
 
+_SIGNALLED: list[type[BaseException]] = []  # stops a signal raised: raised again at the next step if swallowed
+
+
 def _terminate_once() -> None:
-    """SIGTERM raises Terminated once; a second one while the first is handled is ignored."""
+    """SIGTERM raises Terminated once; a second one while the first is handled is ignored. SIGINT raises
+    KeyboardInterrupt. Each is also noted, and raised again at the next step (_raise_noted) where a blocking
+    gRPC call it interrupted swallowed it."""
     def handler(*_) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _SIGNALLED.append(Terminated)
         raise Terminated()
 
+    def interrupt(*_) -> None:
+        _SIGNALLED.append(KeyboardInterrupt)
+        raise KeyboardInterrupt()
+
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def _raise_noted() -> None:
+    """Raises the stop a signal raised, if it has not ended training already (see _terminate_once)."""
+    if _SIGNALLED:
+        raise _SIGNALLED.pop()()
 
 
 def _stop_at_next_interrupt(task: TaskSpec) -> None:
