@@ -40,6 +40,7 @@ BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a rand
 MOVING_RETRY_SECONDS = 0.05  # pause before asking again for a variable on its way to its shard (live resize)
 DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a TLS mismatch
 PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answers at its address
+RELOCATE_SECONDS = 0.25        # a replicated shard not answering: ps 0 is asked where it is served this often
 
 
 def _decode_pull(data: bytes):
@@ -164,6 +165,9 @@ class ShardChannels:
         self.live = len(self.addresses)  # shards of the job now: the first `live` (a live resize changes it)
         self.moving_waits = 0  # attempts retried because a variable was on its way to the shard (live resize)
         self._closed = threading.Event()
+        # relocate(shard): True if the shard is served elsewhere now (a failover: redirect() was called). Asked
+        # while a shard other than ps 0 does not answer (client/layout.py sets it).
+        self.relocate: Callable[[int], bool] | None = None
 
     def _open(self, address: str, index: int | None = None) -> None:
         """A channel to `address`: the next shard's, or shard `index`'s instead of the one it had."""
@@ -195,6 +199,12 @@ class ShardChannels:
                                              f"knows at {self.addresses[index]}: a resize keeps shard indices")
         self.live = len(addresses)
 
+    def redirect(self, shard: int, address: str) -> None:
+        """Shard `shard` is served at `address` from now on (its backup was promoted): calls go there."""
+        self._retired.append(self._channels[shard])
+        self.addresses[shard] = address
+        self._open(address, shard)
+
     def target(self, shard: int) -> str:
         return f"ps:{shard} at {self.addresses[shard]}"
 
@@ -207,7 +217,16 @@ class ShardChannels:
         included, means connected. Not grpc.channel_ready_future: its watcher thread outlives a cancel by
         up to 0.2 s and, if the channel closes meanwhile (an interrupted client), prints a traceback."""
         started, wait = time.monotonic(), DIAGNOSE_AFTER_SECONDS
-        while not self._probe(shard, min(wait, deadline - time.monotonic())):
+        relocatable = self.relocate is not None and shard != 0
+        check = started + wait  # when what answers at the address is looked at
+        while True:
+            slice_ = min(check, deadline) - time.monotonic()
+            if self._probe(shard, max(0.0, min(slice_, RELOCATE_SECONDS) if relocatable else slice_)):
+                break
+            if relocatable and self.relocate(shard):
+                continue  # served elsewhere now: probe the new address
+            if time.monotonic() < min(check, deadline):
+                continue
             found, hopeless = diagnose(self.addresses[shard], self.security)
             if hopeless:
                 raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {found}")
@@ -218,7 +237,7 @@ class ShardChannels:
                     f"there and is the address right? (to wait longer: connect_timeout, ps-worker's "
                     f"--connect-timeout or TORCHPS_CONNECT_TIMEOUT)")
             _LOGGER.info("waiting for %s: %s (%.0f s of %.0f s)", self.target(shard), found, waited, limit)
-            wait = PROGRESS_SECONDS
+            check = time.monotonic() + PROGRESS_SECONDS
         self._ready[shard] = True
 
     def _probe(self, shard: int, timeout: float) -> bool:

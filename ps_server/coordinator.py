@@ -51,6 +51,7 @@ from .membership import Membership, paces_of
 from .modes import PushResult, SyncConfig
 from .entries import decode_entries
 from .moves import Moves
+from .replicas import ReplicaRegistry
 from .resizes import ResizeOwner
 from .pushes import PushPath
 from .recording import Recorder
@@ -100,14 +101,17 @@ class Coordinator:
         self.gate = ApplyGate()
         self.layout = ShardLayout(index, addresses)  # the layout epoch and what left this shard (live resize)
         self.resizes = ResizeOwner() if owns_step else None  # the job's live resize: ps 0 owns it (resizes.py)
+        self.replicas = ReplicaRegistry(addresses) if owns_step else None  # who serves each shard (replicas.py)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
-                                                                  layout=self.layout, resize=self.resizes))
+                                                                  layout=self.layout, resize=self.resizes,
+                                                                  replicas=self.replicas))
         self._book = book = Bookkeeping(store, self.recorder, clock, membership)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
                                                                          with_pending=False, layout=self.layout,
-                                                                         resize=self.resizes))
+                                                                         resize=self.resizes,
+                                                                         replicas=self.replicas))
         self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step,
                            owner=self.resizes)
         self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, self.layout,
@@ -116,7 +120,8 @@ class Coordinator:
         self.queue_desk = QueueDesk(book, self.queues, self.recorder, self.waits, home=owns_step)
         self._changes = changes(coordinator=self._replay, pushes=self._pushes.replay, book=book.replay,
                                 step=functools.partial(replay_step, book, self.gate, self.tables),
-                                queues=self.queue_desk.replay, moves=self.moves.replay)  # what replay() runs
+                                queues=self.queue_desk.replay, moves=self.moves.replay,
+                                replicas=self._replay_replica)  # what replay() runs
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
@@ -342,7 +347,35 @@ class Coordinator:
             self.layout.restore(state.get("layout"), decode_entries)
             if self.resizes is not None:
                 self.resizes.restore(state.get("resize"))
+            if self.replicas is not None:
+                self.replicas.restore(state.get("replicas"))
             self._start_applier()
+
+    def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None
+                    ) -> dict:
+        """ps 0's: a change of its record of which address serves replicated shard `index` (replicas.py),
+        journaled; returns the shard's record. Blocks for the journal record (at most `timeout` s).
+        ModeConflictError on another shard, and for a PROMOTE of ps 0's backup (by hand only);
+        ReplicaFencedError when the record names another primary or backup; InvalidArgumentError for a
+        malformed request. A repeat changes nothing."""
+        if self.replicas is None:
+            raise ModeConflictError("only ps 0 records which address serves each shard: ask ps 0")
+        if action == "promote" and index == 0:
+            raise ModeConflictError("ps 0's backup takes over by hand (start ps-server --index 0 on its journal "
+                                    "folder at ps 0's address): ps 0 cannot grant its own failover")
+        ticket = None
+        with self.gate.change(), self.recorder.ordering:
+            event = self.replicas.decide(action, index, primary, backup)
+            if event is not None:
+                self.replicas.apply(event)
+                ticket = self.recorder.log("replica", event)
+        self.recorder.durable(ticket, timeout)
+        if event is not None:
+            _LOGGER.info("ps 0 records ps:%d: %s", index, event)
+        return self.replicas.entry(index)
+
+    def _replay_replica(self, kind: str, meta: dict, tensors: dict) -> None:
+        self.replicas.apply(meta)
 
     def replay(self, record) -> bool:
         """Makes the change of one journal record (journal.Record) again during recovery, before start(), with
@@ -508,7 +541,7 @@ class Coordinator:
         """The whole state now (takes the apply gate alone while it copies)."""
         with self.gate.snapshot():
             return state_of(self._book, self.store, self.tables, self.queues, with_pending=with_pending,
-                            layout=self.layout, resize=self.resizes)
+                            layout=self.layout, resize=self.resizes, replicas=self.replicas)
 
     @staticmethod
     def _check_step(step: int, what: str) -> None:

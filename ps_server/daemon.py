@@ -28,6 +28,7 @@ from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
 from ..security import Security
 from . import checkpoint
+from .backup import Backup, check_role
 from .failstop import FailStop
 from .journal import Journal, Layout
 from .metrics import ShardMetrics
@@ -117,9 +118,63 @@ def _stop(health_server) -> None:
         health_server.stop(None)
 
 
-def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security) -> int:
+def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address: str, security: Security,
+                 primary: str) -> int:
+    """Runs the backup of shard `index` at `primary` (ps-server --replica-of; backup.py) until SIGTERM/SIGHUP
+    (0) or SIGINT (130); once ps 0 promotes it, serves the shard at `address` from its copy (serve)."""
+    try:
+        held = hold_shard(None, args.journal_dir, index)
+    except PSError as exc:
+        print(f"ps-server: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    backup = Backup(index, address, primary, cluster.ps[0], args.journal_dir, security, sync=args.journal_sync,
+                    failover_after=args.failover_after)
+    interrupted = []
+
+    def on_signal(signum, _frame) -> None:
+        interrupted.append(signum == signal.SIGINT)
+        backup.stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    _LOGGER.info("ps %d backup of %s (pid %d): its copy in %s; serves at %s if promoted", index, primary,
+                 os.getpid(), args.journal_dir, address)
+    try:
+        promoted = backup.run()
+    finally:
+        backup.close()
+        held.release()
+    if not promoted:
+        return INTERRUPTED if interrupted and interrupted[0] else 0
+    args.replica_of, args.restore_from = None, None
+    return serve(args, cluster, index, address, security, me=address)
+
+
+def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security,
+          me: str = "") -> int:
     """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
-    (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks."""
+    (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks.
+    `me`: the address ps 0 records this shard at (a promoted backup's; default: the cluster spec's). A
+    shard whose journal says it had a backup asks ps 0 first who serves it (backup.check_role): another
+    address, it runs as that one's backup (serve_backup)."""
+    if args.replica_of:
+        return serve_backup(args, cluster, index, address, security, args.replica_of)
+    folder = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
+    if cluster is not None and folder and not args.no_journal:
+        try:
+            current = check_role(index, me or cluster.ps[index], cluster.ps[0], pathlib.Path(folder), security,
+                                 args.failover_after * 20)
+        except PSError as exc:
+            print(f"ps-server: error: ps {index} had a backup, and ps 0 cannot say who serves it now: {exc}",
+                  file=sys.stderr)
+            return USAGE_ERROR
+        if current is not None:
+            _LOGGER.warning("ps %d: ps 0 says %s serves it now (a failover): this shard becomes its backup",
+                            index, current)
+            args.journal_dir = str(folder)
+            if not args.bind or args.bind.endswith(":0"):
+                args.bind = address = cluster.ps[index]
+            return serve_backup(args, cluster, index, address, security, current)
     tune_malloc("shard")
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in its log
     if args.torch_threads:
@@ -153,7 +208,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds,
             addresses=tuple(cluster.ps) if cluster is not None else (),
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
-            pull_cache=not args.no_pull_cache)
+            pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

@@ -84,6 +84,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "checkpoint; without it such a journal is refused")
     parser.add_argument("--launched-by", choices=["ps-launch"], help="the command that started this shard (ps-launch "
                         "says so): what the shard says to do about a journal it refuses names that command's flags")
+    r = parser.add_argument_group("replication (docs/operations/replication.md)")
+    r.add_argument("--replica-of", metavar="HOST:PORT", help="run as the backup of the shard --index serving "
+                   "there: keep a copy of its journal in --journal-dir, and serve in its place at --bind once it "
+                   "is gone and ps 0 agrees")
+    r.add_argument("--failover-after", type=_seconds, default=0.5, metavar="SECONDS", help="a backup takes over "
+                   "a primary unreachable this long after its stream broke (default 0.5)")
+    r.add_argument("--replica-ack-timeout", type=_seconds, default=2.0, metavar="SECONDS", help="a primary "
+                   "whose backup leaves a record unacknowledged this long asks ps 0 to go on without it "
+                   "(default 2)")
     q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
     q.add_argument("--max-memory", type=_memory, default=0, help="bytes this shard may hold: variables with their "
                    "optimizer state, embedding tables, and pushes being received, e.g. 8G, or a share of the memory "
@@ -180,6 +189,9 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     if args.cluster:
         cluster = Cluster.from_json(args.cluster)
     elif args.bind and args.index is not None and "TF_CONFIG" not in os.environ:
+        if args.replica_of:
+            raise ClusterConfigError("--replica-of needs the job's cluster (--cluster or TF_CONFIG): ps 0 decides "
+                                     "failovers")
         return None, args.index, args.bind  # a standalone shard: --index N --bind HOST:PORT
     else:
         cluster, task = Cluster.from_tf_config()
@@ -194,6 +206,12 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     address = cluster.address(TaskSpec("ps", index))
     if args.bind:
         address = args.bind
+    if args.replica_of:
+        if not args.journal_dir or args.no_journal:
+            raise ClusterConfigError("--replica-of keeps the copy of the primary's journal in --journal-dir: pass it")
+        if not args.bind or args.bind.endswith(":0"):
+            raise ClusterConfigError("--replica-of serves at --bind HOST:PORT once promoted: pass a fixed port "
+                                     "(clients are told this address)")
     return cluster, index, address
 
 

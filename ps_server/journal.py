@@ -57,7 +57,7 @@ from typing import Callable, Iterator, Mapping
 import setproctitle
 import torch
 
-from ..errors import CheckpointError, ClusterConfigError, ServerUnavailableError, WaitTimeoutError
+from ..errors import CheckpointError, ClusterConfigError, ModeConflictError, ServerUnavailableError, WaitTimeoutError
 from . import journal_log
 from .checkpoint import fsync_dir, write_atomic
 from .journal_log import Record
@@ -145,6 +145,9 @@ class Journal:
         self._fd: int | None = None     # the writer's: the log it writes, and where
         self._offset = 0
         self._writer: threading.Thread | None = None
+        self._follower = None           # a backup's feed (replication.Feed) every wait also waits for
+        self._acked = 0                 # records the follower wrote, in order
+        self._shipping = None           # the writer's: the feed it hands what it writes to (since its rotate)
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -293,6 +296,16 @@ class Journal:
         self._writer = threading.Thread(target=self._write_loop, name=WRITER_THREAD, daemon=True)
         self._writer.start()
 
+    def start_mirror(self, layout: bytes, number: int, head: bytes, views: list[memoryview]) -> None:
+        """Instead of start() in an empty folder: a backup's copy of its primary's journal begins, with the
+        primary's layout.json (the same job and shard) and base `number` (encoded), and goes on with log
+        `number`."""
+        write_atomic(self.directory / LAYOUT, lambda f: f.write(layout), sync=self.sync)
+        self._number = number
+        self.finish_compaction(number, self.write_encoded_base(number, head, views))
+        self._log_bytes = 0
+        self.start(None)
+
     def begin_again(self, state: dict) -> None:
         """Before start(), after recover(): the journal goes on as a new job's, from `state` (a new base), with
         a new job identity; the older files are retired once both are written."""
@@ -305,7 +318,10 @@ class Journal:
         """Queues one record (in the order of the calls); returns its number for wait(). Never blocks on I/O.
         The tensors must not change until it is written; once wait() returns for it the journal holds no
         reference to them. ServerUnavailableError once the journal failed."""
-        head, views = journal_log.encode(kind, meta, tensors)
+        return self.append_encoded(*journal_log.encode(kind, meta, tensors))
+
+    def append_encoded(self, head: bytes, views: list[memoryview]) -> int:
+        """append() of a record encoded already (journal_log.encode: a backup's copy of its primary's)."""
         with self._cond:
             self._check()
             self._appended += 1
@@ -315,28 +331,42 @@ class Journal:
             return self._appended
 
     def wait(self, number: int | None = None, timeout: float | None = None) -> None:
-        """Blocks until record `number` (None: every record appended so far) is written (synced, with `sync`).
-        ServerUnavailableError if the journal failed first, WaitTimeoutError after `timeout` s."""
+        """Blocks until record `number` (None: every record appended so far) is written (synced, with `sync`),
+        and, while a backup follows (attach), written by it too. ServerUnavailableError if the journal failed
+        first, WaitTimeoutError after `timeout` s."""
         with self._cond:
             number = self._appended if number is None else number
-            self._cond.wait_for(lambda: self._written >= number or self._failed is not None, timeout)
-            if self._written >= number:
+            self._cond.wait_for(lambda: self._holds(number) or self._failed is not None, timeout)
+            if self._holds(number):
                 return
             self._check()
+            if self._written >= number:
+                raise WaitTimeoutError(f"journal {self.directory}: record {number} was not written by the backup "
+                                       f"{self._follower.address} within {timeout} s")
             raise WaitTimeoutError(f"journal {self.directory}: record {number} was not written within {timeout} s")
+
+    def _holds(self, number: int) -> bool:
+        return self._written >= number and (self._follower is None or self._acked >= number)
 
     def wants_compaction(self) -> bool:
         with self._cond:
             floor = compaction_floor(self._base_bytes) if self.min_compact_bytes is None else self.min_compact_bytes
             return self._log_bytes > max(floor, self.compact_factor * self._base_bytes)
 
-    def rotate(self) -> int:
+    def rotate(self, follower=None) -> int:
         """Starts a new log for the records appended from now on; returns its number. Call with the state
-        taken at the same moment, then write_base() and finish_compaction()."""
+        taken at the same moment, then write_base() and finish_compaction(). With `follower` (a backup's
+        replication.Feed, none attached: ModeConflictError otherwise), it is attached in the same instant:
+        it is handed every record and rotation written after this one, and from now on every wait() waits
+        until it acknowledged its record (Feed.floor: the last record the state holds)."""
         with self._cond:
             self._check()
+            if follower is not None:
+                if self._follower is not None:
+                    raise ModeConflictError(f"the backup {self._follower.address} follows this shard: one at a time")
+                self._follower, self._acked, follower.floor = follower, 0, self._appended
             self._number += 1
-            self._queue.append(("rotate", self._number))
+            self._queue.append(("rotate", self._number, follower))
             self._log_bytes = 0
             self._cond.notify_all()
             return self._number
@@ -346,10 +376,13 @@ class Journal:
         cache only (its tensors as they are: they must not change until it returns); returns that file for
         finish_compaction(). Call it holding no lock of the shard."""
         check_unlocked("writes a journal base")
+        return self.write_encoded_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+
+    def write_encoded_base(self, number: int, head: bytes, views: list[memoryview]) -> pathlib.Path:
+        """write_base() of a base record encoded already (a backup's copy of its primary's)."""
         path = self._take_spare(largest=False)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            head, views = journal_log.encode("base", {}, journal_log.state_record(state))
             offset = journal_log.write(fd, 0, head, views, number)
         finally:
             os.close(fd)
@@ -383,6 +416,29 @@ class Journal:
                         self._retire(path)
         if self.sync:
             fsync_dir(self.directory)
+
+    def acked(self, follower, number: int) -> None:
+        """`follower` wrote every record up to `number` (and the state of its first base, Feed.floor)."""
+        with self._cond:
+            if self._follower is follower:
+                self._acked = max(self._acked, number)
+                self._cond.notify_all()
+
+    def detach(self, follower) -> None:
+        """Waits no longer for `follower` (ps 0 dropped it): what is written alone is acknowledged."""
+        with self._cond:
+            if self._follower is follower:
+                self._follower = None
+                self._cond.notify_all()
+
+    def following(self):
+        """The attached backup's feed, or None."""
+        with self._cond:
+            return self._follower
+
+    def fail(self, cause: str) -> None:
+        """Fails the journal for good (as a failed write does): nothing more is acknowledged."""
+        self._fail(cause)
 
     def close(self) -> None:
         """Writes what is queued, syncs the log and stops the writer."""
@@ -429,11 +485,18 @@ class Journal:
         """Writes one queued item, a record (its number is returned) or a rotation to a new log (0). Nothing of
         a record is held here once it returns, so once its wait() returns the journal holds none of its
         tensors' memory (a shard reuses a push's receive buffers)."""
+        shipping = self._shipping if self._shipping is not None and self._shipping is self._follower else None
         if item[0] == "rotate":
+            if item[2] is not None:
+                self._shipping = item[2]  # attached here: it begins with the base of this log
+            elif shipping is not None:
+                shipping.offer_rotate(item[1])
             self._open(item[1])
             return 0
         _, number, head, views = item
         self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
+        if shipping is not None:
+            shipping.offer_record(number, head, views)
         return number
 
     def _done(self, number: int) -> None:

@@ -42,6 +42,7 @@ by a push it acknowledged (the workers join the restarted shard again).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -50,7 +51,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from . import table_state
+from . import journal_log, table_state
 from .gate import ApplyGate
 from .journal import Journal
 from .locks import check_unlocked, checked
@@ -146,16 +147,34 @@ class Recorder:
         if compactor is not None:
             compactor.join(timeout)
 
-    def _compact(self) -> None:
-        """Writes the whole state as the journal's new base, so its log starts afresh (thread body). Holds the
-        gate alone while it copies the state only."""
+    def compact_for(self, follower) -> None:
+        """Compacts now, attaching `follower` (a backup's replication.Feed) at the new log, whose base it is
+        handed first (Journal.rotate). Blocks while a compaction runs, then for this one; raises what it
+        raised (ModeConflictError: another backup follows; nothing was attached)."""
+        while True:
+            with self._lock:
+                running = self._compactor
+                if running is None or not running.is_alive():
+                    self._compactor = threading.current_thread()  # no compaction starts meanwhile
+                    break
+            running.join()
+        self._compact(follower)
+
+    def _compact(self, follower=None) -> None:
+        """Writes the whole state as the journal's new base, so its log starts afresh (thread body), and hands
+        it to the backup that follows, if one does. Holds the gate alone while it copies the state only."""
         journal = self.journal
         try:
             with self._gate.snapshot():  # a copy at one instant, with the log rotated in the same one
-                state = self._state(journal.rotate)
+                state = self._state(functools.partial(journal.rotate, follower=follower))
             number = state.pop("then")
             journal.finish_compaction(number, journal.write_base(number, state))
+            shipping = journal.following()
+            if shipping is not None:
+                shipping.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
         except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
+            if follower is not None:
+                raise
             _LOGGER.exception("journal compaction failed")
 
 

@@ -12,6 +12,7 @@ import math
 
 from ..errors import InvalidArgumentError, MalformedStreamError
 from ..proto import ps_pb2
+from .replica_rpcs import replicas_of
 from .resizes import PHASES, STATUSES
 from .rpc_support import decoded, map_errors, require_active
 
@@ -50,7 +51,9 @@ class ResizeRPCs:
                                       counts_from=entry["counts_from"], gone=entry["gone"],
                                       silent_seconds=entry["silent"])
                      for worker, entry in sorted(members.items())], grace_left_seconds=grace_left,
-            hold_lease_seconds=lease, hold_lease_left_seconds=max(0.0, left) if math.isfinite(left) else 0.0)
+            hold_lease_seconds=lease, hold_lease_left_seconds=max(0.0, left) if math.isfinite(left) else 0.0,
+            replicas=[replicas_of(index, entry) for index, entry in self.coordinator.replicas.entries()]
+            if self.coordinator.replicas is not None else [])
 
     @map_errors
     def SetLayout(self, request, context):

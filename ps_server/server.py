@@ -26,6 +26,8 @@ from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
+from .replica_rpcs import arbiter_for
+from .replication import ACK_TIMEOUT_SECONDS, Replication
 from .edge import LoopServer
 from .flags import DEFAULT_MAX_WAITING_CALLS, DEFAULT_THREADS
 from .stalls import DEFAULT_IDLE_SECONDS
@@ -63,6 +65,8 @@ def create_server(
     keep_receive_bytes: int = -1,
     lane_port: int | None = 0,
     pull_cache: bool = True,
+    me: str = "",
+    replica_ack_timeout: float = ACK_TIMEOUT_SECONDS,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -86,7 +90,9 @@ def create_server(
     `workers` (the cluster spec's) may always join, and at most `elastic_workers` others (None: any). A
     client stream (Push, CreateVariables) with no message for `stream_idle_seconds` is ended (stalls.py).
     `addresses`: the job's shards as the cluster spec names them (GetLayout's before any live resize).
-    `pull_cache` False: every pull copies its variables itself (ps_server/pull_cache.py).
+    `pull_cache` False: every pull copies its variables itself (ps_server/pull_cache.py). `me`: the address
+    ps 0 records this shard at (default: `addresses[index]`, else `address`); a backup (Replicate) that
+    leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -125,11 +131,16 @@ def create_server(
         if lane_port is not None else None
     if lanes is not None:
         server.closers.append(lanes.close)
+    me = me or (addresses[index] if index < len(addresses) else address)
+    replication = Replication(index, me, lambda: coordinator.recorder.journal, coordinator.recorder.compact_for,
+                              arbiter_for(coordinator, index, addresses[0] if addresses else address, security),
+                              chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,
                                        security=security, tokens=tokens, quotas=quotas, metrics=metrics,
                                        stream_idle_seconds=stream_idle_seconds,
-                                       keep_receive_bytes=keep_receive_bytes, lanes=lanes, pull_cache=pull_cache)
+                                       keep_receive_bytes=keep_receive_bytes, lanes=lanes, pull_cache=pull_cache,
+                                       replication=replication)
     server.call(add_to_server, servicer, server.server, pool)
     server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:

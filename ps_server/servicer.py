@@ -39,6 +39,8 @@ from .control_rpcs import ControlRPCs
 from .coordinator import Coordinator
 from .edge import CallContext, handler
 from .job_rpcs import JobRPCs
+from .replica_rpcs import ReplicaRPCs
+from .replication import Replication
 from .resize_rpcs import ResizeRPCs
 from .metrics import ShardMetrics
 from .pull_cache import PullCache
@@ -94,7 +96,7 @@ class _Recent:
             return self._value
 
 
-class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.ParameterServerServicer):
+class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ReplicaRPCs, ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's VariableStore over the ParameterServer service.
 
     Register it with `add_to_server`, which uses wire.py's codecs for Pull's
@@ -105,7 +107,8 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
                  checkpoint_dir: str | None = None, on_shutdown: Callable[[str], None] | None = None,
                  security: Security = INSECURE, quotas: Quotas | None = None, metrics: ShardMetrics | None = None,
                  stream_idle_seconds: float = DEFAULT_IDLE_SECONDS, tokens: TokenFile | None = None,
-                 keep_receive_bytes: int = -1, lanes: LaneServer | None = None, pull_cache: bool = True):
+                 keep_receive_bytes: int = -1, lanes: LaneServer | None = None, pull_cache: bool = True,
+                 replication: Replication | None = None):
         self.store = store
         self.coordinator = coordinator
         self.index = index
@@ -128,6 +131,7 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ps_pb2_grpc.Para
         self.memory = _Recent(memory_usage, MEMORY_REFRESH_SECONDS)  # the process's memory, at most a second old
         self.queue_desk = coordinator.queue_desk  # data queues: ps 0's
         self.lanes = lanes  # bulk lanes (ps_server/lanes.py), or None
+        self.replication = replication  # its backups' feeds (Replicate)
         self._lanes_in_calls: set[Lane] = set()  # claimed by a call: closed if the call ends first
         self.receive_buffers = ReceiveBuffers(self.quotas, self.held_total,
                                               lambda: self.held_bytes()[0] if keep_receive_bytes < 0
@@ -643,11 +647,12 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
         return code, details, trailing
 
     def on_loop(kind, body, deserializer, serializer):
-        streaming = kind is unary_stream
+        streaming = kind in (unary_stream, stream_stream)
         return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=fail,
                             streaming=streaming), deserializer, serializer)
 
     unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    stream_stream = grpc.stream_stream_rpc_method_handler
     stream_unary = grpc.stream_unary_rpc_method_handler
     handlers = {
         # Streams of requests, and PushPull, are decoded by the handlers (see decoded).
@@ -699,6 +704,9 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
             ps_pb2.MoveResponse.SerializeToString),
         "Resize": on_loop(unary, servicer.Resize, ps_pb2.ResizeRequest.FromString,
             ps_pb2.ResizeState.SerializeToString),
+        "Replicate": on_loop(stream_stream, servicer.Replicate, None, bytes),  # yields serialized frames
+        "SetReplica": on_loop(unary, servicer.SetReplica, ps_pb2.ReplicaChange.FromString,
+            ps_pb2.ShardReplicas.SerializeToString),
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

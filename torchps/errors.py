@@ -12,8 +12,10 @@
     ├── SpecConflictError          ALREADY_EXISTS: variable exists with another spec
     ├── ModeConflictError          FAILED_PRECONDITION: reconfiguring a running job
     │   ├── StepPassedError        a checkpoint's step the shard already went past
-    │   └── ResizeConflictError    another live resize runs, or this one was cut off or taken over: the
+    │   ├── ResizeConflictError    another live resize runs, or this one was cut off or taken over: the
     │                              message says whether to wait, --resume or --abort
+    │   └── ReplicaFencedError     ps 0's record of a replicated shard names another primary or backup
+    │                              (a failover): the caller must not serve that shard
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
     ├── LayoutChangedError         ABORTED: a variable named moved to another shard (a live resize); nothing
@@ -52,6 +54,7 @@ __all__ = [
     "ModeConflictError",
     "StepPassedError",
     "ResizeConflictError",
+    "ReplicaFencedError",
     "CheckpointError",
     "WorkerReplacedError",
     "DataShardError",
@@ -145,6 +148,11 @@ class StepPassedError(ModeConflictError):
 class ResizeConflictError(ModeConflictError):
     """A live resize cannot go on as asked: another one runs (its driver holds the lease), one was cut off
     (run `ps-admin resize --resume` or `--abort`), or this driver's resize was taken over by another."""
+
+
+class ReplicaFencedError(ModeConflictError):
+    """ps 0's record of a replicated shard names another primary (its backup was promoted) or another backup
+    than the caller: the caller is out of the job's layout and must not serve that shard."""
 
 
 class CheckpointError(PSError):

@@ -19,12 +19,14 @@ Roles, granted by shards from the caller's certificate (organizational unit,
 see torchps.certs) or, without TLS, from the token it sent (the one policy
 deciding it all is torchps.access.policy):
 
-    chief      everything: the admin calls below, and what a worker does
+    chief      everything: the admin calls below, what a worker does, and a
+               shard's replication calls
     worker     pull, push, join, heartbeat, leave (as itself: the name in the
                request must be its certificate's or its token's), list
                variables, status
     evaluator  pull, list variables, status
-    ps         status
+    ps         status, the layout, and replication: a backup's stream from
+               its primary (Replicate), a shard's word to ps 0 (SetReplica)
 
 Admin calls: Configure, CreateVariables, CreateTables, UpdateOptimizer, Save,
 CommitCheckpoint, Shutdown, CreateDataQueue, and a live resize's SetLayout,
@@ -57,13 +59,15 @@ ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "S
                            "ConfirmMove", "Resize"})
 _WORKER_METHODS = frozenset({"Pull", "PullOne", "Push", "PushOne", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
                              "LookupRows", "ListTables", "TakeDataShard", "GetDataQueue", "GetLayout"})
+_SHARD_METHODS = frozenset({"Replicate", "SetReplica"})  # a shard's calls to another (replication)
 ROLES = {
-    "chief": ADMIN_METHODS | _WORKER_METHODS,
+    "chief": ADMIN_METHODS | _WORKER_METHODS | _SHARD_METHODS,
     "worker": _WORKER_METHODS,
     # LookupRows without admit only (the shard refuses an evaluator's admitting lookup).
     "evaluator": frozenset({"Pull", "PullOne", "ListVariables", "GetStatus", "LookupRows", "ListTables",
                             "GetDataQueue", "GetLayout"}),
-    "ps": frozenset({"GetStatus"}),
+    # A shard's calls to another: a backup's stream from its primary, a shard's change of ps 0's record.
+    "ps": frozenset({"GetStatus", "GetLayout"}) | _SHARD_METHODS,
 }
 # Environment variables read when flags are not given (ps-launch passes credentials to its children this way).
 ENV = {"tls_cert": "TORCHPS_TLS_CERT", "tls_key": "TORCHPS_TLS_KEY", "tls_ca": "TORCHPS_TLS_CA",

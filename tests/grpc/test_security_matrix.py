@@ -63,8 +63,11 @@ READS = frozenset({"Pull", "PullOne", "ListVariables", "GetStatus", "LookupRows"
 # The chief's moves of a live resize, refused on this shard whatever the caller (the chief's SetLayout, served
 # before them, sets epoch 1 with "w" on ps 0: the export asks ps 0 to send "w" to itself, the import carries no
 # state): the chief's get past the credentials to this refusal, and change nothing either.
+# A shard's replication calls, as a chief sends them here: a backup of another shard, a change of ps 0's record
+# naming no primary; the chief's get past the credentials to these refusals.
 REFUSED_FOR_THE_CHIEF = {"ExportVariables": "cannot export to itself", "ImportVariables": "could not be read",
-                         "ConfirmMove": "a move to itself"}
+                         "ConfirmMove": "a move to itself", "Replicate": "this is ps:0",
+                         "SetReplica": "names its primary's address"}
 
 
 def _ones(n: int) -> bytes:
@@ -122,6 +125,8 @@ def requests_for(shard: "Shard") -> dict[str, list]:
         "Resize": [ps_pb2.ResizeRequest(action=ps_pb2.ResizeRequest.BEGIN, driver="intruder",
                                         before=[shard.local.address(0)],
                                         after=[shard.local.address(0), "127.0.0.1:9"])],
+        "Replicate": [ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=5, address="127.0.0.1:9"))],
+        "SetReplica": [ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.DROP, index=0)],
     }
 
 

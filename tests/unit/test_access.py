@@ -93,7 +93,7 @@ def test_the_chief_may_call_every_rpc_and_the_other_roles_no_admin_rpc():
     assert ADMIN_METHODS <= set(METHODS)
     for role in ("worker", "evaluator", "ps"):
         assert not ROLES[role] & ADMIN_METHODS, role
-    assert ROLES["evaluator"] <= ROLES["worker"] and ROLES["ps"] == {"GetStatus"}
+    assert ROLES["evaluator"] <= ROLES["worker"] and ROLES["ps"] == {"GetStatus", "GetLayout", "Replicate", "SetReplica"}
 
 
 def test_a_token_table_without_an_admin_token_takes_roles_from_the_table():

@@ -24,7 +24,7 @@ from torchps.ps_server.tables import RowGradient
 
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]  # never called: the shards are driven directly
 PLACEMENT = {"a": 0, "b": 1, "c": 1}
-KINDS = set(changes(coordinator=None, pushes=None, step=None, book=None, queues=None, moves=None))
+KINDS = set(changes(coordinator=None, pushes=None, step=None, book=None, queues=None, moves=None, replicas=None))
 D = 3
 
 
@@ -114,6 +114,8 @@ def async_kinds(ps0: Coordinator, ps1: Coordinator) -> None:
     assert ps1.moves.import_(data, 1, step) == ["b"]
     assert ps0.moves.confirm(["b"], 1) == ["b"]
     ps0.moves.resize(lambda owner: owner.begin("test", ADDRESSES[:1], ADDRESSES, 30.0))
+    ps0.set_replica("in_sync", 1, ADDRESSES[1], "127.0.0.1:3")  # ps 1's backup, then its failover
+    assert ps0.set_replica("promote", 1, ADDRESSES[1], "127.0.0.1:3")["primary"] == "127.0.0.1:3"
     for each in (ps0, ps1):
         each.moves.set_layout(2, ADDRESSES, PLACEMENT, table_shards=2)
     parts = [ps0.moves.export_tables(2, to)[0] for to in (0, 1)]

@@ -460,7 +460,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds", "hold_lease_seconds", "hold_lease_left_seconds")
+    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds", "hold_lease_seconds", "hold_lease_left_seconds", "replicas")
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +479,7 @@ class Layout(_message.Message):
     GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOLD_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOLD_LEASE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     placement: _containers.ScalarMap[str, int]
@@ -490,7 +491,86 @@ class Layout(_message.Message):
     grace_left_seconds: float
     hold_lease_seconds: float
     hold_lease_left_seconds: float
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ShardReplicas]
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ...) -> None: ...
+
+class ShardReplicas(_message.Message):
+    __slots__ = ("index", "primary", "backup", "failovers", "last_failover_unix")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILOVER_UNIX_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    primary: str
+    backup: str
+    failovers: int
+    last_failover_unix: float
+    def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ...) -> None: ...
+
+class ReplicaChange(_message.Message):
+    __slots__ = ("action", "index", "primary", "backup")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        IN_SYNC: _ClassVar[ReplicaChange.Action]
+        DROP: _ClassVar[ReplicaChange.Action]
+        PROMOTE: _ClassVar[ReplicaChange.Action]
+    IN_SYNC: ReplicaChange.Action
+    DROP: ReplicaChange.Action
+    PROMOTE: ReplicaChange.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    action: ReplicaChange.Action
+    index: int
+    primary: str
+    backup: str
+    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("hello", "written")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    hello: ReplicaHello
+    written: int
+    def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., written: _Optional[int] = ...) -> None: ...
+
+class ReplicaHello(_message.Message):
+    __slots__ = ("index", "address")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ReplicaFrame(_message.Message):
+    __slots__ = ("kind", "number", "written", "head", "data", "last")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RECORD: _ClassVar[ReplicaFrame.Kind]
+        ROTATE: _ClassVar[ReplicaFrame.Kind]
+        BASE: _ClassVar[ReplicaFrame.Kind]
+        LAYOUT: _ClassVar[ReplicaFrame.Kind]
+        HEARTBEAT: _ClassVar[ReplicaFrame.Kind]
+    RECORD: ReplicaFrame.Kind
+    ROTATE: ReplicaFrame.Kind
+    BASE: ReplicaFrame.Kind
+    LAYOUT: ReplicaFrame.Kind
+    HEARTBEAT: ReplicaFrame.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    kind: ReplicaFrame.Kind
+    number: int
+    written: int
+    head: bytes
+    data: bytes
+    last: bool
+    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class JobMember(_message.Message):
     __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")

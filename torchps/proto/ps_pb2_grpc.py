@@ -174,6 +174,16 @@ class ParameterServerStub:
                 request_serializer=torchps_dot_v1_dot_ps__pb2.ResizeRequest.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.ResizeState.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_stream(
+                '/torchps.v1.ParameterServer/Replicate',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ReplicaAck.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ReplicaFrame.FromString,
+                _registered_method=True)
+        self.SetReplica = channel.unary_unary(
+                '/torchps.v1.ParameterServer/SetReplica',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ReplicaChange.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ShardReplicas.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -476,6 +486,27 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """A backup's (ps-server --replica-of; the ps role): this shard's journal,
+        from a new base on, as it is written (see ReplicaFrame); the backup
+        acknowledges what it wrote (ReplicaAck). While the stream is open, this
+        shard acknowledges a change only once its backup wrote it too.
+        INVALID_ARGUMENT for a hello naming another shard; FAILED_PRECONDITION
+        without a journal, or while another backup's stream is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetReplica(self, request, context):
+        """A shard's, on ps 0 (FAILED_PRECONDITION elsewhere; the ps role): a change
+        to the record of which address serves a replicated shard (see
+        ReplicaChange). Never blocks on training (it waits for its journal record).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -618,6 +649,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Resize,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.ResizeRequest.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.ResizeState.SerializeToString,
+            ),
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ReplicaAck.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ReplicaFrame.SerializeToString,
+            ),
+            'SetReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetReplica,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ReplicaChange.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ShardReplicas.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1376,6 +1417,60 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/Resize',
             torchps_dot_v1_dot_ps__pb2.ResizeRequest.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.ResizeState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchps.v1.ParameterServer/Replicate',
+            torchps_dot_v1_dot_ps__pb2.ReplicaAck.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ReplicaFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/SetReplica',
+            torchps_dot_v1_dot_ps__pb2.ReplicaChange.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ShardReplicas.FromString,
             options,
             channel_credentials,
             insecure,

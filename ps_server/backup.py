@@ -1,0 +1,267 @@
+"""A backup shard (ps-server --replica-of PRIMARY): a copy of its primary's journal, written as the primary
+writes it, and the primary's place once the primary is gone.
+
+The backup opens a Replicate stream to its primary and writes what comes
+into its own journal folder, in the primary's order and with its log
+numbers (Mirror): the primary's layout, a base, then every record and
+rotation, and the base of every later compaction. It acknowledges each
+record once its own journal wrote it (into the page cache; onto the disk
+with --journal-sync), and the primary acknowledges nothing before that.
+
+When the stream breaks and the primary stays unreachable for
+`failover_after` s, the backup asks ps 0 to promote it (PROMOTE). Granted, it
+never acknowledges its old primary again (it opens no stream to it) and
+serves shard N at its own address from its copy: the journal's ordinary
+recovery brings back every change the primary acknowledged, the push ledger
+with them, so a client's retry of a push it got no answer for is applied
+once. Refused (the primary went on without it: DROP), it follows the
+primary ps 0 names again, from a new base. A copy is replaced only when a
+new stream's base arrives, which the primary sends only once ps 0 dropped
+this backup, so a copy ps 0 may promote is never half written.
+
+A primary whose folder says it had a backup (`REPLICATED`) asks ps 0 at its
+start who serves its shard (`serving`): another address, it starts as that
+one's backup instead (its folder is replaced by the new primary's copy).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+import queue
+import shutil
+import threading
+import time
+
+import grpc
+
+from ..errors import MalformedStreamError, PSError, ReplicaFencedError
+from ..proto import ps_pb2
+from ..security import Security
+from .journal import Journal
+from .replication import REPLICATED
+
+__all__ = ["Backup", "serving", "REPLICATED", "FAILOVER_AFTER_SECONDS"]
+
+_LOGGER = logging.getLogger(__name__)
+FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
+RETRY_SECONDS = 0.1            # between attempts to open a stream
+_FRAME = ps_pb2.ReplicaFrame
+
+
+class Mirror:
+    """One stream's copy of the primary's journal, into `folder` (replaced at its base)."""
+
+    def __init__(self, folder: pathlib.Path, sync: bool):
+        self.folder, self.sync = folder, sync
+        self.journal: Journal | None = None
+        self._layout = b""
+        self._piece: list | None = None  # [frame kind, number, written, head, pieces] of a record in pieces
+        self._pairs: collections.deque[tuple[int, int]] = collections.deque()  # (local record, primary's number)
+        self._cond = threading.Condition(threading.Lock())
+
+    def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
+        """Writes one frame's part; returns the primary's number to acknowledge at once (a base), else None
+        (records are acknowledged by acks() once written). MalformedStreamError for a stream out of order."""
+        if frame.kind == _FRAME.HEARTBEAT:
+            return None
+        if frame.kind == _FRAME.LAYOUT:
+            self._layout = frame.data
+            return None
+        if frame.kind == _FRAME.ROTATE:
+            self._need_journal()
+            number = self.journal.rotate()
+            if number != frame.number:
+                raise MalformedStreamError(f"the primary began log {frame.number}, this copy log {number}")
+            return None
+        if self._piece is None:
+            self._piece = [frame.kind, frame.number, frame.written, frame.head, []]
+        self._piece[4].append(frame.data)
+        if not frame.last:
+            return None
+        kind, number, written, head, pieces = self._piece
+        self._piece = None
+        data = [memoryview(b"".join(pieces))]
+        if kind == _FRAME.RECORD:
+            self._need_journal()
+            with self._cond:
+                self._pairs.append((self.journal.append_encoded(head, data), written))
+                self._cond.notify_all()
+            return None
+        if self.journal is None:  # the stream's first base: the copy begins again from it
+            self._replace(number, head, data)
+            return written
+        self.journal.finish_compaction(number, self.journal.write_encoded_base(number, head, data))
+        return None
+
+    def _need_journal(self) -> None:
+        if self.journal is None:
+            raise MalformedStreamError("the primary sent records before a base")
+
+    def _replace(self, number: int, head: bytes, data: list) -> None:
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        self.journal = Journal(self.folder, sync=self.sync)
+        self.journal.start_mirror(self._layout, number, head, data)
+        _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
+
+    def written(self, timeout: float) -> int | None:
+        """Blocks until the newest record taken is written; returns the primary's number for it (None: none
+        taken within `timeout` s)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pairs, timeout):
+                return None
+            local, primary = self._pairs[-1]
+            self._pairs.clear()
+        self.journal.wait(local)
+        return primary
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+
+class Backup:
+    """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted."""
+
+    def __init__(self, index: int, me: str, primary: str, ps0: str, folder: str, security: Security, *,
+                 sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS):
+        from ..client.channels import ShardChannels  # a backup's calls are a client's
+
+        self.index, self.me, self.primary = index, me, primary
+        self.folder = pathlib.Path(folder)
+        self.sync, self.failover_after = sync, failover_after
+        self._security = security
+        self._ps0 = ShardChannels([ps0], connect_timeout=failover_after, security=security)
+        self._channels = ShardChannels
+        self.holds_copy = False  # the folder holds a whole copy some stream began with a base
+        self.stop = threading.Event()
+
+    def run(self) -> bool:
+        """Follows the primary until ps 0 promotes this backup (True: serve) or stop is set (False). Blocks."""
+        unreachable_since: float | None = None
+        while not self.stop.is_set():
+            reason = self._follow_once()
+            if reason == "refused":  # the primary answers (it is dropping this backup first)
+                unreachable_since = None
+            elif reason == "followed":
+                unreachable_since = time.monotonic()
+            elif self.holds_copy:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since >= self.failover_after and self._promote():
+                    return True
+            self.stop.wait(RETRY_SECONDS)
+        return False
+
+    def _follow_once(self) -> str:
+        """One stream: "followed" (frames came, then it ended), "refused" (the primary answered with an
+        error), "unreachable"."""
+        channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
+        acks: queue.Queue = queue.Queue()
+        acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me)))
+        mirror = Mirror(self.folder, self.sync)
+        call = channels.stubs[0].Replicate(iter(acks.get, None))
+        last = [time.monotonic()]
+        done = threading.Event()
+        framed = False
+
+        def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
+            while not done.wait(self.failover_after / 4):
+                if time.monotonic() - last[0] > self.failover_after or self.stop.is_set():
+                    call.cancel()
+                    return
+
+        def acknowledge() -> None:
+            while not done.is_set():
+                try:
+                    written = mirror.written(RETRY_SECONDS)
+                except PSError:
+                    call.cancel()
+                    return
+                if written is not None:
+                    acks.put(ps_pb2.ReplicaAck(written=written))
+
+        threads = [threading.Thread(target=watch, daemon=True, name="backup-watch")]
+        try:
+            for frame in call:
+                last[0] = time.monotonic()
+                if not framed:
+                    framed = True
+                    threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
+                    for thread in threads:
+                        thread.start()
+                based = mirror.take(frame)
+                if based is not None:
+                    self.holds_copy = True
+                    acks.put(ps_pb2.ReplicaAck(written=based))
+            return "followed"
+        except grpc.RpcError as exc:
+            if framed:
+                _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
+                                exc.code().name)
+                return "followed"
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED):
+                return "unreachable"
+            _LOGGER.info("backup of ps:%d: %s refused the stream (%s): trying again", self.index, self.primary,
+                         exc.details())
+            return "refused"
+        except MalformedStreamError as exc:
+            _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, exc)
+            return "followed"
+        finally:
+            done.set()
+            acks.put(None)
+            call.cancel()  # never acknowledges on this stream again
+            for thread in threads[1:]:
+                thread.join()
+            mirror.close()
+            channels.close()
+
+    def _promote(self) -> bool:
+        """Asks ps 0 to promote this backup; True if granted. Refused, it follows the primary ps 0 names."""
+        request = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.PROMOTE, index=self.index, primary=self.primary,
+                                       backup=self.me)
+        try:
+            reply = self._ps0.call(0, lambda stub, t: stub.SetReplica(request, timeout=t), self.failover_after,
+                                   retry_for=self.failover_after)
+        except ReplicaFencedError as exc:
+            _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
+            self.holds_copy = False
+            self.primary = serving(self._ps0, self.index) or self.primary
+            return False
+        except PSError as exc:
+            _LOGGER.warning("backup of ps:%d: ps 0 did not answer its promotion (%s); asking again", self.index, exc)
+            return False
+        _LOGGER.warning("ps:%d's primary %s is gone: this backup serves it at %s from now on (failover %d)",
+                        self.index, self.primary, reply.primary, reply.failovers)
+        return True
+
+    def close(self) -> None:
+        self._ps0.close()
+
+
+def serving(ps0_channels, index: int) -> str | None:
+    """The address ps 0 records shard `index` served at, None if it records none. Raises PSError when ps 0
+    cannot be reached (one attempt of the channels' connect timeout)."""
+    layout = ps0_channels.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                               ps0_channels.connect_timeout)
+    return next((entry.primary for entry in layout.replicas if entry.index == index and entry.primary), None)
+
+
+def check_role(index: int, me: str, ps0: str, folder: pathlib.Path, security: Security, timeout: float
+               ) -> str | None:
+    """For a primary whose journal folder says it had a backup (REPLICATED): the address ps 0 records its
+    shard served at if that is not `me` (this process must then be its backup), else None. Blocks up to
+    `timeout` s for ps 0; ServerUnavailableError if it cannot be reached."""
+    if index == 0 or not (folder / REPLICATED).exists():
+        return None
+    from ..client.channels import ShardChannels
+
+    channels = ShardChannels([ps0], connect_timeout=timeout, security=security)
+    try:
+        current = serving(channels, index)
+    finally:
+        channels.close()
+    return current if current and current != me else None

@@ -1,0 +1,74 @@
+"""The shard's replication RPCs, a part of its servicer (servicer.ParameterServerServicer mixes it in): a
+backup's Replicate stream and ps 0's SetReplica; and the arbiter a shard asks ps 0 through. Each body is
+blocking code on the shard's pool (edge.py); the feeds are replication.Replication's, ps 0's record
+replicas.ReplicaRegistry's (through Coordinator.set_replica). The mixin reads the servicer's coordinator and
+`replication`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..errors import MalformedStreamError
+from ..proto import ps_pb2
+from ..security import Security
+from .coordinator import Coordinator
+from .replicas import ACTIONS
+from .replication import Arbiter
+from .rpc_support import map_errors
+
+__all__ = ["ReplicaRPCs", "arbiter_for", "replicas_of"]
+
+ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
+
+
+def replicas_of(index: int, entry: dict) -> ps_pb2.ShardReplicas:
+    """ReplicaRegistry's record of shard `index` as its message."""
+    return ps_pb2.ShardReplicas(index=index, primary=entry["primary"], backup=entry["backup"],
+                                failovers=entry["failovers"], last_failover_unix=entry["last_failover"])
+
+
+class ReplicaRPCs:
+    """Replication RPCs of ParameterServerServicer."""
+
+    @map_errors
+    def Replicate(self, request_iterator, context):
+        acks = iter(request_iterator)
+        try:
+            hello = ps_pb2.ReplicaAck.FromString(next(acks)).hello
+        except StopIteration:
+            raise MalformedStreamError("a Replicate stream begins with the backup's hello: it sent nothing") from None
+        feed = self.replication.open(hello)
+        context.add_callback(lambda: feed.lose("its stream ended"))
+        threading.Thread(target=self.replication.read_acks, args=(feed, acks), name="replica-acks",
+                         daemon=True).start()
+        yield from feed.frames(self.replication.layout())
+
+    @map_errors
+    def SetReplica(self, request, context):
+        entry = self.coordinator.set_replica(ACTIONS[request.action] if request.action < len(ACTIONS) else
+                                             str(request.action), request.index, request.primary, request.backup,
+                                             timeout=context.time_remaining())
+        return replicas_of(request.index, entry)
+
+
+def arbiter_for(coordinator: Coordinator, index: int, ps0: str, security: Security) -> Arbiter:
+    """How shard `index` asks ps 0 for a change of its record: ps 0 itself through its coordinator, another
+    shard by a SetReplica call to `ps0` with its own credentials (one attempt of ARBITER_TIMEOUT_SECONDS;
+    PSErrors as the client edge maps them)."""
+    if index == 0:
+        return lambda action, shard, primary, backup: coordinator.set_replica(action, shard, primary, backup,
+                                                                              ARBITER_TIMEOUT_SECONDS)
+    channels = []  # made at the first ask: a shard that never has a backup never calls ps 0
+
+    def ask(action: str, shard: int, primary: str, backup: str) -> dict:
+        if not channels:
+            from ..client.channels import ShardChannels  # a shard's calls to ps 0 are a client's
+
+            channels.append(ShardChannels([ps0], connect_timeout=ARBITER_TIMEOUT_SECONDS, security=security))
+        request = ps_pb2.ReplicaChange(action=ACTIONS.index(action), index=shard, primary=primary, backup=backup)
+        reply = channels[0].call(0, lambda stub, t: stub.SetReplica(request, timeout=t), ARBITER_TIMEOUT_SECONDS,
+                                 retry_for=ARBITER_TIMEOUT_SECONDS)
+        return {"primary": reply.primary, "backup": reply.backup, "failovers": reply.failovers,
+                "last_failover": reply.last_failover_unix}
+    return ask

@@ -1,0 +1,245 @@
+"""A shard's backup as its primary sees it: the feed of its journal, and ps 0's word on going on without it.
+No gRPC.
+
+A backup (ps-server --replica-of, backup.py) opens a Replicate stream. The
+primary compacts its journal with the backup's Feed attached in the same
+instant (Recorder.compact_for, Journal.rotate): the feed is handed the new
+base first, then every record and rotation the journal's writer writes, in
+its order, and every later compaction's base. From that instant on the
+journal acknowledges a change only once the backup wrote its record too
+(Journal.wait), so every change acknowledged since is on both hosts, and the
+base holds every one acknowledged before. Once the backup wrote the base,
+the primary tells ps 0 it is in sync (IN_SYNC): from then on ps 0 may
+promote it.
+
+A feed is lost when its stream ends or the backup leaves a record
+unacknowledged for `ack_timeout` s. The primary then asks ps 0 to go on
+without it (DROP), and until ps 0 answers nothing more is acknowledged. ps 0
+grants it (the journal stops waiting for the backup) or refuses because it
+promoted the backup (ReplicaFencedError): the journal fails, so the shard
+stops without acknowledging anything the new primary never saw (fail-stop).
+While ps 0 cannot be reached the primary asks again: it never decides alone.
+ps 0 is its own arbiter (its backup is never promoted automatically), so it
+drops a lost backup at once.
+
+A record is copied into its frames by the journal's writer when it is
+written (offer_record): a push's receive buffers are reused once its wait
+ends, which a wait that timed out does while the frames are still queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+from ..errors import InvalidArgumentError, ModeConflictError, PSError, ReplicaFencedError
+from ..proto import ps_pb2
+from ..wire import _key, _varint
+
+__all__ = ["Feed", "Replication", "Arbiter", "ACK_TIMEOUT_SECONDS", "REPLICATED"]
+
+_LOGGER = logging.getLogger(__name__)
+ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
+REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup was in sync with it once
+ASK_AGAIN_SECONDS = 0.2     # between asks of ps 0 that could not reach it
+IDLE_WAKE_SECONDS = 0.25    # a feed's sender looks at its oldest unacknowledged record this often
+_FRAME = ps_pb2.ReplicaFrame
+_HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
+Arbiter = Callable[[str, int, str, str], dict]  # (action, index, primary, backup) -> ps 0's record of the shard
+
+
+def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
+    """A record's (or base's) serialized ReplicaFrames: its head in the first, its bytes in pieces of at most
+    `chunk_bytes`, each copied once, into its frame."""
+    fields = _FRAME(kind=kind, number=number, written=written).SerializeToString()
+    pieces: list[memoryview] = []
+    for view in views:
+        view = memoryview(view).cast("B")
+        pieces += [view[at:at + chunk_bytes] for at in range(0, len(view), chunk_bytes)] if len(view) else []
+    out = []
+    for i in range(max(1, len(pieces))):
+        piece = pieces[i] if pieces else b""
+        first = fields + (_key(4, 2) + _varint(len(head)) + head if i == 0 else b"")
+        last = _key(6, 0) + b"\x01" if i == max(1, len(pieces)) - 1 else b""
+        frame = bytearray(first + _key(5, 2) + _varint(len(piece)))
+        frame += piece
+        frame += last
+        out.append(bytes(frame))
+    return out
+
+
+class Feed:
+    """One backup's stream of this shard's journal (see the module docstring). Thread-safe: the journal's
+    writer and compaction offer, the stream's body takes frames (frames()), the ack reader acks."""
+
+    def __init__(self, address: str, chunk_bytes: int, ack_timeout: float,
+                 on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None]):
+        self.address = address
+        self.floor = 0                   # the last record the first base holds (set by Journal.rotate)
+        self._chunk = chunk_bytes
+        self._ack_timeout = ack_timeout
+        self._on_lost, self._on_based = on_lost, on_based
+        self._cond = threading.Condition(threading.Lock())
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._early: list[bytes] = []   # records written before the first base was offered
+        self._based = False
+        self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
+        self._acked = 0
+        self._heard = False              # an ack came
+        self.lost: str | None = None     # why the feed ended, once it did
+
+    # -- the journal's side -------------------------------------------------------------------
+
+    def offer_record(self, number: int, head: bytes, views: list) -> None:
+        frames = frames_of(_FRAME.RECORD, 0, number, head, views, self._chunk)
+        with self._cond:
+            if self.lost is None:
+                (self._frames if self._based else self._early).extend(frames)
+                self._unacked.append((number, time.monotonic()))
+                self._cond.notify_all()
+
+    def offer_rotate(self, number: int) -> None:
+        with self._cond:
+            if self.lost is None:
+                self._frames.append(_FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString())
+                self._cond.notify_all()
+
+    def offer_base(self, number: int, head: bytes, views: list) -> None:
+        frames = frames_of(_FRAME.BASE, number, 0 if self._based else self.floor, head, views, self._chunk)
+        with self._cond:
+            if self.lost is not None:
+                return
+            self._frames.extend(frames)
+            if not self._based:
+                self._based = True
+                self._unacked.appendleft((self.floor, time.monotonic()))
+                self._frames.extend(self._early)
+                self._early = []
+            self._cond.notify_all()
+
+    # -- the stream's side ----------------------------------------------------------------------
+
+    def frames(self, layout: bytes) -> Iterator[bytes]:
+        """The stream's serialized replies, LAYOUT first, until the feed is lost. Blocks between them."""
+        yield _FRAME(kind=_FRAME.LAYOUT, data=layout).SerializeToString()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
+                if self.lost is not None:
+                    return
+                frames, self._frames = self._frames, collections.deque()
+                overdue = self._unacked and time.monotonic() - self._unacked[0][1] > self._ack_timeout
+            if overdue:
+                self.lose(f"it left a record unacknowledged for over {self._ack_timeout:g} s")
+                return
+            yield from frames or (_HEARTBEAT,)
+
+    def acked(self, number: int, journal) -> None:
+        """The backup wrote every record up to `number` (the first base's: `floor`)."""
+        with self._cond:
+            based, self._heard = not self._heard, True  # the backup writes the base before anything it acks
+            self._acked = max(self._acked, number)
+            while self._unacked and self._unacked[0][0] <= number:
+                self._unacked.popleft()
+        journal.acked(self, number)
+        if based:
+            self._on_based(self)
+
+    def lose(self, why: str) -> None:
+        """Ends the feed (idempotent): its stream ends, and the primary asks ps 0 to drop the backup."""
+        with self._cond:
+            if self.lost is not None:
+                return
+            self.lost = why
+            self._frames.clear()
+            self._early = []
+            self._cond.notify_all()
+        self._on_lost(self, why)
+
+
+class Replication:
+    """A shard's side of its backups' streams. `journal()` gives the shard's journal (None without one);
+    `compact_for(feed)` attaches a feed at a new base (Recorder.compact_for); `arbiter` asks ps 0 for a
+    change of the shard's record (ps 0's own coordinator on ps 0); `me` is the address this shard serves
+    at, as ps 0 records it."""
+
+    def __init__(self, index: int, me: str, journal: Callable[[], object], compact_for: Callable[[Feed], None],
+                 arbiter: Arbiter, *, chunk_bytes: int, ack_timeout: float = ACK_TIMEOUT_SECONDS):
+        self.index, self.me = index, me
+        self._journal, self._compact_for, self._arbiter = journal, compact_for, arbiter
+        self._chunk, self._ack_timeout = chunk_bytes, ack_timeout
+        self.feeds_opened = 0
+        self.feeds_lost = 0
+
+    def open(self, hello: ps_pb2.ReplicaHello) -> Feed:
+        """A feed for the backup `hello` names, attached at a new base. Blocks while the base is written.
+        InvalidArgumentError for another shard's backup; ModeConflictError without a journal, or while
+        another backup's feed is attached (a lost one is attached until ps 0 dropped it)."""
+        if hello.index != self.index or not hello.address:
+            raise InvalidArgumentError(f"this is ps:{self.index}: a backup of it names index {self.index} and "
+                                       f"its own address. Received: index {hello.index}, {hello.address!r}")
+        journal = self._journal()
+        if journal is None:
+            raise ModeConflictError(f"ps:{self.index} keeps no journal (--no-journal): it has nothing to replicate")
+        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based)
+        self._compact_for(feed)
+        self.feeds_opened += 1
+        _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)
+        return feed
+
+    def layout(self) -> bytes:
+        """The journal's layout.json, the first frame of a feed."""
+        return (self._journal().directory / "layout.json").read_bytes()
+
+    def read_acks(self, feed: Feed, acks: Iterator[bytes]) -> None:
+        """Takes the backup's acks until its stream ends (thread body); then the feed is lost."""
+        why = "its stream ended"
+        try:
+            for raw in acks:
+                feed.acked(ps_pb2.ReplicaAck.FromString(raw).written, self._journal())
+        except Exception as exc:  # noqa: BLE001 - any end of the stream loses the feed
+            why = f"its stream broke ({exc.__class__.__name__})"
+        feed.lose(why)
+
+    def _based(self, feed: Feed) -> None:
+        threading.Thread(target=self._tell_in_sync, args=(feed,), name="replica-in-sync", daemon=True).start()
+
+    def _tell_in_sync(self, feed: Feed) -> None:
+        _LOGGER.info("ps %d: backup %s holds the base: telling ps 0 it is in sync", self.index, feed.address)
+        if self._ask("in_sync", feed):
+            (self._journal().directory / REPLICATED).touch()  # a restart asks ps 0 who serves this shard first
+
+    def _lost(self, feed: Feed, why: str) -> None:
+        self.feeds_lost += 1
+        _LOGGER.warning("ps %d: backup %s lost: %s; nothing is acknowledged until ps 0 drops it", self.index,
+                        feed.address, why)
+        threading.Thread(target=self._drop, args=(feed,), name="replica-drop", daemon=True).start()
+
+    def _drop(self, feed: Feed) -> None:
+        journal = self._journal()
+        if self.index == 0:  # ps 0 decides for itself: its backup is never promoted but by hand
+            journal.detach(feed)
+        if self._ask("drop", feed):
+            journal.detach(feed)
+            _LOGGER.warning("ps %d goes on without a backup (ps 0 dropped %s)", self.index, feed.address)
+
+    def _ask(self, action: str, feed: Feed) -> bool:
+        """Asks ps 0 for `action` about `feed`'s backup until it answers (True: granted); a refusal fails the
+        journal (this shard is fenced: it stops)."""
+        while True:
+            try:
+                self._arbiter(action, self.index, self.me, feed.address)
+                return True
+            except ReplicaFencedError as exc:
+                _LOGGER.error("ps %d is fenced: %s", self.index, exc)
+                self._journal().fail(f"ps 0 says this shard no longer serves ps:{self.index}: {exc}")
+                return False
+            except PSError as exc:
+                if action == "in_sync" and feed.lost is not None:
+                    return False  # lost meanwhile: its drop settles it
+                _LOGGER.warning("ps %d: ps 0 did not answer %s of backup %s (%s); asking again", self.index,
+                                action, feed.address, exc)
+                time.sleep(ASK_AGAIN_SECONDS)

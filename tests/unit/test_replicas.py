@@ -1,0 +1,118 @@
+"""ps 0's record of replicated shards (replicas.py): one of DROP and PROMOTE is granted, never both; and the
+journal waits for a backup that follows it (journal.py), until ps 0 dropped it."""
+
+import threading
+
+import pytest
+import torch
+
+from torchps.errors import InvalidArgumentError, ReplicaFencedError, WaitTimeoutError, ServerUnavailableError
+from torchps.ps_server.journal import Journal
+from torchps.ps_server.replicas import ReplicaRegistry
+
+SPEC = ["h:0", "h:1", "h:2"]
+
+
+def registry_with_backup() -> ReplicaRegistry:
+    registry = ReplicaRegistry(SPEC)
+    registry.apply(registry.decide("in_sync", 1, "h:1", "b:1"))
+    return registry
+
+
+def test_a_shard_never_changed_is_served_at_its_spec_address():
+    assert ReplicaRegistry(SPEC).entry(2) == {"primary": "h:2", "backup": "", "failovers": 0, "last_failover": 0.0}
+    assert ReplicaRegistry(SPEC).entries() == []
+
+
+@pytest.mark.parametrize("first, second", [("drop", "promote"), ("promote", "drop")])
+def test_drop_and_promote_exclude_each_other(first, second):
+    """The primary and its backup lost each other: whichever asks first is granted, the other is fenced."""
+    registry = registry_with_backup()
+    asks = {"drop": ("drop", 1, "h:1", "b:1"), "promote": ("promote", 1, "h:1", "b:1")}
+    registry.apply(registry.decide(*asks[first]))
+    with pytest.raises(ReplicaFencedError):
+        registry.decide(*asks[second])
+    entry = registry.entry(1)
+    assert entry["primary"] == ("b:1" if first == "promote" else "h:1") and entry["backup"] == ""
+    assert entry["failovers"] == (first == "promote")
+
+
+def test_repeats_change_nothing_and_a_new_primary_takes_a_backup():
+    registry = registry_with_backup()
+    assert registry.decide("in_sync", 1, "h:1", "b:1") is None
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
+    assert registry.decide("promote", 1, "h:1", "b:1") is None      # a retry of the granted promotion
+    with pytest.raises(ReplicaFencedError, match="not by h:1"):
+        registry.decide("in_sync", 1, "h:1", "c:1")                  # the old primary is out
+    registry.apply(registry.decide("in_sync", 1, "b:1", "h:1"))     # it comes back as the new one's backup
+    assert registry.entry(1)["backup"] == "h:1"
+    assert registry.decide("drop", 1, "b:1", "other:1") is None      # another backup than the one in sync
+
+
+def test_only_a_backup_in_sync_is_promoted():
+    with pytest.raises(ReplicaFencedError, match="no backup in sync"):
+        ReplicaRegistry(SPEC).decide("promote", 1, "h:1", "b:1")
+
+
+@pytest.mark.parametrize("action, index, primary, backup, match", [
+    ("elect", 1, "h:1", "b:1", "one of"), ("in_sync", -1, "h:1", "b:1", "names a shard"),
+    ("in_sync", 1, "", "b:1", "primary"), ("in_sync", 1, "h:1", "", "backup"), ("promote", 1, "", "", "backup"),
+    ("drop", 1, "x" * 2000, "", "primary")])
+def test_malformed_changes_are_refused_and_change_nothing(action, index, primary, backup, match):
+    registry = registry_with_backup()
+    before = registry.export()
+    with pytest.raises(InvalidArgumentError, match=match):
+        registry.decide(action, index, primary, backup)
+    assert registry.export() == before
+
+
+def test_the_record_survives_export_and_restore():
+    registry = registry_with_backup()
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
+    again = ReplicaRegistry(SPEC)
+    again.restore(registry.export())
+    assert again.entries() == registry.entries()
+
+
+class _Follower:
+    address = "b:1"
+    floor = 0
+
+    def offer_record(self, number, head, views):
+        pass
+
+    def offer_rotate(self, number):
+        pass
+
+
+def test_a_journal_waits_for_its_follower_until_it_is_detached(tmp_path):
+    journal = Journal(tmp_path / "j")
+    journal.start({"step": 0})
+    follower = _Follower()
+    journal.rotate(follower=follower)
+    number = journal.append("member", {"worker": "w"}, {"x": torch.ones(3)})
+    with pytest.raises(WaitTimeoutError, match="not written by the backup b:1"):
+        journal.wait(number, timeout=0.2)
+    journal.acked(follower, number)
+    journal.wait(number, timeout=5)
+    later = journal.append("member", {"worker": "w"}, {})
+    released = threading.Event()
+    waiter = threading.Thread(target=lambda: (journal.wait(later, timeout=30), released.set()))
+    waiter.start()
+    assert not released.wait(0.2)
+    journal.detach(follower)  # ps 0 dropped it: what is written alone is acknowledged
+    waiter.join(timeout=30)
+    assert released.is_set()
+    journal.close()
+
+
+def test_a_fenced_journal_acknowledges_nothing_more(tmp_path):
+    journal = Journal(tmp_path / "j")
+    journal.start({"step": 0})
+    follower = _Follower()
+    journal.rotate(follower=follower)
+    number = journal.append("member", {"worker": "w"}, {})
+    journal.fail("ps 0 promoted the backup")
+    with pytest.raises(ServerUnavailableError, match="promoted the backup"):
+        journal.wait(number, timeout=5)
+    journal.close()
