@@ -25,7 +25,8 @@ from typing import Callable, TypeVar
 import grpc
 
 from ..sizes import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
-from ..errors import LaneBrokenError, ServerUnavailableError, ShardBusyError, VariableMovingError
+from ..cluster import arbiter_of
+from ..errors import LaneBrokenError, PSError, ServerUnavailableError, ShardBusyError, VariableMovingError
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
@@ -40,7 +41,8 @@ BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a rand
 MOVING_RETRY_SECONDS = 0.05  # pause before asking again for a variable on its way to its shard (live resize)
 DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a TLS mismatch
 PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answers at its address
-RELOCATE_SECONDS = 0.25        # a replicated shard not answering: ps 0 is asked where it is served this often
+RELOCATE_SECONDS = 0.25        # a shard not answering: its arbiter is asked where it is served this often
+RELOCATE_ASK_SECONDS = 1.0     # one such ask
 
 
 def _decode_pull(data: bytes):
@@ -165,9 +167,12 @@ class ShardChannels:
         self.live = len(self.addresses)  # shards of the job now: the first `live` (a live resize changes it)
         self.moving_waits = 0  # attempts retried because a variable was on its way to the shard (live resize)
         self._closed = threading.Event()
-        # relocate(shard): True if the shard is served elsewhere now (a failover: redirect() was called). Asked
-        # while a shard other than ps 0 does not answer (client/layout.py sets it).
-        self.relocate: Callable[[int], bool] | None = None
+        # True: a shard that does not answer is looked up at its arbiter (relocate) and called where it is
+        # served now, if that changed (a replicated shard's failover; client/layout.py sets it).
+        self.follows_failovers = False
+        self.relocated = 0  # shards found served elsewhere
+        self._spec_shards = len(self.addresses)  # the job's shards as it began: who arbitrates whom
+        self._relocating = threading.local()
 
     def _open(self, address: str, index: int | None = None) -> None:
         """A channel to `address`: the next shard's, or shard `index`'s instead of the one it had."""
@@ -199,6 +204,31 @@ class ShardChannels:
                                              f"knows at {self.addresses[index]}: a resize keeps shard indices")
         self.live = len(addresses)
 
+    def relocate(self, shard: int) -> bool:
+        """Asks the shard's arbiter (cluster.arbiter_of: ps 0, ps 1 for ps 0) where it is served and, if at
+        another address than this client calls, calls it there from now on (True). Blocks for one call to the
+        arbiter (up to RELOCATE_ASK_SECONDS); False if it does not answer, if the shard has no arbiter but
+        itself, or while this thread is relocating already (the arbiter itself did not answer)."""
+        arbiter = arbiter_of(shard, self._spec_shards)
+        if arbiter == shard or getattr(self._relocating, "active", False):
+            return False
+        self._relocating.active = True
+        try:
+            layout = self.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                               RELOCATE_ASK_SECONDS, retry_for=RELOCATE_ASK_SECONDS)
+        except PSError:
+            return False
+        finally:
+            self._relocating.active = False
+        for entry in layout.replicas:
+            if entry.index == shard and entry.primary and entry.primary != self.addresses[shard]:
+                _LOGGER.warning("ps:%d is served at %s now (failover %d; was %s)", shard, entry.primary,
+                                entry.failovers, self.addresses[shard])
+                self.redirect(shard, entry.primary)
+                self.relocated += 1
+                return True
+        return False
+
     def redirect(self, shard: int, address: str) -> None:
         """Shard `shard` is served at `address` from now on (its backup was promoted): calls go there."""
         self._retired.append(self._channels[shard])
@@ -217,7 +247,7 @@ class ShardChannels:
         included, means connected. Not grpc.channel_ready_future: its watcher thread outlives a cancel by
         up to 0.2 s and, if the channel closes meanwhile (an interrupted client), prints a traceback."""
         started, wait = time.monotonic(), DIAGNOSE_AFTER_SECONDS
-        relocatable = self.relocate is not None and shard != 0
+        relocatable = self.follows_failovers
         check = started + wait  # when what answers at the address is looked at
         while True:
             slice_ = min(check, deadline) - time.monotonic()

@@ -33,7 +33,6 @@ T = TypeVar("T")
 _LOGGER = logging.getLogger(__name__)
 MAX_ROUNDS = 8  # layouts followed within one call before its LayoutChangedError is raised
 COUNTED = ("push", "push_pull")  # calls a shard counts a step for, even with no variable of it
-RELOCATE_RETRY_SECONDS = 1.0  # relocate(): how long ps 0 may take to answer
 NOT_YET_SECONDS = 0.1  # pause before sending again when shard 0 did not have a later layout yet
 
 
@@ -55,33 +54,12 @@ class LayoutFollower:
         self.epoch = 0
         self.table_shards = 0  # the shards the embedding tables are spread over since a live resize (0: as created)
         self.refused = 0  # parts a shard refused because their variables or table rows had moved, sent again
-        self.relocated = 0  # shards found served elsewhere (a replicated shard's failover)
-        fanout.channels.relocate = self.relocate
+        fanout.channels.follows_failovers = True  # a replicated shard's failover: calls go to its new address
 
     @property
     def shards(self) -> int:
         """The number of shards in the job now."""
         return self._fanout.channels.live
-
-    def relocate(self, shard: int) -> bool:
-        """Asks ps 0 where shard `shard` is served (a replicated shard that stopped answering) and, if at
-        another address than this client calls, calls it there from now on (True). Blocks for one call to ps 0
-        (one attempt of the control deadline); False if ps 0 does not answer."""
-        try:
-            layout = self._fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                                       self._fanout.control_timeout, retry_for=RELOCATE_RETRY_SECONDS)
-        except PSError:
-            return False
-        channels = self._fanout.channels
-        for entry in layout.replicas:
-            if entry.index == shard and entry.primary and entry.primary != channels.addresses[shard]:
-                _LOGGER.warning("ps:%d is served at %s now (failover %d; was %s)", shard, entry.primary,
-                                entry.failovers, channels.addresses[shard])
-                channels.redirect(shard, entry.primary)
-                with self._lock:
-                    self.relocated += 1
-                return True
-        return False
 
     def count_refused(self) -> None:
         """A part with table rows was refused as placed by an older layout (sent again by its caller)."""

@@ -9,17 +9,19 @@ record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that.
 
 When the stream breaks and the primary stays unreachable for
-`failover_after` s, the backup asks ps 0 to promote it (PROMOTE). Granted, it
+`failover_after` s, the backup asks the shard's arbiter (ps 0; ps 1 for ps 0:
+cluster.arbiter_of) to promote it (PROMOTE). Granted, it
 never acknowledges its old primary again (it opens no stream to it) and
 serves shard N at its own address from its copy: the journal's ordinary
 recovery brings back every change the primary acknowledged, the push ledger
 with them, so a client's retry of a push it got no answer for is applied
 once. Refused (the primary went on without it: DROP), it follows the
-primary ps 0 names again, from a new base. A copy is replaced only when a
-new stream's base arrives, which the primary sends only once ps 0 dropped
-this backup, so a copy ps 0 may promote is never half written.
+primary the arbiter names again, from a new base. A copy is replaced only
+when a new stream's base arrives, which the primary sends only once the
+arbiter dropped this backup, so a copy the arbiter may promote is never half
+written.
 
-A primary whose folder says it had a backup (`REPLICATED`) asks ps 0 at its
+A primary whose folder says it had a backup (`REPLICATED`) asks its arbiter at its
 start who serves its shard (`serving`): another address, it starts as that
 one's backup instead (its folder is replaced by the new primary's copy).
 """
@@ -36,6 +38,7 @@ import time
 
 import grpc
 
+from ..cluster import arbiter_of
 from ..errors import MalformedStreamError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
 from ..security import Security
@@ -47,6 +50,7 @@ __all__ = ["Backup", "serving", "REPLICATED", "FAILOVER_AFTER_SECONDS"]
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
 RETRY_SECONDS = 0.1            # between attempts to open a stream
+FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
 
 
@@ -123,23 +127,25 @@ class Mirror:
 
 
 class Backup:
-    """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted."""
+    """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted;
+    `spec`: the job's shards as its cluster spec names them (where its arbiter is)."""
 
-    def __init__(self, index: int, me: str, primary: str, ps0: str, folder: str, security: Security, *,
+    def __init__(self, index: int, me: str, primary: str, spec: tuple[str, ...], folder: str, security: Security, *,
                  sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS):
         from ..client.channels import ShardChannels  # a backup's calls are a client's
 
         self.index, self.me, self.primary = index, me, primary
+        self._arbiter = arbiter_of(index, len(spec))
         self.folder = pathlib.Path(folder)
         self.sync, self.failover_after = sync, failover_after
         self._security = security
-        self._ps0 = ShardChannels([ps0], connect_timeout=failover_after, security=security)
+        self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
         self.holds_copy = False  # the folder holds a whole copy some stream began with a base
         self.stop = threading.Event()
 
     def run(self) -> bool:
-        """Follows the primary until ps 0 promotes this backup (True: serve) or stop is set (False). Blocks."""
+        """Follows the primary until its arbiter promotes this backup (True: serve) or stop is set (False). Blocks."""
         unreachable_since: float | None = None
         while not self.stop.is_set():
             reason = self._follow_once()
@@ -168,7 +174,8 @@ class Backup:
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
             while not done.wait(self.failover_after / 4):
-                if time.monotonic() - last[0] > self.failover_after or self.stop.is_set():
+                limit = self.failover_after if framed else FIRST_FRAME_SECONDS
+                if time.monotonic() - last[0] > limit or self.stop.is_set():
                     call.cancel()
                     return
 
@@ -183,14 +190,14 @@ class Backup:
                     acks.put(ps_pb2.ReplicaAck(written=written))
 
         threads = [threading.Thread(target=watch, daemon=True, name="backup-watch")]
+        threads[0].start()
         try:
             for frame in call:
                 last[0] = time.monotonic()
                 if not framed:
                     framed = True
                     threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
-                    for thread in threads:
-                        thread.start()
+                    threads[1].start()
                 based = mirror.take(frame)
                 if based is not None:
                     self.holds_copy = True
@@ -220,11 +227,12 @@ class Backup:
             channels.close()
 
     def _promote(self) -> bool:
-        """Asks ps 0 to promote this backup; True if granted. Refused, it follows the primary ps 0 names."""
+        """Asks the arbiter to promote this backup; True if granted. Refused, it follows the primary the arbiter
+        names."""
         request = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.PROMOTE, index=self.index, primary=self.primary,
                                        backup=self.me)
         try:
-            reply = self._ps0.call(0, lambda stub, t: stub.SetReplica(request, timeout=t), self.failover_after,
+            reply = self._ps0.call(self._arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), self.failover_after,
                                    retry_for=self.failover_after)
         except ReplicaFencedError as exc:
             _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
@@ -232,7 +240,7 @@ class Backup:
             self.primary = serving(self._ps0, self.index) or self.primary
             return False
         except PSError as exc:
-            _LOGGER.warning("backup of ps:%d: ps 0 did not answer its promotion (%s); asking again", self.index, exc)
+            _LOGGER.warning("backup of ps:%d: the arbiter did not answer its promotion (%s); asking again", self.index, exc)
             return False
         _LOGGER.warning("ps:%d's primary %s is gone: this backup serves it at %s from now on (failover %d)",
                         self.index, self.primary, reply.primary, reply.failovers)
@@ -242,24 +250,34 @@ class Backup:
         self._ps0.close()
 
 
-def serving(ps0_channels, index: int) -> str | None:
-    """The address ps 0 records shard `index` served at, None if it records none. Raises PSError when ps 0
-    cannot be reached (one attempt of the channels' connect timeout)."""
-    layout = ps0_channels.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                               ps0_channels.connect_timeout)
+def arbiter_channels(spec: tuple[str, ...], timeout: float, security: Security):
+    """Channels to the first two shards of the job's cluster spec `spec` (the arbiters), each followed to where
+    it is served after its own failover."""
+    from ..client.channels import ShardChannels
+
+    channels = ShardChannels(list(spec[:2]), connect_timeout=timeout, security=security)
+    channels.follows_failovers = True
+    return channels
+
+
+def serving(channels, index: int) -> str | None:
+    """The address the arbiter of shard `index` records it served at, None if it records none. Raises PSError
+    when the arbiter cannot be reached (one attempt of the channels' connect timeout)."""
+    arbiter = arbiter_of(index, len(channels.addresses))
+    layout = channels.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                           channels.connect_timeout)
     return next((entry.primary for entry in layout.replicas if entry.index == index and entry.primary), None)
 
 
-def check_role(index: int, me: str, ps0: str, folder: pathlib.Path, security: Security, timeout: float
-               ) -> str | None:
-    """For a primary whose journal folder says it had a backup (REPLICATED): the address ps 0 records its
-    shard served at if that is not `me` (this process must then be its backup), else None. Blocks up to
-    `timeout` s for ps 0; ServerUnavailableError if it cannot be reached."""
-    if index == 0 or not (folder / REPLICATED).exists():
+def check_role(index: int, me: str, spec: tuple[str, ...], folder: pathlib.Path, security: Security,
+               timeout: float) -> str | None:
+    """For a primary whose journal folder says it had a backup (REPLICATED): the address its arbiter records
+    its shard served at if that is not `me` (this process must then be its backup), else None (also for a shard
+    that is its own arbiter). Blocks up to `timeout` s for the arbiter; ServerUnavailableError if it cannot be
+    reached."""
+    if arbiter_of(index, len(spec)) == index or not (folder / REPLICATED).exists():
         return None
-    from ..client.channels import ShardChannels
-
-    channels = ShardChannels([ps0], connect_timeout=timeout, security=security)
+    channels = arbiter_channels(spec, timeout, security)
     try:
         current = serving(channels, index)
     finally:

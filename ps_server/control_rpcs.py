@@ -1,7 +1,7 @@
 """The shard's control RPCs, a part of its servicer (servicer.ParameterServerServicer mixes it in): status,
 the mode, membership (Join, Heartbeat, Leave), checkpoints (Save, CommitCheckpoint) and Shutdown. Each body
 is blocking code on the shard's pool (edge.py), GetStatus on the event loop itself. The mixin reads the
-servicer's store, coordinator, authority, index, generation, checkpoint folder and counters.
+servicer's store, coordinator, authority, index, generation, checkpoint folder, counters and replication.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class ControlRPCs:
             members=[ps_pb2.MemberStatus(worker=w, state=s, pushes=p, last_push_step=last, restarts=r)
                      for w, s, p, last, r in coordinator.standing(names)],
             awaited_step=awaited_step, awaited_pushes=awaited_pushes, awaited_pushers=awaited_pushers,
+            replication=self.replication.status() if self.replication is not None else None,
             **coordinator.counters())
 
     @map_errors

@@ -37,6 +37,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..cluster import arbiter_of
 from ..errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
 from ..proto import ps_pb2
 from . import table_state
@@ -101,7 +102,9 @@ class Coordinator:
         self.gate = ApplyGate()
         self.layout = ShardLayout(index, addresses)  # the layout epoch and what left this shard (live resize)
         self.resizes = ResizeOwner() if owns_step else None  # the job's live resize: ps 0 owns it (resizes.py)
-        self.replicas = ReplicaRegistry(addresses) if owns_step else None  # who serves each shard (replicas.py)
+        # Who serves each replicated shard (replicas.py): ps 0 records the others, ps 1 records ps 0.
+        self.replicas = ReplicaRegistry(addresses) if index <= 1 else None
+        self._index, self._spec_shards = index, len(addresses)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
                                                                   layout=self.layout, resize=self.resizes,
@@ -353,16 +356,17 @@ class Coordinator:
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None
                     ) -> dict:
-        """ps 0's: a change of its record of which address serves replicated shard `index` (replicas.py),
-        journaled; returns the shard's record. Blocks for the journal record (at most `timeout` s).
-        ModeConflictError on another shard, and for a PROMOTE of ps 0's backup (by hand only);
-        ReplicaFencedError when the record names another primary or backup; InvalidArgumentError for a
-        malformed request. A repeat changes nothing."""
-        if self.replicas is None:
-            raise ModeConflictError("only ps 0 records which address serves each shard: ask ps 0")
-        if action == "promote" and index == 0:
-            raise ModeConflictError("ps 0's backup takes over by hand (start ps-server --index 0 on its journal "
-                                    "folder at ps 0's address): ps 0 cannot grant its own failover")
+        """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
+        serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
+        journal record (at most `timeout` s). ModeConflictError on another shard than the arbiter, and for a
+        PROMOTE of a one-shard job's ps 0 (by hand only); ReplicaFencedError when the record names another
+        primary or backup; InvalidArgumentError for a malformed request. A repeat changes nothing."""
+        arbiter = arbiter_of(index, self._spec_shards)
+        if self.replicas is None or arbiter != self._index:
+            raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
+        if action == "promote" and index == self._index:
+            raise ModeConflictError(f"ps:{index}'s backup takes over by hand (start ps-server --index {index} on its "
+                                    f"journal folder at its address): no shard but it can grant its failover")
         ticket = None
         with self.gate.change(), self.recorder.ordering:
             event = self.replicas.decide(action, index, primary, backup)

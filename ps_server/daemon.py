@@ -15,6 +15,7 @@ import pathlib
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -40,6 +41,7 @@ __all__ = ["serve", "initial_state", "open_journal"]
 
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
+PROMOTED_LOCK_SECONDS = 30.0  # a promoted backup waits this long for the old primary's locks on a shared folder
 SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
 
 
@@ -121,13 +123,13 @@ def _stop(health_server) -> None:
 def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address: str, security: Security,
                  primary: str) -> int:
     """Runs the backup of shard `index` at `primary` (ps-server --replica-of; backup.py) until SIGTERM/SIGHUP
-    (0) or SIGINT (130); once ps 0 promotes it, serves the shard at `address` from its copy (serve)."""
+    (0) or SIGINT (130); once its arbiter promotes it, serves the shard at `address` from its copy (serve)."""
     try:
         held = hold_shard(None, args.journal_dir, index)
     except PSError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    backup = Backup(index, address, primary, cluster.ps[0], args.journal_dir, security, sync=args.journal_sync,
+    backup = Backup(index, address, primary, tuple(cluster.ps), args.journal_dir, security, sync=args.journal_sync,
                     failover_after=args.failover_after)
     interrupted = []
 
@@ -150,26 +152,39 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     return serve(args, cluster, index, address, security, me=address)
 
 
+def _hold(args: argparse.Namespace, index: int, *, promoted: bool):
+    """The shard's locks (hold_shard). A promoted backup waits up to PROMOTED_LOCK_SECONDS for them: on a host it
+    shares with the old primary (one checkpoint folder), that one stops once its arbiter refuses it."""
+    deadline = time.monotonic() + (PROMOTED_LOCK_SECONDS if promoted else 0.0)
+    while True:
+        try:
+            return hold_shard(args.checkpoint_dir, args.journal_dir, index)
+        except ClusterConfigError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
 def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security,
           me: str = "") -> int:
     """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
     (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks.
-    `me`: the address ps 0 records this shard at (a promoted backup's; default: the cluster spec's). A
-    shard whose journal says it had a backup asks ps 0 first who serves it (backup.check_role): another
+    `me`: the address the arbiter records this shard at (a promoted backup's; default: the cluster spec's). A
+    shard whose journal says it had a backup asks its arbiter first who serves it (backup.check_role): another
     address, it runs as that one's backup (serve_backup)."""
     if args.replica_of:
         return serve_backup(args, cluster, index, address, security, args.replica_of)
     folder = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
     if cluster is not None and folder and not args.no_journal:
         try:
-            current = check_role(index, me or cluster.ps[index], cluster.ps[0], pathlib.Path(folder), security,
+            current = check_role(index, me or cluster.ps[index], tuple(cluster.ps), pathlib.Path(folder), security,
                                  args.failover_after * 20)
         except PSError as exc:
-            print(f"ps-server: error: ps {index} had a backup, and ps 0 cannot say who serves it now: {exc}",
+            print(f"ps-server: error: ps {index} had a backup, and its arbiter cannot say who serves it now: {exc}",
                   file=sys.stderr)
             return USAGE_ERROR
         if current is not None:
-            _LOGGER.warning("ps %d: ps 0 says %s serves it now (a failover): this shard becomes its backup",
+            _LOGGER.warning("ps %d: its arbiter says %s serves it now (a failover): this shard becomes its backup",
                             index, current)
             args.journal_dir = str(folder)
             if not args.bind or args.bind.endswith(":0"):
@@ -183,7 +198,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     set_health(health_servicer, serving=False)
     try:
         # Its files are this process's alone until it exits (the kernel lets go of the locks then, however it ends).
-        held = hold_shard(args.checkpoint_dir, args.journal_dir, index)
+        held = _hold(args, index, promoted=bool(me))
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:

@@ -139,6 +139,20 @@ class _ShardCollector:
         if s.coordinator.resizes is not None:  # ps 0 owns the job's live resize
             yield GaugeMetricFamily("torchps_resize_running", "1 while a live resize runs (ps 0), else 0",
                                     value=int(s.coordinator.resizes.running))
+        if s.replication is not None:
+            replication = s.replication.status()
+            for name, doc, value in (
+                    ("torchps_replication_backup", "1 while a backup in sync follows this shard, else 0",
+                     int(replication.in_sync)),
+                    ("torchps_replication_lag_records", "Records handed to the backup and not acknowledged yet",
+                     replication.lag_records),
+                    ("torchps_replication_lag_seconds", "Seconds the oldest record the backup has not acknowledged "
+                     "has waited", replication.lag_seconds)):
+                yield GaugeMetricFamily(name, doc, value=value)
+        if s.coordinator.replicas is not None:  # the record of who serves each replicated shard (ps 0)
+            failovers = sum(entry["failovers"] for _, entry in s.coordinator.replicas.entries())
+            yield CounterMetricFamily("torchps_failovers", "Backups promoted in their primary's place, as this "
+                                      "shard's record of the replicated shards holds them", value=failovers)
         if s.lanes is not None:
             yield GaugeMetricFamily("torchps_open_lanes", "Bulk lanes clients hold open to this shard",
                                     value=s.lanes.open_lanes)

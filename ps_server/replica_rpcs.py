@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+from ..cluster import arbiter_of
 from ..errors import MalformedStreamError
 from ..proto import ps_pb2
 from ..security import Security
@@ -52,22 +53,30 @@ class ReplicaRPCs:
         return replicas_of(request.index, entry)
 
 
-def arbiter_for(coordinator: Coordinator, index: int, ps0: str, security: Security) -> Arbiter:
-    """How shard `index` asks ps 0 for a change of its record: ps 0 itself through its coordinator, another
-    shard by a SetReplica call to `ps0` with its own credentials (one attempt of ARBITER_TIMEOUT_SECONDS;
-    PSErrors as the client edge maps them)."""
-    if index == 0:
+def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...], security: Security
+                ) -> Arbiter | None:
+    """How shard `index` asks its arbiter (cluster.arbiter_of) for a change of its record: through its own
+    coordinator where it is its own arbiter (a one-shard job's ps 0, or a standalone ps 0), else by a SetReplica
+    call with its own credentials to the arbiter of the job's cluster spec `addresses`, followed to wherever it is
+    served after its own failover (one attempt of ARBITER_TIMEOUT_SECONDS; PSErrors as the client edge maps
+    them). None for a shard started without the cluster spec, other than ps 0: it cannot reach an arbiter."""
+    arbiter = arbiter_of(index, len(addresses))
+    if arbiter == index:
         return lambda action, shard, primary, backup: coordinator.set_replica(action, shard, primary, backup,
                                                                               ARBITER_TIMEOUT_SECONDS)
-    channels = []  # made at the first ask: a shard that never has a backup never calls ps 0
+    if not addresses:
+        return None
+    channels = []  # made at the first ask: a shard that never has a backup never calls its arbiter
 
     def ask(action: str, shard: int, primary: str, backup: str) -> dict:
         if not channels:
-            from ..client.channels import ShardChannels  # a shard's calls to ps 0 are a client's
+            from ..client.channels import ShardChannels  # a shard's calls to its arbiter are a client's
 
-            channels.append(ShardChannels([ps0], connect_timeout=ARBITER_TIMEOUT_SECONDS, security=security))
+            channels.append(ShardChannels(list(addresses[:2]), connect_timeout=ARBITER_TIMEOUT_SECONDS,
+                                          security=security))
+            channels[0].follows_failovers = True
         request = ps_pb2.ReplicaChange(action=ACTIONS.index(action), index=shard, primary=primary, backup=backup)
-        reply = channels[0].call(0, lambda stub, t: stub.SetReplica(request, timeout=t), ARBITER_TIMEOUT_SECONDS,
+        reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), ARBITER_TIMEOUT_SECONDS,
                                  retry_for=ARBITER_TIMEOUT_SECONDS)
         return {"primary": reply.primary, "backup": reply.backup, "failovers": reply.failovers,
                 "last_failover": reply.last_failover_unix}

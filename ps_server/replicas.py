@@ -1,9 +1,11 @@
-"""Which address serves each replicated shard, as ps 0 records it: the arbiter of failovers. No gRPC.
+"""Which address serves each replicated shard, as its arbiter records it: ps 0 for the others, ps 1 for ps 0.
+No gRPC.
 
 A shard with a backup (ps-server --replica-of) acknowledges a change only
 once its backup wrote it too. When the two lose each other, one of them must
 go on alone, and never both: the primary without its backup (DROP), or the
-backup in the primary's place (PROMOTE). Both ask ps 0, which grants the first
+backup in the primary's place (PROMOTE). Both ask the shard's arbiter (ps 0,
+or ps 1 for ps 0: `arbiter_of`), which grants the first
 request whose view of the record is current and refuses the other
 (ReplicaFencedError), so a primary cut off from its backup cannot acknowledge
 a change the promoted backup never saw. The same rule as chain replication's
@@ -35,6 +37,7 @@ __all__ = ["ReplicaRegistry", "ACTIONS"]
 
 ACTIONS = ("in_sync", "drop", "promote")  # ps.proto's ReplicaChange.Action, in order
 MAX_ADDRESS_CHARS = 1024
+
 
 
 class ReplicaRegistry:

@@ -1,5 +1,5 @@
-"""A shard's backup as its primary sees it: the feed of its journal, and ps 0's word on going on without it.
-No gRPC.
+"""A shard's backup as its primary sees it: the feed of its journal, and the arbiter's word on going on
+without it. No gRPC.
 
 A backup (ps-server --replica-of, backup.py) opens a Replicate stream. The
 primary compacts its journal with the backup's Feed attached in the same
@@ -9,18 +9,19 @@ its order, and every later compaction's base. From that instant on the
 journal acknowledges a change only once the backup wrote its record too
 (Journal.wait), so every change acknowledged since is on both hosts, and the
 base holds every one acknowledged before. Once the backup wrote the base,
-the primary tells ps 0 it is in sync (IN_SYNC): from then on ps 0 may
-promote it.
+the primary tells its arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of) it
+is in sync (IN_SYNC): from then on the arbiter may promote it.
 
 A feed is lost when its stream ends or the backup leaves a record
-unacknowledged for `ack_timeout` s. The primary then asks ps 0 to go on
-without it (DROP), and until ps 0 answers nothing more is acknowledged. ps 0
-grants it (the journal stops waiting for the backup) or refuses because it
-promoted the backup (ReplicaFencedError): the journal fails, so the shard
-stops without acknowledging anything the new primary never saw (fail-stop).
-While ps 0 cannot be reached the primary asks again: it never decides alone.
-ps 0 is its own arbiter (its backup is never promoted automatically), so it
-drops a lost backup at once.
+unacknowledged for `ack_timeout` s. The primary then asks its arbiter to go
+on without it (DROP), and until the arbiter answers nothing more is
+acknowledged. The arbiter grants it (the journal stops waiting for the
+backup) or refuses because it promoted the backup (ReplicaFencedError): the
+journal fails, so the shard stops without acknowledging anything the new
+primary never saw (fail-stop). While the arbiter cannot be reached the
+primary asks again: it never decides alone. A shard that is its own arbiter
+(a one-shard job's ps 0: its backup is promoted by hand only) drops a lost
+backup at once.
 
 A record is copied into its frames by the journal's writer when it is
 written (offer_record): a push's receive buffers are reused once its wait
@@ -44,11 +45,11 @@ __all__ = ["Feed", "Replication", "Arbiter", "ACK_TIMEOUT_SECONDS", "REPLICATED"
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
 REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup was in sync with it once
-ASK_AGAIN_SECONDS = 0.2     # between asks of ps 0 that could not reach it
+ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
 IDLE_WAKE_SECONDS = 0.25    # a feed's sender looks at its oldest unacknowledged record this often
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
-Arbiter = Callable[[str, int, str, str], dict]  # (action, index, primary, backup) -> ps 0's record of the shard
+Arbiter = Callable[[str, int, str, str], dict]  # (action, index, primary, backup) -> the arbiter's record
 
 
 def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
@@ -148,8 +149,15 @@ class Feed:
         if based:
             self._on_based(self)
 
+    def lag(self) -> tuple[bool, int, float]:
+        """(the backup wrote its base and the feed is not lost, records offered and not acknowledged yet (the
+        first base counts as one until acknowledged), seconds the oldest of them has waited (0: none))."""
+        with self._cond:
+            waited = time.monotonic() - self._unacked[0][1] if self._unacked else 0.0
+            return self._heard and self.lost is None, len(self._unacked), waited
+
     def lose(self, why: str) -> None:
-        """Ends the feed (idempotent): its stream ends, and the primary asks ps 0 to drop the backup."""
+        """Ends the feed (idempotent): its stream ends, and the primary asks its arbiter to drop the backup."""
         with self._cond:
             if self.lost is not None:
                 return
@@ -162,14 +170,17 @@ class Feed:
 
 class Replication:
     """A shard's side of its backups' streams. `journal()` gives the shard's journal (None without one);
-    `compact_for(feed)` attaches a feed at a new base (Recorder.compact_for); `arbiter` asks ps 0 for a
-    change of the shard's record (ps 0's own coordinator on ps 0); `me` is the address this shard serves
-    at, as ps 0 records it."""
+    `compact_for(feed)` attaches a feed at a new base (Recorder.compact_for); `arbiter` asks the shard's arbiter for
+    a change of its record (the shard's own coordinator where it is its own arbiter; None: it has none to ask,
+    and refuses backups); `self_arbitrated`: it is; `me` is the address this shard serves at, as the arbiter
+    records it."""
 
     def __init__(self, index: int, me: str, journal: Callable[[], object], compact_for: Callable[[Feed], None],
-                 arbiter: Arbiter, *, chunk_bytes: int, ack_timeout: float = ACK_TIMEOUT_SECONDS):
+                 arbiter: Arbiter | None, *, self_arbitrated: bool, chunk_bytes: int,
+                 ack_timeout: float = ACK_TIMEOUT_SECONDS):
         self.index, self.me = index, me
         self._journal, self._compact_for, self._arbiter = journal, compact_for, arbiter
+        self._self_arbitrated = self_arbitrated
         self._chunk, self._ack_timeout = chunk_bytes, ack_timeout
         self.feeds_opened = 0
         self.feeds_lost = 0
@@ -177,18 +188,32 @@ class Replication:
     def open(self, hello: ps_pb2.ReplicaHello) -> Feed:
         """A feed for the backup `hello` names, attached at a new base. Blocks while the base is written.
         InvalidArgumentError for another shard's backup; ModeConflictError without a journal, or while
-        another backup's feed is attached (a lost one is attached until ps 0 dropped it)."""
+        another backup's feed is attached (a lost one is attached until its arbiter dropped it), or without an arbiter to ask."""
         if hello.index != self.index or not hello.address:
             raise InvalidArgumentError(f"this is ps:{self.index}: a backup of it names index {self.index} and "
                                        f"its own address. Received: index {hello.index}, {hello.address!r}")
         journal = self._journal()
         if journal is None:
             raise ModeConflictError(f"ps:{self.index} keeps no journal (--no-journal): it has nothing to replicate")
+        if self._arbiter is None:
+            raise ModeConflictError(f"ps:{self.index} was started without the job's cluster (--cluster or "
+                                    f"TF_CONFIG): it cannot reach the shard that decides its failovers")
         feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based)
         self._compact_for(feed)
         self.feeds_opened += 1
         _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)
         return feed
+
+    def status(self) -> ps_pb2.ReplicationStatus:
+        """The attached backup's feed as GetStatus reports it (empty but the counts if none is attached). Does
+        not block on the journal's writer."""
+        journal = self._journal()
+        feed = journal.following() if journal is not None else None
+        status = ps_pb2.ReplicationStatus(feeds_opened=self.feeds_opened, feeds_lost=self.feeds_lost)
+        if feed is not None:
+            status.backup = feed.address
+            status.in_sync, status.lag_records, status.lag_seconds = feed.lag()
+        return status
 
     def layout(self) -> bytes:
         """The journal's layout.json, the first frame of a feed."""
@@ -208,26 +233,26 @@ class Replication:
         threading.Thread(target=self._tell_in_sync, args=(feed,), name="replica-in-sync", daemon=True).start()
 
     def _tell_in_sync(self, feed: Feed) -> None:
-        _LOGGER.info("ps %d: backup %s holds the base: telling ps 0 it is in sync", self.index, feed.address)
+        _LOGGER.info("ps %d: backup %s holds the base: telling its arbiter it is in sync", self.index, feed.address)
         if self._ask("in_sync", feed):
-            (self._journal().directory / REPLICATED).touch()  # a restart asks ps 0 who serves this shard first
+            (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
 
     def _lost(self, feed: Feed, why: str) -> None:
         self.feeds_lost += 1
-        _LOGGER.warning("ps %d: backup %s lost: %s; nothing is acknowledged until ps 0 drops it", self.index,
+        _LOGGER.warning("ps %d: backup %s lost: %s; nothing is acknowledged until its arbiter drops it", self.index,
                         feed.address, why)
         threading.Thread(target=self._drop, args=(feed,), name="replica-drop", daemon=True).start()
 
     def _drop(self, feed: Feed) -> None:
         journal = self._journal()
-        if self.index == 0:  # ps 0 decides for itself: its backup is never promoted but by hand
+        if self._self_arbitrated:  # it decides for itself (a one-shard job's ps 0): promoted by hand only
             journal.detach(feed)
         if self._ask("drop", feed):
             journal.detach(feed)
-            _LOGGER.warning("ps %d goes on without a backup (ps 0 dropped %s)", self.index, feed.address)
+            _LOGGER.warning("ps %d goes on without a backup (its arbiter dropped %s)", self.index, feed.address)
 
     def _ask(self, action: str, feed: Feed) -> bool:
-        """Asks ps 0 for `action` about `feed`'s backup until it answers (True: granted); a refusal fails the
+        """Asks the arbiter for `action` about `feed`'s backup until it answers (True: granted); a refusal fails the
         journal (this shard is fenced: it stops)."""
         while True:
             try:
@@ -235,11 +260,11 @@ class Replication:
                 return True
             except ReplicaFencedError as exc:
                 _LOGGER.error("ps %d is fenced: %s", self.index, exc)
-                self._journal().fail(f"ps 0 says this shard no longer serves ps:{self.index}: {exc}")
+                self._journal().fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")
                 return False
             except PSError as exc:
                 if action == "in_sync" and feed.lost is not None:
                     return False  # lost meanwhile: its drop settles it
-                _LOGGER.warning("ps %d: ps 0 did not answer %s of backup %s (%s); asking again", self.index,
+                _LOGGER.warning("ps %d: its arbiter did not answer %s of backup %s (%s); asking again", self.index,
                                 action, feed.address, exc)
                 time.sleep(ASK_AGAIN_SECONDS)

@@ -26,6 +26,7 @@ from .journal import Journal
 from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
+from ..cluster import arbiter_of
 from .replica_rpcs import arbiter_for
 from .replication import ACK_TIMEOUT_SECONDS, Replication
 from .edge import LoopServer
@@ -133,7 +134,8 @@ def create_server(
         server.closers.append(lanes.close)
     me = me or (addresses[index] if index < len(addresses) else address)
     replication = Replication(index, me, lambda: coordinator.recorder.journal, coordinator.recorder.compact_for,
-                              arbiter_for(coordinator, index, addresses[0] if addresses else address, security),
+                              arbiter_for(coordinator, index, tuple(addresses), security),
+                              self_arbitrated=arbiter_of(index, len(addresses)) == index,
                               chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,

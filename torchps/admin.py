@@ -1,8 +1,9 @@
 """ps-admin: a running job's administration from the command line, with the chief's credentials.
 
     ps-admin layout --cluster CLUSTER
-        prints the job's layout (its epoch, its shards and how many variables and bytes each holds) and its
-        last live resize as ps 0 records it (phase, driver, lease, moves)
+        prints the job's layout (its epoch, its shards and how many variables and bytes each holds), each
+        replicated shard's primary, backup, replication lag and failovers, and its last live resize as ps 0
+        records it (phase, driver, lease, moves)
     ps-admin resize --cluster CLUSTER --ps ADDR[,ADDR...]
         makes the job's shards ADDR... while it trains (PSClient.resize, client/resize.py); added shards
         must be running (ps-server --index N --join), removed ones are stopped
@@ -24,6 +25,7 @@ and resize driver (client/fanout.py, layout.py, resize.py) without PSClient.
 from __future__ import annotations
 
 import sys
+import time
 
 from .cli import USAGE_ERROR, ArgumentParser
 from .cluster import Cluster
@@ -83,10 +85,26 @@ class _Job:
     def call(self, shard: int, fn):
         return self.fanout.call(shard, fn, self.fanout.control_timeout)
 
-    def shard_addresses(self) -> list[str]:
-        """The job's shards now (ps 0's layout; one call)."""
-        self.follower.refresh()
-        return list(self.fanout.channels.addresses[:self.follower.shards])
+    def shards(self) -> tuple[list[str], list]:
+        """The job's shards now, each at the address that serves it, and the record of the replicated ones
+        (ShardReplicas, by index): ps 0's layout, and ps 1's where the job has it (ps 1 records ps 0's own
+        failovers; a call each, one more after a live resize). A shard whose backup took over is called at
+        its new primary from then on."""
+        from .proto import ps_pb2
+
+        def layout_of(shard: int) -> ps_pb2.Layout:
+            return self.call(shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))
+
+        layout = layout_of(0)
+        self.follower.refresh(seen=layout.epoch)
+        channels = self.fanout.channels
+        records = {entry.index: entry for entry in layout.replicas}
+        for entry in records.values():
+            if entry.index < channels.live and entry.primary not in ("", channels.addresses[entry.index]):
+                channels.redirect(entry.index, entry.primary)
+        if channels.live > 1:
+            records.update((entry.index, entry) for entry in layout_of(1).replicas if entry.index == 0)
+        return list(channels.addresses[:channels.live]), [records[index] for index in sorted(records)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,16 +145,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _layout(job: _Job, record) -> str:
-    """The layout as text: the epoch, each shard's address, variables and bytes, and `record`, ps 0's record
-    of the last resize."""
+    """The layout as text: the epoch, each shard's address, variables and bytes, each replicated shard's
+    primary, backup, lag (its primary's GetStatus) and failovers, and `record`, ps 0's record of the last
+    resize."""
     from .proto import ps_pb2
 
-    addresses = job.shard_addresses()  # asks ps 0 for the layout
+    addresses, replicas = job.shards()
     lines = [f"layout epoch {job.follower.epoch}: {len(addresses)} shards"]
     for shard, address in enumerate(addresses):
         listed = job.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
         lines.append(f"  ps:{shard} {address}: {len(listed.variables)} variables, "
                      f"{sum(v.nbytes for v in listed.variables):,} bytes")
+    for entry in (entry for entry in replicas if entry.index < len(addresses)):
+        status = job.call(entry.index, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
+        lines.append(_replica_line(entry, status.replication))
     if record.id:
         phase = ps_pb2.ResizeState.Phase.Name(record.phase).lower()
         if record.phase == ps_pb2.ResizeState.RUNNING:
@@ -147,6 +169,17 @@ def _layout(job: _Job, record) -> str:
         lines.append(f"resize {record.id}: {len(record.before)} -> {len(record.after)} shards, {phase}; driver "
                      f"{record.driver}; {counts}" + (f"; {record.ended_why}" if record.ended_why else ""))
     return "\n".join(lines)
+
+
+def _replica_line(entry, replication) -> str:
+    """One replicated shard: ps 0's record of it (ShardReplicas) and its primary's ReplicationStatus."""
+    backup = entry.backup or "none"
+    if replication.backup and replication.backup != entry.backup:
+        backup += f" ({replication.backup} attached, not in sync)"
+    last = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(entry.last_failover_unix))
+    return (f"  ps:{entry.index} replicated: primary {entry.primary}, backup {backup}, lag "
+            f"{replication.lag_records} records, {replication.lag_seconds:.2f} s; failovers {entry.failovers}"
+            + (f", the last at {last}" if entry.failovers else ""))
 
 
 if __name__ == "__main__":  # as the console script: ends at once with main's code

@@ -17,7 +17,7 @@ from typing import Mapping
 
 from .errors import ClusterConfigError
 
-__all__ = ["Cluster", "TaskSpec", "TASK_TYPES"]
+__all__ = ["Cluster", "TaskSpec", "TASK_TYPES", "arbiter_of"]
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 
@@ -152,6 +152,13 @@ class Cluster:
         """The TF_CONFIG JSON for `task` in this cluster."""
         self.address(task)
         return json.dumps({"cluster": self.to_dict(), "task": {"type": task.type, "index": task.index}})
+
+
+def arbiter_of(index: int, num_shards: int) -> int:
+    """The shard whose record (ps_server/replicas.py) decides who serves shard `index` of a job of `num_shards`: ps 0 for every other
+    shard, and ps 1 for ps 0 (ps 0 cannot grant its own failover); ps 0 itself in a one-shard job, whose backup
+    then takes over by hand only."""
+    return 1 if index == 0 and num_shards > 1 else 0
 
 
 def _check_address(kind: str, address: str) -> None:

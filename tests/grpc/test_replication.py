@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 
+import threading
+
 import grpc
 import torch
 from helpers import free_ports, wait_until
 
 from torchps.client import Optimizer, PSClient
-from torchps.cluster import Cluster
+from torchps.cluster import Cluster, TaskSpec
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.failstop import EXIT_CODE
 from torchps.worker.local_cluster import LocalCluster
@@ -20,32 +22,35 @@ from torchps.worker.local_cluster import LocalCluster
 SHAPES = {"rep/a": (64, 33), "rep/b": (1000,)}  # round robin: a on ps:0, b on ps:1 (the replicated one)
 
 
-def _start(tmp_path, extra=()):
+def _start(tmp_path, extra=(), backed=1):
     p0, p1, pb = free_ports(3)
-    spec = json.dumps({"ps": [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"], "worker": ["127.0.0.1:1"]})
+    spec = json.dumps({"ps": [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
     local = LocalCluster(2, ports=[p0, p1], server_args=["--cluster", spec, "--checkpoint-dir", str(tmp_path / "ck"),
                                                           *extra], log_dir=tmp_path)
     local.start()
     backup_address = f"127.0.0.1:{pb}"
     with open(tmp_path / "backup.log", "wb") as log:
-        backup = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "1", "--cluster", spec,
-                                   "--replica-of", f"127.0.0.1:{p1}", "--bind", backup_address, "--journal-dir",
-                                   str(tmp_path / "backup-1"), "--insecure", "--torch-threads", "1", *extra],
+        backup = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(backed), "--cluster", spec,
+                                   "--replica-of", f"127.0.0.1:{(p0, p1)[backed]}", "--bind", backup_address,
+                                   "--journal-dir", str(tmp_path / f"backup-{backed}"), "--insecure", "--torch-threads",
+                                   "1", *extra],
                                   stdout=log, stderr=subprocess.STDOUT)
     return local, backup, backup_address, Cluster.from_json(spec)
 
 
-def _replicas(ps) -> dict:
-    layout = ps._fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), 10)
+def _replicas(ps, arbiter: int = 0) -> dict:
+    """The arbiter's record of the shards it arbitrates (ps 0 for the others, ps 1 for ps 0)."""
+    layout = ps._fanout.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), 10)
     return {entry.index: entry for entry in layout.replicas}
 
 
 def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
-    """ps:1 is killed and its folder deleted (its host is gone) between two runs of pushes of ones: the pushes
-    go on against its backup, which ps 0 names; every value is exactly minus the pushes made."""
+    """ps:1 is killed and its folder deleted (its host is gone) between two runs of pushes of ones (on bulk
+    lanes): the pushes go on against its backup, which ps 0 names; every value is exactly minus the pushes
+    made."""
     local, backup, backup_address, cluster = _start(tmp_path)
     try:
-        with PSClient(cluster, connect_timeout=30) as ps:
+        with PSClient(cluster, connect_timeout=30, lane_min_bytes=0) as ps:  # every push on a bulk lane
             ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
             assert [ps.placement.shard_of(n) for n in SHAPES] == [0, 1]
             wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
@@ -62,12 +67,134 @@ def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
                 assert torch.equal(values[name], torch.full(shape, -30.0)), name
             entry = _replicas(ps)[1]
             assert (entry.primary, entry.backup, entry.failovers) == (backup_address, "", 1)
-            assert ps._layout.relocated == 1
+            assert ps._fanout.channels.relocated == 1
     finally:
         backup.terminate()
         backup.wait(timeout=30)
         local.stop()
     assert "this backup serves it" in (tmp_path / "backup.log").read_text()
+
+
+def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):
+    """ps 0 (the step's owner) is killed and its folder deleted: ps 1, its arbiter, promotes its backup, and the
+    pushes, the global step and ps 0's variables go on there exactly."""
+    local, backup, backup_address, cluster = _start(tmp_path, backed=0)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            wait_until(lambda: _replicas(ps, 1).get(0) is not None and _replicas(ps, 1)[0].backup == backup_address,
+                       30, "ps 1 to record ps 0's backup in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            for _ in range(15):
+                ps.push(grads)
+            step = ps.global_step()
+            local.kill_ps(0)
+            shutil.rmtree(tmp_path / "ck" / "journal" / "ps-0")
+            for _ in range(15):
+                ps.push(grads)
+            assert ps.global_step() == step + 15
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -30.0)), name
+            entry = _replicas(ps, 1)[0]
+            assert (entry.primary, entry.backup, entry.failovers) == (backup_address, "", 1)
+    finally:
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+
+
+def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over_again(tmp_path):
+    """ps:1's primary is killed (its disk kept) and its backup promoted; started again with its own command, it
+    asks ps 0 who serves ps:1 and becomes the new primary's backup, in sync while pushes go on; the new primary
+    is killed in turn and the old one serves again, every push counted once."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    old = local.address(1)
+    restarted = None
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
+                       30, "ps 0 to record ps:1's backup in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(1)
+            ps.push(grads)  # served by the promoted backup
+            assert _replicas(ps)[1].primary == backup_address
+            with open(tmp_path / "restarted.log", "wb") as log:
+                restarted = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "1", "--cluster",
+                                              json.dumps(cluster.to_dict()), "--bind", old, "--checkpoint-dir",
+                                              str(tmp_path / "ck"), "--insecure", "--torch-threads", "1"],
+                                             stdout=log, stderr=subprocess.STDOUT)
+            wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
+            ps.push(grads)
+            backup.kill()
+            backup.wait(timeout=30)
+            ps.push(grads)
+            entry = _replicas(ps)[1]
+            assert (entry.primary, entry.failovers) == (old, 2)
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -4.0)), name
+    finally:
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=30)
+        if backup.poll() is None:
+            backup.terminate()
+            backup.wait(timeout=30)
+        local.stop()
+    assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
+
+
+def _grad(worker: int, step: int, shape) -> torch.Tensor:
+    return torch.sin(torch.arange(float(torch.Size(shape).numel())).reshape(shape) * (worker + 1) + step)
+
+
+def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
+    """Two workers in sync mode, SGD with momentum; ps 0 (its backup in sync) is killed and its folder deleted
+    after step 4 of 8: the values equal one torch optimizer's over the averaged gradients."""
+    local, backup, backup_address, cluster = _start(tmp_path, backed=0)
+    clients = [PSClient(cluster, task=TaskSpec("worker", i), connect_timeout=30) for i in range(2)]
+    steps, kill_after = 8, 4
+    try:
+        clients[0].configure("sync", total_num_replicas=2)
+        start = {n: torch.zeros(s) for n, s in SHAPES.items()}
+        clients[0].create_variables(start, Optimizer("sgd", lr=0.1, momentum=0.9))
+        clients[1].declare(start)
+        wait_until(lambda: _replicas(clients[0], 1).get(0) is not None
+                   and _replicas(clients[0], 1)[0].backup == backup_address, 30, "ps 1 to record ps 0's backup")
+
+        def run(worker: int, first: int, last: int) -> None:
+            for step in range(first, last):
+                clients[worker].push({n: _grad(worker, step, s) for n, s in SHAPES.items()})
+
+        for first, last in ((0, kill_after), (kill_after, steps)):
+            other = threading.Thread(target=run, args=(1, first, last))
+            other.start()
+            run(0, first, last)
+            other.join(60)
+            assert not other.is_alive()
+            if first == 0:
+                local.kill_ps(0)
+                shutil.rmtree(tmp_path / "ck" / "journal" / "ps-0")
+        assert clients[0].global_step() == steps
+        reference = {n: torch.zeros(s, requires_grad=True) for n, s in SHAPES.items()}
+        optimizer = torch.optim.SGD(reference.values(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            for name, value in reference.items():
+                value.grad = (_grad(0, step, value.shape) + _grad(1, step, value.shape)) / 2
+            optimizer.step()
+        values = clients[0].pull(SHAPES)
+        for name, value in reference.items():
+            assert torch.allclose(values[name], value.detach(), atol=1e-5), name
+        assert _replicas(clients[0], 1)[0].primary == backup_address
+    finally:
+        for client in clients:
+            client.close()
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
 
 
 def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp_path):
