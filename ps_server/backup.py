@@ -86,7 +86,7 @@ class Mirror:
             return None
         kind, number, written, head, pieces = self._piece
         self._piece = None
-        data = [memoryview(b"".join(pieces))]
+        data = [memoryview(piece) for piece in pieces]  # written piece by piece: no copy to join them
         if kind == _FRAME.RECORD:
             self._need_journal()
             with self._cond:

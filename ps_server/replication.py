@@ -54,8 +54,11 @@ Arbiter = Callable[[str, int, str, str], dict]  # (action, index, primary, backu
 
 def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
     """A record's (or base's) serialized ReplicaFrames: its head in the first, its bytes in pieces of at most
-    `chunk_bytes`, each copied once, into its frame."""
+    `chunk_bytes`, each copied once, into its frame. Each tensor's bytes (a view) begin a new piece, and every
+    piece but a tensor's last is a multiple of 8 bytes long: written piece by piece, the backup's record sums
+    each tensor's words as the primary's did (journal_log.write)."""
     fields = _FRAME(kind=kind, number=number, written=written).SerializeToString()
+    chunk_bytes = max(8, chunk_bytes // 8 * 8)
     pieces: list[memoryview] = []
     for view in views:
         view = memoryview(view).cast("B")

@@ -1,0 +1,88 @@
+"""A backup's copy of its primary's journal (replication.Feed's frames, written by backup.Mirror) recovers to the
+same records and state as the primary's own journal: tensors of any length (not multiples of 8 bytes), records
+cut into pieces, rotations and a later compaction's base. No gRPC, no processes."""
+
+import torch
+
+from torchps.proto import ps_pb2
+from torchps.ps_server import journal_log
+from torchps.ps_server.backup import Mirror
+from torchps.ps_server.journal import Journal
+from torchps.ps_server.replication import Feed
+
+ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
+       "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
+
+
+def _feed() -> tuple[Feed, list]:
+    lost = []
+    return Feed("b:1", chunk_bytes=12, ack_timeout=60, on_lost=lambda feed, why: lost.append(why),
+                on_based=lambda feed: None), lost
+
+
+def _records(journal: Journal):
+    base, records = journal.recover()
+    return base, [(r.kind, r.meta, {n: t.clone() for n, t in r.tensors.items()}) for r in records]
+
+
+def _copy(feed: Feed, folder) -> list[int]:
+    """Writes what `feed` has queued into a Mirror at `folder` (a backup's stream, without the stream); returns
+    the bases' acknowledgements."""
+    mirror = Mirror(folder, sync=False)
+    acked = []
+    for raw in feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
+        frame = ps_pb2.ReplicaFrame.FromString(raw)
+        if frame.kind == ps_pb2.ReplicaFrame.HEARTBEAT:  # nothing more queued
+            break
+        based = mirror.take(frame)
+        if based is not None:
+            acked.append(based)
+    mirror.journal.wait(timeout=10)
+    mirror.close()
+    return acked
+
+
+def _compact(journal: Journal, feed: Feed, state: dict, attach: bool = False) -> None:
+    """A compaction as Recorder._compact makes it: rotation (attaching `feed`), base, the base handed over."""
+    number = journal.rotate(follower=feed if attach else None)
+    journal.finish_compaction(number, journal.write_base(number, state))
+    feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+
+
+def _same(copy_folder, primary_folder) -> dict:
+    (copy_base, copy_records), (base, records) = (_records(Journal(f)) for f in (copy_folder, primary_folder))
+    assert copy_base["step"] == base["step"] and torch.equal(copy_base["variables"]["w"], base["variables"]["w"])
+    assert [(kind, meta) for kind, meta, _ in copy_records] == [(kind, meta) for kind, meta, _ in records]
+    for (_, _, mine), (_, _, theirs) in zip(copy_records, records):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
+    return copy_base
+
+
+def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path):
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    for i in range(3):
+        primary.append("apply", {"i": i}, {name: t + i for name, t in ODD.items()})
+    primary.acked(feed, 10**9)
+    primary.wait(timeout=10)
+    assert _copy(feed, tmp_path / "copy") == [feed.floor] and not lost
+    primary.close()
+    assert _same(tmp_path / "copy", tmp_path / "primary")["step"] == 1
+
+
+def test_a_copy_follows_rotations_and_later_bases(tmp_path):
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    primary.append("apply", {"i": 0}, ODD)
+    _compact(primary, feed, {"step": 5, "variables": {"w": torch.full((3,), 9.0)}})
+    primary.append("member", {"worker": "w"}, {})
+    primary.append("apply", {"i": 9}, {"w": torch.arange(3, dtype=torch.float32)})
+    primary.acked(feed, 10**9)
+    primary.wait(timeout=10)
+    _copy(feed, tmp_path / "copy")
+    primary.close()
+    assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 5
