@@ -158,7 +158,11 @@ class Recorder:
                     self._compactor = threading.current_thread()  # no compaction starts meanwhile
                     break
             running.join()
-        self._compact(follower)
+        try:
+            self._compact(follower)
+        finally:
+            with self._lock:  # this (pooled) thread lives on: no later compaction may wait for it
+                self._compactor = None
 
     def _compact(self, follower=None) -> None:
         """Writes the whole state as the journal's new base, so its log starts afresh (thread body), and hands

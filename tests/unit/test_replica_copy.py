@@ -86,3 +86,23 @@ def test_a_copy_follows_rotations_and_later_bases(tmp_path):
     _copy(feed, tmp_path / "copy")
     primary.close()
     assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 5
+
+
+def test_compactions_go_on_after_a_backup_was_attached_from_a_thread_that_lives_on(tmp_path):
+    """Recorder.compact_for runs on the caller's thread (a shard's pool thread, which lives on): once it returns,
+    the journal compacts again as its log grows."""
+    from torchps.ps_server.coordinator import Coordinator
+    from torchps.ps_server.server import recover
+    from torchps.ps_server.store import VariableStore
+
+    coordinator = Coordinator(VariableStore(), owns_step=True, start=False)
+    journal = Journal(tmp_path / "j", compact_factor=0, min_compact_bytes=1)
+    recover(coordinator, journal, None)
+    feed, _ = _feed()
+    coordinator.recorder.compact_for(feed)  # on this thread, alive after it
+    journal.detach(feed)
+    number = journal._number
+    coordinator.recorder.log("member", {"worker": "w", "incarnation": 1, "join": True}, {})
+    coordinator.recorder.wait_for_compaction(timeout=30)
+    assert journal._number > number, "a compaction after the backup's"
+    journal.close()
