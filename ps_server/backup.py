@@ -16,7 +16,9 @@ serves shard N at its own address from its copy: the journal's ordinary
 recovery brings back every change the primary acknowledged, the push ledger
 with them, so a client's retry of a push it got no answer for is applied
 once. Refused (the primary went on without it: DROP), it follows the
-primary the arbiter names again, from a new base. A copy is replaced only
+primary the arbiter names again, from a new base; refused because the
+arbiter's layout epoch no longer has the shard (a live resize removed it),
+it stops (run returns False: ps-server exits 0). A copy is replaced only
 when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
 written.
@@ -37,11 +39,14 @@ import threading
 import time
 
 import grpc
+import numpy as np
 
 from ..cluster import arbiter_of
-from ..errors import MalformedStreamError, PSError, ReplicaFencedError
+from .. import lanes
+from ..errors import LaneBrokenError, MalformedStreamError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
 from ..security import Security
+from . import journal_log
 from .journal import Journal
 from .replication import REPLICATED
 
@@ -50,19 +55,23 @@ __all__ = ["Backup", "serving", "REPLICATED", "FAILOVER_AFTER_SECONDS"]
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
 RETRY_SECONDS = 0.1            # between attempts to open a stream
+LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
 
 
 class Mirror:
-    """One stream's copy of the primary's journal, into `folder` (replaced at its base)."""
+    """One stream's copy of the primary's journal, into `folder` (replaced at its base); its records' bytes read
+    from `lane` where the stream has one (ReplicaFrame.lane_bytes)."""
 
-    def __init__(self, folder: pathlib.Path, sync: bool):
-        self.folder, self.sync = folder, sync
+    def __init__(self, folder: pathlib.Path, sync: bool, lane=None):
+        self.folder, self.sync, self.lane = folder, sync, lane
         self.journal: Journal | None = None
         self._layout = b""
         self._piece: list | None = None  # [frame kind, number, written, head, pieces] of a record in pieces
-        self._pairs: collections.deque[tuple[int, int]] = collections.deque()  # (local record, primary's number)
+        # (local record, the primary's number for it, the lane buffer it was read into or None), not acknowledged
+        self._pairs: collections.deque[tuple[int, int, object]] = collections.deque()
+        self._spare: dict[int, np.ndarray] = {}  # a lane buffer per size, free again once its record was written
         self._cond = threading.Condition(threading.Lock())
 
     def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
@@ -86,11 +95,16 @@ class Mirror:
             return None
         kind, number, written, head, pieces = self._piece
         self._piece = None
-        data = [memoryview(piece) for piece in pieces]  # written piece by piece: no copy to join them
+        buffer = None
+        if frame.lane_bytes:
+            buffer = self._read_lane(frame.lane_bytes)
+            data = journal_log.split(head, buffer)
+        else:
+            data = [memoryview(piece) for piece in pieces]  # written piece by piece: no copy to join them
         if kind == _FRAME.RECORD:
             self._need_journal()
             with self._cond:
-                self._pairs.append((self.journal.append_encoded(head, data), written))
+                self._pairs.append((self.journal.append_encoded(head, data), written, buffer))
                 self._cond.notify_all()
             return None
         if self.journal is None:  # the stream's first base: the copy begins again from it
@@ -98,6 +112,19 @@ class Mirror:
             return written
         self.journal.finish_compaction(number, self.journal.write_encoded_base(number, head, data))
         return None
+
+    def _read_lane(self, nbytes: int) -> bytearray:
+        """The next frame of the lane, `nbytes` of a record's tensors. MalformedStreamError without a lane;
+        LaneBrokenError if it breaks or stalls (LANE_SECONDS)."""
+        if self.lane is None:
+            raise MalformedStreamError("the primary sent a record's bytes on a lane this stream does not have")
+        with self._cond:
+            buffer = self._spare.pop(nbytes, None)
+        if buffer is None:
+            buffer = np.empty(nbytes, dtype=np.uint8)  # not zeroed; reused once written, its pages mapped already
+        self.lane.begin(nbytes, LANE_SECONDS)
+        self.lane.read_into(memoryview(buffer))
+        return buffer
 
     def _need_journal(self) -> None:
         if self.journal is None:
@@ -116,9 +143,14 @@ class Mirror:
         with self._cond:
             if not self._cond.wait_for(lambda: self._pairs, timeout):
                 return None
-            local, primary = self._pairs[-1]
+            pairs = list(self._pairs)
             self._pairs.clear()
+        local, primary, _ = pairs[-1]
         self.journal.wait(local)
+        with self._cond:
+            for _, _, buffer in pairs:
+                if buffer is not None:
+                    self._spare.setdefault(len(buffer), buffer)
         return primary
 
     def close(self) -> None:
@@ -164,9 +196,15 @@ class Backup:
         """One stream: "followed" (frames came, then it ended), "refused" (the primary answered with an
         error), "unreachable"."""
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
+        try:
+            lane = self._open_lane(channels)
+        except grpc.RpcError:
+            channels.close()
+            return "unreachable"
         acks: queue.Queue = queue.Queue()
-        acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me)))
-        mirror = Mirror(self.folder, self.sync)
+        acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
+                                                             lane=lane.key if lane is not None else b"")))
+        mirror = Mirror(self.folder, self.sync, lane)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
         last = [time.monotonic()]
         done = threading.Event()
@@ -214,7 +252,7 @@ class Backup:
             _LOGGER.info("backup of ps:%d: %s refused the stream (%s): trying again", self.index, self.primary,
                          exc.details())
             return "refused"
-        except MalformedStreamError as exc:
+        except (MalformedStreamError, LaneBrokenError) as exc:
             _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, exc)
             return "followed"
         finally:
@@ -224,7 +262,23 @@ class Backup:
             for thread in threads[1:]:
                 thread.join()
             mirror.close()
+            if lane is not None:
+                lane.close()
             channels.close()
+
+    def _open_lane(self, channels):
+        """A bulk lane to the primary for the records' bytes, or None (it offers none, or none opens: they come
+        in the frames). grpc.RpcError if the primary does not answer its status."""
+        status = channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after)
+        if not status.lane_port:
+            return None
+        try:
+            return lanes.connect(self.primary.rpartition(":")[0].strip("[]"), status.lane_port, self.failover_after,
+                                 lanes.tls_context(self._security, server=False))
+        except LaneBrokenError as exc:
+            _LOGGER.info("backup of ps:%d: no bulk lane to %s (%s): records come in the frames", self.index,
+                         self.primary, exc)
+            return None
 
     def _promote(self) -> bool:
         """Asks the arbiter to promote this backup; True if granted. Refused, it follows the primary the arbiter
@@ -237,6 +291,9 @@ class Backup:
         except ReplicaFencedError as exc:
             _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
             self.holds_copy = False
+            if self._left():
+                self.stop.set()
+                return False
             self.primary = serving(self._ps0, self.index) or self.primary
             return False
         except PSError as exc:
@@ -244,6 +301,21 @@ class Backup:
             return False
         _LOGGER.warning("ps:%d's primary %s is gone: this backup serves it at %s from now on (failover %d)",
                         self.index, self.primary, reply.primary, reply.failovers)
+        return True
+
+    def _left(self) -> bool:
+        """Whether the arbiter's layout epoch does not have this backup's shard (a live resize removed it: no one
+        serves it, and this backup stops as after SIGTERM). False if the arbiter cannot say."""
+        try:
+            layout = self._ps0.call(self._arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                                    self.failover_after, retry_for=self.failover_after)
+        except PSError:
+            return False
+        if self.index < len(layout.addresses):
+            return False
+        _LOGGER.warning("ps:%d is not in the job's layout (epoch %d, %d shards: a live resize removed it, or has not "
+                        "added it): its backup stops, following no primary", self.index, layout.epoch,
+                        len(layout.addresses))
         return True
 
     def close(self) -> None:

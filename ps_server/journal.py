@@ -494,9 +494,10 @@ class Journal:
             self._open(item[1])
             return 0
         _, number, head, views = item
+        sent = shipping.offer_record(number, head, views) if shipping is not None else None  # sends meanwhile
         self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
-        if shipping is not None:
-            shipping.offer_record(number, head, views)
+        if sent is not None:
+            sent()  # its bytes left for the backup (or the backup was lost): nothing of it is held after this
         return number
 
     def _done(self, number: int) -> None:

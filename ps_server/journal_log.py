@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MalformedStreamError
 
-__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
+__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "split", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
            "state_record", "state_of_record"]
 
 MAGIC, END = b"TPJ2", b"TPJE"
@@ -70,6 +70,27 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> tuple[
         for (name, t), v in zip(tensors.items(), views)]}
     ).encode()
     return _HEAD.pack(MAGIC, len(body), sum(len(v) for v in views)) + body, views
+
+
+def split(head: bytes, data) -> list[memoryview]:
+    """The views, one per tensor (no copy), of an encoded record's tensor bytes `data` (its tensors' bytes in
+    one buffer), as encode() gave them: written so, a record sums each tensor's words as its encoder did.
+    MalformedStreamError for a head that is not a record's, or whose tensors are not `data`'s length."""
+    data = memoryview(data).cast("B")
+    try:
+        magic, meta_len, data_len = _HEAD.unpack_from(head)
+        entries = json.loads(bytes(head[_HEAD.size:_HEAD.size + meta_len]))["tensors"]
+        lengths = [int(entry[3]) for entry in entries]
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise MalformedStreamError(f"a journal record's head cannot be read ({exc})") from None
+    if magic != MAGIC or data_len != len(data) or sum(lengths) != len(data):
+        raise MalformedStreamError(f"a journal record's head says {data_len} bytes of tensors, {sum(lengths)} in "
+                                   f"its list, and {len(data)} came")
+    views, at = [], 0
+    for length in lengths:
+        views.append(data[at:at + length])
+        at += length
+    return views
 
 
 def tail(head: bytes, views: list[memoryview], number: int) -> bytes:

@@ -39,7 +39,7 @@ class ReplicaRPCs:
             hello = ps_pb2.ReplicaAck.FromString(next(acks)).hello
         except StopIteration:
             raise MalformedStreamError("a Replicate stream begins with the backup's hello: it sent nothing") from None
-        feed = self.replication.open(hello)
+        feed = self.replication.open(hello, self._claim_lane(hello.lane, context))  # the call's end closes it
         context.add_callback(lambda: feed.lose("its stream ended"))
         threading.Thread(target=self.replication.read_acks, args=(feed, acks), name="replica-acks",
                          daemon=True).start()

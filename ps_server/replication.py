@@ -23,20 +23,25 @@ primary asks again: it never decides alone. A shard that is its own arbiter
 (a one-shard job's ps 0: its backup is promoted by hand only) drops a lost
 backup at once.
 
-A record is copied into its frames by the journal's writer when it is
-written (offer_record): a push's receive buffers are reused once its wait
-ends, which a wait that timed out does while the frames are still queued.
+A stream with a bulk lane (torchps/lanes.py: the backup opened it, its key
+in the hello) carries each record's tensor bytes there: the journal's writer
+sends them from the record's own memory right after writing it (the kernel's
+copy only), as it writes them to the disk. Without one, the writer copies
+them into the frames (a push's receive buffers are reused once its wait
+ends, which a wait that timed out does while the frames are still queued).
+Bases go in the frames either way.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
 from typing import Callable, Iterator
 
-from ..errors import InvalidArgumentError, ModeConflictError, PSError, ReplicaFencedError
+from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
 from ..wire import _key, _varint
 
@@ -68,11 +73,12 @@ def frames_of(kind: int, number: int, written: int, head: bytes, views: list, ch
         piece = pieces[i] if pieces else b""
         first = fields + (_key(4, 2) + _varint(len(head)) + head if i == 0 else b"")
         last = _key(6, 0) + b"\x01" if i == max(1, len(pieces)) - 1 else b""
-        frame = bytearray(first + _key(5, 2) + _varint(len(piece)))
-        frame += piece
-        frame += last
-        out.append(bytes(frame))
+        out.append(b"".join((first, _key(5, 2), _varint(len(piece)), piece, last)))  # the piece's one copy
     return out
+
+
+def _nothing() -> None:
+    pass
 
 
 class Feed:
@@ -80,8 +86,11 @@ class Feed:
     writer and compaction offer, the stream's body takes frames (frames()), the ack reader acks."""
 
     def __init__(self, address: str, chunk_bytes: int, ack_timeout: float,
-                 on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None]):
+                 on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None):
         self.address = address
+        self._lane = lane                # a bulk lane the records' bytes follow on, or None
+        # Sends them there while the journal's writer writes them to its disk.
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, "replica-lane") if lane is not None else None
         self.floor = 0                   # the last record the first base holds (set by Journal.rotate)
         self._chunk = chunk_bytes
         self._ack_timeout = ack_timeout
@@ -97,13 +106,35 @@ class Feed:
 
     # -- the journal's side -------------------------------------------------------------------
 
-    def offer_record(self, number: int, head: bytes, views: list) -> None:
-        frames = frames_of(_FRAME.RECORD, 0, number, head, views, self._chunk)
+    def offer_record(self, number: int, head: bytes, views: list) -> Callable[[], None]:
+        """(The journal's writer, as it writes the record.) Queues its frames; with a lane, starts sending its
+        bytes there, from its own memory, on the lane's thread. Returns what blocks until they were sent, or
+        the feed was lost (a backup that reads nothing for the ack timeout loses it): the writer calls it
+        before it lets go of the record."""
+        if self._lane is None:
+            frames = frames_of(_FRAME.RECORD, 0, number, head, views, self._chunk)
+        else:
+            views = [memoryview(view).cast("B") for view in views]
+            frames = [_FRAME(kind=_FRAME.RECORD, written=number, head=head, last=True,
+                             lane_bytes=sum(map(len, views))).SerializeToString()]
         with self._cond:
-            if self.lost is None:
-                (self._frames if self._based else self._early).extend(frames)
-                self._unacked.append((number, time.monotonic()))
-                self._cond.notify_all()
+            if self.lost is not None:
+                return _nothing
+            (self._frames if self._based else self._early).extend(frames)
+            self._unacked.append((number, time.monotonic()))
+            self._cond.notify_all()
+        if self._lane is None:
+            return _nothing
+        try:
+            return self._sender.submit(self._send, views).result
+        except RuntimeError:  # lost meanwhile: the sender was shut down
+            return _nothing
+
+    def _send(self, views: list) -> None:
+        try:
+            self._lane.send(views, self._ack_timeout)
+        except LaneBrokenError as exc:
+            self.lose(f"its lane broke ({exc})")
 
     def offer_rotate(self, number: int) -> None:
         with self._cond:
@@ -168,6 +199,9 @@ class Feed:
             self._frames.clear()
             self._early = []
             self._cond.notify_all()
+        if self._lane is not None:
+            self._lane.close()  # a send in progress fails at once
+            self._sender.shutdown(wait=False)
         self._on_lost(self, why)
 
 
@@ -188,8 +222,9 @@ class Replication:
         self.feeds_opened = 0
         self.feeds_lost = 0
 
-    def open(self, hello: ps_pb2.ReplicaHello) -> Feed:
-        """A feed for the backup `hello` names, attached at a new base. Blocks while the base is written.
+    def open(self, hello: ps_pb2.ReplicaHello, lane=None) -> Feed:
+        """A feed for the backup `hello` names, attached at a new base, its records' bytes on `lane` (the bulk
+        lane the hello names, claimed) if given. Blocks while the base is written.
         InvalidArgumentError for another shard's backup; ModeConflictError without a journal, or while
         another backup's feed is attached (a lost one is attached until its arbiter dropped it), or without an arbiter to ask."""
         if hello.index != self.index or not hello.address:
@@ -201,7 +236,7 @@ class Replication:
         if self._arbiter is None:
             raise ModeConflictError(f"ps:{self.index} was started without the job's cluster (--cluster or "
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
-        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based)
+        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane)
         self._compact_for(feed)
         self.feeds_opened += 1
         _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)

@@ -2,8 +2,12 @@
 same records and state as the primary's own journal: tensors of any length (not multiples of 8 bytes), records
 cut into pieces, rotations and a later compaction's base. No gRPC, no processes."""
 
+import socket
+
+import pytest
 import torch
 
+from torchps.lanes import Lane
 from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log
 from torchps.ps_server.backup import Mirror
@@ -14,10 +18,10 @@ ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
 
 
-def _feed() -> tuple[Feed, list]:
+def _feed(lane=None) -> tuple[Feed, list]:
     lost = []
     return Feed("b:1", chunk_bytes=12, ack_timeout=60, on_lost=lambda feed, why: lost.append(why),
-                on_based=lambda feed: None), lost
+                on_based=lambda feed: None, lane=lane), lost
 
 
 def _records(journal: Journal):
@@ -25,10 +29,10 @@ def _records(journal: Journal):
     return base, [(r.kind, r.meta, {n: t.clone() for n, t in r.tensors.items()}) for r in records]
 
 
-def _copy(feed: Feed, folder) -> list[int]:
-    """Writes what `feed` has queued into a Mirror at `folder` (a backup's stream, without the stream); returns
-    the bases' acknowledgements."""
-    mirror = Mirror(folder, sync=False)
+def _copy(feed: Feed, folder, lane=None) -> list[int]:
+    """Writes what `feed` has queued into a Mirror at `folder` (a backup's stream, without the stream; its lane's
+    end `lane`); returns the bases' acknowledgements."""
+    mirror = Mirror(folder, sync=False, lane=lane)
     acked = []
     for raw in feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
         frame = ps_pb2.ReplicaFrame.FromString(raw)
@@ -58,16 +62,19 @@ def _same(copy_folder, primary_folder) -> dict:
     return copy_base
 
 
-def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path):
+@pytest.mark.parametrize("on_a_lane", [False, True])
+def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path, on_a_lane):
+    """The records' bytes in the frames, or on a bulk lane (a socket pair here)."""
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()] if on_a_lane else [None, None]
     primary = Journal(tmp_path / "primary")
     primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
-    feed, lost = _feed()
+    feed, lost = _feed(ends[0])
     _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
     for i in range(3):
         primary.append("apply", {"i": i}, {name: t + i for name, t in ODD.items()})
     primary.acked(feed, 10**9)
     primary.wait(timeout=10)
-    assert _copy(feed, tmp_path / "copy") == [feed.floor] and not lost
+    assert _copy(feed, tmp_path / "copy", ends[1]) == [feed.floor] and not lost
     primary.close()
     assert _same(tmp_path / "copy", tmp_path / "primary")["step"] == 1
 

@@ -555,15 +555,17 @@ class ReplicaAck(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., written: _Optional[int] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("index", "address")
+    __slots__ = ("index", "address", "lane")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    lane: bytes
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
-    __slots__ = ("kind", "number", "written", "head", "data", "last")
+    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RECORD: _ClassVar[ReplicaFrame.Kind]
@@ -582,13 +584,15 @@ class ReplicaFrame(_message.Message):
     HEAD_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: ReplicaFrame.Kind
     number: int
     written: int
     head: bytes
     data: bytes
     last: bool
-    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    lane_bytes: int
+    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ...) -> None: ...
 
 class JobMember(_message.Message):
     __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")
