@@ -108,12 +108,13 @@ def _name(common: str, unit: str) -> x509.Name:
                       x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def _alt_names(host: str) -> x509.SubjectAlternativeName:
+def _alt_names(*hosts: str) -> x509.SubjectAlternativeName:
     names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    try:
-        names.append(x509.IPAddress(ipaddress.ip_address(host)))
-    except ValueError:
-        names.append(x509.DNSName(host))
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
     return x509.SubjectAlternativeName(list(dict.fromkeys(names)))
 
 
@@ -188,25 +189,28 @@ class JobCredentials:
 
 
 def _sign(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, task: TaskSpec, role: str, host: str,
-          days: int) -> tuple[bytes, bytes]:
-    """(certificate, key) in PEM for `task` with `role`, signed by the CA, valid from 5 minutes ago for `days`."""
+          days: int, *also: str) -> tuple[bytes, bytes]:
+    """(certificate, key) in PEM for `task` with `role`, naming `host` (and the hosts `also`), signed by the CA,
+    valid from 5 minutes ago for `days`."""
     now = datetime.datetime.now(datetime.timezone.utc)
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (x509.CertificateBuilder().subject_name(_name(str(task), role))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_alt_names(host), critical=False)
+            .add_extension(_alt_names(host, *also), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 
-def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_key: bool = False) -> JobCredentials:
+def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_key: bool = False,
+                          backups: list[str] = ()) -> JobCredentials:
     """A new CA, a certificate, key and token per task of `cluster` (the shards: the table of tokens) and the
     admin token, in memory only. The CA's key is dropped once every certificate is signed, unless
-    `keep_ca_key`."""
+    `keep_ca_key`. `backups`: the addresses of the shards' backups, by shard index (ps-server --replica-of,
+    which serves with its shard's files): shard N's certificate names its backup's host too."""
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -218,7 +222,8 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
                .sign(ca_key, hashes.SHA256()))
     tasks, tokens = {}, {}
     for task, address in cluster.tasks():
-        tasks[task] = _sign(ca_key, ca_name, task, role_of(cluster, task), address.rpartition(":")[0], days)
+        also = [backups[task.index].rpartition(":")[0]] if task.type == "ps" and task.index < len(backups) else []
+        tasks[task] = _sign(ca_key, ca_name, task, role_of(cluster, task), address.rpartition(":")[0], days, *also)
         if task.type != "ps":
             tokens[task] = new_token()
     return JobCredentials(cluster, ca_cert.public_bytes(serialization.Encoding.PEM),
@@ -357,8 +362,8 @@ def shard_files(directory: str | os.PathLike) -> dict[TaskSpec, TaskCredentials]
             for i in indices}
 
 
-def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS
-                         ) -> dict[TaskSpec, TaskCredentials]:
+def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days: int = VALID_DAYS,
+                         backups: list[str] = ()) -> dict[TaskSpec, TaskCredentials]:
     """Writes a CA (its key included), a certificate and a token per task, the shards' table of tokens, the
     admin token and cluster.json into `directory` (made with mode 0700), as ps-certs does. ClusterConfigError
     (one line, nothing written) if `directory` holds any of those files already: a running job may use them."""
@@ -372,7 +377,7 @@ def make_job_credentials(directory: str | os.PathLike, cluster: Cluster, *, days
         raise ClusterConfigError(f"{directory} already holds a job's credentials ({shown}), which a running job may "
                                  f"use: `ps-certs {directory} --rotate` gives every task a new token (the old ones "
                                  f"accepted for --grace, {DEFAULT_GRACE} by default); for a new job, pick a new folder")
-    made = issue_job_credentials(cluster, days=days, keep_ca_key=True).write(directory)
+    made = issue_job_credentials(cluster, days=days, keep_ca_key=True, backups=backups).write(directory)
     write_file(directory / CLUSTER_FILE, json.dumps(cluster.to_dict(), indent=1).encode(), secret=False)
     return made
 
@@ -428,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", help="the folder to write (created with mode 0700; one that holds a job's "
                         "credentials is refused: see --rotate)")
     parser.add_argument("--cluster", help="cluster JSON or file (TF_CONFIG's 'cluster' shape)")
+    parser.add_argument("--backups", metavar="JSON", help="with --cluster: the addresses of the shards' backups "
+                        "(ps-server --replica-of), a JSON list by shard index or a file holding one: each shard's "
+                        "certificate names its backup's host too, as the backup serves with the shard's files")
     parser.add_argument("--add", metavar="TYPE:INDEX[=HOST:PORT]", action="append", default=[],
                         help="instead of --cluster: credentials for a worker, evaluator or shard (ps, for ps-admin "
                         "resize) joining the running job of DIR (signed by DIR/ca.key, naming HOST; a worker's or "
@@ -445,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--add, the added tasks' and every shard's (their token table changed); with --rotate, "
                         "every task's")
     args = parser.parse_args(argv)
+    if args.backups and not args.cluster:
+        parser.error("--backups names the hosts of a new job's certificates: it goes with --cluster")
     if [bool(args.cluster), bool(args.add), args.rotate].count(True) != 1:
         parser.error("give --cluster (a new job), --add TYPE:INDEX (a task joining a running job) or --rotate "
                      "(new tokens for a running job)")
@@ -458,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ClusterConfigError(f"--days must be >= 1. Received: {days}")
         if args.add:
             return _add(args, days)
-        made = make_job_credentials(args.directory, Cluster.from_json(args.cluster), days=days)
+        made = make_job_credentials(args.directory, Cluster.from_json(args.cluster), days=days,
+                                    backups=_backups(args.backups) if args.backups else [])
     except (ClusterConfigError, OSError) as exc:
         print(f"ps-certs: error: {exc}", file=sys.stderr)
         return 2
@@ -501,6 +512,18 @@ def _print(made: dict[TaskSpec, TaskCredentials], secrets_of: dict[TaskSpec, Tas
     else:
         for task, files in made.items():
             print(f"{task}: {' '.join(files.flags())}")
+
+
+def _backups(text: str) -> list[str]:
+    """--backups' JSON list of HOST:PORT (inline or a file); ClusterConfigError (one line) otherwise."""
+    try:
+        backups = json.loads(text if text.lstrip().startswith("[") else pathlib.Path(text).read_text())
+    except (OSError, ValueError) as exc:
+        raise ClusterConfigError(f"--backups {text!r}: not a JSON list of HOST:PORT, nor a file holding one ({exc})"
+                                 ) from None
+    if not isinstance(backups, list) or not all(isinstance(a, str) and a.rpartition(":")[0] for a in backups):
+        raise ClusterConfigError(f"--backups {text!r}: expected a JSON list of HOST:PORT, one per shard")
+    return backups
 
 
 def _task_arg(text: str) -> tuple[TaskSpec, str | None]:

@@ -44,6 +44,10 @@ its last traceback, warnings and errors, and final lines (lastlines.py). A
 launcher killed with SIGKILL leaves its job folder; the next ps-launch removes
 it, in one line (jobfolder.py).
 
+With --replicas 2 every shard gets a backup (ps-server --replica-of), at addresses picked and kept before
+anything starts (launch_replicas.py): one of a shard's two processes dying while the other runs does not
+stop the job, and --restart-on-failure restarts it with its own command.
+
 With --checkpoint-dir, a job that ends well is noted in the folder
 (job-finished.json); run again on that folder, ps-launch says so in one line
 and exits 0 instead of resuming a job that has ended, unless --steps asks
@@ -83,6 +87,7 @@ from .flags import (DEFAULT_PARTITION, add_training_flags, check_entry, check_ou
 from .control import ControlServer, scale_main
 from .jobfolder import JobFolder, remove_dead_folders
 from .lastlines import LastLines, death
+from .launch_replicas import BackupTask, ReplicaPlan, check_folder, served_on
 from .local_cluster import SHARD_MODULE, local_shard_threads
 from .restarts import backoff, no_room
 
@@ -142,8 +147,9 @@ class Launcher:
                  metrics_out: pathlib.Path | None, ps_args: list[str] = (), restart_on_failure: bool = False,
                  secure: bool = True, tls: bool = True, credentials: str | os.PathLike | None = None,
                  out=sys.stdout, rendezvous_port: bool = False, log_level: str = "INFO",
-                 max_workers: int | None = None, allreduce: bool = False):
+                 max_workers: int | None = None, allreduce: bool = False, replicas: ReplicaPlan | None = None):
         self.num_ps, self.workers, self.chief, self.evaluator = num_ps, workers, chief, evaluator
+        self.replicas = replicas  # --replicas 2: a backup per shard (launch_replicas.py)
         self.max_workers = max(workers, DEFAULT_MAX_WORKERS) if max_workers is None else max_workers
         self.worker_indices = list(range(workers))  # every worker started, added ones too
         self.removed: set[TaskSpec] = set()         # workers ps-launch scale stopped: they left for good
@@ -183,7 +189,7 @@ class Launcher:
 
     def _spawn(self, task: TaskSpec, module: str, argv: list[str]) -> Proc:
         env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
-        env.update(self.folder.credential_env(task))  # this task's own files, nobody else's
+        env.update(self.folder.credential_env(TaskSpec(task.type, task.index)))  # its own files (a backup: its shard's)
         env.update(grpc_log_env(self.log_level, env))
         # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops workers before
         # shards. Should the launcher die without stopping them, the kernel kills them all (the parent-death
@@ -218,21 +224,50 @@ class Launcher:
             self.say(f"[{proc.name}] {line}")
 
     def start_ps(self) -> Cluster:
-        """Starts the ps-servers on free ports and builds the cluster naming them."""
-        for index in range(self.num_ps):
-            self._spawn_ps(index, 0)
-        self.ports = [self._wait_port(index) for index in range(self.num_ps)]
+        """Starts the ps-servers on free ports (with --replicas 2, their backups too) and builds the cluster
+        naming them."""
+        self.ports = self._start_replicated() if self.replicas is not None else self._start_shards()
         # Workers serve nothing; TF_CONFIG still names an address for each, so give distinct unused ones.
-        spare = (p for p in range(20000, 65535) if p not in self.ports)
+        taken = set(self.ports) | (self.replicas.ports() if self.replicas is not None else set())
+        spare = (p for p in range(20000, 65535) if p not in taken)
         chief = [f"127.0.0.1:{next(spare)}" for _ in range(int(self.chief))]
         worker = [f"127.0.0.1:{next(spare)}" for _ in range(self.workers)]
         evaluator = [f"127.0.0.1:{next(spare)}" for _ in range(int(self.evaluator))]
         if self.rendezvous_port:  # the chief listens there for the all-reduce group: a port nothing holds now
-            taken = {int(a.rpartition(":")[2]) for a in chief + worker + evaluator} | set(self.ports)
+            taken |= {int(a.rpartition(":")[2]) for a in chief + worker + evaluator}
             (chief or worker)[0] = f"127.0.0.1:{_free_port(taken)}"
         self.cluster = Cluster(ps=tuple(f"127.0.0.1:{p}" for p in self.ports), chief=tuple(chief),
                                worker=tuple(worker), evaluator=tuple(evaluator))
         return self.cluster
+
+    def _start_shards(self) -> list[int]:
+        """Starts every shard and returns their ports once each serves; StartError for one that did not start."""
+        for index in range(self.num_ps):
+            self._spawn_ps(index, 0)
+        return [self._wait_port(index) for index in range(self.num_ps)]
+
+    def _start_replicated(self) -> list[int]:
+        """The shards at the plan's addresses, then a backup each (launch_replicas.py); the shards once more on
+        new ports if an address was taken since it was picked."""
+        try:
+            ports = self._start_shards()
+        except StartError as exc:
+            if (taken := self.replicas.bind_failed(exc.proc)) is None:
+                raise
+            self.say(taken[0])
+            if not taken[1]:
+                raise
+            self.stop()
+            self.replicas = ReplicaPlan.pick(self.replicas.folder, self.num_ps)
+            ports = self._start_shards()
+        for index in range(self.num_ps):
+            self._spawn_backup(index)
+        self.say(f"[launch] {self.replicas.describe()}")
+        return ports
+
+    def _spawn_backup(self, index: int) -> Proc:
+        return self._spawn(BackupTask("ps", index), SHARD_MODULE,
+                           [*self.replicas.backup_flags(index), *self._insecure(), *self.ps_args])
 
     def _port_file(self, index: int) -> pathlib.Path:
         return self.folder.port_file(index)
@@ -242,9 +277,11 @@ class Launcher:
 
     def _spawn_ps(self, index: int, port: int) -> Proc:
         self._port_file(index).unlink(missing_ok=True)
+        where = self.replicas.shard_flags(index) if self.replicas is not None else [
+            "--num-ps", str(self.num_ps), "--bind", f"127.0.0.1:{port}"]
         return self._spawn(TaskSpec("ps", index), SHARD_MODULE, [
-            "--index", str(index), "--num-ps", str(self.num_ps), "--bind", f"127.0.0.1:{port}", *self._insecure(),
-            "--port-file", str(self._port_file(index)), *self.ps_args])
+            "--index", str(index), *where, *self._insecure(), "--port-file", str(self._port_file(index)),
+            *self.ps_args])
 
     def _wait_port(self, index: int) -> int:
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -357,12 +394,16 @@ class Launcher:
                         self.say(f"[launch] {task} {ended} after the chief ended the job")
                     continue
                 room = self._no_room(proc)
+                served = served_on(self, task) if room is None else ""  # its shard's other process serves on
                 if room is None and self.restart_on_failure and self.restarts[task] < MAX_RESTARTS:
                     self.restarts[task] += 1
                     delay = backoff(self.restarts[task])
-                    self.say(f"[launch] {task} {ended}; restarting it in {delay:g} s ({self.restarts[task]} of "
-                             f"{MAX_RESTARTS})")
+                    self.say(f"[launch] {task} {ended}{served}; restarting it in {delay:g} s ({self.restarts[task]} "
+                             f"of {MAX_RESTARTS})")
                     pending[task] = time.monotonic() + delay
+                    continue
+                if served:  # no failure of the job: its shard is served
+                    self.say(f"[launch] {task} {ended}{served}; --restart-on-failure restarts one")
                     continue
                 failed[task] = proc
                 if room is not None:  # a restart would meet the same wall at once
@@ -480,9 +521,16 @@ class Launcher:
 
     def _restart(self, task: TaskSpec) -> None:
         """Starts `task` again (a ps on its old port), forked from a new fork server if the last one died. If it
-        would not come up, says so: its exit is then dealt with as any other."""
+        would not come up, says so: its exit is then dealt with as any other. With --replicas 2, a shard's
+        process starts with its own command and is not waited for (it may come back as its shard's backup,
+        which serves nothing)."""
         try:
-            if task.type == "ps":
+            if isinstance(task, BackupTask):
+                self._spawn_backup(task.index)
+            elif task.type == "ps" and self.replicas is not None:
+                self.replicas.before_restart(task)
+                self._spawn_ps(task.index, self.ports[task.index])
+            elif task.type == "ps":
                 self._spawn_ps(task.index, self.ports[task.index])
                 self._wait_port(task.index)
             else:
@@ -552,6 +600,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     g.add_argument("--replace-journal", action="store_true", help="move the shards' journals under --checkpoint-dir "
                    "aside (renamed, kept) before starting: the job starts from the newest committed checkpoint there "
                    "(what a shard refusing a corrupt journal, or another job's, asks for)")
+    g.add_argument("--replicas", type=int, default=1, metavar="N", help="processes per shard: 1, or 2 for a "
+                   "backup of each shard that takes over when its primary dies (needs --checkpoint-dir: a backup "
+                   "copies the shard's journal; docs/operations/replication.md) (default: %(default)s)")
     g.add_argument("--max-memory", metavar="SIZE", help="each ps-server's --max-memory: what it may hold, e.g. 2G "
                    f"or a share of this machine's memory, e.g. 20%% (default: {SHARDS_MEMORY_PERCENT}%% split among "
                    "the shards)")
@@ -576,6 +627,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("need --ps >= 1 and at least one training task (--workers or --chief)")
     if everything.max_workers is not None and everything.max_workers < everything.workers:
         parser.error(f"--max-workers must be >= --workers ({everything.workers}). Received: {everything.max_workers}")
+    if everything.replicas not in (1, 2):
+        parser.error(f"--replicas is 1 (no backups) or 2 (a backup per shard). Received: {everything.replicas}")
+    if everything.replicas == 2 and not everything.checkpoint_dir:
+        parser.error("--replicas 2 needs --checkpoint-dir: a backup keeps a copy of its shard's journal, which lives "
+                     "there")
     if everything.insecure and everything.tokens_only:
         parser.error("--tokens-only and --insecure contradict each other (tokens, or nothing)")
     if everything.insecure and everything.credentials:
@@ -657,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # the folder is this job's until ps-launch exits (the lock's file stays open): another job's is
             if args.checkpoint_dir:  # refused before anything starts
                 hold_launch(args.checkpoint_dir)
+            check_folder(args.checkpoint_dir, args.replicas)
             if args.checkpoint_dir and not _finished_job_may_go_on(args.checkpoint_dir, args.steps):
                 return 0
             if args.replace_journal and (moved := move_journals_aside(args.checkpoint_dir)):
@@ -737,7 +794,8 @@ def _launcher(args: argparse.Namespace, worker_args: list[str], demo: bool) -> L
                     worker_args=worker_args, metrics_out=args.metrics_out, ps_args=ps_args,
                     restart_on_failure=args.restart_on_failure, secure=not args.insecure, tls=not args.tokens_only,
                     credentials=args.credentials, rendezvous_port=args.rendezvous_port, log_level=args.log_level,
-                    max_workers=max_workers, allreduce=args.dense == "allreduce")
+                    max_workers=max_workers, allreduce=args.dense == "allreduce",
+                    replicas=ReplicaPlan.load_or_pick(args.checkpoint_dir, args.ps) if args.replicas == 2 else None)
 
 
 if __name__ == "__main__":  # as the console script: ends at once with main's code

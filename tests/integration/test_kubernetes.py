@@ -56,6 +56,8 @@ PLAIN_BASE = DEPLOY / "kubernetes" / "base"
 KUBECTL = shutil.which("kubectl")
 PROMTOOL = shutil.which("promtool")
 DOCS = REPO / "docs" / "deploy.md"
+REPLICAS = DEPLOY / "kubernetes" / "overlays" / "replicas"
+BACKUP_JOB = "torchps-ps-backup"  # REPLICAS's Job of the shards' backups
 
 # An older Kubernetes the manifests must suit (Indexed Jobs are GA since 1.24, grpc probes since 1.27;
 # pyproject.toml asks kubernetes-validate>=1.30) and the newest kubernetes_validate knows.
@@ -79,7 +81,7 @@ TF_CONTAINER, TF_PORT_NAME = "tensorflow", "tfjob-port"
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 # Where the manifests put files in a container; the local play maps them under tmp_path.
-CONTAINER_ROOTS = ("/etc/torchps", "/checkpoints")
+CONTAINER_ROOTS = ("/etc/torchps", "/checkpoints", "/journal")  # /journal: a backup's own disk (overlays/replicas)
 CREDENTIAL_VARIABLES = {"TORCHPS_TLS_CERT": "tls.crt", "TORCHPS_TLS_KEY": "tls.key", "TORCHPS_TLS_CA": "ca.crt",
                         "TORCHPS_TOKEN_FILE": "token", "TORCHPS_ADMIN_TOKEN_FILE": "admin-token"}
 
@@ -293,12 +295,13 @@ def plain_cluster(docs: list[dict]) -> dict[str, list[str]]:
 
 
 def make_secrets(directory: pathlib.Path, cluster: dict[str, list[str]] | None, name: str = "torchps",
-                 add: str | None = None) -> dict:
-    """`ps-certs DIR --cluster C --kubernetes-secret NAME` (or `--add TASK` in place of --cluster), run as a
-    user runs it: Secret name -> its files."""
+                 add: str | None = None, backups: list[str] | None = None) -> dict:
+    """`ps-certs DIR --cluster C --kubernetes-secret NAME` (or `--add TASK` in place of --cluster; with
+    `--backups B`, the shards' backups' addresses), run as a user runs it: Secret name -> its files."""
     command = pathlib.Path(sys.executable).with_name("ps-certs")
     argv = [str(command)] if command.is_file() else [sys.executable, "-m", "torchps.certs"]
     what = ["--add", add] if add else ["--cluster", json.dumps(cluster)]
+    what += ["--backups", json.dumps(backups)] if backups is not None else []
     result = subprocess.run([*argv, str(directory), *what, "--kubernetes-secret", name],
                             capture_output=True, text=True, timeout=120, env=environ())
     assert result.returncode == 0, result.stderr
@@ -356,6 +359,8 @@ class Node:
             elif "configMap" in volume:  # files the pod runs (torchps-task.sh): their container paths mapped too
                 config_map = self.config_maps[volume["configMap"]["name"]]
                 files = {key: self.map_paths(text).encode() for key, text in config_map.items()}
+            elif "ephemeral" in volume:  # a backup's own disk: an empty folder
+                continue
             else:
                 assert volume.get("persistentVolumeClaim", {}).get("claimName") == "torchps-checkpoints", volume
                 continue
@@ -388,8 +393,17 @@ class Node:
 def run_wrapper(node: Node, pod: Pod) -> dict[str, str]:
     """Runs the pod's command with a program that prints its environment in place of the CLI: what the
     wrapper gives ps-server or ps-worker."""
+    return wrapped(node, pod, "import json, os; print(json.dumps(dict(os.environ)))")
+
+
+def wrapped_argv(node: Node, pod: Pod) -> list[str]:
+    """The arguments the pod's wrapper hands its CLI after the pod's own (a backup's --replica-of and --bind)."""
+    return wrapped(node, pod, "import json, sys; print(json.dumps(sys.argv[1:]))")
+
+
+def wrapped(node: Node, pod: Pod, code: str):
+    """What `python -c code`, in place of the pod's CLI and run by its command, prints as JSON."""
     node.mount(pod)
-    code = "import json, os; print(json.dumps(dict(os.environ)))"
     result = subprocess.run(node.argv(pod, args=["python", "-c", code]), env=node.env(pod), capture_output=True,
                             text=True, timeout=60, cwd=node.root)
     assert result.returncode == 0, f"{pod.name}: {result.stderr}"
@@ -846,6 +860,7 @@ def test_plain_kubernetes_pods_derive_the_operators_tf_config_and_their_own_cred
     task's own credentials."""
     docs = render(directory)
     cluster, jobs, services = plain_cluster(docs), by_kind(docs, "Job"), by_kind(docs, "Service")
+    backups = json.loads(by_kind(docs, "ConfigMap")["torchps-job"]["data"].get("backups.json", "[]"))
     pods = job_pods(docs)
     assert sorted({p.task_type for p in pods}) == sorted(cluster) == ["chief", "evaluator", "ps", "worker"]
     for name, job in jobs.items():
@@ -856,13 +871,14 @@ def test_plain_kubernetes_pods_derive_the_operators_tf_config_and_their_own_cred
         service = services[pod_spec["subdomain"]]
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
-        assert cluster[kind] == [f"{name}-{i}.{pod_spec['subdomain']}:2222" for i in range(spec["completions"])]
+        listed = backups if name == BACKUP_JOB else cluster[kind]  # a shard's backup: its shard's task, its own name
+        assert listed == [f"{name}-{i}.{pod_spec['subdomain']}:2222" for i in range(spec["completions"])]
         assert secret_mounts(pod_spec) == {f"torchps-{kind}-{i}": f"/etc/torchps/{kind}-{i}"
                                            for i in range(spec["completions"])}, name
         spare = secret_mounts(pod_spec, optional=True)  # places to scale up to: past the starting indices
         assert spare == {f"torchps-{kind}-{i}": f"/etc/torchps/{kind}-{i}"
                          for i in range(spec["completions"], spec["completions"] + len(spare))}, name
-        if kind == "ps":
+        if kind == "ps" and name != BACKUP_JOB:
             args = pod_spec["containers"][0]["args"]
             assert flag(args, "--bind") == "0.0.0.0:2222"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -873,6 +889,53 @@ def test_plain_kubernetes_pods_derive_the_operators_tf_config_and_their_own_cred
         seen = run_wrapper(node, pod)
         assert json.loads(seen["TF_CONFIG"]) == json.loads(tf_config(cluster, pod.task_type, pod.index)), pod.name
         check_own_credentials(node, pod, seen)
+
+
+def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own_disk(tmp_path):
+    """overlays/replicas: a backup pod per shard index, which never shares a node with that index's shard pod
+    (required anti-affinity on the node, narrowed to the index), keeps its copy on a volume of its own (a
+    generic ephemeral volume, not the shards' claim), has no probes (it serves nothing until promoted), is
+    named by backups.json, and is run by the wrapper as `--replica-of` its shard's address `--bind` its own,
+    with its shard's credentials, whose certificate (ps-certs --backups) names the backup's host too."""
+    from cryptography import x509
+
+    docs = render(REPLICAS)
+    jobs, services = by_kind(docs, "Job"), by_kind(docs, "Service")
+    cluster = plain_cluster(docs)
+    config_maps = {name: cm["data"] for name, cm in by_kind(docs, "ConfigMap").items()}
+    backups = json.loads(config_maps["torchps-job"]["backups.json"])
+    shards, backup = jobs["torchps-ps"]["spec"], jobs[BACKUP_JOB]["spec"]
+    assert backup["completions"] == shards["completions"] == len(cluster["ps"]) == len(backups)
+    pod_spec, shard_spec = backup["template"]["spec"], shards["template"]["spec"]
+    shard_labels, own_labels = shards["template"]["metadata"]["labels"], backup["template"]["metadata"]["labels"]
+    (term,) = pod_spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= shard_labels.items()
+    assert not term["labelSelector"]["matchLabels"].items() <= own_labels.items(), "it would repel its own kind"
+    assert term["matchLabelKeys"] == ["batch.kubernetes.io/job-completion-index"]  # the Job controller's pod label
+    service = services[pod_spec["subdomain"]]
+    assert service["spec"]["selector"].items() <= own_labels.items()
+    assert not service["spec"]["selector"].items() <= shard_labels.items()
+    main, shard = container(pod_spec, "torchps"), container(shard_spec, "torchps")
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(main), "a backup serves no health yet"
+    assert {e["name"]: e["value"] for e in main["env"]} == {"TORCHPS_TASK_TYPE": "ps", "TORCHPS_REPLICA": "backup"}
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+    journal = flag(main["args"], "--journal-dir")
+    (disk,) = [path for path in mounts if journal.startswith(path + "/")]
+    assert set(volumes[mounts[disk]]) == {"name", "ephemeral"}, "its copy on a disk of its own"
+    assert flag(main["args"], "--checkpoint-dir") == flag(shard["args"], "--checkpoint-dir")  # saves when promoted
+    assert "--replica-of" not in main["args"] and "--bind" not in main["args"], "the wrapper gives them"
+
+    node = Node(tmp_path, make_secrets(tmp_path / "creds", cluster, backups=backups), config_maps)
+    for pod in [p for p in job_pods(docs) if p.name.startswith(BACKUP_JOB + "-")]:
+        assert wrapped_argv(node, pod)[-4:] == ["--replica-of", cluster["ps"][pod.index], "--bind",
+                                               backups[pod.index]], pod.name
+        check_own_credentials(node, pod, run_wrapper(node, pod))  # its shard's files
+        certificate = x509.load_pem_x509_certificate(node.secrets[f"torchps-ps-{pod.index}"]["tls.crt"])
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert {address.rpartition(":")[0] for address in (cluster["ps"][pod.index], backups[pod.index])} <= \
+            set(names.get_values_for_type(x509.DNSName)), pod.name
 
 
 def test_dockerfile_installs_this_project_as_the_manifests_run_it():

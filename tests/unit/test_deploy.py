@@ -103,7 +103,8 @@ def test_every_shipped_shard_sets_its_memory_quota_from_the_pods_memory():
                 args = [str(a) for a in container.get("args") or []]
                 if "ps-server" in args:
                     shards.append((path.relative_to(ROOT), args))
-    assert {str(path) for path, _ in shards} == {"deploy/kubeflow/tfjob.yaml", "deploy/kubernetes/base/ps.yaml"}
+    assert {str(path) for path, _ in shards} == {"deploy/kubeflow/tfjob.yaml", "deploy/kubernetes/base/ps.yaml",
+                                                 "deploy/kubernetes/overlays/replicas/ps-backup.yaml"}
     for path, args in shards:
         assert "--max-memory" in args, f"{path}: ps-server without --max-memory"
         assert args[args.index("--max-memory") + 1].endswith("%"), f"{path}: a share of the pod's memory"
@@ -136,3 +137,31 @@ def test_a_tasks_own_folder_holds_its_own_token_and_a_shard_the_table_of_them(tm
     assert written[worker].token.read_text() == own[worker] and written[shard].token.name == "tokens"
     assert written[shard].token.read_bytes() == files[shard].token.read_bytes()
     assert not (tmp_path / "certs" / "ca.key").exists() and not (tmp_path / "certs" / "token").exists()
+
+
+def test_ps_certs_backups_name_each_backups_host_in_its_shards_certificate_and_bad_ones_are_one_line(tmp_path):
+    """`ps-certs --backups` (the replicas overlay's backups.json): shard N's certificate also names the host of
+    backup N, which serves with shard N's files; no other task's changes. A list that is not one of HOST:PORT,
+    or --backups without --cluster, is one line and exit code 2, nothing written."""
+    from cryptography import x509
+
+    cluster = json.dumps(Cluster(ps=["h3:2222", "h4:2222"], worker=["h1:2222"]).to_dict())
+
+    def certs(folder: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torchps.certs", str(tmp_path / folder), *flags],
+                              capture_output=True, text=True, timeout=120)
+
+    def names(path: pathlib.Path) -> set[str]:
+        certificate = x509.load_pem_x509_certificate(path.read_bytes())
+        return set(certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                   .get_values_for_type(x509.DNSName))
+
+    assert certs("job", "--cluster", cluster, "--backups", '["b3:2222", "b4:2222"]').returncode == 0
+    assert names(tmp_path / "job" / "ps-0.crt") == {"localhost", "h3", "b3"}
+    assert names(tmp_path / "job" / "ps-1.crt") == {"localhost", "h4", "b4"}
+    assert names(tmp_path / "job" / "worker-0.crt") == {"localhost", "h1"}
+    for flags, error in ((["--cluster", cluster, "--backups", "[1]"], "expected a JSON list of HOST:PORT"),
+                         (["--rotate", "--backups", '["b3:2222"]'], "it goes with --cluster")):
+        result = certs("refused", *flags)
+        assert result.returncode == 2 and error in result.stderr.splitlines()[-1], result.stderr
+        assert not (tmp_path / "refused").exists()

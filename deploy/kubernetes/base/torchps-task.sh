@@ -9,7 +9,9 @@
 # 2. Its own credentials: every pod of a type mounts the Secrets of all replicas of that type (they share
 #    a pod template) at /etc/torchps/TYPE-INDEX; the TORCHPS_* variables name this task's files to
 #    ps-server and ps-worker (the admin token is in the chief's and the shards' Secrets only).
-# 3. exec the command: it gets the pod's signals, and its exit code is the container's.
+# 3. With TORCHPS_REPLICA=backup (overlays/replicas), a shard's backup: `--replica-of` the shard's address
+#    (cluster.json's) and `--bind` its own, this pod's DNS name (backups.json's entry of its index).
+# 4. exec the command: it gets the pod's signals, and its exit code is the container's.
 set -eu
 : "${TORCHPS_TASK_TYPE:?set by the Job}" "${JOB_COMPLETION_INDEX:?set by an Indexed Job}"
 TF_CONFIG=$(python -c '
@@ -33,4 +35,13 @@ d=/etc/torchps/$task
 export TORCHPS_TLS_CERT="$d/tls.crt" TORCHPS_TLS_KEY="$d/tls.key" TORCHPS_TLS_CA="$d/ca.crt" \
        TORCHPS_TOKEN_FILE="$d/token"
 if [ -f "$d/admin-token" ]; then export TORCHPS_ADMIN_TOKEN_FILE="$d/admin-token"; fi
+if [ "${TORCHPS_REPLICA:-}" = backup ]; then
+  flags=$(python -c '
+import json, os, sys
+index = int(os.environ["JOB_COMPLETION_INDEX"])
+with open(sys.argv[1]) as f:
+    print("--replica-of", json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][index], "--bind", json.load(f)[index])
+' "$(dirname "$0")/backups.json")
+  set -- "$@" $flags   # unquoted on purpose: two flags and two addresses, none with spaces
+fi
 exec "$@"
