@@ -21,7 +21,7 @@ from ..errors import ERROR_METADATA_KEY, AuthenticationError, PermissionDeniedEr
 from ..security import TOKEN_METADATA_KEY, Security, allowed_methods
 from .tokens import TokenFile
 
-__all__ = ["Caller", "Authority", "TokenInterceptor"]
+__all__ = ["Caller", "Authority", "TokenInterceptor", "aborting"]
 
 
 Caller = Verdict  # who made a call: the policy's verdict on it (name, role) once accepted and allowed
@@ -44,7 +44,7 @@ def _unauthenticated(index: int, token: str, retired: bool) -> str:
             f"(ps-certs writes DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
 
 
-def _aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, error: str, details: str):
+def aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, error: str, details: str):
     """A handler (asyncio, for the shard's grpc.aio server) of the same shape as `handler` that refuses the call."""
     async def refuse(request_or_iterator, context):
         await context.abort(code, details, ((ERROR_METADATA_KEY, error),))
@@ -72,7 +72,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             verdict = policy(self._tokens.current(), method, token=token)
         if verdict.authenticated:
             return handler
-        return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
+        return aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
                          _unauthenticated(self._index, token, verdict.retired))
 
 

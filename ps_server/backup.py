@@ -23,9 +23,11 @@ when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
 written.
 
-A primary whose folder says it had a backup (`REPLICATED`) asks its arbiter at its
-start who serves its shard (`serving`): another address, it starts as that
-one's backup instead (its folder is replaced by the new primary's copy).
+A primary whose folder says it had a backup (`REPLICATED`: a backup's copy
+says so too) asks its arbiter at its start who serves its shard
+(`confirm_role`), answering only status and the layout meanwhile: another
+address, it becomes that one's backup (its folder is replaced by the new
+primary's copy).
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ from . import journal_log
 from .journal import Journal
 from .replication import REPLICATED
 
-__all__ = ["Backup", "serving", "REPLICATED", "FAILOVER_AFTER_SECONDS"]
+__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "FAILOVER_AFTER_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
-RETRY_SECONDS = 0.1            # between attempts to open a stream
+RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach the arbiter
+PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
@@ -66,6 +69,7 @@ class Mirror:
 
     def __init__(self, folder: pathlib.Path, sync: bool, lane=None):
         self.folder, self.sync, self.lane = folder, sync, lane
+        self.finished = False  # the job's end (the chief's Shutdown) came: its primary stops
         self.journal: Journal | None = None
         self._layout = b""
         self._piece: list | None = None  # [frame kind, number, written, head, pieces] of a record in pieces
@@ -106,6 +110,7 @@ class Mirror:
             with self._cond:
                 self._pairs.append((self.journal.append_encoded(head, data), written, buffer))
                 self._cond.notify_all()
+            self.finished = self.finished or journal_log.kind_of(head) == "finish"
             return None
         if self.journal is None:  # the stream's first base: the copy begins again from it
             self._replace(number, head, data)
@@ -135,6 +140,7 @@ class Mirror:
             shutil.rmtree(self.folder)
         self.journal = Journal(self.folder, sync=self.sync)
         self.journal.start_mirror(self._layout, number, head, data)
+        (self.folder / REPLICATED).touch()  # started on it, a process asks the arbiter who serves the shard
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
 
     def written(self, timeout: float) -> int | None:
@@ -181,6 +187,9 @@ class Backup:
         unreachable_since: float | None = None
         while not self.stop.is_set():
             reason = self._follow_once()
+            if reason == "finished":
+                _LOGGER.info("backup of ps:%d: the job finished (the chief's Shutdown): this backup stops", self.index)
+                return False
             if reason == "refused":  # the primary answers (it is dropping this backup first)
                 unreachable_since = None
             elif reason == "followed":
@@ -193,8 +202,8 @@ class Backup:
         return False
 
     def _follow_once(self) -> str:
-        """One stream: "followed" (frames came, then it ended), "refused" (the primary answered with an
-        error), "unreachable"."""
+        """One stream: "followed" (frames came, then it ended), "finished" (it ended after the job's end was
+        written here), "refused" (the primary answered with an error), "unreachable"."""
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
         try:
             lane = self._open_lane(channels)
@@ -240,8 +249,10 @@ class Backup:
                 if based is not None:
                     self.holds_copy = True
                     acks.put(ps_pb2.ReplicaAck(written=based))
-            return "followed"
+            return "finished" if mirror.finished else "followed"
         except grpc.RpcError as exc:
+            if mirror.finished:
+                return "finished"
             if framed:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
                                 exc.code().name)
@@ -341,17 +352,31 @@ def serving(channels, index: int) -> str | None:
     return next((entry.primary for entry in layout.replicas if entry.index == index and entry.primary), None)
 
 
-def check_role(index: int, me: str, spec: tuple[str, ...], folder: pathlib.Path, security: Security,
-               timeout: float) -> str | None:
-    """For a primary whose journal folder says it had a backup (REPLICATED): the address its arbiter records
-    its shard served at if that is not `me` (this process must then be its backup), else None (also for a shard
-    that is its own arbiter). Blocks up to `timeout` s for the arbiter; ServerUnavailableError if it cannot be
-    reached."""
-    if arbiter_of(index, len(spec)) == index or not (folder / REPLICATED).exists():
-        return None
-    channels = arbiter_channels(spec, timeout, security)
+def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path) -> bool:
+    """Whether a shard starting on its journal folder must ask its arbiter who serves its shard before it
+    serves: the folder says the shard had a backup (REPLICATED), and the shard is not its own arbiter."""
+    return arbiter_of(index, len(spec)) != index and (folder / REPLICATED).exists()
+
+
+def confirm_role(index: int, me: str, spec: tuple[str, ...], security: Security, stop: threading.Event,
+                 attempt_seconds: float) -> str | None:
+    """Asks shard `index`'s arbiter who serves it until it answers or `stop` is set (blocks, logging every
+    PROGRESS_SECONDS): the address it records if that is not `me` (this process must then be its backup), else
+    None (also once stopped)."""
+    channels = arbiter_channels(spec, attempt_seconds, security)
+    started = last_log = time.monotonic()
     try:
-        current = serving(channels, index)
+        while not stop.is_set():
+            try:
+                current = serving(channels, index)
+            except PSError as exc:
+                if time.monotonic() - last_log >= PROGRESS_SECONDS:
+                    last_log = time.monotonic()
+                    _LOGGER.info("ps %d waits for its arbiter ps:%d to say who serves it (%.0f s: %s)", index,
+                                 arbiter_of(index, len(spec)), last_log - started, exc)
+                stop.wait(RETRY_SECONDS)
+                continue
+            return current if current and current != me else None
+        return None
     finally:
         channels.close()
-    return current if current and current != me else None

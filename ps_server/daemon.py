@@ -29,7 +29,9 @@ from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
 from ..security import Security
 from . import checkpoint
-from .backup import Backup, check_role
+from ..cluster import arbiter_of
+from .backup import Backup, confirm_role, needs_role_check
+from .replica_rpcs import RoleFence
 from .failstop import FailStop
 from .journal import Journal, Layout
 from .metrics import ShardMetrics
@@ -121,15 +123,16 @@ def _stop(health_server) -> None:
 
 
 def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address: str, security: Security,
-                 primary: str) -> int:
+                 primary: str, me: str) -> int:
     """Runs the backup of shard `index` at `primary` (ps-server --replica-of; backup.py) until SIGTERM/SIGHUP
-    (0) or SIGINT (130); once its arbiter promotes it, serves the shard at `address` from its copy (serve)."""
+    (0) or SIGINT (130), or the job's end; once its arbiter promotes it, serves the shard bound to `address`
+    from its copy, known to the job as `me` (serve)."""
     try:
         held = hold_shard(None, args.journal_dir, index)
     except PSError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    backup = Backup(index, address, primary, tuple(cluster.ps), args.journal_dir, security, sync=args.journal_sync,
+    backup = Backup(index, me, primary, tuple(cluster.ps), args.journal_dir, security, sync=args.journal_sync,
                     failover_after=args.failover_after)
     interrupted = []
 
@@ -140,7 +143,7 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
     _LOGGER.info("ps %d backup of %s (pid %d): its copy in %s; serves at %s if promoted", index, primary,
-                 os.getpid(), args.journal_dir, address)
+                 os.getpid(), args.journal_dir, me)
     try:
         promoted = backup.run()
     finally:
@@ -149,16 +152,17 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     if not promoted:
         return INTERRUPTED if interrupted and interrupted[0] else 0
     args.replica_of, args.restore_from = None, None
-    return serve(args, cluster, index, address, security, me=address)
+    return serve(args, cluster, index, address, security, me=me, promoted=True)
 
 
-def _hold(args: argparse.Namespace, index: int, *, promoted: bool):
-    """The shard's locks (hold_shard). A promoted backup waits up to PROMOTED_LOCK_SECONDS for them: on a host it
-    shares with the old primary (one checkpoint folder), that one stops once its arbiter refuses it."""
-    deadline = time.monotonic() + (PROMOTED_LOCK_SECONDS if promoted else 0.0)
+def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: float):
+    """The shard's locks (hold_shard), waited for up to `wait` s: a promoted backup's, or a confirmed primary's,
+    on a checkpoint folder it shares with another process of its shard that is stopping (a replaced primary
+    stops once its arbiter refuses it; one that became a backup lets go of it)."""
+    deadline = time.monotonic() + wait
     while True:
         try:
-            return hold_shard(args.checkpoint_dir, args.journal_dir, index)
+            return hold_shard(checkpoint_dir, journal, index)
         except ClusterConfigError:
             if time.monotonic() >= deadline:
                 raise
@@ -166,30 +170,22 @@ def _hold(args: argparse.Namespace, index: int, *, promoted: bool):
 
 
 def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security,
-          me: str = "") -> int:
+          me: str = "", promoted: bool = False) -> int:
     """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
     (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks.
     `me`: the address the arbiter records this shard at (a promoted backup's; default: the cluster spec's). A
-    shard whose journal says it had a backup asks its arbiter first who serves it (backup.check_role): another
-    address, it runs as that one's backup (serve_backup)."""
+    shard whose journal says it had a backup serves status and the layout only until its arbiter confirmed it
+    still serves its shard (backup.confirm_role); another address serving it, it becomes that one's backup
+    (serve_backup)."""
     if args.replica_of:
-        return serve_backup(args, cluster, index, address, security, args.replica_of)
+        return serve_backup(args, cluster, index, address, security, args.replica_of, args.advertise or address)
     folder = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
-    if cluster is not None and folder and not args.no_journal:
-        try:
-            current = check_role(index, me or cluster.ps[index], tuple(cluster.ps), pathlib.Path(folder), security,
-                                 args.failover_after * 20)
-        except PSError as exc:
-            print(f"ps-server: error: ps {index} had a backup, and its arbiter cannot say who serves it now: {exc}",
-                  file=sys.stderr)
-            return USAGE_ERROR
-        if current is not None:
-            _LOGGER.warning("ps %d: its arbiter says %s serves it now (a failover): this shard becomes its backup",
-                            index, current)
-            args.journal_dir = str(folder)
-            if not args.bind or args.bind.endswith(":0"):
-                args.bind = address = cluster.ps[index]
-            return serve_backup(args, cluster, index, address, security, current)
+    me = me or (cluster.ps[index] if cluster is not None else address)
+    fence = None
+    if cluster is not None and folder and not args.no_journal and \
+            needs_role_check(index, tuple(cluster.ps), pathlib.Path(folder)):
+        fence = RoleFence(f"ps {index} had a backup: it serves once its arbiter, ps:{arbiter_of(index, cluster.num_ps)}, "
+                          f"confirmed it still serves ps:{index}; retry")
     tune_malloc("shard")
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in its log
     if args.torch_threads:
@@ -198,7 +194,9 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     set_health(health_servicer, serving=False)
     try:
         # Its files are this process's alone until it exits (the kernel lets go of the locks then, however it ends).
-        held = _hold(args, index, promoted=bool(me))
+        # A shard not yet confirmed serves no checkpoint: it takes that folder's lock once confirmed.
+        held = _hold(None if fence else args.checkpoint_dir, args.journal_dir, index,
+                     PROMOTED_LOCK_SECONDS if promoted else 0.0)
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:
@@ -223,7 +221,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds,
             addresses=tuple(cluster.ps) if cluster is not None else (),
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
-            pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout)
+            pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout, fence=fence)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)
@@ -254,11 +252,36 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     _LOGGER.info("ps %d uses %d torch thread(s) for updates and lookups", index, torch.get_num_threads())
     if args.max_memory:
         _LOGGER.info("ps %d holds at most %d bytes (--max-memory)", index, args.max_memory)
-    _LOGGER.info("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
-                 "INSECURE: no TLS, no token" if security.insecure else mode)
+    serving = ("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
+               "INSECURE: no TLS, no token" if security.insecure else mode)
+    if fence is None:
+        _LOGGER.info(*serving)
+    else:
+        _LOGGER.info("ps %d answers status and the layout only, on %s:%d (pid %d), until its arbiter confirms it still "
+                     "serves ps:%d", index, host, port, os.getpid(), index)
     _LOGGER.info("ps %d security policy: %s", index, describe(security))
     if metrics is not None:
         _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
+    demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
+    late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard
+    if fence is not None:
+        def confirm() -> None:
+            current = confirm_role(index, me, tuple(cluster.ps), security, stop, args.failover_after * 4)
+            if current is not None:
+                _LOGGER.warning("ps %d: its arbiter says %s serves it now (a failover): this shard becomes its backup",
+                                index, current)
+                demoted.append(current)
+                stop.set()
+            elif not stop.is_set():
+                _LOGGER.info("ps %d: its arbiter confirms it serves ps:%d", index, index)
+                try:
+                    late.append(_hold(args.checkpoint_dir, None, index, PROMOTED_LOCK_SECONDS))
+                except ClusterConfigError as exc:
+                    failstop.fatal(f"ps {index} serves its shard, yet cannot hold its checkpoint folder: {exc}")
+                fence.open()
+                _LOGGER.info(*serving)
+
+        threading.Thread(target=confirm, name="role-check", daemon=True).start()
     # Waits in short slices: a signal the kernel hands to one of gRPC's threads only sets a flag, which the
     # main thread acts on when it next runs Python code (a wait with no timeout might never return).
     while not stop.wait(SIGNAL_CHECK_SECONDS):
@@ -270,11 +293,16 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     if journal is not None:
         journal.close()
     held.release()
+    for lock in late:
+        lock.release()
     _stop(health_server)
     if not stopped:
         _LOGGER.warning("ps %d: calls still running after the grace period; exiting anyway", index)
         logging.shutdown()
         os._exit(0)  # handler threads that never return must not keep a stopped shard alive
+    if demoted and not interrupted:
+        args.journal_dir = str(folder)
+        return serve_backup(args, cluster, index, address, security, demoted[0], me)
     if interrupted and interrupted[0]:
         print("ps-server: interrupted", file=sys.stderr)
         return INTERRUPTED

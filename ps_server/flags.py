@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--replica-of", metavar="HOST:PORT", help="run as the backup of the shard --index serving "
                    "there: keep a copy of its journal in --journal-dir, and serve in its place at --bind once it "
                    "is gone and ps 0 agrees")
+    r.add_argument("--advertise", metavar="HOST:PORT", help="with --replica-of: the address clients reach this "
+                   "backup at once promoted, where it differs from --bind (e.g. a Service name; default: --bind)")
     r.add_argument("--failover-after", type=_seconds, default=0.5, metavar="SECONDS", help="a backup takes over "
                    "a primary unreachable this long after its stream broke (default 0.5)")
     r.add_argument("--replica-ack-timeout", type=_seconds, default=2.0, metavar="SECONDS", help="a primary "
@@ -211,7 +213,9 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
             raise ClusterConfigError("--replica-of keeps the copy of the primary's journal in --journal-dir: pass it")
         if not args.bind or args.bind.endswith(":0"):
             raise ClusterConfigError("--replica-of serves at --bind HOST:PORT once promoted: pass a fixed port "
-                                     "(clients are told this address)")
+                                     "(clients are told this address, or --advertise's)")
+    elif args.advertise:
+        raise ClusterConfigError("--advertise names where a backup (--replica-of) serves once promoted: pass both")
     return cluster, index, address
 
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import threading
 
+import grpc
+
 from ..cluster import arbiter_of
-from ..errors import MalformedStreamError
+from ..errors import MalformedStreamError, ServerUnavailableError
 from ..proto import ps_pb2
 from ..security import Security
+from .auth import aborting
 from .coordinator import Coordinator
 from .replicas import ACTIONS
 from .replication import Arbiter
 from .rpc_support import map_errors
 
-__all__ = ["ReplicaRPCs", "arbiter_for", "replicas_of"]
+__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of"]
 
 ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
 
@@ -27,6 +30,29 @@ def replicas_of(index: int, entry: dict) -> ps_pb2.ShardReplicas:
     """ReplicaRegistry's record of shard `index` as its message."""
     return ps_pb2.ShardReplicas(index=index, primary=entry["primary"], backup=entry["backup"],
                                 failovers=entry["failovers"], last_failover_unix=entry["last_failover"])
+
+
+class RoleFence(grpc.aio.ServerInterceptor):
+    """Until open(), refuses every call but GetStatus and GetLayout with UNAVAILABLE (retried by clients): a
+    restarted shard that had a backup serves nothing until its arbiter confirmed it still serves its shard,
+    yet answers the layout meanwhile, which is how ps 0 and ps 1, each the other's arbiter, confirm each
+    other when a whole job starts again."""
+
+    OPEN_METHODS = frozenset({"GetStatus", "GetLayout"})
+
+    def __init__(self, why: str):
+        self._why: str | None = why
+
+    def open(self) -> None:
+        self._why = None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        why = self._why
+        if why is None or handler is None or handler_call_details.method.rpartition("/")[2] in self.OPEN_METHODS \
+                or handler_call_details.method.startswith("/grpc.health."):
+            return handler
+        return aborting(handler, grpc.StatusCode.UNAVAILABLE, ServerUnavailableError.__name__, why)
 
 
 class ReplicaRPCs:

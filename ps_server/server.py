@@ -27,7 +27,7 @@ from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
 from ..cluster import arbiter_of
-from .replica_rpcs import arbiter_for
+from .replica_rpcs import RoleFence, arbiter_for
 from .replication import ACK_TIMEOUT_SECONDS, Replication
 from .edge import LoopServer
 from .flags import DEFAULT_MAX_WAITING_CALLS, DEFAULT_THREADS
@@ -68,6 +68,7 @@ def create_server(
     pull_cache: bool = True,
     me: str = "",
     replica_ack_timeout: float = ACK_TIMEOUT_SECONDS,
+    fence: RoleFence | None = None,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -93,7 +94,8 @@ def create_server(
     `addresses`: the job's shards as the cluster spec names them (GetLayout's before any live resize).
     `pull_cache` False: every pull copies its variables itself (ps_server/pull_cache.py). `me`: the address
     ps 0 records this shard at (default: `addresses[index]`, else `address`); a backup (Replicate) that
-    leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py).
+    leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py); `fence`
+    (replica_rpcs.RoleFence) refuses calls until the caller opens it.
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -108,7 +110,8 @@ def create_server(
     pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}")
     server = LoopServer(lambda: grpc.aio.server(
         migration_thread_pool=pool,  # the health and reflection services' handlers
-        interceptors=[TokenInterceptor(tokens, index)] if security.checks_tokens else None,
+        interceptors=[*([TokenInterceptor(tokens, index)] if security.checks_tokens else []),
+                      *([fence] if fence is not None else [])] or None,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -136,6 +136,23 @@ def test_with_restart_on_failure_a_killed_primary_comes_back_as_its_backups_back
     assert_nothing_left(run.pids)
 
 
+def test_a_replicated_job_runs_again_on_its_folder(tmp_path):
+    """A replicated job run on to more steps on its own folder: ps 0 and ps 1, each the other's arbiter, both had
+    a backup, so each answers only status and the layout until the other confirms it still serves its shard
+    (they confirm each other), then serve; the job trains on from where it ended."""
+    base = ["--ps", "2", "--workers", "2", "--dataset", "mnist5k", "--replicas", "2", "--checkpoint-dir", "ckpt/",
+            "--insecure"]
+    first = launch([*base, "--epochs", "1"], cwd=tmp_path)
+    assert first.code == 0, first.output
+    again = launch([*base, "--steps", str(STEPS_PER_EPOCH + 20)], cwd=tmp_path)
+    assert again.code == 0, again.output
+    for shard in (0, 1):
+        assert any(line.endswith(f"ps {shard}: its arbiter confirms it serves ps:{shard}")
+                   for line in again.of(f"ps:{shard}")), again.output
+    assert int(again.final().group(3)) >= STEPS_PER_EPOCH + 20, again.output
+    assert_nothing_left(first.pids | again.pids)
+
+
 HELP = " (see ps-launch --help)"
 
 
