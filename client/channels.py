@@ -190,7 +190,10 @@ class ShardChannels:
         """The job's shards are now `addresses` (a live resize: the same first ones, some added or removed at
         the end): channels are opened to new ones; those beyond stay open but are no longer `live`. An index a
         resize removed and a later one added again may come back at another address: its channel is replaced
-        (the old one is closed with the client)."""
+        (the old one is closed with the client). A shard that stays may be named at another address than this
+        client calls: a replicated shard's failover, before or after the layout's epoch was set; with
+        `follows_failovers` its arbiter says which address serves it (relocate: one call; this client keeps
+        its own if the arbiter does not answer), else ServerUnavailableError."""
         for index, address in enumerate(addresses):
             if index >= len(self.addresses):
                 self.addresses.append(address)
@@ -199,9 +202,11 @@ class ShardChannels:
                 self._retired.append(self._channels[index])
                 self.addresses[index] = address
                 self._open(address, index)
-            elif self.addresses[index] != address:
+            elif self.addresses[index] != address and not self.follows_failovers:
                 raise ServerUnavailableError(f"the job's layout puts {address} at ps:{index}, which this client "
                                              f"knows at {self.addresses[index]}: a resize keeps shard indices")
+            elif self.addresses[index] != address:
+                self.relocate(index)
         self.live = len(addresses)
 
     def relocate(self, shard: int) -> bool:

@@ -10,7 +10,10 @@ sync step that would not complete) rolls back itself before it raises.
 
 Shard indices stay: a resize adds shards at the end or removes the last ones
 (ps 0 always stays, it counts the global step). The current shards are ps
-0's layout (before any resize, the cluster spec it was started with). The
+0's layout (before any resize, the cluster spec it was started with), each
+at the address that serves it now: a replicated shard's failover moved it
+where its arbiter's record says (ps 0's, ps 1's for ps 0), which the
+current shards may be named by too; every epoch names each shard there. The
 steps:
 1. checks: a resize runs alone; added shards answer, start empty and save
    checkpoints if the job does; no variable is held by two shards, or by one
@@ -68,6 +71,7 @@ import threading
 import time
 from typing import Callable
 
+from ..cluster import arbiter_of
 from ..errors import ClusterConfigError, PSError, ResizeConflictError, ServerUnavailableError, WaitTimeoutError
 from ..proto import ps_pb2
 from .fanout import ShardFanout
@@ -273,10 +277,13 @@ class _Driver:
     def set_layout(self, addresses: list[str], placement: dict[str, int], hold: int, table_shards: int = 0,
                    members: ps_pb2.Layout | None = None) -> dict[int, ps_pb2.Layout]:
         """The next epoch, on every shard of `wide`: the others, then ps 0, then those it removes (so a client
-        that one of them sends away finds the epoch on ps 0); {shard: its reply}. `members`: ps 0's layout
-        under the hold, whose workers a shard that joins the job takes (ps.proto's Layout.members)."""
+        that one of them sends away finds the epoch on ps 0); {shard: its reply}. `addresses`: a prefix of
+        `wide`, each shard named where this driver calls it now (a failover since the resize began moved it).
+        `members`: ps 0's layout under the hold, whose workers a shard that joins the job takes (ps.proto's
+        Layout.members)."""
         self.check()
         with self._lock:
+            addresses = self.fanout.channels.addresses[:len(addresses)]
             self.epoch += 1
             self.started = self.started or time.monotonic()
             layout = ps_pb2.Layout(epoch=self.epoch, addresses=addresses, placement=placement, hold_from_step=hold,
@@ -348,13 +355,24 @@ def _ask(fanout: ShardFanout, request: ps_pb2.ResizeRequest) -> ps_pb2.ResizeSta
     return fanout.call(0, lambda stub, t: stub.Resize(request, timeout=t), fanout.control_timeout)
 
 
-def _current(fanout: ShardFanout, follower: LayoutFollower) -> tuple[int, list[str]]:
-    """(epoch, the job's shards) as ps 0 knows them: its layout's, before any resize the cluster spec it was
-    started with (a shard started without one: this client's)."""
+def _current(fanout: ShardFanout, follower: LayoutFollower) -> tuple[int, list[str], list[str]]:
+    """(epoch, the job's shards as ps 0's layout names them, each at the address that serves it now). The
+    layout's are, before any resize, the cluster spec ps 0 was started with (a shard started without one: this
+    client's); a replicated shard's arbiter (ps 0, ps 1 for ps 0: cluster.arbiter_of) records where it is served
+    after a failover. Blocks for a call to ps 0, and one to ps 1 if it is ps 0's arbiter."""
     follower.refresh()
-    layout = fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                         fanout.control_timeout)
-    return layout.epoch, list(layout.addresses) or list(fanout.channels.addresses[:fanout.cluster_shards])
+
+    def layout_of(shard: int) -> ps_pb2.Layout:
+        return fanout.call(shard, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                           fanout.control_timeout)
+
+    layout = layout_of(0)
+    named = list(layout.addresses) or list(fanout.channels.addresses[:fanout.cluster_shards])
+    served = {entry.index: entry.primary for entry in layout.replicas if entry.primary}
+    if len(named) > 1 and arbiter_of(0, fanout.cluster_shards) == 1:
+        served.update((entry.index, entry.primary) for entry in layout_of(1).replicas
+                      if entry.index == 0 and entry.primary)
+    return layout.epoch, named, [served.get(index, address) for index, address in enumerate(named)]
 
 
 def _busy(record: ps_pb2.ResizeState) -> str:
@@ -370,16 +388,21 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
         lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
     """The resize (see the module docstring); `fanout` must carry the chief's credentials. Raises
     ResizeConflictError (nothing changed) while another resize runs or was cut off; ClusterConfigError for
-    addresses that do not keep the shards' order; on a failure once it began, rolls it back and raises
-    what failed (if the rollback fails too, the resize is left cut off for --resume or --abort)."""
+    addresses that do not keep the shards' order (a shard that stays may be named where ps 0's layout names it
+    or where it is served now: _current; it is set where it is served); on a failure once it began, rolls it
+    back and raises what failed (if the rollback fails too, the resize is left cut off for --resume or
+    --abort)."""
     found = state(fanout)
     if found.phase == _PHASE.RUNNING:
         raise ResizeConflictError(_busy(found))
-    epoch, old = _current(fanout, follower)
+    epoch, named, old = _current(fanout, follower)
     common = min(len(old), len(addresses))
-    if not addresses or addresses[:common] != old[:common] or len(set(addresses)) != len(addresses):
+    if (not addresses or any(asked not in (old[i], named[i]) for i, asked in enumerate(addresses[:common]))
+            or len(set(old[:common] + addresses[common:])) != len(addresses)):
         raise ClusterConfigError(f"a resize keeps the shards' order and adds or removes shards at the end: the job "
-                                 f"has {old}; asked for {addresses}")
+                                 f"has {old}" + (f" (its layout names {named})" if named != old else "") +
+                                 f"; asked for {addresses}")
+    addresses = old[:common] + addresses[common:]  # the shards that stay, where they are served now
     fanout.channels.follow(old)
     fanout.channels.follow(addresses if len(addresses) > len(old) else old)
     _check_added(fanout, old, addresses)
@@ -410,7 +433,7 @@ def resume(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_
            quiet_seconds: float = QUIET_SECONDS, lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
     """Takes over the resize that was cut off (its lease ran out) and finishes it. ResizeConflictError if none
     is, or its driver still renews it; raises as `run` does once taken over (without rolling back)."""
-    epoch, _ = _current(fanout, follower)
+    epoch, _, _ = _current(fanout, follower)
     resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
     try:
         return _drive(resize, follower, fresh=False, drain_seconds=drain_seconds, quiet_seconds=quiet_seconds)
@@ -422,7 +445,7 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_s
           lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
     """Takes over the resize that was cut off and rolls it back (see the module docstring). ResizeConflictError
     if none is, or its driver still renews it; PSError if a shard cannot be reached (it stays cut off)."""
-    epoch, _ = _current(fanout, follower)
+    epoch, _, _ = _current(fanout, follower)
     resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
     try:
         return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")

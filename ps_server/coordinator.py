@@ -102,8 +102,9 @@ class Coordinator:
         self.gate = ApplyGate()
         self.layout = ShardLayout(index, addresses)  # the layout epoch and what left this shard (live resize)
         self.resizes = ResizeOwner() if owns_step else None  # the job's live resize: ps 0 owns it (resizes.py)
-        # Who serves each replicated shard (replicas.py): ps 0 records the others, ps 1 records ps 0.
-        self.replicas = ReplicaRegistry(addresses) if index <= 1 else None
+        # Who serves each replicated shard (replicas.py): ps 0 records the others, ps 1 records ps 0, each of the
+        # shards its layout epoch has (the cluster spec's before any live resize).
+        self.replicas = ReplicaRegistry(lambda: self.layout.layout()[1]) if index <= 1 else None
         self._index, self._spec_shards = index, len(addresses)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
@@ -116,7 +117,7 @@ class Coordinator:
                                                                          resize=self.resizes,
                                                                          replicas=self.replicas))
         self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step,
-                           owner=self.resizes)
+                           owner=self.resizes, replicas=self.replicas)
         self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, self.layout,
                                 owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
@@ -358,9 +359,11 @@ class Coordinator:
                     ) -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
-        journal record (at most `timeout` s). ModeConflictError on another shard than the arbiter, and for a
-        PROMOTE of a one-shard job's ps 0 (by hand only); ReplicaFencedError when the record names another
-        primary or backup; InvalidArgumentError for a malformed request. A repeat changes nothing."""
+        journal record (at most `timeout` s). ModeConflictError on another shard than the arbiter, for a
+        PROMOTE of a one-shard job's ps 0 (by hand only), and for an IN_SYNC of a shard past this shard's
+        layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
+        for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
+        request. A repeat changes nothing."""
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")

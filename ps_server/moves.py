@@ -12,6 +12,8 @@ journal is replayed (`replay`), so recovery runs the live code. Here:
   as its own (one added to the job starts at the job's step). The hold has a
   lease, renewed by the same layout set again: `run_hold_lease` (a thread)
   ends a hold whose lease ran out, as an epoch without it would, and says so;
+  on an arbiter (ps 0, ps 1) an epoch drops the record of the replicated
+  shards it removes (replicas.py);
 * `quiet` says when a sync shard's variables may move: under a hold, every
   step before it applied, nothing summed; export and import need it there;
 * `export` takes the named variables out at one instant, holding the apply
@@ -58,6 +60,7 @@ from .layout import ShardLayout, lease_of
 from .locks import checked
 from .modes import MAX_SECONDS
 from .recording import Recorder
+from .replicas import ReplicaRegistry
 from .resizes import ResizeOwner
 from .store import VariableStore
 from .tables import TableStore
@@ -91,10 +94,12 @@ def _blob(data: bytes) -> dict[str, torch.Tensor]:
 
 class Moves:
     """A shard's side of live resizes (see the module docstring). Thread-safe. `owner`: the job's resize record
-    (ps 0's; None elsewhere)."""
+    (ps 0's; None elsewhere). `replicas`: the arbiter's record of replicated shards (ps 0's and ps 1's; None
+    elsewhere), which forgets the shards an epoch removes (ReplicaRegistry.left)."""
 
     def __init__(self, book: Bookkeeping, store: VariableStore, tables: TableStore, gate: ApplyGate,
-                 recorder: Recorder, layout: ShardLayout, *, owns_step: bool, owner: ResizeOwner | None = None):
+                 recorder: Recorder, layout: ShardLayout, *, owns_step: bool, owner: ResizeOwner | None = None,
+                 replicas: ReplicaRegistry | None = None):
         self._owns_step = owns_step
         self._book = book
         self._store = store
@@ -103,6 +108,7 @@ class Moves:
         self._recorder = recorder
         self.layout = layout
         self.owner = owner
+        self._replicas = replicas
         self._receiving = checked(threading.Lock(), "receiving", "an import's (moves.Moves)")  # checked, then
                                             # made, at one time (variables or table rows)
         self._joined_at = 0  # the hold step this shard took as its own (it joined a running sync job), or 0;
@@ -408,6 +414,8 @@ class Moves:
                 self._joined_at = meta["step"]
             if changed and meta.get("table_shards"):
                 self.layout.relayout_tables(meta["table_shards"], self._table_count())
+            if changed and self._replicas is not None:
+                self._replicas.left(len(meta["addresses"]))
             return changed
         if kind == "hold_ended":
             return self.layout.end_hold(meta["epoch"])

@@ -15,10 +15,23 @@ master: the members of a chain change only through one record.
              primary P, backup B   --DROP(P, B)-----> primary P, backup ""
              primary P, backup B   --PROMOTE(P?, B)-> primary B, backup "", failovers + 1
 
-A shard is in the record from its first change; one never named is served at
-its cluster-spec address (`spec`). Every change is an event (a small JSON-able
-dict) made by `apply`, live and when ps 0's journal is replayed; `export` and
-`restore` carry the record in journal bases and checkpoints.
+Which shards there are is the arbiter's layout epoch (`shards`: a live
+resize's addresses, the cluster spec's before any resize), and one rule
+(`_entry`) says who serves shard i:
+* a shard in the record (from its first change on) is served where the
+  record says: an epoch naming another address for it never undoes a
+  failover;
+* a shard the layout has and the record does not is served at the layout's
+  address (the spec's, or where a resize added it);
+* a shard past the layout's count (a resize removed it, or has not added it
+  yet) is served nowhere: its record is dropped when an epoch removes it
+  (`left`), its PROMOTE is refused (its backup stops), its DROP is granted
+  (nothing can take it over) and its IN_SYNC waits for an epoch that names it
+  (ModeConflictError: the primary asks again).
+Every change is an event (a small JSON-able dict) made by `apply`, live and
+when the arbiter's journal is replayed (`left` runs with the layout's own
+record); `export` and `restore` carry the record in journal bases and
+checkpoints.
 
 Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 """
@@ -27,9 +40,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
-from ..errors import InvalidArgumentError, ReplicaFencedError
+from ..errors import InvalidArgumentError, ModeConflictError, ReplicaFencedError
 from .layout import MAX_SHARDS
 from .locks import guarded
 
@@ -39,39 +52,51 @@ ACTIONS = ("in_sync", "drop", "promote")  # ps.proto's ReplicaChange.Action, in 
 MAX_ADDRESS_CHARS = 1024
 
 
-
 class ReplicaRegistry:
-    """ps 0's record of every replicated shard (see the module docstring). `spec`: the job's shard addresses
-    from its cluster spec (where a shard never in the record is served)."""
+    """The arbiter's record of every replicated shard (see the module docstring). `shards`: the job's shard
+    addresses now (the arbiter's layout epoch's; called outside this record's lock, as the layout is an owner of
+    its own); a list stands for a job that is never resized."""
 
-    def __init__(self, spec: list[str] | tuple[str, ...] = ()):
-        self._spec = list(spec)
+    def __init__(self, shards: Callable[[], Sequence[str]] | Sequence[str] = ()):
+        self._shards_now = shards if callable(shards) else lambda: shards
         self._lock = threading.Lock()
         self._shards: dict[int, dict] = {}  # index -> {"primary", "backup", "failovers", "last_failover"}
 
-    @guarded
     def entry(self, index: int) -> dict:
-        """Shard `index`'s record (its spec address and no backup if it has none)."""
-        return dict(self._entry(index))
+        """Shard `index`'s record (its layout address and no backup if it has none; no primary past the
+        layout's shards)."""
+        return self._copy(index, list(self._shards_now()))
+
+    @guarded
+    def _copy(self, index: int, shards: list[str]) -> dict:
+        return dict(self._entry(index, shards))
 
     @guarded
     def entries(self) -> list[tuple[int, dict]]:
         """(index, record) of every shard in the record, by index."""
         return [(index, dict(entry)) for index, entry in sorted(self._shards.items())]
 
-    def _entry(self, index: int) -> dict:
+    def _entry(self, index: int, shards: list[str]) -> dict:
+        """Who serves shard `index` of the job's `shards` (the module docstring's rule: the one place it is
+        made)."""
+        if index >= len(shards):
+            return {"primary": "", "backup": "", "failovers": 0, "last_failover": 0.0}
         found = self._shards.get(index)
         if found is not None:
             return found
-        primary = self._spec[index] if index < len(self._spec) else ""
-        return {"primary": primary, "backup": "", "failovers": 0, "last_failover": 0.0}
+        return {"primary": shards[index], "backup": "", "failovers": 0, "last_failover": 0.0}
 
-    @guarded
     def decide(self, action: str, index: int, primary: str, backup: str) -> dict | None:
         """The event that makes `action` (ACTIONS) of shard `index`, None if the record says so already (a
-        repeat). InvalidArgumentError for a malformed request; ReplicaFencedError when the record names
-        another primary than `primary` (for PROMOTE, another backup than `backup`): the caller must stop
-        serving shard `index`. Changes nothing: apply() the event."""
+        repeat, or a DROP of a shard past the layout's). InvalidArgumentError for a malformed request;
+        ReplicaFencedError when the record names another primary than `primary` (for PROMOTE, another backup
+        than `backup`, or none: a shard past the layout's): the caller must stop serving shard `index`;
+        ModeConflictError for IN_SYNC of a shard past the layout's (asked again once an epoch names it).
+        Changes nothing: apply() the event."""
+        return self._decide(action, index, primary, backup, list(self._shards_now()))
+
+    @guarded
+    def _decide(self, action: str, index: int, primary: str, backup: str, shards: list[str]) -> dict | None:
         if action not in ACTIONS:
             raise InvalidArgumentError(f"a replica change is one of {', '.join(ACTIONS)}. Received: {action!r}")
         if not 0 <= index < MAX_SHARDS:
@@ -81,7 +106,9 @@ class ReplicaRegistry:
             if len(address) > MAX_ADDRESS_CHARS or (what in needed and not address):
                 raise InvalidArgumentError(f"a replica change {action} of ps:{index} names its {what}'s address "
                                            f"(1 to {MAX_ADDRESS_CHARS} characters). Received: {address!r}")
-        entry = self._entry(index)
+        if index >= len(shards):
+            return self._outside(action, index, backup, len(shards))
+        entry = self._entry(index, shards)
         if action == "promote":
             if entry["primary"] == backup:
                 return None  # granted already: a retry
@@ -99,11 +126,25 @@ class ReplicaRegistry:
             return None  # dropped already, or another backup is in sync: nothing of this one to drop
         return {"action": action, "index": index}
 
-    @guarded
+    @staticmethod
+    def _outside(action: str, index: int, backup: str, count: int) -> None:
+        """decide() of shard `index` past the layout's `count` shards (see the module docstring)."""
+        where = f"ps:{index} is not in the job's layout of {count} shards (a live resize removed it, or has not " \
+                f"added it yet)"
+        if action == "promote":
+            raise ReplicaFencedError(f"{where}: no backup takes it over; {backup} must stop following it")
+        if action == "in_sync":
+            raise ModeConflictError(f"{where}: its backup is recorded once a layout epoch names it; ask again")
+        return None  # drop: no backup of it can be promoted, so its primary may go on alone
+
     def apply(self, event: Mapping) -> None:
         """Makes one decide()d event's change (live and on replay)."""
+        self._apply(event, list(self._shards_now()))
+
+    @guarded
+    def _apply(self, event: Mapping, shards: list[str]) -> None:
         index = int(event["index"])
-        entry = self._shards.setdefault(index, dict(self._entry(index)))
+        entry = self._shards.setdefault(index, dict(self._entry(index, shards)))
         if event["action"] == "in_sync":
             entry["backup"] = event["backup"]
         elif event["action"] == "drop":
@@ -111,6 +152,13 @@ class ReplicaRegistry:
         else:
             entry.update(primary=event["primary"], backup="", failovers=entry["failovers"] + 1,
                          last_failover=float(event["when"]))
+
+    @guarded
+    def left(self, count: int) -> None:
+        """A layout epoch of `count` shards was taken: the record of every shard past them is dropped (a resize
+        removed them; one that adds such an index again adds a new shard, served at its new address)."""
+        for index in [index for index in self._shards if index >= count]:
+            del self._shards[index]
 
     @guarded
     def export(self) -> dict:

@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from torchps.errors import InvalidArgumentError, ReplicaFencedError, WaitTimeoutError, ServerUnavailableError
+from torchps.errors import (InvalidArgumentError, ModeConflictError, ReplicaFencedError, WaitTimeoutError,
+                            ServerUnavailableError)
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replicas import ReplicaRegistry
 
@@ -72,6 +73,50 @@ def test_the_record_survives_export_and_restore():
     again = ReplicaRegistry(SPEC)
     again.restore(registry.export())
     assert again.entries() == registry.entries()
+
+
+def test_a_shard_a_resize_adds_is_served_at_the_layouts_address_from_the_epoch_that_names_it():
+    layout = ["h:0", "h:1"]  # the arbiter's layout epoch: the spec's, then a resize's
+    registry = ReplicaRegistry(lambda: layout)
+    with pytest.raises(ModeConflictError, match="not in the job's layout of 2 shards") as refused:
+        registry.decide("in_sync", 2, "h:2", "b:2")  # not yet added: its primary asks again
+    assert not isinstance(refused.value, ReplicaFencedError)
+    layout.append("h:2")
+    registry.apply(registry.decide("in_sync", 2, "h:2", "b:2"))
+    registry.apply(registry.decide("promote", 2, "h:2", "b:2"))
+    assert registry.entry(2)["primary"] == "b:2"
+
+
+def test_a_layout_epoch_never_undoes_a_failover():
+    layout = ["h:0", "h:1", "h:2"]
+    registry = ReplicaRegistry(lambda: layout)
+    registry.apply(registry.decide("in_sync", 1, "h:1", "b:1"))
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
+    layout[1] = "stale:1"  # an epoch set by a driver that read the record before the failover
+    registry.left(len(layout))
+    assert registry.entry(1)["primary"] == "b:1"
+    with pytest.raises(ReplicaFencedError, match="not by stale:1"):
+        registry.decide("in_sync", 1, "stale:1", "c:1")
+
+
+def test_a_shard_a_resize_removes_is_served_nowhere_and_comes_back_as_a_new_one():
+    """Its backup's promotion is refused (it stops), its primary's drop granted; an index added again starts a
+    fresh record at its new address."""
+    layout = ["h:0", "h:1", "h:2"]
+    registry = ReplicaRegistry(lambda: layout)
+    registry.apply(registry.decide("in_sync", 2, "h:2", "b:2"))
+    registry.apply(registry.decide("promote", 2, "h:2", "b:2"))
+    registry.apply(registry.decide("in_sync", 2, "b:2", "c:2"))
+    del layout[2]
+    registry.left(len(layout))
+    assert [index for index, _ in registry.entries()] == []
+    with pytest.raises(ReplicaFencedError, match="not in the job's layout of 2 shards.*c:2 must stop"):
+        registry.decide("promote", 2, "b:2", "c:2")
+    assert registry.decide("drop", 2, "b:2", "c:2") is None
+    layout.append("new:2")
+    assert registry.entry(2) == {"primary": "new:2", "backup": "", "failovers": 0, "last_failover": 0.0}
+    with pytest.raises(ReplicaFencedError, match="no backup in sync"):
+        registry.decide("promote", 2, "b:2", "c:2")
 
 
 class _Follower:
