@@ -1,5 +1,6 @@
 """bench/pages.py's pages of what survives and what it costs: the chaos soak (soak.py), live resizes
-(resize.py, and the soak's), a shard's memory (memory.py, against.py's comparisons), the journal (journal.py)."""
+(resize.py, and the soak's), a shard's memory (memory.py, against.py's comparisons), the journal (journal.py),
+replicated shards (replication.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pages_core import (MISSING, Page, Result, code, compact, earlier, machine_l
                         sig, source, table)
 
 RESIZE_KINDS = ["shard-added", "shard-removed", "worker-added", "worker-removed"]
+MODEL_NAMES = {"small": "seed MLP", "large": "25.3M MLP"}  # replication.py's models
 
 
 def _modes(r: Result) -> str:
@@ -293,4 +295,81 @@ def journal_page(results: list[Result]) -> Page:
         used += against
     page.lines += earlier([r for r in results if r not in used], [
         ("journal over plain", lambda r: num(r.get("journal_over_plain")))])
+    return page
+
+
+def replication_page(results: list[Result]) -> Page:
+    page = Page.start(
+        "replication.md", "Replicated shards",
+        "`bench/replication.py` prices a shard's backup and times its failover (issue #40). Cost: 1 ps + 2 "
+        "workers train an MLP in two jobs started side by side, both with the journal on, one with a backup of "
+        "its shard (`ps-server --replica-of`), in turns; the ratio is the replicated job's steps/s over the "
+        "other's. Failover: ps 1's primary of a 2-shard job is SIGKILLed and its journal folder deleted while "
+        "processes push gradients of ones; the backup's first acknowledged push is timed from the kill, and the "
+        "values pulled at the end audited against the pushes acknowledged.")
+    used = []
+    costs = [r for r in results if r.get("cost")]
+    if costs:
+        r = costs[-1]
+        cost = r.get("cost")
+        charts = {mode: {MODEL_NAMES.get(model, model): {"ratio of the medians": g.get("ratio"),
+                                                          "paired": g.get("ratio_paired")}
+                         for model, by_mode in cost.items() for m, g in by_mode.items() if m == mode}
+                  for mode in ("async", "sync") if any(mode in by_mode for by_mode in cost.values())}
+        page.figures["replication-cost.svg"] = functools.partial(
+            plot.panels, charts, ylabel="replicated / unreplicated steps/s",
+            line=[r.get("targets", f"small_{mode}_ratio", "threshold") for mode in charts],
+            title=f"Steps/s with a backup over without, per training mode (dashed: the bar; {r.name})")
+        rows = []
+        for model, by_mode in cost.items():
+            for mode, g in by_mode.items():
+                if "error" in g:
+                    rows.append([MODEL_NAMES.get(model, model), mode, "failed: " + g["error"].splitlines()[0][:120],
+                                 *[MISSING] * 8])
+                for arm, cpu in (g.get("cpu_per_step") or {}).items():
+                    rows.append([MODEL_NAMES.get(model, model), mode, arm, sig((g.get("steps_per_s") or {}).get(arm)),
+                                 num(g.get("ratio"), 3) if arm == "replicated" else MISSING,
+                                 *(sig(cpu.get(k)) for k in ("ps_ms", "backup_ms", "compute_ms", "update_ms",
+                                                             "total_ms")), num(cpu.get("cores_busy"))])
+        page.lines += ["## What a backup costs", "", "![replicated over unreplicated](replication-cost.svg)", "",
+                       *table(["model", "training", "job", "steps/s (median)", "over unreplicated", "ps CPU ms/step",
+                               "backup CPU ms/step", "compute ms/step", "exchange ms/step", "all CPU ms/step",
+                               "cores busy"], rows),
+                       "CPU per step: the ps and the backup from /proc over each window, the workers' own "
+                       "(forward/backward, exchange()); all: their sum.", "",
+                       *section("How this was measured", [source(r)])]
+        page.headline += [(f"replicated over unreplicated steps/s, {MODEL_NAMES.get(model, model)}, {mode}",
+                           num(g.get("ratio")), r)
+                          for model, by_mode in cost.items() for mode, g in by_mode.items()]
+        used.append(r)
+    failovers = [r for r in results if isinstance(r.get("failover"), dict)]
+    if failovers:
+        r = failovers[-1]
+        f = r.get("failover")
+        times = f.get("failover_s") or []
+        spreads = {"the first pusher's": times, "every pusher's": f.get("resumed_s") or []}
+        page.figures["replication-failover.svg"] = functools.partial(
+            plot.spread, spreads, {k: median(v) for k, v in spreads.items()}, fmt="{:.3f}",
+            ylabel="s from the kill", title=f"Kill to the first push the promoted backup acknowledged (dots: each "
+            f"kill; bar: median; {r.name})")
+        rows = [[k, "failed: " + x["error"].splitlines()[0][:120]] + [MISSING] * 5 if "error" in x else
+                [k, num(x.get("failover_s"), 3), num(x.get("resumed_s"), 3),
+                 sum(p.get("acked", 0) for p in x.get("pushers", [])), x.get("lost"), x.get("duplicated"),
+                 "yes" if x.get("exact") else "no"] for k, x in enumerate(f.get("rounds") or [], 1)]
+        page.lines += ["## Failover", "", "![failover times](replication-failover.svg)", "",
+                       *table(["kill", "failover s", "every pusher s", "pushes acknowledged", "lost", "duplicated",
+                               "values exact"], rows),
+                       f"failover_s over {len(times)} kills: p50 {num(f.get('failover_p50_s'), 3)}, p99 "
+                       f"{num(f.get('failover_p99_s'), 3)}, max {num(f.get('failover_max_s'), 3)}; rounds that "
+                       f"failed: {f.get('failed_rounds')}.", "", *section("How this was measured", [source(r)])]
+        page.headline.append(("failover, kill to the backup's first acknowledged push, p99 s",
+                              num(f.get("failover_p99_s"), 3), r))
+        used.append(r)
+    targets = {k: t for r in used for k, t in (r.get("targets") or {}).items() if t.get("value") is not None}
+    if targets:
+        page.lines += ["## The bars", "", *table(["bar", "figure", ""], [
+            [f"{t['what']} ({code(k)})", num(t["value"], 0 if isinstance(t["value"], int) else 3), met(t.get("met"))]
+            for k, t in targets.items()])]
+    page.lines += earlier([r for r in results if not any(r is u for u in used)], [
+        ("failover p99 s", lambda r: num(r.get("failover_p99_s"), 3))])
     return page
