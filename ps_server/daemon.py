@@ -132,7 +132,8 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     except PSError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    backup = Backup(index, me, primary, tuple(cluster.ps), args.journal_dir, security, sync=args.journal_sync,
+    backup = Backup(index, me, primary, tuple(cluster.ps), args.journal_dir, security.as_shard(index),
+                    sync=args.journal_sync,
                     failover_after=args.failover_after)
     interrupted = []
 
@@ -266,7 +267,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard
     if fence is not None:
         def confirm() -> None:
-            current = confirm_role(index, me, tuple(cluster.ps), security, stop, args.failover_after * 4)
+            current = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
+                                   args.failover_after * 4)
             if current is not None:
                 _LOGGER.warning("ps %d: its arbiter says %s serves it now (a failover): this shard becomes its backup",
                                 index, current)

@@ -137,7 +137,7 @@ def create_server(
         server.closers.append(lanes.close)
     me = me or (addresses[index] if index < len(addresses) else address)
     replication = Replication(index, me, lambda: coordinator.recorder.journal, coordinator.recorder.compact_for,
-                              arbiter_for(coordinator, index, tuple(addresses), security),
+                              arbiter_for(coordinator, index, tuple(addresses), security.as_shard(index)),
                               self_arbitrated=arbiter_of(index, len(addresses)) == index,
                               chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout)
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,

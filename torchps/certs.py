@@ -18,7 +18,7 @@ tokens are written with mode 0600 in a folder of mode 0700.
     DIR/ca.crt  DIR/ca.key        the CA (keep ca.key off the cluster)
     DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0
     DIR/<type>-<index>.token      per task but the shards: its token (the shards' --token-file is DIR/tokens)
-    DIR/tokens                    the shards': "TASK ROLE TOKEN" for every other task
+    DIR/tokens                    the shards': "TASK ROLE TOKEN" for every task (a shard calls others with its own)
     DIR/admin-token               the admin token (the chief, and the shards that check it)
     DIR/cluster.json              the cluster the folder was made for, with the tasks --add gave an address
 
@@ -133,7 +133,7 @@ class JobCredentials:
     ca_cert: bytes
     admin_token: bytes
     tasks: dict[TaskSpec, tuple[bytes, bytes]]  # task -> (certificate, key)
-    tokens: dict[TaskSpec, bytes] = dataclasses.field(default_factory=dict, repr=False)  # every task but the shards
+    tokens: dict[TaskSpec, bytes] = dataclasses.field(default_factory=dict, repr=False)  # every task's
     ca_key: bytes | None = dataclasses.field(default=None, repr=False)
 
     def token_table(self) -> bytes:
@@ -142,7 +142,7 @@ class JobCredentials:
                        for task, token in self.tokens.items()).encode()
 
     def token_of(self, task: TaskSpec) -> bytes:
-        """What `task`'s token file holds: its own token, or for a shard the table of every other task's."""
+        """What `task`'s token file holds: its own token, or for a shard the table of every task's."""
         return self.token_table() if task.type == "ps" else self.tokens[task]
 
     def with_task(self, task: TaskSpec) -> "JobCredentials":
@@ -173,7 +173,7 @@ class JobCredentials:
 
     def write_task(self, task: TaskSpec, directory: str | os.PathLike) -> TaskCredentials:
         """Only `task`'s files into `directory` (made with mode 0700), named as in its Kubernetes Secret:
-        ca.crt, tls.crt, tls.key, token (its own; a shard's: the table of every other task's), and admin-token
+        ca.crt, tls.crt, tls.key, token (its own; a shard's: the table of every task's), and admin-token
         for the chief and the shards."""
         directory = private_dir(directory)
         cert, key = self.tasks[task]
@@ -224,8 +224,7 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
     for task, address in cluster.tasks():
         also = [backups[task.index].rpartition(":")[0]] if task.type == "ps" and task.index < len(backups) else []
         tasks[task] = _sign(ca_key, ca_name, task, role_of(cluster, task), address.rpartition(":")[0], days, *also)
-        if task.type != "ps":
-            tokens[task] = new_token()
+        tokens[task] = new_token()  # a shard's is its line of the table: it calls the others with it
     return JobCredentials(cluster, ca_cert.public_bytes(serialization.Encoding.PEM),
                           new_token(), tasks, tokens,
                           _pem_key(ca_key) if keep_ca_key else None)
@@ -234,13 +233,13 @@ def issue_job_credentials(cluster: Cluster, *, days: int = VALID_DAYS, keep_ca_k
 def added_task(ca_cert: bytes, ca_key: bytes, task: TaskSpec, *, host: str = "localhost",
                days: int = VALID_DAYS) -> tuple[bytes, bytes, bytes | None]:
     """(certificate, key, token) for `task` joining a running job: a worker or evaluator, or a shard a live
-    resize adds (no token: a shard's token file is the job's table). Signed by the job's CA (PEM certificate
+    resize adds (its token a line of the job's table, its token file). Signed by the job's CA (PEM certificate
     and key), its role its type, its certificate naming `host` (and localhost). ClusterConfigError for a chief
     (part of a job's start)."""
     _check_addable(task)
     ca_name = x509.load_pem_x509_certificate(ca_cert).subject
     cert, key = _sign(serialization.load_pem_private_key(ca_key, None), ca_name, task, task.type, host, days)
-    return cert, key, None if task.type == "ps" else new_token()
+    return cert, key, new_token()
 
 
 def _check_addable(task: TaskSpec) -> None:
@@ -290,7 +289,8 @@ def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int
         write_file(files.cert, cert, secret=False)
         write_file(files.key, key, secret=True)
         if token is not None:
-            write_file(files.token, token, secret=True)
+            if task.type != "ps":  # a shard's token file is the table, which gets its line
+                write_file(files.token, token, secret=True)
             lines += token_line(task, token)
     if lines:
         append_tokens(directory / "tokens", lines)
@@ -412,7 +412,7 @@ def read_job_credentials(directory: str | os.PathLike, cluster: Cluster) -> dict
 
 def kubernetes_secrets(made: dict[TaskSpec, TaskCredentials], name: str) -> str:
     """Kubernetes Secrets (one YAML document per task, named NAME-TYPE-INDEX) holding only what that task
-    needs: the CA certificate, its token (a shard's: the table of every other task's), its own certificate and
+    needs: the CA certificate, its token (a shard's: the table of every task's), its own certificate and
     key as tls.crt/tls.key, and the admin token for the chief and the shards. The CA's key is in none of them."""
     documents = []
     for task, files in made.items():

@@ -81,7 +81,8 @@ def rotate_tokens(directory: str | os.PathLike, *, grace: float, now: float | No
     lines += [f"{task} {role} {fresh[task]}\n" for task, (role, _) in current.items()]
     replace_file(path, "".join(lines).encode())  # first: the shards know a new token before any task sends it
     for task in current:
-        replace_file(directory / f"{task.type}-{task.index}.token", fresh[task].encode())
+        if task.type != "ps":  # a shard reads its new line in the table
+            replace_file(directory / f"{task.type}-{task.index}.token", fresh[task].encode())
     names = ", ".join(str(task) for task in current)
     if grace > 0:
         until = until_text(now + grace).removeprefix("until=")

@@ -219,6 +219,15 @@ class Security:
         """The token a client sends: the admin token if it has one (the chief), else the job token."""
         return self.admin_token or self.token
 
+    def as_shard(self, index: int) -> "Security":
+        """The credentials shard `index` calls another shard with (a backup's stream, its arbiter): its own
+        certificate, and its own line's token of the table (ps:INDEX; ps-certs writes one per shard), else the
+        job token; no admin token, so it acts in the ps role."""
+        name = f"ps:{index}"
+        own = [token for task, _, token in self.task_tokens if task == name][-1:]  # after a rotation: the new one
+        return dataclasses.replace(self, token=own[0] if own else self.token, admin_token=None, task_tokens=(),
+                                   retiring=())
+
 
 INSECURE = Security()
 

@@ -10,30 +10,37 @@ import sys
 import threading
 
 import grpc
+import pytest
 import torch
 from helpers import free_ports, wait_until
 
+from torchps.certs import make_job_credentials
 from torchps.client import Optimizer, PSClient
 from torchps.cluster import Cluster, TaskSpec
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.failstop import EXIT_CODE
+from torchps.security import Security
 from torchps.worker.local_cluster import LocalCluster
 
 SHAPES = {"rep/a": (64, 33), "rep/b": (1000,)}  # round robin: a on ps:0, b on ps:1 (the replicated one)
 
 
-def _start(tmp_path, extra=(), backed=1):
+def _start(tmp_path, extra=(), backed=1, credentials=None):
+    """Two shards (their cluster spec given) and a backup of ps `backed`; `credentials(task)`: a task's flags
+    (TLS files, token files), else --insecure."""
     p0, p1, pb = free_ports(3)
     spec = json.dumps({"ps": [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    secured = credentials or (lambda task: ["--insecure"])
     local = LocalCluster(2, ports=[p0, p1], server_args=["--cluster", spec, "--checkpoint-dir", str(tmp_path / "ck"),
+                                                          *(secured(TaskSpec("ps", 0)) if credentials else []),
                                                           *extra], log_dir=tmp_path)
     local.start()
     backup_address = f"127.0.0.1:{pb}"
     with open(tmp_path / "backup.log", "wb") as log:
         backup = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(backed), "--cluster", spec,
                                    "--replica-of", f"127.0.0.1:{(p0, p1)[backed]}", "--bind", backup_address,
-                                   "--journal-dir", str(tmp_path / f"backup-{backed}"), "--insecure", "--torch-threads",
-                                   "1", *extra],
+                                   "--journal-dir", str(tmp_path / f"backup-{backed}"), "--torch-threads", "1",
+                                   *secured(TaskSpec("ps", backed)), *extra],
                                   stdout=log, stderr=subprocess.STDOUT)
     return local, backup, backup_address, Cluster.from_json(spec)
 
@@ -73,6 +80,44 @@ def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
         backup.wait(timeout=30)
         local.stop()
     assert "this backup serves it" in (tmp_path / "backup.log").read_text()
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["mutual-tls", "per-task-tokens"])
+def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls):
+    """Under mutual TLS (a shard's certificate: the ps role), or per-task tokens without TLS (a shard's own
+    line of the table): the backup follows ps:1 (its records on a TLS lane), ps 0 grants its in-sync and
+    promotion, and the chief's pushes go on there exactly after ps:1 is killed."""
+    holder = {}
+
+    def credentials(task: TaskSpec) -> list[str]:
+        files = holder["files"][task]
+        return ([*("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))] if tls
+                else []) + (["--token-file", str(files.token), "--admin-token-file", str(files.admin_token)]
+                            if not tls else [])
+
+    holder["files"] = make_job_credentials(tmp_path / "job", Cluster(  # certificates name hosts (127.0.0.1), not ports
+        ps=("127.0.0.1:1", "127.0.0.1:2"), chief=("127.0.0.1:3",), worker=("127.0.0.1:4",)))
+    local, backup, backup_address, cluster = _start(tmp_path, credentials=credentials)
+    chief = holder["files"][TaskSpec("chief", 0)]
+    security = Security.load(tls_cert=str(chief.cert) if tls else None, tls_key=str(chief.key) if tls else None,
+                             tls_ca=str(chief.ca) if tls else None, token_file=None if tls else str(chief.token),
+                             admin_token_file=None if tls else str(chief.admin_token), environ={})
+    try:
+        with PSClient(cluster, task=TaskSpec("worker", 0), security=security, connect_timeout=30) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
+                       30, "ps 0 to record ps:1's backup in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(1)
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -2.0)) for n, s in SHAPES.items())
+            assert _replicas(ps)[1].primary == backup_address
+    finally:
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
 
 
 def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):

@@ -167,3 +167,18 @@ def test_only_a_retiring_token_is_refused_as_retired():
         verdict = policy(security, "Push", token=token, now=T + 1)
         assert not verdict.authenticated and not verdict.retired, (token, verdict)
     assert policy(security, "Configure", token=ADMIN, now=T + 1).allowed  # the admin token does not retire
+
+
+def test_a_shard_calls_another_in_the_ps_role_with_its_own_line_of_the_table():
+    """Security.as_shard: the token of its own line (the newest, after a rotation), no admin token; the policy
+    gives that token the ps role: replication calls, nothing an admin or a worker makes."""
+    table = (("ps:1", "ps", "old-ps1"), ("chief:0", "chief", "chief-token"), ("ps:1", "ps", "new-ps1"),
+             ("ps:0", "ps", "ps0-token"))
+    shard = Security(task_tokens=table, admin_token="the-admin-token")
+    caller = shard.as_shard(1)
+    assert (caller.call_token(), caller.admin_token, caller.task_tokens) == ("new-ps1", None, ())
+    for method, allowed in (("Replicate", True), ("SetReplica", True), ("GetLayout", True), ("Push", False),
+                            ("SetLayout", False)):
+        verdict = policy(shard, method, token=caller.call_token())
+        assert verdict.authenticated and (verdict.name, verdict.role, verdict.allowed) == ("ps:1", "ps", allowed)
+    assert Security(token="job-token").as_shard(0).call_token() == "job-token"  # one job token: it names nobody

@@ -112,8 +112,9 @@ def test_every_shipped_shard_sets_its_memory_quota_from_the_pods_memory():
 
 def test_a_tasks_own_folder_holds_its_own_token_and_a_shard_the_table_of_them(tmp_path):
     """ps-launch's per-task folders (issue_job_credentials + write_task, the CA key in memory only) use the
-    per-task tokens ps-certs writes: each task its own token, a shard the table naming every other task and
-    role; ps-certs' folder (write) holds the same tokens under its own names."""
+    per-task tokens ps-certs writes: each task its own token, a shard the table naming every task and role (its
+    own line: the token it calls other shards with); ps-certs' folder (write) holds the same tokens under its
+    own names."""
     from torchps.certs import issue_job_credentials
     from torchps.cluster import TaskSpec
     from torchps.security import Security
@@ -130,8 +131,8 @@ def test_a_tasks_own_folder_holds_its_own_token_and_a_shard_the_table_of_them(tm
     assert own[chief] != own[worker]
     table = Security.load(token_file=str(files[shard].token), environ={}).task_tokens
     other = issued.tokens[TaskSpec("worker", 0)].decode()
-    assert sorted(table) == [("chief:0", "chief", own[chief]), ("worker:0", "worker", other),
-                             ("worker:1", "worker", own[worker])]
+    assert sorted(table) == [("chief:0", "chief", own[chief]), ("ps:0", "ps", issued.tokens[shard].decode()),
+                             ("worker:0", "worker", other), ("worker:1", "worker", own[worker])]
     assert Security.load(token_file=str(files[worker].token), environ={}).token == own[worker]
     written = issued.write(tmp_path / "certs")
     assert written[worker].token.read_text() == own[worker] and written[shard].token.name == "tokens"
