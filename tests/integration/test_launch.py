@@ -328,8 +328,10 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
         assert given["files"] == sorted(["ca.crt", "tls.crt", "tls.key", "token", *["admin-token"] * admin]), given
         assert given["modes"] == (0o700, 0o700), (task, [oct(m) for m in given["modes"]])
         assert "ca.key" not in given["everything"], given["everything"]
-    # Per-task tokens: each worker holds its own, the shard the table of them (TASK ROLE TOKEN).
+    # Per-task tokens: each worker holds its own, the shard the table of them (TASK ROLE TOKEN), its own line
+    # the token it would call another shard with.
     table = {line.split()[0]: line.split()[1:] for line in seen["ps:0"]["token"].splitlines()}
+    assert table.pop("ps:0")[0] == "ps", table
     assert table == {"worker:0": ["chief", seen["worker:0"]["token"]],
                      "worker:1": ["worker", seen["worker:1"]["token"]]}, table
     assert seen["worker:0"]["token"] != seen["worker:1"]["token"]
