@@ -513,7 +513,8 @@ class Journal:
             os.replace(self._take_spare(largest=True), path)
             if self.sync:
                 fsync_dir(self.directory)
-        if self._fd is not None:
+        if self._fd is not None:  # the log ends at its last record: no bytes of its file's earlier use after it
+            os.ftruncate(self._fd, self._offset)  # (a later log's records would make them read as a damaged one)
             if self.sync:
                 os.fdatasync(self._fd)
             os.close(self._fd)

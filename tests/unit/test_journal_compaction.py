@@ -92,3 +92,26 @@ def test_pushes_are_applied_and_acknowledged_while_a_compaction_writes_its_base(
     back = shard(tmp_path / "journal")
     assert_same(observed(back), after)
     back.close()
+
+
+def test_a_journal_stopped_between_a_rotation_and_its_base_recovers(tmp_path):
+    """Log 3 written over a longer retired file, then log 4 begun, its base not written yet (a shard killed
+    mid-compaction, or a backup's copy between its primary's rotation and base): the rotation cut log 3 at its
+    last record, so the journal recovers instead of reading the file's older bytes as a damaged record."""
+    journal = Journal(tmp_path / "j", min_compact_bytes=1)
+    journal.start(None)
+
+    def compact() -> None:
+        number = journal.rotate()
+        journal.finish_compaction(number, journal.write_base(number, {}))
+
+    for size in (4000, 3000):  # log 1 longer than log 2: log 3 is written over log 1's file
+        compact()
+        journal.wait(journal.append("apply", {}, {"g": torch.ones(size)}))
+    compact()
+    journal.wait(journal.append("apply", {"i": 3}, {"g": torch.ones(100)}))
+    journal.rotate()  # log 4, no base 4
+    journal.wait(journal.append("apply", {"i": 4}, {"g": torch.ones(10)}))
+    journal.close()
+    _, records = Journal(tmp_path / "j").recover()
+    assert [record.meta["i"] for record in records] == [3, 4]
