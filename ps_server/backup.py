@@ -343,13 +343,20 @@ def arbiter_channels(spec: tuple[str, ...], timeout: float, security: Security):
     return channels
 
 
-def serving(channels, index: int) -> str | None:
-    """The address the arbiter of shard `index` records it served at, None if it records none. Raises PSError
-    when the arbiter cannot be reached (one attempt of the channels' connect timeout)."""
+def record_of(channels, index: int) -> tuple[str, str] | None:
+    """(primary, backup in sync or "") the arbiter of shard `index` records, None if it records none. Raises
+    PSError when the arbiter cannot be reached (one attempt of the channels' connect timeout)."""
     arbiter = arbiter_of(index, len(channels.addresses))
     layout = channels.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
                            channels.connect_timeout)
-    return next((entry.primary for entry in layout.replicas if entry.index == index and entry.primary), None)
+    return next(((entry.primary, entry.backup) for entry in layout.replicas if entry.index == index
+                 and entry.primary), None)
+
+
+def serving(channels, index: int) -> str | None:
+    """The address the arbiter of shard `index` records it served at, None if it records none (record_of)."""
+    record = record_of(channels, index)
+    return record[0] if record else None
 
 
 def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path) -> bool:
@@ -359,16 +366,16 @@ def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path) ->
 
 
 def confirm_role(index: int, me: str, spec: tuple[str, ...], security: Security, stop: threading.Event,
-                 attempt_seconds: float) -> str | None:
+                 attempt_seconds: float) -> tuple[str, str] | None:
     """Asks shard `index`'s arbiter who serves it until it answers or `stop` is set (blocks, logging every
-    PROGRESS_SECONDS): the address it records if that is not `me` (this process must then be its backup), else
-    None (also once stopped)."""
+    PROGRESS_SECONDS): (the address it records serving it, `me` if none; its backup in sync, "" if none), None
+    once stopped."""
     channels = arbiter_channels(spec, attempt_seconds, security)
     started = last_log = time.monotonic()
     try:
         while not stop.is_set():
             try:
-                current = serving(channels, index)
+                current = record_of(channels, index)
             except PSError as exc:
                 if time.monotonic() - last_log >= PROGRESS_SECONDS:
                     last_log = time.monotonic()
@@ -376,7 +383,7 @@ def confirm_role(index: int, me: str, spec: tuple[str, ...], security: Security,
                                  arbiter_of(index, len(spec)), last_log - started, exc)
                 stop.wait(RETRY_SECONDS)
                 continue
-            return current if current and current != me else None
+            return (current[0] or me, current[1]) if current else (me, "")
         return None
     finally:
         channels.close()

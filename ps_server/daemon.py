@@ -267,14 +267,21 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard
     if fence is not None:
         def confirm() -> None:
-            current = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
-                                   args.failover_after * 4)
-            if current is not None:
+            record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
+                                  args.failover_after * 4)
+            if record is None:
+                return
+            if record[0] != me:
                 _LOGGER.warning("ps %d: its arbiter says %s serves it now (a failover): this shard becomes its backup",
-                                index, current)
-                demoted.append(current)
+                                index, record[0])
+                demoted.append(record[0])
                 stop.set()
-            elif not stop.is_set():
+                return
+            # Its backup in sync before it stopped holds no change it acknowledges from now on: dropped first, or
+            # (promoted meanwhile) this shard is fenced and stops.
+            if record[1] and not server.replication.drop_stale(record[1]):
+                return
+            if not stop.is_set():
                 _LOGGER.info("ps %d: its arbiter confirms it serves ps:%d", index, index)
                 try:
                     late.append(_hold(args.checkpoint_dir, None, index, PROMOTED_LOCK_SECONDS))

@@ -379,6 +379,7 @@ class LoopServer:
     def __init__(self, make: Callable[[], grpc.aio.Server], name: str):
         self.loop = asyncio.new_event_loop()
         self.closers: list[Callable[[], None]] = []
+        self.replication = None  # the shard's backups' side (replication.Replication), set by server.create_server
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.server = self.call(make)

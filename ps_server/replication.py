@@ -272,7 +272,7 @@ class Replication:
 
     def _tell_in_sync(self, feed: Feed) -> None:
         _LOGGER.info("ps %d: backup %s holds the base: telling its arbiter it is in sync", self.index, feed.address)
-        if self._ask("in_sync", feed):
+        if self._ask("in_sync", feed.address, lambda: feed.lost is not None):
             (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
 
     def _lost(self, feed: Feed, why: str) -> None:
@@ -285,24 +285,31 @@ class Replication:
         journal = self._journal()
         if self._self_arbitrated:  # it decides for itself (a one-shard job's ps 0): promoted by hand only
             journal.detach(feed)
-        if self._ask("drop", feed):
+        if self._ask("drop", feed.address):
             journal.detach(feed)
             _LOGGER.warning("ps %d goes on without a backup (its arbiter dropped %s)", self.index, feed.address)
 
-    def _ask(self, action: str, feed: Feed) -> bool:
-        """Asks the arbiter for `action` about `feed`'s backup until it answers (True: granted); a refusal fails the
-        journal (this shard is fenced: it stops)."""
+    def drop_stale(self, backup: str) -> bool:
+        """(At start, once the arbiter confirmed this shard serves its shard.) The arbiter's record lists `backup`
+        in sync, which follows this shard no more (it restarted): asks the arbiter to drop it before anything
+        is acknowledged, as a lost feed's drop does. Blocks until it answers; True when granted, False when
+        refused: the backup was promoted meanwhile, and this shard's journal failed (it stops)."""
+        return self._ask("drop", backup)
+
+    def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False) -> bool:
+        """Asks the arbiter for `action` about `backup` until it answers (True: granted), or, on no answer, until
+        gone() (False); a refusal fails the journal (this shard is fenced: it stops)."""
         while True:
             try:
-                self._arbiter(action, self.index, self.me, feed.address)
+                self._arbiter(action, self.index, self.me, backup)
                 return True
             except ReplicaFencedError as exc:
                 _LOGGER.error("ps %d is fenced: %s", self.index, exc)
                 self._journal().fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")
                 return False
             except PSError as exc:
-                if action == "in_sync" and feed.lost is not None:
+                if gone():
                     return False  # lost meanwhile: its drop settles it
                 _LOGGER.warning("ps %d: its arbiter did not answer %s of backup %s (%s); asking again", self.index,
-                                action, feed.address, exc)
+                                action, backup, exc)
                 time.sleep(ASK_AGAIN_SECONDS)

@@ -192,6 +192,39 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
     assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
 
 
+def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving(tmp_path):
+    """ps:1's backup paused, ps:1's primary killed and restarted on its disk at once: its arbiter still lists the
+    paused backup in sync, so the primary has ps 0 drop it before it acknowledges a push (else the backup, later
+    promoted, would lack that push); resumed, the backup follows again from a new base, and promoted after the
+    primary's death it serves both pushes."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
+                       30, "ps 0 to record ps:1's backup in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            backup.send_signal(signal.SIGSTOP)
+            local.kill_ps(1)
+            local.start_ps(1)  # on its disk, its backup still recorded in sync
+            wait_until(lambda: "serving on" in local.log(1).rpartition("answers status")[2], 30,
+                       "the restarted ps:1 to serve")
+            assert _replicas(ps)[1].backup == "", "dropped before the restarted primary served"
+            ps.push(grads)
+            backup.send_signal(signal.SIGCONT)
+            wait_until(lambda: _replicas(ps)[1].backup == backup_address, 30, "the backup to follow again")
+            local.kill_ps(1)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -2.0)) for n, s in SHAPES.items())
+            assert _replicas(ps)[1].primary == backup_address
+    finally:
+        backup.send_signal(signal.SIGCONT)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+
+
 def _grad(worker: int, step: int, shape) -> torch.Tensor:
     return torch.sin(torch.arange(float(torch.Size(shape).numel())).reshape(shape) * (worker + 1) + step)
 
