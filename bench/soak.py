@@ -3,6 +3,7 @@
 
     python bench/soak.py --minutes 10 --json soak.json     # the full soak
     python bench/soak.py --minutes 0.5 --fault-every 0.5,1.25   # what the test suite runs
+    python bench/soak.py --minutes 10 --replicas 2               # a backup beside every shard
 
 Two phases (async, then sync; half the time each, or longer until every kind of
 fault below was injected once), each a fresh job: 2 ps-server shards with a
@@ -39,6 +40,13 @@ recovered once a later resize succeeds):
                      resize left cut off is resumed, aborted or rolled back by the chief
   save-during-move   the chief saves a checkpoint while a resize moves variables: committed with every variable
                      in exactly one shard file, or refused (CheckpointError)
+With --replicas 2 every shard runs as a primary and a backup (bench/soak_replicas.py, whose docstring says how
+each kind above that strikes a shard then strikes one of its two processes, and what the proxy does after a
+failover), with three more kinds: host-lost (a primary killed and its journal folder deleted, a fresh backup
+started in its place), backup-lost (a backup killed and started again) and partition-primary (a primary
+paused until its backup took over, then resumed: it must stop by itself, fenced); the shard resizes and
+their failures are left out, the worker resizes drawn. Each primary struck is timed from the strike to
+the first push acknowledged by its successor (the "g=" of an "acked" line: each shard's generation).
 A fault kind is a `_fault_<kind>` method and an entry of FAULT_KINDS; a resize kind an entry of RESIZES. A shard that stops by itself (fail-stop: exit code
 70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
 each shard that answers health must apply something within WEDGE_SECONDS while the workers push: one that
@@ -48,7 +56,7 @@ Every push of a worker has a number of its own, kept across its restarts, and
 adds 1 to that number's slot (SLOTS of them, more than a worker pushes in a
 phase) of the worker's counter variables (one on each shard, SGD with lr 1).
 The worker logs each push before sending it ("sent N") and once acknowledged
-("acked N ..."), so every slot of every counter is checked on its own: an
+("acked N STEP STALE... g=SHARD:GENERATION,... t=TIME"), so every slot of every counter is checked on its own: an
 acknowledged push must be there exactly once (not at all where the shard
 dropped it as stale), one that was sent but never acknowledged at most once.
 Anything below is lost, anything above duplicated. In sync mode a step applies
@@ -66,7 +74,7 @@ step (every push counts one on shard 0) lies between the pushes acknowledged
 and sent; in sync mode a shared counter on each shard must equal minus the
 global step (every shard applied every released step exactly once). A phase ends with every worker asked to stop: a
 process that does not end within its deadline, or a stretch of
-STALL_SECONDS with faults over and no push acknowledged, is a hang. Last, the
+STALL_SECONDS with faults over and no push acknowledged, or an audit that cannot read the job, is a hang. Last, the
 job's final checkpoint must be committed for the job's shards, hold every variable in exactly one shard
 file, and restore, through `ps-server --restore-from` onto one shard, to exactly the values served.
 `--kinds` draws only the kinds it names (the test suite's one-minute soak leaves the failing resizes out).
@@ -81,10 +89,13 @@ moved_checkpoint_problems (a committed one not holding every variable once), fai
 stopped themselves, each started
 again), wedged (shards that answered health but applied nothing within
 WEDGE_SECONDS), hostile_pulls and hostile_pulls_answered, optimizer_toggles
-and optimizer_toggles_accepted; per phase the same and more. Target: lost =
+and optimizer_toggles_accepted; with --replicas 2: failovers (each primary struck: kind, shard, when, failover_s),
+failover_p99_s, failovers_unserved (a strike no successor acknowledged a push after), fenced (partitioned
+primaries that stopped by themselves), fresh_backups (host-lost's); per phase the same and more. Target: lost =
 duplicated = hangs = wedged = hostile_pulls_answered =
-optimizer_toggles_accepted = moved_checkpoint_problems = 0, resizes_recovered = resizes_failed, and a
-fail-stop for every disk-full.
+optimizer_toggles_accepted = moved_checkpoint_problems = failovers_unserved = 0, resizes_recovered =
+resizes_failed, and a fail-stop for every disk-full; failover_p99_s and resize_pause_p99_s are measured, not
+checked.
 """
 
 from __future__ import annotations
@@ -112,6 +123,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from resizes import RESIZES, percentile, pause_around  # noqa: E402  (bench/ is no package)
 from resize_faults import REPAIRS, RESIZE_FAULTS, Watch, checkpoint_problems, settle  # noqa: E402
+from soak_replicas import REPLICA_FAULTS, REPLICA_KINDS, ReplicatedShards, failover_figures, generations  # noqa: E402
 
 if typing.TYPE_CHECKING:  # imported where used: a soak worker imports torchps after its setup
     from torchps.cluster import Cluster
@@ -129,7 +141,9 @@ ROUND_SECONDS = 120.0        # a phase goes on past its time, at most this long,
 START_SECONDS = 120.0        # a (re)started worker retries its start this long while a shard is away
 FAULT_KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
                "toggle-optimizer", "disk-full")
-KINDS = FAULT_KINDS + tuple(RESIZES) + tuple(RESIZE_FAULTS)
+KINDS = FAULT_KINDS + tuple(RESIZES) + tuple(RESIZE_FAULTS)  # the default (--replicas 1)
+# With --replicas 2: the replica kinds too, and no shard resize (bench/soak_replicas.py)
+REPLICATED_KINDS = FAULT_KINDS + REPLICA_KINDS + ("worker-added", "worker-removed")
 WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
 HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
 FAR = 1 << 62                # the hostile evaluator's min_step
@@ -214,7 +228,8 @@ def worker_main(args: argparse.Namespace) -> int:
                 continue
             after = _holders(ps, args.index)
             stale = " ".join(_stale_flag(ps, b, a) if args.mode == "sync" else "0" for b, a in zip(before, after))
-            log.write(f"acked {number - 1} {ps.step} {stale} t={time.monotonic():.4f}\n")
+            served = ",".join(f"{shard}:{reply.generation:x}" for shard, reply in sorted(ps.last_replies.items()))
+            log.write(f"acked {number - 1} {ps.step} {stale} g={served} t={time.monotonic():.4f}\n")
             if checkpointer is not None:
                 checkpointer.note_step(ps.step)
         if checkpointer is not None:
@@ -319,7 +334,7 @@ class Phase:
     """One job (mode) under chaos for `seconds`, then its audit."""
 
     def __init__(self, mode: str, seconds: float, workdir: pathlib.Path, rng: random.Random,
-                 fault_every: tuple[float, float] = FAULT_EVERY, kinds: tuple[str, ...] = KINDS):
+                 fault_every: tuple[float, float] = FAULT_EVERY, kinds: tuple[str, ...] = KINDS, replicas: int = 1):
         from torchps.certs import TaskCredentials, make_job_credentials
         from torchps.cluster import TaskSpec
         from torchps.worker.local_cluster import LocalCluster
@@ -332,9 +347,11 @@ class Phase:
         self.credentials = self.dir / "job"
         make_job_credentials(self.credentials, job_tasks())
         shard = TaskCredentials.of(self.credentials, job_tasks(), TaskSpec("ps", 0))
-        self.shards = LocalCluster(SHARDS, log_dir=self.dir, server_args=[
-            "--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
-            "--admin-token-file", str(shard.admin_token)])
+        flags = ["--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
+                 "--admin-token-file", str(shard.admin_token)]
+        self.replicated = replicas == 2  # a backup beside every shard (bench/soak_replicas.py)
+        self.shards = ReplicatedShards(self.dir, self.ckpt, SHARDS, flags) if self.replicated else \
+            LocalCluster(SHARDS, log_dir=self.dir, server_args=flags)
         self.faults: collections.Counter[str] = collections.Counter()
         self.fault_times: list[tuple[float, str]] = []  # (monotonic time, kind) of each fault injected
         self.started = time.monotonic()
@@ -423,14 +440,15 @@ class Phase:
                    for line in self.log_path(i).read_text().splitlines())
 
     def run(self) -> dict:
-        from torchps.cluster import Cluster
-
         started = self.started = time.monotonic()
-        self.shards.start()
-        self.proxy = Proxy(("127.0.0.1", self.shards.ports[1]))
-        self.cluster = Cluster(ps=(f"127.0.0.1:{self.shards.ports[0]}", f"127.0.0.1:{self.proxy.port}"),
-                               worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + MAX_WORKERS)),
-                               evaluator=("127.0.0.1:20000",))
+        if self.replicated:  # every address known before anything starts: the shards are told the spec
+            self.proxy = Proxy(("127.0.0.1", self.shards.port(1)))
+            self.cluster = self._cluster(self.shards.port(0))
+            self.shards.start(list(self.cluster.ps), self.security("worker"))
+        else:
+            self.shards.start()
+            self.proxy = Proxy(("127.0.0.1", self.shards.ports[1]))
+            self.cluster = self._cluster(self.shards.ports[0])
         self.live_shards = list(self.cluster.ps)
         try:
             for index in range(WORKERS):
@@ -447,6 +465,14 @@ class Phase:
             self.proxy.close()
             self.shards.stop()
 
+    def _cluster(self, port0: int) -> Cluster:
+        """The job's cluster: ps 0 at `port0`, ps 1 at the proxy, the workers and the evaluator at placeholders."""
+        from torchps.cluster import Cluster
+
+        return Cluster(ps=(f"127.0.0.1:{port0}", f"127.0.0.1:{self.proxy.port}"),
+                       worker=tuple(f"127.0.0.1:{p}" for p in range(20001, 20001 + MAX_WORKERS)),
+                       evaluator=("127.0.0.1:20000",))
+
     def _chaos(self, until: float) -> None:
         """Injects faults until `until`, and past it (at most ROUND_SECONDS) until every kind was injected once."""
         last_acked, last_progress = 0, time.monotonic()
@@ -454,7 +480,7 @@ class Phase:
                                                     and now < until + ROUND_SECONDS):
             time.sleep(self.rng.uniform(*self.fault_every))
             self._check_workers()
-            self._check_shards()
+            self.check_shards()
             if not self._order:  # every kind once per round, in a random order
                 self._order = self.rng.sample(self.kinds, len(self.kinds))
             kind = self._order.pop()
@@ -464,7 +490,8 @@ class Phase:
                 if done is not None:
                     self.resizes.append(done)
             else:
-                done = getattr(self, "_fault_" + kind.replace("-", "_"))() is not False
+                fault = REPLICA_FAULTS.get(kind) if self.replicated else None
+                done = (fault(self) if fault else getattr(self, "_fault_" + kind.replace("-", "_"))()) is not False
                 if done:
                     self.faults[kind] += 1
                     self.fault_times.append((time.monotonic(), kind))
@@ -591,16 +618,26 @@ class Phase:
                 self.failures.append(f"worker {index} exited with code {proc.returncode}: " + " | ".join(tail))
                 self.start_worker(index)
 
-    def _check_shards(self) -> None:
+    def check_shards(self) -> None:
         """Counts and starts again a shard that exited by itself (the chaos loop restarts the ones it kills at
-        once): exit code 70 is a fail-stop, anything else a crash."""
-        for index, proc in enumerate(self.shards.procs[:len(self.live_shards)]):  # not those a resize removed
-            if proc.poll() is None:
-                continue
-            tail = " | ".join(self.shards.log(index).splitlines()[-3:])
-            (self.failstops if proc.returncode == FAILSTOP_CODE else self.crashes).append(
-                f"ps {index} exited with code {proc.returncode}: {tail}")
-            self.shards.start_ps(index)
+        once): exit code 70 is a fail-stop, anything else a crash. With --replicas 2, each of a shard's
+        processes, with its own command (ReplicatedShards.restart)."""
+        if self.replicated:
+            exited = self.shards.restart_exited(self.failures)
+        else:
+            exited = []
+            for index, proc in enumerate(self.shards.procs[:len(self.live_shards)]):  # not those a resize removed
+                if proc.poll() is None:
+                    continue
+                exited.append((f"ps {index}", proc.returncode, " | ".join(self.shards.log(index).splitlines()[-3:])))
+                self.shards.start_ps(index)
+        for name, code, tail in exited:
+            (self.failstops if code == FAILSTOP_CODE else self.crashes).append(f"{name} exited with code {code}: "
+                                                                                f"{tail}")
+
+    def shard_port(self, index: int) -> int | None:
+        """The port shard `index` is served at now (not the proxy's); None if its arbiter cannot say."""
+        return self.shards.serving_port(index) if self.replicated else self.shards.ports[index]
 
     def _fault_kill_worker(self) -> None:
         index = self.rng.choice(sorted(self.active))
@@ -614,13 +651,13 @@ class Phase:
         self.shards.start_ps(index)
 
     def _fault_pause_worker(self) -> None:
-        self._pause(self.workers[self.rng.choice(sorted(self.active))], LEASE_SECONDS * 1.7)
+        self.pause(self.workers[self.rng.choice(sorted(self.active))], LEASE_SECONDS * 1.7)
 
     def _fault_pause_shard(self) -> None:
-        self._pause(self.shards.procs[self.rng.randrange(len(self.live_shards))], self.rng.uniform(0.5, 3.0))
+        self.pause(self.shards.procs[self.rng.randrange(len(self.live_shards))], self.rng.uniform(0.5, 3.0))
 
     @staticmethod
-    def _pause(proc: subprocess.Popen, seconds: float) -> None:
+    def pause(proc: subprocess.Popen, seconds: float) -> None:
         proc.send_signal(signal.SIGSTOP)
         time.sleep(seconds)
         proc.send_signal(signal.SIGCONT)
@@ -636,7 +673,10 @@ class Phase:
         from torchps.security import TOKEN_METADATA_KEY
 
         metadata = ((TOKEN_METADATA_KEY, self.security("evaluator").call_token()),)
-        for port in self.shards.ports[:len(self.live_shards)]:
+        for port in map(self.shard_port, range(len(self.live_shards))):
+            if port is None:
+                self.hostile["away"] += 1
+                continue
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 pull = ps_pb2_grpc.ParameterServerStub(channel).Pull
                 self.hostile["sent"] += 1
@@ -674,26 +714,29 @@ class Phase:
         return True
 
     def _fault_disk_full(self) -> None:
-        """Lets a shard's files grow no further than its log file plus 1 MiB (its log keeps room to say why it
-        stops; its journal, written at ~5 MB/s, soon does not), waits for it to stop itself (counted by
-        _check_shards, which starts it again without the limit)."""
+        """A shard's disk fills (fill_disk); it is counted and started again by check_shards."""
         index = self.rng.randrange(SHARDS)
-        proc = self.shards.procs[index]
-        limit = (self.dir / f"ps{index}.log").stat().st_size + (1 << 20)
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
-        code = self.await_exit(proc, FAILSTOP_SECONDS, f"ps {index} went on {FAILSTOP_SECONDS:g} s with a full disk "
-                                                       f"instead of stopping")
-        if code is None:
+        if self.fill_disk(self.shards.procs[index], self.dir / f"ps{index}.log", f"ps {index}") is None:
             self.shards.start_ps(index)
             return
-        if code != FAILSTOP_CODE:
-            self.failures.append(f"ps {index} with a full disk ended with code {code}, not {FAILSTOP_CODE}")
-        self._check_shards()
+        self.check_shards()
+
+    def fill_disk(self, proc, log: pathlib.Path, name: str) -> int | None:
+        """Lets a shard process's files grow no further than its log file plus 1 MiB (its log keeps room to say
+        why it stops; its journal, written at ~5 MB/s, soon does not), waits for it to stop itself; its exit
+        code, None if it went on (a hang: it is killed). A code but 70 is a failure."""
+        limit = log.stat().st_size + (1 << 20)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
+        code = self.await_exit(proc, FAILSTOP_SECONDS, f"{name} went on {FAILSTOP_SECONDS:g} s with a full disk "
+                                                       f"instead of stopping")
+        if code is not None and code != FAILSTOP_CODE:
+            self.failures.append(f"{name} with a full disk ended with code {code}, not {FAILSTOP_CODE}")
+        return code
 
     def _check_wedged(self) -> None:
         """Faults over, workers pushing: every shard that answers health must apply something (its variables'
         versions move) within WEDGE_SECONDS; one that answers SERVING and does not is wedged. A shard that
-        stopped itself meanwhile is counted by _check_shards."""
+        stopped itself meanwhile is counted by check_shards."""
         versions = {index: self._versions(index) for index in range(len(self.live_shards))}
         serving = dict.fromkeys(versions, True)
         deadline = time.monotonic() + WEDGE_SECONDS
@@ -706,7 +749,7 @@ class Phase:
                 if now is None or now != versions[index]:
                     waiting.discard(index)
             time.sleep(0.2)
-        self._check_shards()
+        self.check_shards()
         for index in sorted(waiting):
             if serving[index]:
                 self.wedged.append(f"ps {index} answered health (SERVING) but applied nothing in {WEDGE_SECONDS:g} "
@@ -722,7 +765,10 @@ class Phase:
         from torchps.security import TOKEN_METADATA_KEY
 
         metadata = ((TOKEN_METADATA_KEY, self.security("worker").call_token()),)
-        with grpc.insecure_channel(f"127.0.0.1:{self.shards.ports[index]}") as channel:
+        port = self.shard_port(index)
+        if port is None:
+            return None
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             try:
                 health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 if health.status != health_pb2.HealthCheckResponse.SERVING:
@@ -755,41 +801,23 @@ class Phase:
 
         counts = [self._counts(index) if self.log_path(index).exists() else (0, 0, [0] * SHARDS, [0] * SHARDS)
                   for index in range(MAX_WORKERS)]
-        lost = duplicated = 0
+        acks = self._acks()
+        lost = duplicated = averaged = 0
         misses: list[str] = []  # the first few slots that did not add up, for the report
-        averaged = 0
-        with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as admin:
-            admin.declare(self.declared())
-            values = admin.pull(ALL_NAMES)
-            global_step = admin.global_step()
-            for index, (sent, _, must, may) in enumerate(counts):
-                for shard, name in enumerate(counter_names(index)):
-                    applied = -values[name].double()
-                    if self.mode == "sync":  # a share 1/c of a step that counted c of this worker's pushes
-                        averaged += int(((applied > EPS) & (applied < 1 - EPS)).sum())
-                        missing = (must[shard] > 0) & (applied <= EPS)
-                    else:
-                        missing = applied < must[shard] - EPS
-                    extra = applied > may[shard] + EPS
-                    lost += int(missing.sum())
-                    duplicated += int(extra.sum())
-                    for slot in (missing | extra).nonzero().flatten()[:5].tolist():
-                        misses.append(f"worker {index} push {slot} on ps {shard}: applied {float(applied[slot]):g}, "
-                                      f"must {int(must[shard][slot])}, may {int(may[shard][slot])}")
-            steps_ok = None
-            if self.mode == "async":  # each push counted once on shard 0
-                lost += max(0, sum(a for _, a, _, _ in counts) - global_step)
-                duplicated += max(0, global_step - sum(s for s, _, _, _ in counts))
-            if self.mode == "sync":  # every shard applied every released step exactly once
-                applied_steps = [int(round(-values[n].item())) for n in ("ones/a", "ones/b")]
-                steps_ok = applied_steps == [global_step, global_step]
-                lost += sum(max(0, global_step - s) for s in applied_steps)
-                duplicated += sum(max(0, s - global_step) for s in applied_steps)
-            try:  # refused while a resize is left cut off (a variable in two places, the shards' epochs differ)
-                final, refused = admin.save_checkpoint(0, keep=2, timeout=120), None
-            except PSError as exc:
-                final, refused = None, f"{type(exc).__name__}: {exc}"[:500]
-            admin.shutdown_cluster("the soak phase is over")
+        values = global_step = steps_ok = final = refused = None
+        try:
+            with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as admin:
+                admin.declare(self.declared())
+                values = admin.pull(ALL_NAMES)
+                global_step = admin.global_step()
+                lost, duplicated, averaged, steps_ok, misses = self._tally(counts, values, global_step)
+                try:  # refused while a resize is left cut off (a variable in two places, the shards' epochs differ)
+                    final, refused = admin.save_checkpoint(0, keep=2, timeout=120), None
+                except PSError as exc:
+                    final, refused = None, f"{type(exc).__name__}: {exc}"[:500]
+                admin.shutdown_cluster("the soak phase is over")
+        except PSError as exc:  # a shard no one serves: nothing to count, a hang
+            self.hangs.append(f"the audit could not read the job: {type(exc).__name__}: {exc}"[:500])
         found = latest_committed(self.ckpt)
         not_once = checkpoint_problems(self.ckpt, found[0], ALL_NAMES) if found else []
         complete = (final is not None and found is not None and found[0] == final
@@ -807,7 +835,7 @@ class Phase:
                 "hostile_pull_outcomes": dict(self.hostile),
                 "optimizer_toggles": self.toggles["refused"] + self.toggles["accepted"],
                 "optimizer_toggles_accepted": self.toggles["accepted"], "optimizer_toggle_outcomes": dict(self.toggles),
-                **self._resize_figures(),
+                **self._resize_figures([t for t, _ in acks]), **self._replica_figures(acks),
                 "resizes_failed": len(self.resize_failures),
                 "resizes_recovered": sum(f.recovered for f in self.resize_failures),
                 "saves_during_moves": dict(self.saves), "save_refusals": self.save_lines[:10],
@@ -819,11 +847,53 @@ class Phase:
                 "checkpoint_complete": bool(complete and restored_equal), "final_checkpoint_step": final,
                 "checkpoint_detail": checkpoint_detail}
 
-    def _resize_figures(self) -> dict:
-        """resizes, resizes_by_kind, resize_pause_p99_s and each resize with its pause (bench/resizes.py)."""
-        acks = sorted(float(line.split()[-1][2:]) for index in self.indices()
-                      for line in self.log_path(index).read_text().splitlines()
-                      if line.startswith("acked") and line.split()[-1].startswith("t="))
+    def _tally(self, counts: list, values: dict, global_step: int) -> tuple[int, int, int, bool | None, list[str]]:
+        """(lost, duplicated, sync slots averaged, every sync step applied once (None in async), the first few
+        slots that did not add up) of the workers' `counts` (_counts) against the `values` the job holds."""
+        lost = duplicated = averaged = 0
+        misses: list[str] = []
+        for index, (_, _, must, may) in enumerate(counts):
+            for shard, name in enumerate(counter_names(index)):
+                applied = -values[name].double()
+                if self.mode == "sync":  # a share 1/c of a step that counted c of this worker's pushes
+                    averaged += int(((applied > EPS) & (applied < 1 - EPS)).sum())
+                    missing = (must[shard] > 0) & (applied <= EPS)
+                else:
+                    missing = applied < must[shard] - EPS
+                extra = applied > may[shard] + EPS
+                lost += int(missing.sum())
+                duplicated += int(extra.sum())
+                for slot in (missing | extra).nonzero().flatten()[:5].tolist():
+                    misses.append(f"worker {index} push {slot} on ps {shard}: applied {float(applied[slot]):g}, "
+                                  f"must {int(must[shard][slot])}, may {int(may[shard][slot])}")
+        steps_ok = None
+        if self.mode == "async":  # each push counted once on shard 0
+            lost += max(0, sum(a for _, a, _, _ in counts) - global_step)
+            duplicated += max(0, global_step - sum(s for s, _, _, _ in counts))
+        if self.mode == "sync":  # every shard applied every released step exactly once
+            applied_steps = [int(round(-values[n].item())) for n in ("ones/a", "ones/b")]
+            steps_ok = applied_steps == [global_step, global_step]
+            lost += sum(max(0, global_step - s) for s in applied_steps)
+            duplicated += sum(max(0, s - global_step) for s in applied_steps)
+        return lost, duplicated, averaged, steps_ok, misses
+
+    def _acks(self) -> list[tuple[float, dict[int, int]]]:
+        """Every push acknowledged in the phase, by time (CLOCK_MONOTONIC): (time, each shard's generation)."""
+        fields = (line.split() for index in self.indices() for line in self.log_path(index).read_text().splitlines()
+                  if line.startswith("acked"))
+        return sorted((float(f[-1][2:]), generations(f[-2])) for f in fields if f[-1].startswith("t="))
+
+    def _replica_figures(self, acks: list[tuple[float, dict[int, int]]]) -> dict:
+        """With --replicas 2: each failover and its time (bench/soak_replicas.py), the partitioned primaries
+        fenced, the fresh backups started; else nothing."""
+        if not self.replicated:
+            return {}
+        return {**failover_figures(self.shards.strikes, acks, self.started), "fenced": self.shards.fenced,
+                "fresh_backups": self.shards.fresh}
+
+    def _resize_figures(self, acks: list[float]) -> dict:
+        """resizes, resizes_by_kind, resize_pause_p99_s and each resize with its pause (bench/resizes.py), from
+        the times of the pushes acknowledged (sorted)."""
         for resize in self.resizes:
             resize.pause_s = round(pause_around(acks, resize), 3)
         p99 = percentile([r.pause_s for r in self.resizes if r.kind in RESIZES], 99)  # failing ones: listed alone
@@ -899,10 +969,24 @@ def _seconds_range(text: str) -> tuple[float, float]:
 
 def _kinds(text: str) -> tuple[str, ...]:
     chosen = tuple(kind.strip() for kind in text.split(",") if kind.strip())
-    unknown = sorted(set(chosen) - set(KINDS))
+    unknown = sorted(set(chosen) - set(KINDS + REPLICA_KINDS))
     if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown kinds {unknown}; the kinds are {', '.join(KINDS)}")
+        raise argparse.ArgumentTypeError(f"unknown kinds {unknown}; the kinds are {', '.join(KINDS + REPLICA_KINDS)}")
     return chosen
+
+
+def _kinds_for(kinds: tuple[str, ...] | None, replicas: int) -> tuple[str, ...]:
+    """The kinds a run draws: `kinds` (--kinds), or every kind its --replicas allows; ArgumentTypeError for one
+    it does not (replica kinds without backups, shard resizes with them)."""
+    allowed = REPLICATED_KINDS if replicas == 2 else KINDS
+    if kinds is None:
+        return allowed
+    refused = [kind for kind in kinds if kind not in allowed]
+    if refused:
+        raise argparse.ArgumentTypeError(f"--replicas {replicas} draws none of {', '.join(refused)}: "
+                                         + ("the replica kinds need --replicas 2" if replicas == 1 else
+                                            "shard resizes are left out with backups (bench/soak_replicas.py)"))
+    return kinds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -914,8 +998,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between two faults, drawn uniformly from this range (default 2,5)")
     parser.add_argument("--modes", default="async,sync", choices=["async,sync", "async", "sync"], metavar="MODES",
                         help="the phases, in order; --minutes is split between them")
-    parser.add_argument("--kinds", type=_kinds, default=KINDS, metavar="KIND,...",
-                        help="the kinds of fault and resize drawn, each once per round (default: all)")
+    parser.add_argument("--kinds", type=_kinds, metavar="KIND,...",
+                        help="the kinds of fault and resize drawn, each once per round (default: all that "
+                             "--replicas allows)")
+    parser.add_argument("--replicas", type=int, default=1, choices=[1, 2],
+                        help="processes per shard: 2 runs a backup beside each (bench/soak_replicas.py)")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file", "--leave-file", "--credentials"):
@@ -924,6 +1011,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     if args.worker:
         return worker_main(args)
+    try:
+        kinds = _kinds_for(args.kinds, args.replicas)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     rng = random.Random(args.seed)
     phases = []
     modes = args.modes.split(",")
@@ -933,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             seconds = args.minutes * 60 / len(modes)
             print(f"[soak] {mode} phase: {seconds:.0f} s of chaos", flush=True)
-            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng, args.fault_every, args.kinds).run())
+            phases.append(Phase(mode, seconds, pathlib.Path(tmp), rng, args.fault_every, kinds, args.replicas).run())
     faults, resizes, saves = collections.Counter(), collections.Counter(), collections.Counter()
     for phase in phases:
         faults.update(phase["faults_injected"])
@@ -954,7 +1045,8 @@ def main(argv: list[str] | None = None) -> int:
               **{key: sum(p[key] for p in phases) for key in (
                   "failstops", "wedged", "hostile_pulls", "hostile_pulls_answered", "optimizer_toggles",
                   "optimizer_toggles_accepted")},
-              "shard_crashes": sum(len(p["shard_crashes"]) for p in phases), "phases": phases}
+              "shard_crashes": sum(len(p["shard_crashes"]) for p in phases), **_replica_summary(phases),
+              "phases": phases}
     print(f"{'phase':<6} {'faults':>6} {'acked':>7} {'lost':>5} {'dup':>4} {'hangs':>5} {'wedged':>6} "
           f"{'failstops':>9} {'checkpoint':>10}")
     for p in phases:
@@ -965,6 +1057,9 @@ def main(argv: list[str] | None = None) -> int:
     print("resizes by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(resizes.items())))
     print(f"resizes failed {result['resizes_failed']}, recovered {result['resizes_recovered']}; checkpoints saved "
           "during moves: " + ", ".join(f"{k} {v}" for k, v in sorted(saves.items())))
+    if args.replicas == 2:
+        print(f"failovers {len(result['failovers'])}, p99 {result['failover_p99_s']} s, unserved "
+              f"{result['failovers_unserved']}; partitioned primaries fenced {result['fenced']}")
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -978,8 +1073,21 @@ def main(argv: list[str] | None = None) -> int:
     ok = (result["lost"] == result["duplicated"] == result["hangs"] == result["worker_failures"] == result["wedged"]
           == result["hostile_pulls_answered"] == result["optimizer_toggles_accepted"] == result["shard_crashes"]
           == result["moved_checkpoint_problems"] == 0
-          and result["resizes_recovered"] == result["resizes_failed"] and result["checkpoint_complete"])
+          and result["resizes_recovered"] == result["resizes_failed"] and result["checkpoint_complete"]
+          and not result.get("failovers_unserved"))
     return 0 if ok else 1
+
+
+def _replica_summary(phases: list[dict]) -> dict:
+    """With --replicas 2 (phases that hold failovers): every failover of the run, with the phase's mode, their
+    p99, those no successor served, and the partitioned primaries fenced; else nothing."""
+    if not phases or "failovers" not in phases[0]:
+        return {}
+    failovers = [{"mode": p["mode"], **f} for p in phases for f in p["failovers"]]
+    return {"replicas": 2, "failovers": failovers,
+            "failover_p99_s": percentile([f["failover_s"] for f in failovers if f["failover_s"] is not None], 99),
+            "failovers_unserved": sum(p["failovers_unserved"] for p in phases),
+            "fenced": sum(p["fenced"] for p in phases), "fresh_backups": sum(p["fresh_backups"] for p in phases)}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ still happens with training between them (a resize waits for every worker to hav
 check over 100 acknowledged pushes per phase). Denser faults with a fixed half minute (one every 1-2 s) once starved
 the sync phase (22 pushes in 15 s): the phases now go on until every kind happened. The resizes that fail
 (bench/resize_faults.py: a driver killed, an import refused, an importer killed, a save during a move) are left out
-here (`--kinds`): each waits out a lease and a repair, which would lengthen every phase; the full soak draws them."""
+here (`--kinds`): each waits out a lease and a repair, which would lengthen every phase; the full soak draws them.
+
+The replicated variant (`--replicas 2`, bench/soak_replicas.py) runs one sync phase with the kinds that strike a
+shard's primary or backup: kill-shard, host-lost, backup-lost and partition-primary, each at least once. Every
+primary struck must be taken over by its backup (a push acknowledged by the successor), every partitioned primary
+must stop by itself, and the audit must hold as without backups. One phase, not two: the fork server's start and
+each phase's own (shards, backups, the final checkpoint restored) would double its time.
+"""
 
 import json
 import pathlib
@@ -27,6 +34,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
          "toggle-optimizer", "disk-full"}
 RESIZE_KINDS = {"worker-added", "worker-removed", "shard-added", "shard-removed"}
+REPLICA_KINDS = {"kill-shard", "host-lost", "backup-lost", "partition-primary"}
+STRIKES = {"kill-shard", "host-lost", "partition-primary"}  # the kinds that take a shard's primary away
 
 
 @pytest.mark.timeout(660)  # its subprocess may run 600 s
@@ -62,4 +71,31 @@ def test_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
         assert len(timeline["resizes"]) == phase["resizes"], timeline
         assert all(0 <= began <= ended <= phase["seconds"] for began, ended, _ in timeline["resizes"]), timeline
         assert sum(timeline["acked_per_second"]) == phase["pushes_acked"], (timeline, phase["pushes_acked"])
+    assert run.returncode == 0, report
+
+
+@pytest.mark.timeout(660)  # its subprocess may run 600 s
+def test_replicated_shards_fail_over_under_chaos_and_lose_nothing(tmp_path):
+    out = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--replicas", "2", "--modes", "sync",
+                          "--minutes", "0.2", "--fault-every", "0.5,1.25", "--kinds", ",".join(sorted(REPLICA_KINDS)),
+                          "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.is_file(), f"no results (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    report = json.dumps({k: v for k, v in result.items() if k != "phases"}) + "\n" + run.stdout[-2000:]
+    faults = result["faults_injected"]
+    assert set(faults) == REPLICA_KINDS, f"every kind happened: {report}"
+    assert (result["lost"], result["duplicated"], result["hangs"], result["worker_failures"]) == (0, 0, 0, 0), report
+    assert (result["wedged"], result["shard_crashes"], result["failstops"]) == (0, 0, 0), report
+    assert result["pushes_acked"] > 100, f"the job trained: {report}"
+    failovers = result["failovers"]
+    struck = sorted(kind for kind, times in faults.items() if kind in STRIKES for _ in range(times))
+    assert sorted(f["kind"] for f in failovers) == struck, f"each primary struck failed over once: {report}"
+    assert result["failovers_unserved"] == 0 and all(f["failover_s"] > 0 for f in failovers), report
+    assert result["failover_p99_s"] == max(f["failover_s"] for f in failovers), report
+    assert result["fenced"] == faults["partition-primary"], f"every partitioned primary stopped itself: {report}"
+    assert result["fresh_backups"] == faults["host-lost"], report
+    assert result["checkpoint_complete"], report + "\n" + json.dumps(result["phases"][0]["checkpoint_detail"])
+    assert result["phases"][0]["sync_steps_applied_once"] is True, report
     assert run.returncode == 0, report
