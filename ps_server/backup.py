@@ -70,6 +70,7 @@ class Mirror:
     def __init__(self, folder: pathlib.Path, sync: bool, lane=None):
         self.folder, self.sync, self.lane = folder, sync, lane
         self.finished = False  # the job's end (the chief's Shutdown) came: its primary stops
+        self.replica_events: list[dict] = []  # the primary's record of the shards it arbitrates, as it changes
         self.journal: Journal | None = None
         self._layout = b""
         self._piece: list | None = None  # [frame kind, number, written, head, pieces] of a record in pieces
@@ -110,7 +111,10 @@ class Mirror:
             with self._cond:
                 self._pairs.append((self.journal.append_encoded(head, data), written, buffer))
                 self._cond.notify_all()
-            self.finished = self.finished or journal_log.kind_of(head) == "finish"
+            kind = journal_log.kind_of(head)
+            self.finished = self.finished or kind == "finish"
+            if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
+                self.replica_events.append(journal_log.meta_of(head))
             return None
         if self.journal is None:  # the stream's first base: the copy begins again from it
             self._replace(number, head, data)
@@ -220,7 +224,11 @@ class Backup:
         framed = False
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
+            ticks = 0
             while not done.wait(self.failover_after / 4):
+                ticks += 1
+                if ticks % 4 == 0:
+                    self._learn_arbiter(channels)
                 limit = self.failover_after if framed else FIRST_FRAME_SECONDS
                 if time.monotonic() - last[0] > limit or self.stop.is_set():
                     call.cancel()
@@ -246,6 +254,8 @@ class Backup:
                     threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
                     threads[1].start()
                 based = mirror.take(frame)
+                while mirror.replica_events:
+                    self._follow_arbiter(mirror.replica_events.pop(0))
                 if based is not None:
                     self.holds_copy = True
                     acks.put(ps_pb2.ReplicaAck(written=based))
@@ -276,6 +286,27 @@ class Backup:
             if lane is not None:
                 lane.close()
             channels.close()
+
+    def _follow_arbiter(self, event: dict) -> None:
+        """A change of the primary's record (replicas.py event): this backup's arbiter promoted to another
+        address is called there (its spec address no longer answers once the primary, which knew, is gone)."""
+        if event.get("action") == "promote" and event.get("index") == self._arbiter and event.get("primary"):
+            _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
+                         event["primary"])
+            self._ps0.redirect(self._arbiter, event["primary"])
+
+    def _learn_arbiter(self, channels) -> None:
+        """Asks the primary where this backup's arbiter is served now: ps 0 and ps 1 each record the other, so
+        the primary knows after the arbiter's own failover, which its spec address no longer answers."""
+        try:
+            layout = channels.stubs[0].GetLayout(ps_pb2.LayoutRequest(), timeout=self.failover_after)
+        except grpc.RpcError:
+            return
+        for entry in layout.replicas:
+            if entry.index == self._arbiter and entry.primary and entry.primary != self._ps0.addresses[self._arbiter]:
+                _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
+                             entry.primary)
+                self._ps0.redirect(self._arbiter, entry.primary)
 
     def _open_lane(self, channels):
         """A bulk lane to the primary for the records' bytes, or None (it offers none, or none opens: they come

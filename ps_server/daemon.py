@@ -183,8 +183,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     folder = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
     me = me or (cluster.ps[index] if cluster is not None else address)
     fence = None
-    if cluster is not None and folder and not args.no_journal and \
-            needs_role_check(index, tuple(cluster.ps), pathlib.Path(folder)):
+    if not promoted and cluster is not None and folder and not args.no_journal and \
+            needs_role_check(index, tuple(cluster.ps), pathlib.Path(folder)):  # (just promoted: its arbiter knows)
         fence = RoleFence(f"ps {index} had a backup: it serves once its arbiter, ps:{arbiter_of(index, cluster.num_ps)}, "
                           f"confirmed it still serves ps:{index}; retry")
     tune_malloc("shard")
@@ -206,7 +206,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, cluster, index, failstop.fatal)
-        if args.checkpoint_dir:
+        if args.checkpoint_dir and fence is None:  # a fenced one cleans once confirmed: another may write them now
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index, journaled=journal is not None) \
             if journal is None or not journal.holds_state() else None
@@ -279,6 +279,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 return
             # Its backup in sync before it stopped holds no change it acknowledges from now on: dropped first, or
             # (promoted meanwhile) this shard is fenced and stops.
+            fence.confirmed()
             if record[1] and not server.replication.drop_stale(record[1]):
                 return
             if not stop.is_set():
@@ -287,6 +288,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                     late.append(_hold(args.checkpoint_dir, None, index, PROMOTED_LOCK_SECONDS))
                 except ClusterConfigError as exc:
                     failstop.fatal(f"ps {index} serves its shard, yet cannot hold its checkpoint folder: {exc}")
+                if args.checkpoint_dir:
+                    checkpoint.clean_partial(args.checkpoint_dir, index)
                 fence.open()
                 _LOGGER.info(*serving)
 

@@ -41,7 +41,7 @@ import torch
 from .. import codec
 from ..errors import CheckpointError, MalformedStreamError
 
-__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "kind_of", "split", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
+__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "kind_of", "meta_of", "split", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
            "state_record", "state_of_record"]
 
 MAGIC, END = b"TPJ2", b"TPJE"
@@ -72,13 +72,19 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, torch.Tensor]) -> tuple[
     return _HEAD.pack(MAGIC, len(body), sum(len(v) for v in views)) + body, views
 
 
-def kind_of(head: bytes) -> str:
-    """The kind of the record an encoded head begins ("" if it cannot be read)."""
+def meta_of(head: bytes) -> dict:
+    """The meta (its "kind" included) of the record an encoded head begins ({} if it cannot be read)."""
     try:
         _, meta_len, _ = _HEAD.unpack_from(head)
-        return str(json.loads(bytes(head[_HEAD.size:_HEAD.size + meta_len])).get("kind", ""))
-    except (struct.error, ValueError, AttributeError):
-        return ""
+        meta = json.loads(bytes(head[_HEAD.size:_HEAD.size + meta_len]))
+    except (struct.error, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def kind_of(head: bytes) -> str:
+    """The kind of the record an encoded head begins ("" if it cannot be read)."""
+    return str(meta_of(head).get("kind", ""))
 
 
 def split(head: bytes, data) -> list[memoryview]:

@@ -42,6 +42,12 @@ class RoleFence(grpc.aio.ServerInterceptor):
 
     def __init__(self, why: str):
         self._why: str | None = why
+        self._open_methods = self.OPEN_METHODS
+
+    def confirmed(self) -> None:
+        """The arbiter confirmed this shard: its own record of the shards it arbitrates is the job's, so it
+        answers SetReplica too (ps 0 and ps 1 then drop each other's stale backups) before it opens."""
+        self._open_methods = self.OPEN_METHODS | {"SetReplica"}
 
     def open(self) -> None:
         self._why = None
@@ -49,7 +55,7 @@ class RoleFence(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         why = self._why
-        if why is None or handler is None or handler_call_details.method.rpartition("/")[2] in self.OPEN_METHODS \
+        if why is None or handler is None or handler_call_details.method.rpartition("/")[2] in self._open_methods \
                 or handler_call_details.method.startswith("/grpc.health."):
             return handler
         return aborting(handler, grpc.StatusCode.UNAVAILABLE, ServerUnavailableError.__name__, why)

@@ -225,6 +225,39 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
         local.stop()
 
 
+def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved(tmp_path):
+    """Both shards backed up: ps 1's primary is killed (ps 0 promotes its backup), then ps 0's: its backup finds
+    ps 1, its arbiter, at the address ps 0's journal recorded for it (the spec's answers no more), is promoted,
+    and the pushes go on exactly."""
+    local, backup1, address1, cluster = _start(tmp_path)
+    address0 = f"127.0.0.1:{free_ports(1)[0]}"
+    with open(tmp_path / "backup0.log", "wb") as log:
+        backup0 = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--cluster",
+                                    json.dumps(cluster.to_dict()), "--replica-of", cluster.ps[0], "--bind", address0,
+                                    "--journal-dir", str(tmp_path / "backup-0"), "--insecure", "--torch-threads", "1"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            wait_until(lambda: (_replicas(ps).get(1) is not None and _replicas(ps)[1].backup == address1
+                                and _replicas(ps, 1).get(0) is not None and _replicas(ps, 1)[0].backup == address0),
+                       30, "both backups in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(1)
+            ps.push(grads)
+            local.kill_ps(0)
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
+            assert (_replicas(ps, 1)[0].primary, _replicas(ps)[1].primary) == (address0, address1)
+    finally:
+        for backup in (backup0, backup1):
+            backup.terminate()
+            backup.wait(timeout=30)
+        local.stop()
+
+
 def _grad(worker: int, step: int, shape) -> torch.Tensor:
     return torch.sin(torch.arange(float(torch.Size(shape).numel())).reshape(shape) * (worker + 1) + step)
 
