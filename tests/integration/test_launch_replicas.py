@@ -39,7 +39,7 @@ def job(epochs: int) -> list[str]:
 CLUSTER = re.compile(r"^\[launch\] cluster: (\{.*\})$")
 BACKUPS = re.compile(r"^\[launch\] backups \(--replicas 2\): ps:0 at (\S+) .*, ps:1 at (\S+) ")
 TRAINING = re.compile(r"^\[worker:\d+\] .* epoch \d+ step \d+ loss ")
-PID = re.compile(r"ps 1 (?:serving on|backup of) \S+ \(pid (\d+)\)")
+PID = re.compile(r"ps 1 (?:serving on|backup of|answers status and the layout only, on) \S+ \(pid (\d+)\)")
 BECOMES_BACKUP = r"says \S+ serves it now \(a failover\): this shard becomes its backup$"  # ps-server's check_role
 
 
