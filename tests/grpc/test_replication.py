@@ -51,6 +51,15 @@ def _replicas(ps, arbiter: int = 0) -> dict:
     return {entry.index: entry for entry in layout.replicas}
 
 
+def _create_in_sync(ps, backup_address: str, shard: int = 1) -> None:
+    """Creates SHAPES' variables (SGD lr 1), then waits for shard `shard`'s arbiter to record its backup in sync."""
+    ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+    arbiter = 1 if shard == 0 else 0
+    wait_until(lambda: (_replicas(ps, arbiter).get(shard) is not None
+                        and _replicas(ps, arbiter)[shard].backup == backup_address),
+               30, f"ps:{arbiter} to record ps:{shard}'s backup in sync")
+
+
 def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
     """ps:1 is killed and its folder deleted (its host is gone) between two runs of pushes of ones (on bulk
     lanes): the pushes go on against its backup, which ps 0 names; every value is exactly minus the pushes
@@ -58,10 +67,8 @@ def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
     local, backup, backup_address, cluster = _start(tmp_path)
     try:
         with PSClient(cluster, connect_timeout=30, lane_min_bytes=0) as ps:  # every push on a bulk lane
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            _create_in_sync(ps, backup_address)
             assert [ps.placement.shard_of(n) for n in SHAPES] == [0, 1]
-            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
-                       30, "ps 0 to record ps:1's backup in sync")
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             for _ in range(15):
                 ps.push(grads)
@@ -104,9 +111,7 @@ def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls
                              admin_token_file=None if tls else str(chief.admin_token), environ={})
     try:
         with PSClient(cluster, task=TaskSpec("worker", 0), security=security, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
-                       30, "ps 0 to record ps:1's backup in sync")
+            _create_in_sync(ps, backup_address)
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.push(grads)
             local.kill_ps(1)
@@ -126,9 +131,7 @@ def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):
     local, backup, backup_address, cluster = _start(tmp_path, backed=0)
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            wait_until(lambda: _replicas(ps, 1).get(0) is not None and _replicas(ps, 1)[0].backup == backup_address,
-                       30, "ps 1 to record ps 0's backup in sync")
+            _create_in_sync(ps, backup_address, shard=0)
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             for _ in range(15):
                 ps.push(grads)
@@ -158,9 +161,7 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
     restarted = None
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
-                       30, "ps 0 to record ps:1's backup in sync")
+            _create_in_sync(ps, backup_address)
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.push(grads)
             local.kill_ps(1)
@@ -200,9 +201,7 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
     local, backup, backup_address, cluster = _start(tmp_path)
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
-                       30, "ps 0 to record ps:1's backup in sync")
+            _create_in_sync(ps, backup_address)
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.push(grads)
             backup.send_signal(signal.SIGSTOP)
@@ -317,9 +316,7 @@ def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp
     old = local.address(1)
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            wait_until(lambda: _replicas(ps).get(1) is not None and _replicas(ps)[1].backup == backup_address,
-                       30, "ps 0 to record ps:1's backup in sync")
+            _create_in_sync(ps, backup_address)
             ps.push({n: torch.ones(s) for n, s in SHAPES.items()})
             local.procs[1].send_signal(signal.SIGSTOP)
             wait_until(lambda: _replicas(ps)[1].primary == backup_address, 30, "ps 0 to promote ps:1's backup")
