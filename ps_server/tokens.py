@@ -60,10 +60,13 @@ class TokenFile:
         self._path = security.token_path
         self._recheck = recheck
         self._clock = clock
-        self._identity = _identity(self._path) if self._path else None
+        self._identity: tuple | None = None
         self._checked = clock()
         self._warned: tuple | None = None
         self.reloads = 0  # times a changed file replaced the table
+        # Read again now: the file may have changed since `security` was read (a backup promoted long after it
+        # started serves with the table of its promotion, not of its start).
+        self.refresh()
 
     def current(self) -> Security:
         """The credentials in force, the file looked at if RECHECK_SECONDS passed since the last look. Never
@@ -90,6 +93,8 @@ class TokenFile:
                 return False
             self._identity = identity
             previous = self._security
+            if (table.token, table.lines, table.retiring) == (previous.token, previous.task_tokens, previous.retiring):
+                return False  # rewritten with the same tokens
             self._security = current = dataclasses.replace(previous, token=table.token, task_tokens=table.lines,
                                                            retiring=table.retiring)
             self.reloads += 1

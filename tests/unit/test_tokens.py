@@ -45,6 +45,19 @@ def test_a_changed_file_is_taken_at_the_next_look_and_a_bad_one_keeps_the_table(
     assert not tokens.refresh() and tokens.reloads == 2
 
 
+def test_a_table_made_after_the_file_changed_holds_the_file_of_its_making(tmp_path):
+    """A backup promoted long after it read its credentials serves with the file as it is then: a worker added
+    meanwhile is known at once (the replicated soak saw it refused as 'wrong token' for good)."""
+    path = tmp_path / "tokens"
+    write(path, "worker:0 worker aaa\n")
+    security = Security.load(token_file=str(path), environ={})
+    write(path, "worker:0 worker aaa\nworker:5 worker ccc\n")
+    tokens = TokenFile(security, recheck=1.0, clock=Clock())
+    assert tokens.current().task_of("ccc") == ("worker:5", "worker") and tokens.reloads == 1
+    write(path, "worker:0 worker aaa\nworker:5 worker ccc\n")  # rewritten, the same tokens: nothing replaced
+    assert not tokens.refresh() and tokens.reloads == 1
+
+
 def test_credentials_without_a_token_file_never_look_at_the_disk():
     tokens = TokenFile(Security(), recheck=0.0)
     assert not tokens.refresh() and tokens.current() == Security()
