@@ -881,7 +881,8 @@ class Phase:
         """Every push acknowledged in the phase, by time (CLOCK_MONOTONIC): (time, each shard's generation)."""
         fields = (line.split() for index in self.indices() for line in self.log_path(index).read_text().splitlines()
                   if line.startswith("acked"))
-        return sorted((float(f[-1][2:]), generations(f[-2])) for f in fields if f[-1].startswith("t="))
+        return sorted(((float(f[-1][2:]), generations(f[-2])) for f in fields if f[-1].startswith("t=")),
+                      key=lambda ack: ack[0])  # two at the same time: the generations (dicts) never compared
 
     def _replica_figures(self, acks: list[tuple[float, dict[int, int]]]) -> dict:
         """With --replicas 2: each failover and its time (bench/soak_replicas.py), the partitioned primaries
