@@ -33,7 +33,7 @@ import torch
 from .locks import checked, guarded
 from .row_sums import AveragedRows, RowSums
 
-__all__ = ["StepBuffer", "PendingSteps", "apply_step"]
+__all__ = ["StepBuffer", "PendingSteps", "apply_step", "apply_averages"]
 
 
 class StepBuffer:
@@ -47,6 +47,8 @@ class StepBuffer:
         self.by_worker: collections.Counter[str] = collections.Counter()  # guarded by its PendingSteps' lock
         self.pushes = 0    # pushes counted in (its PendingSteps' lock)
         self.adding = 0    # pushes reserved, still summing (its PendingSteps' lock)
+        self.pushed: list[tuple[str, int, int]] = []  # (worker, incarnation, seq) of each push counted in (same)
+        self.aggregated = False  # a push's "add" went unrecorded: the step's record carries the averages (same)
 
     def add(self, grads: Mapping[str, torch.Tensor], then: Callable[[], None] = lambda: None,
             rows: Mapping[str, object] | None = None) -> None:
@@ -80,7 +82,8 @@ class StepBuffer:
     def export(self) -> dict:
         with self.lock:
             return {"sums": {n: t.clone() for n, t in self.sums.items()}, "counts": dict(self.counts),
-                    "by_worker": dict(self.by_worker), "pushes": self.pushes, "rows": self.rows.export()}
+                    "by_worker": dict(self.by_worker), "pushes": self.pushes, "rows": self.rows.export(),
+                    "pushed": [list(p) for p in self.pushed], "aggregated": self.aggregated}
 
     @classmethod
     def restore(cls, state: dict) -> "StepBuffer":
@@ -90,6 +93,8 @@ class StepBuffer:
         buffer.by_worker.update(state["by_worker"])
         buffer.pushes = state["pushes"]
         buffer.rows = RowSums.restore(state.get("rows", {}))  # absent in states saved before tables were
+        buffer.pushed = [tuple(p) for p in state.get("pushed", ())]  # absent before aggregated records were
+        buffer.aggregated = state.get("aggregated", False)
         return buffer
 
 
@@ -178,11 +183,14 @@ class PendingSteps:
         return buffer
 
     @guarded
-    def counted(self, buffer: StepBuffer, worker: str) -> None:
-        """The push that reserved a place in `buffer` added its gradients: it counts for `worker`."""
+    def counted(self, buffer: StepBuffer, worker: str, push: tuple[str, int, int], recorded: bool = True) -> None:
+        """The push `push` (worker, incarnation, seq) that reserved a place in `buffer` added its gradients: it
+        counts for `worker`. `recorded` False: its "add" has no journal record (the step's record carries it)."""
         buffer.adding -= 1
         buffer.pushes += 1
         buffer.by_worker[worker] += 1
+        buffer.pushed.append(push)
+        buffer.aggregated = buffer.aggregated or not recorded
 
     @guarded
     def unreserve(self, buffer: StepBuffer) -> None:
@@ -258,6 +266,19 @@ class PendingSteps:
         return self.buffers[step] if kind == "apply" else None
 
     @guarded
+    def applying(self, step: int) -> bool:
+        """Whether the applier is applying `step` now (its record not yet queued)."""
+        return self._applying == step
+
+    @guarded
+    def replace(self, step: int) -> StepBuffer:
+        """A new empty buffer for `step` in place of the one it had (replay of a record carrying the step's
+        averages); the buffer it replaces (or an empty one)."""
+        old = self.buffers.get(step) or StepBuffer()
+        self.buffers[step] = StepBuffer()
+        return old
+
+    @guarded
     def done_applying(self, store_step: int) -> None:
         """The applier is done: buffers before `store_step` go."""
         self._drop_before(store_step)
@@ -295,16 +316,25 @@ class PendingSteps:
         self.buffers = {int(step): StepBuffer.restore(entry) for step, entry in state.items()}
 
 
-def apply_step(buffer: StepBuffer, step: int, store, tables) -> None:
-    """Applies sync step `step` (`store`'s step) from its buffer: first every table's averaged row gradients,
-    one lazy optimizer step each on the union of the ids pushed (tables.apply at step + 1, then eviction, as
-    an async push at that step), then the dense averages, which advance the store's step. So a call that
-    sees the new step (a released push, a min_step pull) sees the rows applied too. The applier's call (and
-    the journal's replay), under the apply gate and the journal's ordering, not the bookkeeping condition;
-    blocks on the tables' and variables' locks only. The rows were validated when pushed, so it raises only
-    if a table vanished or on a bug: then the tables before it in the buffer are updated and the store's
-    step has not moved."""
+def apply_step(buffer: StepBuffer, step: int, store, tables) -> tuple[dict[str, torch.Tensor], dict[str, AveragedRows]]:
+    """Applies sync step `step` (`store`'s step) from its buffer (apply_averages); returns the (dense, row)
+    averages it applied (a step record that carries them: background.step_record)."""
     averaged = buffer.row_averages()
+    dense = buffer.averages()
+    apply_averages(dense, averaged, step, store, tables)
+    return dense, averaged
+
+
+def apply_averages(dense: Mapping[str, torch.Tensor], averaged: Mapping[str, AveragedRows], step: int, store,
+                   tables) -> None:
+    """Applies sync step `step` (`store`'s step): first every table's averaged row gradients `averaged`, one
+    lazy optimizer step each on the union of the ids pushed (tables.apply at step + 1, then eviction, as an
+    async push at that step), then the dense averages `dense`, which advance the store's step. So a call
+    that sees the new step (a released push, a min_step pull) sees the rows applied too. The applier's call
+    (and the journal's replay), under the apply gate and the journal's ordering, not the bookkeeping
+    condition; blocks on the tables' and variables' locks only. The rows were validated when pushed, so it
+    raises only if a table vanished or on a bug: then the tables before it are updated and the store's step
+    has not moved."""
     if averaged:
         tables.apply(averaged, step + 1, received={name: rows.received for name, rows in averaged.items()})
-    store.apply(buffer.averages(), step_increment=1, validated=True)
+    store.apply(dense, step_increment=1, validated=True)

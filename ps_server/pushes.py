@@ -115,7 +115,10 @@ class PushPath:
         # A sync push carrying row gradients is held on every shard, not only shard 0, until that shard has
         # applied its step (as PushPull's is): the worker's next lookups (LookupRows, which has no min_step)
         # then read the rows of the released step on every shard.
-        hold = hold or bool(table_rows)
+        # A sync push on a journaled shard leaves no record of its own (one per step: background.step_record)
+        # and is held on every shard until its step's record is written.
+        aggregate = self._aggregates()
+        hold = hold or bool(table_rows) or aggregate
         book, ledger, pending = self._book, self._book.ledger, self._book.pending
         while True:
             with book.cond:
@@ -144,7 +147,8 @@ class PushPath:
                 for name in grads:  # still here (else the layout's error: nothing was changed)
                     self._store.get(name)
                 continue
-            result = yield from self._duplicate(worker, incarnation, original, seq, cancelled, hold, deadline)
+            result = yield from self._duplicate(worker, incarnation, original, seq, cancelled, hold, deadline,
+                                                aggregate)
             if result is None and repeat:
                 raise _refused_repeat(worker, seq)
             if result is not None:
@@ -156,7 +160,7 @@ class PushPath:
         try:
             if buffer is not None:
                 return (yield from self._push_sync(worker, incarnation, seq, step, grads, table_rows, record, buffer,
-                                                   cancelled, hold, deadline))
+                                                   cancelled, hold, deadline, aggregate))
             return (yield from self._push_async(worker, incarnation, seq, step, grads, table_rows, step_increment,
                                                 record, book.clock.config.mode == "ssp", cancelled, deadline))
         except BaseException:  # GeneratorExit too: a call closed before it was applied is forgotten
@@ -209,9 +213,9 @@ class PushPath:
         return Wait(book.cond, lambda: ready() or book.closed, lambda: book.clock.left(deadline), level)
 
     def _duplicate(self, worker: str, incarnation: int, record: PushRecord, seq: int, cancelled, hold: bool,
-                   deadline: float) -> Waiting[PushResult | None]:
+                   deadline: float, aggregate: bool) -> Waiting[PushResult | None]:
         """The reply to a repeated push of `record`; None if its original failed (or its record is no longer
-        the ledger's) and it must be applied. Takes cond."""
+        the ledger's) and it must be applied. Takes cond. `aggregate`: as _await_release's."""
         book, ledger = self._book, self._book.ledger
 
         def replaced() -> bool:
@@ -242,7 +246,7 @@ class PushPath:
                     return PushResult(step=current, next_step=current, duplicate=True, quorum=book.pending.quorum)
                 return dataclasses.replace(record.result, duplicate=True, wait_seconds=0.0)
         with self._waits.slot("release") if held else contextlib.nullcontext():
-            released = yield from self._await_release(worker, record.step, cancelled, hold, deadline)
+            released = yield from self._await_release(worker, record.step, cancelled, hold, deadline, aggregate)
         return dataclasses.replace(released, duplicate=True)
 
     def _push_async(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
@@ -273,42 +277,47 @@ class PushPath:
                                        wait_seconds=book.clock.now() - start)
 
     def _push_sync(self, worker: str, incarnation: int, seq: int, step: int, grads, table_rows,
-                   record: PushRecord | None, buffer: StepBuffer, cancelled, hold: bool, deadline: float
-                   ) -> Waiting[PushResult]:
+                   record: PushRecord | None, buffer: StepBuffer, cancelled, hold: bool, deadline: float,
+                   aggregate: bool) -> Waiting[PushResult]:
         """Adds a push (dense and row gradients, all or nothing) to the buffer of `step` that _push reserved,
         counts it, then waits as _await_release says. If the add raises, nothing was added (_push then
         forgets the push and unreserves the buffer). Its journal record ("add") carries the rows too
         (Recorder.pushing), and is written before the push is acknowledged (the step's record, queued after
-        every add it sums, need not be: replaying the adds brings the step back)."""
+        every add it sums, need not be: replaying the adds brings the step back). `aggregate` (a journaled
+        shard, one batch per worker and step): no "add" record; the push is acknowledged once its step's
+        record, which carries the averages and names every push summed, is written (so a backup receives one
+        record per step, not one per push: replication after aggregation). A push that was not acknowledged
+        before the shard stopped is not in its journal: its client's retry is applied afresh."""
         book, recorder = self._book, self._recorder
         meta = _push_meta(worker, incarnation, seq, step)
         tickets = []
         with self._gate.change():
             self._tables.check_applies(table_rows)
-            self._apply("add", meta, grads, table_rows, record, buffer,
-                        then=lambda: tickets.append(recorder.log("add", meta, grads)))
-        recorder.durable(tickets[0], book.clock.left(deadline))  # written (outside every lock) before it is
-        result = yield from self._await_release(worker, step, cancelled, hold, deadline)  # acknowledged
+            self._apply("add", meta, grads, table_rows, record, buffer, recorded=not aggregate,
+                        then=_nothing if aggregate else lambda: tickets.append(recorder.log("add", meta, grads)))
+        if not aggregate:
+            recorder.durable(tickets[0], book.clock.left(deadline))  # written (outside every lock) before it is
+        result = yield from self._await_release(worker, step, cancelled, hold, deadline, aggregate)  # acknowledged
         with book.cond:
             book.ledger.answer(record, result)
         return result
 
     def _apply(self, kind: str, meta: dict, grads: Mapping[str, torch.Tensor], rows: Mapping,
-               record: PushRecord | None, buffer: StepBuffer | None = None, then: Callable[[], None] = _nothing
-               ) -> PushResult | None:
+               record: PushRecord | None, buffer: StepBuffer | None = None, then: Callable[[], None] = _nothing,
+               recorded: bool = True) -> PushResult | None:
         """The change of one push's record, "apply" (async, ssp) or "add" (sync), live and at replay (replay()):
         its gradients `grads` and row gradients `rows` applied (under the ordering lock) or summed into
         `buffer` (under the buffer's), `then()` right after them under that lock (live: the record queued);
         then, taking cond, the ledger's `record` marked applied, an apply's reply kept and its worker's ssp
         clock moved, an add counted in its step. The caller holds the apply gate, after the push's
         admission (its ledger record begun, its step's place in `buffer` reserved). Returns an apply's
-        reply."""
+        reply. `recorded` False: an add with no record of its own (_push_sync's `aggregate`)."""
         book, worker = self._book, meta["worker"]
         if kind == "add":
             buffer.add(grads, then, rows=rows)
             with book.cond:
                 book.ledger.mark_applied(record, pending=True)
-                book.pending.counted(buffer, worker)
+                book.pending.counted(buffer, worker, (worker, meta["incarnation"], meta["seq"]), recorded)
                 book.membership.count_push(worker, meta["step"])
                 book.cond.notify_all()
             return None
@@ -338,12 +347,20 @@ class PushPath:
         with self._gate.change():
             self._apply(kind, meta, tensors, rows, record, buffer)
 
-    def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float
-                       ) -> Waiting[PushResult]:
+    def _aggregates(self) -> bool:
+        """Whether a sync push's add goes unrecorded (its step's record carries it): a journal, sync mode, one
+        batch per worker and step (a worker let go on before its step is applied has its add recorded)."""
+        config = self._book.clock.config
+        return self._recorder.journal is not None and config.mode == "sync" and config.batches_per_worker == 1
+
+    def _await_release(self, worker: str, step: int, cancelled, hold: bool, deadline: float,
+                       aggregate: bool = False) -> Waiting[PushResult]:
         """On shard 0 (any shard with `hold`), waits until `worker` may go on after pushing for `step`.
 
-        Takes cond. The worker may go on once this shard has applied `step`,
-        or while the step still wants more of its batches (R > N).
+        Takes cond. The worker may go on once this shard has applied `step`
+        (and queued its record), or while the step still wants more of its
+        batches (R > N). `aggregate`: then waits (holding no lock) for every
+        record queued so far to be written, the step's among them.
         """
         book = self._book
         start = book.clock.now()
@@ -351,12 +368,14 @@ class PushPath:
             per_worker = book.clock.config.batches_per_worker
 
             def may_go_on() -> bool:
-                return (self._store.step > step or cancelled()
+                return ((self._store.step > step and not book.pending.applying(step)) or cancelled()
                         or book.pending.wants_more(step, worker, per_worker))
 
             yield from self._hold(worker, may_go_on, deadline, step + 1 if per_worker == 1 else None,
                                   lambda: f"step {step} was not released (shard at step {self._store.step}, quorum "
                                           f"{book.pending.quorum}, {book.membership.live()} live workers)")
+        if aggregate:
+            self._recorder.durable_all(book.clock.left(deadline))
         with book.cond:
             current = self._store.step
             return PushResult(step=current, next_step=max(current, step), wait_seconds=book.clock.now() - start,

@@ -19,6 +19,7 @@ from torchps.client import Optimizer, PSClient
 from torchps.cluster import Cluster, TaskSpec
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.failstop import EXIT_CODE
+from torchps.ps_server.journal import Journal
 from torchps.security import Security
 from torchps.worker.local_cluster import LocalCluster
 
@@ -305,6 +306,10 @@ def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
         backup.terminate()
         backup.wait(timeout=30)
         local.stop()
+    # Replication after aggregation: one record per step, in the backup's copy of ps 0's journal (and in its own,
+    # promoted), none per push.
+    kinds = [record.kind for record in Journal(tmp_path / "backup-0").recover()[1]]
+    assert "add" not in kinds and kinds.count("step") >= steps - kill_after, kinds
 
 
 def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp_path):

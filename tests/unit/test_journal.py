@@ -12,10 +12,12 @@ import logging
 import os
 import pathlib
 import threading
+from concurrent import futures
 
 import pytest
 import torch
 
+from helpers import wait_until
 from torchps.errors import CheckpointError, LayoutChangedError, ServerUnavailableError
 from torchps.ps_server import journal_log
 from torchps.ps_server.coordinator import Coordinator
@@ -81,32 +83,66 @@ def test_async_state_and_ledger_survive_a_crash(tmp_path):
     back.close()
 
 
-def test_sync_pending_sums_and_applied_steps_survive_a_crash(tmp_path):
-    """Step 0 applied, step 1 half full when the shard dies: after recovery the second push completes step 1
-    with both gradients, and a retry of the first is not counted again."""
-    c = shard(tmp_path, owns_step=False)  # a non-zero shard replies at once: the test needs no threads
-    c.configure(SyncConfig(mode="sync", total_num_replicas=2, startup_grace_seconds=0))
+@pytest.mark.parametrize("batches", [1, 2], ids=["step-records", "add-records"])
+def test_sync_pending_sums_and_applied_steps_survive_a_crash(tmp_path, batches):
+    """Step 0 applied, step 1 half full when the shard dies, then step 1 completed; each step averages every
+    batch once. One batch per worker and step: a step's record carries its averages and names its pushes (no
+    "add" records), so worker 0's push of step 1, held and never acknowledged, is not in the journal and its
+    retry is summed afresh. Two batches each: worker 0's first batch of step 1 is acknowledged at once, so it
+    has its own record, is known after recovery, and its retry is not counted again."""
+    pool = futures.ThreadPoolExecutor(4)
+
+    def worker(c: Coordinator, name: str, pushes: list[tuple[int, int, int]]):
+        """`name`'s pushes (seq, step, seed), one after the other, as a client sends them; the last reply."""
+        return [c.push(name, 1, seq, step, grads(seed), timeout=30) for seq, step, seed in pushes][-1]
+
+    c = shard(tmp_path, owns_step=False)
+    c.configure(SyncConfig(mode="sync", total_num_replicas=2, replicas_to_aggregate=2 * batches,
+                           startup_grace_seconds=0, lease_seconds=60))
     create(c, "sgd", lr=1.0)
-    for worker in ("worker:0", "worker:1"):
-        c.join(worker, 1)
-    c.push("worker:0", 1, 1, 0, grads(1))
-    c.push("worker:1", 1, 1, 0, grads(2))
-    c.wait_for_step(1, timeout=10)
-    c.push("worker:0", 1, 2, 1, grads(3))
+    for name in ("worker:0", "worker:1"):
+        c.join(name, 1)
+    step0 = {"worker:0": [1, 2][:batches], "worker:1": [3, 4][:batches]}
+    done = [pool.submit(worker, c, name, [(1 + b, 0, seed) for b, seed in enumerate(seeds)])
+            for name, seeds in step0.items()]
+    for f in done:
+        f.result()
+    assert c.wait_for_step(1, timeout=10) == 1
+    seq = batches + 1  # worker 0's first push of step 1
+    held = pool.submit(worker, c, "worker:0", [(seq, 1, 5)])
+    if batches == 2:
+        held.result()  # a first batch of two is answered at once
+    else:
+        wait_until(lambda: c.pending.counts(1, "worker:0") == (1, 1), 10, "worker 0's push to be summed")
+        assert not held.done()
     expected = observed(c)
     c.close()
+    if batches == 1:
+        with pytest.raises(ServerUnavailableError):
+            held.result()
+    kinds = [record.kind for record in Journal(tmp_path).recover()[1]]
+    assert ("add" in kinds) == (batches == 2) and kinds.count("step") == 1
 
     back = shard(tmp_path, owns_step=False)
     assert_same(observed(back), expected)
-    assert back.push("worker:0", 1, 2, 1, grads(3)).duplicate, "the pending push is known after recovery"
-    for worker in ("worker:0", "worker:1"):
-        back.join(worker, 1, 1)
-    back.push("worker:1", 1, 2, 1, grads(4))
+    for name in ("worker:0", "worker:1"):
+        back.join(name, 1, 1)
+    first = pool.submit(worker, back, "worker:0", [(seq, 1, 5)])  # its retry
+    if batches == 2:
+        assert first.result().duplicate, "an acknowledged push is known after recovery"
+        first = pool.submit(worker, back, "worker:0", [(seq + 1, 1, 8)])
+    other = pool.submit(worker, back, "worker:1", [(batches + 1 + b, 1, 6 + b) for b in range(batches)])
+    for f in (first, other):
+        f.result()
     assert back.wait_for_step(2, timeout=10) == 2
+    assert not first.result().duplicate, "never acknowledged before: summed afresh (one batch each)"
     w = back.store.read("b", lambda value, version: value.clone())
     average = lambda seeds: sum(grads(s)["b"] for s in seeds) / len(seeds)  # noqa: E731
-    assert torch.allclose(w, -(average([1, 2]) + average([3, 4])), atol=1e-6), "step 1 averaged both, once"
+    step1 = [5, 6] if batches == 1 else [5, 8, 6, 7]
+    assert torch.allclose(w, -(average(step0["worker:0"] + step0["worker:1"]) + average(step1)), atol=1e-6), \
+        "each step averaged each batch once"
     back.close()
+    pool.shutdown()
 
 
 def test_a_torn_record_at_the_end_is_cut_off_and_appends_go_on(tmp_path):

@@ -125,16 +125,18 @@ def async_kinds(ps0: Coordinator, ps1: Coordinator) -> None:
 
 
 def sync_kinds(ps1: Coordinator) -> None:
-    """ps 1 (sync, not the step's owner: pushes are answered once summed): a step applied, the next one half
-    summed, and a hold whose lease runs out."""
-    ps1.configure(SyncConfig(mode="sync", total_num_replicas=2, startup_grace_seconds=0))
+    """ps 1 (sync, not the step's owner, two batches per worker and step: pushes are answered once summed, each
+    with its "add" record): a step applied, the next one half summed, and a hold whose lease runs out. (A step
+    of one batch per worker is recorded whole: test_journal, test_table_state.)"""
+    ps1.configure(SyncConfig(mode="sync", total_num_replicas=2, replicas_to_aggregate=4, startup_grace_seconds=0))
     for worker in ("worker:0", "worker:1"):
         ps1.join(worker, 1)
     step = ps1.store.step
-    ps1.push("worker:0", 1, 1, step, grads(4, {"b": (5,), "c": (2,)}))
-    ps1.push("worker:1", 1, 1, step, grads(5, {"c": (2,)}))
+    for seq in (1, 2):
+        ps1.push("worker:0", 1, seq, step, grads(3 + seq, {"b": (5,), "c": (2,)}))
+        ps1.push("worker:1", 1, seq, step, grads(5 + seq, {"c": (2,)}))
     assert ps1.wait_for_step(step + 1, timeout=10) == step + 1
-    ps1.push("worker:1", 1, 2, step + 1, grads(6, {"b": (5,), "c": (2,)}))
+    ps1.push("worker:1", 1, 3, step + 1, grads(6, {"b": (5,), "c": (2,)}))
     ps1.moves.set_layout(4, ADDRESSES, PLACEMENT, hold_from=step + 1, hold_lease=0.05)
     wait_until(lambda: not ps1.layout.hold_from, 10, "the hold's lease to run out")
     assert ps1.layout.export()["released"] == [step + 2, 4]  # held after the half-summed step, then ended

@@ -325,8 +325,10 @@ def test_a_damaged_or_incomplete_table_section_is_refused_not_restored_partly(tm
 @pytest.mark.parametrize("compact_bytes", [1 << 30, 3000], ids=["one-log", "compacted"])
 def test_sync_row_sums_and_applied_steps_survive_a_crash_as_a_shard_that_never_stopped(tmp_path, compact_bytes):
     """Sync mode: two workers' row gradients summed per step, applied with the step; a step half full when the
-    shard dies is completed after recovery exactly as on a twin shard that never stopped. (A sync push with
-    rows is held until its step applies: each worker pushes from its own thread.)"""
+    shard dies is completed after recovery exactly as on a twin shard that never stopped (the push held in it
+    was never acknowledged, so it is not in the journal, whose step records carry the averages: the worker's
+    retry is summed afresh). (A sync push with rows is held until its step applies: each worker pushes from
+    its own thread.)"""
     from concurrent import futures
 
     from torchps.errors import ServerUnavailableError
@@ -375,7 +377,10 @@ def test_sync_row_sums_and_applied_steps_survive_a_crash_as_a_shard_that_never_s
     for c in (back, twin):
         for worker in ("worker:0", "worker:1"):
             c.join(worker, 1, 4)
-        assert sync_push(c, "worker:1", 5, 4, 9).step == 5, "completes step 4 with the push counted before"
+    retry = pool.submit(sync_push, back, "worker:0", 5, 4, 8)  # never acknowledged: not in the journal
+    assert sync_push(back, "worker:1", 5, 4, 9).step == 5 and retry.result().step == 5
+    assert not retry.result().duplicate, "summed afresh after recovery"
+    assert sync_push(twin, "worker:1", 5, 4, 9).step == 5, "completes step 4 with the push counted before"
     assert held[twin].result().step == 5
     assert_same_tables(table_state.section(back.tables), table_state.section(twin.tables),
                        "step 4 completed after recovery, as on the twin")
