@@ -79,7 +79,7 @@ def test_replicated_shards_fail_over_under_chaos_and_lose_nothing(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--replicas", "2", "--modes", "sync",
                           "--minutes", "0.2", "--fault-every", "0.5,1.25", "--kinds", ",".join(sorted(REPLICA_KINDS)),
-                          "--json", str(out)],
+                          "--json", str(out), "--keep", str(tmp_path / "kept")],  # every log, for a failure's cause
                          capture_output=True, text=True, timeout=600)
     assert out.is_file(), f"no results (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())
