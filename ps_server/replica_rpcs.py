@@ -90,8 +90,8 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
     """How shard `index` asks its arbiter (cluster.arbiter_of) for a change of its record: through its own
     coordinator where it is its own arbiter (a one-shard job's ps 0, or a standalone ps 0), else by a SetReplica
     call with its own credentials to the arbiter of the job's cluster spec `addresses`, followed to wherever it is
-    served after its own failover (one attempt of ARBITER_TIMEOUT_SECONDS; PSErrors as the client edge maps
-    them). None for a shard started without the cluster spec, other than ps 0: it cannot reach an arbiter."""
+    served after its own failover, or where this shard's own record of it says (ps 0 and ps 1 arbitrate each
+    other; one attempt of ARBITER_TIMEOUT_SECONDS; PSErrors as the client edge maps them). None for a shard started without the cluster spec, other than ps 0: it cannot reach an arbiter."""
     arbiter = arbiter_of(index, len(addresses))
     if arbiter == index:
         return lambda action, shard, primary, backup: coordinator.set_replica(action, shard, primary, backup,
@@ -107,6 +107,10 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
             channels.append(ShardChannels(list(addresses[:2]), connect_timeout=ARBITER_TIMEOUT_SECONDS,
                                           security=security))
             channels[0].follows_failovers = True
+        if coordinator.replicas is not None:  # ps 0 and ps 1 record each other: the arbiter is where this one's
+            served = coordinator.replicas.entry(arbiter)["primary"]  # record says (ps 0 moved, the spec's address
+            if served:                                               # of ps 0 cannot say where ps 1 went)
+                channels[0].redirect(arbiter, served)
         request = ps_pb2.ReplicaChange(action=ACTIONS.index(action), index=shard, primary=primary, backup=backup)
         reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), ARBITER_TIMEOUT_SECONDS,
                                  retry_for=ARBITER_TIMEOUT_SECONDS)

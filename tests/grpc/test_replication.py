@@ -228,7 +228,8 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
 def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved(tmp_path):
     """Both shards backed up: ps 1's primary is killed (ps 0 promotes its backup), then ps 0's: its backup finds
     ps 1, its arbiter, at the address ps 0's journal recorded for it (the spec's answers no more), is promoted,
-    and the pushes go on exactly."""
+    and the pushes go on exactly; a fresh backup of the promoted ps 0 is recorded in sync by ps 1, which ps 0
+    finds where its own record says."""
     local, backup1, address1, cluster = _start(tmp_path)
     address0 = f"127.0.0.1:{free_ports(1)[0]}"
     with open(tmp_path / "backup0.log", "wb") as log:
@@ -236,6 +237,7 @@ def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved
                                     json.dumps(cluster.to_dict()), "--replica-of", cluster.ps[0], "--bind", address0,
                                     "--journal-dir", str(tmp_path / "backup-0"), "--insecure", "--torch-threads", "1"],
                                    stdout=log, stderr=subprocess.STDOUT)
+    backups = [backup0, backup1]
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
@@ -251,8 +253,20 @@ def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved
             values = ps.pull(SHAPES)
             assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
             assert (_replicas(ps, 1)[0].primary, _replicas(ps)[1].primary) == (address0, address1)
+            # A fresh backup of the promoted ps 0: ps 0 tells ps 1 at the address its own record has for it (the
+            # spec's, and ps 0's own spec address, answer no more).
+            fresh0 = f"127.0.0.1:{free_ports(1)[0]}"
+            with open(tmp_path / "fresh0.log", "wb") as log:
+                backups.append(subprocess.Popen(
+                    [sys.executable, "-m", "torchps.ps_server", "--index", "0", "--cluster", json.dumps(cluster.to_dict()),
+                     "--replica-of", address0, "--bind", fresh0, "--journal-dir", str(tmp_path / "fresh-0"),
+                     "--insecure", "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT))
+            wait_until(lambda: _replicas(ps, 1)[0].backup == fresh0, 30, "ps 1 to record ps 0's fresh backup in sync")
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -4.0)) for n, s in SHAPES.items())
     finally:
-        for backup in (backup0, backup1):
+        for backup in backups:
             backup.terminate()
             backup.wait(timeout=30)
         local.stop()
@@ -310,6 +324,37 @@ def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
     # promoted), none per push.
     kinds = [record.kind for record in Journal(tmp_path / "backup-0").recover()[1]]
     assert "add" not in kinds and kinds.count("step") >= steps - kill_after, kinds
+
+
+def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_long_before_its_deadline(tmp_path):
+    """ps:1's primary is paused (SIGSTOP: its connections stay open, nothing answers) under a push whose deadline
+    is 300 s: the client's failover watch asks ps 0 where ps:1 is served while the call hangs, moves it to the
+    promoted backup and sends it there; it is answered while the old primary is still paused, applied once."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30, timeout=300) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.procs[1].send_signal(signal.SIGSTOP)
+            pushed = threading.Thread(target=ps.push, args=(grads,))
+            pushed.start()
+            pushed.join(60)
+            assert not pushed.is_alive(), "the push waits for its deadline at the paused primary"
+            assert local.procs[1].poll() is None and _replicas(ps)[1].primary == backup_address
+            watch = ps._fanout.channels.watch
+            assert ps._fanout.channels.relocated == 1 and watch.asked >= 1
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            local.procs[1].send_signal(signal.SIGCONT)
+            assert local.procs[1].wait(timeout=30) == EXIT_CODE, "resumed, the old primary is fenced and stops"
+    finally:
+        if local.procs[1] is not None and local.procs[1].poll() is None:
+            local.procs[1].send_signal(signal.SIGCONT)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
 
 
 def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp_path):
