@@ -30,6 +30,7 @@ from ..errors import LaneBrokenError, PSError, ServerUnavailableError, ShardBusy
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
+from .failover_watch import FailoverWatch
 
 __all__ = ["ShardChannels", "Backoff"]
 
@@ -173,6 +174,9 @@ class ShardChannels:
         self.relocated = 0  # shards found served elsewhere
         self._spec_shards = len(self.addresses)  # the job's shards as it began: who arbitrates whom
         self._relocating = threading.local()
+        self._redirecting = threading.Lock()  # one redirect of a shard at a time (relocate runs in many threads)
+        self._replicated: set[int] = set()  # shards their arbiter's last answer recorded a backup or failover for
+        self.watch = FailoverWatch(self.relocate, lambda shard: shard in self._replicated, self._closed)
 
     def _open(self, address: str, index: int | None = None) -> None:
         """A channel to `address`: the next shard's, or shard `index`'s instead of the one it had."""
@@ -226,19 +230,30 @@ class ShardChannels:
         finally:
             self._relocating.active = False
         for entry in layout.replicas:
+            if entry.backup or entry.failovers:
+                self._replicated.add(entry.index)
+        for entry in layout.replicas:
             if entry.index == shard and entry.primary and entry.primary != self.addresses[shard]:
-                _LOGGER.warning("ps:%d is served at %s now (failover %d; was %s)", shard, entry.primary,
-                                entry.failovers, self.addresses[shard])
-                self.redirect(shard, entry.primary)
-                self.relocated += 1
+                was = self.addresses[shard]
+                if self.redirect(shard, entry.primary):
+                    _LOGGER.warning("ps:%d is served at %s now (failover %d; was %s)", shard, entry.primary,
+                                    entry.failovers, was)
+                    self.relocated += 1
                 return True
         return False
 
-    def redirect(self, shard: int, address: str) -> None:
-        """Shard `shard` is served at `address` from now on (its backup was promoted): calls go there."""
-        self._retired.append(self._channels[shard])
-        self.addresses[shard] = address
-        self._open(address, shard)
+    def redirect(self, shard: int, address: str) -> bool:
+        """Shard `shard` is served at `address` from now on (its backup was promoted): calls go there, and the
+        old channel is closed, which ends the calls still in flight on it (CANCELLED: call() sends them
+        again, to `address`). False if the client calls it there already."""
+        with self._redirecting:
+            if self.addresses[shard] == address:
+                return False
+            old = self._channels[shard]
+            self.addresses[shard] = address
+            self._open(address, shard)
+        old.close()
+        return True
 
     def target(self, shard: int) -> str:
         return f"ps:{shard} at {self.addresses[shard]}"
@@ -297,15 +312,21 @@ class ShardChannels:
         while True:
             if self._closed.is_set():
                 raise ServerUnavailableError(f"this client is closed; {self.target(shard)} was not called")
+            watched = self.watch.enter(shard) if self.follows_failovers else None
+            stub = self.stubs[shard]
             try:
                 if not self._ready[shard]:
                     self.wait_ready(shard, time.monotonic() + retry_for if backoff is None else backoff.deadline)
-                return fn(self.stubs[shard], timeout)
+                    stub = self.stubs[shard]
+                return fn(stub, timeout)
             except LaneBrokenError:  # the attempt's bulk lane broke (closed, out of step): nothing applied
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if not backoff.pause(MOVING_RETRY_SECONDS):
                     raise
             except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.CANCELLED and self.stubs[shard] is not stub \
+                        and not self._closed.is_set():
+                    continue  # its channel closed by a redirect (a failover): sent again, to the new address
                 if not _retryable(exc):
                     raise error_from_rpc(exc, self.target(shard)) from exc
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
@@ -318,6 +339,9 @@ class ShardChannels:
                     self._ready[shard] = False
                 if not backoff.pause():
                     raise error_from_rpc(exc, self.target(shard)) from exc
+            finally:
+                if watched is not None:
+                    self.watch.leave(watched)
 
     def close(self) -> None:
         self._closed.set()
