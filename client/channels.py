@@ -214,33 +214,44 @@ class ShardChannels:
         self.live = len(addresses)
 
     def relocate(self, shard: int) -> bool:
-        """Asks the shard's arbiter (cluster.arbiter_of: ps 0, ps 1 for ps 0) where it is served and, if at
-        another address than this client calls, calls it there from now on (True). Blocks for one call to the
-        arbiter (up to RELOCATE_ASK_SECONDS); False if it does not answer, if the shard has no arbiter but
-        itself, or while this thread is relocating already (the arbiter itself did not answer)."""
+        """Asks the shard's arbiter (cluster.arbiter_of: ps 0, ps 1 for ps 0) where it is served, then the shard's
+        own address (a backup there answers where its primary is: ps_server/signpost.py), twice (the arbiter's
+        address may have been a backup's, which named where the arbiter is); if at another address than this
+        client calls, calls it there from now on (True). Blocks for up to four calls of RELOCATE_ASK_SECONDS;
+        False if none says, or while this thread is relocating already."""
         arbiter = arbiter_of(shard, self._spec_shards)
-        if arbiter == shard or getattr(self._relocating, "active", False):
+        if getattr(self._relocating, "active", False):
             return False
         self._relocating.active = True
         try:
-            layout = self.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                               RELOCATE_ASK_SECONDS, retry_for=RELOCATE_ASK_SECONDS)
-        except PSError:
+            for asked in [arbiter, shard] * 2 if arbiter != shard else [shard]:
+                served = self._served_by(asked)
+                if asked != shard and served.get(asked, self.addresses[asked]) != self.addresses[asked]:
+                    self._move(asked, served[asked])  # the arbiter's address was a backup's signpost
+                if served.get(shard, self.addresses[shard]) != self.addresses[shard]:
+                    self._move(shard, served[shard])
+                    return True
             return False
         finally:
             self._relocating.active = False
+
+    def _served_by(self, shard: int) -> dict[int, str]:
+        """{index: primary} of the replicated shards that `shard`'s address names (an arbiter's record, or a
+        backup's signpost of its own shard); {} if nothing answers within RELOCATE_ASK_SECONDS. One attempt."""
+        try:
+            layout = self.stubs[shard].GetLayout(ps_pb2.LayoutRequest(), timeout=RELOCATE_ASK_SECONDS)
+        except grpc.RpcError:
+            return {}
         for entry in layout.replicas:
             if entry.backup or entry.failovers:
                 self._replicated.add(entry.index)
-        for entry in layout.replicas:
-            if entry.index == shard and entry.primary and entry.primary != self.addresses[shard]:
-                was = self.addresses[shard]
-                if self.redirect(shard, entry.primary):
-                    _LOGGER.warning("ps:%d is served at %s now (failover %d; was %s)", shard, entry.primary,
-                                    entry.failovers, was)
-                    self.relocated += 1
-                return True
-        return False
+        return {entry.index: entry.primary for entry in layout.replicas if entry.primary}
+
+    def _move(self, shard: int, address: str) -> None:
+        was = self.addresses[shard]
+        if self.redirect(shard, address):
+            _LOGGER.warning("ps:%d is served at %s now (was %s)", shard, address, was)
+            self.relocated += 1
 
     def redirect(self, shard: int, address: str) -> bool:
         """Shard `shard` is served at `address` from now on (its backup was promoted): calls go there, and the
@@ -323,6 +334,10 @@ class ShardChannels:
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if not backoff.pause(MOVING_RETRY_SECONDS):
                     raise
+            except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed by a redirect before the call
+                if self.stubs[shard] is not stub and not self._closed.is_set():
+                    continue
+                raise
             except grpc.RpcError as exc:
                 if exc.code() is grpc.StatusCode.CANCELLED and self.stubs[shard] is not stub \
                         and not self._closed.is_set():

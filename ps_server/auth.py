@@ -21,13 +21,14 @@ from ..errors import ERROR_METADATA_KEY, AuthenticationError, PermissionDeniedEr
 from ..security import TOKEN_METADATA_KEY, Security, allowed_methods
 from .tokens import TokenFile
 
-__all__ = ["Caller", "Authority", "TokenInterceptor", "aborting"]
+__all__ = ["Caller", "Authority", "TokenInterceptor", "aborting", "token_of"]
 
 
 Caller = Verdict  # who made a call: the policy's verdict on it (name, role) once accepted and allowed
 
 
-def _token_of(metadata) -> str:
+def token_of(metadata) -> str:
+    """The token a call's metadata carries ("" for none)."""
     for key, value in metadata or ():
         if key == TOKEN_METADATA_KEY:
             return value if isinstance(value, str) else value.decode(errors="replace")
@@ -66,7 +67,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith("/grpc.health."):
             return handler
         method = handler_call_details.method.rpartition("/")[2]
-        token = _token_of(handler_call_details.invocation_metadata)
+        token = token_of(handler_call_details.invocation_metadata)
         verdict = policy(self._tokens.current(), method, token=token)
         if not verdict.authenticated and token and self._tokens.refresh():
             verdict = policy(self._tokens.current(), method, token=token)
@@ -86,7 +87,7 @@ class Authority:
     def caller(self, method: str, context: grpc.ServicerContext) -> Caller:
         """The caller of `method`; AuthenticationError if its token is not (or no longer) accepted,
         PermissionDeniedError if its role may not call it."""
-        token = _token_of(context.invocation_metadata())
+        token = token_of(context.invocation_metadata())
         subject = (context.auth_context().get("x509_subject") or [b""])[0].decode(errors="replace")
         verdict = policy(self.tokens.current(), method, token=token, subject=subject)
         if not verdict.authenticated:

@@ -27,16 +27,17 @@ from ..cli import INTERRUPTED, USAGE_ERROR
 from ..cluster import Cluster
 from ..errors import ClusterConfigError, PSError
 from ..memory import tune_malloc
+from ..cluster import arbiter_of
 from ..security import Security
 from . import checkpoint
-from ..cluster import arbiter_of
 from .backup import Backup, confirm_role, needs_role_check
-from .replica_rpcs import RoleFence
 from .failstop import FailStop
 from .journal import Journal, Layout
 from .metrics import ShardMetrics
 from .quotas import Quotas
+from .replica_rpcs import RoleFence
 from .server import create_server, serve_health, set_health
+from .signpost import Signpost
 from .store import VariableStore
 
 __all__ = ["serve", "initial_state", "open_journal"]
@@ -145,9 +146,12 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
         signal.signal(signum, on_signal)
     _LOGGER.info("ps %d backup of %s (pid %d): its copy in %s; serves at %s if promoted", index, primary,
                  os.getpid(), args.journal_dir, me)
+    signpost = Signpost(index, address, security, lambda: backup.primary)  # says where ps N is served until then
+    signpost.start()
     try:
         promoted = backup.run()
     finally:
+        signpost.stop()  # before the promoted backup binds the same address
         backup.close()
         held.release()
     if not promoted:

@@ -233,3 +233,26 @@ def test_many_waiting_workers_do_not_starve_the_chief(local_cluster):
                       f"the waiting workers hold every RPC thread of the shard")
     assert created == {"starve/w": True}
     assert not errors, errors
+
+
+def test_a_call_whose_channel_a_redirect_closed_is_sent_again_to_the_new_address(local_cluster):
+    """A failover's redirect closes the old channel (client/failover_watch.py): a call that took the old stub just
+    before is sent again on the new one, not failed with gRPC's 'closed channel' ValueError."""
+    from torchps.client.channels import ShardChannels
+    from torchps.proto import ps_pb2
+
+    local = local_cluster(2)
+    channels = ShardChannels([local.address(0), local.address(1)], connect_timeout=30)
+    attempts = []
+
+    def status(stub, timeout):
+        attempts.append(stub)
+        if len(attempts) == 1:
+            assert channels.redirect(0, local.address(1))  # closes the channel this stub calls through
+        return stub.GetStatus(ps_pb2.StatusRequest(), timeout=timeout)
+
+    try:
+        reply = channels.call(0, status, 10)
+        assert len(attempts) == 2 and attempts[0] is not attempts[1] and reply.index == 1
+    finally:
+        channels.close()

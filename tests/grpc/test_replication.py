@@ -272,8 +272,57 @@ def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved
         local.stop()
 
 
+def test_a_client_started_once_ps_0_and_ps_1_both_moved_finds_them_through_the_backups_at_their_addresses(tmp_path):
+    """ps 1's primary and then ps 0's are killed (each other's arbiters: both backups promoted), and fresh backups
+    are started at the spec's addresses (hosts replaced). A client started then knows only the spec: each
+    backup's signpost names its primary, and the client finds both shards, reads and pushes exactly."""
+    local, backup1, address1, cluster = _start(tmp_path)
+    address0 = f"127.0.0.1:{free_ports(1)[0]}"
+    spec = json.dumps(cluster.to_dict())
+
+    def backup_of(index: int, primary: str, bind: str, name: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            return subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(index), "--cluster", spec,
+                                     "--replica-of", primary, "--bind", bind, "--journal-dir", str(tmp_path / name),
+                                     "--insecure", "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+
+    backups = [backup1, backup_of(0, cluster.ps[0], address0, "backup-0")]
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            backed = lambda: (_backup(ps, 1), _backup(ps, 0))  # noqa: E731
+            wait_until(lambda: backed() == (address1, address0), 30, "both backups in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(1)
+            ps.push(grads)
+            local.kill_ps(0)
+            ps.push(grads)
+            backups += [backup_of(1, address1, cluster.ps[1], "fresh-1"), backup_of(0, address0, cluster.ps[0], "fresh-0")]
+            wait_until(lambda: backed() == (cluster.ps[1], cluster.ps[0]), 30,
+                       "the fresh backups at the spec's addresses in sync")
+        with PSClient(cluster, connect_timeout=30) as late:
+            late.declare({n: torch.zeros(s) for n, s in SHAPES.items()})
+            late.push(grads)
+            values = late.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -4.0)) for n, s in SHAPES.items())
+            assert late._fanout.channels.addresses[:2] == [address0, address1]
+    finally:
+        for backup in backups:
+            backup.terminate()
+            backup.wait(timeout=30)
+        local.stop()
+    assert "answers where ps:0 is served" in (tmp_path / "fresh-0.log").read_text()
+
+
 def _grad(worker: int, step: int, shape) -> torch.Tensor:
     return torch.sin(torch.arange(float(torch.Size(shape).numel())).reshape(shape) * (worker + 1) + step)
+
+
+def _backup(ps, shard: int) -> str:
+    """The backup in sync its arbiter records for `shard` ("" if none)."""
+    entry = _replicas(ps, 1 if shard == 0 else 0).get(shard)
+    return entry.backup if entry is not None else ""
 
 
 def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
