@@ -225,43 +225,51 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
         local.stop()
 
 
+def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name: str) -> subprocess.Popen:
+    """A backup of shard `index` following `primary`, bound at `bind`, its journal and log named `name`."""
+    with open(tmp_path / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(index), "--cluster",
+                                 json.dumps(cluster.to_dict()), "--replica-of", primary, "--bind", bind,
+                                 "--journal-dir", str(tmp_path / name), "--insecure", "--torch-threads", "1"],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def _backup(ps, shard: int) -> str:
+    """The backup in sync its arbiter records for `shard` ("" if none)."""
+    entry = _replicas(ps, 1 if shard == 0 else 0).get(shard)
+    return entry.backup if entry is not None else ""
+
+
+def _ps_1_then_ps_0_fail_over(ps, local, address0: str, address1: str) -> dict:
+    """Creates SHAPES' variables (SGD lr 1), waits for both backups in sync, then pushes ones, kills ps 1's
+    primary, pushes, kills ps 0's, pushes; the gradients pushed."""
+    ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+    wait_until(lambda: (_backup(ps, 1), _backup(ps, 0)) == (address1, address0), 30, "both backups in sync")
+    grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+    ps.push(grads)
+    local.kill_ps(1)
+    ps.push(grads)
+    local.kill_ps(0)
+    ps.push(grads)
+    return grads
+
+
 def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved(tmp_path):
     """Both shards backed up: ps 1's primary is killed (ps 0 promotes its backup), then ps 0's: its backup finds
     ps 1, its arbiter, at the address ps 0's journal recorded for it (the spec's answers no more), is promoted,
     and the pushes go on exactly; a fresh backup of the promoted ps 0 is recorded in sync by ps 1, which ps 0
-    finds where its own record says."""
+    finds where its own record says (the spec's address, and ps 0's own, answer no more)."""
     local, backup1, address1, cluster = _start(tmp_path)
-    address0 = f"127.0.0.1:{free_ports(1)[0]}"
-    with open(tmp_path / "backup0.log", "wb") as log:
-        backup0 = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "0", "--cluster",
-                                    json.dumps(cluster.to_dict()), "--replica-of", cluster.ps[0], "--bind", address0,
-                                    "--journal-dir", str(tmp_path / "backup-0"), "--insecure", "--torch-threads", "1"],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    backups = [backup0, backup1]
+    address0, fresh0 = (f"127.0.0.1:{port}" for port in free_ports(2))
+    backups = [backup1, _backup_process(tmp_path, cluster, 0, cluster.ps[0], address0, "backup-0")]
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            wait_until(lambda: (_replicas(ps).get(1) is not None and _replicas(ps)[1].backup == address1
-                                and _replicas(ps, 1).get(0) is not None and _replicas(ps, 1)[0].backup == address0),
-                       30, "both backups in sync")
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
-            ps.push(grads)
-            local.kill_ps(1)
-            ps.push(grads)
-            local.kill_ps(0)
-            ps.push(grads)
+            grads = _ps_1_then_ps_0_fail_over(ps, local, address0, address1)
             values = ps.pull(SHAPES)
             assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
             assert (_replicas(ps, 1)[0].primary, _replicas(ps)[1].primary) == (address0, address1)
-            # A fresh backup of the promoted ps 0: ps 0 tells ps 1 at the address its own record has for it (the
-            # spec's, and ps 0's own spec address, answer no more).
-            fresh0 = f"127.0.0.1:{free_ports(1)[0]}"
-            with open(tmp_path / "fresh0.log", "wb") as log:
-                backups.append(subprocess.Popen(
-                    [sys.executable, "-m", "torchps.ps_server", "--index", "0", "--cluster", json.dumps(cluster.to_dict()),
-                     "--replica-of", address0, "--bind", fresh0, "--journal-dir", str(tmp_path / "fresh-0"),
-                     "--insecure", "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT))
-            wait_until(lambda: _replicas(ps, 1)[0].backup == fresh0, 30, "ps 1 to record ps 0's fresh backup in sync")
+            backups.append(_backup_process(tmp_path, cluster, 0, address0, fresh0, "fresh-0"))
+            wait_until(lambda: _backup(ps, 0) == fresh0, 30, "ps 1 to record ps 0's fresh backup in sync")
             ps.push(grads)
             values = ps.pull(SHAPES)
             assert all(torch.equal(values[n], torch.full(s, -4.0)) for n, s in SHAPES.items())
@@ -278,28 +286,13 @@ def test_a_client_started_once_ps_0_and_ps_1_both_moved_finds_them_through_the_b
     backup's signpost names its primary, and the client finds both shards, reads and pushes exactly."""
     local, backup1, address1, cluster = _start(tmp_path)
     address0 = f"127.0.0.1:{free_ports(1)[0]}"
-    spec = json.dumps(cluster.to_dict())
-
-    def backup_of(index: int, primary: str, bind: str, name: str) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            return subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(index), "--cluster", spec,
-                                     "--replica-of", primary, "--bind", bind, "--journal-dir", str(tmp_path / name),
-                                     "--insecure", "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
-
-    backups = [backup1, backup_of(0, cluster.ps[0], address0, "backup-0")]
+    backups = [backup1, _backup_process(tmp_path, cluster, 0, cluster.ps[0], address0, "backup-0")]
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            backed = lambda: (_backup(ps, 1), _backup(ps, 0))  # noqa: E731
-            wait_until(lambda: backed() == (address1, address0), 30, "both backups in sync")
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
-            ps.push(grads)
-            local.kill_ps(1)
-            ps.push(grads)
-            local.kill_ps(0)
-            ps.push(grads)
-            backups += [backup_of(1, address1, cluster.ps[1], "fresh-1"), backup_of(0, address0, cluster.ps[0], "fresh-0")]
-            wait_until(lambda: backed() == (cluster.ps[1], cluster.ps[0]), 30,
+            grads = _ps_1_then_ps_0_fail_over(ps, local, address0, address1)
+            backups += [_backup_process(tmp_path, cluster, 1, address1, cluster.ps[1], "fresh-1"),
+                        _backup_process(tmp_path, cluster, 0, address0, cluster.ps[0], "fresh-0")]
+            wait_until(lambda: (_backup(ps, 1), _backup(ps, 0)) == (cluster.ps[1], cluster.ps[0]), 30,
                        "the fresh backups at the spec's addresses in sync")
         with PSClient(cluster, connect_timeout=30) as late:
             late.declare({n: torch.zeros(s) for n, s in SHAPES.items()})
@@ -317,12 +310,6 @@ def test_a_client_started_once_ps_0_and_ps_1_both_moved_finds_them_through_the_b
 
 def _grad(worker: int, step: int, shape) -> torch.Tensor:
     return torch.sin(torch.arange(float(torch.Size(shape).numel())).reshape(shape) * (worker + 1) + step)
-
-
-def _backup(ps, shard: int) -> str:
-    """The backup in sync its arbiter records for `shard` ("" if none)."""
-    entry = _replicas(ps, 1 if shard == 0 else 0).get(shard)
-    return entry.backup if entry is not None else ""
 
 
 def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
