@@ -22,7 +22,8 @@ def soak_source(r: Result):
     """soak.py records its --minutes and --seed (and each phase's mode), not its command line."""
     modes = _modes(r)
     derived = (f"python bench/soak.py --minutes {r.get('minutes', default='?'):g} --seed {r.get('seed', default='?')}"
-               + (f" --modes {modes}" if modes and modes != "async,sync" else "") + f" --json {r.path}")
+               + (f" --modes {modes}" if modes and modes != "async,sync" else "")
+               + (" --replicas 2" if r.get("replicas") == 2 else "") + f" --json {r.path}")
     return source(r, derived=derived, config={"minutes": r.get("minutes"), "seed": r.get("seed"), "modes": modes})
 
 
@@ -364,6 +365,29 @@ def replication_page(results: list[Result]) -> Page:
                        f"failed: {f.get('failed_rounds')}.", "", *section("How this was measured", [source(r)])]
         page.headline.append(("failover, kill to the backup's first acknowledged push, p99 s",
                               num(f.get("failover_p99_s"), 3), r))
+        used.append(r)
+    soaks = [r for r in results if r.get("replicas") == 2 and isinstance(r.get("failovers"), list)]
+    if soaks:
+        r = soaks[-1]
+        by_kind: dict[str, list] = {}
+        for f in r.get("failovers"):
+            by_kind.setdefault(f.get("kind"), []).append(f.get("failover_s"))
+        rows = [[kind, len(times), num(min((t for t in times if t is not None), default=None), 3),
+                 num(max((t for t in times if t is not None), default=None), 3), sum(t is None for t in times)]
+                for kind, times in sorted(by_kind.items())]
+        page.lines += ["## Under chaos", "",
+                       "The chaos soak with a backup beside each of its two shards ([the soak](../internals/soak.md)): "
+                       "each strike of a primary timed from the signal to the first push its successor acknowledged.",
+                       "", *table(["strike", "failovers", "fastest s", "slowest s", "never served"], rows),
+                       f"{r.get('pushes_acked', default=0):,} pushes acknowledged, lost {r.get('lost')}, duplicated "
+                       f"{r.get('duplicated')}, hangs {r.get('hangs')}, wedged {r.get('wedged')}, final checkpoints "
+                       f"complete: {num(r.get('checkpoint_complete'))}; partitioned primaries fenced "
+                       f"{r.get('fenced')}; failover p99 {num(r.get('failover_p99_s'), 3)} s.", "",
+                       *section("How this was measured", [soak_source(r)])]
+        page.headline.append((f"replicated chaos soak, {r.get('minutes', default=0):g} minutes: lost / duplicated, "
+                              "hangs, failover p99 s",
+                              f"{r.get('lost')} / {r.get('duplicated')} of {r.get('pushes_acked', default=0):,}, "
+                              f"{r.get('hangs')}, {num(r.get('failover_p99_s'), 3)}", r))
         used.append(r)
     targets = {k: t for r in used for k, t in (r.get("targets") or {}).items() if t.get("value") is not None}
     if targets:
