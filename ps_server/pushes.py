@@ -7,7 +7,10 @@ record is waited for holding no lock (locks.LOCK_ORDER). A push is a
 generator that yields a waits.Wait where it waits for a release, the ssp
 bound or its original, holding no lock, so its caller may wait in a thread
 or on an event loop (waits.py). What an applied push changes (its "apply"
-or "add" record) is made by _apply, which the journal's replay calls too.
+or "add" record) is made by _apply, which the journal's replay calls too. A
+sync push on a journaled shard with one batch per worker and step has no
+record of its own: it is held on every shard until its step's record, which
+carries the step's averages and names it, is written (_push_sync).
 An async push's reply is kept in the ledger as it is applied, so a retry
 arriving before its record is written gets it (after that record is written).
 

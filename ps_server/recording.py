@@ -17,7 +17,8 @@ under the bookkeeping condition. Embedding tables (table_state.py) are
 recorded the same way: their creation ("tables") and admitting lookups of
 dynamic tables ("admit") under the gate and `ordering`, and a push's row
 gradients inside its own "apply" (or sync "add") record (see pushing()), so a
-push is replayed whole or not at all. A compressed gradient is recorded as it
+push is replayed whole or not at all; a sync step whose pushes have no "add"
+record carries their averaged rows in its own (background.step_record). A compressed gradient is recorded as it
 came (as_received) and decoded again on replay (replay.py).
 
 A record's change is made by one function, live and on replay (replay.py

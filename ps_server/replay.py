@@ -7,7 +7,9 @@ the one function that made its change live, called as the live path calls it
     configure, create, hyperparams, tables, admit   coordinator.Coordinator._apply
     apply, add                                      pushes.PushPath._apply, after what the push's
                                                     admission did (its ledger record, its step's place)
-    step                                            background.take_step (the sync applier's)
+    step                                            background.take_step (the sync applier's); one
+                                                    that carries the step's averages (no "add"
+                                                    records: background.step_record) applies them
     set_step, member                                bookkeeping.Bookkeeping.set_step, _members
     queue                                           dataqueue.DataQueues: each event, applied as it was
     layout, hold_ended, export, import, confirm,    moves.Moves._apply
