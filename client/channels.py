@@ -11,7 +11,10 @@ memory, a variable's size) are raised at once. While a shard cannot be reached,
 a line every PROGRESS_SECONDS (logging, INFO) names it, its address and what
 answers there. Every call torchps makes may be
 retried: creates and optimizer updates are idempotent, and pushes carry
-numbers that shards deduplicate.
+numbers that shards deduplicate. A client that follows failovers (a replicated
+job: client/layout.py) looks a shard that does not answer up at its arbiter and
+at its own address (relocate), also while a call to it hangs
+(client/failover_watch.py), and sends the call again where it is served now.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import grpc
 
 from ..sizes import DEFAULT_MAX_CHUNK_BYTES, ENVELOPE_BYTES
 from ..cluster import arbiter_of
-from ..errors import LaneBrokenError, PSError, ServerUnavailableError, ShardBusyError, VariableMovingError
+from ..errors import LaneBrokenError, ServerUnavailableError, ShardBusyError, VariableMovingError
 from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
