@@ -483,9 +483,11 @@ class Coordinator:
         in sync mode, summed together into the step's pending sums and
         averaged when the step applies (pushes.py). Raises (changing
         nothing) for invalid gradients or numbers, or a replaced incarnation.
-        Waits on shard 0 (on every shard with `hold`, for PushPull, or with
-        row gradients) in sync mode until the worker may go on, on shard 0 in
-        ssp mode while it is too far ahead; a retry waits for its original.
+        Waits on shard 0 (on every shard with `hold`, for PushPull, with row
+        gradients, or with a journal and one batch per worker and step: its
+        step's record then carries it) in sync mode until the worker may go
+        on, on shard 0 in ssp mode while it is too far ahead; a retry waits
+        for its original.
         `by`: who makes the call (see "Authority over the step").
         With a journal, it returns once the push's record is written (a retry's:
         every record before it); if the journal fails first it raises
