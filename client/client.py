@@ -73,7 +73,11 @@ class PSClient(DataPath, TablePath):
 
     A shard that restarts without its state (no --checkpoint-dir) is refilled
     by the client that created its variables; other clients wait up to
-    `refill_timeout` for that, then raise ShardLostError.
+    `refill_timeout` for that, then raise ShardLostError. A replicated shard
+    whose primary is lost (killed, paused, cut off) is looked up at its
+    arbiter and at its own address while a call to it fails or hangs, and
+    the call is sent again to the promoted backup (client/failover_watch.py;
+    a push acknowledged before is answered as a duplicate there).
 
     Variables larger than the `partitioner` allows (default: TensorFlow's
     MinSizePartitioner: pieces of at least 256 KiB, at most one per shard;
