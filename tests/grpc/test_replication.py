@@ -16,11 +16,12 @@ from helpers import free_ports, wait_until
 
 from torchps.certs import make_job_credentials
 from torchps.client import Optimizer, PSClient
+from torchps.client.channels import ShardChannels
 from torchps.cluster import Cluster, TaskSpec
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.failstop import EXIT_CODE
 from torchps.ps_server.journal import Journal
-from torchps.security import Security
+from torchps.security import INSECURE, Security
 from torchps.worker.local_cluster import LocalCluster
 
 SHAPES = {"rep/a": (64, 33), "rep/b": (1000,)}  # round robin: a on ps:0, b on ps:1 (the replicated one)
@@ -113,6 +114,17 @@ def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls
     try:
         with PSClient(cluster, task=TaskSpec("worker", 0), security=security, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
+            # The backup's signpost answers the job's credentials only.
+            for caller, answered in ((security, True), (INSECURE, False)):
+                channels = ShardChannels([backup_address], connect_timeout=10, security=caller)
+                try:
+                    layout = channels.stubs[0].GetLayout(ps_pb2.LayoutRequest(), timeout=10)
+                    assert answered and [(e.index, e.primary) for e in layout.replicas] == [(1, cluster.ps[1])]
+                except grpc.RpcError as exc:
+                    refused = grpc.StatusCode.UNAVAILABLE if tls else grpc.StatusCode.UNAUTHENTICATED
+                    assert not answered and exc.code() == refused, exc
+                finally:
+                    channels.close()
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.push(grads)
             local.kill_ps(1)
