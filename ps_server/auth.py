@@ -21,7 +21,7 @@ from ..errors import ERROR_METADATA_KEY, AuthenticationError, PermissionDeniedEr
 from ..security import TOKEN_METADATA_KEY, Security, allowed_methods
 from .tokens import TokenFile
 
-__all__ = ["Caller", "Authority", "TokenInterceptor", "aborting", "token_of"]
+__all__ = ["Caller", "Authority", "TokenInterceptor", "aborting", "checked_token", "token_of"]
 
 
 Caller = Verdict  # who made a call: the policy's verdict on it (name, role) once accepted and allowed
@@ -55,6 +55,15 @@ def aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, error: str, 
     return kinds[(handler.request_streaming, handler.response_streaming)](refuse)
 
 
+def checked_token(tokens: TokenFile, method: str, token: str, subject: str | None = None) -> Verdict:
+    """The policy's verdict on `token` (and a certificate's `subject`) calling `method`, the token file read
+    again first if the token is not known yet (a task added since: accepted from its first call)."""
+    verdict = policy(tokens.current(), method, token=token, subject=subject)
+    if not verdict.authenticated and token and tokens.refresh():
+        verdict = policy(tokens.current(), method, token=token, subject=subject)
+    return verdict
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call whose token the policy does not accept."""
 
@@ -68,9 +77,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method.rpartition("/")[2]
         token = token_of(handler_call_details.invocation_metadata)
-        verdict = policy(self._tokens.current(), method, token=token)
-        if not verdict.authenticated and token and self._tokens.refresh():
-            verdict = policy(self._tokens.current(), method, token=token)
+        verdict = checked_token(self._tokens, method, token)
         if verdict.authenticated:
             return handler
         return aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,

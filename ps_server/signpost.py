@@ -28,11 +28,10 @@ from typing import Callable
 
 import grpc
 
-from ..access import policy
 from ..errors import ERROR_METADATA_KEY, AuthenticationError, ServerUnavailableError
 from ..proto import ps_pb2
 from ..security import Security
-from .auth import token_of
+from .auth import checked_token, token_of
 from .tokens import TokenFile
 
 __all__ = ["Signpost"]
@@ -96,10 +95,7 @@ class Signpost(grpc.GenericRpcHandler):
     def _check(self, context: grpc.ServicerContext, method: str) -> None:
         token = token_of(context.invocation_metadata())
         subject = (context.auth_context().get("x509_subject") or [b""])[0].decode(errors="replace")
-        verdict = policy(self._tokens.current(), method, token=token, subject=subject)
-        if not verdict.authenticated and token and self._tokens.refresh():
-            verdict = policy(self._tokens.current(), method, token=token, subject=subject)
-        if not verdict.authenticated:
+        if not checked_token(self._tokens, method, token, subject).authenticated:
             context.set_trailing_metadata(((ERROR_METADATA_KEY, AuthenticationError.__name__),))
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           f"ps {self.index}'s backup refused the call: its token is not accepted")
