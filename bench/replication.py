@@ -2,7 +2,8 @@
 """What a shard's backup costs, and how fast and how exactly it takes its primary's place (issue #40).
 
     python bench/replication.py --mode cost --json bench/results/replication_cost.json   # about 10 minutes
-    python bench/replication.py --mode failover --json bench/results/replication_failover.json   # 10 kills, 2 min
+    python bench/replication.py --mode failover --strike kill,partition --json bench/results/replication_failover.json
+                                                                            # 10 rounds, 2 min
     python bench/replication.py --mode cost --only small --training async --rounds 3 --seconds 4
     python bench/replication.py --quick --json /tmp/replication.json   # the suite's check: both, seconds
 
@@ -43,6 +44,10 @@ pushes acknowledged, ps 1's primary is SIGKILLed and its journal folder
 deleted (its host is gone). `failover_s`: from the kill to the first push
 acknowledged by the promoted backup (a pusher's first acknowledgement after
 its client found ps 1 served elsewhere); `resumed_s`: to the last pusher's.
+With --strike partition (or kill,partition: in turn) ps 1's primary is
+SIGSTOPped instead, cut off from everyone with its connections open, and
+SIGCONTed once the pushers stopped: it must find itself fenced and stop by
+itself (exit 70) within 30 s (`fenced`).
 The pushers go on --after s more and stop; then every value is pulled:
 `lost` counts acknowledged pushes missing from a value, `duplicated` pushes
 applied beyond those sent, and a round is `exact` when every value equals
@@ -78,6 +83,8 @@ LR = 0.01
 IN_SYNC_TIMEOUT = 120.0  # a backup copies the primary's base before ps 0 records it in sync: seconds when loaded
 SYNC_IDLE_SECONDS = 3600.0  # sync: a worker idle this long is left out of the quorum (a job waits for its turn)
 FAILOVER_TIMEOUT = 60.0  # a kill round in which some pusher got no push acknowledged by then fails
+STRIKES = ("kill", "partition")
+FENCE_TIMEOUT = 30.0     # a resumed partitioned primary stops by itself (fenced) within this
 TARGET_RATIO = {"async": 0.75, "sync": 0.90}
 TARGETS = (
     *((f"{model}_{mode}_ratio", TARGET_RATIO[mode], False,
@@ -87,6 +94,7 @@ TARGETS = (
     ("failover_lost", 0, True, "acknowledged pushes lost"),
     ("failover_duplicated", 0, True, "pushes applied twice"),
     ("failover_inexact_rounds", 0, True, "rounds whose values differ from an uninterrupted run's"),
+    ("failover_unfenced", 0, True, "partitioned primaries that did not stop by themselves once resumed"),
 )
 
 
@@ -360,17 +368,20 @@ def pusher_main(cluster, index: int, floats: int, every: float, warm: int, stop,
         res_q.put(("error", index, traceback.format_exc()))
 
 
-def kill_round(args, folder: pathlib.Path) -> dict:
-    """One failover round (see the module docstring): its timings, the pushers' counts and the audit."""
+def kill_round(args, folder: pathlib.Path, strike: str) -> dict:
+    """One failover round (see the module docstring) of `strike` (kill, partition): its timings, the pushers'
+    counts and the audit."""
     import torch
 
     from torchps.client import Optimizer, PSClient
+    from torchps.ps_server.failstop import EXIT_CODE
     from torchps.security import INSECURE
 
     names = [f"fo/{i}/{part}" for i in range(args.pushers) for part in "ab"]  # round robin: a on ps 0, b on ps 1
     job = Job(2, folder, 1, args.pushers)
     context = pullpush.worker_processes()
     procs = []
+    fenced = None
     try:
         with PSClient(job.cluster, security=INSECURE) as chief:
             chief.create_variables({n: torch.zeros(args.push_floats) for n in names}, Optimizer("sgd", lr=1.0))
@@ -386,14 +397,20 @@ def kill_round(args, folder: pathlib.Path) -> dict:
         pullpush.collect(res_q, procs, "warm", pullpush.READY_TIMEOUT)
         time.sleep(args.before)
         killed_at = time.time()
-        job.local.kill_ps(1)  # SIGKILL; then the host's disk is gone too
-        shutil.rmtree(folder / "journal" / "ps-1")
+        if strike == "kill":
+            job.local.kill_ps(1)  # SIGKILL; then the host's disk is gone too
+            shutil.rmtree(folder / "journal" / "ps-1")
+        else:
+            job.local.procs[1].send_signal(signal.SIGSTOP)  # cut off from everyone, its connections open
         moved = pullpush.collect(res_q, procs, "moved", FAILOVER_TIMEOUT)
         time.sleep(args.after)
         stop.set()
         pushers = pullpush.collect(res_q, procs, "result", 120)
         for proc in procs:
             proc.join(timeout=30)
+        if strike == "partition":  # resumed, the old primary finds itself fenced and stops by itself
+            job.local.procs[1].send_signal(signal.SIGCONT)
+            fenced = job.local.procs[1].wait(timeout=FENCE_TIMEOUT) == EXIT_CODE
         with PSClient(job.cluster, security=INSECURE) as client:  # finds ps 1 at its backup's address
             client.declare({n: torch.zeros(args.push_floats) for n in names})
             values = client.pull(names)
@@ -416,7 +433,8 @@ def kill_round(args, folder: pathlib.Path) -> dict:
             lost += max(0, pusher["acked"] - applied)
             duplicated += max(0, applied - pusher["sent"])
             pusher[f"applied_{part}"] = applied
-    return {"failover_s": min(moved) - killed_at, "resumed_s": max(moved) - killed_at, "lost": lost,
+    return {"strike": strike, "failover_s": min(moved) - killed_at, "resumed_s": max(moved) - killed_at,
+            "fenced": fenced, "lost": lost,
             "duplicated": duplicated, "exact": exact, "pushers": pushers,
             "replica": {"primary": entry.primary, "backup": entry.backup, "failovers": entry.failovers},
             "promoted_address": job.backup_address}
@@ -427,14 +445,15 @@ def failover(args, folder: pathlib.Path) -> dict:
     rounds = []
     for k in range(args.kills):
         began = time.monotonic()
+        strike = args.strikes[k % len(args.strikes)]
         try:
-            result = kill_round(args, folder / f"kill-{k + 1}")
-            pullpush.log(f"kill {k + 1}/{args.kills}: failover {result['failover_s']:.3f} s, all pushers "
+            result = kill_round(args, folder / f"kill-{k + 1}", strike)
+            pullpush.log(f"{strike} {k + 1}/{args.kills}: failover {result['failover_s']:.3f} s, all pushers "
                          f"{result['resumed_s']:.3f} s, lost {result['lost']}, duplicated {result['duplicated']}, "
                          f"exact {result['exact']} ({time.monotonic() - began:.0f} s)")
         except Exception as exc:  # noqa: BLE001 - one failed round must not end the others
-            result = {"error": str(exc)}
-            pullpush.log(f"kill {k + 1}/{args.kills} FAILED: {str(exc)[-3000:]}")
+            result = {"strike": strike, "error": str(exc)}
+            pullpush.log(f"{strike} {k + 1}/{args.kills} FAILED: {str(exc)[-3000:]}")
         rounds.append(result)
     done = [r for r in rounds if "error" not in r]
     times = [r["failover_s"] for r in done]
@@ -447,6 +466,9 @@ def failover(args, folder: pathlib.Path) -> dict:
             "failover_lost": sum(r["lost"] for r in done) if done else None,
             "failover_duplicated": sum(r["duplicated"] for r in done) if done else None,
             "failover_inexact_rounds": sum(not r["exact"] for r in done) if done else None,
+            "failover_unfenced": sum(r["fenced"] is False for r in done) if done else None,
+            **{f"failover_{strike}_max_s": max((r["failover_s"] for r in done if r["strike"] == strike),
+                                               default=None) for strike in STRIKES},
             "pushes_acked": sum(p["acked"] for r in done for p in r["pushers"])}
 
 
@@ -472,14 +494,16 @@ def cost_table(results: dict) -> list[str]:
 
 
 def failover_table(f: dict) -> list[str]:
-    rows = ["", "| kill | failover s | all pushers s | pushes acked | lost | duplicated | exact |",
-            "| --- " * 7 + "|"]
+    rows = ["", "| round | strike | failover s | all pushers s | pushes acked | lost | duplicated | exact | "
+            "fenced |", "| --- " * 9 + "|"]
     for k, r in enumerate(f["rounds"], 1):
-        rows.append(f"| {k} | failed: {r['error'].splitlines()[0][:160]} | | | | | |" if "error" in r else
-                    f"| {k} | {r['failover_s']:.3f} | {r['resumed_s']:.3f} | "
-                    f"{sum(p['acked'] for p in r['pushers'])} | {r['lost']} | {r['duplicated']} | {r['exact']} |")
+        strike = r.get("strike", "kill")
+        rows.append(f"| {k} | {strike} | failed: {r['error'].splitlines()[0][:160]} | | | | | | |" if "error" in r
+                    else f"| {k} | {strike} | {r['failover_s']:.3f} | {r['resumed_s']:.3f} | "
+                    f"{sum(p['acked'] for p in r['pushers'])} | {r['lost']} | {r['duplicated']} | {r['exact']} | "
+                    f"{'' if r.get('fenced') is None else r['fenced']} |")
     rows.append(f"\nfailover_s p50 {fmt(f['failover_p50_s'], 3)}, p99 {fmt(f['failover_p99_s'], 3)}, max "
-                f"{fmt(f['failover_max_s'], 3)} over {len(f['failover_s'])} kills; {f['failed_rounds']} failed")
+                f"{fmt(f['failover_max_s'], 3)} over {len(f['failover_s'])} rounds; {f['failed_rounds']} failed")
     return rows
 
 
@@ -498,6 +522,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-compute", action="store_true", help="cost: workers that only exchange() fixed "
                         "gradients, no forward or backward")
     parser.add_argument("--kills", type=int, default=10, help="failover: rounds (default 10)")
+    parser.add_argument("--strike", default="kill", help="failover: of kill (SIGKILL, journal folder deleted), "
+                        "partition (SIGSTOP until the backup served, then SIGCONT: the old primary must stop by "
+                        "itself), taken in turn (default kill)")
     parser.add_argument("--pushers", type=int, default=3, help="failover: pushing processes (default 3)")
     parser.add_argument("--push-floats", type=int, default=1024, help="failover: floats per variable (default 1024)")
     parser.add_argument("--push-every", type=float, default=0.01, help="failover: s between a pusher's pushes "
@@ -517,6 +544,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.kills, args.pushers, args.warm, args.before, args.after = 2, 2, 5, 0.2, 0.2
     args.models = [args.only] if args.only else list(MODELS)
     args.training = [t.strip() for t in args.training.split(",") if t.strip()]
+    args.strikes = [t.strip() for t in args.strike.split(",") if t.strip()]
+    if set(args.strikes) - set(STRIKES) or not args.strikes:
+        parser.error(f"--strike: of {', '.join(STRIKES)}")
     if set(args.training) - set(TRAINING) or not args.training:
         parser.error(f"--training: of {', '.join(TRAINING)}")
     args.seconds = {m: args.seconds or (5.0 if m == "small" else 10.0) for m in args.models}

@@ -216,33 +216,41 @@ class ShardChannels:
                 self.relocate(index)
         self.live = len(addresses)
 
-    def relocate(self, shard: int) -> bool:
-        """Asks the shard's arbiter (cluster.arbiter_of: ps 0, ps 1 for ps 0) where it is served, then the shard's
-        own address (a backup there answers where its primary is: ps_server/signpost.py), twice (the arbiter's
-        address may have been a backup's, which named where the arbiter is); if at another address than this
-        client calls, calls it there from now on (True). Blocks for up to four calls of RELOCATE_ASK_SECONDS;
-        False if none says, or while this thread is relocating already."""
+    def relocate(self, shard: int, wait: float = 0.0) -> bool:
+        """Asks the shard's arbiter (cluster.arbiter_of: ps 0, ps 1 for ps 0) where it is served, then, unless the
+        arbiter's record named it, the shard's own address (a backup there answers where its primary is:
+        ps_server/signpost.py), twice (the arbiter's address may have been a backup's, which named where the
+        arbiter is); if at another address than this client calls, calls it there from now on (True). `wait`:
+        the arbiter's answer waits up to this long for a promotion of the shard's backup (a long poll). Blocks
+        for up to four calls of RELOCATE_ASK_SECONDS (plus `wait`); False if none says, if the arbiter names
+        the address this client calls (a stopped primary's own address is not asked), or while this thread is
+        relocating."""
         arbiter = arbiter_of(shard, self._spec_shards)
         if getattr(self._relocating, "active", False):
             return False
         self._relocating.active = True
         try:
             for asked in [arbiter, shard] * 2 if arbiter != shard else [shard]:
-                served = self._served_by(asked)
+                served = self._served_by(asked, ps_pb2.LayoutRequest(
+                    watch_primary=self.addresses[shard], watch_shard=shard, watch_seconds=wait)
+                    if wait and asked == arbiter else ps_pb2.LayoutRequest())
                 if asked != shard and served.get(asked, self.addresses[asked]) != self.addresses[asked]:
                     self._move(asked, served[asked])  # the arbiter's address was a backup's signpost
                 if served.get(shard, self.addresses[shard]) != self.addresses[shard]:
                     self._move(shard, served[shard])
                     return True
+                if asked != shard and shard in served:
+                    return False  # the arbiter's record: served where this client calls (not promoted yet)
             return False
         finally:
             self._relocating.active = False
 
-    def _served_by(self, shard: int) -> dict[int, str]:
+    def _served_by(self, shard: int, request: ps_pb2.LayoutRequest) -> dict[int, str]:
         """{index: primary} of the replicated shards that `shard`'s address names (an arbiter's record, or a
-        backup's signpost of its own shard); {} if nothing answers within RELOCATE_ASK_SECONDS. One attempt."""
+        backup's signpost of its own shard); {} if nothing answers within RELOCATE_ASK_SECONDS (plus the
+        request's watch). One attempt."""
         try:
-            layout = self.stubs[shard].GetLayout(ps_pb2.LayoutRequest(), timeout=RELOCATE_ASK_SECONDS)
+            layout = self.stubs[shard].GetLayout(request, timeout=RELOCATE_ASK_SECONDS + request.watch_seconds)
         except grpc.RpcError:
             return {}
         for entry in layout.replicas:

@@ -8,8 +8,9 @@ rotation, and the base of every later compaction. It acknowledges each
 record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that.
 
-When the stream breaks and the primary stays unreachable for
-`failover_after` s, the backup asks the shard's arbiter (ps 0; ps 1 for ps 0:
+When the primary sends nothing, not even its heartbeat, for `failover_after`
+s (it is stopped or cut off), or its stream breaks and it stays unreachable
+that long, the backup asks the shard's arbiter (ps 0; ps 1 for ps 0:
 cluster.arbiter_of) to promote it (PROMOTE). Granted, it
 never acknowledges its old primary again (it opens no stream to it) and
 serves shard N at its own address from its copy: the journal's ordinary
@@ -59,6 +60,7 @@ FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its strea
 RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach the arbiter
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
+WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
 
@@ -198,6 +200,10 @@ class Backup:
                 unreachable_since = None
             elif reason == "followed":
                 unreachable_since = time.monotonic()
+            elif reason == "silent" and self.holds_copy:  # silent for failover_after s already: no second wait
+                if self._promote():
+                    return True
+                unreachable_since = time.monotonic()
             elif self.holds_copy:
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since >= self.failover_after and self._promote():
@@ -206,8 +212,10 @@ class Backup:
         return False
 
     def _follow_once(self) -> str:
-        """One stream: "followed" (frames came, then it ended), "finished" (it ended after the job's end was
-        written here), "refused" (the primary answered with an error), "unreachable"."""
+        """One stream: "followed" (frames came, then it ended), "silent" (frames came, then none, not even a
+        heartbeat, for failover_after s while this backup waited for one: the primary is stopped or cut off),
+        "finished" (it ended after the job's end was written here), "refused" (the primary answered with an
+        error), "unreachable"."""
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
         try:
             lane = self._open_lane(channels)
@@ -219,18 +227,24 @@ class Backup:
                                                              lane=lane.key if lane is not None else b"")))
         mirror = Mirror(self.folder, self.sync, lane)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
-        last = [time.monotonic()]
+        last = [time.monotonic()]  # when this backup began to wait for the next frame; None while it takes one
         done = threading.Event()
         framed = False
+        silent = []
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
-            ticks = 0
-            while not done.wait(self.failover_after / 4):
+            ticks, asked = 0, None
+            while not done.wait(self.failover_after / WATCH_TICKS):
                 ticks += 1
-                if ticks % 4 == 0:
-                    self._learn_arbiter(channels)
+                if asked is not None and asked.done():
+                    self._learn_arbiter(asked)
+                    asked = None
+                if asked is None and ticks % WATCH_TICKS == 0:  # never blocks this watch: a paused primary
+                    asked = channels.stubs[0].GetLayout.future(ps_pb2.LayoutRequest(), timeout=self.failover_after)
                 limit = self.failover_after if framed else FIRST_FRAME_SECONDS
-                if time.monotonic() - last[0] > limit or self.stop.is_set():
+                waited = last[0]
+                if self.stop.is_set() or (waited is not None and time.monotonic() - waited > limit):
+                    silent.append(framed and not self.stop.is_set())
                     call.cancel()
                     return
 
@@ -248,7 +262,7 @@ class Backup:
         threads[0].start()
         try:
             for frame in call:
-                last[0] = time.monotonic()
+                last[0] = None
                 if not framed:
                     framed = True
                     threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
@@ -259,10 +273,15 @@ class Backup:
                 if based is not None:
                     self.holds_copy = True
                     acks.put(ps_pb2.ReplicaAck(written=based))
+                last[0] = time.monotonic()
             return "finished" if mirror.finished else "followed"
         except grpc.RpcError as exc:
             if mirror.finished:
                 return "finished"
+            if framed and silent and silent[0]:
+                _LOGGER.warning("backup of ps:%d: %s sent nothing for %g s", self.index, self.primary,
+                                self.failover_after)
+                return "silent"
             if framed:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
                                 exc.code().name)
@@ -295,12 +314,13 @@ class Backup:
                          event["primary"])
             self._ps0.redirect(self._arbiter, event["primary"])
 
-    def _learn_arbiter(self, channels) -> None:
-        """Asks the primary where this backup's arbiter is served now: ps 0 and ps 1 each record the other, so
-        the primary knows after the arbiter's own failover, which its spec address no longer answers."""
+    def _learn_arbiter(self, asked) -> None:
+        """The primary's answer `asked` (a finished GetLayout future) says where this backup's arbiter is served
+        now: ps 0 and ps 1 each record the other, so the primary knows after the arbiter's own failover, which
+        its spec address no longer answers."""
         try:
-            layout = channels.stubs[0].GetLayout(ps_pb2.LayoutRequest(), timeout=self.failover_after)
-        except grpc.RpcError:
+            layout = asked.result()
+        except (grpc.RpcError, grpc.FutureCancelledError):
             return
         for entry in layout.replicas:
             if entry.index == self._arbiter and entry.primary and entry.primary != self._ps0.addresses[self._arbiter]:

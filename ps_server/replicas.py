@@ -33,7 +33,8 @@ when the arbiter's journal is replayed (`left` runs with the layout's own
 record); `export` and `restore` carry the record in journal bases and
 checkpoints.
 
-Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
+Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER), under which `changed` is notified at every
+change (GetLayout's long poll waits on it: `promotion`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Callable, Mapping, Sequence
 from ..errors import InvalidArgumentError, ModeConflictError, ReplicaFencedError
 from .layout import MAX_SHARDS
 from .locks import guarded
+from .waits import Wait, WatchedCondition
 
 __all__ = ["ReplicaRegistry", "ACTIONS"]
 
@@ -61,6 +63,17 @@ class ReplicaRegistry:
         self._shards_now = shards if callable(shards) else lambda: shards
         self._lock = threading.Lock()
         self._shards: dict[int, dict] = {}  # index -> {"primary", "backup", "failovers", "last_failover"}
+        self.changed = WatchedCondition(self._lock, level=lambda: 0)  # notified at every change of the record
+
+    def promotion(self, index: int, primary: str, left: Callable[[], float | None],
+                  cancelled: Callable[[], bool]) -> Wait:
+        """A Wait (waits.py) that ends once shard `index`'s record names another primary than `primary`, or it
+        holds no backup in sync (no promotion can come), or `left()` is 0, or cancelled(): GetLayout's long
+        poll."""
+        def ready() -> bool:  # holding the lock (the condition's)
+            entry = self._shards.get(index)
+            return entry is None or not entry["backup"] or entry["primary"] != primary or cancelled()
+        return Wait(self.changed, ready, left)
 
     def entry(self, index: int) -> dict:
         """Shard `index`'s record (its layout address and no backup if it has none; no primary past the
@@ -152,6 +165,7 @@ class ReplicaRegistry:
         else:
             entry.update(primary=event["primary"], backup="", failovers=entry["failovers"] + 1,
                          last_failover=float(event["when"]))
+        self.changed.notify_all()
 
     @guarded
     def left(self, count: int) -> None:
@@ -159,6 +173,7 @@ class ReplicaRegistry:
         removed them; one that adds such an index again adds a new shard, served at its new address)."""
         for index in [index for index in self._shards if index >= count]:
             del self._shards[index]
+        self.changed.notify_all()
 
     @guarded
     def export(self) -> dict:
@@ -169,3 +184,4 @@ class ReplicaRegistry:
     def restore(self, state: Mapping | None) -> None:
         """Takes export()'s record (None: empty)."""
         self._shards = {int(index): dict(entry) for index, entry in (state or {}).items()}
+        self.changed.notify_all()

@@ -51,7 +51,7 @@ _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
 REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup was in sync with it once
 ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
-IDLE_WAKE_SECONDS = 0.25    # a feed's sender looks at its oldest unacknowledged record this often
+IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
 Arbiter = Callable[[str, int, str, str], dict]  # (action, index, primary, backup) -> the arbiter's record

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 from ..errors import InvalidArgumentError, MalformedStreamError
 from ..proto import ps_pb2
+from .layout import MAX_SHARDS
 from .replica_rpcs import replicas_of
 from .resizes import PHASES, STATUSES
 from .rpc_support import decoded, map_errors, require_active
@@ -20,6 +22,7 @@ __all__ = ["ResizeRPCs", "resize_state_of"]
 
 _LOGGER = logging.getLogger(__name__)
 _ACTIONS = ps_pb2.ResizeRequest.Action
+MAX_WATCH_SECONDS = 10.0  # GetLayout's longest long poll
 
 
 def resize_state_of(record: dict) -> ps_pb2.ResizeState:
@@ -38,6 +41,24 @@ class ResizeRPCs:
 
     @map_errors
     def GetLayout(self, request, context):
+        """The layout; with watch_primary, once the watched shard's record names another primary, or at the
+        watch's end (ps.proto's LayoutRequest): a wait that holds no thread."""
+        if request.watch_primary:
+            if not 0 < request.watch_seconds <= MAX_WATCH_SECONDS:  # NaN too
+                raise InvalidArgumentError(f"GetLayout's watch_seconds is in (0, {MAX_WATCH_SECONDS:g}]. "
+                                           f"Received: {request.watch_seconds}")
+            if request.watch_shard >= MAX_SHARDS:
+                raise InvalidArgumentError(f"GetLayout's watch_shard is in [0, {MAX_SHARDS}). "
+                                           f"Received: {request.watch_shard}")
+            if self.coordinator.replicas is not None:
+                deadline = time.monotonic() + request.watch_seconds
+                with self.coordinator.waits.slot("layout"):
+                    yield self.coordinator.replicas.promotion(request.watch_shard, request.watch_primary,
+                                                              lambda: max(0.0, deadline - time.monotonic()),
+                                                              lambda: not context.is_active())
+        return self._layout()
+
+    def _layout(self) -> ps_pb2.Layout:
         layout = self.coordinator.layout
         epoch, addresses, placement = layout.layout()
         held = self.coordinator.tables.held()
@@ -68,7 +89,7 @@ class ResizeRPCs:
                          len(request.addresses), len(request.placement),
                          f", pushes from step {hold} held" if hold else "",
                          f", embedding tables re-laid out onto {relaying} shards" if relaying else "")
-        return self.GetLayout(request, context)
+        return self._layout()
 
     @map_errors
     def ExportVariables(self, request, context):

@@ -1073,3 +1073,23 @@ def test_update_optimizer_on_variable_without_optimizer(shard):
     request = ps_pb2.UpdateOptimizerRequest(names=[name], hyperparams={"lr": 0.5})
     check_rejected(shard, lambda: shard.stub.UpdateOptimizer(request, timeout=TIMEOUT), INVALID,
                    "OptimizerSpecError", repr(name), "no optimizer")
+
+
+# -- GetLayout's long poll ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_, fragments", [
+    pytest.param(ps_pb2.LayoutRequest(watch_primary="127.0.0.1:1", watch_shard=1, watch_seconds=0.0),
+                 ["watch_seconds is in (0, 10]", "Received: 0.0"], id="no-seconds"),
+    pytest.param(ps_pb2.LayoutRequest(watch_primary="127.0.0.1:1", watch_shard=1, watch_seconds=-1.0),
+                 ["Received: -1.0"], id="negative"),
+    pytest.param(ps_pb2.LayoutRequest(watch_primary="127.0.0.1:1", watch_shard=1, watch_seconds=float("nan")),
+                 ["Received: nan"], id="nan"),
+    pytest.param(ps_pb2.LayoutRequest(watch_primary="127.0.0.1:1", watch_shard=1, watch_seconds=10.5),
+                 ["Received: 10.5"], id="over-ten"),
+    pytest.param(ps_pb2.LayoutRequest(watch_primary="127.0.0.1:1", watch_shard=2 ** 31, watch_seconds=1.0),
+                 ["watch_shard is in [0,", f"Received: {2 ** 31}"], id="shard-out-of-range"),
+])
+def test_get_layout_with_a_bad_watch_is_invalid(shard, var, request_, fragments):
+    check_rejected(shard, lambda: shard.stub.GetLayout(request_, timeout=TIMEOUT), INVALID, "InvalidArgumentError",
+                   *fragments, good_push=var)

@@ -6,8 +6,8 @@ import shutil
 import signal
 import subprocess
 import sys
-
 import threading
+import time
 
 import grpc
 import pytest
@@ -377,13 +377,20 @@ def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
 def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_long_before_its_deadline(tmp_path):
     """ps:1's primary is paused (SIGSTOP: its connections stay open, nothing answers) under a push whose deadline
     is 300 s: the client's failover watch asks ps 0 where ps:1 is served while the call hangs, moves it to the
-    promoted backup and sends it there; it is answered while the old primary is still paused, applied once."""
+    promoted backup and sends it there; it is answered while the old primary is still paused, applied once.
+    A long poll of ps 0's record (GetLayout watching ps:1) waits past later plain answers and is answered by
+    the promotion, before its watch ends."""
     local, backup, backup_address, cluster = _start(tmp_path)
+    channel = grpc.insecure_channel(cluster.ps[0])
     try:
         with PSClient(cluster, connect_timeout=30, timeout=300) as ps:
             _create_in_sync(ps, backup_address)
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.push(grads)
+            asked = time.monotonic()
+            polled = ps_pb2_grpc.ParameterServerStub(channel).GetLayout.future(ps_pb2.LayoutRequest(
+                watch_primary=cluster.ps[1], watch_shard=1, watch_seconds=10.0), timeout=30)
+            assert _replicas(ps)[1].primary == cluster.ps[1] and not polled.done(), "the long poll did not wait"
             local.procs[1].send_signal(signal.SIGSTOP)
             pushed = threading.Thread(target=ps.push, args=(grads,))
             pushed.start()
@@ -392,12 +399,15 @@ def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_lon
             assert local.procs[1].poll() is None and _replicas(ps)[1].primary == backup_address
             watch = ps._fanout.channels.watch
             assert ps._fanout.channels.relocated == 1 and watch.asked >= 1
+            record = {entry.index: entry.primary for entry in polled.result(timeout=30).replicas}
+            assert record[1] == backup_address and time.monotonic() - asked < 10.0, "answered at its watch's end"
             values = ps.pull(SHAPES)
             for name, shape in SHAPES.items():
                 assert torch.equal(values[name], torch.full(shape, -2.0)), name
             local.procs[1].send_signal(signal.SIGCONT)
             assert local.procs[1].wait(timeout=30) == EXIT_CODE, "resumed, the old primary is fenced and stops"
     finally:
+        channel.close()
         if local.procs[1] is not None and local.procs[1].poll() is None:
             local.procs[1].send_signal(signal.SIGCONT)
         backup.terminate()

@@ -1,11 +1,12 @@
 """The client's failover watch (client/failover_watch.py): which shards' arbiters are asked, and when a shard
-goes quiet. The thread's rounds are run by hand (check()) on a clock the test moves."""
+goes quiet. The thread's rounds are run by hand (check()) on a clock the test moves, but in the last test: each slow shard has
+its own poller thread, so one arbiter's long poll never delays another shard's."""
 
 from __future__ import annotations
 
 import threading
 
-from torchps.client.failover_watch import QUIET_SECONDS, WATCH_SECONDS, FailoverWatch
+from torchps.client.failover_watch import POLL_SECONDS, QUIET_SECONDS, WATCH_SECONDS, FailoverWatch
 
 
 class Clock:
@@ -21,7 +22,7 @@ def watch_of(replicated: set[int], moved: set[int]):
     clock = Clock()
     stopped = threading.Event()
     stopped.set()  # no watcher rounds of its own: the test runs them
-    watch = FailoverWatch(lambda shard: asked.append(shard) or shard in moved, lambda shard: shard in replicated,
+    watch = FailoverWatch(lambda shard, wait: asked.append(shard) or shard in moved, lambda shard: shard in replicated,
                           stopped, clock)
     return watch, clock, asked
 
@@ -64,3 +65,33 @@ def test_a_shard_served_elsewhere_stays_watched_until_its_calls_end():
     watch.leave(number)
     watch.check()
     assert asked == [3, 3]
+
+
+def test_each_slow_shard_has_its_own_poller_so_one_long_poll_never_delays_another_shard():
+    """ps:1's arbiter holds its long poll (as it does until a promotion); ps:0's arbiter is asked meanwhile and
+    names a new address: ps:0 moves while ps:1's poll still waits. Polls ask with the long poll's wait."""
+    asked: dict[int, threading.Event] = {0: threading.Event(), 1: threading.Event()}
+    release = threading.Event()
+    waits: list[float] = []
+    closed = threading.Event()
+
+    def relocate(shard: int, wait: float) -> bool:
+        waits.append(wait)
+        asked[shard].set()
+        if shard == 1:
+            release.wait(30)  # the arbiter's long poll: no promotion yet
+            return False
+        return True  # ps:0 served elsewhere
+
+    watch = FailoverWatch(relocate, lambda shard: True, closed)
+    try:
+        held = watch.enter(1)
+        assert asked[1].wait(30), "ps:1's slow call was never asked about"
+        moved = watch.enter(0)
+        assert asked[0].wait(30), "ps:0 was not asked about while ps:1's long poll waited"
+        assert not release.is_set() and set(waits) == {POLL_SECONDS}
+        watch.leave(moved)
+        watch.leave(held)
+    finally:
+        release.set()
+        closed.set()

@@ -609,8 +609,14 @@ class JobMember(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., incarnation: _Optional[int] = ..., counts_from: _Optional[int] = ..., gone: _Optional[bool] = ..., silent_seconds: _Optional[float] = ...) -> None: ...
 
 class LayoutRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("watch_primary", "watch_shard", "watch_seconds")
+    WATCH_PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    WATCH_SHARD_FIELD_NUMBER: _ClassVar[int]
+    WATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    watch_primary: str
+    watch_shard: int
+    watch_seconds: float
+    def __init__(self, watch_primary: _Optional[str] = ..., watch_shard: _Optional[int] = ..., watch_seconds: _Optional[float] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
     __slots__ = ("names", "epoch", "to", "tables")
