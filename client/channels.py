@@ -35,7 +35,7 @@ from ..security import INSECURE, TOKEN_METADATA_KEY, Security, diagnose
 from .errors import error_from_rpc
 from .failover_watch import FailoverWatch
 
-__all__ = ["ShardChannels", "Backoff"]
+__all__ = ["ShardChannels", "Backoff", "secured_channel"]
 
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,6 +133,15 @@ class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
 
     def intercept_stream_stream(self, continuation, details, request_iterator):
         return continuation(self._details(details), request_iterator)
+
+
+def secured_channel(address: str, security: Security, options: list) -> grpc.Channel:
+    """A channel to `address` with `security`'s TLS (if any) whose calls carry its token (if any)."""
+    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(
+        root_certificates=security.ca, private_key=security.key, certificate_chain=security.cert),
+        options=options) if security.tls else grpc.insecure_channel(address, options=options)
+    token = security.call_token()
+    return grpc.intercept_channel(channel, _TokenMetadata(token)) if token else channel
 
 
 class ShardChannels:

@@ -35,13 +35,13 @@ def token_of(metadata) -> str:
     return ""
 
 
-def _unauthenticated(index: int, token: str, retired: bool) -> str:
+def _unauthenticated(who: str, token: str, retired: bool) -> str:
     if retired:
-        return (f"ps {index} refused the call: its token was replaced by ps-certs --rotate and its grace period "
+        return (f"{who} refused the call: its token was replaced by ps-certs --rotate and its grace period "
                 f"has ended; restart this task with its token file, which holds the new token "
                 f"(DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
     why = "carries no token" if not token else "carries a wrong token"
-    return (f"ps {index} refused the call: it {why}; pass this task's --token-file "
+    return (f"{who} refused the call: it {why}; pass this task's --token-file "
             f"(ps-certs writes DIR/TYPE-INDEX.token; or TORCHPS_TOKEN_FILE)")
 
 
@@ -81,15 +81,16 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if verdict.authenticated:
             return handler
         return aborting(handler, grpc.StatusCode.UNAUTHENTICATED, AuthenticationError.__name__,
-                         _unauthenticated(self._index, token, verdict.retired))
+                         _unauthenticated(f"ps {self._index}", token, verdict.retired))
 
 
 class Authority:
     """Names callers and checks their roles by the policy (see the module docstring)."""
 
-    def __init__(self, security: Security, index: int, tokens: TokenFile | None = None):
+    def __init__(self, security: Security, index: int, tokens: TokenFile | None = None, who: str | None = None):
         self.tokens = tokens or TokenFile(security)
         self.index = index
+        self.who = who or f"ps {index}"  # how refusals name this server
 
     def caller(self, method: str, context: grpc.ServicerContext) -> Caller:
         """The caller of `method`; AuthenticationError if its token is not (or no longer) accepted,
@@ -98,10 +99,10 @@ class Authority:
         subject = (context.auth_context().get("x509_subject") or [b""])[0].decode(errors="replace")
         verdict = policy(self.tokens.current(), method, token=token, subject=subject)
         if not verdict.authenticated:
-            raise AuthenticationError(_unauthenticated(self.index, token, verdict.retired))
+            raise AuthenticationError(_unauthenticated(self.who, token, verdict.retired))
         if not verdict.allowed:
             raise PermissionDeniedError(
-                f"ps {self.index} refused {method} from {verdict.name or 'a token holder'}: the {verdict.role} role "
+                f"{self.who} refused {method} from {verdict.name or 'a token holder'}: the {verdict.role} role "
                 f"may call only {sorted(allowed_methods(verdict.role))}")
         return verdict
 

@@ -48,6 +48,7 @@ import torch
 
 from ..errors import InvalidArgumentError, NonFiniteGradientError, TensorMismatchError
 from ..rows import GOLDEN as _GOLDEN, PARTITIONS, owner as _owner, shard_of, splitmix64 as _splitmix64
+from .row_changes import RowChanges
 from .row_optimizers import RowOptimizer, coalesce
 from .row_storage import MIN_SLAB as _MIN_SLAB, Keyed as _Keyed, Slabs as _Slabs, ids_array as _ids_array
 
@@ -125,6 +126,7 @@ class EmbeddingTable:
         self.dim, self.dtype, self.fixed = dim, getattr(torch, dtype_name), num_embeddings is not None
         self._spec = self.optimizer.state_spec(dim)
         self._lock = threading.Lock()
+        self._changes = RowChanges()  # rows created, updated or dropped: what a serving replica reads
         self._step = 0
         self._events = {"admitted": 0, "evicted_by_age": 0, "evicted_by_capacity": 0}
         self._owned = None  # fixed "hash" tables: the owned ids, sorted (slot = position)
@@ -219,6 +221,25 @@ class EmbeddingTable:
             out[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
             return out
 
+    def changes(self, seq: int, incarnation: str) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What changed since `seq` of `incarnation` (row_changes.py), read at one moment: (incarnation, seq now,
+        whole, ids, rows, held). `whole`: the log could not say, so `ids` is every row the table holds now
+        (ascending); else the distinct ids changed since. `rows`: their values (copies; zeros where not held);
+        `held`: a bool per id, False for a row dropped since (evicted)."""
+        with self._lock:
+            ids = self._changes.since(seq, incarnation)
+            whole = ids is None
+            if whole:
+                ids, slots = self._stored()
+            else:
+                slots = self._find(ids)
+            values = torch.zeros(len(ids), self.dim, dtype=self.dtype)
+            present = np.flatnonzero(slots >= 0)
+            if present.size:
+                values[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
+            return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids), values,
+                    torch.from_numpy(slots >= 0))
+
     def _count(self, ids: np.ndarray) -> np.ndarray:
         """Counts one occurrence of each (absent) id; True where it reaches min_count (its record is retired)."""
         if self._config["min_count"] <= 1:
@@ -246,6 +267,7 @@ class EmbeddingTable:
         slots = self._rows.append(ids, updated=self._step)
         self._write_new(slots, ids)
         self._events["admitted"] += len(ids)
+        self._changes.record(ids)
         return slots
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, step: int, *, count_step: bool = True) -> int:
@@ -266,6 +288,7 @@ class EmbeddingTable:
                 raise NonFiniteGradientError("embedding gradients hold NaN or Inf")
             slots = self._find(ids.numpy())
             present = np.flatnonzero(slots >= 0)
+            self._changes.record(ids.numpy()[present])
             if present.size < len(slots):
                 slots, summed = slots[present], summed[torch.from_numpy(present)]
             self.optimizer.step([(slab["values"], {k: slab[k] for k in self._spec}, rows, summed[positions])
@@ -294,6 +317,7 @@ class EmbeddingTable:
             by_age, by_capacity = self._stale(self._rows, "updated", step)
             gone = np.concatenate([by_age, by_capacity])
             if gone.size:
+                self._changes.record(self._rows.cols["ids"][gone])
                 src, dst = self._rows.remove(gone)
                 for key in self._slabs.columns:
                     self._slabs.scatter(key, dst, self._slabs.gather(key, src))
@@ -397,6 +421,7 @@ class EmbeddingTable:
             self._slabs, self.optimizer, self._step, self._events = slabs, optimizer, step, events
             if not self.fixed:
                 self._rows, self._pending, self._pending_dead = rows, pending, 0
+            self._changes.reset()
 
     def _parsed(self, state: Mapping):
         """load_state_dict's checks: (optimizer, ids, row tensors, counter arrays, step, events)."""

@@ -34,6 +34,7 @@ from ..proto import ps_pb2, ps_pb2_grpc
 from ..security import INSECURE, Security
 from .auth import Authority
 from .buffers import ReceiveBuffers
+from .change_rpcs import ChangeRPCs
 from .lanes import LaneServer
 from .control_rpcs import ControlRPCs
 from .coordinator import Coordinator
@@ -96,7 +97,8 @@ class _Recent:
             return self._value
 
 
-class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ReplicaRPCs, ps_pb2_grpc.ParameterServerServicer):
+class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ReplicaRPCs, ChangeRPCs,
+                              ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's VariableStore over the ParameterServer service.
 
     Register it with `add_to_server`, which uses wire.py's codecs for Pull's
@@ -707,6 +709,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
         "Replicate": on_loop(stream_stream, servicer.Replicate, None, bytes),  # yields serialized frames
         "SetReplica": on_loop(unary, servicer.SetReplica, ps_pb2.ReplicaChange.FromString,
             ps_pb2.ShardReplicas.SerializeToString),
+        "ReadChanges": on_loop(unary_stream, servicer.ReadChanges, ps_pb2.ChangesRequest.FromString,
+            bytes),  # yields serialized TableChanges
     }
     missing = {m.name for m in service.methods} ^ set(handlers)
     if missing:

@@ -229,6 +229,17 @@ class TableStore(NamesAwaited):
                 h.rows_read += len(ids)
         return out
 
+    def changes(self, cursors: Mapping[str, tuple[str, int]]) -> list[tuple[str, _Held, tuple]]:
+        """(name, held, EmbeddingTable.changes()) of every table, by name: since its cursor (incarnation, seq)
+        in `cursors`, whole for a table without one. UnknownVariableError for a cursor naming no table, before
+        anything is read."""
+        for name in cursors:
+            self.get(name)
+        with self._changed:
+            tables = sorted(self._tables.items())
+        return [(name, held, held.table.changes(cursors.get(name, ("", 0))[1], cursors.get(name, ("", 0))[0]))
+                for name, held in tables]
+
     # -- pushes -----------------------------------------------------------------------------
 
     def check_meta(self, name: str, meta: ps_pb2.TensorMeta) -> None:

@@ -78,3 +78,7 @@ def ps_certs() -> None:
 
 def ps_admin() -> None:
     _run("ps-admin", "torchps.admin")
+
+
+def ps_serve() -> None:
+    _run("ps-serve", "torchps.serving.daemon", preflight="torchps.serving.daemon")

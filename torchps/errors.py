@@ -18,6 +18,8 @@
     │                              (a failover): the caller must not serve that shard
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
+    ├── ServingVersionError        FAILED_PRECONDITION: a serving replica held on its version, or no version
+    │                              it keeps is at or before the step a rollback asks for
     ├── LayoutChangedError         ABORTED: a variable named moved to another shard (a live resize); nothing
     │                              changed: GetLayout, then call its new owner
     ├── DataShardError             FAILED_PRECONDITION: a data shard the worker does not hold (any more),
@@ -57,6 +59,7 @@ __all__ = [
     "ReplicaFencedError",
     "CheckpointError",
     "WorkerReplacedError",
+    "ServingVersionError",
     "DataShardError",
     "LayoutChangedError",
     "AuthenticationError",
@@ -163,6 +166,13 @@ class CheckpointError(PSError):
 
 class WorkerReplacedError(PSError):
     """A newer process of the same task (a new incarnation) joined: this one is fenced off and must stop."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class ServingVersionError(PSError):
+    """A serving replica (ps-serve) cannot do this at its version: it is held (a hold or a rollback: new versions
+    wait for a resume), or a rollback asked for a step older than every version it keeps. Nothing changed."""
 
     grpc_code = "FAILED_PRECONDITION"
 

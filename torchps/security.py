@@ -24,7 +24,11 @@ deciding it all is torchps.access.policy):
     worker     pull, push, join, heartbeat, leave (as itself: the name in the
                request must be its certificate's or its token's), list
                variables, status
-    evaluator  pull, list variables, status
+    evaluator  pull, list variables, status, and what a serving role does
+    serving    a serving replica (ps-serve): reads the shards (pull, list,
+               status, the layout, ReadChanges) and answers lookups; a
+               worker may read a replica too; a replica's ControlServing
+               (hold, resume, rollback) is an admin call
     ps         status, the layout, and replication: a backup's stream from
                its primary (Replicate), a shard's word to ps 0 (SetReplica)
 
@@ -50,22 +54,28 @@ from typing import NamedTuple
 
 from .errors import ClusterConfigError
 
-__all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS", "allowed_methods",
+__all__ = ["Security", "INSECURE", "TOKEN_METADATA_KEY", "ROLES", "ADMIN_METHODS", "REPLICA_METHODS", "allowed_methods",
            "diagnose", "ENV", "require_credentials", "read_token_table", "TokenTable", "until_text"]
 
 TOKEN_METADATA_KEY = "torchps-token"   # gRPC metadata carrying the job or admin token
 ADMIN_METHODS = frozenset({"Configure", "CreateVariables", "UpdateOptimizer", "Save", "CommitCheckpoint", "Shutdown",
                            "CreateTables", "CreateDataQueue", "SetLayout", "ExportVariables", "ImportVariables",
-                           "ConfirmMove", "Resize"})
+                           "ConfirmMove", "Resize", "ControlServing"})
 _WORKER_METHODS = frozenset({"Pull", "PullOne", "Push", "PushOne", "PushPull", "Join", "Heartbeat", "Leave", "ListVariables", "GetStatus",
                              "LookupRows", "ListTables", "TakeDataShard", "GetDataQueue", "GetLayout"})
 _SHARD_METHODS = frozenset({"Replicate", "SetReplica"})  # a shard's calls to another (replication)
+# The Serving service's RPCs, a serving replica's (ps-serve), not a shard's: its reads, and its admin call.
+REPLICA_METHODS = frozenset({"Lookup", "GetDense", "GetServingStatus", "ControlServing"})
+# What a serving replica reads of the shards, and what it answers: nothing else.
+_SERVING_METHODS = frozenset({"Pull", "PullOne", "ListVariables", "GetStatus", "ListTables", "GetLayout",
+                              "ReadChanges"}) | (REPLICA_METHODS - ADMIN_METHODS)
 ROLES = {
-    "chief": ADMIN_METHODS | _WORKER_METHODS | _SHARD_METHODS,
-    "worker": _WORKER_METHODS,
+    "chief": ADMIN_METHODS | _WORKER_METHODS | _SHARD_METHODS | _SERVING_METHODS,
+    "worker": _WORKER_METHODS | _SERVING_METHODS,
     # LookupRows without admit only (the shard refuses an evaluator's admitting lookup).
     "evaluator": frozenset({"Pull", "PullOne", "ListVariables", "GetStatus", "LookupRows", "ListTables",
-                            "GetDataQueue", "GetLayout"}),
+                            "GetDataQueue", "GetLayout"}) | _SERVING_METHODS,
+    "serving": _SERVING_METHODS,
     # A shard's calls to another: a backup's stream from its primary, a shard's change of ps 0's record.
     "ps": frozenset({"GetStatus", "GetLayout"}) | _SHARD_METHODS,
 }

@@ -17,9 +17,10 @@ import pytest
 
 from torchps.access import describe, policy
 from torchps.proto import ps_pb2
-from torchps.security import ADMIN_METHODS, ROLES, Security
+from torchps.security import ADMIN_METHODS, REPLICA_METHODS, ROLES, Security
 
-METHODS = [method.name for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods]
+METHODS = [method.name for service in ("ParameterServer", "Serving")
+           for method in ps_pb2.DESCRIPTOR.services_by_name[service].methods]
 
 JOB, ADMIN, WRONG = "job-token", "admin-token", "not-a-token"
 TASK_TOKENS = {"chief:0": ("chief", "chief-token"), "worker:0": ("worker", "worker-0-token"),
@@ -91,9 +92,11 @@ def test_every_credential_on_every_setup_gets_its_identity_and_the_rpcs_of_its_r
 def test_the_chief_may_call_every_rpc_and_the_other_roles_no_admin_rpc():
     assert set(METHODS) == ROLES["chief"], "an RPC of ps.proto no role may call, or a role naming no RPC"
     assert ADMIN_METHODS <= set(METHODS)
-    for role in ("worker", "evaluator", "ps"):
+    for role in ("worker", "evaluator", "ps", "serving"):
         assert not ROLES[role] & ADMIN_METHODS, role
     assert ROLES["evaluator"] <= ROLES["worker"] and ROLES["ps"] == {"GetStatus", "GetLayout", "Replicate", "SetReplica"}
+    assert ROLES["serving"] <= ROLES["evaluator"] and not ROLES["serving"] & {"LookupRows", "Push", "Join"}
+    assert REPLICA_METHODS == {m.name for m in ps_pb2.DESCRIPTOR.services_by_name["Serving"].methods}
 
 
 def test_a_token_table_without_an_admin_token_takes_roles_from_the_table():

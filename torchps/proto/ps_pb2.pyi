@@ -1027,3 +1027,157 @@ class ResizeRequest(_message.Message):
     phase: ResizeState.Phase
     why: str
     def __init__(self, action: _Optional[_Union[ResizeRequest.Action, str]] = ..., id: _Optional[int] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., why: _Optional[str] = ...) -> None: ...
+
+class TableCursor(_message.Message):
+    __slots__ = ("table", "incarnation", "seq")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    incarnation: str
+    seq: int
+    def __init__(self, table: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class ChangesRequest(_message.Message):
+    __slots__ = ("cursors", "max_rows")
+    CURSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    cursors: _containers.RepeatedCompositeFieldContainer[TableCursor]
+    max_rows: int
+    def __init__(self, cursors: _Optional[_Iterable[_Union[TableCursor, _Mapping]]] = ..., max_rows: _Optional[int] = ...) -> None: ...
+
+class TableChanges(_message.Message):
+    __slots__ = ("table", "incarnation", "seq", "whole", "first", "last", "dim", "dtype", "ids", "rows", "held", "step", "partition", "num_shards", "shard")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    incarnation: str
+    seq: int
+    whole: bool
+    first: bool
+    last: bool
+    dim: int
+    dtype: DType
+    ids: bytes
+    rows: bytes
+    held: bytes
+    step: int
+    partition: TablePartition
+    num_shards: int
+    shard: int
+    def __init__(self, table: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ..., whole: _Optional[bool] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., held: _Optional[bytes] = ..., step: _Optional[int] = ..., partition: _Optional[_Union[TablePartition, str]] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class ServingLookupRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class ServingLookupReply(_message.Message):
+    __slots__ = ("version", "step", "dim", "dtype", "rows", "held")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    step: int
+    dim: int
+    dtype: DType
+    rows: bytes
+    held: bytes
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[bytes] = ..., held: _Optional[bytes] = ...) -> None: ...
+
+class DenseRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DenseTensor(_message.Message):
+    __slots__ = ("name", "meta", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    meta: TensorMeta
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DenseReply(_message.Message):
+    __slots__ = ("version", "step", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[DenseTensor]
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[DenseTensor, _Mapping]]] = ...) -> None: ...
+
+class ServingStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServingVersion(_message.Message):
+    __slots__ = ("version", "step", "published_unix")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    step: int
+    published_unix: float
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., published_unix: _Optional[float] = ...) -> None: ...
+
+class ServingStatus(_message.Message):
+    __slots__ = ("current", "kept", "held", "staleness_seconds", "behind_steps", "rows", "resyncs", "error")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    current: ServingVersion
+    kept: _containers.RepeatedCompositeFieldContainer[ServingVersion]
+    held: bool
+    staleness_seconds: float
+    behind_steps: int
+    rows: int
+    resyncs: int
+    error: str
+    def __init__(self, current: _Optional[_Union[ServingVersion, _Mapping]] = ..., kept: _Optional[_Iterable[_Union[ServingVersion, _Mapping]]] = ..., held: _Optional[bool] = ..., staleness_seconds: _Optional[float] = ..., behind_steps: _Optional[int] = ..., rows: _Optional[int] = ..., resyncs: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ServingControl(_message.Message):
+    __slots__ = ("action", "step")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[ServingControl.Action]
+        HOLD: _ClassVar[ServingControl.Action]
+        RESUME: _ClassVar[ServingControl.Action]
+        ROLLBACK: _ClassVar[ServingControl.Action]
+    ACTION_UNSPECIFIED: ServingControl.Action
+    HOLD: ServingControl.Action
+    RESUME: ServingControl.Action
+    ROLLBACK: ServingControl.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    action: ServingControl.Action
+    step: int
+    def __init__(self, action: _Optional[_Union[ServingControl.Action, str]] = ..., step: _Optional[int] = ...) -> None: ...

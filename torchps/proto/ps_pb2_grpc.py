@@ -25,6 +25,211 @@ if _version_not_supported:
     )
 
 
+class ServingStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lookup = channel.unary_unary(
+                '/torchps.v1.Serving/Lookup',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ServingLookupRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ServingLookupReply.FromString,
+                _registered_method=True)
+        self.GetDense = channel.unary_unary(
+                '/torchps.v1.Serving/GetDense',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.DenseRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.DenseReply.FromString,
+                _registered_method=True)
+        self.GetServingStatus = channel.unary_unary(
+                '/torchps.v1.Serving/GetServingStatus',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ServingStatusRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ServingStatus.FromString,
+                _registered_method=True)
+        self.ControlServing = channel.unary_unary(
+                '/torchps.v1.Serving/ControlServing',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ServingControl.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.ServingStatus.FromString,
+                _registered_method=True)
+
+
+class ServingServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Lookup(self, request, context):
+        """The rows of `ids` of one table, from the current version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDense(self, request, context):
+        """Dense variables of the current version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServingStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlServing(self, request, context):
+        """An admin's call: INVALID_ARGUMENT for an unknown action, FAILED_PRECONDITION
+        for a rollback to a step older than every kept version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ServingServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ServingLookupRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ServingLookupReply.SerializeToString,
+            ),
+            'GetDense': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDense,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.DenseRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.DenseReply.SerializeToString,
+            ),
+            'GetServingStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServingStatus,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ServingStatusRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ServingStatus.SerializeToString,
+            ),
+            'ControlServing': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlServing,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ServingControl.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.ServingStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'torchps.v1.Serving', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('torchps.v1.Serving', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Serving:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.Serving/Lookup',
+            torchps_dot_v1_dot_ps__pb2.ServingLookupRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ServingLookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDense(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.Serving/GetDense',
+            torchps_dot_v1_dot_ps__pb2.DenseRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.DenseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServingStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.Serving/GetServingStatus',
+            torchps_dot_v1_dot_ps__pb2.ServingStatusRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ServingStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlServing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchps.v1.Serving/ControlServing',
+            torchps_dot_v1_dot_ps__pb2.ServingControl.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.ServingStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ParameterServerStub:
     """Missing associated documentation comment in .proto file."""
 
@@ -183,6 +388,11 @@ class ParameterServerStub:
                 '/torchps.v1.ParameterServer/SetReplica',
                 request_serializer=torchps_dot_v1_dot_ps__pb2.ReplicaChange.SerializeToString,
                 response_deserializer=torchps_dot_v1_dot_ps__pb2.ShardReplicas.FromString,
+                _registered_method=True)
+        self.ReadChanges = channel.unary_stream(
+                '/torchps.v1.ParameterServer/ReadChanges',
+                request_serializer=torchps_dot_v1_dot_ps__pb2.ChangesRequest.SerializeToString,
+                response_deserializer=torchps_dot_v1_dot_ps__pb2.TableChanges.FromString,
                 _registered_method=True)
 
 
@@ -507,6 +717,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadChanges(self, request, context):
+        """A serving replica's read of what changed in this shard's tables
+        (TableChanges). NOT_FOUND for a cursor naming an unknown table,
+        INVALID_ARGUMENT for a table named twice, before anything is read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -659,6 +878,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetReplica,
                     request_deserializer=torchps_dot_v1_dot_ps__pb2.ReplicaChange.FromString,
                     response_serializer=torchps_dot_v1_dot_ps__pb2.ShardReplicas.SerializeToString,
+            ),
+            'ReadChanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadChanges,
+                    request_deserializer=torchps_dot_v1_dot_ps__pb2.ChangesRequest.FromString,
+                    response_serializer=torchps_dot_v1_dot_ps__pb2.TableChanges.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1471,6 +1695,33 @@ class ParameterServer:
             '/torchps.v1.ParameterServer/SetReplica',
             torchps_dot_v1_dot_ps__pb2.ReplicaChange.SerializeToString,
             torchps_dot_v1_dot_ps__pb2.ShardReplicas.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torchps.v1.ParameterServer/ReadChanges',
+            torchps_dot_v1_dot_ps__pb2.ChangesRequest.SerializeToString,
+            torchps_dot_v1_dot_ps__pb2.TableChanges.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,143 @@
+"""ps-serve: a read-only serving replica of a training job's model, and the commands that steer one.
+
+    ps-serve --cluster SPEC --bind HOST:PORT [--poll-every S] [--dense-every S] [--keep-versions K]
+    ps-serve status   --at HOST:PORT
+    ps-serve hold     --at HOST:PORT       freeze on the current version (canary, A/B)
+    ps-serve resume   --at HOST:PORT       follow training again (every table is read whole first)
+    ps-serve rollback --at HOST:PORT --to STEP
+
+The replica reads the shards of the cluster spec (follower.py) and answers
+the Serving service (server.py) until SIGTERM or Ctrl-C. Its credentials:
+the security flags as ps-server's (the shards' token table, to check its
+callers) and `--task` (its line of that table, `serving:0` by default, whose
+token it calls the shards with; a job token works for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+__all__ = ["main", "parse_args"]
+
+COMMANDS = ("status", "hold", "resume", "rollback")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from ..credential_flags import add_security_flags
+    from .settings import DENSE_SECONDS, KEEP_VERSIONS, POLL_SECONDS
+
+    if argv[:1] and argv[0] in COMMANDS:
+        parser = argparse.ArgumentParser(prog=f"ps-serve {argv[0]}", description=__doc__.split("\n\n")[0])
+        parser.add_argument("--at", required=True, help="the replica's HOST:PORT")
+        if argv[0] == "rollback":
+            parser.add_argument("--to", type=int, required=True, help="the training step to go back to: the newest "
+                                "kept version at or before it")
+        parser.add_argument("--timeout", type=float, default=30.0, help="the call's deadline in s (default 30)")
+        add_security_flags(parser)
+        args = parser.parse_args(argv[1:])
+        args.command = argv[0]
+        return args
+    parser = argparse.ArgumentParser(prog="ps-serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--cluster", required=True, help="the training job's cluster as inline JSON or a JSON file "
+                        "path (TF_CONFIG's 'cluster' shape): its ps addresses are read")
+    parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to serve at (port 0: a free one; "
+                        "default 127.0.0.1:0)")
+    parser.add_argument("--port-file", help="write the bound port here once serving")
+    parser.add_argument("--task", default="serving:0", help="this replica's line of the token table, whose token "
+                        "it calls the shards with (default serving:0)")
+    parser.add_argument("--poll-every", type=float, default=POLL_SECONDS,
+                        help=f"s between reads of the shards' row changes (default {POLL_SECONDS:g})")
+    parser.add_argument("--dense-every", type=float, default=DENSE_SECONDS,
+                        help=f"s between reads of the dense variables (default {DENSE_SECONDS:g})")
+    parser.add_argument("--keep-versions", type=int, default=KEEP_VERSIONS,
+                        help=f"versions kept for a rollback (default {KEEP_VERSIONS})")
+    parser.add_argument("--threads", type=int, default=8, help="threads answering calls (default 8)")
+    parser.add_argument("--log-level", default="INFO")
+    add_security_flags(parser)
+    args = parser.parse_args(argv)
+    if args.poll_every <= 0 or args.dense_every <= 0 or args.keep_versions < 1 or args.threads < 1:
+        parser.error("--poll-every and --dense-every must be > 0, --keep-versions and --threads >= 1")
+    args.command = "serve"
+    return args
+
+
+def preflight(argv: list[str]) -> None:
+    """Exits 2 with argparse's message for bad flags, before the slow imports."""
+    parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from ..credential_flags import resolve_security
+    from ..errors import PSError
+
+    try:
+        security = resolve_security(args)
+        return _serve(args, security) if args.command == "serve" else _control(args, security)
+    except PSError as exc:
+        print(f"ps-serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def _control(args: argparse.Namespace, security) -> int:
+    from ..proto import ps_pb2
+    from .client import ServingClient
+
+    with ServingClient(args.at, security=security, timeout=args.timeout) as client:
+        if args.command == "hold":
+            status = client.control(ps_pb2.ServingControl.HOLD)
+        elif args.command == "resume":
+            status = client.control(ps_pb2.ServingControl.RESUME)
+        elif args.command == "rollback":
+            status = client.control(ps_pb2.ServingControl.ROLLBACK, args.to)
+        else:
+            status = client.status()
+    print(f"version {status.current.version} (step {status.current.step}){' held' if status.held else ''}; "
+          f"staleness {status.staleness_seconds:.2f} s, {status.behind_steps} steps behind; {status.rows} rows; "
+          f"kept steps {[v.step for v in status.kept]}" + (f"; last read failed: {status.error}" if status.error
+                                                             else ""))
+    return 0
+
+
+def _serve(args: argparse.Namespace, security) -> int:
+    import dataclasses
+
+    from ..cluster import Cluster
+    from .follower import Follower
+    from .replica import Replica
+    from .server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cluster = Cluster.from_json(args.cluster)
+    own = [token for task, _, token in security.task_tokens if task == args.task][-1:]
+    calling = dataclasses.replace(security, token=own[0] if own else security.token, admin_token=None)
+    replica = Replica(args.keep_versions)
+    follower = Follower(replica, list(cluster.ps), calling, poll_every=args.poll_every,
+                        dense_every=args.dense_every)
+    server, port = serve(replica, follower, security, args.bind, threads=args.threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.port_file:
+        with open(args.port_file, "w") as out:
+            out.write(f"{port}\n")
+    logging.getLogger("torchps.serving").info("ps-serve follows %s, serving at %s:%d", ",".join(cluster.ps),
+                                              args.bind.rpartition(":")[0], port)
+    reader = threading.Thread(target=follower.run, args=(stop,), name="serve-follower", daemon=True)
+    reader.start()
+    while not stop.wait(1.0):
+        pass
+    server.stop(grace=2.0).wait()
+    reader.join(timeout=10)
+    follower.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""A serving replica's reads of the training shards: rounds of ReadChanges (every table's rows changed since the
+last round) and, every `dense_every` s, the dense variables whose version moved, each round published as one
+version of the replica (replica.py). Training never waits for it: the shards answer reads only.
+
+A round asks every shard for its tables' changes (from the cursors the last
+round left: a table without one, or one its shard can no longer answer from
+its log, comes whole), then the dense variables if due, then ps 0 its step.
+The version it publishes holds every change acknowledged before the round
+began (`fresh_at`: what the replica's staleness counts from) and is labelled
+with the step ps 0 had reached after the reads, so no change of a later
+step is in it (a rollback to a step goes back to before every later one). A round that fails (a shard unreachable, a failover under way) leaves
+the current version as it was, says why in `error`, and is tried again at
+the next tick; the cursors move only with a published round. While the
+replica is held (hold, rollback) nothing is read; after a rollback every
+table is read whole again (what it undid comes back from the shards).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import codec, rows as row_ids
+from ..client.channels import ShardChannels
+from ..client.transfer import NewTensors, read_stream
+from ..errors import PSError, ServingVersionError
+from ..proto import ps_pb2
+from ..security import Security
+from .replica import Replica, TableBatch
+from .settings import DENSE_SECONDS, POLL_SECONDS
+
+__all__ = ["Follower"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Follower:
+    """Rounds of reads of the shards at `addresses` into `replica` (see the module docstring). `timeout`: one
+    call's deadline. run() blocks until stop is set."""
+
+    def __init__(self, replica: Replica, addresses: list[str], security: Security, *,
+                 poll_every: float = POLL_SECONDS, dense_every: float = DENSE_SECONDS,
+                 timeout: float = 30.0, connect_timeout: float = 30.0):
+        self.replica, self.poll_every, self.dense_every, self.timeout = replica, poll_every, dense_every, timeout
+        self.channels = ShardChannels(list(addresses), connect_timeout=connect_timeout, security=security)
+        self.channels.follows_failovers = True
+        self._cursors: list[dict[str, tuple[str, int]]] = [{} for _ in addresses]
+        self._dense_versions: dict[str, int] = {}
+        self._dense_read = -math.inf
+        self.fresh_at = 0.0      # every change acknowledged before this Unix time is in the current version
+        self.step = 0            # ps 0's step at the last round
+        self.error = ""          # why the last round failed ("" if it did not)
+        self.resyncs = 0         # tables read whole
+        self.rows_applied = 0    # rows published over all rounds
+        self.rounds = 0
+        self._rewinds = 0  # the replica's rollbacks the cursors know of
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if not self.replica.held:
+                try:
+                    self.round()
+                    self.error = ""
+                except ServingVersionError:
+                    pass  # held or rolled back meanwhile: the next round reads again
+                except PSError as exc:
+                    self.error = str(exc)
+                    _LOGGER.warning("ps-serve: a read of the shards failed (the replica keeps its version): %s", exc)
+            stop.wait(self.poll_every)
+
+    def round(self) -> bool:
+        """One round (see the module docstring); True if it published a version. Raises PSError if a call
+        failed (nothing published)."""
+        began = time.time()
+        rewinds = self.replica.rewinds
+        if rewinds != self._rewinds:  # rolled back: what it undid is read again, every table whole
+            self._cursors = [{} for _ in self._cursors]
+            self._dense_versions, self._dense_read, self._rewinds = {}, -math.inf, rewinds
+        batches, cursors = [], []
+        for shard in range(len(self._cursors)):
+            found, cursor = self._changes(shard)
+            batches += found
+            cursors.append(cursor)
+        dense = self._dense() if time.monotonic() - self._dense_read >= self.dense_every else None
+        status = self.channels.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                                    self.timeout)  # after the reads: the version holds no change of a later step
+        changed = any(len(b.ids) or b.whole for _, b in batches) or dense is not None
+        if changed:
+            merged = dict(self.replica.dense()[1]) if dense is not None else None
+            if dense is not None:
+                merged.update(dense[0])
+            self.replica.publish(status.step, batches, merged, rewinds, now=time.time())
+            self.rows_applied += sum(len(b.ids) for _, b in batches)
+            self.resyncs += sum(b.whole for _, b in batches)
+            if dense is not None:
+                self._dense_versions, self._dense_read = dense[1], time.monotonic()
+        self._cursors = cursors
+        self.fresh_at, self.step = began, status.step
+        self.rounds += 1
+        return changed
+
+    def _changes(self, shard: int) -> tuple[list[tuple[str, TableBatch]], dict[str, tuple[str, int]]]:
+        """Shard `shard`'s tables' changes since its cursors: ([(table, batch)], the cursors they lead to)."""
+        request = ps_pb2.ChangesRequest(cursors=[ps_pb2.TableCursor(table=name, incarnation=inc, seq=seq)
+                                                 for name, (inc, seq) in self._cursors[shard].items()])
+        messages = self.channels.call(shard, lambda stub, t: list(stub.ReadChanges(request, timeout=t)),
+                                      self.timeout)
+        parts: dict[str, list] = {}
+        for message in messages:
+            parts.setdefault(message.table, []).append(message)
+        found, cursors = [], {}
+        for name, pieces in parts.items():
+            head = pieces[0]
+            dtype = codec.torch_dtype(head.dtype)
+            ids = np.concatenate([np.frombuffer(p.ids, dtype="<i8") for p in pieces]).astype(np.int64)
+            held = np.concatenate([np.frombuffer(p.held, dtype=np.uint8) for p in pieces]).astype(bool)
+            raw = b"".join(p.rows for p in pieces)
+            values = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(len(ids), head.dim) if raw \
+                else torch.zeros(0, head.dim, dtype=dtype)
+            owner = (head.shard, head.num_shards, row_ids.partition_name(head.partition))
+            found.append((name, TableBatch(head.dim, dtype, ids, values, held, head.whole, owner)))
+            cursors[name] = (head.incarnation, head.seq)
+        return found, cursors
+
+    def _dense(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """({name: tensor} of the dense variables whose version moved since the last read, {name: version} of
+        every one)."""
+        fresh, versions = {}, {}
+        for shard in range(len(self._cursors)):
+            listed = self.channels.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t),
+                                        self.timeout)
+            names = []
+            for info in listed.variables:
+                versions[info.spec.name] = info.version
+                if self._dense_versions.get(info.spec.name) != info.version:
+                    names.append(info.spec.name)
+            if names:
+                sink = NewTensors()
+                self.channels.call(shard, lambda stub, t: read_stream(
+                    stub.Pull(ps_pb2.PullRequest(names=names), timeout=t), names, sink, self.channels.target(shard)),
+                    self.timeout)
+                fresh.update(sink.tensors)
+        return fresh, versions
+
+    def close(self) -> None:
+        self.channels.close()

@@ -1,0 +1,210 @@
+"""A serving replica's model: the rows of every embedding table and the dense variables, one consistent version
+at a time, and the last versions kept for a rollback. No gRPC.
+
+The follower (follower.py) publishes a version per round of reads: every
+table's changed rows (or a table read whole) and, when it read them, the
+dense variables. `publish` makes the whole round visible at once: a lookup
+sees all of it or none of it. Each version keeps what it overwrote (an undo
+log: the rows before, and which ids had none), so `rollback(step)` can go
+back to any of the last `keep` versions bit for bit; dense variables are kept
+by reference (a round that did not read them shares the previous ones).
+A rollback, or `hold`, freezes the replica: publish() is refused until
+`resume`. A rollback also counts in `rewinds`: the follower then reads every
+table whole again (what the rollback undid is read back from the shards),
+and a round read before it is refused.
+
+Thread-safe: one lock guards everything; lookups and publishes take it for
+their copy or their write only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ServingVersionError, UnknownVariableError
+from ..ps_server.row_storage import Keyed, Slabs
+from ..rows import owner
+from .settings import KEEP_VERSIONS
+
+__all__ = ["Replica", "TableBatch", "Version"]
+
+
+@dataclasses.dataclass
+class TableBatch:
+    """One shard's changes of one table in a round: rows of `ids` (held[i]: the table holds it; False: dropped),
+    or, with `whole`, every row the shard holds (rows of ids the shard owns that the replica has and these lack
+    are dropped). `owner`: (shard, num_shards, partition) of the table's layout (torchps.rows.owner)."""
+
+    dim: int
+    dtype: torch.dtype
+    ids: np.ndarray        # int64
+    rows: torch.Tensor     # (len(ids), dim)
+    held: np.ndarray       # bool
+    whole: bool = False
+    owner: tuple[int, int, str] = (0, 1, "modulo")
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    version: int
+    step: int
+    published: float  # Unix time it became visible
+
+
+class _Table:
+    """One table's rows: an id index and a slab of values (row_storage.py's, as a shard keeps them)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        self.dim, self.dtype = dim, dtype
+        self.keys = Keyed()
+        self.slabs = Slabs({"values": dim}, dtype)
+
+    def read(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """(rows, held) of `ids`: zeros where the table holds none."""
+        slots = self.keys.find(ids)
+        held = slots >= 0
+        rows = torch.zeros(len(ids), self.dim, dtype=self.dtype)
+        if held.any():
+            where = np.flatnonzero(held)
+            rows[torch.from_numpy(where)] = self.slabs.gather("values", slots[where])
+        return rows, held
+
+    def write(self, ids: np.ndarray, rows: torch.Tensor, held: np.ndarray) -> None:
+        """Rows of `ids` set where `held`, removed where not."""
+        slots = self.keys.find(ids)
+        keep = np.flatnonzero(held)
+        new = keep[slots[keep] < 0]
+        if new.size:
+            self.slabs.reserve(self.keys.n + new.size)
+            slots[new] = self.keys.append(ids[new])
+        if keep.size:
+            self.slabs.scatter("values", slots[keep], rows[torch.from_numpy(keep)])
+        gone = slots[np.flatnonzero(~held & (slots >= 0))]
+        if gone.size:
+            src, dst = self.keys.remove(gone)
+            if src.size:
+                self.slabs.scatter("values", dst, self.slabs.gather("values", src))
+            self.slabs.release(self.keys.n)
+
+    def ids(self) -> np.ndarray:
+        return self.keys.cols["ids"][:self.keys.n].copy()
+
+
+class Replica:
+    """Versions of a model (see the module docstring); `keep`: the versions kept for rollback (>= 1)."""
+
+    def __init__(self, keep: int = KEEP_VERSIONS):
+        self.keep = max(1, keep)
+        self._lock = threading.Lock()
+        self._tables: dict[str, _Table] = {}
+        self._dense: dict[str, torch.Tensor] = {}
+        self._versions: collections.deque[tuple[Version, list, dict]] = collections.deque()  # (v, undo, dense)
+        self._current = Version(0, 0, 0.0)
+        self.held = False
+        self.rewinds = 0  # rollbacks so far: a round read before one must not be published after it
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def lookup(self, table: str, ids: np.ndarray) -> tuple[Version, torch.Tensor, np.ndarray, int, torch.dtype]:
+        """(version, rows, held, dim, dtype) of `ids` of `table` in the current version; UnknownVariableError
+        for a table it does not hold."""
+        with self._lock:
+            found = self._tables.get(table)
+            if found is None:
+                raise UnknownVariableError(f"this replica holds no table {table!r} (it holds "
+                                           f"{sorted(self._tables)})")
+            rows, held = found.read(ids)
+            return self._current, rows, held, found.dim, found.dtype
+
+    def dense(self, names: list[str] | None = None) -> tuple[Version, dict[str, torch.Tensor]]:
+        """(version, {name: tensor}) of the current version (the tensors are never written: share them);
+        UnknownVariableError naming those it does not hold."""
+        with self._lock:
+            missing = [n for n in names or () if n not in self._dense]
+            if missing:
+                raise UnknownVariableError(f"this replica holds no dense variable {missing}")
+            return self._current, {n: self._dense[n] for n in (names or sorted(self._dense))}
+
+    def status(self) -> tuple[Version, list[Version], bool, int]:
+        """(current, kept versions oldest first, held, rows over all tables)."""
+        with self._lock:
+            return (self._current, [v for v, _, _ in self._versions], self.held,
+                    sum(t.keys.n for t in self._tables.values()))
+
+    def tables(self) -> dict[str, np.ndarray]:
+        """{table: its ids} now (copies)."""
+        with self._lock:
+            return {name: table.ids() for name, table in self._tables.items()}
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def publish(self, step: int, batches: Sequence[tuple[str, TableBatch]],
+                dense: Mapping[str, torch.Tensor] | None, rewinds: int, now: float | None = None) -> Version:
+        """Makes one round (its (table, batch) pairs, in order) visible as the next version, reflecting training
+        step `step`; `dense`: every dense variable after this round (None: unchanged); `rewinds`: the replica's
+        count of rollbacks when the round began. ServingVersionError while held, or after a rollback since the
+        round began (its reads follow what the rollback undid). Returns the new version."""
+        with self._lock:
+            if self.held:
+                raise ServingVersionError("this replica is held on its version (hold or rollback): resume it first")
+            if rewinds != self.rewinds:
+                raise ServingVersionError("this replica was rolled back while the round was read: read again")
+            undo = []
+            for name, batch in batches:
+                table = self._tables.get(name)
+                if table is None:
+                    table = self._tables[name] = _Table(batch.dim, batch.dtype)
+                ids, rows, held = batch.ids, batch.rows, batch.held
+                if batch.whole:  # rows of the shard's ids the replica holds and the shard no longer does: dropped
+                    shard, num_shards, partition = batch.owner
+                    mine = table.ids()
+                    mine = mine[owner(mine, num_shards, partition) == shard]
+                    stale = np.setdiff1d(mine, ids)
+                    ids = np.concatenate([ids, stale])
+                    rows = torch.cat([rows, torch.zeros(len(stale), table.dim, dtype=table.dtype)])
+                    held = np.concatenate([held, np.zeros(len(stale), dtype=bool)])
+                before, had = table.read(ids)
+                undo.append((name, ids, before, had))
+                table.write(ids, rows, held)
+            if dense is not None:
+                self._dense = dict(dense)
+            self._current = Version(self._current.version + 1, step, time.time() if now is None else now)
+            self._versions.append((self._current, undo, self._dense))
+            while len(self._versions) > self.keep:
+                self._versions.popleft()
+            return self._current
+
+    def hold(self) -> None:
+        with self._lock:
+            self.held = True
+
+    def resume(self) -> None:
+        """Follows the stream again (the follower reads every table whole first)."""
+        with self._lock:
+            self.held = False
+
+    def rollback(self, step: int) -> Version:
+        """Goes back to the newest kept version whose step is at most `step`, and holds there; returns it.
+        ServingVersionError if every kept version is newer (nothing changes)."""
+        with self._lock:
+            kept = [v for v, _, _ in self._versions]
+            target = next((v for v in reversed(kept) if v.step <= step), None)
+            if target is None:
+                raise ServingVersionError(
+                    f"no kept version is at step {step} or before: this replica keeps steps "
+                    f"{[v.step for v in kept]} (ps-serve --keep-versions)")
+            while self._versions[-1][0].version > target.version:
+                _, undo, _ = self._versions.pop()
+                for name, ids, before, had in reversed(undo):
+                    self._tables[name].write(ids, before, had)
+            self._current, _, self._dense = self._versions[-1]
+            self.held = True
+            self.rewinds += 1
+            return self._current

@@ -1,0 +1,164 @@
+"""Serving replicas (ps-serve) on real processes: a replica follows two training shards' embedding rows and dense
+variables, answers with one consistent version at a time, equals the shards bit for bit once it caught up,
+rolls back to exactly a kept version's rows, comes back to the same version after a restart, and refuses what
+its callers may not do. Ordered by events (the replica's own status), never by sleeping."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from helpers import free_ports, wait_until
+
+from torchps.client import Embedding, Optimizer, PSClient
+from torchps.errors import InvalidArgumentError, PermissionDeniedError, ServingVersionError, UnknownVariableError
+from torchps.proto import ps_pb2, ps_pb2_grpc
+from torchps.security import INSECURE, Security
+from torchps.serving import ServingClient
+
+N, D = 64, 4
+TIMEOUT = 30.0
+IDS = torch.arange(N)
+
+
+def _replica(local, tmp_path, *extra, name="serve"):
+    """A ps-serve process following `local`'s shards; (process, address)."""
+    (port,) = free_ports(1)
+    log = open(tmp_path / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "torchps.serving.daemon", "--cluster",
+                             json.dumps({"ps": local.cluster.ps}), "--bind", f"127.0.0.1:{port}", "--insecure",
+                             "--poll-every", "0.05", "--dense-every", "0.2", *extra],
+                            stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"127.0.0.1:{port}"
+
+
+def _stop(proc):
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _caught_up(serving: ServingClient, step: int) -> ps_pb2.ServingStatus:
+    """Waits until the replica's current version reflects training step `step` or later."""
+    return wait_until(lambda: (s := _status(serving)) is not None and s.current.step >= step and s,
+                      TIMEOUT, f"the replica to reach step {step}")
+
+
+def _status(serving: ServingClient):
+    try:
+        return serving.status()
+    except Exception:  # noqa: BLE001 - not serving yet
+        return None
+
+
+def _train(client: PSClient, steps: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, N, (12,), generator=g)
+        client.push({"dense/w": torch.randn(5, generator=g)}, rows={"t": (ids, torch.randn(12, D, generator=g))})
+
+
+def test_a_replica_follows_training_and_equals_the_shards_bit_for_bit(local_cluster, tmp_path):
+    local = local_cluster(2)
+    proc, address = _replica(local, tmp_path)
+    try:
+        with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client, \
+                ServingClient(address, timeout=TIMEOUT) as serving:
+            client.create_tables([Embedding(N, D).table_spec("t", Optimizer("adagrad", lr=0.1))])
+            client.create_variables({"dense/w": torch.zeros(5)}, Optimizer("sgd", lr=0.1))
+            _train(client, 20)
+            step = client.status(0).step
+            _caught_up(serving, step)
+            wait_until(lambda: torch.equal(serving.dense(["dense/w"]).tensors["dense/w"], client.pull(["dense/w"])
+                                           ["dense/w"]), TIMEOUT, "the dense variable read again")
+            served = serving.lookup("t", IDS)
+            assert torch.equal(served.rows, client.lookup_rows({"t": IDS})["t"]) and bool(served.held.all())
+            assert served.step >= step
+
+            # Rollback: the rows of a kept version exactly, held there while training goes on; resume catches up.
+            kept = serving.status().current
+            rows_then = serving.lookup("t", IDS).rows
+            _train(client, 10, seed=1)
+            _caught_up(serving, client.status(0).step)
+            assert not torch.equal(serving.lookup("t", IDS).rows, rows_then)
+            back = serving.rollback(kept.step)
+            assert back.held and back.current.step == kept.step
+            again = serving.lookup("t", IDS)
+            assert torch.equal(again.rows, rows_then) and again.step == kept.step  # a later version of that step
+            _train(client, 3, seed=2)
+            assert serving.status().current.version == again.version, "a held replica applied the stream"
+            with pytest.raises(ServingVersionError, match="no kept version"):
+                serving.rollback(0)
+            serving.resume()
+            final = client.status(0).step
+            _caught_up(serving, final)
+            assert torch.equal(serving.lookup("t", IDS).rows, client.lookup_rows({"t": IDS})["t"])
+
+            # A replica killed and started again comes back to the same rows.
+            _stop(proc)
+            proc, address2 = _replica(local, tmp_path, name="serve-again")
+            with ServingClient(address2, timeout=TIMEOUT) as again_serving:
+                _caught_up(again_serving, final)
+                assert torch.equal(again_serving.lookup("t", IDS).rows, client.lookup_rows({"t": IDS})["t"])
+    finally:
+        _stop(proc)
+
+
+def test_a_replica_refuses_bad_requests_and_what_a_callers_role_may_not_do(local_cluster, tmp_path):
+    """Per-task tokens: the replica reads the shards in the serving role (which may not push), a worker may look
+    rows up but not roll the replica back, a call without a token is refused; bad requests get their status
+    code and change nothing."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("chief:0 chief chief-token\nserving:0 serving serve-token\nworker:0 worker worker-token\n")
+    security = {}
+    for task, token in (("chief", "chief-token"), ("worker", "worker-token"), ("serving", "serve-token")):
+        (tmp_path / f"{task}.token").write_text(token + "\n")
+        security[task] = Security.load(token_file=str(tmp_path / f"{task}.token"))
+    local = local_cluster(1, server_args=["--token-file", str(tokens)])
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-m", "torchps.serving.daemon", "--cluster",
+                             json.dumps({"ps": local.cluster.ps}), "--bind", f"127.0.0.1:{port}",
+                             "--token-file", str(tokens), "--poll-every", "0.05"],
+                            stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        with PSClient(local.cluster, security=security["chief"], connect_timeout=10.0, timeout=TIMEOUT) as chief, \
+                ServingClient(address, security=security["worker"], timeout=TIMEOUT) as as_worker, \
+                ServingClient(address, security=security["chief"], timeout=TIMEOUT) as as_chief:
+            chief.create_tables([Embedding(N, D).table_spec("t", Optimizer("sgd", lr=1.0))])
+            _caught_up(as_worker, 0)
+            wait_until(lambda: as_worker.status().rows == N, TIMEOUT, "the replica to read the table")
+            before = as_worker.lookup("t", IDS)
+            assert torch.equal(before.rows, chief.lookup_rows({"t": IDS})["t"])
+
+            with pytest.raises(PermissionDeniedError, match="the worker role may call only"):
+                as_worker.rollback(0)
+            with pytest.raises(InvalidArgumentError, match="HOLD, RESUME or ROLLBACK"):
+                as_chief.control(0)
+            with pytest.raises(InvalidArgumentError, match="1-D int64"):
+                as_worker.lookup("t", IDS.float())
+            with pytest.raises(UnknownVariableError, match="no table 'nope'"):
+                as_worker.lookup("nope", IDS)
+            stub = ps_pb2_grpc.ServingStub(grpc.insecure_channel(address))
+            with pytest.raises(grpc.RpcError) as raw:
+                stub.Lookup(ps_pb2.ServingLookupRequest(table="t", ids=b"\x00" * 7),
+                            metadata=(("torchps-token", "worker-token"),), timeout=TIMEOUT)
+            assert raw.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "multiple of 8" in raw.value.details()
+            with pytest.raises(grpc.RpcError) as raw:
+                stub.GetServingStatus(ps_pb2.ServingStatusRequest(), timeout=TIMEOUT)
+            assert raw.value.code() is grpc.StatusCode.UNAUTHENTICATED and "carries no token" in raw.value.details()
+            with ServingClient(address, security=security["chief"], timeout=TIMEOUT) as admin:
+                assert admin.hold().held and not admin.resume().held
+
+            # The serving role reads the shards and may not change them.
+            shard = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(local.cluster.ps[0]))
+            with pytest.raises(grpc.RpcError) as raw:
+                shard.Configure(ps_pb2.SyncConfig(), metadata=(("torchps-token", "serve-token"),), timeout=TIMEOUT)
+            assert raw.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert torch.equal(as_worker.lookup("t", IDS).rows, before.rows), "a refused call changed the replica"
+            assert proc.poll() is None
+    finally:
+        _stop(proc)
