@@ -9,9 +9,11 @@ record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
-s (it is stopped or cut off), or its stream breaks and it stays unreachable
-that long, the backup asks the shard's arbiter (ps 0; ps 1 for ps 0:
-cluster.arbiter_of) to promote it (PROMOTE). Granted, it
+s and then does not answer its status within half as long (it is stopped or
+cut off; one that answers is only slow, and is followed again), or its
+stream breaks and it stays unreachable for `failover_after` s, the backup
+asks the shard's arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of) to
+promote it (PROMOTE). Granted, it
 never acknowledges its old primary again (it opens no stream to it) and
 serves shard N at its own address from its copy: the journal's ordinary
 recovery brings back every change the primary acknowledged, the push ledger
@@ -61,6 +63,7 @@ RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach 
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
 WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
+PROBE_FRACTION = 0.5           # a primary silent for failover_after is asked its status for this much longer
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
 
@@ -200,10 +203,12 @@ class Backup:
                 unreachable_since = None
             elif reason == "followed":
                 unreachable_since = time.monotonic()
-            elif reason == "silent" and self.holds_copy:  # silent for failover_after s already: no second wait
+            elif reason == "silent" and self.holds_copy and not self._answers():  # silent, and not answering
                 if self._promote():
                     return True
                 unreachable_since = time.monotonic()
+            elif reason == "silent":  # its feed stalled, the primary answers: follow it again
+                unreachable_since = None
             elif self.holds_copy:
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since >= self.failover_after and self._promote():
@@ -304,6 +309,18 @@ class Backup:
             mirror.close()
             if lane is not None:
                 lane.close()
+            channels.close()
+
+    def _answers(self) -> bool:
+        """Whether the primary answers its status within PROBE_FRACTION of failover_after (a primary whose
+        stream went silent while it still answers is slow, not gone: a GIL-bound stretch, a long compaction)."""
+        channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
+        try:
+            channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after * PROBE_FRACTION)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
             channels.close()
 
     def _follow_arbiter(self, event: dict) -> None:

@@ -25,6 +25,8 @@ COMMANDS = [
     ("ps-certs", "a job's CA, certificates and tokens"),
     ("ps-admin layout", "a running job's layout"),
     ("ps-admin resize", "change a running job's shards"),
+    ("ps-serve", "a serving replica that follows a training job"),
+    ("ps-serve rollback", "switch a serving replica back to an earlier version"),
 ]
 WIDTH = "100"
 
@@ -46,7 +48,7 @@ def page() -> str:
              "this page and the commands disagree). The user guide explains them: "
              "[ps-launch](../guide/launch.md), [ps-worker](../guide/worker.md), "
              "[ps-server](../operations/ps-server.md), [ps-certs](../operations/security.md), "
-             "[ps-admin](../operations/resizing.md).\n"]
+             "[ps-admin](../operations/resizing.md), [ps-serve](../guide/serving.md).\n"]
     for command, what in COMMANDS:
         parts.append(f"## `{command}`\n\n{what[0].upper() + what[1:]}.\n\n```text\n{help_text(command)}```\n")
     return "\n".join(parts)

@@ -32,9 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     if argv[:1] and argv[0] in COMMANDS:
         parser = argparse.ArgumentParser(prog=f"ps-serve {argv[0]}", description=__doc__.split("\n\n")[0])
-        parser.add_argument("--at", required=True, help="the replica's HOST:PORT")
+        parser.add_argument("--at", required=True, metavar="HOST:PORT", help="the replica's address")
         if argv[0] == "rollback":
-            parser.add_argument("--to", type=int, required=True, help="the training step to go back to: the newest "
+            parser.add_argument("--to", type=int, required=True, metavar="STEP", help="the training step to go back to: the newest "
                                 "kept version at or before it")
         parser.add_argument("--timeout", type=float, default=30.0, help="the call's deadline in s (default 30)")
         add_security_flags(parser)

@@ -171,7 +171,7 @@ class Replica:
                     rows = torch.cat([rows, torch.zeros(len(stale), table.dim, dtype=table.dtype)])
                     held = np.concatenate([held, np.zeros(len(stale), dtype=bool)])
                 before, had = table.read(ids)
-                undo.append((name, ids, before, had))
+                undo.append((name, ids, had, before[torch.from_numpy(had)]))  # the rows it had, not zeros
                 table.write(ids, rows, held)
             if dense is not None:
                 self._dense = dict(dense)
@@ -202,8 +202,11 @@ class Replica:
                     f"{[v.step for v in kept]} (ps-serve --keep-versions)")
             while self._versions[-1][0].version > target.version:
                 _, undo, _ = self._versions.pop()
-                for name, ids, before, had in reversed(undo):
-                    self._tables[name].write(ids, before, had)
+                for name, ids, had, before in reversed(undo):
+                    table = self._tables[name]
+                    rows = torch.zeros(len(ids), table.dim, dtype=table.dtype)
+                    rows[torch.from_numpy(had)] = before
+                    table.write(ids, rows, had)
             self._current, _, self._dense = self._versions[-1]
             self.held = True
             self.rewinds += 1
