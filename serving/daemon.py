@@ -24,6 +24,8 @@ import threading
 __all__ = ["main", "parse_args"]
 
 COMMANDS = ("status", "hold", "resume", "rollback")
+# The follower's thread gives the GIL up this often (Python's default: 5 ms), so a lookup waits for it less.
+SWITCH_SECONDS = 0.0005
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -57,6 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--keep-versions", type=int, default=KEEP_VERSIONS,
                         help=f"versions kept for a rollback (default {KEEP_VERSIONS})")
     parser.add_argument("--threads", type=int, default=8, help="threads answering calls (default 8)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at this port of the --bind "
+                        "host (0: a free one, logged)")
     parser.add_argument("--log-level", default="INFO")
     add_security_flags(parser)
     args = parser.parse_args(argv)
@@ -114,13 +118,24 @@ def _serve(args: argparse.Namespace, security) -> int:
     from .server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(SWITCH_SECONDS)
     cluster = Cluster.from_json(args.cluster)
     own = [token for task, _, token in security.task_tokens if task == args.task][-1:]
     calling = dataclasses.replace(security, token=own[0] if own else security.token, admin_token=None)
     replica = Replica(args.keep_versions)
     follower = Follower(replica, list(cluster.ps), calling, poll_every=args.poll_every,
                         dense_every=args.dense_every)
-    server, port = serve(replica, follower, security, args.bind, threads=args.threads)
+    metrics = None
+    if args.metrics_port is not None:
+        from ..metrics_http import serve_metrics
+        from .metrics import ServingMetrics
+
+        metrics = ServingMetrics(replica, follower)
+        at = serve_metrics(metrics.registry, args.bind.rpartition(":")[0], args.metrics_port)
+        logging.getLogger("torchps.serving").info("ps-serve metrics at http://%s:%d/metrics",
+                                                  args.bind.rpartition(":")[0], at)
+    server, port = serve(replica, follower, security, args.bind, threads=args.threads,
+                         on_lookup=metrics.observe_lookup if metrics is not None else None)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

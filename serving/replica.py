@@ -13,8 +13,8 @@ A rollback, or `hold`, freezes the replica: publish() is refused until
 table whole again (what the rollback undid is read back from the shards),
 and a round read before it is refused.
 
-Thread-safe: one lock guards everything; lookups and publishes take it for
-their copy or their write only.
+Thread-safe: one change at a time (publish, rollback, hold, resume: `_writing`), and one lock for what
+lookups see, which a publish takes only to write rows it has found and copied before.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class _Table:
         self.keys = Keyed()
         self.slabs = Slabs({"values": dim}, dtype)
 
-    def read(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """(rows, held) of `ids`: zeros where the table holds none."""
-        slots = self.keys.find(ids)
+    def read(self, ids: np.ndarray, slots: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        """(rows, held) of `ids` (at `slots` if found already): zeros where the table holds none."""
+        slots = self.keys.find(ids) if slots is None else slots
         held = slots >= 0
         rows = torch.zeros(len(ids), self.dim, dtype=self.dtype)
         if held.any():
@@ -76,9 +76,9 @@ class _Table:
             rows[torch.from_numpy(where)] = self.slabs.gather("values", slots[where])
         return rows, held
 
-    def write(self, ids: np.ndarray, rows: torch.Tensor, held: np.ndarray) -> None:
-        """Rows of `ids` set where `held`, removed where not."""
-        slots = self.keys.find(ids)
+    def write(self, ids: np.ndarray, rows: torch.Tensor, held: np.ndarray, slots: np.ndarray | None = None) -> None:
+        """Rows of `ids` set where `held`, removed where not (`slots`: found since the last write, if given)."""
+        slots = self.keys.find(ids) if slots is None else slots.copy()
         keep = np.flatnonzero(held)
         new = keep[slots[keep] < 0]
         if new.size:
@@ -102,7 +102,8 @@ class Replica:
 
     def __init__(self, keep: int = KEEP_VERSIONS):
         self.keep = max(1, keep)
-        self._lock = threading.Lock()
+        self._writing = threading.Lock()  # one change at a time (publish, rollback); taken before _lock
+        self._lock = threading.Lock()     # what lookups see: held only to read, or to make a change visible
         self._tables: dict[str, _Table] = {}
         self._dense: dict[str, torch.Tensor] = {}
         self._versions: collections.deque[tuple[Version, list, dict]] = collections.deque()  # (v, undo, dense)
@@ -147,53 +148,74 @@ class Replica:
 
     def publish(self, step: int, batches: Sequence[tuple[str, TableBatch]],
                 dense: Mapping[str, torch.Tensor] | None, rewinds: int, now: float | None = None) -> Version:
-        """Makes one round (its (table, batch) pairs, in order) visible as the next version, reflecting training
-        step `step`; `dense`: every dense variable after this round (None: unchanged); `rewinds`: the replica's
-        count of rollbacks when the round began. ServingVersionError while held, or after a rollback since the
-        round began (its reads follow what the rollback undid). Returns the new version."""
-        with self._lock:
-            if self.held:
-                raise ServingVersionError("this replica is held on its version (hold or rollback): resume it first")
-            if rewinds != self.rewinds:
-                raise ServingVersionError("this replica was rolled back while the round was read: read again")
-            undo = []
-            for name, batch in batches:
-                table = self._tables.get(name)
-                if table is None:
-                    table = self._tables[name] = _Table(batch.dim, batch.dtype)
-                ids, rows, held = batch.ids, batch.rows, batch.held
-                if batch.whole:  # rows of the shard's ids the replica holds and the shard no longer does: dropped
-                    shard, num_shards, partition = batch.owner
-                    mine = table.ids()
-                    mine = mine[owner(mine, num_shards, partition) == shard]
-                    stale = np.setdiff1d(mine, ids)
-                    ids = np.concatenate([ids, stale])
-                    rows = torch.cat([rows, torch.zeros(len(stale), table.dim, dtype=table.dtype)])
-                    held = np.concatenate([held, np.zeros(len(stale), dtype=bool)])
-                before, had = table.read(ids)
-                undo.append((name, ids, had, before[torch.from_numpy(had)]))  # the rows it had, not zeros
-                table.write(ids, rows, held)
-            if dense is not None:
-                self._dense = dict(dense)
-            self._current = Version(self._current.version + 1, step, time.time() if now is None else now)
-            self._versions.append((self._current, undo, self._dense))
-            while len(self._versions) > self.keep:
-                self._versions.popleft()
-            return self._current
+        """Makes one round (its (table, batch) pairs) visible as the next version, reflecting training step
+        `step`; `dense`: every dense variable after this round (None: unchanged); `rewinds`: the replica's count
+        of rollbacks when the round began. ServingVersionError while held, or after a rollback since the round
+        began (its reads follow what the rollback undid). Returns the new version. What lookups wait for is only
+        the writing of the rows: the ids are found and the rows a rollback needs copied before."""
+        with self._writing:
+            self._check(rewinds)
+            planned = []
+            for name, parts in self._by_table(batches).items():
+                table = self._tables.get(name) or _Table(parts[0].dim, parts[0].dtype)
+                ids, rows, held = self._merged(table, parts)
+                slots = table.keys.find(ids)
+                before, had = table.read(ids, slots)
+                planned.append((name, table, ids, rows, held, slots, had, before[torch.from_numpy(had)]))
+            with self._lock:
+                self._check(rewinds)
+                for name, table, ids, rows, held, slots, _, _ in planned:
+                    self._tables.setdefault(name, table).write(ids, rows, held, slots)
+                if dense is not None:
+                    self._dense = dict(dense)
+                self._current = Version(self._current.version + 1, step, time.time() if now is None else now)
+                undo = [(name, ids, had, before) for name, _, ids, _, _, _, had, before in planned]
+                self._versions.append((self._current, undo, self._dense))
+                while len(self._versions) > self.keep:
+                    self._versions.popleft()
+                return self._current
+
+    def _check(self, rewinds: int) -> None:
+        if self.held:
+            raise ServingVersionError("this replica is held on its version (hold or rollback): resume it first")
+        if rewinds != self.rewinds:
+            raise ServingVersionError("this replica was rolled back while the round was read: read again")
+
+    @staticmethod
+    def _by_table(batches: Sequence[tuple[str, TableBatch]]) -> dict[str, list[TableBatch]]:
+        grouped: dict[str, list[TableBatch]] = {}
+        for name, batch in batches:
+            grouped.setdefault(name, []).append(batch)
+        return grouped
+
+    @staticmethod
+    def _merged(table: _Table, parts: list[TableBatch]) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+        """One table's (ids, rows, held) of a round: every shard's batch, and for a shard's whole read the rows
+        of its ids the replica holds and it no longer does (dropped)."""
+        ids, rows, held = [], [], []
+        mine = table.ids() if any(part.whole for part in parts) else None
+        for part in parts:
+            ids.append(part.ids), rows.append(part.rows), held.append(part.held)
+            if part.whole:
+                shard, num_shards, partition = part.owner
+                stale = np.setdiff1d(mine[owner(mine, num_shards, partition) == shard], part.ids)
+                ids.append(stale), held.append(np.zeros(len(stale), dtype=bool))
+                rows.append(torch.zeros(len(stale), table.dim, dtype=table.dtype))
+        return np.concatenate(ids), torch.cat(rows), np.concatenate(held)
 
     def hold(self) -> None:
-        with self._lock:
+        with self._writing, self._lock:
             self.held = True
 
     def resume(self) -> None:
-        """Follows the stream again (the follower reads every table whole first)."""
-        with self._lock:
+        """Follows the stream again."""
+        with self._writing, self._lock:
             self.held = False
 
     def rollback(self, step: int) -> Version:
         """Goes back to the newest kept version whose step is at most `step`, and holds there; returns it.
         ServingVersionError if every kept version is newer (nothing changes)."""
-        with self._lock:
+        with self._writing, self._lock:
             kept = [v for v, _, _ in self._versions]
             target = next((v for v in reversed(kept) if v.step <= step), None)
             if target is None:

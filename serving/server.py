@@ -6,9 +6,12 @@ its status code and the `torchps-error` trailing metadata), as a shard's does.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
+import math
+import threading
 import time
 from typing import Callable
 
@@ -30,13 +33,15 @@ __all__ = ["ServingServicer", "serve", "MAX_MESSAGE_BYTES"]
 _LOGGER = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 1 << 30  # a GetDense reply holds every dense variable asked for
 MAX_IDS = 1 << 24            # ids in one Lookup
+RECENT_LOOKUPS = 10_000      # the lookups ServingStatus's latency figures are over
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
 
 
 def _edge(method: Callable) -> Callable:
-    """Checks the caller's role, runs the body, maps what it raises to a status."""
+    """Checks the caller's role, runs the body, maps what it raises to a status; times the call (answered())."""
     @functools.wraps(method)
     def call(self, request, context):
+        began = time.perf_counter()
         try:
             self.authority.caller(method.__name__, context)
             return method(self, request, context)
@@ -46,6 +51,8 @@ def _edge(method: Callable) -> Callable:
             _LOGGER.exception("%s failed unexpectedly", method.__name__)
             error = InternalServerError(f"{method.__name__} failed on the replica: {type(exc).__name__}: {exc}")
             context.abort_with_status(_Status(grpc.StatusCode.INTERNAL, str(error), type(error).__name__))
+        finally:
+            self.answered(method.__name__, time.perf_counter() - began)
     return call
 
 
@@ -63,8 +70,22 @@ def _version(v: Version) -> ps_pb2.ServingVersion:
 class ServingServicer(ps_pb2_grpc.ServingServicer):
     """The Serving service of one replica and its follower."""
 
-    def __init__(self, replica: Replica, follower: Follower, authority: Authority):
-        self.replica, self.follower, self.authority = replica, follower, authority
+    def __init__(self, replica: Replica, follower: Follower, authority: Authority,
+                 on_lookup: Callable[[float], None] | None = None):
+        self.replica, self.follower, self.authority, self._on_lookup = replica, follower, authority, on_lookup
+        self._lock = threading.Lock()
+        self._lookup_times: collections.deque[float] = collections.deque(maxlen=RECENT_LOOKUPS)
+        self._lookups = 0
+
+    def answered(self, method: str, seconds: float) -> None:
+        """A call ended after `seconds` in this servicer: Lookups are counted (ServingStatus, on_lookup)."""
+        if method != "Lookup":
+            return
+        with self._lock:
+            self._lookup_times.append(seconds)
+            self._lookups += 1
+        if self._on_lookup is not None:
+            self._on_lookup(seconds)
 
     @_edge
     def Lookup(self, request, context):
@@ -109,21 +130,25 @@ class ServingServicer(ps_pb2_grpc.ServingServicer):
         current, kept, held, rows = self.replica.status()
         follower = self.follower
         fresh = follower.fresh_at
+        with self._lock:
+            times, lookups = sorted(self._lookup_times), self._lookups
+        rank = (lambda q: times[max(0, math.ceil(q * len(times)) - 1)]) if times else (lambda q: 0.0)
         return ps_pb2.ServingStatus(
             current=_version(current), kept=[_version(v) for v in kept], held=held,
             staleness_seconds=max(0.0, time.time() - fresh) if fresh else 0.0,
             behind_steps=max(0, follower.step - current.step), rows=rows, resyncs=follower.resyncs,
-            error=follower.error)
+            error=follower.error, lookups=lookups, lookup_p50_seconds=rank(0.5), lookup_p99_seconds=rank(0.99),
+            rows_applied=follower.rows_applied)
 
 
 def serve(replica: Replica, follower: Follower, security: Security, address: str, *, threads: int = 8,
-          reflection_on: bool = True) -> tuple[grpc.Server, int]:
-    """A started gRPC server for the replica at `address` (port 0: any free one); (server, port).
-    ClusterConfigError-free: a port that cannot be bound raises RuntimeError."""
+          reflection_on: bool = True, on_lookup: Callable[[float], None] | None = None) -> tuple[grpc.Server, int]:
+    """A started gRPC server for the replica at `address` (port 0: any free one); (server, port). `on_lookup`:
+    given each Lookup's seconds (metrics). RuntimeError if the port cannot be bound."""
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serve"),
                          options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    servicer = ServingServicer(replica, follower, Authority(security, 0, who="ps-serve"))
+    servicer = ServingServicer(replica, follower, Authority(security, 0, who="ps-serve"), on_lookup)
     ps_pb2_grpc.add_ServingServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

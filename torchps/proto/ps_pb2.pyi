@@ -1145,7 +1145,7 @@ class ServingVersion(_message.Message):
     def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., published_unix: _Optional[float] = ...) -> None: ...
 
 class ServingStatus(_message.Message):
-    __slots__ = ("current", "kept", "held", "staleness_seconds", "behind_steps", "rows", "resyncs", "error")
+    __slots__ = ("current", "kept", "held", "staleness_seconds", "behind_steps", "rows", "resyncs", "error", "lookups", "lookup_p50_seconds", "lookup_p99_seconds", "rows_applied")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -1154,6 +1154,10 @@ class ServingStatus(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     current: ServingVersion
     kept: _containers.RepeatedCompositeFieldContainer[ServingVersion]
     held: bool
@@ -1162,7 +1166,11 @@ class ServingStatus(_message.Message):
     rows: int
     resyncs: int
     error: str
-    def __init__(self, current: _Optional[_Union[ServingVersion, _Mapping]] = ..., kept: _Optional[_Iterable[_Union[ServingVersion, _Mapping]]] = ..., held: _Optional[bool] = ..., staleness_seconds: _Optional[float] = ..., behind_steps: _Optional[int] = ..., rows: _Optional[int] = ..., resyncs: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    lookups: int
+    lookup_p50_seconds: float
+    lookup_p99_seconds: float
+    rows_applied: int
+    def __init__(self, current: _Optional[_Union[ServingVersion, _Mapping]] = ..., kept: _Optional[_Iterable[_Union[ServingVersion, _Mapping]]] = ..., held: _Optional[bool] = ..., staleness_seconds: _Optional[float] = ..., behind_steps: _Optional[int] = ..., rows: _Optional[int] = ..., resyncs: _Optional[int] = ..., error: _Optional[str] = ..., lookups: _Optional[int] = ..., lookup_p50_seconds: _Optional[float] = ..., lookup_p99_seconds: _Optional[float] = ..., rows_applied: _Optional[int] = ...) -> None: ...
 
 class ServingControl(_message.Message):
     __slots__ = ("action", "step")
