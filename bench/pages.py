@@ -32,7 +32,7 @@ PREFIXES = [("soak_cpu", "cpu"), ("ci_cpu", "cpu"), ("network", "network"), ("pe
             ("dataplane", "dataplane"), ("host_shards", "host_shards"), ("pullpush", "pullpush"),
             ("shard_threads", "pullpush"), ("calls", "calls"),
             ("gpu-check", "device"), ("soak", "soak"), ("resize", "resize"), ("journal", "journal"),
-            ("replication", "replication"),
+            ("replication", "replication"), ("serving", "serving"),
             ("memory", "memory"), ("compression_accuracy", "compression"), ("embedding", "embedding"),
             ("modes", "modes"), ("startup", "startup"), ("scale", "scale")]
 # The pages in the overview's order: family, what makes its page from {family: its results, oldest first}.
@@ -49,6 +49,7 @@ PAGES = [
     ("memory", lambda by: pages_robust.memory_page(by["memory"])),
     ("journal", lambda by: pages_robust.journal_page(by["journal"])),
     ("replication", lambda by: pages_robust.replication_page(by["replication"])),
+    ("serving", lambda by: pages_misc.serving_page(by["serving"])),
     ("compression", lambda by: pages_misc.compression_page(by["compression"])),
     ("embedding", lambda by: pages_misc.embedding_page(by["embedding"])),
     ("modes", lambda by: pages_misc.modes_page(by["modes"])),

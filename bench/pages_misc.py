@@ -118,6 +118,31 @@ def calls_page(results: list[Result]) -> Page:
     return page
 
 
+def serving_page(results: list[Result]) -> Page:
+    page = Page.start(
+        "serving.md", "Serving replicas",
+        "`bench/serving.py`: one ps-serve replica beside two shards under a stream of row updates: how long a "
+        "push takes to be visible at the replica (acknowledgement to a lookup that shows it), and how long a "
+        "512-id lookup of the big table takes, seen by its caller and inside the replica.")
+    r = results[-1]
+    figures = [("rows of the big table", num(r.get("rows"), 0)),
+               ("rows pushed per s (distinct ids per push)", num(r.get("rows_pushed_per_s"), 0)),
+               ("rows applied by the replica per s", num(r.get("rows_applied_per_s"), 0)),
+               ("visible after, p50 / p99 s", f"{num(r.get('visible_p50_s'), 3)} / {num(r.get('visible_p99_s'), 3)}"),
+               ("lookup, caller's wall, p50 / p99 ms",
+                f"{num(r.get('lookup_p50_ms'), 3)} / {num(r.get('lookup_p99_ms'), 3)}"),
+               ("lookup, inside the replica, p50 / p99 ms",
+                f"{num(r.get('replica_lookup_p50_ms'), 3)} / {num(r.get('replica_lookup_p99_ms'), 3)}"),
+               ("replica's CPU (cores busy)", num(r.get("replica_cpu_per_s"), 2)),
+               ("first whole read of the tables, s", num(r.get("first_read_s"), 1))]
+    page.lines += [*table(["figure", "value"], [list(f) for f in figures]),
+                   *table(["target", "met"], [[code(k), met(v)] for k, v in (r.get("targets") or {}).items()]),
+                   *section("How this was measured", [source(r, config={
+                       k: r.get(k) for k in ("rows", "dim", "seconds", "pushers", "batch", "rate", "replica_pinned")})])]
+    page.headline.append(("serving replica: a push visible after, p99 s (bar 5)", num(r.get("visible_p99_s"), 3), r))
+    return page
+
+
 def host_shards_page(results: list[Result]) -> Page:
     page = Page.start(
         "host-shards.md", "Shard processes per host",

@@ -11,7 +11,7 @@ with taskset and everything else to the others when there are two or more
 ("nothing else on its core", as the bar asks). Once the replica holds every row (the whole first read is timed as
 `first_read_s`), for --seconds:
 * load: --pushers processes push gradients of --batch distinct random ids
-  of the big table, as fast as the shards acknowledge them (rows/s counted);
+  of the big table, --rate rows/s in all at most (rows/s counted);
 * freshness: a probe process pushes a gradient of -1 to the probe row every
   0.25 s (SGD, lr 1: its value counts the pushes) and, from the moment the
   push is acknowledged, looks the row up at the replica until it shows it:
@@ -49,7 +49,8 @@ def ranked(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
-def pusher_main(cluster_json: str, rows: int, dim: int, batch: int, seed: int, go, stop, res_q) -> None:
+def pusher_main(cluster_json: str, rows: int, dim: int, batch: int, rate: float, seed: int, go, stop, res_q
+                ) -> None:
     import torch
 
     from torchps.client import PSClient
@@ -67,6 +68,9 @@ def pusher_main(cluster_json: str, rows: int, dim: int, batch: int, seed: int, g
                 torch.unique(torch.randint(0, rows, (batch,), generator=g))
             client.push({}, rows={"big": (ids, torch.full((len(ids), dim), 1e-3))})
             pushed += len(ids)
+            ahead = started + pushed / rate - time.monotonic()  # --rate: rows/s over every pusher
+            if ahead > 0:
+                time.sleep(ahead)
         res_q.put(("pushed", pushed / (time.monotonic() - started)))
 
 
@@ -164,7 +168,7 @@ def run(args, folder: pathlib.Path) -> dict:
                 context = mp.get_context("spawn")
                 go, stop, res_q = context.Event(), context.Event(), context.Queue()
                 procs = [context.Process(target=pusher_main, args=(cluster_json, args.rows, args.dim, args.batch,
-                                                                   i, go, stop, res_q))
+                                                                   args.rate / args.pushers, i, go, stop, res_q))
                          for i in range(args.pushers)]
                 procs.append(context.Process(target=probe_main, args=(cluster_json, address, go, stop, res_q)))
                 procs.append(context.Process(target=lookup_main, args=(address, args.rows, args.lookup_ids, go,
@@ -194,7 +198,7 @@ def run(args, folder: pathlib.Path) -> dict:
     visible = next(v for k, v in got if k == "visible")
     lookups = next(v for k, v in got if k == "lookup")
     results.update(
-        rows=args.rows, dim=args.dim, seconds=elapsed, pushers=args.pushers, batch=args.batch,
+        rows=args.rows, dim=args.dim, seconds=elapsed, pushers=args.pushers, batch=args.batch, rate=args.rate,
         rows_pushed_per_s=sum(v for k, v in got if k == "pushed"),
         visible_s=visible, visible_p50_s=ranked(visible, 0.5), visible_p99_s=ranked(visible, 0.99),
         lookups=len(lookups), lookup_p50_ms=1e3 * ranked(lookups, 0.5), lookup_p99_ms=1e3 * ranked(lookups, 0.99),
@@ -214,6 +218,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="of load (default 30)")
     parser.add_argument("--pushers", type=int, default=1, help="pushing processes (default 1)")
     parser.add_argument("--batch", type=int, default=20_000, help="ids per push (default 20,000)")
+    parser.add_argument("--rate", type=float, default=120_000, help="rows pushed per s at most, over every pusher "
+                        "(default 120,000: the bar's 100,000 distinct rows/s and some)")
     parser.add_argument("--lookup-ids", type=int, default=512, help="ids per lookup (default 512)")
     parser.add_argument("--poll-every", type=float, default=0.2, help="ps-serve --poll-every (default 0.2)")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")

@@ -14,6 +14,7 @@ from .rpc_support import map_errors
 __all__ = ["ChangeRPCs"]
 
 MIN_ROWS = 1  # a reply message holds at least one row
+ID_BYTES = 9  # an id (int64) and its held byte, beside each row's values
 
 
 class ChangeRPCs:
@@ -28,7 +29,7 @@ class ChangeRPCs:
         cursors = {c.table: (c.incarnation, c.seq) for c in request.cursors}
         step = self.store.step
         for name, held, (incarnation, seq, whole, ids, rows, kept) in self.coordinator.tables.changes(cursors):
-            row_bytes = max(1, held.table.dim * rows.element_size())
+            row_bytes = held.table.dim * rows.element_size() + ID_BYTES  # a row's values, its id and held byte
             per_message = max(MIN_ROWS, min(request.max_rows or self.max_chunk_bytes // row_bytes,
                                             self.max_chunk_bytes // row_bytes))
             starts = range(0, max(1, len(ids)), per_message)

@@ -17,7 +17,8 @@ from helpers import free_ports, wait_until
 from torchps.client import Embedding, Optimizer, PSClient
 from torchps.errors import InvalidArgumentError, PermissionDeniedError, ServingVersionError, UnknownVariableError
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.security import INSECURE, Security
+from torchps.codec import MIN_CHUNK_BYTES
+from torchps.security import Security
 from torchps.serving import ServingClient
 
 N, D = 64, 4
@@ -160,5 +161,30 @@ def test_a_replica_refuses_bad_requests_and_what_a_callers_role_may_not_do(local
             assert raw.value.code() is grpc.StatusCode.PERMISSION_DENIED
             assert torch.equal(as_worker.lookup("t", IDS).rows, before.rows), "a refused call changed the replica"
             assert proc.poll() is None
+    finally:
+        _stop(proc)
+
+
+def test_a_table_larger_than_a_message_is_read_in_pieces_under_the_shards_size_limit(local_cluster, tmp_path):
+    """A shard whose messages are cut at the smallest --max-chunk-bytes sends a table's changes in several
+    messages, each under its gRPC limit (ids and held bytes counted with the rows), first and last marked; the
+    replica reads the whole table through them and equals the shard."""
+    rows = 20_000
+    local = local_cluster(1, server_args=["--max-chunk-bytes", str(MIN_CHUNK_BYTES)])
+    proc, address = _replica(local, tmp_path)
+    try:
+        with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client, \
+                ServingClient(address, timeout=TIMEOUT) as serving:
+            client.create_tables([Embedding(rows, D).table_spec("big", Optimizer("sgd", lr=1.0))])
+            stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(local.cluster.ps[0]))
+            sized = list(stub.ReadChanges(ps_pb2.ChangesRequest(), timeout=TIMEOUT))
+            assert len(sized) > 1 and all(m.ByteSize() <= MIN_CHUNK_BYTES + 1024 for m in sized)  # the chunk: ids too
+            pieces = list(stub.ReadChanges(ps_pb2.ChangesRequest(max_rows=1500), timeout=TIMEOUT))
+            assert [len(m.ids) // 8 for m in pieces] == [1500] * 13 + [rows - 13 * 1500]
+            assert [(m.first, m.last) for m in pieces] == [(True, False)] + [(False, False)] * 12 + [(False, True)]
+            assert all(m.whole for m in pieces)
+            wait_until(lambda: (s := _status(serving)) is not None and s.rows == rows, TIMEOUT, "the whole read")
+            for part in torch.arange(rows).split(2000):  # a shard's requests, too, are cut at its small limit
+                assert torch.equal(serving.lookup("big", part).rows, client.lookup_rows({"big": part})["big"])
     finally:
         _stop(proc)
