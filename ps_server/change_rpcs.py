@@ -40,4 +40,5 @@ class ChangeRPCs:
                     last=start + per_message >= len(ids), dim=held.table.dim, dtype=codec.wire_dtype(rows.dtype),
                     ids=ids[part].numpy().astype("<i8").tobytes(), rows=codec.tensor_bytes(rows[part]).tobytes(),
                     held=kept[part].numpy().astype("u1").tobytes(), step=step, partition=held.spec.partition,
-                    num_shards=held.num_shards, shard=self.index).SerializeToString()
+                    num_shards=held.num_shards, shard=self.index,
+                    num_embeddings=held.spec.num_embeddings).SerializeToString()

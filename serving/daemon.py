@@ -58,14 +58,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"s between reads of the dense variables (default {DENSE_SECONDS:g})")
     parser.add_argument("--keep-versions", type=int, default=KEEP_VERSIONS,
                         help=f"versions kept for a rollback (default {KEEP_VERSIONS})")
-    parser.add_argument("--threads", type=int, default=8, help="threads answering calls (default 8)")
+    parser.add_argument("--threads", type=int, default=8, help="threads answering GetDense and ControlServing "
+                        "(lookups and status are answered on the event loop; default 8)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch's threads (default 1: lookups and "
+                        "publishes are small copies)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at this port of the --bind "
                         "host (0: a free one, logged)")
     parser.add_argument("--log-level", default="INFO")
     add_security_flags(parser)
     args = parser.parse_args(argv)
-    if args.poll_every <= 0 or args.dense_every <= 0 or args.keep_versions < 1 or args.threads < 1:
-        parser.error("--poll-every and --dense-every must be > 0, --keep-versions and --threads >= 1")
+    if args.poll_every <= 0 or args.dense_every <= 0 or min(args.keep_versions, args.threads, args.torch_threads) < 1:
+        parser.error("--poll-every and --dense-every must be > 0, --keep-versions, --threads and --torch-threads "
+                     ">= 1")
     args.command = "serve"
     return args
 
@@ -112,6 +116,8 @@ def _control(args: argparse.Namespace, security) -> int:
 def _serve(args: argparse.Namespace, security) -> int:
     import dataclasses
 
+    import torch
+
     from ..cluster import Cluster
     from .follower import Follower
     from .replica import Replica
@@ -119,6 +125,7 @@ def _serve(args: argparse.Namespace, security) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(SWITCH_SECONDS)
+    torch.set_num_threads(args.torch_threads)
     cluster = Cluster.from_json(args.cluster)
     own = [token for task, _, token in security.task_tokens if task == args.task][-1:]
     calling = dataclasses.replace(security, token=own[0] if own else security.token, admin_token=None)

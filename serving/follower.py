@@ -123,7 +123,8 @@ class Follower:
             values = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(len(ids), head.dim) if raw \
                 else torch.zeros(0, head.dim, dtype=dtype)
             owner = (head.shard, head.num_shards, row_ids.partition_name(head.partition))
-            found.append((name, TableBatch(head.dim, dtype, ids, values, held, head.whole, owner)))
+            found.append((name, TableBatch(head.dim, dtype, ids, values, held, head.whole, owner,
+                                           head.num_embeddings)))
             cursors[name] = (head.incarnation, head.seq)
         return found, cursors
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ServingVersionError, UnknownVariableError
-from ..ps_server.row_storage import Keyed, Slabs
+from ..ps_server.row_storage import Keyed
 from ..rows import owner
 from .settings import KEEP_VERSIONS
 
@@ -49,6 +49,7 @@ class TableBatch:
     held: np.ndarray       # bool
     whole: bool = False
     owner: tuple[int, int, str] = (0, 1, "modulo")
+    num_embeddings: int = 0  # a fixed-size table's ids 0 .. n-1 (0: a dynamic table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +60,31 @@ class Version:
 
 
 class _Table:
-    """One table's rows: an id index and a slab of values (row_storage.py's, as a shard keeps them)."""
+    """One table's rows: an id index (row_storage.Keyed, as a shard's) over one contiguous tensor of values, so
+    that a lookup is one find and one index_select (a shard's slabs cost a copy per slab touched)."""
 
     def __init__(self, dim: int, dtype: torch.dtype):
         self.dim, self.dtype = dim, dtype
         self.keys = Keyed()
-        self.slabs = Slabs({"values": dim}, dtype)
+        self.values = torch.empty(0, dim, dtype=dtype)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's slot, -1 where the table holds none."""
+        return self.keys.find(ids)
+
+    def count(self) -> int:
+        return self.keys.n
 
     def read(self, ids: np.ndarray, slots: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray]:
         """(rows, held) of `ids` (at `slots` if found already): zeros where the table holds none."""
-        slots = self.keys.find(ids) if slots is None else slots
+        slots = self.find(ids) if slots is None else slots
         held = slots >= 0
+        if held.all():
+            return self.values.index_select(0, torch.from_numpy(slots)), held
         rows = torch.zeros(len(ids), self.dim, dtype=self.dtype)
-        if held.any():
-            where = np.flatnonzero(held)
-            rows[torch.from_numpy(where)] = self.slabs.gather("values", slots[where])
+        where = np.flatnonzero(held)
+        if where.size:
+            rows[torch.from_numpy(where)] = self.values.index_select(0, torch.from_numpy(slots[where]))
         return rows, held
 
     def write(self, ids: np.ndarray, rows: torch.Tensor, held: np.ndarray, slots: np.ndarray | None = None) -> None:
@@ -82,19 +93,65 @@ class _Table:
         keep = np.flatnonzero(held)
         new = keep[slots[keep] < 0]
         if new.size:
-            self.slabs.reserve(self.keys.n + new.size)
             slots[new] = self.keys.append(ids[new])
+            self._reserve(self.keys.n)
         if keep.size:
-            self.slabs.scatter("values", slots[keep], rows[torch.from_numpy(keep)])
+            self.values.index_copy_(0, torch.from_numpy(slots[keep]), rows[torch.from_numpy(keep)])
         gone = slots[np.flatnonzero(~held & (slots >= 0))]
         if gone.size:
             src, dst = self.keys.remove(gone)
             if src.size:
-                self.slabs.scatter("values", dst, self.slabs.gather("values", src))
-            self.slabs.release(self.keys.n)
+                self.values[torch.from_numpy(dst)] = self.values.index_select(0, torch.from_numpy(src))
+
+    def _reserve(self, n: int) -> None:
+        if n > len(self.values):
+            grown = torch.empty(max(n, len(self.values) * 3 // 2), self.dim, dtype=self.dtype)
+            grown[:len(self.values)] = self.values
+            self.values = grown
 
     def ids(self) -> np.ndarray:
         return self.keys.cols["ids"][:self.keys.n].copy()
+
+
+class _FixedTable(_Table):
+    """A fixed-size table's rows (ids 0 .. num_embeddings - 1): row i at slot i, so finding an id is reading
+    one array (a dynamic table's hash probing costs a few numpy passes per probe)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, num_embeddings: int):
+        super().__init__(dim, dtype)
+        self.slot_of = np.full(num_embeddings, -1, dtype=np.int64)  # i where row i is held, else -1
+        self.values = torch.zeros(num_embeddings, dim, dtype=dtype)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        inside = (ids >= 0) & (ids < len(self.slot_of))
+        if inside.all():
+            return self.slot_of[ids]
+        slots = np.full(len(ids), -1, dtype=np.int64)
+        slots[inside] = self.slot_of[ids[inside]]
+        return slots
+
+    def count(self) -> int:
+        return int(np.count_nonzero(self.slot_of >= 0))
+
+    def write(self, ids: np.ndarray, rows: torch.Tensor, held: np.ndarray, slots: np.ndarray | None = None) -> None:
+        keep = np.flatnonzero(held)
+        if keep.size:
+            self.values.index_copy_(0, torch.from_numpy(ids[keep]), rows[torch.from_numpy(keep)])
+            self.slot_of[ids[keep]] = ids[keep]
+        gone = ids[~held]
+        if gone.size:
+            self.values[torch.from_numpy(gone)] = 0
+            self.slot_of[gone] = -1
+
+    def ids(self) -> np.ndarray:
+        return np.flatnonzero(self.slot_of >= 0).astype(np.int64)
+
+
+def _table(batch: TableBatch) -> _Table:
+    """A new table for a batch's rows: fixed-size (ids 0 .. n-1) if the batch says so, else dynamic."""
+    if batch.num_embeddings:
+        return _FixedTable(batch.dim, batch.dtype, batch.num_embeddings)
+    return _Table(batch.dim, batch.dtype)
 
 
 class Replica:
@@ -137,7 +194,7 @@ class Replica:
         """(current, kept versions oldest first, held, rows over all tables)."""
         with self._lock:
             return (self._current, [v for v, _, _ in self._versions], self.held,
-                    sum(t.keys.n for t in self._tables.values()))
+                    sum(t.count() for t in self._tables.values()))
 
     def tables(self) -> dict[str, np.ndarray]:
         """{table: its ids} now (copies)."""
@@ -157,9 +214,9 @@ class Replica:
             self._check(rewinds)
             planned = []
             for name, parts in self._by_table(batches).items():
-                table = self._tables.get(name) or _Table(parts[0].dim, parts[0].dtype)
+                table = self._tables.get(name) or _table(parts[0])
                 ids, rows, held = self._merged(table, parts)
-                slots = table.keys.find(ids)
+                slots = table.find(ids)
                 before, had = table.read(ids, slots)
                 planned.append((name, table, ids, rows, held, slots, had, before[torch.from_numpy(had)]))
             with self._lock:

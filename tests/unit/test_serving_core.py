@@ -60,11 +60,14 @@ def test_a_table_logs_rows_admitted_updated_and_evicted():
     assert torch.equal(rows[~held], torch.zeros(1, D)), "a dropped row is sent as zeros, not held"
 
 
-def batch(values: dict[int, float], whole: bool = False, owner=(0, 1, "modulo"), drop=()) -> TableBatch:
+def batch(values: dict[int, float], whole: bool = False, owner=(0, 1, "modulo"), drop=(), fixed: int = 0
+          ) -> TableBatch:
+    """A batch setting row id to [v] * D for each id: v of `values`, dropping the ids of `drop`; `fixed`: the
+    table's num_embeddings (0: dynamic)."""
     keys = ids(*values, *drop)
     rows = torch.tensor([[v] * D for v in values.values()] + [[0.0] * D] * len(drop))
     held = np.array([True] * len(values) + [False] * len(drop))
-    return TableBatch(D, torch.float32, keys, rows.reshape(len(keys), D), held, whole, owner)
+    return TableBatch(D, torch.float32, keys, rows.reshape(len(keys), D), held, whole, owner, fixed)
 
 
 def test_a_lookup_sees_one_whole_version_while_versions_are_published():
@@ -91,11 +94,12 @@ def test_a_lookup_sees_one_whole_version_while_versions_are_published():
     assert not mixed, f"lookups saw rows of two versions at steps {mixed[:5]}"
 
 
-def test_a_rollback_restores_a_kept_version_exactly_and_holds():
+@pytest.mark.parametrize("fixed", [0, 8], ids=["dynamic", "fixed-size"])
+def test_a_rollback_restores_a_kept_version_exactly_and_holds(fixed):
     replica = Replica(keep=3)
-    replica.publish(10, [("t", batch({1: 1.0, 2: 2.0}))], {"w": torch.zeros(2)}, replica.rewinds)
-    replica.publish(20, [("t", batch({2: 5.0, 3: 3.0}))], None, replica.rewinds)
-    replica.publish(30, [("t", batch({1: 9.0}, drop=(3,)))], {"w": torch.ones(2)}, replica.rewinds)
+    replica.publish(10, [("t", batch({1: 1.0, 2: 2.0}, fixed=fixed))], {"w": torch.zeros(2)}, replica.rewinds)
+    replica.publish(20, [("t", batch({2: 5.0, 3: 3.0}, fixed=fixed))], None, replica.rewinds)
+    replica.publish(30, [("t", batch({1: 9.0}, drop=(3,), fixed=fixed))], {"w": torch.ones(2)}, replica.rewinds)
     version = replica.rollback(25)
     assert version.step == 20 and replica.held and replica.rewinds == 1
     _, rows, held, _, _ = replica.lookup("t", ids(1, 2, 3, 4))
@@ -113,12 +117,16 @@ def test_a_rollback_restores_a_kept_version_exactly_and_holds():
     assert replica.lookup("t", ids(1))[1][0, 0] == 7.0
 
 
-def test_a_whole_read_drops_only_the_rows_its_shard_owns_that_it_no_longer_holds():
+@pytest.mark.parametrize("fixed", [0, 4], ids=["dynamic", "fixed-size"])
+def test_a_whole_read_drops_only_the_rows_its_shard_owns_that_it_no_longer_holds(fixed):
     replica = Replica()
-    replica.publish(1, [("t", batch({0: 1.0, 2: 1.0}, owner=(0, 2, "modulo"))),
-                        ("t", batch({1: 1.0, 3: 1.0}, owner=(1, 2, "modulo")))], None, replica.rewinds)
-    replica.publish(2, [("t", batch({2: 2.0}, whole=True, owner=(0, 2, "modulo")))], None, replica.rewinds)
-    _, rows, held, _, _ = replica.lookup("t", ids(0, 1, 2, 3))
-    assert held.tolist() == [False, True, True, True] and rows[:, 0].tolist() == [0.0, 1.0, 2.0, 1.0]
+    replica.publish(1, [("t", batch({0: 1.0, 2: 1.0}, owner=(0, 2, "modulo"), fixed=fixed)),
+                        ("t", batch({1: 1.0, 3: 1.0}, owner=(1, 2, "modulo"), fixed=fixed))], None, replica.rewinds)
+    replica.publish(2, [("t", batch({2: 2.0}, whole=True, owner=(0, 2, "modulo"), fixed=fixed))], None,
+                    replica.rewinds)
+    _, rows, held, _, _ = replica.lookup("t", ids(0, 1, 2, 3, 9, -1))
+    assert held.tolist() == [False, True, True, True, False, False]
+    assert rows[:, 0].tolist() == [0.0, 1.0, 2.0, 1.0, 0.0, 0.0]
+    assert replica.status()[3] == 3
     with pytest.raises(UnknownVariableError, match="no table 'u'"):
         replica.lookup("u", ids(0))

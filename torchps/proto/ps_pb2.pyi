@@ -1047,7 +1047,7 @@ class ChangesRequest(_message.Message):
     def __init__(self, cursors: _Optional[_Iterable[_Union[TableCursor, _Mapping]]] = ..., max_rows: _Optional[int] = ...) -> None: ...
 
 class TableChanges(_message.Message):
-    __slots__ = ("table", "incarnation", "seq", "whole", "first", "last", "dim", "dtype", "ids", "rows", "held", "step", "partition", "num_shards", "shard")
+    __slots__ = ("table", "incarnation", "seq", "whole", "first", "last", "dim", "dtype", "ids", "rows", "held", "step", "partition", "num_shards", "shard", "num_embeddings")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -1063,6 +1063,7 @@ class TableChanges(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     table: str
     incarnation: str
     seq: int
@@ -1078,7 +1079,8 @@ class TableChanges(_message.Message):
     partition: TablePartition
     num_shards: int
     shard: int
-    def __init__(self, table: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ..., whole: _Optional[bool] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., held: _Optional[bytes] = ..., step: _Optional[int] = ..., partition: _Optional[_Union[TablePartition, str]] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    num_embeddings: int
+    def __init__(self, table: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ..., whole: _Optional[bool] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., held: _Optional[bytes] = ..., step: _Optional[int] = ..., partition: _Optional[_Union[TablePartition, str]] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., num_embeddings: _Optional[int] = ...) -> None: ...
 
 class ServingLookupRequest(_message.Message):
     __slots__ = ("table", "ids")
