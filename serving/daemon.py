@@ -114,8 +114,6 @@ def _control(args: argparse.Namespace, security) -> int:
 
 
 def _serve(args: argparse.Namespace, security) -> int:
-    import dataclasses
-
     import torch
 
     from ..cluster import Cluster
@@ -127,10 +125,8 @@ def _serve(args: argparse.Namespace, security) -> int:
     sys.setswitchinterval(SWITCH_SECONDS)
     torch.set_num_threads(args.torch_threads)
     cluster = Cluster.from_json(args.cluster)
-    own = [token for task, _, token in security.task_tokens if task == args.task][-1:]
-    calling = dataclasses.replace(security, token=own[0] if own else security.token, admin_token=None)
     replica = Replica(args.keep_versions)
-    follower = Follower(replica, list(cluster.ps), calling, poll_every=args.poll_every,
+    follower = Follower(replica, list(cluster.ps), security.as_task(args.task), poll_every=args.poll_every,
                         dense_every=args.dense_every)
     metrics = None
     if args.metrics_port is not None:

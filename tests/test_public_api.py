@@ -9,6 +9,7 @@ import pytest
 
 import torchps.client
 import torchps.ps_server
+import torchps.serving
 import torchps.errors as errors
 
 # Submodules of torchps.client whose public classes and functions users need (all exported from
@@ -89,7 +90,7 @@ def test_error_class_by_name():
     assert errors.error_class_by_name("") is None
 
 
-@pytest.mark.parametrize("package", [torchps, torchps.client, torchps.ps_server])
+@pytest.mark.parametrize("package", [torchps, torchps.client, torchps.ps_server, torchps.serving])
 def test_every_module_all_names_exist(package):
     """Each submodule's __all__ names only things that exist."""
     for info in pkgutil.iter_modules(package.__path__):

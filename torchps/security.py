@@ -230,10 +230,14 @@ class Security:
         return self.admin_token or self.token
 
     def as_shard(self, index: int) -> "Security":
-        """The credentials shard `index` calls another shard with (a backup's stream, its arbiter): its own
-        certificate, and its own line's token of the table (ps:INDEX; ps-certs writes one per shard), else the
-        job token; no admin token, so it acts in the ps role."""
-        name = f"ps:{index}"
+        """The credentials shard `index` calls another shard with (a backup's stream, its arbiter): as_task of
+        its own line (ps:INDEX; ps-certs writes one per shard), so it acts in the ps role."""
+        return self.as_task(f"ps:{index}")
+
+    def as_task(self, name: str) -> "Security":
+        """The credentials a server holding the token table calls the shards with as task `name` (a shard, a
+        serving replica): its own certificate, and its line's token of the table, else the job token; no admin
+        token."""
         own = [token for task, _, token in self.task_tokens if task == name][-1:]  # after a rotation: the new one
         return dataclasses.replace(self, token=own[0] if own else self.token, admin_token=None, task_tokens=(),
                                    retiring=())
