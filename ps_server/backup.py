@@ -9,7 +9,8 @@ record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
-s and then does not answer its status within half as long (it is stopped or
+s while this backup runs (its own pause or starvation restarts the count)
+and then does not answer its status within as long again (it is stopped or
 cut off; one that answers is only slow, and is followed again), or its
 stream breaks and it stays unreachable for `failover_after` s, the backup
 asks the shard's arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of) to
@@ -63,7 +64,7 @@ RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach 
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
 WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
-PROBE_FRACTION = 0.5           # a primary silent for failover_after is asked its status for this much longer
+PROBE_FRACTION = 1.0           # a primary silent for failover_after is asked its status for this much longer
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
 
@@ -238,9 +239,14 @@ class Backup:
         silent = []
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
-            ticks, asked = 0, None
+            ticks, asked, woke = 0, None, time.monotonic()
             while not done.wait(self.failover_after / WATCH_TICKS):
                 ticks += 1
+                now = time.monotonic()
+                slept, woke = now - woke, now
+                if slept > self.failover_after / 2 and last[0] is not None:
+                    last[0] = now  # this backup did not run (paused, starved): the silence was its own
+                    continue
                 if asked is not None and asked.done():
                     self._learn_arbiter(asked)
                     asked = None
@@ -316,10 +322,15 @@ class Backup:
         stream went silent while it still answers is slow, not gone: a GIL-bound stretch, a long compaction)."""
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
         try:
-            channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after * PROBE_FRACTION)
+            channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after * PROBE_FRACTION,
+                                        wait_for_ready=True)
             return True
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError as exc:  # any answer, a refusal included, is the primary's
+            answered = exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                                          grpc.StatusCode.CANCELLED)
+            _LOGGER.warning("backup of ps:%d: %s %s its status (%s)", self.index, self.primary,
+                            "answered" if answered else "did not answer", exc.code().name)
+            return answered
         finally:
             channels.close()
 

@@ -1,13 +1,15 @@
 """Serving replicas (ps-serve) on real processes: a replica follows two training shards' embedding rows and dense
 variables, answers with one consistent version at a time, equals the shards bit for bit once it caught up,
-rolls back to exactly a kept version's rows, comes back to the same version after a restart, and refuses what
-its callers may not do. Ordered by events (the replica's own status), never by sleeping."""
+rolls back to exactly a kept version's rows, says so in its metrics, comes back to the same rows after a
+restart, reads a table larger than a message in pieces, and refuses what its callers may not do. Ordered by
+events (the replica's own status), never by sleeping."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 import pytest
@@ -64,7 +66,8 @@ def _train(client: PSClient, steps: int, seed: int = 0) -> None:
 
 def test_a_replica_follows_training_and_equals_the_shards_bit_for_bit(local_cluster, tmp_path):
     local = local_cluster(2)
-    proc, address = _replica(local, tmp_path)
+    (metrics_port,) = free_ports(1)
+    proc, address = _replica(local, tmp_path, "--metrics-port", str(metrics_port))
     try:
         with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client, \
                 ServingClient(address, timeout=TIMEOUT) as serving:
@@ -97,6 +100,15 @@ def test_a_replica_follows_training_and_equals_the_shards_bit_for_bit(local_clus
             final = client.status(0).step
             _caught_up(serving, final)
             assert torch.equal(serving.lookup("t", IDS).rows, client.lookup_rows({"t": IDS})["t"])
+
+            # Its Prometheus metrics say the same as its status.
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).read().decode()
+            values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                      if line.startswith("torchps_serving_")}
+            status = serving.status()
+            assert values["torchps_serving_step"] == status.current.step and values["torchps_serving_held"] == 0
+            assert values["torchps_serving_rows"] == N and values["torchps_serving_lookup_seconds_count"] >= 4
+            assert values["torchps_serving_rows_applied_total"] >= N and values["torchps_serving_resyncs_total"] >= 2
 
             # A replica killed and started again comes back to the same rows.
             _stop(proc)

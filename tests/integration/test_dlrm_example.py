@@ -45,3 +45,21 @@ def test_dlrm_reports_a_bad_cluster_in_one_line():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+
+
+SERVE = EXAMPLE.parent / "serve_dlrm.py"
+
+
+def test_a_serving_replica_scores_the_dlrm_model_while_it_trains_and_ends_on_the_chiefs_auc():
+    """examples/serve_dlrm.py: scorings from the replica's versions while the job trains, then the final model's
+    held-out AUC from the replica equal to the chief's own evaluation of it (the same rows and dense layers)."""
+    result = subprocess.run([sys.executable, str(SERVE), *SMALL, "--workers", "1", "--cardinalities",
+                             "5000,2000,100", "--score-every", "0.5"], capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    chief = float(re.search(r"^held-out AUC: ([0-9.]+)", output, re.MULTILINE)[1])
+    final = re.search(r"^serving the final model: version \d+ \(step (\d+),.*held-out AUC ([0-9.]+)$", output,
+                      re.MULTILINE)
+    assert final and int(final[1]) >= 157 and abs(float(final[2]) - chief) < 1e-3, output
+    assert chief > MIN_AUC and re.search(r"^serving while training: version \d+ \(step \d+", output, re.MULTILINE), \
+        output
