@@ -305,9 +305,10 @@ def replication_page(results: list[Result]) -> Page:
         "`bench/replication.py` prices a shard's backup and times its failover (issue #40). Cost: 1 ps + 2 "
         "workers train an MLP in two jobs started side by side, both with the journal on, one with a backup of "
         "its shard (`ps-server --replica-of`), in turns; the ratio is the replicated job's steps/s over the "
-        "other's. Failover: ps 1's primary of a 2-shard job is SIGKILLed and its journal folder deleted while "
-        "processes push gradients of ones; the backup's first acknowledged push is timed from the kill, and the "
-        "values pulled at the end audited against the pushes acknowledged.")
+        "other's. Failover: ps 1's primary of a 2-shard job is SIGKILLed and its journal folder deleted (kill), "
+        "or SIGSTOPped, cut off from everyone until its backup served, then resumed to find itself fenced "
+        "(partition), while processes push gradients of ones; the backup's first acknowledged push is timed "
+        "from the signal, and the values pulled at the end audited against the pushes acknowledged.")
     used = []
     costs = [r for r in results if r.get("cost")]
     if costs:
@@ -351,19 +352,20 @@ def replication_page(results: list[Result]) -> Page:
         spreads = {"the first pusher's": times, "every pusher's": f.get("resumed_s") or []}
         page.figures["replication-failover.svg"] = functools.partial(
             plot.spread, spreads, {k: median(v) for k, v in spreads.items()}, fmt="{:.3f}",
-            ylabel="s from the kill", title=f"Kill to the first push the promoted backup acknowledged (dots: each "
-            f"kill; bar: median; {r.name})")
-        rows = [[k, "failed: " + x["error"].splitlines()[0][:120]] + [MISSING] * 5 if "error" in x else
-                [k, num(x.get("failover_s"), 3), num(x.get("resumed_s"), 3),
+            ylabel="s from the strike", title=f"Strike to the first push the promoted backup acknowledged (dots: "
+            f"each round; bar: median; {r.name})")
+        rows = [[k, x.get("strike", "kill"), "failed: " + x["error"].splitlines()[0][:120]] + [MISSING] * 5
+                if "error" in x else
+                [k, x.get("strike", "kill"), num(x.get("failover_s"), 3), num(x.get("resumed_s"), 3),
                  sum(p.get("acked", 0) for p in x.get("pushers", [])), x.get("lost"), x.get("duplicated"),
                  "yes" if x.get("exact") else "no"] for k, x in enumerate(f.get("rounds") or [], 1)]
         page.lines += ["## Failover", "", "![failover times](replication-failover.svg)", "",
-                       *table(["kill", "failover s", "every pusher s", "pushes acknowledged", "lost", "duplicated",
-                               "values exact"], rows),
-                       f"failover_s over {len(times)} kills: p50 {num(f.get('failover_p50_s'), 3)}, p99 "
+                       *table(["round", "strike", "failover s", "every pusher s", "pushes acknowledged", "lost",
+                               "duplicated", "values exact"], rows),
+                       f"failover_s over {len(times)} rounds: p50 {num(f.get('failover_p50_s'), 3)}, p99 "
                        f"{num(f.get('failover_p99_s'), 3)}, max {num(f.get('failover_max_s'), 3)}; rounds that "
                        f"failed: {f.get('failed_rounds')}.", "", *section("How this was measured", [source(r)])]
-        page.headline.append(("failover, kill to the backup's first acknowledged push, p99 s",
+        page.headline.append(("failover, strike to the backup's first acknowledged push, p99 s",
                               num(f.get("failover_p99_s"), 3), r))
         used.append(r)
     soaks = [r for r in results if r.get("replicas") == 2 and isinstance(r.get("failovers"), list)]
