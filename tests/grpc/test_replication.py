@@ -19,6 +19,7 @@ from torchps.client import Optimizer, PSClient
 from torchps.client.channels import ShardChannels
 from torchps.cluster import Cluster, TaskSpec
 from torchps.proto import ps_pb2, ps_pb2_grpc
+from torchps.ps_server.backup import FAILOVER_AFTER_SECONDS
 from torchps.ps_server.failstop import EXIT_CODE
 from torchps.ps_server.journal import Journal
 from torchps.security import INSECURE, Security
@@ -372,6 +373,41 @@ def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
     # promoted), none per push.
     kinds = [record.kind for record in Journal(tmp_path / "backup-0").recover()[1]]
     assert "add" not in kinds and kinds.count("step") >= steps - kill_after, kinds
+
+
+def test_a_backup_that_was_paused_itself_does_not_take_over_its_live_primary(tmp_path):
+    """The backup is paused (SIGSTOP) for three times --failover-after while its primary goes on; resumed, it
+    finds no frame since its pause: that silence was its own, so it follows on and the primary keeps its shard
+    (the chaos soak saw such a backup promote itself over a live primary, its status probe failing under load).
+    Pushes go on through a window as long as the backup's detection and probe, all acknowledged by the same
+    primary with the backup in sync, and the backup never even suspects its primary."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30, timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            backup.send_signal(signal.SIGSTOP)
+            time.sleep(3 * FAILOVER_AFTER_SECONDS)  # the fault: the backup does not run this long
+            backup.send_signal(signal.SIGCONT)
+            resumed, pushed = time.monotonic(), 1
+            while time.monotonic() - resumed < 4 * FAILOVER_AFTER_SECONDS:  # its detection and probe, twice over
+                ps.push(grads)
+                pushed += 1
+            entry = _replicas(ps)[1]
+            assert (entry.primary, entry.backup, entry.failovers) == (cluster.ps[1], backup_address, 0), entry
+            assert local.procs[1].poll() is None and ps._fanout.channels.relocated == 0
+            log = (tmp_path / "backup.log").read_text()
+            assert "sent nothing" not in log, f"the backup took its own pause for its primary's silence:\n{log}"
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -float(pushed))), name
+    finally:
+        if backup.poll() is None:
+            backup.send_signal(signal.SIGCONT)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
 
 
 def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_long_before_its_deadline(tmp_path):
