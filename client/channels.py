@@ -167,10 +167,6 @@ class ShardChannels:
             ("grpc.use_local_subchannel_pool", 1),
         ]
         self._options = options
-        self._credentials = grpc.ssl_channel_credentials(
-            root_certificates=security.ca, private_key=security.key, certificate_chain=security.cert) \
-            if security.tls else None
-        self._token = security.call_token()
         self._channels: list[grpc.Channel] = []
         self._retired: list[grpc.Channel] = []  # replaced by follow(): closed with the client
         self.stubs: list[ps_pb2_grpc.ParameterServerStub] = []
@@ -192,9 +188,8 @@ class ShardChannels:
 
     def _open(self, address: str, index: int | None = None) -> None:
         """A channel to `address`: the next shard's, or shard `index`'s instead of the one it had."""
-        channel = grpc.secure_channel(address, self._credentials, options=self._options) if self._credentials \
-            else grpc.insecure_channel(address, options=self._options)
-        stub = _stub(grpc.intercept_channel(channel, _TokenMetadata(self._token)) if self._token else channel)
+        channel = secured_channel(address, self.security, self._options)
+        stub = _stub(channel)
         if index is None:
             self._channels.append(channel)
             self.stubs.append(stub)
