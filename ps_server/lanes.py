@@ -34,6 +34,7 @@ _KEEPALIVE = ((getattr(socket, "TCP_KEEPIDLE", None), 60), (getattr(socket, "TCP
               (getattr(socket, "TCP_KEEPCNT", None), 3))  # a dead peer's lane errors within about 90 s
 _POLL_SECONDS = 1.0  # how often the thread wakes to notice close()
 _WELCOME_SECONDS = 5.0
+RELEASE_WAIT_SECONDS = 5.0  # a call naming a lane its last call has not given back yet waits this long for it
 
 
 class LaneServer:
@@ -47,6 +48,8 @@ class LaneServer:
         self._listener.setblocking(False)  # a connection reset between the poll and accept(): no wait for the next
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # notified when a call gives its lane back
+        self.claims_waited = 0  # claims that waited for their lane's last call to give it back (tests read it)
         self._idle: dict[bytes, Lane] = {}
         self._busy: dict[bytes, Lane] = {}
         self._waiting: set[bytes] = set()  # idle lanes with bytes waiting for the call that will claim them
@@ -59,10 +62,15 @@ class LaneServer:
         self._thread = threading.Thread(target=body, name="bulk-lanes", daemon=True)
         self._thread.start()
 
-    def claim(self, key: bytes) -> Lane:
+    def claim(self, key: bytes, wait: float = RELEASE_WAIT_SECONDS) -> Lane:
         """The idle lane named `key`, now this call's; LaneBrokenError if there is none (unknown, closed, or
-        in another call)."""
-        with self._lock:
+        in another call). A lane still in a call is waited for up to `wait` s: a client lends a lane to its
+        next call as soon as the last one answered, which for a streamed answer (Pull) is before that call's
+        body here has given the lane back."""
+        with self._released:
+            if key in self._busy:
+                self.claims_waited += 1
+                self._released.wait_for(lambda: key not in self._busy or self._stop.is_set(), wait)
             lane = self._idle.pop(key, None)
             if lane is not None:
                 self._busy[key] = lane
@@ -75,12 +83,13 @@ class LaneServer:
 
     def release(self, lane: Lane, ok: bool) -> None:
         """Gives a claimed lane back: idle again if the call ended `ok` with the lane in step, else closed."""
-        with self._lock:
+        with self._released:
             self._busy.pop(lane.key, None)
             keep = ok and not lane.closed and lane.finished() and not self._stop.is_set()
             if keep:
                 self._idle[lane.key] = lane
                 self._idle_since[lane.key] = time.monotonic()
+            self._released.notify_all()
         if not keep:
             lane.close()
 
@@ -92,9 +101,10 @@ class LaneServer:
     def close(self) -> None:
         """Stops listening and closes every lane (a call using one fails)."""
         self._stop.set()
-        with self._lock:
+        with self._released:
             lanes = [*self._idle.values(), *self._busy.values()]
             self._idle.clear()
+            self._released.notify_all()
         for lane in lanes:
             lane.close()
         self._listener.close()

@@ -24,13 +24,30 @@ def test_a_lane_is_lent_to_one_call_at_a_time_and_kept_in_step(server):
     wait_until(lambda: server.open_lanes == 1, 10, "the lane to be welcomed")
     claimed = server.claim(lane.key)
     with pytest.raises(LaneBrokenError, match="not open on this shard"):
-        server.claim(lane.key)  # in another call
+        server.claim(lane.key, wait=0)  # in another call
     server.release(claimed, ok=True)
     assert server.claim(lane.key) is claimed  # idle again, in step
     server.release(claimed, ok=False)  # a call that failed: closed
     assert server.open_lanes == 0 and claimed.closed
     with pytest.raises(LaneBrokenError):
         server.claim(lane.key)
+
+
+def test_a_call_naming_a_lane_its_last_call_still_holds_gets_it_once_that_call_gives_it_back(server):
+    """A client lends a lane to its next call once the last one answered; a streamed answer (Pull) reaches it
+    before that call's body on the shard has given the lane back. The next call's claim waits for the give-back
+    instead of failing (a failure costs the client a retry on a new lane: tests/grpc/test_lanes_streamed.py
+    saw two lanes opened where one was kept)."""
+    lane = connect("127.0.0.1", server.port, 10.0)
+    wait_until(lambda: server.open_lanes == 1, 10, "the lane to be welcomed")
+    last_call = server.claim(lane.key)
+    got = {}
+    next_call = threading.Thread(target=lambda: got.setdefault("lane", server.claim(lane.key, wait=30)))
+    next_call.start()
+    wait_until(lambda: server.claims_waited == 1, 10, "the next call's claim to wait for the lane")
+    server.release(last_call, ok=True)
+    next_call.join(30)
+    assert got["lane"] is last_call and server.open_lanes == 1
 
 
 def test_an_idle_lane_is_closed_at_its_limit_and_one_its_client_closed_at_once(server):
