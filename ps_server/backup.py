@@ -9,12 +9,12 @@ record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
-s while this backup runs (its own pause or starvation restarts the count)
-and then does not answer its status within as long again (it is stopped or
-cut off; one that answers is only slow, and is followed again), or its
-stream breaks and it stays unreachable for `failover_after` s, the backup
-asks the shard's arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of) to
-promote it (PROMOTE). Granted, it
+s while this backup runs (its own pause or starvation restarts the count),
+or its stream breaks and it stays unreachable for `failover_after` s, the
+backup asks the shard's arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of)
+to promote it (PROMOTE). The arbiter refuses while the primary still renews
+its lease there (LeaseHeldError: it runs, and only this stream went quiet),
+and the backup follows it again. Granted, it
 never acknowledges its old primary again (it opens no stream to it) and
 serves shard N at its own address from its copy: the journal's ordinary
 recovery brings back every change the primary acknowledged, the push ledger
@@ -49,7 +49,7 @@ import numpy as np
 
 from ..cluster import arbiter_of
 from .. import lanes
-from ..errors import LaneBrokenError, MalformedStreamError, PSError, ReplicaFencedError
+from ..errors import LaneBrokenError, LeaseHeldError, MalformedStreamError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
 from ..security import Security
 from . import journal_log
@@ -61,10 +61,10 @@ __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "FAILOVER_AF
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
 RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach the arbiter
+LEASE_ASK_SECONDS = 0.05       # between asks to be promoted while the primary's lease still holds
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
 WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
-PROBE_FRACTION = 1.0           # a primary silent for failover_after is asked its status for this much longer
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
 
@@ -204,12 +204,10 @@ class Backup:
                 unreachable_since = None
             elif reason == "followed":
                 unreachable_since = time.monotonic()
-            elif reason == "silent" and self.holds_copy and not self._answers():  # silent, and not answering
+            elif reason == "silent" and self.holds_copy:
                 if self._promote():
                     return True
-                unreachable_since = time.monotonic()
-            elif reason == "silent":  # its feed stalled, the primary answers: follow it again
-                unreachable_since = None
+                unreachable_since = None  # its lease holds, or the arbiter did not answer: follow it again
             elif self.holds_copy:
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since >= self.failover_after and self._promote():
@@ -317,23 +315,6 @@ class Backup:
                 lane.close()
             channels.close()
 
-    def _answers(self) -> bool:
-        """Whether the primary answers its status within PROBE_FRACTION of failover_after (a primary whose
-        stream went silent while it still answers is slow, not gone: a GIL-bound stretch, a long compaction)."""
-        channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
-        try:
-            channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after * PROBE_FRACTION,
-                                        wait_for_ready=True)
-            return True
-        except grpc.RpcError as exc:  # any answer, a refusal included, is the primary's
-            answered = exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
-                                          grpc.StatusCode.CANCELLED)
-            _LOGGER.warning("backup of ps:%d: %s %s its status (%s)", self.index, self.primary,
-                            "answered" if answered else "did not answer", exc.code().name)
-            return answered
-        finally:
-            channels.close()
-
     def _follow_arbiter(self, event: dict) -> None:
         """A change of the primary's record (replicas.py event): this backup's arbiter promoted to another
         address is called there (its spec address no longer answers once the primary, which knew, is gone)."""
@@ -371,13 +352,22 @@ class Backup:
             return None
 
     def _promote(self) -> bool:
-        """Asks the arbiter to promote this backup; True if granted. Refused, it follows the primary the arbiter
-        names."""
+        """Asks the arbiter to promote this backup; True if granted. While the primary's lease holds it asks
+        again for up to failover_after (the lease's last renewal may follow the last frame this backup got),
+        then follows the primary again; refused otherwise, it follows the primary the arbiter names."""
         request = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.PROMOTE, index=self.index, primary=self.primary,
                                        backup=self.me)
+        patience = time.monotonic() + self.failover_after
         try:
-            reply = self._ps0.call(self._arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), self.failover_after,
-                                   retry_for=self.failover_after)
+            while True:
+                try:
+                    reply = self._ps0.call(self._arbiter, lambda stub, t: stub.SetReplica(request, timeout=t),
+                                           self.failover_after, retry_for=self.failover_after)
+                    break
+                except LeaseHeldError as exc:
+                    if time.monotonic() >= patience or self.stop.wait(LEASE_ASK_SECONDS):
+                        _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
+                        return False
         except ReplicaFencedError as exc:
             _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
             self.holds_copy = False

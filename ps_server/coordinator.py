@@ -93,7 +93,7 @@ class Coordinator:
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
                  max_waiting_calls: int = 96, threaded_waits: int | None = None, journal=None, start: bool = True,
                  failstop: FailStop | None = None, membership: Membership | None = None, index: int = 0,
-                 addresses: list[str] | tuple[str, ...] = ()):
+                 addresses: list[str] | tuple[str, ...] = (), failover_after: float = 0.0):
         self.store = store
         self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
         self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
@@ -103,8 +103,10 @@ class Coordinator:
         self.layout = ShardLayout(index, addresses)  # the layout epoch and what left this shard (live resize)
         self.resizes = ResizeOwner() if owns_step else None  # the job's live resize: ps 0 owns it (resizes.py)
         # Who serves each replicated shard (replicas.py): ps 0 records the others, ps 1 records ps 0, each of the
-        # shards its layout epoch has (the cluster spec's before any live resize).
-        self.replicas = ReplicaRegistry(lambda: self.layout.layout()[1]) if index <= 1 else None
+        # shards its layout epoch has (the cluster spec's before any live resize); a backup is promoted only once
+        # its primary renewed no lease for failover_after s.
+        self.replicas = ReplicaRegistry(lambda: self.layout.layout()[1], lease_seconds=failover_after, clock=clock) \
+            if index <= 1 else None
         self._index, self._spec_shards = index, len(addresses)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
@@ -130,6 +132,8 @@ class Coordinator:
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
         self._hold_leases = self.failstop.thread(self.moves.run_hold_lease, name="hold-lease")
+        self._lease_clock = self.failstop.thread(self.replicas.run_clock, name="lease-clock") \
+            if self.replicas is not None and failover_after > 0 else None
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -144,6 +148,8 @@ class Coordinator:
                 self._book.end_grace_if_started()
                 self._reaper.start()
                 self._hold_leases.start()
+                if self._lease_clock is not None:
+                    self._lease_clock.start()
                 self._start_applier()
 
     def attach_journal(self, journal) -> None:
@@ -363,10 +369,13 @@ class Coordinator:
         PROMOTE of a one-shard job's ps 0 (by hand only), and for an IN_SYNC of a shard past this shard's
         layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
         for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
-        request. A repeat changes nothing."""
+        request. A repeat changes nothing. A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not
+        journaled, never blocks)."""
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
+        if action == "lease":
+            return self.replicas.renew(index, primary)
         if action == "promote" and index == self._index:
             raise ModeConflictError(f"ps:{index}'s backup takes over by hand (start ps-server --index {index} on its "
                                     f"journal folder at its address): no shard but it can grant its failover")
@@ -444,6 +453,8 @@ class Coordinator:
         compaction in progress finish."""
         self._book.close()
         self.moves.close()
+        if self.replicas is not None:
+            self.replicas.close()
         self.store.close()  # waits for variables end too
         self.tables.close()
         self.wait_for_compaction(MAX_WAIT_SECONDS)

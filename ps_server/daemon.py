@@ -226,7 +226,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             elastic_workers=args.elastic_workers, stream_idle_seconds=args.stream_idle_seconds,
             addresses=tuple(cluster.ps) if cluster is not None else (),
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
-            pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout, fence=fence)
+            pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout,
+            failover_after=args.failover_after, fence=fence)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

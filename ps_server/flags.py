@@ -90,8 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "is gone and ps 0 agrees")
     r.add_argument("--advertise", metavar="HOST:PORT", help="with --replica-of: the address clients reach this "
                    "backup at once promoted, where it differs from --bind (e.g. a Service name; default: --bind)")
-    r.add_argument("--failover-after", type=_seconds, default=0.5, metavar="SECONDS", help="a backup takes over "
-                   "a primary unreachable this long after its stream broke (default 0.5)")
+    r.add_argument("--failover-after", type=_seconds, default=0.5, metavar="SECONDS", help="a backup asks to take "
+                   "over a primary silent or unreachable this long; as an arbiter (ps 0, ps 1), this shard grants "
+                   "it once the primary renewed no lease for this long (default 0.5)")
     r.add_argument("--replica-ack-timeout", type=_seconds, default=2.0, metavar="SECONDS", help="a primary "
                    "whose backup leaves a record unacknowledged this long asks ps 0 to go on without it "
                    "(default 2)")

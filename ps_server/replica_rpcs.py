@@ -21,9 +21,10 @@ from .replicas import ACTIONS
 from .replication import Arbiter
 from .rpc_support import map_errors
 
-__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of"]
+__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "WIRE_ACTIONS"]
 
 ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
+WIRE_ACTIONS = (*ACTIONS, "lease")  # ReplicaChange.Action, in order
 
 
 def replicas_of(index: int, entry: dict) -> ps_pb2.ShardReplicas:
@@ -79,9 +80,9 @@ class ReplicaRPCs:
 
     @map_errors
     def SetReplica(self, request, context):
-        entry = self.coordinator.set_replica(ACTIONS[request.action] if request.action < len(ACTIONS) else
-                                             str(request.action), request.index, request.primary, request.backup,
-                                             timeout=context.time_remaining())
+        entry = self.coordinator.set_replica(WIRE_ACTIONS[request.action] if request.action < len(WIRE_ACTIONS)
+                                             else str(request.action), request.index, request.primary,
+                                             request.backup, timeout=context.time_remaining())
         return replicas_of(request.index, entry)
 
 
@@ -91,16 +92,18 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
     coordinator where it is its own arbiter (a one-shard job's ps 0, or a standalone ps 0), else by a SetReplica
     call with its own credentials to the arbiter of the job's cluster spec `addresses`, followed to wherever it is
     served after its own failover, or where this shard's own record of it says (ps 0 and ps 1 arbitrate each
-    other; one attempt of ARBITER_TIMEOUT_SECONDS; PSErrors as the client edge maps them). None for a shard started without the cluster spec, other than ps 0: it cannot reach an arbiter."""
+    other; attempts of `timeout` s, retried for as long: ARBITER_TIMEOUT_SECONDS by default; PSErrors as the
+    client edge maps them). `action` is one of WIRE_ACTIONS. None for a shard started without the cluster spec,
+    other than ps 0: it cannot reach an arbiter."""
     arbiter = arbiter_of(index, len(addresses))
     if arbiter == index:
-        return lambda action, shard, primary, backup: coordinator.set_replica(action, shard, primary, backup,
-                                                                              ARBITER_TIMEOUT_SECONDS)
+        return lambda action, shard, primary, backup, timeout=ARBITER_TIMEOUT_SECONDS: coordinator.set_replica(
+            action, shard, primary, backup, timeout)
     if not addresses:
         return None
     channels = []  # made at the first ask: a shard that never has a backup never calls its arbiter
 
-    def ask(action: str, shard: int, primary: str, backup: str) -> dict:
+    def ask(action: str, shard: int, primary: str, backup: str, timeout: float = ARBITER_TIMEOUT_SECONDS) -> dict:
         if not channels:
             from ..client.channels import ShardChannels  # a shard's calls to its arbiter are a client's
 
@@ -111,9 +114,10 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
             served = coordinator.replicas.entry(arbiter)["primary"]  # record says (ps 0 moved, the spec's address
             if served:                                               # of ps 0 cannot say where ps 1 went)
                 channels[0].redirect(arbiter, served)
-        request = ps_pb2.ReplicaChange(action=ACTIONS.index(action), index=shard, primary=primary, backup=backup)
-        reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), ARBITER_TIMEOUT_SECONDS,
-                                 retry_for=ARBITER_TIMEOUT_SECONDS)
+        request = ps_pb2.ReplicaChange(action=WIRE_ACTIONS.index(action), index=shard, primary=primary,
+                                       backup=backup)
+        reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), timeout,
+                                 retry_for=timeout)
         return {"primary": reply.primary, "backup": reply.backup, "failovers": reply.failovers,
                 "last_failover": reply.last_failover_unix}
     return ask

@@ -15,6 +15,18 @@ master: the members of a chain change only through one record.
              primary P, backup B   --DROP(P, B)-----> primary P, backup ""
              primary P, backup B   --PROMOTE(P?, B)-> primary B, backup "", failovers + 1
 
+A primary with a backup in sync renews its lease here (`renew`, every
+replication.LEASE_EVERY_SECONDS; never journaled): a PROMOTE is refused
+(LeaseHeldError: the backup follows its primary again) while the primary
+renewed within `lease_seconds` (the arbiter's --failover-after), so a backup
+whose stream went silent takes over a primary that is stopped or cut off
+after one window of silence, and never one that still runs. Leases are only
+heard while this arbiter runs: a new or restarted arbiter, or one that was
+itself paused for over half a window (`run_clock` notices), hears them
+afresh for a whole window before it promotes anyone. The lease is liveness
+only; safety stays with the record (a primary acknowledges nothing its
+backup did not write, and a promoted backup writes nothing more for it).
+
 Which shards there are is the arbiter's layout epoch (`shards`: a live
 resize's addresses, the cluster spec's before any resize), and one rule
 (`_entry`) says who serves shard i:
@@ -34,7 +46,7 @@ record); `export` and `restore` carry the record in journal bases and
 checkpoints.
 
 Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER), under which `changed` is notified at every
-change (GetLayout's long poll waits on it: `promotion`).
+change (GetLayout's long poll waits on it: `promotion`). `run_clock` is a thread body (returns at close()).
 """
 
 from __future__ import annotations
@@ -43,27 +55,34 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-from ..errors import InvalidArgumentError, ModeConflictError, ReplicaFencedError
+from ..errors import InvalidArgumentError, LeaseHeldError, ModeConflictError, ReplicaFencedError
 from .layout import MAX_SHARDS
 from .locks import guarded
 from .waits import Wait, WatchedCondition
 
 __all__ = ["ReplicaRegistry", "ACTIONS"]
 
-ACTIONS = ("in_sync", "drop", "promote")  # ps.proto's ReplicaChange.Action, in order
+ACTIONS = ("in_sync", "drop", "promote")  # ps.proto's ReplicaChange.Action, in order (LEASE is renew())
 MAX_ADDRESS_CHARS = 1024
+CLOCK_TICKS = 10  # run_clock looks at its own progress this often per lease
 
 
 class ReplicaRegistry:
     """The arbiter's record of every replicated shard (see the module docstring). `shards`: the job's shard
     addresses now (the arbiter's layout epoch's; called outside this record's lock, as the layout is an owner of
-    its own); a list stands for a job that is never resized."""
+    its own); a list stands for a job that is never resized. `lease_seconds`: how long a primary's lease holds
+    after its last renewal (0: PROMOTE is granted whenever the record allows it); `clock`: monotonic seconds."""
 
-    def __init__(self, shards: Callable[[], Sequence[str]] | Sequence[str] = ()):
+    def __init__(self, shards: Callable[[], Sequence[str]] | Sequence[str] = (), *, lease_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self._shards_now = shards if callable(shards) else lambda: shards
         self._lock = threading.Lock()
         self._shards: dict[int, dict] = {}  # index -> {"primary", "backup", "failovers", "last_failover"}
         self.changed = WatchedCondition(self._lock, level=lambda: 0)  # notified at every change of the record
+        self.lease_seconds, self._clock = lease_seconds, clock
+        self._renewed: dict[int, float] = {}  # index -> when its recorded primary last renewed its lease
+        self._hearing_since = self._ticked = clock()  # leases heard from then on; run_clock's last look
+        self._closed = threading.Event()
 
     def promotion(self, index: int, primary: str, left: Callable[[], float | None],
                   cancelled: Callable[[], bool]) -> Wait:
@@ -129,6 +148,7 @@ class ReplicaRegistry:
                 why = f"its backup in sync is {entry['backup']}" if entry["backup"] else "it has no backup in sync"
                 raise ReplicaFencedError(f"ps:{index} is served by {entry['primary']} and {why}: {backup} may not "
                                          f"take it over (it holds no promise of every acknowledged change)")
+            self._check_lease(index, entry["primary"])
             return {"action": action, "index": index, "primary": backup, "when": time.time()}
         if entry["primary"] != primary:
             raise ReplicaFencedError(f"ps:{index} is served by {entry['primary']} now (failover "
@@ -138,6 +158,57 @@ class ReplicaRegistry:
         if not entry["backup"] or (backup and entry["backup"] != backup):
             return None  # dropped already, or another backup is in sync: nothing of this one to drop
         return {"action": action, "index": index}
+
+    def _check_lease(self, index: int, primary: str) -> None:
+        """LeaseHeldError if `primary` renewed its lease of shard `index` within lease_seconds, or this arbiter
+        has not heard leases for that long (holding the lock)."""
+        if not self.lease_seconds:
+            return
+        now = self._clock()
+        if now - self._ticked > self.lease_seconds / 2:  # this arbiter itself did not run (run_clock is late)
+            self._hearing_since = self._ticked = now
+        heard = max(self._renewed.get(index, self._hearing_since), self._hearing_since)
+        if now - heard < self.lease_seconds:
+            raise LeaseHeldError(f"ps:{index}'s primary {primary} holds its lease ({now - heard:.3f} s since this "
+                                 f"arbiter heard it, of {self.lease_seconds:g} s): it runs, and its backup follows "
+                                 f"it again")
+
+    def renew(self, index: int, primary: str) -> dict:
+        """`primary` renews its lease of shard `index` (see the module docstring): nothing journaled. Returns the
+        shard's record. ReplicaFencedError if the record names another primary (it must stop serving the shard);
+        nothing to renew for a shard past the layout's; InvalidArgumentError for a malformed request."""
+        return self._renew(index, primary, list(self._shards_now()))
+
+    @guarded
+    def _renew(self, index: int, primary: str, shards: list[str]) -> dict:
+        if not 0 <= index < MAX_SHARDS or not primary or len(primary) > MAX_ADDRESS_CHARS:
+            raise InvalidArgumentError(f"a lease names a shard in [0, {MAX_SHARDS}) and its primary's address (1 "
+                                       f"to {MAX_ADDRESS_CHARS} characters). Received: {index}, {primary[:80]!r}")
+        entry = self._entry(index, shards)
+        if index < len(shards):
+            if entry["primary"] != primary:
+                raise ReplicaFencedError(f"ps:{index} is served by {entry['primary']} now (failover "
+                                         f"{entry['failovers']}), not by {primary}: {primary} must stop serving it")
+            self._renewed[index] = self._clock()
+        return dict(entry)
+
+    def run_clock(self) -> None:
+        """Looks at this arbiter's own progress every lease_seconds / CLOCK_TICKS (thread body; returns at
+        close()): a look later than half a lease means the process did not run (paused, starved), and the
+        leases it could not hear meanwhile are heard afresh for a whole window."""
+        while not self._closed.wait(self.lease_seconds / CLOCK_TICKS):
+            self._tick()
+
+    @guarded
+    def _tick(self) -> None:
+        now = self._clock()
+        if now - self._ticked > self.lease_seconds / 2:
+            self._hearing_since = now
+        self._ticked = now
+
+    def close(self) -> None:
+        """Ends run_clock."""
+        self._closed.set()
 
     @staticmethod
     def _outside(action: str, index: int, backup: str, count: int) -> None:
@@ -173,6 +244,7 @@ class ReplicaRegistry:
         removed them; one that adds such an index again adds a new shard, served at its new address)."""
         for index in [index for index in self._shards if index >= count]:
             del self._shards[index]
+            self._renewed.pop(index, None)
         self.changed.notify_all()
 
     @guarded

@@ -10,7 +10,10 @@ journal acknowledges a change only once the backup wrote its record too
 (Journal.wait), so every change acknowledged since is on both hosts, and the
 base holds every one acknowledged before. Once the backup wrote the base,
 the primary tells its arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of) it
-is in sync (IN_SYNC): from then on the arbiter may promote it.
+is in sync (IN_SYNC): from then on the arbiter may promote it, once this
+primary stopped renewing its lease there (LEASE every LEASE_EVERY_SECONDS,
+for as long as the feed is attached): a backup cut off from a primary that
+still runs follows it again (replicas.py).
 
 A feed is lost when its stream ends or the backup leaves a record
 unacknowledged for `ack_timeout` s. The primary then asks its arbiter to go
@@ -52,9 +55,10 @@ ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this lon
 REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup was in sync with it once
 ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
+LEASE_EVERY_SECONDS = 0.1   # a primary with a backup in sync renews its lease at its arbiter this often
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
-Arbiter = Callable[[str, int, str, str], dict]  # (action, index, primary, backup) -> the arbiter's record
+Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout]) -> the arbiter's record
 
 
 def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
@@ -274,6 +278,29 @@ class Replication:
         _LOGGER.info("ps %d: backup %s holds the base: telling its arbiter it is in sync", self.index, feed.address)
         if self._ask("in_sync", feed.address, lambda: feed.lost is not None):
             (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
+            if not self._self_arbitrated:  # its own backup is promoted by hand only
+                self._renew_lease(feed)
+
+    def _renew_lease(self, feed: Feed) -> None:
+        """Renews this shard's lease at its arbiter every LEASE_EVERY_SECONDS while `feed` is attached (until the
+        arbiter dropped it): its backup is promoted only once renewals stopped for the arbiter's window. A
+        renewal that fails is not asked again (the next one is due); a refusal (the record names another
+        primary) fails the journal: this shard stops, as when a DROP is refused."""
+        due = time.monotonic()
+        while True:
+            journal = self._journal()
+            if journal is None or journal.following() is not feed:
+                return
+            try:
+                self._arbiter("lease", self.index, self.me, feed.address, timeout=2 * LEASE_EVERY_SECONDS)
+            except ReplicaFencedError as exc:
+                _LOGGER.error("ps %d is fenced: %s", self.index, exc)
+                journal.fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")
+                return
+            except PSError:
+                pass  # the arbiter did not hear it: the next renewal is due
+            due = max(due + LEASE_EVERY_SECONDS, time.monotonic())
+            time.sleep(max(0.0, due - time.monotonic()))
 
     def _lost(self, feed: Feed, why: str) -> None:
         self.feeds_lost += 1

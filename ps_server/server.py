@@ -28,6 +28,7 @@ from .metrics import ShardMetrics
 from .quotas import Quotas
 from ..cluster import arbiter_of
 from .replica_rpcs import RoleFence, arbiter_for
+from .backup import FAILOVER_AFTER_SECONDS
 from .replication import ACK_TIMEOUT_SECONDS, Replication
 from .edge import LoopServer
 from .flags import DEFAULT_MAX_WAITING_CALLS, DEFAULT_THREADS
@@ -68,6 +69,7 @@ def create_server(
     pull_cache: bool = True,
     me: str = "",
     replica_ack_timeout: float = ACK_TIMEOUT_SECONDS,
+    failover_after: float = FAILOVER_AFTER_SECONDS,
     fence: RoleFence | None = None,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
@@ -94,8 +96,9 @@ def create_server(
     `addresses`: the job's shards as the cluster spec names them (GetLayout's before any live resize).
     `pull_cache` False: every pull copies its variables itself (ps_server/pull_cache.py). `me`: the address
     ps 0 records this shard at (default: `addresses[index]`, else `address`); a backup (Replicate) that
-    leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py); `fence`
-    (replica_rpcs.RoleFence) refuses calls until the caller opens it.
+    leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py); as an arbiter, the
+    shard promotes a backup only once its primary renewed no lease for `failover_after` s (replicas.py);
+    `fence` (replica_rpcs.RoleFence) refuses calls until the caller opens it.
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -128,7 +131,8 @@ def create_server(
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
     coordinator = Coordinator(store, owns_step=index == 0, index=index, max_waiting_calls=max_waiting_calls,
                               threaded_waits=threaded_waits(threads), start=False, failstop=failstop,
-                              membership=Membership(workers, elastic_workers), addresses=addresses)
+                              membership=Membership(workers, elastic_workers), addresses=addresses,
+                              failover_after=failover_after)
     recover(coordinator, journal, restore)
     # Bulk lanes (torchps/lanes.py): TLS with the shard's own credentials where it serves TLS.
     lanes = LaneServer(address.rpartition(":")[0], lane_port, failstop, tls_context(security, server=True)) \

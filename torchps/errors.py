@@ -14,8 +14,10 @@
     │   ├── StepPassedError        a checkpoint's step the shard already went past
     │   ├── ResizeConflictError    another live resize runs, or this one was cut off or taken over: the
     │                              message says whether to wait, --resume or --abort
-    │   └── ReplicaFencedError     ps 0's record of a replicated shard names another primary or backup
-    │                              (a failover): the caller must not serve that shard
+    │   ├── ReplicaFencedError     ps 0's record of a replicated shard names another primary or backup
+    │   │                          (a failover): the caller must not serve that shard
+    │   └── LeaseHeldError         a backup asked to take over a primary that still renews its lease at
+    │                              its arbiter: it follows that primary again
     ├── CheckpointError            FAILED_PRECONDITION: a checkpoint could not be written or read
     ├── WorkerReplacedError        FAILED_PRECONDITION: a newer process of the same task took over
     ├── ServingVersionError        FAILED_PRECONDITION: a serving replica held on its version, or no version
@@ -57,6 +59,7 @@ __all__ = [
     "StepPassedError",
     "ResizeConflictError",
     "ReplicaFencedError",
+    "LeaseHeldError",
     "CheckpointError",
     "WorkerReplacedError",
     "ServingVersionError",
@@ -156,6 +159,11 @@ class ResizeConflictError(ModeConflictError):
 class ReplicaFencedError(ModeConflictError):
     """ps 0's record of a replicated shard names another primary (its backup was promoted) or another backup
     than the caller: the caller is out of the job's layout and must not serve that shard."""
+
+
+class LeaseHeldError(ModeConflictError):
+    """A backup asked its arbiter to promote it while its primary still renews its lease there (it runs; only
+    the backup's stream went quiet): nothing changed, and the backup follows that primary again."""
 
 
 class CheckpointError(PSError):

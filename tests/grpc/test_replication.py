@@ -18,6 +18,7 @@ from torchps.certs import make_job_credentials
 from torchps.client import Optimizer, PSClient
 from torchps.client.channels import ShardChannels
 from torchps.cluster import Cluster, TaskSpec
+from torchps.errors import LeaseHeldError, ReplicaFencedError
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.backup import FAILOVER_AFTER_SECONDS
 from torchps.ps_server.failstop import EXIT_CODE
@@ -378,8 +379,8 @@ def test_a_sync_job_through_ps_0s_failover_matches_one_torch_process(tmp_path):
 def test_a_backup_that_was_paused_itself_does_not_take_over_its_live_primary(tmp_path):
     """The backup is paused (SIGSTOP) for three times --failover-after while its primary goes on; resumed, it
     finds no frame since its pause: that silence was its own, so it follows on and the primary keeps its shard
-    (the chaos soak saw such a backup promote itself over a live primary, its status probe failing under load).
-    Pushes go on through a window as long as the backup's detection and probe, all acknowledged by the same
+    (the chaos soak saw such a backup promote itself over a live primary).
+    Pushes go on through a window as long as the backup's detection and promotion, all acknowledged by the same
     primary with the backup in sync, and the backup never even suspects its primary."""
     local, backup, backup_address, cluster = _start(tmp_path)
     try:
@@ -391,7 +392,7 @@ def test_a_backup_that_was_paused_itself_does_not_take_over_its_live_primary(tmp
             time.sleep(3 * FAILOVER_AFTER_SECONDS)  # the fault: the backup does not run this long
             backup.send_signal(signal.SIGCONT)
             resumed, pushed = time.monotonic(), 1
-            while time.monotonic() - resumed < 4 * FAILOVER_AFTER_SECONDS:  # its detection and probe, twice over
+            while time.monotonic() - resumed < 4 * FAILOVER_AFTER_SECONDS:  # its detection and promotion, twice over
                 ps.push(grads)
                 pushed += 1
             entry = _replicas(ps)[1]
@@ -405,6 +406,42 @@ def test_a_backup_that_was_paused_itself_does_not_take_over_its_live_primary(tmp
     finally:
         if backup.poll() is None:
             backup.send_signal(signal.SIGCONT)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+
+
+def test_a_backup_is_never_promoted_over_a_primary_that_renews_its_lease(tmp_path):
+    """While ps:1's primary runs with its backup in sync, promotions asked of ps 0 in its backup's name for three
+    windows of --failover-after are all refused (LeaseHeldError: the primary renews its lease every 0.1 s; past
+    the arbiter's first window, one renewal missing would grant one), pushes go on at the primary, and ps 0's
+    record is unchanged; a lease in another primary's name is refused and changes nothing either."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+
+            def ask(action, primary: str, backup: str):
+                change = ps_pb2.ReplicaChange(action=action, index=1, primary=primary, backup=backup)
+                return ps._fanout.call(0, lambda stub, t: stub.SetReplica(change, timeout=t), 10)
+
+            started, refused, pushed = time.monotonic(), 0, 0
+            while time.monotonic() - started < 3 * FAILOVER_AFTER_SECONDS:
+                with pytest.raises(LeaseHeldError, match="holds its lease"):
+                    ask(ps_pb2.ReplicaChange.PROMOTE, cluster.ps[1], backup_address)
+                refused += 1
+                ps.push(grads)
+                pushed += 1
+            with pytest.raises(ReplicaFencedError, match=f"not by {backup_address}"):
+                ask(ps_pb2.ReplicaChange.LEASE, backup_address, "")
+            entry = _replicas(ps)[1]
+            assert (entry.primary, entry.backup, entry.failovers) == (cluster.ps[1], backup_address, 0), entry
+            assert refused >= 3 and ps._fanout.channels.relocated == 0
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -float(pushed))), name
+    finally:
         backup.terminate()
         backup.wait(timeout=30)
         local.stop()

@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from torchps.errors import (InvalidArgumentError, ModeConflictError, ReplicaFencedError, WaitTimeoutError,
-                            ServerUnavailableError)
+from torchps.errors import (InvalidArgumentError, LeaseHeldError, ModeConflictError, ReplicaFencedError,
+                            WaitTimeoutError, ServerUnavailableError)
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replicas import ReplicaRegistry
 
@@ -117,6 +117,105 @@ def test_a_shard_a_resize_removes_is_served_nowhere_and_comes_back_as_a_new_one(
     assert registry.entry(2) == {"primary": "new:2", "backup": "", "failovers": 0, "last_failover": 0.0}
     with pytest.raises(ReplicaFencedError, match="no backup in sync"):
         registry.decide("promote", 2, "b:2", "c:2")
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_for(registry: ReplicaRegistry, clock: _Clock, seconds: float) -> None:
+    """`seconds` go by while the arbiter runs: its clock thread looks every 1/16 s (exact in binary)."""
+    for _ in range(round(seconds * 16)):
+        clock.now += 0.0625
+        registry._tick()
+
+
+def leased_registry(clock: "_Clock") -> ReplicaRegistry:
+    registry = ReplicaRegistry(SPEC, lease_seconds=0.5, clock=clock)
+    registry.apply(registry.decide("in_sync", 1, "h:1", "b:1"))
+    return registry
+
+
+def test_a_backup_is_promoted_only_once_its_primary_renewed_no_lease_for_a_window():
+    """A new arbiter hears leases for a whole window first; then each renewal holds the primary's lease for one
+    more window, and a promotion asked meanwhile is refused and changes nothing."""
+    clock = _Clock()
+    registry = leased_registry(clock)
+    for _ in range(6):  # the primary renews every 1/8 s for a while: its backup is never promoted
+        run_for(registry, clock, 0.125)
+        assert registry.renew(1, "h:1")["primary"] == "h:1"
+        with pytest.raises(LeaseHeldError, match="ps:1's primary h:1 holds its lease"):
+            registry.decide("promote", 1, "h:1", "b:1")
+    before = registry.export()
+    run_for(registry, clock, 0.4375)
+    with pytest.raises(LeaseHeldError):  # 7/16 s after its last renewal
+        registry.decide("promote", 1, "h:1", "b:1")
+    assert registry.export() == before
+    run_for(registry, clock, 0.0625)
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))  # a whole window of silence
+    assert registry.entry(1)["primary"] == "b:1"
+
+
+def test_a_new_arbiter_hears_leases_for_a_window_before_it_promotes():
+    clock = _Clock()
+    registry = leased_registry(clock)
+    with pytest.raises(LeaseHeldError):
+        registry.decide("promote", 1, "h:1", "b:1")
+    run_for(registry, clock, 0.5)
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
+
+
+@pytest.mark.parametrize("ticked", [True, False], ids=["its clock noticed", "asked before its clock ran"])
+def test_an_arbiter_that_was_paused_hears_leases_afresh_before_it_promotes(ticked):
+    """The arbiter itself did not run for a while: the renewals it could not hear do not count against the
+    primary, whether its clock thread or the promotion runs first once it is back."""
+    clock = _Clock()
+    registry = leased_registry(clock)
+    registry.renew(1, "h:1")
+    clock.now += 5.0  # paused
+    if ticked:
+        registry._tick()
+    with pytest.raises(LeaseHeldError):
+        registry.decide("promote", 1, "h:1", "b:1")
+    run_for(registry, clock, 0.5)
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
+
+
+def test_a_fenced_primary_learns_it_from_its_lease_and_a_removed_shard_renews_nothing():
+    clock = _Clock()
+    layout = list(SPEC)
+    registry = ReplicaRegistry(lambda: layout, lease_seconds=0.5, clock=clock)
+    registry.apply(registry.decide("in_sync", 1, "h:1", "b:1"))
+    run_for(registry, clock, 0.5)
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
+    with pytest.raises(ReplicaFencedError, match="not by h:1: h:1 must stop"):
+        registry.renew(1, "h:1")
+    assert registry.renew(1, "b:1")["primary"] == "b:1"
+    del layout[2]
+    assert registry.renew(2, "h:2")["primary"] == ""  # a resize removed it: nothing to renew, nothing refused
+
+
+@pytest.mark.parametrize("index, primary", [(-1, "h:1"), (1, ""), (1, "x" * 2000)])
+def test_malformed_leases_are_refused_and_change_nothing(index, primary):
+    clock = _Clock()
+    registry = leased_registry(clock)
+    with pytest.raises(InvalidArgumentError, match="a lease names"):
+        registry.renew(index, primary)
+    run_for(registry, clock, 0.5)
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))  # no renewal counted
+
+
+def test_the_lease_clock_thread_ends_at_close():
+    registry = ReplicaRegistry(SPEC, lease_seconds=0.5)
+    thread = threading.Thread(target=registry.run_clock)
+    thread.start()
+    registry.close()
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 class _Follower:

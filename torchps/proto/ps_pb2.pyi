@@ -533,9 +533,11 @@ class ReplicaChange(_message.Message):
         IN_SYNC: _ClassVar[ReplicaChange.Action]
         DROP: _ClassVar[ReplicaChange.Action]
         PROMOTE: _ClassVar[ReplicaChange.Action]
+        LEASE: _ClassVar[ReplicaChange.Action]
     IN_SYNC: ReplicaChange.Action
     DROP: ReplicaChange.Action
     PROMOTE: ReplicaChange.Action
+    LEASE: ReplicaChange.Action
     ACTION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
