@@ -4,6 +4,7 @@
     ps-certs DIR --cluster cluster.json --kubernetes-secret NAME > secrets.yaml  # one per task
     ps-certs DIR --add worker:4=HOST:PORT        # a task joining the running job: its files, a line in DIR/tokens,
                                                  # its TF_CONFIG (a worker, an evaluator or a shard: ps:N)
+    ps-certs DIR --add serving:0=HOST:PORT       # a serving replica's (ps-serve): it reads the shards, nothing else
     ps-certs DIR --rotate [--grace 10m]          # a new token for every task; the old ones accepted for the grace
 
 Each task's certificate is signed by the job's CA. Its common name is the task
@@ -16,10 +17,12 @@ token still names its holder. Tokens are random 256-bit secrets. Keys and
 tokens are written with mode 0600 in a folder of mode 0700.
 
     DIR/ca.crt  DIR/ca.key        the CA (keep ca.key off the cluster)
-    DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0
-    DIR/<type>-<index>.token      per task but the shards: its token (the shards' --token-file is DIR/tokens)
-    DIR/tokens                    the shards': "TASK ROLE TOKEN" for every task (a shard calls others with its own)
-    DIR/admin-token               the admin token (the chief, and the shards that check it)
+    DIR/<type>-<index>.crt/.key   per task: chief-0, worker-1, ps-0, evaluator-0, serving-0
+    DIR/<type>-<index>.token      per task but the servers (shards, serving replicas): its token (theirs is
+                                  the table, DIR/tokens)
+    DIR/tokens                    the servers': "TASK ROLE TOKEN" for every task (each calls the shards with
+                                  its own line's)
+    DIR/admin-token               the admin token (the chief, and the servers that check it)
     DIR/cluster.json              the cluster the folder was made for, with the tasks --add gave an address
 
 A folder that holds a job's credentials is never written over by --cluster:
@@ -56,7 +59,9 @@ __all__ = ["JobCredentials", "TaskCredentials", "issue_job_credentials", "make_j
            "token_line", "job_cluster", "tf_config_lines", "main"]
 
 VALID_DAYS = 30           # a job's certificates; ps-launch's throw-away ones live for one job anyway
-ADDABLE = ("worker", "evaluator", "ps")  # task types that may join a running job (a shard: by a live resize)
+ADDABLE = ("worker", "evaluator", "ps", "serving")  # task types that may join a running job (a shard: by a live
+# resize; a serving replica: ps-serve, not a task of the cluster)
+SERVERS = ("ps", "serving")  # their token file is the table of every task's: they check their callers' tokens
 CLUSTER_FILE = "cluster.json"
 
 
@@ -80,9 +85,9 @@ class TaskCredentials:
     def at(cls, directory: pathlib.Path, task: TaskSpec, role: str) -> "TaskCredentials":
         """Where the files of `task`, of `role`, lie in a job's credentials folder."""
         stem = f"{task.type}-{task.index}"
-        token = directory / ("tokens" if task.type == "ps" else f"{stem}.token")
+        token = directory / ("tokens" if task.type in SERVERS else f"{stem}.token")
         return cls(directory / f"{stem}.crt", directory / f"{stem}.key", directory / "ca.crt", token,
-                   directory / "admin-token" if role in ("chief", "ps") else None)
+                   directory / "admin-token" if role in ("chief", *SERVERS) else None)
 
     def security(self) -> Security:
         """These files as a client's Security (read now; the TORCHPS_* variables are not consulted)."""
@@ -142,8 +147,8 @@ class JobCredentials:
                        for task, token in self.tokens.items()).encode()
 
     def token_of(self, task: TaskSpec) -> bytes:
-        """What `task`'s token file holds: its own token, or for a shard the table of every task's."""
-        return self.token_table() if task.type == "ps" else self.tokens[task]
+        """What `task`'s token file holds: its own token, or for a server the table of every task's."""
+        return self.token_table() if task.type in SERVERS else self.tokens[task]
 
     def with_task(self, task: TaskSpec) -> "JobCredentials":
         """These credentials and those of `task`, a task joining the running job (added_task);
@@ -167,7 +172,7 @@ class JobCredentials:
             out[task] = files = TaskCredentials.of(directory, self.cluster, task)
             write_file(files.cert, cert, secret=False)
             write_file(files.key, key, secret=True)
-            if task.type != "ps":
+            if task.type not in SERVERS:
                 write_file(files.token, self.tokens[task], secret=True)
         return out
 
@@ -177,9 +182,9 @@ class JobCredentials:
         for the chief and the shards."""
         directory = private_dir(directory)
         cert, key = self.tasks[task]
+        admin = role_of(self.cluster, task) in ("chief", *SERVERS)
         files = TaskCredentials(directory / "tls.crt", directory / "tls.key", directory / "ca.crt",
-                                directory / "token",
-                                directory / "admin-token" if role_of(self.cluster, task) in ("chief", "ps") else None)
+                                directory / "token", directory / "admin-token" if admin else None)
         for path, data, secret in ((files.ca, self.ca_cert, False), (files.cert, cert, False), (files.key, key, True),
                                    (files.token, self.token_of(task), True),
                                    (files.admin_token, self.admin_token, True)):
@@ -244,8 +249,8 @@ def added_task(ca_cert: bytes, ca_key: bytes, task: TaskSpec, *, host: str = "lo
 
 def _check_addable(task: TaskSpec) -> None:
     if task.type not in ADDABLE:
-        raise ClusterConfigError(f"{task}: only worker, evaluator and ps tasks join a running job (the chief is "
-                                 "part of its start)")
+        raise ClusterConfigError(f"{task}: only worker, evaluator, ps and serving tasks join a running job (the "
+                                 "chief is part of its start)")
 
 
 def token_line(task: TaskSpec, token: bytes) -> str:
@@ -280,7 +285,7 @@ def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int
             raise ClusterConfigError(f"{directory} already holds {task}'s files: pick an index no task has (a shard "
                                      "a resize removed starts again with its own files)")
         _check_addable(task)
-    cluster = _extended(directory, addresses)
+    cluster = _extended(directory, {task: address for task, address in addresses.items() if task.type != "serving"})
     ca_cert, ca_key = (directory / "ca.crt").read_bytes(), (directory / "ca.key").read_bytes()
     made, lines = {}, ""
     for task in tasks:
@@ -289,7 +294,7 @@ def add_to_job(directory: str | os.PathLike, tasks: list[TaskSpec], *, days: int
         write_file(files.cert, cert, secret=False)
         write_file(files.key, key, secret=True)
         if token is not None:
-            if task.type != "ps":  # a shard's token file is the table, which gets its line
+            if task.type not in SERVERS:  # a server's token file is the table, which gets its line
                 write_file(files.token, token, secret=True)
             lines += token_line(task, token)
     if lines:
@@ -337,6 +342,8 @@ def tf_config_lines(directory: str | os.PathLike, tasks: list[TaskSpec], address
     why for each it does not)."""
     cluster, lines, notes = job_cluster(directory), [], []
     for task in tasks:
+        if task.type == "serving":
+            continue  # ps-serve is no task of the cluster: it takes the shards' --cluster
         if cluster is not None and task.index < len(getattr(cluster, task.type)) and \
                 cluster.address(task) == addresses.get(task):
             lines.append(f"{task}: TF_CONFIG='{cluster.tf_config(task)}'")
@@ -437,10 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(ps-server --replica-of), a JSON list by shard index or a file holding one: each shard's "
                         "certificate names its backup's host too, as the backup serves with the shard's files")
     parser.add_argument("--add", metavar="TYPE:INDEX[=HOST:PORT]", action="append", default=[],
-                        help="instead of --cluster: credentials for a worker, evaluator or shard (ps, for ps-admin "
-                        "resize) joining the running job of DIR (signed by DIR/ca.key, naming HOST; a worker's or "
-                        "evaluator's token added to DIR/tokens, which the shards re-read); with HOST:PORT at the "
-                        "next index of its type, its TF_CONFIG is printed too; repeat for several")
+                        help="instead of --cluster: credentials for a worker, evaluator, shard (ps, for ps-admin "
+                        "resize) or serving replica (serving, for ps-serve) joining the running job of DIR (signed "
+                        "by DIR/ca.key, naming HOST; a worker's, evaluator's or replica's token added to DIR/tokens, "
+                        "which the shards re-read); with HOST:PORT at the next index of a cluster's task type, its "
+                        "TF_CONFIG is printed too; repeat for several")
     parser.add_argument("--rotate", action="store_true", help="instead of --cluster: a new token for every task "
                         "of DIR/tokens (TYPE-INDEX.token rewritten); the shards accept the old ones too until "
                         "--grace ends, so restart each task before then. The CA, keys, certificates and admin "
@@ -511,7 +519,8 @@ def _print(made: dict[TaskSpec, TaskCredentials], secrets_of: dict[TaskSpec, Tas
         print(kubernetes_secrets(secrets_of, kubernetes_secret), end="")
     else:
         for task, files in made.items():
-            print(f"{task}: {' '.join(files.flags())}")
+            own = ["--task", str(task)] if task.type == "serving" else []  # its line of the table (ps-serve)
+            print(f"{task}: {' '.join([*files.flags(), *own])}")
 
 
 def _backups(text: str) -> list[str]:

@@ -87,7 +87,7 @@ def test_ps_certs_add_refuses_what_cannot_join_and_writes_nothing(tmp_path):
     make_job_credentials(folder, SPEC)
     table = (folder / "tokens").read_bytes()
     for args, says in ((["--add", "worker:0"], "already holds worker:0's files"),
-                       (["--add", "chief:1"], "only worker, evaluator and ps tasks join"),
+                       (["--add", "chief:1"], "only worker, evaluator, ps and serving tasks join"),
                        (["--add", "worker"], "expected TYPE:INDEX")):
         run = ps_certs(str(folder), *args)
         assert run.returncode == 2 and says in run.stderr, run.stderr

@@ -16,7 +16,10 @@ import pytest
 import torch
 from helpers import free_ports, wait_until
 
+from torchps.certs import TaskCredentials
 from torchps.client import Embedding, Optimizer, PSClient
+from torchps.client.channels import ShardChannels
+from torchps.cluster import Cluster, TaskSpec
 from torchps.errors import InvalidArgumentError, PermissionDeniedError, ServingVersionError, UnknownVariableError
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.codec import MIN_CHUNK_BYTES
@@ -172,6 +175,58 @@ def test_a_replica_refuses_bad_requests_and_what_a_callers_role_may_not_do(local
                 shard.Configure(ps_pb2.SyncConfig(), metadata=(("torchps-token", "serve-token"),), timeout=TIMEOUT)
             assert raw.value.code() is grpc.StatusCode.PERMISSION_DENIED
             assert torch.equal(as_worker.lookup("t", IDS).rows, before.rows), "a refused call changed the replica"
+            assert proc.poll() is None
+    finally:
+        _stop(proc)
+
+
+def test_a_replica_with_the_credentials_ps_certs_adds_serves_a_tls_job_and_may_only_read(local_cluster, tmp_path):
+    """`ps-certs DIR --cluster ...`, then `ps-certs DIR --add serving:0=HOST:PORT` (docs/guide/serving.md): the
+    replica's certificate (role serving) and the shards' token table; it serves mutual TLS, reads the shard,
+    answers a worker and, to the chief's admin token, holds; its credentials may read a shard, not change it."""
+    p0, chief_port, worker_port, port = free_ports(4)
+    spec = {"chief": [f"127.0.0.1:{chief_port}"], "worker": [f"127.0.0.1:{worker_port}"], "ps": [f"127.0.0.1:{p0}"]}
+    folder = tmp_path / "job"
+    made = subprocess.run([sys.executable, "-m", "torchps.certs", str(folder), "--cluster", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    added = subprocess.run([sys.executable, "-m", "torchps.certs", str(folder), "--add", f"serving:0=127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=60)
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.startswith("serving:0: --tls-cert ") and "TF_CONFIG" not in added.stdout, added.stdout
+    flags = added.stdout.split(": ", 1)[1].split()
+    assert flags[-2:] == ["--task", "serving:0"] and f"{folder / 'tokens'}" in flags, flags
+    assert "serving:0 serving " in (folder / "tokens").read_text() and not (folder / "serving-0.token").exists()
+    cluster = Cluster.from_dict(spec)
+    local = local_cluster(1, ports=[p0], server_args=TaskCredentials.of(folder, cluster, TaskSpec("ps", 0)).flags())
+    proc = subprocess.Popen([sys.executable, "-m", "torchps.serving.daemon", "--cluster", json.dumps(spec),
+                             "--bind", f"127.0.0.1:{port}", "--poll-every", "0.05", *flags],
+                            stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    chief, worker = (TaskCredentials.of(folder, cluster, TaskSpec(kind, 0)).security() for kind in ("chief", "worker"))
+    serving = TaskCredentials.at(folder, TaskSpec("serving", 0), "serving").security().as_task("serving:0")
+    try:
+        with PSClient(local.cluster, task=TaskSpec("chief", 0), security=chief, connect_timeout=10.0,
+                      timeout=TIMEOUT) as trainer, \
+                ServingClient(address, security=worker, timeout=TIMEOUT) as as_worker:
+            trainer.create_tables([Embedding(N, D).table_spec("t", Optimizer("sgd", lr=1.0))])
+            wait_until(lambda: (s := _status(as_worker)) is not None and s.rows == N, TIMEOUT, "the whole read")
+            assert torch.equal(as_worker.lookup("t", IDS).rows, trainer.lookup_rows({"t": IDS})["t"])
+            with pytest.raises(PermissionDeniedError):
+                as_worker.hold()
+            with ServingClient(address, security=chief, timeout=TIMEOUT) as admin:
+                assert admin.hold().held and not admin.resume().held
+            with pytest.raises(grpc.RpcError) as refused:  # a caller without the job's certificate: no TLS session
+                ps_pb2_grpc.ServingStub(grpc.insecure_channel(address)).GetServingStatus(
+                    ps_pb2.ServingStatusRequest(), timeout=5)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            shard = ShardChannels([local.cluster.ps[0]], connect_timeout=10, security=serving)
+            try:
+                assert shard.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t), TIMEOUT)
+                with pytest.raises(PermissionDeniedError, match="serving role"):
+                    shard.call(0, lambda stub, t: stub.Configure(ps_pb2.SyncConfig(), timeout=t), TIMEOUT)
+            finally:
+                shard.close()
             assert proc.poll() is None
     finally:
         _stop(proc)
