@@ -195,14 +195,11 @@ class ReplicatedShards:
     def record(self, index: int) -> tuple[str, str] | None:
         """(primary, backup in sync or "") of shard `index` as its arbiter records it; None if it does not
         answer."""
-        from torchps.cluster import arbiter_of
         from torchps.errors import PSError
-        from torchps.proto import ps_pb2
+        from torchps.ps_server.backup import arbiter_layout
 
         try:
-            layout = self._arbiters.call(arbiter_of(index, self.num_shards),
-                                         lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                                         RECORD_SECONDS)
+            layout = arbiter_layout(self._arbiters, index)  # followed to where the arbiter is served
         except PSError:
             return None
         entry = next((e for e in layout.replicas if e.index == index), None)

@@ -56,7 +56,8 @@ from . import journal_log
 from .journal import Journal
 from .replication import REPLICATED
 
-__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "FAILOVER_AFTER_SECONDS"]
+__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
+           "FAILOVER_AFTER_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
@@ -412,14 +413,29 @@ def arbiter_channels(spec: tuple[str, ...], timeout: float, security: Security):
     return channels
 
 
-def record_of(channels, index: int) -> tuple[str, str] | None:
-    """(primary, backup in sync or "") the arbiter of shard `index` records, None if it records none. Raises
-    PSError when the arbiter cannot be reached (one attempt of the channels' connect timeout)."""
+def arbiter_layout(channels, index: int) -> ps_pb2.Layout:
+    """The layout (GetLayout) of shard `index`'s arbiter, at the address `channels` call it, or where a backup's
+    signpost there says it is served (the arbiter failed over and its old address hosts its backup now: the
+    signpost's answer names the arbiter's own primary, which no arbiter records of itself); the channels call
+    it there from then on. Raises PSError when the arbiter cannot be reached (one attempt of the channels'
+    connect timeout per address)."""
     arbiter = arbiter_of(index, len(channels.addresses))
-    layout = channels.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
-                           channels.connect_timeout)
-    return next(((entry.primary, entry.backup) for entry in layout.replicas if entry.index == index
-                 and entry.primary), None)
+    for _ in range(3):  # the signpost's primary may itself have moved on since
+        layout = channels.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
+                               channels.connect_timeout)
+        moved = next((entry.primary for entry in layout.replicas if entry.index == arbiter and entry.primary
+                      and entry.primary != channels.addresses[arbiter]), None)
+        if moved is None:
+            return layout
+        channels.redirect(arbiter, moved)
+    return layout
+
+
+def record_of(channels, index: int) -> tuple[str, str] | None:
+    """(primary, backup in sync or "") the arbiter of shard `index` records (arbiter_layout), None if it records
+    none. Raises PSError when the arbiter cannot be reached."""
+    return next(((entry.primary, entry.backup) for entry in arbiter_layout(channels, index).replicas
+                 if entry.index == index and entry.primary), None)
 
 
 def serving(channels, index: int) -> str | None:

@@ -56,6 +56,7 @@ REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup w
 ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
 LEASE_EVERY_SECONDS = 0.1   # a primary with a backup in sync renews its lease at its arbiter this often
+LATE_RENEWAL_SECONDS = 0.3  # renewals heard this far apart are logged (the shard or its arbiter did not run)
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
 Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout]) -> the arbiter's record
@@ -286,13 +287,18 @@ class Replication:
         arbiter dropped it): its backup is promoted only once renewals stopped for the arbiter's window. A
         renewal that fails is not asked again (the next one is due); a refusal (the record names another
         primary) fails the journal: this shard stops, as when a DROP is refused."""
-        due = time.monotonic()
+        due = heard = time.monotonic()
         while True:
             journal = self._journal()
             if journal is None or journal.following() is not feed:
                 return
             try:
                 self._arbiter("lease", self.index, self.me, feed.address, timeout=2 * LEASE_EVERY_SECONDS)
+                now = time.monotonic()
+                if now - heard > LATE_RENEWAL_SECONDS:
+                    _LOGGER.warning("ps %d: %.2f s between two lease renewals its arbiter heard (this one answered "
+                                    "%.2f s after it was due)", self.index, now - heard, now - due)
+                heard = now
             except ReplicaFencedError as exc:
                 _LOGGER.error("ps %d is fenced: %s", self.index, exc)
                 journal.fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")

@@ -20,7 +20,7 @@ from torchps.client.channels import ShardChannels
 from torchps.cluster import Cluster, TaskSpec
 from torchps.errors import LeaseHeldError, ReplicaFencedError
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.ps_server.backup import FAILOVER_AFTER_SECONDS
+from torchps.ps_server.backup import FAILOVER_AFTER_SECONDS, arbiter_channels, record_of
 from torchps.ps_server.failstop import EXIT_CODE
 from torchps.ps_server.journal import Journal
 from torchps.security import INSECURE, Security
@@ -276,8 +276,10 @@ def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved
     local, backup1, address1, cluster = _start(tmp_path)
     address0, fresh0 = (f"127.0.0.1:{port}" for port in free_ports(2))
     backups = [backup1, _backup_process(tmp_path, cluster, 0, cluster.ps[0], address0, "backup-0")]
+    arbiters = arbiter_channels(tuple(cluster.ps), 10, INSECURE)
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
+            wait_until(lambda: record_of(arbiters, 1) == (cluster.ps[1], address1), 30, "ps 0 to record ps:1's backup")
             grads = _ps_1_then_ps_0_fail_over(ps, local, address0, address1)
             values = ps.pull(SHAPES)
             assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
@@ -301,13 +303,21 @@ def test_a_client_started_once_ps_0_and_ps_1_both_moved_finds_them_through_the_b
     local, backup1, address1, cluster = _start(tmp_path)
     address0 = f"127.0.0.1:{free_ports(1)[0]}"
     backups = [backup1, _backup_process(tmp_path, cluster, 0, cluster.ps[0], address0, "backup-0")]
+    arbiters = arbiter_channels(tuple(cluster.ps), 10, INSECURE)
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
+            wait_until(lambda: record_of(arbiters, 1) == (cluster.ps[1], address1), 30, "ps 0 to record ps:1's backup")
             grads = _ps_1_then_ps_0_fail_over(ps, local, address0, address1)
             backups += [_backup_process(tmp_path, cluster, 1, address1, cluster.ps[1], "fresh-1"),
                         _backup_process(tmp_path, cluster, 0, address0, cluster.ps[0], "fresh-0")]
             wait_until(lambda: (_backup(ps, 1), _backup(ps, 0)) == (cluster.ps[1], cluster.ps[0]), 30,
                        "the fresh backups at the spec's addresses in sync")
+        # Asked again at the spec's addresses (channels that called them before the failovers, their connections
+        # now the fresh backups'), the records come from where the arbiters are served: each signpost names its
+        # arbiter's primary, and the ask follows it (without, the signpost's one entry hid the other's record).
+        assert record_of(arbiters, 1) == (address1, cluster.ps[1])
+        assert record_of(arbiters, 0) == (address0, cluster.ps[0])
+        assert arbiters.addresses[:2] == [address0, address1]
         with PSClient(cluster, connect_timeout=30) as late:
             late.declare({n: torch.zeros(s) for n, s in SHAPES.items()})
             late.push(grads)
@@ -315,6 +325,7 @@ def test_a_client_started_once_ps_0_and_ps_1_both_moved_finds_them_through_the_b
             assert all(torch.equal(values[n], torch.full(s, -4.0)) for n, s in SHAPES.items())
             assert late._fanout.channels.addresses[:2] == [address0, address1]
     finally:
+        arbiters.close()
         for backup in backups:
             backup.terminate()
             backup.wait(timeout=30)
