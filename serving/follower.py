@@ -13,6 +13,16 @@ the current version as it was, says why in `error`, and is tried again at
 the next tick; the cursors move only with a published round. While the
 replica is held (hold, rollback) nothing is read; after a rollback every
 table is read whole again (what it undid comes back from the shards).
+
+A round follows the job's live resizes: it begins by asking ps 0 for the
+layout (GetLayout), calls the shards of its epoch, and reads every table
+whole and every dense variable again when the epoch changes (a resize). It
+publishes nothing unless the epoch is the same after the
+reads as before: a round that spans a new epoch did not read the shards
+that serve rows and variables from then on. Within an epoch nothing moves
+but what is frozen (a table laid out anew takes no push until the next
+epoch; a variable on its way answers no pull), so a round read whole from
+one epoch's shards holds every change they acknowledged before it began.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ class Follower:
                  poll_every: float = POLL_SECONDS, dense_every: float = DENSE_SECONDS,
                  timeout: float = 30.0, connect_timeout: float = 30.0):
         self.replica, self.poll_every, self.dense_every, self.timeout = replica, poll_every, dense_every, timeout
+        self._spec = list(addresses)
         self.channels = ShardChannels(list(addresses), connect_timeout=connect_timeout, security=security)
         self.channels.follows_failovers = True
         self._cursors: list[dict[str, tuple[str, int]]] = [{} for _ in addresses]
@@ -59,6 +70,7 @@ class Follower:
         self.rows_applied = 0    # rows published over all rounds
         self.rounds = 0
         self._rewinds = 0  # the replica's rollbacks the cursors know of
+        self.epoch: int | None = None  # the layout epoch of the shards read (None: none asked yet)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -81,6 +93,15 @@ class Follower:
         if rewinds != self._rewinds:  # rolled back: what it undid is read again, every table whole
             self._cursors = [{} for _ in self._cursors]
             self._dense_versions, self._dense_read, self._rewinds = {}, -math.inf, rewinds
+        layout = self._layout()
+        if layout.epoch != self.epoch:  # the first round, or a live resize: every table and variable read anew
+            self.channels.follow(self._shards(layout))
+            self._cursors = [{} for _ in self._shards(layout)]
+            self._dense_versions, self._dense_read = {}, -math.inf
+            if self.epoch is not None:
+                _LOGGER.info("ps-serve follows layout epoch %d (%d shards): every table and variable read anew",
+                             layout.epoch, len(self._cursors))
+            self.epoch = layout.epoch
         batches, cursors = [], []
         for shard in range(len(self._cursors)):
             found, cursor = self._changes(shard)
@@ -89,6 +110,10 @@ class Follower:
         dense = self._dense() if time.monotonic() - self._dense_read >= self.dense_every else None
         status = self.channels.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
                                     self.timeout)  # after the reads: the version holds no change of a later step
+        moved = self._moved(layout)
+        if moved:
+            _LOGGER.info("ps-serve: %s: nothing published, read again", moved)
+            return False
         changed = any(len(b.ids) or b.whole for _, b in batches) or dense is not None
         if changed:
             merged = dict(self.replica.dense()[1]) if dense is not None else None
@@ -103,6 +128,21 @@ class Follower:
         self.fresh_at, self.step = began, status.step
         self.rounds += 1
         return changed
+
+    def _layout(self) -> ps_pb2.Layout:
+        return self.channels.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), self.timeout)
+
+    def _shards(self, layout: ps_pb2.Layout) -> list[str]:
+        """The shards of `layout`'s epoch (the cluster spec's before any resize)."""
+        return list(layout.addresses) or self._spec
+
+    def _moved(self, layout: ps_pb2.Layout) -> str:
+        """Why a round read under `layout` may not be published ("" if it may): the epoch moved on during it (a
+        shard it did not read may have acknowledged changes its version would claim to hold)."""
+        after = self._layout()
+        if after.epoch != layout.epoch:
+            return f"the layout moved from epoch {layout.epoch} to {after.epoch} during the round"
+        return ""
 
     def _changes(self, shard: int) -> tuple[list[tuple[str, TableBatch]], dict[str, tuple[str, int]]]:
         """Shard `shard`'s tables' changes since its cursors: ([(table, batch)], the cursors they lead to)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import grpc
@@ -120,6 +121,55 @@ def test_a_replica_follows_training_and_equals_the_shards_bit_for_bit(local_clus
                 _caught_up(again_serving, final)
                 assert torch.equal(again_serving.lookup("t", IDS).rows, client.lookup_rows({"t": IDS})["t"])
     finally:
+        _stop(proc)
+
+
+def test_a_replica_follows_live_resizes_and_never_serves_a_version_missing_a_row(local_cluster, tmp_path):
+    """2 -> 3 -> 2 shards while the replica follows and a reader looks every row up: each resize re-lays the table
+    out (rows move to and from ps 2) and may move the dense variable; the replica calls the shards of each new
+    epoch (without, the rows ps 2 took are never read), every answer holds every row, and once caught up it
+    equals the shards bit for bit."""
+    local = local_cluster(2)
+    proc, address = _replica(local, tmp_path)
+    seen, stop = {"answers": 0, "missing": []}, threading.Event()
+    try:
+        with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client, \
+                ServingClient(address, timeout=TIMEOUT) as serving:
+            client.create_tables([Embedding(N, D).table_spec("t", Optimizer("adagrad", lr=0.1))])
+            client.create_variables({"dense/w": torch.zeros(5)}, Optimizer("sgd", lr=0.1))
+            _train(client, 5)
+            _caught_up(serving, client.status(0).step)
+            wait_until(lambda: serving.status().rows == N, TIMEOUT, "the whole read")
+
+            def read() -> None:
+                with ServingClient(address, timeout=TIMEOUT) as reader:
+                    while not stop.is_set():
+                        answer = reader.lookup("t", IDS)
+                        seen["answers"] += 1
+                        if not bool(answer.held.all()):
+                            seen["missing"].append(answer.version)
+
+            reader = threading.Thread(target=read)
+            reader.start()
+
+            def equal() -> bool:
+                return torch.equal(serving.lookup("t", IDS).rows, client.lookup_rows({"t": IDS})["t"]) and \
+                    torch.equal(serving.dense(["dense/w"]).tensors["dense/w"], client.pull(["dense/w"])["dense/w"])
+
+            for target, seed in (([*local.cluster.ps, local.add_ps()], 1), (list(local.cluster.ps), 2)):
+                answered = seen["answers"]
+                report = client.resize(target, drain_seconds=1.0)
+                assert report.shards_after == len(target)
+                _train(client, 5, seed=seed)
+                _caught_up(serving, client.status(0).step)
+                wait_until(equal, TIMEOUT, f"the replica to equal the {len(target)} shards")
+                wait_until(lambda: seen["answers"] > answered + 2, TIMEOUT, "lookups through the resize")
+            stop.set()
+            reader.join(TIMEOUT)
+            assert seen["missing"] == [], f"versions that lacked rows: {seen['missing']}"
+            assert proc.poll() is None
+    finally:
+        stop.set()
         _stop(proc)
 
 
