@@ -143,6 +143,38 @@ def serving_page(results: list[Result]) -> Page:
     return page
 
 
+def freshness_page(results: list[Result]) -> Page:
+    page = Page.start(
+        "freshness.md", "Freshness pays",
+        "`bench/freshness.py`: a DLRM trained online on a click stream whose click probabilities drift; each hour of "
+        "the second day is scored before it is trained on, with the version a ps-serve replica follows (fresh) "
+        "and with one held at the end of the first day (daily), beside the ground truth's own AUC. The same run "
+        "on a stationary stream is the control: the gain a fresh model owes only to its extra hours of data.")
+    r = results[-1]
+    lines = []
+    for name in ("drifting", "stationary"):
+        got = r.get(name)
+        if not got:
+            continue
+        rows = [[h.get("hour"), h.get("fresh_step"), num(h.get("fresh_auc"), 4), h.get("daily_step"),
+                 num(h.get("daily_auc"), 4), num(h.get("oracle_auc"), 4)] for h in got.get("hours", [])]
+        rows.append(["mean", "", num(got.get("fresh_auc"), 4), "", num(got.get("daily_auc"), 4),
+                     num(got.get("oracle_auc"), 4)])
+        lines += [f"The {name} stream: fresh - daily {num(got.get('fresh_minus_daily'), 4)} AUC, "
+                  f"{got.get('hours_fresh_better')} of {len(got.get('hours', []))} hours better.", "",
+                  *table(["hour scored", "fresh version's step", "fresh AUC", "daily version's step", "daily AUC",
+                          "oracle AUC"], rows)]
+    config = r.get("config") or {}
+    page.lines += [*lines,
+                   *table(["target", "met"], [[code(k), met(v)] for k, v in (r.get("targets") or {}).items()]),
+                   *section("How this was measured", [source(r, config={
+                       k: config.get(k) for k in ("cardinalities", "dim", "hours_per_day", "samples_per_hour",
+                                                  "drift_hours", "churn", "batch_size", "seed")})])]
+    page.headline.append(("serving the fresh version over the daily one, next hour's AUC gain (drifting stream)",
+                          num(r.get("fresh_minus_daily"), 4), r))
+    return page
+
+
 def host_shards_page(results: list[Result]) -> Page:
     page = Page.start(
         "host-shards.md", "Shard processes per host",
