@@ -3,7 +3,7 @@
 
     python bench/compression_accuracy.py --json accuracy.json      # 5 policies x 2 rounds: about 6 minutes
     python bench/compression_accuracy.py --rounds 1 --policies none,bf16
-    python bench/compression_accuracy.py --quick                   # mnist5k, 200 steps: a check that it runs
+    python bench/compression_accuracy.py --quick                   # mnist5k, 100 steps: a check that it runs
 
 Each run is `ps-launch --insecure --compression POLICY --metrics-out FILE`
 plus the demo's defaults (2 ps + 2 async workers, the 784-100-10 sigmoid MLP,
@@ -40,7 +40,7 @@ def run_once(policy: str, quick: bool, timeout: float) -> dict:
         out = pathlib.Path(tmp) / "summary.json"
         cmd = [str(launch), "--insecure", "--compression", policy, "--metrics-out", str(out)]
         if quick:
-            cmd += ["--dataset", "mnist5k", "--steps", "200"]
+            cmd += ["--dataset", "mnist5k", "--steps", "100"]
         started = time.monotonic()
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if run.returncode != 0 or not out.is_file():
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated --compression specs")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="mnist5k, 200 steps, one round")
+    parser.add_argument("--quick", action="store_true", help="mnist5k, 100 steps, one round")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     args = parser.parse_args(argv)

@@ -104,7 +104,7 @@ RUN_KEYS = ("steps_per_s", "cpu_ms_per_step", "cpu_ms_per_step_each", "MB_per_st
 def window(args) -> tuple[float, int, int]:
     """(seconds, warm-up steps per torchps worker, per TensorFlow worker); --seconds sets the first."""
     if args.smoke:
-        return 1.5, 2, 2
+        return 1.0, 2, 2
     if args.model == "small":
         return args.seconds or 5.0, 30, 30
     return args.seconds or 10.0, 3, 3
@@ -342,7 +342,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", type=pathlib.Path, metavar="DIR",
                         help="perf record -a -g part of every run's window; data and per-process summaries under DIR")
     parser.add_argument("--smoke", action="store_true",
-                        help="the suite's check: the seed MLP, 1 ps, 1 Gbit/s, torchps fp32 only, 1.5 s, no TensorFlow")
+                        help="the suite's check: the seed MLP, 1 ps, 1 Gbit/s, torchps fp32 only, 1 s, no TensorFlow")
     # internal: one run inside its namespace
     parser.add_argument("--inside", choices=list(LINKS), help=argparse.SUPPRESS)
     parser.add_argument("--setup", choices=list(SETUPS), help=argparse.SUPPRESS)

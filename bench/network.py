@@ -168,7 +168,7 @@ def in_namespace(script, script_args: list[str]) -> dict:
 def window(model: str, args) -> tuple[float, int, int]:
     """(seconds, torch warm-up steps per worker, TF warm-up steps over both workers)."""
     if args.smoke:
-        return 2.0, 5, 10
+        return 1.0, 5, 10
     if model == "small":
         return (3.0 if args.quick else 6.0), 50, 100
     return (5.0 if args.quick else 15.0), 3, 6
@@ -336,7 +336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 1)")
     parser.add_argument("--quick", action="store_true", help="1 round, 5 s (25.3M) and 3 s (seed) windows")
     parser.add_argument("--smoke", action="store_true",
-                        help="the suite's check: 1 Gbit/s, the seed MLP, torchps fp32 only, 2 s, no TensorFlow")
+                        help="the suite's check: 1 Gbit/s, the seed MLP, torchps fp32 only, 1 s, no TensorFlow")
     parser.add_argument("--no-tf", dest="tf", action="store_false", help="torchps only")
     parser.add_argument("--tf-python", default=None,
                         help="interpreter with tensorflow-cpu (default .venv-tf/bin/python if present, else this one)")

@@ -18,8 +18,8 @@ QUICK = {"tables": 8, "rows": 20_000, "dim": 16, "batch": 256, "ids_per_bag": 8}
 
 def test_the_quick_embedding_benchmark_measures_both_variants(tmp_path):
     out = tmp_path / "embedding.json"
-    # 1 s windows instead of --quick's 3 s: every count below is checked against the others, whatever the window
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "embedding.py"), "--quick", "--seconds", "1", "--json",
+    # 0.5 s windows instead of --quick's 3 s: every count below is checked against the others, whatever the window
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "embedding.py"), "--quick", "--seconds", "0.5", "--json",
                           str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_the_journal_benchmark_reports_its_ratios_over_the_plain_shard(tmp_path):
     out = tmp_path / "journal.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "journal.py"), "--dims", "784,16,10", "--workers", "1",
-                          "--seconds", "0.5", "--repeats", "1", "--warmup", "1", "--dir", str(tmp_path),
+                          "--seconds", "0.3", "--repeats", "1", "--warmup", "1", "--dir", str(tmp_path),
                           "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(out.read_text())

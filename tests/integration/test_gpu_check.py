@@ -2,11 +2,14 @@
 with --device cpu (the GPU tests skip), each writes its JSON, and the summary says so. The GPU run itself is
 docs/gpu.md's. Its peers-torchps check is bench/peers.py on its smallest setting without TensorFlow (CI does
 not install it), whose JSON and table are checked here too: real shards and two async worker processes on the
-seed MLP, the issue's JSON keys written (null where not measured)."""
+seed MLP, the issue's JSON keys written (null where not measured). Its custom-loop check runs
+examples/custom_loop.py in plaintext (--insecure), the example's mode that test_custom_loop_example.py, which runs
+it with TLS, leaves to this run."""
 
 import importlib.util
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -38,8 +41,11 @@ def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
     assert all(check["status"] == "ok" for check in summary["checks"].values()), summary["checks"]
     gpu_tests = (ROOT / "tests" / "grpc" / "test_cuda.py").read_text().count("\ndef test_")
     assert summary["checks"]["gpu-tests"]["tests"] == {"skipped": gpu_tests}, "no CUDA here: the GPU tests skip"
-    for name in ("demo-cpu", "shared-device", "host-2-procs"):
-        assert summary["checks"][name]["test_accuracy"] > 0.1, name  # trained, on 60-100 steps
+    for name in ("demo-cpu", "shared-device", "host-2-procs", "custom-loop"):
+        assert summary["checks"][name]["test_accuracy"] > 0.1, name  # trained, on 40-100 steps
+    custom_loop = (out / "custom-loop.log").read_text()  # examples/custom_loop.py --insecure, end to end
+    assert re.search(r"^ps shards on \S+, \S+ \(plaintext, INSECURE\)$", custom_loop, re.MULTILINE), custom_loop
+    assert re.search(r"^final test accuracy: ", custom_loop, re.MULTILINE), custom_loop
     host = summary["checks"]["host-2-procs"]
     assert host["workers"] == 1 and host["nproc_per_host"] == 2, "one task of 2 processes"
     assert host["dataset"] == "mnist5k", "examples/custom_entry.py's --entry"
@@ -58,8 +64,8 @@ def test_the_device_check_runs_every_check_on_the_cpu(tmp_path):
 
 
 def check_peers(out: pathlib.Path) -> None:
-    """bench/peers.py --quick --no-tf --only small --variants fp32 --seconds 1 (the check's command): every key,
-    the steps and the bytes each step copies; a 1 s window instead of --quick's 3 s needs no more."""
+    """bench/peers.py --quick --no-tf --only small --variants fp32 --seconds 0.5 (the check's command): every key,
+    the steps and the bytes each step copies; a 0.5 s window instead of --quick's 3 s needs no more."""
     result = json.loads((out / "peers-torchps.figures.json").read_text())
     assert not [key for key in PEERS_KEYS if key not in result]
     assert result["small_fp32_steps_per_s"] > 0
