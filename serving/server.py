@@ -8,7 +8,6 @@ server). The servicer decodes, calls the replica and encodes; the handler checks
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import math
@@ -52,7 +51,7 @@ class ServingServicer(ps_pb2_grpc.ServingServicer):
                  on_lookup: Callable[[float], None] | None = None):
         self.replica, self.follower, self.authority, self._on_lookup = replica, follower, authority, on_lookup
         self._lock = threading.Lock()
-        self._lookup_times: collections.deque[float] = collections.deque(maxlen=RECENT_LOOKUPS)
+        self._lookup_times = np.zeros(RECENT_LOOKUPS)  # a ring: lookup n's time at n % RECENT_LOOKUPS
         self._lookups = 0
 
     def answered(self, method: str, seconds: float) -> None:
@@ -60,7 +59,7 @@ class ServingServicer(ps_pb2_grpc.ServingServicer):
         if method != "Lookup":
             return
         with self._lock:
-            self._lookup_times.append(seconds)
+            self._lookup_times[self._lookups % RECENT_LOOKUPS] = seconds
             self._lookups += 1
         if self._on_lookup is not None:
             self._on_lookup(seconds)
@@ -104,9 +103,16 @@ class ServingServicer(ps_pb2_grpc.ServingServicer):
         current, kept, held, rows = self.replica.status()
         follower = self.follower
         fresh = follower.fresh_at
-        with self._lock:
-            times, lookups = sorted(self._lookup_times), self._lookups
-        rank = (lambda q: times[max(0, math.ceil(q * len(times)) - 1)]) if times else (lambda q: 0.0)
+        with self._lock:  # a copy only: the lookups that record their times wait for no sort
+            lookups = self._lookups
+            times = self._lookup_times[:min(lookups, RECENT_LOOKUPS)].copy()
+
+        def rank(q: float) -> float:  # nearest rank, by a partial sort
+            if not len(times):
+                return 0.0
+            at = max(0, math.ceil(q * len(times)) - 1)
+            return float(np.partition(times, at)[at])
+
         return ps_pb2.ServingStatus(
             current=_version(current), kept=[_version(v) for v in kept], held=held,
             staleness_seconds=max(0.0, time.time() - fresh) if fresh else 0.0,

@@ -130,3 +130,24 @@ def test_a_whole_read_drops_only_the_rows_its_shard_owns_that_it_no_longer_holds
     assert replica.status()[3] == 3
     with pytest.raises(UnknownVariableError, match="no table 'u'"):
         replica.lookup("u", ids(0))
+
+
+def test_the_status_ranks_the_latest_lookups_times_and_counts_them_all():
+    """ServingStatus's p50 and p99 are nearest ranks over the last RECENT_LOOKUPS lookups' times (a ring the
+    lookups write under a lock that a status call holds only to copy it); `lookups` counts every one."""
+    from types import SimpleNamespace
+
+    from torchps.serving.server import RECENT_LOOKUPS, ServingServicer
+
+    follower = SimpleNamespace(fresh_at=0.0, step=0, resyncs=0, error="", rows_applied=0)
+    servicer = ServingServicer(Replica(2), follower, authority=None)
+    assert (servicer._status().lookup_p50_seconds, servicer._status().lookups) == (0.0, 0)
+    times = [((i * 7919) % 10_061) / 1e4 for i in range(RECENT_LOOKUPS + 50)]  # distinct, unordered
+    for seconds in times:
+        servicer.answered("Lookup", seconds)
+    servicer.answered("GetDense", 99.0)  # not a lookup
+    status = servicer._status()
+    kept = sorted(times[-RECENT_LOOKUPS:])
+    assert status.lookups == len(times)
+    assert status.lookup_p50_seconds == kept[RECENT_LOOKUPS // 2 - 1]
+    assert status.lookup_p99_seconds == kept[int(RECENT_LOOKUPS * 0.99) - 1]
