@@ -38,7 +38,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..cluster import arbiter_of
-from ..errors import InvalidArgumentError, ModeConflictError, WaitTimeoutError
+from ..errors import InvalidArgumentError, LeaseHeldError, ModeConflictError, PSError, WaitTimeoutError
 from ..proto import ps_pb2
 from . import table_state
 from .dataqueue import DataQueues
@@ -379,6 +379,8 @@ class Coordinator:
         if action == "promote" and index == self._index:
             raise ModeConflictError(f"ps:{index}'s backup takes over by hand (start ps-server --index {index} on its "
                                     f"journal folder at its address): no shard but it can grant its failover")
+        if action == "promote":
+            self._outlast_lease(index, primary, backup, timeout)
         ticket = None
         with self.gate.change(), self.recorder.ordering:
             event = self.replicas.decide(action, index, primary, backup)
@@ -389,6 +391,18 @@ class Coordinator:
         if event is not None:
             _LOGGER.info("ps 0 records ps:%d: %s", index, event)
         return self.replicas.entry(index)
+
+    def _outlast_lease(self, index: int, primary: str, backup: str, timeout: float | None) -> None:
+        """A PROMOTE asked while the primary's lease still holds waits once for what is left of it, if that ends
+        well within `timeout` (the lease's last renewal may have followed the backup's last frame by a renewal's
+        period: the backup need not ask again); the decision is then made anew."""
+        try:
+            self.replicas.decide("promote", index, primary, backup)
+        except LeaseHeldError as exc:
+            if timeout is None or exc.left < timeout / 2:
+                time.sleep(exc.left)
+        except PSError:
+            pass  # refused for another reason: decided, and raised, as any change
 
     def _replay_replica(self, kind: str, meta: dict, tensors: dict) -> None:
         self.replicas.apply(meta)

@@ -169,7 +169,7 @@ class ReplicaRegistry:
             self._hearing_since = self._ticked = now
         heard = max(self._renewed.get(index, self._hearing_since), self._hearing_since)
         if now - heard < self.lease_seconds:
-            raise LeaseHeldError(f"ps:{index}'s primary {primary} holds its lease ({now - heard:.3f} s since this "
+            raise LeaseHeldError(left=self.lease_seconds - (now - heard), message=f"ps:{index}'s primary {primary} holds its lease ({now - heard:.3f} s since this "
                                  f"arbiter heard it, of {self.lease_seconds:g} s): it runs, and its backup follows "
                                  f"it again")
 

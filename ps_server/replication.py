@@ -55,7 +55,8 @@ ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this lon
 REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup was in sync with it once
 ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
-LEASE_EVERY_SECONDS = 0.1   # a primary with a backup in sync renews its lease at its arbiter this often
+LEASE_EVERY_SECONDS = 0.05  # a primary with a backup in sync renews its lease at its arbiter this often
+LEASE_CALL_SECONDS = 0.2    # one renewal's deadline (a late one is not asked again: the next is due)
 LATE_RENEWAL_SECONDS = 0.3  # renewals heard this far apart are logged (the shard or its arbiter did not run)
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
@@ -293,7 +294,7 @@ class Replication:
             if journal is None or journal.following() is not feed:
                 return
             try:
-                self._arbiter("lease", self.index, self.me, feed.address, timeout=2 * LEASE_EVERY_SECONDS)
+                self._arbiter("lease", self.index, self.me, feed.address, timeout=LEASE_CALL_SECONDS)
                 now = time.monotonic()
                 if now - heard > LATE_RENEWAL_SECONDS:
                     _LOGGER.warning("ps %d: %.2f s between two lease renewals its arbiter heard (this one answered "

@@ -163,7 +163,12 @@ class ReplicaFencedError(ModeConflictError):
 
 class LeaseHeldError(ModeConflictError):
     """A backup asked its arbiter to promote it while its primary still renews its lease there (it runs; only
-    the backup's stream went quiet): nothing changed, and the backup follows that primary again."""
+    the backup's stream went quiet): nothing changed, and the backup follows that primary again. `left`: the
+    seconds the lease holds without another renewal (0 where unknown: on the client side)."""
+
+    def __init__(self, message: str = "", left: float = 0.0):
+        super().__init__(message)
+        self.left = left
 
 
 class CheckpointError(PSError):

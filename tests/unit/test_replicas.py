@@ -260,3 +260,37 @@ def test_a_fenced_journal_acknowledges_nothing_more(tmp_path):
     with pytest.raises(ServerUnavailableError, match="promoted the backup"):
         journal.wait(number, timeout=5)
     journal.close()
+
+
+def test_a_promotion_asked_as_the_lease_runs_out_waits_for_it_and_one_renewed_meanwhile_is_refused():
+    """The arbiter's coordinator: a PROMOTE asked with less of the lease left than half its deadline waits that
+    out and is granted, without the backup asking again; one whose primary renews during the wait is refused
+    (LeaseHeldError) and changes nothing; one with more left than half its deadline is refused at once."""
+    from torchps.ps_server.coordinator import Coordinator
+    from torchps.ps_server.store import VariableStore
+
+    coordinator = Coordinator(VariableStore(), owns_step=True, index=0, addresses=SPEC, failover_after=0.3)
+    try:
+        coordinator.set_replica("in_sync", 1, "h:1", "b:1")
+        coordinator.replicas.renew(1, "h:1")
+        with pytest.raises(LeaseHeldError):  # 0.3 s left, more than half of 0.2 s
+            coordinator.set_replica("promote", 1, "h:1", "b:1", timeout=0.2)
+        stop = threading.Event()
+
+        def renew() -> None:  # the primary, running
+            while not stop.is_set():
+                coordinator.replicas.renew(1, "h:1")
+                stop.wait(0.05)
+
+        renewing = threading.Thread(target=renew)
+        renewing.start()
+        with pytest.raises(LeaseHeldError):  # waited once, renewed meanwhile
+            coordinator.set_replica("promote", 1, "h:1", "b:1", timeout=5.0)
+        stop.set()
+        renewing.join(5)
+        assert coordinator.replicas.entry(1)["primary"] == "h:1"
+        coordinator.replicas.renew(1, "h:1")
+        entry = coordinator.set_replica("promote", 1, "h:1", "b:1", timeout=5.0)  # waits the lease out
+        assert (entry["primary"], entry["failovers"]) == ("b:1", 1)
+    finally:
+        coordinator.close()
