@@ -21,9 +21,10 @@ replication.LEASE_EVERY_SECONDS; never journaled): a PROMOTE is refused
 renewed within `lease_seconds` (the arbiter's --failover-after), so a backup
 whose stream went silent takes over a primary that is stopped or cut off
 after one window of silence, and never one that still runs. Leases are only
-heard while this arbiter runs: a new or restarted arbiter, or one that was
-itself paused for over half a window (`run_clock` notices), hears them
-afresh for a whole window before it promotes anyone. The lease is liveness
+heard while this arbiter runs: a new or restarted arbiter hears them for a
+whole window before it promotes anyone, and one that did not run for a
+while (paused, starved: `run_clock` notices) credits every lease with that
+time. The lease is liveness
 only; safety stays with the record (a primary acknowledges nothing its
 backup did not write, and a promoted backup writes nothing more for it).
 
@@ -165,8 +166,7 @@ class ReplicaRegistry:
         if not self.lease_seconds:
             return
         now = self._clock()
-        if now - self._ticked > self.lease_seconds / 2:  # this arbiter itself did not run (run_clock is late)
-            self._hearing_since = self._ticked = now
+        self._look(now)  # run_clock may not have run since this arbiter did not
         heard = max(self._renewed.get(index, self._hearing_since), self._hearing_since)
         if now - heard < self.lease_seconds:
             raise LeaseHeldError(left=self.lease_seconds - (now - heard), message=f"ps:{index}'s primary {primary} holds its lease ({now - heard:.3f} s since this "
@@ -194,17 +194,25 @@ class ReplicaRegistry:
 
     def run_clock(self) -> None:
         """Looks at this arbiter's own progress every lease_seconds / CLOCK_TICKS (thread body; returns at
-        close()): a look later than half a lease means the process did not run (paused, starved), and the
-        leases it could not hear meanwhile are heard afresh for a whole window."""
+        close()): see _look."""
         while not self._closed.wait(self.lease_seconds / CLOCK_TICKS):
             self._tick()
 
     @guarded
     def _tick(self) -> None:
-        now = self._clock()
-        if now - self._ticked > self.lease_seconds / 2:
-            self._hearing_since = now
-        self._ticked = now
+        self._look(self._clock())
+
+    def _look(self, now: float) -> None:
+        """(Holding the lock.) A look at `now`: one later than the clock's period by more than a quarter lease
+        means this arbiter did not run meanwhile (paused, starved), when no renewal could be heard; every lease
+        is credited with that time (a primary must be silent for a lease's worth of this arbiter's running
+        time), never past `now`."""
+        late = now - self._ticked - self.lease_seconds / CLOCK_TICKS
+        if late > self.lease_seconds / 4:
+            self._hearing_since = min(now, self._hearing_since + late)
+            for index, renewed in self._renewed.items():
+                self._renewed[index] = min(now, renewed + late)
+        self._ticked = max(self._ticked, now)
 
     def close(self) -> None:
         """Ends run_clock."""

@@ -185,6 +185,23 @@ def test_an_arbiter_that_was_paused_hears_leases_afresh_before_it_promotes(ticke
     registry.apply(registry.decide("promote", 1, "h:1", "b:1"))
 
 
+def test_an_arbiter_that_was_starved_a_while_credits_the_leases_with_that_while_only():
+    """A look late by 0.25 s (a starved arbiter, on a loaded host) adds 0.25 s to the lease, not a whole window:
+    the backup is promoted once the primary was silent for a lease of the arbiter's running time."""
+    clock = _Clock()
+    registry = leased_registry(clock)
+    run_for(registry, clock, 0.5)
+    registry.renew(1, "h:1")
+    run_for(registry, clock, 0.3125)
+    clock.now += 0.3  # no look for 0.3 s: 0.25 s late
+    with pytest.raises(LeaseHeldError):  # 0.6125 s since the renewal, 0.3625 of them heard
+        registry.decide("promote", 1, "h:1", "b:1")
+    run_for(registry, clock, 0.125)
+    with pytest.raises(LeaseHeldError):
+        registry.decide("promote", 1, "h:1", "b:1")
+    run_for(registry, clock, 0.0625)
+    registry.apply(registry.decide("promote", 1, "h:1", "b:1"))  # 0.55 s of running time since the renewal
+
 def test_a_fenced_primary_learns_it_from_its_lease_and_a_removed_shard_renews_nothing():
     clock = _Clock()
     layout = list(SPEC)
