@@ -9,7 +9,7 @@ from ..cluster import Cluster, TaskSpec
 from ..errors import (AuthenticationError, CheckpointError, ClusterConfigError, DataShardError, InternalServerError,
                       InvalidArgumentError, LaneBrokenError, LayoutChangedError, MalformedStreamError, ModeConflictError, NonFiniteGradientError,
                       OptimizerSpecError, PermissionDeniedError, PSError,
-                      ReplicaFencedError, ResizeConflictError, ResourceExhaustedError, ServerUnavailableError, ServingVersionError, ShardBusyError, ShardLostError, SpecConflictError,
+                      LeaseHeldError, ReplicaFencedError, ResizeConflictError, ResourceExhaustedError, ServerUnavailableError, ServingVersionError, ShardBusyError, ShardLostError, SpecConflictError,
                       StepPassedError, TensorMismatchError, UnknownDataQueueError, UnknownVariableError,
                       VariableMovingError, WaitTimeoutError, WorkerReplacedError)
 from ..memory import tune_malloc
@@ -69,6 +69,7 @@ __all__ = [
     "InvalidArgumentError",
     "LaneBrokenError",
     "LayoutChangedError",
+    "LeaseHeldError",
     "LocalRank",
     "LocalReplica",
     "MalformedStreamError",
