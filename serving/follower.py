@@ -17,12 +17,12 @@ table is read whole again (what it undid comes back from the shards).
 A round follows the job's live resizes: it begins by asking ps 0 for the
 layout (GetLayout), calls the shards of its epoch, and reads every table
 whole and every dense variable again when the epoch changes (a resize). It
-publishes nothing unless the epoch is the same after the
-reads as before: a round that spans a new epoch did not read the shards
-that serve rows and variables from then on. Within an epoch nothing moves
-but what is frozen (a table laid out anew takes no push until the next
-epoch; a variable on its way answers no pull), so a round read whole from
-one epoch's shards holds every change they acknowledged before it began.
+publishes nothing unless the epoch is the same after the reads as before: a
+round that spans a new epoch did not read the shards that serve rows and
+variables from then on. Within an epoch nothing moves but what is frozen (a
+table laid out anew takes no push until the next epoch; a variable on its
+way answers no pull), so a round read whole from one epoch's shards holds
+every change they acknowledged before it began.
 """
 
 from __future__ import annotations
