@@ -82,11 +82,12 @@ class DriftingClicks:
 
 def wait_caught_up(serving, step: int, since: float, what: str) -> None:
     """Blocks until the replica's version holds global step `step`'s rows and dense layers read after `since`
-    (wall clock) and more: its dense period twice over. RuntimeError after CATCH_UP_SECONDS."""
+    (wall clock). RuntimeError after CATCH_UP_SECONDS."""
     deadline = time.monotonic() + CATCH_UP_SECONDS
     while True:
-        current = serving.status().current
-        if current.step >= step and current.published_unix >= since + 2 * DENSE_EVERY:
+        status = serving.status()
+        current = status.current
+        if current.step >= step and status.dense_read_unix >= since:
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"the {what} replica did not catch up with step {step} in {CATCH_UP_SECONDS:g} s "

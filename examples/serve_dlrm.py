@@ -94,8 +94,7 @@ def main(argv=None) -> int:
                 if code[0] != 0:
                     return code[0]
                 ended, final = time.time(), sum(dlrm.steps_per_worker(args))
-                while (status := serving.status()).current.step < final or \
-                        status.current.published_unix < ended + 2 * DENSE_EVERY:
+                while (status := serving.status()).current.step < final or status.dense_read_unix < ended:
                     time.sleep(0.1)  # caught up: the last step's rows, and the dense layers read after it
                 score("the final model")
         finally:

@@ -28,7 +28,8 @@ class ChangeRPCs:
             raise InvalidArgumentError(f"a ReadChanges request names a table more than once: {sorted(names)}")
         cursors = {c.table: (c.incarnation, c.seq) for c in request.cursors}
         step = self.store.step
-        for name, held, (incarnation, seq, whole, ids, rows, kept) in self.coordinator.tables.changes(cursors):
+        changed = self.coordinator.tables.changes(cursors, request.min_updates)
+        for name, held, (incarnation, seq, whole, ids, rows, kept) in changed:
             row_bytes = held.table.dim * rows.element_size() + ID_BYTES  # a row's values, its id and held byte
             per_message = max(MIN_ROWS, min(request.max_rows or self.max_chunk_bytes // row_bytes,
                                             self.max_chunk_bytes // row_bytes))

@@ -42,7 +42,8 @@ from . import table_state
 from .entries import decode_entries
 
 __all__ = ["FORMAT", "MANIFEST_FORMAT", "FORMAT_TABLES", "MANIFEST_FORMAT_TABLES", "write_shard", "commit",
-           "latest_committed", "load", "restore_state", "relayout", "clean_partial", "write_atomic", "fsync_dir"]
+           "committed_at", "latest_committed", "load", "restore_state", "relayout", "clean_partial", "write_atomic",
+           "fsync_dir"]
 
 _LOGGER = logging.getLogger(__name__)
 FORMAT = "torchps-shard-v2"
@@ -201,6 +202,11 @@ def _intact(directory: pathlib.Path, step: int) -> dict | None:
     """The manifest of checkpoint `step` if it is committed and its files are as it recorded them, else None."""
     manifest = _manifest(directory, step)
     return manifest if manifest is not None and _damage(directory, step, manifest) is None else None
+
+
+def committed_at(directory: str | os.PathLike, step: int) -> dict | None:
+    """The manifest of checkpoint `step` under `directory` if it is committed and intact, else None."""
+    return _intact(pathlib.Path(directory), step)
 
 
 def latest_committed(directory: str | os.PathLike) -> tuple[int, dict] | None:

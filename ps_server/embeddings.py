@@ -16,10 +16,13 @@ torchps/rows.py defines both (shard_of, re-exported here), for shards and client
   least recently updated (ties: lowest id) above capacity; counters age and
   are capped alike. Rows live in slabs (each new one max(1024 rows, an
   eighth of those allocated; row_storage.py); eviction moves the last rows into the holes and
-  frees emptied slabs), ids in an open-addressing index of int32 slots, so
-  nbytes() is at most ~1.125 x payload + 34 bytes per row from ~8k rows on:
-  within 1.3 x (row + optimizer state) for payloads from ~220 bytes (dim 32
-  float32 with Adagrad or SparseAdam, dim 64 with SGD; measured worst 1.25).
+  frees emptied slabs), ids in an open-addressing index of int32 slots
+  (docs/guide/embeddings.md says what a row costs).
+
+Every row of either kind carries its RowMarks (row_changes.py): the seq of
+its last change and its update count, what changes() answers a serving
+replica from (a cursor older than the change log: the rows marked since;
+min_updates: rows updated fewer times are sent as not held).
 
 Every row, wherever and whenever created, starts as initial_rows(seed, id):
 a counter-based SplitMix64 stream, N(0, init_scale^2) (nn.Embedding's N(0, 1)
@@ -48,7 +51,7 @@ import torch
 
 from ..errors import InvalidArgumentError, NonFiniteGradientError, TensorMismatchError
 from ..rows import GOLDEN as _GOLDEN, PARTITIONS, owner as _owner, shard_of, splitmix64 as _splitmix64
-from .row_changes import RowChanges
+from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_optimizers import RowOptimizer, coalesce
 from .row_storage import MIN_SLAB as _MIN_SLAB, Keyed as _Keyed, Slabs as _Slabs, ids_array as _ids_array
 
@@ -136,9 +139,10 @@ class EmbeddingTable:
                 owned = self._owned = _hash_owned(num_embeddings, shard_index, num_shards)
             self._slabs = self._new_slabs(len(owned))
             self._write_new(np.arange(len(owned)), owned)
+            self._marks = np.zeros(len(owned), dtype=np.int64)  # RowMarks by slot
         else:
             self._slabs = self._new_slabs(0)
-            self._rows = _Keyed(updated=np.int64)
+            self._rows = _Keyed(updated=np.int64, marks=np.int64)
             self._pending = _Keyed(counts=np.int32, seen=np.int64)
             self._pending_dead = 0  # pending records of ids admitted since (count -1), dropped in bulk
 
@@ -221,24 +225,43 @@ class EmbeddingTable:
             out[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
             return out
 
-    def changes(self, seq: int, incarnation: str) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def changes(self, seq: int, incarnation: str, min_updates: int = 0
+                ) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What changed since `seq` of `incarnation` (row_changes.py), read at one moment: (incarnation, seq now,
         whole, ids, rows, held). `whole`: the log could not say, so `ids` is every row the table holds now
         (ascending); else the distinct ids changed since. `rows`: their values (copies; zeros where not held);
-        `held`: a bool per id, False for a row dropped since (evicted)."""
+        `held`: a bool per id, False for a row dropped since (evicted) or, with `min_updates`, one updated
+        fewer times than that (its update that reaches it is a change: it comes then). Raises
+        InvalidArgumentError for a `min_updates` outside [0, MAX_UPDATES]."""
+        if not 0 <= min_updates <= MAX_UPDATES:
+            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
         with self._lock:
-            ids = self._changes.since(seq, incarnation)
+            ids = self._changes.since(seq, incarnation, self._changed_after)
             whole = ids is None
             if whole:
                 ids, slots = self._stored()
             else:
                 slots = self._find(ids)
+            if min_updates:
+                found = slots >= 0
+                slots = slots.copy()
+                slots[found] = np.where(RowMarks.updates(self._marked()[slots[found]]) >= min_updates,
+                                        slots[found], -1)
             values = torch.zeros(len(ids), self.dim, dtype=self.dtype)
             present = np.flatnonzero(slots >= 0)
             if present.size:
                 values[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
             return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids), values,
                     torch.from_numpy(slots >= 0))
+
+    def _marked(self) -> np.ndarray:
+        """Every slot's RowMarks (the array itself)."""
+        return self._marks if self.fixed else self._rows.cols["marks"]
+
+    def _changed_after(self, seq: int) -> np.ndarray:
+        """The ids of the rows whose last change came after `seq` (row_changes.RowChanges.since)."""
+        ids, slots = self._stored()
+        return ids[RowMarks.seqs(self._marked()[slots]) > seq]
 
     def _count(self, ids: np.ndarray) -> np.ndarray:
         """Counts one occurrence of each (absent) id; True where it reaches min_count (its record is retired)."""
@@ -264,10 +287,10 @@ class EmbeddingTable:
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         self._slabs.reserve(self._rows.n + len(ids))
-        slots = self._rows.append(ids, updated=self._step)
+        seq = self._changes.record(ids)
+        slots = self._rows.append(ids, updated=self._step, marks=RowMarks.new(seq))
         self._write_new(slots, ids)
         self._events["admitted"] += len(ids)
-        self._changes.record(ids)
         return slots
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, step: int, *, count_step: bool = True) -> int:
@@ -288,9 +311,11 @@ class EmbeddingTable:
                 raise NonFiniteGradientError("embedding gradients hold NaN or Inf")
             slots = self._find(ids.numpy())
             present = np.flatnonzero(slots >= 0)
-            self._changes.record(ids.numpy()[present])
+            seq = self._changes.record(ids.numpy()[present])
             if present.size < len(slots):
                 slots, summed = slots[present], summed[torch.from_numpy(present)]
+            marks = self._marked()
+            marks[slots] = RowMarks.updated(marks[slots], seq)
             self.optimizer.step([(slab["values"], {k: slab[k] for k in self._spec}, rows, summed[positions])
                                  for slab, rows, positions in self._slabs.groups(slots)], count=count_step)
             if not self.fixed:
@@ -317,7 +342,7 @@ class EmbeddingTable:
             by_age, by_capacity = self._stale(self._rows, "updated", step)
             gone = np.concatenate([by_age, by_capacity])
             if gone.size:
-                self._changes.record(self._rows.cols["ids"][gone])
+                self._changes.record(self._rows.cols["ids"][gone], dropped=True)
                 src, dst = self._rows.remove(gone)
                 for key in self._slabs.columns:
                     self._slabs.scatter(key, dst, self._slabs.gather(key, src))
@@ -349,7 +374,7 @@ class EmbeddingTable:
 
     def _nbytes(self) -> int:
         total = self._slabs.nbytes + (self._owned.nbytes if self._owned is not None else 0)
-        return total if self.fixed else total + self._rows.nbytes + self._pending.nbytes
+        return total + self._marks.nbytes if self.fixed else total + self._rows.nbytes + self._pending.nbytes
 
     def counters(self) -> dict[str, int]:
         """rows, pending (ids counted, not admitted), admitted, evicted_by_age, evicted_by_capacity, evicted,
@@ -375,14 +400,18 @@ class EmbeddingTable:
 
     def state_dict(self) -> dict:
         """A copy of the shard's table: config, optimizer steps, the table's step, event counters, rows by
-        ascending id ("ids", "values", "state" {name: (rows, width)}), and for dynamic tables "last_update"
-        and the occurrence counters ("pending": ids, counts, last_seen)."""
+        ascending id ("ids", "values", "state" {name: (rows, width)}), each row's "update_counts", for
+        dynamic tables "last_update" and the occurrence counters ("pending": ids, counts, last_seen), and the
+        change log's cursor at this copy ("changes": incarnation, seq: a reader holding these rows reads what
+        changed since from there)."""
         with self._lock:
             ids, slots = self._stored()
             out = {"format": STATE_FORMAT, "config": self.config(), "optimizer_steps": self.optimizer.steps,
                    "step": self._step, "events": dict(self._events), "ids": torch.from_numpy(ids),
                    "values": self._slabs.gather("values", slots),
-                   "state": {key: self._slabs.gather(key, slots) for key in self._spec}}
+                   "state": {key: self._slabs.gather(key, slots) for key in self._spec},
+                   "update_counts": torch.from_numpy(RowMarks.updates(self._marked()[slots])),
+                   "changes": {"incarnation": self._changes.incarnation, "seq": self._changes.seq}}
             if not self.fixed:
                 out["last_update"] = torch.from_numpy(self._rows.cols["updated"][slots])
                 p = self._pending
@@ -405,23 +434,29 @@ class EmbeddingTable:
         """Replaces the table's rows, optimizer state and counters with `state`'s (from state_dict() or
         relayout()). The config's layout keys must equal this table's; hyperparameters come from `state`,
         min_count, max_age and capacity stay this table's. Raises InvalidArgumentError for a state that does
-        not fit (rows not this shard's, missing or misshapen tensors), OptimizerSpecError for bad hyperparameters."""
+        not fit (rows not this shard's, missing or misshapen tensors), OptimizerSpecError for bad hyperparameters.
+        A state without update counts (an older torchps's) counts every row's updates as MAX_UPDATES."""
         with self._lock:
             optimizer, ids, tensors, counters, step, events = self._parsed(state)
             slabs = self._new_slabs(len(ids))
             if self.fixed:
                 slots = self._find(ids)
+                marks = np.zeros(len(ids), dtype=np.int64)
             else:
-                rows, pending = _Keyed(updated=np.int64), _Keyed(counts=np.int32, seen=np.int64)
+                rows, pending = _Keyed(updated=np.int64, marks=np.int64), _Keyed(counts=np.int32, seen=np.int64)
                 slots = rows.append(ids, updated=counters["last_update"])
+                marks = rows.cols["marks"]
                 pending.append(counters["pending ids"], counts=counters["pending counts"],
                                seen=counters["pending last_seen"])
             for key, tensor in tensors.items():
                 slabs.scatter(key, slots, tensor.detach().cpu())
-            self._slabs, self.optimizer, self._step, self._events = slabs, optimizer, step, events
-            if not self.fixed:
-                self._rows, self._pending, self._pending_dead = rows, pending, 0
             self._changes.reset()
+            marks[slots] = RowMarks.new(self._changes.seq, counters.get("update_counts", MAX_UPDATES))
+            self._slabs, self.optimizer, self._step, self._events = slabs, optimizer, step, events
+            if self.fixed:
+                self._marks = marks
+            else:
+                self._rows, self._pending, self._pending_dead = rows, pending, 0
 
     def _parsed(self, state: Mapping):
         """load_state_dict's checks: (optimizer, ids, row tensors, counter arrays, step, events)."""
@@ -436,13 +471,15 @@ class EmbeddingTable:
             counters = {} if self.fixed else {"last_update": state["last_update"],
                                               **{f"pending {k}": state["pending"][k]
                                                  for k in ("ids", "counts", "last_seen")}}
+            if state.get("update_counts") is not None:
+                counters["update_counts"] = state["update_counts"]
             step, events = int(state["step"]), {k: int(state["events"][k]) for k in self._events}
         except InvalidArgumentError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"not an embedding table state: missing or bad {exc}") from None
         pending = counters.get("pending ids")
-        lengths = {"last_update": len(ids)}
+        lengths = {"last_update": len(ids), "update_counts": len(ids)}
         if isinstance(pending, torch.Tensor) and pending.dim() == 1:
             lengths.update({f"pending {k}": len(pending) for k in ("ids", "counts", "last_seen")})
         bad = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor) or t.dtype != self.dtype
@@ -456,9 +493,10 @@ class EmbeddingTable:
         every = np.concatenate([ids, counters.get("pending ids", ids[:0])])
         self._check_owned(every)
         if len(np.unique(every)) != len(every) or (self.fixed and len(ids) != self._slabs.capacity) \
-                or np.any(counters.get("pending counts", 1) < 1):
+                or np.any(counters.get("pending counts", 1) < 1) or np.any(counters.get("update_counts", 0) < 0):
             raise InvalidArgumentError("a table state needs distinct ids (rows and pending), positive pending "
-                                       "counts and, for a fixed-size table, every id of the shard")
+                                       "counts, update counts of at least 0 and, for a fixed-size table, every "
+                                       "id of the shard")
         return optimizer, ids, tensors, counters, step, events
 
 
@@ -474,8 +512,9 @@ def rows_for(state: Mapping, shard_index: int, num_shards: int) -> dict:
     mine = kept(state["ids"])
     out = {**state, "ids": state["ids"][mine], "values": state["values"][mine],
            "state": {k: v[mine] for k, v in state["state"].items()}}
-    if "last_update" in state:
-        out["last_update"] = state["last_update"][mine]
+    for key in ("last_update", "update_counts"):
+        if state.get(key) is not None:
+            out[key] = state[key][mine]
     if state.get("pending") is not None:
         waiting = kept(state["pending"]["ids"])
         out["pending"] = {k: v[waiting] for k, v in state["pending"].items()}
@@ -536,16 +575,15 @@ def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, part
         return tuple(torch.cat([p[i][k] for p, k in zip(parts, keeps)]) for i in range(len(parts[0])))
 
     keys = sorted(states[0]["state"])
-    dynamic = old["num_embeddings"] is None
-    rows = gathered(lambda s: (s["ids"], s["values"], *(s["state"][k] for k in keys),
-                               *([s["last_update"]] if dynamic else [])))
+    extra = [k for k in ("last_update", "update_counts") if all(s.get(k) is not None for s in states)]
+    rows = gathered(lambda s: (s["ids"], s["values"], *(s["state"][k] for k in keys), *(s[k] for k in extra)))
     order = torch.argsort(rows[0])
     rows = [t[order] for t in rows]
     out = {"format": STATE_FORMAT, "config": config, "optimizer_steps": steps.pop(),
            "step": max(int(s["step"]) for s in states), "events": {k: 0 for k in states[0]["events"]},
-           "ids": rows[0], "values": rows[1], "state": dict(zip(keys, rows[2:2 + len(keys)]))}
-    if dynamic:
-        out["last_update"] = rows[-1]
+           "ids": rows[0], "values": rows[1], "state": dict(zip(keys, rows[2:2 + len(keys)])),
+           **dict(zip(extra, rows[2 + len(keys):]))}
+    if old["num_embeddings"] is None:
         pending = gathered(lambda s: (s["pending"]["ids"], s["pending"]["counts"], s["pending"]["last_seen"]))
         order = torch.argsort(pending[0])
         out["pending"] = dict(zip(("ids", "counts", "last_seen"), (t[order] for t in pending)))

@@ -7,10 +7,12 @@ shard holds, in creation order:
     {"name": str, "spec": the TableSpec's bytes (as created, defaults filled in),
      "shard_index": int, "num_shards": int, "state": EmbeddingTable.state_dict()}
 
-The state holds the rows the shard owns by ascending id (values and lazy
-optimizer state), the optimizer's step count and the table's step, its
-admission and eviction counters and, for a dynamic table, each row's last
-update step and the occurrence counters of ids not admitted yet. It is copied
+The state holds the rows the shard owns by ascending id (values, lazy
+optimizer state and update counts), the optimizer's step count and the
+table's step, its admission and eviction counters, for a dynamic table each
+row's last update step and the occurrence counters of ids not admitted yet,
+and the table's change-log cursor at the copy (what a serving replica that
+starts from the checkpoint reads on from). It is copied
 under the apply gate with the variables (snapshots.state_of), so a table's
 rows are those of the checkpoint's step exactly.
 

@@ -24,6 +24,7 @@ from ..errors import (InvalidArgumentError, LayoutChangedError, NonFiniteGradien
                       TensorMismatchError, UnknownVariableError)
 from ..proto import ps_pb2
 from .embeddings import EmbeddingTable
+from .row_changes import MAX_UPDATES
 from .row_optimizers import RowOptimizer
 from .waits import NamesAwaited
 
@@ -229,15 +230,19 @@ class TableStore(NamesAwaited):
                 h.rows_read += len(ids)
         return out
 
-    def changes(self, cursors: Mapping[str, tuple[str, int]]) -> list[tuple[str, _Held, tuple]]:
+    def changes(self, cursors: Mapping[str, tuple[str, int]], min_updates: int = 0
+                ) -> list[tuple[str, _Held, tuple]]:
         """(name, held, EmbeddingTable.changes()) of every table, by name: since its cursor (incarnation, seq)
-        in `cursors`, whole for a table without one. UnknownVariableError for a cursor naming no table, before
-        anything is read."""
+        in `cursors`, whole for a table without one; rows updated fewer than `min_updates` times are sent as
+        not held. UnknownVariableError for a cursor naming no table, InvalidArgumentError for a bad
+        `min_updates`, before anything is read."""
         for name in cursors:
             self.get(name)
+        if not 0 <= min_updates <= MAX_UPDATES:
+            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
         with self._changed:
             tables = sorted(self._tables.items())
-        return [(name, held, held.table.changes(cursors.get(name, ("", 0))[1], cursors.get(name, ("", 0))[0]))
+        return [(name, held, held.table.changes(*reversed(cursors.get(name, ("", 0))), min_updates))
                 for name, held in tables]
 
     # -- pushes -----------------------------------------------------------------------------

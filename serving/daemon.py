@@ -1,13 +1,19 @@
 """ps-serve: a read-only serving replica of a training job's model, and the commands that steer one.
 
-    ps-serve --cluster SPEC --bind HOST:PORT [--poll-every S] [--dense-every S] [--keep-versions K]
+    ps-serve --cluster SPEC --bind HOST:PORT [--checkpoint-dir DIR [--checkpoint-step STEP]] [--min-updates N]
+             [--guard MODULE:FUNCTION [--guard-max-increase X]] [--poll-every S] [--dense-every S]
+             [--keep-versions K]
     ps-serve status   --at HOST:PORT
     ps-serve hold     --at HOST:PORT       freeze on the current version (canary, A/B)
     ps-serve resume   --at HOST:PORT       follow training again (every table is read whole first)
     ps-serve rollback --at HOST:PORT --to STEP
 
 The replica reads the shards of the cluster spec (follower.py) and answers
-the Serving service (server.py) until SIGTERM or Ctrl-C. Its credentials:
+the Serving service (server.py) until SIGTERM or Ctrl-C. With
+--checkpoint-dir it first serves the job's newest committed checkpoint there
+(or --checkpoint-step's) and then reads only what changed since. With
+--guard it publishes a version only if the user's loss function, called on it
+before anyone sees it, finds it no worse than the served one (guard.py). Its credentials:
 the security flags as ps-server's (the shards' token table, to check its
 callers) and `--task` (its line of that table, `serving:0` by default, whose
 token it calls the shards with; a job token works for both).
@@ -56,6 +62,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"s between reads of the shards' row changes (default {POLL_SECONDS:g})")
     parser.add_argument("--dense-every", type=float, default=DENSE_SECONDS,
                         help=f"s between reads of the dense variables (default {DENSE_SECONDS:g})")
+    parser.add_argument("--checkpoint-dir", help="the training job's --checkpoint-dir: serve its newest committed "
+                        "checkpoint at once, then read what changed since (none there yet: start from the shards)")
+    parser.add_argument("--checkpoint-step", type=int, metavar="STEP", help="start from this committed checkpoint "
+                        "of --checkpoint-dir instead of the newest")
+    parser.add_argument("--min-updates", type=int, default=0, metavar="N", help="serve a row only once pushes "
+                        "updated it N times (default 0: every row)")
+    parser.add_argument("--guard", metavar="MODULE:FUNCTION", help="publish a version only if FUNCTION(model) (a "
+                        "loss on your held-out data; MODULE may be PATH.py) is at most the served version's plus "
+                        "--guard-max-increase")
+    parser.add_argument("--guard-max-increase", type=float, default=0.0, metavar="X", help="how much higher a "
+                        "version's loss than the served one's may be (default 0)")
     parser.add_argument("--keep-versions", type=int, default=KEEP_VERSIONS,
                         help=f"versions kept for a rollback (default {KEEP_VERSIONS})")
     parser.add_argument("--threads", type=int, default=8, help="threads answering GetDense and ControlServing "
@@ -70,6 +87,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.poll_every <= 0 or args.dense_every <= 0 or min(args.keep_versions, args.threads, args.torch_threads) < 1:
         parser.error("--poll-every and --dense-every must be > 0, --keep-versions, --threads and --torch-threads "
                      ">= 1")
+    if args.min_updates < 0:
+        parser.error("--min-updates must be >= 0")
+    if not args.guard_max_increase >= 0 or args.guard_max_increase == float("inf"):
+        parser.error("--guard-max-increase must be finite and >= 0")
+    if args.checkpoint_step is not None and not args.checkpoint_dir:
+        parser.error("--checkpoint-step needs --checkpoint-dir")
     args.command = "serve"
     return args
 
@@ -126,8 +149,15 @@ def _serve(args: argparse.Namespace, security) -> int:
     torch.set_num_threads(args.torch_threads)
     cluster = Cluster.from_json(args.cluster)
     replica = Replica(args.keep_versions)
+    guard = None
+    if args.guard:
+        from .guard import LossGuard, load_function
+
+        guard = LossGuard(load_function(args.guard), args.guard_max_increase)
     follower = Follower(replica, list(cluster.ps), security.as_task(args.task), poll_every=args.poll_every,
-                        dense_every=args.dense_every)
+                        dense_every=args.dense_every, min_updates=args.min_updates, guard=guard)
+    if args.checkpoint_dir:
+        _start(follower, args)
     metrics = None
     if args.metrics_port is not None:
         from ..metrics_http import serve_metrics
@@ -155,6 +185,22 @@ def _serve(args: argparse.Namespace, security) -> int:
     reader.join(timeout=10)
     follower.close()
     return 0
+
+
+def _start(follower, args: argparse.Namespace) -> None:
+    """Publishes the checkpoint --checkpoint-dir names as the replica's first version (CheckpointError if a
+    named one is not there or does not read)."""
+    from .checkpoint_start import read_checkpoint
+
+    log = logging.getLogger("torchps.serving")
+    start = read_checkpoint(args.checkpoint_dir, args.checkpoint_step, args.min_updates)
+    if start is None:
+        log.info("ps-serve: no committed checkpoint under %s yet: reading every table from the shards",
+                 args.checkpoint_dir)
+        return
+    follower.start_from(start)
+    log.info("ps-serve serves checkpoint %s (step %d: %d rows, %d dense variables); what changed since comes from "
+             "the shards", start.where, start.step, sum(len(b.ids) for _, b in start.batches), len(start.dense))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ the next tick; the cursors move only with a published round. While the
 replica is held (hold, rollback) nothing is read; after a rollback every
 table is read whole again (what it undid comes back from the shards).
 
+A replica started from a checkpoint (start_from) serves its rows at once;
+its first round asks each shard only for what changed since the checkpoint
+copied the table (the cursors it saved), where the shard can still say.
+`min_updates` asks the shards to leave out rows updated fewer times than that
+(ReadChanges' filter): such a row comes with the update that reaches it. A
+`guard` (guard.py) may refuse a round's version: nothing is published and the
+cursors stay, so the next round reads those changes again.
+
 A round follows the job's live resizes: it begins by asking ps 0 for the
 layout (GetLayout), calls the shards of its epoch, and reads every table
 whole and every dense variable again when the epoch changes (a resize). It
@@ -38,9 +46,12 @@ import torch
 from .. import codec, rows as row_ids
 from ..client.channels import ShardChannels
 from ..client.transfer import NewTensors, read_stream
-from ..errors import PSError, ServingVersionError
+from ..errors import InvalidArgumentError, PSError, ServingVersionError
 from ..proto import ps_pb2
+from ..ps_server.row_changes import MAX_UPDATES
 from ..security import Security
+from .checkpoint_start import CheckpointStart
+from .guard import LossGuard
 from .replica import Replica, TableBatch
 from .settings import DENSE_SECONDS, POLL_SECONDS
 
@@ -51,12 +62,18 @@ _LOGGER = logging.getLogger(__name__)
 
 class Follower:
     """Rounds of reads of the shards at `addresses` into `replica` (see the module docstring). `timeout`: one
-    call's deadline. run() blocks until stop is set."""
+    call's deadline. run() blocks until stop is set. InvalidArgumentError for a `min_updates` outside
+    [0, MAX_UPDATES]."""
 
     def __init__(self, replica: Replica, addresses: list[str], security: Security, *,
-                 poll_every: float = POLL_SECONDS, dense_every: float = DENSE_SECONDS,
-                 timeout: float = 30.0, connect_timeout: float = 30.0):
+                 poll_every: float = POLL_SECONDS, dense_every: float = DENSE_SECONDS, min_updates: int = 0,
+                 guard: LossGuard | None = None, timeout: float = 30.0, connect_timeout: float = 30.0):
+        if not 0 <= min_updates <= MAX_UPDATES:
+            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}] (a shard counts no further), got "
+                                       f"{min_updates}")
         self.replica, self.poll_every, self.dense_every, self.timeout = replica, poll_every, dense_every, timeout
+        self.min_updates, self.guard = min_updates, guard
+        self.refusal = ""        # why the guard refused the last round's version ("" if it did not)
         self._spec = list(addresses)
         self.channels = ShardChannels(list(addresses), connect_timeout=connect_timeout, security=security)
         self.channels.follows_failovers = True
@@ -64,6 +81,7 @@ class Follower:
         self._dense_versions: dict[str, int] = {}
         self._dense_read = -math.inf
         self.fresh_at = 0.0      # every change acknowledged before this Unix time is in the current version
+        self.dense_at = 0.0      # the current version holds the dense variables as read at this Unix time
         self.step = 0            # ps 0's step at the last round
         self.error = ""          # why the last round failed ("" if it did not)
         self.resyncs = 0         # tables read whole
@@ -71,13 +89,25 @@ class Follower:
         self.rounds = 0
         self._rewinds = 0  # the replica's rollbacks the cursors know of
         self.epoch: int | None = None  # the layout epoch of the shards read (None: none asked yet)
+        self._start_epoch: int | None = None  # a checkpoint's epoch, whose cursors the first round keeps
+
+    def start_from(self, start: CheckpointStart) -> None:
+        """Publishes a checkpoint's rows and dense variables (checkpoint_start.py) as the replica's version and
+        keeps its cursors for the first round, if that round finds the checkpoint's layout (else every table is
+        read whole, as without it). Raises ServingVersionError while the replica is held."""
+        self.replica.publish(start.step, start.batches, start.dense, self.replica.rewinds, now=start.written)
+        self._cursors, self._start_epoch = [dict(c) for c in start.cursors], start.epoch
+        if self.guard is not None:
+            self.guard.forget()
+        self.fresh_at, self.dense_at, self.step = start.written, start.written, start.step
+        self.rows_applied += sum(len(b.ids) for _, b in start.batches)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             if not self.replica.held:
                 try:
                     self.round()
-                    self.error = ""
+                    self.error = self.refusal
                 except ServingVersionError:
                     pass  # held or rolled back meanwhile: the next round reads again
                 except PSError as exc:
@@ -89,14 +119,19 @@ class Follower:
         """One round (see the module docstring); True if it published a version. Raises PSError if a call
         failed (nothing published)."""
         began = time.time()
+        self.refusal = ""
         rewinds = self.replica.rewinds
         if rewinds != self._rewinds:  # rolled back: what it undid is read again, every table whole
             self._cursors = [{} for _ in self._cursors]
             self._dense_versions, self._dense_read, self._rewinds = {}, -math.inf, rewinds
+            if self.guard is not None:
+                self.guard.forget()
         layout = self._layout()
         if layout.epoch != self.epoch:  # the first round, or a live resize: every table and variable read anew
-            self.channels.follow(self._shards(layout))
-            self._cursors = [{} for _ in self._shards(layout)]
+            shards = self._shards(layout)
+            self.channels.follow(shards)
+            if not (self.epoch is None and self._start_epoch == layout.epoch and len(self._cursors) == len(shards)):
+                self._cursors = [{} for _ in shards]  # (a checkpoint's cursors hold for its epoch's shards)
             self._dense_versions, self._dense_read = {}, -math.inf
             if self.epoch is not None:
                 _LOGGER.info("ps-serve follows layout epoch %d (%d shards): every table and variable read anew",
@@ -107,6 +142,7 @@ class Follower:
             found, cursor = self._changes(shard)
             batches += found
             cursors.append(cursor)
+        dense_began = time.time()
         dense = self._dense() if time.monotonic() - self._dense_read >= self.dense_every else None
         status = self.channels.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
                                     self.timeout)  # after the reads: the version holds no change of a later step
@@ -114,16 +150,21 @@ class Follower:
         if moved:
             _LOGGER.info("ps-serve: %s: nothing published, read again", moved)
             return False
-        changed = any(len(b.ids) or b.whole for _, b in batches) or dense is not None
+        fresh = dense[0] if dense is not None else {}
+        changed = any(len(b.ids) or b.whole for _, b in batches) or bool(fresh)
         if changed:
-            merged = dict(self.replica.dense()[1]) if dense is not None else None
-            if dense is not None:
-                merged.update(dense[0])
+            merged = {**self.replica.dense()[1], **fresh} if fresh else None
+            if self.guard is not None:
+                current = self.replica.view() if self.replica.current().version else None
+                self.refusal = self.guard.refusal(current, self.replica.candidate(batches, merged))
+                if self.refusal:
+                    _LOGGER.warning("ps-serve: %s: the replica keeps its version", self.refusal)
+                    return False
             self.replica.publish(status.step, batches, merged, rewinds, now=time.time())
             self.rows_applied += sum(len(b.ids) for _, b in batches)
             self.resyncs += sum(b.whole for _, b in batches)
-            if dense is not None:
-                self._dense_versions, self._dense_read = dense[1], time.monotonic()
+        if dense is not None:
+            self._dense_versions, self._dense_read, self.dense_at = dense[1], time.monotonic(), dense_began
         self._cursors = cursors
         self.fresh_at, self.step = began, status.step
         self.rounds += 1
@@ -147,7 +188,8 @@ class Follower:
     def _changes(self, shard: int) -> tuple[list[tuple[str, TableBatch]], dict[str, tuple[str, int]]]:
         """Shard `shard`'s tables' changes since its cursors: ([(table, batch)], the cursors they lead to)."""
         request = ps_pb2.ChangesRequest(cursors=[ps_pb2.TableCursor(table=name, incarnation=inc, seq=seq)
-                                                 for name, (inc, seq) in self._cursors[shard].items()])
+                                                 for name, (inc, seq) in self._cursors[shard].items()],
+                                        min_updates=self.min_updates)
         messages = self.channels.call(shard, lambda stub, t: list(stub.ReadChanges(request, timeout=t)),
                                       self.timeout)
         parts: dict[str, list] = {}

@@ -1,5 +1,5 @@
 """A serving replica's Prometheus metrics (ps-serve --metrics-port): its version, staleness, rows, the rows it
-applies and its lookups' latency, read from the replica and its follower when scraped."""
+applies, its lookups' latency and its loss guard's refusals, read from the replica and its follower when scraped."""
 
 from __future__ import annotations
 
@@ -39,9 +39,14 @@ class ServingMetrics:
                 ("torchps_serving_rows", "rows held over all tables", rows),
                 ("torchps_serving_kept_versions", "versions a rollback may go back to", len(kept)),
                 ("torchps_serving_held", "1 while held on its version (hold or rollback)", int(held)),
-                ("torchps_serving_read_failing", "1 while the last read of the shards failed", int(bool(follower.error)))):
+                ("torchps_serving_read_failing", "1 while the last read of the shards failed",
+                 int(bool(follower.error) and not follower.refusal)),
+                ("torchps_serving_guard_loss", "the loss guard's last candidate loss (NaN: no guard)",
+                 follower.guard.last if follower.guard is not None else float("nan"))):
             yield GaugeMetricFamily(name, what, value=value)
         for name, what, value in (("torchps_serving_rows_applied", "rows of changes published", follower.rows_applied),
                                   ("torchps_serving_resyncs", "tables read whole", follower.resyncs),
-                                  ("torchps_serving_rounds", "reads of the shards", follower.rounds)):
+                                  ("torchps_serving_rounds", "reads of the shards", follower.rounds),
+                                  ("torchps_serving_guard_refused", "versions the loss guard refused",
+                                   follower.guard.refused if follower.guard is not None else 0)):
             yield CounterMetricFamily(name, what, value=value)

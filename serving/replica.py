@@ -33,7 +33,7 @@ from ..ps_server.row_storage import Keyed
 from ..rows import owner
 from .settings import KEEP_VERSIONS
 
-__all__ = ["Replica", "TableBatch", "Version"]
+__all__ = ["ModelView", "Replica", "TableBatch", "Version"]
 
 
 @dataclasses.dataclass
@@ -154,6 +154,44 @@ def _table(batch: TableBatch) -> _Table:
     return _Table(batch.dim, batch.dtype)
 
 
+class ModelView:
+    """A model as a guard (guard.py) reads it: the replica's current version, or that version with a round's
+    changes laid over it (Replica.candidate), which no lookup sees. Reads copy; nothing here writes."""
+
+    def __init__(self, replica: Replica, round_rows: Mapping[str, tuple[Keyed, torch.Tensor, np.ndarray]],
+                 dense: Mapping[str, torch.Tensor] | None):
+        self._replica, self._round, self._dense = replica, round_rows, dense
+
+    def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), dim) rows of `ids` (a 1-D int64 tensor), zeros where the model holds none;
+        UnknownVariableError for a table it does not hold."""
+        keys = ids.numpy().astype(np.int64, copy=False)
+        laid = self._round.get(table)
+        if laid is None:
+            return self._replica.lookup(table, keys)[1]
+        index, rows, held = laid
+        if table in self._replica.tables():
+            out = self._replica.lookup(table, keys)[1]
+        else:
+            out = torch.zeros(len(keys), rows.shape[1], dtype=rows.dtype)
+        at = index.find(keys)
+        mine = np.flatnonzero(at >= 0)
+        if mine.size:
+            out[torch.from_numpy(mine)] = rows[torch.from_numpy(at[mine])]
+            out[torch.from_numpy(mine[~held[at[mine]]])] = 0  # dropped in the round
+        return out
+
+    def dense(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """{name: tensor} of the dense variables (every one when `names` is None); UnknownVariableError naming
+        those it does not hold."""
+        if self._dense is None:
+            return self._replica.dense(names)[1]
+        missing = [n for n in names or () if n not in self._dense]
+        if missing:
+            raise UnknownVariableError(f"this model holds no dense variable {missing}")
+        return {n: self._dense[n] for n in (names or sorted(self._dense))}
+
+
 class Replica:
     """Versions of a model (see the module docstring); `keep`: the versions kept for rollback (>= 1)."""
 
@@ -200,6 +238,28 @@ class Replica:
         """{table: its ids} now (copies)."""
         with self._lock:
             return {name: table.ids() for name, table in self._tables.items()}
+
+    def current(self) -> Version:
+        with self._lock:
+            return self._current
+
+    def view(self) -> ModelView:
+        """The current version as a guard reads it (each read sees the version current at that read)."""
+        return ModelView(self, {}, None)
+
+    def candidate(self, batches: Sequence[tuple[str, TableBatch]], dense: Mapping[str, torch.Tensor] | None
+                  ) -> ModelView:
+        """The current version with a round's changes (publish()'s arguments) laid over it, visible only to the
+        view's reader: what publish would make visible."""
+        laid = {}
+        for name, parts in self._by_table(batches).items():
+            with self._lock:
+                table = self._tables.get(name) or _table(parts[0])
+                ids, rows, held = self._merged(table, parts)
+            index = Keyed()
+            index.append(ids)
+            laid[name] = (index, rows, held)
+        return ModelView(self, laid, dense)
 
     # -- writes -------------------------------------------------------------------------------
 

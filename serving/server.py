@@ -118,7 +118,15 @@ class ServingServicer(ps_pb2_grpc.ServingServicer):
             staleness_seconds=max(0.0, time.time() - fresh) if fresh else 0.0,
             behind_steps=max(0, follower.step - current.step), rows=rows, resyncs=follower.resyncs,
             error=follower.error, lookups=lookups, lookup_p50_seconds=rank(0.5), lookup_p99_seconds=rank(0.99),
-            rows_applied=follower.rows_applied)
+            rows_applied=follower.rows_applied, dense_read_unix=follower.dense_at, **_guarded(follower.guard))
+
+
+def _guarded(guard) -> dict:
+    """ServingStatus's guard fields (zero refusals and NaN losses without a guard)."""
+    if guard is None:
+        return {"guard_refused": 0, "guard_loss": math.nan, "guard_baseline": math.nan}
+    baseline = math.nan if guard.baseline is None else guard.baseline
+    return {"guard_refused": guard.refused, "guard_loss": guard.last, "guard_baseline": baseline}
 
 
 def _handler(servicer: ServingServicer, name: str, pool: concurrent.futures.Executor, inline: bool):

@@ -305,3 +305,82 @@ def test_a_table_larger_than_a_message_is_read_in_pieces_under_the_shards_size_l
                 assert torch.equal(serving.lookup("big", part).rows, client.lookup_rows({"big": part})["big"])
     finally:
         _stop(proc)
+
+
+def test_a_replica_starts_from_a_checkpoint_then_reads_only_what_changed_since_and_filters_by_updates(
+        local_cluster, tmp_path):
+    """A replica given the job's --checkpoint-dir serves the checkpoint as its first version and then asks the
+    shards only for the rows changed since it (none read whole); one given --min-updates 2 too serves only rows
+    pushes updated twice, from the checkpoint's update counts and from the stream alike."""
+    folder = tmp_path / "ckpt"
+    local = local_cluster(2, server_args=["--checkpoint-dir", str(folder)])
+    g = torch.Generator().manual_seed(3)
+    replicas = []
+    try:
+        with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client:
+            client.create_tables([Embedding(N, D).table_spec("t", Optimizer("adagrad", lr=0.1))])
+            client.create_variables({"dense/w": torch.zeros(5)}, Optimizer("sgd", lr=0.1))
+            for ids in (IDS, IDS[:N // 2]):  # rows 0-31 updated twice, 32-63 once
+                client.push({"dense/w": torch.randn(5, generator=g)},
+                            rows={"t": (ids, torch.randn(len(ids), D, generator=g))})
+            saved = client.save_checkpoint(0)
+            at_checkpoint = client.lookup_rows({"t": IDS})["t"]
+            changed = torch.tensor([3, 40])  # 3: a third update, 40: its second
+            client.push({"dense/w": torch.randn(5, generator=g)}, rows={"t": (changed, torch.randn(2, D, generator=g))})
+            final = client.status(0).step
+            replicas = [_replica(local, tmp_path, "--checkpoint-dir", str(folder), name="from-checkpoint"),
+                        _replica(local, tmp_path, "--checkpoint-dir", str(folder), "--min-updates", "2",
+                                 name="filtered")]
+            (_, address), (_, filtered_at) = replicas
+            shards = client.lookup_rows({"t": IDS})["t"]
+            with ServingClient(address, timeout=TIMEOUT) as serving, \
+                    ServingClient(filtered_at, timeout=TIMEOUT) as filtered:
+                status = _caught_up(serving, final)
+                assert status.kept[0].step == saved, "its first version is the checkpoint's"
+                assert status.resyncs == 0 and status.rows_applied == N + len(changed), \
+                    "the shards sent the two rows changed since the checkpoint, no table whole"
+                assert torch.equal(serving.lookup("t", IDS).rows, shards)
+                wait_until(lambda: torch.equal(serving.dense(["dense/w"]).tensors["dense/w"],
+                                               client.pull(["dense/w"])["dense/w"]), TIMEOUT, "the dense variable")
+                assert serving.rollback(saved).current.step == saved
+                assert torch.equal(serving.lookup("t", IDS).rows, at_checkpoint)
+
+                _caught_up(filtered, final)
+                served = filtered.lookup("t", IDS)
+                twice = (IDS < N // 2) | (IDS == 40)
+                assert served.held.tolist() == twice.tolist()
+                assert torch.equal(served.rows[twice], shards[twice])
+                assert filtered.status().resyncs == 0
+    finally:
+        for proc, _ in replicas:
+            _stop(proc)
+
+
+def test_a_loss_guard_keeps_a_worse_version_from_being_served_until_training_mends_it(local_cluster, tmp_path):
+    """ps-serve --guard: the user's loss (here the dense weight itself) is computed on each version before it
+    is published; a version whose loss rose by more than --guard-max-increase is refused (counted, said in the
+    status) and the served one stays; once training brings the loss back, the next version is published."""
+    guard = tmp_path / "guard.py"
+    guard.write_text("def loss(model):\n    return float(model.dense(['dense/w'])['dense/w'][0])\n")
+    local = local_cluster(1)
+    proc = None
+    try:
+        with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client:
+            client.create_variables({"dense/w": torch.zeros(2)}, Optimizer("sgd", lr=1.0))
+            proc, address = _replica(local, tmp_path, "--guard", f"{guard}:loss", "--guard-max-increase", "0.5")
+            with ServingClient(address, timeout=TIMEOUT) as serving:
+                _caught_up(serving, 0)
+                wait_until(lambda: "dense/w" in serving.dense().tensors, TIMEOUT, "the first version")
+                client.push({"dense/w": torch.tensor([-0.25, 0.0])})  # loss 0 -> 0.25: within the bound
+                wait_until(lambda: serving.dense(["dense/w"]).tensors["dense/w"][0] == 0.25, TIMEOUT, "0.25 served")
+                client.push({"dense/w": torch.tensor([-1.0, -1.0])})  # 0.25 -> 1.25: refused
+                status = wait_until(lambda: (s := serving.status()).guard_refused >= 1 and s, TIMEOUT, "a refusal")
+                assert "guard refused" in status.error and status.guard_loss == 1.25 and status.guard_baseline == 0.25
+                assert serving.dense(["dense/w"]).tensors["dense/w"].tolist() == [0.25, 0.0], "the served version"
+                client.push({"dense/w": torch.tensor([0.75, 0.0])})  # 1.25 -> 0.5: passes again
+                wait_until(lambda: serving.dense(["dense/w"]).tensors["dense/w"].tolist() == [0.5, 1.0], TIMEOUT,
+                           "the mended version served")
+                assert serving.status().error == ""
+    finally:
+        if proc is not None:
+            _stop(proc)

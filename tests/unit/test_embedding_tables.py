@@ -214,7 +214,7 @@ def test_bytes_per_row_stay_within_1_3_times_row_and_optimizer_state():
 
 def _equal_states(a, b):
     assert a.keys() == b.keys()
-    for key in a:
+    for key in a.keys() - {"changes"}:  # the change log's cursor names the table object it was copied from
         if isinstance(a[key], torch.Tensor):
             assert torch.equal(a[key], b[key]), key
         elif isinstance(a[key], dict):

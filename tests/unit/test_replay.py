@@ -65,7 +65,7 @@ def observed(c: Coordinator) -> dict:
 def assert_same(got, expected, where: str = "state") -> None:
     if isinstance(expected, dict):
         assert isinstance(got, dict) and got.keys() == expected.keys(), (where, got.keys(), expected.keys())
-        for key in expected:
+        for key in expected.keys() - {"changes"}:  # a table's change-log cursor names the table object, not its rows
             assert_same(got[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert type(got) is type(expected) and len(got) == len(expected), (where, got, expected)

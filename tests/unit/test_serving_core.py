@@ -4,15 +4,17 @@ reads that drop what a shard no longer holds, and refusals that change nothing. 
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from torchps.errors import ServingVersionError, UnknownVariableError
+from torchps.errors import InvalidArgumentError, ServingVersionError, UnknownVariableError
 from torchps.ps_server.embeddings import EmbeddingTable
 from torchps.ps_server.row_changes import RowChanges
+from torchps.serving.guard import LossGuard
 from torchps.serving.replica import Replica, TableBatch
 
 D = 4
@@ -24,21 +26,33 @@ def ids(*values: int) -> np.ndarray:
 
 def test_the_log_answers_the_ids_changed_since_a_seq_and_says_when_it_cannot():
     log = RowChanges(limit=6)
+    asked = []
+
+    def table(seq):  # the table's rows changed after seq, as its marks say
+        asked.append(seq)
+        return ids(7, 8)
+
     log.record(ids(3, 1))
     first = log.seq
     log.record(ids(1, 5))
-    log.record(ids())  # nothing changed: no record
-    assert log.seq == first + 1
-    assert log.since(first, log.incarnation).tolist() == [1, 5]
-    assert log.since(0, log.incarnation).tolist() == [1, 3, 5]
-    assert log.since(log.seq, log.incarnation).tolist() == []
-    assert log.since(log.seq + 1, log.incarnation) is None, "a seq it never reached"
-    assert log.since(0, "another table object") is None
+    assert log.record(ids()) == log.seq == first + 1, "nothing changed: no record"
+    assert log.since(first, log.incarnation, table).tolist() == [1, 5]
+    assert log.since(0, log.incarnation, table).tolist() == [1, 3, 5]
+    assert log.since(log.seq, log.incarnation, table).tolist() == []
+    assert not asked, "the log held every record asked for"
+    assert log.since(log.seq + 1, log.incarnation, table) is None, "a seq it never reached"
+    assert log.since(0, "another table object", table) is None
     log.record(ids(7, 8, 9))  # 7 ids held > 6: the oldest record goes
-    assert log.since(0, log.incarnation) is None and log.since(first, log.incarnation).tolist() == [1, 5, 7, 8, 9]
+    assert log.since(first, log.incarnation, table).tolist() == [1, 5, 7, 8, 9] and not asked
+    log.record(ids(9, 4), dropped=True)
+    assert log.since(0, log.incarnation, table).tolist() == [4, 7, 8, 9], "the table's rows and the drops"
+    assert asked == [0]
+    log.record(ids(11, 12, 13, 14, 15), dropped=True)  # 7 dropped ids held > 6: drops of before are gone
+    assert log.since(0, log.incarnation, table) is None and asked == [0]
     old = log.incarnation
     log.reset()
-    assert log.since(log.seq, old) is None and log.since(log.seq, log.incarnation).tolist() == []
+    assert log.since(log.seq, old, table) is None and log.since(log.seq, log.incarnation, table).tolist() == []
+    assert log.since(log.seq - 1, log.incarnation, table) is None, "a seq of before the reset"
 
 
 def test_a_table_logs_rows_admitted_updated_and_evicted():
@@ -60,6 +74,35 @@ def test_a_table_logs_rows_admitted_updated_and_evicted():
     assert torch.equal(rows[~held], torch.zeros(1, D)), "a dropped row is sent as zeros, not held"
 
 
+def test_a_table_answers_a_cursor_older_than_its_log_from_its_rows_and_filters_by_update_count():
+    table = EmbeddingTable(D, optimizer="sgd", hyperparams={"lr": 1.0}, max_age=5)
+    table._changes = RowChanges(limit=6)  # a short log: older cursors are answered from the rows' marks
+    table.lookup(torch.arange(10))
+    saved = table.state_dict()
+    inc, seq = saved["changes"]["incarnation"], saved["changes"]["seq"]
+    table.apply(torch.tensor([1, 2]), torch.ones(2, D), step=1)
+    table.apply(torch.tensor([2, 3, 4]), torch.ones(3, D), step=2)
+    table.apply(torch.tensor([3, 4]), torch.ones(2, D), step=3)  # the log forgets the first update
+    _, _, whole, got, rows, held = table.changes(seq, inc)
+    assert not whole and got.tolist() == [1, 2, 3, 4] and held.all()
+    assert torch.equal(rows, table.lookup(got, admit=False))
+    _, _, _, got, rows, held = table.changes(seq, inc, min_updates=2)
+    assert got.tolist() == [1, 2, 3, 4] and held.tolist() == [False, True, True, True]
+    assert torch.equal(rows[0], torch.zeros(D)), "a row under the threshold is sent as not held"
+    assert table.evict(6)["by_age"] == 6  # rows 0 and 5-9, never updated
+    _, _, whole, got, rows, held = table.changes(seq, inc)
+    assert not whole and got.tolist() == list(range(10)) and held.tolist() == [i in (1, 2, 3, 4) for i in range(10)]
+    copy = EmbeddingTable(D, optimizer="sgd", max_age=5)
+    copy.load_state_dict(table.state_dict())
+    _, _, whole, got, _, held = copy.changes(0, "", min_updates=2)
+    assert whole and got.tolist() == [1, 2, 3, 4] and held.tolist() == [False, True, True, True]
+    older = {k: v for k, v in table.state_dict().items() if k != "update_counts"}  # an older torchps's state
+    copy.load_state_dict(older)
+    assert copy.changes(0, "", min_updates=1000)[5].all(), "rows of unknown update counts pass every threshold"
+    with pytest.raises(InvalidArgumentError, match="min_updates"):
+        table.changes(seq, inc, min_updates=-1)
+
+
 def batch(values: dict[int, float], whole: bool = False, owner=(0, 1, "modulo"), drop=(), fixed: int = 0
           ) -> TableBatch:
     """A batch setting row id to [v] * D for each id: v of `values`, dropping the ids of `drop`; `fixed`: the
@@ -68,6 +111,32 @@ def batch(values: dict[int, float], whole: bool = False, owner=(0, 1, "modulo"),
     rows = torch.tensor([[v] * D for v in values.values()] + [[0.0] * D] * len(drop))
     held = np.array([True] * len(values) + [False] * len(drop))
     return TableBatch(D, torch.float32, keys, rows.reshape(len(keys), D), held, whole, owner, fixed)
+
+
+def test_a_guard_reads_a_rounds_version_before_anyone_sees_it_and_refuses_a_worse_one():
+    replica = Replica(keep=4)
+    replica.publish(1, [("t", batch({1: 1.0, 2: 2.0}))], {"w": torch.zeros(1)}, replica.rewinds)
+    calls = []
+
+    def loss(model):  # row 1's first value plus w
+        calls.append(model)
+        return float(model.lookup("t", torch.tensor([1, 2]))[0, 0] + model.dense(["w"])["w"][0])
+
+    guard = LossGuard(loss, max_increase=0.5)
+    candidate = replica.candidate([("t", batch({1: 1.4}, drop=(2,)))], {"w": torch.zeros(1)})
+    assert torch.equal(candidate.lookup("t", torch.tensor([1, 2, 3])), torch.tensor([[1.4] * D, [0.0] * D, [0.0] * D]))
+    assert replica.lookup("t", ids(1))[1][0, 0] == 1.0, "a candidate is not visible to lookups"
+    assert guard.refusal(replica.view(), candidate) == "" and guard.baseline == pytest.approx(1.4)
+    replica.publish(2, [("t", batch({1: 1.4}, drop=(2,)))], None, replica.rewinds)
+    worse = replica.candidate([("t", batch({1: 1.0}))], {"w": torch.ones(1)})  # 1.0 + 1.0 > 1.4 + 0.5
+    assert "refused" in guard.refusal(replica.view(), worse) and guard.refused == 1
+    assert guard.baseline == pytest.approx(1.4), "a refused candidate is not the baseline"
+    assert "failed" in LossGuard(lambda m: m.lookup("nope", torch.tensor([1])), 0.5).refusal(None, worse)
+    assert "refused" in LossGuard(lambda m: math.nan, 0.5).refusal(None, worse), "a loss that is not finite"
+    first = LossGuard(loss, 0.0)
+    assert first.refusal(None, worse) == "", "with no version served, any finite loss passes"
+    with pytest.raises(InvalidArgumentError):
+        LossGuard(loss, -1.0)
 
 
 def test_a_lookup_sees_one_whole_version_while_versions_are_published():
@@ -139,7 +208,7 @@ def test_the_status_ranks_the_latest_lookups_times_and_counts_them_all():
 
     from torchps.serving.server import RECENT_LOOKUPS, ServingServicer
 
-    follower = SimpleNamespace(fresh_at=0.0, step=0, resyncs=0, error="", rows_applied=0)
+    follower = SimpleNamespace(fresh_at=0.0, step=0, resyncs=0, error="", rows_applied=0, guard=None, dense_at=0.0)
     servicer = ServingServicer(Replica(2), follower, authority=None)
     assert (servicer._status().lookup_p50_seconds, servicer._status().lookups) == (0.0, 0)
     times = [((i * 7919) % 10_061) / 1e4 for i in range(RECENT_LOOKUPS + 50)]  # distinct, unordered

@@ -1041,12 +1041,14 @@ class TableCursor(_message.Message):
     def __init__(self, table: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ChangesRequest(_message.Message):
-    __slots__ = ("cursors", "max_rows")
+    __slots__ = ("cursors", "max_rows", "min_updates")
     CURSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MIN_UPDATES_FIELD_NUMBER: _ClassVar[int]
     cursors: _containers.RepeatedCompositeFieldContainer[TableCursor]
     max_rows: int
-    def __init__(self, cursors: _Optional[_Iterable[_Union[TableCursor, _Mapping]]] = ..., max_rows: _Optional[int] = ...) -> None: ...
+    min_updates: int
+    def __init__(self, cursors: _Optional[_Iterable[_Union[TableCursor, _Mapping]]] = ..., max_rows: _Optional[int] = ..., min_updates: _Optional[int] = ...) -> None: ...
 
 class TableChanges(_message.Message):
     __slots__ = ("table", "incarnation", "seq", "whole", "first", "last", "dim", "dtype", "ids", "rows", "held", "step", "partition", "num_shards", "shard", "num_embeddings")
@@ -1149,7 +1151,7 @@ class ServingVersion(_message.Message):
     def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., published_unix: _Optional[float] = ...) -> None: ...
 
 class ServingStatus(_message.Message):
-    __slots__ = ("current", "kept", "held", "staleness_seconds", "behind_steps", "rows", "resyncs", "error", "lookups", "lookup_p50_seconds", "lookup_p99_seconds", "rows_applied")
+    __slots__ = ("current", "kept", "held", "staleness_seconds", "behind_steps", "rows", "resyncs", "error", "lookups", "lookup_p50_seconds", "lookup_p99_seconds", "rows_applied", "guard_refused", "guard_loss", "guard_baseline", "dense_read_unix")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -1162,6 +1164,10 @@ class ServingStatus(_message.Message):
     LOOKUP_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    GUARD_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    GUARD_LOSS_FIELD_NUMBER: _ClassVar[int]
+    GUARD_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    DENSE_READ_UNIX_FIELD_NUMBER: _ClassVar[int]
     current: ServingVersion
     kept: _containers.RepeatedCompositeFieldContainer[ServingVersion]
     held: bool
@@ -1174,7 +1180,11 @@ class ServingStatus(_message.Message):
     lookup_p50_seconds: float
     lookup_p99_seconds: float
     rows_applied: int
-    def __init__(self, current: _Optional[_Union[ServingVersion, _Mapping]] = ..., kept: _Optional[_Iterable[_Union[ServingVersion, _Mapping]]] = ..., held: _Optional[bool] = ..., staleness_seconds: _Optional[float] = ..., behind_steps: _Optional[int] = ..., rows: _Optional[int] = ..., resyncs: _Optional[int] = ..., error: _Optional[str] = ..., lookups: _Optional[int] = ..., lookup_p50_seconds: _Optional[float] = ..., lookup_p99_seconds: _Optional[float] = ..., rows_applied: _Optional[int] = ...) -> None: ...
+    guard_refused: int
+    guard_loss: float
+    guard_baseline: float
+    dense_read_unix: float
+    def __init__(self, current: _Optional[_Union[ServingVersion, _Mapping]] = ..., kept: _Optional[_Iterable[_Union[ServingVersion, _Mapping]]] = ..., held: _Optional[bool] = ..., staleness_seconds: _Optional[float] = ..., behind_steps: _Optional[int] = ..., rows: _Optional[int] = ..., resyncs: _Optional[int] = ..., error: _Optional[str] = ..., lookups: _Optional[int] = ..., lookup_p50_seconds: _Optional[float] = ..., lookup_p99_seconds: _Optional[float] = ..., rows_applied: _Optional[int] = ..., guard_refused: _Optional[int] = ..., guard_loss: _Optional[float] = ..., guard_baseline: _Optional[float] = ..., dense_read_unix: _Optional[float] = ...) -> None: ...
 
 class ServingControl(_message.Message):
     __slots__ = ("action", "step")
