@@ -134,7 +134,10 @@ def serving_page(results: list[Result]) -> Page:
                ("lookup, inside the replica, p50 / p99 ms",
                 f"{num(r.get('replica_lookup_p50_ms'), 3)} / {num(r.get('replica_lookup_p99_ms'), 3)}"),
                ("replica's CPU (cores busy)", num(r.get("replica_cpu_per_s"), 2)),
-               ("first whole read of the tables, s", num(r.get("first_read_s"), 1))]
+               ("first whole read of the tables, s", num(r.get("first_read_s"), 1)),
+               ("a replica's start from a checkpoint, s", num(r.get("checkpoint_start_s"), 1)),
+               ("  its tables read whole / rows the shards sent",
+                f"{num(r.get('checkpoint_start_resyncs'), 0)} / {num(r.get('checkpoint_start_rows_sent'), 0)}")]
     page.lines += [*table(["figure", "value"], [list(f) for f in figures]),
                    *table(["target", "met"], [[code(k), met(v)] for k, v in (r.get("targets") or {}).items()]),
                    *section("How this was measured", [source(r, config={
