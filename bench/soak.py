@@ -398,7 +398,7 @@ class Phase:
                  self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file), "--leave-file",
                  str(self.leave_file(index)), "--credentials", str(self.credentials)],
                 prog="soak-worker", env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(pathlib.Path(__file__).parent),
-                stdout=out.fileno())
+                stdout=out.fileno(), parent_death_signal=signal.SIGTERM)  # a soak that dies leaves none pushing
         self.active.add(index)
 
     def ensure_credentials(self, index: int) -> None:

@@ -2,7 +2,9 @@
 
 `ShardChannels.call(shard, fn, timeout)` runs `fn(stub, deadline_seconds)`
 against a shard; `fn` must pass the deadline to its stub call, so no attempt
-waits longer than `timeout`. A shard that cannot be reached (UNAVAILABLE), or
+waits longer than `timeout`. A shard that cannot be reached (UNAVAILABLE), that
+was stopping as the call came (CANCELLED, though this client cancelled nothing:
+gRPC's answer to a call no handler took yet when its server stopped), or
 that refuses a call at a limit on work in progress (ShardBusyError, which
 changes nothing), is retried with exponential backoff and jitter for up to
 `connect_timeout` from the first failure, then ServerUnavailableError (or
@@ -57,13 +59,37 @@ def _decode_pull(data: bytes):
     return wire.decode_pull_response(data)
 
 
+class _Unregistered:
+    """`channel`, making every method the generated stub asks for unregistered. Through an interceptor (the
+    token's: secured_channel) gRPC looks a registered method up at each call, and that look-up on a closed
+    channel crashes the process (SIGSEGV); a call of an unregistered method raises ValueError there instead, as
+    ShardChannels expects: a redirect closes a shard's old channel, and close() every channel, while other
+    threads (a fanout's, the failover watch's) may be about to call them."""
+
+    def __init__(self, channel: grpc.Channel):
+        self._channel = channel
+
+    def unary_unary(self, path, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return self._channel.unary_unary(path, request_serializer, response_deserializer)
+
+    def unary_stream(self, path, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return self._channel.unary_stream(path, request_serializer, response_deserializer)
+
+    def stream_unary(self, path, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return self._channel.stream_unary(path, request_serializer, response_deserializer)
+
+    def stream_stream(self, path, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return self._channel.stream_stream(path, request_serializer, response_deserializer)
+
+
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
-    """The generated stub, with Pull and Push using wire.py's codecs for their bulk messages.
+    """The generated stub (its methods unregistered: _Unregistered), with Pull and Push using wire.py's codecs for
+    their bulk messages.
 
     Pull and LookupRows yield and PullOne and PushPull return wire.PullMessage (chunks, step, push result, generation);
     Push (a stream), PushOne and PushPull (one message) take serialized PushRequest bytes.
     """
-    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    stub = ps_pb2_grpc.ParameterServerStub(_Unregistered(channel))
     service = "/" + ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
     stub.Pull = channel.unary_stream(f"{service}/Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
                                      response_deserializer=_decode_pull)
@@ -100,6 +126,14 @@ class Backoff:
         if fixed is None:
             self._next = min(BACKOFF_MAX_SECONDS, self._next * 2)
         return True
+
+
+def _server_cancelled(exc: grpc.RpcError) -> bool:
+    """Whether `exc` is a CANCELLED the call was not cancelled for by its caller: the server stopped before a
+    handler took the call (grpc/grpc#41785: a shard stopping, a struck primary started again stepping down to be
+    its successor's backup, a backup's signpost giving way at its promotion), or the channel was closed (a
+    redirect, the client's close)."""
+    return exc.code() is grpc.StatusCode.CANCELLED and not getattr(exc, "cancelled", lambda: False)()
 
 
 def _retryable(exc: grpc.RpcError) -> bool:
@@ -255,7 +289,7 @@ class ShardChannels:
         request's watch). One attempt."""
         try:
             layout = self.stubs[shard].GetLayout(request, timeout=RELOCATE_ASK_SECONDS + request.watch_seconds)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: its channel closed (a redirect, or this client closed)
             return {}
         for entry in layout.replicas:
             if entry.backup or entry.failovers:
@@ -357,7 +391,8 @@ class ShardChannels:
                 if exc.code() is grpc.StatusCode.CANCELLED and self.stubs[shard] is not stub \
                         and not self._closed.is_set():
                     continue  # its channel closed by a redirect (a failover): sent again, to the new address
-                if not _retryable(exc):
+                stopped = _server_cancelled(exc) and not self._closed.is_set()  # the shard's process stopped
+                if not (stopped or _retryable(exc)):
                     raise error_from_rpc(exc, self.target(shard)) from exc
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if isinstance(error_from_rpc(exc, ""), VariableMovingError):
@@ -365,7 +400,7 @@ class ShardChannels:
                     if backoff.pause(MOVING_RETRY_SECONDS):  # there within a move's time: asked again soon
                         continue
                     raise error_from_rpc(exc, self.target(shard)) from exc
-                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                if stopped or exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self._ready[shard] = False
                 if not backoff.pause():
                     raise error_from_rpc(exc, self.target(shard)) from exc
