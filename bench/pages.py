@@ -32,7 +32,7 @@ PREFIXES = [("soak_cpu", "cpu"), ("ci_cpu", "cpu"), ("network", "network"), ("pe
             ("dataplane", "dataplane"), ("host_shards", "host_shards"), ("pullpush", "pullpush"),
             ("shard_threads", "pullpush"), ("calls", "calls"),
             ("gpu-check", "device"), ("soak", "soak"), ("resize", "resize"), ("journal", "journal"),
-            ("replication", "replication"), ("serving", "serving"), ("freshness", "freshness"),
+            ("replication", "replication"), ("serving", "serving"), ("freshness", "freshness"), ("ctr", "ctr"),
             ("memory", "memory"), ("compression_accuracy", "compression"), ("embedding", "embedding"),
             ("modes", "modes"), ("startup", "startup"), ("scale", "scale")]
 # The pages in the overview's order: family, what makes its page from {family: its results, oldest first}.
@@ -51,6 +51,7 @@ PAGES = [
     ("replication", lambda by: pages_robust.replication_page(by["replication"])),
     ("serving", lambda by: pages_misc.serving_page(by["serving"])),
     ("freshness", lambda by: pages_misc.freshness_page(by["freshness"])),
+    ("ctr", lambda by: pages_misc.ctr_page(by["ctr"])),
     ("compression", lambda by: pages_misc.compression_page(by["compression"])),
     ("embedding", lambda by: pages_misc.embedding_page(by["embedding"])),
     ("modes", lambda by: pages_misc.modes_page(by["modes"])),

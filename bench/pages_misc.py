@@ -1,6 +1,6 @@
 """bench/pages.py's pages of the transport and the rest: pullpush.py (and its GPU-machine runs), calls.py, the GPU
-check (device.py), compression's accuracy, embeddings, sync modes, start-up, scale, the suite's CPU (cpu_of.py),
-and a plain table for any results file no page knows."""
+check (device.py), compression's accuracy, embeddings, sync modes, start-up, scale, the Criteo-shaped benchmark
+(ctr.py), the suite's CPU (cpu_of.py), and a plain table for any results file no page knows."""
 
 from __future__ import annotations
 
@@ -175,6 +175,66 @@ def freshness_page(results: list[Result]) -> Page:
                                                   "drift_hours", "churn", "batch_size", "seed")})])]
     page.headline.append(("serving the fresh version over the daily one, next hour's AUC gain (drifting stream)",
                           num(r.get("fresh_minus_daily"), 4), r))
+    return page
+
+
+def ctr_page(results: list[Result]) -> Page:
+    page = Page.start(
+        "ctr.md", "Criteo-shaped click-through rate",
+        "`bench/ctr.py`: DLRM (the MLPs of DLRM's Criteo Kaggle run, a dynamic table on the shards per field) on "
+        "days of a click stream of the Criteo Kaggle layout (13 dense features, 26 categorical fields with "
+        "Kaggle's cardinalities up to a hash size, Zipf ids, clicks from a hidden model), trained sync and then "
+        "async on the same days by shard and worker processes on one machine; the next day held out, scored by "
+        "the chief. CPU counts every process of the job over the training. The bars (issue 42): "
+        ">= 140 samples/s per core of the whole job's CPU, and async AUC within 0.002 of sync AUC.")
+    r = results[-1]
+    modes = r.get("modes") or {}
+    names = list(modes)
+
+    def mb(value) -> str:
+        return MISSING if value is None else f"{value / 2**20:,.0f}"
+
+    def each(what, fn) -> list:
+        return [what, *(fn(modes[m]) for m in names)]
+
+    data = r.get("data") or {}
+    rows = [each("samples trained", lambda g: f"{g['samples']:,d}"), each("wall s", lambda g: num(g["wall_s"], 1)),
+            each("samples/s", lambda g: sig(g["samples_per_s"])),
+            each("CPU s: shards / workers / chief", lambda g: " / ".join(
+                num(g["cpu_s"][k], 1) for k in ("shards", "workers", "chief"))),
+            each("cores busy", lambda g: num(g["cores_busy"])),
+            each("samples/s per core", lambda g: sig(g["samples_per_s_per_core"])),
+            each("held-out AUC", lambda g: num(g["held_out_auc"], 4)),
+            each("held-out log loss", lambda g: num(g["held_out_log_loss"], 4)),
+            each("storage bytes read / written per sample (shards)", lambda g: (
+                f"{num(g['storage_read_bytes_per_sample'], 1)} / {num(g['storage_write_bytes_per_sample'], 1)}")),
+            each("gradient bytes pushed per sample", lambda g: sig(g["push_bytes_per_sample"])),
+            each("chief peak RSS MB", lambda g: mb(g["chief_peak_rss_bytes"]))]
+    shards = [[m, s, sig(f["rows_looked_up_per_s"]), sig(f["rows_updated_per_s"]), num(f["cpu_s"], 1),
+               mb(f["peak_rss_bytes"]), f"{f['rows_held']:,d}"]
+              for m in names for s, f in enumerate(modes[m]["shards"])]
+    workers = [[m, w, " / ".join(num(v, 1) for v in f["cpu_s_by_stage"].values()), mb(f["peak_rss_bytes"])]
+               for m in names for w, f in enumerate(modes[m]["workers"])]
+    config = r.get("config") or {}
+    page.lines += [*table(["figure", *names], rows),
+                   f"async AUC - sync AUC: {num(r.get('auc_async_minus_sync'), 4)}; the hidden model's own AUC on "
+                   f"the held-out day: {num(data.get('oracle_auc'), 4)}; its click rate "
+                   f"{num(data.get('held_out_click_rate'), 3)}. `cache_hit_rate`: none ({r.get('cache_hit_rate_note')}).", "",
+                   *table(["mode", "shard", "rows looked up/s", "rows updated/s", "CPU s", "peak RSS MB",
+                           "rows held"], shards),
+                   *table(["mode", "worker", "CPU s: lookup / compute / exchange", "peak RSS MB"], workers),
+                   *table(["target", "met"], [[code(k), met(v)] for k, v in (r.get("targets") or {}).items()]),
+                   *section("How this was measured", [source(r, config={
+                       k: config.get(k) for k in ("days", "samples_per_day", "cardinality_cap", "criteo_tsv",
+                                                  "alpha", "drift_days", "churn", "dim", "bottom", "top",
+                                                  "batch_size", "workers", "ps", "server_arg", "seed")})])]
+    page.headline += [("Criteo-shaped DLRM, async: samples/s per core of the whole job's CPU (bar >= 140)",
+                       sig(r.get("async_samples_per_s_per_core")), r),
+                      ("Criteo-shaped DLRM: held-out AUC, async - sync (bar within 0.002)",
+                       num(r.get("auc_async_minus_sync"), 4), r)]
+    page.lines += earlier(results[:-1], [
+        ("async samples/s per core", lambda e: sig(e.get("async_samples_per_s_per_core"))),
+        ("async - sync AUC", lambda e: num(e.get("auc_async_minus_sync"), 4))])
     return page
 
 

@@ -112,18 +112,29 @@ def auc(scores, labels) -> float:
 
 # -- the model ------------------------------------------------------------------------------------
 
-class DLRM(nn.Module):
-    """Bottom MLP, EmbeddingBags on the shards, pairwise dot interactions, top MLP -> one logit."""
+def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
+    """Linear layers from widths[0] to widths[-1], a ReLU after each but (without last_relu) the last."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if last_relu or i < len(widths) - 2 else [])
+    return nn.Sequential(*layers)
 
-    def __init__(self, cardinalities: list[int], dim: int, table_lr: float):
+
+class DLRM(nn.Module):
+    """Bottom MLP, EmbeddingBags on the shards, pairwise dot interactions, top MLP -> one logit.
+
+    `bottom` and `top`: the MLPs' hidden widths (DLRM's Criteo Kaggle model: (512, 256, 64) and (512, 256)); a
+    table of cardinality None is dynamic (any int64 id, rows made as ids are trained on)."""
+
+    def __init__(self, cardinalities: list[int | None], dim: int, table_lr: float, bottom=(64,), top=(64,)):
         super().__init__()
-        self.bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 64), nn.ReLU(), nn.Linear(64, dim), nn.ReLU())
+        self.bottom = mlp([DENSE_FEATURES, *bottom, dim], last_relu=True)
         self.tables = nn.ModuleList([
             EmbeddingBag(n, dim, mode="sum", optimizer=Optimizer("adagrad", lr=table_lr), init_scale=0.05)
             for n in cardinalities])
         vectors = len(cardinalities) + 1
         self.register_buffer("pairs", torch.triu_indices(vectors, vectors, offset=1), persistent=False)
-        self.top = nn.Sequential(nn.Linear(dim + self.pairs.shape[1], 64), nn.ReLU(), nn.Linear(64, 1))
+        self.top = mlp([dim + self.pairs.shape[1], *top, 1], last_relu=False)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Reads every table's rows for `ids` in one call per shard (forward would make one per table)."""
