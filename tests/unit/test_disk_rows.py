@@ -1,0 +1,58 @@
+"""The on-disk row store of SSD-backed tables (ps_server/disk_rows.py): records by id, found or not, ids in
+numeric order across the sign, snapshots that later writes do not reach, and a store opened fresh or again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchps.ps_server.disk_rows import DiskRows, decode_keys, encode_keys
+
+W = 24
+
+
+def records(ids: np.ndarray, fill: int = 0) -> np.ndarray:
+    return ((ids[:, None] + fill + np.arange(W)[None, :]) % 251).astype(np.uint8)
+
+
+def test_keys_keep_the_ids_order_across_the_sign():
+    ids = np.array([5, -(1 << 63), -1, 0, (1 << 63) - 1, 3], dtype=np.int64)
+    assert decode_keys(encode_keys(ids)).tolist() == ids.tolist()
+    assert sorted(encode_keys(ids)) == encode_keys(np.sort(ids))
+
+
+def test_records_are_found_by_id_replaced_deleted_and_listed_by_id(tmp_path):
+    store = DiskRows(tmp_path / "t", W)
+    ids = np.array([9, -4, 100, 7], dtype=np.int64)
+    store.put(ids, records(ids))
+    found, got = store.get(np.array([7, 8, -4], dtype=np.int64))
+    assert found.tolist() == [True, False, True]
+    assert (got[0] == records(np.array([7]))[0]).all() and not got[1].any() and (got[2] == records(np.array([-4]))[0]).all()
+    store.put(np.array([7]), records(np.array([7]), fill=1))
+    store.delete(np.array([100, 12345]))
+    listed = list(store.items(chunk=2))
+    assert [part[0].tolist() for part in listed] == [[-4, 7], [9]]
+    assert (listed[0][1][1] == records(np.array([7]), fill=1)[0]).all()
+    assert (store.reads, store.writes) == (3, 5) and store.bytes_written == 5 * W
+    with pytest.raises(ValueError, match="uint8"):
+        store.put(ids, np.zeros((len(ids), W + 1), dtype=np.uint8))
+    store.close()
+
+
+def test_a_snapshot_holds_the_store_as_it_was_and_a_store_opens_again_or_fresh(tmp_path):
+    store = DiskRows(tmp_path / "live", W)
+    ids = np.arange(1000, dtype=np.int64)
+    store.put(ids, records(ids))
+    store.snapshot_to(tmp_path / "snap")
+    store.put(ids[:10], records(ids[:10], fill=7))
+    store.close()
+    copy = DiskRows(tmp_path / "snap", W)
+    found, got = copy.get(ids[:10])
+    assert found.all() and (got == records(ids[:10])).all(), "the snapshot is not reached by later writes"
+    copy.close()
+    again = DiskRows(tmp_path / "live", W)
+    assert (again.get(ids[:10])[1] == records(ids[:10], fill=7)).all()
+    again.close()
+    fresh = DiskRows(tmp_path / "live", W, fresh=True)
+    assert not fresh.get(ids[:10])[0].any()
+    fresh.close()
