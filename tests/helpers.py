@@ -19,7 +19,9 @@ import urllib.request
 
 import pytest
 
+from torchps.forkserver import ForkedChild, ProcessStarter
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
+from torchps.worker.local_cluster import SHARD_MODULE
 
 PROMETHEUS = shutil.which("prometheus")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is not installed "
@@ -55,6 +57,29 @@ def free_ports(count: int) -> list[int]:
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in sockets]
+
+
+def start_ps_server(argv: list[str], log: pathlib.Path) -> ForkedChild | subprocess.Popen:
+    """ps-server with `argv` (a backup, a shard restarted by hand), forked from this process's warm fork server
+    as LocalCluster starts its shards, not a fresh interpreter importing torch: its output and errors go to
+    `log` (written anew), and it gets SIGTERM should this process die. Returns a Popen look-alike."""
+    with open(log, "wb") as out:
+        return ProcessStarter.shared().start(SHARD_MODULE, argv, prog="ps-server", stdout=out.fileno(),
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                             parent_death_signal=signal.SIGTERM)
+
+
+def run_ps_server(argv: list[str], log: pathlib.Path, timeout: float) -> tuple[int, str]:
+    """ps-server with `argv`, started as start_ps_server does, run to its exit (a refusal, say): its exit code and
+    what it printed (output and errors, in `log`); the test fails if it runs past `timeout` s."""
+    proc = start_ps_server(argv, log)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        pytest.fail(f"ps-server {' '.join(argv)} still running after {timeout:g} s:\n{log.read_text()[-3000:]}")
+    return code, log.read_text(errors="replace")
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):

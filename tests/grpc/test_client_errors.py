@@ -8,9 +8,7 @@ waiting for the chief's variables time out clearly or go on once they exist.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from helpers import free_port, wait_until
+from helpers import free_port, start_ps_server, wait_until
 from torchps.client import (Cluster, NonFiniteGradientError, Optimizer, OptimizerSpecError, PSClient, PSError,
                             ServerUnavailableError, SpecConflictError, TaskSpec, TensorMismatchError,
                             UnknownVariableError, WaitTimeoutError)
@@ -119,16 +117,13 @@ def test_unreachable_shard_raises_server_unavailable_naming_it():
 
 def test_shard_that_starts_late_is_waited_for(tmp_path):
     port = free_port()
-    log = open(tmp_path / "late-ps.log", "wb")
-    procs: list[subprocess.Popen] = []
+    procs = []
     delay = 2.0
 
     def start_late():
         time.sleep(delay)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torchps.ps_server", "--index", "0", "--bind", f"127.0.0.1:{port}", "--insecure"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        procs.append(start_ps_server(["--index", "0", "--bind", f"127.0.0.1:{port}", "--insecure"],
+                                     tmp_path / "late-ps.log"))
 
     starter = threading.Thread(target=start_late)
     try:
@@ -140,7 +135,6 @@ def test_shard_that_starts_late_is_waited_for(tmp_path):
             assert torch.equal(ps.pull(["late/w"])["late/w"], torch.arange(4.0))
     finally:
         starter.join()
-        log.close()
         for proc in procs:
             proc.terminate()
             try:

@@ -4,6 +4,7 @@ import gc
 
 import torch
 
+from torchps import codec
 from torchps.client import MinSizePartitioner, Optimizer, PSClient, TaskSpec
 from torchps.worker.local_cluster import LocalCluster
 
@@ -61,14 +62,16 @@ def test_a_big_layer_is_cut_across_4_shards_and_trains_as_one_tensor(local_clust
         assert chief.set_hyperparams(["0.weight"], lr=0.0) == 4  # one per piece
 
 
-def test_a_1gib_variable_on_4_shards_round_trips(local_cluster):
-    """create -> pull -> push -> pull of one 1 GiB float32 variable cut in 4 pieces of 256 MiB."""
+def test_a_variable_of_1024_chunks_on_4_shards_round_trips(local_cluster):
+    """create -> pull -> push -> pull of one variable cut in 4 pieces of 256 chunks each: a 1 GiB variable's
+    pieces at the default 1 MiB chunks, here 64 MiB at the smallest chunk a shard takes (64 KiB), so that every
+    piece crosses as many chunks, messages and lane frames for a sixteenth of the bytes."""
     local = local_cluster(4)
-    rows, cols = 1 << 14, 1 << 14  # 2^28 float32 elements: 1 GiB
-    with PSClient(local.cluster, timeout=600) as client:
+    rows, cols = 1 << 12, 1 << 12  # 2^24 float32 elements: 64 MiB, 1024 chunks of MIN_CHUNK_BYTES
+    with PSClient(local.cluster, timeout=600, chunk_bytes=codec.MIN_CHUNK_BYTES) as client:
         value = torch.arange(rows, dtype=torch.float32).unsqueeze(1).expand(rows, cols).contiguous()
         client.create_variables({"huge": value}, Optimizer("sgd", lr=1.0))
-        assert [info.nbytes for info in client.list_variables()] == [1 << 28] * 4
+        assert [info.nbytes for info in client.list_variables()] == [256 * codec.MIN_CHUNK_BYTES] * 4
         pulled = client.pull(["huge"])["huge"]
         assert torch.equal(pulled, value)
         del pulled

@@ -14,7 +14,7 @@ from torchps import codec
 from torchps.client import Optimizer, PSClient, ResourceExhaustedError, ShardBusyError
 from torchps.proto import ps_pb2
 
-from helpers import wait_until
+from helpers import run_ps_server, wait_until
 
 QUARTER = 1 << 16  # float32 elements: 256 KiB
 
@@ -254,20 +254,16 @@ def test_max_memory_as_a_share_of_the_machines_memory(local_cluster):
 def test_a_checkpoint_relaid_out_over_max_memory_is_refused_at_start(local_cluster, tmp_path):
     """A re-layout counts against --max-memory: two shards' 256 KiB each, onto one shard allowed 256 KiB, is one
     line and exit code 2 before the shard serves (and fits one allowed 1 MiB)."""
-    import subprocess
-
-    from torchps.worker.local_cluster import ps_server_command
-
     source = local_cluster(2, server_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--no-journal"])
     with PSClient(source.cluster, connect_timeout=10) as client:
         client.create_variables({"a": torch.ones(QUARTER), "b": torch.ones(QUARTER)}, Optimizer("sgd", lr=0.1))
         assert client.status(0).num_variables == client.status(1).num_variables == 1
         client.save_checkpoint(0)
-    flags = [*ps_server_command(), "--index", "0", "--bind", "127.0.0.1:0", "--insecure", "--restore-from",
-             str(tmp_path / "ckpt"), "--num-ps", "1", "--max-memory", "256K"]
-    refused = subprocess.run(flags, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2, refused.stderr
-    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("ps-server: error:")]
+    flags = ["--index", "0", "--bind", "127.0.0.1:0", "--insecure", "--restore-from", str(tmp_path / "ckpt"),
+             "--num-ps", "1", "--max-memory", "256K"]
+    code, printed = run_ps_server(flags, tmp_path / "refused.log", 120)
+    assert code == 2, printed
+    (line,) = [line for line in printed.splitlines() if line.startswith("ps-server: error:")]
     assert f"would restore {8 * QUARTER} bytes" in line and f"--max-memory {4 * QUARTER}" in line, line
     fits = local_cluster(1, server_args=["--restore-from", str(tmp_path / "ckpt"), "--num-ps", "1",
                                          "--max-memory", "1M"])

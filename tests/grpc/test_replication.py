@@ -4,15 +4,13 @@ push, and a primary cut off from its promoted backup never acknowledges again. R
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import grpc
 import pytest
 import torch
-from helpers import free_ports, wait_until
+from helpers import free_ports, start_ps_server, wait_until
 
 from torchps.certs import make_job_credentials
 from torchps.client import Optimizer, PSClient
@@ -40,12 +38,10 @@ def _start(tmp_path, extra=(), backed=1, credentials=None):
                                                           *extra], log_dir=tmp_path)
     local.start()
     backup_address = f"127.0.0.1:{pb}"
-    with open(tmp_path / "backup.log", "wb") as log:
-        backup = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(backed), "--cluster", spec,
-                                   "--replica-of", f"127.0.0.1:{(p0, p1)[backed]}", "--bind", backup_address,
-                                   "--journal-dir", str(tmp_path / f"backup-{backed}"), "--torch-threads", "1",
-                                   *secured(TaskSpec("ps", backed)), *extra],
-                                  stdout=log, stderr=subprocess.STDOUT)
+    backup = start_ps_server(["--index", str(backed), "--cluster", spec, "--replica-of",
+                              f"127.0.0.1:{(p0, p1)[backed]}", "--bind", backup_address, "--journal-dir",
+                              str(tmp_path / f"backup-{backed}"), "--torch-threads", "1",
+                              *secured(TaskSpec("ps", backed)), *extra], tmp_path / "backup.log")
     return local, backup, backup_address, Cluster.from_json(spec)
 
 
@@ -182,11 +178,9 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
             local.kill_ps(1)
             ps.push(grads)  # served by the promoted backup
             assert _replicas(ps)[1].primary == backup_address
-            with open(tmp_path / "restarted.log", "wb") as log:
-                restarted = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", "1", "--cluster",
-                                              json.dumps(cluster.to_dict()), "--bind", old, "--checkpoint-dir",
-                                              str(tmp_path / "ck"), "--insecure", "--torch-threads", "1"],
-                                             stdout=log, stderr=subprocess.STDOUT)
+            restarted = start_ps_server(["--index", "1", "--cluster", json.dumps(cluster.to_dict()), "--bind", old,
+                                         "--checkpoint-dir", str(tmp_path / "ck"), "--insecure",
+                                         "--torch-threads", "1"], tmp_path / "restarted.log")
             wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
             ps.push(grads)
             backup.kill()
@@ -239,13 +233,11 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
         local.stop()
 
 
-def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name: str) -> subprocess.Popen:
+def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name: str):
     """A backup of shard `index` following `primary`, bound at `bind`, its journal and log named `name`."""
-    with open(tmp_path / f"{name}.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(index), "--cluster",
-                                 json.dumps(cluster.to_dict()), "--replica-of", primary, "--bind", bind,
-                                 "--journal-dir", str(tmp_path / name), "--insecure", "--torch-threads", "1"],
-                                stdout=log, stderr=subprocess.STDOUT)
+    return start_ps_server(["--index", str(index), "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
+                            primary, "--bind", bind, "--journal-dir", str(tmp_path / name), "--insecure",
+                            "--torch-threads", "1"], tmp_path / f"{name}.log")
 
 
 def _backup(ps, shard: int) -> str:

@@ -4,12 +4,10 @@ backup; a checkpoint taken after a failover restores onto another shard count. R
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import free_ports, wait_until
+from helpers import free_ports, start_ps_server, wait_until
 
 from torchps.client import Optimizer, PSClient
 from torchps.errors import ReplicaFencedError
@@ -25,18 +23,16 @@ def _spec(ports) -> str:
     return json.dumps({"ps": [f"127.0.0.1:{p}" for p in ports], "worker": ["127.0.0.1:1"]})
 
 
-def _backup(tmp_path, index: int, spec: str, primary: str, port: int, *extra: str) -> tuple[subprocess.Popen, str]:
+def _backup(tmp_path, index: int, spec: str, primary: str, port: int, *extra: str) -> tuple:
     """ps-server --replica-of `primary` for shard `index`, serving at 127.0.0.1:`port` once promoted."""
     address = f"127.0.0.1:{port}"
-    with open(tmp_path / f"backup-{index}.log", "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "torchps.ps_server", "--index", str(index), "--cluster", spec,
-                                    "--replica-of", primary, "--bind", address, "--journal-dir",
-                                    str(tmp_path / f"backup-{index}"), "--insecure", "--torch-threads", "1", *extra],
-                                   stdout=log, stderr=subprocess.STDOUT)
+    process = start_ps_server(["--index", str(index), "--cluster", spec, "--replica-of", primary, "--bind", address,
+                               "--journal-dir", str(tmp_path / f"backup-{index}"), "--insecure", "--torch-threads", "1",
+                               *extra], tmp_path / f"backup-{index}.log")
     return process, address
 
 
-def _stopped(process: subprocess.Popen) -> None:
+def _stopped(process) -> None:
     if process.poll() is None:
         process.terminate()
         process.wait(timeout=30)
@@ -126,7 +122,7 @@ def test_a_failover_then_a_live_resize_names_each_shard_where_it_is_served(tmp_p
         local.stop()
 
 
-def _grown(tmp_path, ports) -> tuple[LocalCluster, subprocess.Popen, str]:
+def _grown(tmp_path, ports) -> tuple:
     """A job on ports[0:2], and its shard 2 (on ports[2]) with a backup (on ports[3]), started for a resize that
     adds it."""
     local = _job(tmp_path, ports[:2])

@@ -17,22 +17,18 @@ import sys
 import time
 
 import torch
+from helpers import run_ps_server
 from test_recovery import Launch
 
 from torchps.client import Optimizer, PSClient
 from torchps.ps_server import journal_log
-from torchps.worker.local_cluster import LocalCluster, ps_server_command
+from torchps.worker.local_cluster import LocalCluster
 
 START_TIMEOUT = 60.0
 RUN_TIMEOUT = 120.0   # a short ps-launch job, start to end, on a loaded 2-core machine
 REFUSAL_SECONDS = 15  # ps-launch refusing a folder in use: its flags checked, no torch imported, nothing started
 JOB = ["--dataset", "mnist5k", "--ps", "2", "--workers", "1", "--mode", "async", "--batch-size", "100",
        "--checkpoint-every-steps", "5", "--insecure"]
-
-
-def run_to_exit(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([*ps_server_command(), "--insecure", *args], capture_output=True, text=True,
-                          timeout=START_TIMEOUT, stdin=subprocess.DEVNULL)
 
 
 def files_of(folder: pathlib.Path) -> dict[str, bytes]:
@@ -51,10 +47,11 @@ def test_a_second_shard_of_the_same_index_is_refused_naming_the_holder_and_a_sig
         client.push({"w": torch.ones(4)})
         before = files_of(ckpt)
 
-        result = run_to_exit(["--index", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir", str(ckpt)])
-        assert result.returncode == 2, f"exit {result.returncode}:\n{result.stderr}"
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        code, printed = run_ps_server(["--insecure", "--index", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir",
+                                       str(ckpt)], tmp_path / "second.log", START_TIMEOUT)
+        assert code == 2, f"exit {code}:\n{printed}"
+        lines = printed.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in printed, printed
         pid = local.procs[0].pid
         assert lines[0].startswith(f"ps-server: error: checkpoint folder {ckpt} is in use by pid {pid} (ps-server "
                                    f"--index 0 "), lines[0]

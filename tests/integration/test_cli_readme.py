@@ -252,9 +252,9 @@ def check_cluster_commands(command: str, clone) -> None:
 
 def check_dlrm(command: str, comment: str, clone) -> None:
     """The held-out AUC within the README's range, below the hidden model's own. The line runs the example with
-    its defaults (test_dlrm_example.py covers a given cluster and a bad one): a secured local cluster of 2
-    shards holding its 8 tables, progress lines, and each worker training its share of the samples in one
-    push per batch."""
+    its defaults but fewer --train-samples (test_dlrm_example.py covers a given cluster and a bad one): a
+    secured local cluster of 2 shards holding its 8 tables, progress lines, and each worker training its share
+    of the samples in one push per batch."""
     low, high = map(float, RANGE.search(comment).groups())
     output = run_as_written(command, clone, timeout=LONG).stdout
     held_out = re.search(r"^held-out AUC: ([\d.]+) ", output, re.MULTILINE)

