@@ -3,24 +3,35 @@
 Also the client's patience: an unreachable shard fails after connect_timeout
 naming its address, a shard that starts late is waited for, and workers
 waiting for the chief's variables time out clearly or go on once they exist.
+A call a stopping shard answered CANCELLED (gRPC's answer to a call no
+handler took yet, as a struck primary started again steps down to be its
+successor's backup) is sent again, one the client cancelled is not; and a
+failover watch asking where a shard is served after its client closed gets
+no answer, where once the process crashed (SIGSEGV).
 """
 
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import subprocess
+import sys
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 import torch
 
 from helpers import free_port, start_ps_server, wait_until
+from torchps.client.channels import ShardChannels
+from torchps.proto import ps_pb2
 from torchps.client import (Cluster, NonFiniteGradientError, Optimizer, OptimizerSpecError, PSClient, PSError,
                             ServerUnavailableError, SpecConflictError, TaskSpec, TensorMismatchError,
                             UnknownVariableError, WaitTimeoutError)
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SLOW_CALL = 30.0  # loose upper bound in seconds for anything that "waits about the timeout" on a loaded machine
 
 
@@ -250,3 +261,73 @@ def test_a_call_whose_channel_a_redirect_closed_is_sent_again_to_the_new_address
         assert len(attempts) == 2 and attempts[0] is not attempts[1] and reply.index == 1
     finally:
         channels.close()
+
+
+class _StopsOnce(grpc.GenericRpcHandler):
+    """A shard's GetLayout answered as a server that stopped before a handler took the call answers it
+    (CANCELLED "CANCELLED", no torchps error: grpc/grpc#41785) the first time, then epoch 7; its Pull answered
+    only once `released` is set."""
+
+    def __init__(self):
+        self.calls = 0
+        self.released = threading.Event()
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method.rpartition("/")[2]
+        if method == "Pull":
+            return grpc.unary_stream_rpc_method_handler(self._pull)
+        if method != "GetLayout":
+            return None  # the client's readiness probe (GetStatus): UNIMPLEMENTED, an answer
+        return grpc.unary_unary_rpc_method_handler(self._layout, request_deserializer=ps_pb2.LayoutRequest.FromString,
+                                                   response_serializer=ps_pb2.Layout.SerializeToString)
+
+    def _pull(self, request, context):
+        self.released.wait(30)
+        return iter(())
+
+    def _layout(self, request, context):
+        self.calls += 1
+        if self.calls == 1:
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        return ps_pb2.Layout(epoch=7)
+
+
+def test_a_call_a_stopping_shard_answered_cancelled_is_sent_again_one_the_client_cancelled_is_not():
+    shard = _StopsOnce()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[shard])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channels = ShardChannels([f"127.0.0.1:{port}"], connect_timeout=10)
+    try:
+        layout = channels.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), 10)
+        assert (layout.epoch, shard.calls) == (7, 2), "the call the stopping server cancelled was sent again"
+        attempts = []
+
+        def cancelled_here(stub, t):  # the client's own cancel (a pull replaced by a newer one): never sent again
+            attempts.append(stub.Pull(ps_pb2.PullRequest(), timeout=t))
+            attempts[-1].cancel()
+            return list(attempts[-1])
+
+        with pytest.raises(PSError, match="CANCELLED"):
+            channels.call(0, cancelled_here, 10)
+        assert len(attempts) == 1
+    finally:
+        shard.released.set()
+        channels.close()
+        server.stop(None)
+
+
+RELOCATE_AFTER_CLOSE = """
+from torchps.client.channels import ShardChannels
+from torchps.security import Security
+
+channels = ShardChannels(["127.0.0.1:1", "127.0.0.1:2"], connect_timeout=1, security=Security(token="t"))
+channels.close()
+print("relocated:", channels.relocate(1))  # as a failover watch's poller does once its client closed
+"""
+
+
+def test_a_failover_watch_asking_after_its_client_closed_gets_no_answer_and_no_crash():
+    run = subprocess.run([sys.executable, "-c", RELOCATE_AFTER_CLOSE], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert (run.returncode, run.stdout.strip()) == (0, "relocated: False"), run.stderr[-3000:]
