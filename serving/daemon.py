@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 import threading
@@ -131,9 +132,17 @@ def _control(args: argparse.Namespace, security) -> int:
             status = client.status()
     print(f"version {status.current.version} (step {status.current.step}){' held' if status.held else ''}; "
           f"staleness {status.staleness_seconds:.2f} s, {status.behind_steps} steps behind; {status.rows} rows; "
-          f"kept steps {[v.step for v in status.kept]}" + (f"; last read failed: {status.error}" if status.error
-                                                             else ""))
+          f"kept steps {[v.step for v in status.kept]}" + _guard_line(status)
+          + (f"; last read failed: {status.error}" if status.error else ""))
     return 0
+
+
+def _guard_line(status) -> str:
+    """The loss guard's part of a status line ("" without a guard: its losses are NaN)."""
+    if math.isnan(status.guard_loss) and math.isnan(status.guard_baseline):
+        return ""
+    return (f"; guard: {status.guard_refused} refused, last loss {status.guard_loss:.6g}, served "
+            f"{status.guard_baseline:.6g}")
 
 
 def _serve(args: argparse.Namespace, security) -> int:

@@ -7,6 +7,7 @@ events (the replica's own status), never by sleeping."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -377,6 +378,9 @@ def test_a_loss_guard_keeps_a_worse_version_from_being_served_until_training_men
                 status = wait_until(lambda: (s := serving.status()).guard_refused >= 1 and s, TIMEOUT, "a refusal")
                 assert "guard refused" in status.error and status.guard_loss == 1.25 and status.guard_baseline == 0.25
                 assert serving.dense(["dense/w"]).tensors["dense/w"].tolist() == [0.25, 0.0], "the served version"
+                said = subprocess.run([sys.executable, "-m", "torchps.serving.daemon", "status", "--at", address,
+                                       "--insecure"], capture_output=True, text=True, timeout=TIMEOUT).stdout
+                assert re.search(r"guard: \d+ refused, last loss 1.25, served 0.25", said), said
                 client.push({"dense/w": torch.tensor([0.75, 0.0])})  # 1.25 -> 0.5: passes again
                 wait_until(lambda: serving.dense(["dense/w"]).tensors["dense/w"].tolist() == [0.5, 1.0], TIMEOUT,
                            "the mended version served")
