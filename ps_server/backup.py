@@ -9,7 +9,10 @@ record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
-s while this backup runs (its own pause or starvation restarts the count),
+s while this backup runs (its own pause or starvation restarts the count; a
+record's bytes on the bulk lane, once its frame came, are waited for the same
+way: each byte that comes is progress, and a record read in part is dropped,
+as the primary acknowledged it to no one),
 or its stream breaks and it stays unreachable for `failover_after` s, the
 backup asks the shard's arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of)
 to promote it (PROMOTE). The arbiter refuses while the primary still renews
@@ -64,7 +67,7 @@ FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its strea
 RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach the arbiter
 LEASE_ASK_SECONDS = 0.05       # between asks to be promoted while the primary's lease still holds
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
-LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came
+LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came (a pause in them is silence)
 WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
@@ -84,6 +87,7 @@ class Mirror:
         # (local record, the primary's number for it, the lane buffer it was read into or None), not acknowledged
         self._pairs: collections.deque[tuple[int, int, object]] = collections.deque()
         self._spare: dict[int, np.ndarray] = {}  # a lane buffer per size, free again once its record was written
+        self.lane_since: float | None = None  # when it began to wait for a record's bytes on the lane, None if not
         self._cond = threading.Condition(threading.Lock())
 
     def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
@@ -130,16 +134,20 @@ class Mirror:
         return None
 
     def _read_lane(self, nbytes: int) -> bytearray:
-        """The next frame of the lane, `nbytes` of a record's tensors. MalformedStreamError without a lane;
-        LaneBrokenError if it breaks or stalls (LANE_SECONDS)."""
+        """The next frame of the lane, `nbytes` of a record's tensors (lane_since is set while it waits for them).
+        MalformedStreamError without a lane; LaneBrokenError if it breaks, is closed, or stalls (LANE_SECONDS)."""
         if self.lane is None:
             raise MalformedStreamError("the primary sent a record's bytes on a lane this stream does not have")
         with self._cond:
             buffer = self._spare.pop(nbytes, None)
         if buffer is None:
             buffer = np.empty(nbytes, dtype=np.uint8)  # not zeroed; reused once written, its pages mapped already
-        self.lane.begin(nbytes, LANE_SECONDS)
-        self.lane.read_into(memoryview(buffer))
+        self.lane_since = time.monotonic()
+        try:
+            self.lane.begin(nbytes, LANE_SECONDS)
+            self.lane.read_into(memoryview(buffer))
+        finally:
+            self.lane_since = None
         return buffer
 
     def _need_journal(self) -> None:
@@ -218,7 +226,8 @@ class Backup:
 
     def _follow_once(self) -> str:
         """One stream: "followed" (frames came, then it ended), "silent" (frames came, then none, not even a
-        heartbeat, for failover_after s while this backup waited for one: the primary is stopped or cut off),
+        heartbeat, for failover_after s while this backup waited for one, or no byte of a record whose frame
+        came, on the lane, for as long: the primary is stopped or cut off),
         "finished" (it ended after the job's end was written here), "refused" (the primary answered with an
         error), "unreachable"."""
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
@@ -233,29 +242,35 @@ class Backup:
         mirror = Mirror(self.folder, self.sync, lane)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
         last = [time.monotonic()]  # when this backup began to wait for the next frame; None while it takes one
+        # (a record's bytes on the lane are waited for while it takes the record's frame: mirror.lane_since)
         done = threading.Event()
         framed = False
         silent = []
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
             ticks, asked, woke = 0, None, time.monotonic()
+            heard, received = woke, 0  # when a lane byte last came or this backup last resumed; lane bytes then
             while not done.wait(self.failover_after / WATCH_TICKS):
                 ticks += 1
                 now = time.monotonic()
                 slept, woke = now - woke, now
-                if slept > self.failover_after / 2 and last[0] is not None:
-                    last[0] = now  # this backup did not run (paused, starved): the silence was its own
+                if slept > self.failover_after / 2:
+                    heard = now  # this backup did not run (paused, starved): the silence was its own
                     continue
+                if lane is not None and lane.received != received:
+                    heard, received = now, lane.received  # a record's bytes come: progress, not silence
                 if asked is not None and asked.done():
                     self._learn_arbiter(asked)
                     asked = None
                 if asked is None and ticks % WATCH_TICKS == 0:  # never blocks this watch: a paused primary
                     asked = channels.stubs[0].GetLayout.future(ps_pb2.LayoutRequest(), timeout=self.failover_after)
                 limit = self.failover_after if framed else FIRST_FRAME_SECONDS
-                waited = last[0]
-                if self.stop.is_set() or (waited is not None and time.monotonic() - waited > limit):
+                waited = last[0] if last[0] is not None else mirror.lane_since
+                if self.stop.is_set() or (waited is not None and now - max(waited, heard) > limit):
                     silent.append(framed and not self.stop.is_set())
                     call.cancel()
+                    if lane is not None:
+                        lane.close()  # a read of a record's bytes fails at once
                     return
 
         def acknowledge() -> None:
@@ -289,9 +304,7 @@ class Backup:
             if mirror.finished:
                 return "finished"
             if framed and silent and silent[0]:
-                _LOGGER.warning("backup of ps:%d: %s sent nothing for %g s", self.index, self.primary,
-                                self.failover_after)
-                return "silent"
+                return self._silent(within_record=False)
             if framed:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
                                 exc.code().name)
@@ -303,6 +316,8 @@ class Backup:
                          exc.details())
             return "refused"
         except (MalformedStreamError, LaneBrokenError) as exc:
+            if silent:  # the watch closed the lane (the half record read is dropped: it was never acknowledged)
+                return self._silent(within_record=True) if silent[0] else "followed"
             _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, exc)
             return "followed"
         finally:
@@ -315,6 +330,11 @@ class Backup:
             if lane is not None:
                 lane.close()
             channels.close()
+
+    def _silent(self, within_record: bool) -> str:
+        _LOGGER.warning("backup of ps:%d: %s sent nothing for %g s%s", self.index, self.primary, self.failover_after,
+                        " (the rest of a record whose frame came was due on the bulk lane)" if within_record else "")
+        return "silent"
 
     def _follow_arbiter(self, event: dict) -> None:
         """A change of the primary's record (replicas.py event): this backup's arbiter promoted to another

@@ -98,6 +98,7 @@ class Lane:
         self.sock, self.key = sock, key
         self._sent = self._read = 0  # frames sent / begun, this direction
         self._left = 0               # bytes of the current frame not read yet
+        self.received = 0            # bytes read so far (another thread may watch it grow: the reads' progress)
         self._closed = threading.Event()
         self._deadline: float | None = None
         self.scratch = None  # a buffer its user keeps with it between calls (a shard stages pulled chunks in it)
@@ -198,6 +199,7 @@ class Lane:
                 got = self.sock.recv_into(view)
                 if not got:
                     raise self._broken("the other end closed it")
+                self.received += got
                 view = view[got:]
         except LaneBrokenError:
             raise
