@@ -190,9 +190,9 @@ def _serve(args: argparse.Namespace, security) -> int:
     reader.start()
     while not stop.wait(1.0):
         pass
-    server.stop(grace=2.0).wait()
+    follower.close()  # a read under way ends now, even one waiting for a shard that is gone
     reader.join(timeout=10)
-    follower.close()
+    server.stop(grace=2.0).wait()
     return 0
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -388,3 +390,24 @@ def test_a_loss_guard_keeps_a_worse_version_from_being_served_until_training_men
     finally:
         if proc is not None:
             _stop(proc)
+
+
+def test_a_replica_stops_at_once_on_sigterm_while_its_read_waits_for_a_shard(tmp_path):
+    """A shard that accepts the replica's connection and never answers (a host gone quiet): the replica's read
+    waits on it; SIGTERM ends the read and the replica within seconds, not when the read's retries run out."""
+    with socket.create_server(("127.0.0.1", 0)) as quiet:
+        (port,) = free_ports(1)
+        log = open(tmp_path / "serve.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "torchps.serving.daemon", "--cluster",
+                                 json.dumps({"ps": [f"127.0.0.1:{quiet.getsockname()[1]}"]}), "--bind",
+                                 f"127.0.0.1:{port}", "--insecure"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            quiet.settimeout(TIMEOUT)
+            connection, _ = quiet.accept()  # the replica's first read is under way
+            with connection:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=5) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
