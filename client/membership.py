@@ -62,8 +62,12 @@ class Heartbeats:
     def beat(self, timeout: float) -> None:
         """One heartbeat to every shard at once; waits at most `timeout` for the replies."""
         ref = self._ref()
-        calls = {shard: stub.Heartbeat.future(ref, timeout=timeout)
-                 for shard, stub in enumerate(self._channels.stubs[:self._channels.live])}
+        calls = {}
+        for shard, stub in enumerate(self._channels.stubs[:self._channels.live]):
+            try:
+                calls[shard] = stub.Heartbeat.future(ref, timeout=timeout)
+            except ValueError:  # its channel closed under it (a redirect, the client's close): the next beat's
+                _LOGGER.debug("heartbeat to ps:%d: its channel was closed", shard)  # stub is the new one
         for shard, call in calls.items():
             try:
                 self._on_reply(shard, call.result())

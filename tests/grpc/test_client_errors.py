@@ -26,6 +26,7 @@ import torch
 
 from helpers import free_port, start_ps_server, wait_until
 from torchps.client.channels import ShardChannels
+from torchps.client.membership import Heartbeats
 from torchps.proto import ps_pb2
 from torchps.client import (Cluster, NonFiniteGradientError, Optimizer, OptimizerSpecError, PSClient, PSError,
                             ServerUnavailableError, SpecConflictError, TaskSpec, TensorMismatchError,
@@ -319,6 +320,7 @@ def test_a_call_a_stopping_shard_answered_cancelled_is_sent_again_one_the_client
 
 RELOCATE_AFTER_CLOSE = """
 from torchps.client.channels import ShardChannels
+from torchps.client.membership import Heartbeats
 from torchps.security import Security
 
 channels = ShardChannels(["127.0.0.1:1", "127.0.0.1:2"], connect_timeout=1, security=Security(token="t"))
@@ -331,3 +333,14 @@ def test_a_failover_watch_asking_after_its_client_closed_gets_no_answer_and_no_c
     run = subprocess.run([sys.executable, "-c", RELOCATE_AFTER_CLOSE], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)
     assert (run.returncode, run.stdout.strip()) == (0, "relocated: False"), run.stderr[-3000:]
+
+
+def test_a_heartbeat_whose_channel_closed_under_it_skips_that_shard_and_raises_nothing():
+    """The heartbeat thread's beat races a redirect or the client's close: a closed channel's stub raises
+    ValueError, which once ended the thread (the worker's leases then lapsed)."""
+    channels = ShardChannels(["127.0.0.1:1", "127.0.0.1:2"], connect_timeout=1)
+    replies = []
+    beats = Heartbeats(channels, ps_pb2.WorkerRef, lambda *reply: replies.append(reply))
+    channels.close()
+    beats.beat(0.1)
+    assert replies == [] and beats.fenced is None
