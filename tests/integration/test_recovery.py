@@ -73,14 +73,20 @@ class Launch:
         with self._cond:
             return "\n".join(self.lines[-count:])
 
-    def wait_for(self, pattern: str, timeout: float = RUN_TIMEOUT, accept=lambda match: True) -> re.Match:
-        """The first output line matching `pattern` (re.search) for which accept(match) is true."""
+    def wait_for(self, pattern: str, timeout: float = RUN_TIMEOUT, accept=lambda match: True,
+                 after: str | None = None) -> re.Match:
+        """The first output line matching `pattern` (re.search) for which accept(match) is true; with `after`,
+        among the lines that follow the first line matching that."""
         regex = re.compile(pattern)
+        start = None if after is None else re.compile(after)
         deadline = time.monotonic() + timeout
         seen = 0
         with self._cond:
             while True:
                 for line in self.lines[seen:]:
+                    if start is not None:
+                        start = None if start.search(line) else start
+                        continue
                     match = regex.search(line)
                     if match and accept(match):
                         return match
@@ -298,8 +304,8 @@ def test_killed_chief_is_restarted_and_resumes_from_the_shards_step(launch, tmp_
                         accept=lambda m: int(m.group(1)) > 0, timeout=60)
     resumed = int(back.group(1))
     assert resumed >= killed_at, "the restarted chief starts at the shards' step, not 0"
-    first = run.wait_for(r"^\[worker:0\] .*worker:0 epoch \d+ step (\d+) loss",
-                         accept=lambda m: int(m.group(1)) > killed_at)
+    goes_on = r"^\[worker:0\] .*worker:0 goes on from epoch \d+, batch \d+: its earlier processes pushed its"
+    first = run.wait_for(r"^\[worker:0\] .*worker:0 epoch \d+ step (\d+) loss", after=goes_on)  # the new process's
     assert int(first.group(1)) > resumed
     assert run.finish() == 0, run.tail()
     pushed = int(run.wait_for(r"^\[worker:0\] .*worker:0 goes on from epoch \d+, batch \d+: its earlier processes "
