@@ -12,6 +12,10 @@ file or none of it, and two saves of one step never publish each other's
 half-written file. A folder without a manifest is partial: never restored,
 deleted once a newer checkpoint is committed.
 
+A table kept on SSD (ssd_tables.py) keeps its rows beside its shard's file:
+step-000000001200/ps-0.stores/TABLE/ is a copy of its store (hard links to
+the shard's store files where the file system allows), named in the file.
+
 Embedding tables (table_state.py) are in the same files: each shard file has
 its tables' section, and the manifest lists every table (spec, partition,
 shard count), checked against every shard's file before it is written. A
@@ -40,6 +44,7 @@ from ..partitioning import partitioner_from_dict, piece_names, row_ranges
 from ..placement import Placement
 from . import table_state
 from .entries import decode_entries
+from .ssd_tables import place_stores, resolve_stores
 
 __all__ = ["FORMAT", "MANIFEST_FORMAT", "FORMAT_TABLES", "MANIFEST_FORMAT_TABLES", "write_shard", "commit",
            "committed_at", "latest_committed", "load", "restore_state", "relayout", "clean_partial", "write_atomic",
@@ -93,6 +98,7 @@ def write_atomic(path: pathlib.Path, write, *, sync: bool = True) -> int:
 def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
     """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes)."""
     path = step_dir(directory, step) / f"ps-{index}.pt"
+    place_stores(state, path.parent / f"ps-{index}.stores", path.parent)
     form = FORMAT_TABLES if state.get("tables") else FORMAT
     size = write_atomic(path, lambda f: torch.save({"format": form, "index": index, **state}, f))
     return path, size
@@ -274,6 +280,7 @@ def load(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]:
     if (state["format"] == FORMAT_TABLES) != bool(state.get("tables")):
         raise CheckpointError(f"{path} is {state['format']} but holds {len(state.get('tables') or [])} embedding "
                               f"tables: a damaged file")
+    resolve_stores(state, pathlib.Path(path).parent)
     return state
 
 

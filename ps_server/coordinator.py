@@ -60,6 +60,7 @@ from .replay import changes, replay
 from .snapshots import Saves, state_of
 from .step_clock import CHIEF, MAX_WAIT_SECONDS, WORKER
 from .store import NewVariable, VariableStore
+from .ssd_tables import TableStorage
 from .tables import TableStore, split_rows
 from .waits import Wait, Waiting, WaitLimit, run_blocking
 
@@ -93,9 +94,10 @@ class Coordinator:
     def __init__(self, store: VariableStore, *, owns_step: bool, clock: Callable[[], float] = time.monotonic,
                  max_waiting_calls: int = 96, threaded_waits: int | None = None, journal=None, start: bool = True,
                  failstop: FailStop | None = None, membership: Membership | None = None, index: int = 0,
-                 addresses: list[str] | tuple[str, ...] = (), failover_after: float = 0.0):
+                 addresses: list[str] | tuple[str, ...] = (), failover_after: float = 0.0,
+                 table_storage: TableStorage | None = None):
         self.store = store
-        self.tables = TableStore()  # embedding tables: created here, read by the servicer, updated by pushes
+        self.tables = TableStore(table_storage)  # embedding tables: created here, read by the servicer, updated by pushes
         self.queues = DataQueues()  # data queues (dynamic sharding; ps 0's): served by queue_desk.py
         self.owns_step = owns_step
         self.waits = WaitLimit(max_waiting_calls, threaded_waits)

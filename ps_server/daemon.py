@@ -38,6 +38,7 @@ from .quotas import Quotas
 from .replica_rpcs import RoleFence
 from .server import create_server, serve_health, set_health
 from .signpost import Signpost
+from .ssd_tables import TableStorage
 from .store import VariableStore
 
 __all__ = ["serve", "initial_state", "open_journal"]
@@ -76,6 +77,13 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int,
     if args.restore_from:
         raise ClusterConfigError(f"--restore-from {args.restore_from}: no committed checkpoint there")
     return None
+
+
+def table_storage(args: argparse.Namespace, index: int) -> TableStorage:
+    """Where the shard keeps dynamic tables (--table-storage, --table-dir, --table-cache): the cache defaults to
+    half of --max-memory, else 256 MiB."""
+    cache = args.table_cache or (args.max_memory // 2 if args.max_memory else 256 << 20)
+    return TableStorage(args.table_storage, args.table_dir, index=index, cache_bytes=cache)
 
 
 def _spec_workers(cluster: Cluster | None) -> frozenset[str]:
@@ -227,7 +235,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             addresses=tuple(cluster.ps) if cluster is not None else (),
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
             pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout,
-            failover_after=args.failover_after, fence=fence)
+            failover_after=args.failover_after, fence=fence, table_storage=table_storage(args, index))
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

@@ -29,12 +29,52 @@ from typing import Iterator
 import numpy as np
 import rocksdict
 
-__all__ = ["DiskRows", "encode_keys", "decode_keys"]
+__all__ = ["DiskRows", "DiskMemory", "encode_keys", "decode_keys", "link_tree"]
 
 _FLIP = np.uint64(1 << 63)
 CACHE_BYTES = 8 << 20     # the block cache (reads of hot blocks)
 BUFFER_BYTES = 16 << 20   # one write buffer (memtable)
 _SCAN_ROWS = 1 << 14      # rows per chunk of items()
+
+
+class DiskMemory:
+    """What every store of a shard shares: one block cache of `cache_bytes` and one memtable budget of
+    `buffer_bytes` (RocksDB's write buffer manager: a store that passes its share is flushed)."""
+
+    def __init__(self, cache_bytes: int = CACHE_BYTES, buffer_bytes: int = 2 * BUFFER_BYTES):
+        self.cache = rocksdict.Cache(cache_bytes)
+        self.buffers = rocksdict.WriteBufferManager(buffer_bytes, False)
+
+
+def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: bool = False) -> None:
+    """Copies folder `source` (a snapshot_to copy) to `target` (which must not exist): the store's table
+    files (*.sst, never written after they are made) as hard links where the file system allows, every other
+    file (the manifest, which a store opened there appends to) as a copy. `sync`: every file and the folder
+    are fsynced (the copy outlives a crash of the host)."""
+    source, target = pathlib.Path(source), pathlib.Path(target)
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        linked = False
+        if path.suffix == ".sst":
+            try:
+                os.link(path, target / path.name)
+                linked = True
+            except OSError:
+                pass
+        if not linked:
+            shutil.copy2(path, target / path.name)
+        if sync:
+            fd = os.open(target / path.name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    if sync:
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def encode_keys(ids: np.ndarray) -> list[bytes]:
@@ -50,10 +90,14 @@ def decode_keys(keys: list[bytes]) -> np.ndarray:
 
 class DiskRows:
     """id -> record store at `path` (a folder, made if missing; see the module docstring). `fresh`: start
-    empty, deleting what the folder held. Raises OSError (rocksdict's exception) if the folder cannot be opened."""
+    empty, deleting what the folder held. `memory`: the block cache and memtable budget it shares with other
+    stores (default: its own, of CACHE_BYTES and two write buffers). `read_only`: the folder is read and never
+    written (a copy in a checkpoint). Raises OSError (rocksdict's exception)
+    if the folder cannot be opened."""
 
     def __init__(self, path: str | os.PathLike, record_bytes: int, *, fresh: bool = False,
-                 cache_bytes: int = CACHE_BYTES, buffer_bytes: int = BUFFER_BYTES):
+                 cache_bytes: int = CACHE_BYTES, buffer_bytes: int = BUFFER_BYTES, memory: DiskMemory | None = None,
+                 read_only: bool = False):
         self.path, self.record_bytes = pathlib.Path(path), record_bytes
         if fresh and self.path.exists():
             shutil.rmtree(self.path)
@@ -61,12 +105,15 @@ class DiskRows:
         options.create_if_missing(True)
         options.set_write_buffer_size(buffer_bytes)
         options.set_max_write_buffer_number(2)
+        if memory is not None:
+            options.set_write_buffer_manager(memory.buffers)
         table = rocksdict.BlockBasedOptions()
-        table.set_block_cache(rocksdict.Cache(cache_bytes))
+        table.set_block_cache(memory.cache if memory is not None else rocksdict.Cache(cache_bytes))
         table.set_cache_index_and_filter_blocks(True)
         table.set_bloom_filter(10, False)  # a miss (an id never stored) rarely reads a block
         options.set_block_based_table_factory(table)
-        self._db = rocksdict.Rdict(str(self.path), options=options)
+        access = rocksdict.AccessType.read_only() if read_only else rocksdict.AccessType.read_write()
+        self._db = rocksdict.Rdict(str(self.path), options=options, access_type=access)
         unlogged = rocksdict.WriteOptions()
         unlogged.disable_wal = True
         self._db.set_write_options(unlogged)

@@ -116,6 +116,8 @@ class EmbeddingTable:
     """One shard's part of an embedding table (see the module docstring). Raises InvalidArgumentError for bad
     settings and OptimizerSpecError for a bad optimizer."""
 
+    storage = "ram"  # where its rows live (ssd_tables.SsdTable: "ssd")
+
     def __init__(self, dim: int, *, num_embeddings: int | None = None, shard_index: int = 0, num_shards: int = 1,
                  partition: str = "modulo", optimizer: str = "sgd", hyperparams: Mapping[str, float] | None = None,
                  init: str = "normal", init_scale: float = 1.0, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -212,18 +214,21 @@ class EmbeddingTable:
         admit, an absent id counts one occurrence and its row is created at the min_count-th; absent ids get
         zeros. Raises InvalidArgumentError for ids that are not 1-D int64, unique and this shard's."""
         with self._lock:
-            ids = self._checked_ids(ids, unique=True)
-            slots = self._find(ids)
-            missing = np.flatnonzero(slots < 0)
-            if admit and missing.size:
-                new = missing[self._count(ids[missing])]
-                slots[new] = self._create(ids[new])
-            present = np.flatnonzero(slots >= 0)
-            if present.size == len(ids):
-                return self._slabs.gather("values", slots)
-            out = torch.zeros(len(ids), self.dim, dtype=self.dtype)
-            out[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
-            return out
+            return self._lookup(self._checked_ids(ids, unique=True), admit)
+
+    def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
+        """lookup() of checked ids, under the table's lock."""
+        slots = self._find(ids)
+        missing = np.flatnonzero(slots < 0)
+        if admit and missing.size:
+            new = missing[self._count(ids[missing])]
+            slots[new] = self._create(ids[new])
+        present = np.flatnonzero(slots >= 0)
+        if present.size == len(ids):
+            return self._slabs.gather("values", slots)
+        out = torch.zeros(len(ids), self.dim, dtype=self.dtype)
+        out[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
+        return out
 
     def changes(self, seq: int, incarnation: str, min_updates: int = 0
                 ) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,19 +314,23 @@ class EmbeddingTable:
             ids, summed = coalesce(torch.from_numpy(self._checked_ids(ids, unique=False)), grads.detach().cpu())
             if not torch.isfinite(summed).all():
                 raise NonFiniteGradientError("embedding gradients hold NaN or Inf")
-            slots = self._find(ids.numpy())
-            present = np.flatnonzero(slots >= 0)
-            seq = self._changes.record(ids.numpy()[present])
-            if present.size < len(slots):
-                slots, summed = slots[present], summed[torch.from_numpy(present)]
-            marks = self._marked()
-            marks[slots] = RowMarks.updated(marks[slots], seq)
-            self.optimizer.step([(slab["values"], {k: slab[k] for k in self._spec}, rows, summed[positions])
-                                 for slab, rows, positions in self._slabs.groups(slots)], count=count_step)
-            if not self.fixed:
-                self._rows.cols["updated"][slots] = step
-            self._step = max(self._step, step)
-            return len(slots)
+            return self._apply(ids.numpy(), summed, step, count_step)
+
+    def _apply(self, ids: np.ndarray, summed: torch.Tensor, step: int, count_step: bool) -> int:
+        """apply() of checked, distinct ids and their summed gradients, under the table's lock."""
+        slots = self._find(ids)
+        present = np.flatnonzero(slots >= 0)
+        seq = self._changes.record(ids[present])
+        if present.size < len(slots):
+            slots, summed = slots[present], summed[torch.from_numpy(present)]
+        marks = self._marked()
+        marks[slots] = RowMarks.updated(marks[slots], seq)
+        self.optimizer.step([(slab["values"], {k: slab[k] for k in self._spec}, rows, summed[positions])
+                             for slab, rows, positions in self._slabs.groups(slots)], count=count_step)
+        if not self.fixed:
+            self._rows.cols["updated"][slots] = step
+        self._step = max(self._step, step)
+        return len(slots)
 
     @staticmethod
     def _checked_step(step) -> int:
@@ -414,13 +423,20 @@ class EmbeddingTable:
                    "changes": {"incarnation": self._changes.incarnation, "seq": self._changes.seq}}
             if not self.fixed:
                 out["last_update"] = torch.from_numpy(self._rows.cols["updated"][slots])
-                p = self._pending
-                live = np.flatnonzero(p.cols["counts"][:p.n] > 0)
-                live = live[np.argsort(p.cols["ids"][live], kind="stable")]
-                out["pending"] = {"ids": torch.from_numpy(p.cols["ids"][live]),
-                                  "counts": torch.from_numpy(p.cols["counts"][live].astype(np.int64)),
-                                  "last_seen": torch.from_numpy(p.cols["seen"][live])}
+                out["pending"] = self._pending_state()
             return out
+
+    def _pending_state(self) -> dict[str, torch.Tensor]:
+        """A dynamic table's occurrence counters by ascending id (state_dict's "pending")."""
+        p = self._pending
+        live = np.flatnonzero(p.cols["counts"][:p.n] > 0)
+        live = live[np.argsort(p.cols["ids"][live], kind="stable")]
+        return {"ids": torch.from_numpy(p.cols["ids"][live]),
+                "counts": torch.from_numpy(p.cols["counts"][live].astype(np.int64)),
+                "last_seen": torch.from_numpy(p.cols["seen"][live])}
+
+    def close(self) -> None:
+        """Lets go of what the table holds outside memory (a RAM table: nothing). Call once it is replaced."""
 
     @classmethod
     def from_state_dict(cls, state: Mapping) -> EmbeddingTable:
@@ -458,14 +474,24 @@ class EmbeddingTable:
             else:
                 self._rows, self._pending, self._pending_dead = rows, pending, 0
 
-    def _parsed(self, state: Mapping):
-        """load_state_dict's checks: (optimizer, ids, row tensors, counter arrays, step, events)."""
+    def _parsed_head(self, state: Mapping) -> tuple[RowOptimizer, int, dict[str, int]]:
+        """(optimizer, step, events) of a state of this table's format and layout; InvalidArgumentError if not."""
         try:
             config = state["config"]
             different = [k for k in _STRUCTURAL if config[k] != self.config()[k]]
             if state["format"] != STATE_FORMAT or different:
                 raise InvalidArgumentError(f"table state of format {state['format']} differs in {different}")
             optimizer = RowOptimizer(config["optimizer"], config["hyperparams"], int(state["optimizer_steps"]))
+            return optimizer, int(state["step"]), {k: int(state["events"][k]) for k in self._events}
+        except InvalidArgumentError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"not an embedding table state: missing or bad {exc}") from None
+
+    def _parsed(self, state: Mapping):
+        """load_state_dict's checks: (optimizer, ids, row tensors, counter arrays, step, events)."""
+        optimizer, step, events = self._parsed_head(state)
+        try:
             ids = _ids_array(state["ids"])
             tensors = {"values": state["values"], **{k: state["state"][k] for k in self._spec}}
             counters = {} if self.fixed else {"last_update": state["last_update"],
@@ -473,7 +499,6 @@ class EmbeddingTable:
                                                  for k in ("ids", "counts", "last_seen")}}
             if state.get("update_counts") is not None:
                 counters["update_counts"] = state["update_counts"]
-            step, events = int(state["step"]), {k: int(state["events"][k]) for k in self._events}
         except InvalidArgumentError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

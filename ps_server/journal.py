@@ -10,6 +10,7 @@ acknowledged and nothing twice (the push ledger is part of it).
     layout.json       the job and the shard layout the journal belongs to (Layout)
     base-000003.bin   the state when log 3 began (one record; written under another name, then renamed)
     log-000003.bin    the records since (journal_log.py)
+    base-000003.stores/  the store copies of base 3's tables kept on SSD (ssd_tables.py), removed with it
     spare-000002.bin  a retired base or log, written over by the next one
 
 Writing. `append` queues a record and returns its number at once, so it may
@@ -50,6 +51,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import threading
 import time
 from typing import Callable, Iterator, Mapping
@@ -62,6 +64,7 @@ from . import journal_log
 from .checkpoint import fsync_dir, write_atomic
 from .journal_log import Record
 from .locks import check_unlocked, checked
+from .ssd_tables import place_stores, resolve_stores
 
 __all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES", "MAX_COMPACT_BYTES",
            "compaction_floor"]
@@ -238,8 +241,11 @@ class Journal:
                 mapping.close()
         if record is None or record.kind != "base":
             return None
-        self._base_bytes = path.stat().st_size
-        return journal_log.state_of_record(record)
+        stores = self._stores_path(number)
+        self._base_bytes = path.stat().st_size + sum(f.stat().st_size for f in stores.rglob("*") if f.is_file())
+        state = journal_log.state_of_record(record)
+        resolve_stores(state, self.directory)
+        return state
 
     def _replay(self, numbers: list[int]) -> Iterator[Record]:
         for i, number in enumerate(numbers):
@@ -376,7 +382,11 @@ class Journal:
         cache only (its tensors as they are: they must not change until it returns); returns that file for
         finish_compaction(). Call it holding no lock of the shard."""
         check_unlocked("writes a journal base")
-        return self.write_encoded_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+        placed = place_stores(state, self._stores_path(number), self.directory)
+        written = self.write_encoded_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+        with self._cond:
+            self._base_bytes += placed
+        return written
 
     def write_encoded_base(self, number: int, head: bytes, views: list[memoryview]) -> pathlib.Path:
         """write_base() of a base record encoded already (a backup's copy of its primary's)."""
@@ -414,6 +424,7 @@ class Journal:
                 for path in (self._base_path(older), self._log_path(older)):
                     if path.exists():
                         self._retire(path)
+                shutil.rmtree(self._stores_path(older), ignore_errors=True)
         if self.sync:
             fsync_dir(self.directory)
 
@@ -550,6 +561,10 @@ class Journal:
 
     def _spare_path(self, number: int) -> pathlib.Path:
         return self.directory / f"spare-{number:06d}.bin"
+
+    def _stores_path(self, number: int) -> pathlib.Path:
+        """The folder of the SSD tables' store copies of base `number` (ssd_tables.place_stores)."""
+        return self.directory / f"base-{number:06d}.stores"
 
     def _take_spare(self, *, largest: bool) -> pathlib.Path:
         """A spare file to write over from its start, the largest (for a log) or the smallest (for a base), or

@@ -276,7 +276,7 @@ class Moves:
         built = None
         if inbox is not None:  # every old shard's rows: built before anything changes (raises if they do not fit)
             built = table_state.built_from({s: decode_entries(d) for s, d in inbox.items()}, self.layout.index,
-                                           self.layout.table_shards)
+                                           self.layout.table_shards, self._tables.storage)
         self.layout.receive_tables(source, sources, data)
         if step > self._store.step:
             self._store.set_step(step)

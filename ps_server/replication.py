@@ -220,22 +220,26 @@ class Replication:
 
     def __init__(self, index: int, me: str, journal: Callable[[], object], compact_for: Callable[[Feed], None],
                  arbiter: Arbiter | None, *, self_arbitrated: bool, chunk_bytes: int,
-                 ack_timeout: float = ACK_TIMEOUT_SECONDS):
+                 ack_timeout: float = ACK_TIMEOUT_SECONDS, refused: str | None = None):
         self.index, self.me = index, me
         self._journal, self._compact_for, self._arbiter = journal, compact_for, arbiter
         self._self_arbitrated = self_arbitrated
         self._chunk, self._ack_timeout = chunk_bytes, ack_timeout
+        self._refused = refused  # why this shard takes no backup, if it takes none
         self.feeds_opened = 0
         self.feeds_lost = 0
 
     def open(self, hello: ps_pb2.ReplicaHello, lane=None) -> Feed:
         """A feed for the backup `hello` names, attached at a new base, its records' bytes on `lane` (the bulk
         lane the hello names, claimed) if given. Blocks while the base is written.
-        InvalidArgumentError for another shard's backup; ModeConflictError without a journal, or while
+        InvalidArgumentError for another shard's backup; ModeConflictError without a journal, with tables on
+        SSD (`refused`), or while
         another backup's feed is attached (a lost one is attached until its arbiter dropped it), or without an arbiter to ask."""
         if hello.index != self.index or not hello.address:
             raise InvalidArgumentError(f"this is ps:{self.index}: a backup of it names index {self.index} and "
                                        f"its own address. Received: index {hello.index}, {hello.address!r}")
+        if self._refused:
+            raise ModeConflictError(f"ps:{self.index} takes no backup: {self._refused}")
         journal = self._journal()
         if journal is None:
             raise ModeConflictError(f"ps:{self.index} keeps no journal (--no-journal): it has nothing to replicate")

@@ -32,6 +32,7 @@ from .backup import FAILOVER_AFTER_SECONDS
 from .replication import ACK_TIMEOUT_SECONDS, Replication
 from .edge import LoopServer
 from .flags import DEFAULT_MAX_WAITING_CALLS, DEFAULT_THREADS
+from .ssd_tables import TableStorage
 from .stalls import DEFAULT_IDLE_SECONDS
 from .tokens import TokenFile
 
@@ -71,6 +72,7 @@ def create_server(
     replica_ack_timeout: float = ACK_TIMEOUT_SECONDS,
     failover_after: float = FAILOVER_AFTER_SECONDS,
     fence: RoleFence | None = None,
+    table_storage: TableStorage | None = None,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -98,7 +100,8 @@ def create_server(
     ps 0 records this shard at (default: `addresses[index]`, else `address`); a backup (Replicate) that
     leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py); as an arbiter, the
     shard promotes a backup only once its primary renewed no lease for `failover_after` s (replicas.py);
-    `fence` (replica_rpcs.RoleFence) refuses calls until the caller opens it.
+    `fence` (replica_rpcs.RoleFence) refuses calls until the caller opens it. `table_storage`: where
+    dynamic tables' rows live (ssd_tables.TableStorage; default: memory).
     """
     _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
@@ -132,7 +135,7 @@ def create_server(
     coordinator = Coordinator(store, owns_step=index == 0, index=index, max_waiting_calls=max_waiting_calls,
                               threaded_waits=threaded_waits(threads), start=False, failstop=failstop,
                               membership=Membership(workers, elastic_workers), addresses=addresses,
-                              failover_after=failover_after)
+                              failover_after=failover_after, table_storage=table_storage)
     recover(coordinator, journal, restore)
     # Bulk lanes (torchps/lanes.py): TLS with the shard's own credentials where it serves TLS.
     lanes = LaneServer(address.rpartition(":")[0], lane_port, failstop, tls_context(security, server=True)) \
@@ -143,7 +146,10 @@ def create_server(
     replication = Replication(index, me, lambda: coordinator.recorder.journal, coordinator.recorder.compact_for,
                               arbiter_for(coordinator, index, tuple(addresses), security.as_shard(index)),
                               self_arbitrated=arbiter_of(index, len(addresses)) == index,
-                              chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout)
+                              chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout,
+                              refused=("its embedding tables are kept on SSD (--table-storage ssd): a shard with "
+                                       "tables on SSD cannot be replicated yet" if coordinator.tables.storage.kind
+                                       == "ssd" else None))
     server.replication = replication  # its backups' feeds; the daemon settles a stale backup at start with it
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,

@@ -44,9 +44,10 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from .. import codec, rows
-from ..errors import CheckpointError, InvalidArgumentError, PSError
+from ..errors import CheckpointError, ModeConflictError, InvalidArgumentError, PSError
 from ..proto import ps_pb2
-from .embeddings import EmbeddingTable, relayout as relayout_rows, rows_for
+from .embeddings import relayout as relayout_rows, rows_for
+from .ssd_tables import TableStorage
 from .tables import RowGradient, TableStore, _arguments, _Held, _normalized
 
 __all__ = ["section", "restore", "manifest_tables", "check_section", "relayout", "record_rows", "rows_of_record",
@@ -68,19 +69,37 @@ def restore(store: TableStore, entries: Iterable[Mapping], where: str) -> None:
     """Makes `entries` (a section, or relayout()'s) the store's tables, all of them or none: raises
     CheckpointError naming `where` and the table for an entry that does not load, before changing anything.
     For a shard that does not serve yet."""
-    store.install([_build(entry, where) for entry in entries])
+    built: list[_Held] = []
+    try:
+        for entry in entries:
+            built.append(_build(entry, where, store.storage))
+    except CheckpointError:
+        for held in built:
+            held.table.close()
+        raise
+    store.install(built)
 
 
-def _build(entry: Mapping, where: str) -> _Held:
+def _build(entry: Mapping, where: str, storage: TableStorage) -> _Held:
     name = entry.get("name") if isinstance(entry, Mapping) else None
+    table = None
     try:
         spec = _spec(entry)
-        table = EmbeddingTable(spec.dim, **_arguments(spec, entry["shard_index"], entry["num_shards"]))
+        if not isinstance(entry["state"], Mapping):
+            raise TypeError(f"its state is {type(entry['state']).__name__}")
+        if entry["state"].get("store") is not None and (storage.kind != "ssd" or spec.num_embeddings):
+            raise CheckpointError(f"{where}: embedding table {name!r} was kept on SSD; start the shard with "
+                                  f"--table-storage ssd --table-dir DIR to restore it")
+        table = storage.table(spec.name, spec.dim, **_arguments(spec, entry["shard_index"], entry["num_shards"]))
         table.load_state_dict(entry["state"])
         return _Held(_normalized(spec), entry["num_shards"], table)
     except CheckpointError as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
+        if table is not None:
+            table.close()
+        raise CheckpointError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
     except (PSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        if table is not None:
+            table.close()
         raise CheckpointError(f"{where}: embedding table {name!r} cannot be restored ({type(exc).__name__}: "
                               f"{exc}); the checkpoint is damaged or incomplete, nothing was restored") from None
 
@@ -188,6 +207,10 @@ def relayout(manifest: Mapping, sections: Sequence[tuple[object, str]], index: i
     for table in manifest.get("tables") or []:
         name = table["name"]
         entries = [old[name] for old in olds]
+        if any(isinstance(e.get("state"), Mapping) and e["state"].get("store") is not None for e in entries):
+            raise CheckpointError(f"{where}: embedding table {name!r} was kept on SSD; such a checkpoint restores "
+                                  f"onto its own {len(entries)} shards only (re-laying out SSD tables is not "
+                                  f"built yet), not {num_ps}")
         try:
             for old_index, (entry, (_, file)) in enumerate(zip(entries, sections)):
                 _check_owned(entry["state"], old_index, len(entries), table["partition"], file)
@@ -205,12 +228,16 @@ def relayout(manifest: Mapping, sections: Sequence[tuple[object, str]], index: i
 
 def parts_for(section_: list[dict], num_shards: int) -> dict[int, list[dict]]:
     """A live re-layout onto `num_shards` shards: {new shard: this shard's section (section()'s entries) cut to
-    the rows and counters that shard owns}."""
+    the rows and counters that shard owns}. ModeConflictError for a table kept on SSD (not built yet)."""
+    ssd = [entry["name"] for entry in section_ if entry["state"].get("store") is not None]
+    if ssd:
+        raise ModeConflictError(f"embedding tables {ssd} are kept on SSD: a live resize cannot move their "
+                                      f"rows yet; resize by a checkpoint and a restart, or keep them in RAM")
     return {index: [{**entry, "state": rows_for(entry["state"], index, num_shards)}
                     for entry in section_] for index in range(num_shards)}
 
 
-def built_from(parts: Mapping[int, list], index: int, num_shards: int) -> list[_Held]:
+def built_from(parts: Mapping[int, list], index: int, num_shards: int, storage: TableStorage) -> list[_Held]:
     """Shard `index` of `num_shards`'s tables from what every old shard sent it ({old shard: parts_for()'s
     entries}), marked as built live. InvalidArgumentError (nothing built) unless they are one set of tables
     laid out over len(parts) old shards."""
@@ -223,7 +250,7 @@ def built_from(parts: Mapping[int, list], index: int, num_shards: int) -> list[_
         try:
             state = relayout_rows([entry["state"] for entry in entries], index, num_shards, live=True)
             held = _build({"name": name, "spec": entries[0]["spec"], "shard_index": index,
-                           "num_shards": num_shards, "state": state}, "a live re-layout")
+                           "num_shards": num_shards, "state": state}, "a live re-layout", storage)
         except (CheckpointError, KeyError, TypeError) as exc:
             raise InvalidArgumentError(f"embedding table {name!r}: the rows sent do not fit together: {exc}") from None
         held.relaid = True

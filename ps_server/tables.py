@@ -26,6 +26,7 @@ from ..proto import ps_pb2
 from .embeddings import EmbeddingTable
 from .row_changes import MAX_UPDATES
 from .row_optimizers import RowOptimizer
+from .ssd_tables import TableStorage
 from .waits import NamesAwaited
 
 __all__ = ["RowGradient", "TableStore", "split_rows"]
@@ -106,7 +107,8 @@ class TableStore(NamesAwaited):
 
     _what = "embedding table"
 
-    def __init__(self) -> None:
+    def __init__(self, storage: TableStorage | None = None) -> None:
+        self.storage = storage or TableStorage()  # where dynamic tables' rows live (ssd_tables.py)
         self._changed = threading.Condition()  # guards _tables and the read/push counters; notified on create
         self._tables: dict[str, _Held] = {}
         self._closed = False
@@ -139,7 +141,18 @@ class TableStore(NamesAwaited):
                     new.setdefault(spec.name, (spec, args))
         if check_memory is not None:
             check_memory({name: _fixed_bytes(spec, num_shards) for name, (spec, _) in new.items()})
-        built = {name: _Held(spec, num_shards, EmbeddingTable(spec.dim, **args)) for name, (spec, args) in new.items()}
+        built: dict[str, _Held] = {}
+        try:
+            for name, (spec, args) in new.items():
+                built[name] = _Held(spec, num_shards, self.storage.table(name, spec.dim, **args))
+            return self._created(wanted, built, num_shards)
+        finally:
+            with self._changed:
+                unused = [h for h in built.values() if self._tables.get(h.spec.name) is not h]
+            for held in unused:  # a spec refused, or a table another call created meanwhile
+                held.table.close()
+
+    def _created(self, wanted: list, built: dict[str, _Held], num_shards: int) -> list[bool]:
         created = []
         with self._changed:
             seen: dict[str, _Held] = {}
@@ -197,8 +210,11 @@ class TableStore(NamesAwaited):
         """Makes `held` the shard's tables, replacing any (a restore, table_state.py, before the shard serves;
         a live re-layout, moves.py)."""
         with self._changed:
-            self._tables = {h.spec.name: h for h in held}
+            old, self._tables = self._tables, {h.spec.name: h for h in held}
             self._changed.notify_all()
+        for gone in old.values():
+            if self._tables.get(gone.spec.name) is not gone:
+                gone.table.close()
 
     def check_free(self, names: Iterable[str]) -> None:
         """SpecConflictError if a name is a table's (variables and tables share one namespace)."""
@@ -310,8 +326,12 @@ class TableStore(NamesAwaited):
                 name=held.spec.name, rows=c["rows"], pending=c["pending"], admitted=c["admitted"],
                 evicted=c["evicted"], evicted_by_age=c["evicted_by_age"],
                 evicted_by_capacity=c["evicted_by_capacity"], bytes=c["bytes"], row_bytes=c["row_bytes"],
-                optimizer_steps=c["optimizer_steps"], rows_read=read, rows_pushed=pushed)))
+                optimizer_steps=c["optimizer_steps"], rows_read=read, rows_pushed=pushed, storage=held.table.storage,
+                **{k: c.get(k, 0) for k in _DISK_COUNTERS})))
         return out
+
+
+_DISK_COUNTERS = ("cache_rows", "cache_hits", "cache_misses", "disk_bytes_read", "disk_bytes_written", "disk_bytes")
 
 
 def _check_placed(name: str, held: _Held, ids: torch.Tensor) -> None:

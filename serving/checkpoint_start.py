@@ -21,6 +21,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..ps_server import checkpoint, table_state
+from ..ps_server.row_changes import RowMarks
+from ..ps_server.ssd_tables import stored_rows
 from .replica import TableBatch
 
 __all__ = ["CheckpointStart", "read_checkpoint"]
@@ -74,8 +76,11 @@ def read_checkpoint(directory: str | os.PathLike, step: int | None = None, min_u
 
 def _batch(state: dict, listed: dict, index: int, min_updates: int) -> TableBatch:
     """One shard file's rows of a table as a whole read of that shard would send them."""
-    ids, values = state["ids"].numpy(), state["values"]
-    counts = state.get("update_counts")
+    if state.get("store") is not None:
+        ids, values, marks = stored_rows(state["store"], getattr(torch, listed["dtype"]), listed["dim"])
+        counts = torch.from_numpy(RowMarks.updates(marks))
+    else:
+        ids, values, counts = state["ids"].numpy(), state["values"], state.get("update_counts")
     if min_updates and counts is not None:
         kept = np.flatnonzero(counts.numpy() >= min_updates)
         ids, values = ids[kept], values[torch.from_numpy(kept)]

@@ -781,7 +781,7 @@ class LookupRowsRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., admit: _Optional[bool] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "rows", "pending", "admitted", "evicted", "evicted_by_age", "evicted_by_capacity", "bytes", "row_bytes", "optimizer_steps", "rows_read", "rows_pushed")
+    __slots__ = ("name", "rows", "pending", "admitted", "evicted", "evicted_by_age", "evicted_by_capacity", "bytes", "row_bytes", "optimizer_steps", "rows_read", "rows_pushed", "storage", "cache_rows", "cache_hits", "cache_misses", "disk_bytes_read", "disk_bytes_written", "disk_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -794,6 +794,13 @@ class TableStatus(_message.Message):
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     ROWS_READ_FIELD_NUMBER: _ClassVar[int]
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     pending: int
@@ -806,7 +813,14 @@ class TableStatus(_message.Message):
     optimizer_steps: int
     rows_read: int
     rows_pushed: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., pending: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_by_age: _Optional[int] = ..., evicted_by_capacity: _Optional[int] = ..., bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., rows_read: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
+    storage: str
+    cache_rows: int
+    cache_hits: int
+    cache_misses: int
+    disk_bytes_read: int
+    disk_bytes_written: int
+    disk_bytes: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., pending: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_by_age: _Optional[int] = ..., evicted_by_capacity: _Optional[int] = ..., bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., rows_read: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., storage: _Optional[str] = ..., cache_rows: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_bytes_written: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("spec", "num_shards", "status")

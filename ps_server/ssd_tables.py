@@ -1,0 +1,431 @@
+"""Embedding tables kept on local disk: a bounded RAM cache of rows over a DiskRows store (ps-server
+--table-storage ssd). No gRPC.
+
+With --table-storage ssd a shard keeps each dynamic table (num_embeddings
+None) as an SsdTable; fixed-size tables stay in memory (their size is known
+at creation and counted against --max-memory). An SsdTable is an
+EmbeddingTable whose rows live in a DiskRows store (disk_rows.py: RocksDB),
+one per table under --table-dir, and in a RAM cache of the rows used last:
+
+* lookup() and apply() first read the rows they name that are not cached
+  from the store (a miss; a row in neither is created by admission as in
+  RAM), then run as in RAM on the cache, then spill: while the cache holds
+  more than its share of --table-cache, the rows used longest ago (LRU, by
+  call) leave it, those changed since they were read written back in one
+  batch. RocksDB writes into its memtable and flushes and compacts in its
+  own threads, so write-back costs a call a memory copy, not a disk write.
+* The shard's SSD tables share --table-cache: a table may fill what the
+  others leave, and is always allowed an equal share (CacheBudget).
+* state_dict() writes every changed row back and takes a RocksDB checkpoint
+  of the store (hard links: the table is not read) into a StoreCopy, a
+  folder removed once the state is dropped; a checkpoint or a journal base
+  places it in its own folder (place_stores) and names it relative to
+  itself, and whoever reads the state back resolves it (resolve_stores).
+  load_state_dict() of such a state opens a copy of it as the table's store
+  (table files linked, not read), so a restart reads no row until asked;
+  a state of a RAM table's rows is written into a new store.
+* changes() (serving replicas) writes changed rows back and reads the store.
+
+The store's writes skip RocksDB's write-ahead log: a store left by a killed
+shard is never reopened (TableStorage empties --table-dir/ps-INDEX at
+start); the shard starts from its journal's base or checkpoint and replays
+the journal onto it, as a RAM shard does.
+
+A serving replica started from a checkpoint reads a store copy whole
+(stored_rows). Not on SSD yet (refused with a clear error): max_age and
+capacity eviction, live re-layout in a resize, restoring a checkpoint onto
+another number of shards, replicated shards.
+
+Thread safety: as EmbeddingTable (one lock per table, held for every public
+call); CacheBudget has its own lock, taken inside a table's.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import secrets
+import shutil
+import threading
+import weakref
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError
+from .disk_rows import DiskMemory, DiskRows, link_tree
+from .embeddings import STATE_FORMAT, EmbeddingTable
+from .row_changes import MAX_UPDATES, RowChanges, RowMarks
+from .row_storage import Keyed as _Keyed
+
+__all__ = ["SsdTable", "TableStorage", "CacheBudget", "StoreCopy", "place_stores", "resolve_stores", "stored_rows",
+           "decoded", "STORAGES"]
+
+STORAGES = ("ram", "ssd")
+LOG_IDS = 1 << 18        # change-log ids an SSD table keeps (2 MiB): older cursors are answered from the store
+_TAIL = 16               # a record's bytes after the row: last update step and RowMarks, int64 each
+_KEEP = 7 / 8            # a spill leaves the cache this full, so that it is not spilled again at once
+_CHUNK = 1 << 16         # rows written at a time when a RAM table's state is loaded
+
+
+def decoded(records: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """(rows (n, row width) of `dtype`: values, then optimizer state; last update steps; RowMarks) of an SSD
+    table's store records."""
+    row_bytes = records.shape[1] - _TAIL
+    rows = torch.from_numpy(np.ascontiguousarray(records[:, :row_bytes])).view(dtype)
+    tail = np.ascontiguousarray(records[:, row_bytes:]).view(np.int64)
+    return rows, tail[:, 0], tail[:, 1]
+
+
+def stored_rows(store: Mapping, dtype: torch.dtype, dim: int) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+    """(ids ascending, values (n, dim), RowMarks) of a placed store copy (a state's "store", resolved), read
+    whole without changing it."""
+    disk = DiskRows(store["path"], int(store["record_bytes"]), read_only=True)
+    try:
+        chunks = list(disk.items())
+    finally:
+        disk.close()
+    ids = np.concatenate([i for i, _ in chunks]) if chunks else np.empty(0, dtype=np.int64)
+    records = np.concatenate([r for _, r in chunks]) if chunks else np.empty((0, disk.record_bytes), dtype=np.uint8)
+    rows, _, marks = decoded(records, dtype)
+    return ids, rows[:, :dim].clone(), marks
+
+
+class CacheBudget:
+    """The bytes the caches of a shard's SSD tables share: each may hold what the others leave of `total`,
+    and at least an equal share."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self._lock = threading.Lock()
+        self._used: dict[int, int] = {}
+
+    def allowance(self, key: int, used: int) -> int:
+        """Table `key`'s bytes now `used`; returns what it may hold."""
+        with self._lock:
+            self._used[key] = used
+            others = sum(v for k, v in self._used.items() if k != key)
+            return max(self.total // len(self._used), self.total - others)
+
+    def leave(self, key: int) -> None:
+        with self._lock:
+            self._used.pop(key, None)
+
+
+class StoreCopy:
+    """A table's store as of a state_dict(): folder `path`, removed when this object is dropped, unless
+    place_stores linked it into a checkpoint or journal first."""
+
+    def __init__(self, path: pathlib.Path, record_bytes: int):
+        self.path, self.record_bytes = path, record_bytes
+        weakref.finalize(self, shutil.rmtree, path, True)
+
+
+def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path) -> int:
+    """Links every SSD table's StoreCopy in `state` ("tables": a shard's section) into `folder` (under
+    `base`), fsynced, and names it there relative to `base`, in `state` itself. Returns the bytes placed.
+    A state placed before (two saves of one step) is left as it is."""
+    placed = 0
+    for entry in state.get("tables") or []:
+        copy = entry["state"].get("store")
+        if not isinstance(copy, StoreCopy):
+            continue
+        target = folder / _safe(entry["name"])
+        if target.exists():
+            shutil.rmtree(target)  # left by a save that died before its file was written
+        link_tree(copy.path, target, sync=True)
+        placed += sum(f.stat().st_size for f in target.iterdir())
+        entry["state"]["store"] = {"path": str(target.relative_to(base)), "record_bytes": copy.record_bytes}
+    return placed
+
+
+def resolve_stores(state: Mapping, base: pathlib.Path) -> None:
+    """Makes the store folders named in `state`'s tables (place_stores) absolute under `base`, in place."""
+    for entry in state.get("tables") or []:
+        store = entry.get("state", {}).get("store") if isinstance(entry, Mapping) else None
+        if isinstance(store, dict) and isinstance(store.get("path"), str):
+            store["path"] = str(base / store["path"])
+
+
+def _safe(name: str) -> str:
+    """A folder name for table `name`: its safe characters and a hash, so two names never share one."""
+    digest = int.from_bytes(name.encode(), "little") % (1 << 61)
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:64]}-{digest:x}"
+
+
+class TableStorage:
+    """Where a shard keeps its dynamic tables: "ram", or "ssd" under `directory`/ps-`index` (emptied here: a
+    store is never reopened after its shard stopped), their caches sharing `cache_bytes`."""
+
+    def __init__(self, kind: str = "ram", directory: str | os.PathLike | None = None, *, index: int = 0,
+                 cache_bytes: int = 256 << 20):
+        if kind not in STORAGES or (kind == "ssd") != (directory is not None) or cache_bytes <= 0:
+            raise InvalidArgumentError(f"table storage {kind!r} needs a folder exactly when it is 'ssd' and a "
+                                       f"positive cache; got {directory!r}, {cache_bytes} bytes")
+        self.kind, self.cache_bytes = kind, cache_bytes
+        self.root = None
+        if kind == "ssd":
+            self.root = pathlib.Path(directory) / f"ps-{index}"
+            if self.root.exists():
+                shutil.rmtree(self.root)
+            self.root.mkdir(parents=True)
+            self.memory = DiskMemory()
+            self.budget = CacheBudget(cache_bytes)
+
+    def table(self, name: str, dim: int, **args) -> EmbeddingTable:
+        """A new table `name` (EmbeddingTable's arguments): an SsdTable for a dynamic table on "ssd".
+        InvalidArgumentError for a dynamic table with max_age or capacity on "ssd"."""
+        if self.kind == "ram" or args.get("num_embeddings") is not None:
+            return EmbeddingTable(dim, **args)
+        if args.get("max_age") is not None or args.get("capacity") is not None:
+            raise InvalidArgumentError(f"table {name!r}: a table kept on SSD (--table-storage ssd) takes no "
+                                       f"max_age or capacity yet; drop them or keep the tables in RAM")
+        folder = self.root / f"{_safe(name)}-{secrets.token_hex(4)}"
+        return SsdTable(dim, folder=folder, memory=self.memory, budget=self.budget, **args)
+
+
+class SsdTable(EmbeddingTable):
+    """A dynamic table's rows on disk under `folder` with a RAM cache (see the module docstring); the other
+    arguments are EmbeddingTable's."""
+
+    storage = "ssd"
+
+    def __init__(self, dim: int, *, folder: pathlib.Path, memory: DiskMemory, budget: CacheBudget, **args):
+        super().__init__(dim, **args)
+        if self.fixed:
+            raise InvalidArgumentError("an SSD table is dynamic (num_embeddings None)")
+        self._rows = _Keyed(updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
+        self._changes = RowChanges(limit=LOG_IDS)
+        self._folder, self._memory, self._budget = folder, memory, budget
+        self._record_bytes = self.row_bytes + _TAIL
+        self._row_cost = (self.row_bytes + 41) * 9 // 8  # row, ids, columns, index: grown by an eighth
+        self._disk = DiskRows(folder / "live", self._record_bytes, fresh=True, memory=memory)
+        self._tick = 0                          # calls so far: a cached row's "touched" is its last
+        self._held = 0                          # rows in the table, cached or not
+        self._hits = self._misses = 0           # rows asked for that were cached / read from the store
+        self._closed = False
+
+    # -- the cache --------------------------------------------------------------------------------
+
+    def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
+        self._fault_in(ids)
+        out = super()._lookup(ids, admit)
+        self._mark(ids, dirty=False)
+        self._spill()
+        return out
+
+    def _apply(self, ids: np.ndarray, summed: torch.Tensor, step: int, count_step: bool) -> int:
+        self._fault_in(ids)
+        updated = super()._apply(ids, summed, step, count_step)
+        self._mark(ids, dirty=True)
+        self._spill()
+        return updated
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        slots = super()._create(ids)
+        self._rows.cols["touched"][slots] = self._tick
+        self._rows.cols["dirty"][slots] = True
+        self._held += len(ids)
+        return slots
+
+    def _fault_in(self, ids: np.ndarray) -> None:
+        """Reads the rows of `ids` that the store holds and the cache does not into the cache."""
+        self._tick += 1
+        missing = ids[self._rows.find(ids) < 0]
+        self._hits += len(ids) - len(missing)
+        self._misses += len(missing)
+        if not missing.size:
+            return
+        found, records = self._disk.get(missing)
+        if found.any():
+            rows, updated, marks = self._decoded(records[found])
+            self._slabs.reserve(self._rows.n + len(rows))
+            slots = self._rows.append(missing[found], updated=updated, marks=marks, touched=self._tick, dirty=False)
+            self._scatter(slots, rows)
+
+    def _mark(self, ids: np.ndarray, *, dirty: bool) -> None:
+        slots = self._rows.find(ids)
+        slots = slots[slots >= 0]
+        self._rows.cols["touched"][slots] = self._tick
+        if dirty:
+            self._rows.cols["dirty"][slots] = True
+
+    def _spill(self) -> None:
+        """Drops the least recently used rows while the cache is over its allowance, writing back those changed."""
+        allowance = self._budget.allowance(id(self), self._nbytes())
+        n, limit = self._rows.n, max(1, allowance // self._row_cost)
+        if n <= limit:
+            return
+        going = n - int(limit * _KEEP)
+        victims = np.argpartition(self._rows.cols["touched"][:n], going - 1)[:going]
+        self._write_back(victims)
+        src, dst = self._rows.remove(victims)
+        for key in self._slabs.columns:
+            self._slabs.scatter(key, dst, self._slabs.gather(key, src))
+        self._slabs.release(self._rows.n)
+        self._budget.allowance(id(self), self._nbytes())
+
+    def _write_back(self, slots: np.ndarray | None = None) -> None:
+        """Writes the changed rows among `slots` (default: every cached row) to the store; they are clean then."""
+        dirty = self._rows.cols["dirty"]
+        slots = np.flatnonzero(dirty[:self._rows.n]) if slots is None else slots[dirty[slots]]
+        if slots.size:
+            self._disk.put(self._rows.cols["ids"][slots], self._encoded(slots))
+            dirty[slots] = False
+
+    # -- records: the row (values, then optimizer state, in the table's dtype), last update, RowMarks --------
+
+    def _encoded(self, slots: np.ndarray) -> np.ndarray:
+        out = np.empty((len(slots), self._record_bytes), dtype=np.uint8)
+        rows = torch.cat([self._slabs.gather(key, slots) for key in self._slabs.columns], dim=1)
+        out[:, :self.row_bytes] = rows.contiguous().view(torch.uint8).numpy()
+        tail = np.stack([self._rows.cols["updated"][slots], self._rows.cols["marks"][slots]], axis=1)
+        out[:, self.row_bytes:] = tail.view(np.uint8)
+        return out
+
+    def _decoded(self, records: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        return decoded(records, self.dtype)
+
+    def _scatter(self, slots: np.ndarray, rows: torch.Tensor) -> None:
+        start = 0
+        for key, width in self._slabs.columns.items():
+            self._slabs.scatter(key, slots, rows[:, start:start + width])
+            start += width
+
+    # -- serving replicas -------------------------------------------------------------------------
+
+    def changes(self, seq: int, incarnation: str, min_updates: int = 0
+                ) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not 0 <= min_updates <= MAX_UPDATES:
+            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
+        with self._lock:
+            self._write_back()
+            ids = self._changes.since(seq, incarnation, self._changed_after)
+            whole = ids is None
+            if whole:
+                chunks = list(self._disk.items())
+                ids = np.concatenate([i for i, _ in chunks]) if chunks else np.empty(0, dtype=np.int64)
+                records = np.concatenate([r for _, r in chunks]) if chunks else \
+                    np.empty((0, self._record_bytes), dtype=np.uint8)
+                held = np.ones(len(ids), dtype=bool)
+            else:
+                held, records = self._disk.get(ids)
+            rows, _, marks = self._decoded(records)
+            if min_updates:
+                held &= RowMarks.updates(marks) >= min_updates
+            values = rows[:, :self.dim].clone()
+            values[torch.from_numpy(~held)] = 0
+            return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids.copy()), values,
+                    torch.from_numpy(held))
+
+    def _changed_after(self, seq: int) -> np.ndarray:
+        parts = [ids[RowMarks.seqs(self._decoded(records)[2]) > seq] for ids, records in self._disk.items()]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """EmbeddingTable.counters(), "rows" counting every row (cached or not), and cache_rows, cache_hits,
+        cache_misses (rows asked for by lookups and pushes, found cached / not), disk_bytes_read,
+        disk_bytes_written (store records), disk_bytes (its files)."""
+        with self._lock:
+            return {"rows": self._held, "pending": self._pending.n - self._pending_dead, **self._events,
+                    "evicted": self._events["evicted_by_age"] + self._events["evicted_by_capacity"],
+                    "bytes": self._nbytes(), "row_bytes": self.row_bytes, "optimizer_steps": self.optimizer.steps,
+                    "cache_rows": self._rows.n, "cache_hits": self._hits, "cache_misses": self._misses,
+                    "disk_bytes_read": self._disk.bytes_read, "disk_bytes_written": self._disk.bytes_written,
+                    "disk_bytes": self._disk.disk_bytes()}
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """As EmbeddingTable.state_dict(), with the rows, their state, last updates and update counts in
+        "store" (a StoreCopy of the table's store, taken after every changed row was written back) and their
+        number in "rows". Blocks while changed rows are written and the store is copied (hard links)."""
+        with self._lock:
+            self._write_back()
+            copies = self._folder / "copies"
+            copies.mkdir(exist_ok=True)
+            path = copies / secrets.token_hex(8)
+            self._disk.snapshot_to(path)
+            return {"format": STATE_FORMAT, "config": self.config(), "optimizer_steps": self.optimizer.steps,
+                    "step": self._step, "events": dict(self._events), "rows": self._held,
+                    "store": StoreCopy(path, self._record_bytes), "pending": self._pending_state(),
+                    "changes": {"incarnation": self._changes.incarnation, "seq": self._changes.seq}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Replaces the table with `state`'s: a state_dict() of an SsdTable (its store copy opened as the
+        table's store, no row read) or of a RAM table (its rows written into a new store). Raises
+        InvalidArgumentError for a state that does not fit, and changes nothing then."""
+        with self._lock:
+            if state.get("store") is None:
+                optimizer, ids, tensors, counters, step, events = self._parsed(state)
+                pending = {k: counters[f"pending {k}"] for k in ("ids", "counts", "last_seen")}
+                disk = DiskRows(self._folder / f"live-{secrets.token_hex(4)}", self._record_bytes, fresh=True,
+                                memory=self._memory)
+                self._write_rows(disk, ids, tensors, counters)
+                held = len(ids)
+            else:
+                optimizer, step, events = self._parsed_head(state)
+                held, pending, source = self._parsed_store(state)
+                target = self._folder / f"live-{secrets.token_hex(4)}"
+                link_tree(source, target)
+                disk = DiskRows(target, self._record_bytes, memory=self._memory)
+            self._disk.close()
+            shutil.rmtree(self._disk.path, ignore_errors=True)
+            self._disk, self.optimizer, self._step, self._events, self._held = disk, optimizer, step, events, held
+            self._rows = _Keyed(updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
+            self._slabs = self._new_slabs(0)
+            self._pending, self._pending_dead = _Keyed(counts=np.int32, seen=np.int64), 0
+            self._pending.append(pending["ids"], counts=pending["counts"], seen=pending["last_seen"])
+            saved = (state.get("changes") or {}).get("seq", 0)
+            self._changes.seq = max(self._changes.seq, int(saved))  # marks in the store stay older than new ones
+            self._changes.reset()
+
+    def _parsed_store(self, state: Mapping) -> tuple[int, dict[str, np.ndarray], pathlib.Path]:
+        """(rows, occurrence counters, store folder) of an SsdTable's state; InvalidArgumentError if unfit."""
+        try:
+            store = state["store"]
+            path = pathlib.Path(store.path if isinstance(store, StoreCopy) else store["path"])
+            record_bytes = store.record_bytes if isinstance(store, StoreCopy) else int(store["record_bytes"])
+            held = int(state["rows"])
+            pending = {k: state["pending"][k] for k in ("ids", "counts", "last_seen")}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"not an SSD table state: missing or bad {exc}") from None
+        if record_bytes != self._record_bytes or held < 0 or not (path / "CURRENT").is_file():
+            raise InvalidArgumentError(f"an SSD table state whose store {path} is missing or holds records of "
+                                       f"{record_bytes} bytes (this table's: {self._record_bytes})")
+        if any(not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1
+               or len(t) != len(pending["ids"]) for t in pending.values()):
+            raise InvalidArgumentError("an SSD table state's occurrence counters must be int64 vectors of one length")
+        pending = {k: t.numpy() for k, t in pending.items()}
+        self._check_owned(pending["ids"])
+        if len(np.unique(pending["ids"])) != len(pending["ids"]) or np.any(pending["counts"] < 1):
+            raise InvalidArgumentError("an SSD table state's occurrence counters need distinct ids and counts of "
+                                       "at least 1")
+        return held, pending, path
+
+    def _write_rows(self, disk: DiskRows, ids: np.ndarray, tensors: Mapping[str, torch.Tensor],
+                    counters: Mapping[str, np.ndarray]) -> None:
+        """Writes a RAM table state's rows into `disk`, a chunk at a time."""
+        counts = counters.get("update_counts", MAX_UPDATES)
+        for start in range(0, len(ids), _CHUNK):
+            part = slice(start, start + _CHUNK)
+            rows = torch.cat([tensors[key][part].detach().cpu() for key in self._slabs.columns], dim=1)
+            out = np.empty((len(rows), self._record_bytes), dtype=np.uint8)
+            out[:, :self.row_bytes] = rows.contiguous().view(torch.uint8).numpy()
+            marks = RowMarks.new(self._changes.seq, counts[part] if isinstance(counts, np.ndarray) else counts)
+            tail = np.stack([counters["last_update"][part], np.broadcast_to(marks, (len(rows),))], axis=1)
+            out[:, self.row_bytes:] = np.ascontiguousarray(tail, dtype=np.int64).view(np.uint8)
+            disk.put(ids[part], out)
+
+    def close(self) -> None:
+        """Closes the store and removes the table's folder; the table is not used afterwards."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._budget.leave(id(self))
+                self._disk.close()
+                shutil.rmtree(self._folder, ignore_errors=True)

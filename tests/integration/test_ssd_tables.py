@@ -1,0 +1,130 @@
+"""Tables kept on SSD (ps-server --table-storage ssd), against real ps-server processes: a cluster whose shards
+cache a small part of a dynamic table trains it exactly as a cluster with the table in RAM; a shard SIGKILLed
+after its journal's base copied the table's store comes back from that copy and the journal, and one whose
+journal is gone from the newest checkpoint's copy, both exactly; flags that do not fit are refused.
+
+The reference is a RAM cluster given the same calls and never killed; rows are compared bit for bit. Ordering
+is by replies, process exits and files a shard wrote (waited for with a deadline), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from torchps.client import Optimizer, PSClient
+from torchps.proto import ps_pb2
+from torchps.worker.local_cluster import LocalCluster
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from helpers import run_ps_server  # noqa: E402
+from table_job import at_once  # noqa: E402
+
+D = 4
+IDS = torch.arange(-2000, 2000)     # every id the dynamic table sees: records of 64 bytes on disk
+DENSE = 300_000                      # floats of the dense variable: 1.2 MB a push, so the journal compacts
+CACHE = "24K"                        # a shard's cache: about 240 rows, a fraction of its table
+WAIT = 60.0
+
+
+def specs() -> list[ps_pb2.TableSpec]:
+    init = ps_pb2.TableInit(distribution="normal", scale=1.0, seed=5)
+    return [ps_pb2.TableSpec(name="dyn", dim=D, dtype=ps_pb2.FLOAT32, init=init, min_count=2,
+                             optimizer=Optimizer("sparse_adam", lr=0.05, betas=(0.8, 0.9)).to_proto()),
+            ps_pb2.TableSpec(name="fix", dim=D, num_embeddings=40, dtype=ps_pb2.FLOAT32, init=init,
+                             optimizer=Optimizer("adagrad", lr=0.2).to_proto())]
+
+
+def setup(client: PSClient) -> None:
+    client.create_variables({"w": torch.zeros(DENSE)}, Optimizer("sgd", lr=0.1))
+    client.create_tables(specs())
+
+
+def step(client: PSClient, k: int) -> dict[str, torch.Tensor]:
+    """Step k: an admitting lookup of 1000 draws of the ids, a push of their gradients and a dense one."""
+    g = torch.Generator().manual_seed(k)
+    ids = {"dyn": torch.unique(IDS[torch.randint(0, len(IDS), (1000,), generator=g)]),
+           "fix": torch.unique(torch.randint(0, 40, (10,), generator=g))}
+    looked = client.lookup_rows(ids, admit=True)
+    client.push({"w": torch.randn(DENSE, generator=g)}, step=k - 1,
+                rows={name: (value, torch.randn(len(value), D, generator=g)) for name, value in ids.items()})
+    return looked
+
+
+def everything(client: PSClient) -> dict[str, torch.Tensor]:
+    return {**client.lookup_rows({"dyn": IDS, "fix": torch.arange(40)}), **client.pull(["w"])}
+
+
+def assert_equal(got: dict, expected: dict, what: str) -> None:
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), f"{what}: {name!r} differs"
+
+
+def wait_for_file(pattern: str, folder: pathlib.Path) -> list[pathlib.Path]:
+    deadline = time.monotonic() + WAIT
+    while not (found := sorted(folder.glob(pattern))):
+        assert time.monotonic() < deadline, f"nothing matched {folder / pattern} within {WAIT} s"
+        time.sleep(0.05)
+    return found
+
+
+def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
+                                       str(tmp_path / "tables"), "--table-cache", CACHE])
+    ram = LocalCluster(2, server_args=["--checkpoint-dir", str(tmp_path / "reference"), "--no-journal"])
+    try:
+        at_once("start", ssd, ram)
+        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
+            for client in (a, r):
+                setup(client)
+            for k in range(1, 7):
+                assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+            (table,) = [t for t in a.status(1).tables if t.name == "dyn"]
+            assert table.storage == "ssd" and table.rows > 3 * table.cache_rows > 0 and table.disk_bytes_written > 0
+            assert [t.storage for t in a.status(1).tables if t.name == "fix"] == ["ram"]
+            # 6 pushes of 1.2 MB passed the journal's 4 MiB floor: its newest base holds a copy of the store.
+            base = wait_for_file("base-*.stores/*/CURRENT", ckpt / "journal" / "ps-1")[-1].parent.parent
+            for k in range(7, 9):  # after that base: only the log has them
+                assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+            before = everything(r)
+
+            # 1. SIGKILL: the store it wrote is thrown away; the base's copy and the log's records rebuild it.
+            assert ssd.kill_ps(1) == -signal.SIGKILL
+            ssd.start_ps(1)
+            assert "recovered from the journal" in ssd.log(1)
+            assert base.exists()
+            assert_equal(everything(a), before, "after the journal's recovery")
+            assert_equal(step(a, 9), step(r, 9), "the next step after the recovery")
+            assert a.save_checkpoint(0) == r.save_checkpoint(0) == 9
+            assert (ckpt / "step-000000000009" / "ps-1.stores").is_dir()
+
+            # 2. SIGKILL without the journal: the checkpoint's copy of the store is the table.
+            assert ssd.kill_ps(1) == -signal.SIGKILL
+            shutil.rmtree(ckpt / "journal" / "ps-1")
+            ssd.start_ps(1)
+            assert a.status(1).restored_step == 9
+            assert_equal(everything(a), everything(r), "after the checkpoint's restore")
+            assert_equal(step(a, 10), step(r, 10), "the next step after the restore")
+            assert_equal(everything(a), everything(r), "the next update after the restore")
+    finally:
+        at_once("stop", ssd, ram)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--table-storage", "ssd"], "--table-dir"),
+    (["--table-dir", "X"], "--table-dir"),
+    (["--table-cache", "1M"], "--table-cache"),
+], ids=["ssd without a folder", "a folder without ssd", "a cache without ssd"])
+def test_ps_server_refuses_table_storage_flags_that_do_not_fit(tmp_path, flags, message):
+    code, printed = run_ps_server(["--insecure", "--index", "0", "--bind", "127.0.0.1:0", *flags],
+                                  tmp_path / "log", 60)
+    assert code == 2, printed
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("ps-server: error: ") and message in last and "Traceback" not in printed, printed

@@ -1,0 +1,171 @@
+"""Tables kept on SSD (ps_server/ssd_tables.py): an SsdTable whose cache holds a small part of its rows trains
+exactly as the same table in RAM, and its state (a store copy) restores it without reading it; the cache
+stays within its budget; changes() answers a serving replica as in RAM; what is not built yet is refused."""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from torchps.errors import InvalidArgumentError
+from torchps.ps_server.disk_rows import DiskMemory
+from torchps.ps_server.embeddings import EmbeddingTable
+from torchps.ps_server.ssd_tables import CacheBudget, SsdTable, StoreCopy, TableStorage, place_stores, resolve_stores
+
+DIM = 8
+ARGS = dict(optimizer="adagrad", hyperparams={"lr": 0.1}, seed=3)
+
+
+def ssd(tmp_path: pathlib.Path, cache_bytes: int = 40_000, **args) -> SsdTable:
+    return SsdTable(DIM, folder=tmp_path / f"t{len(list(tmp_path.iterdir()))}", memory=DiskMemory(1 << 20, 1 << 20),
+                    budget=CacheBudget(cache_bytes), **{**ARGS, **args})
+
+
+def zipf_batches(steps: int, batch: int, ids: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for step in range(1, steps + 1):
+        drawn = np.unique((rng.zipf(1.2, batch) - 1) % ids).astype(np.int64)
+        yield step, torch.from_numpy(drawn), torch.from_numpy(rng.standard_normal((len(drawn), DIM)).astype(np.float32))
+
+
+def train(table: EmbeddingTable, steps: int = 60, batch: int = 300, ids: int = 5000) -> None:
+    for step, drawn, grads in zipf_batches(steps, batch, ids):
+        table.lookup(drawn)
+        table.apply(drawn, grads, step)
+
+
+def every_row(table: EmbeddingTable, ids: int = 5000) -> torch.Tensor:
+    return torch.cat([table.lookup(torch.arange(s, min(s + 1000, ids)), admit=False) for s in range(0, ids, 1000)])
+
+
+def test_a_table_whose_cache_holds_a_fraction_of_it_trains_exactly_as_in_ram(tmp_path):
+    ram, disk = EmbeddingTable(DIM, **ARGS), ssd(tmp_path)
+    train(ram)
+    train(disk)
+    c = disk.counters()
+    assert c["rows"] == ram.counters()["rows"] > 4 * c["cache_rows"]  # most rows are on disk only
+    assert c["cache_misses"] > 0 and c["disk_bytes_written"] > 0 and c["disk_bytes_read"] > 0
+    floor = ssd(tmp_path)
+    floor.lookup(torch.tensor([0]))  # the least a table holds: its first slab and id arrays
+    assert c["bytes"] <= 40_000 * 1.2 + floor.nbytes()
+    assert torch.equal(every_row(ram), every_row(disk))
+
+
+def test_min_count_admission_counts_on_ssd_as_in_ram(tmp_path):
+    ram, disk = EmbeddingTable(DIM, min_count=3, **ARGS), ssd(tmp_path, min_count=3)
+    train(ram, steps=20)
+    train(disk, steps=20)
+    assert disk.counters()["pending"] == ram.counters()["pending"] > 0
+    assert torch.equal(every_row(ram), every_row(disk))
+
+
+def test_a_state_restores_from_its_store_copy_and_the_copy_goes_with_the_state(tmp_path):
+    table = ssd(tmp_path)
+    train(table)
+    expected = every_row(table)
+    state = table.state_dict()
+    copy = state["store"]
+    assert isinstance(copy, StoreCopy) and "values" not in state and state["rows"] == table.counters()["rows"]
+    train(table, steps=5)  # later changes are not in the copy
+    other = ssd(tmp_path)
+    other.load_state_dict(state)
+    assert torch.equal(every_row(other), expected) and other.counters()["cache_rows"] < 1000
+    path = copy.path
+    del state, copy
+    gc.collect()
+    assert not path.exists()
+
+
+def test_a_ram_tables_state_loads_into_an_ssd_table_and_back_out(tmp_path):
+    ram = EmbeddingTable(DIM, **ARGS)
+    train(ram, steps=30)
+    disk = ssd(tmp_path)
+    disk.load_state_dict(ram.state_dict())
+    train(ram, steps=10)
+    train(disk, steps=10)
+    assert torch.equal(every_row(ram), every_row(disk))
+
+
+def test_changes_answer_a_replica_as_the_ram_table_does(tmp_path):
+    ram, disk = EmbeddingTable(DIM, **ARGS), ssd(tmp_path)
+    cursors = {}
+    for table in (ram, disk):
+        train(table, steps=20)
+        incarnation, seq, whole, ids, rows, held = table.changes(0, "")
+        assert whole and held.all()
+        cursors[id(table)] = (incarnation, seq, ids, rows)
+        table.apply(torch.tensor([1, 2, 4999]), torch.ones(3, DIM), 21)
+    (_, _, ram_ids, ram_rows), (_, _, disk_ids, disk_rows) = cursors[id(ram)], cursors[id(disk)]
+    assert torch.equal(ram_ids, disk_ids) and torch.equal(ram_rows, disk_rows)
+    for table in (ram, disk):
+        incarnation, seq, _, _ = cursors[id(table)]
+        _, _, whole, ids, rows, held = table.changes(seq, incarnation, min_updates=2)
+        assert not whole and ids.tolist() == [1, 2]  # 4999 was never admitted: no row, no change
+        assert held.tolist() == [True, True]
+
+
+def test_threads_pushing_rows_lose_no_update(tmp_path):
+    table = SsdTable(DIM, folder=tmp_path / "t", memory=DiskMemory(1 << 20, 1 << 20), budget=CacheBudget(20_000),
+                     optimizer="sgd", hyperparams={"lr": 1.0}, init_scale=0.0)
+    table.lookup(torch.arange(2000))
+
+    def push(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for step in range(50):
+            ids = torch.from_numpy(rng.choice(2000, 100, replace=False))
+            table.apply(ids, -torch.ones(len(ids), DIM), step)
+
+    threads = [threading.Thread(target=push, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert float(every_row(table, 2000)[:, 0].sum()) == 4 * 50 * 100
+
+
+def test_caches_share_the_budget_and_each_keeps_an_equal_share():
+    budget = CacheBudget(1000)
+    assert budget.allowance(1, 900) == 1000
+    assert budget.allowance(2, 0) == 500      # an equal share, though the first holds 900
+    assert budget.allowance(1, 900) == 1000   # what the second leaves
+    budget.leave(2)
+    assert budget.allowance(1, 900) == 1000
+
+
+def test_storage_keeps_fixed_tables_in_ram_and_refuses_eviction_on_ssd(tmp_path):
+    (tmp_path / "ps-0" / "old").mkdir(parents=True)
+    storage = TableStorage("ssd", tmp_path, index=0, cache_bytes=1 << 20)
+    assert not (tmp_path / "ps-0" / "old").exists()  # a store of an earlier run is never reopened
+    assert storage.table("f", DIM, num_embeddings=10).storage == "ram"
+    table = storage.table("a/b", DIM)
+    assert table.storage == "ssd"
+    with pytest.raises(InvalidArgumentError, match="max_age or capacity"):
+        storage.table("e", DIM, capacity=10)
+    with pytest.raises(InvalidArgumentError):
+        TableStorage("ssd", None)
+    table.close()
+    assert not any((tmp_path / "ps-0").iterdir())
+
+
+def test_placed_stores_are_named_relative_to_their_folder_and_resolved_back(tmp_path):
+    table = ssd(tmp_path)
+    train(table, steps=10)
+    state = {"tables": [{"name": "emb/1", "state": table.state_dict()}]}
+    base = tmp_path / "ckpt"
+    placed = place_stores(state, base / "ps-0.stores", base)
+    store = state["tables"][0]["state"]["store"]
+    assert placed > 0 and not store["path"].startswith("/") and (base / store["path"] / "CURRENT").is_file()
+    assert place_stores(state, base / "ps-0.stores", base) == 0  # placed already
+    resolve_stores(state, base)
+    other = ssd(tmp_path)
+    other.load_state_dict(state["tables"][0]["state"])
+    assert torch.equal(every_row(other), every_row(table))
+    bad = {**state["tables"][0]["state"], "store": {"path": str(tmp_path / "nowhere"), "record_bytes": 1}}
+    with pytest.raises(InvalidArgumentError, match="missing"):
+        other.load_state_dict(bad)
+    assert torch.equal(every_row(other), every_row(table))  # unchanged
