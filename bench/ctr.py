@@ -63,13 +63,17 @@ import torch.nn.functional as F
 
 import ctr_data
 from ctr_data import dlrm
+from ctr_memory import MemoryBound, RssSampler
 from pullpush import collect, cpu_seconds, environment, log, worker_processes
+from torchps.sizes import parse_bytes
 
 PREFIX = "ctr/"
 READY_SECONDS = 300.0    # workers start, load their days and join: on a loaded 2-core machine
 TRAIN_SECONDS = 3600.0   # the longest a mode's training may take before the run fails
 PER_CORE_BAR = 140.0     # samples/s per core: NVIDIA's CPU-only DLRM, 17.7k samples/s on 128 cores
 AUC_BAR = 0.002          # |async AUC - sync AUC|
+SSD_BAR = 0.70           # samples/s with the tables on SSD over the same job's in RAM (Meta's offloading: 0.74 at 37x)
+TABLE_OVER_LIMIT = 10.0  # a shard's table rows (their bytes in RAM) over its --max-memory
 # The default hash size: 287,398 ids in all, so that the default's 360,000 training samples are 1.25 an id, near
 # Criteo Kaggle's 1.16 (6/7 of its 45.8M samples to train on, 33.8M ids): most ids are seen a few times at most.
 CARDINALITY_CAP = 30_000
@@ -160,29 +164,76 @@ def worker_main(index: int, cluster, args, folder: pathlib.Path, go, leave, resu
 # -- one mode ---------------------------------------------------------------------------------------------------
 
 def shard_counters(ps, pids: list[int]) -> list[dict]:
-    """Each shard's counters now: its tables' rows read and pushed, rows and bytes held, gradient bytes received,
-    CPU seconds, storage bytes read and written."""
+    """Each shard's counters now: its tables' rows read and pushed, rows and bytes held (RAM: the cache's for
+    tables on SSD; and the rows' own bytes, as RAM tables would hold them), the SSD tables' cache hits and
+    misses and store bytes, gradient bytes received, CPU seconds, storage bytes read and written."""
     out = []
     for shard, pid in enumerate(pids):
         status = ps.status(shard)
         tables = [t for t in status.tables if t.name.startswith(PREFIX)]
         out.append({"rows_read": sum(t.rows_read for t in tables), "rows_pushed": sum(t.rows_pushed for t in tables),
                     "rows": sum(t.rows for t in tables), "table_bytes": sum(t.bytes for t in tables),
+                    "row_bytes": sum(t.rows * t.row_bytes for t in tables),
+                    **{k: sum(getattr(t, k) for t in tables) for k in (
+                        "cache_hits", "cache_misses", "disk_bytes_read", "disk_bytes_written", "disk_bytes")},
                     "push_bytes": status.push_bytes_received, "cpu_s": cpu_seconds([pid]), "io": storage_io(pid)})
     return out
 
 
-def run_mode(mode: str, args, folder: pathlib.Path) -> dict:
-    """A fresh cluster trained in `mode` on the days in `folder`, then scored on the held-out day."""
+def storage_args(storage: str, args, folder: pathlib.Path, tag: str) -> list[str]:
+    """The shards' flags for a run with `storage`: with --storages every run keeps a journal (the same job on
+    both storages); on "ssd", --table-storage and --max-memory (and --table-cache)."""
+    if args.storages == ["ram"]:
+        return []
+    out = ["--checkpoint-dir", str(folder / f"ckpt-{tag}")]
+    if storage == "ssd":
+        out += ["--table-storage", "ssd", "--table-dir", str(folder / f"tables-{tag}"), "--max-memory", args.max_memory]
+        out += ["--table-cache", args.table_cache] if args.table_cache else []
+    return out
+
+
+def recover_one(local, ps, pids: list[int], sampler: RssSampler | None, bounds: list) -> dict:
+    """Kills shard 1 (SIGKILL), starts it again and waits until it answers: seconds until it answers, its peak
+    resident set meanwhile, and whether every row it held reads back equal (a sample of 20,000 ids a table)."""
+    ids = {t.name: torch.arange(20_000) for t in ps.status(1).tables if t.name.startswith(PREFIX)}
+    before = ps.lookup_rows(ids)
+    local.kill_ps(1)
+    began = time.perf_counter()
+    local.start_ps(1)
+    pid = ps.status(1).pid
+    if bounds and bounds[1] is not None:
+        bounds[1].add(pid)
+    if sampler is not None:
+        sampler.set("ps1", pid)
+    after = ps.lookup_rows(ids)
+    seconds = time.perf_counter() - began
+    return {"seconds": seconds, "peak_rss_bytes": peak_rss(pid), "rows_compared": sum(len(i) for i in ids.values()),
+            "rows_equal": all(torch.equal(before[n], after[n]) for n in ids), "pid": pid}
+
+
+def run_mode(mode: str, args, folder: pathlib.Path, storage: str = "ram", tag: str = "") -> dict:
+    """A fresh cluster trained in `mode` on the days in `folder`, its tables on `storage`, then scored on the
+    held-out day. On "ssd": each shard under a memory cgroup of --memory-limit (if given) from its start, its
+    resident set sampled every second, and shard 1 killed and restarted after the training (recover_one)."""
     from torchps.client import Optimizer, PSClient, TaskSpec
     from torchps.worker.local_cluster import LocalCluster
 
     ctx = worker_processes()
     torch.manual_seed(args.seed)  # the dense layers' initial values, the same in both modes
     model = make_model(args)
-    with LocalCluster(args.ps, workers=args.workers, chief=True, server_args=args.server_arg,
-                      log_dir=folder) as local, \
+    ssd = storage == "ssd"
+    (folder / f"logs-{tag}").mkdir()
+    with LocalCluster(args.ps, workers=args.workers, chief=True,
+                      server_args=[*args.server_arg, *storage_args(storage, args, folder, tag)],
+                      log_dir=folder / f"logs-{tag}") as local, \
             PSClient(local.cluster, task=TaskSpec("chief", 0), connect_timeout=60, timeout=600) as ps:
+        pids = [ps.status(s).pid for s in range(args.ps)]
+        bounds = [MemoryBound.make(f"torchps-ctr-{os.getpid()}-{tag}-ps{s}", args.memory_limit)
+                  if ssd and args.memory_limit else None for s in range(args.ps)]
+        for bound, pid in zip(bounds, pids):
+            if bound is not None:
+                bound.add(pid)
+        sampler = RssSampler({f"ps{s}": pid for s, pid in enumerate(pids)}).start() if ssd else None
         if mode == "sync":
             ps.configure("sync", replicas_to_aggregate=args.workers, total_num_replicas=args.workers)
         binding = ps.register_module(model, Optimizer("adam", lr=args.lr), prefix=PREFIX, join=False)
@@ -193,13 +244,13 @@ def run_mode(mode: str, args, folder: pathlib.Path) -> dict:
             proc.start()
         try:
             collect(results, procs, "ready", READY_SECONDS)
-            pids = [ps.status(s).pid for s in range(args.ps)]
             before, chief_cpu, began = shard_counters(ps, pids), time.process_time(), time.perf_counter()
             go.set()
             workers = collect(results, procs, "done", TRAIN_SECONDS)
             wall, chief_cpu = time.perf_counter() - began, time.process_time() - chief_cpu
             after = shard_counters(ps, pids)
             shard_rss = [peak_rss(pid) for pid in pids]
+            recovery = recover_one(local, ps, pids, sampler, bounds) if ssd else None
             leave.set()
             for proc in procs:
                 proc.join(timeout=60)
@@ -211,10 +262,24 @@ def run_mode(mode: str, args, folder: pathlib.Path) -> dict:
         step = ps.global_step()
         binding.pull()
         auc, loss = dlrm.evaluate(model, *tensors(ctr_data.load_day(folder, args.days)))
+        sampled = sampler.stop() if sampler is not None else {}
     out = figures(before, after, shard_rss, workers, wall, chief_cpu)
-    out.update(held_out_auc=auc, held_out_log_loss=loss, global_step=step)
-    log(f"{mode}: {out['samples']:,d} samples in {wall:.1f} s, {out['samples_per_s_per_core']:.0f} samples/s per "
-        f"core, held-out AUC {auc:.4f}")
+    out.update(held_out_auc=auc, held_out_log_loss=loss, global_step=step, storage=storage)
+    if ssd:
+        out.update(recovery=recovery, rss_samples=sampler.samples, memory_limit=args.memory_limit or None,
+                   max_memory=args.max_memory, table_cache=args.table_cache or None,
+                   memory_bound=[b.version if b is not None else MemoryBound.unavailable or None for b in bounds],
+                   oom_kills=sum(b.oom_kills() for b in bounds if b is not None))
+        for shard, bound in zip(out["shards"], bounds):
+            shard["cgroup_peak_bytes"] = bound.peak() if bound is not None else None
+        for s, shard in enumerate(out["shards"]):
+            shard["rss_max_sampled_bytes"] = sampled.get(f"ps{s}")
+    for bound in bounds:
+        if bound is not None:
+            bound.close()
+    log(f"{mode} ({storage}): {out['samples']:,d} samples in {wall:.1f} s, {out['samples_per_s_per_core']:.0f} "
+        f"samples/s per core, held-out AUC {auc:.4f}"
+        + (f", cache hit rate {out['cache_hit_rate']:.3f}" if out["cache_hit_rate"] is not None else ""))
     return out
 
 
@@ -228,8 +293,11 @@ def figures(before: list[dict], after: list[dict], shard_rss: list, workers: lis
         shards.append({"rows_looked_up_per_s": (a["rows_read"] - b["rows_read"]) / wall,
                        "rows_updated_per_s": (a["rows_pushed"] - b["rows_pushed"]) / wall,
                        "cpu_s": a["cpu_s"] - b["cpu_s"], "peak_rss_bytes": rss, "rows_held": a["rows"],
-                       "table_bytes": a["table_bytes"], "push_bytes": a["push_bytes"] - b["push_bytes"],
-                       "storage_read_bytes": io[0], "storage_write_bytes": io[1]})
+                       "table_bytes": a["table_bytes"], "rows_bytes": a["row_bytes"],
+                       "push_bytes": a["push_bytes"] - b["push_bytes"],
+                       "storage_read_bytes": io[0], "storage_write_bytes": io[1],
+                       **{k: a[k] - b[k] for k in ("cache_hits", "cache_misses", "disk_bytes_read",
+                                                   "disk_bytes_written")}, "disk_bytes": a["disk_bytes"]})
     cpu = {"shards": sum(s["cpu_s"] for s in shards), "workers": sum(w["cpu_s"] for w in workers), "chief": chief_cpu}
     cpu["total"] = sum(cpu.values())
 
@@ -237,11 +305,15 @@ def figures(before: list[dict], after: list[dict], shard_rss: list, workers: lis
         values = [s[key] for s in shards]
         return None if None in values else sum(values) / samples
 
+    asked = sum(s["cache_hits"] + s["cache_misses"] for s in shards)
     return {"samples": samples, "wall_s": wall, "samples_per_s": samples / wall, "cpu_s": cpu,
             "cores_busy": cpu["total"] / wall, "samples_per_s_per_core": samples / cpu["total"],
             "storage_read_bytes_per_sample": per_sample("storage_read_bytes"),
             "storage_write_bytes_per_sample": per_sample("storage_write_bytes"),
-            "push_bytes_per_sample": per_sample("push_bytes"), "cache_hit_rate": None,
+            "store_bytes_read_per_sample": per_sample("disk_bytes_read"),
+            "store_bytes_written_per_sample": per_sample("disk_bytes_written"),
+            "push_bytes_per_sample": per_sample("push_bytes"),
+            "cache_hit_rate": sum(s["cache_hits"] for s in shards) / asked if asked else None,
             "shards": shards, "workers": workers, "chief_peak_rss_bytes": peak_rss("self")}
 
 
@@ -289,6 +361,34 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def storage_table(results: dict) -> str:
+    """A row per run of --storages: throughput, cache, store traffic, memory and the recovery of shard 1."""
+    def mb(value) -> str:
+        return "n/a" if value is None else f"{value / 2**20:,.0f}"
+
+    lines = ["| round | storage | mode | samples/s | per core | AUC | hit rate | store B read / written per sample "
+             "| rows' MB per shard (min) | RSS MB max sampled (peak) | recovery s, peak MB, rows equal |",
+             "|" + " --- |" * 11]
+    for r in results["storage_runs"]:
+        ssd = r["storage"] == "ssd"
+        rec = r.get("recovery") or {}
+        lines.append(
+            f"| {r['round']} | {r['storage']} | {r['mode']} | {r['samples_per_s']:,.0f} | "
+            f"{r['samples_per_s_per_core']:,.0f} | {r['held_out_auc']:.4f} | "
+            + (f"{r['cache_hit_rate']:.3f} | {r['store_bytes_read_per_sample']:,.0f} / "
+               f"{r['store_bytes_written_per_sample']:,.0f} | " if ssd else "n/a | n/a | ")
+            + f"{mb(min(s['rows_bytes'] for s in r['shards']))} | "
+            + (f"{mb(max(s['rss_max_sampled_bytes'] or 0 for s in r['shards']))} "
+               f"({mb(max(s['peak_rss_bytes'] or 0 for s in r['shards']))}) | "
+               f"{rec.get('seconds', 0):.1f}, {mb(rec.get('peak_rss_bytes'))}, {rec.get('rows_equal')} |" if ssd
+               else f"n/a ({mb(max(s['peak_rss_bytes'] or 0 for s in r['shards']))}) | n/a |"))
+    ratios = "; ".join(f"{m}: median {v['median']:.3f} of {', '.join(f'{x:.3f}' for x in v['ratios'])}"
+                       for m, v in results.get("ssd_over_ram", {}).items())
+    lines.append(f"\nSSD samples/s over RAM's, pairs of rounds: {ratios or 'n/a'}; each shard's table rows over "
+                 f"--max-memory: {results.get('table_over_max_memory') or 0:.1f}x")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -315,6 +415,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", default="sync,async", help="modes to run, in order (default sync,async)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="a flag for every ps-server, e.g. --server-arg=--torch-threads=2 (repeatable)")
+    parser.add_argument("--storages", default="ram", help="where the shards keep the tables, run by run: ram, ssd, "
+                        "or a comma-separated order such as ram,ssd,ram,ssd (each mode of --modes in each); with "
+                        "more than ram every run keeps a journal (default ram)")
+    parser.add_argument("--max-memory", default="48M", help="ps-server --max-memory of a run on ssd (default 48M)")
+    parser.add_argument("--table-cache", default="", help="ps-server --table-cache of a run on ssd (default: the "
+                        "shard's, half of --max-memory)")
+    parser.add_argument("--memory-limit", type=parse_bytes, default=0, help="a memory cgroup of this many bytes "
+                        "around each shard of a run on ssd, e.g. 700M (default: none)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2 days of 6,000 samples, small tables and MLPs")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
@@ -322,6 +430,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.days, args.samples_per_day, args.cardinality_cap = 2, 6_000, 500
         args.bottom, args.top, args.batch_size = (64,), (64,), 256
+    args.storages = [m.strip() for m in args.storages.split(",") if m.strip()]
+    if not args.storages or not set(args.storages) <= {"ram", "ssd"}:
+        parser.error(f"--storages takes ram and/or ssd, comma-separated. Received: {','.join(args.storages)}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or not set(args.modes) <= {"sync", "async"} or len(set(args.modes)) != len(args.modes):
         parser.error(f"--modes takes sync and/or async, comma-separated. Received: {','.join(args.modes)}")
@@ -347,7 +458,42 @@ def summarize(results: dict) -> None:
     if {"sync", "async"} <= set(modes):
         results["auc_async_minus_sync"] = modes["async"]["held_out_auc"] - modes["sync"]["held_out_auc"]
         targets[f"|async AUC - sync AUC| <= {AUC_BAR:g}"] = abs(results["auc_async_minus_sync"]) <= AUC_BAR
-    results.update(cache_hit_rate=None, cache_hit_rate_note=NO_CACHE, targets=targets)
+    if "storage_runs" in results:
+        results.update(summarize_storages(results["storage_runs"], targets), targets=targets)
+    else:
+        results.update(cache_hit_rate=None, cache_hit_rate_note=NO_CACHE, targets=targets)
+
+
+def summarize_storages(runs: list[dict], targets: dict) -> dict:
+    """The SSD runs against the RAM runs of the same mode and round pair (ram and ssd runs interleaved: the i-th
+    ssd run of a mode beside the i-th ram run): samples/s ratios (their median the headline), the table's bytes
+    over --max-memory, resident sets and recovery against the limit; the bars' targets added to `targets`."""
+    out: dict = {"ssd_over_ram": {}}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        ram = [r for r in runs if r["mode"] == mode and r["storage"] == "ram"]
+        ssd = [r for r in runs if r["mode"] == mode and r["storage"] == "ssd"]
+        ratios = [s["samples_per_s"] / r["samples_per_s"] for r, s in zip(ram, ssd)]
+        if ratios:
+            out["ssd_over_ram"][mode] = {"ratios": ratios, "median": float(np.median(ratios))}
+            targets[f"{mode}: SSD samples/s >= {SSD_BAR:g} x RAM (median of pairs)"] = \
+                float(np.median(ratios)) >= SSD_BAR
+    ssd = [r for r in runs if r["storage"] == "ssd"]
+    if ssd:
+        limit = parse_bytes(ssd[0]["max_memory"]) if ssd[0].get("max_memory") else None
+        over = [min(s["rows_bytes"] for s in r["shards"]) / limit for r in ssd] if limit else []
+        out["table_over_max_memory"] = min(over) if over else None
+        out["cache_hit_rate"] = float(np.mean([r["cache_hit_rate"] for r in ssd]))
+        if over:
+            targets[f"each shard's table >= {TABLE_OVER_LIMIT:g} x --max-memory"] = min(over) >= TABLE_OVER_LIMIT
+        if ssd[0]["memory_limit"]:
+            rss = [s["rss_max_sampled_bytes"] or 0 for r in ssd for s in r["shards"]]
+            out["rss_max_sampled_bytes"] = max(rss)
+            targets["every shard's sampled RSS under --memory-limit, no OOM kill"] = \
+                max(rss) < ssd[0]["memory_limit"] and not any(r["oom_kills"] for r in ssd)
+            targets["a SIGKILLed shard recovers under --memory-limit, rows equal"] = all(
+                r["recovery"]["rows_equal"] and (r["recovery"]["peak_rss_bytes"] or 0) < r["memory_limit"]
+                for r in ssd)
+    return out
 
 
 def main(argv=None) -> int:
@@ -365,15 +511,25 @@ def main(argv=None) -> int:
         args.days = data["training_days"]  # with a TSV file a day: as many as files, less the held-out one
         log(f"{args.days} training days and a held-out one: {sum(data['samples_per_day']):,d} samples, "
             f"{data['rows_in_id_spaces']:,d} ids in the fields' id spaces")
-        results = {"data": data, "modes": {mode: run_mode(mode, args, folder) for mode in args.modes}}
+        if args.storages == ["ram"]:
+            results = {"data": data, "modes": {mode: run_mode(mode, args, folder) for mode in args.modes}}
+        else:
+            runs = [{"round": k, "storage": storage, "mode": mode,
+                     **run_mode(mode, args, folder, storage, f"{k}-{storage}-{mode}")}
+                    for k, storage in enumerate(args.storages) for mode in args.modes]
+            results = {"data": data, "storage_runs": runs,
+                       "modes": {r["mode"]: r for r in reversed(runs) if r["storage"] == args.storages[0]}}
     summarize(results)
     print("\n" + table(results))
+    if "storage_runs" in results:
+        print("\n" + storage_table(results))
     if "oracle_auc" in data:
         print(f"\nthe hidden model's own AUC on the held-out day: {data['oracle_auc']:.4f} (click rate "
               f"{data['held_out_click_rate']:.3f})")
     if "auc_async_minus_sync" in results:
         print(f"async AUC - sync AUC: {results['auc_async_minus_sync']:+.4f}")
-    print(NO_CACHE)
+    if "storage_runs" not in results:
+        print(NO_CACHE)
     for name, ok in results["targets"].items():
         print(f"target {name}: {'met' if ok else 'NOT met'}")
     env["machine"]["loadavg_end"] = os.getloadavg()  # the machine is shared: its load at both ends of the run

@@ -46,13 +46,14 @@ class DiskMemory:
         self.buffers = rocksdict.WriteBufferManager(buffer_bytes, False)
 
 
-def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: bool = False) -> None:
+def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: bool = False) -> int:
     """Copies folder `source` (a snapshot_to copy) to `target` (which must not exist): the store's table
     files (*.sst, never written after they are made) as hard links where the file system allows, every other
     file (the manifest, which a store opened there appends to) as a copy. `sync`: every file and the folder
-    are fsynced (the copy outlives a crash of the host)."""
+    are fsynced (the copy outlives a crash of the host). Returns the bytes copied."""
     source, target = pathlib.Path(source), pathlib.Path(target)
     target.mkdir(parents=True)
+    copied = 0
     for path in source.iterdir():
         linked = False
         if path.suffix == ".sst":
@@ -63,6 +64,7 @@ def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: boo
                 pass
         if not linked:
             shutil.copy2(path, target / path.name)
+            copied += path.stat().st_size
         if sync:
             fd = os.open(target / path.name, os.O_RDONLY)
             try:
@@ -75,6 +77,7 @@ def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: boo
             os.fsync(fd)
         finally:
             os.close(fd)
+    return copied
 
 
 def encode_keys(ids: np.ndarray) -> list[bytes]:
@@ -184,8 +187,14 @@ class DiskRows:
         rocksdict.Checkpoint(self._db).create_checkpoint(str(path))
 
     def disk_bytes(self) -> int:
-        """Bytes of the store's files."""
-        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+        """Bytes of the store's files (one that RocksDB removes meanwhile counts as gone)."""
+        total = 0
+        for f in self.path.iterdir():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     def close(self) -> None:
         self._db.close()

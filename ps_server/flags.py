@@ -195,11 +195,23 @@ def _memory(text: str) -> int:
     return int(limit * percent / 100)
 
 
+def _overlap(a: str, b: str) -> bool:
+    """True if folder `a` is `b`, lies inside it or holds it."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+
+
 def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     """(cluster or None, index, address to bind) from flags and TF_CONFIG; ClusterConfigError if inconsistent."""
     if (args.table_storage == "ssd") != bool(args.table_dir) or (args.table_cache and args.table_storage != "ssd"):
         raise ClusterConfigError("--table-storage ssd keeps tables under --table-dir, with --table-cache: pass "
                                  "--table-dir (and --table-cache) exactly with --table-storage ssd")
+    if args.table_cache and args.max_memory and args.table_cache >= args.max_memory:
+        raise ClusterConfigError(f"--table-cache {args.table_cache} must leave room under --max-memory "
+                                 f"{args.max_memory} for the variables and the tables' other records")
+    if args.table_dir and any(_overlap(args.table_dir, d) for d in (args.checkpoint_dir, args.journal_dir) if d):
+        raise ClusterConfigError("--table-dir is emptied at start: it must not hold or lie inside --checkpoint-dir "
+                                 "or --journal-dir")
     if args.replica_of and args.table_storage == "ssd":
         raise ClusterConfigError("--replica-of: a shard with tables on SSD (--table-storage ssd) cannot be "
                                  "replicated yet; keep its tables in RAM")

@@ -241,8 +241,7 @@ class Journal:
                 mapping.close()
         if record is None or record.kind != "base":
             return None
-        stores = self._stores_path(number)
-        self._base_bytes = path.stat().st_size + sum(f.stat().st_size for f in stores.rglob("*") if f.is_file())
+        self._base_bytes = path.stat().st_size
         state = journal_log.state_of_record(record)
         resolve_stores(state, self.directory)
         return state
@@ -382,10 +381,10 @@ class Journal:
         cache only (its tensors as they are: they must not change until it returns); returns that file for
         finish_compaction(). Call it holding no lock of the shard."""
         check_unlocked("writes a journal base")
-        placed = place_stores(state, self._stores_path(number), self.directory)
+        copied = place_stores(state, self._stores_path(number), self.directory)
         written = self.write_encoded_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
         with self._cond:
-            self._base_bytes += placed
+            self._base_bytes += copied  # stores linked, not copied, cost the base nothing
         return written
 
     def write_encoded_base(self, number: int, head: bytes, views: list[memoryview]) -> pathlib.Path:

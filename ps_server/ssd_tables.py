@@ -42,6 +42,7 @@ call); CacheBudget has its own lock, taken inside a table's.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import re
@@ -74,6 +75,9 @@ def decoded(records: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, np.n
     """(rows (n, row width) of `dtype`: values, then optimizer state; last update steps; RowMarks) of an SSD
     table's store records."""
     row_bytes = records.shape[1] - _TAIL
+    if not len(records):
+        return (torch.empty(0, row_bytes // dtype.itemsize, dtype=dtype), np.empty(0, dtype=np.int64),
+                np.empty(0, dtype=np.int64))
     rows = torch.from_numpy(np.ascontiguousarray(records[:, :row_bytes])).view(dtype)
     tail = np.ascontiguousarray(records[:, row_bytes:]).view(np.int64)
     return rows, tail[:, 0], tail[:, 1]
@@ -123,22 +127,25 @@ class StoreCopy:
         weakref.finalize(self, shutil.rmtree, path, True)
 
 
+_PLACING = threading.Lock()  # two saves of one step place one state: the second finds it placed
+
+
 def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path) -> int:
-    """Links every SSD table's StoreCopy in `state` ("tables": a shard's section) into `folder` (under
-    `base`), fsynced, and names it there relative to `base`, in `state` itself. Returns the bytes placed.
-    A state placed before (two saves of one step) is left as it is."""
-    placed = 0
-    for entry in state.get("tables") or []:
-        copy = entry["state"].get("store")
-        if not isinstance(copy, StoreCopy):
-            continue
-        target = folder / _safe(entry["name"])
-        if target.exists():
-            shutil.rmtree(target)  # left by a save that died before its file was written
-        link_tree(copy.path, target, sync=True)
-        placed += sum(f.stat().st_size for f in target.iterdir())
-        entry["state"]["store"] = {"path": str(target.relative_to(base)), "record_bytes": copy.record_bytes}
-    return placed
+    """Links every SSD table's StoreCopy in `state` ("tables": a shard's section) into a new folder of its own
+    under `folder` (under `base`), fsynced, and names it there relative to `base`, in `state` itself; a folder
+    placed earlier is never written over (a file that names it may be committed). Returns the bytes copied
+    rather than linked (the store's files and the copy's on different file systems). A state placed before
+    (two saves of one step) is left as it is."""
+    copied = 0
+    with _PLACING:
+        for entry in state.get("tables") or []:
+            copy = entry["state"].get("store")
+            if not isinstance(copy, StoreCopy):
+                continue
+            target = folder / f"{_safe(entry['name'])}-{secrets.token_hex(4)}"
+            copied += link_tree(copy.path, target, sync=True)
+            entry["state"]["store"] = {"path": str(target.relative_to(base)), "record_bytes": copy.record_bytes}
+    return copied
 
 
 def resolve_stores(state: Mapping, base: pathlib.Path) -> None:
@@ -150,9 +157,10 @@ def resolve_stores(state: Mapping, base: pathlib.Path) -> None:
 
 
 def _safe(name: str) -> str:
-    """A folder name for table `name`: its safe characters and a hash, so two names never share one."""
-    digest = int.from_bytes(name.encode(), "little") % (1 << 61)
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:64]}-{digest:x}"
+    """A folder name for table `name`: its first safe characters and a digest of the whole name, so two names
+    never share one."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:48]}-{digest}"
 
 
 class TableStorage:
@@ -210,17 +218,17 @@ class SsdTable(EmbeddingTable):
     # -- the cache --------------------------------------------------------------------------------
 
     def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
+        self._spill()
         self._fault_in(ids)
         out = super()._lookup(ids, admit)
         self._mark(ids, dirty=False)
-        self._spill()
         return out
 
     def _apply(self, ids: np.ndarray, summed: torch.Tensor, step: int, count_step: bool) -> int:
+        self._spill()
         self._fault_in(ids)
         updated = super()._apply(ids, summed, step, count_step)
         self._mark(ids, dirty=True)
-        self._spill()
         return updated
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
@@ -253,7 +261,9 @@ class SsdTable(EmbeddingTable):
             self._rows.cols["dirty"][slots] = True
 
     def _spill(self) -> None:
-        """Drops the least recently used rows while the cache is over its allowance, writing back those changed."""
+        """Drops the least recently used rows while the cache is over its allowance, writing back those changed.
+        Runs first in a call, so a store that fails (a full disk) fails the call before it changed anything;
+        a call's new rows may take the cache past its allowance until the next call."""
         allowance = self._budget.allowance(id(self), self._nbytes())
         n, limit = self._rows.n, max(1, allowance // self._row_cost)
         if n <= limit:

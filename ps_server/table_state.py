@@ -97,7 +97,7 @@ def _build(entry: Mapping, where: str, storage: TableStorage) -> _Held:
         if table is not None:
             table.close()
         raise CheckpointError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
-    except (PSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (PSError, KeyError, TypeError, ValueError, AttributeError, OSError) as exc:
         if table is not None:
             table.close()
         raise CheckpointError(f"{where}: embedding table {name!r} cannot be restored ({type(exc).__name__}: "

@@ -129,6 +129,8 @@ def describe_meta(meta: ps_pb2.TensorMeta) -> str:
 
 def byte_array(tensor: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor's memory; writes go to the tensor."""
+    if not tensor.numel():  # an empty tensor from numpy has a zero stride, which view() refuses
+        return np.empty(0, dtype=np.uint8)
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 

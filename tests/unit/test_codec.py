@@ -1,5 +1,6 @@
 """codec: tensors to chunk streams and back, and the stream rules of ps.proto."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -271,3 +272,8 @@ def test_check_chunk_bytes_bounds():
     for bad in (0, 1, codec.MIN_CHUNK_BYTES - 1, codec.DEFAULT_MAX_CHUNK_BYTES + 1):
         with pytest.raises(InvalidArgumentError, match="chunk_bytes must be in"):
             codec.check_chunk_bytes(bad)
+
+
+def test_an_empty_tensor_made_by_numpy_has_no_bytes_and_no_error():
+    empty = torch.from_numpy(np.arange(4)[np.flatnonzero(np.zeros(0))])  # numpy gives it a zero stride
+    assert empty.stride() == (0,) and len(codec.tensor_bytes(empty)) == 0 and codec.byte_array(empty).size == 0

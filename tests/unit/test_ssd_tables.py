@@ -157,9 +157,12 @@ def test_placed_stores_are_named_relative_to_their_folder_and_resolved_back(tmp_
     train(table, steps=10)
     state = {"tables": [{"name": "emb/1", "state": table.state_dict()}]}
     base = tmp_path / "ckpt"
-    placed = place_stores(state, base / "ps-0.stores", base)
+    copied = place_stores(state, base / "ps-0.stores", base)
     store = state["tables"][0]["state"]["store"]
-    assert placed > 0 and not store["path"].startswith("/") and (base / store["path"] / "CURRENT").is_file()
+    assert not store["path"].startswith("/") and (base / store["path"] / "CURRENT").is_file()
+    tables = list((base / store["path"]).glob("*.sst"))
+    assert tables and all(f.stat().st_nlink > 1 for f in tables)  # linked, not copied
+    assert copied < sum(f.stat().st_size for f in tables)
     assert place_stores(state, base / "ps-0.stores", base) == 0  # placed already
     resolve_stores(state, base)
     other = ssd(tmp_path)
@@ -169,3 +172,65 @@ def test_placed_stores_are_named_relative_to_their_folder_and_resolved_back(tmp_
     with pytest.raises(InvalidArgumentError, match="missing"):
         other.load_state_dict(bad)
     assert torch.equal(every_row(other), every_row(table))  # unchanged
+
+
+def test_two_saves_placing_one_state_at_once_both_get_one_placed_copy(tmp_path):
+    table = ssd(tmp_path)
+    train(table, steps=10)
+    state = {"tables": [{"name": "t", "state": table.state_dict()}]}
+    errors = []
+
+    def place() -> None:
+        try:
+            place_stores(state, tmp_path / "ckpt" / "ps-0.stores", tmp_path / "ckpt")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=place) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(list((tmp_path / "ckpt" / "ps-0.stores").iterdir())) == 1
+
+
+def test_tables_whose_names_share_a_long_prefix_get_folders_of_their_own(tmp_path):
+    prefix = "model.sparse_arch.embedding_bag_collection.embedding_bags." * 2
+    tables = {name: ssd(tmp_path) for name in (prefix + "t_user_id", prefix + "t_item_id", "a/b", "a:b")}
+    for k, table in enumerate(tables.values()):
+        table.lookup(torch.tensor([k]))
+    state = {"tables": [{"name": name, "state": t.state_dict()} for name, t in tables.items()]}
+    place_stores(state, tmp_path / "c", tmp_path)
+    assert len({e["state"]["store"]["path"] for e in state["tables"]}) == 4
+    resolve_stores(state, tmp_path)
+    for k, entry in enumerate(state["tables"]):
+        back = ssd(tmp_path)
+        back.load_state_dict(entry["state"])
+        assert torch.equal(back.lookup(torch.tensor([k]), admit=False), tables[entry["name"]].lookup(
+            torch.tensor([k]), admit=False))
+
+
+def test_an_idle_or_empty_table_answers_a_replica_with_nothing(tmp_path):
+    table = ssd(tmp_path)
+    incarnation, seq, whole, ids, rows, held = table.changes(0, "")
+    assert whole and len(ids) == len(rows) == len(held) == 0
+    table.lookup(torch.tensor([1, 2]))
+    incarnation, seq, *_ = table.changes(0, "")
+    _, _, whole, ids, rows, held = table.changes(seq, incarnation)
+    assert not whole and len(ids) == 0 and rows.shape == (0, DIM)
+
+
+def test_a_store_that_fails_fails_the_call_before_it_changed_anything(tmp_path, monkeypatch):
+    table, ram = ssd(tmp_path, cache_bytes=1), EmbeddingTable(DIM, **ARGS)  # every call spills what the last cached
+    for t in (table, ram):
+        t.lookup(torch.arange(2000))
+        t.apply(torch.arange(2000), torch.ones(2000, DIM), 1)  # 2000 rows changed in the cache, to be written
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(table._disk, "put", full)
+    with pytest.raises(OSError):
+        table.apply(torch.arange(10), torch.ones(10, DIM), 2)
+    monkeypatch.undo()
+    assert torch.equal(every_row(table, 2000), every_row(ram, 2000))
