@@ -241,7 +241,8 @@ class Journal:
                 mapping.close()
         if record is None or record.kind != "base":
             return None
-        self._base_bytes = path.stat().st_size
+        stores = self._stores_path(number)
+        self._base_bytes = path.stat().st_size + sum(f.stat().st_size for f in stores.rglob("*") if f.is_file())
         state = journal_log.state_of_record(record)
         resolve_stores(state, self.directory)
         return state
@@ -381,10 +382,10 @@ class Journal:
         cache only (its tensors as they are: they must not change until it returns); returns that file for
         finish_compaction(). Call it holding no lock of the shard."""
         check_unlocked("writes a journal base")
-        copied = place_stores(state, self._stores_path(number), self.directory)
+        stores = place_stores(state, self._stores_path(number), self.directory)
         written = self.write_encoded_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
         with self._cond:
-            self._base_bytes += copied  # stores linked, not copied, cost the base nothing
+            self._base_bytes += stores  # the log is replayed onto them: they weigh as rows in a base do
         return written
 
     def write_encoded_base(self, number: int, head: bytes, views: list[memoryview]) -> pathlib.Path:

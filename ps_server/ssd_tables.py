@@ -69,6 +69,7 @@ LOG_IDS = 1 << 18        # change-log ids an SSD table keeps (2 MiB): older curs
 _TAIL = 16               # a record's bytes after the row: last update step and RowMarks, int64 each
 _KEEP = 7 / 8            # a spill leaves the cache this full, so that it is not spilled again at once
 _CHUNK = 1 << 16         # rows written at a time when a RAM table's state is loaded
+_RECOUNT = 64            # calls between asking the budget again while the cache is within its allowance
 
 
 def decoded(records: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
@@ -133,19 +134,20 @@ _PLACING = threading.Lock()  # two saves of one step place one state: the second
 def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path) -> int:
     """Links every SSD table's StoreCopy in `state` ("tables": a shard's section) into a new folder of its own
     under `folder` (under `base`), fsynced, and names it there relative to `base`, in `state` itself; a folder
-    placed earlier is never written over (a file that names it may be committed). Returns the bytes copied
-    rather than linked (the store's files and the copy's on different file systems). A state placed before
-    (two saves of one step) is left as it is."""
-    copied = 0
+    placed earlier is never written over (a file that names it may be committed). Returns the placed
+    stores' bytes (what a journal's base weighs: its log is replayed onto them). A state placed before (two
+    saves of one step) is left as it is."""
+    placed = 0
     with _PLACING:
         for entry in state.get("tables") or []:
             copy = entry["state"].get("store")
             if not isinstance(copy, StoreCopy):
                 continue
             target = folder / f"{_safe(entry['name'])}-{secrets.token_hex(4)}"
-            copied += link_tree(copy.path, target, sync=True)
+            link_tree(copy.path, target, sync=True)
+            placed += sum(f.stat().st_size for f in target.iterdir())
             entry["state"]["store"] = {"path": str(target.relative_to(base)), "record_bytes": copy.record_bytes}
-    return copied
+    return placed
 
 
 def resolve_stores(state: Mapping, base: pathlib.Path) -> None:
@@ -211,6 +213,7 @@ class SsdTable(EmbeddingTable):
         self._row_cost = (self.row_bytes + 41) * 9 // 8  # row, ids, columns, index: grown by an eighth
         self._disk = DiskRows(folder / "live", self._record_bytes, fresh=True, memory=memory)
         self._tick = 0                          # calls so far: a cached row's "touched" is its last
+        self._limit = 0                         # cached rows allowed, as the budget said at the last count
         self._held = 0                          # rows in the table, cached or not
         self._hits = self._misses = 0           # rows asked for that were cached / read from the store
         self._closed = False
@@ -263,19 +266,23 @@ class SsdTable(EmbeddingTable):
     def _spill(self) -> None:
         """Drops the least recently used rows while the cache is over its allowance, writing back those changed.
         Runs first in a call, so a store that fails (a full disk) fails the call before it changed anything;
-        a call's new rows may take the cache past its allowance until the next call."""
-        allowance = self._budget.allowance(id(self), self._nbytes())
-        n, limit = self._rows.n, max(1, allowance // self._row_cost)
-        if n <= limit:
+        a call's new rows may take the cache past its allowance until the next call. The budget counts a
+        cached row as _row_cost bytes, and is asked again when the cache outgrows its last allowance or
+        every _RECOUNT calls (another table may have left room or taken it)."""
+        n = self._rows.n
+        if n <= self._limit and self._tick % _RECOUNT:
             return
-        going = n - int(limit * _KEEP)
+        self._limit = max(1, self._budget.allowance(id(self), n * self._row_cost) // self._row_cost)
+        if n <= self._limit:
+            return
+        going = n - int(self._limit * _KEEP)
         victims = np.argpartition(self._rows.cols["touched"][:n], going - 1)[:going]
         self._write_back(victims)
         src, dst = self._rows.remove(victims)
         for key in self._slabs.columns:
             self._slabs.scatter(key, dst, self._slabs.gather(key, src))
         self._slabs.release(self._rows.n)
-        self._budget.allowance(id(self), self._nbytes())
+        self._budget.allowance(id(self), self._rows.n * self._row_cost)
 
     def _write_back(self, slots: np.ndarray | None = None) -> None:
         """Writes the changed rows among `slots` (default: every cached row) to the store; they are clean then."""

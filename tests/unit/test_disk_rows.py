@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from torchps.ps_server.disk_rows import DiskRows, decode_keys, encode_keys
+from torchps.ps_server.disk_rows import DiskRows, decode_keys, encode_keys, link_tree
 
 W = 24
 
@@ -56,3 +56,18 @@ def test_a_snapshot_holds_the_store_as_it_was_and_a_store_opens_again_or_fresh(t
     fresh = DiskRows(tmp_path / "live", W, fresh=True)
     assert not fresh.get(ids[:10])[0].any()
     fresh.close()
+
+
+def test_a_copy_links_the_table_files_and_copies_the_rest(tmp_path):
+    store = DiskRows(tmp_path / "t", W)
+    ids = np.arange(5000, dtype=np.int64)
+    store.put(ids, records(ids))
+    store.snapshot_to(tmp_path / "snap")
+    copied = link_tree(tmp_path / "snap", tmp_path / "copy", sync=True)
+    tables = [f for f in (tmp_path / "copy").iterdir() if f.suffix == ".sst"]
+    assert tables and all(f.stat().st_ino == (tmp_path / "snap" / f.name).stat().st_ino for f in tables)
+    assert copied == sum(f.stat().st_size for f in (tmp_path / "copy").iterdir() if f.suffix != ".sst")
+    again = DiskRows(tmp_path / "copy", W)
+    assert again.get(ids[:3])[0].all()
+    store.close()
+    again.close()
