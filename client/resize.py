@@ -406,6 +406,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
     fanout.channels.follow(old)
     fanout.channels.follow(addresses if len(addresses) > len(old) else old)
     _check_added(fanout, old, addresses)
+    _check_storage(fanout, range(len(old)))
     placement = dict(fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
                                  fanout.control_timeout).placement)
     _check_copies(_held(fanout, range(max(len(old), len(addresses)))), placement, range(len(old), len(addresses)))
@@ -451,6 +452,20 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_s
         return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
     finally:
         resize.close()
+
+
+def _check_storage(fanout: ShardFanout, shards) -> None:
+    """ClusterConfigError (one line, nothing changed) if a shard keeps embedding tables on SSD: a live resize
+    cannot move their rows yet."""
+    for shard in shards:
+        listed = fanout.call(shard, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(), timeout=t),
+                             fanout.control_timeout)
+        ssd = [info.spec.name for info in listed.tables if info.status.storage == "ssd"]
+        if ssd:
+            raise ClusterConfigError(f"ps {shard} keeps embedding tables {ssd} on SSD (--table-storage ssd): a live "
+                                     f"resize cannot move their rows yet; nothing was changed. Resize by a "
+                                     f"checkpoint and a restart onto the same number of shards, or keep the "
+                                     f"tables in RAM")
 
 
 def _check_added(fanout: ShardFanout, old: list[str], addresses: list[str]) -> None:

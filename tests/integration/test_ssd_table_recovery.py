@@ -1,7 +1,8 @@
 """Tables kept on SSD (ps-server --table-storage ssd), against real ps-server processes: a cluster whose shards
 cache a small part of a dynamic table trains it exactly as a cluster with the table in RAM; a shard SIGKILLed
 after its journal's base copied the table's store comes back from that copy and the journal, and one whose
-journal is gone from the newest checkpoint's copy, both exactly; flags that do not fit are refused.
+journal is gone from the newest checkpoint's copy, both exactly; a live resize, not built for such tables yet,
+is refused before it changes anything; flags that do not fit are refused.
 
 The reference is a RAM cluster given the same calls and never killed; rows are compared bit for bit. Ordering
 is by replies, process exits and files a shard wrote (waited for with a deadline), never by sleeping.
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from torchps.client import Optimizer, PSClient
+from torchps.errors import ClusterConfigError
 from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
@@ -128,3 +130,17 @@ def test_ps_server_refuses_table_storage_flags_that_do_not_fit(tmp_path, flags, 
     assert code == 2, printed
     last = printed.strip().splitlines()[-1]
     assert last.startswith("ps-server: error: ") and message in last and "Traceback" not in printed, printed
+
+
+def test_a_live_resize_of_a_job_with_tables_on_ssd_is_refused_and_changes_nothing(tmp_path):
+    local = LocalCluster(2, server_args=["--table-storage", "ssd", "--table-dir", str(tmp_path / "tables")])
+    with local, PSClient(local.cluster, connect_timeout=20) as ps:
+        setup(ps)
+        step(ps, 1)
+        before, resize = everything(ps), ps.resize_state()
+        added = local.add_ps()
+        with pytest.raises(ClusterConfigError, match=r"on SSD .* nothing was changed"):
+            ps.resize([*local.cluster.ps, added])
+        assert ps.resize_state() == resize
+        assert_equal(everything(ps), before, "after the refused resize")
+        step(ps, 2)  # training goes on
