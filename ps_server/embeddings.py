@@ -159,8 +159,11 @@ class EmbeddingTable:
         """Bytes of one row and its optimizer state."""
         return (self.dim + sum(w for w, _ in self._spec.values())) * self.dtype.itemsize
 
+    _least = _MIN_SLAB  # rows of the smallest slab and spare room of the id arrays (a cache's: fewer)
+
     def _new_slabs(self, rows: int) -> _Slabs:
-        slabs = _Slabs({"values": self.dim, **{k: w for k, (w, _) in self._spec.items()}}, self.dtype)
+        slabs = _Slabs({"values": self.dim, **{k: w for k, (w, _) in self._spec.items()}}, self.dtype,
+                       least=self._least)
         slabs.reserve(rows, exact=self.fixed)
         return slabs
 

@@ -98,10 +98,11 @@ class Keyed:
     """Records keyed by unique int64 ids in numpy columns ("ids" first) with an IdIndex; appended at the
     end, removed by moving the last records into the holes."""
 
-    def __init__(self, **dtypes):
+    def __init__(self, *, least: int = MIN_SLAB, **dtypes):
         self.cols = {"ids": np.empty(0, dtype=np.int64), **{k: np.empty(0, dtype=d) for k, d in dtypes.items()}}
         self.n = 0
         self.index = IdIndex()
+        self.least = least  # the least spare room kept: records appended before the columns grow again
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         return self.index.find(self.cols["ids"], ids)
@@ -110,7 +111,7 @@ class Keyed:
         """Slots of the new records (ids absent from the table)."""
         n = self.n + len(ids)
         if n > len(self.cols["ids"]):
-            size = max(n, len(self.cols["ids"]) * (_GROWTH + 1) // _GROWTH, MIN_SLAB)
+            size = max(n, len(self.cols["ids"]) * (_GROWTH + 1) // _GROWTH, self.least)
             self.cols = {k: _resized(col, size, self.n) for k, col in self.cols.items()}
         slots = np.arange(self.n, n)
         for key, value in {"ids": ids, **values}.items():
@@ -129,8 +130,8 @@ class Keyed:
         dst, src = np.flatnonzero(dead[:n]), n + np.flatnonzero(~dead[n:])
         for col in self.cols.values():
             col[dst] = col[src]
-        if len(self.cols["ids"]) > n + n // 4 + MIN_SLAB:
-            self.cols = {k: _resized(col, n + n // _GROWTH + MIN_SLAB, n) for k, col in self.cols.items()}
+        if len(self.cols["ids"]) > n + n // 4 + self.least:
+            self.cols = {k: _resized(col, n + n // _GROWTH + self.least, n) for k, col in self.cols.items()}
         self.n = n
         self.index.rebuild(self.cols["ids"], n)
         return src, dst
@@ -144,17 +145,18 @@ class Slabs:
     """Rows [0, capacity) of values and per-row optimizer state, in slabs of whole rows (a dict of
     (rows, columns) tensors per slab), every tensor in the same slot order."""
 
-    def __init__(self, columns: Mapping[str, int], dtype: torch.dtype):
+    def __init__(self, columns: Mapping[str, int], dtype: torch.dtype, *, least: int = MIN_SLAB):
         self.columns, self.dtype = dict(columns), dtype
+        self.least = least  # rows of the smallest slab
         self.slabs: list[dict[str, torch.Tensor]] = []
         self.starts = np.empty(0, dtype=np.int64)
         self.capacity = 0
 
     def reserve(self, n: int, exact: bool = False) -> None:
-        """Room for rows [0, n): slabs of max(MIN_SLAB, an eighth of the capacity) rows each (exact: one slab of
+        """Room for rows [0, n): slabs of max(least, an eighth of the capacity) rows each (exact: one slab of
         the rows missing), so that release() can give back all but an eighth."""
         while n > self.capacity:
-            size = n - self.capacity if exact else max(MIN_SLAB, self.capacity // _GROWTH)
+            size = n - self.capacity if exact else max(self.least, self.capacity // _GROWTH)
             self.slabs.append({k: torch.empty(size, w, dtype=self.dtype) for k, w in self.columns.items()})
             self.starts = np.append(self.starts, self.capacity)
             self.capacity += size

@@ -65,7 +65,8 @@ __all__ = ["SsdTable", "TableStorage", "CacheBudget", "StoreCopy", "place_stores
            "decoded", "STORAGES"]
 
 STORAGES = ("ram", "ssd")
-LOG_IDS = 1 << 18        # change-log ids an SSD table keeps (2 MiB): older cursors are answered from the store
+LOG_IDS = 1 << 16        # change-log ids an SSD table keeps (512 KiB): older cursors are answered from the store
+CACHE_LEAST = 64         # rows of a cache's smallest slab: a shard's many small caches stay small
 _TAIL = 16               # a record's bytes after the row: last update step and RowMarks, int64 each
 _KEEP = 7 / 8            # a spill leaves the cache this full, so that it is not spilled again at once
 _CHUNK = 1 << 16         # rows written at a time when a RAM table's state is loaded
@@ -206,7 +207,7 @@ class SsdTable(EmbeddingTable):
         super().__init__(dim, **args)
         if self.fixed:
             raise InvalidArgumentError("an SSD table is dynamic (num_embeddings None)")
-        self._rows = _Keyed(updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
+        self._rows = self._new_cache()
         self._changes = RowChanges(limit=LOG_IDS)
         self._folder, self._memory, self._budget = folder, memory, budget
         self._record_bytes = self.row_bytes + _TAIL
@@ -219,6 +220,11 @@ class SsdTable(EmbeddingTable):
         self._closed = False
 
     # -- the cache --------------------------------------------------------------------------------
+
+    _least = CACHE_LEAST
+
+    def _new_cache(self) -> _Keyed:
+        return _Keyed(least=CACHE_LEAST, updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
 
     def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
         self._spill()
@@ -393,7 +399,7 @@ class SsdTable(EmbeddingTable):
             self._disk.close()
             shutil.rmtree(self._disk.path, ignore_errors=True)
             self._disk, self.optimizer, self._step, self._events, self._held = disk, optimizer, step, events, held
-            self._rows = _Keyed(updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
+            self._rows = self._new_cache()
             self._slabs = self._new_slabs(0)
             self._pending, self._pending_dead = _Keyed(counts=np.int32, seen=np.int64), 0
             self._pending.append(pending["ids"], counts=pending["counts"], seen=pending["last_seen"])
