@@ -24,6 +24,7 @@ import pages_compare  # noqa: E402
 import pages_misc  # noqa: E402
 import pages_plot as plot  # noqa: E402
 import pages_robust  # noqa: E402
+import pages_tables  # noqa: E402
 from pages_core import RESULTS, ROOT, Page, Result, code, load, section, short_commit, source, table  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"
@@ -32,7 +33,8 @@ PREFIXES = [("soak_cpu", "cpu"), ("ci_cpu", "cpu"), ("network", "network"), ("pe
             ("dataplane", "dataplane"), ("host_shards", "host_shards"), ("pullpush", "pullpush"),
             ("shard_threads", "pullpush"), ("calls", "calls"),
             ("gpu-check", "device"), ("soak", "soak"), ("resize", "resize"), ("journal", "journal"),
-            ("replication", "replication"), ("serving", "serving"), ("freshness", "freshness"), ("ctr", "ctr"),
+            ("replication", "replication"), ("serving", "serving"), ("freshness", "freshness"), ("ctr_ssd", "ctr_ssd"),
+            ("ctr", "ctr"),
             ("memory", "memory"), ("compression_accuracy", "compression"), ("embedding", "embedding"),
             ("modes", "modes"), ("startup", "startup"), ("scale", "scale")]
 # The pages in the overview's order: family, what makes its page from {family: its results, oldest first}.
@@ -52,6 +54,7 @@ PAGES = [
     ("serving", lambda by: pages_misc.serving_page(by["serving"])),
     ("freshness", lambda by: pages_misc.freshness_page(by["freshness"])),
     ("ctr", lambda by: pages_misc.ctr_page(by["ctr"])),
+    ("ctr_ssd", lambda by: pages_tables.ctr_ssd_page(by["ctr_ssd"])),
     ("compression", lambda by: pages_misc.compression_page(by["compression"])),
     ("embedding", lambda by: pages_misc.embedding_page(by["embedding"])),
     ("modes", lambda by: pages_misc.modes_page(by["modes"])),

@@ -7,13 +7,14 @@ at creation and counted against --max-memory). An SsdTable is an
 EmbeddingTable whose rows live in a DiskRows store (disk_rows.py: RocksDB),
 one per table under --table-dir, and in a RAM cache of the rows used last:
 
-* lookup() and apply() first read the rows they name that are not cached
-  from the store (a miss; a row in neither is created by admission as in
-  RAM), then run as in RAM on the cache, then spill: while the cache holds
-  more than its share of --table-cache, the rows used longest ago (LRU, by
-  call) leave it, those changed since they were read written back in one
-  batch. RocksDB writes into its memtable and flushes and compacts in its
-  own threads, so write-back costs a call a memory copy, not a disk write.
+* lookup() and apply() first make room for their ids (spill: the rows used
+  longest ago, LRU by call, leave the cache, those changed since they were
+  read written back in one batch, until the call's ids fit in the table's
+  share of --table-cache), then read the rows they name that are not
+  cached from the store (a miss; a row in neither is created by admission
+  as in RAM), then run as in RAM on the cache. RocksDB writes into its
+  memtable and flushes and compacts in its own threads, so write-back
+  costs a call a memory copy, not a disk write.
 * The shard's SSD tables share --table-cache: a table may fill what the
   others leave, and is always allowed an equal share (CacheBudget).
 * state_dict() writes every changed row back and takes a RocksDB checkpoint
@@ -227,14 +228,14 @@ class SsdTable(EmbeddingTable):
         return _Keyed(least=CACHE_LEAST, updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
 
     def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
-        self._spill()
+        self._spill(len(ids))
         self._fault_in(ids)
         out = super()._lookup(ids, admit)
         self._mark(ids, dirty=False)
         return out
 
     def _apply(self, ids: np.ndarray, summed: torch.Tensor, step: int, count_step: bool) -> int:
-        self._spill()
+        self._spill(len(ids))
         self._fault_in(ids)
         updated = super()._apply(ids, summed, step, count_step)
         self._mark(ids, dirty=True)
@@ -269,19 +270,20 @@ class SsdTable(EmbeddingTable):
         if dirty:
             self._rows.cols["dirty"][slots] = True
 
-    def _spill(self) -> None:
-        """Drops the least recently used rows while the cache is over its allowance, writing back those changed.
-        Runs first in a call, so a store that fails (a full disk) fails the call before it changed anything;
-        a call's new rows may take the cache past its allowance until the next call. The budget counts a
-        cached row as _row_cost bytes, and is asked again when the cache outgrows its last allowance or
-        every _RECOUNT calls (another table may have left room or taken it)."""
+    def _spill(self, incoming: int) -> None:
+        """Makes room in the cache for a call of `incoming` ids: the least recently used rows leave it, those
+        changed written back, until the cache holds at most its allowance less `incoming` (and 7/8 of it, so
+        that the next calls need not spill again). Runs first in a call, so a store that fails (a full disk)
+        fails the call before it changed anything. The budget counts a cached row as _row_cost bytes, and is
+        asked again when a call would pass the last allowance, or every _RECOUNT calls (another table may have
+        left room or taken it)."""
         n = self._rows.n
-        if n <= self._limit and self._tick % _RECOUNT:
+        if n + incoming <= self._limit and self._tick % _RECOUNT:
             return
         self._limit = max(1, self._budget.allowance(id(self), n * self._row_cost) // self._row_cost)
-        if n <= self._limit:
+        if n + incoming <= self._limit:
             return
-        going = n - int(self._limit * _KEEP)
+        going = n - max(0, min(int(self._limit * _KEEP), self._limit - incoming))
         victims = np.argpartition(self._rows.cols["touched"][:n], going - 1)[:going]
         self._write_back(victims)
         src, dst = self._rows.remove(victims)
