@@ -15,8 +15,9 @@ one per table under --table-dir, and in a RAM cache of the rows used last:
   as in RAM), then run as in RAM on the cache. RocksDB writes into its
   memtable and flushes and compacts in its own threads, so write-back
   costs a call a memory copy, not a disk write.
-* The shard's SSD tables share --table-cache: a table may fill what the
-  others leave, and is always allowed an equal share (CacheBudget).
+* The shard's SSD tables share --table-cache: a table may grow into what
+  none holds, and is always allowed an equal share (CacheBudget; one over
+  its share gives the rest back at its next call).
 * state_dict() writes every changed row back and takes a RocksDB checkpoint
   of the store (hard links: the table is not read) into a StoreCopy, a
   folder removed once the state is dropped; a checkpoint or a journal base
@@ -71,7 +72,6 @@ CACHE_LEAST = 64         # rows of a cache's smallest slab: a shard's many small
 _TAIL = 16               # a record's bytes after the row: last update step and RowMarks, int64 each
 _KEEP = 7 / 8            # a spill leaves the cache this full, so that it is not spilled again at once
 _CHUNK = 1 << 16         # rows written at a time when a RAM table's state is loaded
-_RECOUNT = 64            # calls between asking the budget again while the cache is within its allowance
 
 
 def decoded(records: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
@@ -101,24 +101,25 @@ def stored_rows(store: Mapping, dtype: torch.dtype, dim: int) -> tuple[np.ndarra
 
 
 class CacheBudget:
-    """The bytes the caches of a shard's SSD tables share: each may hold what the others leave of `total`,
-    and at least an equal share."""
+    """The bytes the caches of a shard's SSD tables share: a table may grow into what none holds, and is
+    always allowed an equal share (those over theirs give it back at their next call)."""
 
     def __init__(self, total: int):
         self.total = total
         self._lock = threading.Lock()
         self._used: dict[int, int] = {}
+        self._sum = 0
 
     def allowance(self, key: int, used: int) -> int:
         """Table `key`'s bytes now `used`; returns what it may hold."""
         with self._lock:
+            self._sum += used - self._used.get(key, 0)
             self._used[key] = used
-            others = sum(v for k, v in self._used.items() if k != key)
-            return max(self.total // len(self._used), self.total - others)
+            return max(self.total // len(self._used), used + self.total - self._sum)
 
     def leave(self, key: int) -> None:
         with self._lock:
-            self._used.pop(key, None)
+            self._sum -= self._used.pop(key, 0)
 
 
 class StoreCopy:
@@ -215,7 +216,6 @@ class SsdTable(EmbeddingTable):
         self._row_cost = (self.row_bytes + 41) * 9 // 8  # row, ids, columns, index: grown by an eighth
         self._disk = DiskRows(folder / "live", self._record_bytes, fresh=True, memory=memory)
         self._tick = 0                          # calls so far: a cached row's "touched" is its last
-        self._limit = 0                         # cached rows allowed, as the budget said at the last count
         self._held = 0                          # rows in the table, cached or not
         self._hits = self._misses = 0           # rows asked for that were cached / read from the store
         self._closed = False
@@ -274,16 +274,12 @@ class SsdTable(EmbeddingTable):
         """Makes room in the cache for a call of `incoming` ids: the least recently used rows leave it, those
         changed written back, until the cache holds at most its allowance less `incoming` (and 7/8 of it, so
         that the next calls need not spill again). Runs first in a call, so a store that fails (a full disk)
-        fails the call before it changed anything. The budget counts a cached row as _row_cost bytes, and is
-        asked again when a call would pass the last allowance, or every _RECOUNT calls (another table may have
-        left room or taken it)."""
+        fails the call before it changed anything. The budget counts a cached row as _row_cost bytes."""
         n = self._rows.n
-        if n + incoming <= self._limit and self._tick % _RECOUNT:
+        limit = max(1, self._budget.allowance(id(self), n * self._row_cost) // self._row_cost)
+        if n + incoming <= limit:
             return
-        self._limit = max(1, self._budget.allowance(id(self), n * self._row_cost) // self._row_cost)
-        if n + incoming <= self._limit:
-            return
-        going = n - max(0, min(int(self._limit * _KEEP), self._limit - incoming))
+        going = n - max(0, min(int(limit * _KEEP), limit - incoming))
         victims = np.argpartition(self._rows.cols["touched"][:n], going - 1)[:going]
         self._write_back(victims)
         src, dst = self._rows.remove(victims)

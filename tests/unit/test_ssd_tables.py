@@ -130,11 +130,13 @@ def test_threads_pushing_rows_lose_no_update(tmp_path):
 
 def test_caches_share_the_budget_and_each_keeps_an_equal_share():
     budget = CacheBudget(1000)
-    assert budget.allowance(1, 900) == 1000
+    assert budget.allowance(1, 900) == 1000   # alone: all of it
     assert budget.allowance(2, 0) == 500      # an equal share, though the first holds 900
-    assert budget.allowance(1, 900) == 1000   # what the second leaves
+    assert budget.allowance(2, 400) == 500
+    assert budget.allowance(1, 900) == 600    # what the second leaves: it gives 300 back
+    assert budget.allowance(1, 600) == 600 and budget.allowance(2, 400) == 500
     budget.leave(2)
-    assert budget.allowance(1, 900) == 1000
+    assert budget.allowance(1, 600) == 1000
 
 
 def test_storage_keeps_fixed_tables_in_ram_and_refuses_eviction_on_ssd(tmp_path):
