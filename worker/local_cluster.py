@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from ..cluster import Cluster
 from ..errors import ServerUnavailableError
@@ -121,9 +122,9 @@ class LocalCluster:
         finally:
             log.close()
 
-    def _wait_port(self, index: int) -> None:
+    def _wait_port(self, index: int, timeout: float = START_TIMEOUT_SECONDS) -> None:
         port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        deadline = time.monotonic() + timeout
         while not port_file.exists():
             if self.procs[index].poll() is not None or time.monotonic() > deadline:
                 raise ServerUnavailableError(f"ps {index} did not start; its log:\n{self.log(index)[-2000:]}")
@@ -141,10 +142,15 @@ class LocalCluster:
         proc.send_signal(sig)
         return proc.wait(timeout=30)
 
-    def start_ps(self, index: int, args: list[str] | None = None) -> None:
-        """Starts shard `index` again on its previous port (after kill_ps), with `args` (default: those it had)."""
+    def start_ps(self, index: int, args: list[str] | None = None, *, timeout: float = START_TIMEOUT_SECONDS,
+                 spawned: Callable[[int], None] | None = None) -> None:
+        """Starts shard `index` again on its previous port (after kill_ps), with `args` (default: those it had),
+        and waits up to `timeout` s until it serves (a shard recovering from a long journal takes longer than
+        a fresh one). `spawned(pid)` runs as soon as the process exists (to put it in a memory cgroup)."""
         self._spawn(index, self.ports[index], args)
-        self._wait_port(index)
+        if spawned is not None:
+            spawned(self.procs[index].pid)
+        self._wait_port(index, timeout)
 
     def add_ps(self, index: int | None = None, *, args: list[str] | None = None, port: int = 0) -> str:
         """Starts a shard for a live resize (PSClient.resize) and returns its address: at `index` (default: the
