@@ -160,10 +160,11 @@ class EmbeddingTable:
         return (self.dim + sum(w for w, _ in self._spec.values())) * self.dtype.itemsize
 
     _least = _MIN_SLAB  # rows of the smallest slab and spare room of the id arrays (a cache's: fewer)
+    _whole = False      # rows in one slab grown by a copy (a bounded cache's)
 
     def _new_slabs(self, rows: int) -> _Slabs:
         slabs = _Slabs({"values": self.dim, **{k: w for k, (w, _) in self._spec.items()}}, self.dtype,
-                       least=self._least)
+                       least=self._least, whole=self._whole)
         slabs.reserve(rows, exact=self.fixed)
         return slabs
 

@@ -9,7 +9,7 @@ id-keyed record columns, and row slabs. No locks here: the table's lock covers e
   holes.
 * Slabs: tensor columns of whole rows (values and per-row optimizer state),
   reserved in slabs of max(MIN_SLAB, an eighth of the capacity) rows, freed
-  from the end.
+  from the end; or (a bounded cache) one slab, grown and shrunk by a copy.
 """
 
 from __future__ import annotations
@@ -145,24 +145,45 @@ class Slabs:
     """Rows [0, capacity) of values and per-row optimizer state, in slabs of whole rows (a dict of
     (rows, columns) tensors per slab), every tensor in the same slot order."""
 
-    def __init__(self, columns: Mapping[str, int], dtype: torch.dtype, *, least: int = MIN_SLAB):
+    def __init__(self, columns: Mapping[str, int], dtype: torch.dtype, *, least: int = MIN_SLAB,
+                 whole: bool = False):
         self.columns, self.dtype = dict(columns), dtype
         self.least = least  # rows of the smallest slab
+        self.whole = whole  # one slab, grown and shrunk by a copy (a bounded cache: every gather one index_select)
         self.slabs: list[dict[str, torch.Tensor]] = []
         self.starts = np.empty(0, dtype=np.int64)
         self.capacity = 0
 
     def reserve(self, n: int, exact: bool = False) -> None:
         """Room for rows [0, n): slabs of max(least, an eighth of the capacity) rows each (exact: one slab of
-        the rows missing), so that release() can give back all but an eighth."""
+        the rows missing), so that release() can give back all but an eighth; `whole`: one slab of an eighth
+        more than n, the rows held copied into it."""
+        if self.whole:
+            if n > self.capacity:
+                self._resize(max(self.least, n + n // _GROWTH))
+            return
         while n > self.capacity:
             size = n - self.capacity if exact else max(self.least, self.capacity // _GROWTH)
             self.slabs.append({k: torch.empty(size, w, dtype=self.dtype) for k, w in self.columns.items()})
             self.starts = np.append(self.starts, self.capacity)
             self.capacity += size
 
+    def _resize(self, size: int) -> None:
+        """`whole`: one slab of `size` rows holding the first rows of the old one."""
+        kept = min(size, self.capacity)
+        slab = {k: torch.empty(size, w, dtype=self.dtype) for k, w in self.columns.items()}
+        if kept:
+            for key in self.columns:
+                slab[key][:kept] = self.slabs[0][key][:kept]
+        self.slabs, self.starts, self.capacity = [slab], np.zeros(1, dtype=np.int64), size
+
     def release(self, n: int) -> None:
-        """Frees the slabs wholly beyond row n."""
+        """Frees the slabs wholly beyond row n (`whole`: shrinks the slab to an eighth more than n once it is a
+        quarter larger)."""
+        if self.whole:
+            if self.capacity > n + n // 4 + self.least:
+                self._resize(max(self.least, n + n // _GROWTH))
+            return
         keep = int(np.searchsorted(self.starts, n, side="left"))
         if keep < len(self.slabs):
             self.capacity = int(self.starts[keep])

@@ -218,11 +218,12 @@ class SsdTable(EmbeddingTable):
         self._tick = 0                          # calls so far: a cached row's "touched" is its last
         self._held = 0                          # rows in the table, cached or not
         self._hits = self._misses = 0           # rows asked for that were cached / read from the store
+        self._found: tuple[np.ndarray, np.ndarray] | None = None  # the call's ids and their slots (_fault_in)
         self._closed = False
 
     # -- the cache --------------------------------------------------------------------------------
 
-    _least = CACHE_LEAST
+    _least, _whole = CACHE_LEAST, True
 
     def _new_cache(self) -> _Keyed:
         return _Keyed(least=CACHE_LEAST, updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
@@ -230,14 +231,20 @@ class SsdTable(EmbeddingTable):
     def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
         self._spill(len(ids))
         self._fault_in(ids)
-        out = super()._lookup(ids, admit)
+        try:
+            out = super()._lookup(ids, admit)
+        finally:
+            self._found = None
         self._mark(ids, dirty=False)
         return out
 
     def _apply(self, ids: np.ndarray, summed: torch.Tensor, step: int, count_step: bool) -> int:
         self._spill(len(ids))
         self._fault_in(ids)
-        updated = super()._apply(ids, summed, step, count_step)
+        try:
+            updated = super()._apply(ids, summed, step, count_step)
+        finally:
+            self._found = None
         self._mark(ids, dirty=True)
         return updated
 
@@ -249,19 +256,27 @@ class SsdTable(EmbeddingTable):
         return slots
 
     def _fault_in(self, ids: np.ndarray) -> None:
-        """Reads the rows of `ids` that the store holds and the cache does not into the cache."""
+        """Reads the rows of `ids` that the store holds and the cache does not into the cache; their slots
+        (-1: in neither) are what _find answers for `ids` until the call ends (_found)."""
         self._tick += 1
-        missing = ids[self._rows.find(ids) < 0]
+        slots = self._rows.find(ids)
+        missing = np.flatnonzero(slots < 0)
         self._hits += len(ids) - len(missing)
         self._misses += len(missing)
-        if not missing.size:
-            return
-        found, records = self._disk.get(missing)
-        if found.any():
-            rows, updated, marks = self._decoded(records[found])
-            self._slabs.reserve(self._rows.n + len(rows))
-            slots = self._rows.append(missing[found], updated=updated, marks=marks, touched=self._tick, dirty=False)
-            self._scatter(slots, rows)
+        if missing.size:
+            found, records = self._disk.get(ids[missing])
+            if found.any():
+                rows, updated, marks = self._decoded(records[found])
+                self._slabs.reserve(self._rows.n + len(rows))
+                slots[missing[found]] = self._rows.append(ids[missing[found]], updated=updated, marks=marks,
+                                                          touched=self._tick, dirty=False)
+                self._scatter(slots[missing[found]], rows)
+        self._found = (ids, slots)
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        if self._found is not None and self._found[0] is ids:
+            return self._found[1].copy()
+        return self._rows.find(ids)
 
     def _mark(self, ids: np.ndarray, *, dirty: bool) -> None:
         slots = self._rows.find(ids)
@@ -285,7 +300,7 @@ class SsdTable(EmbeddingTable):
         src, dst = self._rows.remove(victims)
         for key in self._slabs.columns:
             self._slabs.scatter(key, dst, self._slabs.gather(key, src))
-        self._slabs.release(self._rows.n)
+        self._slabs.release(limit)  # not below it: the cache grows back at once
         self._budget.allowance(id(self), self._rows.n * self._row_cost)
 
     def _write_back(self, slots: np.ndarray | None = None) -> None:
