@@ -44,7 +44,7 @@ def ctr_ssd_page(results: list[Result]) -> Page:
     config = r.get("config") or {}
     page.lines += [*table(["round", "storage", "mode", "samples/s", "samples/s per core", "held-out AUC",
                            "cache hit rate", "store bytes read / written per sample", "table rows' MB per shard",
-                           "RSS MB, largest sample", "peak RSS MB", "shard 1 SIGKILLed: recovery, peak RSS, rows"],
+                           "RSS MB, largest sample", "peak RSS MB in training", "shard 1 SIGKILLed: recovery, peak RSS, rows"],
                           rows),
                    "; ".join(f"{mode}: SSD over RAM samples/s, median {num(v['median'], 3)} of the pairs "
                              f"{', '.join(num(x, 3) for x in v['ratios'])}" for mode, v in ratios.items())
