@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 import ctr_data
 from ctr_data import dlrm
-from ctr_memory import MemoryBound, RssSampler
+from ctr_memory import MemoryBound, RssSampler, status_bytes
 from pullpush import collect, cpu_seconds, environment, log, worker_processes
 from torchps.sizes import parse_bytes
 
@@ -92,13 +92,7 @@ def make_model(args) -> dlrm.DLRM:
 
 def peak_rss(pid: int | str) -> int | None:
     """A process's peak resident set (VmHWM), in bytes; None if it cannot be read."""
-    try:
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return status_bytes(pid, "VmHWM")
 
 
 def storage_io(pid: int) -> tuple[int, int] | None:

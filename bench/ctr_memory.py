@@ -12,20 +12,26 @@ import os
 import pathlib
 import threading
 
-__all__ = ["MemoryBound", "RssSampler", "rss"]
+__all__ = ["MemoryBound", "RssSampler", "rss", "status_bytes"]
 
 _ROOT = pathlib.Path("/sys/fs/cgroup")
 
 
-def rss(pid: int) -> int | None:
-    """A process's resident set now (VmRSS), in bytes; None if it is gone."""
+def status_bytes(pid: int | str, field: str) -> int | None:
+    """A memory field of /proc/PID/status (VmRSS: the resident set now, VmHWM: its peak), in bytes; None if the
+    process is gone."""
     try:
         for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def rss(pid: int) -> int | None:
+    """A process's resident set now, in bytes; None if it is gone."""
+    return status_bytes(pid, "VmRSS")
 
 
 def _own_cgroup() -> tuple[str, pathlib.Path] | None:

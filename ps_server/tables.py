@@ -8,6 +8,8 @@ applied at the shard's step, after which tables with max_age or capacity
 evict. Every call checks everything it was given before it changes
 anything, so a call that raises has changed nothing. Thread-safe: a lock
 guards the name -> table map; each table has its own lock (embeddings.py).
+Dynamic tables live where the shard's TableStorage says: in memory, or on
+SSD (ssd_tables.py); a table replaced (a restore, a re-layout) is closed.
 """
 
 from __future__ import annotations
