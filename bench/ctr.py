@@ -220,6 +220,7 @@ def run_mode(mode: str, args, folder: pathlib.Path, storage: str = "ram", tag: s
     torch.manual_seed(args.seed)  # the dense layers' initial values, the same in both modes
     model = make_model(args)
     ssd = storage == "ssd"
+    tag = tag or mode
     (folder / f"logs-{tag}").mkdir()
     with LocalCluster(args.ps, workers=args.workers, chief=True,
                       server_args=[*args.server_arg, *storage_args(storage, args, folder, tag)],
