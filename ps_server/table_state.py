@@ -44,7 +44,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from .. import codec, rows
-from ..errors import CheckpointError, ModeConflictError, InvalidArgumentError, PSError
+from ..errors import CheckpointError, InvalidArgumentError, ModeConflictError, PSError
 from ..proto import ps_pb2
 from .embeddings import relayout as relayout_rows, rows_for
 from .ssd_tables import TableStorage
@@ -232,7 +232,7 @@ def parts_for(section_: list[dict], num_shards: int) -> dict[int, list[dict]]:
     ssd = [entry["name"] for entry in section_ if entry["state"].get("store") is not None]
     if ssd:
         raise ModeConflictError(f"embedding tables {ssd} are kept on SSD: a live resize cannot move their "
-                                      f"rows yet; resize by a checkpoint and a restart, or keep them in RAM")
+                                f"rows yet; resize by a checkpoint and a restart, or keep them in RAM")
     return {index: [{**entry, "state": rows_for(entry["state"], index, num_shards)}
                     for entry in section_] for index in range(num_shards)}
 

@@ -155,6 +155,7 @@ class TableStore(NamesAwaited):
                 held.table.close()
 
     def _created(self, wanted: list, built: dict[str, _Held], num_shards: int) -> list[bool]:
+        """create()'s second half: installs the `built` tables that no other call created meanwhile."""
         created = []
         with self._changed:
             seen: dict[str, _Held] = {}
