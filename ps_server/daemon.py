@@ -258,8 +258,6 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     gc.freeze()
     server.start()
     set_health(health_servicer, serving=True)
-    if args.port_file:
-        _write_port(args.port_file, port)
     host = address.rpartition(":")[0]
     mode = ("mutual TLS" if security.tls else "plaintext") + (
         ", per-task tokens" if security.task_tokens else ", job token" if security.token else "")
@@ -276,6 +274,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     _LOGGER.info("ps %d security policy: %s", index, describe(security))
     if metrics is not None:
         _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
+    if args.port_file:  # after what the shard says at start: whoever waits for the file finds it in the log
+        _write_port(args.port_file, port)
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
     late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard
     if fence is not None:
