@@ -15,7 +15,6 @@ import pathlib
 import shutil
 import signal
 import sys
-import time
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from helpers import run_ps_server  # noqa: E402
+from helpers import run_ps_server, wait_until  # noqa: E402
 from table_job import at_once  # noqa: E402
 
 D = 4
@@ -69,14 +68,6 @@ def assert_equal(got: dict, expected: dict, what: str) -> None:
         assert torch.equal(got[name], expected[name]), f"{what}: {name!r} differs"
 
 
-def wait_for_file(pattern: str, folder: pathlib.Path) -> list[pathlib.Path]:
-    deadline = time.monotonic() + WAIT
-    while not (found := sorted(folder.glob(pattern))):
-        assert time.monotonic() < deadline, f"nothing matched {folder / pattern} within {WAIT} s"
-        time.sleep(0.05)
-    return found
-
-
 def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
@@ -93,7 +84,9 @@ def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactl
             assert table.storage == "ssd" and table.rows > 2 * table.cache_rows > 0 and table.disk_bytes_written > 0
             assert [t.storage for t in a.status(1).tables if t.name == "fix"] == ["ram"]
             # 6 pushes of 1.2 MB passed the journal's 4 MiB floor: its newest base holds a copy of the store.
-            base = wait_for_file("base-*.stores/*/CURRENT", ckpt / "journal" / "ps-1")[-1].parent.parent
+            journal = ckpt / "journal" / "ps-1"
+            wait_until(lambda: any(journal.glob("base-*.stores/*/CURRENT")), WAIT, "a journal base with the stores")
+            base = sorted(journal.glob("base-*.stores/*/CURRENT"))[-1].parent.parent
             for k in range(7, 9):  # after that base: only the log has them
                 assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
             before = everything(r)
