@@ -45,13 +45,58 @@ def forkserver_context() -> multiprocessing.context.ForkServerContext:
 
 
 def free_port() -> int:
-    """A port nobody listens on right now (bound to 127.0.0.1:0, then released)."""
+    """A port nobody listens on right now, as free_ports hands them out."""
     return free_ports(1)[0]
 
 
+class _PortSlice:
+    """Ports below the kernel's ephemeral range (which it never hands out by itself, to a connect() or a bind to
+    port 0), split between the test processes pytest-xdist runs: a port given to a test stays out of every other
+    process's way from the moment it is chosen until the test's own process binds it. Ports handed out by the
+    kernel instead could be taken in between, by an outgoing connection or another test's port 0 (a ps-server
+    that then could not bind left its job waiting: seen in CI)."""
+
+    FIRST = 10000
+
+    def __init__(self) -> None:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+        size = (low - self.FIRST) // max(workers, 1)
+        self.ports = range(self.FIRST + worker * size, self.FIRST + (worker + 1) * size) if size >= 64 else None
+        self.next = self.ports.start if self.ports else 0
+        self.lock = threading.Lock()
+
+    def take(self, count: int) -> list[int] | None:
+        """`count` ports of this slice that bind right now, in turn (a port comes back only after the whole
+        slice was handed out), or None where the ephemeral range leaves no room for a slice."""
+        if self.ports is None:
+            return None
+        taken: list[int] = []
+        with self.lock:
+            for _ in range(len(self.ports)):
+                port, self.next = self.next, self.next + 1 if self.next + 1 < self.ports.stop else self.ports.start
+                with socket.socket() as sock:
+                    try:
+                        sock.bind(("127.0.0.1", port))
+                    except OSError:
+                        continue
+                taken.append(port)
+                if len(taken) == count:
+                    return taken
+        raise RuntimeError(f"no {count} free ports in {self.ports}")
+
+
+_PORTS = _PortSlice()
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` different ports nobody listens on right now: bound to 127.0.0.1:0 all at once, then released
-    (one at a time, the kernel may hand the same port out twice in a row)."""
+    """`count` different ports nobody listens on right now and nothing else is handed: from this test process's
+    own slice of the ports below the ephemeral range, or, where there is none, bound to 127.0.0.1:0 all at once,
+    then released (one at a time, the kernel may hand the same port out twice in a row)."""
+    ports = _PORTS.take(count)
+    if ports is not None:
+        return ports
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
         for sock in sockets:

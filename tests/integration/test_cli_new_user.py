@@ -286,8 +286,13 @@ def test_the_several_machines_recipe_ends_with_a_committed_checkpoint(tmp_path):
             task("ps", index, [sys.executable, "-m", "torchps.ps_server", "--checkpoint-dir", str(tmp_path / "ckpt")])
         training = [task(kind, 0, [*PS_WORKER, "--mode", "sync", "--epochs", "2", "--dataset", "mnist5k"])
                     for kind in ("chief", "worker")]
-        codes = [p.wait(timeout=120) for p in training]
-        assert codes == [0, 0], [(tmp_path / f"{k}0.log").read_text()[-2000:] for k in ("chief", "worker")]
+        logs = lambda: {name: (tmp_path / f"{name}.log").read_text()[-2000:]  # noqa: E731
+                        for name in ("ps0", "ps1", "chief0", "worker0")}
+        try:
+            codes = [p.wait(timeout=120) for p in training]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end in 120 s: {logs()}")
+        assert codes == [0, 0], logs()
         assert [p.wait(timeout=30) for p in procs[:2]] == [0, 0], "the shards end with the job"
         step, manifest = latest_committed(tmp_path / "ckpt")
         assert step == 40 and len(manifest["shards"]) == 2, "a final checkpoint at the job's last step, committed"
