@@ -3,7 +3,9 @@
 Every process of a replicated shard knows the job's cluster spec (ps 0
 records who serves each shard, ps 1 who serves ps 0), so the addresses are
 picked before anything starts: a port each for the shards and their
-backups, bound all at once on 127.0.0.1 and released. Shard N runs as two
+backups, drawn from just below the kernel's ephemeral range (no outgoing
+connection takes one between two runs of the job), bound all at once on
+127.0.0.1 and released. Shard N runs as two
 processes, each with shard N's credentials:
 
     ps:N         ps-server --index N --cluster SPEC --bind 127.0.0.1:P   (its journal: DIR/journal/ps-N)
@@ -31,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import random
 import socket
 
 from ..checkpoint_folder import journal_dir
@@ -39,6 +42,7 @@ from ..errors import ClusterConfigError
 
 __all__ = ["BackupTask", "ReplicaPlan", "ADDRESSES_FILE", "check_folder", "served_on"]
 
+KEPT_PORTS = 2768  # ports just below the ephemeral range a replicated job's addresses are drawn from
 ADDRESSES_FILE = "ps-launch-addresses.json"  # in --checkpoint-dir: a replicated job's shards' and backups' addresses
 # ps_server/replication.py's mark in a shard's journal folder: the shard had a backup (that module imports torch,
 # which the launcher does not; tests/integration/test_launch_replicas.py checks the two agree).
@@ -163,10 +167,35 @@ def served_on(launcher, task: TaskSpec) -> str:
 
 
 def _free_ports(count: int) -> list[int]:
-    """`count` different loopback ports nothing listens at now: bound all at once, then released (one at a time,
-    the kernel may hand the same port out twice in a row)."""
+    """`count` different loopback ports nothing listens at now, for a job that keeps them from run to run: drawn
+    from just below the kernel's ephemeral range (KEPT_PORTS), which the kernel never hands out by itself, so no
+    outgoing connection or port-0 listener takes one between runs; bound all at once, then released. Where that
+    range leaves no room, the kernel's picks."""
     with contextlib.ExitStack() as stack:
+        sockets = []
+        for port in _kept_ports():
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            sockets.append(sock)
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        for sock in sockets:
+            sock.close()
         sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in sockets]
+
+
+def _kept_ports() -> list[int]:
+    """KEPT_PORTS ports below the ephemeral range's first (/proc/sys/net/ipv4/ip_local_port_range), shuffled."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    ports = list(range(max(1024, low - KEPT_PORTS), low))
+    random.shuffle(ports)
+    return ports
