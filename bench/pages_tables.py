@@ -20,7 +20,9 @@ def ctr_ssd_page(results: list[Result]) -> Page:
         "bounding the tables' caches and variables, a memory cgroup of `--memory-limit` around each shard "
         "process), interleaved so that each SSD run has a RAM run beside it on the same loaded machine; every "
         "run keeps a journal. After each SSD run's training, shard 1 is killed (SIGKILL) and started again: it "
-        "recovers from its journal's base (a copy of each store) and log. The bars (issue 42): training "
+        "recovers from its journal's base (a copy of each store) and log. A run on `ssd-next` is one on SSD whose "
+        "workers announce each next batch's ids with their lookup, so that the shards read those rows into "
+        "their caches while the step computes. The bars (issue 42): training "
         "samples/s on SSD >= 0.70 x in RAM with each shard's table >= 10 x its --max-memory; every shard's "
         "resident set, sampled every second, under the limit for the whole run, its recovery included, with "
         "every row read back equal.")
@@ -28,7 +30,7 @@ def ctr_ssd_page(results: list[Result]) -> Page:
     runs = r.get("storage_runs") or []
     rows = []
     for run in runs:
-        ssd = run["storage"] == "ssd"
+        ssd = run["storage"] != "ram"
         rec = run.get("recovery") or {}
         rows.append([run["round"], run["storage"], run["mode"], sig(run["samples_per_s"]),
                      sig(run["samples_per_s_per_core"]), num(run["held_out_auc"], 4),
@@ -46,8 +48,11 @@ def ctr_ssd_page(results: list[Result]) -> Page:
                            "cache hit rate", "store bytes read / written per sample", "table rows' MB per shard",
                            "RSS MB, largest sample", "peak RSS MB in training", "shard 1 SIGKILLed: recovery, peak RSS, rows"],
                           rows),
-                   "; ".join(f"{mode}: SSD over RAM samples/s, median {num(v['median'], 3)} of the pairs "
-                             f"{', '.join(num(x, 3) for x in v['ratios'])}" for mode, v in ratios.items())
+                   "; ".join(f"{mode}: {label} over RAM samples/s, median {num(v['median'], 3)} of the pairs "
+                             f"{', '.join(num(x, 3) for x in v['ratios'])}"
+                             for key, label in (("ssd_over_ram", "SSD"),
+                                                ("ssd_next_over_ram", "SSD with the next batch announced (ssd-next)"))
+                             for mode, v in (r.get(key) or {}).items())
                    + f". Each shard's table rows (their bytes as a table in memory holds them) over its "
                    f"--max-memory ({config.get('max_memory')}): {num(r.get('table_over_max_memory'), 1)} x; memory "
                    f"cgroup per shard: {_mb(config.get('memory_limit'))} MB.", "",

@@ -48,8 +48,10 @@ class ShardedTable(torch.nn.Module):
     sgd or adagrad); init "normal" or "uniform" with init_scale (torch's N(0,
     1) by default); seed (None: derived from the table's name, so every
     process agrees and tables differ); and, for dynamic tables only,
-    min_count, max_age (shard steps) and capacity (rows per shard), and
-    padding_idx is an id as any other (no counting from the end). dtype is
+    min_count, max_age (shard steps) and capacity (rows per shard), storage
+    (None: the shard's --table-storage; "ram"; "ssd": on the shards' local
+    disk with a RAM cache, needing ps-server --table-dir), and padding_idx
+    is an id as any other (no counting from the end). dtype is
     the table's; device, where looked-up rows go (None: the input's device).
     Raises InvalidArgumentError (OptimizerSpecError) for settings a table
     cannot take, max_norm included: renormalizing rows in place would change
@@ -58,7 +60,8 @@ class ShardedTable(torch.nn.Module):
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None, max_norm, norm_type,
                  scale_grad_by_freq: bool, device, dtype, *, partition: str, optimizer: Optimizer | None, init: str,
-                 init_scale: float, seed: int | None, min_count: int, max_age: int | None, capacity: int | None):
+                 init_scale: float, seed: int | None, min_count: int, max_age: int | None, capacity: int | None,
+                 storage: str | None):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         fixed = num_embeddings is not None
@@ -77,6 +80,8 @@ class ShardedTable(torch.nn.Module):
                                                                              and capacity >= 1)),
             ("fixed-size tables take no min_count, max_age or capacity",
              fixed and (min_count, max_age, capacity) != (1, None, None)),
+            ("storage must be None, 'ram' or 'ssd'", storage not in (None, "ram", "ssd")),
+            ("fixed-size tables stay in memory: storage 'ssd' is for dynamic ones", fixed and storage == "ssd"),
         ] if bad]
         if padding_idx is not None and fixed and not problems:
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -91,7 +96,7 @@ class ShardedTable(torch.nn.Module):
         self.dtype, self.device = dtype, None if device is None else torch.device(device)
         self.partition, self.optimizer, self.seed = partition, optimizer, seed
         self.init, self.init_scale = init, init_scale
-        self.min_count, self.max_age, self.capacity = min_count, max_age, capacity
+        self.min_count, self.max_age, self.capacity, self.storage = min_count, max_age, capacity, storage
         self.table_name: str | None = None
         self._client = None
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (distinct ids, their gradient), per backward
@@ -116,7 +121,7 @@ class ShardedTable(torch.nn.Module):
             dtype=codec.wire_dtype(self.dtype), partition=rows.partition_enum(self.partition),
             optimizer=optimizer.to_proto(), init=ps_pb2.TableInit(distribution=self.init, scale=self.init_scale,
                                                                  seed=seed),
-            min_count=self.min_count, capacity=self.capacity or 0)
+            min_count=self.min_count, capacity=self.capacity or 0, storage=self.storage or "")
         if self.max_age is not None:
             spec.max_age = self.max_age
         return spec
@@ -209,10 +214,12 @@ class ShardedTable(torch.nn.Module):
     def extra_repr(self) -> str:
         size = self.num_embeddings if self.num_embeddings is not None else "dynamic"
         extra = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        extra += f", storage={self.storage!r}" if self.storage is not None else ""
         return f"{size}, {self.embedding_dim}{extra}, partition={self.partition}, table={self.table_name!r}"
 
 
-def prefetch_rows(inputs: Mapping[ShardedTable, torch.Tensor]) -> None:
+def prefetch_rows(inputs: Mapping[ShardedTable, torch.Tensor],
+                  upcoming: Mapping[ShardedTable, torch.Tensor] | None = None) -> None:
     """Reads the rows several tables' next forwards need in one LookupRows call per shard, not one per table.
 
         prefetch_rows({model.bags[i]: ids[i] for i in range(8)})   # then run forward as usual
@@ -220,21 +227,33 @@ def prefetch_rows(inputs: Mapping[ShardedTable, torch.Tensor]) -> None:
 
     Each module's next forward on an equal input (the same ids in the same
     shape) uses the rows read here; a forward on any other input looks up as
-    usual, and the prefetched rows are dropped then. Tables bound to different
-    clients, or not all in training mode alike, take a call each. Blocks until
-    every row arrived; raises what forward would (ids out of range, before
-    any row is read; PSError from the shards), and then nothing is prefetched.
+    usual, and the prefetched rows are dropped then. `upcoming`: the inputs
+    of the prefetch after this one (the next batch's ids, per module), sent
+    along so that shards keeping the tables on SSD read those rows into
+    their caches while this step computes (they change nothing else).
+    Tables bound to different clients, or not all in training mode alike,
+    take a call each. Blocks until every row arrived; raises what forward
+    would (ids out of range, before any row is read; PSError from the
+    shards), and then nothing is prefetched.
     """
     groups: dict[tuple[int, bool], list[tuple[ShardedTable, torch.Tensor, tuple]]] = {}
     for module, input in inputs.items():
         prepared = module._prepare(input)
         groups.setdefault((id(module._client), module._admits()), []).append((module, input, prepared))
+    announced: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}  # id(client): (client, upcoming ids)
+    for module, input in (upcoming or {}).items():
+        unique, _, keep = module._prepare(input)
+        announced.setdefault(id(module._client), (module._client, {}))[1][module.table_name] = unique[keep]
     read = []
-    for (_, admit), members in groups.items():
+    for (client, admit), members in groups.items():
         wanted = {m.table_name: prepared[0][prepared[2]] for m, _, prepared in members if prepared[2].any()}
-        found = members[0][0]._client.lookup_rows(wanted, admit=admit) if wanted else {}
+        _, next_ids = announced.pop(client, (None, None))
+        found = members[0][0]._client.lookup_rows(wanted, admit=admit, upcoming=next_ids) \
+            if wanted or next_ids else {}
         read += [(m, input, prepared, m._read(prepared[0], prepared[2], admit, found.get(m.table_name)))
                  for m, input, prepared in members]
+    for other, next_ids in announced.values():  # clients with upcoming ids only
+        other.lookup_rows({}, upcoming=next_ids)
     for module, input, prepared, values in read:
         module._prefetched = (input, prepared, values)
 
@@ -257,10 +276,10 @@ class Embedding(ShardedTable):
                  sparse: bool = False, device=None, dtype: torch.dtype | None = None, *, partition: str = "modulo",
                  optimizer: Optimizer | None = None, init: str = "normal", init_scale: float = 1.0,
                  seed: int | None = None, min_count: int = 1, max_age: int | None = None,
-                 capacity: int | None = None):
+                 capacity: int | None = None, storage: str | None = None):
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, device,
                          dtype, partition=partition, optimizer=optimizer, init=init, init_scale=init_scale, seed=seed,
-                         min_count=min_count, max_age=max_age, capacity=capacity)
+                         min_count=min_count, max_age=max_age, capacity=capacity, storage=storage)
         self.sparse = sparse  # accepted for torch's signature: row gradients are always sparse here
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -283,12 +302,12 @@ class EmbeddingBag(ShardedTable):
                  include_last_offset: bool = False, padding_idx: int | None = None, device=None,
                  dtype: torch.dtype | None = None, *, partition: str = "modulo", optimizer: Optimizer | None = None,
                  init: str = "normal", init_scale: float = 1.0, seed: int | None = None, min_count: int = 1,
-                 max_age: int | None = None, capacity: int | None = None):
+                 max_age: int | None = None, capacity: int | None = None, storage: str | None = None):
         if mode not in _MODES:
             raise InvalidArgumentError(f"EmbeddingBag: mode must be one of {_MODES}. Received: {mode!r}")
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, device,
                          dtype, partition=partition, optimizer=optimizer, init=init, init_scale=init_scale, seed=seed,
-                         min_count=min_count, max_age=max_age, capacity=capacity)
+                         min_count=min_count, max_age=max_age, capacity=capacity, storage=storage)
         self.mode, self.sparse, self.include_last_offset = mode, sparse, include_last_offset
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,

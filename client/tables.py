@@ -101,13 +101,18 @@ class TablePath:
         count = self._layout.table_shards
         return dataclasses.replace(layout, num_shards=count) if count and count != layout.num_shards else layout
 
-    def lookup_rows(self, ids: Mapping[str, torch.Tensor], *, admit: bool = False) -> dict[str, torch.Tensor]:
+    def lookup_rows(self, ids: Mapping[str, torch.Tensor], *, admit: bool = False,
+                    upcoming: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The rows of distinct ids: {table: (len(ids), dim) CPU tensor}, row i for ids[i].
 
         One LookupRows call per shard holding some of the ids (more only if
         a shard's ids exceed chunk_bytes), all shards at once. With `admit`
         (a training lookup) dynamic tables count it and create rows at
-        min_count; rows that do not exist read as zeros. Blocks until every
+        min_count; rows that do not exist read as zeros. `upcoming`: {table:
+        ids} the next lookup will ask for (repeats allowed), sent along to
+        their shards, which read those of tables on SSD into their caches
+        while the caller computes (a shard with upcoming ids only gets a call
+        of its own; read nothing, changed nothing). Blocks until every
         row arrived (at most `timeout` per attempt). InvalidArgumentError for
         ids that repeat, are out of range or not int64; UnknownVariableError
         for an unknown table: then nothing was admitted on that shard. Ids a shard refuses as placed by an older
@@ -118,6 +123,7 @@ class TablePath:
         out = {name: torch.empty(len(value), layout.spec.dim, dtype=layout.dtype)
                for name, (layout, value) in wanted.items()}
         pending = [(name, value, torch.arange(len(value))) for name, (_, value) in wanted.items()]
+        announced = self._upcoming_by_shard(upcoming or {})  # sent in the first round only
         limit = max(1, self.chunk_bytes // 8)  # ids per request: a request stays within one chunk's size
 
         def lookup(shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list:
@@ -127,7 +133,8 @@ class TablePath:
                        for name, value, positions in parts for i in range(0, len(value), limit)])
             for k, piece in enumerate(slices):
                 try:
-                    self._lookup_on(shard, piece, admit, out)
+                    last = k == len(slices) - 1  # the shard warms its cache once its rows are read
+                    self._lookup_on(shard, piece, admit, out, announced.get(shard, []) if last else [])
                 except LayoutChangedError:  # a live resize re-laid the tables out: nothing was read or admitted
                     self._layout.count_refused()
                     return [part for later in slices[k:] for part in later]
@@ -136,26 +143,40 @@ class TablePath:
         for _ in range(MAX_ROUNDS):
             per_shard: dict[int, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
             for name, value, positions in pending:
-                layout = self.table_layout(name)
-                owner = rows.shard_of(value, layout.num_shards, layout.partition)
-                for shard in torch.unique(owner).tolist():
-                    mine = torch.nonzero(owner == shard).flatten()
+                for shard, mine in self._by_shard(name, value):
                     per_shard.setdefault(shard, {}).setdefault(name, []).append((value[mine], positions[mine]))
             parts = {shard: [(name, torch.cat([v for v, _ in got]), torch.cat([p for _, p in got]))
                              for name, got in tables.items()] for shard, tables in per_shard.items()}
+            parts.update({shard: [] for shard in announced if shard not in parts})  # upcoming ids only
             pending = [part for left in self._fanout.each(parts, lookup, "lookup").values() for part in left]
+            announced = {}
             if not pending:
                 return out
             self._layout.refresh()
         raise LayoutChangedError(f"rows of {sorted({name for name, _, _ in pending})} were refused as moved after "
                                  f"{MAX_ROUNDS} table layouts")
 
+    def _by_shard(self, name: str, ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(shard, positions in `ids` of its ids) for each shard that owns some of table `name`'s `ids`."""
+        layout = self.table_layout(name)
+        owner = rows.shard_of(ids, layout.num_shards, layout.partition)
+        return [(shard, torch.nonzero(owner == shard).flatten()) for shard in torch.unique(owner).tolist()]
+
+    def _upcoming_by_shard(self, upcoming: Mapping[str, torch.Tensor]) -> dict[int, list[ps_pb2.TableIds]]:
+        """lookup_rows' `upcoming`, distinct, as each shard's TableIds."""
+        out: dict[int, list[ps_pb2.TableIds]] = {}
+        for name, value in upcoming.items():
+            value = torch.unique(_flat_ids(name, value, unique=False))
+            for shard, mine in self._by_shard(name, value):
+                out.setdefault(shard, []).append(ps_pb2.TableIds(name=name, ids=rows.ids_bytes(value[mine])))
+        return out
+
     def _lookup_on(self, shard: int, parts: list[tuple[str, torch.Tensor, torch.Tensor]], admit: bool,
-                   out: dict[str, torch.Tensor]) -> None:
+                   out: dict[str, torch.Tensor], upcoming: list[ps_pb2.TableIds]) -> None:
         """One LookupRows call: the rows of each (table, ids, their positions) land in out[table][positions]."""
         request = ps_pb2.LookupRowsRequest(tables=[ps_pb2.TableIds(name=name, ids=rows.ids_bytes(value))
                                                   for name, value, _ in parts],
-                                           chunk_bytes=self.chunk_bytes, admit=admit)
+                                           chunk_bytes=self.chunk_bytes, admit=admit, upcoming=upcoming)
         names = [name for name, _, _ in parts]
         sink = NewTensors()
         self._fanout.call(shard, lambda stub, t: read_stream(

@@ -136,9 +136,11 @@ class DLRM(nn.Module):
         self.register_buffer("pairs", torch.triu_indices(vectors, vectors, offset=1), persistent=False)
         self.top = mlp([dim + self.pairs.shape[1], *top, 1], last_relu=False)
 
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Reads every table's rows for `ids` in one call per shard (forward would make one per table)."""
-        prefetch_rows({table: ids[:, t] for t, table in enumerate(self.tables)})
+    def prefetch(self, ids: torch.Tensor, upcoming: torch.Tensor | None = None) -> None:
+        """Reads every table's rows for `ids` in one call per shard (forward would make one per table);
+        `upcoming`: the next batch's ids, announced to shards that keep tables on SSD (prefetch_rows)."""
+        prefetch_rows({table: ids[:, t] for t, table in enumerate(self.tables)},
+                      None if upcoming is None else {table: upcoming[:, t] for t, table in enumerate(self.tables)})
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         z = self.bottom(dense)

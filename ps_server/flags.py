@@ -97,14 +97,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "whose backup leaves a record unacknowledged this long asks ps 0 to go on without it "
                    "(default 2)")
     t = parser.add_argument_group("embedding tables on SSD (docs/guide/embeddings.md)")
-    t.add_argument("--table-storage", choices=["ram", "ssd"], default="ram", help="where dynamic tables' rows live: "
-                   "in memory, or on local disk under --table-dir with the rows used last cached in memory "
-                   "(fixed-size tables stay in memory; default: ram)")
-    t.add_argument("--table-dir", metavar="DIR", help="with --table-storage ssd: the folder of the tables' stores "
-                   "(DIR/ps-INDEX, emptied at start: a restarted shard rebuilds them from its journal or checkpoint)")
-    t.add_argument("--table-cache", type=_memory, default=0, metavar="BYTES", help="with --table-storage ssd: the "
-                   "memory the SSD tables' row caches share, counted in --max-memory, e.g. 512M or 25%% (default: "
-                   "half of --max-memory, else 256M)")
+    t.add_argument("--table-storage", choices=["ram", "ssd"], default="ram", help="where dynamic tables' rows live "
+                   "unless their spec says (TableSpec.storage): in memory, or on local disk under --table-dir with "
+                   "the rows used last cached in memory (fixed-size tables stay in memory; default: ram)")
+    t.add_argument("--table-dir", metavar="DIR", help="the folder of the stores of tables kept on SSD (DIR/ps-INDEX, "
+                   "emptied at start: a restarted shard rebuilds them from its journal or checkpoint); needed by "
+                   "--table-storage ssd and by tables whose spec asks for ssd")
+    t.add_argument("--table-cache", type=_memory, default=0, metavar="BYTES", help="with --table-dir: the memory the "
+                   "SSD tables' row caches share, counted in --max-memory, e.g. 512M or 25%% (default: half of "
+                   "--max-memory, else 256M)")
     q = parser.add_argument_group("limits (a call over one gets RESOURCE_EXHAUSTED and changes nothing)")
     q.add_argument("--max-memory", type=_memory, default=0, help="bytes this shard may hold: variables with their "
                    "optimizer state, embedding tables, and pushes being received, e.g. 8G, or a share of the memory "
@@ -203,17 +204,17 @@ def _overlap(a: str, b: str) -> bool:
 
 def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     """(cluster or None, index, address to bind) from flags and TF_CONFIG; ClusterConfigError if inconsistent."""
-    if (args.table_storage == "ssd") != bool(args.table_dir) or (args.table_cache and args.table_storage != "ssd"):
-        raise ClusterConfigError("--table-storage ssd keeps tables under --table-dir, with --table-cache: pass "
-                                 "--table-dir (and --table-cache) exactly with --table-storage ssd")
+    if (args.table_storage == "ssd" or args.table_cache) and not args.table_dir:
+        raise ClusterConfigError("tables on SSD are kept under --table-dir: pass it with --table-storage ssd and "
+                                 "with --table-cache")
     if args.table_cache and args.max_memory and args.table_cache >= args.max_memory:
         raise ClusterConfigError(f"--table-cache {args.table_cache} must leave room under --max-memory "
                                  f"{args.max_memory} for the variables and the tables' other records")
     if args.table_dir and any(_overlap(args.table_dir, d) for d in (args.checkpoint_dir, args.journal_dir) if d):
         raise ClusterConfigError("--table-dir is emptied at start: it must not hold or lie inside --checkpoint-dir "
                                  "or --journal-dir")
-    if args.replica_of and args.table_storage == "ssd":
-        raise ClusterConfigError("--replica-of: a shard with tables on SSD (--table-storage ssd) cannot be "
+    if args.replica_of and args.table_dir:
+        raise ClusterConfigError("--replica-of: a shard that may keep tables on SSD (--table-dir) cannot be "
                                  "replicated yet; keep its tables in RAM")
     task = None
     if args.cluster:

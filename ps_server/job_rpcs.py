@@ -38,7 +38,8 @@ class JobRPCs:
 
     @map_errors
     def LookupRows(self, request, context):
-        """Yields serialized PullResponses (wire.py) with each table's rows, read by tables.TableStore.lookup."""
+        """Yields serialized PullResponses (wire.py) with each table's rows, read by tables.TableStore.lookup;
+        then the rows announced as upcoming are read into SSD tables' caches in the background."""
         if request.admit and self.authority.caller("LookupRows", context).role == "evaluator":
             raise PermissionDeniedError(f"ps {self.index} refused an admitting LookupRows from an evaluator: "
                                         f"evaluators read rows without admit")
@@ -47,13 +48,15 @@ class JobRPCs:
                                        f"Received: {request.chunk_bytes}")
         chunk_bytes = min(request.chunk_bytes or codec.DEFAULT_CHUNK_BYTES, self.max_chunk_bytes)
         names = [t.name for t in request.tables]
+        tables = self.coordinator.tables
         if request.admit and self.quotas.max_memory:  # dynamic tables grow by admitting: within --max-memory
-            tables = self.coordinator.tables
             dynamic = [name for name in names if not tables.get(name).table.fixed]
             if dynamic:
                 self.quotas.check_admission(self.held_total(), dynamic)
+        upcoming = tables.check_upcoming([(t.name, rows.ids_from_bytes(t.ids)) for t in request.upcoming])
         found = self.coordinator.lookup_rows([(t.name, rows.ids_from_bytes(t.ids)) for t in request.tables],
                                              admit=request.admit)
+        tables.warm(upcoming)
         step = self.store.step
         pieces = (piece for name, value in zip(names, found) for piece in wire.tensor_pieces(name, value, chunk_bytes))
         sent = False

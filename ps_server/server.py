@@ -147,9 +147,9 @@ def create_server(
                               arbiter_for(coordinator, index, tuple(addresses), security.as_shard(index)),
                               self_arbitrated=arbiter_of(index, len(addresses)) == index,
                               chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout,
-                              refused=("its embedding tables are kept on SSD (--table-storage ssd): a shard with "
-                                       "tables on SSD cannot be replicated yet" if coordinator.tables.storage.kind
-                                       == "ssd" else None))
+                              refused=("it may keep embedding tables on SSD (--table-dir): a shard with tables "
+                                       "on SSD cannot be replicated yet" if coordinator.tables.storage.on_disk
+                                       else None))
     server.replication = replication  # its backups' feeds; the daemon settles a stale backup at start with it
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,

@@ -7,14 +7,16 @@ at creation and counted against --max-memory). An SsdTable is an
 EmbeddingTable whose rows live in a DiskRows store (disk_rows.py: RocksDB),
 one per table under --table-dir, and in a RAM cache of the rows used last:
 
-* lookup() and apply() first make room for their ids (spill: the rows used
-  longest ago, LRU by call, leave the cache, those changed since they were
-  read written back in one batch, until the call's ids fit in the table's
-  share of --table-cache), then read the rows they name that are not
-  cached from the store (a miss; a row in neither is created by admission
-  as in RAM), then run as in RAM on the cache. RocksDB writes into its
-  memtable and flushes and compacts in its own threads, so write-back
-  costs a call a memory copy, not a disk write.
+* lookup() and apply() first make room for their ids that are not cached
+  (spill: the rows used longest ago, LRU by call, leave the cache, those
+  changed since they were read written back in one batch, until the call's
+  ids fit in the table's share of --table-cache), then read the rows they
+  name that are not cached from the store (a miss; a row in neither is
+  created by admission as in RAM), then run as in RAM on the cache.
+  RocksDB writes into its memtable and flushes and compacts in its own
+  threads, so write-back costs a call a memory copy, not a disk write.
+* warm() reads rows a client announced for its next lookup into the cache
+  ahead of it (warming.py), changing nothing else.
 * The shard's SSD tables share --table-cache: a table may grow into what
   none holds, and is always allowed an equal share (CacheBudget; one over
   its share gives the rest back at its next call).
@@ -57,7 +59,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ModeConflictError
 from .disk_rows import DiskMemory, DiskRows, link_tree
 from .embeddings import STATE_FORMAT, EmbeddingTable
 from .row_changes import MAX_UPDATES, RowChanges, RowMarks
@@ -169,17 +171,19 @@ def _safe(name: str) -> str:
 
 
 class TableStorage:
-    """Where a shard keeps its dynamic tables: "ram", or "ssd" under `directory`/ps-`index` (emptied here: a
-    store is never reopened after its shard stopped), their caches sharing `cache_bytes`."""
+    """Where a shard keeps its dynamic tables: by default `kind` ("ram" or "ssd"); on SSD only with a
+    `directory`, under `directory`/ps-`index` (emptied here: a store is never reopened after its shard
+    stopped), the SSD tables' caches sharing `cache_bytes`. With a directory and kind "ram", tables whose spec
+    asks for "ssd" go to disk and the others stay in memory."""
 
     def __init__(self, kind: str = "ram", directory: str | os.PathLike | None = None, *, index: int = 0,
                  cache_bytes: int = 256 << 20):
-        if kind not in STORAGES or (kind == "ssd") != (directory is not None) or cache_bytes <= 0:
-            raise InvalidArgumentError(f"table storage {kind!r} needs a folder exactly when it is 'ssd' and a "
-                                       f"positive cache; got {directory!r}, {cache_bytes} bytes")
+        if kind not in STORAGES or (kind == "ssd" and directory is None) or cache_bytes <= 0:
+            raise InvalidArgumentError(f"table storage {kind!r} needs a folder where it is 'ssd' and a positive "
+                                       f"cache; got {directory!r}, {cache_bytes} bytes")
         self.kind, self.cache_bytes = kind, cache_bytes
         self.root = None
-        if kind == "ssd":
+        if directory is not None:
             self.root = pathlib.Path(directory) / f"ps-{index}"
             if self.root.exists():
                 shutil.rmtree(self.root)
@@ -187,14 +191,29 @@ class TableStorage:
             self.memory = DiskMemory()
             self.budget = CacheBudget(cache_bytes)
 
-    def table(self, name: str, dim: int, **args) -> EmbeddingTable:
-        """A new table `name` (EmbeddingTable's arguments): an SsdTable for a dynamic table on "ssd".
-        InvalidArgumentError for a dynamic table with max_age or capacity on "ssd"."""
-        if self.kind == "ram" or args.get("num_embeddings") is not None:
+    @property
+    def on_disk(self) -> bool:
+        """Whether tables may be kept on SSD here (a directory was given)."""
+        return self.root is not None
+
+    def table(self, name: str, dim: int, storage: str = "", **args) -> EmbeddingTable:
+        """A new table `name` (EmbeddingTable's arguments) kept where `storage` says ("": this storage's kind):
+        an SsdTable for a dynamic table on "ssd". InvalidArgumentError for an unknown storage, "ssd" for a
+        fixed-size table, or max_age or capacity on "ssd"; ModeConflictError for "ssd" without a directory."""
+        if storage not in ("", *STORAGES):
+            raise InvalidArgumentError(f"table {name!r}: storage must be '', 'ram' or 'ssd'; got {storage!r}")
+        fixed = args.get("num_embeddings") is not None
+        if storage == "ssd" and fixed:
+            raise InvalidArgumentError(f"table {name!r}: a fixed-size table is kept in memory; storage 'ssd' is for "
+                                       f"dynamic tables (num_embeddings None)")
+        if (storage or self.kind) == "ram" or fixed:
             return EmbeddingTable(dim, **args)
+        if not self.on_disk:
+            raise ModeConflictError(f"table {name!r} asks to be kept on SSD, and this shard keeps no tables on disk: "
+                                    f"start it with --table-dir DIR")
         if args.get("max_age") is not None or args.get("capacity") is not None:
-            raise InvalidArgumentError(f"table {name!r}: a table kept on SSD (--table-storage ssd) takes no "
-                                       f"max_age or capacity yet; drop them or keep the tables in RAM")
+            raise InvalidArgumentError(f"table {name!r}: a table kept on SSD takes no max_age or capacity yet; drop "
+                                       f"them or keep the table in RAM")
         folder = self.root / f"{_safe(name)}-{secrets.token_hex(4)}"
         return SsdTable(dim, folder=folder, memory=self.memory, budget=self.budget, **args)
 
@@ -218,6 +237,7 @@ class SsdTable(EmbeddingTable):
         self._tick = 0                          # calls so far: a cached row's "touched" is its last
         self._held = 0                          # rows in the table, cached or not
         self._hits = self._misses = 0           # rows asked for that were cached / read from the store
+        self._warmed = 0                        # rows read in by warm() (announced for a next lookup)
         self._found: tuple[np.ndarray, np.ndarray] | None = None  # the call's ids and their slots (_fault_in)
         self._closed = False
 
@@ -229,23 +249,19 @@ class SsdTable(EmbeddingTable):
         return _Keyed(least=CACHE_LEAST, updated=np.int64, marks=np.int64, touched=np.int64, dirty=bool)
 
     def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
-        self._spill(len(ids))
         self._fault_in(ids)
         try:
-            out = super()._lookup(ids, admit)
+            return super()._lookup(ids, admit)
         finally:
             self._found = None
-        self._mark(ids, dirty=False)
-        return out
 
     def _apply(self, ids: np.ndarray, summed: torch.Tensor, step: int, count_step: bool) -> int:
-        self._spill(len(ids))
-        self._fault_in(ids)
+        slots = self._fault_in(ids)
         try:
             updated = super()._apply(ids, summed, step, count_step)
         finally:
             self._found = None
-        self._mark(ids, dirty=True)
+        self._rows.cols["dirty"][slots[slots >= 0]] = True  # the rows the push updated (it creates none)
         return updated
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
@@ -255,45 +271,71 @@ class SsdTable(EmbeddingTable):
         self._held += len(ids)
         return slots
 
-    def _fault_in(self, ids: np.ndarray) -> None:
-        """Reads the rows of `ids` that the store holds and the cache does not into the cache; their slots
-        (-1: in neither) are what _find answers for `ids` until the call ends (_found)."""
-        self._tick += 1
-        slots = self._rows.find(ids)
+    def _fault_in(self, ids: np.ndarray) -> np.ndarray:
+        """Makes a call on `ids` ready to run on the cache: its cached rows touched now, room made for the
+        others (_spill), those the store holds read in. Returns their slots (-1: in neither), which _find
+        answers for `ids` until the call ends (_found)."""
+        slots = self._touched(ids)
         missing = np.flatnonzero(slots < 0)
         self._hits += len(ids) - len(missing)
         self._misses += len(missing)
         if missing.size:
-            found, records = self._disk.get(ids[missing])
-            if found.any():
-                rows, updated, marks = self._decoded(records[found])
-                self._slabs.reserve(self._rows.n + len(rows))
-                slots[missing[found]] = self._rows.append(ids[missing[found]], updated=updated, marks=marks,
-                                                          touched=self._tick, dirty=False)
-                self._scatter(slots[missing[found]], rows)
+            slots[missing] = self._read_in(ids[missing])
         self._found = (ids, slots)
+        return slots
+
+    def _touched(self, ids: np.ndarray) -> np.ndarray:
+        """Starts a call on `ids`: a new tick, their cached rows touched at it (so a spill keeps them), room
+        made for the rest; returns the slots of `ids` after the spill (-1: not cached)."""
+        self._tick += 1
+        slots = self._rows.find(ids)
+        cached = slots >= 0
+        self._rows.cols["touched"][slots[cached]] = self._tick
+        if self._spill(len(ids) - int(cached.sum())):
+            slots = self._rows.find(ids)
+        return slots
+
+    def _read_in(self, ids: np.ndarray) -> np.ndarray:
+        """Reads the rows of `ids` (none cached) that the store holds into the cache, touched now; returns their
+        slots (-1: not in the store)."""
+        slots = np.full(len(ids), -1, dtype=np.int64)
+        found, records = self._disk.get(ids)
+        if found.any():
+            rows, updated, marks = self._decoded(records[found])
+            self._slabs.reserve(self._rows.n + len(rows))
+            slots[found] = self._rows.append(ids[found], updated=updated, marks=marks, touched=self._tick,
+                                             dirty=False)
+            self._scatter(slots[found], rows)
+        return slots
+
+    def warm(self, ids: np.ndarray) -> int:
+        """Reads the rows of `ids` (checked) that the store holds and the cache does not into the cache, as
+        the lookup that asks for them next would (warming.py); creates, counts and changes nothing else.
+        Returns the rows read. Blocks the table's other calls meanwhile, as a lookup does."""
+        with self._lock:
+            if self._closed:
+                return 0
+            slots = self._touched(ids)
+            missing = slots < 0
+            read = int((self._read_in(ids[missing]) >= 0).sum()) if missing.any() else 0
+            self._warmed += read
+            return read
 
     def _find(self, ids: np.ndarray) -> np.ndarray:
         if self._found is not None and self._found[0] is ids:
             return self._found[1].copy()
         return self._rows.find(ids)
 
-    def _mark(self, ids: np.ndarray, *, dirty: bool) -> None:
-        slots = self._rows.find(ids)
-        slots = slots[slots >= 0]
-        self._rows.cols["touched"][slots] = self._tick
-        if dirty:
-            self._rows.cols["dirty"][slots] = True
-
-    def _spill(self, incoming: int) -> None:
-        """Makes room in the cache for a call of `incoming` ids: the least recently used rows leave it, those
-        changed written back, until the cache holds at most its allowance less `incoming` (and 7/8 of it, so
-        that the next calls need not spill again). Runs first in a call, so a store that fails (a full disk)
-        fails the call before it changed anything. The budget counts a cached row as _row_cost bytes."""
+    def _spill(self, incoming: int) -> bool:
+        """Makes room in the cache for `incoming` rows: the least recently used rows leave it, those changed
+        written back, until the cache holds at most its allowance less `incoming` (and 7/8 of it, so that the
+        next calls need not spill again); returns whether any left. Runs first in a call, so a store that
+        fails (a full disk) fails the call before it changed anything. The budget counts a cached row as
+        _row_cost bytes."""
         n = self._rows.n
         limit = max(1, self._budget.allowance(id(self), n * self._row_cost) // self._row_cost)
         if n + incoming <= limit:
-            return
+            return False
         going = n - max(0, min(int(limit * _KEEP), limit - incoming))
         victims = np.argpartition(self._rows.cols["touched"][:n], going - 1)[:going]
         self._write_back(victims)
@@ -302,6 +344,7 @@ class SsdTable(EmbeddingTable):
             self._slabs.scatter(key, dst, self._slabs.gather(key, src))
         self._slabs.release(limit)  # not below it: the cache grows back at once
         self._budget.allowance(id(self), self._rows.n * self._row_cost)
+        return True
 
     def _write_back(self, slots: np.ndarray | None = None) -> None:
         """Writes the changed rows among `slots` (default: every cached row) to the store; they are clean then."""
@@ -364,13 +407,15 @@ class SsdTable(EmbeddingTable):
 
     def counters(self) -> dict[str, int]:
         """EmbeddingTable.counters(), "rows" counting every row (cached or not), and cache_rows, cache_hits,
-        cache_misses (rows asked for by lookups and pushes, found cached / not), disk_bytes_read,
+        cache_misses (rows asked for by lookups and pushes, found cached / not), cache_warmed (rows read in by
+        warm()), disk_bytes_read,
         disk_bytes_written (store records), disk_bytes (its files)."""
         with self._lock:
             return {"rows": self._held, "pending": self._pending.n - self._pending_dead, **self._events,
                     "evicted": self._events["evicted_by_age"] + self._events["evicted_by_capacity"],
                     "bytes": self._nbytes(), "row_bytes": self.row_bytes, "optimizer_steps": self.optimizer.steps,
                     "cache_rows": self._rows.n, "cache_hits": self._hits, "cache_misses": self._misses,
+                    "cache_warmed": self._warmed,
                     "disk_bytes_read": self._disk.bytes_read, "disk_bytes_written": self._disk.bytes_written,
                     "disk_bytes": self._disk.disk_bytes()}
 

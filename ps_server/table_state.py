@@ -87,10 +87,12 @@ def _build(entry: Mapping, where: str, storage: TableStorage) -> _Held:
         spec = _spec(entry)
         if not isinstance(entry["state"], Mapping):
             raise TypeError(f"its state is {type(entry['state']).__name__}")
-        if entry["state"].get("store") is not None and (storage.kind != "ssd" or spec.num_embeddings):
+        on_disk = entry["state"].get("store") is not None  # restored where it was kept
+        if on_disk and (not storage.on_disk or spec.num_embeddings):
             raise CheckpointError(f"{where}: embedding table {name!r} was kept on SSD; start the shard with "
-                                  f"--table-storage ssd --table-dir DIR to restore it")
-        table = storage.table(spec.name, spec.dim, **_arguments(spec, entry["shard_index"], entry["num_shards"]))
+                                  f"--table-dir DIR to restore it")
+        table = storage.table(spec.name, spec.dim, "ssd" if on_disk else spec.storage,
+                              **_arguments(spec, entry["shard_index"], entry["num_shards"]))
         table.load_state_dict(entry["state"])
         return _Held(_normalized(spec), entry["num_shards"], table)
     except CheckpointError as exc:

@@ -10,6 +10,8 @@ anything, so a call that raises has changed nothing. Thread-safe: a lock
 guards the name -> table map; each table has its own lock (embeddings.py).
 Dynamic tables live where the shard's TableStorage says: in memory, or on
 SSD (ssd_tables.py); a table replaced (a restore, a re-layout) is closed.
+Ids a LookupRows announces for the caller's next lookup are read into SSD
+tables' caches in the background (warming.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import threading
 from typing import Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from .. import codec, rows
@@ -30,6 +33,7 @@ from .row_changes import MAX_UPDATES
 from .row_optimizers import RowOptimizer
 from .ssd_tables import TableStorage
 from .waits import NamesAwaited
+from .warming import Warmer
 
 __all__ = ["RowGradient", "TableStore", "split_rows"]
 
@@ -115,6 +119,7 @@ class TableStore(NamesAwaited):
         self._tables: dict[str, _Held] = {}
         self._closed = False
         self._guard: Callable[[_Held | None], None] | None = None
+        self._warmer = Warmer()  # reads announced rows into SSD tables' caches (check_upcoming, warm)
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -146,7 +151,7 @@ class TableStore(NamesAwaited):
         built: dict[str, _Held] = {}
         try:
             for name, (spec, args) in new.items():
-                built[name] = _Held(spec, num_shards, self.storage.table(name, spec.dim, **args))
+                built[name] = _Held(spec, num_shards, self.storage.table(name, spec.dim, spec.storage, **args))
             return self._created(wanted, built, num_shards)
         finally:
             with self._changed:
@@ -249,6 +254,30 @@ class TableStore(NamesAwaited):
                 h.rows_read += len(ids)
         return out
 
+    def check_upcoming(self, requests: list[tuple[str, torch.Tensor]]) -> list[tuple[EmbeddingTable, np.ndarray]]:
+        """The (table, ids) of each (table, distinct ids of this shard) a caller announced it looks up next that
+        warming helps (tables on SSD). Raises what lookup() raises for them, and changes nothing."""
+        names = [name for name, _ in requests]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"a LookupRows request announces a table more than once: {names}")
+        held = [self.get(name) for name in names]
+        for h, (name, ids) in zip(held, requests):
+            _check_placed(name, h, ids)
+            h.table.check_ids(ids, unique=True)
+        return [(h.table, ids.numpy()) for h, (_, ids) in zip(held, requests) if h.table.storage == "ssd"]
+
+    def warm(self, checked: list[tuple[EmbeddingTable, np.ndarray]]) -> None:
+        """Queues check_upcoming()'s tables and ids to be read into their caches in the background
+        (warming.py). Never blocks."""
+        for table, ids in checked:
+            if len(ids):
+                self._warmer.offer(table, ids)
+
+    def close(self) -> None:
+        """Ends every wait (NamesAwaited.close) and the cache warming."""
+        super().close()
+        self._warmer.close()
+
     def changes(self, cursors: Mapping[str, tuple[str, int]], min_updates: int = 0
                 ) -> list[tuple[str, _Held, tuple]]:
         """(name, held, EmbeddingTable.changes()) of every table, by name: since its cursor (incarnation, seq)
@@ -334,7 +363,8 @@ class TableStore(NamesAwaited):
         return out
 
 
-_DISK_COUNTERS = ("cache_rows", "cache_hits", "cache_misses", "disk_bytes_read", "disk_bytes_written", "disk_bytes")
+_DISK_COUNTERS = ("cache_rows", "cache_hits", "cache_misses", "cache_warmed", "disk_bytes_read", "disk_bytes_written",
+                  "disk_bytes")
 
 
 def _check_placed(name: str, held: _Held, ids: torch.Tensor) -> None:

@@ -115,9 +115,9 @@ def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactl
 
 @pytest.mark.parametrize("flags, message", [
     (["--table-storage", "ssd"], "--table-dir"),
-    (["--table-dir", "X"], "--table-dir"),
     (["--table-cache", "1M"], "--table-cache"),
-], ids=["ssd without a folder", "a folder without ssd", "a cache without ssd"])
+    (["--table-dir", "X", "--table-cache", "2M", "--max-memory", "2M"], "--table-cache 2097152 must leave room"),
+], ids=["ssd without a folder", "a cache without a folder", "a cache as large as --max-memory"])
 def test_ps_server_refuses_table_storage_flags_that_do_not_fit(tmp_path, flags, message):
     code, printed = run_ps_server(["--insecure", "--index", "0", "--bind", "127.0.0.1:0", *flags],
                                   tmp_path / "log", 60)

@@ -154,6 +154,33 @@ def test_storage_keeps_fixed_tables_in_ram_and_refuses_eviction_on_ssd(tmp_path)
     assert not any((tmp_path / "ps-0").iterdir())
 
 
+@pytest.mark.parametrize("default, asked, where", [
+    ("ram", "", "ram"), ("ram", "ram", "ram"), ("ram", "ssd", "ssd"),
+    ("ssd", "", "ssd"), ("ssd", "ram", "ram"), ("ssd", "ssd", "ssd"),
+])
+def test_a_table_is_kept_where_its_spec_says_else_where_the_shard_keeps_tables(tmp_path, default, asked, where):
+    storage = TableStorage(default, tmp_path, cache_bytes=1 << 20)
+    table = storage.table("t", DIM, asked)
+    assert table.storage == where
+    assert storage.table("f", DIM, "ram" if asked == "ssd" else asked, num_embeddings=10).storage == "ram"
+    table.close()
+
+
+def test_a_table_asking_for_a_storage_the_shard_cannot_give_is_refused(tmp_path):
+    from torchps.errors import ModeConflictError
+
+    with pytest.raises(ModeConflictError, match="--table-dir"):
+        TableStorage("ram").table("t", DIM, "ssd")   # no folder for tables on disk
+    storage = TableStorage("ram", tmp_path, cache_bytes=1 << 20)
+    with pytest.raises(InvalidArgumentError, match="fixed-size table is kept in memory"):
+        storage.table("f", DIM, "ssd", num_embeddings=10)
+    with pytest.raises(InvalidArgumentError, match="storage must be"):
+        storage.table("t", DIM, "nvme")
+    with pytest.raises(InvalidArgumentError, match="max_age or capacity"):
+        storage.table("t", DIM, "ssd", max_age=3)
+    assert not any((tmp_path / "ps-0").iterdir()), "nothing made on disk"
+
+
 def test_placed_stores_are_named_relative_to_their_folder_and_resolved_back(tmp_path):
     table = ssd(tmp_path)
     train(table, steps=10)
@@ -234,3 +261,51 @@ def test_a_store_that_fails_fails_the_call_before_it_changed_anything(tmp_path, 
         table.apply(torch.arange(10), torch.ones(10, DIM), 2)
     monkeypatch.undo()
     assert torch.equal(every_row(table, 2000), every_row(ram, 2000))
+
+
+def test_warming_reads_announced_rows_into_the_cache_and_changes_nothing_else(tmp_path):
+    ram, disk = EmbeddingTable(DIM, **ARGS), ssd(tmp_path)
+    train(ram)
+    train(disk)
+    before = disk.counters()
+    cold = np.setdiff1d(np.arange(5000), disk._rows.cols["ids"][:disk._rows.n])[:200]  # rows on disk or in neither
+    read = disk.warm(cold)
+    after = disk.counters()
+    assert 0 < read <= len(cold) and after["cache_warmed"] == read
+    assert after["rows"] == before["rows"] and after["cache_misses"] == before["cache_misses"]  # nothing created
+    assert disk.warm(cold) == 0, "cached now: nothing to read"
+    held = cold[disk._rows.find(cold) >= 0]
+    disk.lookup(torch.from_numpy(held))
+    assert disk.counters()["cache_hits"] - after["cache_hits"] == len(held) == read, "the next lookup hits"
+    assert torch.equal(every_row(ram), every_row(disk)), "warming changed no row"
+
+
+def test_a_warmer_reads_each_announcement_in_its_thread_and_drops_the_oldest_past_its_bound(tmp_path):
+    from torchps.ps_server.warming import MAX_PENDING, Warmer
+
+    class Gated:
+        """A table whose warm() waits for the test to open `gate`, recording the ids it was given."""
+        def __init__(self):
+            self.gate, self.entered, self.got = threading.Event(), threading.Event(), []
+
+        def warm(self, ids):
+            self.entered.set()
+            assert self.gate.wait(30)
+            self.got.append(int(ids[0]))
+            if ids[0] == -1:
+                raise OSError("a store that fails")
+
+    table, warmer = Gated(), Warmer()
+    warmer.offer(table, np.array([-1]))
+    assert table.entered.wait(30)  # the thread holds the first; the rest queue behind it
+    for k in range(MAX_PENDING + 3):
+        warmer.offer(table, np.array([k]))
+    table.gate.set()
+    done = threading.Event()
+    warmer.offer(type("Last", (), {"warm": lambda self, ids: done.set()})(), np.array([0]))
+    assert done.wait(30)
+    assert table.got == [-1, *range(4, MAX_PENDING + 3)], "the first failed and was logged; 4 oldest dropped"
+    assert (warmer.offered, warmer.dropped, warmer.failed) == (MAX_PENDING + 5, 4, 1)
+    warmer.close()
+    warmer.offer(table, np.array([99]))
+    assert warmer.offered == MAX_PENDING + 5, "closed: nothing more is queued"

@@ -721,7 +721,7 @@ class TableInit(_message.Message):
     def __init__(self, distribution: _Optional[str] = ..., scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "num_embeddings", "dtype", "partition", "optimizer", "init", "min_count", "max_age", "capacity")
+    __slots__ = ("name", "dim", "num_embeddings", "dtype", "partition", "optimizer", "init", "min_count", "max_age", "capacity", "storage")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -732,6 +732,7 @@ class TableSpec(_message.Message):
     MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     MAX_AGE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     num_embeddings: int
@@ -742,7 +743,8 @@ class TableSpec(_message.Message):
     min_count: int
     max_age: int
     capacity: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., partition: _Optional[_Union[TablePartition, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init: _Optional[_Union[TableInit, _Mapping]] = ..., min_count: _Optional[int] = ..., max_age: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+    storage: str
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., partition: _Optional[_Union[TablePartition, str]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., init: _Optional[_Union[TableInit, _Mapping]] = ..., min_count: _Optional[int] = ..., max_age: _Optional[int] = ..., capacity: _Optional[int] = ..., storage: _Optional[str] = ...) -> None: ...
 
 class CreateTablesRequest(_message.Message):
     __slots__ = ("tables", "shard_index", "num_shards")
@@ -771,17 +773,19 @@ class TableIds(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRowsRequest(_message.Message):
-    __slots__ = ("tables", "chunk_bytes", "admit")
+    __slots__ = ("tables", "chunk_bytes", "admit", "upcoming")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
+    UPCOMING_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableIds]
     chunk_bytes: int
     admit: bool
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., admit: _Optional[bool] = ...) -> None: ...
+    upcoming: _containers.RepeatedCompositeFieldContainer[TableIds]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., admit: _Optional[bool] = ..., upcoming: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "rows", "pending", "admitted", "evicted", "evicted_by_age", "evicted_by_capacity", "bytes", "row_bytes", "optimizer_steps", "rows_read", "rows_pushed", "storage", "cache_rows", "cache_hits", "cache_misses", "disk_bytes_read", "disk_bytes_written", "disk_bytes")
+    __slots__ = ("name", "rows", "pending", "admitted", "evicted", "evicted_by_age", "evicted_by_capacity", "bytes", "row_bytes", "optimizer_steps", "rows_read", "rows_pushed", "storage", "cache_rows", "cache_hits", "cache_misses", "disk_bytes_read", "disk_bytes_written", "disk_bytes", "cache_warmed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -801,6 +805,7 @@ class TableStatus(_message.Message):
     DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WARMED_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     pending: int
@@ -820,7 +825,8 @@ class TableStatus(_message.Message):
     disk_bytes_read: int
     disk_bytes_written: int
     disk_bytes: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., pending: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_by_age: _Optional[int] = ..., evicted_by_capacity: _Optional[int] = ..., bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., rows_read: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., storage: _Optional[str] = ..., cache_rows: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_bytes_written: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
+    cache_warmed: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., pending: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_by_age: _Optional[int] = ..., evicted_by_capacity: _Optional[int] = ..., bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., rows_read: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., storage: _Optional[str] = ..., cache_rows: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., disk_bytes_written: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., cache_warmed: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("spec", "num_shards", "status")
