@@ -462,7 +462,7 @@ def _check_storage(fanout: ShardFanout, shards) -> None:
                              fanout.control_timeout)
         ssd = [info.spec.name for info in listed.tables if info.status.storage == "ssd"]
         if ssd:
-            raise ClusterConfigError(f"ps {shard} keeps embedding tables {ssd} on SSD (--table-storage ssd): a live "
+            raise ClusterConfigError(f"ps {shard} keeps embedding tables {ssd} on SSD: a live "
                                      f"resize cannot move their rows yet; nothing was changed. Resize by a "
                                      f"checkpoint and a restart onto the same number of shards, or keep the "
                                      f"tables in RAM")

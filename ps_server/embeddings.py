@@ -352,20 +352,30 @@ class EmbeddingTable:
             self._step = max(self._step, step)
             if self.fixed:
                 return {"by_age": 0, "by_capacity": 0}
-            by_age, by_capacity = self._stale(self._rows, "updated", step)
-            gone = np.concatenate([by_age, by_capacity])
-            if gone.size:
-                self._changes.record(self._rows.cols["ids"][gone], dropped=True)
-                src, dst = self._rows.remove(gone)
-                for key in self._slabs.columns:
-                    self._slabs.scatter(key, dst, self._slabs.gather(key, src))
-                self._slabs.release(self._rows.n)
+            by_age, by_capacity = self._evict_rows(step)
             retired = np.flatnonzero(self._pending.cols["counts"][:self._pending.n] < 0)
             self._pending_dead -= len(retired)
             self._pending.remove(np.concatenate([retired, *self._stale(self._pending, "seen", step, retired)]))
-            self._events["evicted_by_age"] += len(by_age)
-            self._events["evicted_by_capacity"] += len(by_capacity)
-            return {"by_age": len(by_age), "by_capacity": len(by_capacity)}
+            self._events["evicted_by_age"] += by_age
+            self._events["evicted_by_capacity"] += by_capacity
+            return {"by_age": by_age, "by_capacity": by_capacity}
+
+    def _evict_rows(self, step: int) -> tuple[int, int]:
+        """evict()'s rows (a dynamic table's, under its lock): drops them, returns (by age, by capacity)."""
+        by_age, by_capacity = self._stale(self._rows, "updated", step)
+        gone = np.concatenate([by_age, by_capacity])
+        if gone.size:
+            self._changes.record(self._rows.cols["ids"][gone], dropped=True)
+            self._drop_cached(gone)
+        return len(by_age), len(by_capacity)
+
+    def _drop_cached(self, slots: np.ndarray, keep: int | None = None) -> None:
+        """Removes the rows at `slots` of _rows, moving the last rows' values into their places; the slabs
+        keep room for `keep` rows (default: those left)."""
+        src, dst = self._rows.remove(slots)
+        for key in self._slabs.columns:
+            self._slabs.scatter(key, dst, self._slabs.gather(key, src))
+        self._slabs.release(self._rows.n if keep is None else keep)
 
     def _stale(self, records: _Keyed, key: str, step: int, skip: np.ndarray = np.empty(0, dtype=np.int64)):
         """(slots older than max_age, then the oldest beyond capacity), neither in `skip`."""

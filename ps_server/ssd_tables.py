@@ -35,10 +35,15 @@ shard is never reopened (TableStorage empties --table-dir/ps-INDEX at
 start); the shard starts from its journal's base or checkpoint and replays
 the journal onto it, as a RAM shard does.
 
+A table with max_age or capacity keeps every row's last update in memory
+(_ages: its id, the step and an index entry), chooses what to evict from
+it as a RAM table does from its rows, and deletes those rows from the store
+and the cache; loading a state reads the store once to build it.
+
 A serving replica started from a checkpoint reads a store copy whole
-(stored_rows). Not on SSD yet (refused with a clear error): max_age and
-capacity eviction, live re-layout in a resize, restoring a checkpoint onto
-another number of shards, replicated shards.
+(stored_rows). Not on SSD yet (refused with a clear error): live re-layout
+in a resize, restoring a checkpoint onto another number of shards,
+replicated shards.
 
 Thread safety: as EmbeddingTable (one lock per table, held for every public
 call); CacheBudget has its own lock, taken inside a table's.
@@ -199,7 +204,7 @@ class TableStorage:
     def table(self, name: str, dim: int, storage: str = "", **args) -> EmbeddingTable:
         """A new table `name` (EmbeddingTable's arguments) kept where `storage` says ("": this storage's kind):
         an SsdTable for a dynamic table on "ssd". InvalidArgumentError for an unknown storage, "ssd" for a
-        fixed-size table, or max_age or capacity on "ssd"; ModeConflictError for "ssd" without a directory."""
+        fixed-size table; ModeConflictError for "ssd" without a directory."""
         if storage not in ("", *STORAGES):
             raise InvalidArgumentError(f"table {name!r}: storage must be '', 'ram' or 'ssd'; got {storage!r}")
         fixed = args.get("num_embeddings") is not None
@@ -211,9 +216,6 @@ class TableStorage:
         if not self.on_disk:
             raise ModeConflictError(f"table {name!r} asks to be kept on SSD, and this shard keeps no tables on disk: "
                                     f"start it with --table-dir DIR")
-        if args.get("max_age") is not None or args.get("capacity") is not None:
-            raise InvalidArgumentError(f"table {name!r}: a table kept on SSD takes no max_age or capacity yet; drop "
-                                       f"them or keep the table in RAM")
         folder = self.root / f"{_safe(name)}-{secrets.token_hex(4)}"
         return SsdTable(dim, folder=folder, memory=self.memory, budget=self.budget, **args)
 
@@ -239,6 +241,7 @@ class SsdTable(EmbeddingTable):
         self._hits = self._misses = 0           # rows asked for that were cached / read from the store
         self._warmed = 0                        # rows read in by warm() (announced for a next lookup)
         self._found: tuple[np.ndarray, np.ndarray] | None = None  # the call's ids and their slots (_fault_in)
+        self._ages = self._new_ages()           # with max_age or capacity: every row's last update (evict)
         self._closed = False
 
     # -- the cache --------------------------------------------------------------------------------
@@ -261,7 +264,10 @@ class SsdTable(EmbeddingTable):
             updated = super()._apply(ids, summed, step, count_step)
         finally:
             self._found = None
-        self._rows.cols["dirty"][slots[slots >= 0]] = True  # the rows the push updated (it creates none)
+        present = slots >= 0
+        self._rows.cols["dirty"][slots[present]] = True  # the rows the push updated (it creates none)
+        if self._ages is not None:
+            self._ages.cols["updated"][self._ages.find(ids[present])] = step
         return updated
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
@@ -269,6 +275,8 @@ class SsdTable(EmbeddingTable):
         self._rows.cols["touched"][slots] = self._tick
         self._rows.cols["dirty"][slots] = True
         self._held += len(ids)
+        if self._ages is not None:
+            self._ages.append(ids, updated=self._step)
         return slots
 
     def _fault_in(self, ids: np.ndarray) -> np.ndarray:
@@ -339,12 +347,44 @@ class SsdTable(EmbeddingTable):
         going = n - max(0, min(int(limit * _KEEP), limit - incoming))
         victims = np.argpartition(self._rows.cols["touched"][:n], going - 1)[:going]
         self._write_back(victims)
-        src, dst = self._rows.remove(victims)
-        for key in self._slabs.columns:
-            self._slabs.scatter(key, dst, self._slabs.gather(key, src))
-        self._slabs.release(limit)  # not below it: the cache grows back at once
+        self._drop_cached(victims, keep=limit)  # room for `limit` rows: the cache grows back at once
         self._budget.allowance(id(self), self._rows.n * self._row_cost)
         return True
+
+    # -- eviction (max_age, capacity): every row's last update kept in memory ----------------------------
+
+    def _new_ages(self) -> _Keyed | None:
+        c = self._config
+        return _Keyed(least=CACHE_LEAST, updated=np.int64) if c["max_age"] is not None or c["capacity"] else None
+
+    def _evict_rows(self, step: int) -> tuple[int, int]:
+        """As in RAM, chosen from every row's last update (_ages): the rows go from the store first (a store
+        that fails fails the call before anything else changed), then from the index and the cache."""
+        if self._ages is None:
+            return 0, 0
+        by_age, by_capacity = self._stale(self._ages, "updated", step)
+        gone = np.concatenate([by_age, by_capacity])
+        if gone.size:
+            ids = self._ages.cols["ids"][gone]
+            self._disk.delete(ids)
+            self._changes.record(ids, dropped=True)
+            self._ages.remove(gone)
+            cached = self._rows.find(ids)
+            self._drop_cached(cached[cached >= 0], keep=max(self._slabs.capacity, self._rows.n))
+            self._held -= len(gone)
+        return len(by_age), len(by_capacity)
+
+    def _indexed_ages(self, disk: DiskRows) -> _Keyed | None:
+        """A new _ages of every row `disk` holds (read a chunk at a time), or None for a table that never
+        evicts."""
+        ages = self._new_ages()
+        if ages is not None:
+            for ids, records in disk.items():
+                ages.append(ids, updated=self._decoded(records)[1])
+        return ages
+
+    def _nbytes(self) -> int:
+        return super()._nbytes() + (self._ages.nbytes if self._ages is not None else 0)
 
     def _write_back(self, slots: np.ndarray | None = None) -> None:
         """Writes the changed rows among `slots` (default: every cached row) to the store; they are clean then."""
@@ -454,9 +494,11 @@ class SsdTable(EmbeddingTable):
                 target = self._folder / f"live-{secrets.token_hex(4)}"
                 link_tree(source, target)
                 disk = DiskRows(target, self._record_bytes, memory=self._memory)
+            ages = self._indexed_ages(disk)
             self._disk.close()
             shutil.rmtree(self._disk.path, ignore_errors=True)
             self._disk, self.optimizer, self._step, self._events, self._held = disk, optimizer, step, events, held
+            self._ages = ages
             self._rows = self._new_cache()
             self._slabs = self._new_slabs(0)
             self._pending, self._pending_dead = _Keyed(counts=np.int32, seen=np.int64), 0

@@ -139,19 +139,49 @@ def test_caches_share_the_budget_and_each_keeps_an_equal_share():
     assert budget.allowance(1, 600) == 1000
 
 
-def test_storage_keeps_fixed_tables_in_ram_and_refuses_eviction_on_ssd(tmp_path):
+def test_storage_keeps_fixed_tables_in_ram_and_dynamic_ones_on_ssd(tmp_path):
     (tmp_path / "ps-0" / "old").mkdir(parents=True)
     storage = TableStorage("ssd", tmp_path, index=0, cache_bytes=1 << 20)
     assert not (tmp_path / "ps-0" / "old").exists()  # a store of an earlier run is never reopened
     assert storage.table("f", DIM, num_embeddings=10).storage == "ram"
-    table = storage.table("a/b", DIM)
-    assert table.storage == "ssd"
-    with pytest.raises(InvalidArgumentError, match="max_age or capacity"):
-        storage.table("e", DIM, capacity=10)
+    tables = [storage.table("a/b", DIM), storage.table("e", DIM, capacity=10, max_age=3)]
+    assert [t.storage for t in tables] == ["ssd", "ssd"]
     with pytest.raises(InvalidArgumentError):
         TableStorage("ssd", None)
-    table.close()
+    for table in tables:
+        table.close()
     assert not any((tmp_path / "ps-0").iterdir())
+
+
+@pytest.mark.parametrize("evicting", [dict(max_age=4), dict(capacity=300), dict(max_age=10, capacity=250)],
+                         ids=["max_age", "capacity", "both"])
+def test_eviction_on_ssd_drops_the_rows_ram_drops_and_a_restored_table_goes_on_alike(tmp_path, evicting):
+    ram, disk = EmbeddingTable(DIM, min_count=2, **evicting, **ARGS), ssd(tmp_path, 8000, min_count=2, **evicting)
+    cursors = {}
+    for table in (ram, disk):
+        for step, drawn, grads in zipf_batches(40, 300, 5000):
+            table.lookup(drawn)
+            table.apply(drawn, grads, step)
+            table.evict(step)
+        cursors[id(table)] = table.changes(0, "")[:2]
+    c, expected = disk.counters(), ram.counters()
+    assert c["evicted_by_age"] + c["evicted_by_capacity"] > 0 and c["rows"] > 2 * c["cache_rows"]
+    assert {k: c[k] for k in expected if k != "bytes"} == {k: v for k, v in expected.items() if k != "bytes"}
+    assert torch.equal(every_row(ram), every_row(disk))
+    restored = ssd(tmp_path, 8000, min_count=2, **evicting)
+    restored.load_state_dict(disk.state_dict())  # the index of last updates is read back from the store copy
+    for table in (ram, disk, restored):
+        for step, drawn, grads in zipf_batches(10, 300, 5000, seed=1):
+            table.lookup(drawn)
+            table.apply(drawn, grads, 40 + step)
+            table.evict(40 + step)
+    assert ram.counters()["rows"] == disk.counters()["rows"] == restored.counters()["rows"]
+    assert torch.equal(every_row(ram), every_row(disk)) and torch.equal(every_row(ram), every_row(restored))
+    for table in (ram, disk):  # a replica following the table is told of the rows eviction dropped
+        incarnation, seq = cursors[id(table)]
+        _, _, whole, ids, _, held = table.changes(seq, incarnation)
+        cursors[id(table)] = (ids[~held].tolist(), whole)
+    assert cursors[id(ram)] == cursors[id(disk)] and cursors[id(ram)][0]
 
 
 @pytest.mark.parametrize("default, asked, where", [
@@ -176,8 +206,6 @@ def test_a_table_asking_for_a_storage_the_shard_cannot_give_is_refused(tmp_path)
         storage.table("f", DIM, "ssd", num_embeddings=10)
     with pytest.raises(InvalidArgumentError, match="storage must be"):
         storage.table("t", DIM, "nvme")
-    with pytest.raises(InvalidArgumentError, match="max_age or capacity"):
-        storage.table("t", DIM, "ssd", max_age=3)
     assert not any((tmp_path / "ps-0").iterdir()), "nothing made on disk"
 
 
