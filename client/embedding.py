@@ -243,7 +243,9 @@ def prefetch_rows(inputs: Mapping[ShardedTable, torch.Tensor],
     announced: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}  # id(client): (client, upcoming ids)
     for module, input in (upcoming or {}).items():
         unique, _, keep = module._prepare(input)
-        announced.setdefault(id(module._client), (module._client, {}))[1][module.table_name] = unique[keep]
+        tables = announced.setdefault(id(module._client), (module._client, {}))[1]
+        earlier = tables.get(module.table_name)  # modules sharing a table: the union of their ids
+        tables[module.table_name] = unique[keep] if earlier is None else torch.cat([earlier, unique[keep]])
     read = []
     for (client, admit), members in groups.items():
         wanted = {m.table_name: prepared[0][prepared[2]] for m, _, prepared in members if prepared[2].any()}

@@ -349,10 +349,11 @@ class EmbeddingTable:
         updated above capacity; returns {"by_age": n, "by_capacity": n} rows dropped (fixed tables: none)."""
         with self._lock:
             step = self._checked_step(step)
-            self._step = max(self._step, step)
             if self.fixed:
+                self._step = max(self._step, step)
                 return {"by_age": 0, "by_capacity": 0}
-            by_age, by_capacity = self._evict_rows(step)
+            by_age, by_capacity = self._evict_rows(step)  # first: on SSD it may raise (a store that fails)
+            self._step = max(self._step, step)
             retired = np.flatnonzero(self._pending.cols["counts"][:self._pending.n] < 0)
             self._pending_dead -= len(retired)
             self._pending.remove(np.concatenate([retired, *self._stale(self._pending, "seen", step, retired)]))

@@ -372,6 +372,7 @@ class SsdTable(EmbeddingTable):
             cached = self._rows.find(ids)
             self._drop_cached(cached[cached >= 0], keep=max(self._slabs.capacity, self._rows.n))
             self._held -= len(gone)
+            self._budget.allowance(id(self), self._rows.n * self._row_cost)  # what it freed, the others may take
         return len(by_age), len(by_capacity)
 
     def _indexed_ages(self, disk: DiskRows) -> _Keyed | None:
@@ -481,20 +482,25 @@ class SsdTable(EmbeddingTable):
         table's store, no row read) or of a RAM table (its rows written into a new store). Raises
         InvalidArgumentError for a state that does not fit, and changes nothing then."""
         with self._lock:
-            if state.get("store") is None:
-                optimizer, ids, tensors, counters, step, events = self._parsed(state)
-                pending = {k: counters[f"pending {k}"] for k in ("ids", "counts", "last_seen")}
-                disk = DiskRows(self._folder / f"live-{secrets.token_hex(4)}", self._record_bytes, fresh=True,
-                                memory=self._memory)
-                self._write_rows(disk, ids, tensors, counters)
-                held = len(ids)
-            else:
-                optimizer, step, events = self._parsed_head(state)
-                held, pending, source = self._parsed_store(state)
-                target = self._folder / f"live-{secrets.token_hex(4)}"
-                link_tree(source, target)
-                disk = DiskRows(target, self._record_bytes, memory=self._memory)
-            ages = self._indexed_ages(disk)
+            path, disk = self._folder / f"live-{secrets.token_hex(4)}", None
+            try:
+                if state.get("store") is None:
+                    optimizer, ids, tensors, counters, step, events = self._parsed(state)
+                    pending = {k: counters[f"pending {k}"] for k in ("ids", "counts", "last_seen")}
+                    disk = DiskRows(path, self._record_bytes, fresh=True, memory=self._memory)
+                    self._write_rows(disk, ids, tensors, counters)
+                    held = len(ids)
+                else:
+                    optimizer, step, events = self._parsed_head(state)
+                    held, pending, source = self._parsed_store(state)
+                    link_tree(source, path)
+                    disk = DiskRows(path, self._record_bytes, memory=self._memory)
+                ages = self._indexed_ages(disk)
+            except BaseException:  # the new store goes; the table is as it was
+                if disk is not None:
+                    disk.close()
+                shutil.rmtree(path, ignore_errors=True)
+                raise
             self._disk.close()
             shutil.rmtree(self._disk.path, ignore_errors=True)
             self._disk, self.optimizer, self._step, self._events, self._held = disk, optimizer, step, events, held

@@ -269,9 +269,7 @@ class TableStore(NamesAwaited):
     def warm(self, checked: list[tuple[EmbeddingTable, np.ndarray]]) -> None:
         """Queues check_upcoming()'s tables and ids to be read into their caches in the background
         (warming.py). Never blocks."""
-        for table, ids in checked:
-            if len(ids):
-                self._warmer.offer(table, ids)
+        self._warmer.offer([(table, ids) for table, ids in checked if len(ids)])
 
     def close(self) -> None:
         """Ends every wait (NamesAwaited.close) and the cache warming."""

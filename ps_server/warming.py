@@ -1,10 +1,10 @@
 """Cache warming: the rows a client announced for its next lookup (LookupRowsRequest.upcoming), read into the
 caches of a shard's SSD tables by one background thread while the client computes its step. No gRPC.
 
-A Warmer keeps the announcements not yet read, oldest first, at most
-MAX_PENDING (an older one is dropped for a newer: the client has moved on
-past it), and reads them in one thread, started at the first and ended by
-close(). Reading one is SsdTable.warm(): under the table's lock, as a lookup,
+A Warmer keeps the announcements not yet read (a LookupRows's tables and
+ids: one announcement), oldest first, at most MAX_PENDING (an older one is
+dropped for a newer: its client has moved on past it), and reads them in
+one thread, started at the first and ended by close(). Reading one is SsdTable.warm(): under the table's lock, as a lookup,
 so a push or a lookup of the table waits for it, never the other way round
 unordered. Warming changes no row, counter or journal: a failure (a store
 that fails) is logged and the rows are read by the lookup that needs them.
@@ -38,16 +38,16 @@ class Warmer:
         self._closed = False
         self.offered = self.dropped = self.failed = 0
 
-    def offer(self, table, ids: np.ndarray) -> None:
-        """Queues `ids` (checked: distinct, of this shard) to be read into `table`'s cache (its warm()). Never
-        blocks on a table; does nothing once closed."""
+    def offer(self, announced: list[tuple[object, np.ndarray]]) -> None:
+        """Queues one announcement: each (table, ids checked: distinct, of this shard) to be read into the
+        table's cache (its warm()). Never blocks on a table; does nothing once closed."""
         with self._cond:
-            if self._closed:
+            if self._closed or not announced:
                 return
             if len(self._pending) >= MAX_PENDING:
                 self._pending.popleft()
                 self.dropped += 1
-            self._pending.append((table, ids))
+            self._pending.append(announced)
             self.offered += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cache-warmer", daemon=True)
@@ -70,11 +70,12 @@ class Warmer:
                 self._cond.wait_for(lambda: self._closed or self._pending)
                 if self._closed:
                     return
-                table, ids = self._pending.popleft()
-            try:
-                table.warm(ids)
-            except Exception:  # noqa: BLE001 - a warming that fails is a lookup that reads its rows itself
-                with self._cond:
-                    self.failed += 1
-                _LOGGER.warning("warming a table's cache failed; its next lookup reads the rows itself",
-                                exc_info=True)
+                announced = self._pending.popleft()
+            for table, ids in announced:
+                try:
+                    table.warm(ids)
+                except Exception:  # noqa: BLE001 - a warming that fails is a lookup that reads its rows itself
+                    with self._cond:
+                        self.failed += 1
+                    _LOGGER.warning("warming a table's cache failed; its next lookup reads the rows itself",
+                                    exc_info=True)

@@ -324,16 +324,53 @@ def test_a_warmer_reads_each_announcement_in_its_thread_and_drops_the_oldest_pas
                 raise OSError("a store that fails")
 
     table, warmer = Gated(), Warmer()
-    warmer.offer(table, np.array([-1]))
+    warmer.offer([(table, np.array([-1])), (table, np.array([-2]))])  # one announcement of two tables
     assert table.entered.wait(30)  # the thread holds the first; the rest queue behind it
     for k in range(MAX_PENDING + 3):
-        warmer.offer(table, np.array([k]))
+        warmer.offer([(table, np.array([k])), (table, np.array([100 + k]))])
     table.gate.set()
     done = threading.Event()
-    warmer.offer(type("Last", (), {"warm": lambda self, ids: done.set()})(), np.array([0]))
+    warmer.offer([(type("Last", (), {"warm": lambda self, ids: done.set()})(), np.array([0]))])
     assert done.wait(30)
-    assert table.got == [-1, *range(4, MAX_PENDING + 3)], "the first failed and was logged; 4 oldest dropped"
+    kept = [x for k in range(4, MAX_PENDING + 3) for x in (k, 100 + k)]
+    assert table.got == [-1, -2, *kept], "the first failed and was logged, its second table read; 4 oldest dropped"
     assert (warmer.offered, warmer.dropped, warmer.failed) == (MAX_PENDING + 5, 4, 1)
     warmer.close()
-    warmer.offer(table, np.array([99]))
+    warmer.offer([(table, np.array([99]))])
     assert warmer.offered == MAX_PENDING + 5, "closed: nothing more is queued"
+
+
+def test_a_state_that_fails_to_load_leaves_the_table_and_no_store_behind(tmp_path, monkeypatch):
+    table = ssd(tmp_path, max_age=5)
+    train(table, steps=10)
+    expected, state = every_row(table), table.state_dict()
+    other = ssd(tmp_path, max_age=5)
+    train(other, steps=3)
+    before = every_row(other)
+
+    def failing(disk):
+        raise OSError("the store cannot be read")
+
+    monkeypatch.setattr(other, "_indexed_ages", failing)
+    with pytest.raises(OSError):
+        other.load_state_dict(state)
+    assert torch.equal(every_row(other), before), "the table is as it was"
+    assert [p.name for p in other._folder.iterdir() if p.name.startswith("live-")] == [], "no new store left"
+    monkeypatch.undo()
+    other.load_state_dict(state)
+    assert torch.equal(every_row(other), expected)
+
+
+def test_an_evict_whose_store_fails_changes_nothing(tmp_path, monkeypatch):
+    table = ssd(tmp_path, max_age=2)
+    train(table, steps=10)
+    before, counters = every_row(table), table.counters()
+
+    def failing(ids):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(table._disk, "delete", failing)
+    with pytest.raises(OSError):
+        table.evict(100)
+    monkeypatch.undo()
+    assert table._step == 10 and table.counters() == counters and torch.equal(every_row(table), before)
