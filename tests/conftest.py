@@ -31,6 +31,26 @@ torch.set_num_threads(1)
 LONG_TESTS = pathlib.Path(__file__).with_name("long_tests.json")  # seconds of the longest tests in a full run
 
 
+LOG_TAIL = 3000  # characters of each log a failed test's report shows
+LOGS_SHOWN = 12
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed and used tmp_path gets the tails of the logs its processes wrote there (ps-server,
+    backups, workers) in its report: CI keeps nothing else of a run that failed once."""
+    outcome = yield
+    report = outcome.get_result()
+    folder = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when != "call" or not report.failed or folder is None:
+        return
+    for log in sorted(pathlib.Path(folder).rglob("*.log"))[:LOGS_SHOWN]:
+        try:
+            report.sections.append((f"log {log.relative_to(folder)}", log.read_text(errors="replace")[-LOG_TAIL:]))
+        except OSError:
+            continue
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist (-n N, --dist worksteal) the longest tests start first, spread over the workers: worksteal
     hands each worker a contiguous slice of the collected order (sized as it cuts them) and idle workers steal
