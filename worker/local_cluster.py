@@ -124,10 +124,13 @@ class LocalCluster:
 
     def _wait_port(self, index: int, timeout: float = START_TIMEOUT_SECONDS) -> None:
         port_file = pathlib.Path(self._tmp.name) / f"ps{index}.port"
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
         while not port_file.exists():
-            if self.procs[index].poll() is not None or time.monotonic() > deadline:
-                raise ServerUnavailableError(f"ps {index} did not start; its log:\n{self.log(index)[-2000:]}")
+            code = self.procs[index].poll()
+            if code is not None or time.monotonic() > began + timeout:
+                raise ServerUnavailableError(f"ps {index} did not start: {_how_ended(self.procs[index], code)} "
+                                             f"after {time.monotonic() - began:.1f} s; its log:\n"
+                                             f"{self.log(index)[-2000:]}")
             time.sleep(0.02)
         self.ports[index] = int(port_file.read_text())
 
@@ -187,3 +190,17 @@ class LocalCluster:
                 codes.append(proc.wait())
         self._tmp.cleanup()
         return codes
+
+
+def _how_ended(proc, code: int | None) -> str:
+    """How a shard process that did not start stands: its exit (a signal named), or its state if it runs."""
+    if code is not None:
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    try:
+        status = dict(line.split(":\t", 1) for line in pathlib.Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        wchan = pathlib.Path(f"/proc/{proc.pid}/wchan").read_text()
+    except (OSError, ValueError):
+        return "still running"
+    return f"still running (state {status.get('State', '?')}, {status.get('Threads', '?')} threads, waiting in {wchan or '?'})"
+
