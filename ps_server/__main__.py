@@ -9,7 +9,9 @@ error is one line on stderr and exit code 2 at once. Then ps_server/daemon.py se
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 
 from ..cli import USAGE_ERROR
@@ -21,6 +23,9 @@ __all__ = ["main", "parse_args"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 PID` writes every thread's Python stack to the shard's output (its log), from its first line
+    # on: what a shard that seems stuck is doing, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

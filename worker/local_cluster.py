@@ -29,6 +29,7 @@ from ..forkserver import ForkedChild, ProcessStarter
 
 __all__ = ["LocalCluster", "local_shard_threads", "ps_server_command"]
 
+STACKS_SECONDS = 5.0  # a shard that did not start: how long its stacks (SIGUSR1) are waited for
 START_TIMEOUT_SECONDS = 30.0  # a fresh shard imports torch and grpc: seconds on a loaded 2-core machine
 SHARD_MODULE = "torchps.ps_server.__main__"
 
@@ -128,9 +129,14 @@ class LocalCluster:
         while not port_file.exists():
             code = self.procs[index].poll()
             if code is not None or time.monotonic() > began + timeout:
-                raise ServerUnavailableError(f"ps {index} did not start: {_how_ended(self.procs[index], code)} "
-                                             f"after {time.monotonic() - began:.1f} s; its log:\n"
-                                             f"{self.log(index)[-2000:]}")
+                how = _how_ended(self.procs[index], code)
+                if code is None:  # ps-server writes its threads' stacks to its log on SIGUSR1: wait for them
+                    self.procs[index].send_signal(signal.SIGUSR1)
+                    shown = time.monotonic() + STACKS_SECONDS
+                    while "Current thread" not in self.log(index) and time.monotonic() < shown:
+                        time.sleep(0.05)
+                raise ServerUnavailableError(f"ps {index} did not start: {how} after {time.monotonic() - began:.1f} s;"
+                                             f" its log:\n{self.log(index)[-6000:]}")
             time.sleep(0.02)
         self.ports[index] = int(port_file.read_text())
 
