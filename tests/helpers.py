@@ -21,7 +21,7 @@ import pytest
 
 from torchps.forkserver import ForkedChild, ProcessStarter
 from torchps.worker.data import DatasetNotFoundError, mnist5k_path
-from torchps.worker.launch_replicas import KEPT_PORTS
+from torchps.worker.launch_replicas import kept_ports_floor
 from torchps.worker.local_cluster import SHARD_MODULE
 
 PROMETHEUS = shutil.which("prometheus")
@@ -52,7 +52,7 @@ def free_port() -> int:
 
 class _PortSlice:
     """Ports below the kernel's ephemeral range (which it never hands out by itself, to a connect() or a bind to
-    port 0) and below those ps-launch --replicas 2 draws from (KEPT_PORTS), split between the test processes
+    port 0) and below those ps-launch --replicas 2 draws from (kept_ports_floor), split between the test processes
     pytest-xdist runs: a port given to a test stays out of every other
     process's way from the moment it is chosen until the test's own process binds it. Ports handed out by the
     kernel instead could be taken in between, by an outgoing connection or another test's port 0 (a ps-server
@@ -61,10 +61,7 @@ class _PortSlice:
     FIRST = 10000
 
     def __init__(self) -> None:
-        try:
-            low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - KEPT_PORTS
-        except (OSError, ValueError, IndexError):
-            low = 0
+        low = kept_ports_floor()
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
         size = (low - self.FIRST) // max(workers, 1)

@@ -190,12 +190,21 @@ def _free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-def _kept_ports() -> list[int]:
-    """KEPT_PORTS ports below the ephemeral range's first (/proc/sys/net/ipv4/ip_local_port_range), shuffled."""
+def kept_ports_floor() -> int:
+    """The first of the KEPT_PORTS ports just below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range); 0 where that cannot be read."""
     try:
         low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
+        return 0
+    return max(1024, low - KEPT_PORTS)
+
+
+def _kept_ports() -> list[int]:
+    """The KEPT_PORTS ports just below the ephemeral range, shuffled."""
+    floor = kept_ports_floor()
+    if not floor:
         return []
-    ports = list(range(max(1024, low - KEPT_PORTS), low))
+    ports = list(range(floor, floor + KEPT_PORTS))
     random.shuffle(ports)
     return ports
