@@ -464,8 +464,8 @@ def _check_storage(fanout: ShardFanout, shards) -> None:
         if ssd:
             raise ClusterConfigError(f"ps {shard} keeps embedding tables {ssd} on SSD: a live "
                                      f"resize cannot move their rows yet; nothing was changed. Resize by a "
-                                     f"checkpoint and a restart onto the same number of shards, or keep the "
-                                     f"tables in RAM")
+                                     f"checkpoint and a restart onto the new number of shards (ps-server "
+                                     f"--restore-from DIR --num-ps N), or keep the tables in RAM")
 
 
 def _check_added(fanout: ShardFanout, old: list[str], addresses: list[str]) -> None:

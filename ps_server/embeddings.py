@@ -55,7 +55,7 @@ from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_optimizers import RowOptimizer, coalesce
 from .row_storage import MIN_SLAB as _MIN_SLAB, Keyed as _Keyed, Slabs as _Slabs, ids_array as _ids_array
 
-__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "rows_for", "PARTITIONS", "INITS"]
+__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "relayout_head", "rows_for", "PARTITIONS", "INITS"]
 
 INITS = ("normal", "uniform")
 STATE_FORMAT = 1
@@ -589,8 +589,17 @@ def _hash_owned(num_embeddings: int, shard_index: int, num_shards: int) -> np.nd
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None,
-              live: bool = False) -> dict:
+def relayout_head(states: Sequence[Mapping], shard_index: int, num_shards: int, *, live: bool = False) -> dict:
+    """relayout()'s state without the rows ("ids", "values", "state" and their counters): config, optimizer
+    step count, step, events at zero, and a dynamic table's occurrence counters. What an SSD table's re-layout
+    starts from (it streams the rows from the old stores). Raises InvalidArgumentError as relayout() does."""
+    try:
+        return _head(states, shard_index, num_shards, None, live)
+    except (KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"not the states of an embedding table: missing or bad {exc}") from None
+
+
+def _head(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None, live: bool) -> dict:
     configs = [dict(s["config"]) for s in states]
     if not configs:
         raise InvalidArgumentError("relayout needs the states of every old shard")
@@ -605,26 +614,31 @@ def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, part
                                    f"with one optimizer step count; got shards {layout}, step counts {sorted(steps)}")
     config = {**old, "shard_index": shard_index, "num_shards": num_shards, "partition": partition or old["partition"]}
     _check_config(config)
-
-    def mine(ids: torch.Tensor) -> torch.Tensor:
-        return shard_of(ids, num_shards, config["partition"]) == shard_index
-
-    def gathered(get) -> tuple[torch.Tensor, ...]:
-        parts = [get(s) for s in states]
-        keeps = [mine(p[0]) for p in parts]
-        return tuple(torch.cat([p[i][k] for p, k in zip(parts, keeps)]) for i in range(len(parts[0])))
-
-    keys = sorted(states[0]["state"])
-    extra = [k for k in ("last_update", "update_counts") if all(s.get(k) is not None for s in states)]
-    rows = gathered(lambda s: (s["ids"], s["values"], *(s["state"][k] for k in keys), *(s[k] for k in extra)))
-    order = torch.argsort(rows[0])
-    rows = [t[order] for t in rows]
     out = {"format": STATE_FORMAT, "config": config, "optimizer_steps": steps.pop(),
-           "step": max(int(s["step"]) for s in states), "events": {k: 0 for k in states[0]["events"]},
-           "ids": rows[0], "values": rows[1], "state": dict(zip(keys, rows[2:2 + len(keys)])),
-           **dict(zip(extra, rows[2 + len(keys):]))}
+           "step": max(int(s["step"]) for s in states), "events": {k: 0 for k in states[0]["events"]}}
     if old["num_embeddings"] is None:
-        pending = gathered(lambda s: (s["pending"]["ids"], s["pending"]["counts"], s["pending"]["last_seen"]))
+        pending = _gathered(states, config, lambda s: (s["pending"]["ids"], s["pending"]["counts"],
+                                                       s["pending"]["last_seen"]))
         order = torch.argsort(pending[0])
         out["pending"] = dict(zip(("ids", "counts", "last_seen"), (t[order] for t in pending)))
     return out
+
+
+def _gathered(states: Sequence[Mapping], config: Mapping, get) -> tuple[torch.Tensor, ...]:
+    """The tensors get(state) of every state, each cut to the ids (the first tensor) `config`'s shard owns."""
+    parts = [get(s) for s in states]
+    keeps = [shard_of(p[0], config["num_shards"], config["partition"]) == config["shard_index"] for p in parts]
+    return tuple(torch.cat([p[i][k] for p, k in zip(parts, keeps)]) for i in range(len(parts[0])))
+
+
+def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None,
+              live: bool = False) -> dict:
+    out = _head(states, shard_index, num_shards, partition, live)
+    keys = sorted(states[0]["state"])
+    extra = [k for k in ("last_update", "update_counts") if all(s.get(k) is not None for s in states)]
+    rows = _gathered(states, out["config"],
+                     lambda s: (s["ids"], s["values"], *(s["state"][k] for k in keys), *(s[k] for k in extra)))
+    order = torch.argsort(rows[0])
+    rows = [t[order] for t in rows]
+    return {**out, "ids": rows[0], "values": rows[1], "state": dict(zip(keys, rows[2:2 + len(keys)])),
+            **dict(zip(extra, rows[2 + len(keys):]))}

@@ -40,10 +40,12 @@ A table with max_age or capacity keeps every row's last update in memory
 it as a RAM table does from its rows, and deletes those rows from the store
 and the cache; loading a state reads the store once to build it.
 
-A serving replica started from a checkpoint reads a store copy whole
-(stored_rows). Not on SSD yet (refused with a clear error): live re-layout
-in a resize, restoring a checkpoint onto another number of shards,
-replicated shards.
+A checkpoint restored onto another number of shards (relayout_stores)
+streams each old shard's store copy a chunk at a time into the new shard's
+store, keeping the rows the table's partition now gives it: no table is
+read whole into memory. A serving replica started from a checkpoint reads
+a store copy whole (stored_rows). Not on SSD yet (refused with a clear
+error): live re-layout in a resize, replicated shards.
 
 Thread safety: as EmbeddingTable (one lock per table, held for every public
 call); CacheBudget has its own lock, taken inside a table's.
@@ -66,12 +68,13 @@ import torch
 
 from ..errors import InvalidArgumentError, ModeConflictError
 from .disk_rows import DiskMemory, DiskRows, link_tree
-from .embeddings import STATE_FORMAT, EmbeddingTable
+from ..rows import owner
+from .embeddings import STATE_FORMAT, EmbeddingTable, relayout_head
 from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_storage import Keyed as _Keyed
 
 __all__ = ["SsdTable", "TableStorage", "CacheBudget", "StoreCopy", "place_stores", "resolve_stores", "stored_rows",
-           "decoded", "STORAGES"]
+           "decoded", "relayout_stores", "STORAGES"]
 
 STORAGES = ("ram", "ssd")
 LOG_IDS = 1 << 16        # change-log ids an SSD table keeps (512 KiB): older cursors are answered from the store
@@ -105,6 +108,29 @@ def stored_rows(store: Mapping, dtype: torch.dtype, dim: int) -> tuple[np.ndarra
     records = np.concatenate([r for _, r in chunks]) if chunks else np.empty((0, disk.record_bytes), dtype=np.uint8)
     rows, _, marks = decoded(records, dtype)
     return ids, rows[:, :dim].clone(), marks
+
+
+def relayout_stores(states: list[Mapping], shard_index: int, num_shards: int) -> dict:
+    """The state of shard `shard_index` of `num_shards` of an SSD table whose old shards' states (placed and
+    resolved, or StoreCopy) are `states`, all of them: relayout_head()'s, and "sources", the old stores with
+    the shard each was, from which load_state_dict() streams the rows the new shard owns. Raises
+    InvalidArgumentError as embeddings.relayout() does; reads no row."""
+    out = relayout_head(states, shard_index, num_shards)
+    try:
+        out["sources"] = [{**_store_of(s["store"]), "shard_index": int(s["config"]["shard_index"]),
+                           "num_shards": int(s["config"]["num_shards"])} for s in states]
+        seqs = [int((s.get("changes") or {}).get("seq", 0)) for s in states]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"not the states of an SSD table: missing or bad {exc}") from None
+    out["changes"] = {"seq": max(seqs)}  # the rows' change marks stay older than the new table's
+    return out
+
+
+def _store_of(store) -> dict:
+    """{"path": str, "record_bytes": int} of a state's store (a StoreCopy or a placed one)."""
+    if isinstance(store, StoreCopy):
+        return {"path": str(store.path), "record_bytes": store.record_bytes}
+    return {"path": str(store["path"]), "record_bytes": int(store["record_bytes"])}
 
 
 class CacheBudget:
@@ -479,12 +505,18 @@ class SsdTable(EmbeddingTable):
 
     def load_state_dict(self, state: Mapping) -> None:
         """Replaces the table with `state`'s: a state_dict() of an SsdTable (its store copy opened as the
-        table's store, no row read) or of a RAM table (its rows written into a new store). Raises
+        table's store, no row read), relayout_stores()'s (the rows this shard owns streamed from the old stores
+        into a new one, a chunk at a time) or a RAM table's (its rows written into a new store). Raises
         InvalidArgumentError for a state that does not fit, and changes nothing then."""
         with self._lock:
             path, disk = self._folder / f"live-{secrets.token_hex(4)}", None
             try:
-                if state.get("store") is None:
+                if state.get("sources") is not None:  # a re-layout: the rows streamed from the old stores
+                    optimizer, step, events = self._parsed_head(state)
+                    pending = self._parsed_pending(state)
+                    disk = DiskRows(path, self._record_bytes, fresh=True, memory=self._memory)
+                    held = self._stream_in(disk, state["sources"])
+                elif state.get("store") is None:
                     optimizer, ids, tensors, counters, step, events = self._parsed(state)
                     pending = {k: counters[f"pending {k}"] for k in ("ids", "counts", "last_seen")}
                     disk = DiskRows(path, self._record_bytes, fresh=True, memory=self._memory)
@@ -516,16 +548,28 @@ class SsdTable(EmbeddingTable):
     def _parsed_store(self, state: Mapping) -> tuple[int, dict[str, np.ndarray], pathlib.Path]:
         """(rows, occurrence counters, store folder) of an SsdTable's state; InvalidArgumentError if unfit."""
         try:
-            store = state["store"]
-            path = pathlib.Path(store.path if isinstance(store, StoreCopy) else store["path"])
-            record_bytes = store.record_bytes if isinstance(store, StoreCopy) else int(store["record_bytes"])
+            store = _store_of(state["store"])
             held = int(state["rows"])
-            pending = {k: state["pending"][k] for k in ("ids", "counts", "last_seen")}
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"not an SSD table state: missing or bad {exc}") from None
-        if record_bytes != self._record_bytes or held < 0 or not (path / "CURRENT").is_file():
+        if held < 0:
+            raise InvalidArgumentError(f"an SSD table state of {held} rows")
+        return held, self._parsed_pending(state), self._checked_store(store)
+
+    def _checked_store(self, store: Mapping) -> pathlib.Path:
+        """The folder of a store of this table's records; InvalidArgumentError if it is missing or unfit."""
+        path = pathlib.Path(store["path"])
+        if store["record_bytes"] != self._record_bytes or not (path / "CURRENT").is_file():
             raise InvalidArgumentError(f"an SSD table state whose store {path} is missing or holds records of "
-                                       f"{record_bytes} bytes (this table's: {self._record_bytes})")
+                                       f"{store['record_bytes']} bytes (this table's: {self._record_bytes})")
+        return path
+
+    def _parsed_pending(self, state: Mapping) -> dict[str, np.ndarray]:
+        """A state's occurrence counters; InvalidArgumentError unless they are this shard's, one per id."""
+        try:
+            pending = {k: state["pending"][k] for k in ("ids", "counts", "last_seen")}
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"not an SSD table state: missing or bad {exc}") from None
         if any(not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1
                or len(t) != len(pending["ids"]) for t in pending.values()):
             raise InvalidArgumentError("an SSD table state's occurrence counters must be int64 vectors of one length")
@@ -534,7 +578,32 @@ class SsdTable(EmbeddingTable):
         if len(np.unique(pending["ids"])) != len(pending["ids"]) or np.any(pending["counts"] < 1):
             raise InvalidArgumentError("an SSD table state's occurrence counters need distinct ids and counts of "
                                        "at least 1")
-        return held, pending, path
+        return pending
+
+    def _stream_in(self, disk: DiskRows, sources) -> int:
+        """Writes the rows this shard owns from every old store of `sources` (relayout_stores) into `disk`, a
+        chunk at a time; returns their number. InvalidArgumentError for a store that is missing, unfit or holds
+        rows its old shard did not own."""
+        config, held = self.config(), 0
+        for source in sources:
+            try:
+                path = self._checked_store(_store_of(source))
+                index, count = int(source["shard_index"]), int(source["num_shards"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidArgumentError(f"not an SSD table's old store: missing or bad {exc}") from None
+            old = DiskRows(path, self._record_bytes, read_only=True)
+            try:
+                for ids, records in old.items():
+                    if not np.all(owner(ids, count, config["partition"]) == index):
+                        raise InvalidArgumentError(f"the store {path} holds rows of ids that are not shard {index}'s "
+                                                   f"of {count}: it is damaged")
+                    mine = owner(ids, config["num_shards"], config["partition"]) == config["shard_index"]
+                    if mine.any():
+                        disk.put(ids[mine], records[mine])
+                        held += int(mine.sum())
+            finally:
+                old.close()
+        return held
 
     def _write_rows(self, disk: DiskRows, ids: np.ndarray, tensors: Mapping[str, torch.Tensor],
                     counters: Mapping[str, np.ndarray]) -> None:

@@ -47,7 +47,7 @@ from .. import codec, rows
 from ..errors import CheckpointError, InvalidArgumentError, ModeConflictError, PSError
 from ..proto import ps_pb2
 from .embeddings import relayout as relayout_rows, rows_for
-from .ssd_tables import TableStorage
+from .ssd_tables import TableStorage, relayout_stores
 from .tables import RowGradient, TableStore, _arguments, _Held, _normalized
 
 __all__ = ["section", "restore", "manifest_tables", "check_section", "relayout", "record_rows", "rows_of_record",
@@ -87,7 +87,7 @@ def _build(entry: Mapping, where: str, storage: TableStorage) -> _Held:
         spec = _spec(entry)
         if not isinstance(entry["state"], Mapping):
             raise TypeError(f"its state is {type(entry['state']).__name__}")
-        on_disk = entry["state"].get("store") is not None  # restored where it was kept
+        on_disk = any(entry["state"].get(k) is not None for k in ("store", "sources"))  # restored where it was kept
         if on_disk and (not storage.on_disk or spec.num_embeddings):
             raise CheckpointError(f"{where}: embedding table {name!r} was kept on SSD; start the shard with "
                                   f"--table-dir DIR to restore it")
@@ -209,14 +209,17 @@ def relayout(manifest: Mapping, sections: Sequence[tuple[object, str]], index: i
     for table in manifest.get("tables") or []:
         name = table["name"]
         entries = [old[name] for old in olds]
-        if any(isinstance(e.get("state"), Mapping) and e["state"].get("store") is not None for e in entries):
-            raise CheckpointError(f"{where}: embedding table {name!r} was kept on SSD; such a checkpoint restores "
-                                  f"onto its own {len(entries)} shards only (re-laying out SSD tables is not "
-                                  f"built yet), not {num_ps}")
+        on_disk = [isinstance(e.get("state"), Mapping) and e["state"].get("store") is not None for e in entries]
         try:
-            for old_index, (entry, (_, file)) in enumerate(zip(entries, sections)):
-                _check_owned(entry["state"], old_index, len(entries), table["partition"], file)
-            state = relayout_rows([entry["state"] for entry in entries], index, num_ps)
+            if all(on_disk):  # streamed store to store when the new shard loads it
+                state = relayout_stores([entry["state"] for entry in entries], index, num_ps)
+            elif any(on_disk):
+                raise CheckpointError(f"shards {[i for i, d in enumerate(on_disk) if d]} kept it on SSD and the "
+                                      f"others in RAM; re-lay it out from shards that keep it alike")
+            else:
+                for old_index, (entry, (_, file)) in enumerate(zip(entries, sections)):
+                    _check_owned(entry["state"], old_index, len(entries), table["partition"], file)
+                state = relayout_rows([entry["state"] for entry in entries], index, num_ps)
         except CheckpointError as exc:
             raise CheckpointError(f"{where}: embedding table {name!r}: {exc}") from None
         except (PSError, KeyError, TypeError, IndexError, RuntimeError) as exc:
@@ -234,7 +237,8 @@ def parts_for(section_: list[dict], num_shards: int) -> dict[int, list[dict]]:
     ssd = [entry["name"] for entry in section_ if entry["state"].get("store") is not None]
     if ssd:
         raise ModeConflictError(f"embedding tables {ssd} are kept on SSD: a live resize cannot move their "
-                                f"rows yet; resize by a checkpoint and a restart, or keep them in RAM")
+                                f"rows yet; resize by a checkpoint and a restart onto the new number of shards "
+                                f"(--restore-from DIR --num-ps N), or keep them in RAM")
     return {index: [{**entry, "state": rows_for(entry["state"], index, num_shards)}
                     for entry in section_] for index in range(num_shards)}
 

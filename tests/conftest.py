@@ -44,7 +44,8 @@ def pytest_runtest_makereport(item, call):
     folder = getattr(item, "funcargs", {}).get("tmp_path")
     if report.when != "call" or not report.failed or folder is None:
         return
-    for log in sorted(pathlib.Path(folder).rglob("*.log"))[:LOGS_SHOWN]:
+    logs = [log for log in sorted(pathlib.Path(folder).rglob("*.log")) if not log.stem.isdigit()]  # not RocksDB's
+    for log in logs[:LOGS_SHOWN]:
         try:
             report.sections.append((f"log {log.relative_to(folder)}", log.read_text(errors="replace")[-LOG_TAIL:]))
         except OSError:

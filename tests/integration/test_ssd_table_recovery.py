@@ -1,8 +1,10 @@
 """Tables kept on SSD (ps-server --table-storage ssd), against real ps-server processes: a cluster whose shards
 cache a small part of a dynamic table that evicts by age trains it exactly as a cluster with the table in RAM;
 a shard SIGKILLed after its journal's base copied the table's store comes back from that copy and the journal,
-and one whose journal is gone from the newest checkpoint's copy, both exactly; a live resize, not built for
-such tables yet, is refused before it changes anything; flags that do not fit are refused.
+and one whose journal is gone from the newest checkpoint's copy, both exactly; a checkpoint of 2 SSD shards
+restored onto 3 and onto 1 (--restore-from --num-ps) streams its stores into the new shards' and trains on
+exactly; a live resize, not built for such tables yet, is refused before it changes anything; flags that do not
+fit are refused.
 
 The reference is a RAM cluster given the same calls and never killed; rows are compared bit for bit. Ordering
 is by replies, process exits and files a shard wrote (waited for with a deadline), never by sleeping.
@@ -110,6 +112,45 @@ def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactl
             assert_equal(everything(a), everything(r), "the next update after the restore")
     finally:
         at_once("stop", ssd, ram)
+
+
+def test_a_checkpoint_of_2_ssd_shards_restores_onto_3_and_onto_1_and_trains_on_exactly(tmp_path):
+    source = tmp_path / "two-shards"
+    ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(source), "--table-storage", "ssd", "--table-dir",
+                                       str(tmp_path / "tables"), "--table-cache", CACHE])
+    ram = LocalCluster(2, server_args=["--no-journal"])
+    try:
+        at_once("start", ssd, ram)
+        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
+            for client in (a, r):
+                setup(client)
+            for k in range(1, 7):
+                assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+            assert a.save_checkpoint(0) == 6
+            assert (source / "step-000000000006" / "ps-1.stores").is_dir()
+            saved, looked = everything(r), step(r, 7)
+            after = everything(r)
+    finally:
+        at_once("stop", ssd, ram)
+
+    clusters = {n: LocalCluster(n, server_args=["--restore-from", str(source), "--num-ps", str(n), "--table-storage",
+                                                "ssd", "--table-dir", str(tmp_path / f"tables-{n}"), "--table-cache",
+                                                CACHE])
+                for n in (3, 1)}
+    try:
+        at_once("start", *clusters.values())
+        for n, local in clusters.items():
+            with PSClient(local.cluster, connect_timeout=20) as client:
+                setup(client)  # the restored tables and variable are kept as they are
+                assert [client.status(i).restored_step for i in range(n)] == [6] * n
+                tables = [t for i in range(n) for t in client.status(i).tables if t.name == "dyn"]
+                assert {t.storage for t in tables} == {"ssd"} and all(t.rows > 0 for t in tables)
+                assert f"re-layout: checkpoint 6 from 2 shards -> shard 0 of {n}" in local.log(0)
+                assert_equal(everything(client), saved, f"{n} shards: the restored rows")
+                assert_equal(step(client, 7), looked, f"{n} shards: the next lookup")
+                assert_equal(everything(client), after, f"{n} shards: the next update")
+    finally:
+        at_once("stop", *clusters.values())
 
 
 @pytest.mark.parametrize("flags, message", [

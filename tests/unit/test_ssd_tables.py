@@ -374,3 +374,74 @@ def test_an_evict_whose_store_fails_changes_nothing(tmp_path, monkeypatch):
         table.evict(100)
     monkeypatch.undo()
     assert table._step == 10 and table.counters() == counters and torch.equal(every_row(table), before)
+
+
+def sharded(make, num_shards: int, **args) -> list[EmbeddingTable]:
+    return [make(shard_index=i, num_shards=num_shards, **args) for i in range(num_shards)]
+
+
+def train_sharded(tables: list[EmbeddingTable], steps: int, first: int = 1, seed: int = 0) -> None:
+    """Each shard gets the ids it owns of every batch, and evicts (by age) at every step."""
+    n = len(tables)
+    for step, drawn, grads in zipf_batches(steps, 300, 5000, seed):
+        for i, table in enumerate(tables):
+            mine = drawn % n == i
+            table.lookup(drawn[mine])
+            table.apply(drawn[mine], grads[mine], first + step - 1)
+            table.evict(first + step - 1)
+
+
+def rows_of(tables: list[EmbeddingTable]) -> torch.Tensor:
+    """Every id's row (0 where a shard holds none) over a table's shards."""
+    ids, n = torch.arange(5000), len(tables)
+    out = torch.zeros(5000, DIM)
+    for i, table in enumerate(tables):
+        mine = ids[ids % n == i]
+        out[mine] = table.lookup(mine, admit=False)
+    return out
+
+
+@pytest.mark.parametrize("num_shards", [3, 1])
+def test_a_state_of_2_ssd_shards_re_laid_out_streams_store_to_store_as_ram_re_lays_out(tmp_path, num_shards):
+    from torchps.ps_server.embeddings import relayout
+    from torchps.ps_server.ssd_tables import relayout_stores
+
+    args = dict(min_count=2, max_age=6)
+    rams, disks = sharded(lambda **a: EmbeddingTable(DIM, **ARGS, **a), 2, **args), \
+        sharded(lambda **a: ssd(tmp_path, 8000, **a), 2, **args)
+    for tables in (rams, disks):
+        train_sharded(tables, 30)
+    states = [t.state_dict() for t in disks]
+    ram_states = [t.state_dict() for t in rams]
+    new_rams = sharded(lambda **a: EmbeddingTable(DIM, **ARGS, **a), num_shards, **args)
+    new_disks = sharded(lambda **a: ssd(tmp_path, 8000, **a), num_shards, **args)
+    for i in range(num_shards):
+        new_rams[i].load_state_dict(relayout(ram_states, i, num_shards))
+        state = relayout_stores(states, i, num_shards)
+        assert "values" not in state and len(state["sources"]) == 2
+        new_disks[i].load_state_dict(state)
+        c, expected = new_disks[i].counters(), new_rams[i].counters()
+        assert c["rows"] == expected["rows"] > 0 and c["pending"] == expected["pending"]
+        assert c["cache_rows"] == 0  # streamed into the store, nothing cached
+    assert sum(t.counters()["rows"] for t in new_disks) == sum(t.counters()["rows"] for t in disks)
+    assert torch.equal(rows_of(new_disks), rows_of(new_rams)) and torch.equal(rows_of(new_rams), rows_of(rams))
+    for tables in (new_rams, new_disks):  # ages, optimizer state and counters went along: training goes on alike
+        train_sharded(tables, 10, first=31, seed=1)
+    assert torch.equal(rows_of(new_disks), rows_of(new_rams))
+    assert [t.counters()["rows"] for t in new_disks] == [t.counters()["rows"] for t in new_rams]
+
+
+def test_a_re_layout_from_a_store_holding_another_shards_rows_is_refused_and_changes_nothing(tmp_path):
+    from torchps.ps_server.ssd_tables import relayout_stores
+
+    disks = sharded(lambda **a: ssd(tmp_path, **a), 2)
+    train_sharded(disks, 10)
+    states = [t.state_dict() for t in disks]
+    states[0], states[1] = {**states[0], "store": states[1]["store"]}, {**states[1], "store": states[0]["store"]}
+    table = ssd(tmp_path, shard_index=0, num_shards=3)
+    table.lookup(torch.tensor([3, 6]))
+    before, folders = table.lookup(torch.tensor([3, 6]), admit=False), sorted(table._folder.iterdir())
+    with pytest.raises(InvalidArgumentError, match="not shard 0's of 2: it is damaged"):
+        table.load_state_dict(relayout_stores(states, 0, 3))
+    assert torch.equal(table.lookup(torch.tensor([3, 6]), admit=False), before)
+    assert sorted(table._folder.iterdir()) == folders
