@@ -414,7 +414,7 @@ class PSClient(DataPath, TablePath):
         here has padding_idx (torch's modules keep it zero, torchps's read it
         as zeros). A dynamic table (num_embeddings=None) has no such weight:
         it is left out of the default, and naming one raises
-        InvalidArgumentError (its rows stay in checkpoints). UnknownVariableError
+        InvalidArgumentError (export_rows streams its rows). UnknownVariableError
         for a name that is neither a variable nor a table. Blocks for one pull
         and the lookups of every exported table's rows, which this process
         then holds whole; variables and tables are read one after the other,

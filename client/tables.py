@@ -10,8 +10,10 @@ names, all at once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
+import grpc
+import numpy as np
 import torch
 
 from .. import codec, rows
@@ -20,10 +22,13 @@ from ..errors import (ClusterConfigError, InvalidArgumentError, LayoutChangedErr
                       TensorMismatchError, UnknownVariableError)
 from ..proto import ps_pb2
 from .embedding import ShardedTable
+from .errors import error_from_rpc
 from .layout import MAX_ROUNDS
 from .transfer import NewTensors, read_stream
 
-__all__ = ["TablePath", "TableLayout", "tables_in", "take_rows"]
+__all__ = ["TablePath", "TableLayout", "tables_in", "take_rows", "EXPORT_SECONDS"]
+
+EXPORT_SECONDS = 600.0  # export_rows' deadline for one shard's stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +48,7 @@ class TableLayout:
 
 
 class TablePath:
-    """create_tables, wait_for_tables, table_layout, lookup_rows (PSClient inherits them)."""
+    """create_tables, wait_for_tables, table_layout, lookup_rows, export_rows (PSClient inherits them)."""
 
     def create_tables(self, specs: Iterable[ps_pb2.TableSpec]) -> dict[str, bool]:
         """Creates embedding tables on every shard (each its part of each table): {name: created}.
@@ -202,9 +207,52 @@ class TablePath:
         dynamic = [n for n in tables if not self._tables[n].spec.num_embeddings]
         if dynamic:
             raise InvalidArgumentError(f"{dynamic} are dynamic embedding tables (num_embeddings=None): they have no "
-                                       f"(num_embeddings, dim) weight to export; leave them out (their rows are in "
-                                       f"the shards' checkpoints)")
+                                       f"(num_embeddings, dim) weight to export; leave them out and read their rows "
+                                       f"with export_rows(name)")
         return tables
+
+    def export_rows(self, name: str, *, rows_per_part: int = 0, timeout: float = EXPORT_SECONDS
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row of table `name` (dynamic or fixed-size, in RAM or on SSD), streamed: yields (ids, values)
+        parts, one shard after the other, each part's ids ascending, every id once; values are (len(ids), dim)
+        CPU tensors of the table's dtype. A part holds at most `rows_per_part` rows (0: as many as fit in the
+        shard's --max-chunk-bytes).
+
+        One ReadChanges stream per shard (its deadline `timeout`); the shard
+        reads the table a part at a time and this generator holds one part,
+        so neither side ever holds the table whole. A part holds its rows as
+        they are when its shard reads it: export a job that is not training
+        (its end) for one step's rows. UnknownVariableError for a table not
+        known here (a table some other client made is learnt first); the
+        errors of a shard that fails or dies mid-stream (ServerUnavailableError
+        and the like) end the export there: call again. LayoutChangedError if
+        a live resize re-laid the tables out, or a shard replaced its table
+        (a restore), while they were read: call again.
+        """
+        self._layout.refresh()
+        if name not in self._tables:
+            self._learn_tables([name])
+        epoch, layout = self._layout.epoch, self.table_layout(name)
+        if rows_per_part < 0:
+            raise InvalidArgumentError(f"rows_per_part must be >= 0 (0: the shard decides); got {rows_per_part}")
+        request = ps_pb2.ChangesRequest(tables=[name], max_rows=rows_per_part)
+        for shard in range(layout.num_shards):
+            stream = self._fanout.call(shard, lambda stub, t: stub.ReadChanges(request, timeout=t), timeout)
+            try:
+                for message in stream:
+                    ids = torch.from_numpy(np.frombuffer(message.ids, dtype="<i8").astype(np.int64))
+                    values = torch.frombuffer(bytearray(message.rows), dtype=layout.dtype) if message.rows \
+                        else torch.empty(0, dtype=layout.dtype)
+                    if len(ids):
+                        yield ids, values.reshape(len(ids), layout.spec.dim)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, self._fanout.target(shard)) from exc
+            finally:
+                stream.cancel()
+        self._layout.refresh()
+        if self._layout.epoch != epoch:
+            raise LayoutChangedError(f"a live resize changed the layout (epoch {epoch} -> {self._layout.epoch}) "
+                                     f"while table {name!r} was exported; export it again")
 
     def _export_table(self, name: str) -> torch.Tensor:
         """A fixed-size table's whole (num_embeddings, dim) weight, read without admitting (lookup_rows, every

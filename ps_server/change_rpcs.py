@@ -1,7 +1,7 @@
 """The shard's serving-replica RPC, a part of its servicer (servicer.ParameterServerServicer mixes it in):
-ReadChanges, what changed in the shard's embedding tables since a replica last read them (tables.py's
-TableStore.changes: each table read at one moment under its own lock; a read never blocks a push for longer
-than that copy). The mixin reads the servicer's coordinator, store and chunk size.
+ReadChanges, what changed in the shard's embedding tables since a replica last read them, or a table read
+whole (tables.py's TableStore.changes: each part read under its table's lock; a read never blocks a push for
+longer than a part's copy). The mixin reads the servicer's coordinator, store and chunk size.
 """
 
 from __future__ import annotations
@@ -22,24 +22,30 @@ class ChangeRPCs:
 
     @map_errors
     def ReadChanges(self, request, context):
-        """Yields each table's TableChanges messages (ps.proto), the tables by name."""
-        names = [cursor.table for cursor in request.cursors]
-        if len(set(names)) != len(names):
-            raise InvalidArgumentError(f"a ReadChanges request names a table more than once: {sorted(names)}")
+        """Yields each table's TableChanges messages (ps.proto), the tables by name, each table's read a
+        message at a time (an SSD table's whole read streams its store)."""
+        names, tables = [cursor.table for cursor in request.cursors], list(request.tables)
+        for what, listed in (("names a table", names), ("lists a table to read", tables)):
+            if len(set(listed)) != len(listed):
+                raise InvalidArgumentError(f"a ReadChanges request {what} more than once: {sorted(listed)}")
         cursors = {c.table: (c.incarnation, c.seq) for c in request.cursors}
         step = self.store.step
-        changed = self.coordinator.tables.changes(cursors, request.min_updates)
-        for name, held, (incarnation, seq, whole, ids, rows, kept) in changed:
-            row_bytes = held.table.dim * rows.element_size() + ID_BYTES  # a row's values, its id and held byte
-            per_message = max(MIN_ROWS, min(request.max_rows or self.max_chunk_bytes // row_bytes,
-                                            self.max_chunk_bytes // row_bytes))
-            starts = range(0, max(1, len(ids)), per_message)
-            for start in starts:
-                part = slice(start, start + per_message)
+
+        def per_message(held) -> int:
+            row_bytes = held.table.dim * held.table.dtype.itemsize + ID_BYTES  # a row's values, its id, held byte
+            return max(MIN_ROWS, min(request.max_rows or self.max_chunk_bytes // row_bytes,
+                                     self.max_chunk_bytes // row_bytes))
+
+        for name, held, parts in self.coordinator.tables.changes(cursors, request.min_updates, tables, per_message):
+            part, first = next(parts), True
+            while part is not None:
+                following = next(parts, None)
+                incarnation, seq, whole, ids, rows, kept = part
                 yield ps_pb2.TableChanges(
-                    table=name, incarnation=incarnation, seq=seq, whole=whole, first=start == 0,
-                    last=start + per_message >= len(ids), dim=held.table.dim, dtype=codec.wire_dtype(rows.dtype),
-                    ids=ids[part].numpy().astype("<i8").tobytes(), rows=codec.tensor_bytes(rows[part]).tobytes(),
-                    held=kept[part].numpy().astype("u1").tobytes(), step=step, partition=held.spec.partition,
+                    table=name, incarnation=incarnation, seq=seq, whole=whole, first=first, last=following is None,
+                    dim=held.table.dim, dtype=codec.wire_dtype(rows.dtype),
+                    ids=ids.numpy().astype("<i8").tobytes(), rows=codec.tensor_bytes(rows).tobytes(),
+                    held=kept.numpy().astype("u1").tobytes(), step=step, partition=held.spec.partition,
                     num_shards=held.num_shards, shard=self.index,
                     num_embeddings=held.spec.num_embeddings).SerializeToString()
+                part, first = following, False

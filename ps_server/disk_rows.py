@@ -165,6 +165,22 @@ class DiskRows:
             batch.delete(key)
         self._db.write(batch)
 
+    def scan(self, after: int | None, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, records) of at most `limit` rows with ids above `after` (None: from the lowest), by ascending
+        id, as the store holds them now: one step of a read that goes on at the id it ended at."""
+        if after is not None and after == np.iinfo(np.int64).max:
+            return np.empty(0, dtype=np.int64), np.empty((0, self.record_bytes), dtype=np.uint8)
+        start = None if after is None else encode_keys(np.array([after + 1], dtype=np.int64))[0]
+        keys, values = [], []
+        for key, value in self._db.items(from_key=start):
+            keys.append(key)
+            values.append(value)
+            if len(keys) == limit:
+                break
+        if not keys:
+            return np.empty(0, dtype=np.int64), np.empty((0, self.record_bytes), dtype=np.uint8)
+        return self._chunk(keys, values)
+
     def items(self, chunk: int = _SCAN_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, records) chunks of at most `chunk` rows, by ascending id, as the store holds them when asked
         (a snapshot: writes made meanwhile are not seen)."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -262,6 +262,16 @@ class EmbeddingTable:
                 values[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
             return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids), values,
                     torch.from_numpy(slots >= 0))
+
+    def read_changes(self, seq: int, incarnation: str, min_updates: int = 0, max_rows: int = 1 << 16
+                     ) -> Iterator[tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """changes()' answer in parts of at most `max_rows` rows, at least one, each (incarnation, seq, whole,
+        ids, rows, held) with the first part's incarnation and seq. Here changes() read at once and cut; an SSD
+        table streams a whole read from its store (ssd_tables.py). Raises as changes() does."""
+        incarnation, seq, whole, ids, values, held = self.changes(seq, incarnation, min_updates)
+        for start in range(0, max(1, len(ids)), max_rows):
+            part = slice(start, start + max_rows)
+            yield incarnation, seq, whole, ids[part], values[part], held[part]
 
     def _marked(self) -> np.ndarray:
         """Every slot's RowMarks (the array itself)."""

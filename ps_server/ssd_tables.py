@@ -28,7 +28,9 @@ one per table under --table-dir, and in a RAM cache of the rows used last:
   load_state_dict() of such a state opens a copy of it as the table's store
   (table files linked, not read), so a restart reads no row until asked;
   a state of a RAM table's rows is written into a new store.
-* changes() (serving replicas) writes changed rows back and reads the store.
+* changes() and read_changes() (serving replicas, PSClient.export_rows)
+  write changed rows back and read the store; a whole read streams it a
+  part at a time (DiskRows.scan), so the table is never whole in memory.
 
 The store's writes skip RocksDB's write-ahead log: a store left by a killed
 shard is never reopened (TableStorage empties --table-dir/ps-INDEX at
@@ -61,12 +63,12 @@ import secrets
 import shutil
 import threading
 import weakref
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, ModeConflictError
+from ..errors import InvalidArgumentError, LayoutChangedError, ModeConflictError
 from .disk_rows import DiskMemory, DiskRows, link_tree
 from ..rows import owner
 from .embeddings import STATE_FORMAT, EmbeddingTable, relayout_head
@@ -444,27 +446,55 @@ class SsdTable(EmbeddingTable):
 
     def changes(self, seq: int, incarnation: str, min_updates: int = 0
                 ) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not 0 <= min_updates <= MAX_UPDATES:
-            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
+        """EmbeddingTable.changes(): read_changes()' parts put together."""
+        parts = list(self.read_changes(seq, incarnation, min_updates))
+        return (*parts[0][:3], *(torch.cat([part[i] for part in parts]) for i in (3, 4, 5)))
+
+    def read_changes(self, seq: int, incarnation: str, min_updates: int = 0, max_rows: int = 1 << 16
+                     ) -> Iterator[tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """EmbeddingTable.read_changes(). A whole read streams the store a part at a time, each part read under
+        the table's lock once changed rows were written back: it holds its rows as they are when read, so a row
+        may be newer than the first part's seq, never older (a reader's next read from that seq sends it
+        again). Never more than a part in memory. LayoutChangedError if the table was replaced (a restore, a
+        re-layout) or closed between two parts: read again."""
+        if not 0 <= min_updates <= MAX_UPDATES or max_rows < 1:
+            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}] and max_rows positive, got "
+                                       f"{min_updates} and {max_rows}")
         with self._lock:
             self._write_back()
             ids = self._changes.since(seq, incarnation, self._changed_after)
-            whole = ids is None
-            if whole:
-                chunks = list(self._disk.items())
-                ids = np.concatenate([i for i, _ in chunks]) if chunks else np.empty(0, dtype=np.int64)
-                records = np.concatenate([r for _, r in chunks]) if chunks else \
-                    np.empty((0, self._record_bytes), dtype=np.uint8)
-                held = np.ones(len(ids), dtype=bool)
-            else:
+            at = (self._changes.incarnation, self._changes.seq)
+            if ids is not None:
                 held, records = self._disk.get(ids)
-            rows, _, marks = self._decoded(records)
-            if min_updates:
-                held &= RowMarks.updates(marks) >= min_updates
-            values = rows[:, :self.dim].clone()
-            values[torch.from_numpy(~held)] = 0
-            return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids.copy()), values,
-                    torch.from_numpy(held))
+        if ids is not None:
+            answer = self._part(at, False, ids, held, records, min_updates)
+            for start in range(0, max(1, len(ids)), max_rows):
+                yield (*answer[:3], *(t[start:start + max_rows] for t in answer[3:]))
+            return
+        after = None
+        while True:
+            with self._lock:
+                if self._closed or self._changes.incarnation != at[0]:
+                    raise LayoutChangedError("an embedding table kept on SSD was replaced (a restore or a "
+                                             "re-layout) while it was read whole; read it again")
+                self._write_back()
+                ids, records = self._disk.scan(after, max_rows)
+            if len(ids) or after is None:
+                yield self._part(at, True, ids, np.ones(len(ids), dtype=bool), records, min_updates)
+            if len(ids) < max_rows:
+                return
+            after = int(ids[-1])
+
+    def _part(self, at: tuple[str, int], whole: bool, ids: np.ndarray, held: np.ndarray, records: np.ndarray,
+              min_updates: int) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A part of read_changes() from store records: values zeroed where not held (or updated fewer than
+        `min_updates` times)."""
+        rows, _, marks = self._decoded(records)
+        if min_updates:
+            held = held & (RowMarks.updates(marks) >= min_updates)
+        values = rows[:, :self.dim].clone()
+        values[torch.from_numpy(~held)] = 0
+        return (*at, whole, torch.from_numpy(ids.copy()), values, torch.from_numpy(held))
 
     def _changed_after(self, seq: int) -> np.ndarray:
         parts = [ids[RowMarks.seqs(self._decoded(records)[2]) > seq] for ids, records in self._disk.items()]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -276,20 +276,28 @@ class TableStore(NamesAwaited):
         super().close()
         self._warmer.close()
 
-    def changes(self, cursors: Mapping[str, tuple[str, int]], min_updates: int = 0
-                ) -> list[tuple[str, _Held, tuple]]:
-        """(name, held, EmbeddingTable.changes()) of every table, by name: since its cursor (incarnation, seq)
-        in `cursors`, whole for a table without one; rows updated fewer than `min_updates` times are sent as
-        not held. UnknownVariableError for a cursor naming no table, InvalidArgumentError for a bad
-        `min_updates`, before anything is read."""
-        for name in cursors:
+    def changes(self, cursors: Mapping[str, tuple[str, int]], min_updates: int = 0,
+                tables: Sequence[str] = (), rows_per_part: Callable[[_Held], int] = lambda held: 1 << 16
+                ) -> list[tuple[str, _Held, Iterator[tuple]]]:
+        """(name, held, its EmbeddingTable.read_changes() parts) of every table, by name, or of `tables` only if
+        given: since its cursor (incarnation, seq) in `cursors`, whole for a table without one, in parts of
+        rows_per_part(held) rows; rows updated fewer than `min_updates` times are sent as not held. Each table is
+        read as its parts are taken. UnknownVariableError for a cursor or a name of `tables` naming no table,
+        InvalidArgumentError for a cursor of a table `tables` leaves out or a bad `min_updates`, before
+        anything is read."""
+        for name in [*cursors, *tables]:
             self.get(name)
+        if tables and set(cursors) - set(tables):
+            raise InvalidArgumentError(f"cursors name tables {sorted(set(cursors) - set(tables))} the read leaves "
+                                       f"out (it reads {sorted(tables)})")
         if not 0 <= min_updates <= MAX_UPDATES:
             raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
         with self._changed:
-            tables = sorted(self._tables.items())
-        return [(name, held, held.table.changes(*reversed(cursors.get(name, ("", 0))), min_updates))
-                for name, held in tables]
+            chosen = sorted(((name, held) for name, held in self._tables.items() if not tables or name in tables),
+                            key=lambda item: item[0])
+        return [(name, held, held.table.read_changes(*reversed(cursors.get(name, ("", 0))), min_updates,
+                                                     rows_per_part(held)))
+                for name, held in chosen]
 
     # -- pushes -----------------------------------------------------------------------------
 

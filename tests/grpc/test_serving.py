@@ -1,7 +1,7 @@
 """Serving replicas (ps-serve) on real processes: a replica follows two training shards' embedding rows and dense
 variables, answers with one consistent version at a time, equals the shards bit for bit once it caught up,
 rolls back to exactly a kept version's rows, says so in its metrics, comes back to the same rows after a
-restart, reads a table larger than a message in pieces, and refuses what its callers may not do. Ordered by
+restart, reads a table larger than a message in pieces (one kept on SSD streamed from its store), and refuses what its callers may not do. Ordered by
 events (the replica's own status), never by sleeping."""
 
 from __future__ import annotations
@@ -308,6 +308,40 @@ def test_a_table_larger_than_a_message_is_read_in_pieces_under_the_shards_size_l
                 assert torch.equal(serving.lookup("big", part).rows, client.lookup_rows({"big": part})["big"])
     finally:
         _stop(proc)
+
+
+def test_a_replica_reads_a_table_kept_on_ssd_whole_in_parts_then_follows_it(local_cluster, tmp_path):
+    """Two shards keep a dynamic table on SSD, their caches a fraction of it, their messages at the smallest
+    size: the replica's first read streams each shard's store in several parts (whole, first and last marked)
+    and equals the shards; it then follows the rows training changes."""
+    local = local_cluster(2, server_args=["--table-storage", "ssd", "--table-dir", str(tmp_path / "tables"),
+                                          "--table-cache", "64K", "--max-chunk-bytes", str(MIN_CHUNK_BYTES)])
+    ids = torch.arange(-6000, 6000)
+    with PSClient(local.cluster, connect_timeout=10.0, timeout=TIMEOUT) as client:
+        client.create_tables([Embedding(None, D).table_spec("dyn", Optimizer("adagrad", lr=0.1))])
+        for part in ids.split(3000):
+            client.lookup_rows({"dyn": part}, admit=True)
+        client.push({}, rows={"dyn": (ids[::7], torch.ones(len(ids[::7]), D))})
+        statuses = [t for i in range(2) for t in client.status(i).tables]
+        assert all(t.storage == "ssd" and t.rows > 4 * t.cache_rows for t in statuses), statuses
+        stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(local.cluster.ps[1]))
+        pieces = list(stub.ReadChanges(ps_pb2.ChangesRequest(tables=["dyn"]), timeout=TIMEOUT))
+        assert len(pieces) > 2 and all(m.whole and m.ByteSize() <= MIN_CHUNK_BYTES + 1024 for m in pieces)
+        assert [(m.first, m.last) for m in pieces] == [(True, False)] + [(False, False)] * (len(pieces) - 2) + \
+            [(False, True)]
+        assert sum(len(m.ids) // 8 for m in pieces) == len(ids) // 2
+        proc, address = _replica(local, tmp_path)
+        try:
+            with ServingClient(address, timeout=TIMEOUT) as serving:
+                wait_until(lambda: (s := _status(serving)) is not None and s.rows == len(ids), TIMEOUT,
+                           "the whole read")
+                assert torch.equal(serving.lookup("dyn", ids).rows, client.lookup_rows({"dyn": ids})["dyn"])
+                changed = ids[::5]
+                client.push({}, rows={"dyn": (changed, torch.ones(len(changed), D))})
+                _caught_up(serving, client.status(0).step)
+                assert torch.equal(serving.lookup("dyn", ids).rows, client.lookup_rows({"dyn": ids})["dyn"])
+        finally:
+            _stop(proc)
 
 
 def test_a_replica_starts_from_a_checkpoint_then_reads_only_what_changed_since_and_filters_by_updates(

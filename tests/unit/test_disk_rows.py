@@ -39,6 +39,25 @@ def test_records_are_found_by_id_replaced_deleted_and_listed_by_id(tmp_path):
     store.close()
 
 
+def test_a_scan_reads_a_part_above_an_id_and_goes_on_where_it_ended(tmp_path):
+    store = DiskRows(tmp_path / "t", W)
+    top = (1 << 63) - 1
+    ids = np.array([top, -(1 << 63), -3, 0, 2, 40], dtype=np.int64)
+    store.put(ids, records(ids))
+    parts, after = [], None
+    while True:
+        got, recs = store.scan(after, 2)
+        parts.append(got.tolist())
+        assert (recs == records(got)).all()
+        if len(got) < 2:
+            break
+        after = int(got[-1])
+    assert parts == [[-(1 << 63), -3], [0, 2], [40, top], []]
+    assert store.scan(top, 5)[0].tolist() == [] and store.scan(-4, 1)[0].tolist() == [-3]
+    assert store.bytes_read == len(ids) * W + W  # a part reads its rows only
+    store.close()
+
+
 def test_a_snapshot_holds_the_store_as_it_was_and_a_store_opens_again_or_fresh(tmp_path):
     store = DiskRows(tmp_path / "live", W)
     ids = np.arange(1000, dtype=np.int64)

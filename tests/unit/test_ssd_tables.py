@@ -445,3 +445,49 @@ def test_a_re_layout_from_a_store_holding_another_shards_rows_is_refused_and_cha
         table.load_state_dict(relayout_stores(states, 0, 3))
     assert torch.equal(table.lookup(torch.tensor([3, 6]), admit=False), before)
     assert sorted(table._folder.iterdir()) == folders
+
+
+def test_a_whole_read_streams_the_store_a_part_at_a_time_and_matches_ram(tmp_path):
+    ram, disk = EmbeddingTable(DIM, **ARGS), ssd(tmp_path)
+    train(ram)
+    train(disk)
+    expected = ram.changes(0, "")
+    rows = disk.counters()["rows"]
+    read_before = disk.counters()["disk_bytes_read"]
+    parts = disk.read_changes(0, "", max_rows=500)
+    first = next(parts)
+    assert len(first[3]) == 500 and first[2]  # whole, one part read so far
+    assert disk.counters()["disk_bytes_read"] - read_before <= 500 * (disk.row_bytes + 16)
+    got = [first, *parts]
+    assert len(got) == -(-rows // 500) and {p[:3] for p in got} == {first[:3]}
+    for i in (3, 4, 5):
+        assert torch.equal(torch.cat([p[i] for p in got]), expected[i])
+    assert torch.equal(disk.changes(0, "")[4], expected[4])  # changes() puts the parts together
+
+
+def test_rows_changed_during_a_whole_read_come_again_in_the_next_read_from_its_seq(tmp_path):
+    disk = ssd(tmp_path)
+    train(disk, steps=20)
+    parts = disk.read_changes(0, "", max_rows=100)
+    incarnation, seq = next(parts)[:2]
+    changed = torch.tensor([0, 1, 2, 4999])  # rows already sent and rows not read yet
+    disk.lookup(changed)
+    disk.apply(changed, torch.ones(4, DIM), 21)
+    list(parts)
+    _, _, whole, ids, values, held = disk.changes(seq, incarnation)
+    assert not whole and set(changed.tolist()) <= set(ids.tolist()) and held.all()
+    assert torch.equal(values[torch.isin(ids, changed)], disk.lookup(changed, admit=False))
+
+
+def test_a_whole_read_of_a_table_replaced_meanwhile_fails_and_a_new_read_sees_the_new_rows(tmp_path):
+    from torchps.errors import LayoutChangedError
+
+    disk, other = ssd(tmp_path), ssd(tmp_path)
+    train(disk, steps=20)
+    train(other, steps=5)
+    parts = disk.read_changes(0, "", max_rows=100)
+    next(parts)
+    disk.load_state_dict(other.state_dict())
+    with pytest.raises(LayoutChangedError, match="read it again"):
+        list(parts)
+    assert torch.equal(disk.changes(0, "")[4], other.changes(0, "")[4])

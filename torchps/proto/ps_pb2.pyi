@@ -1061,14 +1061,16 @@ class TableCursor(_message.Message):
     def __init__(self, table: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ChangesRequest(_message.Message):
-    __slots__ = ("cursors", "max_rows", "min_updates")
+    __slots__ = ("cursors", "max_rows", "min_updates", "tables")
     CURSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     MIN_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     cursors: _containers.RepeatedCompositeFieldContainer[TableCursor]
     max_rows: int
     min_updates: int
-    def __init__(self, cursors: _Optional[_Iterable[_Union[TableCursor, _Mapping]]] = ..., max_rows: _Optional[int] = ..., min_updates: _Optional[int] = ...) -> None: ...
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cursors: _Optional[_Iterable[_Union[TableCursor, _Mapping]]] = ..., max_rows: _Optional[int] = ..., min_updates: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TableChanges(_message.Message):
     __slots__ = ("table", "incarnation", "seq", "whole", "first", "last", "dim", "dtype", "ids", "rows", "held", "step", "partition", "num_shards", "shard", "num_embeddings")
