@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pathlib
+import re
 import queue
 import shutil
 import threading
@@ -56,6 +58,7 @@ from ..errors import LaneBrokenError, LeaseHeldError, MalformedStreamError, PSEr
 from ..proto import ps_pb2
 from ..security import Security
 from . import journal_log
+from .checkpoint import fsync_dir
 from .journal import Journal
 from .replication import REPLICATED
 
@@ -79,6 +82,10 @@ class Mirror:
 
     def __init__(self, folder: pathlib.Path, sync: bool, lane=None):
         self.folder, self.sync, self.lane = folder, sync, lane
+        # A base's store copies (FILE frames) are written here first and moved beside the base as it comes.
+        self.incoming = folder.parent / f".{folder.name}.incoming"
+        shutil.rmtree(self.incoming, ignore_errors=True)
+        self._file = None  # (path, open file) of a FILE in pieces
         self.finished = False  # the job's end (the chief's Shutdown) came: its primary stops
         self.replica_events: list[dict] = []  # the primary's record of the shards it arbitrates, as it changes
         self.journal: Journal | None = None
@@ -97,6 +104,9 @@ class Mirror:
             return None
         if frame.kind == _FRAME.LAYOUT:
             self._layout = frame.data
+            return None
+        if frame.kind == _FRAME.FILE:
+            self._take_file(frame)
             return None
         if frame.kind == _FRAME.ROTATE:
             self._need_journal()
@@ -127,11 +137,50 @@ class Mirror:
             if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
                 self.replica_events.append(journal_log.meta_of(head))
             return None
+        if self._file is not None:
+            raise MalformedStreamError(f"the primary sent a base before the end of the file {self._file[0]}")
         if self.journal is None:  # the stream's first base: the copy begins again from it
             self._replace(number, head, data)
             return written
+        self._place_files()
         self.journal.finish_compaction(number, self.journal.write_encoded_base(number, head, data))
         return None
+
+    def _take_file(self, frame: ps_pb2.ReplicaFrame) -> None:
+        """Writes a piece of a base's store copy into `incoming`, at its path (base-N.stores/...); the last
+        piece closes it (synced with `sync`). MalformedStreamError for a path outside such a folder."""
+        if self._file is None:
+            parts = pathlib.PurePosixPath(frame.path).parts
+            if len(parts) < 2 or not re.fullmatch(r"base-\d+\.stores", parts[0]) or \
+                    any(p in ("", ".", "..") for p in parts):
+                raise MalformedStreamError(f"the primary sent a file outside a base's store copies: {frame.path!r}")
+            target = self.incoming.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._file = (frame.path, open(target, "wb"))
+        elif frame.path != self._file[0]:
+            raise MalformedStreamError(f"the primary sent {frame.path!r} within {self._file[0]!r}")
+        _, f = self._file
+        f.write(frame.data)
+        if frame.last:
+            if self.sync:
+                f.flush()
+                os.fsync(f.fileno())
+            f.close()
+            self._file = None
+
+    def _place_files(self) -> None:
+        """Moves the store copies taken since the last base (incoming) into the copy's folder, beside the base
+        that names them."""
+        if not self.incoming.is_dir():
+            return
+        for stores in sorted(self.incoming.iterdir()):
+            target = self.folder / stores.name
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(stores, target)
+        shutil.rmtree(self.incoming, ignore_errors=True)
+        if self.sync:
+            fsync_dir(self.folder)
 
     def _read_lane(self, nbytes: int) -> bytearray:
         """The next frame of the lane, `nbytes` of a record's tensors (lane_since is set while it waits for them).
@@ -158,6 +207,7 @@ class Mirror:
         if self.folder.exists():
             shutil.rmtree(self.folder)
         self.journal = Journal(self.folder, sync=self.sync)
+        self._place_files()
         self.journal.start_mirror(self._layout, number, head, data)
         (self.folder / REPLICATED).touch()  # started on it, a process asks the arbiter who serves the shard
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
@@ -179,22 +229,27 @@ class Mirror:
         return primary
 
     def close(self) -> None:
+        if self._file is not None:
+            self._file[1].close()
+        shutil.rmtree(self.incoming, ignore_errors=True)
         if self.journal is not None:
             self.journal.close()
 
 
 class Backup:
     """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted;
-    `spec`: the job's shards as its cluster spec names them (where its arbiter is)."""
+    `spec`: the job's shards as its cluster spec names them (where its arbiter is). `keeps_stores`: it was
+    started with --table-dir, so a primary keeping tables on SSD takes it (it copies their stores too)."""
 
     def __init__(self, index: int, me: str, primary: str, spec: tuple[str, ...], folder: str, security: Security, *,
-                 sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS):
+                 sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS, keeps_stores: bool = False):
         from ..client.channels import ShardChannels  # a backup's calls are a client's
 
         self.index, self.me, self.primary = index, me, primary
         self._arbiter = arbiter_of(index, len(spec))
         self.folder = pathlib.Path(folder)
         self.sync, self.failover_after = sync, failover_after
+        self.keeps_stores = keeps_stores  # it may be promoted with tables on SSD (--table-dir)
         self._security = security
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
@@ -238,7 +293,8 @@ class Backup:
             return "unreachable"
         acks: queue.Queue = queue.Queue()
         acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
-                                                             lane=lane.key if lane is not None else b"")))
+                                                             lane=lane.key if lane is not None else b"",
+                                                             keeps_stores=self.keeps_stores)))
         mirror = Mirror(self.folder, self.sync, lane)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
         last = [time.monotonic()]  # when this backup began to wait for the next frame; None while it takes one

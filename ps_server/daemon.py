@@ -79,11 +79,13 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int,
     return None
 
 
-def table_storage(args: argparse.Namespace, index: int) -> TableStorage:
+def table_storage(args: argparse.Namespace, index: int, address: str, promoted: bool) -> TableStorage:
     """Where the shard keeps dynamic tables (--table-storage, --table-dir, --table-cache): the cache defaults to
-    half of --max-memory, else 256 MiB."""
+    half of --max-memory, else 256 MiB. A promoted backup keeps them in a folder of its own, named by the port
+    it serves at (DIR/ps-N-at-PORT): its old primary may still run beside it, fenced."""
     cache = args.table_cache or (args.max_memory // 2 if args.max_memory else 256 << 20)
-    return TableStorage(args.table_storage, args.table_dir, index=index, cache_bytes=cache)
+    name = f"ps-{index}-at-{address.rpartition(':')[2]}" if promoted else f"ps-{index}"
+    return TableStorage(args.table_storage, args.table_dir, name=name, cache_bytes=cache)
 
 
 def _spec_workers(cluster: Cluster | None) -> frozenset[str]:
@@ -142,8 +144,8 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     backup = Backup(index, me, primary, tuple(cluster.ps), args.journal_dir, security.as_shard(index),
-                    sync=args.journal_sync,
-                    failover_after=args.failover_after)
+                    sync=args.journal_sync, failover_after=args.failover_after,
+                    keeps_stores=args.table_dir is not None)
     interrupted = []
 
     def on_signal(signum, _frame) -> None:
@@ -235,7 +237,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             addresses=tuple(cluster.ps) if cluster is not None else (),
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
             pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout,
-            failover_after=args.failover_after, fence=fence, table_storage=table_storage(args, index))
+            failover_after=args.failover_after, fence=fence, table_storage=table_storage(args, index, address, promoted))
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)

@@ -213,9 +213,6 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     if args.table_dir and any(_overlap(args.table_dir, d) for d in (args.checkpoint_dir, args.journal_dir) if d):
         raise ClusterConfigError("--table-dir is emptied at start: it must not hold or lie inside --checkpoint-dir "
                                  "or --journal-dir")
-    if args.replica_of and args.table_dir:
-        raise ClusterConfigError("--replica-of: a shard that may keep tables on SSD (--table-dir) cannot be "
-                                 "replicated yet; keep its tables in RAM")
     task = None
     if args.cluster:
         cluster = Cluster.from_json(args.cluster)

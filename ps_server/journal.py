@@ -64,6 +64,7 @@ from . import journal_log
 from .checkpoint import fsync_dir, write_atomic
 from .journal_log import Record
 from .locks import check_unlocked, checked
+from .disk_rows import link_tree
 from .ssd_tables import place_stores, resolve_stores
 
 __all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES", "MAX_COMPACT_BYTES",
@@ -78,6 +79,7 @@ MAX_COMPACT_BYTES = 64 << 20    # past 16 MiB of base, COMPACT_FACTOR alone deci
 _REPLACE = "pass --restore-from CHECKPOINT_DIR --replace-journal (the journal is moved aside, not deleted)"
 SPARES = 2                      # retired files kept to be written over: a base's and a log's
 LAYOUT = "layout.json"
+SHIPPING = ".shipping"          # base store copies linked for a backup until sent (base_files)
 _BASE = re.compile(r"^base-(\d{6})\.bin$")
 _LOG = re.compile(r"^log-(\d{6})\.bin$")
 _SPARE = re.compile(r"^spare-(\d{6})\.bin$")
@@ -371,6 +373,7 @@ class Journal:
                 if self._follower is not None:
                     raise ModeConflictError(f"the backup {self._follower.address} follows this shard: one at a time")
                 self._follower, self._acked, follower.floor = follower, 0, self._appended
+                shutil.rmtree(self.directory / SHIPPING, ignore_errors=True)  # a lost feed's files not sent
             self._number += 1
             self._queue.append(("rotate", self._number, follower))
             self._log_bytes = 0
@@ -561,6 +564,20 @@ class Journal:
 
     def _spare_path(self, number: int) -> pathlib.Path:
         return self.directory / f"spare-{number:06d}.bin"
+
+    def base_files(self, number: int) -> list[tuple[str, pathlib.Path]]:
+        """[(path under this folder, file)] of every file of base `number`'s store copies (none without tables
+        on SSD), for a backup's copy (replication.py): hard links to them in a folder of the feed's
+        (SHIPPING/), so that a later compaction retiring the base leaves them to be read until sent; each is
+        removed as it is sent, and what a lost feed left when the next one attaches (rotate)."""
+        stores = self._stores_path(number)
+        if not stores.is_dir():
+            return []
+        shipping = self.directory / SHIPPING / stores.name
+        shutil.rmtree(shipping, ignore_errors=True)
+        for table in sorted(stores.iterdir()):
+            link_tree(table, shipping / table.name)
+        return [(str(f.relative_to(shipping.parent)), f) for f in sorted(shipping.rglob("*")) if f.is_file()]
 
     def _stores_path(self, number: int) -> pathlib.Path:
         """The folder of the SSD tables' store copies of base `number` (ssd_tables.place_stores)."""

@@ -176,7 +176,8 @@ class Recorder:
             journal.finish_compaction(number, journal.write_base(number, state))
             shipping = journal.following()
             if shipping is not None:
-                shipping.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+                shipping.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)),
+                                    files=journal.base_files(number))
         except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
             if follower is not None:
                 raise

@@ -32,7 +32,14 @@ sends them from the record's own memory right after writing it (the kernel's
 copy only), as it writes them to the disk. Without one, the writer copies
 them into the frames (a push's receive buffers are reused once its wait
 ends, which a wait that timed out does while the frames are still queued).
-Bases go in the frames either way.
+Bases go in the frames either way. A base of a shard that keeps tables on
+SSD names copies of their stores (journal.py: base-N.stores/): every file of
+them goes first, as FILE frames read from disk a piece at a time as the
+stream takes them (never the whole store in memory), so the backup's copy
+holds them before the base that names them. A backup that cannot keep them
+(no --table-dir: ReplicaHello.keeps_stores) is refused by such a shard.
+Records the backup could not acknowledge while the files streamed have their
+wait counted from the files' end.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+import pathlib
+from typing import Callable, Iterator, Sequence
 
 from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
@@ -83,6 +91,22 @@ def frames_of(kind: int, number: int, written: int, head: bytes, views: list, ch
     return out
 
 
+def file_frames(path: str, source: pathlib.Path, chunk_bytes: int) -> Iterator[bytes]:
+    """The serialized FILE frames of file `source` (its path under the journal's folder: `path`), read a piece
+    of at most `chunk_bytes` at a time as they are taken, the last one marked; `source` (a link of the feed's:
+    Journal.base_files) is removed once read."""
+    with open(source, "rb") as f:
+        piece = f.read(chunk_bytes)
+        while True:
+            following = f.read(chunk_bytes) if piece else b""
+            if not following:
+                source.unlink(missing_ok=True)
+            yield _FRAME(kind=_FRAME.FILE, path=path, data=piece, last=not following).SerializeToString()
+            if not following:
+                return
+            piece = following
+
+
 def _nothing() -> None:
     pass
 
@@ -102,7 +126,7 @@ class Feed:
         self._ack_timeout = ack_timeout
         self._on_lost, self._on_based = on_lost, on_based
         self._cond = threading.Condition(threading.Lock())
-        self._frames: collections.deque[bytes] = collections.deque()
+        self._frames: collections.deque = collections.deque()  # serialized frames, or a file's (file_frames)
         self._early: list[bytes] = []   # records written before the first base was offered
         self._based = False
         self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
@@ -148,8 +172,12 @@ class Feed:
                 self._frames.append(_FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString())
                 self._cond.notify_all()
 
-    def offer_base(self, number: int, head: bytes, views: list) -> None:
-        frames = frames_of(_FRAME.BASE, number, 0 if self._based else self.floor, head, views, self._chunk)
+    def offer_base(self, number: int, head: bytes, views: list, files: Sequence[tuple[str, pathlib.Path]] = ()
+                   ) -> None:
+        """Queues base `number`'s frames, after those of `files` ([(path under the journal's folder, file)]: its
+        store copies, read as the stream takes them)."""
+        frames = [file_frames(path, source, self._chunk) for path, source in files]
+        frames += frames_of(_FRAME.BASE, number, 0 if self._based else self.floor, head, views, self._chunk)
         with self._cond:
             if self.lost is not None:
                 return
@@ -176,7 +204,20 @@ class Feed:
             if overdue:
                 self.lose(f"it left a record unacknowledged for over {self._ack_timeout:g} s")
                 return
-            yield from frames or (_HEARTBEAT,)
+            if not frames:
+                yield _HEARTBEAT
+            for frame in frames:
+                if isinstance(frame, bytes):
+                    yield frame
+                else:  # a file's frames, read as they are taken: no ack could come meanwhile
+                    yield from frame
+                    self._restamp()
+
+    def _restamp(self) -> None:
+        """Counts the wait of every record not acknowledged yet from now."""
+        with self._cond:
+            now = time.monotonic()
+            self._unacked = collections.deque((number, now) for number, _ in self._unacked)
 
     def acked(self, number: int, journal) -> None:
         """The backup wrote every record up to `number` (the first base's: `floor`)."""
@@ -220,12 +261,12 @@ class Replication:
 
     def __init__(self, index: int, me: str, journal: Callable[[], object], compact_for: Callable[[Feed], None],
                  arbiter: Arbiter | None, *, self_arbitrated: bool, chunk_bytes: int,
-                 ack_timeout: float = ACK_TIMEOUT_SECONDS, refused: str | None = None):
+                 ack_timeout: float = ACK_TIMEOUT_SECONDS, stores: bool = False):
         self.index, self.me = index, me
         self._journal, self._compact_for, self._arbiter = journal, compact_for, arbiter
         self._self_arbitrated = self_arbitrated
         self._chunk, self._ack_timeout = chunk_bytes, ack_timeout
-        self._refused = refused  # why this shard takes no backup, if it takes none
+        self._stores = stores  # this shard may keep tables on SSD: its backups must keep store copies
         self.feeds_opened = 0
         self.feeds_lost = 0
 
@@ -233,13 +274,14 @@ class Replication:
         """A feed for the backup `hello` names, attached at a new base, its records' bytes on `lane` (the bulk
         lane the hello names, claimed) if given. Blocks while the base is written.
         InvalidArgumentError for another shard's backup; ModeConflictError without a journal, with tables on
-        SSD (`refused`), or while
+        SSD (`stores`) for a backup that cannot keep their stores (hello.keeps_stores), or while
         another backup's feed is attached (a lost one is attached until its arbiter dropped it), or without an arbiter to ask."""
         if hello.index != self.index or not hello.address:
             raise InvalidArgumentError(f"this is ps:{self.index}: a backup of it names index {self.index} and "
                                        f"its own address. Received: index {hello.index}, {hello.address!r}")
-        if self._refused:
-            raise ModeConflictError(f"ps:{self.index} takes no backup: {self._refused}")
+        if self._stores and not hello.keeps_stores:
+            raise ModeConflictError(f"ps:{self.index} may keep embedding tables on SSD (--table-dir): a backup of it "
+                                    f"needs --table-dir too, to keep their stores")
         journal = self._journal()
         if journal is None:
             raise ModeConflictError(f"ps:{self.index} keeps no journal (--no-journal): it has nothing to replicate")

@@ -47,7 +47,9 @@ streams each old shard's store copy a chunk at a time into the new shard's
 store, keeping the rows the table's partition now gives it: no table is
 read whole into memory. A serving replica started from a checkpoint reads
 a store copy whole (stored_rows). Not on SSD yet (refused with a clear
-error): live re-layout in a resize, replicated shards.
+error): live re-layout in a resize. A replicated shard's backup copies the
+store copies of each journal base (replication.py), and once promoted opens
+them as a restarted shard does.
 
 Thread safety: as EmbeddingTable (one lock per table, held for every public
 call); CacheBudget has its own lock, taken inside a table's.
@@ -205,11 +207,11 @@ def _safe(name: str) -> str:
 
 class TableStorage:
     """Where a shard keeps its dynamic tables: by default `kind` ("ram" or "ssd"); on SSD only with a
-    `directory`, under `directory`/ps-`index` (emptied here: a store is never reopened after its shard
+    `directory`, under `directory`/`name` (ps-INDEX; emptied here: a store is never reopened after its shard
     stopped), the SSD tables' caches sharing `cache_bytes`. With a directory and kind "ram", tables whose spec
     asks for "ssd" go to disk and the others stay in memory."""
 
-    def __init__(self, kind: str = "ram", directory: str | os.PathLike | None = None, *, index: int = 0,
+    def __init__(self, kind: str = "ram", directory: str | os.PathLike | None = None, *, name: str = "ps-0",
                  cache_bytes: int = 256 << 20):
         if kind not in STORAGES or (kind == "ssd" and directory is None) or cache_bytes <= 0:
             raise InvalidArgumentError(f"table storage {kind!r} needs a folder where it is 'ssd' and a positive "
@@ -217,7 +219,7 @@ class TableStorage:
         self.kind, self.cache_bytes = kind, cache_bytes
         self.root = None
         if directory is not None:
-            self.root = pathlib.Path(directory) / f"ps-{index}"
+            self.root = pathlib.Path(directory) / name
             if self.root.exists():
                 shutil.rmtree(self.root)
             self.root.mkdir(parents=True)

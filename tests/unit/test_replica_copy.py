@@ -113,3 +113,62 @@ def test_compactions_go_on_after_a_backup_was_attached_from_a_thread_that_lives_
     coordinator.recorder.wait_for_compaction(timeout=30)
     assert journal._number > number, "a compaction after the backup's"
     journal.close()
+
+
+def _ssd_state(tmp_path, step: int, rows: int) -> dict:
+    """A shard state holding an SSD table of `rows` rows (its state a StoreCopy of the table's store)."""
+    from torchps.ps_server.disk_rows import DiskMemory
+    from torchps.ps_server.ssd_tables import CacheBudget, SsdTable
+
+    table = SsdTable(4, folder=tmp_path / f"table-{step}", memory=DiskMemory(1 << 20, 1 << 20),
+                     budget=CacheBudget(4096), optimizer="sgd", hyperparams={"lr": 1.0})
+    ids = torch.arange(rows)
+    table.lookup(ids)
+    table.apply(ids, torch.full((rows, 4), float(step)), step)
+    return {"step": step, "variables": {"w": torch.full((3,), float(step))},
+            "tables": [{"name": "dyn", "state": table.state_dict()}]}, table
+
+
+def test_a_copy_holds_each_bases_store_copies_beside_it_and_drops_older_ones(tmp_path):
+    """A base of a shard keeping a table on SSD: its store copy's files come first (FILE frames, in pieces of
+    12 bytes here) and the copy's base names them under its own folder, byte for byte the primary's; a later
+    base's replace them. The first base's files are read after the second compaction retired them: the
+    feed's links keep them."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed()
+    for step, attach in ((1, True), (2, False)):
+        state, table = _ssd_state(tmp_path, step, 50 * step)
+        number = primary.rotate(follower=feed if attach else None)
+        primary.finish_compaction(number, primary.write_base(number, state))
+        feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)),
+                        files=primary.base_files(number))
+        primary.append("apply", {"i": step}, ODD)
+        table.close()
+    primary.acked(feed, 10**9)
+    primary.wait(timeout=10)
+    _copy(feed, tmp_path / "copy")
+    primary.close()
+    assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 2
+    base, _ = Journal(tmp_path / "copy").recover()
+    store = base["tables"][0]["state"]["store"]["path"]
+    assert store.startswith(str(tmp_path / "copy" / "base-")) and (tmp_path / "copy" / store).is_dir()
+    theirs = {f.relative_to(tmp_path / "primary"): f.read_bytes()
+              for f in (tmp_path / "primary").glob("base-*.stores/**/*") if f.is_file()}
+    mine = {f.relative_to(tmp_path / "copy"): f.read_bytes()
+            for f in (tmp_path / "copy").glob("base-*.stores/**/*") if f.is_file()}
+    assert theirs and mine == theirs  # the older base's copies are gone on both sides
+    assert len({p.parts[0] for p in mine}) == 1
+    assert not [f for f in (tmp_path / "primary" / ".shipping").rglob("*") if f.is_file()]  # each removed once sent
+
+
+@pytest.mark.parametrize("path", ["../escape", "base-1.stores/../../x", "other/file", "base-1.stores"])
+def test_a_file_outside_a_bases_store_copies_is_refused(tmp_path, path):
+    from torchps.errors import MalformedStreamError
+
+    mirror = Mirror(tmp_path / "copy", sync=False)
+    frame = ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.FILE, path=path, data=b"x", last=True)
+    with pytest.raises(MalformedStreamError, match="outside a base's store copies"):
+        mirror.take(frame)
+    mirror.close()
+    assert not any(tmp_path.rglob("x")) and not (tmp_path / "escape").exists()

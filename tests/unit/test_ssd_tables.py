@@ -141,7 +141,7 @@ def test_caches_share_the_budget_and_each_keeps_an_equal_share():
 
 def test_storage_keeps_fixed_tables_in_ram_and_dynamic_ones_on_ssd(tmp_path):
     (tmp_path / "ps-0" / "old").mkdir(parents=True)
-    storage = TableStorage("ssd", tmp_path, index=0, cache_bytes=1 << 20)
+    storage = TableStorage("ssd", tmp_path, cache_bytes=1 << 20)
     assert not (tmp_path / "ps-0" / "old").exists()  # a store of an earlier run is never reopened
     assert storage.table("f", DIM, num_embeddings=10).storage == "ram"
     tables = [storage.table("a/b", DIM), storage.table("e", DIM, capacity=10, max_age=3)]

@@ -557,17 +557,19 @@ class ReplicaAck(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., written: _Optional[int] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("index", "address", "lane")
+    __slots__ = ("index", "address", "lane", "keeps_stores")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_STORES_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     lane: bytes
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ...) -> None: ...
+    keeps_stores: bool
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
-    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes")
+    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RECORD: _ClassVar[ReplicaFrame.Kind]
@@ -575,11 +577,13 @@ class ReplicaFrame(_message.Message):
         BASE: _ClassVar[ReplicaFrame.Kind]
         LAYOUT: _ClassVar[ReplicaFrame.Kind]
         HEARTBEAT: _ClassVar[ReplicaFrame.Kind]
+        FILE: _ClassVar[ReplicaFrame.Kind]
     RECORD: ReplicaFrame.Kind
     ROTATE: ReplicaFrame.Kind
     BASE: ReplicaFrame.Kind
     LAYOUT: ReplicaFrame.Kind
     HEARTBEAT: ReplicaFrame.Kind
+    FILE: ReplicaFrame.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +591,7 @@ class ReplicaFrame(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     kind: ReplicaFrame.Kind
     number: int
     written: int
@@ -594,7 +599,8 @@ class ReplicaFrame(_message.Message):
     data: bytes
     last: bool
     lane_bytes: int
-    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ...) -> None: ...
+    path: str
+    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class JobMember(_message.Message):
     __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")
