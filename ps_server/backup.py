@@ -76,6 +76,15 @@ FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's 
 _FRAME = ps_pb2.ReplicaFrame
 
 
+def _store_parts(path: str) -> tuple[str, ...]:
+    """The parts of a path a FILE frame names (base-N.stores/...); MalformedStreamError for one outside such a
+    folder."""
+    parts = pathlib.PurePosixPath(path).parts
+    if len(parts) < 2 or not re.fullmatch(r"base-\d+\.stores", parts[0]) or any(p in ("", ".", "..") for p in parts):
+        raise MalformedStreamError(f"the primary sent a file outside a base's store copies: {path!r}")
+    return parts
+
+
 class Mirror:
     """One stream's copy of the primary's journal, into `folder` (replaced at its base); its records' bytes read
     from `lane` where the stream has one (ReplicaFrame.lane_bytes)."""
@@ -148,14 +157,19 @@ class Mirror:
 
     def _take_file(self, frame: ps_pb2.ReplicaFrame) -> None:
         """Writes a piece of a base's store copy into `incoming`, at its path (base-N.stores/...); the last
-        piece closes it (synced with `sync`). MalformedStreamError for a path outside such a folder."""
+        piece closes it (synced with `sync`). One naming a file of the last base's copies (`same_as`) links
+        that. MalformedStreamError for a path outside such a folder, or a `same_as` this copy lacks."""
         if self._file is None:
-            parts = pathlib.PurePosixPath(frame.path).parts
-            if len(parts) < 2 or not re.fullmatch(r"base-\d+\.stores", parts[0]) or \
-                    any(p in ("", ".", "..") for p in parts):
-                raise MalformedStreamError(f"the primary sent a file outside a base's store copies: {frame.path!r}")
-            target = self.incoming.joinpath(*parts)
+            target = self.incoming.joinpath(*_store_parts(frame.path))
             target.parent.mkdir(parents=True, exist_ok=True)
+            if frame.same_as:
+                source = self.folder.joinpath(*_store_parts(frame.same_as))
+                try:
+                    os.link(source, target)
+                except OSError as exc:
+                    raise MalformedStreamError(f"the primary named {frame.same_as!r} of the last base for "
+                                               f"{frame.path!r}, and this copy cannot link it ({exc})") from None
+                return
             self._file = (frame.path, open(target, "wb"))
         elif frame.path != self._file[0]:
             raise MalformedStreamError(f"the primary sent {frame.path!r} within {self._file[0]!r}")

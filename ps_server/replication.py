@@ -38,6 +38,9 @@ them goes first, as FILE frames read from disk a piece at a time as the
 stream takes them (never the whole store in memory), so the backup's copy
 holds them before the base that names them. A backup that cannot keep them
 (no --table-dir: ReplicaHello.keeps_stores) is refused by such a shard.
+A table file (*.sst, never changed once made) that the last base sent on
+this feed held too goes as a FILE frame naming it there (`same_as`), which the
+backup links: after the first base a backup receives the files made since.
 Records the backup could not acknowledge while the files streamed have their
 wait counted from the files' end.
 """
@@ -107,6 +110,15 @@ def file_frames(path: str, source: pathlib.Path, chunk_bytes: int) -> Iterator[b
             piece = following
 
 
+def _identity(source: pathlib.Path) -> tuple | None:
+    """What makes a table file (*.sst) the same file in two bases (hard links of one file: name, size, mtime,
+    inode); None for another file (a store's manifest, which changes)."""
+    if source.suffix != ".sst":
+        return None
+    stat = source.stat()
+    return source.name, stat.st_size, stat.st_mtime_ns, stat.st_dev, stat.st_ino
+
+
 def _nothing() -> None:
     pass
 
@@ -128,6 +140,7 @@ class Feed:
         self._cond = threading.Condition(threading.Lock())
         self._frames: collections.deque = collections.deque()  # serialized frames, or a file's (file_frames)
         self._early: list[bytes] = []   # records written before the first base was offered
+        self._sent: dict[tuple, str] = {}  # the last base's table files: identity -> path in the backup's copy
         self._based = False
         self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
         self._acked = 0
@@ -175,8 +188,19 @@ class Feed:
     def offer_base(self, number: int, head: bytes, views: list, files: Sequence[tuple[str, pathlib.Path]] = ()
                    ) -> None:
         """Queues base `number`'s frames, after those of `files` ([(path under the journal's folder, file)]: its
-        store copies, read as the stream takes them)."""
-        frames = [file_frames(path, source, self._chunk) for path, source in files]
+        store copies, read as the stream takes them; a table file the last base sent too named there)."""
+        frames, sent = [], {}
+        for path, source in files:
+            key = _identity(source)
+            if key is not None and key in self._sent:
+                frames.append(_FRAME(kind=_FRAME.FILE, path=path, same_as=self._sent[key], last=True
+                                     ).SerializeToString())
+                source.unlink(missing_ok=True)
+            else:
+                frames.append(file_frames(path, source, self._chunk))
+            if key is not None:
+                sent[key] = path
+        self._sent = sent
         frames += frames_of(_FRAME.BASE, number, 0 if self._based else self.floor, head, views, self._chunk)
         with self._cond:
             if self.lost is not None:

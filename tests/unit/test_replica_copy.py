@@ -29,13 +29,15 @@ def _records(journal: Journal):
     return base, [(r.kind, r.meta, {n: t.clone() for n, t in r.tensors.items()}) for r in records]
 
 
-def _copy(feed: Feed, folder, lane=None) -> list[int]:
+def _copy(feed: Feed, folder, lane=None, seen: list | None = None) -> list[int]:
     """Writes what `feed` has queued into a Mirror at `folder` (a backup's stream, without the stream; its lane's
-    end `lane`); returns the bases' acknowledgements."""
+    end `lane`); returns the bases' acknowledgements. `seen`: gets every frame."""
     mirror = Mirror(folder, sync=False, lane=lane)
     acked = []
     for raw in feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
         frame = ps_pb2.ReplicaFrame.FromString(raw)
+        if seen is not None:
+            seen.append(frame)
         if frame.kind == ps_pb2.ReplicaFrame.HEARTBEAT:  # nothing more queued
             break
         based = mirror.take(frame)
@@ -115,39 +117,39 @@ def test_compactions_go_on_after_a_backup_was_attached_from_a_thread_that_lives_
     journal.close()
 
 
-def _ssd_state(tmp_path, step: int, rows: int) -> dict:
-    """A shard state holding an SSD table of `rows` rows (its state a StoreCopy of the table's store)."""
+def _ssd_table(tmp_path):
     from torchps.ps_server.disk_rows import DiskMemory
     from torchps.ps_server.ssd_tables import CacheBudget, SsdTable
 
-    table = SsdTable(4, folder=tmp_path / f"table-{step}", memory=DiskMemory(1 << 20, 1 << 20),
-                     budget=CacheBudget(4096), optimizer="sgd", hyperparams={"lr": 1.0})
-    ids = torch.arange(rows)
-    table.lookup(ids)
-    table.apply(ids, torch.full((rows, 4), float(step)), step)
-    return {"step": step, "variables": {"w": torch.full((3,), float(step))},
-            "tables": [{"name": "dyn", "state": table.state_dict()}]}, table
+    return SsdTable(4, folder=tmp_path / "table", memory=DiskMemory(1 << 20, 1 << 20), budget=CacheBudget(4096),
+                    optimizer="sgd", hyperparams={"lr": 1.0})
 
 
 def test_a_copy_holds_each_bases_store_copies_beside_it_and_drops_older_ones(tmp_path):
     """A base of a shard keeping a table on SSD: its store copy's files come first (FILE frames, in pieces of
     12 bytes here) and the copy's base names them under its own folder, byte for byte the primary's; a later
-    base's replace them. The first base's files are read after the second compaction retired them: the
-    feed's links keep them."""
+    base's replace them, the table files it shares with the last one linked there, not sent again. The first
+    base's files are read after the second compaction retired them: the feed's links keep them."""
     primary = Journal(tmp_path / "primary")
     primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
     feed, lost = _feed()
+    table = _ssd_table(tmp_path)
     for step, attach in ((1, True), (2, False)):
-        state, table = _ssd_state(tmp_path, step, 50 * step)
+        ids = torch.arange(50 * step)
+        table.lookup(ids)
+        table.apply(ids, torch.full((len(ids), 4), float(step)), step)
+        state = {"step": step, "variables": {"w": torch.full((3,), float(step))},
+                 "tables": [{"name": "dyn", "state": table.state_dict()}]}
         number = primary.rotate(follower=feed if attach else None)
         primary.finish_compaction(number, primary.write_base(number, state))
         feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)),
                         files=primary.base_files(number))
         primary.append("apply", {"i": step}, ODD)
-        table.close()
+    table.close()
     primary.acked(feed, 10**9)
     primary.wait(timeout=10)
-    _copy(feed, tmp_path / "copy")
+    frames: list = []
+    _copy(feed, tmp_path / "copy", seen=frames)
     primary.close()
     assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 2
     base, _ = Journal(tmp_path / "copy").recover()
@@ -160,6 +162,11 @@ def test_a_copy_holds_each_bases_store_copies_beside_it_and_drops_older_ones(tmp
     assert theirs and mine == theirs  # the older base's copies are gone on both sides
     assert len({p.parts[0] for p in mine}) == 1
     assert not [f for f in (tmp_path / "primary" / ".shipping").rglob("*") if f.is_file()]  # each removed once sent
+    files = [f for f in frames if f.kind == ps_pb2.ReplicaFrame.FILE]
+    linked = {f.path for f in files if f.same_as}
+    sent = {f.path for f in files if not f.same_as}
+    assert linked and all(p.endswith(".sst") and p.startswith("base-000002") for p in linked)
+    assert {p for p in sent if p.endswith(".sst") and p.startswith("base-000002")}, "its new table file was sent"
 
 
 @pytest.mark.parametrize("path", ["../escape", "base-1.stores/../../x", "other/file", "base-1.stores"])

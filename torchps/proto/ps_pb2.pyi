@@ -569,7 +569,7 @@ class ReplicaHello(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
-    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path")
+    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path", "same_as")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RECORD: _ClassVar[ReplicaFrame.Kind]
@@ -592,6 +592,7 @@ class ReplicaFrame(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    SAME_AS_FIELD_NUMBER: _ClassVar[int]
     kind: ReplicaFrame.Kind
     number: int
     written: int
@@ -600,7 +601,8 @@ class ReplicaFrame(_message.Message):
     last: bool
     lane_bytes: int
     path: str
-    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    same_as: str
+    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ..., path: _Optional[str] = ..., same_as: _Optional[str] = ...) -> None: ...
 
 class JobMember(_message.Message):
     __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")
