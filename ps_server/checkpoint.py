@@ -14,7 +14,9 @@ deleted once a newer checkpoint is committed.
 
 A table kept on SSD (ssd_tables.py) keeps its rows beside its shard's file:
 step-000000001200/ps-0.stores/TABLE/ is a copy of its store (hard links to
-the shard's store files where the file system allows), named in the file.
+the shard's store files where the file system allows, else to the same
+files of the newest committed checkpoint's copy, else copies), named in the
+file.
 
 Embedding tables (table_state.py) are in the same files: each shard file has
 its tables' section, and the manifest lists every table (spec, partition,
@@ -98,7 +100,10 @@ def write_atomic(path: pathlib.Path, write, *, sync: bool = True) -> int:
 def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
     """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes)."""
     path = step_dir(directory, step) / f"ps-{index}.pt"
-    place_stores(state, path.parent / f"ps-{index}.stores", path.parent)
+    older = (s for s in reversed(_steps(pathlib.Path(directory))) if s < step)
+    earlier = next((s for s in older if _manifest(pathlib.Path(directory), s)), None)  # the newest committed
+    place_stores(state, path.parent / f"ps-{index}.stores", path.parent,
+                 None if earlier is None else step_dir(directory, earlier) / f"ps-{index}.stores")
     form = FORMAT_TABLES if state.get("tables") else FORMAT
     size = write_atomic(path, lambda f: torch.save({"format": form, "index": index, **state}, f))
     return path, size

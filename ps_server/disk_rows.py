@@ -46,22 +46,34 @@ class DiskMemory:
         self.buffers = rocksdict.WriteBufferManager(buffer_bytes, False)
 
 
-def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: bool = False) -> int:
+def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: bool = False,
+              reuse: str | os.PathLike | None = None) -> int:
     """Copies folder `source` (a snapshot_to copy) to `target` (which must not exist): the store's table
-    files (*.sst, never written after they are made) as hard links where the file system allows, every other
-    file (the manifest, which a store opened there appends to) as a copy. `sync`: every file and the folder
-    are fsynced (the copy outlives a crash of the host). Returns the bytes copied."""
+    files (*.sst, never written after they are made) as hard links where the file system allows, else as links
+    to the same file in folder `reuse` (an earlier copy on target's file system: same name, size and
+    modification time), every other file (the manifest, which a store opened there appends to) as a copy.
+    `sync`: every file and the folder are fsynced (the copy outlives a crash of the host). Returns the bytes
+    copied."""
     source, target = pathlib.Path(source), pathlib.Path(target)
     target.mkdir(parents=True)
+    earlier = {}
+    if reuse is not None and pathlib.Path(reuse).is_dir():
+        for path in pathlib.Path(reuse).glob("*.sst"):
+            stat = path.stat()
+            earlier[path.name, stat.st_size, stat.st_mtime_ns] = path
     copied = 0
     for path in source.iterdir():
         linked = False
         if path.suffix == ".sst":
-            try:
-                os.link(path, target / path.name)
-                linked = True
-            except OSError:
-                pass
+            stat = path.stat()
+            for origin in (path, earlier.get((path.name, stat.st_size, stat.st_mtime_ns))):
+                try:
+                    if origin is not None:
+                        os.link(origin, target / path.name)
+                        linked = True
+                        break
+                except OSError:
+                    pass
         if not linked:
             shutil.copy2(path, target / path.name)
             copied += path.stat().st_size

@@ -385,7 +385,9 @@ class Journal:
         cache only (its tensors as they are: they must not change until it returns); returns that file for
         finish_compaction(). Call it holding no lock of the shard."""
         check_unlocked("writes a journal base")
-        stores = place_stores(state, self._stores_path(number), self.directory)
+        older = [n for n in self._numbers(_BASE) if n < number]  # its table files are linked from there, if need be
+        stores = place_stores(state, self._stores_path(number), self.directory,
+                              self._stores_path(older[-1]) if older else None)
         written = self.write_encoded_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
         with self._cond:
             self._base_bytes += stores  # the log is replayed onto them: they weigh as rows in a base do

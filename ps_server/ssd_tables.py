@@ -25,6 +25,9 @@ one per table under --table-dir, and in a RAM cache of the rows used last:
   folder removed once the state is dropped; a checkpoint or a journal base
   places it in its own folder (place_stores) and names it relative to
   itself, and whoever reads the state back resolves it (resolve_stores).
+  Where the checkpoint's file system is not the store's (no hard link), a
+  table file the newest committed checkpoint holds already is linked from
+  there: a checkpoint copies the table files made since that one.
   load_state_dict() of such a state opens a copy of it as the table's store
   (table files linked, not read), so a restart reads no row until asked;
   a state of a RAM table's rows is written into a new store.
@@ -171,20 +174,24 @@ class StoreCopy:
 _PLACING = threading.Lock()  # two saves of one step place one state: the second finds it placed
 
 
-def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path) -> int:
+def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path, earlier: pathlib.Path | None = None) -> int:
     """Links every SSD table's StoreCopy in `state` ("tables": a shard's section) into a new folder of its own
     under `folder` (under `base`), fsynced, and names it there relative to `base`, in `state` itself; a folder
-    placed earlier is never written over (a file that names it may be committed). Returns the placed
-    stores' bytes (what a journal's base weighs: its log is replayed onto them). A state placed before (two
-    saves of one step) is left as it is."""
+    placed earlier is never written over (a file that names it may be committed). `earlier`: a folder placed
+    before (an older checkpoint's, on `folder`'s file system), whose table files a store on another file system
+    links instead of copying them again (disk_rows.link_tree). Returns the placed stores' bytes (what a
+    journal's base weighs: its log is replayed onto them). A state placed before (two saves of one step) is
+    left as it is."""
     placed = 0
     with _PLACING:
         for entry in state.get("tables") or []:
             copy = entry["state"].get("store")
             if not isinstance(copy, StoreCopy):
                 continue
-            target = folder / f"{_safe(entry['name'])}-{secrets.token_hex(4)}"
-            link_tree(copy.path, target, sync=True)
+            name = _safe(entry["name"])
+            target = folder / f"{name}-{secrets.token_hex(4)}"
+            before = sorted(earlier.glob(f"{name}-*")) if earlier is not None and earlier.is_dir() else []
+            link_tree(copy.path, target, sync=True, reuse=before[0] if len(before) == 1 else None)
             placed += sum(f.stat().st_size for f in target.iterdir())
             entry["state"]["store"] = {"path": str(target.relative_to(base)), "record_bytes": copy.record_bytes}
     return placed

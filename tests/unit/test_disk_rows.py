@@ -90,3 +90,38 @@ def test_a_copy_links_the_table_files_and_copies_the_rest(tmp_path):
     assert again.get(ids[:3])[0].all()
     store.close()
     again.close()
+
+
+def test_across_file_systems_a_copy_links_the_table_files_an_earlier_copy_holds(tmp_path, monkeypatch):
+    """The store on another file system than the copies (os.link from it fails, as across devices): the first
+    copy copies every file; the next links the table files the first holds and copies only the new one."""
+    import os
+
+    real_link = os.link
+
+    def link(source, target):
+        if str(source).startswith(str(tmp_path / "snap")):
+            raise OSError(18, "Invalid cross-device link")
+        real_link(source, target)
+
+    monkeypatch.setattr(os, "link", link)
+    store = DiskRows(tmp_path / "t", W)
+    ids = np.arange(5000, dtype=np.int64)
+    store.put(ids, records(ids))
+    store.snapshot_to(tmp_path / "snap1")
+    first = link_tree(tmp_path / "snap1", tmp_path / "copy1")
+    assert first == sum(f.stat().st_size for f in (tmp_path / "copy1").iterdir())  # all copied
+    store.put(ids[:100], records(ids[:100], fill=3))  # a new table file at the next snapshot
+    store.snapshot_to(tmp_path / "snap2")
+    second = link_tree(tmp_path / "snap2", tmp_path / "copy2", reuse=tmp_path / "copy1")
+    tables = {f.name for f in (tmp_path / "copy2").glob("*.sst")}
+    shared = tables & {f.name for f in (tmp_path / "copy1").glob("*.sst")}
+    assert shared and tables - shared
+    assert all((tmp_path / "copy2" / n).stat().st_ino == (tmp_path / "copy1" / n).stat().st_ino for n in shared)
+    new = sum((tmp_path / "copy2" / n).stat().st_size for n in tables - shared)
+    rest = sum(f.stat().st_size for f in (tmp_path / "copy2").iterdir() if f.suffix != ".sst")
+    assert second == new + rest < first
+    again = DiskRows(tmp_path / "copy2", W)
+    assert (again.get(ids[:100])[1] == records(ids[:100], fill=3)).all() and again.get(ids[4990:])[0].all()
+    again.close()
+    store.close()
