@@ -1,8 +1,8 @@
 """A replicated shard that keeps an embedding table on SSD, against real ps-server processes: its backup copies
 every journal base's store copies (the stores' files, streamed before the base), so when the primary is SIGKILLed
 and its folders deleted (its host is gone) the backup, promoted, serves every acknowledged update, bit for bit
-against a cluster that held the table in RAM and never failed; a backup that cannot keep stores (no --table-dir)
-is refused with a line that says why. Ordered by replies, files and log lines, never by sleeping.
+against a cluster that held the table in RAM and never failed, a push in flight at the kill included, none applied
+twice; a backup that cannot keep stores (no --table-dir) is refused with a line that says why. Ordered by replies, files and log lines, never by sleeping.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import json
 import pathlib
 import shutil
 import sys
+import threading
+
+import torch
 
 from torchps.client import PSClient
 from torchps.proto import ps_pb2
@@ -19,7 +22,7 @@ from torchps.worker.local_cluster import LocalCluster
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from helpers import free_ports, start_ps_server, wait_until  # noqa: E402
 from table_job import at_once  # noqa: E402
-from test_ssd_table_recovery import CACHE, assert_equal, everything, setup, step  # noqa: E402
+from test_ssd_table_recovery import CACHE, D, IDS, assert_equal, everything, setup, step  # noqa: E402
 
 WAIT = 60.0
 
@@ -109,3 +112,56 @@ def test_a_backup_without_a_table_dir_is_refused_by_a_shard_that_keeps_tables_on
         backup.terminate()
         backup.wait(timeout=30)
         local.stop()
+
+
+def test_pushes_in_flight_when_an_ssd_primary_dies_are_applied_once_by_its_promoted_backup(tmp_path):
+    """One client pushes row gradients to the SSD table without pause; once 20 were acknowledged, another thread
+    SIGKILLs ps 1 and deletes its folders, whatever push is in flight. Every push returns (the client rides the
+    failover), and the table then equals a RAM cluster given the same pushes in the same order: none lost,
+    none applied twice."""
+    local, ram, backup = _shards(tmp_path), LocalCluster(2, server_args=["--no-journal"]), None
+    pushed, killed = threading.Event(), threading.Event()
+    try:
+        at_once("start", local, ram)
+        with PSClient(local.cluster, connect_timeout=WAIT) as a, PSClient(ram.cluster, connect_timeout=20) as r:
+            for client in (a, r):
+                setup(client)
+            step(a, 1)
+            step(r, 1)
+            backup, backup_address = _backup(tmp_path, local, ["--table-dir", str(tmp_path / "tables"), *TABLES])
+            wait_until(lambda: _backup_of_1(a) == backup_address, WAIT, "ps 0 to record ps 1's backup in sync")
+
+            def kill() -> None:
+                pushed.wait(WAIT)
+                local.kill_ps(1)
+                shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
+                shutil.rmtree(tmp_path / "tables" / "ps-1")
+                killed.set()
+
+            killer = threading.Thread(target=kill)
+            killer.start()
+            odd = torch.arange(1, 81, 2)  # 40 of ps 1's ids, each drawn about every other push: none ages out
+            rows = []
+            for k in range(60):
+                g = torch.Generator().manual_seed(100 + k)
+                ids = torch.unique(odd[torch.randint(0, len(odd), (30,), generator=g)])
+                rows.append({"dyn": (ids, torch.ones(len(ids), D))})
+                a.lookup_rows({"dyn": ids}, admit=True)  # admitted at the second sight (min_count 2)
+                a.push({}, rows=rows[-1])
+                if k == 19:
+                    pushed.set()
+                if k == 40:
+                    assert killed.wait(WAIT), "ps 1 was killed while the pushes went on"
+            killer.join()
+            assert _backup_of_1(a) == "" and a._fanout.channels.relocated == 1
+            for part in rows:
+                r.lookup_rows({"dyn": part["dyn"][0]}, admit=True)
+                r.push({}, rows=part)
+            assert_equal(everything(a), everything(r), "every acknowledged push once")
+            held = r.lookup_rows({"dyn": odd})["dyn"]
+            assert int((held != 0).all(dim=1).sum()) >= 30, "the pushes' rows are held, not aged out"
+    finally:
+        if backup is not None:
+            backup.terminate()
+            backup.wait(timeout=30)
+        at_once("stop", local, ram)
