@@ -149,6 +149,8 @@ class _ShardCollector:
                     ("torchps_replication_lag_seconds", "Seconds the oldest record the backup has not acknowledged "
                      "has waited", replication.lag_seconds)):
                 yield GaugeMetricFamily(name, doc, value=value)
+            yield CounterMetricFamily("torchps_replication_store_bytes", "Bytes of SSD tables' store files sent to "
+                                      "backups with journal bases", value=replication.store_bytes_sent)
         if s.coordinator.replicas is not None:  # the record of who serves each replicated shard (ps 0)
             failovers = sum(entry["failovers"] for _, entry in s.coordinator.replicas.entries())
             yield CounterMetricFamily("torchps_failovers", "Backups promoted in their primary's place, as this "

@@ -59,7 +59,7 @@ from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, P
 from ..proto import ps_pb2
 from ..wire import _key, _varint
 
-__all__ = ["Feed", "Replication", "Arbiter", "ACK_TIMEOUT_SECONDS", "REPLICATED"]
+__all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_TIMEOUT_SECONDS", "REPLICATED"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -110,6 +110,18 @@ def file_frames(path: str, source: pathlib.Path, chunk_bytes: int) -> Iterator[b
             piece = following
 
 
+class Shipped:
+    """What a shard's feeds sent of its bases' store copies (ReplicationStatus.store_*). Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = self.files = self.linked = 0
+
+    def add(self, nbytes: int = 0, files: int = 0, linked: int = 0) -> None:
+        with self._lock:
+            self.bytes, self.files, self.linked = self.bytes + nbytes, self.files + files, self.linked + linked
+
+
 def _identity(source: pathlib.Path) -> tuple | None:
     """What makes a table file (*.sst) the same file in two bases (hard links of one file: name, size, mtime,
     inode); None for another file (a store's manifest, which changes)."""
@@ -128,8 +140,10 @@ class Feed:
     writer and compaction offer, the stream's body takes frames (frames()), the ack reader acks."""
 
     def __init__(self, address: str, chunk_bytes: int, ack_timeout: float,
-                 on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None):
+                 on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None,
+                 shipped: Shipped | None = None):
         self.address = address
+        self._shipped = shipped or Shipped()  # its store files sent and linked, counted
         self._lane = lane                # a bulk lane the records' bytes follow on, or None
         # Sends them there while the journal's writer writes them to its disk.
         self._sender = concurrent.futures.ThreadPoolExecutor(1, "replica-lane") if lane is not None else None
@@ -196,6 +210,7 @@ class Feed:
                 frames.append(_FRAME(kind=_FRAME.FILE, path=path, same_as=self._sent[key], last=True
                                      ).SerializeToString())
                 source.unlink(missing_ok=True)
+                self._shipped.add(linked=1)
             else:
                 frames.append(file_frames(path, source, self._chunk))
             if key is not None:
@@ -234,7 +249,10 @@ class Feed:
                 if isinstance(frame, bytes):
                     yield frame
                 else:  # a file's frames, read as they are taken: no ack could come meanwhile
-                    yield from frame
+                    for piece in frame:
+                        self._shipped.add(nbytes=len(piece))
+                        yield piece
+                    self._shipped.add(files=1)
                     self._restamp()
 
     def _restamp(self) -> None:
@@ -293,6 +311,7 @@ class Replication:
         self._stores = stores  # this shard may keep tables on SSD: its backups must keep store copies
         self.feeds_opened = 0
         self.feeds_lost = 0
+        self.shipped = Shipped()
 
     def open(self, hello: ps_pb2.ReplicaHello, lane=None) -> Feed:
         """A feed for the backup `hello` names, attached at a new base, its records' bytes on `lane` (the bulk
@@ -312,7 +331,7 @@ class Replication:
         if self._arbiter is None:
             raise ModeConflictError(f"ps:{self.index} was started without the job's cluster (--cluster or "
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
-        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane)
+        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped)
         self._compact_for(feed)
         self.feeds_opened += 1
         _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)
@@ -323,7 +342,9 @@ class Replication:
         not block on the journal's writer."""
         journal = self._journal()
         feed = journal.following() if journal is not None else None
-        status = ps_pb2.ReplicationStatus(feeds_opened=self.feeds_opened, feeds_lost=self.feeds_lost)
+        status = ps_pb2.ReplicationStatus(feeds_opened=self.feeds_opened, feeds_lost=self.feeds_lost,
+                                          store_bytes_sent=self.shipped.bytes, store_files_sent=self.shipped.files,
+                                          store_files_linked=self.shipped.linked)
         if feed is not None:
             status.backup = feed.address
             status.in_sync, status.lag_records, status.lag_seconds = feed.lag()

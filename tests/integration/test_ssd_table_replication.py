@@ -69,12 +69,18 @@ def test_a_promoted_backup_of_an_ssd_shard_serves_every_acknowledged_update(tmp_
             copy = tmp_path / "backup-1"
             first = {p.parent.parent.name for p in copy.glob("base-*.stores/*/CURRENT")}
             assert first, "the first base's store copies are in the backup's copy"
+            attached = a.status(1).replication
+            assert attached.store_files_sent > 0 and attached.store_bytes_sent > 0
             for k in range(4, 16):
                 assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
             # 12 pushes of 1.2 MB passed 8 times the attach's base: a later base and its stores were copied too.
             wait_until(lambda: {p.parent.parent.name for p in copy.glob("base-*.stores/*/CURRENT")} - first, WAIT,
                        "a later base's store copies in the backup's copy")
             assert_equal(step(a, 16), step(r, 16), "step 16's lookup")
+            later = a.status(1).replication
+            assert later.store_files_linked > 0, "the later base named table files the backup had"
+            store = sum(f.stat().st_size for f in (tmp_path / "tables" / "ps-1").rglob("*.sst"))
+            assert later.store_bytes_sent - attached.store_bytes_sent < store, "not the whole store again"
             before = everything(r)
 
             local.kill_ps(1)  # its host is gone: its journal and its stores with it

@@ -352,20 +352,26 @@ class StatusResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ..., lane_port: _Optional[int] = ..., awaited_step: _Optional[int] = ..., awaited_pushes: _Optional[int] = ..., awaited_pushers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ...) -> None: ...
 
 class ReplicationStatus(_message.Message):
-    __slots__ = ("backup", "in_sync", "lag_records", "lag_seconds", "feeds_opened", "feeds_lost")
+    __slots__ = ("backup", "in_sync", "lag_records", "lag_seconds", "feeds_opened", "feeds_lost", "store_bytes_sent", "store_files_sent", "store_files_linked")
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     IN_SYNC_FIELD_NUMBER: _ClassVar[int]
     LAG_RECORDS_FIELD_NUMBER: _ClassVar[int]
     LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEEDS_OPENED_FIELD_NUMBER: _ClassVar[int]
     FEEDS_LOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    STORE_FILES_SENT_FIELD_NUMBER: _ClassVar[int]
+    STORE_FILES_LINKED_FIELD_NUMBER: _ClassVar[int]
     backup: str
     in_sync: bool
     lag_records: int
     lag_seconds: float
     feeds_opened: int
     feeds_lost: int
-    def __init__(self, backup: _Optional[str] = ..., in_sync: _Optional[bool] = ..., lag_records: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., feeds_opened: _Optional[int] = ..., feeds_lost: _Optional[int] = ...) -> None: ...
+    store_bytes_sent: int
+    store_files_sent: int
+    store_files_linked: int
+    def __init__(self, backup: _Optional[str] = ..., in_sync: _Optional[bool] = ..., lag_records: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., feeds_opened: _Optional[int] = ..., feeds_lost: _Optional[int] = ..., store_bytes_sent: _Optional[int] = ..., store_files_sent: _Optional[int] = ..., store_files_linked: _Optional[int] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
     __slots__ = ("worker", "state", "pushes", "last_push_step", "restarts")
