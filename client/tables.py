@@ -213,28 +213,36 @@ class TablePath:
 
     def export_rows(self, name: str, *, rows_per_part: int = 0, timeout: float = EXPORT_SECONDS
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every row of table `name` (dynamic or fixed-size, in RAM or on SSD), streamed: yields (ids, values)
-        parts, one shard after the other, each part's ids ascending, every id once; values are (len(ids), dim)
-        CPU tensors of the table's dtype. A part holds at most `rows_per_part` rows (0: as many as fit in the
-        shard's --max-chunk-bytes).
+        """Every row of table `name` (dynamic or fixed-size, in RAM or on SSD), streamed: an iterator of (ids,
+        values) parts, one shard after the other, each part's ids ascending, every id once; values are
+        (len(ids), dim) CPU tensors of the table's dtype. A part holds at most `rows_per_part` rows (0: as many
+        as fit in the shard's --max-chunk-bytes).
 
-        One ReadChanges stream per shard (its deadline `timeout`); the shard
-        reads the table a part at a time and this generator holds one part,
-        so neither side ever holds the table whole. A part holds its rows as
-        they are when its shard reads it: export a job that is not training
-        (its end) for one step's rows. UnknownVariableError for a table not
-        known here (a table some other client made is learnt first); the
-        errors of a shard that fails or dies mid-stream (ServerUnavailableError
-        and the like) end the export there: call again. LayoutChangedError if
-        a live resize re-laid the tables out, or a shard replaced its table
-        (a restore), while they were read: call again.
+        One ReadChanges stream per shard (its deadline `timeout`); a shard
+        takes the table's ids at once and copies its rows a part at a time
+        (one on SSD reads them from its store so), and the iterator holds one
+        part: neither side ever copies the table whole. A part holds its rows
+        as they are when its shard reads it: export a job that is not
+        training (its end) for one step's rows. Raises here, before any
+        call: UnknownVariableError for a table not known here (one another
+        client made is learnt first), InvalidArgumentError for a negative
+        `rows_per_part`. While iterating: the error of a shard that fails or
+        dies mid-stream (ServerUnavailableError and the like), and
+        LayoutChangedError if a live resize re-laid the tables out, or a shard
+        replaced its table (a restore), while they were read; the parts
+        yielded before are then incomplete: drop them and export again.
         """
+        if rows_per_part < 0:
+            raise InvalidArgumentError(f"rows_per_part must be >= 0 (0: the shard decides); got {rows_per_part}")
         self._layout.refresh()
         if name not in self._tables:
             self._learn_tables([name])
         epoch, layout = self._layout.epoch, self.table_layout(name)
-        if rows_per_part < 0:
-            raise InvalidArgumentError(f"rows_per_part must be >= 0 (0: the shard decides); got {rows_per_part}")
+        return self._rows_of_table(name, layout, epoch, rows_per_part, timeout)
+
+    def _rows_of_table(self, name: str, layout: TableLayout, epoch: int, rows_per_part: int, timeout: float
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """export_rows' iterator."""
         request = ps_pb2.ChangesRequest(tables=[name], max_rows=rows_per_part)
         for shard in range(layout.num_shards):
             stream = self._fanout.call(shard, lambda stub, t: stub.ReadChanges(request, timeout=t), timeout)
@@ -243,8 +251,10 @@ class TablePath:
                     ids = torch.from_numpy(np.frombuffer(message.ids, dtype="<i8").astype(np.int64))
                     values = torch.frombuffer(bytearray(message.rows), dtype=layout.dtype) if message.rows \
                         else torch.empty(0, dtype=layout.dtype)
-                    if len(ids):
-                        yield ids, values.reshape(len(ids), layout.spec.dim)
+                    held = np.frombuffer(message.held, dtype=np.uint8).astype(bool)
+                    if held.any():
+                        keep = torch.from_numpy(held)
+                        yield ids[keep], values.reshape(len(ids), layout.spec.dim)[keep]
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, self._fanout.target(shard)) from exc
             finally:

@@ -161,7 +161,12 @@ class Mirror:
         that. MalformedStreamError for a path outside such a folder, or a `same_as` this copy lacks."""
         if self._file is None:
             target = self.incoming.joinpath(*_store_parts(frame.path))
-            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not frame.same_as:
+                    self._file = (frame.path, open(target, "wb"))
+            except OSError as exc:
+                raise MalformedStreamError(f"the store file {frame.path} cannot be made here ({exc})") from None
             if frame.same_as:
                 source = self.folder.joinpath(*_store_parts(frame.same_as))
                 try:
@@ -170,17 +175,19 @@ class Mirror:
                     raise MalformedStreamError(f"the primary named {frame.same_as!r} of the last base for "
                                                f"{frame.path!r}, and this copy cannot link it ({exc})") from None
                 return
-            self._file = (frame.path, open(target, "wb"))
         elif frame.path != self._file[0]:
             raise MalformedStreamError(f"the primary sent {frame.path!r} within {self._file[0]!r}")
-        _, f = self._file
-        f.write(frame.data)
-        if frame.last:
-            if self.sync:
-                f.flush()
-                os.fsync(f.fileno())
-            f.close()
-            self._file = None
+        path, f = self._file
+        try:
+            f.write(frame.data)
+            if frame.last:
+                if self.sync:
+                    f.flush()
+                    os.fsync(f.fileno())
+                f.close()
+                self._file = None
+        except OSError as exc:  # a full disk: this copy follows again from a new base (its old base stands)
+            raise MalformedStreamError(f"the store file {path} cannot be written here ({exc})") from None
 
     def _place_files(self) -> None:
         """Moves the store copies taken since the last base (incoming) into the copy's folder, beside the base
@@ -188,6 +195,10 @@ class Mirror:
         if not self.incoming.is_dir():
             return
         for stores in sorted(self.incoming.iterdir()):
+            if self.sync:  # the files were synced as they came: their folders' entries too
+                for table in stores.iterdir():
+                    fsync_dir(table)
+                fsync_dir(stores)
             target = self.folder / stores.name
             if target.exists():
                 shutil.rmtree(target)

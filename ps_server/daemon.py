@@ -82,9 +82,11 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int,
 def table_storage(args: argparse.Namespace, index: int, address: str, promoted: bool) -> TableStorage:
     """Where the shard keeps dynamic tables (--table-storage, --table-dir, --table-cache): the cache defaults to
     half of --max-memory, else 256 MiB. A promoted backup keeps them in a folder of its own, named by the port
-    it serves at (DIR/ps-N-at-PORT): its old primary may still run beside it, fenced."""
+    it serves at (DIR/ps-N-at-PORT; its process id for port 0): its old primary may still run beside it,
+    fenced."""
     cache = args.table_cache or (args.max_memory // 2 if args.max_memory else 256 << 20)
-    name = f"ps-{index}-at-{address.rpartition(':')[2]}" if promoted else f"ps-{index}"
+    port = address.rpartition(":")[2]
+    name = (f"ps-{index}-at-{port}" if port != "0" else f"ps-{index}-pid-{os.getpid()}") if promoted else f"ps-{index}"
     return TableStorage(args.table_storage, args.table_dir, name=name, cache_bytes=cache)
 
 

@@ -49,7 +49,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, NonFiniteGradientError, TensorMismatchError
+from ..errors import InvalidArgumentError, LayoutChangedError, NonFiniteGradientError, TensorMismatchError
 from ..rows import GOLDEN as _GOLDEN, PARTITIONS, owner as _owner, shard_of, splitmix64 as _splitmix64
 from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_optimizers import RowOptimizer, coalesce
@@ -242,36 +242,51 @@ class EmbeddingTable:
         `held`: a bool per id, False for a row dropped since (evicted) or, with `min_updates`, one updated
         fewer times than that (its update that reaches it is a change: it comes then). Raises
         InvalidArgumentError for a `min_updates` outside [0, MAX_UPDATES]."""
-        if not 0 <= min_updates <= MAX_UPDATES:
-            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
+        _check_min_updates(min_updates)
         with self._lock:
             ids = self._changes.since(seq, incarnation, self._changed_after)
             whole = ids is None
             if whole:
-                ids, slots = self._stored()
-            else:
-                slots = self._find(ids)
-            if min_updates:
-                found = slots >= 0
-                slots = slots.copy()
-                slots[found] = np.where(RowMarks.updates(self._marked()[slots[found]]) >= min_updates,
-                                        slots[found], -1)
-            values = torch.zeros(len(ids), self.dim, dtype=self.dtype)
-            present = np.flatnonzero(slots >= 0)
-            if present.size:
-                values[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
-            return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids), values,
-                    torch.from_numpy(slots >= 0))
+                ids = self._stored()[0]
+            return (self._changes.incarnation, self._changes.seq, whole, torch.from_numpy(ids),
+                    *self._rows_of(ids, min_updates))
 
     def read_changes(self, seq: int, incarnation: str, min_updates: int = 0, max_rows: int = 1 << 16
                      ) -> Iterator[tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """changes()' answer in parts of at most `max_rows` rows, at least one, each (incarnation, seq, whole,
-        ids, rows, held) with the first part's incarnation and seq. Here changes() read at once and cut; an SSD
-        table streams a whole read from its store (ssd_tables.py). Raises as changes() does."""
-        incarnation, seq, whole, ids, values, held = self.changes(seq, incarnation, min_updates)
+        ids, rows, held) with the first part's incarnation and seq: the ids are taken at once, each part's rows
+        under the table's lock as it is read (a row may be newer than that seq, never older; one dropped
+        meanwhile comes as not held), so only a part's rows are ever copied. LayoutChangedError if the table
+        was replaced (a restore) between two parts: read again. Raises as changes() does."""
+        _check_min_updates(min_updates)
+        if max_rows < 1:
+            raise InvalidArgumentError(f"max_rows must be positive, got {max_rows}")
+        with self._lock:
+            ids = self._changes.since(seq, incarnation, self._changed_after)
+            at, whole = (self._changes.incarnation, self._changes.seq), ids is None
+            if whole:
+                ids = self._stored()[0].copy()
         for start in range(0, max(1, len(ids)), max_rows):
-            part = slice(start, start + max_rows)
-            yield incarnation, seq, whole, ids[part], values[part], held[part]
+            part = ids[start:start + max_rows]
+            with self._lock:
+                if self._changes.incarnation != at[0]:
+                    raise LayoutChangedError("an embedding table was replaced (a restore) while it was read; "
+                                             "read it again")
+                rows = self._rows_of(part, min_updates)
+            yield (*at, whole, torch.from_numpy(part), *rows)
+
+    def _rows_of(self, ids: np.ndarray, min_updates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values (copies; zeros where not held), held) of `ids`, as changes() answers them. Under the lock."""
+        slots = self._find(ids)
+        if min_updates:
+            found = slots >= 0
+            slots = slots.copy()
+            slots[found] = np.where(RowMarks.updates(self._marked()[slots[found]]) >= min_updates, slots[found], -1)
+        values = torch.zeros(len(ids), self.dim, dtype=self.dtype)
+        present = np.flatnonzero(slots >= 0)
+        if present.size:
+            values[torch.from_numpy(present)] = self._slabs.gather("values", slots[present])
+        return values, torch.from_numpy(slots >= 0)
 
     def _marked(self) -> np.ndarray:
         """Every slot's RowMarks (the array itself)."""
@@ -569,6 +584,11 @@ def rows_for(state: Mapping, shard_index: int, num_shards: int) -> dict:
         waiting = kept(state["pending"]["ids"])
         out["pending"] = {k: v[waiting] for k, v in state["pending"].items()}
     return out
+
+
+def _check_min_updates(min_updates: int) -> None:
+    if not 0 <= min_updates <= MAX_UPDATES:
+        raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
 
 
 def relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, *,

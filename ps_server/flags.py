@@ -101,8 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "unless their spec says (TableSpec.storage): in memory, or on local disk under --table-dir with "
                    "the rows used last cached in memory (fixed-size tables stay in memory; default: ram)")
     t.add_argument("--table-dir", metavar="DIR", help="the folder of the stores of tables kept on SSD (DIR/ps-INDEX, "
-                   "emptied at start: a restarted shard rebuilds them from its journal or checkpoint); needed by "
-                   "--table-storage ssd and by tables whose spec asks for ssd")
+                   "emptied at start: a restarted shard rebuilds them from its journal or checkpoint; a promoted "
+                   "backup's DIR/ps-INDEX-at-PORT); needed by --table-storage ssd, by tables whose spec asks for "
+                   "ssd, and by the backup of a shard that has it")
     t.add_argument("--table-cache", type=_memory, default=0, metavar="BYTES", help="with --table-dir: the memory the "
                    "SSD tables' row caches share, counted in --max-memory, e.g. 512M or 25%% (default: half of "
                    "--max-memory, else 256M)")

@@ -295,6 +295,7 @@ class Journal:
     def start(self, state: dict | None) -> None:
         """Opens the log for appends and starts the writer: the current log after recover(), else (a new
         journal) the layout and base 0 with `state` are written first."""
+        shutil.rmtree(self.directory / SHIPPING, ignore_errors=True)  # what a feed of an earlier process left
         if self._number < 0:
             self._number = 0
             self._write_layout()

@@ -103,7 +103,7 @@ def file_frames(path: str, source: pathlib.Path, chunk_bytes: int) -> Iterator[b
         while True:
             following = f.read(chunk_bytes) if piece else b""
             if not following:
-                source.unlink(missing_ok=True)
+                _remove_link(source)
             yield _FRAME(kind=_FRAME.FILE, path=path, data=piece, last=not following).SerializeToString()
             if not following:
                 return
@@ -137,7 +137,15 @@ def _nothing() -> None:
 
 class Feed:
     """One backup's stream of this shard's journal (see the module docstring). Thread-safe: the journal's
-    writer and compaction offer, the stream's body takes frames (frames()), the ack reader acks."""
+    writer and compaction offer, the stream's body takes frames (frames()), the ack reader acks.
+
+    The queue holds (kind, ...) items in offer order: ("rotate", bytes), ("frame", bytes) (a base's frames or
+    named files: "base" for a BASE's last), ("record", bytes) and ("file", its frames, the file).
+    While a later base's files stream, the records queued behind that base (up to the next ROTATE) go
+    between the files' pieces: a record never waits for a store copy but the first base's. A record's lane
+    bytes leave when its frame is queued; a record offered before the first base went out (it follows the
+    base, and the base's store files) goes in its frames instead, so that no lane send waits for the backup
+    to reach it for longer than the ack timeout allows."""
 
     def __init__(self, address: str, chunk_bytes: int, ack_timeout: float,
                  on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None,
@@ -152,10 +160,11 @@ class Feed:
         self._ack_timeout = ack_timeout
         self._on_lost, self._on_based = on_lost, on_based
         self._cond = threading.Condition(threading.Lock())
-        self._frames: collections.deque = collections.deque()  # serialized frames, or a file's (file_frames)
-        self._early: list[bytes] = []   # records written before the first base was offered
+        self._frames: collections.deque[tuple] = collections.deque()  # the queue (see the class docstring)
+        self._early: list[tuple] = []   # records written before the first base was offered
         self._sent: dict[tuple, str] = {}  # the last base's table files: identity -> path in the backup's copy
-        self._based = False
+        self._based = False              # the first base was offered
+        self._base_sent = False          # the first base went out: records use the lane, and pass later files
         self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
         self._acked = 0
         self._heard = False              # an ack came
@@ -164,11 +173,12 @@ class Feed:
     # -- the journal's side -------------------------------------------------------------------
 
     def offer_record(self, number: int, head: bytes, views: list) -> Callable[[], None]:
-        """(The journal's writer, as it writes the record.) Queues its frames; with a lane, starts sending its
-        bytes there, from its own memory, on the lane's thread. Returns what blocks until they were sent, or
-        the feed was lost (a backup that reads nothing for the ack timeout loses it): the writer calls it
-        before it lets go of the record."""
-        if self._lane is None:
+        """(The journal's writer, as it writes the record.) Queues its frames; with a lane (once the first base
+        went out: see the class docstring), starts sending its bytes there, from its own memory, on the lane's
+        thread. Returns what blocks until they were sent, or the feed was lost (a backup that reads nothing for
+        the ack timeout loses it): the writer calls it before it lets go of the record."""
+        lane = self._lane is not None and self._base_sent
+        if not lane:
             frames = frames_of(_FRAME.RECORD, 0, number, head, views, self._chunk)
         else:
             views = [memoryview(view).cast("B") for view in views]
@@ -177,10 +187,10 @@ class Feed:
         with self._cond:
             if self.lost is not None:
                 return _nothing
-            (self._frames if self._based else self._early).extend(frames)
+            (self._frames if self._based else self._early).extend(("record", frame) for frame in frames)
             self._unacked.append((number, time.monotonic()))
             self._cond.notify_all()
-        if self._lane is None:
+        if not lane:
             return _nothing
         try:
             return self._sender.submit(self._send, views).result
@@ -196,31 +206,33 @@ class Feed:
     def offer_rotate(self, number: int) -> None:
         with self._cond:
             if self.lost is None:
-                self._frames.append(_FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString())
+                self._frames.append(("rotate", _FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString()))
                 self._cond.notify_all()
 
     def offer_base(self, number: int, head: bytes, views: list, files: Sequence[tuple[str, pathlib.Path]] = ()
                    ) -> None:
         """Queues base `number`'s frames, after those of `files` ([(path under the journal's folder, file)]: its
         store copies, read as the stream takes them; a table file the last base sent too named there)."""
-        frames, sent = [], {}
+        items, sent = [], {}
         for path, source in files:
             key = _identity(source)
             if key is not None and key in self._sent:
-                frames.append(_FRAME(kind=_FRAME.FILE, path=path, same_as=self._sent[key], last=True
-                                     ).SerializeToString())
-                source.unlink(missing_ok=True)
+                items.append(("frame", _FRAME(kind=_FRAME.FILE, path=path, same_as=self._sent[key], last=True
+                                              ).SerializeToString()))
+                _remove_link(source)
                 self._shipped.add(linked=1)
             else:
-                frames.append(file_frames(path, source, self._chunk))
+                items.append(("file", file_frames(path, source, self._chunk), source))
             if key is not None:
                 sent[key] = path
         self._sent = sent
-        frames += frames_of(_FRAME.BASE, number, 0 if self._based else self.floor, head, views, self._chunk)
+        frames = frames_of(_FRAME.BASE, number, 0 if self._based else self.floor, head, views, self._chunk)
+        items += [("base" if i == len(frames) - 1 else "frame", frame) for i, frame in enumerate(frames)]
         with self._cond:
             if self.lost is not None:
+                _drop(items)
                 return
-            self._frames.extend(frames)
+            self._frames.extend(items)
             if not self._based:
                 self._based = True
                 self._unacked.appendleft((self.floor, time.monotonic()))
@@ -238,25 +250,51 @@ class Feed:
                 self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
                 if self.lost is not None:
                     return
-                frames, self._frames = self._frames, collections.deque()
+                item = self._frames.popleft() if self._frames else None
                 overdue = self._unacked and time.monotonic() - self._unacked[0][1] > self._ack_timeout
             if overdue:
+                if item is not None:
+                    _drop([item])
                 self.lose(f"it left a record unacknowledged for over {self._ack_timeout:g} s")
                 return
-            if not frames:
+            if item is None:
                 yield _HEARTBEAT
-            for frame in frames:
-                if isinstance(frame, bytes):
-                    yield frame
-                else:  # a file's frames, read as they are taken: no ack could come meanwhile
-                    for piece in frame:
-                        self._shipped.add(nbytes=len(piece))
-                        yield piece
-                    self._shipped.add(files=1)
-                    self._restamp()
+            elif item[0] == "record":
+                yield item[1]
+            elif item[0] == "file":  # read as the stream takes it, the records behind its base between pieces
+                for piece in item[1]:
+                    self._shipped.add(nbytes=len(piece))
+                    yield piece
+                    for record in self._passing():
+                        yield record[1]
+                    if self.lost is not None:
+                        item[1].close()
+                        _remove_link(item[2])
+                        return
+                self._shipped.add(files=1)
+                self._restamp()
+            else:
+                if item[0] == "base" and not self._base_sent:
+                    with self._cond:  # what is offered from now on follows it
+                        self._base_sent = True
+                yield item[1]
+
+    def _passing(self) -> list[tuple]:
+        """The records queued behind the base being sent, up to the next ROTATE, taken out of the queue (none
+        before the first base went out: they follow it)."""
+        with self._cond:
+            if not self._base_sent:
+                return []
+            out, kept = [], collections.deque()
+            while self._frames and self._frames[0][0] != "rotate":
+                item = self._frames.popleft()
+                (out if item[0] == "record" else kept).append(item)
+            self._frames.extendleft(reversed(kept))
+            return out
 
     def _restamp(self) -> None:
-        """Counts the wait of every record not acknowledged yet from now."""
+        """Counts the wait of every record not acknowledged yet from now (the file just sent held the records
+        queued behind it back)."""
         with self._cond:
             now = time.monotonic()
             self._unacked = collections.deque((number, now) for number, _ in self._unacked)
@@ -280,18 +318,39 @@ class Feed:
             return self._heard and self.lost is None, len(self._unacked), waited
 
     def lose(self, why: str) -> None:
-        """Ends the feed (idempotent): its stream ends, and the primary asks its arbiter to drop the backup."""
+        """Ends the feed (idempotent): its stream ends (its store files not sent are let go), and the primary
+        asks its arbiter to drop the backup."""
         with self._cond:
             if self.lost is not None:
                 return
             self.lost = why
+            dropped = [*self._frames, *self._early]
             self._frames.clear()
             self._early = []
             self._cond.notify_all()
+        _drop(dropped)
         if self._lane is not None:
             self._lane.close()  # a send in progress fails at once
             self._sender.shutdown(wait=False)
         self._on_lost(self, why)
+
+
+def _remove_link(source: pathlib.Path) -> None:
+    """Removes a store file's link of a feed's (Journal.base_files), and its folders once empty."""
+    source.unlink(missing_ok=True)
+    for folder in (source.parent, source.parent.parent):
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def _drop(items) -> None:
+    """Lets go of the store files' links of queued items a lost feed will not send."""
+    for item in items:
+        if item[0] == "file":
+            item[1].close()
+            _remove_link(item[2])
 
 
 class Replication:
@@ -332,7 +391,11 @@ class Replication:
             raise ModeConflictError(f"ps:{self.index} was started without the job's cluster (--cluster or "
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
         feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped)
-        self._compact_for(feed)
+        try:
+            self._compact_for(feed)
+        except Exception as exc:  # attached maybe, its base not written: it is detached as a lost one is
+            feed.lose(f"its base could not be written ({exc})")
+            raise
         self.feeds_opened += 1
         _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)
         return feed

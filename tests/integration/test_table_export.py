@@ -63,7 +63,9 @@ def test_export_rows_streams_every_row_of_an_ssd_table_as_a_ram_cluster_exports_
             with PSClient(ssd.cluster, connect_timeout=20) as fresh:  # a client that did not make the table
                 assert torch.equal(exported(fresh, "dyn")[1], values)
                 with pytest.raises(UnknownVariableError):
-                    list(fresh.export_rows("nope"))
+                    fresh.export_rows("nope")  # before any part is asked for
+                with pytest.raises(InvalidArgumentError, match="rows_per_part"):
+                    fresh.export_rows("dyn", rows_per_part=-1)
             with pytest.raises(InvalidArgumentError, match="export_rows"):
                 a.export_state_dict(["dyn"])
     finally:

@@ -3,6 +3,7 @@ same records and state as the primary's own journal: tensors of any length (not 
 cut into pieces, rotations and a later compaction's base. No gRPC, no processes."""
 
 import socket
+import time
 
 import pytest
 import torch
@@ -48,6 +49,15 @@ def _copy(feed: Feed, folder, lane=None, seen: list | None = None) -> list[int]:
     return acked
 
 
+def _offered(feed: Feed, count: int) -> None:
+    """Waits (10 s at most) until `feed` holds `count` records (and bases) not acknowledged: the journal's
+    writer offers a record as it writes it."""
+    deadline = time.monotonic() + 10
+    while feed.lag()[1] < count:
+        assert time.monotonic() < deadline, f"the journal's writer did not offer {count} records"
+        time.sleep(0.001)
+
+
 def _compact(journal: Journal, feed: Feed, state: dict, attach: bool = False) -> None:
     """A compaction as Recorder._compact makes it: rotation (attaching `feed`), base, the base handed over."""
     number = journal.rotate(follower=feed if attach else None)
@@ -66,17 +76,36 @@ def _same(copy_folder, primary_folder) -> dict:
 
 @pytest.mark.parametrize("on_a_lane", [False, True])
 def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path, on_a_lane):
-    """The records' bytes in the frames, or on a bulk lane (a socket pair here)."""
+    """The records' bytes in the frames, or on a bulk lane (a socket pair here) once the backup took the base:
+    records written before that go in the frames."""
     ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()] if on_a_lane else [None, None]
     primary = Journal(tmp_path / "primary")
     primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
     feed, lost = _feed(ends[0])
     _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
-    for i in range(3):
+    primary.append("apply", {"i": -1}, ODD)  # before the base went out: in the frames
+    _offered(feed, 2)  # the base and that record
+    mirror = Mirror(tmp_path / "copy", sync=False, lane=ends[1])
+    stream = feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    taken = []
+    while True:  # the base, and the record queued behind it
+        frame = ps_pb2.ReplicaFrame.FromString(next(stream))
+        taken.append(frame)
+        if mirror.take(frame) is not None:
+            break
+    for i in range(3):  # after it: on the lane, if there is one
         primary.append("apply", {"i": i}, {name: t + i for name, t in ODD.items()})
     primary.acked(feed, 10**9)
+    while (frame := ps_pb2.ReplicaFrame.FromString(next(stream))).kind != ps_pb2.ReplicaFrame.HEARTBEAT:
+        taken.append(frame)
+        mirror.take(frame)
     primary.wait(timeout=10)
-    assert _copy(feed, tmp_path / "copy", ends[1]) == [feed.floor] and not lost
+    mirror.journal.wait(timeout=10)
+    mirror.close()
+    assert not lost
+    records = [f for f in taken if f.kind == ps_pb2.ReplicaFrame.RECORD and f.last]
+    assert len(records) == 4 and not records[0].lane_bytes
+    assert all(bool(f.lane_bytes) == on_a_lane for f in records[1:])
     primary.close()
     assert _same(tmp_path / "copy", tmp_path / "primary")["step"] == 1
 
@@ -179,3 +208,52 @@ def test_a_file_outside_a_bases_store_copies_is_refused(tmp_path, path):
         mirror.take(frame)
     mirror.close()
     assert not any(tmp_path.rglob("x")) and not (tmp_path / "escape").exists()
+
+
+def test_records_pass_a_later_bases_store_files_and_never_the_first_base(tmp_path):
+    """A record written while a later base's store file streams (in pieces of 12 bytes here) goes between the
+    file's pieces, before that base; one written before the first base went out follows it."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    primary.append("apply", {"i": 0}, ODD)
+    stream = feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    mirror = Mirror(tmp_path / "copy", sync=False)
+    kinds = []
+
+    def pump(until) -> None:
+        while True:
+            frame = ps_pb2.ReplicaFrame.FromString(next(stream))
+            kinds.append(frame.kind)
+            mirror.take(frame)
+            if until(frame):
+                return
+
+    pump(lambda f: f.kind == ps_pb2.ReplicaFrame.RECORD and f.last)  # the first base, then that record
+    assert kinds.index(ps_pb2.ReplicaFrame.BASE) < kinds.index(ps_pb2.ReplicaFrame.RECORD)
+    number = primary.rotate()
+    state = {"step": 5, "variables": {"w": torch.full((3,), 9.0)}}
+    primary.finish_compaction(number, primary.write_base(number, state))
+    table_file = tmp_path / "primary" / ".shipping" / f"base-{number:06d}.stores" / "t-0" / "000009.sst"
+    table_file.parent.mkdir(parents=True)
+    table_file.write_bytes(bytes(range(256)) * 8)  # 171 pieces
+    feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)),
+                    files=[(f"base-{number:06d}.stores/t-0/000009.sst", table_file)])
+    pump(lambda f: f.kind == ps_pb2.ReplicaFrame.FILE)  # the file's first piece went out
+    offered = feed.lag()[1]
+    primary.append("apply", {"i": 1}, {"w": torch.arange(3, dtype=torch.float32)})
+    _offered(feed, offered + 1)
+    primary.acked(feed, 10**9)
+    pump(lambda f: f.kind == ps_pb2.ReplicaFrame.BASE and f.last)
+    later = kinds[kinds.index(ps_pb2.ReplicaFrame.FILE):]
+    passed = later.index(ps_pb2.ReplicaFrame.RECORD)
+    assert ps_pb2.ReplicaFrame.FILE in later[passed:], "the record went between the file's pieces"
+    primary.wait(timeout=10)
+    mirror.journal.wait(timeout=10)
+    mirror.close()
+    primary.close()
+    assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 5
+    assert (tmp_path / "copy" / f"base-{number:06d}.stores" / "t-0" / "000009.sst").read_bytes() == \
+        bytes(range(256)) * 8
+    assert not table_file.exists() and not table_file.parent.exists()  # the feed's link and folder, once sent

@@ -463,6 +463,10 @@ def test_a_whole_read_streams_the_store_a_part_at_a_time_and_matches_ram(tmp_pat
     for i in (3, 4, 5):
         assert torch.equal(torch.cat([p[i] for p in got]), expected[i])
     assert torch.equal(disk.changes(0, "")[4], expected[4])  # changes() puts the parts together
+    in_ram = list(ram.read_changes(0, "", max_rows=500))  # a RAM table's whole read in parts too
+    assert len(in_ram) == len(got) and all(len(p[3]) <= 500 for p in in_ram)
+    for i in (3, 4, 5):
+        assert torch.equal(torch.cat([p[i] for p in in_ram]), expected[i])
 
 
 def test_rows_changed_during_a_whole_read_come_again_in_the_next_read_from_its_seq(tmp_path):
@@ -479,10 +483,12 @@ def test_rows_changed_during_a_whole_read_come_again_in_the_next_read_from_its_s
     assert torch.equal(values[torch.isin(ids, changed)], disk.lookup(changed, admit=False))
 
 
-def test_a_whole_read_of_a_table_replaced_meanwhile_fails_and_a_new_read_sees_the_new_rows(tmp_path):
+@pytest.mark.parametrize("where", ["ssd", "ram"])
+def test_a_whole_read_of_a_table_replaced_meanwhile_fails_and_a_new_read_sees_the_new_rows(tmp_path, where):
     from torchps.errors import LayoutChangedError
 
-    disk, other = ssd(tmp_path), ssd(tmp_path)
+    disk, other = (ssd(tmp_path), ssd(tmp_path)) if where == "ssd" else \
+        (EmbeddingTable(DIM, **ARGS), EmbeddingTable(DIM, **ARGS))
     train(disk, steps=20)
     train(other, steps=5)
     parts = disk.read_changes(0, "", max_rows=100)
