@@ -250,34 +250,34 @@ class Feed:
                 self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
                 if self.lost is not None:
                     return
-                item = self._frames.popleft() if self._frames else None
+                batch = []  # what is queued, up to a store file (whose reading lets records pass)
+                while self._frames and (not batch or batch[-1][0] != "file"):
+                    batch.append(self._frames.popleft())
                 overdue = self._unacked and time.monotonic() - self._unacked[0][1] > self._ack_timeout
             if overdue:
-                if item is not None:
-                    _drop([item])
+                _drop(batch)
                 self.lose(f"it left a record unacknowledged for over {self._ack_timeout:g} s")
                 return
-            if item is None:
+            if not batch:
                 yield _HEARTBEAT
-            elif item[0] == "record":
-                yield item[1]
-            elif item[0] == "file":  # read as the stream takes it, the records behind its base between pieces
-                for piece in item[1]:
-                    self._shipped.add(nbytes=len(piece))
-                    yield piece
-                    for record in self._passing():
-                        yield record[1]
-                    if self.lost is not None:
-                        item[1].close()
-                        _remove_link(item[2])
-                        return
-                self._shipped.add(files=1)
-                self._restamp()
-            else:
-                if item[0] == "base" and not self._base_sent:
-                    with self._cond:  # what is offered from now on follows it
-                        self._base_sent = True
-                yield item[1]
+            for item in batch:
+                if item[0] == "file":  # read as the stream takes it, the records behind its base between pieces
+                    for piece in item[1]:
+                        self._shipped.add(nbytes=len(piece))
+                        yield piece
+                        for record in self._passing():
+                            yield record[1]
+                        if self.lost is not None:
+                            item[1].close()
+                            _remove_link(item[2])
+                            return
+                    self._shipped.add(files=1)
+                    self._restamp()
+                else:
+                    if item[0] == "base" and not self._base_sent:
+                        with self._cond:  # what is offered from now on follows it
+                            self._base_sent = True
+                    yield item[1]
 
     def _passing(self) -> list[tuple]:
         """The records queued behind the base being sent, up to the next ROTATE, taken out of the queue (none
