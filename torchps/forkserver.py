@@ -142,33 +142,35 @@ def run_main(main: typing.Callable[[list[str]], int | None], argv: list[str], pr
 class ForkedChild:
     """A child of a fork server, with subprocess.Popen's calls for waiting and signalling (pid, args,
     returncode, poll, wait, send_signal, terminate, kill). Its exit code arrives from the fork server; should
-    the fork server itself be gone, a child that is gone too reads as killed (-SIGKILL)."""
+    the fork server itself be gone, a child that is gone too reads as killed (-SIGKILL). `birth`: which of the
+    fork server's children with this pid it is (the kernel gives an exited child's pid to a later one)."""
 
-    def __init__(self, pid: int, args: list[str], server: "_ForkServer", dies_with_server: bool):
+    def __init__(self, pid: int, birth: int, args: list[str], server: "_ForkServer", dies_with_server: bool):
         self.pid = pid
         self.args = args
+        self._birth = birth
         self._server = server
         self._dies_with_server = dies_with_server
 
     @property
     def returncode(self) -> int | None:
-        return self._server.exits.code(self.pid)
+        return self._server.exits.code(self.pid, self._birth)
 
     @property
     def server_death(self) -> str | None:
         """How its fork server ended ("the fork server, pid N, was killed by signal 9") if that ended this
         child: it was asked to die with its parent and is gone, its exit unreported. Else None."""
-        if not self._dies_with_server or self.poll() is None or self._server.exits.reported(self.pid):
+        if not self._dies_with_server or self.poll() is None or self._server.exits.reported(self.pid, self._birth):
             return None
         return self._server.death
 
     def poll(self) -> int | None:
         """Its exit code (negative: the signal that ended it), or None while it runs. Never blocks."""
-        return self._server.exits.code(self.pid)
+        return self._server.exits.code(self.pid, self._birth)
 
     def wait(self, timeout: float | None = None) -> int:
         """Blocks until it exits, at most `timeout` s (then subprocess.TimeoutExpired)."""
-        code = self._server.exits.wait(self.pid, timeout)
+        code = self._server.exits.wait(self.pid, self._birth, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return code
@@ -187,17 +189,25 @@ class ForkedChild:
 
 
 class _Exits:
-    """Exit codes the fork server reported, by pid; owns its lock. Once the fork server is gone, a pid that
-    no longer runs counts as killed."""
+    """Exit codes the fork server reported, by (pid, birth): a pid the kernel gives to a later child is that
+    child's next birth, so an earlier child's exit is never read as its own. Owns its lock. Once the fork
+    server is gone, a child that no longer runs counts as killed."""
 
     def __init__(self):
         self._changed = threading.Condition()
-        self._codes: dict[int, int] = {}
+        self._codes: dict[tuple[int, int], int] = {}
+        self._births: dict[int, int] = {}  # pid -> the birth of the newest child with it
         self._server_gone = False
+
+    def born(self, pid: int) -> int:
+        """A child with `pid` was forked (its reply read, in order with the exits): returns its birth."""
+        with self._changed:
+            self._births[pid] = self._births.get(pid, 0) + 1
+            return self._births[pid]
 
     def record(self, pid: int, code: int) -> None:
         with self._changed:
-            self._codes[pid] = code
+            self._codes[pid, self._births.get(pid, 0)] = code
             self._changed.notify_all()
 
     def server_gone(self) -> None:
@@ -205,30 +215,30 @@ class _Exits:
             self._server_gone = True
             self._changed.notify_all()
 
-    def reported(self, pid: int) -> bool:
+    def reported(self, pid: int, birth: int) -> bool:
         with self._changed:
-            return pid in self._codes
+            return (pid, birth) in self._codes
 
-    def code(self, pid: int) -> int | None:
+    def code(self, pid: int, birth: int) -> int | None:
         with self._changed:
-            return self._code(pid)
+            return self._code(pid, birth)
 
-    def wait(self, pid: int, timeout: float | None) -> int | None:
+    def wait(self, pid: int, birth: int, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            while self._code(pid) is None:
+            while self._code(pid, birth) is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 if self._server_gone:  # nobody reports exits any more: look at the pid now and then
                     left = ORPHAN_POLL_SECONDS if left is None else min(left, ORPHAN_POLL_SECONDS)
                 self._changed.wait(left)
-            return self._code(pid)
+            return self._code(pid, birth)
 
-    def _code(self, pid: int) -> int | None:
-        if pid in self._codes:
-            return self._codes[pid]
-        if self._server_gone and not _runs(pid):
+    def _code(self, pid: int, birth: int) -> int | None:
+        if (pid, birth) in self._codes:
+            return self._codes[pid, birth]
+        if self._server_gone and (self._births.get(pid, 0) > birth or not _runs(pid)):
             return -signal.SIGKILL
         return None
 
@@ -300,6 +310,8 @@ class _ForkServer:
                 elif "ready" in message:
                     self.ready = True
                 else:
+                    if "pid" in message:  # after the exit of any earlier child with its pid, before its own
+                        message["birth"] = self.exits.born(message["pid"])
                     with self._replied:
                         self._replies.append(message)
                         self._replied.notify_all()
@@ -385,7 +397,7 @@ class ProcessStarter:
                     continue
                 if "error" in reply:
                     raise OSError(f"the fork server could not start {module}: {reply['error']}")
-                return ForkedChild(reply["pid"], [sys.executable, "-m", module, *argv], server,
+                return ForkedChild(reply["pid"], reply["birth"], [sys.executable, "-m", module, *argv], server,
                                    bool(parent_death_signal))
         return self._spawn(request, stdout)
 

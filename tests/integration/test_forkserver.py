@@ -284,3 +284,35 @@ def parent_of(pid: int) -> int:
 def _alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     return process_state(pid) not in ("", "Z")
+
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"  # the pid the kernel gave last: the next fork gets the one after
+
+
+def test_a_child_given_the_pid_of_a_child_that_exited_runs_on(probe):
+    """The kernel gives an exited child's pid to a later fork (made to happen here through ns_last_pid; over a
+    long run it happens by itself once pid_max wraps): the later child runs on, and its own exit is its own.
+    Before children were told apart by birth, it read as exited with the earlier child's code at once."""
+    starter = ProcessStarter.shared()
+    first, _ = run_probe(starter, probe, ["exit", "0"])
+    assert first.wait(TIMEOUT) == 0
+    if not os.access(NS_LAST_PID, os.W_OK):
+        pytest.skip(f"{NS_LAST_PID} is not writable here: a pid cannot be given again on purpose")
+    for _ in range(50):  # another process on the machine may take the pid between the write and the fork
+        with open(NS_LAST_PID, "w") as f:
+            f.write(str(first.pid - 1))
+        second, _ = run_probe(starter, probe, ["wait"])
+        if second.pid == first.pid:
+            break
+        second.kill()
+        second.wait(TIMEOUT)
+    else:
+        pytest.fail(f"50 forks did not get pid {first.pid} again")
+    try:
+        assert second.poll() is None and first.poll() == 0
+        wait_until(lambda: _command_line(second.pid).startswith("forkserver_probe wait"), TIMEOUT,
+                   "the child to name itself in ps")
+        assert second.poll() is None
+    finally:
+        second.terminate()
+    assert second.wait(TIMEOUT) == -signal.SIGTERM and first.poll() == 0
