@@ -279,6 +279,7 @@ class Backup:
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
         self.holds_copy = False  # the folder holds a whole copy some stream began with a base
+        self._refused = ""  # the last refusal logged
         self.stop = threading.Event()
 
     def run(self) -> bool:
@@ -286,6 +287,8 @@ class Backup:
         unreachable_since: float | None = None
         while not self.stop.is_set():
             reason = self._follow_once()
+            if reason != "refused":
+                self._refused = ""  # a later refusal is news again
             if reason == "finished":
                 _LOGGER.info("backup of ps:%d: the job finished (the chief's Shutdown): this backup stops", self.index)
                 return False
@@ -393,8 +396,10 @@ class Backup:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED):
                 return "unreachable"
-            _LOGGER.info("backup of ps:%d: %s refused the stream (%s): trying again", self.index, self.primary,
-                         exc.details())
+            if exc.details() != self._refused:  # said once, not at every try (a backup without --table-dir)
+                self._refused = exc.details()
+                _LOGGER.warning("backup of ps:%d: %s refused the stream (%s): trying again", self.index,
+                                self.primary, exc.details())
             return "refused"
         except (MalformedStreamError, LaneBrokenError) as exc:
             if silent:  # the watch closed the lane (the half record read is dropped: it was never acknowledged)

@@ -113,7 +113,8 @@ def test_a_backup_without_a_table_dir_is_refused_by_a_shard_that_keeps_tables_on
             setup(a)
             step(a, 1)
             assert _backup_of_1(a) == "" and a.status(1).replication.feeds_opened == 0
-        assert backup.poll() is None  # it asks again, as for any refusal
+        assert backup.poll() is None  # it asks again, as for any refusal, and says so once
+        assert log.read_text().count("needs --table-dir too") == 1
     finally:
         backup.terminate()
         backup.wait(timeout=30)
