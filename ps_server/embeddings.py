@@ -132,6 +132,7 @@ class EmbeddingTable:
         self._spec = self.optimizer.state_spec(dim)
         self._lock = threading.Lock()
         self._changes = RowChanges()  # rows created, updated or dropped: what a serving replica reads
+        self._replaced = False  # closed: a read in parts stops
         self._step = 0
         self._events = {"admitted": 0, "evicted_by_age": 0, "evicted_by_capacity": 0}
         self._owned = None  # fixed "hash" tables: the owned ids, sorted (slot = position)
@@ -257,7 +258,7 @@ class EmbeddingTable:
         ids, rows, held) with the first part's incarnation and seq: the ids are taken at once, each part's rows
         under the table's lock as it is read (a row may be newer than that seq, never older; one dropped
         meanwhile comes as not held), so only a part's rows are ever copied. LayoutChangedError if the table
-        was replaced (a restore) between two parts: read again. Raises as changes() does."""
+        was replaced (a restore or a re-layout) between two parts: read again. Raises as changes() does."""
         _check_min_updates(min_updates)
         if max_rows < 1:
             raise InvalidArgumentError(f"max_rows must be positive, got {max_rows}")
@@ -269,9 +270,9 @@ class EmbeddingTable:
         for start in range(0, max(1, len(ids)), max_rows):
             part = ids[start:start + max_rows]
             with self._lock:
-                if self._changes.incarnation != at[0]:
-                    raise LayoutChangedError("an embedding table was replaced (a restore) while it was read; "
-                                             "read it again")
+                if self._replaced or self._changes.incarnation != at[0]:
+                    raise LayoutChangedError("an embedding table was replaced (a restore or a re-layout) while it "
+                                             "was read; read it again")
                 rows = self._rows_of(part, min_updates)
             yield (*at, whole, torch.from_numpy(part), *rows)
 
@@ -476,7 +477,10 @@ class EmbeddingTable:
                 "last_seen": torch.from_numpy(p.cols["seen"][live])}
 
     def close(self) -> None:
-        """Lets go of what the table holds outside memory (a RAM table: nothing). Call once it is replaced."""
+        """Lets go of what the table holds outside memory (a RAM table: nothing but a read in parts, which
+        fails at its next part). Call once it is replaced."""
+        with self._lock:
+            self._replaced = True
 
     @classmethod
     def from_state_dict(cls, state: Mapping) -> EmbeddingTable:

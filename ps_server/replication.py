@@ -165,6 +165,7 @@ class Feed:
         self._sent: dict[tuple, str] = {}  # the last base's table files: identity -> path in the backup's copy
         self._based = False              # the first base was offered
         self._base_sent = False          # the first base went out: records use the lane, and pass later files
+        self._files = 0                  # "file" items queued
         self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
         self._acked = 0
         self._heard = False              # an ack came
@@ -233,6 +234,7 @@ class Feed:
                 _drop(items)
                 return
             self._frames.extend(items)
+            self._files += sum(item[0] == "file" for item in items)
             if not self._based:
                 self._based = True
                 self._unacked.appendleft((self.floor, time.monotonic()))
@@ -250,9 +252,13 @@ class Feed:
                 self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
                 if self.lost is not None:
                     return
-                batch = []  # what is queued, up to a store file (whose reading lets records pass)
-                while self._frames and (not batch or batch[-1][0] != "file"):
-                    batch.append(self._frames.popleft())
+                if not self._files:  # everything queued at once
+                    batch, self._frames = self._frames, collections.deque()
+                else:  # what is queued up to a store file, whose reading lets records pass
+                    batch = collections.deque()
+                    while self._frames and (not batch or batch[-1][0] != "file"):
+                        batch.append(self._frames.popleft())
+                    self._files -= batch[-1][0] == "file"
                 overdue = self._unacked and time.monotonic() - self._unacked[0][1] > self._ack_timeout
             if overdue:
                 _drop(batch)
@@ -260,24 +266,29 @@ class Feed:
                 return
             if not batch:
                 yield _HEARTBEAT
-            for item in batch:
-                if item[0] == "file":  # read as the stream takes it, the records behind its base between pieces
-                    for piece in item[1]:
-                        self._shipped.add(nbytes=len(piece))
-                        yield piece
-                        for record in self._passing():
-                            yield record[1]
-                        if self.lost is not None:
-                            item[1].close()
-                            _remove_link(item[2])
-                            return
-                    self._shipped.add(files=1)
-                    self._restamp()
-                else:
-                    if item[0] == "base" and not self._base_sent:
-                        with self._cond:  # what is offered from now on follows it
-                            self._base_sent = True
-                    yield item[1]
+            try:
+                while batch:
+                    item = batch[0]
+                    if item[0] == "file":  # read as the stream takes it, the records behind its base between pieces
+                        for piece in item[1]:
+                            self._shipped.add(nbytes=len(piece))
+                            yield piece
+                            for record in self._passing():
+                                yield record[1]
+                            if self.lost is not None:
+                                return
+                        self._shipped.add(files=1)
+                        self._restamp()
+                    else:
+                        if item[0] == "base" and not self._base_sent:
+                            with self._cond:  # what is offered from now on follows it
+                                self._base_sent = True
+                        yield item[1]
+                        if item[0] == "base":  # the base's frames held the records behind it back
+                            self._restamp()
+                    batch.popleft()
+            finally:  # the stream ended (lost, cancelled) with these not sent: their store links go
+                _drop(batch)
 
     def _passing(self) -> list[tuple]:
         """The records queued behind the base being sent, up to the next ROTATE, taken out of the queue (none
@@ -293,8 +304,8 @@ class Feed:
             return out
 
     def _restamp(self) -> None:
-        """Counts the wait of every record not acknowledged yet from now (the file just sent held the records
-        queued behind it back)."""
+        """Counts the wait of every record not acknowledged yet from now (the file or base just sent held the
+        records queued behind it back)."""
         with self._cond:
             now = time.monotonic()
             self._unacked = collections.deque((number, now) for number, _ in self._unacked)
@@ -326,6 +337,7 @@ class Feed:
             self.lost = why
             dropped = [*self._frames, *self._early]
             self._frames.clear()
+            self._files = 0
             self._early = []
             self._cond.notify_all()
         _drop(dropped)
@@ -393,8 +405,9 @@ class Replication:
         feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped)
         try:
             self._compact_for(feed)
-        except Exception as exc:  # attached maybe, its base not written: it is detached as a lost one is
-            feed.lose(f"its base could not be written ({exc})")
+        except Exception as exc:
+            if journal.following() is feed:  # attached, its base not written: detached as a lost one is
+                feed.lose(f"its base could not be written ({exc})")
             raise
         self.feeds_opened += 1
         _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)

@@ -464,7 +464,8 @@ class SsdTable(EmbeddingTable):
         """EmbeddingTable.read_changes(). A whole read streams the store a part at a time, each part read under
         the table's lock once changed rows were written back: it holds its rows as they are when read, so a row
         may be newer than the first part's seq, never older (a reader's next read from that seq sends it
-        again). Never more than a part in memory. LayoutChangedError if the table was replaced (a restore, a
+        again). The rows of the ids changed since a seq are read a part at a time too: never more than a
+        part's rows in memory. LayoutChangedError if the table was replaced (a restore, a
         re-layout) or closed between two parts: read again."""
         if not 0 <= min_updates <= MAX_UPDATES or max_rows < 1:
             raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}] and max_rows positive, got "
@@ -473,19 +474,19 @@ class SsdTable(EmbeddingTable):
             self._write_back()
             ids = self._changes.since(seq, incarnation, self._changed_after)
             at = (self._changes.incarnation, self._changes.seq)
-            if ids is not None:
-                held, records = self._disk.get(ids)
-        if ids is not None:
-            answer = self._part(at, False, ids, held, records, min_updates)
+        if ids is not None:  # the ids changed since: their rows read a part at a time
             for start in range(0, max(1, len(ids)), max_rows):
-                yield (*answer[:3], *(t[start:start + max_rows] for t in answer[3:]))
+                part = ids[start:start + max_rows]
+                with self._lock:
+                    self._check_same(at)
+                    self._write_back()
+                    held, records = self._disk.get(part)
+                yield self._part(at, False, part, held, records, min_updates)
             return
         after = None
         while True:
             with self._lock:
-                if self._closed or self._changes.incarnation != at[0]:
-                    raise LayoutChangedError("an embedding table kept on SSD was replaced (a restore or a "
-                                             "re-layout) while it was read whole; read it again")
+                self._check_same(at)
                 self._write_back()
                 ids, records = self._disk.scan(after, max_rows)
             if len(ids) or after is None:
@@ -493,6 +494,12 @@ class SsdTable(EmbeddingTable):
             if len(ids) < max_rows:
                 return
             after = int(ids[-1])
+
+    def _check_same(self, at: tuple[str, int]) -> None:
+        """LayoutChangedError unless the table read from `at` (its incarnation then) is still this one."""
+        if self._closed or self._changes.incarnation != at[0]:
+            raise LayoutChangedError("an embedding table kept on SSD was replaced (a restore or a re-layout) "
+                                     "while it was read; read it again")
 
     def _part(self, at: tuple[str, int], whole: bool, ids: np.ndarray, held: np.ndarray, records: np.ndarray,
               min_updates: int) -> tuple[str, int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -94,7 +94,8 @@ def test_a_replica_follows_training_and_equals_the_shards_bit_for_bit(local_clus
             rows_then = serving.lookup("t", IDS).rows
             _train(client, 10, seed=1)
             _caught_up(serving, client.status(0).step)
-            assert not torch.equal(serving.lookup("t", IDS).rows, rows_then)
+            wait_until(lambda: not torch.equal(serving.lookup("t", IDS).rows, rows_then), TIMEOUT,
+                       "the replica to read the later pushes")  # (a version's step bounds its changes from above)
             back = serving.rollback(kept.step)
             assert back.held and back.current.step == kept.step
             again = serving.lookup("t", IDS)
@@ -106,7 +107,9 @@ def test_a_replica_follows_training_and_equals_the_shards_bit_for_bit(local_clus
             serving.resume()
             final = client.status(0).step
             _caught_up(serving, final)
-            assert torch.equal(serving.lookup("t", IDS).rows, client.lookup_rows({"t": IDS})["t"])
+            trained = client.lookup_rows({"t": IDS})["t"]
+            wait_until(lambda: torch.equal(serving.lookup("t", IDS).rows, trained), TIMEOUT,
+                       "the replica to read the last pushes")
 
             # Its Prometheus metrics say the same as its status.
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).read().decode()
@@ -338,8 +341,10 @@ def test_a_replica_reads_a_table_kept_on_ssd_whole_in_parts_then_follows_it(loca
                 assert torch.equal(serving.lookup("dyn", ids).rows, client.lookup_rows({"dyn": ids})["dyn"])
                 changed = ids[::5]
                 client.push({}, rows={"dyn": (changed, torch.ones(len(changed), D))})
-                _caught_up(serving, client.status(0).step)
-                assert torch.equal(serving.lookup("dyn", ids).rows, client.lookup_rows({"dyn": ids})["dyn"])
+                trained = client.lookup_rows({"dyn": ids})["dyn"]
+                # (a version's step says it holds no later change, not that it holds that step's: wait for the rows)
+                wait_until(lambda: torch.equal(serving.lookup("dyn", ids).rows, trained), TIMEOUT,
+                           "the replica to read the rows the push changed")
         finally:
             _stop(proc)
 

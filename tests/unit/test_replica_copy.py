@@ -257,3 +257,49 @@ def test_records_pass_a_later_bases_store_files_and_never_the_first_base(tmp_pat
     assert (tmp_path / "copy" / f"base-{number:06d}.stores" / "t-0" / "000009.sst").read_bytes() == \
         bytes(range(256)) * 8
     assert not table_file.exists() and not table_file.parent.exists()  # the feed's link and folder, once sent
+
+
+def test_a_stream_ended_mid_file_lets_the_files_links_go(tmp_path):
+    """The stream is abandoned (a cancelled call) while a base's store file streams: that file's link and the
+    links of the files behind it are removed, and the feed, once lost, holds none."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, _ = _feed()
+    number = primary.rotate(follower=feed)
+    state = {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}
+    primary.finish_compaction(number, primary.write_base(number, state))
+    shipping = tmp_path / "primary" / ".shipping" / f"base-{number:06d}.stores" / "t-0"
+    shipping.mkdir(parents=True)
+    files = []
+    for name in ("000001.sst", "000002.sst", "MANIFEST-000003"):
+        (shipping / name).write_bytes(b"x" * 100)
+        files.append((f"base-{number:06d}.stores/t-0/{name}", shipping / name))
+    feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)), files=files)
+    stream = feed.frames(b"{}")
+    next(stream)  # LAYOUT
+    assert ps_pb2.ReplicaFrame.FromString(next(stream)).kind == ps_pb2.ReplicaFrame.FILE
+    stream.close()  # as gRPC leaves a cancelled call's generator
+    feed.lose("its stream ended")
+    primary.close()
+    assert not (tmp_path / "primary" / ".shipping" / f"base-{number:06d}.stores").exists()
+
+
+def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(tmp_path):
+    """Replication.open while another backup's feed is attached: refused (ModeConflictError), and the refused
+    one is neither counted lost nor asked to be dropped at the arbiter (which would drop it later, once it
+    followed)."""
+    from torchps.errors import ModeConflictError
+    from torchps.ps_server.replication import Replication
+
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    asked = []
+    replication = Replication(1, "p:1", lambda: primary, lambda feed: primary.rotate(follower=feed),
+                              lambda action, index, me, backup, timeout=None: asked.append((action, backup)) or {},
+                              self_arbitrated=False, chunk_bytes=1 << 20)
+    first = replication.open(ps_pb2.ReplicaHello(index=1, address="b:1"))
+    with pytest.raises(ModeConflictError, match="one at a time"):
+        replication.open(ps_pb2.ReplicaHello(index=1, address="b:2"))
+    assert replication.feeds_lost == 0 and primary.following() is first and asked == []
+    first.lose("test over")
+    primary.close()
