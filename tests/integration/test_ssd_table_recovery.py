@@ -60,6 +60,14 @@ def step(client: PSClient, k: int) -> dict[str, torch.Tensor]:
     return looked
 
 
+def train_alike(a: PSClient, r: PSClient, steps: int) -> None:
+    """Both clients' setup, then steps 1..`steps` on each, their lookups equal."""
+    for client in (a, r):
+        setup(client)
+    for k in range(1, steps + 1):
+        assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+
+
 def everything(client: PSClient) -> dict[str, torch.Tensor]:
     return {**client.lookup_rows({"dyn": IDS, "fix": torch.arange(40)}), **client.pull(["w"])}
 
@@ -77,10 +85,7 @@ def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactl
     try:
         at_once("start", ssd, ram)
         with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
-            for client in (a, r):
-                setup(client)
-            for k in range(1, 7):
-                assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+            train_alike(a, r, 6)
             (table,) = [t for t in a.status(1).tables if t.name == "dyn"]
             assert table.storage == "ssd" and table.rows > 2 * table.cache_rows > 0 and table.disk_bytes_written > 0
             assert [t.storage for t in a.status(1).tables if t.name == "fix"] == ["ram"]
@@ -122,10 +127,7 @@ def test_a_checkpoint_of_2_ssd_shards_restores_onto_3_and_onto_1_and_trains_on_e
     try:
         at_once("start", ssd, ram)
         with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
-            for client in (a, r):
-                setup(client)
-            for k in range(1, 7):
-                assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+            train_alike(a, r, 6)
             assert a.save_checkpoint(0) == 6
             assert (source / "step-000000000006" / "ps-1.stores").is_dir()
             saved, looked = everything(r), step(r, 7)

@@ -21,7 +21,7 @@ from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from table_job import at_once  # noqa: E402
-from test_ssd_table_recovery import CACHE, D, IDS, setup, step  # noqa: E402
+from test_ssd_table_recovery import CACHE, D, IDS, setup, step, train_alike  # noqa: E402
 
 PART = 100  # rows of a part
 
@@ -44,11 +44,7 @@ def test_export_rows_streams_every_row_of_an_ssd_table_as_a_ram_cluster_exports_
     try:
         at_once("start", ssd, ram)
         with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
-            for client in (a, r):
-                setup(client)
-            for k in range(1, 7):
-                step(a, k)
-                step(r, k)
+            train_alike(a, r, 6)
             rows = sum(t.rows for i in range(2) for t in a.status(i).tables if t.name == "dyn")
             ids, values, parts = exported(a, "dyn")
             ram_ids, ram_values, _ = exported(r, "dyn")
