@@ -45,6 +45,7 @@ PS_WORKER = _command("ps-worker", "torchps.worker")
 TIMEOUT = 120.0  # seconds for one whole launch on a loaded 2-core machine
 # ps-launch's STOP_GRACE_SECONDS is 10: SIGTERM, then SIGKILL after 10 s. Stopping must not take much longer.
 STOP_BOUND = 20.0
+WATCH_SECONDS = 30.0  # the longest a shard is held stopped while the test looks for the job's processes
 SMALL = ["--dataset", "mnist5k", "--epochs", "3", "--lr", "0.1", "--momentum", "0.9"]
 # 2 ps, 2 async workers, 3 epochs of their 2,000-digit shards, batch 100: 120 global steps.
 # Measured test accuracy 0.843-0.862 over 3 runs (about 2 s of training, load average ~2); 0.829-0.875 over 8 runs
@@ -271,17 +272,30 @@ def test_launch_trains_and_reports(tmp_path):
 def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
     """The shards say how they are secured; each process is given only its own files, in a folder of its own
     (mode 0700) inside the job's (mode 0700), which holds no CA key; all of it gone when ps-launch has ended.
-    The shard is stopped (SIGSTOP) from its serving line until every process was looked at: a 20-step job
-    could otherwise end before this test reads the lines that say its processes run."""
+    The shard is stopped (SIGSTOP) from its serving line until every process was looked at (WATCH_SECONDS at
+    most): a 20-step job could otherwise end before this test has seen its processes."""
     seen: dict[str, dict] = {}  # task -> what it was given, read while the job runs
     stopped: list[int] = []
+    watchers: list[threading.Thread] = []
 
     def on_line(line: str, launcher: int) -> None:
-        if (serving := SERVING.search(line)) and not seen:
+        if (serving := SERVING.search(line)) and not watchers:
             stopped.append(int(serving[1]))
             os.kill(stopped[-1], signal.SIGSTOP)
-        if not stopped:
-            return
+            # The workers may print nothing while the shard is stopped: they are looked for until all are seen.
+            watchers.append(threading.Thread(target=watch, args=(launcher,)))
+            watchers[-1].start()
+
+    def watch(launcher: int) -> None:
+        deadline = time.monotonic() + WATCH_SECONDS
+        while len(seen) < 3 and time.monotonic() < deadline:
+            look(launcher)
+            time.sleep(0.05)
+        while stopped:
+            with contextlib.suppress(OSError):
+                os.kill(stopped.pop(), signal.SIGCONT)
+
+    def look(launcher: int) -> None:
         for pid in descendants(launcher):
             try:
                 task = task_of(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
@@ -298,8 +312,6 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
                                   modes=(folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777),
                                   everything=sorted(p.name for p in folder.parent.rglob("*")),
                                   token=(folder / "token").read_text())
-        if len(seen) == 3:
-            os.kill(stopped.pop(), signal.SIGCONT)
 
     # Each process's environment is read from /proc, which shows what a process was exec'd with: a child
     # forked from the fork server shows the fork server's. So this job's processes start as fresh
@@ -309,9 +321,8 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
         run = launch(["--ps", "1", "--workers", "2", "--dataset", "mnist5k", "--steps", "20", *flags],
                      on_line=on_line, env=environ(**{DISABLE_ENV: "1"}))
     finally:
-        for pid in stopped:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGCONT)
+        for watcher in watchers:
+            watcher.join()
     assert run.code == 0, run.output
     serving = [line for line in run.lines if SERVING.search(line)]
     assert len(serving) == 1 and mode in serving[0], serving
