@@ -272,15 +272,21 @@ def test_launch_trains_and_reports(tmp_path):
 def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls):
     """The shards say how they are secured; each process is given only its own files, in a folder of its own
     (mode 0700) inside the job's (mode 0700), which holds no CA key; all of it gone when ps-launch has ended.
-    The shard is stopped (SIGSTOP) from its serving line until every process was looked at (WATCH_SECONDS at
-    most): a 20-step job could otherwise end before this test has seen its processes."""
+    The shard is stopped (SIGSTOP) from the launcher's cluster line until every process was looked at
+    (WATCH_SECONDS at most): a 20-step job could otherwise end before this test has seen its processes."""
     seen: dict[str, dict] = {}  # task -> what it was given, read while the job runs
     stopped: list[int] = []
     watchers: list[threading.Thread] = []
 
+    shard: list[int] = []
+
     def on_line(line: str, launcher: int) -> None:
-        if (serving := SERVING.search(line)) and not watchers:
-            stopped.append(int(serving[1]))
+        if serving := SERVING.search(line):
+            shard.append(int(serving[1]))
+        # Once ps-launch has the shard's port (it prints the cluster, then starts the workers): stopped before
+        # that, the shard would not write its port file and ps-launch would start no worker.
+        if line.startswith("[launch] cluster:") and shard and not watchers:
+            stopped.append(shard[0])
             os.kill(stopped[-1], signal.SIGSTOP)
             # The workers may print nothing while the shard is stopped: they are looked for until all are seen.
             watchers.append(threading.Thread(target=watch, args=(launcher,)))
