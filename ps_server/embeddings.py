@@ -55,7 +55,7 @@ from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_optimizers import RowOptimizer, coalesce
 from .row_storage import MIN_SLAB as _MIN_SLAB, Keyed as _Keyed, Slabs as _Slabs, ids_array as _ids_array
 
-__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "relayout_head", "rows_for", "PARTITIONS", "INITS"]
+__all__ = ["EmbeddingTable", "shard_of", "initial_rows", "relayout", "relayout_head", "rows_for", "check_read", "PARTITIONS", "INITS"]
 
 INITS = ("normal", "uniform")
 STATE_FORMAT = 1
@@ -243,7 +243,7 @@ class EmbeddingTable:
         `held`: a bool per id, False for a row dropped since (evicted) or, with `min_updates`, one updated
         fewer times than that (its update that reaches it is a change: it comes then). Raises
         InvalidArgumentError for a `min_updates` outside [0, MAX_UPDATES]."""
-        _check_min_updates(min_updates)
+        check_read(min_updates)
         with self._lock:
             ids = self._changes.since(seq, incarnation, self._changed_after)
             whole = ids is None
@@ -259,9 +259,7 @@ class EmbeddingTable:
         under the table's lock as it is read (a row may be newer than that seq, never older; one dropped
         meanwhile comes as not held), so only a part's rows are ever copied. LayoutChangedError if the table
         was replaced (a restore or a re-layout) between two parts: read again. Raises as changes() does."""
-        _check_min_updates(min_updates)
-        if max_rows < 1:
-            raise InvalidArgumentError(f"max_rows must be positive, got {max_rows}")
+        check_read(min_updates, max_rows)
         with self._lock:
             ids = self._changes.since(seq, incarnation, self._changed_after)
             at, whole = (self._changes.incarnation, self._changes.seq), ids is None
@@ -590,9 +588,12 @@ def rows_for(state: Mapping, shard_index: int, num_shards: int) -> dict:
     return out
 
 
-def _check_min_updates(min_updates: int) -> None:
+def check_read(min_updates: int, max_rows: int = 1) -> None:
+    """InvalidArgumentError unless a read of changes may ask for `min_updates` and parts of `max_rows` rows."""
     if not 0 <= min_updates <= MAX_UPDATES:
         raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
+    if max_rows < 1:
+        raise InvalidArgumentError(f"max_rows must be positive, got {max_rows}")
 
 
 def relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, *,

@@ -76,7 +76,7 @@ import torch
 from ..errors import InvalidArgumentError, LayoutChangedError, ModeConflictError
 from .disk_rows import DiskMemory, DiskRows, link_tree
 from ..rows import owner
-from .embeddings import STATE_FORMAT, EmbeddingTable, relayout_head
+from .embeddings import STATE_FORMAT, EmbeddingTable, check_read, relayout_head
 from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_storage import Keyed as _Keyed
 
@@ -467,9 +467,7 @@ class SsdTable(EmbeddingTable):
         again). The rows of the ids changed since a seq are read a part at a time too: never more than a
         part's rows in memory. LayoutChangedError if the table was replaced (a restore, a
         re-layout) or closed between two parts: read again."""
-        if not 0 <= min_updates <= MAX_UPDATES or max_rows < 1:
-            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}] and max_rows positive, got "
-                                       f"{min_updates} and {max_rows}")
+        check_read(min_updates, max_rows)
         with self._lock:
             self._write_back()
             ids = self._changes.since(seq, incarnation, self._changed_after)

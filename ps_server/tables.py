@@ -28,8 +28,7 @@ from .. import codec, rows
 from ..errors import (InvalidArgumentError, LayoutChangedError, NonFiniteGradientError, SpecConflictError,
                       TensorMismatchError, UnknownVariableError)
 from ..proto import ps_pb2
-from .embeddings import EmbeddingTable
-from .row_changes import MAX_UPDATES
+from .embeddings import EmbeddingTable, check_read
 from .row_optimizers import RowOptimizer
 from .ssd_tables import TableStorage
 from .waits import NamesAwaited
@@ -290,8 +289,7 @@ class TableStore(NamesAwaited):
         if tables and set(cursors) - set(tables):
             raise InvalidArgumentError(f"cursors name tables {sorted(set(cursors) - set(tables))} the read leaves "
                                        f"out (it reads {sorted(tables)})")
-        if not 0 <= min_updates <= MAX_UPDATES:
-            raise InvalidArgumentError(f"min_updates must be in [0, {MAX_UPDATES}], got {min_updates}")
+        check_read(min_updates)
         with self._changed:
             chosen = sorted(((name, held) for name, held in self._tables.items() if not tables or name in tables),
                             key=lambda item: item[0])
