@@ -279,13 +279,17 @@ def test_credentials_live_in_a_private_folder_for_the_job_only(flags, mode, tls)
     watchers: list[threading.Thread] = []
 
     shard: list[int] = []
+    cluster: list[str] = []
 
     def on_line(line: str, launcher: int) -> None:
         if serving := SERVING.search(line):
             shard.append(int(serving[1]))
+        if line.startswith("[launch] cluster:"):
+            cluster.append(line)
         # Once ps-launch has the shard's port (it prints the cluster, then starts the workers): stopped before
-        # that, the shard would not write its port file and ps-launch would start no worker.
-        if line.startswith("[launch] cluster:") and shard and not watchers:
+        # that, the shard would not write its port file and ps-launch would start no worker. The shard's
+        # serving line, relayed from its output, may come before or after the launcher's own cluster line.
+        if shard and cluster and not watchers:
             stopped.append(shard[0])
             os.kill(stopped[-1], signal.SIGSTOP)
             # The workers may print nothing while the shard is stopped: they are looked for until all are seen.
