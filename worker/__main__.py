@@ -150,7 +150,7 @@ def run_task(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, devi
         if task.type == "evaluator":
             metrics = _serve_metrics(EvaluatorMetrics(), cluster, task, args.metrics_port) \
                 if args.metrics_port is not None else None
-            return _evaluate(client, task, job, args, device, writer, started, metrics)
+            return _evaluate(client, cluster, task, job, args, device, writer, started, metrics)
         if args.dense == "allreduce":  # formed before anything else: it waits for every training task
             with AllreduceGroup.connect(cluster, task, port=args.allreduce_port, timeout=args.allreduce_timeout,
                                         device=device) as group:
@@ -373,7 +373,7 @@ def _finish_allreduce(client: PSClient, task: TaskSpec, job, args, device: str, 
             "workers": replicas, "ps": shards, "checkpoints": []}
 
 
-def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, started: float,
+def _evaluate(client: PSClient, cluster: Cluster, task: TaskSpec, job, args, device: str, writer, started: float,
               metrics: EvaluatorMetrics | None) -> dict:
     binding = client.register_module(job.model, create=False, join=False, wait_timeout=FINAL_WAIT_SECONDS)
     last = [0, float("nan")]
@@ -387,7 +387,7 @@ def _evaluate(client: PSClient, task: TaskSpec, job, args, device: str, writer, 
 
     try:
         run_evaluator(client, job, binding, device=device, interval=args.eval_interval, target_steps=args.steps,
-                      timeout=24 * 3600, on_eval=on_eval)
+                      timeout=24 * 3600, on_eval=on_eval, members=cluster.training_names())
     except Terminated:  # asked to stop (ps-launch does once training is over): evaluate what is there now
         _LOGGER.info("evaluator: SIGTERM; a last evaluation")
         try:

@@ -8,11 +8,12 @@ import itertools
 import logging
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from ..client import ModuleBinding, Optimizer, PSClient, ServerUnavailableError
+from ..proto import ps_pb2
 from .data import batches
 from .host import host_shard
 from .models import Task
@@ -152,27 +153,33 @@ def train(client: PSClient, task: Task, binding: ModuleBinding, *, replica: int,
 
 
 def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, device: str, interval: float,
-                  target_steps: int | None, timeout: float, on_eval: Callable[[int, float], None] | None = None
-                  ) -> tuple[int, float]:
+                  target_steps: int | None, timeout: float, on_eval: Callable[[int, float], None] | None = None,
+                  members: Sequence[str] = ()) -> tuple[int, float]:
     """Every `interval` s: pull, evaluate on the test set, log. Never pushes.
 
     Stops when the global step reaches target_steps, when the workers that
-    joined have all left, or after `timeout` s. Between evaluations it asks
-    shard 0 every STATUS_POLL_SECONDS whether workers are left, so the end
-    of training is met at once; the status is read before the pull, so the
-    last evaluation is of the final model. Returns the last (step, accuracy).
+    joined have all left (seen live here, or `members`, the job's training
+    task names, of which shard 0 says one left and none is live: an
+    evaluator started again at the end of the job sees it ended), or after
+    `timeout` s. Between evaluations it asks shard 0 every
+    STATUS_POLL_SECONDS whether workers are left, so the end of training is
+    met at once; the status is read before the pull, so the last evaluation
+    is of the final model. Shards that stop answering end it as the end of
+    the job once training was seen, else raise ServerUnavailableError.
+    Returns the last (step, accuracy).
     """
     deadline = time.monotonic() + timeout
     seen_workers = False
     step, accuracy = 0, float("nan")
     try:
         while True:
-            step, accuracy, live = evaluate_once(client, task, binding, device, on_eval)
-            seen_workers = seen_workers or live > 0
-            finished = (target_steps is not None and step >= target_steps) or (seen_workers and live == 0)
+            step, accuracy, status = evaluate_once(client, task, binding, device, on_eval, members)
+            seen_workers = seen_workers or status.live_workers > 0 or _left(status)
+            finished = (target_steps is not None and step >= target_steps) or (seen_workers and not status.live_workers)
             if finished or time.monotonic() > deadline:
                 return step, accuracy
-            seen_workers = _until_next_evaluation(client, min(deadline, time.monotonic() + interval), seen_workers)
+            seen_workers = _until_next_evaluation(client, min(deadline, time.monotonic() + interval), seen_workers,
+                                                  members)
     except ServerUnavailableError:
         if not seen_workers:
             raise
@@ -180,30 +187,37 @@ def run_evaluator(client: PSClient, task: Task, binding: ModuleBinding, *, devic
         return step, accuracy
 
 
-def _until_next_evaluation(client: PSClient, due: float, seen_workers: bool) -> bool:
+def _left(status: ps_pb2.StatusResponse) -> bool:
+    """Whether the status (with `joined_of`) names a training task that left the job (called Leave)."""
+    return any(member.state == "left" for member in status.members)
+
+
+def _until_next_evaluation(client: PSClient, due: float, seen_workers: bool, members: Sequence[str]) -> bool:
     """Waits until `due` (monotonic) or, once workers have been seen, until none is left; returns whether
     workers have been seen."""
     while (now := time.monotonic()) < due:
-        live = client.status(0).live_workers
-        if live:
+        status = client.status(0, joined_of=members)
+        if status.live_workers or _left(status):
             seen_workers = True
-        elif seen_workers:
+        if seen_workers and not status.live_workers:
             break
         time.sleep(min(STATUS_POLL_SECONDS, due - now))
     return seen_workers
 
 
 def evaluate_once(client: PSClient, task: Task, binding: ModuleBinding, device: str,
-                  on_eval: Callable[[int, float], None] | None = None) -> tuple[int, float, int]:
-    """(global step, test accuracy, live workers): the status first, then the values, then the evaluation;
-    `on_eval(step, accuracy)` runs before the log line, which is the evaluation's last act."""
-    status = client.status(0)
+                  on_eval: Callable[[int, float], None] | None = None, members: Sequence[str] = ()
+                  ) -> tuple[int, float, ps_pb2.StatusResponse]:
+    """(global step, test accuracy, shard 0's status with `joined_of` = `members`): the status first, then the
+    values, then the evaluation; `on_eval(step, accuracy)` runs before the log line, which is the evaluation's
+    last act."""
+    status = client.status(0, joined_of=members)
     binding.pull()
     accuracy = evaluate(task.model, task.dataset.x_test, task.dataset.y_test, device)
     if on_eval:
         on_eval(status.step, accuracy)
     _LOGGER.info("evaluator: global step %d test accuracy %.4f", status.step, accuracy)
-    return status.step, accuracy, status.live_workers
+    return status.step, accuracy, status
 
 
 def _progress_bar(options: TrainOptions, total: int | None):

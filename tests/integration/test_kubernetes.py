@@ -458,8 +458,12 @@ class Task:
         return self.procs[-1]
 
     def output(self, last: int = 30) -> str:
+        """The last `last` lines of every incarnation, each incarnation headed by its exit code."""
         with self._cond:
-            return "\n".join(f"[{self.pod.name}] {line}" for line in self.lines[-1][-last:])
+            return "\n".join(
+                f"[{self.pod.name}] incarnation {n} (exit {proc.poll()}):\n"
+                + "\n".join(f"[{self.pod.name}] {line}" for line in lines[-last:])
+                for n, (proc, lines) in enumerate(zip(self.procs, self.lines)))
 
     def wait_for(self, pattern: str, timeout: float = START_TIMEOUT) -> re.Match:
         """The first line of the current incarnation that matches `pattern` (re.search)."""

@@ -117,3 +117,24 @@ def test_an_evaluator_serves_its_evaluations(local_cluster, tmp_path):
         evaluator.kill()
     assert samples["torchps_evaluator_evaluations_total"] >= 1
     assert 0 <= samples["torchps_evaluator_accuracy"] <= 1 and samples["torchps_evaluator_global_step"] >= 0
+
+
+def test_an_evaluator_started_after_training_ended_evaluates_the_final_model_and_exits_0(local_cluster):
+    """An evaluator started again at the end of a job (its pod restarted after the workers left, the shards
+    still up) sees from shard 0 that the job's training tasks joined and left, evaluates the final model once
+    and ends (exit 0), instead of waiting for workers that will not come until the shards are gone."""
+    local = local_cluster(1, workers=1)
+    cluster = {**local.cluster.to_dict(), "evaluator": ["127.0.0.1:3"]}
+    common = ["--cluster", json.dumps(cluster), "--dataset", "mnist5k", "--insecure"]
+    chief = subprocess.run([*PS_WORKER, *common, "--task-type", "worker", "--index", "0", "--steps", "20",
+                            "--keep-ps"], capture_output=True, text=True, env=environ(), timeout=180)
+    assert chief.returncode == 0, chief.stdout[-3000:] + chief.stderr[-3000:]
+    with PSClient(local.cluster, connect_timeout=30) as client:
+        status = client.status(0, joined_of=["worker:0"])
+        assert status.live_workers == 0 and [m.state for m in status.members] == ["left"], status
+    evaluator = subprocess.run([*PS_WORKER, *common, "--task-type", "evaluator", "--index", "0",
+                                "--eval-interval", "0.2"], capture_output=True, text=True, env=environ(), timeout=180)
+    assert evaluator.returncode == 0, evaluator.stdout[-3000:] + evaluator.stderr[-3000:]
+    evaluations = re.findall(r"evaluator: global step (\d+) test accuracy", evaluator.stdout + evaluator.stderr)
+    assert evaluations == ["20"], evaluator.stderr[-3000:]
+    assert all(proc.poll() is None for proc in local.procs), "the shards are up: it ended because training had"
