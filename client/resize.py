@@ -71,9 +71,12 @@ import threading
 import time
 from typing import Callable
 
+import grpc
+
 from ..cluster import arbiter_of
 from ..errors import ClusterConfigError, PSError, ResizeConflictError, ServerUnavailableError, WaitTimeoutError
 from ..proto import ps_pb2
+from .errors import error_from_rpc
 from .fanout import ShardFanout
 from .layout import LayoutFollower
 
@@ -86,6 +89,7 @@ BATCH_BYTES = 16 << 20  # variables moved under one layout epoch: a client waits
 QUIET_SECONDS = 60.0  # sync: how long a resize waits for the steps before its hold to be applied everywhere
 QUIET_POLL_SECONDS = 0.02
 LEASE_SECONDS = 30.0  # the driver's lease on ps 0, and its hold's on every shard: renewed every quarter of it
+MOVE_RETRY_SECONDS = 0.2  # between attempts of a move whose exporter could not be reached
 ADDED_SHARD_SECONDS = 10.0  # how long a resize waits for a shard it adds to answer
 _ACTION = ps_pb2.ResizeRequest.Action
 _PHASE = ps_pb2.ResizeState.Phase
@@ -334,14 +338,56 @@ class _Driver:
     def relay(self, source: int, target: int, request: ps_pb2.MoveRequest) -> int:
         """Moves what `request` names from shard `source` to `target`: exported there (a kept export is sent
         again), imported here; variables are then confirmed to `source`, which drops what it kept. `target`
-        == `source`: a kept export taken back (a rolled-back move; nothing to confirm). Returns the bytes."""
+        == `source`: a kept export taken back (a rolled-back move; nothing to confirm). The export's chunks go
+        into the import as they come (rows of tables on SSD are never all here); an export cut by an
+        unreachable `source` is sent again whole, within the fan-out's connect timeout. Returns the bytes."""
         self.check()
-        chunks = self.fanout.call(source, lambda stub, t: list(stub.ExportVariables(request, timeout=t)),
-                                  self.fanout.timeout)
-        self.fanout.call(target, lambda stub, t: stub.ImportVariables(iter(chunks), timeout=t), self.fanout.timeout)
+        deadline = time.monotonic() + self.fanout.channels.connect_timeout
+        while True:
+            try:
+                nbytes = self.fanout.call(target, lambda stub, t: self._pipe(stub, t, source, request),
+                                          self.fanout.timeout)
+                break
+            except ServerUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(MOVE_RETRY_SECONDS)
         if not request.tables and target != source:
             self.call(source, "ConfirmMove", ps_pb2.MoveRequest(names=request.names, to=target))
-        return sum(len(chunk.data) for chunk in chunks)
+        return nbytes
+
+    def _pipe(self, stub, timeout: float, source: int, request: ps_pb2.MoveRequest) -> int:
+        """One ImportVariables on `stub` of what ExportVariables(request) on `source` streams; the bytes moved.
+        An error of the export is raised as its PSError (the import was cancelled with it)."""
+        moved, failed, exports, ended = [0], [], [], threading.Event()
+
+        def chunks():
+            try:
+                exports.append(self.fanout.call(source, lambda s, t: s.ExportVariables(request, timeout=t),
+                                                self.fanout.timeout))
+                for chunk in exports[0]:
+                    moved[0] += len(chunk.data) + len(chunk.rows.records)
+                    yield chunk
+            except grpc.RpcError as exc:
+                if ended.is_set():  # cancelled below: the import ended first
+                    return
+                failed.append(error_from_rpc(exc, self.fanout.target(source)))
+                raise
+            except Exception as exc:  # noqa: BLE001 - raised again, and raised for the import (not GeneratorExit)
+                failed.append(exc)
+                raise
+
+        try:
+            stub.ImportVariables(chunks(), timeout=timeout)
+        except grpc.RpcError:
+            if failed:
+                raise failed[0] from None
+            raise
+        finally:
+            ended.set()
+            for export in exports:  # the import ended first (refused): the export stops too
+                export.cancel()
+        return moved[0]
 
 
 def _held(fanout: ShardFanout, shards) -> dict[int, list[tuple[str, int]]]:
@@ -406,7 +452,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
     fanout.channels.follow(old)
     fanout.channels.follow(addresses if len(addresses) > len(old) else old)
     _check_added(fanout, old, addresses)
-    _check_storage(fanout, range(len(old)))
+    _check_storage(fanout, range(len(old)), range(len(old), len(addresses)))
     placement = dict(fanout.call(0, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t),
                                  fanout.control_timeout).placement)
     _check_copies(_held(fanout, range(max(len(old), len(addresses)))), placement, range(len(old), len(addresses)))
@@ -454,18 +500,30 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_s
         resize.close()
 
 
-def _check_storage(fanout: ShardFanout, shards) -> None:
-    """ClusterConfigError (one line, nothing changed) if a shard keeps embedding tables on SSD: a live resize
-    cannot move their rows yet."""
-    for shard in shards:
+def _check_storage(fanout: ShardFanout, old: range, added: range) -> None:
+    """ClusterConfigError (one line, nothing changed) if a shard keeps embedding tables on SSD while a backup
+    follows it (its backup would not have their rows' folders), or an added shard could not keep them (no
+    --table-dir)."""
+    ssd = False
+    for shard in old:
         listed = fanout.call(shard, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(), timeout=t),
                              fanout.control_timeout)
-        ssd = [info.spec.name for info in listed.tables if info.status.storage == "ssd"]
-        if ssd:
-            raise ClusterConfigError(f"ps {shard} keeps embedding tables {ssd} on SSD: a live "
-                                     f"resize cannot move their rows yet; nothing was changed. Resize by a "
-                                     f"checkpoint and a restart onto the new number of shards (ps-server "
-                                     f"--restore-from DIR --num-ps N), or keep the tables in RAM")
+        tables = [info.spec.name for info in listed.tables if info.status.storage == "ssd"]
+        ssd = ssd or bool(tables)
+        if tables and _status(fanout, shard).replication.backup:
+            raise ClusterConfigError(f"ps {shard} keeps embedding tables {tables} on SSD and a backup follows it: "
+                                     f"a live resize cannot move their rows between replicated shards yet; nothing "
+                                     f"was changed. Resize by a checkpoint and a restart onto the new number of "
+                                     f"shards (ps-server --restore-from DIR --num-ps N)")
+    for shard in added if ssd else ():
+        if not _status(fanout, shard).tables_on_disk:
+            raise ClusterConfigError(f"ps {shard} keeps no tables on SSD (no --table-dir) and the job's embedding "
+                                     f"tables are kept there: start it with --table-dir DIR; nothing was changed")
+
+
+def _status(fanout: ShardFanout, shard: int) -> ps_pb2.StatusResponse:
+    return fanout.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                       fanout.control_timeout)
 
 
 def _check_added(fanout: ShardFanout, old: list[str], addresses: list[str]) -> None:

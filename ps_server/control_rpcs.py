@@ -72,7 +72,7 @@ class ControlRPCs:
                      for w, s, p, last, r in coordinator.standing(names)],
             awaited_step=awaited_step, awaited_pushes=awaited_pushes, awaited_pushers=awaited_pushers,
             replication=self.replication.status() if self.replication is not None else None,
-            **coordinator.counters())
+            tables_on_disk=coordinator.tables.storage.on_disk, **coordinator.counters())
 
     @map_errors
     def Configure(self, request, context):

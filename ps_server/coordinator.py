@@ -116,12 +116,10 @@ class Coordinator:
                                                                   replicas=self.replicas))
         self._book = book = Bookkeeping(store, self.recorder, clock, membership)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
-        self.saves = Saves(book, self.gate, self.waits, lambda: state_of(book, store, self.tables, self.queues,
-                                                                         with_pending=False, layout=self.layout,
-                                                                         resize=self.resizes,
-                                                                         replicas=self.replicas))
+        self.saves = Saves(book, self.gate, self.waits, self._checkpoint_state)
         self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step,
                            owner=self.resizes, replicas=self.replicas)
+        self.recorder.refuse_follower = self.moves.refuse_backup
         self._pushes = PushPath(book, self.tables, self.gate, self.waits, self.recorder, self.layout,
                                 owns_step=owns_step)
         # Where workers take data shards (dynamic sharding): served by the shard that owns the step, ps 0.
@@ -156,6 +154,7 @@ class Coordinator:
 
     def attach_journal(self, journal) -> None:
         """Records every change from now on in `journal` (after replay()), then start()s."""
+        self.moves.folders.journal = journal  # a live re-layout's table rows are kept beside it
         self.recorder.attach(journal)
         self.start()
 
@@ -572,6 +571,13 @@ class Coordinator:
                     now: bool = False) -> dict:
         """The shard's state for a checkpoint of step `step`; see snapshots.Saves.snapshot_at."""
         return self.saves.snapshot_at(step, self._book.clock.deadline(timeout), cancelled, now=now)
+
+    def _checkpoint_state(self) -> dict:
+        """The state a checkpoint holds (Saves takes it under the apply gate); ModeConflictError while tables
+        kept on SSD are re-laid out (Moves.check_saveable)."""
+        self.moves.check_saveable()
+        return state_of(self._book, self.store, self.tables, self.queues, with_pending=False, layout=self.layout,
+                        resize=self.resizes, replicas=self.replicas)
 
     def state(self, *, with_pending: bool) -> dict:
         """The whole state now (takes the apply gate alone while it copies)."""

@@ -212,6 +212,10 @@ class DiskRows:
         self.bytes_read += len(raw)
         return decode_keys(keys), np.frombuffer(raw, dtype=np.uint8).reshape(len(keys), self.record_bytes)
 
+    def flush(self) -> None:
+        """Writes what the memtable holds into table files (the store keeps no write-ahead log)."""
+        self._db.flush()
+
     def snapshot_to(self, path: str | os.PathLike) -> None:
         """A consistent copy of the store at `path` (which must not exist): a RocksDB checkpoint, its files hard
         links where the file system allows. What was written before the call is in it."""

@@ -54,7 +54,7 @@ import secrets
 import shutil
 import threading
 import time
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import setproctitle
 import torch
@@ -144,6 +144,7 @@ class Journal:
         self._log_bytes = 0             # bytes appended to log `_number`
         self._base_bytes = 0            # the size of the newest base
         self._spares = self._numbers(_SPARE)  # spare files (numbers) to write over
+        self._dropped: list[tuple[int, pathlib.Path]] = []  # (log then, folder): drop_after_next_base
         self._next_spare = max(self._spares, default=-1) + 1
         self._failed: str | None = None
         self._closing = False
@@ -431,8 +432,19 @@ class Journal:
                     if path.exists():
                         self._retire(path)
                 shutil.rmtree(self._stores_path(older), ignore_errors=True)
+        with self._cond:
+            gone = [folder for then, folder in self._dropped if then < number]
+            self._dropped = [(then, folder) for then, folder in self._dropped if then >= number]
+        for folder in gone:
+            shutil.rmtree(folder, ignore_errors=True)
         if self.sync:
             fsync_dir(self.directory)
+
+    def drop_after_next_base(self, folders: Iterable[pathlib.Path]) -> None:
+        """Removes `folders` once a base written after every record appended so far is in place (the records
+        that name them are never replayed again). Never blocks; a shard that stops first leaves them."""
+        with self._cond:
+            self._dropped += [(self._number, pathlib.Path(folder)) for folder in folders]
 
     def acked(self, follower, number: int) -> None:
         """`follower` wrote every record up to `number` (and the state of its first base, Feed.floor)."""

@@ -35,7 +35,9 @@ resize that changes the number of shards re-lays out every table. An epoch
 that sets `table_shards` (the new count) starts it on every shard: the
 tables freeze there (lookups and pushes naming one get VariableMovingError)
 and each shard exports, once, the rows every shard owns under the new count
-(`table_outbox`, kept until a later epoch, sent again if asked). A shard
+(`table_outbox`, kept until a later epoch, sent again if asked; a table
+kept on SSD has its head there and its rows in a kept copy of its store,
+`table_stores`: table_moves.py). A shard
 takes the rows each old shard sends it (`inbox`); once all of them arrived,
 the caller (moves.py) builds its tables from them and they serve again. The
 next epoch that sets the same count ends the re-layout (refused while rows
@@ -112,6 +114,8 @@ class ShardLayout:
         self._inbox: dict[int, bytes] = {}      # old shard -> the table rows it sent here at this re-layout
         self._inbox_from = 0                    # how many old shards send rows (0: not known yet)
         self._table_outbox: dict[int, bytes] = {}  # shard -> the table rows exported for it at this re-layout
+        self._table_stores: dict[str, dict] = {}   # table on SSD -> its kept copy its rows are streamed from
+                                                   # (table_moves.RelayoutFolders.keep)
 
     @guarded
     def set(self, epoch: int, addresses: list[str], placement: Mapping[str, int], asked: int = 0,
@@ -267,12 +271,12 @@ class ShardLayout:
             if check_only:
                 return "ended"
             self.table_shards = 0
-            self._inbox, self._inbox_from, self._table_outbox = {}, 0, {}
+            self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
             return "ended"
         if held == count or check_only:
             return "same" if held == count else "begun"
         self.table_shards = count
-        self._inbox, self._inbox_from, self._table_outbox = {}, 0, {}
+        self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
         return "begun"
 
     def _inbox_complete(self) -> bool:
@@ -293,9 +297,21 @@ class ShardLayout:
         return dict(self._table_outbox) if self._table_outbox else None
 
     @guarded
-    def export_tables(self, parts: Mapping[int, bytes]) -> None:
-        """Records this shard's exported rows for every shard of the new count (kept for repeated exports)."""
+    def export_tables(self, parts: Mapping[int, bytes], stores: Mapping[str, dict] | None = None) -> None:
+        """Records this shard's exported rows for every shard of the new count (kept for repeated exports), and
+        the kept copies of its tables on SSD, whose rows follow each part."""
         self._table_outbox = dict(parts)
+        self._table_stores = dict(stores or {})
+
+    @guarded
+    def table_stores(self) -> dict[str, dict]:
+        """The kept copies of the tables on SSD this shard exports at this re-layout ({} if none)."""
+        return dict(self._table_stores)
+
+    @guarded
+    def received(self, source: int) -> bool:
+        """Whether old shard `source`'s table rows arrived here at this re-layout (an import again is a repeat)."""
+        return source in self._inbox
 
     @guarded
     def receive_tables(self, source: int, sources: int, data: bytes, *, check_only: bool = False
@@ -326,7 +342,8 @@ class ShardLayout:
                 "outbox": [[list(names), to, entries, epoch] for names, (to, entries, epoch) in self._outbox.items()],
                 "tables": {"shards": self.table_shards, "from": self._inbox_from,
                            "inbox": {str(k): v for k, v in self._inbox.items()},
-                           "outbox": {str(k): v for k, v in self._table_outbox.items()}}}
+                           "outbox": {str(k): v for k, v in self._table_outbox.items()},
+                           "stores": dict(self._table_stores)}}
 
     @guarded
     def restore(self, state: dict | None, decode: Callable[[bytes], list]) -> None:
@@ -348,3 +365,4 @@ class ShardLayout:
         self.table_shards, self._inbox_from = tables.get("shards", 0), tables.get("from", 0)
         self._inbox = {int(k): v for k, v in (tables.get("inbox") or {}).items()}
         self._table_outbox = {int(k): v for k, v in (tables.get("outbox") or {}).items()}
+        self._table_stores = dict(tables.get("stores") or {})

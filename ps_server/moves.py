@@ -47,8 +47,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, ModeConflictError, SpecConflictError
@@ -63,6 +64,7 @@ from .recording import Recorder
 from .replicas import ReplicaRegistry
 from .resizes import ResizeOwner
 from .store import VariableStore
+from .table_moves import RelayoutFolders, streamed_tables
 from .tables import TableStore
 
 __all__ = ["Moves", "KINDS"]
@@ -116,6 +118,7 @@ class Moves:
         self._leases = threading.Condition()  # wakes run_hold_lease: a hold set, renewed or ended, or close;
                                               # taken alone, around the layout's own lock only
         self._closed = False
+        self.folders = RelayoutFolders(tables.storage)  # tables kept on SSD: their rows' folders
         store.explain_missing(layout.missing)
         tables.guard(self._check_table)
 
@@ -223,10 +226,12 @@ class Moves:
 
     def export_tables(self, epoch: int, to: int) -> tuple[bytes, int]:
         """(bytes, this shard's step): the rows of every table that shard `to` owns under the re-layout in
-        progress (layout.py), with their optimizer state and counters. The first export cuts them for every
-        new shard at one instant (the tables are frozen) and keeps them; later ones, repeated ones too, send
-        the kept bytes. Blocks until its journal record is written. ModeConflictError for another epoch than
-        the one set or outside a re-layout; InvalidArgumentError for a shard past the new count."""
+        progress (layout.py), with their optimizer state and counters; of a table kept on SSD only its head,
+        its rows following from export_table_rows(). The first export cuts them for every new shard at one
+        instant (the tables are frozen) and keeps them (an SSD table's store copy in a folder of its own:
+        table_moves.py); later ones, repeated ones too, send the kept bytes. Blocks until its journal record is
+        written. ModeConflictError for another epoch than the one set or outside a re-layout, or for tables on
+        SSD while a backup follows; InvalidArgumentError for a shard past the new count."""
         self.layout.check_epoch(epoch, "an export of table rows")
         count = self.layout.table_shards
         if not count:
@@ -240,9 +245,15 @@ class Moves:
             parts = self.layout.tables_exported()
             if parts is None:
                 self._check_quiet("an export of table rows")
+                section = table_state.section(self._tables)
+                copies = {entry["name"]: entry["state"] for entry in section if entry["state"].get("store")}
+                if copies:
+                    self.folders.check_unreplicated()
                 parts = {shard: encode_entries(entries)
-                         for shard, entries in table_state.parts_for(table_state.section(self._tables), count).items()}
-                meta = {"shards": sorted(parts)}
+                         for shard, entries in table_state.parts_for(section, count).items()}
+                stores = {name: self.folders.keep(name, state["store"], state["config"])
+                          for name, state in copies.items()}
+                meta = {"shards": sorted(parts), "stores": stores}
                 with self._recorder.ordering:
                     self._apply("table_export", meta, parts=parts)
                     ticket = self._recorder.log("table_export", meta, {str(shard): _blob(data)["state"]
@@ -251,32 +262,94 @@ class Moves:
         self._recorder.durable(ticket)
         return parts[to], step
 
-    def import_tables(self, data: bytes, epoch: int, source: int, step: int) -> list[str]:
-        """Takes the table rows old shard `source` exported for this one, and (unless this shard owns the step)
-        moves the step counter up to `step`, the exporter's, as import_ does (a row's age counts this shard's
-        steps); once every old shard's rows arrived, builds this shard's tables from them (they serve again).
-        Returns the tables' names once built, else []; a repeat changes nothing. Blocks until its journal
-        record is written. Raises (nothing changed) ModeConflictError for another epoch or outside a
-        re-layout, InvalidArgumentError for bytes that are not exported rows or rows that do not fit together."""
+    def export_table_rows(self, epoch: int, to: int, max_rows: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+        """(table, ids, records) chunks of at most `max_rows` rows: the rows shard `to` owns of every table kept
+        on SSD that export_tables() (called first) exported, from their kept copies, table by table. Reads a
+        chunk at a time, holding no lock. ModeConflictError as export_tables."""
+        self.layout.check_epoch(epoch, "an export of table rows")
+        count = self.layout.table_shards
+        if not count or self.layout.tables_exported() is None:
+            raise ModeConflictError(f"ps {self.layout.index} exported no table rows at this re-layout; nothing "
+                                    f"was exported")
+        for name, kept in self.layout.table_stores().items():
+            for ids, records in self.folders.rows_for(kept, to, count, max_rows):
+                yield name, ids, records
+
+    def import_tables(self, data: bytes, epoch: int, source: int, step: int,
+                      rows: Iterable[tuple[str, np.ndarray, np.ndarray]] = (),
+                      sent: Callable[[], Mapping[str, int]] = dict) -> list[str]:
+        """Takes the table rows old shard `source` exported for this one: `data` (export_tables' bytes) and,
+        for its tables kept on SSD, `rows` ((table, ids, records) chunks, staged on disk as they come:
+        table_moves.py) whose counts per table `sent()`, called once `rows` ended, declares. Unless this shard
+        owns the step, moves the step counter up to `step`, the exporter's, as import_ does (a row's age counts
+        this shard's steps); once every old shard's rows arrived, builds this shard's tables from them (they
+        serve again; SSD tables stream their rows from the staged stores). Returns the tables' names once
+        built, else []; a repeat changes nothing. Blocks until its journal record is written. Raises (nothing
+        changed) ModeConflictError for another epoch or outside a re-layout, InvalidArgumentError for bytes
+        that are not exported rows, rows of ids not this shard's or not their sender's, counts that differ
+        from what was staged, or rows that do not fit together."""
         self.layout.check_epoch(epoch, "an import of table rows")
         entries = decode_entries(data)
         sources = {entry.get("num_shards") for entry in entries}
         if len(sources) != 1 or not isinstance(next(iter(sources)), int):
             raise InvalidArgumentError("table rows name no common number of old shards; nothing was imported")
         meta = {"from": source, "step": 0 if self._owns_step else step}
-        blob = _blob(data)
-        with self._gate.change(), self._recorder.ordering, self._receiving:  # one import at a time completes
-            built = self._apply("table_import", meta, blob, data=data, sources=sources.pop())
-            ticket = self._recorder.log("table_import", meta, blob)
+        streamed = streamed_tables(entries)
+        staging = None
+        if streamed:
+            self.folders.check_unreplicated()
+            staging = self.folders.staging(source, streamed)
+        else:
+            for name, _, _ in rows:
+                raise InvalidArgumentError(f"rows of {name!r} came with a part that names no table kept on SSD; "
+                                           f"nothing was imported")
+        try:
+            if staging is not None:
+                count, index = self.layout.table_shards, self.layout.index
+                for name, ids, records in rows:
+                    staging.put(name, ids, records, to=index, count=count)
+                stores = staging.finish(sent())
+                for entry in entries:
+                    if entry["name"] in stores:
+                        entry["state"]["store"] = stores[entry["name"]]
+                data = encode_entries(entries)
+            blob, count = _blob(data), sources.pop()
+            built = self._built_if_last(source, count, data)  # outside the gate: a build streams every row
+            with self._gate.change(), self._recorder.ordering, self._receiving:  # one import at a time completes
+                repeat = self.layout.received(source)
+                names = self._apply("table_import", meta, blob, data=data, sources=count, built=built)
+                ticket = None if repeat else self._recorder.log("table_import", meta, blob)
+        except BaseException:
+            if staging is not None:
+                staging.discard()
+            raise
+        if repeat and staging is not None:
+            staging.discard()
         self._recorder.durable(ticket)
-        return built
+        return names
 
-    def _receive_tables(self, source: int, sources: int, data: bytes, step: int) -> list[str]:
+    def _built_if_last(self, source: int, sources: int, data: bytes) -> list | None:
+        """This shard's tables built from every old shard's rows if `data` (old shard `source`'s) is the last
+        part missing now, else None."""
         inbox = self.layout.receive_tables(source, sources, data, check_only=True)
-        built = None
-        if inbox is not None:  # every old shard's rows: built before anything changes (raises if they do not fit)
-            built = table_state.built_from({s: decode_entries(d) for s, d in inbox.items()}, self.layout.index,
-                                           self.layout.table_shards, self._tables.storage)
+        return None if inbox is None else self._built(inbox)
+
+    def _built(self, inbox: Mapping[int, bytes]) -> list:
+        return table_state.built_from({s: decode_entries(d) for s, d in inbox.items()}, self.layout.index,
+                                      self.layout.table_shards, self._tables.storage,
+                                      lambda path: str(self.folders.path(path)))
+
+    def _receive_tables(self, source: int, sources: int, data: bytes, step: int, built: list | None = None
+                        ) -> list[str]:
+        """Takes old shard `source`'s part; once every part arrived, installs this shard's tables: `built` if
+        given (built from the same parts), else built here (raises if they do not fit, nothing changed)."""
+        inbox = self.layout.receive_tables(source, sources, data, check_only=True)
+        if inbox is None and built is not None:  # a repeat: another import of the part completed first
+            for held in built:
+                held.table.close()
+            built = None
+        elif inbox is not None and built is None:
+            built = self._built(inbox)
         self.layout.receive_tables(source, sources, data)
         if step > self._store.step:
             self._store.set_step(step)
@@ -284,6 +357,22 @@ class Moves:
             return []
         self._tables.install(built)
         return [held.spec.name for held in built]
+
+    def check_saveable(self) -> None:
+        """ModeConflictError while a re-layout is under way on a shard that may keep tables on SSD: a checkpoint
+        would not hold the folders of their rows in transit (saved again once the resize ended)."""
+        if self.layout.table_shards and self._tables.storage.on_disk:
+            raise ModeConflictError(f"ps {self.layout.index} is re-laying out its embedding tables, which it may "
+                                    f"keep on SSD: a checkpoint is saved once the resize ended; nothing was saved")
+
+    def refuse_backup(self) -> str | None:
+        """Why a backup may not attach now (Recorder.refuse_follower): a re-layout under way on a shard that may
+        keep tables on SSD (their rows' folders, which the journal's records name, are not shipped); else
+        None."""
+        if self.layout.table_shards and self._tables.storage.on_disk:
+            return (f"ps {self.layout.index} is re-laying out its embedding tables, which it may keep on SSD: a "
+                    f"backup attaches once the resize ended")
+        return None
 
     def quiet(self) -> bool:
         """Under a hold (sync): every step before it applied and nothing summed, so variables may move."""
@@ -403,7 +492,7 @@ class Moves:
 
     def _apply(self, kind: str, meta: dict, tensors: Mapping[str, torch.Tensor] | None = None, *,
                entries: list[dict] | None = None, parts: Mapping[int, bytes] | None = None,
-               data: bytes | None = None, sources: int | None = None):
+               data: bytes | None = None, sources: int | None = None, built: list | None = None):
         """The change one record describes (live, the caller holding the locks its kind needs, and at replay).
         The keywords hand the live path's decoded state over instead of decoding the record's tensors again."""
         if kind == "layout":
@@ -413,7 +502,8 @@ class Moves:
                 self._book.set_step({"step": meta["step"], "clear": True})  # the quorum, as any step set
                 self._joined_at = meta["step"]
             if changed and meta.get("table_shards"):
-                self.layout.relayout_tables(meta["table_shards"], self._table_count())
+                if self.layout.relayout_tables(meta["table_shards"], self._table_count()) == "ended":
+                    self.folders.retire()  # the rows' folders of tables on SSD, once no record names them
             if changed and self._replicas is not None:
                 self._replicas.left(len(meta["addresses"]))
             return changed
@@ -435,12 +525,13 @@ class Moves:
             self.owner.apply(meta)
         elif kind == "table_export":
             self.layout.export_tables(parts if parts is not None else
-                                      {int(shard): _bytes(tensors[str(shard)]) for shard in meta["shards"]})
+                                      {int(shard): _bytes(tensors[str(shard)]) for shard in meta["shards"]},
+                                      meta.get("stores"))
         elif kind == "table_import":
             if data is None:
                 data = _bytes(tensors["state"])
                 sources = {entry["num_shards"] for entry in decode_entries(data)}.pop()
-            return self._receive_tables(meta["from"], sources, data, meta.get("step", 0))
+            return self._receive_tables(meta["from"], sources, data, meta.get("step", 0), built)
         else:
             raise ValueError(f"not a move record: {kind}")
         return None

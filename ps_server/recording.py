@@ -52,6 +52,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from ..errors import ModeConflictError
 from . import journal_log, table_state
 from .gate import ApplyGate
 from .journal import Journal
@@ -82,6 +83,8 @@ class Recorder:
         self._lock = checked(threading.Lock(), "compaction", "the recorder's compaction lock")  # guards _compactor
         self._compactor: threading.Thread | None = None
         self.on_wait: Callable[[float], None] | None = None  # given the seconds of each wait for the journal
+        # Why no backup may attach now (None: it may), asked holding the gate at the attach
+        self.refuse_follower: Callable[[], str | None] = lambda: None
 
     def attach(self, journal: Journal) -> None:
         """Records every change from now on in `journal`. Call it before the shard serves."""
@@ -171,6 +174,9 @@ class Recorder:
         journal = self.journal
         try:
             with self._gate.snapshot():  # a copy at one instant, with the log rotated in the same one
+                refused = self.refuse_follower() if follower is not None else None
+                if refused:
+                    raise ModeConflictError(refused)
                 state = self._state(functools.partial(journal.rotate, follower=follower))
             number = state.pop("then")
             journal.finish_compaction(number, journal.write_base(number, state))

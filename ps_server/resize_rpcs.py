@@ -11,6 +11,8 @@ import logging
 import math
 import time
 
+import numpy as np
+
 from ..errors import InvalidArgumentError, MalformedStreamError
 from ..proto import ps_pb2
 from .layout import MAX_SHARDS
@@ -93,7 +95,8 @@ class ResizeRPCs:
 
     @map_errors
     def ExportVariables(self, request, context):
-        """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export)."""
+        """Yields the exported state in chunks of at most max_chunk_bytes (moves.Moves.export); table rows of
+        tables kept on SSD follow their part, streamed from their kept copies, then their counts."""
         if request.tables:
             if request.names:
                 raise InvalidArgumentError("an export of table rows names no variables")
@@ -109,27 +112,57 @@ class ResizeRPCs:
                      "tables": request.tables}
             yield ps_pb2.MoveChunk(data=bytes(view[offset:offset + self.max_chunk_bytes]),
                                    **(first if offset == 0 else {}))
+        if request.tables:
+            yield from self._stored_rows(request)
+
+    def _stored_rows(self, request):
+        """The rows of the tables kept on SSD that shard request.to owns, then their counts (none: nothing)."""
+        moves = self.coordinator.moves
+        stores = moves.layout.table_stores()
+        if not stores:
+            return
+        sent, messages = {name: 0 for name in stores}, 0
+        widest = max(int(kept["record_bytes"]) for kept in stores.values()) + 8
+        for name, ids, records in moves.export_table_rows(request.epoch, request.to,
+                                                          max(1, self.max_chunk_bytes // widest)):
+            sent[name] += len(ids)
+            messages += 1
+            yield ps_pb2.MoveChunk(rows=ps_pb2.StoredRows(table=name, ids=ids.astype("<i8").tobytes(),
+                                                          records=records.tobytes(),
+                                                          record_bytes=records.shape[1]))
+        _LOGGER.info("ps %d: rows of tables on SSD streamed to ps %d: %s in %d messages", self.index, request.to,
+                     sent, messages)
+        yield ps_pb2.MoveChunk(rows_done=sent)
 
     @map_errors
     def ImportVariables(self, request_iterator, context):
-        """Takes an exported state (moves.Moves.import_) once every byte its first chunk declared arrived."""
+        """Takes an exported state (moves.Moves.import_) once every byte its first chunk declared arrived; table
+        rows of tables kept on SSD are staged as they come after it (moves.Moves.import_tables)."""
         data, head = bytearray(), None
-        for chunk in decoded(request_iterator, ps_pb2.MoveChunk.FromString):
+        chunks = decoded(request_iterator, ps_pb2.MoveChunk.FromString)
+        for chunk in chunks:
             if head is None:
                 head = chunk
                 self.quotas.check_total(self.held_total(), {"imported variables": 2 * chunk.total_bytes})
+            if chunk.HasField("rows") or chunk.rows_done:
+                raise MalformedStreamError("table rows came before the part they belong to was whole")
             data += chunk.data
             if len(data) > head.total_bytes:
                 raise MalformedStreamError(f"the moved state is longer than the {head.total_bytes} bytes declared")
-        require_active(context)
+            if len(data) == head.total_bytes and head.tables:
+                break
         if head is None or len(data) != head.total_bytes:
             raise MalformedStreamError(f"the moved state ended after {len(data)} of "
                                        f"{0 if head is None else head.total_bytes} bytes; nothing was imported")
         if head.tables:
-            names = self.coordinator.moves.import_tables(bytes(data), head.epoch, head.from_shard, head.step)
+            counted: list[dict] = []
+            names = self.coordinator.moves.import_tables(bytes(data), head.epoch, head.from_shard, head.step,
+                                                         _rows_of(chunks, counted, context),
+                                                         lambda: _counted(counted))
             _LOGGER.info("ps %d: embedding-table rows of ps %d imported at layout epoch %d%s", self.index,
                          head.from_shard, head.epoch, f"; tables {names} built" if names else "")
             return ps_pb2.MoveResponse(names=names, step=self.store.step)
+        require_active(context)
         names = self.coordinator.moves.import_(bytes(data), head.epoch, head.step)
         _LOGGER.info("ps %d: %d variables imported from ps %d (exported at layout epoch %d)", self.index,
                      len(names), head.from_shard, head.epoch)
@@ -175,3 +208,30 @@ class ResizeRPCs:
                          "begun" if action == _ACTIONS.BEGIN else record["phase"], len(record["before"]),
                          len(record["after"]), record["driver"], f": {record['why']}" if record["why"] else "")
         return resize_state_of(record)
+
+
+def _rows_of(chunks, counted: list[dict], context):
+    """(table, ids, records) of the StoredRows chunks that follow a part of table rows; the rows_done counts
+    go into `counted`. MalformedStreamError for anything else, or for rows after the counts."""
+    for chunk in chunks:
+        if counted or chunk.data or not (chunk.HasField("rows") or chunk.rows_done):
+            raise MalformedStreamError("after a part of table rows come only rows of tables on SSD, then their "
+                                       "counts; nothing was imported")
+        if chunk.rows_done:
+            counted.append(dict(chunk.rows_done))
+            continue
+        rows = chunk.rows
+        if not rows.record_bytes or len(rows.ids) % 8 or len(rows.records) != len(rows.ids) // 8 * rows.record_bytes:
+            raise MalformedStreamError(f"rows of {rows.table!r}: {len(rows.ids)} bytes of ids and {len(rows.records)} "
+                                       f"of records of {rows.record_bytes} bytes do not match")
+        ids = np.frombuffer(rows.ids, dtype="<i8").astype(np.int64)
+        yield rows.table, ids, np.frombuffer(rows.records, dtype=np.uint8).reshape(len(ids), rows.record_bytes)
+    require_active(context)
+
+
+def _counted(counted: list[dict]) -> dict:
+    """The rows_done counts the stream ended with; MalformedStreamError if it ended without them (cut)."""
+    if not counted:
+        raise MalformedStreamError("the stream of table rows ended before their counts: it was cut; nothing was "
+                                   "imported")
+    return counted[0]

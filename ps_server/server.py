@@ -174,6 +174,7 @@ def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | N
     then starts the coordinator (recording into the journal from now on). A journal whose job finished (the
     chief's Shutdown: Coordinator.finish) goes on as a new job's, from that job's last state. Raises
     (CheckpointError) for a journal that is corrupt: the shard then does not start."""
+    coordinator.moves.folders.journal = journal  # a live re-layout's table rows are kept beside it
     recovered = journal.recover() if journal is not None else None
     if recovered is not None:
         base, records = recovered
@@ -197,6 +198,8 @@ def recover(coordinator: Coordinator, journal: Journal | None, restore: dict | N
         coordinator.queue_desk.settle()
         return
     journal.start(None if recovered is not None else coordinator.state(with_pending=True))
+    if not coordinator.layout.table_shards:  # table rows a re-layout left there: gone with the next base
+        coordinator.moves.folders.retire()
     coordinator.attach_journal(journal)
     coordinator.queue_desk.settle()  # data queues' pushes in flight, from the ledger: recorded, before serving
 

@@ -49,8 +49,8 @@ A checkpoint restored onto another number of shards (relayout_stores)
 streams each old shard's store copy a chunk at a time into the new shard's
 store, keeping the rows the table's partition now gives it: no table is
 read whole into memory. A serving replica started from a checkpoint reads
-a store copy whole (stored_rows). Not on SSD yet (refused with a clear
-error): live re-layout in a resize. A replicated shard's backup copies the
+a store copy whole (stored_rows). A live resize streams the rows the same
+way from a frozen copy of the old store (table_moves.py). A replicated shard's backup copies the
 store copies of each journal base (replication.py), and once promoted opens
 them as a restarted shard does.
 
@@ -117,12 +117,12 @@ def stored_rows(store: Mapping, dtype: torch.dtype, dim: int) -> tuple[np.ndarra
     return ids, rows[:, :dim].clone(), marks
 
 
-def relayout_stores(states: list[Mapping], shard_index: int, num_shards: int) -> dict:
+def relayout_stores(states: list[Mapping], shard_index: int, num_shards: int, *, live: bool = False) -> dict:
     """The state of shard `shard_index` of `num_shards` of an SSD table whose old shards' states (placed and
-    resolved, or StoreCopy) are `states`, all of them: relayout_head()'s, and "sources", the old stores with
-    the shard each was, from which load_state_dict() streams the rows the new shard owns. Raises
-    InvalidArgumentError as embeddings.relayout() does; reads no row."""
-    out = relayout_head(states, shard_index, num_shards)
+    resolved, or StoreCopy) are `states`, all of them: relayout_head()'s (`live`: a live re-layout's parts),
+    and "sources", the old stores with the shard each was, from which load_state_dict() streams the rows the
+    new shard owns. Raises InvalidArgumentError as embeddings.relayout() does; reads no row."""
+    out = relayout_head(states, shard_index, num_shards, live=live)
     try:
         out["sources"] = [{**_store_of(s["store"]), "shard_index": int(s["config"]["shard_index"]),
                            "num_shards": int(s["config"]["num_shards"])} for s in states]

@@ -37,14 +37,14 @@ order with the applies), and each push's row gradients inside the push's own
 from __future__ import annotations
 
 import base64
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from .. import codec, rows
-from ..errors import CheckpointError, InvalidArgumentError, ModeConflictError, PSError
+from ..errors import CheckpointError, InvalidArgumentError, PSError
 from ..proto import ps_pb2
 from .embeddings import relayout as relayout_rows, rows_for
 from .ssd_tables import TableStorage, relayout_stores
@@ -233,34 +233,57 @@ def relayout(manifest: Mapping, sections: Sequence[tuple[object, str]], index: i
 
 def parts_for(section_: list[dict], num_shards: int) -> dict[int, list[dict]]:
     """A live re-layout onto `num_shards` shards: {new shard: this shard's section (section()'s entries) cut to
-    the rows and counters that shard owns}. ModeConflictError for a table kept on SSD (not built yet)."""
-    ssd = [entry["name"] for entry in section_ if entry["state"].get("store") is not None]
-    if ssd:
-        raise ModeConflictError(f"embedding tables {ssd} are kept on SSD: a live resize cannot move their "
-                                f"rows yet; resize by a checkpoint and a restart onto the new number of shards "
-                                f"(--restore-from DIR --num-ps N), or keep them in RAM")
-    return {index: [{**entry, "state": rows_for(entry["state"], index, num_shards)}
-                    for entry in section_] for index in range(num_shards)}
+    the rows and counters that shard owns}. A table kept on SSD is cut to its head (no row: its rows are
+    streamed from its store copy, table_moves.py), marked "streamed" with its records' width."""
+    return {index: [{**entry, "state": _part_of(entry["state"], index, num_shards)} for entry in section_]
+            for index in range(num_shards)}
 
 
-def built_from(parts: Mapping[int, list], index: int, num_shards: int, storage: TableStorage) -> list[_Held]:
+def _part_of(state: Mapping, index: int, num_shards: int) -> dict:
+    if state.get("store") is None:
+        return rows_for(state, index, num_shards)
+    head = {k: v for k, v in state.items() if k not in ("store", "rows")}
+    pending = state["pending"]
+    mine = rows.shard_of(pending["ids"], num_shards, state["config"]["partition"]) == index
+    head["pending"] = {k: v[mine] for k, v in pending.items()}
+    head["streamed"] = state["store"].record_bytes
+    return head
+
+
+def built_from(parts: Mapping[int, list], index: int, num_shards: int, storage: TableStorage,
+               stores: Callable[[str], str] = str) -> list[_Held]:
     """Shard `index` of `num_shards`'s tables from what every old shard sent it ({old shard: parts_for()'s
-    entries}), marked as built live. InvalidArgumentError (nothing built) unless they are one set of tables
-    laid out over len(parts) old shards."""
+    entries}; a table kept on SSD with its staged store in "store", whose "path" `stores` resolves), marked
+    as built live. InvalidArgumentError (nothing built) unless they are one set of tables laid out over
+    len(parts) old shards."""
     names = [[entry.get("name") for entry in part] for _, part in sorted(parts.items())]
     if any(n != names[0] for n in names):
         raise InvalidArgumentError(f"the old shards sent rows of different tables: {names}")
     out = []
-    for position, name in enumerate(names[0]):
-        entries = [part[position] for _, part in sorted(parts.items())]
-        try:
-            state = relayout_rows([entry["state"] for entry in entries], index, num_shards, live=True)
-            held = _build({"name": name, "spec": entries[0]["spec"], "shard_index": index,
-                           "num_shards": num_shards, "state": state}, "a live re-layout", storage)
-        except (CheckpointError, KeyError, TypeError) as exc:
-            raise InvalidArgumentError(f"embedding table {name!r}: the rows sent do not fit together: {exc}") from None
-        held.relaid = True
-        out.append(held)
+    try:
+        for position, name in enumerate(names[0]):
+            entries = [part[position] for _, part in sorted(parts.items())]
+            states = [entry["state"] for entry in entries]
+            try:
+                streamed = [bool(state.get("streamed")) for state in states]
+                if all(streamed):
+                    state = relayout_stores([{**s, "store": {**s["store"], "path": stores(s["store"]["path"])}}
+                                             for s in states], index, num_shards, live=True)
+                elif any(streamed):
+                    raise InvalidArgumentError("some old shards kept it on SSD and the others in RAM")
+                else:
+                    state = relayout_rows(states, index, num_shards, live=True)
+                held = _build({"name": name, "spec": entries[0]["spec"], "shard_index": index,
+                               "num_shards": num_shards, "state": state}, "a live re-layout", storage)
+            except (CheckpointError, KeyError, TypeError) as exc:
+                raise InvalidArgumentError(f"embedding table {name!r}: the rows sent do not fit together: "
+                                           f"{exc}") from None
+            held.relaid = True
+            out.append(held)
+    except BaseException:
+        for held in out:
+            held.table.close()
+        raise
     return out
 
 

@@ -3,8 +3,8 @@ cache a small part of a dynamic table that evicts by age trains it exactly as a 
 a shard SIGKILLed after its journal's base copied the table's store comes back from that copy and the journal,
 and one whose journal is gone from the newest checkpoint's copy, both exactly; a checkpoint of 2 SSD shards
 restored onto 3 and onto 1 (--restore-from --num-ps) streams its stores into the new shards' and trains on
-exactly; a live resize, not built for such tables yet, is refused before it changes anything; flags that do not
-fit are refused.
+exactly; a live resize onto a shard that cannot keep them is refused before it changes anything; flags that do
+not fit are refused.
 
 The reference is a RAM cluster given the same calls and never killed; rows are compared bit for bit. Ordering
 is by replies, process exits and files a shard wrote (waited for with a deadline), never by sleeping.
@@ -168,14 +168,17 @@ def test_ps_server_refuses_table_storage_flags_that_do_not_fit(tmp_path, flags, 
     assert last.startswith("ps-server: error: ") and message in last and "Traceback" not in printed, printed
 
 
-def test_a_live_resize_is_refused_on_ssd_and_changes_nothing(tmp_path):
+def test_a_live_resize_onto_a_shard_without_a_table_dir_is_refused_and_changes_nothing(tmp_path):
+    """A live resize moves SSD tables' rows (test_ssd_table_live_resize.py), but only onto shards that can
+    keep them: one started without --table-dir is refused in one line before anything changes."""
     local = LocalCluster(2, server_args=["--table-storage", "ssd", "--table-dir", str(tmp_path / "tables")])
     with local, PSClient(local.cluster, connect_timeout=20) as ps:
         setup(ps)
         step(ps, 1)
         before, resize = everything(ps), ps.resize_state()
-        added = local.add_ps()
-        with pytest.raises(ClusterConfigError, match=r"on SSD: .* nothing was changed"):
+        added = local.add_ps(args=[])
+        with pytest.raises(ClusterConfigError, match=r"ps 2 keeps no tables on SSD \(no --table-dir\).*nothing was "
+                                                     r"changed"):
             ps.resize([*local.cluster.ps, added])
         assert ps.resize_state() == resize
         assert_equal(everything(ps), before, "after the refused resize")

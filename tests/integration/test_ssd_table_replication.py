@@ -22,7 +22,7 @@ from torchps.worker.local_cluster import LocalCluster
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from helpers import free_ports, start_ps_server, wait_until  # noqa: E402
 from table_job import at_once  # noqa: E402
-from test_ssd_table_recovery import CACHE, D, IDS, assert_equal, everything, setup, step  # noqa: E402
+from test_ssd_table_recovery import CACHE, D, assert_equal, everything, setup, step  # noqa: E402
 
 WAIT = 60.0
 

@@ -5,14 +5,19 @@ refused as moved after that, and the end is refused while a part is missing."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
 from torchps import rows
 from torchps.client import Optimizer
-from torchps.errors import LayoutChangedError, ModeConflictError, VariableMovingError
+from torchps.errors import InvalidArgumentError, LayoutChangedError, ModeConflictError, VariableMovingError
 from torchps.proto import ps_pb2
 from torchps.ps_server.coordinator import Coordinator
+from torchps.ps_server.journal import Journal
+from torchps.ps_server.server import recover
+from torchps.ps_server.ssd_tables import TableStorage
 from torchps.ps_server.store import VariableStore
 from torchps.ps_server.tables import RowGradient
 
@@ -84,3 +89,164 @@ def test_another_count_waits_for_the_re_layout_under_way(shards):
     with pytest.raises(ModeConflictError):
         shards[0].moves.set_layout(2, ADDRESSES, {}, table_shards=2)
     assert shards[0].layout.epoch == 1  # nothing changed
+
+
+# -- tables kept on SSD (table_moves.py) ----------------------------------------------------------------------
+
+DYN = ps_pb2.TableSpec(name="d", dim=D, dtype=ps_pb2.FLOAT32,
+                       init=ps_pb2.TableInit(distribution="uniform", scale=1.0, seed=3),
+                       optimizer=Optimizer("adagrad", lr=0.5).to_proto())
+IDS = torch.arange(-150, 150)
+
+
+def _ssd_shard(root: pathlib.Path, index: int, journal: pathlib.Path | None = None) -> Coordinator:
+    """A coordinator keeping dynamic tables on SSD under root/ps-INDEX (a cache of about 40 rows), with a journal
+    at `journal` if given (recovered from what it holds, as ps-server does)."""
+    storage = TableStorage("ssd", root, name=f"ps-{index}", cache_bytes=2048)
+    shard = Coordinator(VariableStore(), owns_step=index == 0, index=index, table_storage=storage,
+                        start=journal is None)
+    if journal is not None:
+        recover(shard, Journal(journal, compact_factor=0, min_compact_bytes=1 << 30), None)
+    return shard
+
+
+def _dyn_rows(shards: list[Coordinator], count: int) -> torch.Tensor:
+    owner = rows.shard_of(IDS, count)
+    out = torch.empty(len(IDS), D)
+    for shard in range(count):
+        mine = owner == shard
+        (out[mine],) = shards[shard].lookup_rows([("d", IDS[mine])], admit=False)
+    return out
+
+
+def _train_dyn(shards: list[Coordinator], count: int, seq: int) -> None:
+    """An admitting lookup of every id and a push of ones to them, on their owners among `count` shards."""
+    owner = rows.shard_of(IDS, count)
+    for shard in range(count):
+        mine = IDS[owner == shard]
+        shards[shard].lookup_rows([("d", mine)], admit=True)
+        shards[shard].push("client", 1, seq, 0, {"d": RowGradient(mine, torch.ones(len(mine), D))},
+                           step_increment=1)
+
+
+def _part(src: Coordinator, dst: int, epoch: int = 1, max_rows: int = 16):
+    """(data, step, row chunks, counts) of what `src` exports for shard `dst`."""
+    data, step = src.moves.export_tables(epoch, dst)
+    chunks = list(src.moves.export_table_rows(epoch, dst, max_rows))
+    counts: dict[str, int] = {}
+    for name, ids, _ in chunks:
+        counts[name] = counts.get(name, 0) + len(ids)
+    return data, step, chunks, counts
+
+
+def test_rows_of_a_table_on_ssd_stream_from_a_kept_copy_into_staged_stores_and_build_the_new_tables(tmp_path):
+    """2 -> 3 shards: each old shard's part for a new one is its table's head and the rows that shard owns,
+    streamed from a copy of its store (chunks of at most 16 rows here); the new shard stages them and builds
+    its table on SSD from every old shard's; every row, with its optimizer state, is where id mod 3 names;
+    the re-layout's folders are gone once it ended (no journal: at once)."""
+    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
+    try:
+        for i in range(2):
+            shards[i].create_tables([DYN], i, 2)
+        for seq in (1, 2):
+            _train_dyn(shards, 2, seq)
+        before = _dyn_rows(shards, 2)
+        for shard in shards:
+            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        for dst in range(3):
+            for src in range(2):
+                data, step, chunks, counts = _part(shards[src], dst)
+                assert chunks and all(len(ids) <= 16 for _, ids, _ in chunks)
+                assert all(bool((rows.shard_of(torch.from_numpy(ids), 3) == dst).all()) for _, ids, _ in chunks)
+                built = shards[dst].moves.import_tables(data, 1, src, step, iter(chunks), lambda c=counts: c)
+                assert built == (["d"] if src == 1 else [])
+        assert [s.tables.status()[0].storage for s in shards] == ["ssd"] * 3
+        assert sum(s.tables.status()[0].rows for s in shards) == len(IDS)
+        assert torch.equal(_dyn_rows(shards, 3), before)
+        assert any((tmp_path / f"ps-{i}" / "relayout").iterdir() for i in range(3)), "kept copies, staged parts"
+        for shard in shards:
+            shard.moves.set_layout(2, ADDRESSES, {}, table_shards=3)  # ends it
+        assert not any(f for i in range(3) for f in (tmp_path / f"ps-{i}" / "relayout").glob("*"))
+        _train_dyn(shards, 3, 3)  # adagrad's state moved with the rows: the same step as on 2 shards
+        assert torch.equal(_dyn_rows(shards, 3), before - 0.5 * 1 / torch.sqrt(torch.full((1,), 3.0)))
+    finally:
+        for shard in shards:
+            shard.close()
+
+
+@pytest.mark.parametrize("forged", ["a row short", "a row more", "ids not its own", "a table not announced",
+                                    "records too narrow"])
+def test_an_import_of_rows_that_do_not_fit_what_was_sent_is_refused_and_changes_nothing(tmp_path, forged):
+    """A cut or forged stream of rows is InvalidArgumentError: nothing is taken, nothing staged is left, and the
+    whole part imported after it is taken."""
+    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
+    try:
+        for i in range(2):
+            shards[i].create_tables([DYN], i, 2)
+        _train_dyn(shards, 2, 1)
+        for shard in shards:
+            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        data, step, chunks, counts = _part(shards[0], 2)
+        name, ids, records = chunks[0]
+        bad, sent = list(chunks), dict(counts)
+        if forged == "a row short":
+            sent["d"] += 1
+        elif forged == "a row more":
+            sent["d"] -= 1
+        elif forged == "ids not its own":
+            bad[0] = (name, ids + 1, records)  # ids of ps 1 (old), or not ps 2's (new)
+        elif forged == "a table not announced":
+            bad[0] = ("other", ids, records)
+        else:
+            bad[0] = (name, ids, records[:, :-8])
+        with pytest.raises(InvalidArgumentError):
+            shards[2].moves.import_tables(data, 1, 0, step, iter(bad), lambda: sent)
+        assert not shards[2].layout.received(0)
+        assert [f.name for f in (tmp_path / "ps-2" / "relayout").glob("*")] == []
+        assert shards[2].moves.import_tables(data, 1, 0, step, iter(chunks), lambda: counts) == []
+        assert shards[2].layout.received(0)
+    finally:
+        for shard in shards:
+            shard.close()
+
+
+def test_a_journaled_shard_killed_mid_re_layout_replays_its_staged_rows_and_the_kept_copy(tmp_path):
+    """ps 2 takes ps 0's part, then stops (a kill: its journal is all that is left) and comes back from its
+    journal, the staged rows' folder named there; ps 0, also journaled, comes back with its kept copy and
+    exports the same part again. ps 1's part then completes ps 2's tables, exactly. The re-layout's folders
+    beside the journals go with the first base written after its end."""
+    journals = [tmp_path / f"journal-{i}" for i in range(3)]
+    shards = [_ssd_shard(tmp_path / "tables", i, journals[i]) for i in range(3)]
+    try:
+        for i in range(2):
+            shards[i].create_tables([DYN], i, 2)
+        _train_dyn(shards, 2, 1)
+        before = _dyn_rows(shards, 2)
+        for shard in shards:
+            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        first = _part(shards[0], 2)
+        assert shards[2].moves.import_tables(first[0], 1, 0, first[1], iter(first[2]), lambda: first[3]) == []
+        for i in (0, 2):  # both come back from their journals alone
+            shards[i].close()
+            shards[i] = _ssd_shard(tmp_path / "tables", i, journals[i])
+        assert shards[2].layout.received(0) and shards[0].layout.table_stores()
+        again = _part(shards[0], 2)
+        assert again[0] == first[0] and again[3] == first[3], "the same part, from the kept copy"
+        for dst in range(3):
+            for src in range(2):
+                if (src, dst) != (0, 2):
+                    data, step, chunks, counts = _part(shards[src], dst)
+                    shards[dst].moves.import_tables(data, 1, src, step, iter(chunks), lambda c=counts: c)
+        assert torch.equal(_dyn_rows(shards, 3), before)
+        for shard in shards:
+            shard.moves.set_layout(2, ADDRESSES, {}, table_shards=3)
+        for i in range(3):
+            assert list((journals[i] / "relayout").iterdir()), "kept until the next base"
+            shards[i].recorder.compact_for(None)
+            assert not list((journals[i] / "relayout").iterdir()), f"ps {i}: gone with the base after the end"
+        shards[2].close()
+        shards[2] = _ssd_shard(tmp_path / "tables", 2, journals[2])  # from that base: the built table's copy
+        assert torch.equal(_dyn_rows(shards, 3), before)
+    finally:
+        for shard in shards:
+            shard.close()

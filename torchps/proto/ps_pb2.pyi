@@ -282,7 +282,7 @@ class StatusRequest(_message.Message):
     def __init__(self, joined_of: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined", "lane_port", "awaited_step", "awaited_pushes", "awaited_pushers", "members", "replication")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined", "lane_port", "awaited_step", "awaited_pushes", "awaited_pushers", "members", "replication", "tables_on_disk")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +316,7 @@ class StatusResponse(_message.Message):
     AWAITED_PUSHERS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -349,7 +350,8 @@ class StatusResponse(_message.Message):
     awaited_pushers: _containers.RepeatedScalarFieldContainer[str]
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     replication: ReplicationStatus
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ..., lane_port: _Optional[int] = ..., awaited_step: _Optional[int] = ..., awaited_pushes: _Optional[int] = ..., awaited_pushers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ...) -> None: ...
+    tables_on_disk: bool
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ..., lane_port: _Optional[int] = ..., awaited_step: _Optional[int] = ..., awaited_pushes: _Optional[int] = ..., awaited_pushers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., tables_on_disk: _Optional[bool] = ...) -> None: ...
 
 class ReplicationStatus(_message.Message):
     __slots__ = ("backup", "in_sync", "lag_records", "lag_seconds", "feeds_opened", "feeds_lost", "store_bytes_sent", "store_files_sent", "store_files_linked")
@@ -647,20 +649,43 @@ class MoveRequest(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., to: _Optional[int] = ..., tables: _Optional[bool] = ...) -> None: ...
 
 class MoveChunk(_message.Message):
-    __slots__ = ("data", "epoch", "from_shard", "step", "total_bytes", "tables")
+    __slots__ = ("data", "epoch", "from_shard", "step", "total_bytes", "tables", "rows", "rows_done")
+    class RowsDoneEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DATA_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DONE_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     epoch: int
     from_shard: int
     step: int
     total_bytes: int
     tables: bool
-    def __init__(self, data: _Optional[bytes] = ..., epoch: _Optional[int] = ..., from_shard: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., tables: _Optional[bool] = ...) -> None: ...
+    rows: StoredRows
+    rows_done: _containers.ScalarMap[str, int]
+    def __init__(self, data: _Optional[bytes] = ..., epoch: _Optional[int] = ..., from_shard: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., tables: _Optional[bool] = ..., rows: _Optional[_Union[StoredRows, _Mapping]] = ..., rows_done: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StoredRows(_message.Message):
+    __slots__ = ("table", "ids", "records", "record_bytes")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    records: bytes
+    record_bytes: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., records: _Optional[bytes] = ..., record_bytes: _Optional[int] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
     __slots__ = ("names", "step")

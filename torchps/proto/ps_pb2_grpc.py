@@ -661,7 +661,10 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ImportVariables(self, request_iterator, context):
-        """The chief's: takes the variables another shard exported (see MoveChunk),
+        """Table rows (MoveRequest.tables): the part, then, for tables kept on SSD,
+        their rows and their counts (see MoveChunk); INVALID_ARGUMENT for rows
+        that do not match what was sent or are not the sender's and this shard's.
+        The chief's: takes the variables another shard exported (see MoveChunk),
         or this shard's own kept export (a rolled-back move), and serves them
         from now on. Taken whatever epoch they were exported at, as long as the
         layout in force places every name here; the same import again is a
