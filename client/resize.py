@@ -342,13 +342,14 @@ class _Driver:
         into the import as they come (rows of tables on SSD are never all here); an export cut by an
         unreachable `source` is sent again whole, within the fan-out's connect timeout. Returns the bytes."""
         self.check()
-        deadline = time.monotonic() + self.fanout.channels.connect_timeout
+        deadline = None
         while True:
             try:
                 nbytes = self.fanout.call(target, lambda stub, t: self._pipe(stub, t, source, request),
                                           self.fanout.timeout)
                 break
             except ServerUnavailableError:
+                deadline = deadline or time.monotonic() + self.fanout.channels.connect_timeout
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(MOVE_RETRY_SECONDS)
@@ -502,12 +503,14 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_s
 
 def _check_storage(fanout: ShardFanout, old: range, added: range) -> None:
     """ClusterConfigError (one line, nothing changed) if a shard keeps embedding tables on SSD while a backup
-    follows it (its backup would not have their rows' folders), or an added shard could not keep them (no
-    --table-dir)."""
-    ssd = False
+    follows it (its backup would not have their rows' folders), a table is kept on SSD by some shards and in
+    memory by others, or an added shard could not keep them (no --table-dir)."""
+    ssd, kept = False, {}
     for shard in old:
         listed = fanout.call(shard, lambda stub, t: stub.ListTables(ps_pb2.ListRequest(), timeout=t),
                              fanout.control_timeout)
+        for info in listed.tables:
+            kept.setdefault(info.spec.name, {}).setdefault(info.status.storage, []).append(shard)
         tables = [info.spec.name for info in listed.tables if info.status.storage == "ssd"]
         ssd = ssd or bool(tables)
         if tables and _status(fanout, shard).replication.backup:
@@ -515,6 +518,11 @@ def _check_storage(fanout: ShardFanout, old: range, added: range) -> None:
                                      f"a live resize cannot move their rows between replicated shards yet; nothing "
                                      f"was changed. Resize by a checkpoint and a restart onto the new number of "
                                      f"shards (ps-server --restore-from DIR --num-ps N)")
+    for name, storages in kept.items():
+        if len(storages) > 1:
+            raise ClusterConfigError(f"embedding table {name!r} is kept on SSD by ps {storages.get('ssd')} and in "
+                                     f"memory by ps {storages.get('ram')}: start the shards with one "
+                                     f"--table-storage; nothing was changed")
     for shard in added if ssd else ():
         if not _status(fanout, shard).tables_on_disk:
             raise ClusterConfigError(f"ps {shard} keeps no tables on SSD (no --table-dir) and the job's embedding "

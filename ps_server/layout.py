@@ -309,6 +309,11 @@ class ShardLayout:
         return dict(self._table_stores)
 
     @guarded
+    def inbox(self) -> dict[int, bytes]:
+        """The table rows each old shard sent here at this re-layout ({} if none)."""
+        return dict(self._inbox)
+
+    @guarded
     def received(self, source: int) -> bool:
         """Whether old shard `source`'s table rows arrived here at this re-layout (an import again is a repeat)."""
         return source in self._inbox

@@ -316,6 +316,11 @@ class Moves:
             blob, count = _blob(data), sources.pop()
             built = self._built_if_last(source, count, data)  # outside the gate: a build streams every row
             with self._gate.change(), self._recorder.ordering, self._receiving:  # one import at a time completes
+                try:  # the same re-layout as when it was checked (staging and building take a while)
+                    self.layout.check_epoch(epoch, "an import of table rows")
+                except BaseException:
+                    _close(built)
+                    raise
                 repeat = self.layout.received(source)
                 names = self._apply("table_import", meta, blob, data=data, sources=count, built=built)
                 ticket = None if repeat else self._recorder.log("table_import", meta, blob)
@@ -326,6 +331,16 @@ class Moves:
         if repeat and staging is not None:
             staging.discard()
         self._recorder.durable(ticket)
+        return names
+
+    def _relayout_folders(self) -> list[str]:
+        """The folders of table rows the re-layout under way names: its kept store copies and the staged rows
+        of the parts that arrived (table_moves.py); [] if none is under way."""
+        if not self.layout.table_shards:
+            return []
+        names = [kept["path"] for kept in self.layout.table_stores().values()]
+        for data in self.layout.inbox().values():
+            names += [state["store"]["path"] for state in streamed_tables(decode_entries(data)).values()]
         return names
 
     def _built_if_last(self, source: int, sources: int, data: bytes) -> list | None:
@@ -342,11 +357,15 @@ class Moves:
     def _receive_tables(self, source: int, sources: int, data: bytes, step: int, built: list | None = None
                         ) -> list[str]:
         """Takes old shard `source`'s part; once every part arrived, installs this shard's tables: `built` if
-        given (built from the same parts), else built here (raises if they do not fit, nothing changed)."""
-        inbox = self.layout.receive_tables(source, sources, data, check_only=True)
+        given (built from the same parts), else built here (raises if they do not fit, nothing changed; `built`
+        is closed then, and when not installed)."""
+        try:
+            inbox = self.layout.receive_tables(source, sources, data, check_only=True)
+        except BaseException:
+            _close(built)
+            raise
         if inbox is None and built is not None:  # a repeat: another import of the part completed first
-            for held in built:
-                held.table.close()
+            _close(built)
             built = None
         elif inbox is not None and built is None:
             built = self._built(inbox)
@@ -502,8 +521,9 @@ class Moves:
                 self._book.set_step({"step": meta["step"], "clear": True})  # the quorum, as any step set
                 self._joined_at = meta["step"]
             if changed and meta.get("table_shards"):
+                named = self._relayout_folders()  # of the re-layout this epoch may end
                 if self.layout.relayout_tables(meta["table_shards"], self._table_count()) == "ended":
-                    self.folders.retire()  # the rows' folders of tables on SSD, once no record names them
+                    self.folders.retire(named)  # the rows' folders of tables on SSD, once no record names them
             if changed and self._replicas is not None:
                 self._replicas.left(len(meta["addresses"]))
             return changed
@@ -538,6 +558,12 @@ class Moves:
 
 
 KINDS = ("layout", "hold_ended", "export", "import", "confirm", "resize", "table_export", "table_import")
+
+
+def _close(built: list | None) -> None:
+    """Closes tables built for an import that does not install them."""
+    for held in built or ():
+        held.table.close()
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:

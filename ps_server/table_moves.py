@@ -14,9 +14,13 @@ The folders are under `root`: the journal's folder (`<journal>/relayout`)
 where the shard has a journal, so that a shard killed mid-re-layout
 replays its records onto the folders they name, as it replays the rest of
 its state; else the shard's table folder. They are named relative to `root`
-in records and states. When the re-layout ends, `retire` removes them: at
-once without a journal, else once the journal has a base written after the
-end (a record before it may still name them: Journal.drop_after_next_base).
+in records and states. When the re-layout ends, `retire` removes the
+folders it named (a later re-layout's, made before a replay reaches this
+end, stay): at once without a journal, else once the journal has a base
+written after the end (a record before it may still name them:
+Journal.drop_after_next_base). A shard that starts with no re-layout under
+way drops every folder there (what a crash left, such as a staging cut
+off).
 
 Thread-safe: a staging belongs to one import; `keep` and `retire` are
 called under the apply gate (moves.py); the folder names are random.
@@ -106,15 +110,16 @@ class RelayoutFolders:
         """A staging of old shard `source`'s rows of `tables` ({name: head state}, each table kept on SSD)."""
         return Staging(self, source, tables)
 
-    def retire(self) -> None:
-        """The re-layout ended (or none is under way at a start): every folder under root goes (see the module
-        docstring)."""
+    def retire(self, names: Iterable[str] | None = None) -> None:
+        """Drops the folders `names` (relative to root: those an ended re-layout named), or with None every
+        folder under root (a start with no re-layout under way: what a crash left); see the module docstring
+        for when they go."""
         if self.journal is None and self._storage.root is None:
             return
         root = self.root
         if not root.is_dir():
             return
-        folders = sorted(root.iterdir())
+        folders = sorted(root.iterdir()) if names is None else [root / name for name in names]
         journal = self.journal
         if journal is None:
             for folder in folders:

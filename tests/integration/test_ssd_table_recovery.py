@@ -3,8 +3,8 @@ cache a small part of a dynamic table that evicts by age trains it exactly as a 
 a shard SIGKILLed after its journal's base copied the table's store comes back from that copy and the journal,
 and one whose journal is gone from the newest checkpoint's copy, both exactly; a checkpoint of 2 SSD shards
 restored onto 3 and onto 1 (--restore-from --num-ps) streams its stores into the new shards' and trains on
-exactly; a live resize onto a shard that cannot keep them is refused before it changes anything; flags that do
-not fit are refused.
+exactly; a live resize onto a shard that cannot keep them, or of a table some shards keep in RAM, is refused
+before it changes anything; flags that do not fit are refused.
 
 The reference is a RAM cluster given the same calls and never killed; rows are compared bit for bit. Ordering
 is by replies, process exits and files a shard wrote (waited for with a deadline), never by sleeping.
@@ -183,3 +183,23 @@ def test_a_live_resize_onto_a_shard_without_a_table_dir_is_refused_and_changes_n
         assert ps.resize_state() == resize
         assert_equal(everything(ps), before, "after the refused resize")
         step(ps, 2)  # training goes on
+
+
+def test_a_live_resize_of_a_table_kept_on_ssd_by_one_shard_and_in_ram_by_another_is_refused(tmp_path):
+    """Shards started with different --table-storage keep a table differently: a live resize cannot build one
+    table from both, and is refused in one line naming them before the tables freeze."""
+    tables = str(tmp_path / "tables")
+    local = LocalCluster(2, server_args=["--table-storage", "ssd", "--table-dir", tables])
+    with local, PSClient(local.cluster, connect_timeout=20) as ps:
+        local.kill_ps(1)
+        local.start_ps(1, args=["--table-storage", "ram", "--table-dir", tables])
+        setup(ps)
+        step(ps, 1)
+        assert [[t.storage for t in ps.status(s).tables if t.name == "dyn"] for s in range(2)] == [["ssd"], ["ram"]]
+        before, resize = everything(ps), ps.resize_state()
+        added = local.add_ps(args=["--table-storage", "ssd", "--table-dir", tables])
+        with pytest.raises(ClusterConfigError, match=r"'dyn' is kept on SSD by ps \[0\] and in memory by ps \[1\]"):
+            ps.resize([*local.cluster.ps, added])
+        assert ps.resize_state() == resize
+        assert_equal(everything(ps), before, "after the refused resize")
+        step(ps, 2)

@@ -250,3 +250,83 @@ def test_a_journaled_shard_killed_mid_re_layout_replays_its_staged_rows_and_the_
     finally:
         for shard in shards:
             shard.close()
+
+
+def test_replaying_the_end_of_a_re_layout_keeps_the_folders_of_the_next_one(tmp_path):
+    """One log holds a re-layout 2 -> 3 with its end and the start of 3 -> 2 (ps 0 kept its copy). ps 0 comes
+    back from its journal: replaying the first end drops only that re-layout's folders, so after a
+    compaction the second one's export is sent again from its kept copy."""
+    journals = [tmp_path / f"journal-{i}" for i in range(3)]
+    shards = [_ssd_shard(tmp_path / "tables", i, journals[i]) for i in range(3)]
+    try:
+        for i in range(2):
+            shards[i].create_tables([DYN], i, 2)
+        _train_dyn(shards, 2, 1)
+        for shard in shards:
+            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        for dst in range(3):
+            for src in range(2):
+                data, step, chunks, counts = _part(shards[src], dst)
+                shards[dst].moves.import_tables(data, 1, src, step, iter(chunks), lambda c=counts: c)
+        for shard in shards:
+            shard.moves.set_layout(2, ADDRESSES, {}, table_shards=3)  # the first ends, no base after it
+        for shard in shards:
+            shard.moves.set_layout(3, ADDRESSES, {}, table_shards=2)  # the second begins
+        first = _part(shards[0], 1, epoch=3)
+        shards[0].close()
+        shards[0] = _ssd_shard(tmp_path / "tables", 0, journals[0])
+        shards[0].recorder.compact_for(None)
+        again = _part(shards[0], 1, epoch=3)
+        assert again[0] == first[0] and again[3] == first[3]
+        assert [p.name for p in (journals[0] / "relayout").iterdir()] == \
+            [shards[0].layout.table_stores()["d"]["path"]], "the first re-layout's folders went with the base"
+    finally:
+        for shard in shards:
+            shard.close()
+
+
+@pytest.mark.parametrize("next_begins", [False, True], ids=["ended", "next-begun"])
+def test_an_import_whose_re_layout_ended_while_it_staged_is_refused_and_leaves_nothing(tmp_path, next_begins):
+    """An import stages its rows and builds the tables outside the gate; meanwhile a retry of the same part
+    completes, the re-layout ends (and the next one begins). The first is refused under the gate (its epoch
+    is not the one in force): nothing is taken into the next re-layout's inbox, and the tables it built are
+    closed, their folders gone."""
+    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
+    try:
+        for i in range(2):
+            shards[i].create_tables([DYN], i, 2)
+        _train_dyn(shards, 2, 1)
+        for shard in shards:
+            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        parts = {(s, d): _part(shards[s], d) for s in range(2) for d in range(3)}
+        for (s, d), (data, step, chunks, counts) in parts.items():
+            if (s, d) != (1, 1):
+                shards[d].moves.import_tables(data, 1, s, step, iter(chunks), lambda c=counts: c)
+        moves, built = shards[1].moves, []
+        original = moves._built_if_last
+        data, step, chunks, counts = parts[(1, 1)]
+
+        def racing(source, sources, part):
+            built.extend(original(source, sources, part))
+            moves._built_if_last = original
+            assert moves.import_tables(data, 1, 1, step, iter(chunks), lambda: counts) == ["d"]  # the retry
+            for shard in shards:
+                shard.moves.set_layout(2, ADDRESSES, {}, table_shards=3)
+            if next_begins:
+                for shard in shards:
+                    shard.moves.set_layout(3, ADDRESSES, {}, table_shards=2)
+            return built
+
+        moves._built_if_last = racing
+        with pytest.raises((ModeConflictError, LayoutChangedError)):
+            moves.import_tables(data, 1, 1, step, iter(chunks), lambda: counts)
+        assert built and all(held.table._closed for held in built)
+        assert len(list((tmp_path / "ps-1").glob("d-*"))) == 1, "only the installed table's store"
+        if next_begins:
+            assert shards[1].layout.inbox() == {}
+            part = _part(shards[0], 1, epoch=3)
+            shards[1].moves.import_tables(part[0], 3, 0, part[1], iter(part[2]), lambda: part[3])
+            assert shards[1].layout.received(0)
+    finally:
+        for shard in shards:
+            shard.close()
