@@ -47,11 +47,12 @@ class ShardedTable(torch.nn.Module):
     sparse_adam or rowwise_adagrad; None: register_module's optimizer if it is
     sgd or adagrad); init "normal" or "uniform" with init_scale (torch's N(0,
     1) by default); seed (None: derived from the table's name, so every
-    process agrees and tables differ); and, for dynamic tables only,
-    min_count, max_age (shard steps) and capacity (rows per shard), storage
-    (None: the shard's --table-storage; "ram"; "ssd": on the shards' local
-    disk with a RAM cache, needing ps-server --table-dir), and padding_idx
-    is an id as any other (no counting from the end). dtype is
+    process agrees and tables differ); storage (None: the shard's
+    --table-storage, which keeps fixed-size tables in memory; "ram"; "ssd":
+    on the shards' local disk with a RAM cache, needing ps-server
+    --table-dir); and, for dynamic tables only, min_count, max_age (shard
+    steps) and capacity (rows per shard), and padding_idx is an id as any
+    other (no counting from the end). dtype is
     the table's; device, where looked-up rows go (None: the input's device).
     Raises InvalidArgumentError (OptimizerSpecError) for settings a table
     cannot take, max_norm included: renormalizing rows in place would change
@@ -81,7 +82,6 @@ class ShardedTable(torch.nn.Module):
             ("fixed-size tables take no min_count, max_age or capacity",
              fixed and (min_count, max_age, capacity) != (1, None, None)),
             ("storage must be None, 'ram' or 'ssd'", storage not in (None, "ram", "ssd")),
-            ("fixed-size tables stay in memory: storage 'ssd' is for dynamic ones", fixed and storage == "ssd"),
         ] if bad]
         if padding_idx is not None and fixed and not problems:
             if not -num_embeddings <= padding_idx < num_embeddings:

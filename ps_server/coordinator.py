@@ -289,12 +289,12 @@ class Coordinator:
         ids and create rows) is made and recorded under the apply gate and the ordering lock, so replaying
         the journal admits in the same order with the applies; it then waits for an apply in progress.
         Raises (changing and recording nothing) what tables.lookup raises."""
-        if not admit or self.recorder.journal is None or all(self.tables.get(name).table.fixed
+        if not admit or self.recorder.journal is None or all(not self.tables.get(name).table.admits
                                                              for name, _ in requests):
             return self.tables.lookup(requests, admit=admit)
         with self.gate.change(), self.recorder.ordering:
             found = self._apply("admit", requests=requests)  # the record names the dynamic tables only
-            dynamic = [(name, ids) for name, ids in requests if not self.tables.get(name).table.fixed]
+            dynamic = [(name, ids) for name, ids in requests if self.tables.get(name).table.admits]
             ticket = self.recorder.log("admit", {"tables": [name for name, _ in dynamic]}, dict(dynamic))
         self.recorder.durable(ticket)
         return found

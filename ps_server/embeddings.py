@@ -151,6 +151,11 @@ class EmbeddingTable:
 
     # -- settings -------------------------------------------------------------------------------
 
+    @property
+    def admits(self) -> bool:
+        """Whether an admitting lookup may count ids and create rows (a dynamic table)."""
+        return not self.fixed
+
     def config(self) -> dict:
         """The constructor's arguments (dtype by name, the optimizer's current hyperparameters): JSON-able."""
         return {**self._config, "optimizer": self.optimizer.name, "hyperparams": dict(self.optimizer.hyperparams)}

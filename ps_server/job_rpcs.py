@@ -50,7 +50,7 @@ class JobRPCs:
         names = [t.name for t in request.tables]
         tables = self.coordinator.tables
         if request.admit and self.quotas.max_memory:  # dynamic tables grow by admitting: within --max-memory
-            dynamic = [name for name in names if not tables.get(name).table.fixed]
+            dynamic = [name for name in names if tables.get(name).table.admits]
             if dynamic:
                 self.quotas.check_admission(self.held_total(), dynamic)
         upcoming = tables.check_upcoming([(t.name, rows.ids_from_bytes(t.ids)) for t in request.upcoming])

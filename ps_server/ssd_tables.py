@@ -3,7 +3,9 @@
 
 With --table-storage ssd a shard keeps each dynamic table (num_embeddings
 None) as an SsdTable; fixed-size tables stay in memory (their size is known
-at creation and counted against --max-memory). An SsdTable is an
+at creation and counted against --max-memory) unless their spec asks for
+"ssd": such a table runs as a dynamic one whose every owned id has a row,
+written into the store at its creation. An SsdTable is an
 EmbeddingTable whose rows live in a DiskRows store (disk_rows.py: RocksDB),
 one per table under --table-dir, and in a RAM cache of the rows used last:
 
@@ -76,7 +78,7 @@ import torch
 from ..errors import InvalidArgumentError, LayoutChangedError, ModeConflictError
 from .disk_rows import DiskMemory, DiskRows, link_tree
 from ..rows import owner
-from .embeddings import STATE_FORMAT, EmbeddingTable, check_read, relayout_head
+from .embeddings import STATE_FORMAT, EmbeddingTable, _check_config, check_read, initial_rows, relayout_head
 from .row_changes import MAX_UPDATES, RowChanges, RowMarks
 from .row_storage import Keyed as _Keyed
 
@@ -238,35 +240,43 @@ class TableStorage:
         """Whether tables may be kept on SSD here (a directory was given)."""
         return self.root is not None
 
-    def table(self, name: str, dim: int, storage: str = "", **args) -> EmbeddingTable:
-        """A new table `name` (EmbeddingTable's arguments) kept where `storage` says ("": this storage's kind):
-        an SsdTable for a dynamic table on "ssd". InvalidArgumentError for an unknown storage, "ssd" for a
-        fixed-size table; ModeConflictError for "ssd" without a directory."""
+    def where(self, name: str, storage: str, fixed: bool) -> str:
+        """Where table `name` is kept ("ram" or "ssd") when its spec asks for `storage` ("": this storage's
+        kind, which puts fixed-size tables in memory: their size is known at creation and counted against
+        --max-memory; "ssd" asked for by a table puts either kind on disk). InvalidArgumentError for an unknown
+        storage; ModeConflictError for "ssd" without a directory."""
         if storage not in ("", *STORAGES):
             raise InvalidArgumentError(f"table {name!r}: storage must be '', 'ram' or 'ssd'; got {storage!r}")
-        fixed = args.get("num_embeddings") is not None
-        if storage == "ssd" and fixed:
-            raise InvalidArgumentError(f"table {name!r}: a fixed-size table is kept in memory; storage 'ssd' is for "
-                                       f"dynamic tables (num_embeddings None)")
-        if (storage or self.kind) == "ram" or fixed:
-            return EmbeddingTable(dim, **args)
-        if not self.on_disk:
+        kept = storage or ("ram" if fixed else self.kind)
+        if kept == "ssd" and not self.on_disk:
             raise ModeConflictError(f"table {name!r} asks to be kept on SSD, and this shard keeps no tables on disk: "
                                     f"start it with --table-dir DIR")
+        return kept
+
+    def table(self, name: str, dim: int, storage: str = "", *, initial: bool = True, **args) -> EmbeddingTable:
+        """A new table `name` (EmbeddingTable's arguments) kept where where() says: an SsdTable on "ssd" (a
+        fixed-size one with its initial rows written, unless `initial` is False: a state is loaded next).
+        Raises as where() does."""
+        if self.where(name, storage, args.get("num_embeddings") is not None) == "ram":
+            return EmbeddingTable(dim, **args)
         folder = self.root / f"{_safe(name)}-{secrets.token_hex(4)}"
-        return SsdTable(dim, folder=folder, memory=self.memory, budget=self.budget, **args)
+        return SsdTable(dim, folder=folder, memory=self.memory, budget=self.budget, initial=initial, **args)
 
 
 class SsdTable(EmbeddingTable):
-    """A dynamic table's rows on disk under `folder` with a RAM cache (see the module docstring); the other
-    arguments are EmbeddingTable's."""
+    """A table's rows on disk under `folder` with a RAM cache (see the module docstring); the other arguments
+    are EmbeddingTable's. A fixed-size one (num_embeddings N) runs as a dynamic one whose every owned id of
+    [0, N) has a row from the start: `initial` writes them into the store (its initial rows, a chunk at a
+    time); a table about to load a state is made without (initial=False)."""
 
     storage = "ssd"
 
-    def __init__(self, dim: int, *, folder: pathlib.Path, memory: DiskMemory, budget: CacheBudget, **args):
-        super().__init__(dim, **args)
-        if self.fixed:
-            raise InvalidArgumentError("an SSD table is dynamic (num_embeddings None)")
+    def __init__(self, dim: int, *, folder: pathlib.Path, memory: DiskMemory, budget: CacheBudget,
+                 initial: bool = True, **args):
+        size = args.get("num_embeddings")
+        super().__init__(dim, **{**args, "num_embeddings": None})
+        self._config["num_embeddings"] = size
+        _check_config(self._config)
         self._rows = self._new_cache()
         self._changes = RowChanges(limit=LOG_IDS)
         self._folder, self._memory, self._budget = folder, memory, budget
@@ -280,6 +290,43 @@ class SsdTable(EmbeddingTable):
         self._found: tuple[np.ndarray, np.ndarray] | None = None  # the call's ids and their slots (_fault_in)
         self._ages = self._new_ages()           # with max_age or capacity: every row's last update (evict)
         self._closed = False
+        if size is not None and initial:
+            self._held = self._write_initial(self._disk)
+
+    @property
+    def admits(self) -> bool:
+        return self._config["num_embeddings"] is None
+
+    def _owned_ids(self) -> Iterator[np.ndarray]:
+        """A fixed-size table's owned ids of [0, N), ascending, a chunk at a time."""
+        c = self._config
+        for start in range(0, c["num_embeddings"], _CHUNK * c["num_shards"]):
+            ids = np.arange(start, min(start + _CHUNK * c["num_shards"], c["num_embeddings"]), dtype=np.int64)
+            mine = ids[owner(ids, c["num_shards"], c["partition"]) == c["shard_index"]]
+            if len(mine):
+                yield mine
+
+    def _write_initial(self, disk: DiskRows) -> int:
+        """Writes a fixed-size table's initial rows (values, optimizer state as new, no update) into `disk`;
+        returns their number."""
+        c, held = self._config, 0
+        for ids in self._owned_ids():
+            tensors = {"values": initial_rows(ids, self.dim, seed=c["seed"], init=c["init"],
+                                              init_scale=c["init_scale"], dtype=self.dtype)}
+            for key, (width, value) in self._spec.items():
+                tensors[key] = torch.full((len(ids), width), value, dtype=self.dtype)
+            self._write_rows(disk, ids, tensors, {"last_update": np.zeros(len(ids), dtype=np.int64),
+                                                  "update_counts": np.zeros(len(ids), dtype=np.int64)})
+            held += len(ids)
+        return held
+
+    def _check_owned(self, ids: np.ndarray) -> None:
+        size = self._config["num_embeddings"]
+        if size is not None:
+            bad = ids[(ids < 0) | (ids >= size)]
+            if bad.size:
+                raise InvalidArgumentError(f"ids must be in [0, {size}); got {bad[:5].tolist()}")
+        super()._check_owned(ids)
 
     # -- the cache --------------------------------------------------------------------------------
 
@@ -561,7 +608,7 @@ class SsdTable(EmbeddingTable):
                     disk = DiskRows(path, self._record_bytes, fresh=True, memory=self._memory)
                     held = self._stream_in(disk, state["sources"])
                 elif state.get("store") is None:
-                    optimizer, ids, tensors, counters, step, events = self._parsed(state)
+                    optimizer, ids, tensors, counters, step, events = self._parsed(self._as_dynamic(state))
                     pending = {k: counters[f"pending {k}"] for k in ("ids", "counts", "last_seen")}
                     disk = DiskRows(path, self._record_bytes, fresh=True, memory=self._memory)
                     self._write_rows(disk, ids, tensors, counters)
@@ -589,6 +636,15 @@ class SsdTable(EmbeddingTable):
             self._changes.seq = max(self._changes.seq, int(saved))  # marks in the store stay older than new ones
             self._changes.reset()
 
+    def _as_dynamic(self, state: Mapping) -> Mapping:
+        """A RAM state of a fixed-size table as a dynamic table's (every row last updated at 0, no occurrence
+        counter), which this one runs as; any other state as it is."""
+        if self.admits or state.get("last_update") is not None or not isinstance(state.get("ids"), torch.Tensor):
+            return state
+        none = torch.empty(0, dtype=torch.int64)
+        return {**state, "last_update": torch.zeros(len(state["ids"]), dtype=torch.int64),
+                "pending": {"ids": none, "counts": none, "last_seen": none}}
+
     def _parsed_store(self, state: Mapping) -> tuple[int, dict[str, np.ndarray], pathlib.Path]:
         """(rows, occurrence counters, store folder) of an SsdTable's state; InvalidArgumentError if unfit."""
         try:
@@ -609,7 +665,11 @@ class SsdTable(EmbeddingTable):
         return path
 
     def _parsed_pending(self, state: Mapping) -> dict[str, np.ndarray]:
-        """A state's occurrence counters; InvalidArgumentError unless they are this shard's, one per id."""
+        """A state's occurrence counters; InvalidArgumentError unless they are this shard's, one per id. A
+        fixed-size table's state may have none (it admits nothing)."""
+        if not self.admits and state.get("pending") is None:
+            return {"ids": np.empty(0, dtype=np.int64), "counts": np.empty(0, dtype=np.int64),
+                    "last_seen": np.empty(0, dtype=np.int64)}
         try:
             pending = {k: state["pending"][k] for k in ("ids", "counts", "last_seen")}
         except (KeyError, TypeError) as exc:

@@ -88,10 +88,10 @@ def _build(entry: Mapping, where: str, storage: TableStorage) -> _Held:
         if not isinstance(entry["state"], Mapping):
             raise TypeError(f"its state is {type(entry['state']).__name__}")
         on_disk = any(entry["state"].get(k) is not None for k in ("store", "sources"))  # restored where it was kept
-        if on_disk and (not storage.on_disk or spec.num_embeddings):
+        if on_disk and not storage.on_disk:
             raise CheckpointError(f"{where}: embedding table {name!r} was kept on SSD; start the shard with "
                                   f"--table-dir DIR to restore it")
-        table = storage.table(spec.name, spec.dim, "ssd" if on_disk else spec.storage,
+        table = storage.table(spec.name, spec.dim, "ssd" if on_disk else spec.storage, initial=False,
                               **_arguments(spec, entry["shard_index"], entry["num_shards"]))
         table.load_state_dict(entry["state"])
         return _Held(_normalized(spec), entry["num_shards"], table)

@@ -145,8 +145,9 @@ class TableStore(NamesAwaited):
             for spec, args in wanted:
                 if spec.name not in self._tables:
                     new.setdefault(spec.name, (spec, args))
-        if check_memory is not None:
-            check_memory({name: _fixed_bytes(spec, num_shards) for name, (spec, _) in new.items()})
+        if check_memory is not None:  # a fixed-size table kept on SSD takes its cache's share only
+            check_memory({name: _fixed_bytes(spec, num_shards) for name, (spec, _) in new.items()
+                          if self.storage.where(name, spec.storage, bool(spec.num_embeddings)) == "ram"})
         built: dict[str, _Held] = {}
         try:
             for name, (spec, args) in new.items():

@@ -17,14 +17,15 @@ import pathlib
 import re
 import sys
 
+import pytest
 import torch
 
-from torchps.client import PSClient
+from torchps.client import Optimizer, PSClient
 from torchps.worker.local_cluster import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from helpers import wait_until  # noqa: E402
-from test_ssd_table_recovery import CACHE, DENSE, assert_equal, everything, step, train_alike  # noqa: E402
+from test_ssd_table_recovery import CACHE, DENSE, assert_equal, everything, specs, step, train_alike  # noqa: E402
 
 WAIT = 120.0
 SSD = ["--table-storage", "ssd", "--table-cache", CACHE, "--max-chunk-bytes", "65536"]
@@ -36,27 +37,43 @@ def _storage(client: PSClient, shards: int) -> list[dict[str, tuple[str, int]]]:
     return [{t.name: (t.storage, t.rows) for t in client.status(s).tables} for s in range(shards)]
 
 
+def _kept(spec, fixed: str):
+    """`spec`, a fixed-size one asking for `fixed` storage ("ram": the shard's default)."""
+    out = type(spec)()
+    out.CopyFrom(spec)
+    if spec.num_embeddings and fixed == "ssd":
+        out.storage = "ssd"
+    return out
+
+
 def _admit_more(*clients: PSClient) -> None:
     for client in clients:
         for _ in range(2):  # min_count 2
             client.lookup_rows({"dyn": MORE}, admit=True)
 
 
-def test_a_table_on_ssd_moves_live_onto_3_shards_and_back_and_trains_on_exactly(tmp_path):
+@pytest.mark.parametrize("fixed", ["ram", "ssd"], ids=["fixed-in-ram", "fixed-on-ssd"])
+def test_a_table_on_ssd_moves_live_onto_3_shards_and_back_and_trains_on_exactly(tmp_path, fixed):
+    """The dynamic table "dyn" is on SSD; the fixed-size "fix" in memory (the shards' default) or on SSD too
+    (its spec asks for it)."""
     tables = tmp_path / "tables"
     ssd = LocalCluster(2, server_args=[*SSD, "--table-dir", str(tables)])
     ram = LocalCluster(2)
     with ssd, ram, PSClient(ssd.cluster, connect_timeout=30, chunk_bytes=65536) as chief, \
             PSClient(ram.cluster) as reference:
-        train_alike(chief, reference, 3)
+        for client, kept in ((chief, fixed), (reference, "ram")):
+            client.create_variables({"w": torch.zeros(DENSE)}, Optimizer("sgd", lr=0.1))
+            client.create_tables([_kept(spec, kept) for spec in specs()])
+        for k in range(1, 4):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}'s lookup")
         _admit_more(chief, reference)
         grow = chief.resize([*ssd.cluster.ps, ssd.add_ps()])
         assert grow.shards_after == 3 and grow.table_bytes > 0
         held = _storage(chief, 3)
         assert [shard["dyn"][0] for shard in held] == ["ssd"] * 3 and all(shard["dyn"][1] > 0 for shard in held)
-        assert [shard["fix"][0] for shard in held] == ["ram"] * 3  # a fixed-size table stays in memory, and moves
+        assert [shard["fix"][0] for shard in held] == [fixed] * 3  # where it was kept, on every shard
         assert sum(shard["dyn"][1] for shard in held) == sum(t["dyn"][1] for t in _storage(reference, 2))
-        streamed = re.findall(r"rows of tables on SSD streamed to ps \d+: \{'dyn': (\d+)\} in (\d+) messages",
+        streamed = re.findall(r"rows of tables on SSD streamed to ps \d+: \{'dyn': (\d+)[^}]*\} in (\d+) messages",
                               ssd.log(0))
         assert len(streamed) == 3 and all(int(messages) > 1 for _, messages in streamed), streamed
         for k in range(4, 7):

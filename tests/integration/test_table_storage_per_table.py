@@ -1,7 +1,8 @@
 """Storage per table (TableSpec.storage, the modules' storage=), against real ps-server processes: on a shard
 given --table-dir whose default stays in RAM, a table asking for "ssd" is kept on disk beside one in memory,
 both train as in a RAM cluster and come back from a SIGKILL (journal, then checkpoint) where they were kept;
-a table the shard cannot keep where it asks (no --table-dir, a fixed-size table on SSD, an unknown storage)
+a fixed-size table asking for "ssd" is kept there too (every row written at its creation); a table the shard
+cannot keep where it asks (no --table-dir, an unknown storage)
 and a spec that differs in its storage alone are refused with their status codes, and nothing is created.
 Ordering is by replies and process exits, never by sleeping."""
 
@@ -30,15 +31,17 @@ CHIEF = TaskSpec("worker", 0)  # worker 0 of a cluster without a chief: it creat
 
 
 class Model(torch.nn.Module):
-    """Two dynamic tables: "disk" kept where `storage` says, "mem" where the shard keeps tables."""
+    """Two dynamic tables, "disk" kept where `storage` says and "mem" where the shard keeps tables, and a
+    fixed-size one, "sized", kept where `storage` says (the shard's default keeps it in memory)."""
 
     def __init__(self, storage: str | None):
         super().__init__()
         self.disk = Embedding(None, D, optimizer=Optimizer("adagrad", lr=0.1), storage=storage, seed=1)
         self.mem = Embedding(None, D, optimizer=Optimizer("adagrad", lr=0.1), seed=2)
+        self.sized = Embedding(len(IDS), D, optimizer=Optimizer("adagrad", lr=0.1), storage=storage, seed=3)
 
     def forward(self, ids):
-        return self.disk(ids).sum() + 2 * self.mem(ids).sum()
+        return self.disk(ids).sum() + 2 * self.mem(ids).sum() + 3 * self.sized(ids).sum()
 
 
 def train(binding, model, steps: range) -> None:
@@ -49,7 +52,7 @@ def train(binding, model, steps: range) -> None:
 
 
 def rows(client: PSClient) -> dict[str, torch.Tensor]:
-    return client.lookup_rows({"disk.weight": IDS, "mem.weight": IDS})
+    return client.lookup_rows({"disk.weight": IDS, "mem.weight": IDS, "sized.weight": IDS})
 
 
 def test_a_table_asking_for_ssd_is_kept_on_disk_beside_one_in_ram_and_both_recover(tmp_path):
@@ -78,13 +81,13 @@ def test_a_table_asking_for_ssd_is_kept_on_disk_beside_one_in_ram_and_both_recov
 
             assert mixed.kill_ps(0) == -signal.SIGKILL  # 1. back from the journal, each table where it was
             mixed.start_ps(0)
-            assert {t.name: t.storage for t in a.status(0).tables} == {"disk.weight": "ssd", "mem.weight": "ram"}
+            assert {t.name: t.storage for t in a.status(0).tables} == {"disk.weight": "ssd", "mem.weight": "ram", "sized.weight": "ssd"}
             assert all(torch.equal(rows(a)[k], v) for k, v in expected.items())
             assert a.save_checkpoint(0) == 8
             assert mixed.kill_ps(0) == -signal.SIGKILL  # 2. back from the checkpoint alone
             shutil.rmtree(ckpt / "journal" / "ps-0")
             mixed.start_ps(0)
-            assert {t.name: t.storage for t in a.status(0).tables} == {"disk.weight": "ssd", "mem.weight": "ram"}
+            assert {t.name: t.storage for t in a.status(0).tables} == {"disk.weight": "ssd", "mem.weight": "ram", "sized.weight": "ssd"}
             assert all(torch.equal(rows(a)[k], v) for k, v in expected.items())
             train(bindings[0], models[0], range(9, 11))
             train(bindings[1], models[1], range(9, 11))
@@ -94,8 +97,6 @@ def test_a_table_asking_for_ssd_is_kept_on_disk_beside_one_in_ram_and_both_recov
 
 
 def test_a_table_the_shard_cannot_keep_where_it_asks_is_refused_and_nothing_is_created(tmp_path):
-    with pytest.raises(InvalidArgumentError, match="storage 'ssd' is for dynamic ones"):
-        Embedding(10, D, storage="ssd")
     with pytest.raises(InvalidArgumentError, match="storage must be"):
         Embedding(None, D, storage="disk")
     init = ps_pb2.TableInit(distribution="normal", scale=1.0, seed=5)
@@ -109,7 +110,7 @@ def test_a_table_the_shard_cannot_keep_where_it_asks_is_refused_and_nothing_is_c
             grpc.insecure_channel(local.cluster.ps[0]) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         for specs, code, error in [([spec], grpc.StatusCode.FAILED_PRECONDITION, ModeConflictError),
-                                   ([fixed], grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError),
+                                   ([fixed], grpc.StatusCode.FAILED_PRECONDITION, ModeConflictError),
                                    ([odd], grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError)]:
             with pytest.raises(grpc.RpcError) as raised:
                 stub.CreateTables(ps_pb2.CreateTablesRequest(tables=specs, shard_index=0, num_shards=1), timeout=20)

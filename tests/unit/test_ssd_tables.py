@@ -15,7 +15,8 @@ import torch
 from torchps.errors import InvalidArgumentError
 from torchps.ps_server.disk_rows import DiskMemory
 from torchps.ps_server.embeddings import EmbeddingTable
-from torchps.ps_server.ssd_tables import CacheBudget, SsdTable, StoreCopy, TableStorage, place_stores, resolve_stores
+from torchps.ps_server.ssd_tables import (CacheBudget, SsdTable, StoreCopy, TableStorage, place_stores, relayout_stores,
+                                         resolve_stores)
 
 DIM = 8
 ARGS = dict(optimizer="adagrad", hyperparams={"lr": 0.1}, seed=3)
@@ -202,8 +203,6 @@ def test_a_table_asking_for_a_storage_the_shard_cannot_give_is_refused(tmp_path)
     with pytest.raises(ModeConflictError, match="--table-dir"):
         TableStorage("ram").table("t", DIM, "ssd")   # no folder for tables on disk
     storage = TableStorage("ram", tmp_path, cache_bytes=1 << 20)
-    with pytest.raises(InvalidArgumentError, match="fixed-size table is kept in memory"):
-        storage.table("f", DIM, "ssd", num_embeddings=10)
     with pytest.raises(InvalidArgumentError, match="storage must be"):
         storage.table("t", DIM, "nvme")
     assert not any((tmp_path / "ps-0").iterdir()), "nothing made on disk"
@@ -497,3 +496,66 @@ def test_a_whole_read_of_a_table_replaced_meanwhile_fails_and_a_new_read_sees_th
     with pytest.raises(LayoutChangedError, match="read it again"):
         list(parts)
     assert torch.equal(disk.changes(0, "")[4], other.changes(0, "")[4])
+
+
+@pytest.mark.parametrize("partition", ["modulo", "hash"])
+def test_a_fixed_size_table_on_ssd_has_every_row_from_the_start_and_trains_exactly_as_in_ram(tmp_path, partition):
+    """A fixed-size table asking for "ssd" writes its initial rows into its store at creation, reads any owned
+    id of [0, N) as in RAM (admitting or not, none counted or created), refuses the others, trains bit for bit
+    as in RAM through a cache of a fraction of it, and restores from its own state, from a RAM table's, and
+    from a re-layout of its stores; the shard's default keeps such tables in memory."""
+    args = dict(num_embeddings=5000, shard_index=1, num_shards=2, partition=partition)
+    ram, disk = EmbeddingTable(DIM, **ARGS, **args), ssd(tmp_path, **args)
+    assert disk.storage == "ssd" and not disk.admits and disk.counters()["rows"] == ram.counters()["rows"]
+    mine = torch.from_numpy(ram._owned) if partition == "hash" else torch.arange(1, 5000, 2)
+    assert torch.equal(disk.lookup(mine[:700], admit=False), ram.lookup(mine[:700], admit=False))
+    with pytest.raises(InvalidArgumentError, match=r"in \[0, 5000\)"):
+        disk.lookup(torch.tensor([5001 if partition == "modulo" else 5000]))
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 30):
+        drawn = torch.unique(mine[torch.randint(0, len(mine), (300,), generator=g)])
+        grads = torch.randn(len(drawn), DIM, generator=g)
+        for table in (ram, disk):
+            table.lookup(drawn)
+            table.apply(drawn, grads, step)
+    assert disk.counters()["cache_rows"] < len(mine) // 4 and disk.counters()["rows"] == len(mine)
+    assert torch.equal(disk.lookup(mine, admit=False), ram.lookup(mine, admit=False))
+    for state in (disk.state_dict(), ram.state_dict()):
+        back = ssd(tmp_path, initial=False, **args)
+        back.load_state_dict(state)
+        assert torch.equal(back.lookup(mine, admit=False), ram.lookup(mine, admit=False))
+        assert back.counters()["rows"] == len(mine)
+    with pytest.raises(InvalidArgumentError, match=r"in \[0, 5000\)"):
+        ssd(tmp_path, initial=False, **args).load_state_dict({**ram.state_dict(), "ids": ram.state_dict()["ids"] + 10_000})
+    storage = TableStorage("ssd", tmp_path / "storage", cache_bytes=1 << 20)
+    assert storage.table("f", DIM, num_embeddings=10).storage == "ram"
+    assert storage.table("g", DIM, "ssd", num_embeddings=10).storage == "ssd"
+
+
+
+def test_fixed_size_tables_on_ssd_re_lay_out_store_to_store_onto_another_count(tmp_path):
+    """Two shards' states of a fixed-size SSD table restore onto one shard (relayout_stores): every row, with
+    its optimizer state, as the RAM tables hold them."""
+    args = dict(num_embeddings=3000, num_shards=2)
+    rams = [EmbeddingTable(DIM, **ARGS, **args, shard_index=i) for i in range(2)]
+    disks = [ssd(tmp_path, **args, shard_index=i) for i in range(2)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 10):
+        for i in range(2):
+            drawn = torch.unique(torch.randint(0, 1500, (200,), generator=g)) * 2 + i
+            grads = torch.randn(len(drawn), DIM, generator=g)
+            for table in (rams[i], disks[i]):
+                table.apply(drawn, grads, step)
+    one = ssd(tmp_path, initial=False, num_embeddings=3000, num_shards=1, shard_index=0)
+    states = [d.state_dict() for d in disks]  # their store copies live as long as they do
+    one.load_state_dict(relayout_stores(states, 0, 1))
+    expected = torch.empty(3000, DIM)
+    for i in range(2):
+        expected[i::2] = rams[i].lookup(torch.arange(i, 3000, 2), admit=False)
+    assert one.counters()["rows"] == 3000
+    assert torch.equal(one.lookup(torch.arange(3000), admit=False), expected)
+    one.apply(torch.tensor([0, 1]), torch.ones(2, DIM), 10)  # adagrad's state came along: a step as in RAM
+    for i in range(2):
+        rams[i].apply(torch.tensor([i]), torch.ones(1, DIM), 10)
+    assert torch.equal(one.lookup(torch.tensor([0, 1]), admit=False),
+                       torch.cat([rams[i].lookup(torch.tensor([i]), admit=False) for i in range(2)]))
