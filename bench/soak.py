@@ -162,6 +162,20 @@ def counter_names(index: int) -> list[str]:
 ALL_NAMES = [name for i in range(MAX_WORKERS) for name in counter_names(i)] + ["ones/a", "ones/b"]
 
 
+ROWS = "rows"  # a fixed-size table on SSD: row index * SLOTS + slot counts worker index's pushes (async phases)
+
+
+def rows_spec():
+    """The table of counter rows: one row of one float per slot of every worker name, zeros at first, SGD lr 1,
+    kept on SSD (every row written when it is created; live resizes stream them store to store)."""
+    from torchps.client import Optimizer
+    from torchps.proto import ps_pb2
+
+    return ps_pb2.TableSpec(name=ROWS, dim=1, num_embeddings=MAX_WORKERS * SLOTS, dtype=ps_pb2.FLOAT32,
+                            init=ps_pb2.TableInit(distribution="uniform", scale=0.0),
+                            optimizer=Optimizer("sgd", lr=1.0).to_proto(), storage="ssd")
+
+
 def sizes() -> dict[str, int]:
     """Every variable's number of float32 elements: slots for the workers' counters, one for the shared ones."""
     return {name: 1 if name.startswith("ones/") else SLOTS for name in ALL_NAMES}
@@ -193,9 +207,13 @@ def worker_main(args: argparse.Namespace) -> int:
                              progress_seconds=PROGRESS_SECONDS)
                 repair_resize(ps)  # as ps-worker's chief: a resize cut off (its driver killed) is rolled back
                 ps.create_variables({name: torch.zeros(n) for name, n in sizes().items()}, Optimizer("sgd", lr=1.0))
+                if args.rows:
+                    ps.create_tables([rows_spec()])
             else:
                 ps.declare({name: torch.zeros(n) for name, n in sizes().items()})
                 ps.wait_for_variables(ALL_NAMES, timeout=120)
+                if args.rows:
+                    ps.wait_for_tables([ROWS], timeout=120)
             ps.join()
 
         started = time.monotonic()
@@ -214,14 +232,16 @@ def worker_main(args: argparse.Namespace) -> int:
             one_hot = torch.zeros(SLOTS)
             one_hot[number % SLOTS] = 1.0
             mine = {**{name: one_hot for name in counter_names(args.index)}, **shared}
+            rows = {ROWS: (torch.tensor([args.index * SLOTS + number % SLOTS]), torch.ones(1, 1))} if args.rows \
+                else None
             log.write(f"sent {number}\n")
             number += 1
             before = _holders(ps, args.index)
             try:
                 if rng.random() < 0.5:
-                    ps.push_pull(mine, targets)
+                    ps.push_pull(mine, targets, rows=rows)
                 else:
-                    ps.push(mine)
+                    ps.push(mine, rows=rows)
                     ps.pull_into(targets, min_step=ps.step if args.mode == "sync" else 0)
             except PSError as exc:
                 log.write(f"error {type(exc).__name__}: {str(exc)[:200]}\n")
@@ -350,6 +370,9 @@ class Phase:
         flags = ["--checkpoint-dir", str(self.ckpt), "--token-file", str(shard.token),
                  "--admin-token-file", str(shard.admin_token)]
         self.replicated = replicas == 2  # a backup beside every shard (bench/soak_replicas.py)
+        self.rows = not self.replicated and mode == "async"  # the table of counter rows, on SSD
+        if self.rows:
+            flags += ["--table-dir", str(self.dir / "tables"), "--table-cache", "1M"]
         self.shards = ReplicatedShards(self.dir, self.ckpt, SHARDS, flags) if self.replicated else \
             LocalCluster(SHARDS, log_dir=self.dir, server_args=flags)
         self.faults: collections.Counter[str] = collections.Counter()
@@ -396,7 +419,8 @@ class Phase:
                 pathlib.Path(__file__).stem,
                 ["--worker", "--cluster", json.dumps(self.cluster.to_dict()), "--index", str(index), "--mode",
                  self.mode, "--log", str(self.log_path(index)), "--stop-file", str(self.stop_file), "--leave-file",
-                 str(self.leave_file(index)), "--credentials", str(self.credentials)],
+                 str(self.leave_file(index)), "--credentials", str(self.credentials),
+                 *(["--rows"] if self.rows else [])],
                 prog="soak-worker", env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(pathlib.Path(__file__).parent),
                 stdout=out.fileno(), parent_death_signal=signal.SIGTERM)  # a soak that dies leaves none pushing
         self.active.add(index)
@@ -796,6 +820,7 @@ class Phase:
                 self.failures.append(f"worker {index} ended with code {proc.returncode} when asked to stop")
 
     def _audit(self, wall: float) -> dict:
+        import torch
         from torchps.client import PSClient, PSError
         from torchps.ps_server.checkpoint import latest_committed
 
@@ -809,6 +834,9 @@ class Phase:
             with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as admin:
                 admin.declare(self.declared())
                 values = admin.pull(ALL_NAMES)
+                if self.rows:
+                    admin.wait_for_tables([ROWS], timeout=30)
+                    values[ROWS] = admin.lookup_rows({ROWS: torch.arange(MAX_WORKERS * SLOTS)})[ROWS][:, 0]
                 global_step = admin.global_step()
                 lost, duplicated, averaged, steps_ok, misses = self._tally(counts, values, global_step)
                 try:  # refused while a resize is left cut off (a variable in two places, the shards' epochs differ)
@@ -866,6 +894,14 @@ class Phase:
                 for slot in (missing | extra).nonzero().flatten()[:5].tolist():
                     misses.append(f"worker {index} push {slot} on ps {shard}: applied {float(applied[slot]):g}, "
                                   f"must {int(must[shard][slot])}, may {int(may[shard][slot])}")
+            if ROWS in values:  # async: each acknowledged push's row once, each one only sent at most once
+                applied = -values[ROWS][index * SLOTS:(index + 1) * SLOTS].double()
+                missing, extra = applied < must[0] - EPS, applied > may[0] + EPS
+                lost += int(missing.sum())
+                duplicated += int(extra.sum())
+                for slot in (missing | extra).nonzero().flatten()[:5].tolist():
+                    misses.append(f"worker {index} push {slot}'s row: applied {float(applied[slot]):g}, "
+                                  f"must {int(must[0][slot])}, may {int(may[0][slot])}")
         steps_ok = None
         if self.mode == "async":  # each push counted once on shard 0
             lost += max(0, sum(a for _, a, _, _ in counts) - global_step)
@@ -949,11 +985,16 @@ class Phase:
         from torchps.client import PSClient
         from torchps.worker.local_cluster import LocalCluster
 
-        with LocalCluster(1, server_args=["--restore-from", str(self.ckpt), "--num-ps", "1", "--no-journal"]) as one, \
+        tables = ["--table-dir", str(self.dir / "restored-tables")] if self.rows else []
+        with LocalCluster(1, server_args=["--restore-from", str(self.ckpt), "--num-ps", "1", "--no-journal",
+                                          *tables]) as one, \
                 PSClient(one.cluster, connect_timeout=30) as client:
             client.declare([(name, 4 * n) for name, n in sizes().items()])
             restored = client.pull(ALL_NAMES)
-        return [name for name in ALL_NAMES if not torch.equal(restored[name], values[name])]
+            if self.rows:
+                client.wait_for_tables([ROWS], timeout=30)
+                restored[ROWS] = client.lookup_rows({ROWS: torch.arange(MAX_WORKERS * SLOTS)})[ROWS][:, 0]
+        return [name for name in values if not torch.equal(restored[name], values[name])]
 
 
 # -- the driver -----------------------------------------------------------------------------------------
@@ -1006,6 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes per shard: 2 runs a backup beside each (bench/soak_replicas.py)")
     parser.add_argument("--keep", type=pathlib.Path, help="keep every log, checkpoint and journal in this new folder")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--cluster", "--index", "--mode", "--log", "--stop-file", "--leave-file", "--credentials"):
         parser.add_argument(flag, help=argparse.SUPPRESS, type=int if flag == "--index" else str)
     args = parser.parse_args(argv)

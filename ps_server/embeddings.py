@@ -574,8 +574,8 @@ class EmbeddingTable:
 
 def rows_for(state: Mapping, shard_index: int, num_shards: int) -> dict:
     """`state` (a state_dict()) with only the rows and occurrence counters shard `shard_index` of `num_shards`
-    owns under its partition: what one old shard sends a new one in a live re-layout (relayout() with
-    `live` takes every old shard's such part)."""
+    owns under its partition: what one old shard sends a new one in a live re-layout (relayout() takes every
+    old shard's such part)."""
     partition = state["config"]["partition"]
 
     def kept(ids: torch.Tensor) -> torch.Tensor:
@@ -602,16 +602,16 @@ def check_read(min_updates: int, max_rows: int = 1) -> None:
 
 
 def relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, *,
-             partition: str | None = None, live: bool = False) -> dict:
+             partition: str | None = None) -> dict:
     """The state of shard `shard_index` of `num_shards` (partitioned by `partition`, default: as before) of the
     table whose old shards' state_dict()s are `states`, all of them, in any order: every row the new shard owns,
     with its optimizer state and age, and its occurrence counters. Event counters restart at zero; per-shard
-    capacity stays (the next evict() applies it). Raises InvalidArgumentError unless the states are one
-    table's complete old layout with one optimizer step count (the states are only read). `live` (a live
-    re-layout, where the old shards froze a few pushes apart): their step counts may differ, the highest is
-    kept."""
+    capacity stays (the next evict() applies it). The optimizer's step count is the highest of the old shards'
+    (those of an async job differ by the pushes that reached some shards and failed on others, a live
+    re-layout's by the pushes between their freezes). Raises InvalidArgumentError unless the states are one
+    table's complete old layout (the states are only read)."""
     try:
-        return _relayout(states, shard_index, num_shards, partition, live)
+        return _relayout(states, shard_index, num_shards, partition)
     except (KeyError, TypeError, IndexError, RuntimeError) as exc:
         raise InvalidArgumentError(f"not the states of an embedding table: missing or bad {exc}") from None
 
@@ -629,32 +629,30 @@ def _hash_owned(num_embeddings: int, shard_index: int, num_shards: int) -> np.nd
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-def relayout_head(states: Sequence[Mapping], shard_index: int, num_shards: int, *, live: bool = False) -> dict:
+def relayout_head(states: Sequence[Mapping], shard_index: int, num_shards: int) -> dict:
     """relayout()'s state without the rows ("ids", "values", "state" and their counters): config, optimizer
     step count, step, events at zero, and a dynamic table's occurrence counters. What an SSD table's re-layout
     starts from (it streams the rows from the old stores). Raises InvalidArgumentError as relayout() does."""
     try:
-        return _head(states, shard_index, num_shards, None, live)
+        return _head(states, shard_index, num_shards, None)
     except (KeyError, TypeError, IndexError, RuntimeError) as exc:
         raise InvalidArgumentError(f"not the states of an embedding table: missing or bad {exc}") from None
 
 
-def _head(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None, live: bool) -> dict:
+def _head(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None) -> dict:
     configs = [dict(s["config"]) for s in states]
     if not configs:
         raise InvalidArgumentError("relayout needs the states of every old shard")
     old = configs[0]
     layout = sorted(c["shard_index"] for c in configs)
     same = all({**c, "shard_index": 0} == {**old, "shard_index": 0} for c in configs)
-    steps = {int(s["optimizer_steps"]) for s in states}
-    if live:
-        steps = {max(steps)}
-    if not same or layout != list(range(old["num_shards"])) or len(steps) != 1:
-        raise InvalidArgumentError(f"relayout needs one table's states from all of its {old['num_shards']} shards "
-                                   f"with one optimizer step count; got shards {layout}, step counts {sorted(steps)}")
+    if not same or layout != list(range(old["num_shards"])):
+        raise InvalidArgumentError(f"relayout needs one table's states from all of its {old['num_shards']} shards; "
+                                   f"got shards {layout}")
     config = {**old, "shard_index": shard_index, "num_shards": num_shards, "partition": partition or old["partition"]}
     _check_config(config)
-    out = {"format": STATE_FORMAT, "config": config, "optimizer_steps": steps.pop(),
+    out = {"format": STATE_FORMAT, "config": config,
+           "optimizer_steps": max(int(s["optimizer_steps"]) for s in states),
            "step": max(int(s["step"]) for s in states), "events": {k: 0 for k in states[0]["events"]}}
     if old["num_embeddings"] is None:
         pending = _gathered(states, config, lambda s: (s["pending"]["ids"], s["pending"]["counts"],
@@ -671,9 +669,8 @@ def _gathered(states: Sequence[Mapping], config: Mapping, get) -> tuple[torch.Te
     return tuple(torch.cat([p[i][k] for p, k in zip(parts, keeps)]) for i in range(len(parts[0])))
 
 
-def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None,
-              live: bool = False) -> dict:
-    out = _head(states, shard_index, num_shards, partition, live)
+def _relayout(states: Sequence[Mapping], shard_index: int, num_shards: int, partition: str | None) -> dict:
+    out = _head(states, shard_index, num_shards, partition)
     keys = sorted(states[0]["state"])
     extra = [k for k in ("last_update", "update_counts") if all(s.get(k) is not None for s in states)]
     rows = _gathered(states, out["config"],

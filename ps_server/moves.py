@@ -37,7 +37,9 @@ journal is replayed (`replay`), so recovery runs the live code. Here:
   dynamic table's metadata) for each shard of the new count at one instant,
   journaled and kept; `import_tables` takes one old shard's part, and once
   every old shard's arrived builds this shard's tables from them
-  (table_state.built_from), moving the step counter up as `import_` does.
+  (table_state.built_from), moving the step counter up as `import_` does;
+  the epoch that ends it drops the tables of a shard past the new count
+  (every row is another's: one added again later takes them anew).
 The state travels as torch.save bytes of store.snapshot() entries, read back
 with weights_only (tensors, numbers, strings, lists and dicts only).
 """
@@ -52,7 +54,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, ModeConflictError, SpecConflictError
+from ..errors import CheckpointError, InvalidArgumentError, ModeConflictError, SpecConflictError
 from . import table_state
 from .bookkeeping import Bookkeeping
 from .entries import decode_entries, encode_entries
@@ -218,6 +220,8 @@ class Moves:
         count = self.layout.table_shards
         if count:
             self.layout.check_tables(held is not None and held.num_shards == count)
+        if held is None:  # on a shard a resize removed (its tables dropped), the client asks for the layout
+            self.layout.check_member()
 
     def _table_count(self) -> int | None:
         """The number of shards this shard's tables are spread over (None: it holds none)."""
@@ -378,10 +382,10 @@ class Moves:
         return [held.spec.name for held in built]
 
     def check_saveable(self) -> None:
-        """ModeConflictError while a re-layout is under way on a shard that may keep tables on SSD: a checkpoint
+        """CheckpointError while a re-layout is under way on a shard that may keep tables on SSD: a checkpoint
         would not hold the folders of their rows in transit (saved again once the resize ended)."""
         if self.layout.table_shards and self._tables.storage.on_disk:
-            raise ModeConflictError(f"ps {self.layout.index} is re-laying out its embedding tables, which it may "
+            raise CheckpointError(f"ps {self.layout.index} is re-laying out its embedding tables, which it may "
                                     f"keep on SSD: a checkpoint is saved once the resize ended; nothing was saved")
 
     def refuse_backup(self) -> str | None:
@@ -524,6 +528,8 @@ class Moves:
                 named = self._relayout_folders()  # of the re-layout this epoch may end
                 if self.layout.relayout_tables(meta["table_shards"], self._table_count()) == "ended":
                     self.folders.retire(named)  # the rows' folders of tables on SSD, once no record names them
+                    if self.layout.index >= meta["table_shards"]:  # a shard the re-layout left out: every row
+                        self._tables.install([])                    # is another's now; none stays here stale
             if changed and self._replicas is not None:
                 self._replicas.left(len(meta["addresses"]))
             return changed

@@ -119,12 +119,12 @@ def stored_rows(store: Mapping, dtype: torch.dtype, dim: int) -> tuple[np.ndarra
     return ids, rows[:, :dim].clone(), marks
 
 
-def relayout_stores(states: list[Mapping], shard_index: int, num_shards: int, *, live: bool = False) -> dict:
+def relayout_stores(states: list[Mapping], shard_index: int, num_shards: int) -> dict:
     """The state of shard `shard_index` of `num_shards` of an SSD table whose old shards' states (placed and
-    resolved, or StoreCopy) are `states`, all of them: relayout_head()'s (`live`: a live re-layout's parts),
-    and "sources", the old stores with the shard each was, from which load_state_dict() streams the rows the
-    new shard owns. Raises InvalidArgumentError as embeddings.relayout() does; reads no row."""
-    out = relayout_head(states, shard_index, num_shards, live=live)
+    resolved, or StoreCopy) are `states`, all of them: relayout_head()'s, and "sources", the old stores with
+    the shard each was, from which load_state_dict() streams the rows the new shard owns. Raises
+    InvalidArgumentError as embeddings.relayout() does; reads no row."""
+    out = relayout_head(states, shard_index, num_shards)
     try:
         out["sources"] = [{**_store_of(s["store"]), "shard_index": int(s["config"]["shard_index"]),
                            "num_shards": int(s["config"]["num_shards"])} for s in states]
@@ -291,7 +291,13 @@ class SsdTable(EmbeddingTable):
         self._ages = self._new_ages()           # with max_age or capacity: every row's last update (evict)
         self._closed = False
         if size is not None and initial:
-            self._held = self._write_initial(self._disk)
+            try:
+                self._held = self._write_initial(self._disk)
+            except BaseException:  # a full disk: no half-made store is left behind
+                self._disk.close()
+                self._budget.leave(id(self))
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
 
     @property
     def admits(self) -> bool:
@@ -338,7 +344,7 @@ class SsdTable(EmbeddingTable):
     def _lookup(self, ids: np.ndarray, admit: bool) -> torch.Tensor:
         self._fault_in(ids)
         try:
-            return super()._lookup(ids, admit)
+            return super()._lookup(ids, admit and self.admits)
         finally:
             self._found = None
 
@@ -619,6 +625,9 @@ class SsdTable(EmbeddingTable):
                     link_tree(source, path)
                     disk = DiskRows(path, self._record_bytes, memory=self._memory)
                 ages = self._indexed_ages(disk)
+                if not self.admits and held != sum(len(ids) for ids in self._owned_ids()):
+                    raise InvalidArgumentError(f"a fixed-size table's state of {held} rows: it needs every id of "
+                                               f"the shard")
             except BaseException:  # the new store goes; the table is as it was
                 if disk is not None:
                     disk.close()

@@ -268,11 +268,11 @@ def built_from(parts: Mapping[int, list], index: int, num_shards: int, storage: 
                 streamed = [bool(state.get("streamed")) for state in states]
                 if all(streamed):
                     state = relayout_stores([{**s, "store": {**s["store"], "path": stores(s["store"]["path"])}}
-                                             for s in states], index, num_shards, live=True)
+                                             for s in states], index, num_shards)
                 elif any(streamed):
                     raise InvalidArgumentError("some old shards kept it on SSD and the others in RAM")
                 else:
-                    state = relayout_rows(states, index, num_shards, live=True)
+                    state = relayout_rows(states, index, num_shards)
                 held = _build({"name": name, "spec": entries[0]["spec"], "shard_index": index,
                                "num_shards": num_shards, "state": state}, "a live re-layout", storage)
             except (CheckpointError, KeyError, TypeError) as exc:

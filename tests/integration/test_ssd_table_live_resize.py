@@ -46,6 +46,10 @@ def _kept(spec, fixed: str):
     return out
 
 
+def _newest_base(journal: pathlib.Path) -> int:
+    return max(int(base.stem.partition("-")[2]) for base in journal.glob("base-*.bin"))
+
+
 def _admit_more(*clients: PSClient) -> None:
     for client in clients:
         for _ in range(2):  # min_count 2
@@ -111,6 +115,8 @@ def test_a_shard_killed_after_taking_rows_of_a_table_on_ssd_comes_back_and_the_r
             killed_log = ssd.log(2)
             ssd.start_ps(2)
             grow = growing.result(timeout=WAIT)
+        journals = [checkpoints / "journal" / f"ps-{i}" for i in range(3)]
+        at_end = [_newest_base(journal) for journal in journals]  # the resize's end is in this log or the next
         assert grow.shards_after == 3 and grow.outcome == "done"
         took = re.findall(r"embedding-table rows of ps (\d) imported", killed_log)
         assert took, killed_log[-3000:]
@@ -121,21 +127,23 @@ def test_a_shard_killed_after_taking_rows_of_a_table_on_ssd_comes_back_and_the_r
         ssd.kill_ps(0)
         ssd.start_ps(0)
         assert_equal(everything(chief), everything(reference), "after ps 0 came back")
-        journals = [checkpoints / "journal" / f"ps-{i}" for i in range(3)]
-        assert all(any((journal / "relayout").iterdir()) for journal in journals)
+        kept = [any((journal / "relayout").iterdir()) for journal in journals]
+        assert all(kept[i] for i in range(3) if _newest_base(journals[i]) == at_end[i]), "no base yet: kept"
 
-        def compacted(journal: pathlib.Path) -> bool:  # a base after the resize's end (base 0 came before it)
-            return any(int(base.stem.partition("-")[2]) > 0 for base in journal.glob("base-*.bin"))
+        def based_after_end(i: int) -> bool:  # a base written after the log that holds the resize's end
+            return _newest_base(journals[i]) >= at_end[i] + 2
 
         dense = [i for i in range(3) if chief.status(i).num_variables]  # their logs grow by parts of "w" a step
         k = 6
-        while not all(compacted(journals[i]) for i in dense) and k < 40:
+        while not all(based_after_end(i) for i in dense) and k < 40:
             assert_equal(step(chief, k), step(reference, k), f"step {k}'s lookup")
             k += 1
-        assert all(compacted(journals[i]) for i in dense), f"no base in {k - 6} steps of 1.2 MB"
-        for journal in journals:
-            assert any((journal / "relayout").iterdir()) != compacted(journal), \
-                f"{journal.name}: the re-layout's folders go with the first base after its end, not before"
+        assert all(based_after_end(i) for i in dense), f"no base in {k - 6} steps of 1.2 MB"
+        for i, journal in enumerate(journals):
+            if based_after_end(i):
+                assert not any((journal / "relayout").iterdir()), f"{journal.name}: outlived a base after the end"
+            elif _newest_base(journal) == at_end[i]:
+                assert any((journal / "relayout").iterdir()), f"{journal.name}: gone before a base after the end"
         chief.save_checkpoint(0)
         expected = everything(reference)
     back = LocalCluster(2, server_args=["--restore-from", str(checkpoints), "--num-ps", "2", "--table-storage", "ssd",
@@ -144,3 +152,29 @@ def test_a_shard_killed_after_taking_rows_of_a_table_on_ssd_comes_back_and_the_r
         restored.declare({"w": torch.zeros(DENSE)})
         restored.wait_for_tables(["dyn", "fix"], timeout=30)
         assert_equal(everything(restored), expected, "restored onto 2 shards")
+
+
+@pytest.mark.parametrize("storage", ["ram", "ssd"])
+def test_a_shard_removed_then_added_again_takes_the_rows_anew_not_its_stale_ones(tmp_path, storage):
+    """2 -> 3 -> 2 -> 3 shards with journals: ps 2, removed, drops its part of the tables at the end of that
+    re-layout (journaled); added again, it comes back from its journal holding none, so the next re-layout
+    brings it the rows as they are now, trained meanwhile (the chaos soak found ps 2 serving its stale part,
+    which it kept and was taken as already laid out over 3)."""
+    flags = ["--checkpoint-dir", str(tmp_path / "ckpt"), *(["--table-storage", "ssd", "--table-dir",
+                                                            str(tmp_path / "tables"), "--table-cache", CACHE]
+                                                          if storage == "ssd" else [])]
+    local, ram = LocalCluster(2, server_args=flags), LocalCluster(2, server_args=["--no-journal"])
+    with local, ram, PSClient(local.cluster, connect_timeout=30) as chief, PSClient(ram.cluster) as reference:
+        train_alike(chief, reference, 2)
+        assert chief.resize([*local.cluster.ps, local.add_ps()]).shards_after == 3
+        for k in range(3, 5):
+            assert_equal(step(chief, k), step(reference, k), f"step {k}, on 3 shards")
+        removed = chief.resize(list(local.cluster.ps))
+        assert removed.stopped == [local.address(2)]
+        assert local.procs[2].wait(WAIT) == 0
+        for k in range(5, 8):  # rows ps 2 held change on the 2 shards
+            assert_equal(step(chief, k), step(reference, k), f"step {k}, on 2 shards")
+        assert chief.resize([*local.cluster.ps, local.add_ps(2)]).shards_after == 3
+        assert "recovered from the journal" in local.log(2), "it came back with its journal, as the soak's did"
+        assert_equal(everything(chief), everything(reference), "every row after ps 2 came back")
+        assert_equal(step(chief, 8), step(reference, 8), "step 8, on 3 shards again")

@@ -276,8 +276,8 @@ def test_relayout_two_shards_into_three_keeps_every_row_and_its_state(fixed):
             assert all(ages[k] == v for k, v in zip(state["ids"].tolist(), state["last_update"]))
     with pytest.raises(InvalidArgumentError):
         relayout(states[:1], 0, 3)
-    with pytest.raises(InvalidArgumentError):
-        relayout([states[0], {**states[1], "optimizer_steps": 2}], 0, 3)
+    # An async job's shards count different steps (a push that reached one and failed on the other): the highest
+    assert relayout([states[0], {**states[1], "optimizer_steps": 2}], 0, 3)["optimizer_steps"] == 3
 
 
 def test_bad_calls_are_refused_and_change_nothing():

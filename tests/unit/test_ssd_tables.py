@@ -559,3 +559,35 @@ def test_fixed_size_tables_on_ssd_re_lay_out_store_to_store_onto_another_count(t
         rams[i].apply(torch.tensor([i]), torch.ones(1, DIM), 10)
     assert torch.equal(one.lookup(torch.tensor([0, 1]), admit=False),
                        torch.cat([rams[i].lookup(torch.tensor([i]), admit=False) for i in range(2)]))
+
+
+def test_a_fixed_size_table_on_ssd_refuses_a_state_short_of_a_row_and_a_creation_cut_off_leaves_nothing(
+        tmp_path, monkeypatch):
+    """A state missing one of the shard's ids is refused (InvalidArgumentError), the table as it was; a
+    creation whose store fails midway (a full disk) raises and leaves no folder behind."""
+    args = dict(num_embeddings=100)
+    ram, disk = EmbeddingTable(DIM, **ARGS, **args), ssd(tmp_path, **args)
+    state = ram.state_dict()
+    short = {**state, "ids": state["ids"][1:], "values": state["values"][1:],
+             "state": {k: v[1:] for k, v in state["state"].items()}}
+    if state.get("update_counts") is not None:
+        short["update_counts"] = state["update_counts"][1:]
+    with pytest.raises(InvalidArgumentError, match="every id of the shard"):
+        disk.load_state_dict(short)
+    assert disk.counters()["rows"] == 100 and torch.equal(disk.lookup(torch.arange(100), admit=False),
+                                                          ram.lookup(torch.arange(100), admit=False))
+    from torchps.ps_server import disk_rows
+    put, calls = disk_rows.DiskRows.put, []
+
+    def failing(self, ids, records):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            raise OSError(27, "File too large")
+        put(self, ids, records)
+
+    monkeypatch.setattr(disk_rows.DiskRows, "put", failing)
+    folder = tmp_path / "cut"
+    with pytest.raises(OSError):
+        SsdTable(DIM, folder=folder, memory=DiskMemory(1 << 20, 1 << 20), budget=CacheBudget(40_000),
+                 num_embeddings=300_000, **ARGS)
+    assert len(calls) == 2 and not folder.exists()
