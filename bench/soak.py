@@ -59,7 +59,11 @@ The worker logs each push before sending it ("sent N") and once acknowledged
 ("acked N STEP STALE... g=SHARD:GENERATION,... t=TIME"), so every slot of every counter is checked on its own: an
 acknowledged push must be there exactly once (not at all where the shard
 dropped it as stale), one that was sent but never acknowledged at most once.
-Anything below is lost, anything above duplicated. In sync mode a step applies
+Anything below is lost, anything above duplicated. In the async phase each push also adds 1 to the
+worker's row for that slot of a fixed-size embedding table kept on SSD (ROWS: `--table-dir`, a 32 KiB
+cache, so its rows are read and written back all the time), pushed with the counters in one call and
+audited the same way, then restored from the final checkpoint with them: the table's rows move in every
+shard resize, store to store. In sync mode a step applies
 the mean of the gradients it counted, and a worker can have two pushes counted
 in one step on a shard (one it was told failed because another shard did not
 answer, then its next, at the same step): each then holds 1/2 of its slot. So
@@ -372,7 +376,7 @@ class Phase:
         self.replicated = replicas == 2  # a backup beside every shard (bench/soak_replicas.py)
         self.rows = not self.replicated and mode == "async"  # the table of counter rows, on SSD
         if self.rows:
-            flags += ["--table-dir", str(self.dir / "tables"), "--table-cache", "1M"]
+            flags += ["--table-dir", str(self.dir / "tables"), "--table-cache", "32K"]  # under import-refused's 64K
         self.shards = ReplicatedShards(self.dir, self.ckpt, SHARDS, flags) if self.replicated else \
             LocalCluster(SHARDS, log_dir=self.dir, server_args=flags)
         self.faults: collections.Counter[str] = collections.Counter()
