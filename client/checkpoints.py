@@ -25,7 +25,7 @@ ATTEMPTS = 5  # a sync shard may pass the step asked for before the save reaches
 
 
 def save(fanout: ShardFanout, placement: Placement, partitions: Partitions, step: int | None, *, keep: int,
-         timeout: float, layout_epoch: int = 0) -> int:
+         timeout: float, layout_epoch: int = 0, full: bool = False) -> int:
     """PSClient.save_checkpoint (see there) of the variables `placement` and `partitions` lay out; returns the
     committed checkpoint's step. After a live resize (`layout_epoch` > 0) the manifest records the layout."""
     names = placement.names()
@@ -40,7 +40,7 @@ def save(fanout: ShardFanout, placement: Placement, partitions: Partitions, step
         steps = fanout.every(lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
         # numbered by the global step (ps 0's count): a shard that a later resize removes may count ahead
         target = steps[GLOBAL_STEP_SHARD].step if now else step or steps[GLOBAL_STEP_SHARD].step + 1
-        request = ps_pb2.SaveRequest(step=target, now=now)
+        request = ps_pb2.SaveRequest(step=target, now=now, full=full)
         try:
             replies = fanout.each(shards, lambda shard, _: fanout.call(
                 shard, lambda stub, t: stub.Save(request, timeout=t), timeout))

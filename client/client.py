@@ -322,7 +322,8 @@ class PSClient(DataPath, TablePath):
 
     # -- checkpoints, export, end of job -------------------------------------------------------
 
-    def save_checkpoint(self, step: int | None = None, *, keep: int = 3, timeout: float = 600.0) -> int:
+    def save_checkpoint(self, step: int | None = None, *, keep: int = 3, timeout: float = 600.0,
+                        full: bool = False) -> int:
         """Makes every shard save its state at the same step, then commits it; returns that step.
 
         step None: the step after the global step (shard 0's count; saved as
@@ -333,13 +334,16 @@ class PSClient(DataPath, TablePath):
         the global step its state holds.
         Blocks until every shard has durably written its file and shard 0 has
         written the manifest that makes the checkpoint count (at most `timeout`).
-        Keeps the `keep` newest committed checkpoints. ModeConflictError if a
+        Keeps the `keep` newest committed checkpoints. `full`: the stores of
+        tables kept on SSD are copied whole, file by file (by default a
+        checkpoint hard-links the table files it shares with the live store
+        or the previous checkpoint). ModeConflictError if a
         shard has no --checkpoint-dir; CheckpointError if a write failed (the
         previous committed checkpoint then stays the newest).
         """
         self._layout.refresh()
         return checkpoints.save(self._fanout, self.placement, self.partitions, step, keep=keep, timeout=timeout,
-                                layout_epoch=self._layout.epoch)
+                                layout_epoch=self._layout.epoch, full=full)
 
     def resize(self, addresses: list[str], *, drain_seconds: float = live_resize.DRAIN_SECONDS,
                quiet_seconds: float = live_resize.QUIET_SECONDS, lease_seconds: float = live_resize.LEASE_SECONDS

@@ -97,13 +97,15 @@ def write_atomic(path: pathlib.Path, write, *, sync: bool = True) -> int:
     return path.stat().st_size
 
 
-def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any]) -> tuple[pathlib.Path, int]:
-    """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes)."""
+def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict[str, Any], *, full: bool = False
+                ) -> tuple[pathlib.Path, int]:
+    """Phase 1: writes shard `index`'s state into the folder of checkpoint `step`; returns (path, bytes).
+    `full`: the stores of its tables on SSD are copied file by file, none linked (place_stores)."""
     path = step_dir(directory, step) / f"ps-{index}.pt"
     older = (s for s in reversed(_steps(pathlib.Path(directory))) if s < step)
     earlier = next((s for s in older if _manifest(pathlib.Path(directory), s)), None)  # the newest committed
     place_stores(state, path.parent / f"ps-{index}.stores", path.parent,
-                 None if earlier is None else step_dir(directory, earlier) / f"ps-{index}.stores")
+                 None if earlier is None else step_dir(directory, earlier) / f"ps-{index}.stores", full=full)
     form = FORMAT_TABLES if state.get("tables") else FORMAT
     size = write_atomic(path, lambda f: torch.save({"format": form, "index": index, **state}, f))
     return path, size

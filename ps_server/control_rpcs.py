@@ -122,7 +122,8 @@ class ControlRPCs:
         state = self.coordinator.snapshot_at(request.step, remaining(context), lambda: not context.is_active(),
                                              now=request.now)
         try:
-            path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, request.step, state)
+            path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, request.step, state,
+                                                full=request.full)
         except OSError as exc:
             raise CheckpointError(f"ps {self.index} could not write its checkpoint under {self.checkpoint_dir}: "
                                   f"{exc}") from None

@@ -47,13 +47,13 @@ class DiskMemory:
 
 
 def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: bool = False,
-              reuse: str | os.PathLike | None = None) -> int:
+              reuse: str | os.PathLike | None = None, copy: bool = False) -> int:
     """Copies folder `source` (a snapshot_to copy) to `target` (which must not exist): the store's table
     files (*.sst, never written after they are made) as hard links where the file system allows, else as links
     to the same file in folder `reuse` (an earlier copy on target's file system: same name, size and
     modification time), every other file (the manifest, which a store opened there appends to) as a copy.
-    `sync`: every file and the folder are fsynced (the copy outlives a crash of the host). Returns the bytes
-    copied."""
+    `copy`: every file copied, none linked. `sync`: every file and the folder are fsynced (the copy outlives a
+    crash of the host). Returns the bytes copied."""
     source, target = pathlib.Path(source), pathlib.Path(target)
     target.mkdir(parents=True)
     earlier = {}
@@ -64,7 +64,7 @@ def link_tree(source: str | os.PathLike, target: str | os.PathLike, *, sync: boo
     copied = 0
     for path in source.iterdir():
         linked = False
-        if path.suffix == ".sst":
+        if path.suffix == ".sst" and not copy:
             stat = path.stat()
             for origin in (path, earlier.get((path.name, stat.st_size, stat.st_mtime_ns))):
                 try:

@@ -176,12 +176,14 @@ class StoreCopy:
 _PLACING = threading.Lock()  # two saves of one step place one state: the second finds it placed
 
 
-def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path, earlier: pathlib.Path | None = None) -> int:
+def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path, earlier: pathlib.Path | None = None, *,
+                 full: bool = False) -> int:
     """Links every SSD table's StoreCopy in `state` ("tables": a shard's section) into a new folder of its own
     under `folder` (under `base`), fsynced, and names it there relative to `base`, in `state` itself; a folder
     placed earlier is never written over (a file that names it may be committed). `earlier`: a folder placed
     before (an older checkpoint's, on `folder`'s file system), whose table files a store on another file system
-    links instead of copying them again (disk_rows.link_tree). Returns the placed stores' bytes (what a
+    links instead of copying them again (disk_rows.link_tree); `full`: every file copied, none linked. Returns
+    the placed stores' bytes (what a
     journal's base weighs: its log is replayed onto them). A state placed before (two saves of one step) is
     left as it is."""
     placed = 0
@@ -193,7 +195,7 @@ def place_stores(state: dict, folder: pathlib.Path, base: pathlib.Path, earlier:
             name = _safe(entry["name"])
             target = folder / f"{name}-{secrets.token_hex(4)}"
             before = sorted(earlier.glob(f"{name}-*")) if earlier is not None and earlier.is_dir() else []
-            link_tree(copy.path, target, sync=True, reuse=before[0] if len(before) == 1 else None)
+            link_tree(copy.path, target, sync=True, reuse=before[0] if len(before) == 1 else None, copy=full)
             placed += sum(f.stat().st_size for f in target.iterdir())
             entry["state"]["store"] = {"path": str(target.relative_to(base)), "record_bytes": copy.record_bytes}
     return placed

@@ -66,7 +66,8 @@ class RelayoutFolders:
         return self._storage.root / ROOT
 
     @property
-    def _sync(self) -> bool:
+    def sync(self) -> bool:
+        """Whether kept folders are fsynced (the journal's --journal-sync)."""
         return self.journal is not None and self.journal.sync
 
     def check_unreplicated(self) -> None:
@@ -82,7 +83,7 @@ class RelayoutFolders:
         folder of its own under `root` (synced with a synced journal). Returns what names it ("path" relative
         to root, "record_bytes", and the old shard's "shard_index", "num_shards" and "partition")."""
         folder = f"out-{_safe(name)}-{secrets.token_hex(4)}"
-        link_tree(copy.path, self.root / folder, sync=self._sync)
+        link_tree(copy.path, self.root / folder, sync=self.sync)
         return {"path": folder, "record_bytes": copy.record_bytes, "shard_index": int(config["shard_index"]),
                 "num_shards": int(config["num_shards"]), "partition": str(config["partition"])}
 
@@ -180,7 +181,7 @@ class Staging:
             disk.flush()
             disk.close()
             folder = f"in-{self._source}-{_safe(name)}-{secrets.token_hex(4)}"
-            link_tree(source, self._folders.root / folder, sync=self._folders._sync)
+            link_tree(source, self._folders.root / folder, sync=self._folders.sync)
             self._kept.append(self._folders.root / folder)
             out[name] = {"path": folder, "record_bytes": int(head["streamed"])}
         shutil.rmtree(self._work, ignore_errors=True)

@@ -3,7 +3,7 @@ cache a small part of a dynamic table that evicts by age trains it exactly as a 
 a shard SIGKILLed after its journal's base copied the table's store comes back from that copy and the journal,
 and one whose journal is gone from the newest checkpoint's copy, both exactly; a checkpoint of 2 SSD shards
 restored onto 3 and onto 1 (--restore-from --num-ps) streams its stores into the new shards' and trains on
-exactly; a live resize onto a shard that cannot keep them, or of a table some shards keep in RAM, is refused
+exactly; a full checkpoint copies every table file and restores on its own; a live resize onto a shard that cannot keep them, or of a table some shards keep in RAM, is refused
 before it changes anything; flags that do not fit are refused.
 
 The reference is a RAM cluster given the same calls and never killed; rows are compared bit for bit. Ordering
@@ -203,3 +203,39 @@ def test_a_live_resize_of_a_table_kept_on_ssd_by_one_shard_and_in_ram_by_another
         assert ps.resize_state() == resize
         assert_equal(everything(ps), before, "after the refused resize")
         step(ps, 2)
+
+
+def test_a_full_checkpoint_copies_every_table_file_and_restores_on_its_own(tmp_path):
+    """By default a checkpoint's table files are hard links to the files the live store (and the previous
+    checkpoint) holds, which RocksDB never changes; save_checkpoint(full=True) copies every one (a file of its
+    own: one link), and the shards restore from it alone, the live stores and the other checkpoints gone."""
+    ckpt = tmp_path / "ckpt"
+    ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
+                                       str(tmp_path / "tables"), "--table-cache", CACHE])
+    ram = LocalCluster(2, server_args=["--no-journal"])
+    try:
+        at_once("start", ssd, ram)
+        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
+            def table_files(at: int) -> list[pathlib.Path]:
+                return sorted((ckpt / f"step-{at:012d}").glob("ps-*.stores/*/*.sst"))
+
+            train_alike(a, r, 4)
+            linked = a.save_checkpoint(0)  # its files shared with the live stores, as long as they keep them
+            assert table_files(linked) and all(f.stat().st_nlink > 1 for f in table_files(linked))
+            step(a, 5)
+            step(r, 5)
+            full = a.save_checkpoint(0, full=True)
+            assert table_files(full) and all(f.stat().st_nlink == 1 for f in table_files(full))
+            expected = everything(r)
+    finally:
+        at_once("stop", ssd, ram)
+    shutil.rmtree(ckpt / f"step-{linked:012d}")
+    shutil.rmtree(ckpt / "journal")
+    shutil.rmtree(tmp_path / "tables")
+    back = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
+                                        str(tmp_path / "tables"), "--table-cache", CACHE])
+    with back, PSClient(back.cluster, connect_timeout=20) as restored:
+        restored.declare({"w": torch.zeros(DENSE)})
+        restored.wait_for_tables(["dyn", "fix"], timeout=WAIT)
+        assert restored.status(0).restored_step == full
+        assert_equal(everything(restored), expected, "restored from the full checkpoint alone")

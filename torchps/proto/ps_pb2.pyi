@@ -700,12 +700,14 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("step", "now")
+    __slots__ = ("step", "now", "full")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NOW_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
     step: int
     now: bool
-    def __init__(self, step: _Optional[int] = ..., now: _Optional[bool] = ...) -> None: ...
+    full: bool
+    def __init__(self, step: _Optional[int] = ..., now: _Optional[bool] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("step", "path", "bytes", "index", "layout_epoch")
