@@ -62,6 +62,8 @@ MANIFEST = "manifest.json"
 _STEP_PREFIX = "step-"
 
 
+FULL_MARK = "full"  # in a full checkpoint's ps-N.stores/: later checkpoints copy rather than link its files
+
 def step_dir(directory: str | os.PathLike, step: int) -> pathlib.Path:
     return pathlib.Path(directory) / f"{_STEP_PREFIX}{step:012d}"
 
@@ -103,10 +105,13 @@ def write_shard(directory: str | os.PathLike, index: int, step: int, state: dict
     `full`: the stores of its tables on SSD are copied file by file, none linked (place_stores)."""
     path = step_dir(directory, step) / f"ps-{index}.pt"
     older = (s for s in reversed(_steps(pathlib.Path(directory))) if s < step)
-    earlier = next((s for s in older if _manifest(pathlib.Path(directory), s)), None)  # the newest committed
+    earlier = next((s for s in older if _manifest(pathlib.Path(directory), s)  # the newest committed one not full
+                    and not (step_dir(directory, s) / f"ps-{index}.stores" / FULL_MARK).exists()), None)
     place_stores(state, path.parent / f"ps-{index}.stores", path.parent,
                  None if earlier is None else step_dir(directory, earlier) / f"ps-{index}.stores", full=full)
     form = FORMAT_TABLES if state.get("tables") else FORMAT
+    if full and (path.parent / f"ps-{index}.stores").is_dir():  # no later checkpoint links its files
+        (path.parent / f"ps-{index}.stores" / FULL_MARK).touch()
     size = write_atomic(path, lambda f: torch.save({"format": form, "index": index, **state}, f))
     return path, size
 
@@ -315,7 +320,7 @@ def restore_state(directory: str | os.PathLike, index: int, num_ps: int | None, 
     if (num_ps is None or manifest["num_ps"] == num_ps) and not (resized and new_job):
         path = step_dir(directory, step) / f"ps-{index}.pt"
         _LOGGER.info("ps %d restoring %s (the newest intact committed checkpoint)", index, path)
-        state = load(path, mmap=True)
+        state = _load_listed(path, manifest, index)
         table_state.check_section(state.get("tables"), manifest, index, str(path))
         state = {**state, "source": str(path)}
     else:
@@ -348,7 +353,8 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int, found: tuple
     placement = Placement(num_ps, manifest["strategy"])
     mine = [name for name, nbytes in names if placement.add(name, nbytes) == index]
     paths = [step_dir(directory, step) / shard["file"] for shard in manifest["shards"]]
-    states = [load(path, mmap=True) for path in paths]  # read as used: this shard's part, not every file whole
+    states = [_load_listed(path, manifest, shard["index"])  # read as used: this shard's part, not every file whole
+              for path, shard in zip(paths, manifest["shards"])]
     tables = table_state.relayout(manifest, [(s.get("tables"), str(p)) for s, p in zip(states, paths)], index, num_ps,
                                   f"checkpoint {step} of {directory}")
     by_name = {v["name"]: v for state in states for v in held_entries(state)}
@@ -358,6 +364,17 @@ def relayout(directory: str | os.PathLike, index: int, num_ps: int, found: tuple
                  "embedding tables", step, manifest["num_ps"], index, num_ps, len(variables), len(tables))
     return {"step": states[0]["step"], "config": states[0]["config"], "variables": variables, "tables": tables,
             "source": f"checkpoint {step} of {directory} re-laid out from {manifest['num_ps']} shards onto {num_ps}"}
+
+
+def _load_listed(path: pathlib.Path, manifest: dict, index: int) -> dict[str, Any]:
+    """load() of shard `index`'s file of a committed checkpoint, mapped; CheckpointError if its state's step is
+    not the one the manifest recorded for it (a file of another checkpoint put in its place)."""
+    state = load(path, mmap=True)
+    listed = next((shard.get("state_step") for shard in manifest["shards"] if shard["index"] == index), None)
+    if listed is not None and state.get("step") != listed:
+        raise CheckpointError(f"{path} holds the state of step {state.get('step')}, and the manifest recorded "
+                              f"{listed} for it: a file of another checkpoint; nothing was restored")
+    return state
 
 
 def _tensors(value) -> list[torch.Tensor]:

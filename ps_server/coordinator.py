@@ -573,7 +573,7 @@ class Coordinator:
         return self.saves.snapshot_at(step, self._book.clock.deadline(timeout), cancelled, now=now)
 
     def _checkpoint_state(self) -> dict:
-        """The state a checkpoint holds (Saves takes it under the apply gate); ModeConflictError while tables
+        """The state a checkpoint holds (Saves takes it under the apply gate); CheckpointError while tables
         kept on SSD are re-laid out (Moves.check_saveable)."""
         self.moves.check_saveable()
         return state_of(self._book, self.store, self.tables, self.queues, with_pending=False, layout=self.layout,

@@ -528,8 +528,8 @@ class Moves:
                 named = self._relayout_folders()  # of the re-layout this epoch may end
                 if self.layout.relayout_tables(meta["table_shards"], self._table_count()) == "ended":
                     self.folders.retire(named)  # the rows' folders of tables on SSD, once no record names them
-                    if self.layout.index >= meta["table_shards"]:  # a shard the re-layout left out: every row
-                        self._tables.install([])                    # is another's now; none stays here stale
+                    if self.layout.index >= len(meta["addresses"]):  # a shard this epoch removes: every row is
+                        self._tables.install([])                      # another's now; none stays here stale
             if changed and self._replicas is not None:
                 self._replicas.left(len(meta["addresses"]))
             return changed

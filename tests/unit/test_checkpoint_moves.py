@@ -66,3 +66,21 @@ def test_shard_files_of_different_layout_epochs_or_missing_a_variable_are_not_co
         checkpoint.commit(tmp_path, 3, {**MANIFEST, "variables": [*MANIFEST["variables"], ["d", 8]]},
                           _save(tmp_path, shards, 3), keep=0)
     assert checkpoint.latest_committed(tmp_path) is None
+
+
+def test_a_shard_file_of_another_checkpoint_in_a_committed_one_is_refused_at_restore(shards, tmp_path):
+    """ps 1's file of checkpoint 3, copied over its file of checkpoint 6 (the same size: the manifest's byte
+    count passes), holds another step than the manifest recorded for it: neither its own restore nor a
+    re-layout onto another count takes it."""
+    checkpoint.commit(tmp_path, 3, MANIFEST, _save(tmp_path, shards, 3), keep=0)
+    for shard in shards:
+        for seq in range(4, 7):
+            shard.push("worker:0", 1, seq, 0, {n: torch.ones(2) for n in shard.store.names()}, step_increment=1)
+    checkpoint.commit(tmp_path, 6, MANIFEST, _save(tmp_path, shards, 6), keep=0)
+    old, new = (checkpoint.step_dir(tmp_path, s) / "ps-1.pt" for s in (3, 6))
+    assert old.stat().st_size == new.stat().st_size
+    new.write_bytes(old.read_bytes())
+    assert checkpoint.restore_state(tmp_path, 0, 2)["step"] == 6  # ps 0's own file is its own
+    for index, count in ((1, 2), (0, 3)):
+        with pytest.raises(CheckpointError, match=r"ps-1.pt holds the state of step 3, and the manifest recorded 6"):
+            checkpoint.restore_state(tmp_path, index, count)

@@ -387,3 +387,28 @@ def test_sync_row_sums_and_applied_steps_survive_a_crash_as_a_shard_that_never_s
     back.close()
     twin.close()
     pool.shutdown()
+
+
+def test_a_checkpoint_after_a_full_one_never_links_the_full_ones_table_files(tmp_path, monkeypatch):
+    """A table store on another file system than the checkpoints is linked from the newest committed
+    checkpoint's copy where a file is the same (ssd_tables.place_stores' `earlier`); a full checkpoint marks
+    its copy, so the next one links from an older one instead, and the full one shares no file."""
+    from torchps.ps_server.ssd_tables import TableStorage
+
+    shard = Coordinator(VariableStore(), owns_step=True, table_storage=TableStorage("ssd", tmp_path / "tables"))
+    spec = ps_pb2.TableSpec(name="d", dim=2, dtype=ps_pb2.FLOAT32, init=ps_pb2.TableInit(distribution="normal"),
+                            optimizer=ps_pb2.OptimizerSpec(name="sgd", hyperparams={"lr": 0.1}))
+    shard.create_tables([spec], 0, 1)
+    shard.lookup_rows([("d", torch.arange(10))], admit=True)
+    earlier = []
+    place = checkpoint.place_stores
+    monkeypatch.setattr(checkpoint, "place_stores", lambda *a, **k: earlier.append(a[3]) or place(*a, **k))
+    manifest = {"strategy": "round_robin", "num_ps": 1, "variables": [], "partitions": {"splits": {}}}
+    for step, full in ((3, False), (6, True), (9, False)):
+        state = shard.state(with_pending=False)
+        _, size = checkpoint.write_shard(tmp_path / "ckpt", 0, step, state, full=full)
+        checkpoint.commit(tmp_path / "ckpt", step, manifest, [(0, size, state["step"], 0)], keep=0)
+    third = checkpoint.step_dir(tmp_path / "ckpt", 3) / "ps-0.stores"
+    assert earlier == [None, third, third]  # checkpoint 9 links from 3's copy, not from the full 6
+    assert (checkpoint.step_dir(tmp_path / "ckpt", 6) / "ps-0.stores" / checkpoint.FULL_MARK).exists()
+    shard.close()
