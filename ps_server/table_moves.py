@@ -41,7 +41,7 @@ from .disk_rows import DiskRows, link_tree
 from .journal import Journal
 from .ssd_tables import StoreCopy, TableStorage, _safe
 
-__all__ = ["RelayoutFolders", "Staging", "ROOT"]
+__all__ = ["RelayoutFolders", "Staging", "ROOT", "streamed_tables"]
 
 ROOT = "relayout"
 _ROWS_PER_CHUNK = 1 << 12

@@ -60,6 +60,12 @@ def step(client: PSClient, k: int) -> dict[str, torch.Tensor]:
     return looked
 
 
+def ssd_cluster(tables: pathlib.Path, *flags: str) -> LocalCluster:
+    """Two shards keeping dynamic tables on SSD under `tables`, with a cache of a fraction of them, and `flags`."""
+    return LocalCluster(2, server_args=[*flags, "--table-storage", "ssd", "--table-dir", str(tables),
+                                        "--table-cache", CACHE])
+
+
 def train_alike(a: PSClient, r: PSClient, steps: int) -> None:
     """Both clients' setup, then steps 1..`steps` on each, their lookups equal."""
     for client in (a, r):
@@ -79,8 +85,7 @@ def assert_equal(got: dict, expected: dict, what: str) -> None:
 
 def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
-    ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
-                                       str(tmp_path / "tables"), "--table-cache", CACHE])
+    ssd = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(ckpt))
     ram = LocalCluster(2, server_args=["--checkpoint-dir", str(tmp_path / "reference"), "--no-journal"])
     try:
         at_once("start", ssd, ram)
@@ -121,8 +126,7 @@ def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactl
 
 def test_a_checkpoint_of_2_ssd_shards_restores_onto_3_and_onto_1_and_trains_on_exactly(tmp_path):
     source = tmp_path / "two-shards"
-    ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(source), "--table-storage", "ssd", "--table-dir",
-                                       str(tmp_path / "tables"), "--table-cache", CACHE])
+    ssd = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(source))
     ram = LocalCluster(2, server_args=["--no-journal"])
     try:
         at_once("start", ssd, ram)
@@ -210,8 +214,7 @@ def test_a_full_checkpoint_copies_every_table_file_and_restores_on_its_own(tmp_p
     checkpoint) holds, which RocksDB never changes; save_checkpoint(full=True) copies every one (a file of its
     own: one link), and the shards restore from it alone, the live stores and the other checkpoints gone."""
     ckpt = tmp_path / "ckpt"
-    ssd = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
-                                       str(tmp_path / "tables"), "--table-cache", CACHE])
+    ssd = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(ckpt))
     ram = LocalCluster(2, server_args=["--no-journal"])
     try:
         at_once("start", ssd, ram)
@@ -232,8 +235,7 @@ def test_a_full_checkpoint_copies_every_table_file_and_restores_on_its_own(tmp_p
     shutil.rmtree(ckpt / f"step-{linked:012d}")
     shutil.rmtree(ckpt / "journal")
     shutil.rmtree(tmp_path / "tables")
-    back = LocalCluster(2, server_args=["--checkpoint-dir", str(ckpt), "--table-storage", "ssd", "--table-dir",
-                                        str(tmp_path / "tables"), "--table-cache", CACHE])
+    back = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(ckpt))
     with back, PSClient(back.cluster, connect_timeout=20) as restored:
         restored.declare({"w": torch.zeros(DENSE)})
         restored.wait_for_tables(["dyn", "fix"], timeout=WAIT)

@@ -139,6 +139,21 @@ def _part(src: Coordinator, dst: int, epoch: int = 1, max_rows: int = 16):
     return data, step, chunks, counts
 
 
+@pytest.fixture
+def frozen(tmp_path):
+    """ps 0 and ps 1 hold "d" (on SSD) over 2 shards, trained once; every shard froze it at epoch 1 for a re-layout
+    onto 3 shards (ps 2 holds nothing yet)."""
+    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
+    for i in range(2):
+        shards[i].create_tables([DYN], i, 2)
+    _train_dyn(shards, 2, 1)
+    for shard in shards:
+        shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+    yield shards
+    for shard in shards:
+        shard.close()
+
+
 def test_rows_of_a_table_on_ssd_stream_from_a_kept_copy_into_staged_stores_and_build_the_new_tables(tmp_path):
     """2 -> 3 shards: each old shard's part for a new one is its table's head and the rows that shard owns,
     streamed from a copy of its store (chunks of at most 16 rows here); the new shard stages them and builds
@@ -176,38 +191,29 @@ def test_rows_of_a_table_on_ssd_stream_from_a_kept_copy_into_staged_stores_and_b
 
 @pytest.mark.parametrize("forged", ["a row short", "a row more", "ids not its own", "a table not announced",
                                     "records too narrow"])
-def test_an_import_of_rows_that_do_not_fit_what_was_sent_is_refused_and_changes_nothing(tmp_path, forged):
+def test_an_import_of_rows_that_do_not_fit_what_was_sent_is_refused_and_changes_nothing(frozen, tmp_path, forged):
     """A cut or forged stream of rows is InvalidArgumentError: nothing is taken, nothing staged is left, and the
     whole part imported after it is taken."""
-    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
-    try:
-        for i in range(2):
-            shards[i].create_tables([DYN], i, 2)
-        _train_dyn(shards, 2, 1)
-        for shard in shards:
-            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
-        data, step, chunks, counts = _part(shards[0], 2)
-        name, ids, records = chunks[0]
-        bad, sent = list(chunks), dict(counts)
-        if forged == "a row short":
-            sent["d"] += 1
-        elif forged == "a row more":
-            sent["d"] -= 1
-        elif forged == "ids not its own":
-            bad[0] = (name, ids + 1, records)  # ids of ps 1 (old), or not ps 2's (new)
-        elif forged == "a table not announced":
-            bad[0] = ("other", ids, records)
-        else:
-            bad[0] = (name, ids, records[:, :-8])
-        with pytest.raises(InvalidArgumentError):
-            shards[2].moves.import_tables(data, 1, 0, step, iter(bad), lambda: sent)
-        assert not shards[2].layout.received(0)
-        assert [f.name for f in (tmp_path / "ps-2" / "relayout").glob("*")] == []
-        assert shards[2].moves.import_tables(data, 1, 0, step, iter(chunks), lambda: counts) == []
-        assert shards[2].layout.received(0)
-    finally:
-        for shard in shards:
-            shard.close()
+    shards = frozen
+    data, step, chunks, counts = _part(shards[0], 2)
+    name, ids, records = chunks[0]
+    bad, sent = list(chunks), dict(counts)
+    if forged == "a row short":
+        sent["d"] += 1
+    elif forged == "a row more":
+        sent["d"] -= 1
+    elif forged == "ids not its own":
+        bad[0] = (name, ids + 1, records)  # ids of ps 1 (old), or not ps 2's (new)
+    elif forged == "a table not announced":
+        bad[0] = ("other", ids, records)
+    else:
+        bad[0] = (name, ids, records[:, :-8])
+    with pytest.raises(InvalidArgumentError):
+        shards[2].moves.import_tables(data, 1, 0, step, iter(bad), lambda: sent)
+    assert not shards[2].layout.received(0)
+    assert [f.name for f in (tmp_path / "ps-2" / "relayout").glob("*")] == []
+    assert shards[2].moves.import_tables(data, 1, 0, step, iter(chunks), lambda: counts) == []
+    assert shards[2].layout.received(0)
 
 
 def test_a_journaled_shard_killed_mid_re_layout_replays_its_staged_rows_and_the_kept_copy(tmp_path):
@@ -286,47 +292,39 @@ def test_replaying_the_end_of_a_re_layout_keeps_the_folders_of_the_next_one(tmp_
 
 
 @pytest.mark.parametrize("next_begins", [False, True], ids=["ended", "next-begun"])
-def test_an_import_whose_re_layout_ended_while_it_staged_is_refused_and_leaves_nothing(tmp_path, next_begins):
+def test_an_import_whose_re_layout_ended_while_it_staged_is_refused_and_leaves_nothing(frozen, tmp_path,
+                                                                                        next_begins):
     """An import stages its rows and builds the tables outside the gate; meanwhile a retry of the same part
     completes, the re-layout ends (and the next one begins). The first is refused under the gate (its epoch
     is not the one in force): nothing is taken into the next re-layout's inbox, and the tables it built are
     closed, their folders gone."""
-    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
-    try:
-        for i in range(2):
-            shards[i].create_tables([DYN], i, 2)
-        _train_dyn(shards, 2, 1)
+    shards = frozen
+    parts = {(s, d): _part(shards[s], d) for s in range(2) for d in range(3)}
+    for (s, d), (data, step, chunks, counts) in parts.items():
+        if (s, d) != (1, 1):
+            shards[d].moves.import_tables(data, 1, s, step, iter(chunks), lambda c=counts: c)
+    moves, built = shards[1].moves, []
+    original = moves._built_if_last
+    data, step, chunks, counts = parts[(1, 1)]
+
+    def racing(source, sources, part):
+        built.extend(original(source, sources, part))
+        moves._built_if_last = original
+        assert moves.import_tables(data, 1, 1, step, iter(chunks), lambda: counts) == ["d"]  # the retry
         for shard in shards:
-            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
-        parts = {(s, d): _part(shards[s], d) for s in range(2) for d in range(3)}
-        for (s, d), (data, step, chunks, counts) in parts.items():
-            if (s, d) != (1, 1):
-                shards[d].moves.import_tables(data, 1, s, step, iter(chunks), lambda c=counts: c)
-        moves, built = shards[1].moves, []
-        original = moves._built_if_last
-        data, step, chunks, counts = parts[(1, 1)]
-
-        def racing(source, sources, part):
-            built.extend(original(source, sources, part))
-            moves._built_if_last = original
-            assert moves.import_tables(data, 1, 1, step, iter(chunks), lambda: counts) == ["d"]  # the retry
-            for shard in shards:
-                shard.moves.set_layout(2, ADDRESSES, {}, table_shards=3)
-            if next_begins:
-                for shard in shards:
-                    shard.moves.set_layout(3, ADDRESSES, {}, table_shards=2)
-            return built
-
-        moves._built_if_last = racing
-        with pytest.raises((ModeConflictError, LayoutChangedError)):
-            moves.import_tables(data, 1, 1, step, iter(chunks), lambda: counts)
-        assert built and all(held.table._closed for held in built)
-        assert len(list((tmp_path / "ps-1").glob("d-*"))) == 1, "only the installed table's store"
+            shard.moves.set_layout(2, ADDRESSES, {}, table_shards=3)
         if next_begins:
-            assert shards[1].layout.inbox() == {}
-            part = _part(shards[0], 1, epoch=3)
-            shards[1].moves.import_tables(part[0], 3, 0, part[1], iter(part[2]), lambda: part[3])
-            assert shards[1].layout.received(0)
-    finally:
-        for shard in shards:
-            shard.close()
+            for shard in shards:
+                shard.moves.set_layout(3, ADDRESSES, {}, table_shards=2)
+        return built
+
+    moves._built_if_last = racing
+    with pytest.raises((ModeConflictError, LayoutChangedError)):
+        moves.import_tables(data, 1, 1, step, iter(chunks), lambda: counts)
+    assert built and all(held.table._closed for held in built)
+    assert len(list((tmp_path / "ps-1").glob("d-*"))) == 1, "only the installed table's store"
+    if next_begins:
+        assert shards[1].layout.inbox() == {}
+        part = _part(shards[0], 1, epoch=3)
+        shards[1].moves.import_tables(part[0], 3, 0, part[1], iter(part[2]), lambda: part[3])
+        assert shards[1].layout.received(0)
