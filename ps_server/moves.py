@@ -381,18 +381,20 @@ class Moves:
         self._tables.install(built)
         return [held.spec.name for held in built]
 
+    def _moving_ssd_rows(self) -> bool:
+        """A re-layout is under way on a shard that may keep tables on SSD: their rows' folders, which its
+        journal records name, are in neither a checkpoint nor a backup's copy."""
+        return bool(self.layout.table_shards) and self._tables.storage.on_disk
+
     def check_saveable(self) -> None:
-        """CheckpointError while a re-layout is under way on a shard that may keep tables on SSD: a checkpoint
-        would not hold the folders of their rows in transit (saved again once the resize ended)."""
-        if self.layout.table_shards and self._tables.storage.on_disk:
+        """CheckpointError while _moving_ssd_rows() (saved again once the resize ended)."""
+        if self._moving_ssd_rows():
             raise CheckpointError(f"ps {self.layout.index} is re-laying out its embedding tables, which it may "
-                                    f"keep on SSD: a checkpoint is saved once the resize ended; nothing was saved")
+                                  f"keep on SSD: a checkpoint is saved once the resize ended; nothing was saved")
 
     def refuse_backup(self) -> str | None:
-        """Why a backup may not attach now (Recorder.refuse_follower): a re-layout under way on a shard that may
-        keep tables on SSD (their rows' folders, which the journal's records name, are not shipped); else
-        None."""
-        if self.layout.table_shards and self._tables.storage.on_disk:
+        """Why a backup may not attach now (Recorder.refuse_follower): _moving_ssd_rows(); else None."""
+        if self._moving_ssd_rows():
             return (f"ps {self.layout.index} is re-laying out its embedding tables, which it may keep on SSD: a "
                     f"backup attaches once the resize ended")
         return None

@@ -139,16 +139,28 @@ def _part(src: Coordinator, dst: int, epoch: int = 1, max_rows: int = 16):
     return data, step, chunks, counts
 
 
-@pytest.fixture
-def frozen(tmp_path):
-    """ps 0 and ps 1 hold "d" (on SSD) over 2 shards, trained once; every shard froze it at epoch 1 for a re-layout
-    onto 3 shards (ps 2 holds nothing yet)."""
-    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
+def _trained(root: pathlib.Path, journals: list[pathlib.Path] | None = None, pushes: int = 1) -> list[Coordinator]:
+    """Three SSD shards under `root` (journaled at `journals` if given): ps 0 and ps 1 hold "d" over 2 shards,
+    trained `pushes` times; ps 2 holds nothing."""
+    shards = [_ssd_shard(root, i, journals[i] if journals else None) for i in range(3)]
     for i in range(2):
         shards[i].create_tables([DYN], i, 2)
-    _train_dyn(shards, 2, 1)
+    for seq in range(1, pushes + 1):
+        _train_dyn(shards, 2, seq)
+    return shards
+
+
+def _freeze(shards: list[Coordinator]) -> None:
+    """Layout epoch 1 on every shard: a re-layout of the tables onto 3 shards begins."""
     for shard in shards:
         shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+
+
+@pytest.fixture
+def frozen(tmp_path):
+    """_trained()'s shards, frozen for a re-layout onto 3 (_freeze)."""
+    shards = _trained(tmp_path)
+    _freeze(shards)
     yield shards
     for shard in shards:
         shard.close()
@@ -159,15 +171,10 @@ def test_rows_of_a_table_on_ssd_stream_from_a_kept_copy_into_staged_stores_and_b
     streamed from a copy of its store (chunks of at most 16 rows here); the new shard stages them and builds
     its table on SSD from every old shard's; every row, with its optimizer state, is where id mod 3 names;
     the re-layout's folders are gone once it ended (no journal: at once)."""
-    shards = [_ssd_shard(tmp_path, i) for i in range(3)]
+    shards = _trained(tmp_path, pushes=2)
     try:
-        for i in range(2):
-            shards[i].create_tables([DYN], i, 2)
-        for seq in (1, 2):
-            _train_dyn(shards, 2, seq)
         before = _dyn_rows(shards, 2)
-        for shard in shards:
-            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        _freeze(shards)
         for dst in range(3):
             for src in range(2):
                 data, step, chunks, counts = _part(shards[src], dst)
@@ -222,14 +229,10 @@ def test_a_journaled_shard_killed_mid_re_layout_replays_its_staged_rows_and_the_
     exports the same part again. ps 1's part then completes ps 2's tables, exactly. The re-layout's folders
     beside the journals go with the first base written after its end."""
     journals = [tmp_path / f"journal-{i}" for i in range(3)]
-    shards = [_ssd_shard(tmp_path / "tables", i, journals[i]) for i in range(3)]
+    shards = _trained(tmp_path / "tables", journals)
     try:
-        for i in range(2):
-            shards[i].create_tables([DYN], i, 2)
-        _train_dyn(shards, 2, 1)
         before = _dyn_rows(shards, 2)
-        for shard in shards:
-            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        _freeze(shards)
         first = _part(shards[0], 2)
         assert shards[2].moves.import_tables(first[0], 1, 0, first[1], iter(first[2]), lambda: first[3]) == []
         for i in (0, 2):  # both come back from their journals alone
@@ -263,13 +266,9 @@ def test_replaying_the_end_of_a_re_layout_keeps_the_folders_of_the_next_one(tmp_
     back from its journal: replaying the first end drops only that re-layout's folders, so after a
     compaction the second one's export is sent again from its kept copy."""
     journals = [tmp_path / f"journal-{i}" for i in range(3)]
-    shards = [_ssd_shard(tmp_path / "tables", i, journals[i]) for i in range(3)]
+    shards = _trained(tmp_path / "tables", journals)
     try:
-        for i in range(2):
-            shards[i].create_tables([DYN], i, 2)
-        _train_dyn(shards, 2, 1)
-        for shard in shards:
-            shard.moves.set_layout(1, ADDRESSES, {}, table_shards=3)
+        _freeze(shards)
         for dst in range(3):
             for src in range(2):
                 data, step, chunks, counts = _part(shards[src], dst)
