@@ -41,13 +41,17 @@ steps:
    Then each variable is relayed (`relay`: exported by its old shard,
    imported by its new one, confirmed to the old one, which drops what it
    kept), the shards' moves in parallel;
-5. with embedding tables, whose rows are spread over every shard by id, an
-   epoch with `table_shards` (the new count) freezes them on every shard;
-   then every old shard exports, for each shard of the new count in turn,
-   the rows that shard owns now, imported there (one part per old shard in
-   flight here at a time); a shard builds its tables once every old
-   shard's part arrived, and they serve again;
-6. a last epoch without the removed shards, the hold and the tables' freeze;
+5. with embedding tables, whose rows are spread over every shard by id, ps
+   0 records the tables' re-layout (the resize's point of no return: from
+   then on it is finished, never rolled back, as a shard may hold its part
+   of the new layout only), then an epoch with `table_shards` (the new
+   count, Layout.BEGIN) freezes them on every shard; every old shard
+   exports, for each shard of the new count in turn, the rows that shard
+   owns now, imported there (one part per old shard in flight here at a
+   time); a shard builds its tables once every old shard's part arrived,
+   and they serve again; ps 0 records them built;
+6. a last epoch without the removed shards, the hold and the tables' freeze
+   (Layout.END);
    ps 0 records the resize done; removed shards are stopped (Shutdown) after
    `drain_seconds`, in which they answer the clients that did not yet follow
    with LayoutChangedError.
@@ -57,8 +61,10 @@ first sets an epoch placing every variable in transit on its old shard (so
 no import of it can succeed elsewhere any more), then finds which of them
 their new shard took in before that (those stay there, confirmed) and has
 the old shard take the others back from its outbox; its last epoch places
-every variable where it is, over the shards the job had before. Every
-function blocks until done.
+every variable where it is, over the shards the job had before. A resize
+past its point of no return (step 5) is finished by `abort` too, and a
+driver that fails there leaves it cut off for `resume`. Every function
+blocks until done.
 """
 
 from __future__ import annotations
@@ -279,19 +285,19 @@ class _Driver:
         return {s: list(layout.outbox) for s, layout in self.each(shards, lambda s, _: self.layout(s)).items()}
 
     def set_layout(self, addresses: list[str], placement: dict[str, int], hold: int, table_shards: int = 0,
-                   members: ps_pb2.Layout | None = None) -> dict[int, ps_pb2.Layout]:
+                   members: ps_pb2.Layout | None = None, table_step: int = 0) -> dict[int, ps_pb2.Layout]:
         """The next epoch, on every shard of `wide`: the others, then ps 0, then those it removes (so a client
         that one of them sends away finds the epoch on ps 0); {shard: its reply}. `addresses`: a prefix of
         `wide`, each shard named where this driver calls it now (a failover since the resize began moved it).
         `members`: ps 0's layout under the hold, whose workers a shard that joins the job takes (ps.proto's
-        Layout.members)."""
+        Layout.members). `table_step`: with `table_shards`, Layout.BEGIN or END."""
         self.check()
         with self._lock:
             addresses = self.fanout.channels.addresses[:len(addresses)]
             self.epoch += 1
             self.started = self.started or time.monotonic()
             layout = ps_pb2.Layout(epoch=self.epoch, addresses=addresses, placement=placement, hold_from_step=hold,
-                                   table_shards=table_shards, hold_lease_seconds=self.lease)
+                                   table_shards=table_shards, table_step=table_step, hold_lease_seconds=self.lease)
             if members is not None:
                 layout.members.extend(members.members)
                 layout.grace_left_seconds = members.grace_left_seconds
@@ -464,6 +470,10 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
         except ResizeConflictError:
             raise
         except PSError as exc:
+            if state(fanout).table_shards:
+                raise type(exc)(f"{exc}; the resize had begun to re-lay out its embedding tables, past which it "
+                                f"only goes forward: it is left cut off: mend what failed, then run ps-admin resize "
+                                f"--resume once its lease ({lease_seconds:g} s) ran out") from exc
             _LOGGER.error("resize %d failed (%s): rolling it back", resize.id, exc)
             try:
                 _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"rolled back after a failure: {exc}")
@@ -491,11 +501,17 @@ def resume(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_
 
 def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_seconds: float = QUIET_SECONDS,
           lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
-    """Takes over the resize that was cut off and rolls it back (see the module docstring). ResizeConflictError
-    if none is, or its driver still renews it; PSError if a shard cannot be reached (it stays cut off)."""
+    """Takes over the resize that was cut off and rolls it back (see the module docstring); one that had begun
+    to re-lay out its embedding tables is finished instead (past that point a shard may hold its part of the
+    new layout only: the report's outcome is "done"). ResizeConflictError if none is cut off, or its driver
+    still renews it; PSError if a shard cannot be reached (it stays cut off)."""
     epoch, _, _ = _current(fanout, follower)
     resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
     try:
+        if state(fanout).table_shards:
+            _LOGGER.warning("resize %d had begun to re-lay out its embedding tables, past which it only goes "
+                            "forward: finishing it instead of rolling it back", resize.id)
+            return _drive(resize, follower, fresh=False, drain_seconds=DRAIN_SECONDS, quiet_seconds=quiet_seconds)
         return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
     finally:
         resize.close()
@@ -639,7 +655,8 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
     table_bytes = _relayout_tables(resize, now, len(after))
     if len(after) < len(before) or resize.hold or table_bytes is not None:  # an epoch without the removed shards,
         resize.set_layout(after if len(after) < len(before) else wide, now, 0,  # the hold, the tables' freeze
-                          len(after) if table_bytes is not None else 0)
+                          len(after) if table_bytes is not None else 0,
+                          table_step=ps_pb2.Layout.END if table_bytes is not None else 0)
     seconds = time.monotonic() - resize.started if resize.started else 0.0
     resize.report(_ACTION.END, phase=_PHASE.DONE, why=f"{len(moving)} variables moved")
     stopped = []
@@ -658,17 +675,31 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
 
 def _relayout_tables(resize: _Driver, now: dict[str, int], count: int) -> int | None:
     """Re-lays the embedding tables out onto `count` shards (module docstring, step 5); the bytes relayed,
-    None if the job has none to re-lay out."""
-    tables = _table_sources(resize, range(max(len(resize.wide), count)), count)
-    if tables is None:
-        return None
-    resize.set_layout(resize.wide, now, resize.hold, count)
+    None if the job has none to re-lay out. Recorded on ps 0 before the epoch that freezes them (from then on
+    the resize only goes forward), and once built; a re-layout recorded already (a driver taken over) is begun
+    again (its exports are kept, its imports taken once), or, built, only ended."""
+    record = state(resize.fanout)
+    if record.table_shards:
+        if record.table_shards != count:
+            raise ClusterConfigError(f"resize {record.id} re-lays its tables out onto {record.table_shards} "
+                                     f"shards, not {count}")
+        if record.tables_built:
+            return 0
+        tables = record.tables_from
+    else:
+        tables = _table_sources(resize, range(max(len(resize.wide), count)), count)
+        if tables is None:
+            return None
+    resize.report(_ACTION.TABLES, table_shards=count, tables_from=tables)
+    resize.set_layout(resize.wide, now, resize.hold, count, table_step=ps_pb2.Layout.BEGIN)
 
     def rows_from(src: int, _) -> int:  # the old shards at once, each to one shard at a time
         return sum(resize.relay(src, dst, ps_pb2.MoveRequest(epoch=resize.epoch, to=dst, tables=True))
                    for dst in range(count))
 
-    return sum(resize.each(range(tables), rows_from).values())
+    relayed = sum(resize.each(range(tables), rows_from).values())
+    resize.report(_ACTION.TABLES, table_shards=count, tables_from=tables, tables_built=True)
+    return relayed
 
 
 def _roll_back(resize: _Driver, follower: LayoutFollower, *, quiet_seconds: float, why: str) -> ResizeReport:
@@ -721,17 +752,11 @@ def _report_moved(resize: _Driver, names: list[str], status: int) -> None:
 
 def _table_sources(resize: _Driver, shards, count: int) -> int | None:
     """How many old shards' embedding-table rows a re-layout onto `count` shards takes (ListTables on
-    `shards`): the count the tables are spread over where a shard still holds them so, if not `count`; None if
-    the job has no tables, or every one of the `count` shards holds them spread over `count`; else 0 (a
-    re-layout cut off before its end epoch: only that epoch is set again)."""
+    `shards`): the count the tables are spread over where a shard holds them so, if not `count`; None if the
+    job has no tables, or they are spread over `count` already."""
     listed = resize.each(shards, lambda shard, _: resize.call(shard, "ListTables", ps_pb2.ListRequest()))
-    counts = {s: {info.num_shards for info in reply.tables} for s, reply in listed.items()}
-    if not any(counts.values()):
-        return None
-    old = {c for cs in counts.values() for c in cs} - {count}
+    old = {info.num_shards for reply in listed.values() for info in reply.tables} - {count}
     if len(old) > 1:
         raise ClusterConfigError(f"the shards' embedding tables are spread over {sorted(old)} shards: no one layout "
                                  f"to re-lay out from")
-    if old:
-        return old.pop()
-    return 0 if any(not counts.get(s) for s in range(count)) else None
+    return old.pop() if old else None

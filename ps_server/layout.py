@@ -41,7 +41,8 @@ kept on SSD has its head there and its rows in a kept copy of its store,
 takes the rows each old shard sends it (`inbox`); once all of them arrived,
 the caller (moves.py) builds its tables from them and they serve again. The
 next epoch that sets the same count ends the re-layout (refused while rows
-are missing).
+are missing); a driver says which it means (Layout.table_step), so that one
+that took a cut-off resize over may begin it again.
 
 Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 """
@@ -255,28 +256,30 @@ class ShardLayout:
     # -- embedding tables (see the module docstring) -------------------------------------------
 
     @guarded
-    def relayout_tables(self, count: int, held: int | None, *, check_only: bool = False) -> str:
+    def relayout_tables(self, count: int, held: int | None, step: str = "", *, check_only: bool = False) -> str:
         """An epoch set `table_shards` = `count` (> 0) on a shard whose tables are spread over `held` shards
-        (None: it holds none). Returns "begun" (the tables freeze), "ended" (every old shard's rows arrived) or
-        "same"; ModeConflictError (nothing changed) for another count while one is under way, or for the end
-        of one whose rows did not all arrive. `check_only`: raises or returns, changing nothing."""
-        if self.table_shards:
-            if count != self.table_shards:
-                raise ModeConflictError(f"ps {self.index} is re-laying out its embedding tables onto "
-                                        f"{self.table_shards} shards; a layout for {count} must wait for it")
+        (None: it holds none), as `step` "begin" or "end" of the re-layout ("": begins one, or ends the one under
+        way onto `count`; ps.proto's Layout.table_step). Returns "begun" (the tables freeze), "ended" (every old
+        shard's rows arrived) or "same" (a begin of the one under way, an end of none, or tables spread over
+        `count` already); ModeConflictError (nothing changed) for another count while one is under way, or for
+        the end of one whose rows did not all arrive. `check_only`: raises or returns, changing nothing."""
+        if self.table_shards and count != self.table_shards:
+            raise ModeConflictError(f"ps {self.index} is re-laying out its embedding tables onto "
+                                    f"{self.table_shards} shards; a layout for {count} must wait for it")
+        if self.table_shards and step != "begin":
             if self.index < count and not self._inbox_complete():  # a shard past the count takes no rows
                 raise ModeConflictError(
                     f"ps {self.index} has the embedding-table rows of old shards {sorted(self._inbox)} of "
                     f"{self._inbox_from or '?'}; the re-layout onto {count} shards cannot end yet")
-            if check_only:
-                return "ended"
-            self.table_shards = 0
-            self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
+            if not check_only:
+                self.table_shards = 0
+                self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
             return "ended"
-        if held == count or check_only:
-            return "same" if held == count else "begun"
-        self.table_shards = count
-        self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
+        if self.table_shards or held == count or step == "end":
+            return "same"
+        if not check_only:
+            self.table_shards = count
+            self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
         return "begun"
 
     def _inbox_complete(self) -> bool:

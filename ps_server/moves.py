@@ -126,11 +126,12 @@ class Moves:
 
     def set_layout(self, epoch: int, addresses: list[str], placement: Mapping[str, int], hold_from: int = 0,
                    table_shards: int = 0, members: Mapping[str, dict] | None = None, grace_left: float = 0.0,
-                   hold_lease: float = 0.0) -> bool:
+                   hold_lease: float = 0.0, table_step: str = "") -> bool:
         """Takes a later layout epoch (True) or the same again (False: renews a hold's lease), holding sync
         pushes from `hold_from` or later (see the module docstring; 0: no hold) until an epoch without it or
         `hold_lease` s (0: layout.LEASE_SECONDS) without the same layout again, and with `table_shards`
-        beginning or ending a re-layout of the embedding tables onto that many shards (layout.py); raises as
+        beginning or ending a re-layout of the embedding tables onto that many shards (`table_step` "begin",
+        "end", or "": either, layout.relayout_tables); raises as
         ps.proto's SetLayout says. Wakes the pushes a hold ended. A shard that took the hold step as its own
         takes `members` (ps 0's workers, Membership.export_leases' form) and ends its startup grace in
         `grace_left` s (Bookkeeping.take_job_members). Blocks until its journal records are written."""
@@ -139,6 +140,8 @@ class Moves:
             raise InvalidArgumentError(f"a hold's step must be in [0, 2**62). Received: {hold_from}")
         lease = lease_of(hold_lease, "a hold")
         _check_members(members or {}, grace_left)
+        if table_step not in ("", "begin", "end"):
+            raise InvalidArgumentError(f"a layout's table step is BEGIN, END or BY_COUNT. Received: {table_step!r}")
         if not 0 <= table_shards <= len(addresses):
             raise InvalidArgumentError(f"table_shards must be in [0, the layout's {len(addresses)} shards]. "
                                        f"Received: {table_shards}")
@@ -150,9 +153,10 @@ class Moves:
             adopt = (hold > self._store.step and not self._store.names() and not self._tables.names()
                      and book.pending.idle())  # a shard with table rows completes its steps as the others do
             if table_shards:
-                self.layout.relayout_tables(table_shards, self._table_count(), check_only=True)
+                self.layout.relayout_tables(table_shards, self._table_count(), table_step, check_only=True)
             meta = {"epoch": epoch, "addresses": list(addresses), "placement": dict(placement), "asked": hold_from,
-                    "hold": hold, "step": hold if adopt else None, "table_shards": table_shards, "lease": lease}
+                    "hold": hold, "step": hold if adopt else None, "table_shards": table_shards, "lease": lease,
+                    "table_step": table_step}
             changed = self._apply("layout", meta)
             ticket = None
             if changed:
@@ -528,7 +532,8 @@ class Moves:
                 self._joined_at = meta["step"]
             if changed and meta.get("table_shards"):
                 named = self._relayout_folders()  # of the re-layout this epoch may end
-                if self.layout.relayout_tables(meta["table_shards"], self._table_count()) == "ended":
+                if self.layout.relayout_tables(meta["table_shards"], self._table_count(),
+                                               meta.get("table_step", "")) == "ended":
                     self.folders.retire(named)  # the rows' folders of tables on SSD, once no record names them
                     if self.layout.index >= len(meta["addresses"]):  # a shard this epoch removes: every row is
                         self._tables.install([])                      # another's now; none stays here stale

@@ -24,6 +24,7 @@ __all__ = ["ResizeRPCs", "resize_state_of"]
 
 _LOGGER = logging.getLogger(__name__)
 _ACTIONS = ps_pb2.ResizeRequest.Action
+_TABLE_STEPS = {ps_pb2.Layout.BY_COUNT: "", ps_pb2.Layout.BEGIN: "begin", ps_pb2.Layout.END: "end"}
 MAX_WATCH_SECONDS = 10.0  # GetLayout's longest long poll
 
 
@@ -33,6 +34,8 @@ def resize_state_of(record: dict) -> ps_pb2.ResizeState:
         id=record["id"], phase=PHASES.index(record["phase"]), driver=record["driver"], before=record["before"],
         after=record["after"], hold_from_step=record["hold"], lease_seconds=record["lease"],
         lease_left_seconds=record["lease_left"], ended_why=record["why"],
+        table_shards=(record["tables"] or {}).get("count", 0), tables_from=(record["tables"] or {}).get("from", 0),
+        tables_built=(record["tables"] or {}).get("built", False),
         moves=[ps_pb2.ResizeMove(name=name, from_shard=source, to=target, bytes=nbytes,
                                  status=STATUSES.index(status))
                for name, source, target, nbytes, status in record["moves"]])
@@ -84,7 +87,8 @@ class ResizeRPCs:
                               "silent": m.silent_seconds} for m in request.members}
         if self.coordinator.moves.set_layout(request.epoch, list(request.addresses), dict(request.placement),
                                              request.hold_from_step, request.table_shards, members,
-                                             request.grace_left_seconds, request.hold_lease_seconds):
+                                             request.grace_left_seconds, request.hold_lease_seconds,
+                                             _TABLE_STEPS.get(request.table_step, str(request.table_step))):
             hold = self.coordinator.layout.hold_from
             relaying = self.coordinator.layout.table_shards
             _LOGGER.info("ps %d: layout epoch %d, %d shards, %d variables placed%s%s", self.index, request.epoch,
@@ -197,6 +201,9 @@ class ResizeRPCs:
             moves = [(m.name, STATUSES[m.status] if m.status < len(STATUSES) else str(m.status))
                      for m in request.moves]
             change = lambda owner: owner.moved(resize_id, driver, moves)  # noqa: E731
+        elif action == _ACTIONS.TABLES:
+            change = lambda owner: owner.tables(resize_id, driver, request.table_shards,  # noqa: E731
+                                                request.tables_from, request.tables_built)
         elif action == _ACTIONS.END:
             phase = PHASES[request.phase] if request.phase < len(PHASES) else str(request.phase)
             change = lambda owner: owner.end(resize_id, driver, phase, request.why)  # noqa: E731

@@ -17,6 +17,13 @@ record is the truth of what the resize was for and who may drive it.
 A move's status goes PLANNED -> EXPORTED -> IMPORTED -> CONFIRMED, or from
 PLANNED or EXPORTED to RETURNED (rolled back), never back.
 
+The embedding tables' re-layout (`tables`: onto how many shards, from how
+many, built) is recorded before the first epoch that freezes them: from
+then on the resize can only go forward (a shard may have built its part of
+the new layout from the others' rows), so a driver that takes it over
+finishes it, one that aborts too. `built` (every new shard built its
+tables) goes from False to True, never back.
+
 Every change is an event (a small JSON-able dict) made by `apply`, live and
 when the journal is replayed (recorded by the caller: moves.py); `export` and
 `restore` carry the whole record in journal bases and checkpoints. The lease
@@ -73,6 +80,7 @@ class ResizeOwner:
         self._lease = LEASE_SECONDS
         self._deadline = 0.0               # when the driver's lease runs out (monotonic)
         self._why = ""
+        self._tables: dict | None = None   # {"count", "from", "built"}: the tables' re-layout, once begun
         self._cut_off_logged = False
 
     # -- reading --------------------------------------------------------------------------------
@@ -80,7 +88,8 @@ class ResizeOwner:
     @guarded
     def state(self) -> dict:
         """The record: id, phase, driver, before, after, hold, moves [(name, from, to, bytes, status)], lease,
-        lease_left (0 once it ran out or the resize is not running), why. Logs, once, a resize found cut off."""
+        lease_left (0 once it ran out or the resize is not running), why, tables ({"count", "from", "built"}
+        or None). Logs, once, a resize found cut off."""
         left = max(0.0, self._deadline - self._now()) if self._phase == "running" else 0.0
         if self._phase == "running" and left == 0 and not self._cut_off_logged:
             self._cut_off_logged = True
@@ -90,7 +99,7 @@ class ResizeOwner:
         return {"id": self._id, "phase": self._phase, "driver": self._driver, "before": list(self._before),
                 "after": list(self._after), "hold": self._hold, "lease": self._lease, "lease_left": left,
                 "moves": [(name, m["from"], m["to"], m["bytes"], m["status"]) for name, m in self._moves.items()],
-                "why": self._why}
+                "why": self._why, "tables": dict(self._tables) if self._tables else None}
 
     @property
     def running(self) -> bool:
@@ -180,6 +189,27 @@ class ResizeOwner:
         return event
 
     @guarded
+    def tables(self, resize_id: int, driver: str, count: int, source: int, built: bool) -> Event | None:
+        """The tables' re-layout onto `count` shards from `source`, begun (the resize's point of no return), or
+        `built` by every shard of `count`; the same again: no change. InvalidArgumentError for counts out of
+        range, another re-layout than the one recorded, or `built` going back."""
+        self._check_driver_of(resize_id, driver)
+        if not (1 <= count <= MAX_SHARDS and 1 <= source <= MAX_SHARDS) or count == source:
+            raise InvalidArgumentError(f"a re-layout of the tables is onto 1 to {MAX_SHARDS} shards from another "
+                                       f"such count. Received: onto {count} from {source}")
+        now = self._tables
+        if now is not None and ((now["count"], now["from"]) != (count, source) or (now["built"] and not built)):
+            raise InvalidArgumentError(f"resize {resize_id} re-lays its tables out onto {now['count']} shards from "
+                                       f"{now['from']}{' (built)' if now['built'] else ''}; it cannot become onto "
+                                       f"{count} from {source}{' (built)' if built else ''}; nothing was recorded")
+        self._renew()
+        if now is not None and now["built"] == built:
+            return None
+        event = {"op": "tables", "id": resize_id, "count": count, "from": source, "built": built}
+        self._apply(event)
+        return event
+
+    @guarded
     def end(self, resize_id: int, driver: str, phase: str, why: str) -> Event:
         """The resize ended: `phase` "done" or "aborted", `why` a line."""
         self._check_driver_of(resize_id, driver)
@@ -202,7 +232,7 @@ class ResizeOwner:
         if op == "begin":
             self._id, self._phase, self._driver = event["id"], "running", event["driver"]
             self._before, self._after, self._hold, self._moves = list(event["before"]), list(event["after"]), 0, {}
-            self._lease, self._why, self._cut_off_logged = event["lease"], "", False
+            self._lease, self._why, self._cut_off_logged, self._tables = event["lease"], "", False, None
             self._renew()
         elif op == "take_over":
             self._driver, self._lease, self._cut_off_logged = event["driver"], event["lease"], False
@@ -216,6 +246,8 @@ class ResizeOwner:
         elif op == "moved":
             for name, status in event["moves"]:
                 self._moves[name]["status"] = status
+        elif op == "tables":
+            self._tables = {"count": event["count"], "from": event["from"], "built": event["built"]}
         elif op == "end":
             self._phase, self._why = event["phase"], event["why"]
         else:
@@ -226,6 +258,7 @@ class ResizeOwner:
         """The record for a journal base or a checkpoint."""
         return {"id": self._id, "phase": self._phase, "driver": self._driver, "before": list(self._before),
                 "after": list(self._after), "hold": self._hold, "lease": self._lease, "why": self._why,
+                "tables": dict(self._tables) if self._tables else None,
                 "moves": [[name, m["from"], m["to"], m["bytes"], m["status"]] for name, m in self._moves.items()]}
 
     @guarded
@@ -238,6 +271,7 @@ class ResizeOwner:
             state.get("why", "")
         self._moves = {name: {"from": source, "to": target, "bytes": nbytes, "status": status}
                        for name, source, target, nbytes, status in state.get("moves", [])}
+        self._tables = dict(state["tables"]) if state.get("tables") else None
         self._cut_off_logged = False
         self._renew()
 

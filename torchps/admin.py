@@ -163,9 +163,13 @@ def _layout(job: _Job, record) -> str:
         phase = ps_pb2.ResizeState.Phase.Name(record.phase).lower()
         if record.phase == ps_pb2.ResizeState.RUNNING:
             phase += (f", lease {record.lease_left_seconds:.1f} s left" if record.lease_left_seconds else
-                      ", cut off: ps-admin resize --resume finishes it, --abort rolls it back")
+                      ", cut off: ps-admin resize --resume finishes it, --abort rolls it back"
+                      + (" (finishes it too: its tables were being re-laid out)" if record.table_shards else ""))
         statuses = [ps_pb2.ResizeMove.Status.Name(move.status).lower() for move in record.moves]
         counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) or "no moves"
+        if record.table_shards:
+            counts += (f"; tables re-laid out onto {record.table_shards} shards from {record.tables_from}, "
+                       + ("built" if record.tables_built else "not built everywhere yet"))
         lines.append(f"resize {record.id}: {len(record.before)} -> {len(record.after)} shards, {phase}; driver "
                      f"{record.driver}; {counts}" + (f"; {record.ended_why}" if record.ended_why else ""))
     return "\n".join(lines)

@@ -106,3 +106,31 @@ def test_a_driver_of_no_running_resize_is_refused():
     owner.end(1, "d", "done", "2 variables moved")
     with pytest.raises(ResizeConflictError, match="resize 1 is done"):
         owner.plan(1, "d", [], 0)
+
+
+def test_the_tables_relayout_is_recorded_once_goes_to_built_only_and_a_new_resize_forgets_it():
+    owner = ResizeOwner(Clock())
+    events = [owner.begin("d", BEFORE, AFTER, 10.0), owner.tables(1, "d", 3, 2, False)]
+    assert owner.tables(1, "d", 3, 2, False) is None  # begun again by a driver that took it over: no change
+    with pytest.raises(InvalidArgumentError, match="onto 3 shards from 2; it cannot become onto 2 from 3"):
+        owner.tables(1, "d", 2, 3, False)
+    events.append(owner.tables(1, "d", 3, 2, True))
+    assert owner.state()["tables"] == {"count": 3, "from": 2, "built": True}
+    with pytest.raises(InvalidArgumentError, match=r"\(built\); it cannot become onto 3 from 2; nothing"):
+        owner.tables(1, "d", 3, 2, False)
+    assert _replayed(events).export() == owner.export()
+    restored = ResizeOwner(Clock())
+    restored.restore(owner.export())
+    assert restored.state() == owner.state()
+    events.append(owner.end(1, "d", "done", "tables re-laid out"))
+    events.append(owner.begin("d", AFTER, BEFORE, 10.0))
+    assert owner.state()["tables"] is None and _replayed(events).export() == owner.export()
+
+
+@pytest.mark.parametrize("count, source", [(0, 2), (3, 0), (2, 2), (10 ** 6, 2)])
+def test_a_malformed_tables_record_is_refused_and_changes_nothing(count, source):
+    owner = ResizeOwner(Clock())
+    owner.begin("d", BEFORE, AFTER, 10.0)
+    with pytest.raises(InvalidArgumentError, match="re-layout of the tables"):
+        owner.tables(1, "d", count, source, False)
+    assert owner.state()["tables"] is None

@@ -69,3 +69,47 @@ def test_a_layout_takes_later_epochs_only():
     again = ShardLayout(2)
     again.restore(state, decode=None)
     assert again.layout() == layout.layout()
+
+
+def _relaying(index: int, parts: dict[int, bytes]) -> ShardLayout:
+    """Shard `index` re-laying its tables out from 2 shards onto 3, with the parts of `parts` arrived."""
+    layout = ShardLayout(index)
+    assert layout.relayout_tables(3, 2, "begin") == "begun"
+    for source, data in parts.items():
+        layout.receive_tables(source, 2, data)
+    return layout
+
+
+@pytest.mark.parametrize("held, step, parts, expected", [
+    (2, "begin", None, "begun"),          # tables spread over 2: they freeze
+    (None, "begin", None, "begun"),       # an added shard
+    (3, "begin", None, "same"),           # spread over 3 already (its re-layout ended before the driver died)
+    (2, "end", None, "same"),             # no re-layout under way: an end changes nothing
+    (2, "", None, "begun"),               # a driver that does not say: begins ...
+    (2, "begin", {0: b"a"}, "same"),      # begun again while under way: nothing more, the part kept
+    (2, "", {0: b"a", 1: b"b"}, "ended"),  # ... or ends the one under way
+    (2, "end", {0: b"a", 1: b"b"}, "ended"),
+    (2, "end", {0: b"a"}, ModeConflictError),  # a part missing: cannot end
+    (2, "", {0: b"a"}, ModeConflictError),
+])
+def test_a_tables_relayout_is_begun_and_ended_as_the_epoch_says(held, step, parts, expected):
+    layout = ShardLayout(1) if parts is None else _relaying(1, parts)
+    before = (layout.table_shards, layout.inbox())
+    if expected is ModeConflictError:
+        with pytest.raises(ModeConflictError, match="cannot end yet"):
+            layout.relayout_tables(3, held, step)
+        assert (layout.table_shards, layout.inbox()) == before
+        return
+    assert layout.relayout_tables(3, held, step, check_only=True) == expected
+    assert (layout.table_shards, layout.inbox()) == before  # check_only changes nothing
+    assert layout.relayout_tables(3, held, step) == expected
+    assert layout.table_shards == (3 if expected == "begun" or (expected == "same" and parts) else 0)
+    assert layout.inbox() == (parts if expected == "same" and parts else {})
+
+
+def test_a_tables_relayout_onto_another_count_waits_for_the_one_under_way():
+    layout = _relaying(0, {0: b"a"})
+    for step in ("begin", "end", ""):
+        with pytest.raises(ModeConflictError, match="onto 3 shards; a layout for 2 must wait"):
+            layout.relayout_tables(2, 3, step)
+    assert layout.table_shards == 3 and layout.inbox() == {0: b"a"}

@@ -486,7 +486,15 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., live_workers: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds", "hold_lease_seconds", "hold_lease_left_seconds", "replicas")
+    __slots__ = ("epoch", "addresses", "placement", "outbox", "hold_from_step", "quiet", "table_shards", "members", "grace_left_seconds", "hold_lease_seconds", "hold_lease_left_seconds", "table_step", "replicas")
+    class TableStep(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BY_COUNT: _ClassVar[Layout.TableStep]
+        BEGIN: _ClassVar[Layout.TableStep]
+        END: _ClassVar[Layout.TableStep]
+    BY_COUNT: Layout.TableStep
+    BEGIN: Layout.TableStep
+    END: Layout.TableStep
     class PlacementEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -505,6 +513,7 @@ class Layout(_message.Message):
     GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOLD_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOLD_LEASE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
@@ -517,8 +526,9 @@ class Layout(_message.Message):
     grace_left_seconds: float
     hold_lease_seconds: float
     hold_lease_left_seconds: float
+    table_step: Layout.TableStep
     replicas: _containers.RepeatedCompositeFieldContainer[ShardReplicas]
-    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ..., table_step: _Optional[_Union[Layout.TableStep, str]] = ..., replicas: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
     __slots__ = ("index", "primary", "backup", "failovers", "last_failover_unix")
@@ -992,7 +1002,7 @@ class DataQueueStatus(_message.Message):
     def __init__(self, spec: _Optional[_Union[DataQueueSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., trained: _Optional[_Iterable[int]] = ..., epochs_done: _Optional[int] = ..., finished: _Optional[bool] = ..., shards_done: _Optional[int] = ..., held: _Optional[_Iterable[_Union[DataShard, _Mapping]]] = ..., holders: _Optional[_Iterable[str]] = ..., reclaimed: _Optional[int] = ..., requeued_examples: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class ResizeState(_message.Message):
-    __slots__ = ("id", "phase", "driver", "before", "after", "hold_from_step", "moves", "lease_seconds", "lease_left_seconds", "ended_why")
+    __slots__ = ("id", "phase", "driver", "before", "after", "hold_from_step", "moves", "lease_seconds", "lease_left_seconds", "ended_why", "table_shards", "tables_from", "tables_built")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[ResizeState.Phase]
@@ -1013,6 +1023,9 @@ class ResizeState(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENDED_WHY_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FROM_FIELD_NUMBER: _ClassVar[int]
+    TABLES_BUILT_FIELD_NUMBER: _ClassVar[int]
     id: int
     phase: ResizeState.Phase
     driver: str
@@ -1023,7 +1036,10 @@ class ResizeState(_message.Message):
     lease_seconds: float
     lease_left_seconds: float
     ended_why: str
-    def __init__(self, id: _Optional[int] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., lease_left_seconds: _Optional[float] = ..., ended_why: _Optional[str] = ...) -> None: ...
+    table_shards: int
+    tables_from: int
+    tables_built: bool
+    def __init__(self, id: _Optional[int] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., lease_left_seconds: _Optional[float] = ..., ended_why: _Optional[str] = ..., table_shards: _Optional[int] = ..., tables_from: _Optional[int] = ..., tables_built: _Optional[bool] = ...) -> None: ...
 
 class ResizeMove(_message.Message):
     __slots__ = ("name", "from_shard", "to", "bytes", "status")
@@ -1052,7 +1068,7 @@ class ResizeMove(_message.Message):
     def __init__(self, name: _Optional[str] = ..., from_shard: _Optional[int] = ..., to: _Optional[int] = ..., bytes: _Optional[int] = ..., status: _Optional[_Union[ResizeMove.Status, str]] = ...) -> None: ...
 
 class ResizeRequest(_message.Message):
-    __slots__ = ("action", "id", "driver", "before", "after", "lease_seconds", "hold_from_step", "moves", "phase", "why")
+    __slots__ = ("action", "id", "driver", "before", "after", "lease_seconds", "hold_from_step", "moves", "phase", "why", "table_shards", "tables_from", "tables_built")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         GET: _ClassVar[ResizeRequest.Action]
@@ -1062,6 +1078,7 @@ class ResizeRequest(_message.Message):
         PLAN: _ClassVar[ResizeRequest.Action]
         MOVED: _ClassVar[ResizeRequest.Action]
         END: _ClassVar[ResizeRequest.Action]
+        TABLES: _ClassVar[ResizeRequest.Action]
     GET: ResizeRequest.Action
     BEGIN: ResizeRequest.Action
     RENEW: ResizeRequest.Action
@@ -1069,6 +1086,7 @@ class ResizeRequest(_message.Message):
     PLAN: ResizeRequest.Action
     MOVED: ResizeRequest.Action
     END: ResizeRequest.Action
+    TABLES: ResizeRequest.Action
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     DRIVER_FIELD_NUMBER: _ClassVar[int]
@@ -1079,6 +1097,9 @@ class ResizeRequest(_message.Message):
     MOVES_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     WHY_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FROM_FIELD_NUMBER: _ClassVar[int]
+    TABLES_BUILT_FIELD_NUMBER: _ClassVar[int]
     action: ResizeRequest.Action
     id: int
     driver: str
@@ -1089,7 +1110,10 @@ class ResizeRequest(_message.Message):
     moves: _containers.RepeatedCompositeFieldContainer[ResizeMove]
     phase: ResizeState.Phase
     why: str
-    def __init__(self, action: _Optional[_Union[ResizeRequest.Action, str]] = ..., id: _Optional[int] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., why: _Optional[str] = ...) -> None: ...
+    table_shards: int
+    tables_from: int
+    tables_built: bool
+    def __init__(self, action: _Optional[_Union[ResizeRequest.Action, str]] = ..., id: _Optional[int] = ..., driver: _Optional[str] = ..., before: _Optional[_Iterable[str]] = ..., after: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., hold_from_step: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[ResizeMove, _Mapping]]] = ..., phase: _Optional[_Union[ResizeState.Phase, str]] = ..., why: _Optional[str] = ..., table_shards: _Optional[int] = ..., tables_from: _Optional[int] = ..., tables_built: _Optional[bool] = ...) -> None: ...
 
 class TableCursor(_message.Message):
     __slots__ = ("table", "incarnation", "seq")
