@@ -358,7 +358,8 @@ class PSClient(DataPath, TablePath):
         runs or was cut off, ClusterConfigError for addresses that drop or reorder current shards or add one
         that does not answer; once begun, a failure (WaitTimeoutError: a sync job did not apply the steps
         before the hold within `quiet_seconds`; a shard refused an import, or went away) rolls the resize
-        back before it is raised, so every variable is where it was."""
+        back before it is raised, so every variable is where it was, unless the tables' re-layout had begun
+        (past that point the resize only goes forward: it is left cut off, for resume_resize)."""
         return live_resize.run(self._fanout, self._layout, list(addresses), driver=self._driver_name(),
                                drain_seconds=drain_seconds, quiet_seconds=quiet_seconds, lease_seconds=lease_seconds)
 
@@ -375,8 +376,9 @@ class PSClient(DataPath, TablePath):
     def abort_resize(self, *, quiet_seconds: float = live_resize.QUIET_SECONDS,
                      lease_seconds: float = live_resize.LEASE_SECONDS) -> live_resize.ResizeReport:
         """Takes over a resize that was cut off and rolls it back: every variable not confirmed on its new
-        shard goes back to its old one. Blocks until done; ResizeConflictError if no resize is cut off (or its
-        driver still renews it); PSError if a shard cannot be reached (the resize stays cut off)."""
+        shard goes back to its old one; one that had begun to re-lay out the embedding tables is finished
+        instead (the report's outcome is "done"). Blocks until done; ResizeConflictError if no resize is cut off
+        (or its driver still renews it); PSError if a shard cannot be reached (the resize stays cut off)."""
         return live_resize.abort(self._fanout, self._layout, driver=self._driver_name(),
                                  quiet_seconds=quiet_seconds, lease_seconds=lease_seconds)
 

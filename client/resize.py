@@ -470,7 +470,7 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
         except ResizeConflictError:
             raise
         except PSError as exc:
-            if state(fanout).table_shards:
+            if _past_return(fanout):
                 raise type(exc)(f"{exc}; the resize had begun to re-lay out its embedding tables, past which it "
                                 f"only goes forward: it is left cut off: mend what failed, then run ps-admin resize "
                                 f"--resume once its lease ({lease_seconds:g} s) ran out") from exc
@@ -515,6 +515,15 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_s
         return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
     finally:
         resize.close()
+
+
+def _past_return(fanout: ShardFanout) -> bool:
+    """Whether ps 0 records the resize's tables re-laid out (its point of no return); False if ps 0 does not
+    answer (a rollback then fails at its first call there, changing nothing)."""
+    try:
+        return bool(state(fanout).table_shards)
+    except PSError:
+        return False
 
 
 def _check_storage(fanout: ShardFanout, old: range, added: range) -> None:
