@@ -373,13 +373,15 @@ class PSClient(DataPath, TablePath):
                                   drain_seconds=drain_seconds, quiet_seconds=quiet_seconds,
                                   lease_seconds=lease_seconds)
 
-    def abort_resize(self, *, quiet_seconds: float = live_resize.QUIET_SECONDS,
+    def abort_resize(self, *, drain_seconds: float = live_resize.DRAIN_SECONDS,
+                     quiet_seconds: float = live_resize.QUIET_SECONDS,
                      lease_seconds: float = live_resize.LEASE_SECONDS) -> live_resize.ResizeReport:
         """Takes over a resize that was cut off and rolls it back: every variable not confirmed on its new
-        shard goes back to its old one; one that had begun to re-lay out the embedding tables is finished
-        instead (the report's outcome is "done"). Blocks until done; ResizeConflictError if no resize is cut off
-        (or its driver still renews it); PSError if a shard cannot be reached (the resize stays cut off)."""
-        return live_resize.abort(self._fanout, self._layout, driver=self._driver_name(),
+        shard goes back to its old one; one that had begun to re-lay out the embedding tables, or had set its
+        last epoch on some shard, is finished instead (the report's outcome is "done"; the shards it removes
+        stopped after `drain_seconds`). Blocks until done; ResizeConflictError if no resize is cut off (or its
+        driver still renews it); PSError if a shard cannot be reached (the resize stays cut off)."""
+        return live_resize.abort(self._fanout, self._layout, driver=self._driver_name(), drain_seconds=drain_seconds,
                                  quiet_seconds=quiet_seconds, lease_seconds=lease_seconds)
 
     def resize_state(self) -> ps_pb2.ResizeState:

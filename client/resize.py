@@ -5,8 +5,10 @@ reports its plan and each move, and holds a lease it renews every quarter
 of `lease_seconds` (a thread here). A driver that dies leaves the resize cut
 off once the lease runs out; `resume` (ps-admin resize --resume) takes it
 over and finishes it, `abort` (--abort, and a chief that starts) takes it
-over and rolls it back. A driver that fails (a shard refused an import, a
-sync step that would not complete) rolls back itself before it raises.
+over and rolls it back, or finishes it past its point of no return (step
+5). A driver that fails (a shard refused an import, a sync step that would
+not complete) rolls back itself before it raises, or, past that point,
+leaves the resize cut off.
 
 Shard indices stay: a resize adds shards at the end or removes the last ones
 (ps 0 always stays, it counts the global step). The current shards are ps
@@ -432,7 +434,7 @@ def _busy(record: ps_pb2.ResizeState) -> str:
     what = (f"its driver {record.driver} holds the lease for {record.lease_left_seconds:.1f} s more"
             if record.lease_left_seconds > 0 else
             f"it was cut off (its driver {record.driver} stopped renewing it): run ps-admin resize --resume to "
-            f"finish it or --abort to roll it back")
+            f"finish it or --abort to roll it back where it can")
     return f"resize {record.id} ({len(record.before)} -> {len(record.after)} shards) is running: {what}"
 
 
@@ -443,8 +445,8 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
     ResizeConflictError (nothing changed) while another resize runs or was cut off; ClusterConfigError for
     addresses that do not keep the shards' order (a shard that stays may be named where ps 0's layout names it
     or where it is served now: _current; it is set where it is served); on a failure once it began, rolls it
-    back and raises what failed (if the rollback fails too, the resize is left cut off for --resume or
-    --abort)."""
+    back and raises what failed (if the rollback fails too, or the resize was past its point of no return, it
+    is left cut off for --resume or --abort)."""
     found = state(fanout)
     if found.phase == _PHASE.RUNNING:
         raise ResizeConflictError(_busy(found))
@@ -499,20 +501,26 @@ def resume(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_
         resize.close()
 
 
-def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, quiet_seconds: float = QUIET_SECONDS,
-          lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
+def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_seconds: float = DRAIN_SECONDS,
+          quiet_seconds: float = QUIET_SECONDS, lease_seconds: float = LEASE_SECONDS) -> ResizeReport:
     """Takes over the resize that was cut off and rolls it back (see the module docstring); one that had begun
-    to re-lay out its embedding tables is finished instead (past that point a shard may hold its part of the
-    new layout only: the report's outcome is "done"). ResizeConflictError if none is cut off, or its driver
-    still renews it; PSError if a shard cannot be reached (it stays cut off)."""
+    to re-lay out its embedding tables, or had set its last epoch on some shard, is finished instead (past
+    that point a shard may hold its part of the new layout only, or train without the removed shards: the
+    report's outcome is "done"; removed shards stopped after `drain_seconds`). ResizeConflictError if none is
+    cut off, or its driver still renews it; PSError if a shard cannot be reached (it stays cut off)."""
     epoch, _, _ = _current(fanout, follower)
     resize = _Driver.take_over(fanout, driver, lease_seconds, epoch)
     try:
-        if state(fanout).table_shards:
+        record = state(fanout)
+        if record.table_shards:
             _LOGGER.warning("resize %d had begun to re-lay out its embedding tables, past which it only goes "
                             "forward: finishing it instead of rolling it back", resize.id)
-            return _drive(resize, follower, fresh=False, drain_seconds=DRAIN_SECONDS, quiet_seconds=quiet_seconds)
-        return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
+        elif _only_the_end_left(resize, record):
+            _LOGGER.warning("resize %d had set its last epoch on some shards: finishing it instead of rolling it "
+                            "back", resize.id)
+        else:
+            return _roll_back(resize, follower, quiet_seconds=quiet_seconds, why=f"aborted by {driver}")
+        return _drive(resize, follower, fresh=False, drain_seconds=drain_seconds, quiet_seconds=quiet_seconds)
     finally:
         resize.close()
 
@@ -621,8 +629,17 @@ def _complete_outboxes(resize: _Driver, placement: dict[str, int]) -> None:
 
 def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seconds: float,
            quiet_seconds: float) -> ResizeReport:
-    """The resize's steps from the hold on (see the module docstring); ends it done."""
+    """The resize's steps from the hold on (see the module docstring); ends it done. Taken over with only its
+    last epoch left to set (_only_the_end_left), sets that alone: no hold, which shards a shrink removed and
+    that count no more steps could never be quiet under."""
     before, after, wide = resize.before, resize.after, resize.wide
+    if not fresh:
+        record = state(resize.fanout)
+        if _only_the_end_left(resize, record):
+            held = resize.held(range(len(after)))
+            now = {name: shard for shard, variables in held.items() for name, _ in variables}
+            moved = [(m.name, m.bytes) for m in record.moves if m.status == _STATUS.CONFIRMED]
+            return _end(resize, follower, now, moved, 0 if record.table_shards else None, drain_seconds)
     config = resize.call(0, "GetStatus", ps_pb2.StatusRequest()).config
     added = range(len(before), len(after))
     held = resize.held(range(len(wide)))
@@ -662,21 +679,50 @@ def _drive(resize: _Driver, follower: LayoutFollower, *, fresh: bool, drain_seco
             resize.report(_ACTION.MOVED, moves=[ps_pb2.ResizeMove(name=name, status=_STATUS.CONFIRMED)
                                                 for name in batch])
     table_bytes = _relayout_tables(resize, now, len(after))
-    if len(after) < len(before) or resize.hold or table_bytes is not None:  # an epoch without the removed shards,
-        resize.set_layout(after if len(after) < len(before) else wide, now, 0,  # the hold, the tables' freeze
+    return _end(resize, follower, now, [(name, sizes[name]) for name in moving], table_bytes, drain_seconds)
+
+
+def _only_the_end_left(resize: _Driver, record: ps_pb2.ResizeState) -> bool:
+    """Whether a resize taken over has only its last epoch left to set: every new shard built its tables, or
+    (a shrink) a shard that stays took that epoch already (it alone names fewer shards than the job had)."""
+    if record.tables_built:
+        return True
+    if len(resize.after) >= len(resize.before):
+        return False
+    layouts = resize.each(range(len(resize.after)), lambda shard, _: resize.layout(shard))
+    return any(len(layout.addresses) == len(resize.after) for layout in layouts.values())
+
+
+def _end(resize: _Driver, follower: LayoutFollower, now: dict[str, int], moved: list[tuple[str, int]],
+         table_bytes: int | None, drain_seconds: float) -> ResizeReport:
+    """The resize's last epoch (without the removed shards, the hold, the tables' freeze: Layout.END), its
+    record done, and the removed shards stopped after `drain_seconds` (one that cannot be reached is left to
+    its operator: logged)."""
+    before, after, wide = resize.before, resize.after, resize.wide
+    if len(after) < len(before) or resize.hold or table_bytes is not None:
+        resize.set_layout(after if len(after) < len(before) else wide, now, 0,
                           len(after) if table_bytes is not None else 0,
                           table_step=ps_pb2.Layout.END if table_bytes is not None else 0)
     seconds = time.monotonic() - resize.started if resize.started else 0.0
-    resize.report(_ACTION.END, phase=_PHASE.DONE, why=f"{len(moving)} variables moved")
+    resize.report(_ACTION.END, phase=_PHASE.DONE, why=f"{len(moved)} variables moved")
+    resize.close()  # done: its lease is renewed no more
     stopped = []
     if len(after) < len(before):
         time.sleep(drain_seconds)  # the removed shards keep answering LayoutChangedError meanwhile
-        gone = range(len(after), len(before))
-        resize.each(gone, lambda shard, _: resize.call(shard, "Shutdown", ps_pb2.ShutdownRequest(
-            reason=f"removed from the job at layout epoch {resize.epoch}")))
-        stopped = before[len(after):]
+
+        def stop(shard: int, _) -> None:
+            try:
+                resize.call(shard, "Shutdown", ps_pb2.ShutdownRequest(
+                    reason=f"removed from the job at layout epoch {resize.epoch}"))
+                stopped.append(before[shard])
+            except PSError as exc:
+                _LOGGER.warning("resize %d is done, but ps %d, which it removed, could not be stopped (%s): stop it "
+                                "(it answers every push and pull with LayoutChangedError)", resize.id, shard, exc)
+
+        resize.each(range(len(after), len(before)), stop)
+        stopped.sort(key=before.index)
     follower.refresh()
-    report = ResizeReport(resize.epoch, len(before), len(after), len(moving), sum(sizes[n] for n in moving), seconds,
+    report = ResizeReport(resize.epoch, len(before), len(after), len(moved), sum(n for _, n in moved), seconds,
                           stopped, table_bytes or 0, resize.id)
     _LOGGER.info("%s", report.line())
     return report

@@ -260,9 +260,10 @@ class ShardLayout:
         """An epoch set `table_shards` = `count` (> 0) on a shard whose tables are spread over `held` shards
         (None: it holds none), as `step` "begin" or "end" of the re-layout ("": begins one, or ends the one under
         way onto `count`; ps.proto's Layout.table_step). Returns "begun" (the tables freeze), "ended" (every old
-        shard's rows arrived) or "same" (a begin of the one under way, an end of none, or tables spread over
-        `count` already); ModeConflictError (nothing changed) for another count while one is under way, or for
-        the end of one whose rows did not all arrive. `check_only`: raises or returns, changing nothing."""
+        shard's rows arrived) or "same" (a begin of the one under way, an end of one that ended here already, or
+        tables spread over `count` already); ModeConflictError (nothing changed) for another count while one is
+        under way, for the end of one whose rows did not all arrive, or for an end where none is under way and
+        the tables are spread over another count. `check_only`: raises or returns, changing nothing."""
         if self.table_shards and count != self.table_shards:
             raise ModeConflictError(f"ps {self.index} is re-laying out its embedding tables onto "
                                     f"{self.table_shards} shards; a layout for {count} must wait for it")
@@ -275,6 +276,10 @@ class ShardLayout:
                 self.table_shards = 0
                 self._inbox, self._inbox_from, self._table_outbox, self._table_stores = {}, 0, {}, {}
             return "ended"
+        if step == "end" and not self.table_shards and held not in (None, count):
+            raise ModeConflictError(f"ps {self.index}'s embedding tables are spread over {held} shards and it is not "
+                                    f"re-laying them out: it cannot end a re-layout onto {count} (it lost that "
+                                    f"one's state?); nothing was changed")
         if self.table_shards or held == count or step == "end":
             return "same"
         if not check_only:

@@ -207,7 +207,7 @@ class Moves:
         if hold:
             _LOGGER.warning("ps %d: the hold of pushes from step %d (layout epoch %d) ended by itself: its resize "
                             "renewed nothing for %g s (its driver died or was cut off); held pushes go on. Run "
-                            "`ps-admin resize --resume` to finish the resize or `--abort` to roll it back",
+                            "`ps-admin resize --resume` to finish the resize or `--abort` to roll it back where it can",
                             self.layout.index, hold, epoch, lease)
 
     def job_members(self) -> tuple[dict[str, dict], float]:

@@ -5,8 +5,8 @@ client/resize.py) begins it here, then reports its plan and each move's
 status; every report renews the driver's lease. A driver that stops
 renewing (killed, paused, cut off) leaves the resize *cut off* once the
 lease runs out: another driver may then take it over (ps-admin resize
---resume finishes it, --abort rolls it back; a chief that starts does the
-latter), and from then on the old driver's reports are refused, so it can
+--resume finishes it, --abort rolls it back, or finishes it past its point
+of no return, below; a chief that starts does as --abort), and from then on the old driver's reports are refused, so it can
 never act on the record again. The shards are the truth of where each
 variable is (what they hold, and what their outboxes keep: layout.py); this
 record is the truth of what the resize was for and who may drive it.
@@ -94,7 +94,7 @@ class ResizeOwner:
         if self._phase == "running" and left == 0 and not self._cut_off_logged:
             self._cut_off_logged = True
             _LOGGER.warning("resize %d (%d -> %d shards) is cut off: its driver %s renewed nothing for %g s; "
-                            "ps-admin resize --resume finishes it, --abort rolls it back", self._id,
+                            "ps-admin resize --resume finishes it, --abort rolls it back where it can", self._id,
                             len(self._before), len(self._after), self._driver, self._lease)
         return {"id": self._id, "phase": self._phase, "driver": self._driver, "before": list(self._before),
                 "after": list(self._after), "hold": self._hold, "lease": self._lease, "lease_left": left,
@@ -284,7 +284,7 @@ class ResizeOwner:
         left = self._deadline - self._now()
         what = (f"its driver {self._driver} holds the lease for {left:.1f} s more: wait for it to end" if left > 0
                 else f"it was cut off: its driver {self._driver} renewed nothing for {self._lease:g} s; run "
-                     f"ps-admin resize --resume to finish it or --abort to roll it back")
+                     f"ps-admin resize --resume to finish it or --abort to roll it back where it can")
         return f"resize {self._id} ({len(self._before)} -> {len(self._after)} shards) is running: {what}"
 
     @staticmethod

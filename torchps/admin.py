@@ -9,7 +9,7 @@
         must be running (ps-server --index N --join), removed ones are stopped
     ps-admin resize --cluster CLUSTER --resume | --abort
         takes over a resize that was cut off (its driver died: ps 0 says so once its lease ran out) and
-        finishes it, or rolls it back
+        finishes it, or rolls it back (one past its point of no return is finished)
 
 CLUSTER is the cluster JSON (or a file holding it) the job started with, else TF_CONFIG's: it names ps 0,
 and the job's current shards are those of ps 0's layout. The calls carry the chief's credentials, given as
@@ -52,7 +52,9 @@ def _parser() -> ArgumentParser:
             what.add_argument("--ps", help="the job's shards after the resize, comma-separated, the current ones "
                               "first in their order (added at the end, removed from the end)")
             what.add_argument("--resume", action="store_true", help="finish the resize that was cut off")
-            what.add_argument("--abort", action="store_true", help="roll back the resize that was cut off")
+            what.add_argument("--abort", action="store_true",
+                              help="roll back the resize that was cut off (one past its point of no return: its "
+                                   "tables re-laid out or its last epoch set, is finished)")
             command.add_argument("--drain-seconds", type=float, help="how long removed shards answer before they "
                                  "are stopped (default: client/resize.py's DRAIN_SECONDS, 2)")
             command.add_argument("--lease-seconds", type=float, help="the resize's lease: should this process die, "
@@ -126,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.resume:
                     report = live_resize.resume(job.fanout, job.follower, driver=driver, **options)
                 elif args.abort:
-                    report = live_resize.abort(job.fanout, job.follower, driver=driver,
-                                               **{k: v for k, v in options.items() if k == "lease_seconds"})
+                    report = live_resize.abort(job.fanout, job.follower, driver=driver, **options)
                 else:
                     report = live_resize.run(job.fanout, job.follower,
                                              [a.strip() for a in args.ps.split(",") if a.strip()], driver=driver,

@@ -22,9 +22,10 @@ STRAGGLER_CHECK_SECONDS = 10.0  # between two looks at the workers' paces
 
 
 def repair_resize(client: PSClient) -> None:
-    """A chief that starts rolls back the live resize ps 0 records as cut off (its driver died: an earlier
-    incarnation of this chief, or a ps-admin), so nothing stays in transit; one whose driver still renews its
-    lease is left to it. Blocks while it rolls back; a failure is logged (ps-admin resize --abort remains)."""
+    """A chief that starts aborts the live resize ps 0 records as cut off (its driver died: an earlier
+    incarnation of this chief, or a ps-admin), so nothing stays in transit: rolled back, or finished past its
+    point of no return (PSClient.abort_resize); one whose driver still renews its lease is left to it. Blocks
+    meanwhile; a failure is logged (ps-admin resize --resume or --abort remains)."""
     try:
         record = client.resize_state()
         if record.phase != record.RUNNING:
@@ -34,8 +35,8 @@ def repair_resize(client: PSClient) -> None:
             return
         report = client.abort_resize()
     except PSError as exc:
-        _LOGGER.warning("could not roll back the live resize that was cut off: %s; run ps-admin resize --abort",
-                        exc)
+        _LOGGER.warning("could not abort the live resize that was cut off: %s; run ps-admin resize --resume or "
+                        "--abort", exc)
         return
     _LOGGER.warning("resize %d (driven by %s, cut off): %s", record.id, record.driver, report.line())
 

@@ -11,12 +11,16 @@ Ordering is by replies and ps 0's record (waited for with a deadline), never by 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import pathlib
 import subprocess
 import sys
 
-from torchps.client import PSClient
+import pytest
+import torch
+
+from torchps.client import Optimizer, PSClient, TaskSpec
 from torchps.cluster import Cluster
 from torchps.proto import ps_pb2
 from torchps.worker.local_cluster import LocalCluster
@@ -122,3 +126,75 @@ def _assert_finished(finished: subprocess.CompletedProcess, chief: PSClient, ref
     for k in range(4, 7):
         assert_equal(step(chief, k), step(reference, k), f"step {k}'s lookup, on 3 shards")
     assert_equal(everything(chief), everything(reference), "every row after training on")
+
+
+@pytest.mark.parametrize("with_table", [True, False], ids=["tables-built", "no-tables"])
+def test_a_sync_shrink_cut_off_in_its_last_epoch_is_finished_while_the_job_trains_on_2_shards(with_table):
+    """3 -> 2 shards, sync (R = N = 1). The dead driver (raw calls in its order) held the job, re-laid the
+    table out (with_table) and recorded it built, then set its last epoch on ps 1 alone. Once the hold's lease
+    ran out the worker follows ps 1 and trains on 2 shards, so ps 2 stays behind; abort (the chief's repair
+    too) sets only that last epoch: no hold ps 2 could never be quiet under, and the job trains on."""
+    rows = 12
+    spec = ps_pb2.TableSpec(name="t", dim=4, num_embeddings=rows, dtype=ps_pb2.FLOAT32,
+                            init=ps_pb2.TableInit(distribution="uniform", scale=1.0, seed=5),
+                            optimizer=Optimizer("sgd", lr=1.0).to_proto())
+    with LocalCluster(3) as local, PSClient(local.cluster, connect_timeout=30, partitioner=None) as chief, \
+            PSClient(local.cluster, task=TaskSpec("worker", 0), connect_timeout=30, partitioner=None) as worker:
+        chief.configure("sync", replicas_to_aggregate=1, total_num_replicas=1, lease_seconds=120)
+        chief.create_variables({"w": torch.zeros(4)}, Optimizer("sgd", lr=1.0))
+        if with_table:
+            chief.create_tables([spec])
+            worker.wait_for_tables(["t"], timeout=WAIT)
+        worker.declare({"w": torch.zeros(4)})
+        worker.join()
+
+        def push() -> int:
+            return worker.push({"w": torch.ones(4)},
+                               rows={"t": (torch.arange(rows), torch.ones(rows, 4))} if with_table else None)
+
+        push()
+        start = worker.lookup_rows({"t": torch.arange(rows)})["t"] if with_table else None
+        before, after = list(local.cluster.ps), list(local.cluster.ps[:2])
+        record = _call(chief, 0, "Resize", ps_pb2.ResizeRequest(
+            action=ps_pb2.ResizeRequest.BEGIN, driver="dead driver", before=before, after=after, lease_seconds=LEASE))
+        epoch = [_call(chief, 0, "GetLayout", ps_pb2.LayoutRequest()).epoch]
+
+        def set_layout(addresses: list[str], hold: int, shards, **tables) -> list[ps_pb2.Layout]:
+            epoch[0] += 1
+            layout = ps_pb2.Layout(epoch=epoch[0], addresses=addresses, placement={"w": 0}, hold_from_step=hold,
+                                   hold_lease_seconds=LEASE, **tables)
+            return [_call(chief, s, "SetLayout", layout) for s in shards]
+
+        hold = max(layout.hold_from_step for layout in set_layout(before, 1, (1, 2, 0)))
+        set_layout(before, hold, (1, 2, 0))
+        wait_until(lambda: all(_call(chief, s, "GetLayout", ps_pb2.LayoutRequest()).quiet for s in range(3)), WAIT,
+                   "every shard quiet under the hold")
+        end = {}
+        if with_table:
+            tables = ps_pb2.ResizeRequest(action=ps_pb2.ResizeRequest.TABLES, id=record.id, driver="dead driver",
+                                          table_shards=2, tables_from=3)
+            _call(chief, 0, "Resize", tables)
+            set_layout(before, hold, (1, 2, 0), table_shards=2, table_step=ps_pb2.Layout.BEGIN)
+            for source in range(3):
+                for target in range(2):
+                    request = ps_pb2.MoveRequest(epoch=epoch[0], to=target, tables=True)
+                    part = list(chief.call(source, lambda stub, t: stub.ExportVariables(request, timeout=t)))
+                    chief.call(target, lambda stub, t: stub.ImportVariables(iter(part), timeout=t))
+            tables.tables_built = True
+            _call(chief, 0, "Resize", tables)
+            end = {"table_shards": 2, "table_step": ps_pb2.Layout.END}
+        set_layout(after, 0, (1,), **end)  # ... and the driver dies
+        wait_until(lambda: chief.resize_state().lease_left_seconds == 0, WAIT, "the driver's lease to run out")
+        wait_until(lambda: all(_call(chief, s, "GetLayout", ps_pb2.LayoutRequest()).hold_from_step == 0
+                               for s in range(3)), WAIT, "the holds to end by their leases")
+        worker.shard_addresses()  # it follows ps 0's layout, as its next heartbeat would have it do
+        steps = [push(), push()]
+        assert worker.shard_addresses() == after and [chief.status(s).step for s in (0, 1)] == [steps[-1]] * 2
+        report = chief.abort_resize(quiet_seconds=5, lease_seconds=5, drain_seconds=0)
+        assert report.outcome == "done" and report.stopped == [before[2]], report
+        assert chief.resize_state().phase == ps_pb2.ResizeState.DONE
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            assert pool.submit(push).result(timeout=WAIT) == steps[-1] + 1
+        if with_table:
+            looked = worker.lookup_rows({"t": torch.arange(rows)})["t"]
+            assert torch.equal(looked, start - 3), "every row took each of the 3 pushes since once"

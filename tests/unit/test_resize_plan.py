@@ -84,7 +84,9 @@ def _relaying(index: int, parts: dict[int, bytes]) -> ShardLayout:
     (2, "begin", None, "begun"),          # tables spread over 2: they freeze
     (None, "begin", None, "begun"),       # an added shard
     (3, "begin", None, "same"),           # spread over 3 already (its re-layout ended before the driver died)
-    (2, "end", None, "same"),             # no re-layout under way: an end changes nothing
+    (3, "end", None, "same"),             # its re-layout ended here already: an end again changes nothing
+    (None, "end", None, "same"),          # ... a shard it removed, which dropped its part
+    (2, "end", None, "lost"),             # tables over 2 and no re-layout under way: it lost that one's state
     (2, "", None, "begun"),               # a driver that does not say: begins ...
     (2, "begin", {0: b"a"}, "same"),      # begun again while under way: nothing more, the part kept
     (2, "", {0: b"a", 1: b"b"}, "ended"),  # ... or ends the one under way
@@ -95,6 +97,11 @@ def _relaying(index: int, parts: dict[int, bytes]) -> ShardLayout:
 def test_a_tables_relayout_is_begun_and_ended_as_the_epoch_says(held, step, parts, expected):
     layout = ShardLayout(1) if parts is None else _relaying(1, parts)
     before = (layout.table_shards, layout.inbox())
+    if expected == "lost":
+        with pytest.raises(ModeConflictError, match="spread over 2 shards and it is not re-laying them out"):
+            layout.relayout_tables(3, held, step)
+        assert (layout.table_shards, layout.inbox()) == before
+        return
     if expected is ModeConflictError:
         with pytest.raises(ModeConflictError, match="cannot end yet"):
             layout.relayout_tables(3, held, step)
