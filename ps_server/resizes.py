@@ -6,8 +6,9 @@ status; every report renews the driver's lease. A driver that stops
 renewing (killed, paused, cut off) leaves the resize *cut off* once the
 lease runs out: another driver may then take it over (ps-admin resize
 --resume finishes it, --abort rolls it back, or finishes it past its point
-of no return, below; a chief that starts does as --abort), and from then on the old driver's reports are refused, so it can
-never act on the record again. The shards are the truth of where each
+of no return, below; a chief that starts does as --abort), and from then on
+the old driver's reports are refused, so it can never act on the record
+again. The shards are the truth of where each
 variable is (what they hold, and what their outboxes keep: layout.py); this
 record is the truth of what the resize was for and who may drive it.
 

@@ -4,7 +4,8 @@ there), or a driver that failed because the added shard refused its rows (its --
 recorded the re-layout first, so the resize only goes forward from there: `ps-admin resize --resume` begins it
 again (the shards that began it keep what they had: their exports are sent again, the parts they took are not
 taken twice) and ends it, and `--abort` finishes it the same way. After it every row and variable equals a RAM
-reference never resized, and training goes on exactly as it does there.
+reference never resized, and training goes on exactly as it does there. A sync shrink cut off in its last epoch,
+while the job trains on without the removed shard, is finished by setting that epoch alone.
 
 Ordering is by replies and ps 0's record (waited for with a deadline), never by sleeping.
 """
