@@ -158,6 +158,7 @@ class Follower:
                 current = self.replica.view() if self.replica.current().version else None
                 self.refusal = self.guard.refusal(current, self.replica.candidate(batches, merged))
                 if self.refusal:
+                    self.error = self.refusal  # said at once (status), not only once the round returns
                     _LOGGER.warning("ps-serve: %s: the replica keeps its version", self.refusal)
                     return False
             self.replica.publish(status.step, batches, merged, rewinds, now=time.time())

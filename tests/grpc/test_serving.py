@@ -416,8 +416,10 @@ def test_a_loss_guard_keeps_a_worse_version_from_being_served_until_training_men
                 client.push({"dense/w": torch.tensor([-0.25, 0.0])})  # loss 0 -> 0.25: within the bound
                 wait_until(lambda: serving.dense(["dense/w"]).tensors["dense/w"][0] == 0.25, TIMEOUT, "0.25 served")
                 client.push({"dense/w": torch.tensor([-1.0, -1.0])})  # 0.25 -> 1.25: refused
-                status = wait_until(lambda: (s := serving.status()).guard_refused >= 1 and s, TIMEOUT, "a refusal")
-                assert "guard refused" in status.error and status.guard_loss == 1.25 and status.guard_baseline == 0.25
+                # The guard counts a refusal, then the follower says it (two objects): waited for, both
+                status = wait_until(lambda: (s := serving.status()).guard_refused >= 1 and "guard refused" in s.error
+                                    and s, TIMEOUT, "a refusal, counted and said")
+                assert status.guard_loss == 1.25 and status.guard_baseline == 0.25
                 assert serving.dense(["dense/w"]).tensors["dense/w"].tolist() == [0.25, 0.0], "the served version"
                 said = subprocess.run([sys.executable, "-m", "torchps.serving.daemon", "status", "--at", address,
                                        "--insecure"], capture_output=True, text=True, timeout=TIMEOUT).stdout
