@@ -12,6 +12,7 @@ is by replies, process exits and files a shard wrote (waited for with a deadline
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import shutil
 import signal
@@ -66,6 +67,20 @@ def ssd_cluster(tables: pathlib.Path, *flags: str) -> LocalCluster:
                                         "--table-cache", CACHE])
 
 
+@contextlib.contextmanager
+def against_ram(tables: pathlib.Path, *flags: str, ram_flags: tuple[str, ...] = ("--no-journal",)):
+    """ssd_cluster(tables, *flags) and a reference of 2 shards keeping the tables in RAM (`ram_flags`), started at
+    once, with a client of each: yields (the SSD cluster, its client, the reference's); both stopped at the end."""
+    ssd = ssd_cluster(tables, *flags)
+    ram = LocalCluster(2, server_args=list(ram_flags))
+    try:
+        at_once("start", ssd, ram)
+        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
+            yield ssd, a, r
+    finally:
+        at_once("stop", ssd, ram)
+
+
 def train_alike(a: PSClient, r: PSClient, steps: int) -> None:
     """Both clients' setup, then steps 1..`steps` on each, their lookups equal."""
     for client in (a, r):
@@ -85,59 +100,48 @@ def assert_equal(got: dict, expected: dict, what: str) -> None:
 
 def test_a_killed_ssd_shard_comes_back_from_its_journal_then_a_checkpoint_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
-    ssd = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(ckpt))
-    ram = LocalCluster(2, server_args=["--checkpoint-dir", str(tmp_path / "reference"), "--no-journal"])
-    try:
-        at_once("start", ssd, ram)
-        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
-            train_alike(a, r, 6)
-            (table,) = [t for t in a.status(1).tables if t.name == "dyn"]
-            assert table.storage == "ssd" and table.rows > 2 * table.cache_rows > 0 and table.disk_bytes_written > 0
-            assert [t.storage for t in a.status(1).tables if t.name == "fix"] == ["ram"]
-            # 6 pushes of 1.2 MB passed the journal's 4 MiB floor: its newest base holds a copy of the store.
-            journal = ckpt / "journal" / "ps-1"
-            wait_until(lambda: any(journal.glob("base-*.stores/*/CURRENT")), WAIT, "a journal base with the stores")
-            base = sorted(journal.glob("base-*.stores/*/CURRENT"))[-1].parent.parent
-            for k in range(7, 9):  # after that base: only the log has them
-                assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
-            before = everything(r)
+    with against_ram(tmp_path / "tables", "--checkpoint-dir", str(ckpt),
+                     ram_flags=("--checkpoint-dir", str(tmp_path / "reference"), "--no-journal")) as (ssd, a, r):
+        train_alike(a, r, 6)
+        (table,) = [t for t in a.status(1).tables if t.name == "dyn"]
+        assert table.storage == "ssd" and table.rows > 2 * table.cache_rows > 0 and table.disk_bytes_written > 0
+        assert [t.storage for t in a.status(1).tables if t.name == "fix"] == ["ram"]
+        # 6 pushes of 1.2 MB passed the journal's 4 MiB floor: its newest base holds a copy of the store.
+        journal = ckpt / "journal" / "ps-1"
+        wait_until(lambda: any(journal.glob("base-*.stores/*/CURRENT")), WAIT, "a journal base with the stores")
+        base = sorted(journal.glob("base-*.stores/*/CURRENT"))[-1].parent.parent
+        for k in range(7, 9):  # after that base: only the log has them
+            assert_equal(step(a, k), step(r, k), f"step {k}'s lookup")
+        before = everything(r)
 
-            # 1. SIGKILL: the store it wrote is thrown away; the base's copy and the log's records rebuild it.
-            assert ssd.kill_ps(1) == -signal.SIGKILL
-            ssd.start_ps(1)
-            assert "recovered from the journal" in ssd.log(1)
-            assert base.exists()
-            assert_equal(everything(a), before, "after the journal's recovery")
-            assert_equal(step(a, 9), step(r, 9), "the next step after the recovery")
-            assert a.save_checkpoint(0) == r.save_checkpoint(0) == 9
-            assert (ckpt / "step-000000000009" / "ps-1.stores").is_dir()
+        # 1. SIGKILL: the store it wrote is thrown away; the base's copy and the log's records rebuild it.
+        assert ssd.kill_ps(1) == -signal.SIGKILL
+        ssd.start_ps(1)
+        assert "recovered from the journal" in ssd.log(1)
+        assert base.exists()
+        assert_equal(everything(a), before, "after the journal's recovery")
+        assert_equal(step(a, 9), step(r, 9), "the next step after the recovery")
+        assert a.save_checkpoint(0) == r.save_checkpoint(0) == 9
+        assert (ckpt / "step-000000000009" / "ps-1.stores").is_dir()
 
-            # 2. SIGKILL without the journal: the checkpoint's copy of the store is the table.
-            assert ssd.kill_ps(1) == -signal.SIGKILL
-            shutil.rmtree(ckpt / "journal" / "ps-1")
-            ssd.start_ps(1)
-            assert a.status(1).restored_step == 9
-            assert_equal(everything(a), everything(r), "after the checkpoint's restore")
-            assert_equal(step(a, 10), step(r, 10), "the next step after the restore")
-            assert_equal(everything(a), everything(r), "the next update after the restore")
-    finally:
-        at_once("stop", ssd, ram)
+        # 2. SIGKILL without the journal: the checkpoint's copy of the store is the table.
+        assert ssd.kill_ps(1) == -signal.SIGKILL
+        shutil.rmtree(ckpt / "journal" / "ps-1")
+        ssd.start_ps(1)
+        assert a.status(1).restored_step == 9
+        assert_equal(everything(a), everything(r), "after the checkpoint's restore")
+        assert_equal(step(a, 10), step(r, 10), "the next step after the restore")
+        assert_equal(everything(a), everything(r), "the next update after the restore")
 
 
 def test_a_checkpoint_of_2_ssd_shards_restores_onto_3_and_onto_1_and_trains_on_exactly(tmp_path):
     source = tmp_path / "two-shards"
-    ssd = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(source))
-    ram = LocalCluster(2, server_args=["--no-journal"])
-    try:
-        at_once("start", ssd, ram)
-        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
-            train_alike(a, r, 6)
-            assert a.save_checkpoint(0) == 6
-            assert (source / "step-000000000006" / "ps-1.stores").is_dir()
-            saved, looked = everything(r), step(r, 7)
-            after = everything(r)
-    finally:
-        at_once("stop", ssd, ram)
+    with against_ram(tmp_path / "tables", "--checkpoint-dir", str(source)) as (_, a, r):
+        train_alike(a, r, 6)
+        assert a.save_checkpoint(0) == 6
+        assert (source / "step-000000000006" / "ps-1.stores").is_dir()
+        saved, looked = everything(r), step(r, 7)
+        after = everything(r)
 
     clusters = {n: LocalCluster(n, server_args=["--restore-from", str(source), "--num-ps", str(n), "--table-storage",
                                                 "ssd", "--table-dir", str(tmp_path / f"tables-{n}"), "--table-cache",
@@ -214,24 +218,18 @@ def test_a_full_checkpoint_copies_every_table_file_and_restores_on_its_own(tmp_p
     checkpoint) holds, which RocksDB never changes; save_checkpoint(full=True) copies every one (a file of its
     own: one link), and the shards restore from it alone, the live stores and the other checkpoints gone."""
     ckpt = tmp_path / "ckpt"
-    ssd = ssd_cluster(tmp_path / "tables", "--checkpoint-dir", str(ckpt))
-    ram = LocalCluster(2, server_args=["--no-journal"])
-    try:
-        at_once("start", ssd, ram)
-        with PSClient(ssd.cluster, connect_timeout=20) as a, PSClient(ram.cluster, connect_timeout=20) as r:
-            def table_files(at: int) -> list[pathlib.Path]:
-                return sorted((ckpt / f"step-{at:012d}").glob("ps-*.stores/*/*.sst"))
+    with against_ram(tmp_path / "tables", "--checkpoint-dir", str(ckpt)) as (_, a, r):
+        def table_files(at: int) -> list[pathlib.Path]:
+            return sorted((ckpt / f"step-{at:012d}").glob("ps-*.stores/*/*.sst"))
 
-            train_alike(a, r, 4)
-            linked = a.save_checkpoint(0)  # its files shared with the live stores, as long as they keep them
-            assert table_files(linked) and all(f.stat().st_nlink > 1 for f in table_files(linked))
-            step(a, 5)
-            step(r, 5)
-            full = a.save_checkpoint(0, full=True)
-            assert table_files(full) and all(f.stat().st_nlink == 1 for f in table_files(full))
-            expected = everything(r)
-    finally:
-        at_once("stop", ssd, ram)
+        train_alike(a, r, 4)
+        linked = a.save_checkpoint(0)  # its files shared with the live stores, as long as they keep them
+        assert table_files(linked) and all(f.stat().st_nlink > 1 for f in table_files(linked))
+        step(a, 5)
+        step(r, 5)
+        full = a.save_checkpoint(0, full=True)
+        assert table_files(full) and all(f.stat().st_nlink == 1 for f in table_files(full))
+        expected = everything(r)
     shutil.rmtree(ckpt / f"step-{linked:012d}")
     shutil.rmtree(ckpt / "journal")
     shutil.rmtree(tmp_path / "tables")
