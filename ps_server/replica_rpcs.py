@@ -1,13 +1,16 @@
 """The shard's replication RPCs, a part of its servicer (servicer.ParameterServerServicer mixes it in): a
-backup's Replicate stream and ps 0's SetReplica; and the arbiter a shard asks ps 0 through. Each body is
-blocking code on the shard's pool (edge.py); the feeds are replication.Replication's, ps 0's record
-replicas.ReplicaRegistry's (through Coordinator.set_replica). The mixin reads the servicer's coordinator and
-`replication`.
+backup's Replicate stream and ps 0's SetReplica; and the arbiter a shard asks ps 0 through. SetReplica's body
+is blocking code on the shard's pool (edge.py); Replicate has a handler of its own (replicate_handler), which
+sends the frames and takes the acks on the event loop. The feeds are replication.Replication's, ps 0's
+record replicas.ReplicaRegistry's (through Coordinator.set_replica). The mixin reads the servicer's
+coordinator and `replication`.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import concurrent.futures
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -18,10 +21,11 @@ from ..security import Security
 from .auth import aborting
 from .coordinator import Coordinator
 from .replicas import ACTIONS
-from .replication import Arbiter
-from .rpc_support import map_errors
+from .edge import CallContext
+from .replication import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, Arbiter, Feed
+from .rpc_support import answering, decode_request, map_errors
 
-__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "WIRE_ACTIONS"]
+__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "WIRE_ACTIONS"]
 
 ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
 WIRE_ACTIONS = (*ACTIONS, "lease")  # ReplicaChange.Action, in order
@@ -65,18 +69,13 @@ class RoleFence(grpc.aio.ServerInterceptor):
 class ReplicaRPCs:
     """Replication RPCs of ParameterServerServicer."""
 
-    @map_errors
-    def Replicate(self, request_iterator, context):
-        acks = iter(request_iterator)
-        try:
-            hello = ps_pb2.ReplicaAck.FromString(next(acks)).hello
-        except StopIteration:
-            raise MalformedStreamError("a Replicate stream begins with the backup's hello: it sent nothing") from None
-        feed = self.replication.open(hello, self._claim_lane(hello.lane, context))  # the call's end closes it
-        context.add_callback(lambda: feed.lose("its stream ended"))
-        threading.Thread(target=self.replication.read_acks, args=(feed, acks), name="replica-acks",
-                         daemon=True).start()
-        yield from feed.frames(self.replication.layout())
+    def open_replica(self, raw: bytes, context: CallContext) -> tuple[Feed, bytes]:
+        """(Replicate's first part, on the pool: replicate_handler.) The feed the backup's hello `raw` asks for,
+        attached at a new base (Replication.open: blocks while it is written), its records' bytes on the lane
+        the hello names; and the layout, the stream's first frame. The call's end closes the lane."""
+        hello = decode_request(ps_pb2.ReplicaAck.FromString, raw).hello
+        feed = self.replication.open(hello, self._claim_lane(hello.lane, context))
+        return feed, self.replication.layout()
 
     @map_errors
     def SetReplica(self, request, context):
@@ -84,6 +83,94 @@ class ReplicaRPCs:
                                              else str(request.action), request.index, request.primary,
                                              request.backup, timeout=context.time_remaining())
         return replicas_of(request.index, entry)
+
+
+def replicate_handler(servicer, pool: concurrent.futures.Executor,
+                      fail: Callable[[str, Exception, CallContext], tuple[grpc.StatusCode, str, tuple]]):
+    """The Replicate stream's asyncio handler. Unlike edge.handler's, its frames and the backup's acks are
+    taken on the event loop itself: a record goes from the journal's writer (Feed.on_queued) to the loop
+    that sends it, an ack from the loop that reads it to the journal (Replication.acked), with no pool
+    thread between. Only the opening (the hello, the lane, the base: open_replica) and the reading of store
+    files (Feed.pieces' OFF_LOOP) run on `pool`. The feed is lost once the call ends, however it ends.
+    `fail` maps an exception to (code, details, trailing metadata), as for edge.handler."""
+
+    async def replicate(request_iterator, context):
+        loop = asyncio.get_running_loop()
+        call = CallContext(context, loop, pool)
+        context.add_done_callback(lambda _: call.end())
+        feed = None
+        try:
+            with answering(servicer, "Replicate", call):
+                acks = request_iterator.__aiter__()
+                try:
+                    raw = await acks.__anext__()
+                except StopAsyncIteration:
+                    raise MalformedStreamError("a Replicate stream begins with the backup's hello: it sent "
+                                               "nothing") from None
+                feed, layout = await asyncio.wrap_future(pool.submit(servicer.open_replica, raw, call))
+                reading = loop.create_task(_read_acks(servicer.replication, feed, acks))
+                try:
+                    async for frame in _pump(feed, layout, pool):
+                        yield frame
+                finally:
+                    reading.cancel()
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            call.end()
+            raise
+        except Exception as exc:  # noqa: BLE001 - the edge maps everything
+            code, details, trailing = fail("Replicate", exc, call)
+            await context.abort(code, details, trailing)
+        finally:
+            if feed is not None:
+                feed.lose("its stream ended")
+    return replicate
+
+
+async def _pump(feed: Feed, layout: bytes, pool: concurrent.futures.Executor) -> AsyncIterator[bytes]:
+    """Feed.pieces on the loop: each frame as it is queued, a wait where none is (woken by Feed.on_queued,
+    or after IDLE_WAKE_SECONDS: its heartbeat), its store file reads on `pool`."""
+    loop = asyncio.get_running_loop()
+    queued = asyncio.Event()
+    idle = [False]  # the loop may be waiting: a frame queued now wakes it
+
+    def wake() -> None:  # (the journal's writer, a compaction, an ack) something was queued, or the feed lost
+        if idle[0]:
+            loop.call_soon_threadsafe(queued.set)
+
+    feed.on_queued = wake
+    pieces = feed.pieces(layout)
+    off_loop = False
+    while True:
+        queued.clear()
+        idle[0] = True  # before pieces looks at the queue: whatever is queued after it looked wakes the loop
+        piece = await asyncio.wrap_future(pool.submit(next, pieces, None)) if off_loop else next(pieces, None)
+        if piece is None:
+            return
+        if piece is NOTHING_YET:
+            off_loop = False
+            try:
+                await asyncio.wait_for(queued.wait(), IDLE_WAKE_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+            continue
+        idle[0] = False
+        if piece is OFF_LOOP:
+            off_loop = True
+        else:
+            yield piece
+
+
+async def _read_acks(replication, feed: Feed, acks) -> None:
+    """Takes the backup's acks as they come, on the loop, until its stream ends: then the feed is lost."""
+    why = "its stream ended"
+    try:
+        async for raw in acks:
+            replication.acked(feed, raw)
+    except asyncio.CancelledError:
+        return  # the call ended: the handler loses the feed
+    except Exception as exc:  # noqa: BLE001 - any end of the stream loses the feed
+        why = f"its stream broke ({exc.__class__.__name__})"
+    feed.lose(why)
 
 
 def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...], security: Security

@@ -59,7 +59,8 @@ from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, P
 from ..proto import ps_pb2
 from ..wire import _key, _varint
 
-__all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_TIMEOUT_SECONDS", "REPLICATED"]
+__all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS", "NOTHING_YET",
+           "OFF_LOOP", "REPLICATED"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -71,6 +72,8 @@ LEASE_CALL_SECONDS = 0.2    # one renewal's deadline (a late one is not asked ag
 LATE_RENEWAL_SECONDS = 0.3  # renewals heard this far apart are logged (the shard or its arbiter did not run)
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
+NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
+OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
 Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout]) -> the arbiter's record
 
 
@@ -170,6 +173,8 @@ class Feed:
         self._acked = 0
         self._heard = False              # an ack came
         self.lost: str | None = None     # why the feed ended, once it did
+        # Called (outside its lock) once something was queued, or the feed lost: see pieces.
+        self.on_queued: Callable[[], None] = _nothing
 
     # -- the journal's side -------------------------------------------------------------------
 
@@ -191,6 +196,7 @@ class Feed:
             (self._frames if self._based else self._early).extend(("record", frame) for frame in frames)
             self._unacked.append((number, time.monotonic()))
             self._cond.notify_all()
+        self.on_queued()
         if not lane:
             return _nothing
         try:
@@ -206,9 +212,11 @@ class Feed:
 
     def offer_rotate(self, number: int) -> None:
         with self._cond:
-            if self.lost is None:
-                self._frames.append(("rotate", _FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString()))
-                self._cond.notify_all()
+            if self.lost is not None:
+                return
+            self._frames.append(("rotate", _FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString()))
+            self._cond.notify_all()
+        self.on_queued()
 
     def offer_base(self, number: int, head: bytes, views: list, files: Sequence[tuple[str, pathlib.Path]] = ()
                    ) -> None:
@@ -241,15 +249,31 @@ class Feed:
                 self._frames.extend(self._early)
                 self._early = []
             self._cond.notify_all()
+        self.on_queued()
 
     # -- the stream's side ----------------------------------------------------------------------
 
     def frames(self, layout: bytes) -> Iterator[bytes]:
         """The stream's serialized replies, LAYOUT first, until the feed is lost. Blocks between them."""
+        for piece in self.pieces(layout):
+            if piece is NOTHING_YET:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
+            elif piece is not OFF_LOOP:
+                yield piece
+
+    def pieces(self, layout: bytes) -> Iterator[bytes | object]:
+        """frames() without its waits, for a stream driven from an event loop (replica_rpcs.pump): where nothing
+        is queued it yields NOTHING_YET, and the caller resumes it once on_queued() was called or
+        IDLE_WAKE_SECONDS passed; before it reads a store file from disk it yields OFF_LOOP, and from then on
+        until its next NOTHING_YET the caller resumes it where blocking is allowed. Never blocks otherwise."""
         yield _FRAME(kind=_FRAME.LAYOUT, data=layout).SerializeToString()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
+                idle = not self._frames and self.lost is None
+            if idle:
+                yield NOTHING_YET
+            with self._cond:
                 if self.lost is not None:
                     return
                 if not self._files:  # everything queued at once
@@ -270,6 +294,7 @@ class Feed:
                 while batch:
                     item = batch[0]
                     if item[0] == "file":  # read as the stream takes it, the records behind its base between pieces
+                        yield OFF_LOOP
                         for piece in item[1]:
                             self._shipped.add(nbytes=len(piece))
                             yield piece
@@ -340,6 +365,7 @@ class Feed:
             self._files = 0
             self._early = []
             self._cond.notify_all()
+        self.on_queued()
         _drop(dropped)
         if self._lane is not None:
             self._lane.close()  # a send in progress fails at once
@@ -430,15 +456,10 @@ class Replication:
         """The journal's layout.json, the first frame of a feed."""
         return (self._journal().directory / "layout.json").read_bytes()
 
-    def read_acks(self, feed: Feed, acks: Iterator[bytes]) -> None:
-        """Takes the backup's acks until its stream ends (thread body); then the feed is lost."""
-        why = "its stream ended"
-        try:
-            for raw in acks:
-                feed.acked(ps_pb2.ReplicaAck.FromString(raw).written, self._journal())
-        except Exception as exc:  # noqa: BLE001 - any end of the stream loses the feed
-            why = f"its stream broke ({exc.__class__.__name__})"
-        feed.lose(why)
+    def acked(self, feed: Feed, raw: bytes) -> None:
+        """Takes one of the backup's acks (a serialized ReplicaAck). Raises for one that does not parse (the
+        stream is broken: the caller loses the feed)."""
+        feed.acked(ps_pb2.ReplicaAck.FromString(raw).written, self._journal())
 
     def _based(self, feed: Feed) -> None:
         threading.Thread(target=self._tell_in_sync, args=(feed,), name="replica-in-sync", daemon=True).start()

@@ -8,6 +8,7 @@ the server down.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -20,7 +21,7 @@ from .auth import Caller
 from .coordinator import CHIEF, WORKER
 from .edge import CallContext, CallEnded
 
-__all__ = ["MAX_LIST_WAIT_SECONDS", "decode_request", "decoded", "map_errors", "remaining", "require_active",
+__all__ = ["answering", "MAX_LIST_WAIT_SECONDS", "decode_request", "decoded", "map_errors", "remaining", "require_active",
            "status_of", "step_authority"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -70,35 +71,35 @@ def require_active(context: CallContext) -> None:
         raise MalformedStreamError("the call ended before the stream was complete; nothing was applied")
 
 
+@contextlib.contextmanager
+def answering(servicer, name: str, context: CallContext):
+    """Held while `servicer` answers call `name`: checks the caller's role and the client's quota of calls
+    (raising as those do), counts the call started and, at its end, finished."""
+    servicer.calls_started.add()
+    try:
+        caller = servicer.authority.caller(name, context)
+        with servicer.quotas.call(caller.name or context.peer()):
+            yield
+    finally:
+        servicer.calls_done.add()
+        if servicer.metrics is not None:
+            servicer.metrics.answered(name)
+
+
 def map_errors(method):
-    """Checks the caller's role and the client's quota of calls, then runs a handler's body (edge.handler maps
-    what it raises); counts finished calls. A generator body (streaming replies, or yielding its waits) stays
-    one."""
+    """Runs a handler's body while answering() its call (edge.handler maps what it raises). A generator body
+    (streaming replies, or yielding its waits) stays one."""
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def waiting(self, request, context):
-            self.calls_started.add()
-            try:
-                caller = self.authority.caller(method.__name__, context)
-                with self.quotas.call(caller.name or context.peer()):
-                    return (yield from method(self, request, context))
-            finally:
-                self.calls_done.add()
-                if self.metrics is not None:
-                    self.metrics.answered(method.__name__)
+            with answering(self, method.__name__, context):
+                return (yield from method(self, request, context))
         return waiting
 
     @functools.wraps(method)
     def unary(self, request, context):
-        self.calls_started.add()
-        try:
-            caller = self.authority.caller(method.__name__, context)
-            with self.quotas.call(caller.name or context.peer()):
-                return method(self, request, context)
-        finally:
-            self.calls_done.add()
-            if self.metrics is not None:
-                self.metrics.answered(method.__name__)
+        with answering(self, method.__name__, context):
+            return method(self, request, context)
     return unary
 
 

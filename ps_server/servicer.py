@@ -40,7 +40,7 @@ from .control_rpcs import ControlRPCs
 from .coordinator import Coordinator
 from .edge import CallContext, handler
 from .job_rpcs import JobRPCs
-from .replica_rpcs import ReplicaRPCs
+from .replica_rpcs import ReplicaRPCs, replicate_handler
 from .replication import Replication
 from .resize_rpcs import ResizeRPCs
 from .metrics import ShardMetrics
@@ -706,7 +706,7 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
             ps_pb2.MoveResponse.SerializeToString),
         "Resize": on_loop(unary, servicer.Resize, ps_pb2.ResizeRequest.FromString,
             ps_pb2.ResizeState.SerializeToString),
-        "Replicate": on_loop(stream_stream, servicer.Replicate, None, bytes),  # yields serialized frames
+        "Replicate": stream_stream(replicate_handler(servicer, pool, fail), None, bytes),  # serialized frames
         "SetReplica": on_loop(unary, servicer.SetReplica, ps_pb2.ReplicaChange.FromString,
             ps_pb2.ShardReplicas.SerializeToString),
         "ReadChanges": on_loop(unary_stream, servicer.ReadChanges, ps_pb2.ChangesRequest.FromString,

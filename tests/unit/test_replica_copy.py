@@ -303,3 +303,48 @@ def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(
     assert replication.feeds_lost == 0 and primary.following() is first and asked == []
     first.lose("test over")
     primary.close()
+
+
+def test_pieces_say_where_nothing_is_queued_and_before_a_file_and_the_feed_calls_on_queued(tmp_path):
+    """Feed.pieces, the stream as the event loop drives it (replica_rpcs._pump): NOTHING_YET where nothing is
+    queued, after which a record offered meanwhile comes; OFF_LOOP before a store file is read; on_queued is
+    called for a record, a rotation, a base and the feed's loss."""
+    from torchps.ps_server.replication import NOTHING_YET, OFF_LOOP
+
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, _ = _feed()
+    woken = []
+    feed.on_queued = lambda: woken.append(feed.lag()[1])
+    number = primary.rotate(follower=feed)
+    state = {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}
+    primary.finish_compaction(number, primary.write_base(number, state))
+    feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+    assert woken, "a base offered did not call on_queued"
+    pieces = feed.pieces(b"{}")
+    kinds = [ps_pb2.ReplicaFrame.FromString(next(pieces)).kind]
+    while (piece := next(pieces)) is not NOTHING_YET:
+        kinds.append(ps_pb2.ReplicaFrame.FromString(piece).kind)
+    assert kinds[0] == ps_pb2.ReplicaFrame.LAYOUT and kinds[-1] == ps_pb2.ReplicaFrame.BASE
+    calls = len(woken)
+    primary.append("push", {"seq": 1}, {"w": torch.ones(3)})
+    _offered(feed, 2)  # the base, unacknowledged, and the record
+    assert len(woken) > calls, "a record offered did not call on_queued"
+    record = []
+    while (piece := next(pieces)) is not NOTHING_YET:  # the record's frames (12 bytes each at most)
+        record.append(ps_pb2.ReplicaFrame.FromString(piece))
+    assert record and {frame.kind for frame in record} == {ps_pb2.ReplicaFrame.RECORD} and record[-1].last
+    shipping = tmp_path / "primary" / ".shipping" / "base-000009.stores" / "t-0"
+    shipping.mkdir(parents=True)
+    (shipping / "000001.sst").write_bytes(b"x" * 30)
+    calls = len(woken)
+    feed.offer_base(9, *journal_log.encode("base", {}, journal_log.state_record(state)),
+                    files=[("base-000009.stores/t-0/000001.sst", shipping / "000001.sst")])
+    assert len(woken) > calls
+    assert next(pieces) is OFF_LOOP
+    assert ps_pb2.ReplicaFrame.FromString(next(pieces)).kind == ps_pb2.ReplicaFrame.FILE
+    calls = len(woken)
+    feed.lose("its stream ended")
+    assert len(woken) > calls, "the feed's loss did not call on_queued"
+    assert list(pieces) == []
+    primary.close()
