@@ -22,7 +22,7 @@ from .auth import aborting
 from .coordinator import Coordinator
 from .replicas import ACTIONS
 from .edge import CallContext
-from .replication import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, Arbiter, Feed
+from .replication import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Arbiter, Feed
 from .rpc_support import answering, decode_request, map_errors
 
 __all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "WIRE_ACTIONS"]
@@ -72,9 +72,11 @@ class ReplicaRPCs:
     def open_replica(self, raw: bytes, context: CallContext) -> tuple[Feed, bytes]:
         """(Replicate's first part, on the pool: replicate_handler.) The feed the backup's hello `raw` asks for,
         attached at a new base (Replication.open: blocks while it is written), its records' bytes on the lane
-        the hello names; and the layout, the stream's first frame. The call's end closes the lane."""
+        the hello names; and the layout, the stream's first frame. The call's end (on the pool, at once if it
+        ended meanwhile) loses the feed and closes the lane."""
         hello = decode_request(ps_pb2.ReplicaAck.FromString, raw).hello
         feed = self.replication.open(hello, self._claim_lane(hello.lane, context))
+        context.add_callback(lambda: feed.lose("its stream ended"))
         return feed, self.replication.layout()
 
     @map_errors
@@ -90,15 +92,15 @@ def replicate_handler(servicer, pool: concurrent.futures.Executor,
     """The Replicate stream's asyncio handler. Unlike edge.handler's, its frames and the backup's acks are
     taken on the event loop itself: a record goes from the journal's writer (Feed.on_queued) to the loop
     that sends it, an ack from the loop that reads it to the journal (Replication.acked), with no pool
-    thread between. Only the opening (the hello, the lane, the base: open_replica) and the reading of store
-    files (Feed.pieces' OFF_LOOP) run on `pool`. The feed is lost once the call ends, however it ends.
-    `fail` maps an exception to (code, details, trailing metadata), as for edge.handler."""
+    thread between. The opening (the hello, the lane, the base: open_replica) runs on `pool`, the reading
+    of store files (Feed.pieces' OFF_LOOP) on a thread of the stream's own, and the feed's loss, once the
+    call ended however it ended, on `pool`. `fail` maps an exception to (code, details, trailing
+    metadata), as for edge.handler."""
 
     async def replicate(request_iterator, context):
         loop = asyncio.get_running_loop()
         call = CallContext(context, loop, pool)
         context.add_done_callback(lambda _: call.end())
-        feed = None
         try:
             with answering(servicer, "Replicate", call):
                 acks = request_iterator.__aiter__()
@@ -108,9 +110,9 @@ def replicate_handler(servicer, pool: concurrent.futures.Executor,
                     raise MalformedStreamError("a Replicate stream begins with the backup's hello: it sent "
                                                "nothing") from None
                 feed, layout = await asyncio.wrap_future(pool.submit(servicer.open_replica, raw, call))
-                reading = loop.create_task(_read_acks(servicer.replication, feed, acks))
+                reading = loop.create_task(_read_acks(servicer.replication, feed, acks, pool))
                 try:
-                    async for frame in _pump(feed, layout, pool):
+                    async for frame in _pump(feed, layout):
                         yield frame
                 finally:
                     reading.cancel()
@@ -120,15 +122,13 @@ def replicate_handler(servicer, pool: concurrent.futures.Executor,
         except Exception as exc:  # noqa: BLE001 - the edge maps everything
             code, details, trailing = fail("Replicate", exc, call)
             await context.abort(code, details, trailing)
-        finally:
-            if feed is not None:
-                feed.lose("its stream ended")
     return replicate
 
 
-async def _pump(feed: Feed, layout: bytes, pool: concurrent.futures.Executor) -> AsyncIterator[bytes]:
+async def _pump(feed: Feed, layout: bytes) -> AsyncIterator[bytes]:
     """Feed.pieces on the loop: each frame as it is queued, a wait where none is (woken by Feed.on_queued,
-    or after IDLE_WAKE_SECONDS: its heartbeat), its store file reads on `pool`."""
+    or after IDLE_WAKE_SECONDS: its heartbeat), its store files read on a thread of its own (never the
+    shard's pool, whose threads may all wait for this stream's acks)."""
     loop = asyncio.get_running_loop()
     queued = asyncio.Event()
     idle = [False]  # the loop may be waiting: a frame queued now wakes it
@@ -139,38 +139,56 @@ async def _pump(feed: Feed, layout: bytes, pool: concurrent.futures.Executor) ->
 
     feed.on_queued = wake
     pieces = feed.pieces(layout)
-    off_loop = False
-    while True:
-        queued.clear()
-        idle[0] = True  # before pieces looks at the queue: whatever is queued after it looked wakes the loop
-        piece = await asyncio.wrap_future(pool.submit(next, pieces, None)) if off_loop else next(pieces, None)
-        if piece is None:
-            return
-        if piece is NOTHING_YET:
-            off_loop = False
-            try:
-                await asyncio.wait_for(queued.wait(), IDLE_WAKE_SECONDS)
-            except asyncio.TimeoutError:
-                pass
-            continue
-        idle[0] = False
-        if piece is OFF_LOOP:
-            off_loop = True
+    files: concurrent.futures.ThreadPoolExecutor | None = None
+    reading: concurrent.futures.Future | None = None  # a next() of pieces on that thread
+    try:
+        while True:
+            queued.clear()
+            idle[0] = True  # before pieces looks at the queue: whatever is queued after it looked wakes the loop
+            if files is None:
+                piece = next(pieces, None)
+            else:
+                reading = files.submit(next, pieces, None)
+                piece = await asyncio.wrap_future(reading)
+                reading = None
+            if piece is None:
+                return
+            if piece is NOTHING_YET:
+                try:
+                    async with asyncio.timeout(IDLE_WAKE_SECONDS):
+                        await queued.wait()
+                except TimeoutError:
+                    pass
+                continue
+            idle[0] = False
+            if piece is OFF_LOOP:
+                files = files or concurrent.futures.ThreadPoolExecutor(1, "replica-files")
+            elif piece is ON_LOOP:
+                files.shutdown(wait=False)
+                files = None
+            else:
+                yield piece
+    finally:  # its store links not sent go with it (a next() still running on the files' thread closes it after)
+        if reading is not None:
+            reading.add_done_callback(lambda _: pieces.close())
         else:
-            yield piece
+            pieces.close()
+        if files is not None:
+            files.shutdown(wait=False)
 
 
-async def _read_acks(replication, feed: Feed, acks) -> None:
-    """Takes the backup's acks as they come, on the loop, until its stream ends: then the feed is lost."""
+async def _read_acks(replication, feed: Feed, acks, pool: concurrent.futures.Executor) -> None:
+    """Takes the backup's acks as they come, on the loop, until its stream ends: then the feed is lost (on
+    `pool`)."""
     why = "its stream ended"
     try:
         async for raw in acks:
             replication.acked(feed, raw)
     except asyncio.CancelledError:
-        return  # the call ended: the handler loses the feed
+        return  # the call ended: its end loses the feed
     except Exception as exc:  # noqa: BLE001 - any end of the stream loses the feed
         why = f"its stream broke ({exc.__class__.__name__})"
-    feed.lose(why)
+    pool.submit(feed.lose, why)
 
 
 def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...], security: Security

@@ -60,7 +60,7 @@ from ..proto import ps_pb2
 from ..wire import _key, _varint
 
 __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS", "NOTHING_YET",
-           "OFF_LOOP", "REPLICATED"]
+           "OFF_LOOP", "ON_LOOP", "REPLICATED"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -74,6 +74,7 @@ _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
 NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
 OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
+ON_LOOP = object()      # Feed.pieces: the file was read (it blocks no more)
 Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout]) -> the arbiter's record
 
 
@@ -140,7 +141,7 @@ def _nothing() -> None:
 
 class Feed:
     """One backup's stream of this shard's journal (see the module docstring). Thread-safe: the journal's
-    writer and compaction offer, the stream's body takes frames (frames()), the ack reader acks.
+    writer and compaction offer, the stream takes frames (pieces()), the backup's acks are taken (acked()).
 
     The queue holds (kind, ...) items in offer order: ("rotate", bytes), ("frame", bytes) (a base's frames or
     named files: "base" for a BASE's last), ("record", bytes) and ("file", its frames, the file).
@@ -253,20 +254,12 @@ class Feed:
 
     # -- the stream's side ----------------------------------------------------------------------
 
-    def frames(self, layout: bytes) -> Iterator[bytes]:
-        """The stream's serialized replies, LAYOUT first, until the feed is lost. Blocks between them."""
-        for piece in self.pieces(layout):
-            if piece is NOTHING_YET:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._frames or self.lost is not None, IDLE_WAKE_SECONDS)
-            elif piece is not OFF_LOOP:
-                yield piece
-
     def pieces(self, layout: bytes) -> Iterator[bytes | object]:
-        """frames() without its waits, for a stream driven from an event loop (replica_rpcs.pump): where nothing
-        is queued it yields NOTHING_YET, and the caller resumes it once on_queued() was called or
-        IDLE_WAKE_SECONDS passed; before it reads a store file from disk it yields OFF_LOOP, and from then on
-        until its next NOTHING_YET the caller resumes it where blocking is allowed. Never blocks otherwise."""
+        """The stream's serialized replies, LAYOUT first, until the feed is lost, for a stream driven from an
+        event loop (replica_rpcs._pump). Where nothing is queued it yields NOTHING_YET, and the caller resumes
+        it once on_queued() was called or IDLE_WAKE_SECONDS passed. Before it reads a store file from disk
+        (or lets queued ones go, losing the feed) it yields OFF_LOOP, and ON_LOOP once that is over: between
+        the two the caller resumes it where blocking is allowed. Never blocks otherwise."""
         yield _FRAME(kind=_FRAME.LAYOUT, data=layout).SerializeToString()
         while True:
             with self._cond:
@@ -285,6 +278,8 @@ class Feed:
                     self._files -= batch[-1][0] == "file"
                 overdue = self._unacked and time.monotonic() - self._unacked[0][1] > self._ack_timeout
             if overdue:
+                if self._files or any(item[0] == "file" for item in batch):
+                    yield OFF_LOOP  # their links are removed
                 _drop(batch)
                 self.lose(f"it left a record unacknowledged for over {self._ack_timeout:g} s")
                 return
@@ -304,6 +299,7 @@ class Feed:
                                 return
                         self._shipped.add(files=1)
                         self._restamp()
+                        yield ON_LOOP
                     else:
                         if item[0] == "base" and not self._base_sent:
                             with self._cond:  # what is offered from now on follows it

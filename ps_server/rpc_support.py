@@ -21,8 +21,8 @@ from .auth import Caller
 from .coordinator import CHIEF, WORKER
 from .edge import CallContext, CallEnded
 
-__all__ = ["answering", "MAX_LIST_WAIT_SECONDS", "decode_request", "decoded", "map_errors", "remaining", "require_active",
-           "status_of", "step_authority"]
+__all__ = ["MAX_LIST_WAIT_SECONDS", "answering", "decode_request", "decoded", "map_errors", "remaining",
+           "require_active", "status_of", "step_authority"]
 
 _LOGGER = logging.getLogger(__name__)
 MAX_LIST_WAIT_SECONDS = 60.0  # a ListVariables or ListTables wait holds an RPC thread; clients repeat shorter waits

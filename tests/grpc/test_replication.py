@@ -17,6 +17,7 @@ from torchps.client import Optimizer, PSClient
 from torchps.client.channels import ShardChannels
 from torchps.cluster import Cluster, TaskSpec
 from torchps.errors import LeaseHeldError, ReplicaFencedError
+from torchps.partitioning import NoPartitioner
 from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.backup import FAILOVER_AFTER_SECONDS, arbiter_channels, record_of
 from torchps.ps_server.failstop import EXIT_CODE
@@ -540,3 +541,32 @@ def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp
 
 def local_log(tmp_path) -> str:
     return (tmp_path / "ps1.log").read_text(errors="replace")
+
+
+def test_a_backup_gone_while_its_base_is_written_leaves_no_feed_the_primary_waits_for(tmp_path):
+    """A backup's Replicate call is cancelled while the primary writes the base it attached that backup at (64
+    MB of variables: the new log is there, the base not yet): the feed is lost at once, so the primary's next
+    push is acknowledged without a backup."""
+    p0, p1 = free_ports(2)
+    spec = json.dumps({"ps": [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"], "worker": ["127.0.0.1:1"]})
+    with LocalCluster(2, ports=[p0, p1], server_args=["--cluster", spec, "--checkpoint-dir", str(tmp_path / "ck")],
+                      log_dir=tmp_path) as local:
+        with PSClient(Cluster.from_json(spec), connect_timeout=30, timeout=20, partitioner=NoPartitioner()) as ps:
+            shapes = {name: (8 << 20,) for name in ("a0", "b0", "a1", "b1")}  # 32 MB each, b0 and b1 on ps:1
+            ps.create_variables({name: torch.zeros(shape) for name, shape in shapes.items()}, Optimizer("sgd", lr=1.0))
+            assert [ps.placement.shard_of(name) for name in shapes] == [0, 1, 0, 1]
+            folder = tmp_path / "ck" / "journal" / "ps-1"
+            logs = set(folder.glob("log-*.bin"))
+            channel = grpc.insecure_channel(local.address(1))
+            hello = ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=1, address="127.0.0.1:9"))
+            call = ps_pb2_grpc.ParameterServerStub(channel).Replicate(iter([hello]), timeout=60)
+            wait_until(lambda: set(folder.glob("log-*.bin")) - logs, 30, "ps:1 to attach the backup at a new log",
+                       interval=0.001)
+            call.cancel()  # while the base is written
+            channel.close()
+            stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(local.address(1)))
+            wait_until(lambda: stub.GetStatus(ps_pb2.StatusRequest(), timeout=10).replication.feeds_lost == 1, 30,
+                       "ps:1 to count the backup's feed lost")
+            ps.push({"b0": torch.ones(8 << 20)})  # acknowledged without a backup, within the client's 20 s
+            status = stub.GetStatus(ps_pb2.StatusRequest(), timeout=10).replication
+            assert status.backup == ""

@@ -3,6 +3,7 @@ same records and state as the primary's own journal: tensors of any length (not 
 cut into pieces, rotations and a later compaction's base. No gRPC, no processes."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log
 from torchps.ps_server.backup import Mirror
 from torchps.ps_server.journal import Journal
-from torchps.ps_server.replication import Feed
+from torchps.ps_server.replication import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
 
 ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
@@ -23,6 +24,19 @@ def _feed(lane=None) -> tuple[Feed, list]:
     lost = []
     return Feed("b:1", chunk_bytes=12, ack_timeout=60, on_lost=lambda feed, why: lost.append(why),
                 on_based=lambda feed: None, lane=lane), lost
+
+
+def _frames(feed: Feed, layout: bytes):
+    """Feed.pieces as a blocking stream, woken as replica_rpcs._pump is: where nothing is queued it waits for
+    on_queued (IDLE_WAKE_SECONDS at most, then a heartbeat comes); it reads files where it is."""
+    queued = threading.Event()
+    feed.on_queued = queued.set
+    for piece in feed.pieces(layout):
+        if piece is NOTHING_YET:
+            queued.wait(IDLE_WAKE_SECONDS)
+            queued.clear()  # before pieces looks at the queue again
+        elif piece is not OFF_LOOP and piece is not ON_LOOP:
+            yield piece
 
 
 def _records(journal: Journal):
@@ -35,7 +49,7 @@ def _copy(feed: Feed, folder, lane=None, seen: list | None = None) -> list[int]:
     end `lane`); returns the bases' acknowledgements. `seen`: gets every frame."""
     mirror = Mirror(folder, sync=False, lane=lane)
     acked = []
-    for raw in feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
+    for raw in _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
         frame = ps_pb2.ReplicaFrame.FromString(raw)
         if seen is not None:
             seen.append(frame)
@@ -86,7 +100,7 @@ def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path, on_a_lane)
     primary.append("apply", {"i": -1}, ODD)  # before the base went out: in the frames
     _offered(feed, 2)  # the base and that record
     mirror = Mirror(tmp_path / "copy", sync=False, lane=ends[1])
-    stream = feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
     taken = []
     while True:  # the base, and the record queued behind it
         frame = ps_pb2.ReplicaFrame.FromString(next(stream))
@@ -218,7 +232,7 @@ def test_records_pass_a_later_bases_store_files_and_never_the_first_base(tmp_pat
     feed, lost = _feed()
     _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
     primary.append("apply", {"i": 0}, ODD)
-    stream = feed.frames(b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
     mirror = Mirror(tmp_path / "copy", sync=False)
     kinds = []
 
@@ -275,7 +289,7 @@ def test_a_stream_ended_mid_file_lets_the_files_links_go(tmp_path):
         (shipping / name).write_bytes(b"x" * 100)
         files.append((f"base-{number:06d}.stores/t-0/{name}", shipping / name))
     feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)), files=files)
-    stream = feed.frames(b"{}")
+    stream = _frames(feed, b"{}")
     next(stream)  # LAYOUT
     assert ps_pb2.ReplicaFrame.FromString(next(stream)).kind == ps_pb2.ReplicaFrame.FILE
     stream.close()  # as gRPC leaves a cancelled call's generator
@@ -307,10 +321,8 @@ def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(
 
 def test_pieces_say_where_nothing_is_queued_and_before_a_file_and_the_feed_calls_on_queued(tmp_path):
     """Feed.pieces, the stream as the event loop drives it (replica_rpcs._pump): NOTHING_YET where nothing is
-    queued, after which a record offered meanwhile comes; OFF_LOOP before a store file is read; on_queued is
-    called for a record, a rotation, a base and the feed's loss."""
-    from torchps.ps_server.replication import NOTHING_YET, OFF_LOOP
-
+    queued, after which a record offered meanwhile comes; OFF_LOOP before a store file is read, ON_LOOP after
+    it; on_queued is called for a record, a base and the feed's loss."""
     primary = Journal(tmp_path / "primary")
     primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
     feed, _ = _feed()
@@ -342,7 +354,10 @@ def test_pieces_say_where_nothing_is_queued_and_before_a_file_and_the_feed_calls
                     files=[("base-000009.stores/t-0/000001.sst", shipping / "000001.sst")])
     assert len(woken) > calls
     assert next(pieces) is OFF_LOOP
-    assert ps_pb2.ReplicaFrame.FromString(next(pieces)).kind == ps_pb2.ReplicaFrame.FILE
+    file = []
+    while (piece := next(pieces)) is not ON_LOOP:  # the file's pieces (12 bytes each at most)
+        file.append(ps_pb2.ReplicaFrame.FromString(piece))
+    assert [frame.kind for frame in file] == [ps_pb2.ReplicaFrame.FILE] * 3 and file[-1].last
     calls = len(woken)
     feed.lose("its stream ended")
     assert len(woken) > calls, "the feed's loss did not call on_queued"
