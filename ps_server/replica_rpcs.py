@@ -139,13 +139,14 @@ async def _pump(feed: Feed, layout: bytes) -> AsyncIterator[bytes]:
 
     feed.on_queued = wake
     pieces = feed.pieces(layout)
-    files: concurrent.futures.ThreadPoolExecutor | None = None
+    files: concurrent.futures.ThreadPoolExecutor | None = None  # made at the stream's first store file
+    off_loop = False  # pieces reads a file: it is resumed on that thread
     reading: concurrent.futures.Future | None = None  # a next() of pieces on that thread
     try:
         while True:
             queued.clear()
             idle[0] = True  # before pieces looks at the queue: whatever is queued after it looked wakes the loop
-            if files is None:
+            if not off_loop:
                 piece = next(pieces, None)
             else:
                 reading = files.submit(next, pieces, None)
@@ -163,9 +164,9 @@ async def _pump(feed: Feed, layout: bytes) -> AsyncIterator[bytes]:
             idle[0] = False
             if piece is OFF_LOOP:
                 files = files or concurrent.futures.ThreadPoolExecutor(1, "replica-files")
+                off_loop = True
             elif piece is ON_LOOP:
-                files.shutdown(wait=False)
-                files = None
+                off_loop = False
             else:
                 yield piece
     finally:  # its store links not sent go with it (a next() still running on the files' thread closes it after)
