@@ -110,10 +110,10 @@ def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path, on_a_lane)
     for i in range(3):  # after it: on the lane, if there is one
         primary.append("apply", {"i": i}, {name: t + i for name, t in ODD.items()})
     primary.acked(feed, 10**9)
+    primary.wait(timeout=10)  # all three offered (the writer offers a record before it counts it written)
     while (frame := ps_pb2.ReplicaFrame.FromString(next(stream))).kind != ps_pb2.ReplicaFrame.HEARTBEAT:
         taken.append(frame)
         mirror.take(frame)
-    primary.wait(timeout=10)
     mirror.journal.wait(timeout=10)
     mirror.close()
     assert not lost
