@@ -6,7 +6,9 @@ into its own journal folder, in the primary's order and with its log
 numbers (Mirror): the primary's layout, a base, then every record and
 rotation, and the base of every later compaction. It acknowledges each
 record once its own journal wrote it (into the page cache; onto the disk
-with --journal-sync), and the primary acknowledges nothing before that.
+with --journal-sync), and the primary acknowledges nothing before that. A
+record whose bytes come on the bulk lane is handed to the journal's writer
+when its frame comes, and written a piece at a time as its bytes arrive.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
 s while this backup runs (its own pause or starvation restarts the count; a
@@ -48,6 +50,7 @@ import queue
 import shutil
 import threading
 import time
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -102,7 +105,7 @@ class Mirror:
         self._piece: list | None = None  # [frame kind, number, written, head, pieces] of a record in pieces
         # (local record, the primary's number for it, the lane buffer it was read into or None), not acknowledged
         self._pairs: collections.deque[tuple[int, int, object]] = collections.deque()
-        self._spare: dict[int, np.ndarray] = {}  # a lane buffer per size, free again once its record was written
+        self._spare: dict[int, np.ndarray] = {}  # a lane buffer per size, free again once its record (base) was written
         self.lane_since: float | None = None  # when it began to wait for a record's bytes on the lane, None if not
         self._cond = threading.Condition(threading.Lock())
 
@@ -131,21 +134,32 @@ class Mirror:
         kind, number, written, head, pieces = self._piece
         self._piece = None
         buffer = None
-        if frame.lane_bytes:
-            buffer = self._read_lane(frame.lane_bytes)
-            data = journal_log.split(head, buffer)
-        else:
-            data = [memoryview(piece) for piece in pieces]  # written piece by piece: no copy to join them
         if kind == _FRAME.RECORD:
             self._need_journal()
+            if frame.lane_bytes:  # written as its bytes come
+                buffer = self._spare_buffer(frame.lane_bytes)
+                arrival = _Arrival()
+                local = self.journal.append_encoded(head, journal_log.split(head, buffer), arrival.wait)
+                try:
+                    self._read_lane(buffer, arrival.came)
+                finally:
+                    arrival.stop()
+            else:  # written piece by piece: no copy to join them
+                local = self.journal.append_encoded(head, [memoryview(piece) for piece in pieces])
             with self._cond:
-                self._pairs.append((self.journal.append_encoded(head, data), written, buffer))
+                self._pairs.append((local, written, buffer))
                 self._cond.notify_all()
             kind = journal_log.kind_of(head)
             self.finished = self.finished or kind == "finish"
             if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
                 self.replica_events.append(journal_log.meta_of(head))
             return None
+        if frame.lane_bytes:
+            buffer = self._spare_buffer(frame.lane_bytes)
+            self._read_lane(buffer)
+            data = journal_log.split(head, buffer)
+        else:
+            data = [memoryview(piece) for piece in pieces]
         if self._file is not None:
             raise MalformedStreamError(f"the primary sent a base before the end of the file {self._file[0]}")
         if self.journal is None:  # the stream's first base: the copy begins again from it
@@ -153,6 +167,9 @@ class Mirror:
             return written
         self._place_files()
         self.journal.finish_compaction(number, self.journal.write_encoded_base(number, head, data))
+        if buffer is not None:  # written: the next base's bytes are read into it
+            with self._cond:
+                self._spare.setdefault(len(buffer), buffer)
         return None
 
     def _take_file(self, frame: ps_pb2.ReplicaFrame) -> None:
@@ -207,22 +224,29 @@ class Mirror:
         if self.sync:
             fsync_dir(self.folder)
 
-    def _read_lane(self, nbytes: int) -> bytearray:
-        """The next frame of the lane, `nbytes` of a record's tensors (lane_since is set while it waits for them).
-        MalformedStreamError without a lane; LaneBrokenError if it breaks, is closed, or stalls (LANE_SECONDS)."""
-        if self.lane is None:
-            raise MalformedStreamError("the primary sent a record's bytes on a lane this stream does not have")
+    def _spare_buffer(self, nbytes: int) -> np.ndarray:
+        """A buffer of `nbytes` for a lane frame: a spare one of that size (its pages mapped already), or a
+        new one (not zeroed)."""
         with self._cond:
             buffer = self._spare.pop(nbytes, None)
-        if buffer is None:
-            buffer = np.empty(nbytes, dtype=np.uint8)  # not zeroed; reused once written, its pages mapped already
+        return np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer
+
+    def _read_lane(self, buffer: np.ndarray, came: Callable[[int], None] | None = None) -> None:
+        """Reads the lane's next frame, a record's tensors, into `buffer` (its length), a PIECE at a time, each
+        told to `came` (the bytes read so far); lane_since is set while it waits for them. MalformedStreamError
+        without a lane; LaneBrokenError if it breaks, is closed, or stalls (LANE_SECONDS)."""
+        if self.lane is None:
+            raise MalformedStreamError("the primary sent a record's bytes on a lane this stream does not have")
+        view = memoryview(buffer)
         self.lane_since = time.monotonic()
         try:
-            self.lane.begin(nbytes, LANE_SECONDS)
-            self.lane.read_into(memoryview(buffer))
+            self.lane.begin(len(view), LANE_SECONDS)
+            for at in range(0, len(view), journal_log.PIECE):
+                self.lane.read_into(view[at:at + journal_log.PIECE])
+                if came is not None:
+                    came(min(len(view), at + journal_log.PIECE))
         finally:
             self.lane_since = None
-        return buffer
 
     def _need_journal(self) -> None:
         if self.journal is None:
@@ -259,6 +283,33 @@ class Mirror:
         shutil.rmtree(self.incoming, ignore_errors=True)
         if self.journal is not None:
             self.journal.close()
+
+
+class _Arrival:
+    """A record's bytes coming off the lane while the journal's writer writes them: the stream's thread says how
+    many came (came) and, once it reads no more, stop(); the writer waits for each piece (wait)."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._came, self._stopped = 0, False
+
+    def came(self, nbytes: int) -> None:
+        with self._cond:
+            self._came = nbytes
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def wait(self, nbytes: int) -> None:
+        """Blocks until `nbytes` came; journal_log.Abandoned if the reading stopped first."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._came >= nbytes or self._stopped)
+            if self._came < nbytes:
+                raise journal_log.Abandoned(f"a record's bytes stopped coming on the bulk lane after {self._came} "
+                                            f"of them")
 
 
 class Backup:

@@ -136,7 +136,7 @@ class Journal:
         self._on_failure = on_failure
         # guards everything below but the writer's own
         self._cond = threading.Condition(checked(threading.Lock(), "journal", "the journal's queue"))
-        self._queue: list[tuple] = []   # ("record", number, head, views) and ("rotate", log number)
+        self._queue: list[tuple] = []   # ("record", number, head, views, ready or None) and ("rotate", log number)
         self._appended = 0              # records numbered so far
         self._written = 0               # records written (synced, with `sync`) so far, in order
         self._number = -1               # the log appends go to
@@ -330,12 +330,15 @@ class Journal:
         reference to them. ServerUnavailableError once the journal failed."""
         return self.append_encoded(*journal_log.encode(kind, meta, tensors))
 
-    def append_encoded(self, head: bytes, views: list[memoryview]) -> int:
-        """append() of a record encoded already (journal_log.encode: a backup's copy of its primary's)."""
+    def append_encoded(self, head: bytes, views: list[memoryview],
+                       ready: Callable[[int], None] | None = None) -> int:
+        """append() of a record encoded already (journal_log.encode: a backup's copy of its primary's). With
+        `ready`, the views' bytes are still coming: the writer waits for each piece (journal_log.write); if
+        it raises journal_log.Abandoned the journal fails, its log ending in part of the record."""
         with self._cond:
             self._check()
             self._appended += 1
-            self._queue.append(("record", self._appended, head, views))
+            self._queue.append(("record", self._appended, head, views, ready))
             self._log_bytes += len(head) + sum(len(v) for v in views) + journal_log.TAIL_BYTES
             self._cond.notify_all()
             return self._appended
@@ -506,6 +509,9 @@ class Journal:
             except OSError as exc:
                 self._fail(f"journal {self._log_path(self._writing)}: a write failed: {exc.strerror or exc}")
                 return
+            except journal_log.Abandoned as exc:
+                self._fail(f"journal {self._log_path(self._writing)}: {exc}")
+                return
             except Exception as exc:  # noqa: BLE001 - a bug: nothing more can be written, so the shard stops
                 self._fail(f"journal {self.directory}: the writer failed: {exc!r}")
                 return
@@ -522,9 +528,9 @@ class Journal:
                 shipping.offer_rotate(item[1])
             self._open(item[1])
             return 0
-        _, number, head, views = item
+        _, number, head, views, ready = item
         sent = shipping.offer_record(number, head, views) if shipping is not None else None  # sends meanwhile
-        self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
+        self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing, ready)
         if sent is not None:
             sent()  # its bytes left for the backup (or the backup was lost): nothing of it is held after this
         return number

@@ -33,7 +33,7 @@ import os
 import pathlib
 import struct
 import zlib
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ import torch
 from .. import codec
 from ..errors import CheckpointError, MalformedStreamError
 
-__all__ = ["Record", "TAIL_BYTES", "PIECE", "encode", "kind_of", "meta_of", "split", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
+__all__ = ["Record", "Abandoned", "TAIL_BYTES", "PIECE", "encode", "kind_of", "meta_of", "split", "tail", "write", "scan", "first", "check_tail", "torn", "mapped",
            "state_record", "state_of_record"]
 
 MAGIC, END = b"TPJ2", b"TPJE"
@@ -52,6 +52,11 @@ _MASK = (1 << 64) - 1
 _TENSOR = "\0tensor"                # a tensor's place in a state record's skeleton
 TAIL_BYTES = _TAIL.size
 PIECE = 2 << 20                     # bytes summed, then written, at a time: a multiple of 8 that stays in the cache
+
+
+class Abandoned(Exception):
+    """A record whose bytes stopped coming while it was written (write's `ready` raised it): the file ends in
+    part of it, as a log cut short by a crash does."""
 
 
 class Record:
@@ -113,14 +118,20 @@ def tail(head: bytes, views: list[memoryview], number: int) -> bytes:
     return _tail(head, sum(map(_sum64, views)), number)
 
 
-def write(fd: int, offset: int, head: bytes, views: list[memoryview], number: int) -> int:
+def write(fd: int, offset: int, head: bytes, views: list[memoryview], number: int,
+          ready: Callable[[int], None] | None = None) -> int:
     """Writes the record of file `number` made of encode()'s `head` and `views` at `offset` of the open file
-    `fd`, its tail last; returns where it ends. Raises OSError as os.pwrite does (a record cut short)."""
-    at, total = _write_all(fd, head, offset), 0
+    `fd`, its tail last; returns where it ends. `ready(n)`, if given, blocks until the first n bytes of the
+    views (in order) are there to be written, or raises Abandoned. Raises OSError as os.pwrite does (a record
+    cut short)."""
+    at, total, came = _write_all(fd, head, offset), 0, 0
     for view in views:
         view = memoryview(view).cast("B")
         for start in range(0, len(view), PIECE):
             piece = view[start:start + PIECE]
+            came += len(piece)
+            if ready is not None:
+                ready(came)
             total += _sum64(piece)
             at = _write_all(fd, piece, at)
     return _write_all(fd, _tail(head, total, number), at)

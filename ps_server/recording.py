@@ -181,9 +181,9 @@ class Recorder:
             number = state.pop("then")
             journal.finish_compaction(number, journal.write_base(number, state))
             shipping = journal.following()
-            if shipping is not None:
+            if shipping is not None:  # the state is kept until its bytes left on the lane
                 shipping.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)),
-                                    files=journal.base_files(number))
+                                    files=journal.base_files(number))()
         except Exception:  # noqa: BLE001 - the log keeps growing; recovery still works from the old base
             if follower is not None:
                 raise

@@ -32,7 +32,11 @@ sends them from the record's own memory right after writing it (the kernel's
 copy only), as it writes them to the disk. Without one, the writer copies
 them into the frames (a push's receive buffers are reused once its wait
 ends, which a wait that timed out does while the frames are still queued).
-Bases go in the frames either way. A base of a shard that keeps tables on
+A later compaction's base goes on the lane too (the compaction sends it from
+its copy of the state, and keeps that until it was sent); the stream's first
+base, and one with store copies (records pass its files), go in the frames.
+A frame's lane bytes are handed to the lane's sender as the frame is queued,
+under the feed's lock: the lane's order is the frames'. A base of a shard that keeps tables on
 SSD names copies of their stores (journal.py: base-N.stores/): every file of
 them goes first, as FILE frames read from disk a piece at a time as the
 stream takes them (never the whole store in memory), so the backup's copy
@@ -196,10 +200,14 @@ class Feed:
                 return _nothing
             (self._frames if self._based else self._early).extend(("record", frame) for frame in frames)
             self._unacked.append((number, time.monotonic()))
+            sent = self._submit(views) if lane else _nothing
             self._cond.notify_all()
         self.on_queued()
-        if not lane:
-            return _nothing
+        return sent
+
+    def _submit(self, views: list) -> Callable[[], None]:
+        """(Holding the lock, with the frame that names them queued.) Hands `views` to the lane's sender;
+        returns what blocks until they were sent or the feed was lost."""
         try:
             return self._sender.submit(self._send, views).result
         except RuntimeError:  # lost meanwhile: the sender was shut down
@@ -220,9 +228,27 @@ class Feed:
         self.on_queued()
 
     def offer_base(self, number: int, head: bytes, views: list, files: Sequence[tuple[str, pathlib.Path]] = ()
-                   ) -> None:
+                   ) -> Callable[[], None]:
         """Queues base `number`'s frames, after those of `files` ([(path under the journal's folder, file)]: its
-        store copies, read as the stream takes them; a table file the last base sent too named there)."""
+        store copies, read as the stream takes them; a table file the last base sent too named there). Returns
+        what blocks until its bytes were sent on the lane (a later base without files), or the feed was lost:
+        the caller keeps `views` unchanged until then."""
+        if self._lane is not None and not files:
+            views = [memoryview(view).cast("B") for view in views]
+            frame = _FRAME(kind=_FRAME.BASE, number=number, head=head, last=True,
+                           lane_bytes=sum(map(len, views))).SerializeToString()
+            with self._cond:
+                if self.lost is not None:
+                    return _nothing
+                on_lane = self._base_sent  # else the first base is still queued: this one follows it in frames
+                if on_lane:
+                    self._frames.append(("base", frame))
+                    self._sent = {}
+                    sent = self._submit(views)
+                    self._cond.notify_all()
+            if on_lane:
+                self.on_queued()
+                return sent
         items, sent = [], {}
         for path, source in files:
             key = _identity(source)
@@ -241,7 +267,7 @@ class Feed:
         with self._cond:
             if self.lost is not None:
                 _drop(items)
-                return
+                return _nothing
             self._frames.extend(items)
             self._files += sum(item[0] == "file" for item in items)
             if not self._based:
@@ -251,6 +277,7 @@ class Feed:
                 self._early = []
             self._cond.notify_all()
         self.on_queued()
+        return _nothing
 
     # -- the stream's side ----------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ def _compact(journal: Journal, feed: Feed, state: dict, attach: bool = False) ->
     """A compaction as Recorder._compact makes it: rotation (attaching `feed`), base, the base handed over."""
     number = journal.rotate(follower=feed if attach else None)
     journal.finish_compaction(number, journal.write_base(number, state))
-    feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))
+    feed.offer_base(number, *journal_log.encode("base", {}, journal_log.state_record(state)))()  # sent: let go
 
 
 def _same(copy_folder, primary_folder) -> dict:
@@ -363,3 +363,92 @@ def test_pieces_say_where_nothing_is_queued_and_before_a_file_and_the_feed_calls
     assert len(woken) > calls, "the feed's loss did not call on_queued"
     assert list(pieces) == []
     primary.close()
+
+
+def test_a_later_base_and_records_of_many_pieces_go_on_the_lane_and_the_copy_recovers_them(tmp_path):
+    """Once the first base went out (in the frames), a later compaction's base goes on the lane too, and a
+    record's bytes are written into the copy's log as they come, a PIECE at a time (a tensor of 3 pieces and
+    a few bytes here)."""
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()]
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed(ends[0])
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    mirror = Mirror(tmp_path / "copy", sync=False, lane=ends[1])
+    taken, done = [], threading.Event()
+
+    def read() -> None:  # the backup's stream thread: the lane's bytes come while the primary sends them
+        for raw in stream:
+            frame = ps_pb2.ReplicaFrame.FromString(raw)
+            if done.is_set():
+                return
+            if frame.kind != ps_pb2.ReplicaFrame.HEARTBEAT:
+                taken.append(frame)
+                mirror.take(frame)
+
+    reader = threading.Thread(target=read, daemon=True)
+    big = {"big": torch.arange(3 * journal_log.PIECE // 4 + 3, dtype=torch.float32), "b": ODD["b"]}
+    reader.start()
+    _wait_for(lambda: any(f.kind == ps_pb2.ReplicaFrame.BASE for f in taken), "the first base")
+    primary.append("apply", {"i": 0}, big)
+    _compact(primary, feed, {"step": 7, "variables": {"w": torch.full((3,), 9.0)}})
+    primary.append("apply", {"i": 1}, {name: t + 1 for name, t in big.items()})
+    primary.acked(feed, 10**9)
+    primary.wait(timeout=10)
+    _wait_for(lambda: sum(f.kind == ps_pb2.ReplicaFrame.RECORD for f in taken) == 2, "both records")
+    mirror.journal.wait(timeout=10)
+    done.set()
+    reader.join(timeout=10)
+    mirror.close()
+    primary.close()
+    bases = [f for f in taken if f.kind == ps_pb2.ReplicaFrame.BASE and f.last]  # the first in pieces of 12 bytes
+    records = [f for f in taken if f.kind == ps_pb2.ReplicaFrame.RECORD]
+    assert len(bases) == 2 and not bases[0].lane_bytes and bases[1].lane_bytes and bases[1].last
+    assert [r.lane_bytes for r in records] == [big["big"].nbytes + 8] * 2
+    assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 7
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not come"
+        time.sleep(0.001)
+
+
+def test_a_record_whose_lane_bytes_stop_coming_is_not_in_the_copy_and_the_records_before_it_are(tmp_path):
+    """The lane breaks within a record's bytes (after more than a PIECE of them): take() raises, the copy's
+    journal fails (the writer had begun the record), and the copy recovers to the base and the records
+    before it, as a log cut short by a crash."""
+    from torchps.errors import LaneBrokenError, ServerUnavailableError
+    from torchps.lanes import FRAME_MAGIC, _FRAME as LANE_FRAME
+
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, _ = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    primary.append("apply", {"i": 0}, ODD)  # in the frames: no lane on this feed
+    _offered(feed, 2)
+    primary.close()
+    sender, receiver = socket.socketpair()
+    mirror = Mirror(tmp_path / "copy", sync=False, lane=Lane(receiver, b"k" * 16))
+    for raw in _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
+        frame = ps_pb2.ReplicaFrame.FromString(raw)
+        if frame.kind == ps_pb2.ReplicaFrame.HEARTBEAT:
+            break
+        mirror.take(frame)
+    head, views = journal_log.encode("apply", {"i": 1}, {"w": torch.ones(3 * journal_log.PIECE // 4)})
+    nbytes = sum(len(memoryview(v).cast("B")) for v in views)
+    part = journal_log.PIECE + journal_log.PIECE // 2
+    cut = threading.Thread(target=lambda: (sender.sendall(LANE_FRAME.pack(FRAME_MAGIC, 0, nbytes)),
+                                           sender.sendall(memoryview(views[0]).cast("B")[:part]), sender.close()))
+    cut.start()
+    with pytest.raises(LaneBrokenError, match="closed"):
+        mirror.take(ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.RECORD, written=3, head=head, last=True,
+                                        lane_bytes=nbytes))
+    cut.join(timeout=10)
+    with pytest.raises(ServerUnavailableError, match="stopped coming on the bulk lane after"):
+        mirror.journal.wait(timeout=10)
+    mirror.close()
+    base, records = _records(Journal(tmp_path / "copy"))
+    assert base["step"] == 1 and [(kind, meta) for kind, meta, _ in records] == [("apply", {"i": 0})]
