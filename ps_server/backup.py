@@ -12,9 +12,10 @@ when its frame comes, and written a piece at a time as its bytes arrive.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
 s while this backup runs (its own pause or starvation restarts the count; a
-record's bytes on the bulk lane, once its frame came, are waited for the same
-way: each byte that comes is progress, and a record read in part is dropped,
-as the primary acknowledged it to no one),
+record's or base's bytes on the bulk lane, once its frame came, are waited
+for the same way: each byte that comes is progress, and a record read in
+part is dropped (the copy's log ends in part of it, which recovery cuts off,
+as after a crash), as the primary acknowledged it to no one),
 or its stream breaks and it stays unreachable for `failover_after` s, the
 backup asks the shard's arbiter (ps 0; ps 1 for ps 0: cluster.arbiter_of)
 to promote it (PROMOTE). The arbiter refuses while the primary still renews
@@ -73,7 +74,8 @@ FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its strea
 RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach the arbiter
 LEASE_ASK_SECONDS = 0.05       # between asks to be promoted while the primary's lease still holds
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
-LANE_SECONDS = 30.0            # a record's bytes on the lane, once its frame came (a pause in them is silence)
+LANE_SECONDS = 30.0            # a pause in a record's or base's bytes on the lane, once its frame came
+SPARE_BUFFERS = 2              # lane buffers kept for reuse (a record's size and a base's), the newest
 WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
 _FRAME = ps_pb2.ReplicaFrame
@@ -105,8 +107,8 @@ class Mirror:
         self._piece: list | None = None  # [frame kind, number, written, head, pieces] of a record in pieces
         # (local record, the primary's number for it, the lane buffer it was read into or None), not acknowledged
         self._pairs: collections.deque[tuple[int, int, object]] = collections.deque()
-        self._spare: dict[int, np.ndarray] = {}  # a lane buffer per size, free again once its record (base) was written
-        self.lane_since: float | None = None  # when it began to wait for a record's bytes on the lane, None if not
+        self._spare: dict[int, np.ndarray] = {}  # lane buffers by size, free again once written (SPARE_BUFFERS)
+        self.lane_since: float | None = None  # when it began to wait for a frame's bytes on the lane, None if not
         self._cond = threading.Condition(threading.Lock())
 
     def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
@@ -168,8 +170,7 @@ class Mirror:
         self._place_files()
         self.journal.finish_compaction(number, self.journal.write_encoded_base(number, head, data))
         if buffer is not None:  # written: the next base's bytes are read into it
-            with self._cond:
-                self._spare.setdefault(len(buffer), buffer)
+            self._keep(buffer)
         return None
 
     def _take_file(self, frame: ps_pb2.ReplicaFrame) -> None:
@@ -231,10 +232,18 @@ class Mirror:
             buffer = self._spare.pop(nbytes, None)
         return np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer
 
+    def _keep(self, buffer: np.ndarray) -> None:
+        """Keeps a written lane buffer for the next frame of its size (the SPARE_BUFFERS newest sizes)."""
+        with self._cond:
+            self._spare.pop(len(buffer), None)
+            self._spare[len(buffer)] = buffer
+            while len(self._spare) > SPARE_BUFFERS:
+                del self._spare[next(iter(self._spare))]
+
     def _read_lane(self, buffer: np.ndarray, came: Callable[[int], None] | None = None) -> None:
-        """Reads the lane's next frame, a record's tensors, into `buffer` (its length), a PIECE at a time, each
-        told to `came` (the bytes read so far); lane_since is set while it waits for them. MalformedStreamError
-        without a lane; LaneBrokenError if it breaks, is closed, or stalls (LANE_SECONDS)."""
+        """Reads the lane's next frame, a record's or a base's tensors, into `buffer` (its length), a PIECE at a
+        time, each told to `came` (the bytes read so far); lane_since is set while it waits for them.
+        MalformedStreamError without a lane; LaneBrokenError if it breaks, is closed, or pauses (LANE_SECONDS)."""
         if self.lane is None:
             raise MalformedStreamError("the primary sent a record's bytes on a lane this stream does not have")
         view = memoryview(buffer)
@@ -243,6 +252,7 @@ class Mirror:
             self.lane.begin(len(view), LANE_SECONDS)
             for at in range(0, len(view), journal_log.PIECE):
                 self.lane.read_into(view[at:at + journal_log.PIECE])
+                self.lane.rearm(LANE_SECONDS)
                 if came is not None:
                     came(min(len(view), at + journal_log.PIECE))
         finally:
@@ -271,10 +281,9 @@ class Mirror:
             self._pairs.clear()
         local, primary, _ = pairs[-1]
         self.journal.wait(local)
-        with self._cond:
-            for _, _, buffer in pairs:
-                if buffer is not None:
-                    self._spare.setdefault(len(buffer), buffer)
+        for _, _, buffer in pairs:
+            if buffer is not None:
+                self._keep(buffer)
         return primary
 
     def close(self) -> None:
@@ -453,7 +462,7 @@ class Backup:
                                 self.primary, exc.details())
             return "refused"
         except (MalformedStreamError, LaneBrokenError) as exc:
-            if silent:  # the watch closed the lane (the half record read is dropped: it was never acknowledged)
+            if silent:  # the watch closed the lane (a half record read is dropped: it was never acknowledged)
                 return self._silent(within_record=True) if silent[0] else "followed"
             _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, exc)
             return "followed"
@@ -470,7 +479,7 @@ class Backup:
 
     def _silent(self, within_record: bool) -> str:
         _LOGGER.warning("backup of ps:%d: %s sent nothing for %g s%s", self.index, self.primary, self.failover_after,
-                        " (the rest of a record whose frame came was due on the bulk lane)" if within_record else "")
+                        " (the rest of a record or base whose frame came was due on the bulk lane)" if within_record else "")
         return "silent"
 
     def _follow_arbiter(self, event: dict) -> None:

@@ -33,7 +33,8 @@ log's base, so changes go on meanwhile (their records go to the new log). A
 crash before the base is whole leaves the older base and both logs, which
 replay to the same state. The price is memory: the shard holds a second copy
 of its variables' values (the optimizer state and tables are copied anyway)
-until the base is written.
+until the base is written, and, with a backup that follows on a bulk lane,
+sent to it.
 
 Membership records are queued in order too but nobody waits for them: a
 process killed at once may lose the last joins and lease renewals not followed

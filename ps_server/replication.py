@@ -33,8 +33,11 @@ copy only), as it writes them to the disk. Without one, the writer copies
 them into the frames (a push's receive buffers are reused once its wait
 ends, which a wait that timed out does while the frames are still queued).
 A later compaction's base goes on the lane too (the compaction sends it from
-its copy of the state, and keeps that until it was sent); the stream's first
-base, and one with store copies (records pass its files), go in the frames.
+its copy of the state, and keeps that until it was sent, a pause in its
+bytes, not its whole time, bounded by the ack timeout); the stream's first
+base, one offered before that went out, and one with store copies (records
+pass its files) go in the frames, as do records offered before the first
+base went out.
 A frame's lane bytes are handed to the lane's sender as the frame is queued,
 under the feed's lock: the lane's order is the frames'. A base of a shard that keeps tables on
 SSD names copies of their stores (journal.py: base-N.stores/): every file of
@@ -174,6 +177,7 @@ class Feed:
         self._based = False              # the first base was offered
         self._base_sent = False          # the first base went out: records use the lane, and pass later files
         self._files = 0                  # "file" items queued
+        self._bases_sending = 0          # bases handed to the lane's sender and not sent yet
         self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
         self._acked = 0
         self._heard = False              # an ack came
@@ -205,19 +209,29 @@ class Feed:
         self.on_queued()
         return sent
 
-    def _submit(self, views: list) -> Callable[[], None]:
+    def _submit(self, views: list, base: bool = False) -> Callable[[], None]:
         """(Holding the lock, with the frame that names them queued.) Hands `views` to the lane's sender;
         returns what blocks until they were sent or the feed was lost."""
         try:
-            return self._sender.submit(self._send, views).result
+            waiter = self._sender.submit(self._send, views, base).result
         except RuntimeError:  # lost meanwhile: the sender was shut down
             return _nothing
+        self._bases_sending += base
+        return waiter
 
-    def _send(self, views: list) -> None:
+    def _send(self, views: list, base: bool) -> None:
+        """A record's bytes must all leave within the ack timeout; a base's, of any size, may take longer,
+        as long as no pause in them lasts that long (the records behind it wait for it: their time counts
+        from its end)."""
         try:
-            self._lane.send(views, self._ack_timeout)
+            self._lane.send(views, self._ack_timeout, stall=base)
         except LaneBrokenError as exc:
             self.lose(f"its lane broke ({exc})")
+        finally:
+            if base:
+                with self._cond:
+                    self._bases_sending -= 1
+                self._restamp()
 
     def offer_rotate(self, number: int) -> None:
         with self._cond:
@@ -244,7 +258,7 @@ class Feed:
                 if on_lane:
                     self._frames.append(("base", frame))
                     self._sent = {}
-                    sent = self._submit(views)
+                    sent = self._submit(views, base=True)
                     self._cond.notify_all()
             if on_lane:
                 self.on_queued()
@@ -303,7 +317,8 @@ class Feed:
                     while self._frames and (not batch or batch[-1][0] != "file"):
                         batch.append(self._frames.popleft())
                     self._files -= batch[-1][0] == "file"
-                overdue = self._unacked and time.monotonic() - self._unacked[0][1] > self._ack_timeout
+                overdue = (self._unacked and not self._bases_sending
+                           and time.monotonic() - self._unacked[0][1] > self._ack_timeout)
             if overdue:
                 if self._files or any(item[0] == "file" for item in batch):
                     yield OFF_LOOP  # their links are removed

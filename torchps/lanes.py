@@ -54,6 +54,7 @@ FRAME_MAGIC = b"TPSL"
 KEY_BYTES = 16
 _FRAME = struct.Struct("<4sIQ")
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+_STALL_PIECE = 4 << 20  # bytes handed to TLS at a time by a send that counts pauses (Lane.send's `stall`)
 
 
 class LaneBytes:
@@ -107,10 +108,11 @@ class Lane:
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    def send(self, buffers, timeout: float | None) -> None:
-        """Sends one frame of `buffers` (bytes-like, each sent from its own memory); blocks up to `timeout`.
-        None if they hold no bytes: a message whose chunks are all empty carries no lane_bytes, and its
-        reader (bind) reads no frame. LaneBrokenError (and the lane closed) if it cannot."""
+    def send(self, buffers, timeout: float | None, *, stall: bool = False) -> None:
+        """Sends one frame of `buffers` (bytes-like, each sent from its own memory); blocks up to `timeout`
+        (with `stall`, up to `timeout` without a byte going out: a frame of any size). None if they hold no
+        bytes: a message whose chunks are all empty carries no lane_bytes, and its reader (bind) reads no
+        frame. LaneBrokenError (and the lane closed) if it cannot."""
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
         if not views:
@@ -122,12 +124,18 @@ class Lane:
         try:
             if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg under TLS: each buffer is encrypted from its memory
                 for view in pending:
-                    self._arm()
-                    self.sock.sendall(view)
+                    step = _STALL_PIECE if stall else max(1, len(view))
+                    for at in range(0, len(view), step):
+                        self._arm()
+                        self.sock.sendall(view[at:at + step])
+                        if stall:
+                            self._start(timeout)
                 return
             while pending:
                 self._arm()
                 sent = self.sock.sendmsg(pending[:_IOV_MAX])
+                if stall and sent:
+                    self._start(timeout)
                 while sent:
                     if sent >= len(pending[0]):
                         sent -= len(pending.pop(0))
@@ -161,6 +169,11 @@ class Lane:
             raise self._broken(f"a read of {len(view)} bytes past its frame's end ({self._left} left)")
         self._recv_exactly(view)
         self._left -= len(view)
+
+    def rearm(self, timeout: float | None) -> None:
+        """Gives the current frame's reads `timeout` s from now (a reader that counts a pause, not the whole
+        frame's time)."""
+        self._start(timeout)
 
     def finished(self) -> bool:
         """Whether the current frame was read to its end (a call ends only on a lane in step)."""

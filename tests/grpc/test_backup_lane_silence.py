@@ -85,7 +85,7 @@ def _client(spec: str, numel: int, **options) -> PSClient:
 
 def _create(spec: str, numel: int) -> None:
     """Creates the variables (SGD lr 1) before the backup follows, so its base holds them and ps:1 sends no other
-    base while the test runs (a compaction's goes in the stream's frames); with a client of its own, whose
+    base while the test runs (a compaction's would come on the lane too); with a client of its own, whose
     long call to a shard without a backup keeps its failover watch from asking about that shard for seconds."""
     with _client(spec, numel) as ps:
         ps.create_variables({SMALL: torch.zeros(4), BIG: torch.zeros(numel)}, Optimizer("sgd", lr=1.0))

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -452,3 +453,65 @@ def test_a_record_whose_lane_bytes_stop_coming_is_not_in_the_copy_and_the_record
     mirror.close()
     base, records = _records(Journal(tmp_path / "copy"))
     assert base["step"] == 1 and [(kind, meta) for kind, meta, _ in records] == [("apply", {"i": 0})]
+
+
+def test_a_later_base_slower_than_the_ack_timeout_on_the_lane_keeps_the_feed(tmp_path):
+    """A base's lane bytes may take longer than the ack timeout (1 s here) as long as they keep coming (a
+    backup reading them a MiB every 0.1 s), and the record queued behind them counts its wait from their end;
+    the feed is not lost, and the copy recovers both."""
+    import queue as queues
+
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()]
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    lost = []
+    feed = Feed("b:1", chunk_bytes=1 << 20, ack_timeout=1.0, on_lost=lambda feed, why: lost.append(why),
+                on_based=lambda feed: None, lane=ends[0])
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    frames: queues.Queue = queues.Queue()
+    done = threading.Event()
+
+    def primary_loop() -> None:  # the primary's side of the stream: pieces, with its overdue check
+        for raw in _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}'):
+            if done.is_set():
+                return
+            frames.put(ps_pb2.ReplicaFrame.FromString(raw))
+
+    def next_frame() -> ps_pb2.ReplicaFrame:
+        while (frame := frames.get(timeout=10)).kind == ps_pb2.ReplicaFrame.HEARTBEAT:
+            pass
+        return frame
+
+    threading.Thread(target=primary_loop, daemon=True).start()
+    mirror = Mirror(tmp_path / "copy", sync=False, lane=ends[1])
+    while mirror.take(next_frame()) is None:  # the first base, in frames
+        pass
+    feed.acked(feed.floor, primary)  # the first base is written
+    state = {"step": 7, "variables": {"w": torch.arange(4 << 20, dtype=torch.float32)}}  # 16 MiB
+    compaction = threading.Thread(target=_compact, args=(primary, feed, state))
+    compaction.start()
+    while (base := next_frame()).kind != ps_pb2.ReplicaFrame.BASE:
+        mirror.take(base)  # the new log's ROTATE
+    assert base.lane_bytes > 16 << 20
+    primary.append("apply", {"i": 1}, ODD)  # its bytes wait behind the base's on the lane
+    started = time.monotonic()
+    buffer = np.empty(base.lane_bytes, dtype=np.uint8)
+    ends[1].begin(base.lane_bytes, 30)
+    for at in range(0, len(buffer), 1 << 20):  # a slow link: the sender waits on a full socket between reads
+        ends[1].read_into(memoryview(buffer)[at:at + (1 << 20)])
+        time.sleep(0.1)
+    assert time.monotonic() - started > 1.0 and not lost
+    mirror.journal.finish_compaction(base.number, mirror.journal.write_encoded_base(
+        base.number, base.head, journal_log.split(base.head, buffer)))  # as Mirror.take writes it
+    record = next_frame()
+    assert record.kind == ps_pb2.ReplicaFrame.RECORD and record.lane_bytes
+    mirror.take(record)
+    compaction.join(timeout=10)
+    mirror.journal.wait(timeout=10)
+    feed.acked(record.written, primary)
+    primary.wait(timeout=10)
+    done.set()
+    assert not lost
+    mirror.close()
+    primary.close()
+    assert _same(tmp_path / "copy", tmp_path / "primary")["step"] == 7
