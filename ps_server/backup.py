@@ -478,8 +478,9 @@ class Backup:
             channels.close()
 
     def _silent(self, within_record: bool) -> str:
+        within = " (the rest of a record or base whose frame came was due on the bulk lane)" if within_record else ""
         _LOGGER.warning("backup of ps:%d: %s sent nothing for %g s%s", self.index, self.primary, self.failover_after,
-                        " (the rest of a record or base whose frame came was due on the bulk lane)" if within_record else "")
+                        within)
         return "silent"
 
     def _follow_arbiter(self, event: dict) -> None:
