@@ -58,7 +58,8 @@ def test_a_streamed_push_sends_its_bytes_on_a_lane_while_backward_runs(local_clu
         binding = ps.register_module(net, Optimizer("sgd", lr=1.0), create=True, overlap=True)
         initial = {name: p.detach().clone() for name, p in binding.params.items()}
         before, copied = ps.status(0).push_bytes_received, ps.stats.bytes_copied
-        assert "push_lane_send" not in ps.stats.stage_seconds
+        opened = ps._lanes.opened  # the pull's (a second if its first broke under load and it was sent again)
+        assert opened >= 1 and "push_lane_send" not in ps.stats.stage_seconds
         seen = {}
 
         def between() -> None:
@@ -71,7 +72,7 @@ def test_a_streamed_push_sends_its_bytes_on_a_lane_while_backward_runs(local_clu
         copied = ps.stats.bytes_copied - copied
         assert seen["on a lane"], "the last layer's bytes went on a lane during backward"
         assert copied < LAST_BYTES / 10, f"{copied} bytes copied: the gradients went inline"
-        assert ps._lanes.opened == 1  # the lane register_module's pull opened, then the push's
+        assert ps._lanes.opened == opened  # the push took the lane register_module's pull left idle
         applied_once(ps, binding, initial, grads)
 
 
