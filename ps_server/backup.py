@@ -340,6 +340,8 @@ class Backup:
         self._channels = ShardChannels
         self.holds_copy = False  # the folder holds a whole copy some stream began with a base
         self._refused = ""  # the last refusal logged
+        self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
+        self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter
         self.stop = threading.Event()
 
     def run(self) -> bool:
@@ -489,21 +491,28 @@ class Backup:
         if event.get("action") == "promote" and event.get("index") == self._arbiter and event.get("primary"):
             _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
                          event["primary"])
-            self._ps0.redirect(self._arbiter, event["primary"])
+            with self._arbiter_lock:
+                self._ps0.redirect(self._arbiter, event["primary"])
+                self._arbiter_moved = max(self._arbiter_moved, float(event.get("when", 0.0)))
 
     def _learn_arbiter(self, asked) -> None:
         """The primary's answer `asked` (a finished GetLayout future) says where this backup's arbiter is served
         now: ps 0 and ps 1 each record the other, so the primary knows after the arbiter's own failover, which
-        its spec address no longer answers."""
+        its spec address no longer answers. An answer older than a move this backup knows of (asked before the
+        primary's record of it came in the stream) is let go."""
         try:
             layout = asked.result()
         except (grpc.RpcError, grpc.FutureCancelledError):
             return
         for entry in layout.replicas:
-            if entry.index == self._arbiter and entry.primary and entry.primary != self._ps0.addresses[self._arbiter]:
-                _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
-                             entry.primary)
+            with self._arbiter_lock:
+                if (entry.index != self._arbiter or not entry.primary or entry.last_failover_unix < self._arbiter_moved
+                        or entry.primary == self._ps0.addresses[self._arbiter]):
+                    continue
                 self._ps0.redirect(self._arbiter, entry.primary)
+                self._arbiter_moved = entry.last_failover_unix
+            _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
+                         entry.primary)
 
     def _open_lane(self, channels):
         """A bulk lane to the primary for the records' bytes, or None (it offers none, or none opens: they come
