@@ -146,6 +146,14 @@ def _nothing() -> None:
     pass
 
 
+def _lane_frame(frame: ps_pb2.ReplicaFrame, views: list) -> tuple[list[memoryview], bytes]:
+    """`views` as bytes, and `frame` (a RECORD's or BASE's fields) serialized as the one frame whose bytes, all
+    of `views`, follow on the lane."""
+    views = [memoryview(view).cast("B") for view in views]
+    frame.last, frame.lane_bytes = True, sum(map(len, views))
+    return views, frame.SerializeToString()
+
+
 class Feed:
     """One backup's stream of this shard's journal (see the module docstring). Thread-safe: the journal's
     writer and compaction offer, the stream takes frames (pieces()), the backup's acks are taken (acked()).
@@ -196,9 +204,8 @@ class Feed:
         if not lane:
             frames = frames_of(_FRAME.RECORD, 0, number, head, views, self._chunk)
         else:
-            views = [memoryview(view).cast("B") for view in views]
-            frames = [_FRAME(kind=_FRAME.RECORD, written=number, head=head, last=True,
-                             lane_bytes=sum(map(len, views))).SerializeToString()]
+            views, frame = _lane_frame(_FRAME(kind=_FRAME.RECORD, written=number, head=head), views)
+            frames = [frame]
         with self._cond:
             if self.lost is not None:
                 return _nothing
@@ -248,9 +255,7 @@ class Feed:
         what blocks until its bytes were sent on the lane (a later base without files), or the feed was lost:
         the caller keeps `views` unchanged until then."""
         if self._lane is not None and not files:
-            views = [memoryview(view).cast("B") for view in views]
-            frame = _FRAME(kind=_FRAME.BASE, number=number, head=head, last=True,
-                           lane_bytes=sum(map(len, views))).SerializeToString()
+            views, frame = _lane_frame(_FRAME(kind=_FRAME.BASE, number=number, head=head), views)
             with self._cond:
                 if self.lost is not None:
                     return _nothing
