@@ -110,6 +110,7 @@ class Mirror:
         self._spare: dict[int, np.ndarray] = {}  # lane buffers by size, free again once written (SPARE_BUFFERS)
         self.lane_since: float | None = None  # when it began to wait for a frame's bytes on the lane, None if not
         self._cond = threading.Condition(threading.Lock())
+        self._ended = False  # end(): written() waits no more
 
     def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
         """Writes one frame's part; returns the primary's number to acknowledge at once (a base), else None
@@ -273,9 +274,9 @@ class Mirror:
 
     def written(self, timeout: float) -> int | None:
         """Blocks until the newest record taken is written; returns the primary's number for it (None: none
-        taken within `timeout` s)."""
+        taken within `timeout` s, or end() was called)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._pairs, timeout):
+            if not self._cond.wait_for(lambda: self._pairs or self._ended, timeout) or self._ended:
                 return None
             pairs = list(self._pairs)
             self._pairs.clear()
@@ -285,6 +286,12 @@ class Mirror:
             if buffer is not None:
                 self._keep(buffer)
         return primary
+
+    def end(self) -> None:
+        """Its stream ended: a written() waiting returns None now, and every later one at once."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         if self._file is not None:
@@ -470,6 +477,7 @@ class Backup:
             return "followed"
         finally:
             done.set()
+            mirror.end()  # the acknowledger stops waiting for a record (a promotion waits for it to end)
             acks.put(None)
             call.cancel()  # never acknowledges on this stream again
             for thread in threads[1:]:

@@ -515,3 +515,23 @@ def test_a_later_base_slower_than_the_ack_timeout_on_the_lane_keeps_the_feed(tmp
     mirror.close()
     primary.close()
     assert _same(tmp_path / "copy", tmp_path / "primary")["step"] == 7
+
+
+def test_a_stream_that_ends_wakes_the_acknowledger_waiting_for_a_record(tmp_path):
+    """Backup._follow_once joins its acknowledger before a promotion: end() releases a written() that waits for
+    a record (it waited out its whole timeout before, 0.1 s of every failover), and every written() after it."""
+    mirror = Mirror(tmp_path / "copy", sync=False)
+    waiting, got = threading.Event(), []
+
+    def acknowledger() -> None:
+        waiting.set()
+        got.append(mirror.written(timeout=600))
+
+    thread = threading.Thread(target=acknowledger, daemon=True)
+    thread.start()
+    waiting.wait(10)
+    mirror.end()
+    thread.join(60)  # far less than its timeout: it was woken
+    assert not thread.is_alive() and got == [None]
+    assert mirror.written(timeout=600) is None
+    mirror.close()
