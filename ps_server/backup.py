@@ -11,7 +11,7 @@ record whose bytes come on the bulk lane is handed to the journal's writer
 when its frame comes, and written a piece at a time as its bytes arrive.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
-s while this backup runs (its own pause or starvation restarts the count; a
+s while this backup runs (a time it did not run, paused or starved, is not counted; a
 record's or base's bytes on the bulk lane, once its frame came, are waited
 for the same way: each byte that comes is progress, and a record read in
 part is dropped (the copy's log ends in part of it, which recovery cuts off,
@@ -401,14 +401,17 @@ class Backup:
         silent = []
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
+            tick = self.failover_after / WATCH_TICKS
             ticks, asked, woke = 0, None, time.monotonic()
-            heard, received = woke, 0  # when a lane byte last came or this backup last resumed; lane bytes then
-            while not done.wait(self.failover_after / WATCH_TICKS):
+            heard, received = woke, 0  # silence counts from here at the earliest (a lane byte came, or this
+            # backup did not run), and the lane bytes come until then
+            while not done.wait(tick):
                 ticks += 1
                 now = time.monotonic()
                 slept, woke = now - woke, now
-                if slept > self.failover_after / 2:
-                    heard = now  # this backup did not run (paused, starved): the silence was its own
+                if slept > self.failover_after / 2:  # this backup did not run (paused, starved): that time is
+                    waited = last[0] if last[0] is not None else mirror.lane_since  # not the primary's silence
+                    heard = min(now, max(heard, waited or heard) + slept - tick)
                     continue
                 if lane is not None and lane.received != received:
                     heard, received = now, lane.received  # a record's bytes come: progress, not silence
