@@ -45,7 +45,9 @@ __all__ = ["serve", "initial_state", "open_journal"]
 
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
-PROMOTED_LOCK_SECONDS = 30.0  # a promoted backup waits this long for the old primary's locks on a shared folder
+PROMOTED_LOCK_SECONDS = 30.0  # a confirmed primary waits this long for a stopping process's lock on a shared folder
+LOCK_RETRY_SECONDS = 0.05     # between a promoted backup's tries for its checkpoint folder's lock
+LOCK_PROGRESS_SECONDS = 5.0   # a promoted backup without that lock says so this often
 SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
 
 
@@ -186,6 +188,28 @@ def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: flo
             time.sleep(0.1)
 
 
+def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, fence: RoleFence) -> None:
+    """(A promoted backup's thread.) Takes shard `index`'s part of `checkpoint_dir` (into `late`) once the
+    primary it replaced let go of it (that one stops once it hears it was replaced; one cut off may hold it for
+    long), then cleans its partial checkpoint and opens `fence` (Save, CommitCheckpoint). Says every
+    LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
+    began = said = time.monotonic()
+    while not stop.is_set():
+        try:
+            late.append(hold_shard(checkpoint_dir, None, index))
+        except ClusterConfigError as exc:
+            if time.monotonic() - said >= LOCK_PROGRESS_SECONDS:
+                said = time.monotonic()
+                _LOGGER.warning("ps %d writes no checkpoint yet: its part of the checkpoint folder is held after %.0f s "
+                                "(%s)", index, said - began, exc)
+            stop.wait(LOCK_RETRY_SECONDS)
+            continue
+        checkpoint.clean_partial(checkpoint_dir, index)
+        fence.open()
+        _LOGGER.info("ps %d holds its part of the checkpoint folder %s: it writes checkpoints", index, checkpoint_dir)
+        return
+
+
 def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security,
           me: str = "", promoted: bool = False) -> int:
     """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
@@ -211,9 +235,19 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     set_health(health_servicer, serving=False)
     try:
         # Its files are this process's alone until it exits (the kernel lets go of the locks then, however it ends).
-        # A shard not yet confirmed serves no checkpoint: it takes that folder's lock once confirmed.
-        held = _hold(None if fence else args.checkpoint_dir, args.journal_dir, index,
+        # A shard not yet confirmed serves no checkpoint: it takes that folder's lock once confirmed. A promoted
+        # backup serves at once: a checkpoint folder the primary it replaced still holds (stopped or cut off, not
+        # dead) it takes later (_checkpoints_later), refusing Save and CommitCheckpoint meanwhile.
+        held = _hold(None if fence or promoted else args.checkpoint_dir, args.journal_dir, index,
                      PROMOTED_LOCK_SECONDS if promoted else 0.0)
+        late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard, or once promoted
+        if promoted and args.checkpoint_dir:
+            try:
+                late.append(hold_shard(args.checkpoint_dir, None, index))
+            except ClusterConfigError:
+                fence = RoleFence(f"ps {index} was promoted just now, and the primary it replaced still holds its part "
+                                  f"of the checkpoint folder: it writes checkpoints once that one stopped; retry",
+                                  only=RoleFence.CHECKPOINT_METHODS)
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:
@@ -222,7 +256,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, cluster, index, failstop.fatal)
-        if args.checkpoint_dir and fence is None:  # a fenced one cleans once confirmed: another may write them now
+        if args.checkpoint_dir and fence is None:  # a fenced one cleans once it holds the folder: another may write
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index, journaled=journal is not None) \
             if journal is None or not journal.holds_state() else None
@@ -270,7 +304,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _LOGGER.info("ps %d holds at most %d bytes (--max-memory)", index, args.max_memory)
     serving = ("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                "INSECURE: no TLS, no token" if security.insecure else mode)
-    if fence is None:
+    if fence is None or promoted:
         _LOGGER.info(*serving)
     else:
         _LOGGER.info("ps %d answers status and the layout only, on %s:%d (pid %d), until its arbiter confirms it still "
@@ -281,8 +315,10 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     if args.port_file:  # after what the shard says at start: whoever waits for the file finds it in the log
         _write_port(args.port_file, port)
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
-    late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard
-    if fence is not None:
+    if promoted and fence is not None:
+        threading.Thread(target=_checkpoints_later, args=(args.checkpoint_dir, index, stop, late, fence),
+                         name="checkpoint-folder", daemon=True).start()
+    elif fence is not None:
         def confirm() -> None:
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
                                   args.failover_after * 4)

@@ -497,6 +497,55 @@ def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_lon
         local.stop()
 
 
+def _checkpoint_values(folder, step: int) -> dict:
+    """Every variable's value in the newest committed checkpoint under `folder`, which must be `step`'s."""
+    from torchps.ps_server import checkpoint
+
+    assert checkpoint.latest_committed(folder)[0] == step
+    values = {}
+    for index in range(2):
+        values.update((entry["name"], entry["value"]) for entry in checkpoint.restore_state(folder, index, 2)["variables"])
+    return values
+
+
+def test_a_backup_promoted_over_a_paused_primary_that_shares_its_checkpoint_folder_serves_before_that_one_stops(
+        tmp_path):
+    """As ps-launch --replicas 2 runs them, the backup shares the checkpoint folder, whose part for ps:1 the
+    primary holds (a file lock) as long as it runs. ps:1's primary is paused: its backup, promoted, serves the
+    pushes at once, and refuses to save a checkpoint (UNAVAILABLE, naming the reason) while the paused one still
+    holds the folder (before, it served nothing until the old primary stopped, and gave up after 30 s). Resumed,
+    the old primary finds itself fenced and stops; the promoted backup then takes the folder, and a checkpoint
+    saved holds the pushes."""
+    local, backup, backup_address, cluster = _start(tmp_path, extra=("--checkpoint-dir", str(tmp_path / "ck")))
+    channel = grpc.insecure_channel(backup_address)
+    try:
+        with PSClient(cluster, connect_timeout=30, timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.procs[1].send_signal(signal.SIGSTOP)
+            ps.push(grads)  # answered by the promoted backup (the failover watch moves it there)
+            assert _replicas(ps)[1].primary == backup_address and local.procs[1].poll() is None
+            with pytest.raises(grpc.RpcError) as refused:
+                ps_pb2_grpc.ParameterServerStub(channel).Save(ps_pb2.SaveRequest(now=True), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert "still holds its part of the checkpoint folder" in refused.value.details(), refused.value.details()
+            local.procs[1].send_signal(signal.SIGCONT)
+            assert local.procs[1].wait(timeout=30) == EXIT_CODE, "resumed, the old primary is fenced and stops"
+            step = ps.save_checkpoint(0)
+        values = _checkpoint_values(tmp_path / "ck", step)
+        for name, shape in SHAPES.items():
+            assert torch.equal(values[name], torch.full(shape, -2.0)), name
+    finally:
+        channel.close()
+        if local.procs[1] is not None and local.procs[1].poll() is None:
+            local.procs[1].send_signal(signal.SIGCONT)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+    assert "writes checkpoints" in (tmp_path / "backup.log").read_text()
+
+
 def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp_path):
     """ps:1 is paused (SIGSTOP) until its backup, hearing nothing, is promoted; then ps 0 is paused and ps:1
     resumed: alive, cut off from both, it cannot acknowledge the push a client sends it directly (it waits for
