@@ -373,7 +373,9 @@ class Backup:
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since >= self.failover_after and self._promote():
                     return True
-            self.stop.wait(RETRY_SECONDS)
+            left = unreachable_since + self.failover_after - time.monotonic() \
+                if unreachable_since is not None and self.holds_copy else 0.0
+            self.stop.wait(left if 0.0 < left < RETRY_SECONDS else RETRY_SECONDS)  # asks as the window ends
         return False
 
     def _follow_once(self) -> str:
