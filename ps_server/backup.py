@@ -11,7 +11,8 @@ record whose bytes come on the bulk lane is handed to the journal's writer
 when its frame comes, and written a piece at a time as its bytes arrive.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
-s while this backup runs (a time it did not run, paused or starved, is not counted; a
+s while this backup runs (a stall of its own longer than half of that, paused
+or starved, is not counted; a
 record's or base's bytes on the bulk lane, once its frame came, are waited
 for the same way: each byte that comes is progress, and a record read in
 part is dropped (the copy's log ends in part of it, which recovery cuts off,

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from ..errors import CheckpointError, InvalidArgumentError, ModeConflictError, PSError
+from ..errors import CheckpointError, InvalidArgumentError, ModeConflictError, PSError, ServerUnavailableError
 from ..partitioning import check_manifest
 from ..placement import Placement
 from ..proto import ps_pb2
@@ -113,7 +113,8 @@ class ControlRPCs:
         """Writes this shard's state at the checkpoint's step (snapshots.py): variables and every embedding
         table (table_state.py), copied at one instant under the apply gate. Blocks until the shard reaches
         the step (at most the call's deadline), then for the copy and the file's write and fsync; if it
-        raises, no file of this shard counts for the checkpoint (shard 0 will not commit it)."""
+        raises, no file of this shard counts for the checkpoint (shard 0 will not commit it). UNAVAILABLE while
+        its backup may have been promoted in its place (_require_lease)."""
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         self._require_checkpoints()
@@ -121,6 +122,7 @@ class ControlRPCs:
         context.add_callback(self.coordinator.wake)
         state = self.coordinator.snapshot_at(request.step, remaining(context), lambda: not context.is_active(),
                                              now=request.now)
+        self._require_lease()
         try:
             path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, request.step, state,
                                                 full=request.full)
@@ -146,12 +148,20 @@ class ControlRPCs:
             raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
         manifest = _placement_manifest(request.manifest_json)
         shards = [(s.index, s.bytes, s.step, s.layout_epoch) for s in request.shards]
+        self._require_lease()
         try:
             path = checkpoint.commit(self.checkpoint_dir, request.step, manifest, shards, request.keep)
         except OSError as exc:
             raise CheckpointError(f"ps 0 could not commit checkpoint {request.step}: {exc}") from None
         _LOGGER.info("checkpoint %d committed (%s)", request.step, path)
         return ps_pb2.CommitResponse(path=str(path))
+
+    def _require_lease(self) -> None:
+        """ServerUnavailableError (retried) while this shard's backup may have been promoted in its place
+        (Replication.saving_refused): what it would write could miss changes the promoted one acknowledged."""
+        refused = self.replication.saving_refused() if self.replication is not None else None
+        if refused:
+            raise ServerUnavailableError(f"{refused}; retry")
 
     def _require_checkpoints(self) -> None:
         if not self.checkpoint_dir:

@@ -46,7 +46,7 @@ __all__ = ["serve", "initial_state", "open_journal"]
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
 PROMOTED_LOCK_SECONDS = 30.0  # a confirmed primary waits this long for a stopping process's lock on a shared folder
-LOCK_RETRY_SECONDS = 0.05     # between a promoted backup's tries for its checkpoint folder's lock
+LOCK_RETRY_SECONDS = 0.05     # a promoted backup's first pause between tries for its checkpoint folder's lock
 LOCK_PROGRESS_SECONDS = 5.0   # a promoted backup without that lock says so this often
 SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
 
@@ -175,9 +175,9 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
 
 
 def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: float):
-    """The shard's locks (hold_shard), waited for up to `wait` s: a promoted backup's, or a confirmed primary's,
-    on a checkpoint folder it shares with another process of its shard that is stopping (a replaced primary
-    stops once its arbiter refuses it; one that became a backup lets go of it)."""
+    """The shard's locks (hold_shard), waited for up to `wait` s: a confirmed primary's, on a checkpoint folder it
+    shares with another process of its shard that is stopping (a replaced primary stops once its arbiter
+    refuses it; one that became a backup lets go of it)."""
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -188,23 +188,32 @@ def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: flo
             time.sleep(0.1)
 
 
-def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, fence: RoleFence) -> None:
+def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, fence: RoleFence,
+                       failstop: FailStop) -> None:
     """(A promoted backup's thread.) Takes shard `index`'s part of `checkpoint_dir` (into `late`) once the
     primary it replaced let go of it (that one stops once it hears it was replaced; one cut off may hold it for
-    long), then cleans its partial checkpoint and opens `fence` (Save, CommitCheckpoint). Says every
-    LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
+    long), trying again and again (pauses doubling from LOCK_RETRY_SECONDS), then cleans its partial
+    checkpoint and opens `fence` (Save, CommitCheckpoint); a clean that fails stops the shard (`failstop`), as
+    at a start. Says every LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
     began = said = time.monotonic()
+    pause = LOCK_RETRY_SECONDS
     while not stop.is_set():
         try:
-            late.append(hold_shard(checkpoint_dir, None, index))
-        except ClusterConfigError as exc:
+            held = hold_shard(checkpoint_dir, None, index)
+        except (ClusterConfigError, OSError) as exc:  # OSError: a shared folder that failed for a moment
             if time.monotonic() - said >= LOCK_PROGRESS_SECONDS:
                 said = time.monotonic()
-                _LOGGER.warning("ps %d writes no checkpoint yet: its part of the checkpoint folder is held after %.0f s "
-                                "(%s)", index, said - began, exc)
-            stop.wait(LOCK_RETRY_SECONDS)
+                _LOGGER.warning("ps %d writes no checkpoint yet: it cannot hold its part of the checkpoint folder "
+                                "after %.0f s (%s)", index, said - began, exc)
+            stop.wait(pause)
+            pause = min(2 * pause, LOCK_PROGRESS_SECONDS / 5)
             continue
-        checkpoint.clean_partial(checkpoint_dir, index)
+        late.append(held)
+        try:
+            checkpoint.clean_partial(checkpoint_dir, index)
+        except OSError as exc:
+            failstop.fatal(f"ps {index} serves its shard, yet cannot clean its part of the checkpoint folder: {exc}")
+            return
         fence.open()
         _LOGGER.info("ps %d holds its part of the checkpoint folder %s: it writes checkpoints", index, checkpoint_dir)
         return
@@ -238,8 +247,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         # A shard not yet confirmed serves no checkpoint: it takes that folder's lock once confirmed. A promoted
         # backup serves at once: a checkpoint folder the primary it replaced still holds (stopped or cut off, not
         # dead) it takes later (_checkpoints_later), refusing Save and CommitCheckpoint meanwhile.
-        held = _hold(None if fence or promoted else args.checkpoint_dir, args.journal_dir, index,
-                     PROMOTED_LOCK_SECONDS if promoted else 0.0)
+        held = _hold(None if fence or promoted else args.checkpoint_dir, args.journal_dir, index, 0.0)
         late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard, or once promoted
         if promoted and args.checkpoint_dir:
             try:
@@ -316,7 +324,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _write_port(args.port_file, port)
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
     if promoted and fence is not None:
-        threading.Thread(target=_checkpoints_later, args=(args.checkpoint_dir, index, stop, late, fence),
+        threading.Thread(target=_checkpoints_later, args=(args.checkpoint_dir, index, stop, late, fence, failstop),
                          name="checkpoint-folder", daemon=True).start()
     elif fence is not None:
         def confirm() -> None:

@@ -443,12 +443,16 @@ class Replication:
 
     def __init__(self, index: int, me: str, journal: Callable[[], object], compact_for: Callable[[Feed], None],
                  arbiter: Arbiter | None, *, self_arbitrated: bool, chunk_bytes: int,
-                 ack_timeout: float = ACK_TIMEOUT_SECONDS, stores: bool = False):
+                 ack_timeout: float = ACK_TIMEOUT_SECONDS, stores: bool = False, lease_seconds: float = 0.0):
         self.index, self.me = index, me
         self._journal, self._compact_for, self._arbiter = journal, compact_for, arbiter
         self._self_arbitrated = self_arbitrated
         self._chunk, self._ack_timeout = chunk_bytes, ack_timeout
         self._stores = stores  # this shard may keep tables on SSD: its backups must keep store copies
+        self._lease_seconds = lease_seconds  # the arbiter's window (the job's --failover-after)
+        # The feed whose backup the arbiter recorded in sync, and when the last renewal of this shard's lease it
+        # heard was sent (monotonic; None: none yet): until then + lease_seconds the backup is not promoted.
+        self._lease: tuple[Feed, float | None] | None = None
         self.feeds_opened = 0
         self.feeds_lost = 0
         self.shipped = Shipped()
@@ -495,6 +499,25 @@ class Replication:
             status.in_sync, status.lag_records, status.lag_seconds = feed.lag()
         return status
 
+    def saving_refused(self) -> str | None:
+        """Why this shard may not write a checkpoint now, None if it may: with a backup its arbiter recorded in
+        sync, only while it holds its lease (a renewal the arbiter heard, sent within the arbiter's window), and
+        not once that backup was lost until the arbiter dropped it. Otherwise the backup may have been promoted
+        meanwhile, and a state this shard saved would miss what the new primary acknowledged."""
+        journal = self._journal()
+        feed = journal.following() if journal is not None else None
+        if feed is None or self._self_arbitrated or not self._lease_seconds:
+            return None
+        if feed.lost is not None:
+            return (f"ps {self.index} lost its backup {feed.address} and its arbiter has not let it go on alone yet: "
+                    f"it writes no checkpoint until then")
+        lease = self._lease
+        if lease is not None and lease[0] is feed and (lease[1] is None or
+                                                       time.monotonic() - lease[1] >= self._lease_seconds):
+            return (f"ps {self.index}'s arbiter has not heard its lease for {self._lease_seconds:g} s, so its backup "
+                    f"may serve it now: it writes no checkpoint until the arbiter hears it again")
+        return None
+
     def layout(self) -> bytes:
         """The journal's layout.json, the first frame of a feed."""
         return (self._journal().directory / "layout.json").read_bytes()
@@ -512,6 +535,7 @@ class Replication:
         if self._ask("in_sync", feed.address, lambda: feed.lost is not None):
             (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
             if not self._self_arbitrated:  # its own backup is promoted by hand only
+                self._lease = (feed, None)
                 self._renew_lease(feed)
 
     def _renew_lease(self, feed: Feed) -> None:
@@ -524,8 +548,10 @@ class Replication:
             journal = self._journal()
             if journal is None or journal.following() is not feed:
                 return
+            sent = time.monotonic()
             try:
                 self._arbiter("lease", self.index, self.me, feed.address, timeout=LEASE_CALL_SECONDS)
+                self._lease = (feed, sent)
                 now = time.monotonic()
                 if now - heard > LATE_RENEWAL_SECONDS:
                     _LOGGER.warning("ps %d: %.2f s between two lease renewals its arbiter heard (this one answered "

@@ -147,7 +147,7 @@ def create_server(
                               arbiter_for(coordinator, index, tuple(addresses), security.as_shard(index)),
                               self_arbitrated=arbiter_of(index, len(addresses)) == index,
                               chunk_bytes=max_chunk_bytes, ack_timeout=replica_ack_timeout,
-                              stores=coordinator.tables.storage.on_disk)
+                              stores=coordinator.tables.storage.on_disk, lease_seconds=failover_after)
     server.replication = replication  # its backups' feeds; the daemon settles a stale backup at start with it
     servicer = ParameterServerServicer(store, coordinator, index, max_chunk_bytes=max_chunk_bytes,
                                        checkpoint_dir=checkpoint_dir, on_shutdown=on_shutdown,

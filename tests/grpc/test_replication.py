@@ -546,6 +546,41 @@ def test_a_backup_promoted_over_a_paused_primary_that_shares_its_checkpoint_fold
     assert "writes checkpoints" in (tmp_path / "backup.log").read_text()
 
 
+def test_a_primary_whose_arbiter_does_not_hear_its_lease_writes_no_checkpoint(tmp_path):
+    """ps 0, ps:1's arbiter, is paused: ps:1's lease renewals go unheard, so its backup could be promoted there
+    without ps:1 knowing, and a state ps:1 saved could miss what the promoted one acknowledged. Asked to save,
+    ps:1 refuses (UNAVAILABLE, naming its lease) once its last heard renewal is older than --failover-after, and
+    saves again once ps 0 runs and hears it."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    channel = grpc.insecure_channel(cluster.ps[1])
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+
+    def refusal() -> grpc.RpcError | None:
+        try:
+            stub.Save(ps_pb2.SaveRequest(now=True), timeout=30)
+        except grpc.RpcError as exc:
+            return exc
+        return None
+
+    try:
+        with PSClient(cluster, connect_timeout=30, timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+        assert refusal() is None, "ps:1 holding its lease did not save"
+        local.procs[0].send_signal(signal.SIGSTOP)
+        refused = wait_until(refusal, 30, "ps:1 to refuse a save while its arbiter hears no lease")
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        assert "has not heard its lease" in refused.details(), refused.details()
+        local.procs[0].send_signal(signal.SIGCONT)
+        wait_until(lambda: refusal() is None, 30, "ps:1 to save once its arbiter hears its lease again")
+    finally:
+        channel.close()
+        if local.procs[0].poll() is None:
+            local.procs[0].send_signal(signal.SIGCONT)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+
+
 def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp_path):
     """ps:1 is paused (SIGSTOP) until its backup, hearing nothing, is promoted; then ps 0 is paused and ps:1
     resumed: alive, cut off from both, it cannot acknowledge the push a client sends it directly (it waits for
