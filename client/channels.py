@@ -116,13 +116,13 @@ class Backoff:
         self._next = BACKOFF_FIRST_SECONDS
         self._rng = rng or random.Random()
 
-    def pause(self, fixed: float | None = None) -> bool:
-        """Sleeps before the next attempt (`fixed` seconds, jittered, if given: no doubling); False (without
-        sleeping) once the deadline has passed."""
+    def pause(self, fixed: float | None = None, sleep: Callable[[float], object] = time.sleep) -> bool:
+        """Sleeps before the next attempt (`fixed` seconds, jittered, if given: no doubling) with `sleep`
+        (which may return early); False (without sleeping) once the deadline has passed."""
         left = self.deadline - time.monotonic()
         if left <= 0:
             return False
-        time.sleep(min(left, (fixed or self._next) * self._rng.uniform(0.5, 1.5)))
+        sleep(min(left, (fixed or self._next) * self._rng.uniform(0.5, 1.5)))
         if fixed is None:
             self._next = min(BACKOFF_MAX_SECONDS, self._next * 2)
         return True
@@ -217,6 +217,8 @@ class ShardChannels:
         self._spec_shards = len(self.addresses)  # the job's shards as it began: who arbitrates whom
         self._relocating = threading.local()
         self._redirecting = threading.Lock()  # one redirect of a shard at a time (relocate runs in many threads)
+        self._moves = threading.Condition()  # notified at every redirect
+        self._moved: dict[int, int] = {}  # redirects of each shard so far
         self._replicated: set[int] = set()  # shards their arbiter's last answer recorded a backup or failover for
         self.watch = FailoverWatch(self.relocate, lambda shard: shard in self._replicated, self._closed)
 
@@ -312,8 +314,20 @@ class ShardChannels:
             old = self._channels[shard]
             self.addresses[shard] = address
             self._open(address, shard)
+        with self._moves:  # a call pausing before it tries the shard again tries it at once, there
+            self._moved[shard] = self._moved.get(shard, 0) + 1
+            self._moves.notify_all()
         old.close()
         return True
+
+    def _until_moved(self, shard: int) -> Callable[[float], object]:
+        """A sleep that ends early once `shard` is redirected (from the moment this is called)."""
+        moved = self._moved.get(shard, 0)  # (one read of a dict: no lock needed)
+
+        def sleep(seconds: float) -> object:
+            with self._moves:
+                return self._moves.wait_for(lambda: self._moved.get(shard, 0) != moved, seconds)
+        return sleep
 
     def target(self, shard: int) -> str:
         return f"ps:{shard} at {self.addresses[shard]}"
@@ -373,6 +387,7 @@ class ShardChannels:
             if self._closed.is_set():
                 raise ServerUnavailableError(f"this client is closed; {self.target(shard)} was not called")
             watched = self.watch.enter(shard) if self.follows_failovers else None
+            moved = self._until_moved(shard)  # a pause after this attempt ends once the shard is served elsewhere
             stub = self.stubs[shard]
             try:
                 if not self._ready[shard]:
@@ -381,7 +396,7 @@ class ShardChannels:
                 return fn(stub, timeout)
             except LaneBrokenError:  # the attempt's bulk lane broke (closed, out of step): nothing applied
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
-                if not backoff.pause(MOVING_RETRY_SECONDS):
+                if not backoff.pause(MOVING_RETRY_SECONDS, moved):
                     raise
             except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed by a redirect before the call
                 if self.stubs[shard] is not stub and not self._closed.is_set():
@@ -397,12 +412,12 @@ class ShardChannels:
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if isinstance(error_from_rpc(exc, ""), VariableMovingError):
                     self.moving_waits += 1  # the shard is up: a variable is on its way to it (a live resize),
-                    if backoff.pause(MOVING_RETRY_SECONDS):  # there within a move's time: asked again soon
+                    if backoff.pause(MOVING_RETRY_SECONDS, moved):  # there within a move's time: asked again soon
                         continue
                     raise error_from_rpc(exc, self.target(shard)) from exc
                 if stopped or exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self._ready[shard] = False
-                if not backoff.pause():
+                if not backoff.pause(sleep=moved):
                     raise error_from_rpc(exc, self.target(shard)) from exc
             finally:
                 if watched is not None:
