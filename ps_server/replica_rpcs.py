@@ -63,9 +63,8 @@ class RoleFence(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         why, name = self._why, handler_call_details.method.rpartition("/")[2]
-        if why is None or handler is None or name in self._open_methods or (self._only is not None and name not in
-                                                                            self._only) \
-                or handler_call_details.method.startswith("/grpc.health."):
+        fenced = name not in self._open_methods and (self._only is None or name in self._only)
+        if why is None or handler is None or not fenced or handler_call_details.method.startswith("/grpc.health."):
             return handler
         return aborting(handler, grpc.StatusCode.UNAVAILABLE, ServerUnavailableError.__name__, why)
 

@@ -439,7 +439,7 @@ class Replication:
     `compact_for(feed)` attaches a feed at a new base (Recorder.compact_for); `arbiter` asks the shard's arbiter for
     a change of its record (the shard's own coordinator where it is its own arbiter; None: it has none to ask,
     and refuses backups); `self_arbitrated`: it is; `me` is the address this shard serves at, as the arbiter
-    records it."""
+    records it; `lease_seconds`: how long the arbiter holds a lease it heard (saving_refused; 0: no check)."""
 
     def __init__(self, index: int, me: str, journal: Callable[[], object], compact_for: Callable[[Feed], None],
                  arbiter: Arbiter | None, *, self_arbitrated: bool, chunk_bytes: int,

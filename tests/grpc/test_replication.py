@@ -46,6 +46,16 @@ def _start(tmp_path, extra=(), backed=1, credentials=None):
     return local, backup, backup_address, Cluster.from_json(spec)
 
 
+def _resume_and_stop(local, backup) -> None:
+    """Stops the job's shards and the backup, any of them paused (SIGSTOP) resumed first."""
+    for proc in [*local.procs, backup]:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+    backup.terminate()
+    backup.wait(timeout=30)
+    local.stop()
+
+
 def _replicas(ps, arbiter: int = 0) -> dict:
     """The arbiter's record of the shards it arbitrates (ps 0 for the others, ps 1 for ps 0)."""
     layout = ps._fanout.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t), 10)
@@ -490,11 +500,7 @@ def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_lon
             assert local.procs[1].wait(timeout=30) == EXIT_CODE, "resumed, the old primary is fenced and stops"
     finally:
         channel.close()
-        if local.procs[1] is not None and local.procs[1].poll() is None:
-            local.procs[1].send_signal(signal.SIGCONT)
-        backup.terminate()
-        backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, backup)
 
 
 def _checkpoint_values(folder, step: int) -> dict:
@@ -538,11 +544,7 @@ def test_a_backup_promoted_over_a_paused_primary_that_shares_its_checkpoint_fold
             assert torch.equal(values[name], torch.full(shape, -2.0)), name
     finally:
         channel.close()
-        if local.procs[1] is not None and local.procs[1].poll() is None:
-            local.procs[1].send_signal(signal.SIGCONT)
-        backup.terminate()
-        backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, backup)
     assert "writes checkpoints" in (tmp_path / "backup.log").read_text()
 
 
@@ -574,11 +576,7 @@ def test_a_primary_whose_arbiter_does_not_hear_its_lease_writes_no_checkpoint(tm
         wait_until(lambda: refusal() is None, 30, "ps:1 to save once its arbiter hears its lease again")
     finally:
         channel.close()
-        if local.procs[0].poll() is None:
-            local.procs[0].send_signal(signal.SIGCONT)
-        backup.terminate()
-        backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, backup)
 
 
 def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp_path):
