@@ -320,10 +320,8 @@ class ShardChannels:
         old.close()
         return True
 
-    def _until_moved(self, shard: int) -> Callable[[float], object]:
-        """A sleep that ends early once `shard` is redirected (from the moment this is called)."""
-        moved = self._moved.get(shard, 0)  # (one read of a dict: no lock needed)
-
+    def _until_moved(self, shard: int, moved: int) -> Callable[[float], object]:
+        """A sleep that ends early once `shard` was redirected more than `moved` times."""
         def sleep(seconds: float) -> object:
             with self._moves:
                 return self._moves.wait_for(lambda: self._moved.get(shard, 0) != moved, seconds)
@@ -387,7 +385,7 @@ class ShardChannels:
             if self._closed.is_set():
                 raise ServerUnavailableError(f"this client is closed; {self.target(shard)} was not called")
             watched = self.watch.enter(shard) if self.follows_failovers else None
-            moved = self._until_moved(shard)  # a pause after this attempt ends once the shard is served elsewhere
+            moved = self._moved.get(shard, 0)  # a pause after this attempt ends once the shard is served elsewhere
             stub = self.stubs[shard]
             try:
                 if not self._ready[shard]:
@@ -396,7 +394,7 @@ class ShardChannels:
                 return fn(stub, timeout)
             except LaneBrokenError:  # the attempt's bulk lane broke (closed, out of step): nothing applied
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
-                if not backoff.pause(MOVING_RETRY_SECONDS, moved):
+                if not backoff.pause(MOVING_RETRY_SECONDS, self._until_moved(shard, moved)):
                     raise
             except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed by a redirect before the call
                 if self.stubs[shard] is not stub and not self._closed.is_set():
@@ -412,12 +410,13 @@ class ShardChannels:
                 backoff = backoff or Backoff(time.monotonic() + retry_for)
                 if isinstance(error_from_rpc(exc, ""), VariableMovingError):
                     self.moving_waits += 1  # the shard is up: a variable is on its way to it (a live resize),
-                    if backoff.pause(MOVING_RETRY_SECONDS, moved):  # there within a move's time: asked again soon
+                    # there within a move's time: asked again soon
+                    if backoff.pause(MOVING_RETRY_SECONDS, self._until_moved(shard, moved)):
                         continue
                     raise error_from_rpc(exc, self.target(shard)) from exc
                 if stopped or exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self._ready[shard] = False
-                if not backoff.pause(sleep=moved):
+                if not backoff.pause(sleep=self._until_moved(shard, moved)):
                     raise error_from_rpc(exc, self.target(shard)) from exc
             finally:
                 if watched is not None:
