@@ -7,8 +7,11 @@ numbers (Mirror): the primary's layout, a base, then every record and
 rotation, and the base of every later compaction. It acknowledges each
 record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that. A
-record whose bytes come on the bulk lane is handed to the journal's writer
-when its frame comes, and written a piece at a time as its bytes arrive.
+record of one piece (journal_log.PIECE) is written by the stream's thread and
+acknowledged there at once (Journal.write_now), unless --journal-sync leaves
+it to the writer's group commit; one of more pieces on the bulk lane is
+handed to the journal's writer when its frame comes, and written a piece at
+a time as its bytes arrive.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
 s while this backup runs (a stall of its own longer than half of that, paused
@@ -59,7 +62,8 @@ import numpy as np
 
 from ..cluster import arbiter_of
 from .. import lanes
-from ..errors import LaneBrokenError, LeaseHeldError, MalformedStreamError, PSError, ReplicaFencedError
+from ..errors import (LaneBrokenError, LeaseHeldError, MalformedStreamError, PSError, ReplicaFencedError,
+                      ServerUnavailableError)
 from ..proto import ps_pb2
 from ..security import Security
 from . import journal_log
@@ -114,8 +118,9 @@ class Mirror:
         self._ended = False  # end(): written() waits no more
 
     def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
-        """Writes one frame's part; returns the primary's number to acknowledge at once (a base), else None
-        (records are acknowledged by acks() once written). MalformedStreamError for a stream out of order."""
+        """Writes one frame's part; returns the primary's number to acknowledge at once (a base, or a record
+        written here), else None (the records the journal's writer writes are acknowledged by written()).
+        MalformedStreamError for a stream out of order."""
         if frame.kind == _FRAME.HEARTBEAT:
             return None
         if frame.kind == _FRAME.LAYOUT:
@@ -140,7 +145,8 @@ class Mirror:
         buffer = None
         if kind == _FRAME.RECORD:
             self._need_journal()
-            if frame.lane_bytes:  # written as its bytes come
+            now = None  # the primary's number, where this thread writes the record itself (acknowledged at once)
+            if frame.lane_bytes > journal_log.PIECE:  # the writer writes it as its bytes come
                 buffer = self._spare_buffer(frame.lane_bytes)
                 arrival = _Arrival()
                 local = self.journal.append_encoded(head, journal_log.split(head, buffer), arrival.wait)
@@ -148,16 +154,29 @@ class Mirror:
                     self._read_lane(buffer, arrival.came)
                 finally:
                     arrival.stop()
-            else:  # written piece by piece: no copy to join them
-                local = self.journal.append_encoded(head, [memoryview(piece) for piece in pieces])
-            with self._cond:
-                self._pairs.append((local, written, buffer))
-                self._cond.notify_all()
+            else:
+                if frame.lane_bytes:
+                    buffer = self._spare_buffer(frame.lane_bytes)
+                    self._read_lane(buffer)
+                    data = journal_log.split(head, buffer)
+                else:  # written piece by piece: no copy to join them
+                    data = [memoryview(piece) for piece in pieces]
+                if self.sync:  # the writer's group commit: one fdatasync for the records queued meanwhile
+                    local = self.journal.append_encoded(head, data)
+                else:
+                    self._write_now(head, data)
+                    now = written
+            if now is None:
+                with self._cond:
+                    self._pairs.append((local, written, buffer))
+                    self._cond.notify_all()
+            elif buffer is not None:
+                self._keep(buffer)
             kind = journal_log.kind_of(head)
             self.finished = self.finished or kind == "finish"
             if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
                 self.replica_events.append(journal_log.meta_of(head))
-            return None
+            return now
         if frame.lane_bytes:
             buffer = self._spare_buffer(frame.lane_bytes)
             self._read_lane(buffer)
@@ -259,6 +278,14 @@ class Mirror:
                     came(min(len(view), at + journal_log.PIECE))
         finally:
             self.lane_since = None
+
+    def _write_now(self, head: bytes, data: list) -> None:
+        """Journal.write_now; a failed write ends the stream (MalformedStreamError: this copy follows again from
+        a new base, as a failure of the journal's writer makes it do)."""
+        try:
+            self.journal.write_now(head, data)
+        except ServerUnavailableError as exc:
+            raise MalformedStreamError(str(exc)) from None
 
     def _need_journal(self) -> None:
         if self.journal is None:

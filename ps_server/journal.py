@@ -151,6 +151,7 @@ class Journal:
         self._fd: int | None = None     # the writer's: the log it writes, and where
         self._offset = 0
         self._writer: threading.Thread | None = None
+        self._busy = False              # the writer, or write_now()'s caller, writes to the log
         self._follower = None           # a backup's feed (replication.Feed) every wait also waits for
         self._acked = 0                 # records the follower wrote, in order
         self._shipping = None           # the writer's: the feed it hands what it writes to (since its rotate)
@@ -343,6 +344,29 @@ class Journal:
             self._cond.notify_all()
             return self._appended
 
+    def write_now(self, head: bytes, views: list[memoryview]) -> int:
+        """append_encoded() written in the caller's thread (a backup's stream, its journal's one appender: no
+        trip to the writer): blocks until the writer wrote what was queued before it, then writes it (not
+        synced); returns its number, written. ServerUnavailableError if the journal failed, or fails now (a
+        write failed: the log ends in part of the record, as a writer's failure leaves it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._queue or self._busy) or self._failed is not None)
+            self._check()
+            self._appended += 1
+            number, self._busy = self._appended, True
+            self._log_bytes += len(head) + sum(len(v) for v in views) + journal_log.TAIL_BYTES
+        try:
+            self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
+        except OSError as exc:
+            self._fail(f"journal {self._log_path(self._writing)}: a write failed: {exc.strerror or exc}")
+        with self._cond:
+            self._busy = False
+            if self._failed is None:
+                self._written = number
+            self._cond.notify_all()
+            self._check()
+        return number
+
     def wait(self, number: int | None = None, timeout: float | None = None) -> None:
         """Blocks until record `number` (None: every record appended so far) is written (synced, with `sync`),
         and, while a backup follows (attach), written by it too. ServerUnavailableError if the journal failed
@@ -491,10 +515,10 @@ class Journal:
         setproctitle.setthreadtitle(WRITER_THREAD)
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
+                self._cond.wait_for(lambda: not self._busy and (self._queue or self._closing))
                 if not self._queue:
                     return
-                batch, self._queue = self._queue, []
+                batch, self._queue, self._busy = self._queue, [], True
             batch.reverse()  # taken from its end, in order
             try:
                 last = 0
@@ -506,6 +530,9 @@ class Journal:
                 if self.sync:  # one fdatasync for the batch: the records queued while the last one ran
                     os.fdatasync(self._fd)
                     self._done(last)
+                with self._cond:
+                    self._busy = False  # write_now() may write
+                    self._cond.notify_all()
             except OSError as exc:
                 self._fail(f"journal {self._log_path(self._writing)}: a write failed: {exc.strerror or exc}")
                 return

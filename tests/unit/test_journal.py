@@ -554,3 +554,31 @@ def test_a_restart_cuts_a_reused_files_old_bytes_quietly_and_warns_only_of_a_tor
         again.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and f"a torn record at byte {ends[-2]}" in warnings[0], caplog.text
+
+
+def test_a_record_written_now_follows_the_queued_ones_and_a_failed_one_fails_the_journal(tmp_path):
+    """Journal.write_now (a backup's stream writes a record itself) writes after what was queued before it, and
+    recovery reads the records in order; a write that fails (the log is /dev/full) fails the journal as a
+    failure of its writer does: ServerUnavailableError, reported once, then for every append."""
+    journal = Journal(tmp_path / "ok")
+    journal.start({"step": 0, "variables": {"w": torch.zeros(3)}})
+    for i in range(20):
+        journal.append("apply", {"i": i}, {"w": torch.full((3,), float(i))})
+    number = journal.write_now(*journal_log.encode("apply", {"i": 20}, {"w": torch.full((3,), 20.0)}))
+    assert number == 21
+    journal.wait(number, timeout=0)  # written when it returned
+    journal.close()
+    _, records = Journal(tmp_path / "ok").recover()
+    assert [(r.meta["i"], r.tensors["w"][0].item()) for r in records] == [(i, float(i)) for i in range(21)]
+
+    failures = []
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "log-000000.bin").symlink_to("/dev/full")
+    journal = Journal(tmp_path / "full", on_failure=failures.append)
+    journal.start(None)
+    with pytest.raises(ServerUnavailableError, match="No space left on device"):
+        journal.write_now(*journal_log.encode("apply", {}, {"w": torch.ones(3)}))
+    with pytest.raises(ServerUnavailableError, match="cannot write its journal"):
+        journal.append("apply", {}, {"w": torch.ones(3)})
+    assert len(failures) == 1 and "a write failed: No space left on device" in failures[0]
+    journal.close()

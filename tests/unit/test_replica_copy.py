@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from torchps.errors import MalformedStreamError
 from torchps.lanes import Lane
 from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log
@@ -535,3 +536,71 @@ def test_a_stream_that_ends_wakes_the_acknowledger_waiting_for_a_record(tmp_path
     assert not thread.is_alive() and got == [None]
     assert mirror.written(timeout=600) is None
     mirror.close()
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_record_of_one_piece_is_written_by_the_stream_and_acknowledged_at_once_unless_synced(tmp_path, sync):
+    """Mirror.take writes a record whose bytes come in one piece (journal_log.PIECE) on the stream's thread and
+    returns the primary's number for it, written: no trip to the journal's writer and on to the acknowledger. A
+    record of more pieces on the lane is written by the writer as its bytes come, and a synced copy leaves
+    every record to the writer's group commit: take returns None for those, and written() acknowledges them."""
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()]
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed(ends[0])
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    mirror = Mirror(tmp_path / "copy", sync=sync, lane=ends[1])
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    while mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None:  # up to the base
+        pass
+    big = torch.arange(journal_log.PIECE // 4 + 3, dtype=torch.float32)
+    for i, tensors in enumerate(({"w": torch.full((3,), 5.0)}, {"big": big}, ODD)):
+        primary.append("apply", {"i": i}, tensors)
+    answers = []  # the writer offers the third record once the second's bytes were read off the lane
+    while len(answers) < 3:
+        frame = ps_pb2.ReplicaFrame.FromString(next(stream))
+        answer = mirror.take(frame)
+        if frame.kind == ps_pb2.ReplicaFrame.RECORD and frame.last:
+            one_piece = frame.lane_bytes <= journal_log.PIECE
+            answers.append((frame.written, answer, one_piece))
+            if answer is not None:
+                mirror.journal.wait(timeout=0)  # written before take returned: nothing is left to wait for
+    assert [one_piece for _, _, one_piece in answers] == [True, False, True]
+    if sync:
+        assert all(answer is None for _, answer, _ in answers)
+        assert mirror.written(timeout=10) == answers[-1][0]
+    else:
+        assert [answer for _, answer, _ in answers] == [answers[0][0], None, answers[2][0]]
+    mirror.journal.wait(timeout=10)
+    mirror.close()
+    primary.acked(feed, 10**9)
+    primary.wait(timeout=10)
+    primary.close()
+    assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 1
+
+
+def test_a_record_the_copy_cannot_write_ends_its_stream_unacknowledged(tmp_path):
+    """A backup whose disk is full (the copy's next log is /dev/full): the record its stream writes fails, and
+    take raises MalformedStreamError, as a failure of the journal's writer ends the stream (the backup follows
+    again from a new base); the record is acknowledged to no one."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    mirror = Mirror(tmp_path / "copy", sync=False)
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    while (frame := ps_pb2.ReplicaFrame.FromString(next(stream))).kind != ps_pb2.ReplicaFrame.BASE or not frame.last:
+        assert mirror.take(frame) is None
+    assert mirror.take(frame) is not None  # the base, acknowledged
+    (tmp_path / "copy" / f"log-{frame.number + 1:06d}.bin").symlink_to("/dev/full")
+    _compact(primary, feed, {"step": 2, "variables": {"w": torch.full((3,), 3.0)}})  # the copy's next log
+    primary.append("apply", {"i": 0}, ODD)
+    with pytest.raises(MalformedStreamError, match="No space left on device"):
+        while True:
+            frame = ps_pb2.ReplicaFrame.FromString(next(stream))
+            assert frame.kind != ps_pb2.ReplicaFrame.HEARTBEAT, "the record was written"
+            assert mirror.take(frame) is None
+    assert mirror.written(timeout=0) is None
+    mirror.close()
+    primary.close()
+    assert not lost
