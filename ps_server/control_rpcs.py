@@ -114,15 +114,16 @@ class ControlRPCs:
         table (table_state.py), copied at one instant under the apply gate. Blocks until the shard reaches
         the step (at most the call's deadline), then for the copy and the file's write and fsync; if it
         raises, no file of this shard counts for the checkpoint (shard 0 will not commit it). UNAVAILABLE while
-        its backup may have been promoted in its place (_require_lease)."""
+        it may not write one (_require_saving), asked before the wait and again before the write."""
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")
         self._require_checkpoints()
+        self._require_saving()
         started = time.monotonic()
         context.add_callback(self.coordinator.wake)
         state = self.coordinator.snapshot_at(request.step, remaining(context), lambda: not context.is_active(),
                                              now=request.now)
-        self._require_lease()
+        self._require_saving()
         try:
             path, size = checkpoint.write_shard(self.checkpoint_dir, self.index, request.step, state,
                                                 full=request.full)
@@ -148,7 +149,7 @@ class ControlRPCs:
             raise ModeConflictError(f"ps {self.index} does not commit checkpoints; ask ps 0")
         manifest = _placement_manifest(request.manifest_json)
         shards = [(s.index, s.bytes, s.step, s.layout_epoch) for s in request.shards]
-        self._require_lease()
+        self._require_saving()
         try:
             path = checkpoint.commit(self.checkpoint_dir, request.step, manifest, shards, request.keep)
         except OSError as exc:
@@ -156,9 +157,10 @@ class ControlRPCs:
         _LOGGER.info("checkpoint %d committed (%s)", request.step, path)
         return ps_pb2.CommitResponse(path=str(path))
 
-    def _require_lease(self) -> None:
-        """ServerUnavailableError (retried) while this shard's backup may have been promoted in its place
-        (Replication.saving_refused): what it would write could miss changes the promoted one acknowledged."""
+    def _require_saving(self) -> None:
+        """ServerUnavailableError (retried) while this shard may not write a checkpoint (Replication.saving_refused:
+        its backup may have been promoted in its place, so what it would write could miss changes the promoted
+        one acknowledged; or, promoted itself, it does not hold its part of the checkpoint folder yet)."""
         refused = self.replication.saving_refused() if self.replication is not None else None
         if refused:
             raise ServerUnavailableError(f"{refused}; retry")

@@ -36,6 +36,7 @@ from .journal import Journal, Layout
 from .metrics import ShardMetrics
 from .quotas import Quotas
 from .replica_rpcs import RoleFence
+from .replication import Replication
 from .server import create_server, serve_health, set_health
 from .signpost import Signpost
 from .ssd_tables import TableStorage
@@ -188,12 +189,13 @@ def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: flo
             time.sleep(0.1)
 
 
-def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, fence: RoleFence,
+def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, replication: Replication,
                        failstop: FailStop) -> None:
     """(A promoted backup's thread.) Takes shard `index`'s part of `checkpoint_dir` (into `late`) once the
     primary it replaced let go of it (that one stops once it hears it was replaced; one cut off may hold it for
     long), trying again and again (pauses doubling from LOCK_RETRY_SECONDS), then cleans its partial
-    checkpoint and opens `fence` (Save, CommitCheckpoint); a clean that fails stops the shard (`failstop`), as
+    checkpoint and lets `replication` save (hold_saving: Save, CommitCheckpoint); a clean that fails stops the
+    shard (`failstop`), as
     at a start. Says every LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
     began = said = time.monotonic()
     pause = LOCK_RETRY_SECONDS
@@ -214,7 +216,7 @@ def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, l
         except OSError as exc:
             failstop.fatal(f"ps {index} serves its shard, yet cannot clean its part of the checkpoint folder: {exc}")
             return
-        fence.open()
+        replication.hold_saving(None)
         _LOGGER.info("ps %d holds its part of the checkpoint folder %s: it writes checkpoints", index, checkpoint_dir)
         return
 
@@ -249,13 +251,13 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         # dead) it takes later (_checkpoints_later), refusing Save and CommitCheckpoint meanwhile.
         held = _hold(None if fence or promoted else args.checkpoint_dir, args.journal_dir, index, 0.0)
         late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard, or once promoted
+        folder_wait = None  # why a promoted shard writes no checkpoint yet (Replication.hold_saving)
         if promoted and args.checkpoint_dir:
             try:
                 late.append(hold_shard(args.checkpoint_dir, None, index))
             except ClusterConfigError:
-                fence = RoleFence(f"ps {index} was promoted just now, and the primary it replaced still holds its part "
-                                  f"of the checkpoint folder: it writes checkpoints once that one stopped; retry",
-                                  only=RoleFence.CHECKPOINT_METHODS)
+                folder_wait = (f"ps {index} was promoted just now, and the primary it replaced still holds its part "
+                               f"of the checkpoint folder: it writes checkpoints once that one stopped; retry")
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:
@@ -264,7 +266,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, cluster, index, failstop.fatal)
-        if args.checkpoint_dir and fence is None:  # a fenced one cleans once it holds the folder: another may write
+        if args.checkpoint_dir and fence is None and folder_wait is None:  # (cleaned once it holds the folder:
+            # another may write there meanwhile)
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index, journaled=journal is not None) \
             if journal is None or not journal.holds_state() else None
@@ -282,6 +285,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
             pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout,
             failover_after=args.failover_after, fence=fence, table_storage=table_storage(args, index, address, promoted))
+        server.replication.hold_saving(folder_wait)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
         print(f"ps-server: error: {exc}", file=sys.stderr)
@@ -312,7 +316,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _LOGGER.info("ps %d holds at most %d bytes (--max-memory)", index, args.max_memory)
     serving = ("ps %d serving on %s:%d (pid %d): %s", index, host, port, os.getpid(),
                "INSECURE: no TLS, no token" if security.insecure else mode)
-    if fence is None or promoted:
+    if fence is None:
         _LOGGER.info(*serving)
     else:
         _LOGGER.info("ps %d answers status and the layout only, on %s:%d (pid %d), until its arbiter confirms it still "
@@ -323,9 +327,9 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     if args.port_file:  # after what the shard says at start: whoever waits for the file finds it in the log
         _write_port(args.port_file, port)
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
-    if promoted and fence is not None:
-        threading.Thread(target=_checkpoints_later, args=(args.checkpoint_dir, index, stop, late, fence, failstop),
-                         name="checkpoint-folder", daemon=True).start()
+    if folder_wait is not None:
+        threading.Thread(target=_checkpoints_later, args=(args.checkpoint_dir, index, stop, late, server.replication,
+                                                          failstop), name="checkpoint-folder", daemon=True).start()
     elif fence is not None:
         def confirm() -> None:
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,

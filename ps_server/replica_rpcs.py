@@ -41,16 +41,13 @@ class RoleFence(grpc.aio.ServerInterceptor):
     """Until open(), refuses every call but GetStatus and GetLayout with UNAVAILABLE (retried by clients): a
     restarted shard that had a backup serves nothing until its arbiter confirmed it still serves its shard,
     yet answers the layout meanwhile, which is how ps 0 and ps 1, each the other's arbiter, confirm each
-    other when a whole job starts again. With `only`, it refuses those methods alone (CHECKPOINT_METHODS: a
-    promoted backup writes no checkpoint until the primary it replaced let go of the checkpoint folder)."""
+    other when a whole job starts again."""
 
     OPEN_METHODS = frozenset({"GetStatus", "GetLayout"})
-    CHECKPOINT_METHODS = frozenset({"Save", "CommitCheckpoint"})
 
-    def __init__(self, why: str, only: frozenset[str] | None = None):
+    def __init__(self, why: str):
         self._why: str | None = why
         self._open_methods = self.OPEN_METHODS
-        self._only = only
 
     def confirmed(self) -> None:
         """The arbiter confirmed this shard: its own record of the shards it arbitrates is the job's, so it
@@ -63,8 +60,8 @@ class RoleFence(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         why, name = self._why, handler_call_details.method.rpartition("/")[2]
-        fenced = name not in self._open_methods and (self._only is None or name in self._only)
-        if why is None or handler is None or not fenced or handler_call_details.method.startswith("/grpc.health."):
+        if why is None or handler is None or name in self._open_methods or \
+                handler_call_details.method.startswith("/grpc.health."):
             return handler
         return aborting(handler, grpc.StatusCode.UNAVAILABLE, ServerUnavailableError.__name__, why)
 

@@ -453,6 +453,7 @@ class Replication:
         # The feed whose backup the arbiter recorded in sync, and when the last renewal of this shard's lease it
         # heard was sent (monotonic; None: none yet): until then + lease_seconds the backup is not promoted.
         self._lease: tuple[Feed, float | None] | None = None
+        self._folder_wait: str | None = None  # why the checkpoint folder is not this shard's yet (hold_saving)
         self.feeds_opened = 0
         self.feeds_lost = 0
         self.shipped = Shipped()
@@ -499,11 +500,19 @@ class Replication:
             status.in_sync, status.lag_records, status.lag_seconds = feed.lag()
         return status
 
+    def hold_saving(self, why: str | None) -> None:
+        """Refuses checkpoint writes for `why` (saving_refused) until called with None: a promoted backup whose
+        replaced primary still holds its part of the checkpoint folder (daemon._checkpoints_later)."""
+        self._folder_wait = why
+
     def saving_refused(self) -> str | None:
-        """Why this shard may not write a checkpoint now, None if it may: with a backup its arbiter recorded in
-        sync, only while it holds its lease (a renewal the arbiter heard, sent within the arbiter's window), and
-        not once that backup was lost until the arbiter dropped it. Otherwise the backup may have been promoted
-        meanwhile, and a state this shard saved would miss what the new primary acknowledged."""
+        """Why this shard may not write a checkpoint now, None if it may: not while hold_saving holds it; with a
+        backup its arbiter recorded in sync, only while it holds its lease (a renewal the arbiter heard, sent
+        within the arbiter's window), and not once that backup was lost until the arbiter dropped it.
+        Otherwise the backup may have been promoted meanwhile, and a state this shard saved would miss what the
+        new primary acknowledged."""
+        if self._folder_wait is not None:
+            return self._folder_wait
         journal = self._journal()
         feed = journal.following() if journal is not None else None
         if feed is None or self._self_arbitrated or not self._lease_seconds:

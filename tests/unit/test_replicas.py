@@ -10,6 +10,7 @@ from torchps.errors import (InvalidArgumentError, LeaseHeldError, ModeConflictEr
                             WaitTimeoutError, ServerUnavailableError)
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replicas import ReplicaRegistry
+from torchps.ps_server.replication import Feed, Replication
 
 SPEC = ["h:0", "h:1", "h:2"]
 
@@ -311,3 +312,26 @@ def test_a_promotion_asked_as_the_lease_runs_out_waits_for_it_and_one_renewed_me
         assert (entry["primary"], entry["failovers"]) == ("b:1", 1)
     finally:
         coordinator.close()
+
+
+def test_checkpoint_writes_have_one_gate_the_folder_a_promoted_shard_waits_for_and_a_lost_backup(tmp_path):
+    """Replication.saving_refused, which Save and CommitCheckpoint ask (UNAVAILABLE): a promoted backup's wait for
+    the checkpoint folder (hold_saving) comes first; a primary whose backup was lost writes none until its
+    arbiter drops it; otherwise it may."""
+    journal = Journal(tmp_path)
+    journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
+    replication = Replication(1, "a:1", lambda: journal, lambda feed: None, None, self_arbitrated=False,
+                              chunk_bytes=1024, lease_seconds=0.5)
+    assert replication.saving_refused() is None
+    replication.hold_saving("the folder is held by the replaced primary")
+    assert replication.saving_refused() == "the folder is held by the replaced primary"
+    replication.hold_saving(None)
+    assert replication.saving_refused() is None
+    feed = Feed("b:1", 1024, 60, on_lost=lambda feed, why: None, on_based=lambda feed: None)
+    journal.rotate(follower=feed)
+    assert replication.saving_refused() is None  # in sync, its lease not recorded by an arbiter yet
+    feed.lose("its stream broke")
+    assert "lost its backup b:1" in replication.saving_refused()
+    replication.hold_saving("the folder is held by the replaced primary")
+    assert replication.saving_refused() == "the folder is held by the replaced primary"
+    journal.close()
