@@ -211,14 +211,21 @@ def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, l
             pause = min(2 * pause, LOCK_PROGRESS_SECONDS / 5)
             continue
         late.append(held)
+        _clean_checkpoint_part(checkpoint_dir, index, failstop)
+        replication.hold_saving(None)
+        _LOGGER.info("ps %d holds its part of the checkpoint folder %s: it writes checkpoints", index, checkpoint_dir)
+        return
+
+
+def _clean_checkpoint_part(checkpoint_dir: str | None, index: int, failstop: FailStop) -> None:
+    """(A shard that took its part of the checkpoint folder after its start, before it writes there.) Deletes what
+    a killed predecessor left there (checkpoint.clean_partial); a clean that fails stops the shard (`failstop`:
+    never returns), as a failure at a start does."""
+    if checkpoint_dir:
         try:
             checkpoint.clean_partial(checkpoint_dir, index)
         except OSError as exc:
             failstop.fatal(f"ps {index} serves its shard, yet cannot clean its part of the checkpoint folder: {exc}")
-            return
-        replication.hold_saving(None)
-        _LOGGER.info("ps %d holds its part of the checkpoint folder %s: it writes checkpoints", index, checkpoint_dir)
-        return
 
 
 def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security,
@@ -328,8 +335,9 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _write_port(args.port_file, port)
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
     if folder_wait is not None:
-        threading.Thread(target=_checkpoints_later, args=(args.checkpoint_dir, index, stop, late, server.replication,
-                                                          failstop), name="checkpoint-folder", daemon=True).start()
+        threading.Thread(target=failstop.run, args=("checkpoint-folder", _checkpoints_later, args.checkpoint_dir, index,
+                                                    stop, late, server.replication, failstop),
+                         name="checkpoint-folder", daemon=True).start()
     elif fence is not None:
         def confirm() -> None:
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
@@ -353,12 +361,12 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                     late.append(_hold(args.checkpoint_dir, None, index, PROMOTED_LOCK_SECONDS))
                 except ClusterConfigError as exc:
                     failstop.fatal(f"ps {index} serves its shard, yet cannot hold its checkpoint folder: {exc}")
-                if args.checkpoint_dir:
-                    checkpoint.clean_partial(args.checkpoint_dir, index)
+                _clean_checkpoint_part(args.checkpoint_dir, index, failstop)
                 fence.open()
                 _LOGGER.info(*serving)
 
-        threading.Thread(target=confirm, name="role-check", daemon=True).start()
+        # Whatever fails in it stops the shard (fail-stop), rather than leave it fenced for good.
+        threading.Thread(target=failstop.run, args=("role-check", confirm), name="role-check", daemon=True).start()
     # Waits in short slices: a signal the kernel hands to one of gRPC's threads only sets a flag, which the
     # main thread acts on when it next runs Python code (a wait with no timeout might never return).
     while not stop.wait(SIGNAL_CHECK_SECONDS):

@@ -244,6 +244,26 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
         local.stop()
 
 
+
+def test_a_restarted_primary_that_cannot_clean_its_checkpoint_part_once_confirmed_stops_instead_of_staying_fenced(
+        tmp_path):
+    """As the previous test, but a partial checkpoint file of ps:1 that cannot be deleted (a folder by that name):
+    confirmed by its arbiter, the restarted primary cleans its part of the checkpoint folder before it serves, and
+    a clean that fails stops it (fail-stop, naming why), as at any shard's start; before, the thread that asked
+    died and the shard answered nothing but status and the layout for good."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            backup.send_signal(signal.SIGSTOP)  # not promoted meanwhile: the restarted primary is confirmed
+            local.kill_ps(1)
+            (tmp_path / "ck" / "step-00000007" / ".ps-1.pt.0.tmp").mkdir(parents=True)
+            local.start_ps(1)
+            assert local.procs[1].wait(timeout=60) == EXIT_CODE, local.log(1)[-3000:]
+            assert "cannot clean its part of the checkpoint folder" in local.log(1), local.log(1)[-3000:]
+    finally:
+        _resume_and_stop(local, backup)
+
 def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name: str):
     """A backup of shard `index` following `primary`, bound at `bind`, its journal and log named `name`."""
     return start_ps_server(["--index", str(index), "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
