@@ -2,6 +2,7 @@
 push, and a primary cut off from its promoted backup never acknowledges again. Real processes."""
 
 import json
+import resource
 import shutil
 import signal
 import threading
@@ -261,6 +262,39 @@ def test_a_restarted_primary_that_cannot_clean_its_checkpoint_part_once_confirme
             local.start_ps(1)
             assert local.procs[1].wait(timeout=60) == EXIT_CODE, local.log(1)[-3000:]
             assert "cannot clean its part of the checkpoint folder" in local.log(1), local.log(1)[-3000:]
+    finally:
+        _resume_and_stop(local, backup)
+
+
+def test_a_backup_whose_disk_fills_follows_again_from_a_new_base_and_its_primary_loses_nothing(tmp_path):
+    """ps:1's backup may grow its files no further (RLIMIT_FSIZE, as `prlimit --fsize` sets it): the record its
+    stream writes fails (EFBIG), it follows again from a new base, and the primary acknowledges every push
+    meanwhile; with room again it is in sync, and promoted once the primary is killed it serves every push."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            log = tmp_path / "backup.log"
+            limit = log.stat().st_size + (64 << 10)  # room for its own lines, not for 20 records of 4 KB
+            hard = resource.prlimit(backup.pid, resource.RLIMIT_FSIZE)[1]
+            resource.prlimit(backup.pid, resource.RLIMIT_FSIZE, (limit, hard))  # the soft limit: lifted later
+            pushes = 0
+            while "a write failed: File too large" not in log.read_text():
+                assert pushes < 200, log.read_text()[-3000:]
+                ps.push(grads)
+                pushes += 1
+            wait_until(lambda: "following again from a new base" in log.read_text(), 30, "the backup to follow anew")
+            resource.prlimit(backup.pid, resource.RLIMIT_FSIZE, (hard, hard))
+            for _ in range(3):
+                ps.push(grads)
+            pushes += 3
+            wait_until(lambda: _replicas(ps)[1].backup == backup_address and _replicas(ps)[1].primary != backup_address,
+                       30, "the backup in sync again")
+            local.kill_ps(1)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -float(pushes))) for n, s in SHAPES.items())
+            assert _replicas(ps)[1].primary == backup_address
     finally:
         _resume_and_stop(local, backup)
 
