@@ -7,11 +7,13 @@ numbers (Mirror): the primary's layout, a base, then every record and
 rotation, and the base of every later compaction. It acknowledges each
 record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that. A
-record of one piece (journal_log.PIECE) is written by the stream's thread and
-acknowledged there at once (Journal.write_now), unless --journal-sync leaves
-it to the writer's group commit; one of more pieces on the bulk lane is
-handed to the journal's writer when its frame comes, and written a piece at
-a time as its bytes arrive.
+record whose bytes come in its frames, or in one piece (journal_log.PIECE)
+on the bulk lane, is written by the stream's thread and acknowledged there at
+once (Journal.write_now), unless --journal-sync leaves it to the writer's
+group commit; one of more pieces on the lane is handed to the journal's
+writer when its frame comes, and written a piece at a time as its bytes
+arrive. A part the copy cannot write (a full disk) ends the stream: the
+backup follows again from a new base.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
 s while this backup runs (a stall of its own longer than half of that, paused
@@ -118,9 +120,20 @@ class Mirror:
         self._ended = False  # end(): written() waits no more
 
     def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
-        """Writes one frame's part; returns the primary's number to acknowledge at once (a base, or a record
-        written here), else None (the records the journal's writer writes are acknowledged by written()).
-        MalformedStreamError for a stream out of order."""
+        """Writes one frame's part; returns the primary's number to acknowledge at once (the stream's first base,
+        or a record written here), else None (the records the journal's writer writes are acknowledged by
+        written()).
+        MalformedStreamError for a stream out of order, and for a part this copy cannot write (a full disk, its
+        journal failed): the stream ends, and the backup follows again from a new base. LaneBrokenError as
+        _read_lane raises it."""
+        try:
+            return self._take(frame)
+        except LaneBrokenError:
+            raise
+        except (OSError, ServerUnavailableError) as exc:  # ServerUnavailableError: the journal's writer failed
+            raise MalformedStreamError(f"this copy cannot be written in {self.folder} ({exc})") from None
+
+    def _take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
         if frame.kind == _FRAME.HEARTBEAT:
             return None
         if frame.kind == _FRAME.LAYOUT:
@@ -164,7 +177,7 @@ class Mirror:
                 if self.sync:  # the writer's group commit: one fdatasync for the records queued meanwhile
                     local = self.journal.append_encoded(head, data)
                 else:
-                    self._write_now(head, data)
+                    self.journal.write_now(head, data)
                     now = written
             if now is None:
                 with self._cond:
@@ -279,14 +292,6 @@ class Mirror:
         finally:
             self.lane_since = None
 
-    def _write_now(self, head: bytes, data: list) -> None:
-        """Journal.write_now; a failed write ends the stream (MalformedStreamError: this copy follows again from
-        a new base, as a failure of the journal's writer makes it do)."""
-        try:
-            self.journal.write_now(head, data)
-        except ServerUnavailableError as exc:
-            raise MalformedStreamError(str(exc)) from None
-
     def _need_journal(self) -> None:
         if self.journal is None:
             raise MalformedStreamError("the primary sent records before a base")
@@ -322,11 +327,16 @@ class Mirror:
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Closes the copy's files (its journal's log synced). A disk that fails the sync is logged, not raised:
+        what was acknowledged is in the page cache, and the backup follows again from a new base."""
         if self._file is not None:
             self._file[1].close()
         shutil.rmtree(self.incoming, ignore_errors=True)
         if self.journal is not None:
-            self.journal.close()
+            try:
+                self.journal.close()
+            except OSError as exc:
+                _LOGGER.error("backup copy in %s: its log could not be synced as it closed (%s)", self.folder, exc)
 
 
 class _Arrival:
@@ -478,12 +488,12 @@ class Backup:
                     framed = True
                     threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
                     threads[1].start()
-                based = mirror.take(frame)
+                ack = mirror.take(frame)
                 while mirror.replica_events:
                     self._follow_arbiter(mirror.replica_events.pop(0))
-                if based is not None:
-                    self.holds_copy = True
-                    acks.put(ps_pb2.ReplicaAck(written=based))
+                if ack is not None:
+                    self.holds_copy = True  # (its first base is written)
+                    acks.put(ps_pb2.ReplicaAck(written=ack))
                 last[0] = time.monotonic()
             return "finished" if mirror.finished else "followed"
         except grpc.RpcError as exc:

@@ -15,7 +15,9 @@ acknowledged and nothing twice (the push ledger is part of it).
 
 Writing. `append` queues a record and returns its number at once, so it may
 be called under any lock: the order of appends is the order in the log. One
-writer thread writes the queue in order, batch by batch (group commit), and
+writer thread writes the queue in order, batch by batch (group commit; a
+backup's copy, whose stream is its one appender, writes a small record in
+that thread instead, once the queue is written: `write_now`), and
 `wait(number)` returns once that record is written: into the kernel's page
 cache by default, which a killed process (kill -9, OOM) cannot lose; with
 `sync`, onto the disk (one fdatasync per batch, bases and folders fsynced),
@@ -345,10 +347,12 @@ class Journal:
             return self._appended
 
     def write_now(self, head: bytes, views: list[memoryview]) -> int:
-        """append_encoded() written in the caller's thread (a backup's stream, its journal's one appender: no
-        trip to the writer): blocks until the writer wrote what was queued before it, then writes it (not
-        synced); returns its number, written. ServerUnavailableError if the journal failed, or fails now (a
-        write failed: the log ends in part of the record, as a writer's failure leaves it)."""
+        """append_encoded() written in the caller's thread, for a journal with one appender, no follower and no
+        `sync` (a backup's copy, written by its stream: no trip to the writer): blocks until the writer wrote
+        what was queued before it, then writes it; returns its number, written. ServerUnavailableError if the
+        journal failed or is closing, or fails now (a write failed, as the writer's do: the log ends in part of
+        the record, and it is acknowledged to no one)."""
+        assert not self.sync and self._follower is None, "write_now neither syncs nor ships its record"
         with self._cond:
             self._cond.wait_for(lambda: not (self._queue or self._busy) or self._failed is not None)
             self._check()
@@ -359,11 +363,15 @@ class Journal:
             self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
         except OSError as exc:
             self._fail(f"journal {self._log_path(self._writing)}: a write failed: {exc.strerror or exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug, as in the writer: nothing more can be written
+            self._fail(f"journal {self.directory}: writing a record failed: {exc!r}")
+        finally:
+            with self._cond:
+                self._busy = False
+                if self._failed is None:
+                    self._written = number
+                self._cond.notify_all()
         with self._cond:
-            self._busy = False
-            if self._failed is None:
-                self._written = number
-            self._cond.notify_all()
             self._check()
         return number
 
@@ -504,10 +512,12 @@ class Journal:
         if self._writer is not None:
             self._writer.join()
         if self._fd is not None:
-            if self._failed is None:
-                os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            try:
+                if self._failed is None:
+                    os.fsync(self._fd)  # OSError as it raises it (a failing disk): the file is closed all the same
+            finally:
+                os.close(self._fd)
+                self._fd = None
 
     # -- the writer -------------------------------------------------------------------------------
 

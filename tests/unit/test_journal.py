@@ -582,3 +582,21 @@ def test_a_record_written_now_follows_the_queued_ones_and_a_failed_one_fails_the
         journal.append("apply", {}, {"w": torch.ones(3)})
     assert len(failures) == 1 and "a write failed: No space left on device" in failures[0]
     journal.close()
+
+
+def test_a_bug_in_a_record_written_now_fails_the_journal_and_close_still_returns(tmp_path, monkeypatch):
+    """An exception other than OSError while write_now writes (a bug) fails the journal as the writer's own
+    would, and lets go of the log: close() returns instead of waiting for the writer for good."""
+    journal = Journal(tmp_path)
+    journal.start({"step": 0, "variables": {"w": torch.zeros(3)}})
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(journal_log, "write", broken)
+    with pytest.raises(ServerUnavailableError, match="writing a record failed: ValueError"):
+        journal.write_now(*journal_log.encode("apply", {}, {"w": torch.ones(3)}))
+    closed = threading.Thread(target=journal.close, daemon=True)
+    closed.start()
+    closed.join(30)
+    assert not closed.is_alive()

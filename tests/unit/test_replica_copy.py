@@ -604,3 +604,29 @@ def test_a_record_the_copy_cannot_write_ends_its_stream_unacknowledged(tmp_path)
     mirror.close()
     primary.close()
     assert not lost
+
+
+def test_a_base_the_copy_cannot_write_ends_its_stream_not_the_backup(tmp_path):
+    """A later base the copy cannot write (the new spare files it would take are /dev/full): take raises
+    MalformedStreamError, so the stream ends and the backup follows again from a new base; an OSError there
+    ended the backup's process before (the soak's backup-disk-full found it)."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    mirror = Mirror(tmp_path / "copy", sync=False)
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    while mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None:  # up to the first base
+        pass
+    assert not list((tmp_path / "copy").glob("spare-*.bin"))  # spares 0 and 1 became the base and the log
+    for number in (2, 3):  # the next log's file and the next base's: new spares, as none is left
+        (tmp_path / "copy" / f"spare-{number:06d}.bin").symlink_to("/dev/full")
+    _compact(primary, feed, {"step": 2, "variables": {"w": torch.full((3,), 3.0)}})
+    with pytest.raises(MalformedStreamError, match="No space left on device"):
+        while True:
+            frame = ps_pb2.ReplicaFrame.FromString(next(stream))
+            assert frame.kind != ps_pb2.ReplicaFrame.HEARTBEAT, "the base was written"
+            assert mirror.take(frame) is None
+    mirror.close()
+    primary.close()
+    assert not lost
