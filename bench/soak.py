@@ -42,8 +42,9 @@ recovered once a later resize succeeds):
                      in exactly one shard file, or refused (CheckpointError)
 With --replicas 2 every shard runs as a primary and a backup (bench/soak_replicas.py, whose docstring says how
 each kind above that strikes a shard then strikes one of its two processes, and what the proxy does after a
-failover), with three more kinds: host-lost (a primary killed and its journal folder deleted, a fresh backup
-started in its place), backup-lost (a backup killed and started again) and partition-primary (a primary
+failover), with four more kinds: host-lost (a primary killed and its journal folder deleted, a fresh backup
+started in its place), backup-lost (a backup killed and started again), backup-disk-full (a backup's files
+may grow no further for a while: it must follow anew, not stop) and partition-primary (a primary
 paused until its backup took over, then resumed: it must stop by itself, fenced); the shard resizes and
 their failures are left out, the worker resizes drawn. Each primary struck is timed from the strike to
 the first push acknowledged by its successor (the "g=" of an "acked" line: each shard's generation).

@@ -30,6 +30,9 @@ The kinds (REPLICA_FAULTS; those named as in bench/soak.py replace its own with 
                      (`--replica-of` the promoted one), as an operator replacing the host would
   backup-lost        SIGKILL a shard's backup (in sync), then start it again with its command: its primary drops
                      it and it follows anew, from a new base
+  backup-disk-full   a shard's backup's files may grow no further for 0.5-3 s (its soft RLIMIT_FSIZE, then lifted):
+                     a record it cannot write ends its stream and it follows anew from a new base (it must not
+                     stop); its primary acknowledges meanwhile, dropping it if it falls behind
   partition-primary  SIGSTOP a shard's primary until its arbiter promoted its backup (cut off from everyone),
                      then SIGCONT it: it must stop by itself (exit 70: fenced, counted in `fenced`) within
                      FENCE_SECONDS; it is then started again with its command (it becomes the backup).
@@ -59,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import resource
 import shutil
 import signal
 import subprocess
@@ -74,7 +78,7 @@ FAILOVER_SECONDS = 15.0  # a struck primary's arbiter must record its backup pro
 FENCE_SECONDS = 30.0     # a partitioned primary, resumed after its failover, must stop by itself within this
 RECORD_SECONDS = 2.0     # one look at an arbiter's record, or at a shard's status
 POLL_SECONDS = 0.05      # between two looks at a record that is to change
-REPLICA_KINDS = ("host-lost", "backup-lost", "partition-primary")  # drawn only with --replicas 2
+REPLICA_KINDS = ("host-lost", "backup-lost", "backup-disk-full", "partition-primary")  # only with --replicas 2
 
 
 @dataclasses.dataclass
@@ -383,6 +387,28 @@ def pause_shard(phase) -> bool:
     return True
 
 
+def backup_disk_full(phase) -> bool:
+    """Lets a shard's backup's files grow past its log plus 1 MiB no further for 0.5-3 s (its soft file-size
+    limit, raised back to its hard one after); a backup that ended meanwhile is a failure (it must follow anew)."""
+    index = phase.rng.randrange(phase.shards.num_shards)
+    primary = phase.shards.primary(index)
+    if primary is None:
+        return False
+    backup = phase.shards.hosts[index][1 - primary.seat]
+    hard = resource.prlimit(backup.proc.pid, resource.RLIMIT_FSIZE)[1]
+    resource.prlimit(backup.proc.pid, resource.RLIMIT_FSIZE, (backup.log.stat().st_size + (1 << 20), hard))
+    time.sleep(phase.rng.uniform(0.5, 3.0))
+    try:
+        resource.prlimit(backup.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
+    except ProcessLookupError:
+        pass
+    if backup.proc.poll() is not None:
+        phase.failures.append(f"{backup.name}, a backup whose disk was full, ended with code {backup.proc.poll()} "
+                              f"instead of following its primary anew: {backup.tail()}")
+        phase.check_shards()  # started again
+    return True
+
+
 def disk_full(phase) -> bool:
     """Fills a shard's primary's disk: it stops itself (a fail-stop, counted and started again by the phase's
     check of its shards, once its backup took over)."""
@@ -404,6 +430,7 @@ REPLICA_FAULTS: dict[str, Callable[[object], bool]] = {
     "disk-full": disk_full,
     "host-lost": host_lost,
     "backup-lost": backup_lost,
+    "backup-disk-full": backup_disk_full,
     "partition-primary": partition_primary,
 }
 

@@ -17,9 +17,9 @@ the sync phase (22 pushes in 15 s): the phases now go on until every kind happen
 here (`--kinds`): each waits out a lease and a repair, which would lengthen every phase; the full soak draws them.
 
 The replicated variant (`--replicas 2`, bench/soak_replicas.py) runs one sync phase with the kinds that strike a
-shard's primary or backup: kill-shard, host-lost, backup-lost and partition-primary, each at least once. Every
-primary struck must be taken over by its backup (a push acknowledged by the successor), every partitioned primary
-must stop by itself, and the audit must hold as without backups. One phase, not two: the fork server's start and
+shard's primary or backup: kill-shard, host-lost, backup-lost, backup-disk-full and partition-primary, each at
+least once. Every primary struck must be taken over by its backup (a push acknowledged by the successor), every
+partitioned primary must stop by itself, and the audit must hold as without backups. One phase, not two: the fork server's start and
 each phase's own (shards, backups, the final checkpoint restored) would double its time.
 """
 
@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
          "toggle-optimizer", "disk-full"}
 RESIZE_KINDS = {"worker-added", "worker-removed", "shard-added", "shard-removed"}
-REPLICA_KINDS = {"kill-shard", "host-lost", "backup-lost", "partition-primary"}
+REPLICA_KINDS = {"kill-shard", "host-lost", "backup-lost", "backup-disk-full", "partition-primary"}
 STRIKES = {"kill-shard", "host-lost", "partition-primary"}  # the kinds that take a shard's primary away
 
 
