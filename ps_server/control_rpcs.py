@@ -141,7 +141,8 @@ class ControlRPCs:
     def CommitCheckpoint(self, request, context):
         """Shard 0 commits a checkpoint every shard saved: checks each file (size, table section) and writes
         the manifest with the client's placement and the tables the files hold (checkpoint.commit). Blocks
-        for the checks and writes; if it raises, the checkpoint is not committed."""
+        for the checks and writes; if it raises, the checkpoint is not committed. UNAVAILABLE while this shard
+        may not write one (_require_saving)."""
         self._require_checkpoints()
         if not 0 <= request.step <= MAX_STEP:
             raise InvalidArgumentError(f"step must be in [0, {MAX_STEP}]. Received: {request.step}")

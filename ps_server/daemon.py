@@ -265,6 +265,9 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             except ClusterConfigError:
                 folder_wait = (f"ps {index} was promoted just now, and the primary it replaced still holds its part "
                                f"of the checkpoint folder: it writes checkpoints once that one stopped; retry")
+            except OSError as exc:  # a shared folder that failed for a moment
+                folder_wait = (f"ps {index} was promoted just now, and cannot hold its part of the checkpoint folder "
+                               f"yet ({exc}): it writes checkpoints once it does; retry")
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:
@@ -335,9 +338,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _write_port(args.port_file, port)
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
     if folder_wait is not None:
-        threading.Thread(target=failstop.run, args=("checkpoint-folder", _checkpoints_later, args.checkpoint_dir, index,
-                                                    stop, late, server.replication, failstop),
-                         name="checkpoint-folder", daemon=True).start()
+        failstop.thread(_checkpoints_later, args.checkpoint_dir, index, stop, late, server.replication, failstop,
+                        name="checkpoint-folder").start()
     elif fence is not None:
         def confirm() -> None:
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
@@ -366,7 +368,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 _LOGGER.info(*serving)
 
         # Whatever fails in it stops the shard (fail-stop), rather than leave it fenced for good.
-        threading.Thread(target=failstop.run, args=("role-check", confirm), name="role-check", daemon=True).start()
+        failstop.thread(confirm, name="role-check").start()
     # Waits in short slices: a signal the kernel hands to one of gRPC's threads only sets a flag, which the
     # main thread acts on when it next runs Python code (a wait with no timeout might never return).
     while not stop.wait(SIGNAL_CHECK_SECONDS):

@@ -245,7 +245,6 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
         local.stop()
 
 
-
 def test_a_restarted_primary_that_cannot_clean_its_checkpoint_part_once_confirmed_stops_instead_of_staying_fenced(
         tmp_path):
     """As the previous test, but a partial checkpoint file of ps:1 that cannot be deleted (a folder by that name):
