@@ -195,8 +195,7 @@ def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, l
     primary it replaced let go of it (that one stops once it hears it was replaced; one cut off may hold it for
     long), trying again and again (pauses doubling from LOCK_RETRY_SECONDS), then cleans its partial
     checkpoint and lets `replication` save (hold_saving: Save, CommitCheckpoint); a clean that fails stops the
-    shard (`failstop`), as
-    at a start. Says every LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
+    shard (`failstop`), as at a start. Says every LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
     began = said = time.monotonic()
     pause = LOCK_RETRY_SECONDS
     while not stop.is_set():
@@ -276,8 +275,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, cluster, index, failstop.fatal)
-        if args.checkpoint_dir and fence is None and folder_wait is None:  # (cleaned once it holds the folder:
-            # another may write there meanwhile)
+        if args.checkpoint_dir and fence is None and folder_wait is None:  # else cleaned once it holds the folder
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index, journaled=journal is not None) \
             if journal is None or not journal.holds_state() else None
