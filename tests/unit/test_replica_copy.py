@@ -90,6 +90,20 @@ def _same(copy_folder, primary_folder) -> dict:
     return copy_base
 
 
+def _copying(tmp_path, ends=(None, None), sync: bool = False):
+    """A primary's journal with a feed attached at its base of step 1 (its lane's ends `ends`), and a Mirror that
+    took that base: (primary, feed, its losses, mirror, the feed's frames)."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, lost = _feed(ends[0])
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    mirror = Mirror(tmp_path / "copy", sync=sync, lane=ends[1])
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    while mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None:  # up to the base, acknowledged
+        pass
+    return primary, feed, lost, mirror, stream
+
+
 @pytest.mark.parametrize("on_a_lane", [False, True])
 def test_a_copy_recovers_the_primarys_records_of_any_length(tmp_path, on_a_lane):
     """The records' bytes in the frames, or on a bulk lane (a socket pair here) once the backup took the base:
@@ -544,15 +558,8 @@ def test_a_record_of_one_piece_is_written_by_the_stream_and_acknowledged_at_once
     returns the primary's number for it, written: no trip to the journal's writer and on to the acknowledger. A
     record of more pieces on the lane is written by the writer as its bytes come, and a synced copy leaves
     every record to the writer's group commit: take returns None for those, and written() acknowledges them."""
-    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()]
-    primary = Journal(tmp_path / "primary")
-    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
-    feed, lost = _feed(ends[0])
-    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
-    mirror = Mirror(tmp_path / "copy", sync=sync, lane=ends[1])
-    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
-    while mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None:  # up to the base
-        pass
+    primary, feed, lost, mirror, stream = _copying(
+        tmp_path, [Lane(sock, b"k" * 16) for sock in socket.socketpair()], sync=sync)
     big = torch.arange(journal_log.PIECE // 4 + 3, dtype=torch.float32)
     for i, tensors in enumerate(({"w": torch.full((3,), 5.0)}, {"big": big}, ODD)):
         primary.append("apply", {"i": i}, tensors)
@@ -583,16 +590,9 @@ def test_a_record_the_copy_cannot_write_ends_its_stream_unacknowledged(tmp_path)
     """A backup whose disk is full (the copy's next log is /dev/full): the record its stream writes fails, and
     take raises MalformedStreamError, as a failure of the journal's writer ends the stream (the backup follows
     again from a new base); the record is acknowledged to no one."""
-    primary = Journal(tmp_path / "primary")
-    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
-    feed, lost = _feed()
-    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
-    mirror = Mirror(tmp_path / "copy", sync=False)
-    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
-    while (frame := ps_pb2.ReplicaFrame.FromString(next(stream))).kind != ps_pb2.ReplicaFrame.BASE or not frame.last:
-        assert mirror.take(frame) is None
-    assert mirror.take(frame) is not None  # the base, acknowledged
-    (tmp_path / "copy" / f"log-{frame.number + 1:06d}.bin").symlink_to("/dev/full")
+    primary, feed, lost, mirror, stream = _copying(tmp_path)
+    (log,) = (tmp_path / "copy").glob("log-*.bin")
+    (tmp_path / "copy" / f"log-{int(log.stem.split('-')[1]) + 1:06d}.bin").symlink_to("/dev/full")
     _compact(primary, feed, {"step": 2, "variables": {"w": torch.full((3,), 3.0)}})  # the copy's next log
     primary.append("apply", {"i": 0}, ODD)
     with pytest.raises(MalformedStreamError, match="No space left on device"):
@@ -610,14 +610,7 @@ def test_a_base_the_copy_cannot_write_ends_its_stream_not_the_backup(tmp_path):
     """A later base the copy cannot write (the new spare files it would take are /dev/full): take raises
     MalformedStreamError, so the stream ends and the backup follows again from a new base; an OSError there
     ended the backup's process before (the soak's backup-disk-full found it)."""
-    primary = Journal(tmp_path / "primary")
-    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
-    feed, lost = _feed()
-    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
-    mirror = Mirror(tmp_path / "copy", sync=False)
-    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
-    while mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None:  # up to the first base
-        pass
+    primary, feed, lost, mirror, stream = _copying(tmp_path)
     assert not list((tmp_path / "copy").glob("spare-*.bin"))  # spares 0 and 1 became the base and the log
     for number in (2, 3):  # the next log's file and the next base's: new spares, as none is left
         (tmp_path / "copy" / f"spare-{number:06d}.bin").symlink_to("/dev/full")
