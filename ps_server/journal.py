@@ -339,12 +339,18 @@ class Journal:
         `ready`, the views' bytes are still coming: the writer waits for each piece (journal_log.write); if
         it raises journal_log.Abandoned the journal fails, its log ending in part of the record."""
         with self._cond:
-            self._check()
-            self._appended += 1
-            self._queue.append(("record", self._appended, head, views, ready))
-            self._log_bytes += len(head) + sum(len(v) for v in views) + journal_log.TAIL_BYTES
+            number = self._number_record(head, views)
+            self._queue.append(("record", number, head, views, ready))
             self._cond.notify_all()
-            return self._appended
+            return number
+
+    def _number_record(self, head: bytes, views: list) -> int:
+        """(Holding the lock.) The next record's number, its bytes counted in the log's; ServerUnavailableError if
+        the journal failed or is closing."""
+        self._check()
+        self._appended += 1
+        self._log_bytes += len(head) + sum(len(v) for v in views) + journal_log.TAIL_BYTES
+        return self._appended
 
     def write_now(self, head: bytes, views: list[memoryview]) -> int:
         """append_encoded() written in the caller's thread, for a journal with one appender, no follower and no
@@ -355,10 +361,7 @@ class Journal:
         assert not self.sync and self._follower is None, "write_now neither syncs nor ships its record"
         with self._cond:
             self._cond.wait_for(lambda: not (self._queue or self._busy) or self._failed is not None)
-            self._check()
-            self._appended += 1
-            number, self._busy = self._appended, True
-            self._log_bytes += len(head) + sum(len(v) for v in views) + journal_log.TAIL_BYTES
+            number, self._busy = self._number_record(head, views), True
         try:
             self._offset = journal_log.write(self._fd, self._offset, head, views, self._writing)
         except OSError as exc:
