@@ -101,6 +101,17 @@ def wait_for_log(proc, pattern: str, timeout: float = START_TIMEOUT) -> re.Match
         time.sleep(0.05)
 
 
+def serving_address(proc, port_file: pathlib.Path, timeout: float = START_TIMEOUT) -> str:
+    """The shard's address once its port file exists: the shard writes it (whole, by a rename) after the lines it
+    logs at start, so a test that waits for the file finds them in the log."""
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        assert proc.poll() is None, f"ps-server exited with {proc.returncode} before writing {port_file}:\n{log_of(proc)}"
+        assert time.monotonic() < deadline, f"ps-server never wrote {port_file}:\n{log_of(proc)}"
+        time.sleep(0.05)
+    return f"127.0.0.1:{port_file.read_text()}"
+
+
 def status(address: str) -> ps_pb2.StatusResponse:
     with grpc.insecure_channel(address) as channel:
         return ps_pb2_grpc.ParameterServerStub(channel).GetStatus(ps_pb2.StatusRequest(), timeout=10,
@@ -164,9 +175,9 @@ def test_bad_cluster_is_one_clear_line(args, env, fragments):
 def test_port_file_ready_line_and_clean_exit_on_signal(tmp_path, signum, code):
     port_file = tmp_path / "ps.port"
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path) as proc:
-        ready = wait_for_log(proc, r"^.*serving.*$")
-        assert port_file.exists(), "the port file must be written before the ready line"
-        port = int(port_file.read_text())
+        port = int(serving_address(proc, port_file).rpartition(":")[2])
+        ready = re.search(r"^.*serving.*$", log_of(proc), re.MULTILINE)
+        assert ready, f"the ready line must be logged before the port file is written:\n{log_of(proc)}"
         assert 0 < port < 65536
         assert not port_file.with_suffix(".tmp").exists()
         line = ready.group(0)
@@ -225,8 +236,7 @@ def test_sigterm_with_a_call_waiting(tmp_path):
     port_file = tmp_path / "ps.port"
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path,
                    forked=True) as proc:
-        wait_for_log(proc, "serving")
-        address = f"127.0.0.1:{port_file.read_text()}"
+        address = serving_address(proc, port_file)
         with grpc.insecure_channel(address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             waiting = stub.ListVariables.future(ps_pb2.ListRequest(names=["never"], wait_seconds=120), timeout=150)
@@ -246,15 +256,15 @@ def test_sigterm_after_garbage_input(tmp_path):
     header = ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker="w")).SerializeToString()
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file)], tmp_path,
                    forked=True) as proc:
-        wait_for_log(proc, "serving")
-        with grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as channel:
+        address = serving_address(proc, port_file)
+        with grpc.insecure_channel(address) as channel:
             for method, messages in (("CreateVariables", [junk]), ("Push", [header, junk])):
                 call = channel.stream_unary(f"/torchps.v1.ParameterServer/{method}", request_serializer=lambda b: b,
                                             response_deserializer=lambda b: b)
                 for _ in range(10):  # each such call leaves the shard unable to stop with some probability
                     with pytest.raises(grpc.RpcError):
                         call(iter(messages), timeout=10)
-            assert status(f"127.0.0.1:{port_file.read_text()}").pid == proc.pid  # still serving
+            assert status(address).pid == proc.pid  # still serving
         assert stop_with(proc, signal.SIGTERM) == 0, log_of(proc)
 
 
@@ -315,8 +325,7 @@ def test_health_port_is_not_serving_while_restoring_and_reveals_nothing_else(tmp
     saved, port_file = tmp_path / "saved", tmp_path / "ps.port"
     with ps_server(["--index", "0", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
                     "--checkpoint-dir", str(saved)], tmp_path, forked=True) as proc:
-        wait_for_log(proc, "serving")
-        with PSClient(Cluster(ps=(f"127.0.0.1:{port_file.read_text()}",)), connect_timeout=10) as chief:
+        with PSClient(Cluster(ps=(serving_address(proc, port_file),)), connect_timeout=10) as chief:
             chief.create_variables({"w": torch.arange(3.0)}, Optimizer("sgd", lr=1.0))
             step = chief.save_checkpoint(0)
         stop_with(proc, signal.SIGTERM)
