@@ -131,7 +131,8 @@ class Mirror:
         except LaneBrokenError:
             raise
         except (OSError, ServerUnavailableError) as exc:  # ServerUnavailableError: the journal's writer failed
-            raise MalformedStreamError(f"this copy cannot be written in {self.folder} ({exc})") from None
+            failure = self.journal.failure if self.journal is not None else None  # (its raise speaks to clients)
+            raise MalformedStreamError(f"this copy cannot be written in {self.folder} ({failure or exc})") from None
 
     def _take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
         if frame.kind == _FRAME.HEARTBEAT:

@@ -608,6 +608,12 @@ class Journal:
         else:
             _LOGGER.error("%s: nothing more is acknowledged", cause)
 
+    @property
+    def failure(self) -> str | None:
+        """Why this journal failed (a write, its writer), None while it works."""
+        with self._cond:
+            return self._failed
+
     def _check(self) -> None:
         if self._failed is not None:
             raise ServerUnavailableError(f"this shard cannot write its journal ({self._failed}): it stops; retry "

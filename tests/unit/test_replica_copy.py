@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchps.errors import MalformedStreamError
+from torchps.errors import MalformedStreamError, ServerUnavailableError
 from torchps.lanes import Lane
 from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log
@@ -230,7 +230,7 @@ def test_a_copy_holds_each_bases_store_copies_beside_it_and_drops_older_ones(tmp
 
 @pytest.mark.parametrize("path", ["../escape", "base-1.stores/../../x", "other/file", "base-1.stores"])
 def test_a_file_outside_a_bases_store_copies_is_refused(tmp_path, path):
-    from torchps.errors import MalformedStreamError
+    from torchps.errors import MalformedStreamError, ServerUnavailableError
 
     mirror = Mirror(tmp_path / "copy", sync=False)
     frame = ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.FILE, path=path, data=b"x", last=True)
@@ -595,12 +595,39 @@ def test_a_record_the_copy_cannot_write_ends_its_stream_unacknowledged(tmp_path)
     (tmp_path / "copy" / f"log-{int(log.stem.split('-')[1]) + 1:06d}.bin").symlink_to("/dev/full")
     _compact(primary, feed, {"step": 2, "variables": {"w": torch.full((3,), 3.0)}})  # the copy's next log
     primary.append("apply", {"i": 0}, ODD)
-    with pytest.raises(MalformedStreamError, match="No space left on device"):
+    with pytest.raises(MalformedStreamError, match="No space left on device") as info:
         while True:
             frame = ps_pb2.ReplicaFrame.FromString(next(stream))
             assert frame.kind != ps_pb2.ReplicaFrame.HEARTBEAT, "the record was written"
             assert mirror.take(frame) is None
+    assert "retry" not in str(info.value), "what failed, not the journal's advice to a client"
     assert mirror.written(timeout=0) is None
+    mirror.close()
+    primary.close()
+    assert not lost
+
+
+def test_a_copy_whose_writer_failed_ends_its_stream_naming_the_write_not_advice_to_clients(tmp_path):
+    """A record of more than one piece is written by the copy's journal writer: on a full disk the writer fails,
+    and the next record's take raises MalformedStreamError naming that write (the journal's own raise tells a
+    client to retry elsewhere, which the backup's log should not say)."""
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()]
+    primary, feed, lost, mirror, stream = _copying(tmp_path, ends)
+    (log,) = (tmp_path / "copy").glob("log-*.bin")
+    (tmp_path / "copy" / f"log-{int(log.stem.split('-')[1]) + 1:06d}.bin").symlink_to("/dev/full")
+    _compact(primary, feed, {"step": 2, "variables": {"w": torch.full((3,), 3.0)}})  # the copy's next log
+    primary.append("apply", {"i": 0}, {"w": torch.ones(journal_log.PIECE // 4 + 1)})  # its writer's
+    deadline = time.monotonic() + 10
+    while mirror.journal.failure is None:  # the record's frames, then heartbeats until the copy's writer failed
+        assert time.monotonic() < deadline, "the copy's writer never failed"
+        assert mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None
+    primary.append("apply", {"i": 1}, ODD)
+    with pytest.raises(MalformedStreamError, match="No space left on device") as info:
+        while True:
+            assert mirror.take(ps_pb2.ReplicaFrame.FromString(next(stream))) is None
+    assert "retry" not in str(info.value), str(info.value)
+    with pytest.raises(ServerUnavailableError):  # the big record is acknowledged to no one (the stream ends)
+        mirror.written(timeout=0)
     mirror.close()
     primary.close()
     assert not lost
