@@ -6,7 +6,9 @@ into its own journal folder, in the primary's order and with its log
 numbers (Mirror): the primary's layout, a base, then every record and
 rotation, and the base of every later compaction. It acknowledges each
 record once its own journal wrote it (into the page cache; onto the disk
-with --journal-sync), and the primary acknowledges nothing before that. A
+with --journal-sync), and the primary acknowledges nothing before that; the
+acks go on a lane of their own where the primary offers lanes
+(ReplicaHello.acks_lane), else in the stream. A
 record whose bytes come in its frames, or in one piece (journal_log.PIECE)
 on the bulk lane, is written by the stream's thread and acknowledged there at
 once (Journal.write_now), unless --journal-sync leaves it to the writer's
@@ -71,7 +73,7 @@ from ..security import Security
 from . import journal_log
 from .checkpoint import fsync_dir
 from .journal import Journal
-from .replication import REPLICATED
+from .replication import ACK_BYTES, REPLICATED
 
 __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
            "FAILOVER_AFTER_SECONDS"]
@@ -425,13 +427,14 @@ class Backup:
         error), "unreachable"."""
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
         try:
-            lane = self._open_lane(channels)
+            lane, acks_lane = self._open_lanes(channels)
         except grpc.RpcError:
             channels.close()
             return "unreachable"
         acks: queue.Queue = queue.Queue()
         acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
                                                              lane=lane.key if lane is not None else b"",
+                                                             acks_lane=acks_lane.key if acks_lane else b"",
                                                              keeps_stores=self.keeps_stores)))
         mirror = Mirror(self.folder, self.sync, lane)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
@@ -440,6 +443,14 @@ class Backup:
         done = threading.Event()
         framed = False
         silent = []
+        sending = threading.Lock()  # the stream's thread and the acknowledger send acks on the acks lane
+
+        def send_ack(number: int) -> None:  # LaneBrokenError if the acks lane broke: the stream ends
+            if acks_lane is None:
+                acks.put(ps_pb2.ReplicaAck(written=number))
+                return
+            with sending:
+                acks_lane.send([number.to_bytes(ACK_BYTES, "little")], self.failover_after)
 
         def watch() -> None:  # a primary silent for failover_after s (no heartbeat) is gone: the call ends
             tick = self.failover_after / WATCH_TICKS
@@ -474,11 +485,11 @@ class Backup:
             while not done.is_set():
                 try:
                     written = mirror.written(RETRY_SECONDS)
-                except PSError:
+                    if written is not None:
+                        send_ack(written)
+                except PSError:  # the copy's journal failed, or the acks lane broke
                     call.cancel()
                     return
-                if written is not None:
-                    acks.put(ps_pb2.ReplicaAck(written=written))
 
         threads = [threading.Thread(target=watch, daemon=True, name="backup-watch")]
         threads[0].start()
@@ -494,7 +505,7 @@ class Backup:
                     self._follow_arbiter(mirror.replica_events.pop(0))
                 if ack is not None:
                     self.holds_copy = True  # (its first base is written)
-                    acks.put(ps_pb2.ReplicaAck(written=ack))
+                    send_ack(ack)
                 last[0] = time.monotonic()
             return "finished" if mirror.finished else "followed"
         except grpc.RpcError as exc:
@@ -527,8 +538,9 @@ class Backup:
             for thread in threads[1:]:
                 thread.join()
             mirror.close()
-            if lane is not None:
-                lane.close()
+            for opened in (lane, acks_lane):
+                if opened is not None:
+                    opened.close()
             channels.close()
 
     def _silent(self, within_record: bool) -> str:
@@ -566,19 +578,23 @@ class Backup:
             _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
                          entry.primary)
 
-    def _open_lane(self, channels):
-        """A bulk lane to the primary for the records' bytes, or None (it offers none, or none opens: they come
-        in the frames). grpc.RpcError if the primary does not answer its status."""
+    def _open_lanes(self, channels):
+        """(a bulk lane to the primary for the records' bytes, one for this backup's acks), each None where it
+        offers none or none opens: the records' bytes come in the frames, the acks go in the stream.
+        grpc.RpcError if the primary does not answer its status."""
         status = channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after)
-        if not status.lane_port:
-            return None
-        try:
-            return lanes.connect(self.primary.rpartition(":")[0].strip("[]"), status.lane_port, self.failover_after,
-                                 lanes.tls_context(self._security, server=False))
-        except LaneBrokenError as exc:
-            _LOGGER.info("backup of ps:%d: no bulk lane to %s (%s): records come in the frames", self.index,
-                         self.primary, exc)
-            return None
+        opened = []
+        for what, where in (("records' bytes", "the frames"), ("acks", "the stream")):
+            if status.lane_port and (not opened or opened[0] is not None):
+                try:
+                    opened.append(lanes.connect(self.primary.rpartition(":")[0].strip("[]"), status.lane_port,
+                                                self.failover_after, lanes.tls_context(self._security, server=False)))
+                    continue
+                except LaneBrokenError as exc:
+                    _LOGGER.info("backup of ps:%d: no lane to %s for the %s (%s): they go in %s", self.index,
+                                 self.primary, what, exc, where)
+            opened.append(None)
+        return tuple(opened)
 
     def _promote(self) -> bool:
         """Asks the arbiter to promote this backup; True if granted. While the primary's lease holds it asks

@@ -72,10 +72,11 @@ class ReplicaRPCs:
     def open_replica(self, raw: bytes, context: CallContext) -> tuple[Feed, bytes]:
         """(Replicate's first part, on the pool: replicate_handler.) The feed the backup's hello `raw` asks for,
         attached at a new base (Replication.open: blocks while it is written), its records' bytes on the lane
-        the hello names; and the layout, the stream's first frame. The call's end (on the pool, at once if it
-        ended meanwhile) loses the feed and closes the lane."""
+        the hello names, its acks off the acks lane it names; and the layout, the stream's first frame. The
+        call's end (on the pool, at once if it ended meanwhile) loses the feed and closes the lanes."""
         hello = decode_request(ps_pb2.ReplicaAck.FromString, raw).hello
-        feed = self.replication.open(hello, self._claim_lane(hello.lane, context))
+        feed = self.replication.open(hello, self._claim_lane(hello.lane, context),
+                                     self._claim_lane(hello.acks_lane, context))
         context.add_callback(lambda: feed.lose("its stream ended"))
         return feed, self.replication.layout()
 

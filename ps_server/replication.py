@@ -38,6 +38,12 @@ bytes, not its whole time, bounded by the ack timeout); the stream's first
 base, one offered before that went out, and one with store copies (records
 pass its files) go in the frames, as do records offered before the first
 base went out.
+A backup that opened a second lane, its acks lane (ReplicaHello.acks_lane),
+sends its acks there, 8 bytes each, instead of in its stream: the backup's
+thread that wrote the record (or saw it written) sends its ack, and a thread
+of the feed's reads it and ends the waits here (Feed.take_acks), with no
+gRPC message and no other thread between. The end of either lane loses the
+feed.
 A frame's lane bytes are handed to the lane's sender as the frame is queued,
 under the feed's lock: the lane's order is the frames'. A base of a shard that keeps tables on
 SSD names copies of their stores (journal.py: base-N.stores/): every file of
@@ -66,8 +72,8 @@ from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, P
 from ..proto import ps_pb2
 from ..wire import _key, _varint
 
-__all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS", "NOTHING_YET",
-           "OFF_LOOP", "ON_LOOP", "REPLICATED"]
+__all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS",
+           "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -77,6 +83,7 @@ IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged
 LEASE_EVERY_SECONDS = 0.05  # a primary with a backup in sync renews its lease at its arbiter this often
 LEASE_CALL_SECONDS = 0.2    # one renewal's deadline (a late one is not asked again: the next is due)
 LATE_RENEWAL_SECONDS = 0.3  # renewals heard this far apart are logged (the shard or its arbiter did not run)
+ACK_BYTES = 8               # an ack on an acks lane: the record number it stands for, little-endian
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
 NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
@@ -156,7 +163,8 @@ def _lane_frame(frame: ps_pb2.ReplicaFrame, views: list) -> tuple[list[memoryvie
 
 class Feed:
     """One backup's stream of this shard's journal (see the module docstring). Thread-safe: the journal's
-    writer and compaction offer, the stream takes frames (pieces()), the backup's acks are taken (acked()).
+    writer and compaction offer, the stream takes frames (pieces()), the backup's acks are taken (acked(), or
+    take_acks() off an acks lane).
 
     The queue holds (kind, ...) items in offer order: ("rotate", bytes), ("frame", bytes) (a base's frames or
     named files: "base" for a BASE's last), ("record", bytes) and ("file", its frames, the file).
@@ -168,10 +176,11 @@ class Feed:
 
     def __init__(self, address: str, chunk_bytes: int, ack_timeout: float,
                  on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None,
-                 shipped: Shipped | None = None):
+                 shipped: Shipped | None = None, acks_lane=None):
         self.address = address
         self._shipped = shipped or Shipped()  # its store files sent and linked, counted
         self._lane = lane                # a bulk lane the records' bytes follow on, or None
+        self.acks_lane = acks_lane       # the lane the backup's acks come on (Replication.take_acks), or None
         # Sends them there while the journal's writer writes them to its disk.
         self._sender = concurrent.futures.ThreadPoolExecutor(1, "replica-lane") if lane is not None else None
         self.floor = 0                   # the last record the first base holds (set by Journal.rotate)
@@ -389,6 +398,19 @@ class Feed:
         if based:
             self._on_based(self)
 
+    def take_acks(self, journal) -> None:
+        """Takes the backup's acks off its acks lane (ReplicaHello.acks_lane) as they come, as acked() does,
+        until the lane breaks or closes (lose() closes it): then the feed is lost. Blocks that long (the body
+        of a thread of its own)."""
+        ack = memoryview(bytearray(ACK_BYTES))
+        try:
+            while True:
+                self.acks_lane.begin(ACK_BYTES, None)  # no deadline: a backup that acks nothing loses the feed
+                self.acks_lane.read_into(ack)          # in pieces(), after the ack timeout
+                self.acked(int.from_bytes(ack, "little"), journal)
+        except LaneBrokenError as exc:
+            self.lose(f"its acks' lane ended ({exc})")
+
     def lag(self) -> tuple[bool, int, float]:
         """(the backup wrote its base and the feed is not lost, records offered and not acknowledged yet (the
         first base counts as one until acknowledged), seconds the oldest of them has waited (0: none))."""
@@ -413,6 +435,8 @@ class Feed:
         if self._lane is not None:
             self._lane.close()  # a send in progress fails at once
             self._sender.shutdown(wait=False)
+        if self.acks_lane is not None:
+            self.acks_lane.close()  # its reader ends
         self._on_lost(self, why)
 
 
@@ -458,9 +482,10 @@ class Replication:
         self.feeds_lost = 0
         self.shipped = Shipped()
 
-    def open(self, hello: ps_pb2.ReplicaHello, lane=None) -> Feed:
+    def open(self, hello: ps_pb2.ReplicaHello, lane=None, acks_lane=None) -> Feed:
         """A feed for the backup `hello` names, attached at a new base, its records' bytes on `lane` (the bulk
-        lane the hello names, claimed) if given. Blocks while the base is written.
+        lane the hello names, claimed) if given, its acks off `acks_lane` (hello.acks_lane, claimed: taken on
+        a thread of the feed's, take_acks) if given. Blocks while the base is written.
         InvalidArgumentError for another shard's backup; ModeConflictError without a journal, with tables on
         SSD (`stores`) for a backup that cannot keep their stores (hello.keeps_stores), or while
         another backup's feed is attached (a lost one is attached until its arbiter dropped it), or without an arbiter to ask."""
@@ -476,7 +501,10 @@ class Replication:
         if self._arbiter is None:
             raise ModeConflictError(f"ps:{self.index} was started without the job's cluster (--cluster or "
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
-        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped)
+        feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped,
+                    acks_lane)
+        if acks_lane is not None:
+            threading.Thread(target=feed.take_acks, args=(journal,), name="replica-acks", daemon=True).start()
         try:
             self._compact_for(feed)
         except Exception as exc:
@@ -484,7 +512,8 @@ class Replication:
                 feed.lose(f"its base could not be written ({exc})")
             raise
         self.feeds_opened += 1
-        _LOGGER.info("ps %d: backup %s follows from log record %d on", self.index, hello.address, feed.floor)
+        _LOGGER.info("ps %d: backup %s follows from log record %d on%s", self.index, hello.address, feed.floor,
+                     ", its acks on a lane of their own" if acks_lane is not None else "")
         return feed
 
     def status(self) -> ps_pb2.ReplicationStatus:

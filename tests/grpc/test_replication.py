@@ -74,12 +74,13 @@ def _create_in_sync(ps, backup_address: str, shard: int = 1) -> None:
 
 def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
     """ps:1 is killed and its folder deleted (its host is gone) between two runs of pushes of ones (on bulk
-    lanes): the pushes go on against its backup, which ps 0 names; every value is exactly minus the pushes
-    made."""
+    lanes; the backup's acks on a lane of their own): the pushes go on against its backup, which ps 0 names;
+    every value is exactly minus the pushes made."""
     local, backup, backup_address, cluster = _start(tmp_path)
     try:
         with PSClient(cluster, connect_timeout=30, lane_min_bytes=0) as ps:  # every push on a bulk lane
             _create_in_sync(ps, backup_address)
+            assert "its acks on a lane of their own" in local.log(1), local.log(1)[-3000:]
             assert [ps.placement.shard_of(n) for n in SHAPES] == [0, 1]
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             for _ in range(15):
@@ -104,7 +105,7 @@ def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
 @pytest.mark.parametrize("tls", [True, False], ids=["mutual-tls", "per-task-tokens"])
 def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls):
     """Under mutual TLS (a shard's certificate: the ps role), or per-task tokens without TLS (a shard's own
-    line of the table): the backup follows ps:1 (its records on a TLS lane), ps 0 grants its in-sync and
+    line of the table): the backup follows ps:1 (its records and its acks on TLS lanes), ps 0 grants its in-sync and
     promotion, and the chief's pushes go on there exactly after ps:1 is killed."""
     holder = {}
 
@@ -124,6 +125,7 @@ def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls
     try:
         with PSClient(cluster, task=TaskSpec("worker", 0), security=security, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
+            assert "its acks on a lane of their own" in local.log(1), local.log(1)[-3000:]  # TLS lanes under TLS
             # The backup's signpost answers the job's credentials only.
             for caller, answered in ((security, True), (INSECURE, False)):
                 channels = ShardChannels([backup_address], connect_timeout=10, security=caller)

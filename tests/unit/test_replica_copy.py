@@ -10,22 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from torchps.errors import MalformedStreamError, ServerUnavailableError
+from torchps.errors import LaneBrokenError, MalformedStreamError, ServerUnavailableError, WaitTimeoutError
 from torchps.lanes import Lane
 from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log
 from torchps.ps_server.backup import Mirror
 from torchps.ps_server.journal import Journal
-from torchps.ps_server.replication import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
+from torchps.ps_server.replication import ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
 
 ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
 
 
-def _feed(lane=None) -> tuple[Feed, list]:
+def _feed(lane=None, acks_lane=None) -> tuple[Feed, list]:
     lost = []
     return Feed("b:1", chunk_bytes=12, ack_timeout=60, on_lost=lambda feed, why: lost.append(why),
-                on_based=lambda feed: None, lane=lane), lost
+                on_based=lambda feed: None, lane=lane, acks_lane=acks_lane), lost
 
 
 def _frames(feed: Feed, layout: bytes):
@@ -230,7 +230,7 @@ def test_a_copy_holds_each_bases_store_copies_beside_it_and_drops_older_ones(tmp
 
 @pytest.mark.parametrize("path", ["../escape", "base-1.stores/../../x", "other/file", "base-1.stores"])
 def test_a_file_outside_a_bases_store_copies_is_refused(tmp_path, path):
-    from torchps.errors import MalformedStreamError, ServerUnavailableError
+    from torchps.errors import LaneBrokenError, MalformedStreamError, ServerUnavailableError, WaitTimeoutError
 
     mirror = Mirror(tmp_path / "copy", sync=False)
     frame = ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.FILE, path=path, data=b"x", last=True)
@@ -650,3 +650,65 @@ def test_a_base_the_copy_cannot_write_ends_its_stream_not_the_backup(tmp_path):
     mirror.close()
     primary.close()
     assert not lost
+
+
+def _acking(tmp_path):
+    """A primary's journal with a feed attached whose acks come on an acks lane (a socket pair), read by
+    take_acks on its thread: (primary, feed, its losses, the backup's end of the lane, that thread)."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    ours, theirs = (Lane(sock, b"a" * 16) for sock in socket.socketpair())
+    feed, lost = _feed(acks_lane=ours)
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    reader = threading.Thread(target=feed.take_acks, args=(primary,), daemon=True)
+    reader.start()
+    return primary, feed, lost, theirs, reader
+
+
+def test_acks_on_the_acks_lane_end_the_primarys_waits_and_its_end_loses_the_feed(tmp_path):
+    """A backup's acks on its acks lane (ReplicaHello.acks_lane: 8 bytes, little-endian, per lane frame) are
+    taken as its stream's are: the primary's wait for a record returns once the ack of it (or of a later one)
+    came, not before; the backup's end of the lane closing loses the feed, and the reader ends."""
+    primary, feed, lost, backup_end, reader = _acking(tmp_path)
+    first = primary.append("apply", {"i": 0}, ODD)
+    second = primary.append("apply", {"i": 1}, ODD)
+    _offered(feed, 3)  # the base and both records
+    backup_end.send([feed.floor.to_bytes(ACK_BYTES, "little")], timeout=10)  # the base's
+    with pytest.raises(WaitTimeoutError):
+        primary.wait(first, timeout=0.2)
+    backup_end.send([second.to_bytes(ACK_BYTES, "little")], timeout=10)
+    primary.wait(first, timeout=10)
+    primary.wait(second, timeout=10)
+    assert feed.lag() == (True, 0, 0.0) and not lost
+    backup_end.close()
+    reader.join(timeout=10)
+    assert not reader.is_alive() and lost and "acks' lane ended" in lost[0], lost
+    primary.close()
+
+
+@pytest.mark.parametrize("sent", [b"\x01" * 3, b"\x01" * 12], ids=["short", "long"])
+def test_an_ack_of_another_length_breaks_the_acks_lane_and_loses_the_feed_acknowledging_nothing(tmp_path, sent):
+    """A lane frame on the acks lane that is not 8 bytes is out of step: the lane breaks, the feed is lost, and
+    the record waited for is not acknowledged by it."""
+    primary, feed, lost, backup_end, reader = _acking(tmp_path)
+    number = primary.append("apply", {"i": 0}, ODD)
+    _offered(feed, 2)
+    backup_end.send([sent], timeout=10)
+    reader.join(timeout=10)
+    assert not reader.is_alive() and lost and "acks' lane ended" in lost[0], lost
+    assert feed.lag()[1] == 2, "nothing was acknowledged"
+    with pytest.raises(WaitTimeoutError):
+        primary.wait(number, timeout=0.1)
+    primary.close()
+
+
+def test_a_lost_feed_closes_its_acks_lane_so_its_reader_ends(tmp_path):
+    """Losing the feed another way (its stream ended) closes the acks lane: the reader, blocked in a read with
+    no deadline, ends at once, and the backup's end sees the lane closed."""
+    primary, feed, lost, backup_end, reader = _acking(tmp_path)
+    feed.lose("its stream ended")
+    reader.join(timeout=10)
+    assert not reader.is_alive() and lost == ["its stream ended"]
+    with pytest.raises(LaneBrokenError):
+        backup_end.begin(ACK_BYTES, timeout=10)
+    primary.close()

@@ -575,16 +575,18 @@ class ReplicaAck(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., written: _Optional[int] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("index", "address", "lane", "keeps_stores")
+    __slots__ = ("index", "address", "lane", "keeps_stores", "acks_lane")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     KEEPS_STORES_FIELD_NUMBER: _ClassVar[int]
+    ACKS_LANE_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     lane: bytes
     keeps_stores: bool
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ...) -> None: ...
+    acks_lane: bytes
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ..., acks_lane: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path", "same_as")
