@@ -1,7 +1,8 @@
 """The shard's replication RPCs, a part of its servicer (servicer.ParameterServerServicer mixes it in): a
 backup's Replicate stream and ps 0's SetReplica; and the arbiter a shard asks ps 0 through. SetReplica's body
 is blocking code on the shard's pool (edge.py); Replicate has a handler of its own (replicate_handler), which
-sends the frames and takes the acks on the event loop. The feeds are replication.Replication's, ps 0's
+sends the frames on the event loop, and takes there the acks of a backup that sends them in its stream (one
+with an acks lane sends them there: Feed.take_acks). The feeds are replication.Replication's, ps 0's
 record replicas.ReplicaRegistry's (through Coordinator.set_replica). The mixin reads the servicer's
 coordinator and `replication`.
 """
@@ -75,8 +76,14 @@ class ReplicaRPCs:
         the hello names, its acks off the acks lane it names; and the layout, the stream's first frame. The
         call's end (on the pool, at once if it ended meanwhile) loses the feed and closes the lanes."""
         hello = decode_request(ps_pb2.ReplicaAck.FromString, raw).hello
-        feed = self.replication.open(hello, self._claim_lane(hello.lane, context),
-                                     self._claim_lane(hello.acks_lane, context))
+
+        def claimed(key: bytes):  # a lane of the stream's, let go (closed) once its call ended, however it ended
+            lane = self._claim_lane(key, context)
+            if lane is not None:
+                context.add_callback(lambda: self._release_lane(lane, False))
+            return lane
+
+        feed = self.replication.open(hello, claimed(hello.lane), claimed(hello.acks_lane))
         context.add_callback(lambda: feed.lose("its stream ended"))
         return feed, self.replication.layout()
 
@@ -90,10 +97,10 @@ class ReplicaRPCs:
 
 def replicate_handler(servicer, pool: concurrent.futures.Executor,
                       fail: Callable[[str, Exception, CallContext], tuple[grpc.StatusCode, str, tuple]]):
-    """The Replicate stream's asyncio handler. Unlike edge.handler's, its frames and the backup's acks are
-    taken on the event loop itself: a record goes from the journal's writer (Feed.on_queued) to the loop
-    that sends it, an ack from the loop that reads it to the journal (Replication.acked), with no pool
-    thread between. The opening (the hello, the lane, the base: open_replica) runs on `pool`, the reading
+    """The Replicate stream's asyncio handler. Unlike edge.handler's, its frames and the backup's acks in the
+    stream are taken on the event loop itself: a record goes from the journal's writer (Feed.on_queued) to
+    the loop that sends it, an ack from the loop that reads it to the journal (Replication.acked), with no
+    pool thread between (acks on an acks lane have a thread of their own: Feed.take_acks). The opening (the hello, the lane, the base: open_replica) runs on `pool`, the reading
     of store files (Feed.pieces' OFF_LOOP) on a thread of the stream's own, and the feed's loss, once the
     call ended however it ended, on `pool`. `fail` maps an exception to (code, details, trailing
     metadata), as for edge.handler."""

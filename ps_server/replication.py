@@ -180,7 +180,7 @@ class Feed:
         self.address = address
         self._shipped = shipped or Shipped()  # its store files sent and linked, counted
         self._lane = lane                # a bulk lane the records' bytes follow on, or None
-        self.acks_lane = acks_lane       # the lane the backup's acks come on (Replication.take_acks), or None
+        self._acks_lane = acks_lane      # the lane the backup's acks come on (take_acks), or None
         # Sends them there while the journal's writer writes them to its disk.
         self._sender = concurrent.futures.ThreadPoolExecutor(1, "replica-lane") if lane is not None else None
         self.floor = 0                   # the last record the first base holds (set by Journal.rotate)
@@ -405,8 +405,8 @@ class Feed:
         ack = memoryview(bytearray(ACK_BYTES))
         try:
             while True:
-                self.acks_lane.begin(ACK_BYTES, None)  # no deadline: a backup that acks nothing loses the feed
-                self.acks_lane.read_into(ack)          # in pieces(), after the ack timeout
+                self._acks_lane.begin(ACK_BYTES, None)  # no deadline: a backup that acks nothing loses the feed
+                self._acks_lane.read_into(ack)          # in pieces(), after the ack timeout
                 self.acked(int.from_bytes(ack, "little"), journal)
         except LaneBrokenError as exc:
             self.lose(f"its acks' lane ended ({exc})")
@@ -435,8 +435,8 @@ class Feed:
         if self._lane is not None:
             self._lane.close()  # a send in progress fails at once
             self._sender.shutdown(wait=False)
-        if self.acks_lane is not None:
-            self.acks_lane.close()  # its reader ends
+        if self._acks_lane is not None:
+            self._acks_lane.close()  # its reader ends
         self._on_lost(self, why)
 
 
@@ -503,14 +503,15 @@ class Replication:
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
         feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped,
                     acks_lane)
-        if acks_lane is not None:
-            threading.Thread(target=feed.take_acks, args=(journal,), name="replica-acks", daemon=True).start()
         try:
             self._compact_for(feed)
         except Exception as exc:
             if journal.following() is feed:  # attached, its base not written: detached as a lost one is
                 feed.lose(f"its base could not be written ({exc})")
             raise
+        if acks_lane is not None:  # (an ack comes once the base went out, after this returns; a feed never
+            # attached is never lost, so its lanes just close with its call)
+            threading.Thread(target=feed.take_acks, args=(journal,), name="replica-acks", daemon=True).start()
         self.feeds_opened += 1
         _LOGGER.info("ps %d: backup %s follows from log record %d on%s", self.index, hello.address, feed.floor,
                      ", its acks on a lane of their own" if acks_lane is not None else "")

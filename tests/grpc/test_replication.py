@@ -7,12 +7,15 @@ import shutil
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from helpers import free_ports, start_ps_server, wait_until
 
+from torchps import lanes
 from torchps.certs import make_job_credentials
 from torchps.client import Optimizer, PSClient
 from torchps.client.channels import ShardChannels
@@ -72,15 +75,17 @@ def _create_in_sync(ps, backup_address: str, shard: int = 1) -> None:
                30, f"ps:{arbiter} to record ps:{shard}'s backup in sync")
 
 
-def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path):
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "no-lanes"])
+def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path, lanes):
     """ps:1 is killed and its folder deleted (its host is gone) between two runs of pushes of ones (on bulk
-    lanes; the backup's acks on a lane of their own): the pushes go on against its backup, which ps 0 names;
-    every value is exactly minus the pushes made."""
-    local, backup, backup_address, cluster = _start(tmp_path)
+    lanes, the backup's records on one and its acks on another; with --no-lanes every byte and ack in the
+    gRPC calls): the pushes go on against its backup, which ps 0 names; every value is exactly minus the
+    pushes made."""
+    local, backup, backup_address, cluster = _start(tmp_path, extra=() if lanes else ("--no-lanes",))
     try:
-        with PSClient(cluster, connect_timeout=30, lane_min_bytes=0) as ps:  # every push on a bulk lane
+        with PSClient(cluster, connect_timeout=30, lane_min_bytes=0) as ps:  # every push on a bulk lane if any
             _create_in_sync(ps, backup_address)
-            assert "its acks on a lane of their own" in local.log(1), local.log(1)[-3000:]
+            assert ("its acks on a lane of their own" in local.log(1)) == lanes, local.log(1)[-3000:]
             assert [ps.placement.shard_of(n) for n in SHAPES] == [0, 1]
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             for _ in range(15):
@@ -692,18 +697,56 @@ def test_a_backup_gone_while_its_base_is_written_leaves_no_feed_the_primary_wait
             shapes = {name: (8 << 20,) for name in ("a0", "b0", "a1", "b1")}  # 32 MB each, b0 and b1 on ps:1
             ps.create_variables({name: torch.zeros(shape) for name, shape in shapes.items()}, Optimizer("sgd", lr=1.0))
             assert [ps.placement.shard_of(name) for name in shapes] == [0, 1, 0, 1]
-            folder = tmp_path / "ck" / "journal" / "ps-1"
-            logs = set(folder.glob("log-*.bin"))
             channel = grpc.insecure_channel(local.address(1))
+            stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(local.address(1)))
             hello = ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=1, address="127.0.0.1:9"))
             call = ps_pb2_grpc.ParameterServerStub(channel).Replicate(iter([hello]), timeout=60)
-            wait_until(lambda: set(folder.glob("log-*.bin")) - logs, 30, "ps:1 to attach the backup at a new log",
-                       interval=0.001)
+            # Attached at the new log (a compaction of the creation's record may have made one before: not it).
+            wait_until(lambda: stub.GetStatus(ps_pb2.StatusRequest(), timeout=10).replication.backup == "127.0.0.1:9",
+                       30, "ps:1 to attach the backup at a new log", interval=0.001)
             call.cancel()  # while the base is written
             channel.close()
-            stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(local.address(1)))
             wait_until(lambda: stub.GetStatus(ps_pb2.StatusRequest(), timeout=10).replication.feeds_lost == 1, 30,
                        "ps:1 to count the backup's feed lost")
             ps.push({"b0": torch.ones(8 << 20)})  # acknowledged without a backup, within the client's 20 s
             status = stub.GetStatus(ps_pb2.StatusRequest(), timeout=10).replication
             assert status.backup == ""
+
+
+def _open_lanes(port: int) -> float:
+    """A shard's torchps_open_lanes, scraped from its metrics port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return next(sample.value for family in text_string_to_metric_families(reply.read().decode())
+                    for sample in family.samples if sample.name == "torchps_open_lanes")
+
+
+def test_a_backups_lanes_are_let_go_when_its_stream_ends_and_a_refused_one_loses_no_feed(tmp_path):
+    """A backup's stream holds two lanes of its primary's (its records', its acks'): a second backup's hello
+    naming two more is refused while the first follows (one at a time), and its lanes are let go with its call,
+    no feed lost, the first backup still in sync; the first backup killed, its feed is lost and its lanes are
+    let go too (they stayed claimed before, a few per attempt, until the shard refused every new lane)."""
+    local, backup, backup_address, cluster = _start(tmp_path, extra=("--metrics-port", "0"))
+    try:
+        with PSClient(cluster, connect_timeout=30, lanes=False) as ps:  # no lane of the client's on ps:1
+            _create_in_sync(ps, backup_address)
+            status = ps.status(1)
+            assert _open_lanes(status.metrics_port) == 2
+            others = [lanes.connect("127.0.0.1", status.lane_port, 10) for _ in range(2)]
+            hello = ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=1, address="127.0.0.1:9", lane=others[0].key,
+                                                                acks_lane=others[1].key))
+            with grpc.insecure_channel(cluster.ps[1]) as channel, pytest.raises(grpc.RpcError) as info:
+                list(ps_pb2_grpc.ParameterServerStub(channel).Replicate(iter([hello]), timeout=30))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "one at a time" in info.value.details()
+            wait_until(lambda: _open_lanes(status.metrics_port) == 2, 30, "the refused call's lanes to be let go")
+            assert ps.status(1).replication.feeds_lost == 0 and _replicas(ps)[1].backup == backup_address
+            ps.push({"rep/b": torch.ones(1000)})  # acknowledged by both
+            backup.kill()
+            backup.wait(timeout=30)
+            wait_until(lambda: ps.status(1).replication.feeds_lost == 1 and _open_lanes(status.metrics_port) == 0,
+                       30, "the killed backup's feed to be lost and its lanes let go")
+            for other in others:
+                other.close()
+    finally:
+        backup.kill()
+        backup.wait(timeout=30)
+        local.stop()

@@ -230,8 +230,6 @@ def test_a_copy_holds_each_bases_store_copies_beside_it_and_drops_older_ones(tmp
 
 @pytest.mark.parametrize("path", ["../escape", "base-1.stores/../../x", "other/file", "base-1.stores"])
 def test_a_file_outside_a_bases_store_copies_is_refused(tmp_path, path):
-    from torchps.errors import LaneBrokenError, MalformedStreamError, ServerUnavailableError, WaitTimeoutError
-
     mirror = Mirror(tmp_path / "copy", sync=False)
     frame = ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.FILE, path=path, data=b"x", last=True)
     with pytest.raises(MalformedStreamError, match="outside a base's store copies"):
