@@ -7,8 +7,9 @@ numbers (Mirror): the primary's layout, a base, then every record and
 rotation, and the base of every later compaction. It acknowledges each
 record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that; the
-acks go on a lane of their own where the primary offers lanes
-(ReplicaHello.acks_lane), else in the stream. A
+acks go on a lane of their own where the primary offers lanes and says it
+takes them there (ReplicaHello.acks_lane, ReplicaFrame.acks_on_lane), else
+in the stream. A
 record whose bytes come in its frames, or in one piece (journal_log.PIECE)
 on the bulk lane, is written by the stream's thread and acknowledged there at
 once (Journal.write_now), unless --journal-sync leaves it to the writer's
@@ -444,9 +445,10 @@ class Backup:
         framed = False
         silent = []
         sending = threading.Lock()  # the stream's thread and the acknowledger send acks on the acks lane
+        on_lane = []  # [True] once the primary's LAYOUT frame said it takes the acks off the acks lane
 
         def send_ack(number: int) -> None:  # LaneBrokenError if the acks lane broke: the stream ends
-            if acks_lane is None:
+            if not on_lane:
                 acks.put(ps_pb2.ReplicaAck(written=number))
                 return
             with sending:
@@ -496,6 +498,8 @@ class Backup:
         try:
             for frame in call:
                 last[0] = None
+                if frame.kind == ps_pb2.ReplicaFrame.LAYOUT and frame.acks_on_lane and acks_lane is not None:
+                    on_lane.append(True)  # (the stream's first frame: before any ack)
                 if not framed:
                     framed = True
                     threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))

@@ -39,7 +39,8 @@ base, one offered before that went out, and one with store copies (records
 pass its files) go in the frames, as do records offered before the first
 base went out.
 A backup that opened a second lane, its acks lane (ReplicaHello.acks_lane),
-sends its acks there, 8 bytes each, instead of in its stream: the backup's
+sends its acks there, 8 bytes each, instead of in its stream, once the
+stream's LAYOUT frame said this primary takes them there (acks_on_lane): the backup's
 thread that wrote the record (or saw it written) sends its ack, and a thread
 of the feed's reads it and ends the waits here (Feed.take_acks), with no
 gRPC message and no other thread between. The end of either lane loses the
@@ -315,7 +316,7 @@ class Feed:
         it once on_queued() was called or IDLE_WAKE_SECONDS passed. Before it reads a store file from disk
         (or lets queued ones go, losing the feed) it yields OFF_LOOP, and ON_LOOP once that is over: between
         the two the caller resumes it where blocking is allowed. Never blocks otherwise."""
-        yield _FRAME(kind=_FRAME.LAYOUT, data=layout).SerializeToString()
+        yield _FRAME(kind=_FRAME.LAYOUT, data=layout, acks_on_lane=self._acks_lane is not None).SerializeToString()
         while True:
             with self._cond:
                 idle = not self._frames and self.lost is None

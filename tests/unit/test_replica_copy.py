@@ -668,6 +668,9 @@ def test_acks_on_the_acks_lane_end_the_primarys_waits_and_its_end_loses_the_feed
     taken as its stream's are: the primary's wait for a record returns once the ack of it (or of a later one)
     came, not before; the backup's end of the lane closing loses the feed, and the reader ends."""
     primary, feed, lost, backup_end, reader = _acking(tmp_path)
+    layout = ps_pb2.ReplicaFrame.FromString(next(_frames(feed, b"{}")))
+    assert layout.kind == ps_pb2.ReplicaFrame.LAYOUT and layout.acks_on_lane, "the backup is told to ack there"
+    assert not ps_pb2.ReplicaFrame.FromString(next(_frames(_feed()[0], b"{}"))).acks_on_lane  # none: in the stream
     first = primary.append("apply", {"i": 0}, ODD)
     second = primary.append("apply", {"i": 1}, ODD)
     _offered(feed, 3)  # the base and both records

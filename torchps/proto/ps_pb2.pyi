@@ -589,7 +589,7 @@ class ReplicaHello(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ..., acks_lane: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
-    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path", "same_as")
+    __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path", "same_as", "acks_on_lane")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RECORD: _ClassVar[ReplicaFrame.Kind]
@@ -613,6 +613,7 @@ class ReplicaFrame(_message.Message):
     LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SAME_AS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_ON_LANE_FIELD_NUMBER: _ClassVar[int]
     kind: ReplicaFrame.Kind
     number: int
     written: int
@@ -622,7 +623,8 @@ class ReplicaFrame(_message.Message):
     lane_bytes: int
     path: str
     same_as: str
-    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ..., path: _Optional[str] = ..., same_as: _Optional[str] = ...) -> None: ...
+    acks_on_lane: bool
+    def __init__(self, kind: _Optional[_Union[ReplicaFrame.Kind, str]] = ..., number: _Optional[int] = ..., written: _Optional[int] = ..., head: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., lane_bytes: _Optional[int] = ..., path: _Optional[str] = ..., same_as: _Optional[str] = ..., acks_on_lane: _Optional[bool] = ...) -> None: ...
 
 class JobMember(_message.Message):
     __slots__ = ("worker", "incarnation", "counts_from", "gone", "silent_seconds")
