@@ -539,12 +539,13 @@ class Backup:
             mirror.end()  # the acknowledger stops waiting for a record (a promotion waits for it to end)
             acks.put(None)
             call.cancel()  # never acknowledges on this stream again
+            if acks_lane is not None:
+                acks_lane.close()  # nor on its lane: an ack being sent there fails at once
             for thread in threads[1:]:
                 thread.join()
             mirror.close()
-            for opened in (lane, acks_lane):
-                if opened is not None:
-                    opened.close()
+            if lane is not None:
+                lane.close()
             channels.close()
 
     def _silent(self, within_record: bool) -> str:
