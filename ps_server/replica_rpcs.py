@@ -100,9 +100,10 @@ def replicate_handler(servicer, pool: concurrent.futures.Executor,
     """The Replicate stream's asyncio handler. Unlike edge.handler's, its frames and the backup's acks in the
     stream are taken on the event loop itself: a record goes from the journal's writer (Feed.on_queued) to
     the loop that sends it, an ack from the loop that reads it to the journal (Replication.acked), with no
-    pool thread between (acks on an acks lane have a thread of their own: Feed.take_acks). The opening (the hello, the lane, the base: open_replica) runs on `pool`, the reading
-    of store files (Feed.pieces' OFF_LOOP) on a thread of the stream's own, and the feed's loss, once the
-    call ended however it ended, on `pool`. `fail` maps an exception to (code, details, trailing
+    pool thread between (acks on an acks lane have a thread of their own: Feed.take_acks). The opening (the
+    hello, the lanes, the base: open_replica) runs on `pool`, the reading of store files (Feed.pieces'
+    OFF_LOOP) on a thread of the stream's own, and the feed's loss, once the call ended however it ended,
+    on `pool`. `fail` maps an exception to (code, details, trailing
     metadata), as for edge.handler."""
 
     async def replicate(request_iterator, context):

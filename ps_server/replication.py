@@ -40,11 +40,11 @@ pass its files) go in the frames, as do records offered before the first
 base went out.
 A backup that opened a second lane, its acks lane (ReplicaHello.acks_lane),
 sends its acks there, 8 bytes each, instead of in its stream, once the
-stream's LAYOUT frame said this primary takes them there (acks_on_lane): the backup's
-thread that wrote the record (or saw it written) sends its ack, and a thread
-of the feed's reads it and ends the waits here (Feed.take_acks), with no
-gRPC message and no other thread between. The end of either lane loses the
-feed.
+stream's LAYOUT frame said this primary takes them there (acks_on_lane):
+the backup's thread that wrote the record (or saw it written) sends its
+ack, and a thread of the feed's reads it and ends the waits here
+(Feed.take_acks), with no gRPC message and no other thread between. The
+end of either lane loses the feed.
 A frame's lane bytes are handed to the lane's sender as the frame is queued,
 under the feed's lock: the lane's order is the frames'. A base of a shard that keeps tables on
 SSD names copies of their stores (journal.py: base-N.stores/): every file of
