@@ -271,13 +271,16 @@ class ShardChannels:
         self._relocating.active = True
         try:
             for asked in [arbiter, shard] * 2 if arbiter != shard else [shard]:
+                # The answer is compared with what this client called as it asked: another thread may move
+                # the shard meanwhile, and an answer older than that move must not move it back.
+                calling = {asked: self.addresses[asked], shard: self.addresses[shard]}
                 served = self._served_by(asked, ps_pb2.LayoutRequest(
-                    watch_primary=self.addresses[shard], watch_shard=shard, watch_seconds=wait)
+                    watch_primary=calling[shard], watch_shard=shard, watch_seconds=wait)
                     if wait and asked == arbiter else ps_pb2.LayoutRequest())
-                if asked != shard and served.get(asked, self.addresses[asked]) != self.addresses[asked]:
-                    self._move(asked, served[asked])  # the arbiter's address was a backup's signpost
-                if served.get(shard, self.addresses[shard]) != self.addresses[shard]:
-                    self._move(shard, served[shard])
+                if asked != shard and served.get(asked, calling[asked]) != calling[asked]:
+                    self._move(asked, served[asked], calling[asked])  # the arbiter's address was a backup's signpost
+                if served.get(shard, calling[shard]) != calling[shard]:
+                    self._move(shard, served[shard], calling[shard])
                     return True
                 if asked != shard and shard in served:
                     return False  # the arbiter's record: served where this client calls (not promoted yet)
@@ -298,18 +301,18 @@ class ShardChannels:
                 self._replicated.add(entry.index)
         return {entry.index: entry.primary for entry in layout.replicas if entry.primary}
 
-    def _move(self, shard: int, address: str) -> None:
-        was = self.addresses[shard]
-        if self.redirect(shard, address):
+    def _move(self, shard: int, address: str, was: str) -> None:
+        if self.redirect(shard, address, instead_of=was):
             _LOGGER.warning("ps:%d is served at %s now (was %s)", shard, address, was)
             self.relocated += 1
 
-    def redirect(self, shard: int, address: str) -> bool:
+    def redirect(self, shard: int, address: str, instead_of: str | None = None) -> bool:
         """Shard `shard` is served at `address` from now on (its backup was promoted): calls go there, and the
         old channel is closed, which ends the calls still in flight on it (CANCELLED: call() sends them
-        again, to `address`). False if the client calls it there already."""
+        again, to `address`). False if the client calls it there already, or (`instead_of`: the address the
+        news replaces) calls it at another address than that one by now (news older than a later move)."""
         with self._redirecting:
-            if self.addresses[shard] == address:
+            if self.addresses[shard] == address or instead_of not in (None, self.addresses[shard]):
                 return False
             old = self._channels[shard]
             self.addresses[shard] = address
