@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import free_ports, start_ps_server, wait_until
+from helpers import free_ports, process_state, start_ps_server, wait_until
 
 from torchps import lanes
 from torchps.certs import make_job_credentials
@@ -652,8 +652,9 @@ def test_a_primary_cut_off_from_its_promoted_backup_never_acknowledges_again(tmp
             ps.push({n: torch.ones(s) for n, s in SHAPES.items()})
             local.procs[1].send_signal(signal.SIGSTOP)
             wait_until(lambda: _replicas(ps)[1].primary == backup_address, 30, "ps 0 to promote ps:1's backup")
-            local.procs[0].send_signal(signal.SIGSTOP)
-            local.procs[1].send_signal(signal.SIGCONT)
+            local.procs[0].send_signal(signal.SIGSTOP)  # stopped before ps:1 runs again: ps:1 finds the lanes
+            wait_until(lambda: process_state(local.procs[0].pid) in ("T", "t"), 30, "ps 0 to stop")  # of its
+            local.procs[1].send_signal(signal.SIGCONT)  # backup closed at once, and asks ps 0 to drop it
             with grpc.insecure_channel(old) as channel:  # a client that never heard of the failover
                 header = ps_pb2.PushHeader(worker="worker:0", incarnation=99, seq=1, step=0, step_increment=1,
                                            tensors=1)
