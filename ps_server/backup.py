@@ -588,18 +588,20 @@ class Backup:
         offers none or none opens: the records' bytes come in the frames, the acks go in the stream.
         grpc.RpcError if the primary does not answer its status."""
         status = channels.stubs[0].GetStatus(ps_pb2.StatusRequest(), timeout=self.failover_after)
-        opened = []
-        for what, where in (("records' bytes", "the frames"), ("acks", "the stream")):
-            if status.lane_port and (not opened or opened[0] is not None):
-                try:
-                    opened.append(lanes.connect(self.primary.rpartition(":")[0].strip("[]"), status.lane_port,
-                                                self.failover_after, lanes.tls_context(self._security, server=False)))
-                    continue
-                except LaneBrokenError as exc:
-                    _LOGGER.info("backup of ps:%d: no lane to %s for the %s (%s): they go in %s", self.index,
-                                 self.primary, what, exc, where)
-            opened.append(None)
-        return tuple(opened)
+        if not status.lane_port:
+            return None, None
+        records = self._lane(status.lane_port, "the records' bytes", "the frames")
+        return records, self._lane(status.lane_port, "the acks", "the stream") if records is not None else None
+
+    def _lane(self, port: int, what: str, where: str):
+        """A new lane to the primary's lane `port`, or None (logged: `what` goes in `where` instead)."""
+        try:
+            return lanes.connect(self.primary.rpartition(":")[0].strip("[]"), port, self.failover_after,
+                                 lanes.tls_context(self._security, server=False))
+        except LaneBrokenError as exc:
+            _LOGGER.info("backup of ps:%d: no lane to %s for %s (%s): they go in %s", self.index, self.primary,
+                         what, exc, where)
+            return None
 
     def _promote(self) -> bool:
         """Asks the arbiter to promote this backup; True if granted. While the primary's lease holds it asks
