@@ -9,14 +9,18 @@ record once its own journal wrote it (into the page cache; onto the disk
 with --journal-sync), and the primary acknowledges nothing before that; the
 acks go on a lane of their own where the primary offers lanes and says it
 takes them there (ReplicaHello.acks_lane, ReplicaFrame.acks_on_lane), else
-in the stream. A
+in the stream. Where the backup opened a bulk lane (and its primary keeps
+no tables on SSD), the frames themselves come there once the stream's first
+base came whole (TO_LANE: ReplicaHello.frames_on_lane), each ahead of its
+bytes, and a thread of the backup's takes them off the lane; the stream
+then carries heartbeats only. A
 record whose bytes come in its frames, or in one piece (journal_log.PIECE)
-on the bulk lane, is written by the stream's thread and acknowledged there at
-once (Journal.write_now), unless --journal-sync leaves it to the writer's
-group commit; one of more pieces on the lane is handed to the journal's
-writer when its frame comes, and written a piece at a time as its bytes
-arrive. A part the copy cannot write (a full disk) ends the stream: the
-backup follows again from a new base.
+on the bulk lane, is written by the thread that takes its frame and
+acknowledged there at once (Journal.write_now), unless --journal-sync leaves
+it to the writer's group commit; one of more pieces on the lane is handed to
+the journal's writer when its frame comes, and written a piece at a time as
+its bytes arrive. A part the copy cannot write (a full disk) ends the
+stream: the backup follows again from a new base.
 
 When the primary sends nothing, not even its heartbeat, for `failover_after`
 s while this backup runs (a stall of its own longer than half of that, paused
@@ -64,6 +68,7 @@ from typing import Callable
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from ..cluster import arbiter_of
 from .. import lanes
@@ -74,7 +79,7 @@ from ..security import Security
 from . import journal_log
 from .checkpoint import fsync_dir
 from .journal import Journal
-from .replication import ACK_BYTES, REPLICATED
+from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED
 
 __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
            "FAILOVER_AFTER_SECONDS"]
@@ -100,6 +105,11 @@ def _store_parts(path: str) -> tuple[str, ...]:
     return parts
 
 
+def _kind(frame: ps_pb2.ReplicaFrame) -> str:
+    """A frame's kind by name (a number this backup does not know as that number)."""
+    return _FRAME.Kind.Name(frame.kind) if frame.kind in _FRAME.Kind.values() else f"a frame of kind {frame.kind}"
+
+
 class Mirror:
     """One stream's copy of the primary's journal, into `folder` (replaced at its base); its records' bytes read
     from `lane` where the stream has one (ReplicaFrame.lane_bytes)."""
@@ -121,14 +131,21 @@ class Mirror:
         self.lane_since: float | None = None  # when it began to wait for a frame's bytes on the lane, None if not
         self._cond = threading.Condition(threading.Lock())
         self._ended = False  # end(): written() waits no more
+        self.frames_on_lane = False  # TO_LANE came: the frames come on the lane (next_on_lane), heartbeats here
 
-    def take(self, frame: ps_pb2.ReplicaFrame) -> int | None:
-        """Writes one frame's part; returns the primary's number to acknowledge at once (the stream's first base,
-        or a record written here), else None (the records the journal's writer writes are acknowledged by
-        written()).
-        MalformedStreamError for a stream out of order, and for a part this copy cannot write (a full disk, its
+    def take(self, frame: ps_pb2.ReplicaFrame, on_lane: bool = False) -> int | None:
+        """Writes one frame's part (one that came `on_lane`: next_on_lane); returns the primary's number to
+        acknowledge at once (the stream's first base, or a record written here), else None (the records the
+        journal's writer writes are acknowledged by written()). Once TO_LANE came, a thread of its own takes
+        the lane's frames, and the stream's (heartbeats only) may be taken meanwhile.
+        MalformedStreamError for a stream out of order (a frame but a heartbeat in the stream after TO_LANE,
+        one on the lane that belongs in the stream), and for a part this copy cannot write (a full disk, its
         journal failed): the stream ends, and the backup follows again from a new base. LaneBrokenError as
         _read_lane raises it."""
+        if on_lane and frame.kind in (_FRAME.LAYOUT, _FRAME.HEARTBEAT, _FRAME.TO_LANE, _FRAME.FILE):
+            raise MalformedStreamError(f"the primary sent {_kind(frame)} on the lane")
+        if self.frames_on_lane and not on_lane and frame.kind != _FRAME.HEARTBEAT:
+            raise MalformedStreamError(f"the primary sent {_kind(frame)} in the stream after TO_LANE")
         try:
             return self._take(frame)
         except LaneBrokenError:
@@ -142,6 +159,12 @@ class Mirror:
             return None
         if frame.kind == _FRAME.LAYOUT:
             self._layout = frame.data
+            return None
+        if frame.kind == _FRAME.TO_LANE:
+            if self.lane is None or self.journal is None or self._piece is not None:
+                raise MalformedStreamError("the primary sent TO_LANE " + ("on a stream without a lane"
+                                           if self.lane is None else "before its first base had come whole"))
+            self.frames_on_lane = True
             return None
         if frame.kind == _FRAME.FILE:
             self._take_file(frame)
@@ -263,6 +286,18 @@ class Mirror:
         if self.sync:
             fsync_dir(self.folder)
 
+    def next_on_lane(self) -> ps_pb2.ReplicaFrame:
+        """(After TO_LANE.) The lane's next frame, for take(frame, on_lane=True) (which reads its bytes). Blocks
+        for as long as the primary sends nothing (its silence is the stream's watch to see: it closes the
+        lane). LaneBrokenError if the lane breaks or closes; MalformedStreamError for a frame that does not
+        parse."""
+        raw = bytearray(self.lane.begin_any(None, MAX_LANE_FRAME))
+        self.lane.read_into(memoryview(raw))
+        try:
+            return ps_pb2.ReplicaFrame.FromString(bytes(raw))
+        except DecodeError:
+            raise MalformedStreamError(f"a frame of {len(raw)} bytes on the lane does not parse") from None
+
     def _spare_buffer(self, nbytes: int) -> np.ndarray:
         """A buffer of `nbytes` for a lane frame: a spare one of that size (its pages mapped already), or a
         new one (not zeroed)."""
@@ -344,8 +379,8 @@ class Mirror:
 
 
 class _Arrival:
-    """A record's bytes coming off the lane while the journal's writer writes them: the stream's thread says how
-    many came (came) and, once it reads no more, stop(); the writer waits for each piece (wait)."""
+    """A record's bytes coming off the lane while the journal's writer writes them: the thread taking its frame
+    says how many came (came) and, once it reads no more, stop(); the writer waits for each piece (wait)."""
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
@@ -436,16 +471,19 @@ class Backup:
         acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
                                                              lane=lane.key if lane is not None else b"",
                                                              acks_lane=acks_lane.key if acks_lane else b"",
+                                                             frames_on_lane=lane is not None,
                                                              keeps_stores=self.keeps_stores)))
         mirror = Mirror(self.folder, self.sync, lane)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
         last = [time.monotonic()]  # when this backup began to wait for the next frame; None while it takes one
-        # (a record's bytes on the lane are waited for while it takes the record's frame: mirror.lane_since)
+        # (a record's bytes on the lane are waited for while it takes the record's frame: mirror.lane_since;
+        # after TO_LANE the stream's frames are the heartbeats, which a primary that runs sends)
         done = threading.Event()
         framed = False
-        silent = []
-        sending = threading.Lock()  # the stream's thread and the acknowledger send acks on the acks lane
+        silent = []  # [(a silence of the primary's, it came within a record's or base's bytes)] once watch() saw one
+        sending = threading.Lock()  # the thread that takes frames and the acknowledger send acks on the acks lane
         on_lane = []  # [True] once the primary's LAYOUT frame said it takes the acks off the acks lane
+        lane_failed: list[Exception] = []  # why the lane's frames stopped (TO_LANE: read by their own thread)
 
         def send_ack(number: int) -> None:  # LaneBrokenError if the acks lane broke: the stream ends
             if not on_lane:
@@ -477,11 +515,27 @@ class Backup:
                 limit = self.failover_after if framed else FIRST_FRAME_SECONDS
                 waited = last[0] if last[0] is not None else mirror.lane_since
                 if self.stop.is_set() or (waited is not None and now - max(waited, heard) > limit):
-                    silent.append(framed and not self.stop.is_set())
+                    silent.append((framed and not self.stop.is_set(), mirror.lane_since is not None))
                     call.cancel()
                     if lane is not None:
                         lane.close()  # a read of a record's bytes fails at once
                     return
+
+        def take(frame: ps_pb2.ReplicaFrame, on_lane: bool = False) -> None:  # (the stream's thread; after
+            ack = mirror.take(frame, on_lane)                                   # TO_LANE, the lane's)
+            while mirror.replica_events:
+                self._follow_arbiter(mirror.replica_events.pop(0))
+            if ack is not None:
+                self.holds_copy = True  # (its first base is written)
+                send_ack(ack)
+
+        def take_lane() -> None:  # the frames after TO_LANE, until the lane ends: then the stream ends too
+            try:
+                while True:
+                    take(mirror.next_on_lane(), on_lane=True)
+            except Exception as exc:  # noqa: BLE001 - any end of the lane ends the stream, handled there
+                lane_failed.append(exc)
+                call.cancel()
 
         def acknowledge() -> None:
             while not done.is_set():
@@ -496,30 +550,40 @@ class Backup:
         threads = [threading.Thread(target=watch, daemon=True, name="backup-watch")]
         threads[0].start()
         try:
-            for frame in call:
-                last[0] = None
-                if frame.kind == ps_pb2.ReplicaFrame.LAYOUT and frame.acks_on_lane and acks_lane is not None:
-                    on_lane.append(True)  # (the stream's first frame: before any ack)
-                if not framed:
-                    framed = True
-                    threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
-                    threads[1].start()
-                ack = mirror.take(frame)
-                while mirror.replica_events:
-                    self._follow_arbiter(mirror.replica_events.pop(0))
-                if ack is not None:
-                    self.holds_copy = True  # (its first base is written)
-                    send_ack(ack)
-                last[0] = time.monotonic()
+            try:
+                for frame in call:
+                    last[0] = None
+                    if frame.kind == _FRAME.LAYOUT and frame.acks_on_lane and acks_lane is not None:
+                        on_lane.append(True)  # (the stream's first frame: before any ack)
+                    if not framed:
+                        framed = True
+                        threads.append(threading.Thread(target=acknowledge, daemon=True, name="backup-acks"))
+                        threads[1].start()
+                    if mirror.frames_on_lane:  # a heartbeat (the lane's thread takes the frames)
+                        mirror.take(frame)
+                    else:
+                        take(frame)
+                        if mirror.frames_on_lane:  # TO_LANE: the frames come on the lane from now on
+                            threads.append(threading.Thread(target=take_lane, daemon=True, name="backup-lane"))
+                            threads[2].start()
+                    last[0] = time.monotonic()
+            except grpc.RpcError:
+                failed = lane_failed[0] if lane_failed else None  # the lane's thread cancelled the call for it
+                if failed is not None and not silent and not isinstance(failed, LaneBrokenError):
+                    raise (failed if isinstance(failed, MalformedStreamError) else
+                           MalformedStreamError(f"a frame on the lane could not be taken ({failed!r})")) from None
+                raise
+            if len(threads) > 2:  # the primary closes the lane as the stream ends: its last frames are taken
+                threads[2].join(self.failover_after)
             return "finished" if mirror.finished else "followed"
         except grpc.RpcError as exc:
             if mirror.finished:
                 return "finished"
-            if framed and silent and silent[0]:
-                return self._silent(within_record=False)
+            if framed and silent and silent[0][0]:  # (the lane's frames: a record's bytes may have been due)
+                return self._silent(within_record=silent[0][1])
             if framed:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
-                                exc.code().name)
+                                lane_failed[0] if lane_failed else exc.code().name)
                 return "followed"
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED):
@@ -531,7 +595,7 @@ class Backup:
             return "refused"
         except (MalformedStreamError, LaneBrokenError) as exc:
             if silent:  # the watch closed the lane (a half record read is dropped: it was never acknowledged)
-                return self._silent(within_record=True) if silent[0] else "followed"
+                return self._silent(within_record=silent[0][1]) if silent[0][0] else "followed"
             _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, exc)
             return "followed"
         finally:
@@ -541,11 +605,11 @@ class Backup:
             call.cancel()  # never acknowledges on this stream again
             if acks_lane is not None:
                 acks_lane.close()  # nor on its lane: an ack being sent there fails at once
+            if lane is not None:
+                lane.close()  # its frames' reader ends
             for thread in threads[1:]:
                 thread.join()
             mirror.close()
-            if lane is not None:
-                lane.close()
             channels.close()
 
     def _silent(self, within_record: bool) -> str:

@@ -38,6 +38,17 @@ bytes, not its whole time, bounded by the ack timeout); the stream's first
 base, one offered before that went out, and one with store copies (records
 pass its files) go in the frames, as do records offered before the first
 base went out.
+A backup that reads frames off its lane (ReplicaHello.frames_on_lane) of a
+shard that keeps no tables on SSD gets them there too once the first base
+went out: the stream says TO_LANE after everything queued before that
+instant, and every later record, rotation and base goes on the lane as a
+lane frame of its own (the serialized ReplicaFrame), its bytes the next
+one; the stream carries heartbeats only, and a record reaches the backup
+with no event loop, gRPC message or thread of gRPC's between. A record of
+at most INLINE_BYTES is sent by the journal's writer itself where nothing
+waits for the lane's sender (the writer's wait for a thread's wake-up is
+longer than the send), a larger one by the sender while the writer writes
+it to the disk.
 A backup that opened a second lane, its acks lane (ReplicaHello.acks_lane),
 sends its acks there, 8 bytes each, instead of in its stream, once the
 stream's LAYOUT frame said this primary takes them there (acks_on_lane):
@@ -46,7 +57,9 @@ ack, and a thread of the feed's reads it and ends the waits here
 (Feed.take_acks), with no gRPC message and no other thread between. The
 end of either lane loses the feed.
 A frame's lane bytes are handed to the lane's sender as the frame is queued,
-under the feed's lock: the lane's order is the frames'. A base of a shard that keeps tables on
+under the feed's lock: the lane's order is the frames' (a frame on the lane
+with its bytes; one the writer sends itself takes the sender's lock before
+the feed's is let go). A base of a shard that keeps tables on
 SSD names copies of their stores (journal.py: base-N.stores/): every file of
 them goes first, as FILE frames read from disk a piece at a time as the
 stream takes them (never the whole store in memory), so the backup's copy
@@ -74,7 +87,7 @@ from ..proto import ps_pb2
 from ..wire import _key, _varint
 
 __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS",
-           "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED"]
+           "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -87,6 +100,9 @@ LATE_RENEWAL_SECONDS = 0.3  # renewals heard this far apart are logged (the shar
 ACK_BYTES = 8               # an ack on an acks lane: the record number it stands for, little-endian
 _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
+_TO_LANE = _FRAME(kind=_FRAME.TO_LANE).SerializeToString()
+INLINE_BYTES = 1 << 20     # a record this small whose frame goes on the lane is sent by the journal's writer itself
+MAX_LANE_FRAME = 64 << 20  # the most bytes a frame on the records' lane may have (its head and meta, not its tensors)
 NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
 OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
 ON_LOOP = object()      # Feed.pieces: the file was read (it blocks no more)
@@ -173,17 +189,24 @@ class Feed:
     between the files' pieces: a record never waits for a store copy but the first base's. A record's lane
     bytes leave when its frame is queued; a record offered before the first base went out (it follows the
     base, and the base's store files) goes in its frames instead, so that no lane send waits for the backup
-    to reach it for longer than the ack timeout allows."""
+    to reach it for longer than the ack timeout allows. With `frames_on_lane`, the first base going out
+    queues ("frame", TO_LANE) and nothing is queued after it: the frames go on the lane with their bytes.
+    Such a feed is never offered store files (a shard that may keep tables on SSD keeps its frames in the
+    stream)."""
 
     def __init__(self, address: str, chunk_bytes: int, ack_timeout: float,
                  on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None,
-                 shipped: Shipped | None = None, acks_lane=None):
+                 shipped: Shipped | None = None, acks_lane=None, frames_on_lane: bool = False):
         self.address = address
         self._shipped = shipped or Shipped()  # its store files sent and linked, counted
         self._lane = lane                # a bulk lane the records' bytes follow on, or None
+        # Once the first base went out, the frames go on the lane too, ahead of their bytes (TO_LANE).
+        self.frames_on_lane: bool = lane is not None and frames_on_lane
         self._acks_lane = acks_lane      # the lane the backup's acks come on (take_acks), or None
         # Sends them there while the journal's writer writes them to its disk.
         self._sender = concurrent.futures.ThreadPoolExecutor(1, "replica-lane") if lane is not None else None
+        self._queued_sends = 0           # handed to the sender and not sent yet (under the lock)
+        self._sending = threading.Lock()  # held by whoever sends on the lane (the sender, or the writer itself)
         self.floor = 0                   # the last record the first base holds (set by Journal.rotate)
         self._chunk = chunk_bytes
         self._ack_timeout = ack_timeout
@@ -194,6 +217,7 @@ class Feed:
         self._sent: dict[tuple, str] = {}  # the last base's table files: identity -> path in the backup's copy
         self._based = False              # the first base was offered
         self._base_sent = False          # the first base went out: records use the lane, and pass later files
+        # (with frames_on_lane, their frames and every later rotation's and base's too)
         self._files = 0                  # "file" items queued
         self._bases_sending = 0          # bases handed to the lane's sender and not sent yet
         self._unacked: collections.deque[tuple[int, float]] = collections.deque()  # (number, offered at)
@@ -208,8 +232,9 @@ class Feed:
     def offer_record(self, number: int, head: bytes, views: list) -> Callable[[], None]:
         """(The journal's writer, as it writes the record.) Queues its frames; with a lane (once the first base
         went out: see the class docstring), starts sending its bytes there, from its own memory, on the lane's
-        thread. Returns what blocks until they were sent, or the feed was lost (a backup that reads nothing for
-        the ack timeout loses it): the writer calls it before it lets go of the record."""
+        thread (with `frames_on_lane`, its frame ahead of them, and a small record sent before this returns).
+        Returns what blocks until they were sent, or the feed was lost (a backup that reads nothing for the ack
+        timeout loses it): the writer calls it before it lets go of the record."""
         lane = self._lane is not None and self._base_sent
         if not lane:
             frames = frames_of(_FRAME.RECORD, 0, number, head, views, self._chunk)
@@ -219,42 +244,70 @@ class Feed:
         with self._cond:
             if self.lost is not None:
                 return _nothing
-            (self._frames if self._based else self._early).extend(("record", frame) for frame in frames)
             self._unacked.append((number, time.monotonic()))
-            sent = self._submit(views) if lane else _nothing
-            self._cond.notify_all()
-        self.on_queued()
-        return sent
+            if self.frames_on_lane and self._base_sent:  # nothing for the stream: its loop is not woken
+                if not lane:  # the first base went out meanwhile
+                    views, frame = _lane_frame(_FRAME(kind=_FRAME.RECORD, written=number, head=head), views)
+                if self._queued_sends or sum(map(len, views)) > INLINE_BYTES:
+                    return self._submit(views, head=frame)
+                self._sending.acquire()  # free: every queued send holds it until it no longer counts as queued
+                inline = True
+            else:
+                (self._frames if self._based else self._early).extend(("record", frame) for frame in frames)
+                sent = self._submit(views) if lane else _nothing
+                self._cond.notify_all()
+                inline = False
+        if not inline:
+            self.on_queued()
+            return sent
+        try:  # here, on the lane before anything handed to the sender from now on (it waits for the lock)
+            self._send_now(views, False, frame)
+        finally:
+            self._sending.release()
+        return _nothing
 
-    def _submit(self, views: list, base: bool = False) -> Callable[[], None]:
-        """(Holding the lock, with the frame that names them queued.) Hands `views` to the lane's sender;
-        returns what blocks until they were sent or the feed was lost."""
+    def _submit(self, views: list, base: bool = False, head: bytes | None = None) -> Callable[[], None]:
+        """(Holding the lock, with the frame that names them queued, or that frame as `head`: it goes on the lane
+        first.) Hands `views` to the lane's sender; returns what blocks until they were sent or the feed was
+        lost."""
         try:
-            waiter = self._sender.submit(self._send, views, base).result
+            waiter = self._sender.submit(self._send, views, base, head).result
         except RuntimeError:  # lost meanwhile: the sender was shut down
             return _nothing
         self._bases_sending += base
+        self._queued_sends += 1
         return waiter
 
-    def _send(self, views: list, base: bool) -> None:
-        """A record's bytes must all leave within the ack timeout; a base's, of any size, may take longer,
-        as long as no pause in them lasts that long (the records behind it wait for it: their time counts
-        from its end)."""
+    def _send(self, views: list, base: bool, head: bytes | None) -> None:
+        """(The lane's sender.) Sends what _submit handed it, in turn."""
+        with self._sending:
+            try:
+                self._send_now(views, base, head)
+            finally:
+                with self._cond:
+                    self._queued_sends -= 1
+                    self._bases_sending -= base
+        if base:
+            self._restamp()
+
+    def _send_now(self, views: list, base: bool, head: bytes | None) -> None:
+        """(Holding _sending.) A record's bytes must all leave within the ack timeout; a base's, of any size,
+        may take longer, as long as no pause in them lasts that long (the records behind it wait for it: their
+        time counts from its end). A lane that breaks loses the feed."""
         try:
-            self._lane.send(views, self._ack_timeout, stall=base)
+            self._lane.send(views, self._ack_timeout, stall=base, head=head)
         except LaneBrokenError as exc:
             self.lose(f"its lane broke ({exc})")
-        finally:
-            if base:
-                with self._cond:
-                    self._bases_sending -= 1
-                self._restamp()
 
     def offer_rotate(self, number: int) -> None:
+        frame = _FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString()
         with self._cond:
             if self.lost is not None:
                 return
-            self._frames.append(("rotate", _FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString()))
+            if self.frames_on_lane and self._base_sent:
+                self._submit([], head=frame)
+                return
+            self._frames.append(("rotate", frame))
             self._cond.notify_all()
         self.on_queued()
 
@@ -271,8 +324,10 @@ class Feed:
                     return _nothing
                 on_lane = self._base_sent  # else the first base is still queued: this one follows it in frames
                 if on_lane:
-                    self._frames.append(("base", frame))
                     self._sent = {}
+                    if self.frames_on_lane:
+                        return self._submit(views, base=True, head=frame)
+                    self._frames.append(("base", frame))
                     sent = self._submit(views, base=True)
                     self._cond.notify_all()
             if on_lane:
@@ -297,6 +352,10 @@ class Feed:
             if self.lost is not None:
                 _drop(items)
                 return _nothing
+            if self.frames_on_lane and self._base_sent and not files:  # the first base went out meanwhile
+                views, frame = _lane_frame(_FRAME(kind=_FRAME.BASE, number=number, head=head), views)
+                self._sent = {}
+                return self._submit(views, base=True, head=frame)
             self._frames.extend(items)
             self._files += sum(item[0] == "file" for item in items)
             if not self._based:
@@ -315,7 +374,8 @@ class Feed:
         event loop (replica_rpcs._pump). Where nothing is queued it yields NOTHING_YET, and the caller resumes
         it once on_queued() was called or IDLE_WAKE_SECONDS passed. Before it reads a store file from disk
         (or lets queued ones go, losing the feed) it yields OFF_LOOP, and ON_LOOP once that is over: between
-        the two the caller resumes it where blocking is allowed. Never blocks otherwise."""
+        the two the caller resumes it where blocking is allowed. Never blocks otherwise. After TO_LANE (see the
+        class docstring) it yields heartbeats only, IDLE_WAKE_SECONDS apart."""
         yield _FRAME(kind=_FRAME.LAYOUT, data=layout, acks_on_lane=self._acks_lane is not None).SerializeToString()
         while True:
             with self._cond:
@@ -359,8 +419,10 @@ class Feed:
                         yield ON_LOOP
                     else:
                         if item[0] == "base" and not self._base_sent:
-                            with self._cond:  # what is offered from now on follows it
+                            with self._cond:  # what is offered from now on follows it, on the lane
                                 self._base_sent = True
+                                if self.frames_on_lane:  # after everything queued before (TO_LANE)
+                                    self._frames.append(("frame", _TO_LANE))
                         yield item[1]
                         if item[0] == "base":  # the base's frames held the records behind it back
                             self._restamp()
@@ -503,7 +565,7 @@ class Replication:
             raise ModeConflictError(f"ps:{self.index} was started without the job's cluster (--cluster or "
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
         feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped,
-                    acks_lane)
+                    acks_lane, frames_on_lane=hello.frames_on_lane and not self._stores)
         try:
             self._compact_for(feed)
         except Exception as exc:
@@ -514,7 +576,8 @@ class Replication:
             # attached is never lost, so its lanes just close with its call)
             threading.Thread(target=feed.take_acks, args=(journal,), name="replica-acks", daemon=True).start()
         self.feeds_opened += 1
-        _LOGGER.info("ps %d: backup %s follows from log record %d on%s", self.index, hello.address, feed.floor,
+        _LOGGER.info("ps %d: backup %s follows from log record %d on%s%s", self.index, hello.address, feed.floor,
+                     ", the records wholly on the lane" if feed.frames_on_lane else "",
                      ", its acks on a lane of their own" if acks_lane is not None else "")
         return feed
 

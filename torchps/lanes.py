@@ -20,6 +20,10 @@ Protocol (ps.proto names the fields; this module is the rest of it):
   and direction (uint32, from 0) and its length (uint64), little-endian,
   then that many bytes: the concatenated `data` of one message's chunks, in
   their order in the message.
+- A backup's lanes to its primary serve its Replicate stream for as long
+  as it lasts (ps_server/replication.py): there, once the stream says so
+  (TO_LANE), each of the journal's frames is a lane frame of its own (a
+  serialized ReplicaFrame), its tensors' bytes the next one.
 - A lane serves one call at a time. Anything out of step (a bad magic, a
   sequence number or length other than expected, a lane that closes or
   stalls past the call's deadline) breaks the lane: LaneBrokenError, the
@@ -108,18 +112,21 @@ class Lane:
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    def send(self, buffers, timeout: float | None, *, stall: bool = False) -> None:
-        """Sends one frame of `buffers` (bytes-like, each sent from its own memory); blocks up to `timeout`
-        (with `stall`, up to `timeout` without a byte going out: a frame of any size). None if they hold no
-        bytes: a message whose chunks are all empty carries no lane_bytes, and its reader (bind) reads no
-        frame. LaneBrokenError (and the lane closed) if it cannot."""
+    def send(self, buffers, timeout: float | None, *, stall: bool = False, head: bytes | None = None) -> None:
+        """Sends one frame of `buffers` (bytes-like, each sent from its own memory), after a frame of `head` if
+        given (one sendmsg for both where the lane is plaintext); blocks up to `timeout` (with `stall`, up to
+        `timeout` without a byte going out: a frame of any size). No frame of `buffers` if they hold no bytes:
+        a message whose chunks are all empty carries no lane_bytes, and its reader (bind) reads no frame.
+        LaneBrokenError (and the lane closed) if it cannot."""
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
-        if not views:
+        pending = []
+        if head is not None:  # (a frame of no bytes is its header alone)
+            pending += [memoryview(self._header(len(head))), *([memoryview(head)] if len(head) else [])]
+        if views:
+            pending += [memoryview(self._header(sum(len(v) for v in views))), *views]
+        if not pending:
             return
-        header = _FRAME.pack(FRAME_MAGIC, self._sent & 0xFFFFFFFF, sum(len(v) for v in views))
-        self._sent += 1
-        pending = [memoryview(header), *views]
         self._start(timeout)
         try:
             if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg under TLS: each buffer is encrypted from its memory
@@ -146,9 +153,23 @@ class Lane:
         except (OSError, ValueError) as exc:
             raise self._broken(f"sending {sum(len(v) for v in pending)} bytes failed: {exc}") from None
 
+    def _header(self, nbytes: int) -> bytes:
+        header = _FRAME.pack(FRAME_MAGIC, self._sent & 0xFFFFFFFF, nbytes)
+        self._sent += 1
+        return header
+
+    def begin_any(self, timeout: float | None, limit: int) -> int:
+        """Reads the next frame's header, of any length up to `limit`, and returns that length; blocks up to
+        `timeout` (it holds for the frame's reads too). LaneBrokenError if the header is out of step or says
+        more than `limit`."""
+        return self._begin(None, timeout, limit)
+
     def begin(self, nbytes: int, timeout: float | None) -> None:
         """Reads the next frame's header, which must say `nbytes`; blocks up to `timeout` (it holds for the
         frame's reads too). LaneBrokenError if the header is not the one expected."""
+        self._begin(nbytes, timeout)
+
+    def _begin(self, nbytes: int | None, timeout: float | None, limit: int = 0) -> int:
         if self._left:
             raise self._broken(f"a frame began with {self._left} bytes of the last one unread")
         self._start(timeout)
@@ -157,10 +178,14 @@ class Lane:
         magic, seq, length = _FRAME.unpack(header)
         expected = self._read & 0xFFFFFFFF
         self._read += 1
-        if magic != FRAME_MAGIC or seq != expected or length != nbytes:
+        if magic != FRAME_MAGIC or seq != expected or length != (length if nbytes is None else nbytes):
+            size = f"{nbytes} bytes" if nbytes is not None else "any length"
             raise self._broken(f"frame header {bytes(magic)!r} #{seq} of {length} bytes where #{expected} of "
-                               f"{nbytes} was expected")
-        self._left = nbytes
+                               f"{size} was expected")
+        if nbytes is None and length > limit:
+            raise self._broken(f"a frame of {length} bytes where at most {limit} were expected")
+        self._left = length
+        return length
 
     def read_into(self, view: memoryview) -> None:
         """Reads len(view) bytes of the current frame into `view` (blocks, within begin()'s timeout)."""

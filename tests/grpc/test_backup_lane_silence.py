@@ -1,7 +1,9 @@
 """A backup's wait for a record's bytes on the bulk lane, once the record's frame came, counts as its primary's
 silence while no byte comes: a primary stopped between the two is taken over after --failover-after, as when
 no frame comes (the chaos soak saw such a backup wait out the lane's 30 s instead), and the record the backup
-held half of, never acknowledged, is not in its copy. Real processes: two shards and a backup of ps:1 (ps-server --replica-of)."""
+held half of, never acknowledged, is not in its copy. Both ways a record crosses: its frame on the lane ahead
+of its bytes (the default), and its frame in the stream (a shard that may keep tables on SSD, --table-dir).
+Real processes: two shards and a backup of ps:1 (ps-server --replica-of)."""
 
 import contextlib
 import json
@@ -10,6 +12,7 @@ import pathlib
 import signal
 import threading
 
+import pytest
 import torch
 from helpers import free_port, free_ports, process_state, start_ps_server, wait_until
 
@@ -51,22 +54,22 @@ def _queued(pid: int, port: int, *, own_port: bool = False, unsent: bool = False
     return queued
 
 
-def _shards(tmp_path) -> tuple[LocalCluster, str]:
-    """Two shards, started with their cluster spec (returned)."""
+def _shards(tmp_path, flags: list[str]) -> tuple[LocalCluster, str]:
+    """Two shards with `flags`, started with their cluster spec (returned)."""
     p0, p1 = free_ports(2)
     spec = json.dumps({"ps": [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"], "worker": ["127.0.0.1:1"]})
     local = LocalCluster(2, ports=[p0, p1], server_args=["--cluster", spec, "--checkpoint-dir", str(tmp_path / "ck"),
-                                                          *ARGS], log_dir=tmp_path)
+                                                          *ARGS, *flags], log_dir=tmp_path)
     local.start()
     return local, spec
 
 
-def _start_backup(tmp_path, spec: str, primary: str):
-    """A backup of ps:1 following `primary`; (its process, its address)."""
+def _start_backup(tmp_path, spec: str, primary: str, flags: list[str]):
+    """A backup of ps:1 with `flags` following `primary`; (its process, its address)."""
     address = f"127.0.0.1:{free_port()}"
     return start_ps_server(["--index", "1", "--cluster", spec, "--replica-of", primary, "--bind", address,
-                            "--journal-dir", str(tmp_path / "backup-1"), "--torch-threads", "1", "--insecure", *ARGS],
-                           tmp_path / "backup.log"), address
+                            "--journal-dir", str(tmp_path / "backup-1"), "--torch-threads", "1", "--insecure", *ARGS,
+                            *flags], tmp_path / "backup.log"), address
 
 
 def _record(ps) -> ps_pb2.ShardReplicas:
@@ -106,17 +109,19 @@ def _stop(proc) -> None:
     wait_until(lambda: process_state(proc.pid) in ("T", "t"), 30, f"process {proc.pid} to stop")
 
 
-def test_a_primary_stopped_between_a_records_frame_and_its_lane_bytes_is_taken_over(tmp_path):
+@pytest.mark.parametrize("frames", ["on-lane", "in-stream"])
+def test_a_primary_stopped_between_a_records_frame_and_its_lane_bytes_is_taken_over(tmp_path, frames):
     """The backup is paused; a push to ps:1 of more than loopback's buffers hold is written there, its frame
     reaches the paused backup's socket and its bytes fill the lane's buffers; then ps:1 is paused and the
     backup resumed: it takes the frame, reads the bytes that came, hears nothing more for --failover-after and
     is promoted. The push, sent again there by the client, is applied once; ps:1 resumed is fenced and stops."""
     numel = _socket_buffers() // 4 + (1 << 20)  # float32: 4 MiB more than the buffers hold
-    local, spec = _shards(tmp_path)
+    flags = [] if frames == "on-lane" else ["--table-dir", str(tmp_path / "tables")]
+    local, spec = _shards(tmp_path, flags)
     primary, primary_port, backup = local.procs[1], int(local.address(1).rpartition(":")[2]), None
     try:
         _create(spec, numel)
-        backup, backup_address = _start_backup(tmp_path, spec, local.address(1))
+        backup, backup_address = _start_backup(tmp_path, spec, local.address(1), flags)
         with _client(spec, numel, lanes=False) as ps:  # its pushes inline: sent again at once to a new primary
             _in_sync(ps, backup_address)
             ones = {BIG: torch.ones(numel)}
@@ -128,10 +133,10 @@ def test_a_primary_stopped_between_a_records_frame_and_its_lane_bytes_is_taken_o
             pushed = threading.Thread(target=ps.push, args=(ones,), daemon=True)
             pushed.start()
             # The record's bytes come on the lane (the backup had read every earlier record's): its frame was
-            # queued before them.
+            # queued before them, there (on-lane) or in the stream.
             wait_until(lambda: _queued(backup.pid, lane_port) > 0, 30, "the record's bytes on the lane")
             # Then more than two heartbeats' bytes on the stream: the primary sends at most one heartbeat (taken
-            # before the record was queued) ahead of the record's frame, so the frame is there now.
+            # before the record was queued) ahead of a record's frame there, so the frame is there now.
             heard = _queued(backup.pid, primary_port)
             wait_until(lambda: _queued(backup.pid, primary_port) > heard + 2 * HEARTBEAT_BYTES, 30,
                        "the record's frame")
@@ -156,3 +161,5 @@ def test_a_primary_stopped_between_a_records_frame_and_its_lane_bytes_is_taken_o
         local.stop()
     log = (tmp_path / "backup.log").read_text(errors="replace")
     assert "was due on the bulk lane" in log, log
+    on_lane = "the records wholly on the lane" in (tmp_path / "ps1.log").read_text(errors="replace")
+    assert on_lane == (frames == "on-lane")

@@ -47,6 +47,29 @@ def test_a_frame_of_another_length_or_number_breaks_the_lane():
         receiver2.begin(2, 5.0)
 
 
+def test_a_head_frame_goes_ahead_of_its_bytes_and_a_reader_takes_it_at_any_length_up_to_its_limit():
+    """send(head=...): the head as a frame of its own, then the buffers' frame (none where they hold no bytes);
+    begin_any reads a frame of any length up to its limit, and one over it breaks the lane."""
+    sender, receiver = pair()
+    sender.send([np.arange(3, dtype=np.int32)], 5.0, head=b"frame-1")
+    sender.send([], 5.0, head=b"rotate")  # a head alone
+    sender.send([b""], 5.0, head=b"")     # an empty head: its header alone
+    got = bytearray(receiver.begin_any(5.0, 64))
+    receiver.read_into(memoryview(got))
+    out = np.zeros(3, dtype=np.int32)
+    receiver.begin(out.nbytes, 5.0)
+    receiver.read_into(memoryview(out).cast("B"))
+    second = bytearray(receiver.begin_any(5.0, 64))
+    receiver.read_into(memoryview(second))
+    assert (bytes(got), bytes(second), receiver.begin_any(5.0, 64)) == (b"frame-1", b"rotate", 0)
+    np.testing.assert_array_equal(out, np.arange(3, dtype=np.int32))
+    assert receiver.finished()
+    sender.send([], 5.0, head=b"x" * 65)
+    with pytest.raises(LaneBrokenError, match="a frame of 65 bytes where at most 64"):
+        receiver.begin_any(5.0, 64)
+    assert receiver.closed
+
+
 def test_reading_past_the_frame_or_a_closed_peer_breaks_the_lane():
     sender, receiver = pair()
     sender.send([b"abcd"], 5.0)

@@ -713,3 +713,86 @@ def test_a_lost_feed_closes_its_acks_lane_so_its_reader_ends(tmp_path):
     with pytest.raises(LaneBrokenError):
         backup_end.begin(ACK_BYTES, timeout=10)
     primary.close()
+
+
+def test_frames_go_on_the_lane_after_the_first_base_and_the_copy_recovers_them(tmp_path):
+    """With frames_on_lane: a record offered before the first base went out comes in the stream, then TO_LANE;
+    every later record (one small enough for the journal's writer to send itself, one of many pieces sent by
+    the lane's sender), rotation and base comes on the lane, each frame ahead of its bytes, while the stream
+    carries heartbeats only; the copy recovers the primary's records."""
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()]
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    lost = []
+    feed = Feed("b:1", chunk_bytes=12, ack_timeout=60, on_lost=lambda feed, why: lost.append(why),
+                on_based=lambda feed: None, lane=ends[0], frames_on_lane=True)
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    primary.append("apply", {"i": -1}, ODD)  # before the base went out: in the stream
+    _offered(feed, 2)
+    mirror = Mirror(tmp_path / "copy", sync=False, lane=ends[1])
+    stream = _frames(feed, b'{"index": 1, "num_ps": 2, "origin": null, "job": "j"}')
+    streamed = []
+    while not mirror.frames_on_lane:
+        streamed.append(ps_pb2.ReplicaFrame.FromString(next(stream)))
+        mirror.take(streamed[-1])
+    kinds = [frame.kind for frame in streamed]
+    assert kinds[0] == ps_pb2.ReplicaFrame.LAYOUT and kinds[-1] == ps_pb2.ReplicaFrame.TO_LANE
+    assert ps_pb2.ReplicaFrame.BASE in kinds and kinds[-2] == ps_pb2.ReplicaFrame.RECORD
+    on_lane, done = [], threading.Event()
+
+    def read() -> None:  # the backup's lane thread
+        try:
+            while True:
+                on_lane.append(mirror.next_on_lane())
+                mirror.take(on_lane[-1], on_lane=True)
+        except LaneBrokenError:
+            assert done.is_set(), "the lane broke before the test ended it"
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    big = {"big": torch.arange(3 * journal_log.PIECE // 4 + 3, dtype=torch.float32), "b": ODD["b"]}
+    primary.append("apply", {"i": 0}, ODD)
+    primary.append("apply", {"i": 1}, big)
+    _compact(primary, feed, {"step": 7, "variables": {"w": torch.full((3,), 9.0)}})
+    primary.append("member", {"worker": "w"}, {})  # no bytes: its frame alone
+    primary.acked(feed, 10**9)
+    primary.wait(timeout=10)
+    _wait_for(lambda: sum(f.kind == ps_pb2.ReplicaFrame.RECORD for f in on_lane) == 3, "the three records")
+    assert [ps_pb2.ReplicaFrame.FromString(next(stream)).kind for _ in range(2)] == [ps_pb2.ReplicaFrame.HEARTBEAT] * 2
+    mirror.journal.wait(timeout=10)
+    done.set()
+    ends[0].close()
+    reader.join(timeout=10)
+    mirror.close()
+    primary.close()
+    assert [f.kind for f in on_lane] == [ps_pb2.ReplicaFrame.RECORD] * 2 + [ps_pb2.ReplicaFrame.ROTATE,
+                                                                            ps_pb2.ReplicaFrame.BASE,
+                                                                            ps_pb2.ReplicaFrame.RECORD]
+    assert on_lane[1].lane_bytes == big["big"].nbytes + 8 and on_lane[3].lane_bytes and not on_lane[4].lane_bytes
+    assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 7
+
+
+@pytest.mark.parametrize("case", ["record-in-stream", "heartbeat-on-lane", "no-lane"])
+def test_a_frame_on_the_wrong_side_of_to_lane_is_refused(tmp_path, case):
+    """After TO_LANE only heartbeats come in the stream, and what belongs in the stream never comes on the lane;
+    TO_LANE on a stream without a lane is refused too: MalformedStreamError, and the copy is unchanged."""
+    ends = [Lane(sock, b"k" * 16) for sock in socket.socketpair()] if case != "no-lane" else (None, None)
+    primary, feed, lost, mirror, _ = _copying(tmp_path, ends)
+    to_lane = ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.TO_LANE)
+    head, _ = journal_log.encode("member", {"worker": "w"}, {})
+    record = ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.RECORD, written=5, head=head, last=True)
+    if case == "no-lane":
+        with pytest.raises(MalformedStreamError, match="TO_LANE on a stream without a lane"):
+            mirror.take(to_lane)
+    else:
+        mirror.take(to_lane)
+        with pytest.raises(MalformedStreamError, match="RECORD in the stream after TO_LANE" if case ==
+                           "record-in-stream" else "HEARTBEAT on the lane"):
+            if case == "record-in-stream":
+                mirror.take(record)
+            else:
+                mirror.take(ps_pb2.ReplicaFrame(kind=ps_pb2.ReplicaFrame.HEARTBEAT), on_lane=True)
+    mirror.close()
+    primary.close()
+    base, records = _records(Journal(tmp_path / "copy"))
+    assert base["step"] == 1 and records == []

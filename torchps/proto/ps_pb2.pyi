@@ -575,18 +575,20 @@ class ReplicaAck(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., written: _Optional[int] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("index", "address", "lane", "keeps_stores", "acks_lane")
+    __slots__ = ("index", "address", "lane", "keeps_stores", "acks_lane", "frames_on_lane")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     KEEPS_STORES_FIELD_NUMBER: _ClassVar[int]
     ACKS_LANE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_ON_LANE_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     lane: bytes
     keeps_stores: bool
     acks_lane: bytes
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ..., acks_lane: _Optional[bytes] = ...) -> None: ...
+    frames_on_lane: bool
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ..., acks_lane: _Optional[bytes] = ..., frames_on_lane: _Optional[bool] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path", "same_as", "acks_on_lane")
@@ -598,12 +600,14 @@ class ReplicaFrame(_message.Message):
         LAYOUT: _ClassVar[ReplicaFrame.Kind]
         HEARTBEAT: _ClassVar[ReplicaFrame.Kind]
         FILE: _ClassVar[ReplicaFrame.Kind]
+        TO_LANE: _ClassVar[ReplicaFrame.Kind]
     RECORD: ReplicaFrame.Kind
     ROTATE: ReplicaFrame.Kind
     BASE: ReplicaFrame.Kind
     LAYOUT: ReplicaFrame.Kind
     HEARTBEAT: ReplicaFrame.Kind
     FILE: ReplicaFrame.Kind
+    TO_LANE: ReplicaFrame.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
