@@ -206,16 +206,16 @@ class Mirror:
                 else:
                     self.journal.write_now(head, data)
                     now = written
+            kind = journal_log.kind_of(head)  # set before it can be acknowledged (written() may, at once): the
+            self.finished = self.finished or kind == "finish"  # stream's end that follows is the job's
+            if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
+                self.replica_events.append(journal_log.meta_of(head))
             if now is None:
                 with self._cond:
                     self._pairs.append((local, written, buffer))
                     self._cond.notify_all()
             elif buffer is not None:
                 self._keep(buffer)
-            kind = journal_log.kind_of(head)
-            self.finished = self.finished or kind == "finish"
-            if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
-                self.replica_events.append(journal_log.meta_of(head))
             return now
         if frame.lane_bytes:
             buffer = self._spare_buffer(frame.lane_bytes)
@@ -575,6 +575,8 @@ class Backup:
                 raise
             if len(threads) > 2:  # the primary closes the lane as the stream ends: its last frames are taken
                 threads[2].join(self.failover_after)
+            if lane_failed and not isinstance(lane_failed[0], LaneBrokenError):  # (not the lane's close)
+                _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, lane_failed[0])
             return "finished" if mirror.finished else "followed"
         except grpc.RpcError as exc:
             if mirror.finished:
@@ -583,7 +585,7 @@ class Backup:
                 return self._silent(within_record=silent[0][1])
             if framed:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
-                                lane_failed[0] if lane_failed else exc.code().name)
+                                lane_failed[0] if lane_failed and not silent else exc.code().name)
                 return "followed"
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED):

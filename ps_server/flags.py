@@ -46,8 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics over HTTP at /metrics on this "
                         "port, on --bind's host (0: a free one, reported by GetStatus; default: none)")
     parser.add_argument("--lane-port", type=_port, default=0, help="TCP port of this shard's bulk lanes, on --bind's "
-                        "host: Pull and Push bytes beside their gRPC calls, copied only by the kernel (TLS with the shard's "
-                        "credentials where it serves TLS; default: 0, a free one, in GetStatus)")
+                        "host: Pull and Push bytes beside their gRPC calls, and a backup's copy of the journal, copied only by "
+                        "the kernel (TLS with the shard's credentials where it serves TLS; default: 0, a free one, in "
+                        "GetStatus)")
     parser.add_argument("--no-lanes", action="store_true", help="offer no bulk lanes: every byte goes over gRPC")
     parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf in gradients")
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,

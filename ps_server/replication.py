@@ -102,7 +102,8 @@ _FRAME = ps_pb2.ReplicaFrame
 _HEARTBEAT = _FRAME(kind=_FRAME.HEARTBEAT).SerializeToString()
 _TO_LANE = _FRAME(kind=_FRAME.TO_LANE).SerializeToString()
 INLINE_BYTES = 1 << 20     # a record this small whose frame goes on the lane is sent by the journal's writer itself
-MAX_LANE_FRAME = 64 << 20  # the most bytes a frame on the records' lane may have (its head and meta, not its tensors)
+MAX_LANE_FRAME = 64 << 20  # the most bytes a frame on the lane may have (its head and meta, not its tensors): more
+# than a frame in the stream may hold (the shard's message limit, --max-chunk-bytes and an envelope)
 NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
 OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
 ON_LOOP = object()      # Feed.pieces: the file was read (it blocks no more)
@@ -298,6 +299,8 @@ class Feed:
             self._lane.send(views, self._ack_timeout, stall=base, head=head)
         except LaneBrokenError as exc:
             self.lose(f"its lane broke ({exc})")
+        except Exception as exc:  # noqa: BLE001 - the feed's end, never the journal's writer's
+            self.lose(f"sending on its lane failed ({exc!r})")
 
     def offer_rotate(self, number: int) -> None:
         frame = _FRAME(kind=_FRAME.ROTATE, number=number).SerializeToString()
