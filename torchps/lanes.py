@@ -178,7 +178,7 @@ class Lane:
         magic, seq, length = _FRAME.unpack(header)
         expected = self._read & 0xFFFFFFFF
         self._read += 1
-        if magic != FRAME_MAGIC or seq != expected or length != (length if nbytes is None else nbytes):
+        if magic != FRAME_MAGIC or seq != expected or (nbytes is not None and length != nbytes):
             size = f"{nbytes} bytes" if nbytes is not None else "any length"
             raise self._broken(f"frame header {bytes(magic)!r} #{seq} of {length} bytes where #{expected} of "
                                f"{size} was expected")
