@@ -596,6 +596,8 @@ class Backup:
                                 self.primary, exc.details())
             return "refused"
         except (MalformedStreamError, LaneBrokenError) as exc:
+            if mirror.finished:  # the job's end is written here: whatever broke after it, nothing follows
+                return "finished"
             if silent:  # the watch closed the lane (a half record read is dropped: it was never acknowledged)
                 return self._silent(within_record=silent[0][1]) if silent[0][0] else "followed"
             _LOGGER.error("backup of ps:%d: %s; following again from a new base", self.index, exc)

@@ -362,15 +362,16 @@ class Coordinator:
                 self.replicas.restore(state.get("replicas"))
             self._start_applier()
 
-    def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None
-                    ) -> dict:
+    def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
+                    changes: int | None = None) -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
         journal record (at most `timeout` s). ModeConflictError on another shard than the arbiter, for a
         PROMOTE of a one-shard job's ps 0 (by hand only), and for an IN_SYNC of a shard past this shard's
         layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
         for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
-        request. A repeat changes nothing. A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not
+        request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
+        (ReplicaRegistry.decide). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not
         journaled, never blocks)."""
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
@@ -384,7 +385,7 @@ class Coordinator:
             self._outlast_lease(index, primary, backup, timeout)
         ticket = None
         with self.gate.change(), self.recorder.ordering:
-            event = self.replicas.decide(action, index, primary, backup)
+            event = self.replicas.decide(action, index, primary, backup, changes)
             if event is not None:
                 self.replicas.apply(event)
                 ticket = self.recorder.log("replica", event)

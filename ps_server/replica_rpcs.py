@@ -35,7 +35,8 @@ WIRE_ACTIONS = (*ACTIONS, "lease")  # ReplicaChange.Action, in order
 def replicas_of(index: int, entry: dict) -> ps_pb2.ShardReplicas:
     """ReplicaRegistry's record of shard `index` as its message."""
     return ps_pb2.ShardReplicas(index=index, primary=entry["primary"], backup=entry["backup"],
-                                failovers=entry["failovers"], last_failover_unix=entry["last_failover"])
+                                failovers=entry["failovers"], last_failover_unix=entry["last_failover"],
+                                changes=entry.get("changes", 0))
 
 
 class RoleFence(grpc.aio.ServerInterceptor):
@@ -91,7 +92,8 @@ class ReplicaRPCs:
     def SetReplica(self, request, context):
         entry = self.coordinator.set_replica(WIRE_ACTIONS[request.action] if request.action < len(WIRE_ACTIONS)
                                              else str(request.action), request.index, request.primary,
-                                             request.backup, timeout=context.time_remaining())
+                                             request.backup, timeout=context.time_remaining(),
+                                             changes=request.changes if request.HasField("changes") else None)
         return replicas_of(request.index, entry)
 
 
@@ -212,13 +214,14 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
     other than ps 0: it cannot reach an arbiter."""
     arbiter = arbiter_of(index, len(addresses))
     if arbiter == index:
-        return lambda action, shard, primary, backup, timeout=ARBITER_TIMEOUT_SECONDS: coordinator.set_replica(
-            action, shard, primary, backup, timeout)
+        return lambda action, shard, primary, backup, timeout=ARBITER_TIMEOUT_SECONDS, changes=None: \
+            coordinator.set_replica(action, shard, primary, backup, timeout, changes)
     if not addresses:
         return None
     channels = []  # made at the first ask: a shard that never has a backup never calls its arbiter
 
-    def ask(action: str, shard: int, primary: str, backup: str, timeout: float = ARBITER_TIMEOUT_SECONDS) -> dict:
+    def ask(action: str, shard: int, primary: str, backup: str, timeout: float = ARBITER_TIMEOUT_SECONDS,
+            changes: int | None = None) -> dict:
         if not channels:
             from ..client.channels import ShardChannels  # a shard's calls to its arbiter are a client's
 
@@ -230,9 +233,9 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
             if served:                                               # of ps 0 cannot say where ps 1 went)
                 channels[0].redirect(arbiter, served)
         request = ps_pb2.ReplicaChange(action=WIRE_ACTIONS.index(action), index=shard, primary=primary,
-                                       backup=backup)
+                                       backup=backup, changes=changes)
         reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), timeout,
                                  retry_for=timeout)
         return {"primary": reply.primary, "backup": reply.backup, "failovers": reply.failovers,
-                "last_failover": reply.last_failover_unix}
+                "last_failover": reply.last_failover_unix, "changes": reply.changes}
     return ask

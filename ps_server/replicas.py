@@ -15,6 +15,15 @@ master: the members of a chain change only through one record.
              primary P, backup B   --DROP(P, B)-----> primary P, backup ""
              primary P, backup B   --PROMOTE(P?, B)-> primary B, backup "", failovers + 1
 
+Each change is counted in the shard's record (`changes`). A primary reads
+the count once its backup holds the base, then asks IN_SYNC naming it: the
+IN_SYNC changes nothing if anything changed since. The primary's DROP of a
+backup it lost is asked by another thread and may reach the arbiter first;
+it counts as a change even where the record names no backup yet, so an
+IN_SYNC asked before it can never put the lost backup back on the record
+(whose promotion would then lose every change the primary acknowledged
+alone).
+
 A primary with a backup in sync renews its lease here (`renew`, every
 replication.LEASE_EVERY_SECONDS; never journaled): a PROMOTE is refused
 (LeaseHeldError: the backup follows its primary again) while the primary
@@ -113,23 +122,26 @@ class ReplicaRegistry:
         """Who serves shard `index` of the job's `shards` (the module docstring's rule: the one place it is
         made)."""
         if index >= len(shards):
-            return {"primary": "", "backup": "", "failovers": 0, "last_failover": 0.0}
+            return {"primary": "", "backup": "", "failovers": 0, "last_failover": 0.0, "changes": 0}
         found = self._shards.get(index)
         if found is not None:
             return found
-        return {"primary": shards[index], "backup": "", "failovers": 0, "last_failover": 0.0}
+        return {"primary": shards[index], "backup": "", "failovers": 0, "last_failover": 0.0, "changes": 0}
 
-    def decide(self, action: str, index: int, primary: str, backup: str) -> dict | None:
+    def decide(self, action: str, index: int, primary: str, backup: str, changes: int | None = None
+               ) -> dict | None:
         """The event that makes `action` (ACTIONS) of shard `index`, None if the record says so already (a
-        repeat, or a DROP of a shard past the layout's). InvalidArgumentError for a malformed request;
+        repeat, or a DROP of a shard past the layout's), or for an IN_SYNC whose `changes` (the record's count
+        as its primary read it; None: not checked) is not the record's now. InvalidArgumentError for a malformed request;
         ReplicaFencedError when the record names another primary than `primary` (for PROMOTE, another backup
         than `backup`, or none: a shard past the layout's): the caller must stop serving shard `index`;
         ModeConflictError for IN_SYNC of a shard past the layout's (asked again once an epoch names it).
         Changes nothing: apply() the event."""
-        return self._decide(action, index, primary, backup, list(self._shards_now()))
+        return self._decide(action, index, primary, backup, changes, list(self._shards_now()))
 
     @guarded
-    def _decide(self, action: str, index: int, primary: str, backup: str, shards: list[str]) -> dict | None:
+    def _decide(self, action: str, index: int, primary: str, backup: str, changes: int | None,
+                shards: list[str]) -> dict | None:
         if action not in ACTIONS:
             raise InvalidArgumentError(f"a replica change is one of {', '.join(ACTIONS)}. Received: {action!r}")
         if not 0 <= index < MAX_SHARDS:
@@ -155,10 +167,12 @@ class ReplicaRegistry:
             raise ReplicaFencedError(f"ps:{index} is served by {entry['primary']} now (failover "
                                      f"{entry['failovers']}), not by {primary}: {primary} must stop serving it")
         if action == "in_sync":
-            return None if entry["backup"] == backup else {"action": action, "index": index, "backup": backup}
-        if not entry["backup"] or (backup and entry["backup"] != backup):
-            return None  # dropped already, or another backup is in sync: nothing of this one to drop
-        return {"action": action, "index": index}
+            if entry["backup"] == backup or (changes is not None and changes != entry["changes"]):
+                return None  # a repeat, or asked before a change it did not see (a DROP of that backup)
+            return {"action": action, "index": index, "backup": backup}
+        if backup and entry["backup"] and entry["backup"] != backup:
+            return None  # another backup is in sync: nothing of this one to drop
+        return {"action": action, "index": index}  # counted even where none is in sync (dropped already)
 
     def _check_lease(self, index: int, primary: str) -> None:
         """LeaseHeldError if `primary` renewed its lease of shard `index` within lease_seconds, or this arbiter
@@ -237,6 +251,7 @@ class ReplicaRegistry:
     def _apply(self, event: Mapping, shards: list[str]) -> None:
         index = int(event["index"])
         entry = self._shards.setdefault(index, dict(self._entry(index, shards)))
+        entry["changes"] += 1
         if event["action"] == "in_sync":
             entry["backup"] = event["backup"]
         elif event["action"] == "drop":
@@ -263,5 +278,5 @@ class ReplicaRegistry:
     @guarded
     def restore(self, state: Mapping | None) -> None:
         """Takes export()'s record (None: empty)."""
-        self._shards = {int(index): dict(entry) for index, entry in (state or {}).items()}
+        self._shards = {int(index): {"changes": 0, **entry} for index, entry in (state or {}).items()}
         self.changed.notify_all()

@@ -107,7 +107,7 @@ MAX_LANE_FRAME = 64 << 20  # the most bytes a frame on the lane may have (its he
 NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
 OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
 ON_LOOP = object()      # Feed.pieces: the file was read (it blocks no more)
-Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout]) -> the arbiter's record
+Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout, changes]) -> the arbiter's record
 
 
 def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
@@ -288,8 +288,8 @@ class Feed:
                 with self._cond:
                     self._queued_sends -= 1
                     self._bases_sending -= base
-        if base:
-            self._restamp()
+                    if base:  # in the same instant: pieces() never sees the base sent and the old stamps
+                        self._restamp()
 
     def _send_now(self, views: list, base: bool, head: bytes | None) -> None:
         """(Holding _sending.) A record's bytes must all leave within the ack timeout; a base's, of any size,
@@ -418,7 +418,8 @@ class Feed:
                             if self.lost is not None:
                                 return
                         self._shipped.add(files=1)
-                        self._restamp()
+                        with self._cond:
+                            self._restamp()
                         yield ON_LOOP
                     else:
                         if item[0] == "base" and not self._base_sent:
@@ -428,7 +429,8 @@ class Feed:
                                     self._frames.append(("frame", _TO_LANE))
                         yield item[1]
                         if item[0] == "base":  # the base's frames held the records behind it back
-                            self._restamp()
+                            with self._cond:
+                                self._restamp()
                     batch.popleft()
             finally:  # the stream ended (lost, cancelled) with these not sent: their store links go
                 _drop(batch)
@@ -447,11 +449,10 @@ class Feed:
             return out
 
     def _restamp(self) -> None:
-        """Counts the wait of every record not acknowledged yet from now (the file or base just sent held the
-        records queued behind it back)."""
-        with self._cond:
-            now = time.monotonic()
-            self._unacked = collections.deque((number, now) for number, _ in self._unacked)
+        """(Holding the lock.) Counts the wait of every record not acknowledged yet from now (the file or base
+        just sent held the records queued behind it back)."""
+        now = time.monotonic()
+        self._unacked = collections.deque((number, now) for number, _ in self._unacked)
 
     def acked(self, number: int, journal) -> None:
         """The backup wrote every record up to `number` (the first base's: `floor`)."""
@@ -637,12 +638,26 @@ class Replication:
         threading.Thread(target=self._tell_in_sync, args=(feed,), name="replica-in-sync", daemon=True).start()
 
     def _tell_in_sync(self, feed: Feed) -> None:
+        """Asks the arbiter to record `feed`'s backup in sync, naming the record's count of changes read after
+        the base was acknowledged and before the feed was lost (replicas.py): a DROP asked once it was lost
+        (_drop, another thread) changes the count if the arbiter decides it first, so this IN_SYNC then changes
+        nothing. Asks again while another change came between the read and the ask and the feed holds."""
         _LOGGER.info("ps %d: backup %s holds the base: telling its arbiter it is in sync", self.index, feed.address)
-        if self._ask("in_sync", feed.address, lambda: feed.lost is not None):
-            (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
-            if not self._self_arbitrated:  # its own backup is promoted by hand only
-                self._lease = (feed, None)
-                self._renew_lease(feed)
+        gone = lambda: feed.lost is not None  # noqa: E731
+        while True:
+            read = self._ask("lease", feed.address, gone)
+            if read is None or gone():  # a DROP decided before the read was asked after the loss: it is seen
+                return
+            record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
+            if record is None or record["backup"] == feed.address:
+                break
+            time.sleep(ASK_AGAIN_SECONDS)
+        if record is None:
+            return
+        (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
+        if not self._self_arbitrated:  # its own backup is promoted by hand only
+            self._lease = (feed, None)
+            self._renew_lease(feed)
 
     def _renew_lease(self, feed: Feed) -> None:
         """Renews this shard's lease at its arbiter every LEASE_EVERY_SECONDS while `feed` is attached (until the
@@ -682,7 +697,7 @@ class Replication:
         journal = self._journal()
         if self._self_arbitrated:  # it decides for itself (a one-shard job's ps 0): promoted by hand only
             journal.detach(feed)
-        if self._ask("drop", feed.address):
+        if self._ask("drop", feed.address) is not None:
             journal.detach(feed)
             _LOGGER.warning("ps %d goes on without a backup (its arbiter dropped %s)", self.index, feed.address)
 
@@ -691,22 +706,23 @@ class Replication:
         in sync, which follows this shard no more (it restarted): asks the arbiter to drop it before anything
         is acknowledged, as a lost feed's drop does. Blocks until it answers; True when granted, False when
         refused: the backup was promoted meanwhile, and this shard's journal failed (it stops)."""
-        return self._ask("drop", backup)
+        return self._ask("drop", backup) is not None
 
-    def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False) -> bool:
-        """Asks the arbiter for `action` about `backup` until it answers (True: granted), or, on no answer, until
-        gone() (False); a refusal fails the journal (this shard is fenced: it stops)."""
+    def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False, changes: int | None = None
+             ) -> dict | None:
+        """Asks the arbiter for `action` about `backup` until it answers (its record of this shard, once it
+        decided), or, on no answer, until gone() (None); a refusal fails the journal (this shard is fenced: it
+        stops; None)."""
         while True:
             try:
-                self._arbiter(action, self.index, self.me, backup)
-                return True
+                return self._arbiter(action, self.index, self.me, backup, changes=changes)
             except ReplicaFencedError as exc:
                 _LOGGER.error("ps %d is fenced: %s", self.index, exc)
                 self._journal().fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")
-                return False
+                return None
             except PSError as exc:
                 if gone():
-                    return False  # lost meanwhile: its drop settles it
+                    return None  # lost meanwhile: its drop settles it
                 _LOGGER.warning("ps %d: its arbiter did not answer %s of backup %s (%s); asking again", self.index,
                                 action, backup, exc)
                 time.sleep(ASK_AGAIN_SECONDS)

@@ -6,11 +6,15 @@ import threading
 import pytest
 import torch
 
+from torchps.proto import ps_pb2
+
 from torchps.errors import (InvalidArgumentError, LeaseHeldError, ModeConflictError, ReplicaFencedError,
                             WaitTimeoutError, ServerUnavailableError)
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replicas import ReplicaRegistry
 from torchps.ps_server.replication import Feed, Replication
+
+from helpers import wait_until
 
 SPEC = ["h:0", "h:1", "h:2"]
 
@@ -22,7 +26,8 @@ def registry_with_backup() -> ReplicaRegistry:
 
 
 def test_a_shard_never_changed_is_served_at_its_spec_address():
-    assert ReplicaRegistry(SPEC).entry(2) == {"primary": "h:2", "backup": "", "failovers": 0, "last_failover": 0.0}
+    assert ReplicaRegistry(SPEC).entry(2) == {"primary": "h:2", "backup": "", "failovers": 0, "last_failover": 0.0,
+                                              "changes": 0}
     assert ReplicaRegistry(SPEC).entries() == []
 
 
@@ -66,6 +71,45 @@ def test_malformed_changes_are_refused_and_change_nothing(action, index, primary
     with pytest.raises(InvalidArgumentError, match=match):
         registry.decide(action, index, primary, backup)
     assert registry.export() == before
+
+
+def test_an_in_sync_asked_before_a_drop_it_did_not_see_changes_nothing():
+    """A primary read the record's count of changes, then lost its backup: its DROP (another thread) reached
+    the arbiter before its IN_SYNC. The DROP is counted although nothing was in sync, so the IN_SYNC that names
+    the count read before it changes nothing: the lost backup is never recorded in sync (nor promoted)."""
+    registry = ReplicaRegistry(SPEC)
+    read = registry.entry(1)["changes"]
+    registry.apply(registry.decide("drop", 1, "h:1", "b:1"))
+    assert registry.entry(1)["changes"] == read + 1 and registry.entry(1)["backup"] == ""
+    assert registry.decide("in_sync", 1, "h:1", "b:1", changes=read) is None
+    with pytest.raises(ReplicaFencedError, match="no backup in sync"):
+        registry.decide("promote", 1, "h:1", "b:1")
+    registry.apply(registry.decide("in_sync", 1, "h:1", "b:1", changes=read + 1))  # read again: granted
+    assert registry.entry(1)["backup"] == "b:1" and registry.entry(1)["changes"] == read + 2
+    assert registry.decide("in_sync", 1, "h:1", "b:1", changes=read) is None  # a repeat: nothing more
+    assert registry.decide("in_sync", 1, "h:1", "c:1", changes=read) is None  # stale: b:1 stays in sync
+    assert registry.entry(1)["backup"] == "b:1"
+
+
+def test_every_change_is_counted_and_the_count_survives_export_restore_and_replay():
+    registry = registry_with_backup()
+    events = [registry.decide("promote", 1, "h:1", "b:1")]
+    registry.apply(events[-1])
+    events.append(registry.decide("in_sync", 1, "b:1", "h:1"))
+    registry.apply(events[-1])
+    assert registry.entry(1)["changes"] == 3
+    again = ReplicaRegistry(SPEC)
+    again.restore(registry.export())
+    assert again.entry(1) == registry.entry(1)
+    replayed = ReplicaRegistry(SPEC)
+    for event in [{"action": "in_sync", "index": 1, "backup": "b:1"}, *events]:  # the journal's order
+        replayed.apply(event)
+    assert replayed.entry(1) == registry.entry(1)
+    old = {"1": {"primary": "b:1", "backup": "", "failovers": 1, "last_failover": 5.0}}  # before counts
+    again.restore(old)
+    assert again.entry(1)["changes"] == 0
+    again.apply(again.decide("in_sync", 1, "b:1", "h:1", changes=0))
+    assert again.entry(1)["changes"] == 1
 
 
 def test_the_record_survives_export_and_restore():
@@ -115,7 +159,8 @@ def test_a_shard_a_resize_removes_is_served_nowhere_and_comes_back_as_a_new_one(
         registry.decide("promote", 2, "b:2", "c:2")
     assert registry.decide("drop", 2, "b:2", "c:2") is None
     layout.append("new:2")
-    assert registry.entry(2) == {"primary": "new:2", "backup": "", "failovers": 0, "last_failover": 0.0}
+    assert registry.entry(2) == {"primary": "new:2", "backup": "", "failovers": 0, "last_failover": 0.0,
+                                 "changes": 0}
     with pytest.raises(ReplicaFencedError, match="no backup in sync"):
         registry.decide("promote", 2, "b:2", "c:2")
 
@@ -334,4 +379,68 @@ def test_checkpoint_writes_have_one_gate_the_folder_a_promoted_shard_waits_for_a
     assert "lost its backup b:1" in replication.saving_refused()
     replication.hold_saving("the folder is held by the replaced primary")
     assert replication.saving_refused() == "the folder is held by the replaced primary"
+    journal.close()
+
+
+def _arbiter(registry: ReplicaRegistry, staged):
+    """Replication's arbiter as the coordinator makes it (decide, then apply), in process; staged(action) runs
+    first in the thread asking."""
+    def ask(action, index, primary, backup, timeout=None, changes=None):
+        staged(action)
+        if action == "lease":
+            return registry.renew(index, primary)
+        event = registry.decide(action, index, primary, backup, changes)
+        if event is not None:
+            registry.apply(event)
+        return registry.entry(index)
+    return ask
+
+
+def _join_threads(*names: str) -> None:
+    for thread in threading.enumerate():
+        if thread.name in names:
+            thread.join(10)
+            assert not thread.is_alive(), thread.name
+
+
+@pytest.mark.parametrize("staged_at", ["its first ask", "its in-sync ask", "an older feed's drop"])
+def test_a_backup_lost_as_its_primary_says_it_is_in_sync_is_never_recorded_in_sync(tmp_path, staged_at):
+    """A backup acknowledges its base: the primary's in-sync thread asks the arbiter. As it makes its first ask
+    (the record's count read), or as it asks IN_SYNC, the feed is lost and its DROP (the drop thread) is decided
+    first: the record ends with no backup in sync (one there would be promoted over every change the primary
+    then acknowledged alone), and the journal waits for the feed no more. "an older feed's drop": a DROP the
+    feed did not cause comes between the read and the IN_SYNC: the primary reads again and the backup it keeps
+    is recorded in sync."""
+    journal = Journal(tmp_path)
+    journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
+    registry = ReplicaRegistry(["h:0", "h:1"])
+    feeds, asked, dropped = [], [], threading.Event()
+
+    def staged(action: str) -> None:
+        if threading.current_thread().name == "replica-drop":
+            return
+        if threading.current_thread().name == "replica-in-sync":
+            asked.append(action)
+        first = len(asked) == 1 if staged_at == "its first ask" else asked.count("in_sync") == 1 and action == "in_sync"
+        if not first or dropped.is_set():
+            return
+        dropped.set()
+        if staged_at == "an older feed's drop":
+            registry.apply(registry.decide("drop", 1, "h:1", "b:1"))
+            return
+        feeds[0].lose("its stream broke")
+        wait_until(lambda: journal.following() is None, 10, "the lost feed's drop")
+
+    replication = Replication(1, "h:1", lambda: journal, lambda feed: journal.rotate(follower=feed),
+                              _arbiter(registry, staged), self_arbitrated=False, chunk_bytes=1024)
+    feeds.append(replication.open(ps_pb2.ReplicaHello(index=1, address="b:1")))
+    feeds[0].acked(feeds[0].floor, journal)  # its base is written: the in-sync thread asks
+    if staged_at == "an older feed's drop":
+        wait_until(lambda: registry.entry(1)["backup"] == "b:1", 10, "the backup recorded in sync")
+        assert asked.count("in_sync") == 2 and feeds[0].lost is None
+        feeds[0].lose("test over")
+    _join_threads("replica-in-sync", "replica-drop")
+    assert dropped.is_set() and registry.entry(1)["backup"] == "" and journal.following() is None, registry.entry(1)
+    with pytest.raises(ReplicaFencedError, match="no backup in sync"):
+        registry.decide("promote", 1, "h:1", "b:1")
     journal.close()

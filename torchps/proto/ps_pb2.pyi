@@ -531,21 +531,23 @@ class Layout(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ..., table_step: _Optional[_Union[Layout.TableStep, str]] = ..., replicas: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
-    __slots__ = ("index", "primary", "backup", "failovers", "last_failover_unix")
+    __slots__ = ("index", "primary", "backup", "failovers", "last_failover_unix", "changes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILOVER_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
     index: int
     primary: str
     backup: str
     failovers: int
     last_failover_unix: float
-    def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ...) -> None: ...
+    changes: int
+    def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ..., changes: _Optional[int] = ...) -> None: ...
 
 class ReplicaChange(_message.Message):
-    __slots__ = ("action", "index", "primary", "backup")
+    __slots__ = ("action", "index", "primary", "backup", "changes")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IN_SYNC: _ClassVar[ReplicaChange.Action]
@@ -560,11 +562,13 @@ class ReplicaChange(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
     action: ReplicaChange.Action
     index: int
     primary: str
     backup: str
-    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ...) -> None: ...
+    changes: int
+    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("hello", "written")
