@@ -4,7 +4,10 @@ ClientLanes learns a shard's lane port from GetStatus (0: the shard offers
 none, and the client sends inline), opens lanes to it as calls need them and
 keeps those given back in step for the next calls. A lane that broke is
 closed and the port asked again before the next one is opened; a shard whose
-lanes cannot be opened is sent to inline for NO_LANE_SECONDS.
+lanes cannot be opened is sent to inline for NO_LANE_SECONDS. All of that
+holds for the address the shard is served at: once it is served elsewhere
+(its backup was promoted), its kept lanes are closed, and its port, and
+whether it goes inline, learnt anew there.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import ssl
 import threading
 import time
+import weakref
 from typing import Callable
 
 from ..errors import LaneBrokenError
@@ -39,6 +43,8 @@ class ClientLanes:
         self._ports: dict[int, int] = {}
         self._idle: dict[int, list[Lane]] = {}
         self._inline_until: dict[int, float] = {}
+        self._at: dict[int, str] = {}  # the address the shard's port, kept lanes and inline time belong to
+        self._opened_at: weakref.WeakKeyDictionary[Lane, str] = weakref.WeakKeyDictionary()  # lane -> address
         self.opened = 0  # lanes opened so far (tests read it)
 
     def borrow(self, shard: int, nbytes: int, timeout: float) -> Lane | None:
@@ -46,13 +52,17 @@ class ClientLanes:
         offered, or none could be opened)."""
         if not self.enabled or nbytes < self.min_bytes:
             return None
+        address = self._address(shard)
         with self._lock:
-            if time.monotonic() < self._inline_until.get(shard, 0.0):
-                return None
+            stale = self._follow(shard, address)
+            inline = time.monotonic() < self._inline_until.get(shard, 0.0)
             idle = self._idle.get(shard)
-            if idle:
-                return idle.pop()
+            lane = idle.pop() if idle and not inline else None
             port = self._ports.get(shard)
+        for old in stale:
+            old.close()
+        if inline or lane is not None:
+            return lane
         try:
             if port is None:
                 port = self._lane_port(shard)
@@ -60,13 +70,24 @@ class ClientLanes:
                     self._ports[shard] = port
             if not port:
                 return None
-            lane = connect(self._address(shard).rpartition(":")[0].strip("[]"), port, timeout, self._context)
+            lane = connect(address.rpartition(":")[0].strip("[]"), port, timeout, self._context)
         except Exception as exc:  # noqa: BLE001 - no lane: the call goes inline, as it would without lanes
             self._go_inline(shard, exc)
             return None
         with self._lock:
             self.opened += 1
+            self._opened_at[lane] = address
         return lane
+
+    def _follow(self, shard: int, address: str) -> list[Lane]:
+        """(Holding the lock.) The shard is served at `address`: if that is news, what was learnt of it at the
+        old one is forgotten; returns the old one's kept lanes, to close."""
+        if self._at.get(shard) == address:
+            return []
+        self._at[shard] = address
+        self._ports.pop(shard, None)
+        self._inline_until.pop(shard, None)
+        return self._idle.pop(shard, [])
 
     def give_back(self, shard: int, lane: Lane | None, ok: bool) -> None:
         """Ends a borrow: the lane kept for the next call if `ok` and in step, else closed (and the shard's
@@ -75,20 +96,14 @@ class ClientLanes:
             return
         keep = ok and not lane.closed and lane.finished()
         with self._lock:
-            if not keep:
+            if self._opened_at.get(lane) != self._at.get(shard):  # opened where the shard was served before
+                keep = False
+            elif not keep:
                 self._ports.pop(shard, None)
             elif len(self._idle.setdefault(shard, [])) < _KEPT_PER_SHARD:
                 self._idle[shard].append(lane)
                 return
         lane.close()
-
-    def forget(self, shard: int) -> None:
-        """Closes `shard`'s idle lanes and forgets its port (the shard restarted, or left the layout)."""
-        with self._lock:
-            lanes = self._idle.pop(shard, [])
-            self._ports.pop(shard, None)
-        for lane in lanes:
-            lane.close()
 
     def close(self) -> None:
         with self._lock:
