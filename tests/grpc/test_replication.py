@@ -221,6 +221,48 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
     assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
 
 
+def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the_promoted_backup(tmp_path):
+    """ps:1's primary is killed and its backup promoted while the client calls nothing; the old primary is started
+    again on its disk at its address with a cluster spec whose ps 0 it cannot reach, so it answers GetStatus but
+    refuses every data call (UNAVAILABLE) as it waits for its arbiter. The client's next push, sent there, is
+    applied once at the promoted backup, long before the client's connect_timeout: its retries are refused at
+    once where GetStatus is answered, yet its failover watch asks ps 0 where ps:1 is served while the call
+    lasts."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    old, (nowhere,) = local.address(1), free_ports(1)
+    restarted = None
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(1)
+            wait_until(lambda: _replicas(ps)[1].primary == backup_address, 30, "the backup's promotion")
+            elsewhere = json.dumps({"ps": [f"127.0.0.1:{nowhere}", old], "worker": cluster.to_dict()["worker"]})
+            restarted = start_ps_server(["--index", "1", "--cluster", elsewhere, "--bind", old, "--checkpoint-dir",
+                                         str(tmp_path / "ck"), "--insecure", "--torch-threads", "1"],
+                                        tmp_path / "restarted.log")
+            probe = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(old))
+            wait_until(lambda: probe.GetStatus(ps_pb2.StatusRequest(), timeout=5, wait_for_ready=True), 30,
+                       "the old primary to answer behind its fence")
+            assert ps._fanout.channels.addresses[1] == old and ps._fanout.channels.relocated == 0
+            started = time.monotonic()
+            ps.push(grads)
+            assert time.monotonic() - started < 20, "the push waited at the fenced old primary"
+            assert ps._fanout.channels.addresses[1] == backup_address and ps._fanout.channels.relocated == 1
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            assert restarted.poll() is None, "the old primary waits for its arbiter"
+    finally:
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=30)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+
+
 def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving(tmp_path):
     """ps:1's backup paused, ps:1's primary killed and restarted on its disk at once: its arbiter still lists the
     paused backup in sync, so the primary has ps 0 drop it before it acknowledges a push (else the backup, later
