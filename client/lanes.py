@@ -52,8 +52,8 @@ class ClientLanes:
         offered, or none could be opened)."""
         if not self.enabled or nbytes < self.min_bytes:
             return None
-        address = self._address(shard)
-        with self._lock:
+        with self._lock:  # (read under it: a later borrow never sees an older address than an earlier one)
+            address = self._address(shard)
             stale = self._follow(shard, address)
             inline = time.monotonic() < self._inline_until.get(shard, 0.0)
             idle = self._idle.get(shard)
@@ -65,14 +65,16 @@ class ClientLanes:
             return lane
         try:
             if port is None:
-                port = self._lane_port(shard)
-                with self._lock:
+                port = self._lane_port(shard)  # (asked where the shard is served now: kept only if that is
+                with self._lock:               # still `address`)
+                    if self._address(shard) != address:
+                        return None
                     self._ports[shard] = port
             if not port:
                 return None
             lane = connect(address.rpartition(":")[0].strip("[]"), port, timeout, self._context)
         except Exception as exc:  # noqa: BLE001 - no lane: the call goes inline, as it would without lanes
-            self._go_inline(shard, exc)
+            self._go_inline(shard, address, exc)
             return None
         with self._lock:
             self.opened += 1
@@ -112,8 +114,10 @@ class ClientLanes:
         for lane in lanes:
             lane.close()
 
-    def _go_inline(self, shard: int, exc: Exception) -> None:
+    def _go_inline(self, shard: int, address: str, exc: Exception) -> None:
         with self._lock:
+            if self._at.get(shard) != address:  # served elsewhere by now: nothing is known of it there yet
+                return
             self._inline_until[shard] = time.monotonic() + NO_LANE_SECONDS
             self._ports.pop(shard, None)
         _LOGGER.info("no bulk lane to shard %d (%s): its calls go inline for %g s", shard,

@@ -46,8 +46,8 @@ when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
 written.
 
-A primary whose folder says it had a backup (`REPLICATED`: a backup's copy
-says so too) asks its arbiter at its start who serves its shard
+A primary whose folder says a backup of it held its base once (`REPLICATED`:
+a backup's copy says so too) asks its arbiter at its start who serves its shard
 (`confirm_role`), answering only status and the layout meanwhile: another
 address, it becomes that one's backup (its folder is replaced by the new
 primary's copy).

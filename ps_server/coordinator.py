@@ -371,13 +371,19 @@ class Coordinator:
         layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
         for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
         request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
-        (ReplicaRegistry.decide). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not
+        (ReplicaRegistry.decide). A "lease" with `changes` (any value) is a read of that count: it waits until
+        every change recorded so far is in the journal (written by ps 0's backup too). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not
         journaled, never blocks)."""
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
-        if action == "lease":
+        if action == "lease" and changes is None:
             return self.replicas.renew(index, primary)
+        if action == "lease":  # a read of the count an IN_SYNC will name: of changes that outlive this arbiter
+            with self.recorder.ordering:  # every change applied so far is logged too (both hold it)
+                entry = self.replicas.renew(index, primary)
+            self.recorder.durable_all(timeout)
+            return entry
         if action == "promote" and index == self._index:
             raise ModeConflictError(f"ps:{index}'s backup takes over by hand (start ps-server --index {index} on its "
                                     f"journal folder at its address): no shard but it can grant its failover")

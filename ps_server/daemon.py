@@ -351,9 +351,10 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 stop.set()
                 return
             # Its backup in sync before it stopped holds no change it acknowledges from now on: dropped first, or
-            # (promoted meanwhile) this shard is fenced and stops.
+            # (promoted meanwhile) this shard is fenced and stops. Dropped with none in sync too: an IN_SYNC it
+            # asked before it stopped, should the arbiter decide it late, then changes nothing (replicas.py).
             fence.confirmed()
-            if record[1] and not server.replication.drop_stale(record[1]):
+            if not server.replication.drop_stale(record[1]):
                 return
             if not stop.is_set():
                 _LOGGER.info("ps %d: its arbiter confirms it serves ps:%d", index, index)

@@ -91,6 +91,9 @@ class ReplicaRegistry:
         self.changed = WatchedCondition(self._lock, level=lambda: 0)  # notified at every change of the record
         self.lease_seconds, self._clock = lease_seconds, clock
         self._renewed: dict[int, float] = {}  # index -> when its recorded primary last renewed its lease
+        # index -> the count of changes a record a resize removed had, plus one: a new record there goes on from
+        # it (made again as the journal is replayed; not in export(), so not past a base or checkpoint)
+        self._left_changes: dict[int, int] = {}
         self._hearing_since = self._ticked = clock()  # leases heard from then on; run_clock's last look
         self._closed = threading.Event()
 
@@ -126,7 +129,8 @@ class ReplicaRegistry:
         found = self._shards.get(index)
         if found is not None:
             return found
-        return {"primary": shards[index], "backup": "", "failovers": 0, "last_failover": 0.0, "changes": 0}
+        return {"primary": shards[index], "backup": "", "failovers": 0, "last_failover": 0.0,
+                "changes": self._left_changes.get(index, 0)}
 
     def decide(self, action: str, index: int, primary: str, backup: str, changes: int | None = None
                ) -> dict | None:
@@ -251,6 +255,7 @@ class ReplicaRegistry:
     def _apply(self, event: Mapping, shards: list[str]) -> None:
         index = int(event["index"])
         entry = self._shards.setdefault(index, dict(self._entry(index, shards)))
+        self._left_changes.pop(index, None)
         entry["changes"] += 1
         if event["action"] == "in_sync":
             entry["backup"] = event["backup"]
@@ -264,9 +269,10 @@ class ReplicaRegistry:
     @guarded
     def left(self, count: int) -> None:
         """A layout epoch of `count` shards was taken: the record of every shard past them is dropped (a resize
-        removed them; one that adds such an index again adds a new shard, served at its new address)."""
+        removed them; one that adds such an index again adds a new shard, served at its new address). Its count
+        of changes goes on from where it was (an IN_SYNC its last primary asked, decided late, changes nothing)."""
         for index in [index for index in self._shards if index >= count]:
-            del self._shards[index]
+            self._left_changes[index] = self._shards.pop(index)["changes"] + 1
             self._renewed.pop(index, None)
         self.changed.notify_all()
 

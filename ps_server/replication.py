@@ -91,7 +91,7 @@ __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOU
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
-REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup was in sync with it once
+REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup of it held its base once
 ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
 LEASE_EVERY_SECONDS = 0.05  # a primary with a backup in sync renews its lease at its arbiter this often
@@ -638,40 +638,51 @@ class Replication:
         threading.Thread(target=self._tell_in_sync, args=(feed,), name="replica-in-sync", daemon=True).start()
 
     def _tell_in_sync(self, feed: Feed) -> None:
-        """Asks the arbiter to record `feed`'s backup in sync, naming the record's count of changes read after
-        the base was acknowledged and before the feed was lost (replicas.py): a DROP asked once it was lost
-        (_drop, another thread) changes the count if the arbiter decides it first, so this IN_SYNC then changes
-        nothing. Asks again while another change came between the read and the ask and the feed holds."""
+        """(A thread's body, once `feed`'s backup wrote its base.) Has the arbiter record the backup in sync
+        (_record_in_sync), then renews this shard's lease while the feed is followed (_renew_lease); should
+        the record lose the backup meanwhile (a DROP its last feed asked, decided late), records it again."""
         _LOGGER.info("ps %d: backup %s holds the base: telling its arbiter it is in sync", self.index, feed.address)
-        gone = lambda: feed.lost is not None  # noqa: E731
-        while True:
-            read = self._ask("lease", feed.address, gone)
-            if read is None or gone():  # a DROP decided before the read was asked after the loss: it is seen
-                return
-            record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
-            if record is None or record["backup"] == feed.address:
-                break
-            time.sleep(ASK_AGAIN_SECONDS)
-        if record is None:
-            return
-        (self._journal().directory / REPLICATED).touch()  # a restart asks the arbiter who serves this shard first
-        if not self._self_arbitrated:  # its own backup is promoted by hand only
+        while self._record_in_sync(feed) and not self._self_arbitrated:  # (its own backup: promoted by hand)
             self._lease = (feed, None)
-            self._renew_lease(feed)
+            if not self._renew_lease(feed):
+                return
+            _LOGGER.warning("ps %d: its arbiter's record lost backup %s, which follows it: telling it again",
+                            self.index, feed.address)
 
-    def _renew_lease(self, feed: Feed) -> None:
+    def _record_in_sync(self, feed: Feed) -> bool:
+        """Asks IN_SYNC naming the record's count of changes, read once every change it counts is durable and
+        before the feed was lost (replicas.py): a DROP asked once it was lost (_drop, another thread) changes
+        the count if the arbiter decides it first, so the IN_SYNC then changes nothing. Asks again while
+        another change came between the read and the ask and the feed holds. True once recorded."""
+        (self._journal().directory / REPLICATED).touch()  # from now on a restart drops whatever the record
+        gone = lambda: feed.lost is not None  # noqa: E731   # names first (an IN_SYNC asked now may be late)
+        while True:
+            read = self._ask("lease", feed.address, gone, changes=0)  # (a read: `changes` set)
+            if read is None or gone():  # a DROP decided before the read was asked after the loss: it is seen
+                return False
+            record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
+            if record is None:
+                return False
+            if record["backup"] == feed.address:
+                return True
+            time.sleep(ASK_AGAIN_SECONDS)
+
+    def _renew_lease(self, feed: Feed) -> bool:
         """Renews this shard's lease at its arbiter every LEASE_EVERY_SECONDS while `feed` is attached (until the
         arbiter dropped it): its backup is promoted only once renewals stopped for the arbiter's window. A
         renewal that fails is not asked again (the next one is due); a refusal (the record names another
-        primary) fails the journal: this shard stops, as when a DROP is refused."""
+        primary) fails the journal: this shard stops, as when a DROP is refused. True if a renewal found the
+        record naming no backup, or another, while the feed is followed and not lost (it is recorded again)."""
         due = heard = time.monotonic()
         while True:
             journal = self._journal()
             if journal is None or journal.following() is not feed:
-                return
+                return False
             sent = time.monotonic()
             try:
-                self._arbiter("lease", self.index, self.me, feed.address, timeout=LEASE_CALL_SECONDS)
+                record = self._arbiter("lease", self.index, self.me, feed.address, timeout=LEASE_CALL_SECONDS)
+                if record["backup"] != feed.address and feed.lost is None and journal.following() is feed:
+                    return True
                 self._lease = (feed, sent)
                 now = time.monotonic()
                 if now - heard > LATE_RENEWAL_SECONDS:
@@ -681,7 +692,7 @@ class Replication:
             except ReplicaFencedError as exc:
                 _LOGGER.error("ps %d is fenced: %s", self.index, exc)
                 journal.fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")
-                return
+                return False
             except PSError:
                 pass  # the arbiter did not hear it: the next renewal is due
             due = max(due + LEASE_EVERY_SECONDS, time.monotonic())
@@ -702,10 +713,12 @@ class Replication:
             _LOGGER.warning("ps %d goes on without a backup (its arbiter dropped %s)", self.index, feed.address)
 
     def drop_stale(self, backup: str) -> bool:
-        """(At start, once the arbiter confirmed this shard serves its shard.) The arbiter's record lists `backup`
-        in sync, which follows this shard no more (it restarted): asks the arbiter to drop it before anything
-        is acknowledged, as a lost feed's drop does. Blocks until it answers; True when granted, False when
-        refused: the backup was promoted meanwhile, and this shard's journal failed (it stops)."""
+        """(At start, once the arbiter confirmed this shard serves its shard.) No backup follows this shard (it
+        restarted): asks the arbiter to drop `backup`, the one its record lists in sync ("": none), before
+        anything is acknowledged, as a lost feed's drop does; the DROP counts as a change even with none in
+        sync, so an IN_SYNC the shard asked before it stopped, decided late, changes nothing. Blocks until it
+        answers; True when granted, False when refused: the backup was promoted meanwhile, and this shard's
+        journal failed (it stops)."""
         return self._ask("drop", backup) is not None
 
     def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False, changes: int | None = None

@@ -263,6 +263,34 @@ def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the
         local.stop()
 
 
+def test_a_primary_restarted_with_no_backup_in_sync_drops_none_before_serving_so_a_late_in_sync_changes_nothing(
+        tmp_path):
+    """ps:1's backup is stopped and dropped, then ps:1 is killed and started on its disk: before it serves it asks
+    ps 0 to drop whatever backup the record names, none, which counts as a change, so an IN_SYNC it asked
+    before it stopped (naming the count then), decided late, leaves the record without a backup."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            backup.terminate()
+            backup.wait(timeout=30)
+            wait_until(lambda: _replicas(ps)[1].backup == "", 30, "ps:1's lost backup dropped")
+            before = _replicas(ps)[1].changes
+            local.kill_ps(1)
+            local.start_ps(1)
+            wait_until(lambda: _replicas(ps)[1].changes == before + 1, 30, "the restarted primary's DROP")
+            ps.push({n: torch.ones(s) for n, s in SHAPES.items()})
+            late = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.IN_SYNC, index=1, primary=cluster.ps[1],
+                                        backup=backup_address, changes=before)
+            entry = ps._fanout.call(0, lambda stub, t: stub.SetReplica(late, timeout=t), 10)
+            assert (entry.backup, entry.changes) == ("", before + 1)
+    finally:
+        if backup.poll() is None:
+            backup.terminate()
+            backup.wait(timeout=30)
+        local.stop()
+
+
 def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving(tmp_path):
     """ps:1's backup paused, ps:1's primary killed and restarted on its disk at once: its arbiter still lists the
     paused backup in sync, so the primary has ps 0 drop it before it acknowledges a push (else the backup, later

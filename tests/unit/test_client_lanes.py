@@ -3,6 +3,7 @@ its lane port, a spell of inline calls) belongs to the address the shard is serv
 shard is served elsewhere (its backup was promoted)."""
 
 import socket
+import threading
 
 import pytest
 
@@ -55,4 +56,34 @@ def test_a_shard_sent_inline_where_its_lanes_failed_gets_lanes_again_at_its_new_
     lane = lanes.borrow(0, MIB, 10)
     assert lane is not None and lanes.opened == 1
     lanes.give_back(0, lane, ok=True)
+    lanes.close()
+
+
+def test_a_lane_asked_at_the_old_address_as_the_shard_moves_sends_nothing_at_the_new_one_inline(servers):
+    """A call asks the shard's lane port at its old address; meanwhile the shard is served elsewhere and another
+    call opens a lane there. What the first learns (a port, a failure to connect) belongs to the old address:
+    the next call still gets the new address's lane, never an inline spell."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        closed = unused.getsockname()[1]
+    where, asked, release, first = {"address": "127.0.0.1:1001"}, threading.Event(), threading.Event(), []
+
+    def lane_port(shard: int) -> int:
+        if where["address"] == "127.0.0.1:1001":
+            asked.set()
+            release.wait(10)
+            return closed
+        return servers[1].port
+
+    lanes = ClientLanes(lambda shard: where["address"], lane_port)
+    asking = threading.Thread(target=lambda: first.append(lanes.borrow(0, MIB, 10)))
+    asking.start()
+    assert asked.wait(10)
+    where["address"] = "127.0.0.1:1002"  # the shard's backup was promoted
+    moved = lanes.borrow(0, MIB, 10)
+    release.set()
+    asking.join(10)
+    assert first == [None] and moved is not None
+    lanes.give_back(0, moved, ok=True)
+    assert lanes.borrow(0, MIB, 10) is moved
     lanes.close()

@@ -158,9 +158,12 @@ def test_a_shard_a_resize_removes_is_served_nowhere_and_comes_back_as_a_new_one(
     with pytest.raises(ReplicaFencedError, match="not in the job's layout of 2 shards.*c:2 must stop"):
         registry.decide("promote", 2, "b:2", "c:2")
     assert registry.decide("drop", 2, "b:2", "c:2") is None
-    layout.append("new:2")
-    assert registry.entry(2) == {"primary": "new:2", "backup": "", "failovers": 0, "last_failover": 0.0,
-                                 "changes": 0}
+    layout.append("b:2")  # added again where its last primary served: a new shard whose count goes on
+    assert registry.entry(2) == {"primary": "b:2", "backup": "", "failovers": 0, "last_failover": 0.0,
+                                 "changes": 4}
+    assert registry.decide("in_sync", 2, "b:2", "c:2", changes=3) is None  # its last primary's, decided late
+    layout[2] = "new:2"
+    assert registry.entry(2)["primary"] == "new:2"
     with pytest.raises(ReplicaFencedError, match="no backup in sync"):
         registry.decide("promote", 2, "b:2", "c:2")
 
@@ -443,4 +446,60 @@ def test_a_backup_lost_as_its_primary_says_it_is_in_sync_is_never_recorded_in_sy
     assert dropped.is_set() and registry.entry(1)["backup"] == "" and journal.following() is None, registry.entry(1)
     with pytest.raises(ReplicaFencedError, match="no backup in sync"):
         registry.decide("promote", 1, "h:1", "b:1")
+    journal.close()
+
+
+def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_path):
+    """The arbiter's coordinator, its journal followed by a backup that has not acknowledged: a DROP is
+    counted at once but waits for its record; a plain lease answers at once, a read of the count (a lease
+    naming `changes`) only once the change it counts is durable (an arbiter that takes over from this one has
+    it too), so an IN_SYNC never names a count the next arbiter could reach again with another change."""
+    from torchps.ps_server.coordinator import Coordinator
+    from torchps.ps_server.store import VariableStore
+
+    coordinator = Coordinator(VariableStore(), owns_step=True, index=0, addresses=SPEC, failover_after=0.3)
+    journal = Journal(tmp_path / "j")
+    journal.start({"step": 0})
+    coordinator.attach_journal(journal)
+    follower = _Follower()
+    journal.rotate(follower=follower)
+    try:
+        dropped = threading.Thread(target=coordinator.set_replica, args=("drop", 1, "h:1", "b:1", 30.0))
+        dropped.start()
+        wait_until(lambda: coordinator.replicas.entry(1)["changes"] == 1, 10, "the DROP counted")
+        assert coordinator.set_replica("lease", 1, "h:1", "")["changes"] == 1  # a renewal: never waits
+        with pytest.raises(WaitTimeoutError, match="not written by the backup b:1"):
+            coordinator.set_replica("lease", 1, "h:1", "", timeout=0.2, changes=0)
+        read = []
+        reading = threading.Thread(target=lambda: read.append(
+            coordinator.set_replica("lease", 1, "h:1", "", timeout=30, changes=0)))
+        reading.start()
+        assert dropped.is_alive() and reading.is_alive()
+        journal.detach(follower)  # ps 0's backup dropped: its journal's own write is durable enough
+        dropped.join(10)
+        reading.join(10)
+        assert not dropped.is_alive() and read[0]["changes"] == 1
+    finally:
+        coordinator.close()
+        journal.close()
+
+
+def test_a_backup_the_record_lost_while_its_primary_follows_is_recorded_in_sync_again(tmp_path):
+    """A DROP of the same backup that an earlier feed asked, decided only after this feed's IN_SYNC, leaves the
+    record without the backup the primary follows (no failover could promote it): the primary's next lease
+    renewal sees it and records the backup in sync again."""
+    journal = Journal(tmp_path)
+    journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
+    registry = ReplicaRegistry(["h:0", "h:1"])
+    replication = Replication(1, "h:1", lambda: journal, lambda feed: journal.rotate(follower=feed),
+                              _arbiter(registry, lambda action: None), self_arbitrated=False, chunk_bytes=1024)
+    feed = replication.open(ps_pb2.ReplicaHello(index=1, address="b:1"))
+    feed.acked(feed.floor, journal)
+    wait_until(lambda: registry.entry(1)["backup"] == "b:1", 10, "the backup recorded in sync")
+    registry.apply(registry.decide("drop", 1, "h:1", "b:1"))  # an earlier feed's DROP, decided late
+    wait_until(lambda: registry.entry(1)["backup"] == "b:1" and registry.entry(1)["changes"] == 3, 10,
+               "the backup recorded in sync again")
+    feed.lose("test over")
+    _join_threads("replica-in-sync", "replica-drop")
+    assert registry.entry(1)["backup"] == "" and registry.entry(1)["changes"] == 4
     journal.close()
