@@ -371,9 +371,9 @@ class Coordinator:
         layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
         for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
         request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
-        (ReplicaRegistry.decide). A "lease" with `changes` (any value) is a read of that count: it waits until
-        every change recorded so far is in the journal (written by ps 0's backup too). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not
-        journaled, never blocks)."""
+        (ReplicaRegistry.decide). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not journaled,
+        never blocks); one with `changes` (any value) is a read of the record's count too: it waits until
+        every change recorded so far is in the journal (written by ps 0's backup too)."""
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")

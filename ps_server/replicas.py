@@ -19,10 +19,14 @@ Each change is counted in the shard's record (`changes`). A primary reads
 the count once its backup holds the base, then asks IN_SYNC naming it: the
 IN_SYNC changes nothing if anything changed since. The primary's DROP of a
 backup it lost is asked by another thread and may reach the arbiter first;
-it counts as a change even where the record names no backup yet, so an
+it names the count the IN_SYNC names, and counts as a change where the
+record names no backup yet if that count is still the record's, so an
 IN_SYNC asked before it can never put the lost backup back on the record
 (whose promotion would then lose every change the primary acknowledged
-alone).
+alone). Its retries find the count moved on: they change nothing and wait
+for no journal record (ps 0 and ps 1, each the other's arbiter, would
+otherwise wait on each other's drops for good when both lose their
+backups).
 
 A primary with a backup in sync renews its lease here (`renew`, every
 replication.LEASE_EVERY_SECONDS; never journaled): a PROMOTE is refused
@@ -74,6 +78,7 @@ __all__ = ["ReplicaRegistry", "ACTIONS"]
 
 ACTIONS = ("in_sync", "drop", "promote")  # ps.proto's ReplicaChange.Action, in order (LEASE is renew())
 MAX_ADDRESS_CHARS = 1024
+LEFT_KEY = "left_changes"  # export()'s counts of the records a resize removed
 CLOCK_TICKS = 10  # run_clock looks at its own progress this often per lease
 
 
@@ -92,7 +97,7 @@ class ReplicaRegistry:
         self.lease_seconds, self._clock = lease_seconds, clock
         self._renewed: dict[int, float] = {}  # index -> when its recorded primary last renewed its lease
         # index -> the count of changes a record a resize removed had, plus one: a new record there goes on from
-        # it (made again as the journal is replayed; not in export(), so not past a base or checkpoint)
+        # it (in export(), as LEFT_KEY)
         self._left_changes: dict[int, int] = {}
         self._hearing_since = self._ticked = clock()  # leases heard from then on; run_clock's last look
         self._closed = threading.Event()
@@ -136,8 +141,10 @@ class ReplicaRegistry:
                ) -> dict | None:
         """The event that makes `action` (ACTIONS) of shard `index`, None if the record says so already (a
         repeat, or a DROP of a shard past the layout's), or for an IN_SYNC whose `changes` (the record's count
-        as its primary read it; None: not checked) is not the record's now. InvalidArgumentError for a malformed request;
-        ReplicaFencedError when the record names another primary than `primary` (for PROMOTE, another backup
+        as its primary read it; None: not checked) is not the record's now. A DROP where no backup is in sync
+        is an event (counted) only if its `changes` is the record's count now (an IN_SYNC naming it may be on
+        its way; a retry then finds the count moved on and waits for nothing). InvalidArgumentError for a
+        malformed request; ReplicaFencedError when the record names another primary than `primary` (for PROMOTE, another backup
         than `backup`, or none: a shard past the layout's): the caller must stop serving shard `index`;
         ModeConflictError for IN_SYNC of a shard past the layout's (asked again once an epoch names it).
         Changes nothing: apply() the event."""
@@ -176,7 +183,9 @@ class ReplicaRegistry:
             return {"action": action, "index": index, "backup": backup}
         if backup and entry["backup"] and entry["backup"] != backup:
             return None  # another backup is in sync: nothing of this one to drop
-        return {"action": action, "index": index}  # counted even where none is in sync (dropped already)
+        if entry["backup"] or (changes is not None and changes == entry["changes"]):
+            return {"action": action, "index": index}  # (none in sync: counted, an IN_SYNC naming it refused)
+        return None  # dropped already, or changed since the count it names: a repeat, which waits for nothing
 
     def _check_lease(self, index: int, primary: str) -> None:
         """LeaseHeldError if `primary` renewed its lease of shard `index` within lease_seconds, or this arbiter
@@ -278,11 +287,17 @@ class ReplicaRegistry:
 
     @guarded
     def export(self) -> dict:
-        """The whole record, for a journal base or a checkpoint (restore() takes it)."""
-        return {str(index): dict(entry) for index, entry in self._shards.items()}
+        """The whole record, for a journal base or a checkpoint (restore() takes it): {str(index): record}, and
+        the counts of records a resize removed under LEFT_KEY."""
+        record: dict = {str(index): dict(entry) for index, entry in self._shards.items()}
+        if self._left_changes:
+            record[LEFT_KEY] = {str(index): count for index, count in self._left_changes.items()}
+        return record
 
     @guarded
     def restore(self, state: Mapping | None) -> None:
-        """Takes export()'s record (None: empty)."""
-        self._shards = {int(index): {"changes": 0, **entry} for index, entry in (state or {}).items()}
+        """Takes export()'s record (None: empty; one written before changes were counted: counts from 0)."""
+        state = dict(state or {})
+        self._left_changes = {int(index): int(count) for index, count in state.pop(LEFT_KEY, {}).items()}
+        self._shards = {int(index): {"changes": 0, **entry} for index, entry in state.items()}
         self.changed.notify_all()

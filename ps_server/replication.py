@@ -225,6 +225,9 @@ class Feed:
         self._acked = 0
         self._heard = False              # an ack came
         self.lost: str | None = None     # why the feed ended, once it did
+        # The arbiter's count of changes the last IN_SYNC of it names (Replication._record_in_sync), set before
+        # that IN_SYNC is asked: its DROP names it (replicas.py). None: none was asked.
+        self.read_changes: int | None = None
         # Called (outside its lock) once something was queued, or the feed lost: see pieces.
         self.on_queued: Callable[[], None] = _nothing
 
@@ -654,12 +657,15 @@ class Replication:
         before the feed was lost (replicas.py): a DROP asked once it was lost (_drop, another thread) changes
         the count if the arbiter decides it first, so the IN_SYNC then changes nothing. Asks again while
         another change came between the read and the ask and the feed holds. True once recorded."""
-        (self._journal().directory / REPLICATED).touch()  # from now on a restart drops whatever the record
-        gone = lambda: feed.lost is not None  # noqa: E731   # names first (an IN_SYNC asked now may be late)
+        gone = lambda: feed.lost is not None  # noqa: E731
         while True:
             read = self._ask("lease", feed.address, gone, changes=0)  # (a read: `changes` set)
-            if read is None or gone():  # a DROP decided before the read was asked after the loss: it is seen
+            if read is None:
                 return False
+            feed.read_changes = read["changes"]  # before gone(): a drop that does not see it sees the loss here
+            (self._journal().directory / REPLICATED).touch()  # from now on a restart drops whatever the record
+            if gone():  # a DROP decided before the read was asked   # names first (this IN_SYNC may be late)
+                return False                                           # after the loss: it is seen
             record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
             if record is None:
                 return False
@@ -681,7 +687,8 @@ class Replication:
             sent = time.monotonic()
             try:
                 record = self._arbiter("lease", self.index, self.me, feed.address, timeout=LEASE_CALL_SECONDS)
-                if record["backup"] != feed.address and feed.lost is None and journal.following() is feed:
+                if record["primary"] == self.me and record["backup"] != feed.address and feed.lost is None \
+                        and journal.following() is feed:  # (no primary: a resize removed this shard)
                     return True
                 self._lease = (feed, sent)
                 now = time.monotonic()
@@ -708,18 +715,20 @@ class Replication:
         journal = self._journal()
         if self._self_arbitrated:  # it decides for itself (a one-shard job's ps 0): promoted by hand only
             journal.detach(feed)
-        if self._ask("drop", feed.address) is not None:
+        if self._ask("drop", feed.address, changes=feed.read_changes) is not None:
             journal.detach(feed)
             _LOGGER.warning("ps %d goes on without a backup (its arbiter dropped %s)", self.index, feed.address)
 
     def drop_stale(self, backup: str) -> bool:
         """(At start, once the arbiter confirmed this shard serves its shard.) No backup follows this shard (it
         restarted): asks the arbiter to drop `backup`, the one its record lists in sync ("": none), before
-        anything is acknowledged, as a lost feed's drop does; the DROP counts as a change even with none in
-        sync, so an IN_SYNC the shard asked before it stopped, decided late, changes nothing. Blocks until it
+        anything is acknowledged, as a lost feed's drop does; it names the count read first, so it counts as a
+        change even with none in sync and an IN_SYNC the shard asked before it stopped, decided late, changes
+        nothing. Blocks until it
         answers; True when granted, False when refused: the backup was promoted meanwhile, and this shard's
         journal failed (it stops)."""
-        return self._ask("drop", backup) is not None
+        read = self._ask("lease", backup, changes=0)
+        return read is not None and self._ask("drop", backup, changes=read["changes"]) is not None
 
     def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False, changes: int | None = None
              ) -> dict | None:

@@ -74,13 +74,16 @@ def test_malformed_changes_are_refused_and_change_nothing(action, index, primary
 
 
 def test_an_in_sync_asked_before_a_drop_it_did_not_see_changes_nothing():
-    """A primary read the record's count of changes, then lost its backup: its DROP (another thread) reached
-    the arbiter before its IN_SYNC. The DROP is counted although nothing was in sync, so the IN_SYNC that names
-    the count read before it changes nothing: the lost backup is never recorded in sync (nor promoted)."""
+    """A primary read the record's count of changes, then lost its backup: its DROP (another thread), naming
+    the count, reached the arbiter before its IN_SYNC. The DROP is counted although nothing was in sync, so the
+    IN_SYNC that names the count read before it changes nothing: the lost backup is never recorded in sync (nor
+    promoted). A retry of that DROP, or one naming no count, changes nothing."""
     registry = ReplicaRegistry(SPEC)
     read = registry.entry(1)["changes"]
-    registry.apply(registry.decide("drop", 1, "h:1", "b:1"))
+    registry.apply(registry.decide("drop", 1, "h:1", "b:1", changes=read))
     assert registry.entry(1)["changes"] == read + 1 and registry.entry(1)["backup"] == ""
+    assert registry.decide("drop", 1, "h:1", "b:1", changes=read) is None  # its retry: waits for nothing
+    assert registry.decide("drop", 1, "h:1", "b:1") is None
     assert registry.decide("in_sync", 1, "h:1", "b:1", changes=read) is None
     with pytest.raises(ReplicaFencedError, match="no backup in sync"):
         registry.decide("promote", 1, "h:1", "b:1")
@@ -89,6 +92,19 @@ def test_an_in_sync_asked_before_a_drop_it_did_not_see_changes_nothing():
     assert registry.decide("in_sync", 1, "h:1", "b:1", changes=read) is None  # a repeat: nothing more
     assert registry.decide("in_sync", 1, "h:1", "c:1", changes=read) is None  # stale: b:1 stays in sync
     assert registry.entry(1)["backup"] == "b:1"
+
+
+def test_the_counts_of_records_a_resize_removed_survive_export_and_restore():
+    layout = ["h:0", "h:1", "h:2"]
+    registry = ReplicaRegistry(lambda: layout)
+    registry.apply(registry.decide("in_sync", 2, "h:2", "b:2"))
+    del layout[2]
+    registry.left(2)
+    again = ReplicaRegistry(lambda: layout)
+    again.restore(registry.export())
+    layout.append("h:2")
+    assert again.entry(2)["changes"] == registry.entry(2)["changes"] == 2
+    assert again.decide("in_sync", 2, "h:2", "b:2", changes=1) is None  # asked before the removal, decided late
 
 
 def test_every_change_is_counted_and_the_count_survives_export_restore_and_replay():
@@ -429,7 +445,7 @@ def test_a_backup_lost_as_its_primary_says_it_is_in_sync_is_never_recorded_in_sy
             return
         dropped.set()
         if staged_at == "an older feed's drop":
-            registry.apply(registry.decide("drop", 1, "h:1", "b:1"))
+            registry.apply(registry.decide("drop", 1, "h:1", "b:1", changes=registry.entry(1)["changes"]))
             return
         feeds[0].lose("its stream broke")
         wait_until(lambda: journal.following() is None, 10, "the lost feed's drop")
@@ -464,7 +480,7 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
     follower = _Follower()
     journal.rotate(follower=follower)
     try:
-        dropped = threading.Thread(target=coordinator.set_replica, args=("drop", 1, "h:1", "b:1", 30.0))
+        dropped = threading.Thread(target=coordinator.set_replica, args=("drop", 1, "h:1", "b:1", 30.0, 0))
         dropped.start()
         wait_until(lambda: coordinator.replicas.entry(1)["changes"] == 1, 10, "the DROP counted")
         assert coordinator.set_replica("lease", 1, "h:1", "")["changes"] == 1  # a renewal: never waits
@@ -479,7 +495,12 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
         dropped.join(10)
         reading.join(10)
         assert not dropped.is_alive() and read[0]["changes"] == 1
-    finally:
+        journal.rotate(follower=_Follower())  # followed again, never acknowledged
+        with pytest.raises(WaitTimeoutError):  # counted (an IN_SYNC naming 1 may be on its way): it waits
+            coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)
+        entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)  # its retry: at once
+        assert entry["changes"] == 2  # (ps 0 and ps 1, each waiting on the other's drop, would otherwise retry
+    finally:                          # into a wait each, for good)
         coordinator.close()
         journal.close()
 
