@@ -144,8 +144,9 @@ class ReplicaRegistry:
         as its primary read it; None: not checked) is not the record's now. A DROP where no backup is in sync
         is an event (counted) only if its `changes` is the record's count now (an IN_SYNC naming it may be on
         its way; a retry then finds the count moved on and waits for nothing). InvalidArgumentError for a
-        malformed request; ReplicaFencedError when the record names another primary than `primary` (for PROMOTE, another backup
-        than `backup`, or none: a shard past the layout's): the caller must stop serving shard `index`;
+        malformed request; ReplicaFencedError when the record names another primary than `primary` (for
+        PROMOTE, another backup than `backup`, or none: a shard past the layout's): the caller must stop serving
+        shard `index`;
         ModeConflictError for IN_SYNC of a shard past the layout's (asked again once an epoch names it).
         Changes nothing: apply() the event."""
         return self._decide(action, index, primary, backup, changes, list(self._shards_now()))

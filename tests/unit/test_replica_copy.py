@@ -323,7 +323,7 @@ def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(
     primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
     asked = []
     replication = Replication(1, "p:1", lambda: primary, lambda feed: primary.rotate(follower=feed),
-                              lambda action, index, me, backup, timeout=None, changes=None: asked.append((action, backup)) or {},
+                              lambda action, index, me, backup, **_: asked.append((action, backup)) or {},
                               self_arbitrated=False, chunk_bytes=1 << 20)
     first = replication.open(ps_pb2.ReplicaHello(index=1, address="b:1"))
     with pytest.raises(ModeConflictError, match="one at a time"):
