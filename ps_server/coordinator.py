@@ -395,7 +395,13 @@ class Coordinator:
             if event is not None:
                 self.replicas.apply(event)
                 ticket = self.recorder.log("replica", event)
-        self.recorder.durable(ticket, timeout)
+        # A repeat answers what was decided before once that is as durable as its own record would be: past a
+        # backup of this arbiter's that was lost (ps 0 and ps 1, each the other's arbiter, both losing theirs,
+        # would otherwise wait on each other's drops for good: each one's first attempt waits, its retry not).
+        if ticket is not None:
+            self.recorder.durable(ticket, timeout)
+        else:
+            self.recorder.durable_all(timeout, past_lost=True)
         if event is not None:
             _LOGGER.info("ps 0 records ps:%d: %s", index, event)
         return self.replicas.entry(index)

@@ -378,14 +378,15 @@ class Journal:
             self._check()
         return number
 
-    def wait(self, number: int | None = None, timeout: float | None = None) -> None:
+    def wait(self, number: int | None = None, timeout: float | None = None, past_lost: bool = False) -> None:
         """Blocks until record `number` (None: every record appended so far) is written (synced, with `sync`),
-        and, while a backup follows (attach), written by it too. ServerUnavailableError if the journal failed
-        first, WaitTimeoutError after `timeout` s."""
+        and, while a backup follows (attach), written by it too; with `past_lost`, not by a backup that was lost
+        (its `lost` set, follower_lost() called) and is not detached yet. ServerUnavailableError if the journal
+        failed first, WaitTimeoutError after `timeout` s."""
         with self._cond:
             number = self._appended if number is None else number
-            self._cond.wait_for(lambda: self._holds(number) or self._failed is not None, timeout)
-            if self._holds(number):
+            self._cond.wait_for(lambda: self._holds(number, past_lost) or self._failed is not None, timeout)
+            if self._holds(number, past_lost):
                 return
             self._check()
             if self._written >= number:
@@ -393,8 +394,9 @@ class Journal:
                                        f"{self._follower.address} within {timeout} s")
             raise WaitTimeoutError(f"journal {self.directory}: record {number} was not written within {timeout} s")
 
-    def _holds(self, number: int) -> bool:
-        return self._written >= number and (self._follower is None or self._acked >= number)
+    def _holds(self, number: int, past_lost: bool = False) -> bool:
+        return self._written >= number and (self._follower is None or self._acked >= number or (
+            past_lost and getattr(self._follower, "lost", None) is not None))
 
     def wants_compaction(self) -> bool:
         with self._cond:
@@ -489,6 +491,12 @@ class Journal:
         with self._cond:
             if self._follower is follower:
                 self._acked = max(self._acked, number)
+                self._cond.notify_all()
+
+    def follower_lost(self, follower) -> None:
+        """`follower` was lost (its `lost` is set): the waits that go past a lost follower end."""
+        with self._cond:
+            if self._follower is follower:
                 self._cond.notify_all()
 
     def detach(self, follower) -> None:

@@ -23,10 +23,9 @@ it names the count the IN_SYNC names, and counts as a change where the
 record names no backup yet if that count is still the record's, so an
 IN_SYNC asked before it can never put the lost backup back on the record
 (whose promotion would then lose every change the primary acknowledged
-alone). Its retries find the count moved on: they change nothing and wait
-for no journal record (ps 0 and ps 1, each the other's arbiter, would
-otherwise wait on each other's drops for good when both lose their
-backups).
+alone). Its retries find the count moved on and change nothing (the
+coordinator answers a repeat once what it repeats is durable, past a lost
+backup of the arbiter's own).
 
 A primary with a backup in sync renews its lease here (`renew`, every
 replication.LEASE_EVERY_SECONDS; never journaled): a PROMOTE is refused

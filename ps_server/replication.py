@@ -706,6 +706,9 @@ class Replication:
             time.sleep(max(0.0, due - time.monotonic()))
 
     def _lost(self, feed: Feed, why: str) -> None:
+        journal = self._journal()
+        if journal is not None:
+            journal.follower_lost(feed)
         self.feeds_lost += 1
         _LOGGER.warning("ps %d: backup %s lost: %s; nothing is acknowledged until its arbiter drops it", self.index,
                         feed.address, why)

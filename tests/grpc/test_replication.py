@@ -291,6 +291,43 @@ def test_a_primary_restarted_with_no_backup_in_sync_drops_none_before_serving_so
         local.stop()
 
 
+def test_ps0_and_ps1_losing_their_backups_at_once_each_drop_the_others_and_go_on(tmp_path):
+    """ps 0 and ps 1 each have a backup, each the other's arbiter. Both backups are killed at once: each primary
+    acknowledges nothing until the other drops its backup, and each one's DROP, counted, waits for a record the
+    other's journal cannot write yet. The repeats that follow answer past a lost backup, so both go on alone:
+    pushes to both shards are acknowledged again within seconds, and both records name no backup."""
+    local, backup, backup_address, cluster = _start(tmp_path, backed=1)
+    (port,) = free_ports(1)
+    other = f"127.0.0.1:{port}"
+    backup0 = start_ps_server(["--index", "0", "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
+                               cluster.ps[0], "--bind", other, "--journal-dir", str(tmp_path / "backup-0"),
+                               "--torch-threads", "1", "--insecure"], tmp_path / "backup0.log")
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            wait_until(lambda: _replicas(ps, 1).get(0) is not None and _replicas(ps, 1)[0].backup == other, 30,
+                       "ps 1 to record ps 0's backup in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            backup.kill()
+            backup0.kill()
+            backup.wait(timeout=30)
+            backup0.wait(timeout=30)
+            started = time.monotonic()
+            ps.push(grads)
+            assert time.monotonic() - started < 30, "the two drops waited on each other"
+            assert _replicas(ps, 1)[0].backup == "" and _replicas(ps, 0)[1].backup == ""
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+    finally:
+        for proc in (backup, backup0):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        local.stop()
+
+
 def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving(tmp_path):
     """ps:1's backup paused, ps:1's primary killed and restarted on its disk at once: its arbiter still lists the
     paused backup in sync, so the primary has ps 0 drop it before it acknowledges a push (else the backup, later

@@ -303,6 +303,7 @@ def test_the_lease_clock_thread_ends_at_close():
 class _Follower:
     address = "b:1"
     floor = 0
+    lost = None
 
     def offer_record(self, number, head, views):
         pass
@@ -469,7 +470,8 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
     """The arbiter's coordinator, its journal followed by a backup that has not acknowledged: a DROP is
     counted at once but waits for its record; a plain lease answers at once, a read of the count (a lease
     naming `changes`) only once the change it counts is durable (an arbiter that takes over from this one has
-    it too), so an IN_SYNC never names a count the next arbiter could reach again with another change."""
+    it too), so an IN_SYNC never names a count the next arbiter could reach again with another change. A
+    repeated DROP waits as its original does, but not for a backup of the arbiter's that was lost."""
     from torchps.ps_server.coordinator import Coordinator
     from torchps.ps_server.store import VariableStore
 
@@ -495,12 +497,19 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
         dropped.join(10)
         reading.join(10)
         assert not dropped.is_alive() and read[0]["changes"] == 1
-        journal.rotate(follower=_Follower())  # followed again, never acknowledged
+        again = _Follower()
+        journal.rotate(follower=again)  # followed again, never acknowledged
         with pytest.raises(WaitTimeoutError):  # counted (an IN_SYNC naming 1 may be on its way): it waits
             coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)
-        entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)  # its retry: at once
-        assert entry["changes"] == 2  # (ps 0 and ps 1, each waiting on the other's drop, would otherwise retry
-    finally:                          # into a wait each, for good)
+        with pytest.raises(WaitTimeoutError):  # its retry, a repeat, answers once the drop is as durable
+            coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)
+        again.lost = "its stream broke"  # this arbiter's own backup lost (its arbiter has not dropped it)
+        journal.follower_lost(again)
+        entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)  # the repeat: at once
+        assert entry["changes"] == 2  # (ps 0 and ps 1, each the other's arbiter, both losing their backups,
+        with pytest.raises(WaitTimeoutError):  # would otherwise wait on each other's drops for good)
+            coordinator.set_replica("drop", 1, "h:1", "", timeout=0.2, changes=2)  # counted: waits as before
+    finally:
         coordinator.close()
         journal.close()
 
