@@ -142,7 +142,7 @@ class ReplicaRegistry:
         repeat, or a DROP of a shard past the layout's), or for an IN_SYNC whose `changes` (the record's count
         as its primary read it; None: not checked) is not the record's now. A DROP where no backup is in sync
         is an event (counted) only if its `changes` is the record's count now (an IN_SYNC naming it may be on
-        its way; a retry then finds the count moved on and waits for nothing). InvalidArgumentError for a
+        its way; a retry then finds the count moved on and changes nothing). InvalidArgumentError for a
         malformed request; ReplicaFencedError when the record names another primary than `primary` (for
         PROMOTE, another backup than `backup`, or none: a shard past the layout's): the caller must stop serving
         shard `index`;
@@ -185,7 +185,7 @@ class ReplicaRegistry:
             return None  # another backup is in sync: nothing of this one to drop
         if entry["backup"] or (changes is not None and changes == entry["changes"]):
             return {"action": action, "index": index}  # (none in sync: counted, an IN_SYNC naming it refused)
-        return None  # dropped already, or changed since the count it names: a repeat, which waits for nothing
+        return None  # dropped already, or changed since the count it names: a repeat
 
     def _check_lease(self, index: int, primary: str) -> None:
         """LeaseHeldError if `primary` renewed its lease of shard `index` within lease_seconds, or this arbiter

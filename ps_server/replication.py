@@ -662,10 +662,12 @@ class Replication:
             read = self._ask("lease", feed.address, gone, changes=0)  # (a read: `changes` set)
             if read is None:
                 return False
-            feed.read_changes = read["changes"]  # before gone(): a drop that does not see it sees the loss here
-            (self._journal().directory / REPLICATED).touch()  # from now on a restart drops whatever the record
-            if gone():  # a DROP decided before the read was asked   # names first (this IN_SYNC may be late)
-                return False                                           # after the loss: it is seen
+            # Set before gone() is looked at: a drop thread that does not see it sees the loss here. From now on a
+            # restart drops whatever the record names first (the IN_SYNC asked next may be decided late).
+            feed.read_changes = read["changes"]
+            (self._journal().directory / REPLICATED).touch()
+            if gone():  # (a DROP decided before the read was asked after the loss: it is seen)
+                return False
             record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
             if record is None:
                 return False
