@@ -147,6 +147,8 @@ def test_every_kind_of_record_replays_to_the_state_the_live_shards_had(tmp_path)
     ps0, ps1 = (shard(folder, index) for index, folder in enumerate(folders))
     async_kinds(ps0, ps1)
     sync_kinds(ps1)
+    for each in (ps0, ps1):  # every record queued is written (the hold's end is queued as it ends in memory,
+        each.recorder.durable_all(10)  # which is all the scenario waits for; a loaded machine writes it later)
     expected = [observed(ps0), observed(ps1)]
     ps0.close()
     ps1.close()
