@@ -65,8 +65,9 @@ class ClientLanes:
             return lane
         try:
             if port is None:
-                port = self._lane_port(shard)  # (asked where the shard is served now: kept only if that is
-                with self._lock:               # still `address`)
+                # Asked where the shard is served now: kept only if that is still `address`.
+                port = self._lane_port(shard)
+                with self._lock:
                     if self._address(shard) != address:
                         return None
                     self._ports[shard] = port

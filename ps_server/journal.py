@@ -396,7 +396,7 @@ class Journal:
 
     def _holds(self, number: int, past_lost: bool = False) -> bool:
         return self._written >= number and (self._follower is None or self._acked >= number or (
-            past_lost and getattr(self._follower, "lost", None) is not None))
+            past_lost and self._follower.lost is not None))
 
     def wants_compaction(self) -> bool:
         with self._cond:

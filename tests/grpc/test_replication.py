@@ -197,9 +197,7 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
             local.kill_ps(1)
             ps.push(grads)  # served by the promoted backup
             assert _replicas(ps)[1].primary == backup_address
-            restarted = start_ps_server(["--index", "1", "--cluster", json.dumps(cluster.to_dict()), "--bind", old,
-                                         "--checkpoint-dir", str(tmp_path / "ck"), "--insecure",
-                                         "--torch-threads", "1"], tmp_path / "restarted.log")
+            restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old)
             wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
             ps.push(grads)
             backup.kill()
@@ -239,9 +237,7 @@ def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the
             local.kill_ps(1)
             wait_until(lambda: _replicas(ps)[1].primary == backup_address, 30, "the backup's promotion")
             elsewhere = json.dumps({"ps": [f"127.0.0.1:{nowhere}", old], "worker": cluster.to_dict()["worker"]})
-            restarted = start_ps_server(["--index", "1", "--cluster", elsewhere, "--bind", old, "--checkpoint-dir",
-                                         str(tmp_path / "ck"), "--insecure", "--torch-threads", "1"],
-                                        tmp_path / "restarted.log")
+            restarted = _restarted_primary(tmp_path, elsewhere, old)
             probe = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(old))
             wait_until(lambda: probe.GetStatus(ps_pb2.StatusRequest(), timeout=5, wait_for_ready=True), 30,
                        "the old primary to answer behind its fence")
@@ -299,9 +295,7 @@ def test_ps0_and_ps1_losing_their_backups_at_once_each_drop_the_others_and_go_on
     local, backup, backup_address, cluster = _start(tmp_path, backed=1)
     (port,) = free_ports(1)
     other = f"127.0.0.1:{port}"
-    backup0 = start_ps_server(["--index", "0", "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
-                               cluster.ps[0], "--bind", other, "--journal-dir", str(tmp_path / "backup-0"),
-                               "--torch-threads", "1", "--insecure"], tmp_path / "backup0.log")
+    backup0 = _backup_process(tmp_path, cluster, 0, cluster.ps[0], other, "backup-0")
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
@@ -416,6 +410,13 @@ def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name
     return start_ps_server(["--index", str(index), "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
                             primary, "--bind", bind, "--journal-dir", str(tmp_path / name), "--insecure",
                             "--torch-threads", "1"], tmp_path / f"{name}.log")
+
+
+def _restarted_primary(tmp_path, spec: str, old: str):
+    """ps:1's old primary started again on its disk (the job's checkpoint folder) at its address `old`, with the
+    cluster spec `spec`; its log is restarted.log."""
+    return start_ps_server(["--index", "1", "--cluster", spec, "--bind", old, "--checkpoint-dir", str(tmp_path / "ck"),
+                            "--insecure", "--torch-threads", "1"], tmp_path / "restarted.log")
 
 
 def _backup(ps, shard: int) -> str:
