@@ -315,7 +315,6 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     # included, for ~0.1 s every few seconds of a busy shard.
     gc.freeze()
     server.start()
-    set_health(health_servicer, serving=True)
     host = address.rpartition(":")[0]
     mode = ("mutual TLS" if security.tls else "plaintext") + (
         ", per-task tokens" if security.task_tokens else ", job token" if security.token else "")
@@ -334,6 +333,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _LOGGER.info("ps %d metrics on http://%s:%d/metrics", index, host, metrics.port)
     if args.port_file:  # after what the shard says at start: whoever waits for the file finds it in the log
         _write_port(args.port_file, port)
+    set_health(health_servicer, serving=True)  # last: whoever sees SERVING finds the port file and the log written
     demoted: list[str] = []  # the address that serves this shard now, if not this process (a failover)
     if folder_wait is not None:
         failstop.thread(_checkpoints_later, args.checkpoint_dir, index, stop, late, server.replication, failstop,
