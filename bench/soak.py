@@ -94,8 +94,9 @@ moved_checkpoint_problems (a committed one not holding every variable once), fai
 stopped themselves, each started
 again), wedged (shards that answered health but applied nothing within
 WEDGE_SECONDS), hostile_pulls and hostile_pulls_answered, optimizer_toggles
-and optimizer_toggles_accepted; with --replicas 2: failovers (each primary struck: kind, shard, when, failover_s),
-failover_p99_s, failovers_unserved (a strike no successor acknowledged a push after), fenced (partitioned
+and optimizer_toggles_accepted; with --replicas 2: failovers (each primary struck: kind, shard, when, failover_s,
+promoted_s: the part of it until the arbiter granted the promotion), failover_p99_s, promotion_p99_s,
+failovers_unserved (a strike no successor acknowledged a push after), fenced (partitioned
 primaries that stopped by themselves), fresh_backups (host-lost's); per phase the same and more. Target: lost =
 duplicated = hangs = wedged = hostile_pulls_answered =
 optimizer_toggles_accepted = moved_checkpoint_problems = failovers_unserved = 0, resizes_recovered =
@@ -1106,8 +1107,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"resizes failed {result['resizes_failed']}, recovered {result['resizes_recovered']}; checkpoints saved "
           "during moves: " + ", ".join(f"{k} {v}" for k, v in sorted(saves.items())))
     if args.replicas == 2:
-        print(f"failovers {len(result['failovers'])}, p99 {result['failover_p99_s']} s, unserved "
-              f"{result['failovers_unserved']}; partitioned primaries fenced {result['fenced']}")
+        print(f"failovers {len(result['failovers'])}, p99 {result['failover_p99_s']} s (promoted: p99 "
+              f"{result['promotion_p99_s']} s), unserved {result['failovers_unserved']}; partitioned primaries "
+              f"fenced {result['fenced']}")
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -1134,6 +1136,7 @@ def _replica_summary(phases: list[dict]) -> dict:
     failovers = [{"mode": p["mode"], **f} for p in phases for f in p["failovers"]]
     return {"replicas": 2, "failovers": failovers,
             "failover_p99_s": percentile([f["failover_s"] for f in failovers if f["failover_s"] is not None], 99),
+            "promotion_p99_s": percentile([f["promoted_s"] for f in failovers if f["promoted_s"] is not None], 99),
             "failovers_unserved": sum(p["failovers_unserved"] for p in phases),
             "fenced": sum(p["fenced"] for p in phases), "fresh_backups": sum(p["fresh_backups"] for p in phases)}
 

@@ -112,7 +112,9 @@ class Strike:
     index: int
     at: float
     generation: int
+    at_unix: float = 0.0  # `at` on the wall clock, which the arbiter's record of a promotion uses
     failover_s: float | None = None
+    promoted_s: float | None = None  # from the strike to the arbiter's grant of the promotion
 
 
 class ReplicatedShards:
@@ -196,9 +198,9 @@ class ReplicatedShards:
 
     # -- the arbiters' records -------------------------------------------------------------------------
 
-    def record(self, index: int) -> tuple[str, str] | None:
-        """(primary, backup in sync or "") of shard `index` as its arbiter records it; None if it does not
-        answer."""
+    def record(self, index: int) -> tuple[str, str, float] | None:
+        """(primary, backup in sync or "", when its last failover was granted: Unix seconds, 0 if never) of
+        shard `index` as its arbiter records it; None if it does not answer."""
         from torchps.errors import PSError
         from torchps.ps_server.backup import arbiter_layout
 
@@ -207,7 +209,8 @@ class ReplicatedShards:
         except PSError:
             return None
         entry = next((e for e in layout.replicas if e.index == index), None)
-        return (entry.primary, entry.backup) if entry is not None else (self.hosts[index][0].known_as, "")
+        return (entry.primary, entry.backup, entry.last_failover_unix) if entry is not None \
+            else (self.hosts[index][0].known_as, "", 0.0)
 
     def _host(self, index: int, address: str) -> Host | None:
         return next((host for host in self.hosts[index] if host.known_as == address), None)
@@ -236,15 +239,16 @@ class ReplicatedShards:
             time.sleep(POLL_SECONDS)
         return None
 
-    def promoted(self, index: int, backup: Host) -> bool:
-        """Whether shard `index`'s arbiter records `backup` as its primary within FAILOVER_SECONDS."""
+    def promoted(self, index: int, backup: Host) -> float | None:
+        """When (Unix seconds) shard `index`'s arbiter granted `backup` the primary's role, once it records it
+        so within FAILOVER_SECONDS; None if it does not."""
         deadline = time.monotonic() + FAILOVER_SECONDS
         while time.monotonic() < deadline:
             found = self.record(index)
             if found and found[0] == backup.known_as:
-                return True
+                return found[2]
             time.sleep(POLL_SECONDS)
-        return False
+        return None
 
     def generation(self, host: Host) -> int | None:
         """The generation of the process serving at `host` (GetStatus), None if it does not answer."""
@@ -267,7 +271,8 @@ class ReplicatedShards:
         backup promoted; a failure after FAILOVER_SECONDS, and it starts anyway)."""
         found = self.record(host.index)
         other = self.hosts[host.index][1 - host.seat]
-        if found and found[0] == host.known_as and found[1] == other.known_as and not self.promoted(host.index, other):
+        if found and found[0] == host.known_as and found[1] == other.known_as \
+                and self.promoted(host.index, other) is None:
             failures.append(f"ps {host.index}'s backup was not promoted within {FAILOVER_SECONDS:g} s of its "
                             f"primary's end")
         self._spawn(host)
@@ -321,10 +326,15 @@ def _strike(phase, kind: str, sig: int) -> tuple[Host, Host] | None:
 
 
 def _failed_over(phase, kind: str, primary: Host, backup: Host, generation: int, at: float) -> None:
-    """Records the strike of `primary` at `at`, and waits for its arbiter to promote `backup`."""
-    phase.shards.strikes.append(Strike(kind, primary.index, at, generation))
-    if not phase.shards.promoted(primary.index, backup):
+    """Records the strike of `primary` at `at`, and waits for its arbiter to promote `backup` (the strike's
+    promoted_s: from `at` to the arbiter's grant)."""
+    strike = Strike(kind, primary.index, at, generation, at_unix=time.time() - (time.monotonic() - at))
+    phase.shards.strikes.append(strike)
+    granted = phase.shards.promoted(primary.index, backup)
+    if granted is None:
         phase.failures.append(f"{kind}: ps {primary.index}'s backup was not promoted within {FAILOVER_SECONDS:g} s")
+    elif granted >= strike.at_unix:  # (a grant before the strike would be an earlier failover's)
+        strike.promoted_s = round(granted - strike.at_unix, 3)
 
 
 def kill_shard(phase) -> bool:
@@ -445,13 +455,15 @@ def generations(field: str) -> dict[int, int]:
 
 def failover_figures(strikes: list[Strike], acks: list[tuple[float, dict[int, int]]], started: float) -> dict:
     """Each strike's failover (the module docstring) from `acks` (time, generations by shard; sorted by time):
-    `failovers` (kind, shard, at: seconds since `started`, failover_s or None), `failover_p99_s`,
-    `failovers_unserved`."""
+    `failovers` (kind, shard, at: seconds since `started`, failover_s or None, promoted_s: from the strike to
+    its arbiter's grant, or None), `failover_p99_s`, `promotion_p99_s`, `failovers_unserved`."""
     for strike in strikes:
         strike.failover_s = next((round(t - strike.at, 3) for t, gens in acks if t > strike.at and strike.index
                                   in gens and gens[strike.index] != strike.generation), None)
     served = [s.failover_s for s in strikes if s.failover_s is not None]
     return {"failovers": [{"kind": s.kind, "shard": s.index, "at": round(s.at - started, 2),
-                           "failover_s": s.failover_s} for s in strikes],
-            "failover_p99_s": percentile(served, 99), "failovers_unserved": len(strikes) - len(served)}
+                           "failover_s": s.failover_s, "promoted_s": s.promoted_s} for s in strikes],
+            "failover_p99_s": percentile(served, 99),
+            "promotion_p99_s": percentile([s.promoted_s for s in strikes if s.promoted_s is not None], 99),
+            "failovers_unserved": len(strikes) - len(served)}
 

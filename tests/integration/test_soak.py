@@ -94,6 +94,8 @@ def test_replicated_shards_fail_over_under_chaos_and_lose_nothing(tmp_path):
     assert sorted(f["kind"] for f in failovers) == struck, f"each primary struck failed over once: {report}"
     assert result["failovers_unserved"] == 0 and all(f["failover_s"] > 0 for f in failovers), report
     assert result["failover_p99_s"] == max(f["failover_s"] for f in failovers), report
+    assert all(0 < f["promoted_s"] < f["failover_s"] for f in failovers), f"each grant came between: {report}"
+    assert result["promotion_p99_s"] == max(f["promoted_s"] for f in failovers), report
     assert result["fenced"] == faults["partition-primary"], f"every partitioned primary stopped itself: {report}"
     assert result["fresh_backups"] == faults["host-lost"], report
     assert result["checkpoint_complete"], report + "\n" + json.dumps(result["phases"][0]["checkpoint_detail"])
