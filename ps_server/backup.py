@@ -47,7 +47,8 @@ arbiter dropped this backup, so a copy the arbiter may promote is never half
 written.
 
 A primary whose folder says a backup of it held its base once (`REPLICATED`:
-a backup's copy says so too) asks its arbiter at its start who serves its shard
+a backup's copy says so too), or started with --replicated (its folder may be
+a new disk's, empty), asks its arbiter at its start who serves its shard
 (`confirm_role`), answering only status and the layout meanwhile: another
 address, it becomes that one's backup (its folder is replaced by the new
 primary's copy).
@@ -763,10 +764,11 @@ def serving(channels, index: int) -> str | None:
     return record[0] if record else None
 
 
-def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path) -> bool:
+def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path, replicated: bool = False) -> bool:
     """Whether a shard starting on its journal folder must ask its arbiter who serves its shard before it
-    serves: the folder says the shard had a backup (REPLICATED), and the shard is not its own arbiter."""
-    return arbiter_of(index, len(spec)) != index and (folder / REPLICATED).exists()
+    serves: it is not its own arbiter, and its job runs backups (`replicated`: --replicated) or the folder says
+    the shard had one (REPLICATED)."""
+    return arbiter_of(index, len(spec)) != index and (replicated or (folder / REPLICATED).exists())
 
 
 def confirm_role(index: int, me: str, spec: tuple[str, ...], security: Security, stop: threading.Event,

@@ -240,10 +240,11 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
     folder = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
     me = me or (cluster.ps[index] if cluster is not None else address)
     fence = None
+    # (Just promoted: its arbiter knows.)
     if not promoted and cluster is not None and folder and not args.no_journal and \
-            needs_role_check(index, tuple(cluster.ps), pathlib.Path(folder)):  # (just promoted: its arbiter knows)
-        fence = RoleFence(f"ps {index} had a backup: it serves once its arbiter, ps:{arbiter_of(index, cluster.num_ps)}, "
-                          f"confirmed it still serves ps:{index}; retry")
+            needs_role_check(index, tuple(cluster.ps), pathlib.Path(folder), args.replicated):
+        fence = RoleFence(f"ps {index} has or had a backup: it serves once its arbiter, "
+                          f"ps:{arbiter_of(index, cluster.num_ps)}, confirmed it still serves ps:{index}; retry")
     tune_malloc("shard")
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in its log
     if args.torch_threads:

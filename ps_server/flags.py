@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--replica-of", metavar="HOST:PORT", help="run as the backup of the shard --index serving "
                    "there: keep a copy of its journal in --journal-dir, and serve in its place at --bind once it "
                    "is gone and ps 0 agrees")
+    r.add_argument("--replicated", action="store_true", help="this shard's job runs backups (--replica-of): at "
+                   "every start it asks its arbiter (ps 0; ps 1 for ps 0) who serves the shard before it serves, "
+                   "even on an empty journal folder (a replaced disk), and becomes the backup of another that does "
+                   "(ps-launch --replicas 2 passes it)")
     r.add_argument("--advertise", metavar="HOST:PORT", help="with --replica-of: the address clients reach this "
                    "backup at once promoted, where it differs from --bind (e.g. a Service name; default: --bind)")
     r.add_argument("--failover-after", type=_seconds, default=0.5, metavar="SECONDS", help="a backup asks to take "
@@ -219,9 +223,9 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
     if args.cluster:
         cluster = Cluster.from_json(args.cluster)
     elif args.bind and args.index is not None and "TF_CONFIG" not in os.environ:
-        if args.replica_of:
-            raise ClusterConfigError("--replica-of needs the job's cluster (--cluster or TF_CONFIG): ps 0 decides "
-                                     "failovers")
+        if args.replica_of or args.replicated:
+            raise ClusterConfigError(f"{'--replica-of' if args.replica_of else '--replicated'} needs the job's "
+                                     "cluster (--cluster or TF_CONFIG): ps 0 decides failovers")
         return None, args.index, args.bind  # a standalone shard: --index N --bind HOST:PORT
     else:
         cluster, task = Cluster.from_tf_config()
@@ -244,6 +248,9 @@ def resolve(args: argparse.Namespace) -> tuple[Cluster | None, int, str]:
                                      "(clients are told this address, or --advertise's)")
     elif args.advertise:
         raise ClusterConfigError("--advertise names where a backup (--replica-of) serves once promoted: pass both")
+    if args.replicated and (args.no_journal or not (args.journal_dir or args.checkpoint_dir)):
+        raise ClusterConfigError("--replicated: a shard with a backup keeps a journal, which its backup copies: "
+                                 "pass --checkpoint-dir or --journal-dir, without --no-journal")
     return cluster, index, address
 
 

@@ -528,7 +528,6 @@ class Launcher:
             if isinstance(task, BackupTask):
                 self._spawn_backup(task.index)
             elif task.type == "ps" and self.replicas is not None:
-                self.replicas.before_restart(task)
                 self._spawn_ps(task.index, self.ports[task.index])
             elif task.type == "ps":
                 self._spawn_ps(task.index, self.ports[task.index])

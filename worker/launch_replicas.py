@@ -8,7 +8,7 @@ connection takes one between two runs of the job), bound all at once on
 127.0.0.1 and released. Shard N runs as two
 processes, each with shard N's credentials:
 
-    ps:N         ps-server --index N --cluster SPEC --bind 127.0.0.1:P   (its journal: DIR/journal/ps-N)
+    ps:N         ps-server --index N --cluster SPEC --bind 127.0.0.1:P --replicated   (journal: DIR/journal/ps-N)
     ps:N-backup  ps-server --index N --cluster SPEC --replica-of 127.0.0.1:P --bind 127.0.0.1:B
                            --journal-dir DIR/journal/ps-N-backup
 
@@ -21,9 +21,10 @@ When one of a shard's two processes dies and the other runs, the job goes
 on: a dead primary's backup takes over by itself (its arbiter, ps 0, or ps 1
 for ps 0, promotes it), and a dead backup leaves its primary alone. With
 --restart-on-failure either is restarted with its own command: a backup
-follows its primary again; a primary asks the arbiter who serves its shard
-(ps-server's check_role) and, if its backup took over, becomes that one's
-backup. A one-shard job's ps 0 is its own arbiter: its death is dealt with
+follows its primary again; a primary (--replicated) asks the arbiter who
+serves its shard before it serves, whatever its journal folder holds (it
+may have been a backup's copy, or be gone), and, if its backup took over,
+becomes that one's backup. A one-shard job's ps 0 is its own arbiter: its death is dealt with
 as without backups (`fails_over`).
 """
 
@@ -44,9 +45,6 @@ __all__ = ["BackupTask", "ReplicaPlan", "ADDRESSES_FILE", "check_folder", "serve
 
 KEPT_PORTS = 2768  # ports just below the ephemeral range a replicated job's addresses are drawn from
 ADDRESSES_FILE = "ps-launch-addresses.json"  # in --checkpoint-dir: a replicated job's shards' and backups' addresses
-# ps_server/replication.py's mark in a shard's journal folder: the shard had a backup (that module imports torch,
-# which the launcher does not; tests/integration/test_launch_replicas.py checks the two agree).
-REPLICATED = "replicated"
 BIND_FAILED = "cannot bind"  # what ps-server prints when its --bind address is taken (ps_server/server.py)
 
 
@@ -107,21 +105,15 @@ class ReplicaPlan:
         return json.dumps({"ps": self.primaries})
 
     def shard_flags(self, index: int) -> list[str]:
-        """Shard `index`'s flags beyond the launcher's own (--bind: its fixed address)."""
-        return ["--cluster", self.spec(), "--bind", self.primaries[index]]
+        """Shard `index`'s flags beyond the launcher's own (--bind: its fixed address; --replicated: started
+        again, even on a folder that was a backup's copy or is empty, it asks its arbiter who serves its shard
+        before serving, instead of serving beside its promoted backup)."""
+        return ["--cluster", self.spec(), "--bind", self.primaries[index], "--replicated"]
 
     def backup_flags(self, index: int) -> list[str]:
         """The whole command line of shard `index`'s backup, but for the flags every shard gets."""
         return ["--index", str(index), "--cluster", self.spec(), "--replica-of", self.primaries[index],
                 "--bind", self.backups[index], "--journal-dir", f"{journal_dir(self.folder, index)}-backup"]
-
-    def before_restart(self, task: TaskSpec) -> None:
-        """Marks shard `task`'s journal folder as a replicated shard's, so that, restarted, it asks its arbiter who
-        serves its shard before serving (check_role): a folder that was a backup's copy has no mark (a copy
-        begins in an empty folder), and without one the process would serve beside its promoted backup."""
-        folder = journal_dir(self.folder, task.index)
-        if not isinstance(task, BackupTask) and folder.is_dir():
-            (folder / REPLICATED).touch()
 
     def fails_over(self, task: TaskSpec) -> bool:
         """Whether shard `task.index` is served on when `task` dies and its other process runs: a backup's death

@@ -17,6 +17,7 @@ from helpers import free_ports, process_state, start_ps_server, wait_until
 
 from torchps import lanes
 from torchps.certs import make_job_credentials
+from torchps.checkpoint_folder import journal_dir
 from torchps.client import Optimizer, PSClient
 from torchps.client.channels import ShardChannels
 from torchps.cluster import Cluster, TaskSpec
@@ -219,6 +220,41 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
     assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
 
 
+def test_an_old_primary_restarted_on_a_new_disk_with_replicated_asks_its_arbiter_and_becomes_the_backup(tmp_path):
+    """ps:1's primary is killed and its journal folder deleted (a new disk: nothing in it says the shard had a
+    backup); its backup is promoted. Started again with --replicated, it asks ps 0 who serves ps:1 before it
+    serves, instead of serving beside the promoted backup from the job's checkpoint folder: it becomes that
+    one's backup, and the pushes go on exactly."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    old = local.address(1)
+    restarted = None
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            ps.save_checkpoint(1)  # what the old primary would serve, had it not asked
+            local.kill_ps(1)
+            shutil.rmtree(journal_dir(tmp_path / "ck", 1))
+            ps.push(grads)  # served by the promoted backup
+            assert _replicas(ps)[1].primary == backup_address
+            restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old, ["--replicated"])
+            wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -3.0)), name
+    finally:
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=30)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+    log = (tmp_path / "restarted.log").read_text()
+    assert "becomes its backup" in log and "serving on" not in log, log[-3000:]
+
+
 def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the_promoted_backup(tmp_path):
     """ps:1's primary is killed and its backup promoted while the client calls nothing; the old primary is started
     again on its disk at its address with a cluster spec whose ps 0 it cannot reach, so it answers GetStatus but
@@ -412,11 +448,11 @@ def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name
                             "--torch-threads", "1"], tmp_path / f"{name}.log")
 
 
-def _restarted_primary(tmp_path, spec: str, old: str):
+def _restarted_primary(tmp_path, spec: str, old: str, extra=()):
     """ps:1's old primary started again on its disk (the job's checkpoint folder) at its address `old`, with the
-    cluster spec `spec`; its log is restarted.log."""
+    cluster spec `spec` and `extra` flags; its log is restarted.log."""
     return start_ps_server(["--index", "1", "--cluster", spec, "--bind", old, "--checkpoint-dir", str(tmp_path / "ck"),
-                            "--insecure", "--torch-threads", "1"], tmp_path / "restarted.log")
+                            "--insecure", "--torch-threads", "1", *extra], tmp_path / "restarted.log")
 
 
 def _backup(ps, shard: int) -> str:

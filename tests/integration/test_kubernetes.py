@@ -940,6 +940,8 @@ def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert {address.rpartition(":")[0] for address in (cluster["ps"][pod.index], backups[pod.index])} <= \
             set(names.get_values_for_type(x509.DNSName)), pod.name
+    for pod in [p for p in job_pods(docs) if p.name.startswith("torchps-ps-") and not p.name.startswith(BACKUP_JOB)]:
+        assert wrapped_argv(node, pod)[-1:] == ["--replicated"], f"{pod.name}: asks its arbiter at every start"
 
 
 def test_dockerfile_installs_this_project_as_the_manifests_run_it():

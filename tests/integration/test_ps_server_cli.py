@@ -165,6 +165,10 @@ TWO_PS = '{"ps": ["127.0.0.1:5001", "127.0.0.1:5002"]}'
                  id="cluster-file-missing"),
     pytest.param(["--index", "0", "--cluster", '{"ps": ["no-port-here"]}'], {}, ["'no-port-here'", "host:port"],
                  id="bad-address"),
+    pytest.param(["--index", "1", "--cluster", TWO_PS, "--replicated"], {}, ["--replicated", "--checkpoint-dir",
+                 "--journal-dir"], id="replicated-without-journal"),
+    pytest.param(["--index", "1", "--bind", "127.0.0.1:0", "--replicated", "--journal-dir", "j"], {},
+                 ["--replicated needs the job's cluster"], id="replicated-without-cluster"),
 ])
 def test_bad_cluster_is_one_clear_line(args, env, fragments):
     assert_one_line_error(run_to_exit(args, environ(**env)), *fragments)

@@ -10,7 +10,9 @@
 #    a pod template) at /etc/torchps/TYPE-INDEX; the TORCHPS_* variables name this task's files to
 #    ps-server and ps-worker (the admin token is in the chief's and the shards' Secrets only).
 # 3. With TORCHPS_REPLICA=backup (overlays/replicas), a shard's backup: `--replica-of` the shard's address
-#    (cluster.json's) and `--bind` its own, this pod's DNS name (backups.json's entry of its index).
+#    (cluster.json's) and `--bind` its own, this pod's DNS name (backups.json's entry of its index). A shard
+#    of a job with backups (backups.json beside this file) gets `--replicated`: started again, on a new disk
+#    too, it asks its arbiter who serves it before serving.
 # 4. exec the command: it gets the pod's signals, and its exit code is the container's.
 set -eu
 : "${TORCHPS_TASK_TYPE:?set by the Job}" "${JOB_COMPLETION_INDEX:?set by an Indexed Job}"
@@ -43,5 +45,7 @@ with open(sys.argv[1]) as f:
     print("--replica-of", json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][index], "--bind", json.load(f)[index])
 ' "$(dirname "$0")/backups.json")
   set -- "$@" $flags   # unquoted on purpose: two flags and two addresses, none with spaces
+elif [ "$TORCHPS_TASK_TYPE" = ps ] && [ -f "$(dirname "$0")/backups.json" ]; then
+  set -- "$@" --replicated
 fi
 exec "$@"
