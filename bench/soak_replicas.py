@@ -2,8 +2,8 @@
 that strike one of a shard's two processes, and how long each failover took.
 
 Every shard runs as two processes, its *hosts*, each with the job's cluster spec and a fixed --bind, picked
-before anything starts (worker/launch_replicas.py's ReplicaPlan, written to the phase's folder): host 0 binds
-the shard's port and is known to the job at the spec's address (ps 1's is the soak's proxy, which forwards to
+before anything starts (worker/launch_replicas.py's ReplicaPlan, written to the phase's folder): host 0
+(--replicated) binds the shard's port and is known to the job at the spec's address (ps 1's is the soak's proxy, which forwards to
 host 0's port), host 1 is the backup (`ps-server --replica-of SPEC_ADDRESS --bind B --journal-dir
 CKPT/journal/ps-N-backup`). Both get the shards' flags: the job's --checkpoint-dir (a promoted backup writes
 its shard's file of every later checkpoint there) and the shards' token table and admin token (a backup
@@ -158,7 +158,7 @@ class ReplicatedShards:
             port_file = self.dir / f"ps{index}.port"
             primary = Host(index, 0, self.picked.primaries[index], spec[index],
                            ["--index", str(index), "--cluster", self.spec, "--bind", self.picked.primaries[index],
-                            "--port-file", str(port_file), *self.flags],
+                            "--replicated", "--port-file", str(port_file), *self.flags],
                            journal_dir(self.ckpt, index), self.dir / f"ps{index}.log")
             backup = Host(index, 1, plan.backups[index], plan.backups[index], [*plan.backup_flags(index), *self.flags],
                           pathlib.Path(f"{journal_dir(self.ckpt, index)}-backup"), self.dir / f"ps{index}-backup.log")
