@@ -29,6 +29,7 @@ from .rpc_support import answering, decode_request, map_errors
 __all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "WIRE_ACTIONS"]
 
 ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
+MAX_ARBITRATION_SECONDS = 30.0  # a SetReplica call waits at most this long, with or without a deadline of its own
 WIRE_ACTIONS = (*ACTIONS, "lease")  # ReplicaChange.Action, in order
 
 
@@ -90,9 +91,11 @@ class ReplicaRPCs:
 
     @map_errors
     def SetReplica(self, request, context):
+        remaining = context.time_remaining()  # None: no deadline (its threads are few: every call ends)
+        timeout = MAX_ARBITRATION_SECONDS if remaining is None else min(remaining, MAX_ARBITRATION_SECONDS)
         entry = self.coordinator.set_replica(WIRE_ACTIONS[request.action] if request.action < len(WIRE_ACTIONS)
                                              else str(request.action), request.index, request.primary,
-                                             request.backup, timeout=context.time_remaining(),
+                                             request.backup, timeout=timeout,
                                              changes=request.changes if request.HasField("changes") else None)
         return replicas_of(request.index, entry)
 

@@ -41,6 +41,7 @@ __all__ = ["create_server", "recover", "threaded_waits", "serve_health", "set_he
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+ARBITRATION_THREADS = 16  # SetReplica's threads: each call ends within its timeout, so a queue for them drains
 
 
 def create_server(
@@ -114,6 +115,9 @@ def create_server(
         raise RuntimeError(f"--max-waiting-calls must be at least 1. Received: {max_waiting_calls}")
     tokens = TokenFile(security)  # the interceptor and the roles follow the token file as it changes
     pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ps{index}")
+    # SetReplica's own: each of its calls ends within its timeout, while calls on `pool` may wait, with no
+    # deadline, for this shard's journal, which may wait for a DROP decided here (ps 0 and ps 1 arbitrate each other).
+    arbitration = futures.ThreadPoolExecutor(max_workers=ARBITRATION_THREADS, thread_name_prefix=f"ps{index}-arbiter")
     server = LoopServer(lambda: grpc.aio.server(
         migration_thread_pool=pool,  # the health and reflection services' handlers
         interceptors=[*([TokenInterceptor(tokens, index)] if security.checks_tokens else []),
@@ -155,7 +159,7 @@ def create_server(
                                        stream_idle_seconds=stream_idle_seconds,
                                        keep_receive_bytes=keep_receive_bytes, lanes=lanes, pull_cache=pull_cache,
                                        replication=replication)
-    server.call(add_to_server, servicer, server.server, pool)
+    server.call(add_to_server, servicer, server.server, pool, arbitration)
     server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:
         server.call(reflection_service.enable_server_reflection,

@@ -637,9 +637,11 @@ class ParameterServerServicer(ControlRPCs, JobRPCs, ResizeRPCs, ReplicaRPCs, Cha
         return ps_pb2.ListResponse(variables=infos, step=self.store.step, generation=self.generation)
 
 
-def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, pool: Executor) -> None:
+def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, pool: Executor,
+                  arbitration: Executor) -> None:
     """Registers every RPC of ps.proto's ParameterServer service on `server` (edge.handler: bodies on `pool`,
-    waits on the event loop; GetStatus on the loop itself)."""
+    waits on the event loop; GetStatus on the loop itself; SetReplica on `arbitration`: a call on `pool` may
+    wait for this shard's journal, which may wait for a DROP this shard decides as an arbiter)."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 
     def fail(name: str, exc: Exception, context: CallContext) -> tuple[grpc.StatusCode, str, tuple]:
@@ -650,7 +652,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server, po
 
     def on_loop(kind, body, deserializer, serializer):
         streaming = kind in (unary_stream, stream_stream)
-        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus", pool=pool, fail=fail,
+        return kind(handler(body, name=body.__name__, inline=body.__name__ == "GetStatus",
+                            pool=arbitration if body.__name__ == "SetReplica" else pool, fail=fail,
                             streaming=streaming), deserializer, serializer)
 
     unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler

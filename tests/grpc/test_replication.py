@@ -255,6 +255,33 @@ def test_an_old_primary_restarted_on_a_new_disk_with_replicated_asks_its_arbiter
     assert "becomes its backup" in log and "serving on" not in log, log[-3000:]
 
 
+def test_an_arbiter_whose_call_threads_all_wait_for_its_journal_still_answers_its_shards(tmp_path):
+    """ps 0 (2 call threads) has a backup, paused: every change ps 0 records waits for it. Two CreateDataQueue
+    calls hold both threads in that wait (their records unacknowledged). ps 0 still answers SetReplica, which
+    runs on threads of its own: a primary's DROP of its lost backup, which that wait may itself need (ps 0 and
+    ps 1 losing their backups at once), is never queued behind calls that wait for it."""
+    local, backup, backup_address, cluster = _start(tmp_path, extra=["--threads", "2", "--replica-ack-timeout", "60"],
+                                                    backed=0)
+    creating = []
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address, shard=0)
+            wait_until(lambda: ps.status(0).replication.lag_records == 0, 30, "ps 0's backup to acknowledge all")
+            backup.send_signal(signal.SIGSTOP)
+            stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(cluster.ps[0]))
+            creating = [stub.CreateDataQueue.future(ps_pb2.DataQueueSpec(name=f"q{k}", num_examples=10, shard_size=1),
+                                                    timeout=50) for k in range(2)]
+            wait_until(lambda: ps.status(0).replication.lag_records >= 2, 30, "both queues' records written")
+            lease = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.LEASE, index=1, primary=cluster.ps[1])
+            stub.SetReplica(lease, timeout=20)  # answered (no backup of ps:1 recorded: the record as it stands)
+            assert not any(call.done() for call in creating), "the creates still wait for ps 0's backup"
+    finally:
+        backup.send_signal(signal.SIGCONT)
+        for call in creating:
+            call.cancel()
+        _resume_and_stop(local, backup)
+
+
 def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the_promoted_backup(tmp_path):
     """ps:1's primary is killed and its backup promoted while the client calls nothing; the old primary is started
     again on its disk at its address with a cluster spec whose ps 0 it cannot reach, so it answers GetStatus but
