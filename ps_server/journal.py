@@ -378,15 +378,16 @@ class Journal:
             self._check()
         return number
 
-    def wait(self, number: int | None = None, timeout: float | None = None, past_lost: bool = False) -> None:
+    def wait(self, number: int | None = None, timeout: float | None = None, released=None) -> None:
         """Blocks until record `number` (None: every record appended so far) is written (synced, with `sync`),
-        and, while a backup follows (attach), written by it too; with `past_lost`, not by a backup that was lost
-        (its `lost` set, follower_lost() called) and is not detached yet. ServerUnavailableError if the journal
-        failed first, WaitTimeoutError after `timeout` s."""
+        and, while a backup follows (attach), written by it too, unless that backup is `released`: a follower
+        that was lost (its `lost` set, follower_lost() called), not detached yet, that the shard's arbiter no
+        longer records in sync (Replication.released). ServerUnavailableError if the journal failed first,
+        WaitTimeoutError after `timeout` s."""
         with self._cond:
             number = self._appended if number is None else number
-            self._cond.wait_for(lambda: self._holds(number, past_lost) or self._failed is not None, timeout)
-            if self._holds(number, past_lost):
+            self._cond.wait_for(lambda: self._holds(number, released) or self._failed is not None, timeout)
+            if self._holds(number, released):
                 return
             self._check()
             if self._written >= number:
@@ -394,9 +395,9 @@ class Journal:
                                        f"{self._follower.address} within {timeout} s")
             raise WaitTimeoutError(f"journal {self.directory}: record {number} was not written within {timeout} s")
 
-    def _holds(self, number: int, past_lost: bool = False) -> bool:
+    def _holds(self, number: int, released=None) -> bool:
         return self._written >= number and (self._follower is None or self._acked >= number or (
-            past_lost and self._follower.lost is not None))
+            self._follower is released and released.lost is not None))
 
     def wants_compaction(self) -> bool:
         with self._cond:

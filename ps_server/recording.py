@@ -131,18 +131,18 @@ class Recorder:
             check_unlocked("waits for its journal record")
             self._wait(ticket, timeout)
 
-    def durable_all(self, timeout: float | None, past_lost: bool = False) -> None:
-        """Blocks (holding no lock) until every record queued so far is written (a retry's reply; `past_lost`:
-        not waiting for a backup that was lost, Journal.wait); raises as durable() does. Nothing to wait for
-        without a journal."""
+    def durable_all(self, timeout: float | None, released=None) -> None:
+        """Blocks (holding no lock) until every record queued so far is written (a retry's reply; `released`:
+        a lost backup not waited for, Journal.wait); raises as durable() does. Nothing to wait for without a
+        journal."""
         if self.journal is not None:
             check_unlocked("waits for the journal's records")
-            self._wait(None, timeout, past_lost)
+            self._wait(None, timeout, released)
 
-    def _wait(self, ticket: int | None, timeout: float | None, past_lost: bool = False) -> None:
+    def _wait(self, ticket: int | None, timeout: float | None, released=None) -> None:
         """journal.wait, its seconds given to on_wait when it returns."""
         started = time.monotonic()
-        self.journal.wait(ticket, timeout, past_lost)
+        self.journal.wait(ticket, timeout, released)
         if self.on_wait is not None:
             self.on_wait(time.monotonic() - started)
 

@@ -96,7 +96,9 @@ class ReplicaRPCs:
         entry = self.coordinator.set_replica(WIRE_ACTIONS[request.action] if request.action < len(WIRE_ACTIONS)
                                              else str(request.action), request.index, request.primary,
                                              request.backup, timeout=timeout,
-                                             changes=request.changes if request.HasField("changes") else None)
+                                             changes=request.changes if request.HasField("changes") else None,
+                                             released=self.replication.released if self.replication is not None
+                                             else lambda: None)
         return replicas_of(request.index, entry)
 
 

@@ -96,6 +96,7 @@ ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach i
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
 LEASE_EVERY_SECONDS = 0.05  # a primary with a backup in sync renews its lease at its arbiter this often
 LEASE_CALL_SECONDS = 0.2    # one renewal's deadline (a late one is not asked again: the next is due)
+RELEASE_ASK_SECONDS = 2.0   # released(): its ask of the arbiter's record waits at most this
 LATE_RENEWAL_SECONDS = 0.3  # renewals heard this far apart are logged (the shard or its arbiter did not run)
 ACK_BYTES = 8               # an ack on an acks lane: the record number it stands for, little-endian
 _FRAME = ps_pb2.ReplicaFrame
@@ -706,6 +707,24 @@ class Replication:
                 pass  # the arbiter did not hear it: the next renewal is due
             due = max(due + LEASE_EVERY_SECONDS, time.monotonic())
             time.sleep(max(0.0, due - time.monotonic()))
+
+    def released(self) -> Feed | None:
+        """This shard's backup that was lost and is not detached yet, once its arbiter's record, asked now (a
+        lease renewal: the record as the arbiter holds it, which promotes no backup it does not name), no
+        longer names it in sync: none of this shard's changes still waits on it, as none would outlive this
+        shard without it. Any lost one where this shard is its own arbiter. None if none is lost, if the
+        record names it, or if the arbiter cannot say. Blocks for that call (RELEASE_ASK_SECONDS at most)."""
+        journal = self._journal()
+        feed = journal.following() if journal is not None else None
+        if feed is None or feed.lost is None:
+            return None
+        if self._self_arbitrated:
+            return feed
+        try:
+            record = self._arbiter("lease", self.index, self.me, feed.address, timeout=RELEASE_ASK_SECONDS)
+        except PSError:
+            return None
+        return feed if record["primary"] == self.me and record["backup"] != feed.address else None
 
     def _lost(self, feed: Feed, why: str) -> None:
         journal = self._journal()

@@ -282,6 +282,45 @@ def test_an_arbiter_whose_call_threads_all_wait_for_its_journal_still_answers_it
         _resume_and_stop(local, backup)
 
 
+def test_a_primary_never_goes_on_alone_on_an_arbiters_word_that_its_lost_backup_could_take_back(tmp_path):
+    """Three shards; ps 0 (arbiter of ps 1 and ps 2) and ps 2 each have a backup. ps 1, ps 0's arbiter, is
+    paused, then ps 0's backup killed, then ps 2's: ps 0 decides ps 2's DROP but cannot make it durable (its
+    own backup is lost, and ps 1 cannot drop it), nor answer its retries, since ps 1 still records that backup
+    in sync (promoted in ps 0's place, it would lack the DROP, and could promote ps 2's lost backup beside
+    ps 2). ps 2 goes on alone only once ps 1 is resumed and drops ps 0's backup; the pushes then go on."""
+    ports = free_ports(5)
+    spec = json.dumps({"ps": [f"127.0.0.1:{p}" for p in ports[:3]], "worker": ["127.0.0.1:1"]})
+    local = LocalCluster(3, ports=ports[:3], server_args=["--cluster", spec, "--checkpoint-dir", str(tmp_path / "ck")],
+                         log_dir=tmp_path)
+    local.start()
+    cluster, (backup0, backup2) = Cluster.from_json(spec), (f"127.0.0.1:{p}" for p in ports[3:])
+    backups = [_backup_process(tmp_path, cluster, 0, cluster.ps[0], backup0, "backup-0"),
+               _backup_process(tmp_path, cluster, 2, cluster.ps[2], backup2, "backup-2")]
+    shapes = {"three/a": (8,), "three/b": (8,), "three/c": (8,)}  # round robin: one on each shard
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in shapes.items()}, Optimizer("sgd", lr=1.0))
+            wait_until(lambda: _backup(ps, 0) == backup0 and _backup(ps, 2) == backup2, 30, "both backups in sync")
+            local.procs[1].send_signal(signal.SIGSTOP)
+            for backup in backups:
+                backup.kill()
+                backup.wait(timeout=30)
+            wait_until(lambda: local.log(2).count("its arbiter did not answer drop") >= 2
+                       or "goes on without a backup" in local.log(2), 60, "ps 2's DROP and a retry of it")
+            assert "goes on without a backup" not in local.log(2), "ps 2 went on alone on ps 0's word"
+            local.procs[1].send_signal(signal.SIGCONT)
+            wait_until(lambda: "goes on without a backup" in local.log(2), 60, "ps 2 to go on once ps 1 dropped "
+                       "ps 0's backup")
+            ps.push({n: torch.ones(s) for n, s in shapes.items()})
+            values = ps.pull(shapes)
+            assert all(torch.equal(values[n], torch.full(s, -1.0)) for n, s in shapes.items())
+    finally:
+        for proc in local.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+        local.stop()
+
+
 def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the_promoted_backup(tmp_path):
     """ps:1's primary is killed and its backup promoted while the client calls nothing; the old primary is started
     again on its disk at its address with a cluster spec whose ps 0 it cannot reach, so it answers GetStatus but

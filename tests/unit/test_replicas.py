@@ -402,6 +402,41 @@ def test_checkpoint_writes_have_one_gate_the_folder_a_promoted_shard_waits_for_a
     journal.close()
 
 
+def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path):
+    """Replication.released, which a repeat at this shard (as an arbiter) asks before it answers without that
+    backup: none while the backup follows; once it is lost, whatever the arbiter's record says (a lease
+    renewal) decides: still named in sync, or no answer, it is not released; named no more, it is. A shard
+    that is its own arbiter releases it at once."""
+    journal = Journal(tmp_path)
+    journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
+    records = [{"primary": "a:1", "backup": "b:1"}, ServerUnavailableError("no answer"),
+               {"primary": "a:1", "backup": ""}]
+    asked = []
+
+    def arbiter(action, index, primary, backup, timeout=None, changes=None):
+        asked.append((action, index, primary, backup, changes))
+        answer = records.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    replication = Replication(1, "a:1", lambda: journal, lambda feed: None, arbiter, self_arbitrated=False,
+                              chunk_bytes=1024, lease_seconds=0.5)
+    own = Replication(0, "a:0", lambda: journal, lambda feed: None, None, self_arbitrated=True, chunk_bytes=1024)
+    try:
+        assert replication.released() is None  # no backup
+        feed = Feed("b:1", 1024, 60, on_lost=lambda feed, why: None, on_based=lambda feed: None)
+        journal.rotate(follower=feed)
+        assert replication.released() is None and not asked  # it follows: nothing asked
+        feed.lose("its stream broke")
+        journal.follower_lost(feed)
+        assert [replication.released() for _ in range(3)] == [None, None, feed]
+        assert asked == [("lease", 1, "a:1", "b:1", None)] * 3  # plain renewals: they never wait at the arbiter
+        assert own.released() is feed
+    finally:
+        journal.close()
+
+
 def _arbiter(registry: ReplicaRegistry, staged):
     """Replication's arbiter as the coordinator makes it (decide, then apply), in process; staged(action) runs
     first in the thread asking."""
@@ -471,7 +506,8 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
     counted at once but waits for its record; a plain lease answers at once, a read of the count (a lease
     naming `changes`) only once the change it counts is durable (an arbiter that takes over from this one has
     it too), so an IN_SYNC never names a count the next arbiter could reach again with another change. A
-    repeated DROP waits as its original does, but not for a backup of the arbiter's that was lost."""
+    repeated DROP waits as its original does, but not for a backup of the arbiter's that was lost and that the
+    arbiter's own arbiter no longer records in sync (released)."""
     from torchps.ps_server.coordinator import Coordinator
     from torchps.ps_server.store import VariableStore
 
@@ -503,12 +539,17 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
             coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)
         with pytest.raises(WaitTimeoutError):  # its retry, a repeat, answers once the drop is as durable
             coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)
-        again.lost = "its stream broke"  # this arbiter's own backup lost (its arbiter has not dropped it)
+        again.lost = "its stream broke"  # this arbiter's own backup lost
         journal.follower_lost(again)
-        entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1)  # the repeat: at once
+        with pytest.raises(WaitTimeoutError):  # its own arbiter still records it in sync: promoted, it would
+            coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1,  # lack the drop
+                                    released=lambda: None)
+        entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1,  # dropped there: at once
+                                        released=lambda: again)
         assert entry["changes"] == 2  # (ps 0 and ps 1, each the other's arbiter, both losing their backups,
         with pytest.raises(WaitTimeoutError):  # would otherwise wait on each other's drops for good)
-            coordinator.set_replica("drop", 1, "h:1", "", timeout=0.2, changes=2)  # counted: waits as before
+            coordinator.set_replica("drop", 1, "h:1", "", timeout=0.2, changes=2,  # counted: waits as before
+                                    released=lambda: again)
     finally:
         coordinator.close()
         journal.close()
