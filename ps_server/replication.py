@@ -710,10 +710,12 @@ class Replication:
 
     def released(self) -> Feed | None:
         """This shard's backup that was lost and is not detached yet, once its arbiter's record, asked now (a
-        lease renewal: the record as the arbiter holds it, which promotes no backup it does not name), no
-        longer names it in sync: none of this shard's changes still waits on it, as none would outlive this
-        shard without it. Any lost one where this shard is its own arbiter. None if none is lost, if the
-        record names it, or if the arbiter cannot say. Blocks for that call (RELEASE_ASK_SECONDS at most)."""
+        lease renewal: the record as the arbiter holds it, which promotes no backup it does not name), does
+        not name it in sync and never will: its count of changes is past the one the feed's IN_SYNC named, if
+        one was asked (that IN_SYNC, decided late, then changes nothing). None of this shard's changes then
+        waits on it, as none would outlive this shard without it. Any lost one where this shard is its own
+        arbiter. None if none is lost, if the record names it or may yet, or if the arbiter cannot say.
+        Blocks for that call (RELEASE_ASK_SECONDS at most)."""
         journal = self._journal()
         feed = journal.following() if journal is not None else None
         if feed is None or feed.lost is None:
@@ -724,7 +726,9 @@ class Replication:
             record = self._arbiter("lease", self.index, self.me, feed.address, timeout=RELEASE_ASK_SECONDS)
         except PSError:
             return None
-        return feed if record["primary"] == self.me and record["backup"] != feed.address else None
+        asked = feed.read_changes  # (read after the loss: an IN_SYNC not asked by now never will be)
+        return feed if record["primary"] == self.me and record["backup"] != feed.address and (
+            asked is None or record["changes"] != asked) else None
 
     def _lost(self, feed: Feed, why: str) -> None:
         journal = self._journal()

@@ -405,12 +405,14 @@ def test_checkpoint_writes_have_one_gate_the_folder_a_promoted_shard_waits_for_a
 def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path):
     """Replication.released, which a repeat at this shard (as an arbiter) asks before it answers without that
     backup: none while the backup follows; once it is lost, whatever the arbiter's record says (a lease
-    renewal) decides: still named in sync, or no answer, it is not released; named no more, it is. A shard
+    renewal) decides: still named in sync, or no answer, it is not released; named no more, it is, unless the
+    feed asked IN_SYNC naming the record's count as it stands (decided late, it would name it again). A shard
     that is its own arbiter releases it at once."""
     journal = Journal(tmp_path)
     journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
-    records = [{"primary": "a:1", "backup": "b:1"}, ServerUnavailableError("no answer"),
-               {"primary": "a:1", "backup": ""}]
+    records = [{"primary": "a:1", "backup": "b:1", "changes": 3}, ServerUnavailableError("no answer"),
+               {"primary": "a:1", "backup": "", "changes": 3}, {"primary": "a:1", "backup": "", "changes": 3},
+               {"primary": "a:1", "backup": "", "changes": 4}]
     asked = []
 
     def arbiter(action, index, primary, backup, timeout=None, changes=None):
@@ -431,7 +433,9 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
         feed.lose("its stream broke")
         journal.follower_lost(feed)
         assert [replication.released() for _ in range(3)] == [None, None, feed]
-        assert asked == [("lease", 1, "a:1", "b:1", None)] * 3  # plain renewals: they never wait at the arbiter
+        feed.read_changes = 3  # its IN_SYNC named count 3: at 3, the record may name it yet
+        assert [replication.released() for _ in range(2)] == [None, feed]
+        assert asked == [("lease", 1, "a:1", "b:1", None)] * 5  # plain renewals: they never wait at the arbiter
         assert own.released() is feed
     finally:
         journal.close()
