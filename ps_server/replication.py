@@ -229,6 +229,9 @@ class Feed:
         # The arbiter's count of changes the last IN_SYNC of it names (Replication._record_in_sync), set before
         # that IN_SYNC is asked: its DROP names it (replicas.py). None: none was asked.
         self.read_changes: int | None = None
+        # True from just before the IN_SYNC's last look at the loss until that look saw it: an IN_SYNC may be
+        # on its way (Replication.released). False: none was asked, or none will be.
+        self.in_sync_asked = False
         # Called (outside its lock) once something was queued, or the feed lost: see pieces.
         self.on_queued: Callable[[], None] = _nothing
 
@@ -666,8 +669,10 @@ class Replication:
             # Set before gone() is looked at: a drop thread that does not see it sees the loss here. From now on a
             # restart drops whatever the record names first (the IN_SYNC asked next may be decided late).
             feed.read_changes = read["changes"]
+            feed.in_sync_asked = True  # before gone(): released() either sees it or this sees the loss
             (self._journal().directory / REPLICATED).touch()
             if gone():  # (a DROP decided before the read was asked after the loss: it is seen)
+                feed.in_sync_asked = False
                 return False
             record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
             if record is None:
@@ -712,7 +717,7 @@ class Replication:
         """This shard's backup that was lost and is not detached yet, once its arbiter's record, asked now (a
         lease renewal: the record as the arbiter holds it, which promotes no backup it does not name), does
         not name it in sync and never will: its count of changes is past the one the feed's IN_SYNC named, if
-        one was asked (that IN_SYNC, decided late, then changes nothing). None of this shard's changes then
+        one may be on its way (that IN_SYNC, decided late, then changes nothing). None of this shard's changes then
         waits on it, as none would outlive this shard without it. Any lost one where this shard is its own
         arbiter. None if none is lost, if the record names it or may yet, or if the arbiter cannot say.
         Blocks for that call (RELEASE_ASK_SECONDS at most)."""
@@ -726,9 +731,9 @@ class Replication:
             record = self._arbiter("lease", self.index, self.me, feed.address, timeout=RELEASE_ASK_SECONDS)
         except PSError:
             return None
-        asked = feed.read_changes  # (read after the loss: an IN_SYNC not asked by now never will be)
+        # (Read after the loss: an IN_SYNC not on its way by now never will be.)
         return feed if record["primary"] == self.me and record["backup"] != feed.address and (
-            asked is None or record["changes"] != asked) else None
+            not feed.in_sync_asked or record["changes"] != feed.read_changes) else None
 
     def _lost(self, feed: Feed, why: str) -> None:
         journal = self._journal()

@@ -412,7 +412,7 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
     journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
     records = [{"primary": "a:1", "backup": "b:1", "changes": 3}, ServerUnavailableError("no answer"),
                {"primary": "a:1", "backup": "", "changes": 3}, {"primary": "a:1", "backup": "", "changes": 3},
-               {"primary": "a:1", "backup": "", "changes": 4}]
+               {"primary": "a:1", "backup": "", "changes": 3}, {"primary": "a:1", "backup": "", "changes": 4}]
     asked = []
 
     def arbiter(action, index, primary, backup, timeout=None, changes=None):
@@ -433,9 +433,11 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
         feed.lose("its stream broke")
         journal.follower_lost(feed)
         assert [replication.released() for _ in range(3)] == [None, None, feed]
-        feed.read_changes = 3  # its IN_SYNC named count 3: at 3, the record may name it yet
+        feed.read_changes = 3  # the count read, but no IN_SYNC asked (the loss seen first): its DROP may name
+        assert replication.released() is feed  # none, which leaves the count at 3 where no backup is in sync
+        feed.in_sync_asked = True  # its IN_SYNC named count 3: at 3, the record may name it yet
         assert [replication.released() for _ in range(2)] == [None, feed]
-        assert asked == [("lease", 1, "a:1", "b:1", None)] * 5  # plain renewals: they never wait at the arbiter
+        assert asked == [("lease", 1, "a:1", "b:1", None)] * 6  # plain renewals: they never wait at the arbiter
         assert own.released() is feed
     finally:
         journal.close()
