@@ -83,7 +83,7 @@ from .journal import Journal
 from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED
 
 __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
-           "FAILOVER_AFTER_SECONDS"]
+           "FAILOVER_AFTER_SECONDS", "PROGRESS_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over

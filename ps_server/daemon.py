@@ -30,7 +30,7 @@ from ..memory import tune_malloc
 from ..cluster import arbiter_of
 from ..security import Security
 from . import checkpoint
-from .backup import Backup, confirm_role, needs_role_check
+from .backup import PROGRESS_SECONDS, Backup, confirm_role, needs_role_check
 from .failstop import FailStop
 from .journal import Journal, Layout
 from .metrics import ShardMetrics
@@ -175,6 +175,29 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     return serve(args, cluster, index, address, security, me=me, promoted=True)
 
 
+def _await_takeover(index: int, me: str, backup: str, cluster: Cluster, security: Security, stop: threading.Event,
+                    failover_after: float) -> tuple[str, str] | None:
+    """(A primary started on an empty journal folder whose arbiter records `backup` in sync.) That backup holds
+    the changes this shard acknowledged since the last checkpoint, which this process lacks: it neither serves
+    nor drops it, and renews no lease, so the backup is promoted once it asks. Waits (saying so every
+    PROGRESS_SECONDS) until the arbiter's record names another primary, or no backup in sync; that record, or
+    None at `stop`."""
+    _LOGGER.warning("ps %d starts on an empty journal folder while its arbiter records its backup %s in sync, which "
+                    "holds what this shard acknowledged since the last checkpoint: it waits for that backup to take "
+                    "over, and then follows it", index, backup)
+    said = time.monotonic()
+    while True:
+        if stop.wait(failover_after):
+            return None
+        record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop, failover_after * 4)
+        if record is None or record[0] != me or not record[1]:
+            return record
+        if time.monotonic() - said >= PROGRESS_SECONDS:
+            said = time.monotonic()
+            _LOGGER.warning("ps %d still waits for its backup %s to take over (start it, or let it reach its "
+                            "arbiter)", index, record[1])
+
+
 def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: float):
     """The shard's locks (hold_shard), waited for up to `wait` s: a confirmed primary's, on a checkpoint folder it
     shares with another process of its shard that is stopping (a replaced primary stops once its arbiter
@@ -276,6 +299,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, cluster, index, failstop.fatal)
+        empty = journal is not None and not journal.holds_state()  # a new disk's folder: no change it acknowledged
         if args.checkpoint_dir and fence is None and folder_wait is None:  # else cleaned once it holds the folder
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index, journaled=journal is not None) \
@@ -343,6 +367,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         def confirm() -> None:
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
                                   args.failover_after * 4)
+            if record is not None and empty and record[0] == me and record[1]:
+                record = _await_takeover(index, me, record[1], cluster, security, stop, args.failover_after)
             if record is None:
                 return
             if record[0] != me:

@@ -321,6 +321,47 @@ def test_a_primary_never_goes_on_alone_on_an_arbiters_word_that_its_lost_backup_
         local.stop()
 
 
+def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_waits_for_that_backup(tmp_path):
+    """ps:1 acknowledges pushes past its last checkpoint with its backup in sync; the backup is paused, ps:1
+    killed and its journal folder deleted, so ps 0 still records ps:1 served there with that backup in sync.
+    Started again with --replicated on the empty folder, ps:1 neither serves the checkpoint (it lacks what it
+    acknowledged since) nor drops the backup: it waits; resumed, the backup takes over, the restarted one
+    follows it, and every push is there once."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    old = local.address(1)
+    restarted = None
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.save_checkpoint(0)
+            ps.push(grads)  # past the checkpoint: on ps:1's disk and its backup's only
+            backup.send_signal(signal.SIGSTOP)
+            local.kill_ps(1)
+            shutil.rmtree(journal_dir(tmp_path / "ck", 1))
+            restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old, ["--replicated"])
+            wait_until(lambda: "waits for that backup to take over" in (tmp_path / "restarted.log").read_text(), 30,
+                       "the restarted ps:1 to wait for its backup")
+            entry = _replicas(ps)[1]
+            assert (entry.primary, entry.backup) == (old, backup_address), "nothing dropped the backup"
+            backup.send_signal(signal.SIGCONT)
+            wait_until(lambda: (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (backup_address, old), 60,
+                       "the backup to take over and the restarted one to follow it")
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+    finally:
+        backup.send_signal(signal.SIGCONT)
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=30)
+        backup.terminate()
+        backup.wait(timeout=30)
+        local.stop()
+    assert "serving on" not in (tmp_path / "restarted.log").read_text()
+
+
 def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the_promoted_backup(tmp_path):
     """ps:1's primary is killed and its backup promoted while the client calls nothing; the old primary is started
     again on its disk at its address with a cluster spec whose ps 0 it cannot reach, so it answers GetStatus but
