@@ -363,7 +363,7 @@ class Coordinator:
             self._start_applier()
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
-                    changes: int | None = None, released: Callable[[], object] = lambda: None) -> dict:
+                    changes: int | None = None, released: Callable[[bool], object] = lambda ask: None) -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
         journal record (at most `timeout` s). ModeConflictError on another shard than the arbiter, for a
@@ -373,9 +373,9 @@ class Coordinator:
         request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
         (ReplicaRegistry.decide). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not journaled,
         never blocks); one with `changes` (any value) is a read of the record's count too: it waits until
-        every change recorded so far is in the journal (written by ps 0's backup too). `released()`, asked
+        every change recorded so far is in the journal (written by ps 0's backup too). `released(ask)`, asked
         for a repeat only: this shard's lost backup that its own arbiter no longer records in sync, if any
-        (Replication.released; blocks for a call to that arbiter)."""
+        (Replication.released; blocks for a call to that arbiter); with `ask` False, the lost one unasked."""
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
@@ -401,11 +401,14 @@ class Coordinator:
         # backup of this arbiter's that was lost, once this arbiter's own arbiter no longer records it in sync,
         # so it is never promoted without the change (ps 0 and ps 1, each the other's arbiter, both losing
         # theirs, would otherwise wait on each other's drops for good: each one's first attempt decides the
-        # other's drop and waits, its retry finds its own backup dropped there and answers).
+        # other's drop and waits, its retry finds its own backup dropped there and answers). The promotion of
+        # this arbiter's own arbiter's backup is answered past the lost backup unasked: only that promoted one
+        # could drop it (a host that ran this arbiter's backup and its arbiter is gone: see docs/roadmap.md).
         if ticket is not None:
             self.recorder.durable(ticket, timeout)
         else:
-            self.recorder.durable_all(timeout, released())
+            own = action == "promote" and index == arbiter_of(self._index, self._spec_shards)
+            self.recorder.durable_all(timeout, released(not own))
         if event is not None:
             _LOGGER.info("ps 0 records ps:%d: %s", index, event)
         return self.replicas.entry(index)

@@ -362,6 +362,38 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
     assert "serving on" not in (tmp_path / "restarted.log").read_text()
 
 
+def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_and_ps_0_goes_on(tmp_path):
+    """ps 0 and ps 1 each have a backup; ps 1 and ps 0's backup are killed at once (a host that ran both): ps 0
+    decides the promotion of ps 1's backup but cannot make it durable (its own backup is lost, and only ps 1,
+    its arbiter, could drop it). Its retry is answered without that backup, since only the promoted one can
+    drop it now; the promoted one then drops it, and both shards serve every push once."""
+    local, backup1, address1, cluster = _start(tmp_path)
+    (port,) = free_ports(1)
+    address0 = f"127.0.0.1:{port}"
+    backup0 = _backup_process(tmp_path, cluster, 0, cluster.ps[0], address0, "backup-0")
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            _create_in_sync(ps, address1)
+            wait_until(lambda: _backup(ps, 0) == address0, 30, "ps 1 to record ps 0's backup in sync")
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            backup0.kill()
+            local.kill_ps(1)
+            backup0.wait(timeout=30)
+            ps.push(grads)  # both shards: ps 1's by its promoted backup, ps 0's once that one dropped ps 0's
+            assert _replicas(ps)[1].primary == address1
+            values = ps.pull(SHAPES)
+            for name, shape in SHAPES.items():
+                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+    finally:
+        if backup0.poll() is None:
+            backup0.kill()
+        backup1.terminate()
+        backup1.wait(timeout=30)
+        local.stop()
+    assert "goes on without a backup" in local.log(0)
+
+
 def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the_promoted_backup(tmp_path):
     """ps:1's primary is killed and its backup promoted while the client calls nothing; the old primary is started
     again on its disk at its address with a cluster spec whose ps 0 it cannot reach, so it answers GetStatus but

@@ -433,6 +433,7 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
         feed.lose("its stream broke")
         journal.follower_lost(feed)
         assert [replication.released() for _ in range(3)] == [None, None, feed]
+        assert replication.released(ask=False) is feed  # unasked (the promotion of this shard's own arbiter)
         feed.read_changes = 3  # the count read, but no IN_SYNC asked (the loss seen first): its DROP may name
         assert replication.released() is feed  # none, which leaves the count at 3 where no backup is in sync
         feed.in_sync_asked = True  # its IN_SYNC named count 3: at 3, the record may name it yet
@@ -549,13 +550,13 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
         journal.follower_lost(again)
         with pytest.raises(WaitTimeoutError):  # its own arbiter still records it in sync: promoted, it would
             coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1,  # lack the drop
-                                    released=lambda: None)
+                                    released=lambda ask: None)
         entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1,  # dropped there: at once
-                                        released=lambda: again)
+                                        released=lambda ask: again)
         assert entry["changes"] == 2  # (ps 0 and ps 1, each the other's arbiter, both losing their backups,
         with pytest.raises(WaitTimeoutError):  # would otherwise wait on each other's drops for good)
             coordinator.set_replica("drop", 1, "h:1", "", timeout=0.2, changes=2,  # counted: waits as before
-                                    released=lambda: again)
+                                    released=lambda ask: again)
     finally:
         coordinator.close()
         journal.close()
