@@ -183,10 +183,13 @@ def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):
         local.stop()
 
 
-def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over_again(tmp_path):
-    """ps:1's primary is killed (its disk kept) and its backup promoted; started again with its own command, it
-    asks ps 0 who serves ps:1 and becomes the new primary's backup, in sync while pushes go on; the new primary
-    is killed in turn and the old one serves again, every push counted once."""
+@pytest.mark.parametrize("disk", ["kept", "new"])
+def test_an_old_primary_restarted_follows_the_new_one_and_takes_over_again(tmp_path, disk):
+    """ps:1's primary is killed and its backup promoted; started again with its own command, it asks ps 0 who
+    serves ps:1 and becomes the new primary's backup, in sync while pushes go on; the new primary is killed in
+    turn and the old one serves again, every push counted once. On its disk, its folder says it had a backup;
+    on a new one (its journal folder deleted, a checkpoint it could serve beside the promoted backup),
+    --replicated makes it ask."""
     local, backup, backup_address, cluster = _start(tmp_path)
     old = local.address(1)
     restarted = None
@@ -195,10 +198,15 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
             _create_in_sync(ps, backup_address)
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.push(grads)
+            if disk == "new":
+                ps.save_checkpoint(1)
             local.kill_ps(1)
+            if disk == "new":
+                shutil.rmtree(journal_dir(tmp_path / "ck", 1))
             ps.push(grads)  # served by the promoted backup
             assert _replicas(ps)[1].primary == backup_address
-            restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old)
+            restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old,
+                                           ["--replicated"] if disk == "new" else [])
             wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
             ps.push(grads)
             backup.kill()
@@ -218,41 +226,6 @@ def test_an_old_primary_restarted_on_its_disk_follows_the_new_one_and_takes_over
             backup.wait(timeout=30)
         local.stop()
     assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
-
-
-def test_an_old_primary_restarted_on_a_new_disk_with_replicated_asks_its_arbiter_and_becomes_the_backup(tmp_path):
-    """ps:1's primary is killed and its journal folder deleted (a new disk: nothing in it says the shard had a
-    backup); its backup is promoted. Started again with --replicated, it asks ps 0 who serves ps:1 before it
-    serves, instead of serving beside the promoted backup from the job's checkpoint folder: it becomes that
-    one's backup, and the pushes go on exactly."""
-    local, backup, backup_address, cluster = _start(tmp_path)
-    old = local.address(1)
-    restarted = None
-    try:
-        with PSClient(cluster, connect_timeout=30) as ps:
-            _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
-            ps.push(grads)
-            ps.save_checkpoint(1)  # what the old primary would serve, had it not asked
-            local.kill_ps(1)
-            shutil.rmtree(journal_dir(tmp_path / "ck", 1))
-            ps.push(grads)  # served by the promoted backup
-            assert _replicas(ps)[1].primary == backup_address
-            restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old, ["--replicated"])
-            wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
-            ps.push(grads)
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -3.0)), name
-    finally:
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(timeout=30)
-        backup.terminate()
-        backup.wait(timeout=30)
-        local.stop()
-    log = (tmp_path / "restarted.log").read_text()
-    assert "becomes its backup" in log and "serving on" not in log, log[-3000:]
 
 
 def test_an_arbiter_whose_call_threads_all_wait_for_its_journal_still_answers_its_shards(tmp_path):
