@@ -3,8 +3,8 @@ that strike one of a shard's two processes, and how long each failover took.
 
 Every shard runs as two processes, its *hosts*, each with the job's cluster spec and a fixed --bind, picked
 before anything starts (worker/launch_replicas.py's ReplicaPlan, written to the phase's folder): host 0
-(--replicated) binds the shard's port and is known to the job at the spec's address (ps 1's is the soak's proxy, which forwards to
-host 0's port), host 1 is the backup (`ps-server --replica-of SPEC_ADDRESS --bind B --journal-dir
+(--replicated) binds the shard's port and is known to the job at the spec's address (ps 1's is the soak's
+proxy, which forwards to host 0's port), host 1 is the backup (`ps-server --replica-of SPEC_ADDRESS --bind B --journal-dir
 CKPT/journal/ps-N-backup`). Both get the shards' flags: the job's --checkpoint-dir (a promoted backup writes
 its shard's file of every later checkpoint there) and the shards' token table and admin token (a backup
 calls its primary and the arbiter with its shard's own line of the table, ps:N, in the ps role, as every

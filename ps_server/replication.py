@@ -227,7 +227,7 @@ class Feed:
         self._heard = False              # an ack came
         self.lost: str | None = None     # why the feed ended, once it did
         # The arbiter's count of changes the last IN_SYNC of it names (Replication._record_in_sync), set before
-        # that IN_SYNC is asked: its DROP names it (replicas.py). None: none was asked.
+        # that IN_SYNC is asked: its DROP names it (replicas.py). None: no count read yet.
         self.read_changes: int | None = None
         # True from just before the IN_SYNC's last look at the loss until that look saw it: an IN_SYNC may be
         # on its way (Replication.released). False: none was asked, or none will be.
@@ -717,8 +717,8 @@ class Replication:
         """This shard's backup that was lost and is not detached yet, once its arbiter's record, asked now (a
         lease renewal: the record as the arbiter holds it, which promotes no backup it does not name), does
         not name it in sync and never will: its count of changes is past the one the feed's IN_SYNC named, if
-        one may be on its way (that IN_SYNC, decided late, then changes nothing). None of this shard's changes then
-        waits on it, as none would outlive this shard without it. Any lost one where this shard is its own
+        one may be on its way (that IN_SYNC, decided late, then changes nothing). None of this shard's changes
+        then waits on it, as none would outlive this shard without it. Any lost one where this shard is its own
         arbiter, or with `ask` False (the arbiter is not asked). None if none is lost, if the record names it or
         may yet, or if the arbiter cannot say. Blocks for that call (RELEASE_ASK_SECONDS at most)."""
         journal = self._journal()
