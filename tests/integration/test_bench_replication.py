@@ -33,7 +33,8 @@ def test_the_cost_runs_report_both_jobs_steps_and_every_process_s_cpu(quick):
         assert set(rates) == {"unreplicated", "replicated"} and all(v > 0 for v in rates.values()), group
         assert result[f"small_{mode}_ratio"] == group["ratio"] == rates["replicated"] / rates["unreplicated"]
         cpu = group["cpu_per_step"]
-        assert cpu["unreplicated"]["backup_ms"] is None and cpu["replicated"]["backup_ms"] > 0, cpu
+        # The backup's CPU is read in the kernel's 10 ms ticks: a quick run on a loaded machine may use none.
+        assert cpu["unreplicated"]["backup_ms"] is None and cpu["replicated"]["backup_ms"] >= 0, cpu
         assert all(c["ps_ms"] > 0 and c["compute_ms"] > 0 and c["update_ms"] > 0 for c in cpu.values()), cpu
         assert f"| small | {mode} | replicated |" in stdout
     assert result["cost"]["small"]["sync"]["raw"]["sync_steps_per_window"] >= 2
