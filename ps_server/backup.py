@@ -44,7 +44,13 @@ arbiter's layout epoch no longer has the shard (a live resize removed it),
 it stops (run returns False: ps-server exits 0). A copy is replaced only
 when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
-written.
+written. A backup restarted on its folder (REPLICATED: its last copy's base
+was written whole) asks the same way, from that copy, once its primary is
+unreachable for `failover_after` s: its arbiter still recording it in sync
+means the copy holds every change the primary acknowledged (the primary
+acknowledged none past it without dropping it first), so a primary that
+restarted on an empty folder meanwhile, waiting for this backup, is taken
+over as after a live failover.
 
 A primary whose folder says a backup of it held its base once (`REPLICATED`:
 a backup's copy says so too), or started with --replicated (its folder may be
@@ -423,7 +429,9 @@ class Backup:
         self._security = security
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
-        self.holds_copy = False  # the folder holds a whole copy some stream began with a base
+        # The folder holds a whole copy some stream began with a base: this run's, or, restarted on its disk, an
+        # earlier run's (the arbiter promotes it only while its record names this backup in sync, see below).
+        self.holds_copy = (self.folder / REPLICATED).exists()
         self._refused = ""  # the last refusal logged
         self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
         self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter

@@ -294,12 +294,14 @@ def test_a_primary_never_goes_on_alone_on_an_arbiters_word_that_its_lost_backup_
         local.stop()
 
 
-def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_waits_for_that_backup(tmp_path):
+@pytest.mark.parametrize("backup_was", ["paused", "restarted"])
+def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_waits_for_that_backup(tmp_path,
+                                                                                                      backup_was):
     """ps:1 acknowledges pushes past its last checkpoint with its backup in sync; the backup is paused, ps:1
-    killed and its journal folder deleted, so ps 0 still records ps:1 served there with that backup in sync.
-    Started again with --replicated on the empty folder, ps:1 neither serves the checkpoint (it lacks what it
-    acknowledged since) nor drops the backup: it waits; resumed, the backup takes over, the restarted one
-    follows it, and every push is there once."""
+    killed (then the backup too, a whole job lost) and its journal folder deleted, so ps 0 still records ps:1
+    served there with that backup in sync. Started again with --replicated on the empty folder, ps:1 neither serves the checkpoint (it
+    lacks what it acknowledged since) nor drops the backup: it waits; resumed (or started again on its disk,
+    from the copy there), the backup takes over, the restarted one follows it, and every push is there once."""
     local, backup, backup_address, cluster = _start(tmp_path)
     old = local.address(1)
     restarted = None
@@ -309,15 +311,21 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
             grads = {n: torch.ones(s) for n, s in SHAPES.items()}
             ps.save_checkpoint(0)
             ps.push(grads)  # past the checkpoint: on ps:1's disk and its backup's only
-            backup.send_signal(signal.SIGSTOP)
+            backup.send_signal(signal.SIGSTOP)  # (killed now, ps:1 would drop it)
             local.kill_ps(1)
+            if backup_was == "restarted":
+                backup.kill()
+                backup.wait(timeout=30)
             shutil.rmtree(journal_dir(tmp_path / "ck", 1))
             restarted = _restarted_primary(tmp_path, json.dumps(cluster.to_dict()), old, ["--replicated"])
             wait_until(lambda: "waits for that backup to take over" in (tmp_path / "restarted.log").read_text(), 30,
                        "the restarted ps:1 to wait for its backup")
             entry = _replicas(ps)[1]
             assert (entry.primary, entry.backup) == (old, backup_address), "nothing dropped the backup"
-            backup.send_signal(signal.SIGCONT)
+            if backup_was == "paused":
+                backup.send_signal(signal.SIGCONT)
+            else:  # on the folder its copy is in, at its address: as _start started it
+                backup = _backup_process(tmp_path, cluster, 1, old, backup_address, "backup-1")
             wait_until(lambda: (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (backup_address, old), 60,
                        "the backup to take over and the restarted one to follow it")
             ps.push(grads)
