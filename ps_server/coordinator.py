@@ -408,7 +408,10 @@ class Coordinator:
             self.recorder.durable(ticket, timeout)
         else:
             own = action == "promote" and index == arbiter_of(self._index, self._spec_shards)
-            self.recorder.durable_all(timeout, released(not own))
+            asked = time.monotonic()
+            lost = released(not own)  # (its call's time is the caller's too)
+            self.recorder.durable_all(None if timeout is None else max(0.0, timeout - (time.monotonic() - asked)),
+                                      lost)
         if event is not None:
             _LOGGER.info("ps 0 records ps:%d: %s", index, event)
         return self.replicas.entry(index)

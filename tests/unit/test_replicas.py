@@ -2,6 +2,7 @@
 journal waits for a backup that follows it (journal.py), until ps 0 dropped it."""
 
 import threading
+import types
 
 import pytest
 import torch
@@ -560,6 +561,34 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
     finally:
         coordinator.close()
         journal.close()
+
+
+def test_a_repeat_waits_for_its_change_only_what_is_left_of_its_deadline_once_its_arbiter_was_asked(monkeypatch):
+    """A repeat asks this arbiter's own arbiter whether its lost backup is released (a call of up to 2 s) before
+    it waits for the change to be durable: that wait gets what is left of the caller's deadline, never all of
+    it again (the call's clock is the coordinator's, moved here by the ask)."""
+    from torchps.ps_server import coordinator as coordinator_module
+    from torchps.ps_server.coordinator import Coordinator
+    from torchps.ps_server.store import VariableStore
+
+    coordinator = Coordinator(VariableStore(), owns_step=True, index=0, addresses=SPEC, failover_after=0.3)
+    try:
+        coordinator.set_replica("drop", 1, "h:1", "", timeout=5.0, changes=0)  # counted: the next is a repeat
+        clock, waits = [100.0], []
+        monkeypatch.setattr(coordinator_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+        monkeypatch.setattr(coordinator.recorder, "durable_all", lambda timeout, released=None: waits.append(
+            (timeout, released)))
+
+        def released(ask: bool) -> None:
+            clock[0] += 1.5  # the ask took 1.5 s of the caller's 5
+            return None
+
+        coordinator.set_replica("drop", 1, "h:1", "", timeout=5.0, changes=0, released=released)
+        coordinator.set_replica("drop", 1, "h:1", "", timeout=1.0, changes=0, released=released)
+        coordinator.set_replica("drop", 1, "h:1", "", timeout=None, changes=0, released=released)
+        assert waits == [(pytest.approx(3.5), None), (0.0, None), (None, None)]
+    finally:
+        coordinator.close()
 
 
 def test_a_backup_the_record_lost_while_its_primary_follows_is_recorded_in_sync_again(tmp_path):
