@@ -76,6 +76,18 @@ def _create_in_sync(ps, backup_address: str, shard: int = 1) -> None:
                30, f"ps:{arbiter} to record ps:{shard}'s backup in sync")
 
 
+def _ones() -> dict:
+    """A push of ones to every variable of SHAPES."""
+    return {n: torch.ones(s) for n, s in SHAPES.items()}
+
+
+def _assert_values(ps, value: float) -> None:
+    """Every variable of SHAPES, pulled, is `value` throughout (from zeros, SGD lr 1: minus the pushes of ones)."""
+    values = ps.pull(SHAPES)
+    for name, shape in SHAPES.items():
+        assert torch.equal(values[name], torch.full(shape, value)), name
+
+
 @pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "no-lanes"])
 def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path, lanes):
     """ps:1 is killed and its folder deleted (its host is gone) between two runs of pushes of ones (on bulk
@@ -88,16 +100,14 @@ def test_a_lost_primarys_backup_serves_every_acknowledged_push(tmp_path, lanes):
             _create_in_sync(ps, backup_address)
             assert ("its acks on a lane of their own" in local.log(1)) == lanes, local.log(1)[-3000:]
             assert [ps.placement.shard_of(n) for n in SHAPES] == [0, 1]
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             for _ in range(15):
                 ps.push(grads)
             local.kill_ps(1)
             shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
             for _ in range(15):
                 ps.push(grads)
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -30.0)), name
+            _assert_values(ps, -30.0)
             entry = _replicas(ps)[1]
             assert (entry.primary, entry.backup, entry.failovers) == (backup_address, "", 1)
             assert ps._fanout.channels.relocated == 1
@@ -143,12 +153,11 @@ def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls
                     assert not answered and exc.code() == refused, exc
                 finally:
                     channels.close()
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             local.kill_ps(1)
             ps.push(grads)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -2.0)) for n, s in SHAPES.items())
+            _assert_values(ps, -2.0)
             assert _replicas(ps)[1].primary == backup_address
     finally:
         backup.terminate()
@@ -163,7 +172,7 @@ def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address, shard=0)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             for _ in range(15):
                 ps.push(grads)
             step = ps.global_step()
@@ -172,9 +181,7 @@ def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):
             for _ in range(15):
                 ps.push(grads)
             assert ps.global_step() == step + 15
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -30.0)), name
+            _assert_values(ps, -30.0)
             entry = _replicas(ps, 1)[0]
             assert (entry.primary, entry.backup, entry.failovers) == (backup_address, "", 1)
     finally:
@@ -196,7 +203,7 @@ def test_an_old_primary_restarted_follows_the_new_one_and_takes_over_again(tmp_p
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             if disk == "new":
                 ps.save_checkpoint(1)
@@ -214,9 +221,7 @@ def test_an_old_primary_restarted_follows_the_new_one_and_takes_over_again(tmp_p
             ps.push(grads)
             entry = _replicas(ps)[1]
             assert (entry.primary, entry.failovers) == (old, 2)
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -4.0)), name
+            _assert_values(ps, -4.0)
     finally:
         if restarted is not None:
             restarted.terminate()
@@ -308,7 +313,7 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
     try:
         with PSClient(cluster, connect_timeout=60) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.save_checkpoint(0)
             ps.push(grads)  # past the checkpoint: on ps:1's disk and its backup's only
             backup.send_signal(signal.SIGSTOP)  # (killed now, ps:1 would drop it)
@@ -329,9 +334,7 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
             wait_until(lambda: (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (backup_address, old), 60,
                        "the backup to take over and the restarted one to follow it")
             ps.push(grads)
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            _assert_values(ps, -2.0)
     finally:
         backup.send_signal(signal.SIGCONT)
         if restarted is not None:
@@ -356,16 +359,14 @@ def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_and_ps_0_goes_on(t
         with PSClient(cluster, connect_timeout=60) as ps:
             _create_in_sync(ps, address1)
             wait_until(lambda: _backup(ps, 0) == address0, 30, "ps 1 to record ps 0's backup in sync")
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             backup0.kill()
             local.kill_ps(1)
             backup0.wait(timeout=30)
             ps.push(grads)  # both shards: ps 1's by its promoted backup, ps 0's once that one dropped ps 0's
             assert _replicas(ps)[1].primary == address1
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            _assert_values(ps, -2.0)
     finally:
         if backup0.poll() is None:
             backup0.kill()
@@ -388,7 +389,7 @@ def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the
     try:
         with PSClient(cluster, connect_timeout=60) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             local.kill_ps(1)
             wait_until(lambda: _replicas(ps)[1].primary == backup_address, 30, "the backup's promotion")
@@ -402,9 +403,7 @@ def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the
             ps.push(grads)
             assert time.monotonic() - started < 20, "the push waited at the fenced old primary"
             assert ps._fanout.channels.addresses[1] == backup_address and ps._fanout.channels.relocated == 1
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            _assert_values(ps, -2.0)
             assert restarted.poll() is None, "the old primary waits for its arbiter"
     finally:
         if restarted is not None:
@@ -457,7 +456,7 @@ def test_ps0_and_ps1_losing_their_backups_at_once_each_drop_the_others_and_go_on
             _create_in_sync(ps, backup_address)
             wait_until(lambda: _replicas(ps, 1).get(0) is not None and _replicas(ps, 1)[0].backup == other, 30,
                        "ps 1 to record ps 0's backup in sync")
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             backup.kill()
             backup0.kill()
@@ -467,9 +466,7 @@ def test_ps0_and_ps1_losing_their_backups_at_once_each_drop_the_others_and_go_on
             ps.push(grads)
             assert time.monotonic() - started < 30, "the two drops waited on each other"
             assert _replicas(ps, 1)[0].backup == "" and _replicas(ps, 0)[1].backup == ""
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            _assert_values(ps, -2.0)
     finally:
         for proc in (backup, backup0):
             if proc.poll() is None:
@@ -487,7 +484,7 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             backup.send_signal(signal.SIGSTOP)
             local.kill_ps(1)
@@ -499,8 +496,7 @@ def test_a_primary_restarted_before_its_backup_took_over_drops_it_before_serving
             backup.send_signal(signal.SIGCONT)
             wait_until(lambda: _replicas(ps)[1].backup == backup_address, 30, "the backup to follow again")
             local.kill_ps(1)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -2.0)) for n, s in SHAPES.items())
+            _assert_values(ps, -2.0)
             assert _replicas(ps)[1].primary == backup_address
     finally:
         backup.send_signal(signal.SIGCONT)
@@ -537,7 +533,7 @@ def test_a_backup_whose_disk_fills_follows_again_from_a_new_base_and_its_primary
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             log = tmp_path / "backup.log"
             limit = log.stat().st_size + (64 << 10)  # room for its own lines, not for 20 records of 4 KB
             hard = resource.prlimit(backup.pid, resource.RLIMIT_FSIZE)[1]
@@ -555,8 +551,7 @@ def test_a_backup_whose_disk_fills_follows_again_from_a_new_base_and_its_primary
             wait_until(lambda: _replicas(ps)[1].backup == backup_address and _replicas(ps)[1].primary != backup_address,
                        30, "the backup in sync again")
             local.kill_ps(1)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -float(pushes))) for n, s in SHAPES.items())
+            _assert_values(ps, -float(pushes))
             assert _replicas(ps)[1].primary == backup_address
     finally:
         _resume_and_stop(local, backup)
@@ -591,7 +586,7 @@ def _ps_1_then_ps_0_fail_over(ps, local, address0: str, address1: str) -> dict:
     primary, pushes, kills ps 0's, pushes; the gradients pushed."""
     ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
     wait_until(lambda: (_backup(ps, 1), _backup(ps, 0)) == (address1, address0), 30, "both backups in sync")
-    grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+    grads = _ones()
     ps.push(grads)
     local.kill_ps(1)
     ps.push(grads)
@@ -613,14 +608,12 @@ def test_ps_1_then_ps_0_fail_over_each_backup_finding_its_arbiter_where_it_moved
         with PSClient(cluster, connect_timeout=DOUBLE_FAILOVER) as ps:
             wait_until(lambda: record_of(arbiters, 1) == (cluster.ps[1], address1), 30, "ps 0 to record ps:1's backup")
             grads = _ps_1_then_ps_0_fail_over(ps, local, address0, address1)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
+            _assert_values(ps, -3.0)
             assert (_replicas(ps, 1)[0].primary, _replicas(ps)[1].primary) == (address0, address1)
             backups.append(_backup_process(tmp_path, cluster, 0, address0, fresh0, "fresh-0"))
             wait_until(lambda: _backup(ps, 0) == fresh0, 30, "ps 1 to record ps 0's fresh backup in sync")
             ps.push(grads)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -4.0)) for n, s in SHAPES.items())
+            _assert_values(ps, -4.0)
     finally:
         for backup in backups:
             backup.terminate()
@@ -729,7 +722,7 @@ def test_a_backup_that_was_paused_itself_does_not_take_over_its_live_primary(tmp
     try:
         with PSClient(cluster, connect_timeout=30, timeout=60) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             backup.send_signal(signal.SIGSTOP)
             time.sleep(3 * FAILOVER_AFTER_SECONDS)  # the fault: the backup does not run this long
@@ -743,9 +736,7 @@ def test_a_backup_that_was_paused_itself_does_not_take_over_its_live_primary(tmp
             assert local.procs[1].poll() is None and ps._fanout.channels.relocated == 0
             log = (tmp_path / "backup.log").read_text()
             assert "sent nothing" not in log, f"the backup took its own pause for its primary's silence:\n{log}"
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -float(pushed))), name
+            _assert_values(ps, -float(pushed))
     finally:
         if backup.poll() is None:
             backup.send_signal(signal.SIGCONT)
@@ -763,7 +754,7 @@ def test_a_backup_is_never_promoted_over_a_primary_that_renews_its_lease(tmp_pat
     try:
         with PSClient(cluster, connect_timeout=30) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
 
             def ask(action, primary: str, backup: str):
                 change = ps_pb2.ReplicaChange(action=action, index=1, primary=primary, backup=backup)
@@ -781,9 +772,7 @@ def test_a_backup_is_never_promoted_over_a_primary_that_renews_its_lease(tmp_pat
             entry = _replicas(ps)[1]
             assert (entry.primary, entry.backup, entry.failovers) == (cluster.ps[1], backup_address, 0), entry
             assert refused >= 3 and ps._fanout.channels.relocated == 0
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -float(pushed))), name
+            _assert_values(ps, -float(pushed))
     finally:
         backup.terminate()
         backup.wait(timeout=30)
@@ -801,7 +790,7 @@ def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_lon
     try:
         with PSClient(cluster, connect_timeout=30, timeout=300) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             asked = time.monotonic()
             polled = ps_pb2_grpc.ParameterServerStub(channel).GetLayout.future(ps_pb2.LayoutRequest(
@@ -817,9 +806,7 @@ def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_lon
             assert ps._fanout.channels.relocated == 1 and watch.asked >= 1
             record = {entry.index: entry.primary for entry in polled.result(timeout=30).replicas}
             assert record[1] == backup_address and time.monotonic() - asked < 10.0, "answered at its watch's end"
-            values = ps.pull(SHAPES)
-            for name, shape in SHAPES.items():
-                assert torch.equal(values[name], torch.full(shape, -2.0)), name
+            _assert_values(ps, -2.0)
             local.procs[1].send_signal(signal.SIGCONT)
             assert local.procs[1].wait(timeout=30) == EXIT_CODE, "resumed, the old primary is fenced and stops"
     finally:
@@ -851,7 +838,7 @@ def test_a_backup_promoted_over_a_paused_primary_that_shares_its_checkpoint_fold
     try:
         with PSClient(cluster, connect_timeout=30, timeout=60) as ps:
             _create_in_sync(ps, backup_address)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            grads = _ones()
             ps.push(grads)
             local.procs[1].send_signal(signal.SIGSTOP)
             ps.push(grads)  # answered by the promoted backup (the failover watch moves it there)
