@@ -7,7 +7,9 @@
 torchps: one ps-server shard (LocalCluster, --torch-threads 1) and this
 process's PSClient with a Linear(16, 4) (68 floats, SGD); each of push(),
 pull() and exchange() (PushPull: push and pull in one call) run `--calls`
-times in a row after 200 warm-up calls. The floor: a server process whose
+times in a row after 200 warm-up calls; then a push of a model of
+`--variables` small tensors (Linear(8, 8)s: 72 floats each pair), what a
+shard does per variable, `--calls` / 10 times. The floor: a server process whose
 one unary method returns its 100-byte request, on grpc.aio (what a shard
 runs) and on the synchronous server, called `--calls` times in a row from a
 synchronous channel here. For each: wall time per call, this process's CPU
@@ -82,7 +84,7 @@ def bench_floor(kind: str, calls: int) -> dict:
         proc.kill()
 
 
-def bench_torchps(calls: int) -> dict:
+def bench_torchps(calls: int, variables: int) -> dict:
     import torch
     from pullpush import start_cluster
     from torchps.client import Optimizer, PSClient
@@ -97,8 +99,14 @@ def bench_torchps(calls: int) -> dict:
             binding = client.register_module(model, Optimizer("sgd", lr=1e-3), create=True)
             for parameter in model.parameters():
                 parameter.grad = torch.full_like(parameter, 1e-3)
-            return {name: timed(call, calls, pids) for name, call in
-                    (("push", binding.push), ("pull", binding.pull), ("exchange", binding.exchange))}
+            figures = {name: timed(call, calls, pids) for name, call in
+                       (("push", binding.push), ("pull", binding.pull), ("exchange", binding.exchange))}
+            many = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(variables // 2)))
+            binding = client.register_module(many, Optimizer("sgd", lr=1e-3), create=True, prefix="many/")
+            for parameter in many.parameters():
+                parameter.grad = torch.full_like(parameter, 1e-3)
+            figures[f"push_{variables}_variables"] = timed(binding.push, max(calls // 10, 1), pids)
+            return figures
     finally:
         local.__exit__(None, None, None)
 
@@ -106,15 +114,18 @@ def bench_torchps(calls: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls in a row per measurement (default 2000)")
+    parser.add_argument("--variables", type=int, default=200,
+                        help="small variables of the last push's model (default 200: a BERT-base has about 200)")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    results = {"torchps": bench_torchps(args.calls)}
+    results = {"torchps": bench_torchps(args.calls, args.variables)}
     log("torchps done")
     results["grpc_aio_floor"] = bench_floor("aio", args.calls)
     results["grpc_sync_floor"] = bench_floor("sync", args.calls)
     rows = [("torchps push", results["torchps"]["push"]), ("torchps pull", results["torchps"]["pull"]),
             ("torchps exchange (PushPull)", results["torchps"]["exchange"]),
+            (f"torchps push of {args.variables} variables", results["torchps"][f"push_{args.variables}_variables"]),
             ("gRPC floor: grpc.aio server, 100-byte echo", results["grpc_aio_floor"]),
             ("gRPC floor: sync server, 100-byte echo", results["grpc_sync_floor"])]
     print("| call, one at a time | wall ms | client CPU ms | server CPU ms |\n| --- | --- | --- | --- |")
@@ -125,7 +136,7 @@ def main(argv=None) -> int:
                "push_client_cpu_ms <= 0.3": push["client_cpu_ms"] <= 0.3}
     print("\n" + "\n".join(f"target {k}: {'met' if v else 'NOT met'}" for k, v in targets.items()))
     env = environment()
-    results.update(calls=args.calls, targets=targets, environment=env, wall_seconds=time.monotonic() - started,
+    results.update(calls=args.calls, variables=args.variables, targets=targets, environment=env, wall_seconds=time.monotonic() - started,
                    command=" ".join(["python", *sys.argv]))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))

@@ -146,6 +146,10 @@ def _scalar_dtype() -> torch.dtype:
 
 def _sgd(h: Mapping[str, float], params: list, grads: list, states: list[dict]) -> None:
     momentum = h["momentum"]
+    if momentum == 0 and h["weight_decay"] == 0 and not h["maximize"] and params[0].device.type == "cpu":
+        for param, grad in zip(params, grads):  # torch.optim's plain step on the CPU (its single-tensor one),
+            param.add_(grad, alpha=-h["lr"])  # without its per-call dispatch
+        return
     buffers = [state.get("momentum_buffer") for state in states] if momentum != 0 else []
     sgd(params, grads, buffers, weight_decay=h["weight_decay"], momentum=momentum, lr=h["lr"],
         dampening=h["dampening"], nesterov=bool(h["nesterov"]), maximize=bool(h["maximize"]), has_sparse_grad=False,
@@ -214,11 +218,11 @@ class VariableOptimizer:
         return self._step is not None
 
     def apply(self, grad: torch.Tensor) -> None:
-        """One optimizer step on the variable with `grad` (same dtype and shape)."""
+        """One optimizer step on the variable with `grad` (same dtype and shape), under torch.no_grad() (the
+        caller's: VariableStore.apply enters it once for all of a push's variables)."""
         flat = grad.reshape(-1)
-        with torch.no_grad():
-            self._step(self.hyperparams, self._pieces, [flat[start:end] for start, end in self._bounds],
-                       self._states)
+        pieces = [flat] if len(self._bounds) == 1 else [flat[start:end] for start, end in self._bounds]
+        self._step(self.hyperparams, self._pieces, pieces, self._states)
 
     def set_hyperparams(self, updates: Mapping[str, float]) -> None:
         """Changes hyperparameters from the next step on (e.g. {'lr': 0.01})."""

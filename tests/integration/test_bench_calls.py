@@ -18,5 +18,5 @@ def test_the_calls_benchmark_times_tiny_calls_beside_grpc_s_floor(tmp_path):
     for figures in [*result["torchps"].values(), result["grpc_aio_floor"], result["grpc_sync_floor"]]:
         assert set(figures) == {"wall_ms", "client_cpu_ms", "server_cpu_ms"}
         assert figures["wall_ms"] > 0 and figures["server_cpu_ms"] > 0, figures
-    assert set(result["torchps"]) == {"push", "pull", "exchange"}
+    assert set(result["torchps"]) == {"push", "pull", "exchange", "push_200_variables"}
     assert "| torchps push |" in run.stdout and "target push_shard_cpu_ms <= 0.3" in run.stdout
