@@ -44,13 +44,17 @@ arbiter's layout epoch no longer has the shard (a live resize removed it),
 it stops (run returns False: ps-server exits 0). A copy is replaced only
 when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
-written. A backup restarted on its folder (REPLICATED: its last copy's base
-was written whole) asks the same way, from that copy, once its primary is
-unreachable for `failover_after` s: its arbiter still recording it in sync
-means the copy holds every change the primary acknowledged (the primary
-acknowledged none past it without dropping it first), so a primary that
-restarted on an empty folder meanwhile, waiting for this backup, is taken
-over as after a live failover.
+written. A backup restarted on its folder asks the same way, from that copy,
+once its primary is unreachable for `failover_after` s, if the copy still
+holds every record it acknowledged (copy_kept: its base came whole, and the
+host has not restarted since or every record was synced) and the arbiter's
+record names it in sync (asked first): the primary acknowledged nothing past
+the copy without dropping it, so a primary restarted on an empty folder
+meanwhile, waiting for this backup, is taken over as after a live failover.
+A record that names this backup's address serving the shard (an earlier
+run was promoted, and this one was started with its backup's command) makes
+it serve as a restarted primary does, once its arbiter confirmed it and its
+backup in sync was dropped: never as a promotion the record holds already.
 
 A primary whose folder says a backup of it held its base once (`REPLICATED`:
 a backup's copy says so too), or started with --replicated (its folder may be
@@ -88,7 +92,7 @@ from .checkpoint import fsync_dir
 from .journal import Journal
 from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED
 
-__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
+__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of", "copy_kept",
            "FAILOVER_AFTER_SECONDS", "PROGRESS_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -348,7 +352,11 @@ class Mirror:
         self.journal = Journal(self.folder, sync=self.sync)
         self._place_files()
         self.journal.start_mirror(self._layout, number, head, data)
-        (self.folder / REPLICATED).touch()  # started on it, a process asks the arbiter who serves the shard
+        # Started on it, a process asks the arbiter who serves the shard; a backup restarted on it trusts the copy
+        # within this boot (copy_kept).
+        (self.folder / REPLICATED).write_text(boot_id())
+        if self.sync:
+            fsync_dir(self.folder)
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
 
     def written(self, timeout: float) -> int | None:
@@ -430,15 +438,24 @@ class Backup:
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
         # The folder holds a whole copy some stream began with a base: this run's, or, restarted on its disk, an
-        # earlier run's (the arbiter promotes it only while its record names this backup in sync, see below).
-        self.holds_copy = (self.folder / REPLICATED).exists()
+        # earlier run's that holds what that run acknowledged (copy_kept; run() asks the arbiter about it first).
+        self.holds_copy = copy_kept(self.folder, sync)
         self._refused = ""  # the last refusal logged
         self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
         self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter
         self.stop = threading.Event()
 
-    def run(self) -> bool:
-        """Follows the primary until its arbiter promotes this backup (True: serve) or stop is set (False). Blocks."""
+    def run(self) -> str:
+        """Follows the primary until its arbiter promotes this backup ("promoted": serve) or stop is set (""). A
+        backup started on a copy an earlier run kept asks the arbiter's record first: one that names this
+        address serving the shard ("serves": an earlier run was promoted, and this process was started again
+        with its backup's command) serves it as a restarted primary does, once its arbiter confirmed it; one
+        that does not name this backup in sync makes the copy one to replace. Blocks."""
+        if self.holds_copy:
+            role = self._recorded_role()
+            if role in ("serves", None):
+                return role or ""
+            self.holds_copy = role == "in sync"
         unreachable_since: float | None = None
         while not self.stop.is_set():
             reason = self._follow_once()
@@ -453,16 +470,39 @@ class Backup:
                 unreachable_since = time.monotonic()
             elif reason == "silent" and self.holds_copy:
                 if self._promote():
-                    return True
+                    return "promoted"
                 unreachable_since = None  # its lease holds, or the arbiter did not answer: follow it again
             elif self.holds_copy:
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since >= self.failover_after and self._promote():
-                    return True
+                    return "promoted"
             left = unreachable_since + self.failover_after - time.monotonic() \
                 if unreachable_since is not None and self.holds_copy else 0.0
             self.stop.wait(left if 0.0 < left < RETRY_SECONDS else RETRY_SECONDS)  # asks as the window ends
-        return False
+        return ""
+
+    def _recorded_role(self) -> str | None:
+        """What the arbiter's record says of this process: "serves" (it names this address serving the shard),
+        "in sync" (this backup, in sync), "" (neither). Asks until it answers (saying so every
+        PROGRESS_SECONDS); None once stopped."""
+        started = said = time.monotonic()
+        while not self.stop.is_set():
+            try:
+                record = record_of(self._ps0, self.index)
+            except PSError as exc:
+                if time.monotonic() - said >= PROGRESS_SECONDS:
+                    said = time.monotonic()
+                    _LOGGER.info("backup of ps:%d waits for its arbiter to say whether the copy in %s is the one in "
+                                 "sync (%.0f s: %s)", self.index, self.folder, said - started, exc)
+                self.stop.wait(RETRY_SECONDS)
+                continue
+            if record is not None and record[0] == self.me:
+                _LOGGER.warning("ps:%d's arbiter records it served at %s, this backup's address: it serves ps:%d "
+                                "from its folder once its arbiter confirms it, as a restarted primary", self.index,
+                                self.me, self.index)
+                return "serves"
+            return "in sync" if record is not None and record[1] == self.me else ""
+        return None
 
     def _follow_once(self) -> str:
         """One stream: "followed" (frames came, then it ended), "silent" (frames came, then none, not even a
@@ -531,7 +571,9 @@ class Backup:
                     return
 
         def take(frame: ps_pb2.ReplicaFrame, on_lane: bool = False) -> None:  # (the stream's thread; after
-            ack = mirror.take(frame, on_lane)                                   # TO_LANE, the lane's)
+            if frame.kind == _FRAME.BASE and mirror.journal is None:            # TO_LANE, the lane's)
+                self.holds_copy = False  # the stream's first base replaces the copy: none whole until it is written
+            ack = mirror.take(frame, on_lane)
             while mirror.replica_events:
                 self._follow_arbiter(mirror.replica_events.pop(0))
             if ack is not None:
@@ -770,6 +812,27 @@ def serving(channels, index: int) -> str | None:
     """The address the arbiter of shard `index` records it served at, None if it records none (record_of)."""
     record = record_of(channels, index)
     return record[0] if record else None
+
+
+def boot_id() -> str:
+    """This boot of the host's kernel ("" where the kernel does not say)."""
+    try:
+        return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def copy_kept(folder: pathlib.Path, sync: bool) -> bool:
+    """Whether `folder` holds a backup's copy that still has every record that backup acknowledged: its last
+    base written whole (REPLICATED written after it) and, unless every record was synced to the disk before
+    it was acknowledged (`sync`: --journal-sync), the host not restarted since (the marker names this boot:
+    what the page cache held is still there)."""
+    marker = folder / REPLICATED
+    try:
+        written_in = marker.read_text().strip()
+    except OSError:
+        return False
+    return sync or (written_in != "" and written_in == boot_id())
 
 
 def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path, replicated: bool = False) -> bool:

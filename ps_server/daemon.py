@@ -142,7 +142,8 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
                  primary: str, me: str) -> int:
     """Runs the backup of shard `index` at `primary` (ps-server --replica-of; backup.py) until SIGTERM/SIGHUP
     (0) or SIGINT (130), or the job's end; once its arbiter promotes it, serves the shard bound to `address`
-    from its copy, known to the job as `me` (serve)."""
+    from its copy, known to the job as `me` (serve); started on a copy whose arbiter records `me` serving the
+    shard already (Backup.run's "serves"), serves it as a restarted primary does, once its arbiter confirmed it."""
     try:
         held = hold_shard(None, args.journal_dir, index)
     except PSError as exc:
@@ -164,15 +165,18 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     signpost = Signpost(index, address, security, lambda: backup.primary)  # says where ps N is served until then
     signpost.start()
     try:
-        promoted = backup.run()
+        role = backup.run()
     finally:
         signpost.stop()  # before the promoted backup binds the same address
         backup.close()
         held.release()
-    if not promoted:
+    if not role:
         return INTERRUPTED if interrupted and interrupted[0] else 0
     args.replica_of, args.restore_from = None, None
-    return serve(args, cluster, index, address, security, me=me, promoted=True)
+    # "serves": the record names this address serving the shard already (an earlier run of it was promoted):
+    # it serves as a restarted primary, once its arbiter confirmed it, its backup in sync dropped first.
+    args.replicated = args.replicated or role == "serves"
+    return serve(args, cluster, index, address, security, me=me, promoted=role == "promoted")
 
 
 def _await_takeover(index: int, me: str, backup: str, cluster: Cluster, security: Security, stop: threading.Event,

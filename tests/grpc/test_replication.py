@@ -233,6 +233,55 @@ def test_an_old_primary_restarted_follows_the_new_one_and_takes_over_again(tmp_p
     assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
 
 
+def test_a_promoted_backup_and_its_backup_restarted_with_their_own_commands_serve_as_before(tmp_path):
+    """ps:1's backup was promoted and the old primary follows it, in sync; both processes die and are started
+    again with their own commands (the backup's --replica-of the old primary, the old primary's --replicated).
+    The arbiter's record names the promoted one serving ps:1: started as a backup on its copy, it serves as a
+    restarted primary does (its arbiter confirms it, the record's backup dropped first), never as a promotion
+    the record already holds, which would skip that drop and leave the old primary, still named in sync, free
+    to be promoted beside it. The old primary follows it again; one failover in all, every push once."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    old = local.address(1)
+    spec = json.dumps(cluster.to_dict())
+    restarted = None
+    try:
+        with PSClient(cluster, connect_timeout=30) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = _ones()
+            ps.push(grads)
+            local.kill_ps(1)
+            ps.push(grads)  # served by the promoted backup
+            restarted = _restarted_primary(tmp_path, spec, old, ["--replicated"])
+            wait_until(lambda: _replicas(ps)[1].backup == old, 30, "the old primary to follow the new one")
+            ps.push(grads)
+            restarted.send_signal(signal.SIGSTOP)  # (running, it would take over)
+            backup.kill()
+            backup.wait(timeout=30)
+            restarted.kill()
+            restarted.wait(timeout=30)
+            assert (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (backup_address, old)
+            backup = _backup_process(tmp_path, cluster, 1, old, backup_address, "backup-1")  # its copy, as before
+            wait_until(lambda: "confirms it serves ps:1" in (tmp_path / "backup-1.log").read_text(), 60,
+                       "the promoted one, started with its backup's command, to serve once confirmed")
+            restarted = _restarted_primary(tmp_path, spec, old, ["--replicated"])
+            wait_until(lambda: _replicas(ps)[1].backup == old, 60, "the old primary to follow it again")
+            ps.push(grads)
+            entry = _replicas(ps)[1]
+            assert (entry.primary, entry.failovers) == (backup_address, 1)
+            _assert_values(ps, -4.0)
+    finally:
+        if restarted is not None:
+            restarted.send_signal(signal.SIGCONT)
+            restarted.terminate()
+            restarted.wait(timeout=30)
+        if backup.poll() is None:
+            backup.terminate()
+            backup.wait(timeout=30)
+        local.stop()
+    log = (tmp_path / "backup-1.log").read_text()
+    assert "as a restarted primary" in log and "this backup serves it" not in log, log[-3000:]
+
+
 def test_an_arbiter_whose_call_threads_all_wait_for_its_journal_still_answers_its_shards(tmp_path):
     """ps 0 (2 call threads) has a backup, paused: every change ps 0 records waits for it. Two CreateDataQueue
     calls hold both threads in that wait (their records unacknowledged). ps 0 still answers SetReplica, which

@@ -13,10 +13,11 @@ import torch
 from torchps.errors import LaneBrokenError, MalformedStreamError, ServerUnavailableError, WaitTimeoutError
 from torchps.lanes import Lane
 from torchps.proto import ps_pb2
-from torchps.ps_server import journal_log
-from torchps.ps_server.backup import Mirror
+from torchps.ps_server import backup, journal_log
+from torchps.ps_server.backup import Mirror, copy_kept
 from torchps.ps_server.journal import Journal
-from torchps.ps_server.replication import ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
+from torchps.ps_server.replication import (ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, REPLICATED,
+                                          Feed)
 
 ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
@@ -154,6 +155,26 @@ def test_a_copy_follows_rotations_and_later_bases(tmp_path):
     _copy(feed, tmp_path / "copy")
     primary.close()
     assert not lost and _same(tmp_path / "copy", tmp_path / "primary")["step"] == 5
+
+
+def test_a_copy_is_kept_for_a_restart_within_the_boot_it_was_written_in_or_synced(tmp_path, monkeypatch):
+    """backup.copy_kept, which lets a backup restarted on its folder ask to take over from the copy there: its
+    base came whole (the marker, written after it, names the boot), and either the host has not restarted since
+    (the page cache still holds what was acknowledged) or every record was synced first (--journal-sync). A
+    primary's folder (its marker names no boot) and a folder without a copy are not kept."""
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    feed, _ = _feed()
+    _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
+    primary.close()
+    assert not copy_kept(tmp_path / "copy", sync=False), "no copy yet"
+    _copy(feed, tmp_path / "copy")
+    assert copy_kept(tmp_path / "copy", sync=False) and copy_kept(tmp_path / "copy", sync=True)
+    monkeypatch.setattr(backup, "boot_id", lambda: "another boot")  # the host restarted since
+    assert not copy_kept(tmp_path / "copy", sync=False), "its unsynced records may be gone with the page cache"
+    assert copy_kept(tmp_path / "copy", sync=True)
+    (tmp_path / "primary" / REPLICATED).touch()  # a primary's: a backup of it held its base once
+    assert not copy_kept(tmp_path / "primary", sync=False) and copy_kept(tmp_path / "primary", sync=True)
 
 
 def test_compactions_go_on_after_a_backup_was_attached_from_a_thread_that_lives_on(tmp_path):
