@@ -363,10 +363,11 @@ class Coordinator:
             self._start_applier()
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
-                    changes: int | None = None, released: Callable[[bool], object] = lambda ask: None) -> dict:
+                    changes: int | None = None,
+                    released: Callable[[bool, float | None], object] = lambda ask, timeout: None) -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
-        journal record (at most `timeout` s). ModeConflictError on another shard than the arbiter, for a
+        journal record, every step within `timeout` s of the call's start. ModeConflictError on another shard than the arbiter, for a
         PROMOTE of a one-shard job's ps 0 (by hand only), and for an IN_SYNC of a shard past this shard's
         layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
         for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
@@ -375,7 +376,13 @@ class Coordinator:
         never blocks); one with `changes` (any value) is a read of the record's count too: it waits until
         every change recorded so far is in the journal (written by ps 0's backup too). `released(ask)`, asked
         for a repeat only: this shard's lost backup that its own arbiter no longer records in sync, if any
-        (Replication.released; blocks for a call to that arbiter); with `ask` False, the lost one unasked."""
+        (Replication.released; blocks for a call to that arbiter, within the seconds left it is given); with
+        `ask` False, the lost one unasked."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:  # what is left of `timeout` (a lease's wait, the gate, an ask took their part)
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
@@ -384,13 +391,13 @@ class Coordinator:
         if action == "lease":  # a read of the count an IN_SYNC will name: of changes that outlive this arbiter
             with self.recorder.ordering:  # every change applied so far is logged too (both hold it)
                 entry = self.replicas.renew(index, primary)
-            self.recorder.durable_all(timeout)
+            self.recorder.durable_all(left())
             return entry
         if action == "promote" and index == self._index:
             raise ModeConflictError(f"ps:{index}'s backup takes over by hand (start ps-server --index {index} on its "
                                     f"journal folder at its address): no shard but it can grant its failover")
         if action == "promote":
-            self._outlast_lease(index, primary, backup, timeout)
+            self._outlast_lease(index, primary, backup, left())
         ticket = None
         with self.gate.change(), self.recorder.ordering:
             event = self.replicas.decide(action, index, primary, backup, changes)
@@ -405,13 +412,11 @@ class Coordinator:
         # this arbiter's own arbiter's backup is answered past the lost backup unasked: only that promoted one
         # could drop it (a host that ran this arbiter's backup and its arbiter is gone: see docs/roadmap.md).
         if ticket is not None:
-            self.recorder.durable(ticket, timeout)
+            self.recorder.durable(ticket, left())
         else:
             own = action == "promote" and index == arbiter_of(self._index, self._spec_shards)
-            asked = time.monotonic()
-            lost = released(not own)  # (its call's time is the caller's too)
-            self.recorder.durable_all(None if timeout is None else max(0.0, timeout - (time.monotonic() - asked)),
-                                      lost)
+            lost = released(not own, left())
+            self.recorder.durable_all(left(), lost)
         if event is not None:
             _LOGGER.info("ps 0 records ps:%d: %s", index, event)
         return self.replicas.entry(index)

@@ -98,7 +98,7 @@ class ReplicaRPCs:
                                              request.backup, timeout=timeout,
                                              changes=request.changes if request.HasField("changes") else None,
                                              released=self.replication.released if self.replication is not None
-                                             else lambda ask: None)
+                                             else lambda ask, timeout: None)
         return replicas_of(request.index, entry)
 
 

@@ -713,22 +713,26 @@ class Replication:
             due = max(due + LEASE_EVERY_SECONDS, time.monotonic())
             time.sleep(max(0.0, due - time.monotonic()))
 
-    def released(self, ask: bool = True) -> Feed | None:
+    def released(self, ask: bool = True, timeout: float | None = None) -> Feed | None:
         """This shard's backup that was lost and is not detached yet, once its arbiter's record, asked now (a
         lease renewal: the record as the arbiter holds it, which promotes no backup it does not name), does
         not name it in sync and never will: its count of changes is past the one the feed's IN_SYNC named, if
         one may be on its way (that IN_SYNC, decided late, then changes nothing). None of this shard's changes
         then waits on it, as none would outlive this shard without it. Any lost one where this shard is its own
         arbiter, or with `ask` False (the arbiter is not asked). None if none is lost, if the record names it or
-        may yet, or if the arbiter cannot say. Blocks for that call (RELEASE_ASK_SECONDS at most)."""
+        may yet, or if the arbiter cannot say. Blocks for that call (RELEASE_ASK_SECONDS at most, and at most
+        `timeout`: none is made with nothing left)."""
         journal = self._journal()
         feed = journal.following() if journal is not None else None
         if feed is None or feed.lost is None:
             return None
         if self._self_arbitrated or not ask:
             return feed
-        try:
-            record = self._arbiter("lease", self.index, self.me, feed.address, timeout=RELEASE_ASK_SECONDS)
+        limit = RELEASE_ASK_SECONDS if timeout is None else min(RELEASE_ASK_SECONDS, timeout)
+        if limit <= 0:
+            return None
+        try:  # (attempts of half the limit, retried for the other half: all of it within the limit)
+            record = self._arbiter("lease", self.index, self.me, feed.address, timeout=limit / 2)
         except PSError:
             return None
         # (Read after the loss: an IN_SYNC not on its way by now never will be.)

@@ -408,7 +408,8 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
     backup: none while the backup follows; once it is lost, whatever the arbiter's record says (a lease
     renewal) decides: still named in sync, or no answer, it is not released; named no more, it is, unless the
     feed asked IN_SYNC naming the record's count as it stands (decided late, it would name it again). A shard
-    that is its own arbiter releases it at once."""
+    that is its own arbiter releases it at once. The ask fits in the seconds it is given (attempts of half of
+    them, retried for the other half), and none is made with nothing left."""
     journal = Journal(tmp_path)
     journal.start({"step": 0, "variables": {"w": torch.zeros(2)}})
     records = [{"primary": "a:1", "backup": "b:1", "changes": 3}, ServerUnavailableError("no answer"),
@@ -417,7 +418,7 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
     asked = []
 
     def arbiter(action, index, primary, backup, timeout=None, changes=None):
-        asked.append((action, index, primary, backup, changes))
+        asked.append((action, index, primary, backup, changes, timeout))
         answer = records.pop(0)
         if isinstance(answer, Exception):
             raise answer
@@ -438,8 +439,11 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
         feed.read_changes = 3  # the count read, but no IN_SYNC asked (the loss seen first): its DROP may name
         assert replication.released() is feed  # none, which leaves the count at 3 where no backup is in sync
         feed.in_sync_asked = True  # its IN_SYNC named count 3: at 3, the record may name it yet
-        assert [replication.released() for _ in range(2)] == [None, feed]
-        assert asked == [("lease", 1, "a:1", "b:1", None)] * 6  # plain renewals: they never wait at the arbiter
+        assert replication.released(timeout=1.0) is None  # (the record still at 3)
+        assert replication.released(timeout=0.0) is None and len(asked) == 5, "no time left: not asked"
+        assert replication.released() is feed
+        assert [call[:5] for call in asked] == [("lease", 1, "a:1", "b:1", None)] * 6  # plain renewals: they never
+        assert [call[5] for call in asked] == [1.0] * 4 + [0.5, 1.0]                    # wait at the arbiter
         assert own.released() is feed
     finally:
         journal.close()
@@ -551,13 +555,13 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
         journal.follower_lost(again)
         with pytest.raises(WaitTimeoutError):  # its own arbiter still records it in sync: promoted, it would
             coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1,  # lack the drop
-                                    released=lambda ask: None)
+                                    released=lambda ask, timeout: None)
         entry = coordinator.set_replica("drop", 1, "h:1", "b:1", timeout=0.2, changes=1,  # dropped there: at once
-                                        released=lambda ask: again)
+                                        released=lambda ask, timeout: again)
         assert entry["changes"] == 2  # (ps 0 and ps 1, each the other's arbiter, both losing their backups,
         with pytest.raises(WaitTimeoutError):  # would otherwise wait on each other's drops for good)
             coordinator.set_replica("drop", 1, "h:1", "", timeout=0.2, changes=2,  # counted: waits as before
-                                    released=lambda ask: again)
+                                    released=lambda ask, timeout: again)
     finally:
         coordinator.close()
         journal.close()
@@ -565,8 +569,8 @@ def test_a_read_of_the_count_waits_until_every_change_it_counts_is_durable(tmp_p
 
 def test_a_repeat_waits_for_its_change_only_what_is_left_of_its_deadline_once_its_arbiter_was_asked(monkeypatch):
     """A repeat asks this arbiter's own arbiter whether its lost backup is released (a call of up to 2 s) before
-    it waits for the change to be durable: that wait gets what is left of the caller's deadline, never all of
-    it again (the call's clock is the coordinator's, moved here by the ask)."""
+    it waits for the change to be durable: the ask is given the caller's deadline, and the wait what is left of
+    it, never all of it again (the call's clock is the coordinator's, moved here by the ask)."""
     from torchps.ps_server import coordinator as coordinator_module
     from torchps.ps_server.coordinator import Coordinator
     from torchps.ps_server.store import VariableStore
@@ -574,19 +578,39 @@ def test_a_repeat_waits_for_its_change_only_what_is_left_of_its_deadline_once_it
     coordinator = Coordinator(VariableStore(), owns_step=True, index=0, addresses=SPEC, failover_after=0.3)
     try:
         coordinator.set_replica("drop", 1, "h:1", "", timeout=5.0, changes=0)  # counted: the next is a repeat
-        clock, waits = [100.0], []
+        clock, waits, given = [100.0], [], []
         monkeypatch.setattr(coordinator_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
         monkeypatch.setattr(coordinator.recorder, "durable_all", lambda timeout, released=None: waits.append(
             (timeout, released)))
 
-        def released(ask: bool) -> None:
+        def released(ask: bool, timeout: float | None) -> None:
+            given.append(timeout)
             clock[0] += 1.5  # the ask took 1.5 s of the caller's 5
             return None
 
         coordinator.set_replica("drop", 1, "h:1", "", timeout=5.0, changes=0, released=released)
         coordinator.set_replica("drop", 1, "h:1", "", timeout=1.0, changes=0, released=released)
         coordinator.set_replica("drop", 1, "h:1", "", timeout=None, changes=0, released=released)
-        assert waits == [(pytest.approx(3.5), None), (0.0, None), (None, None)]
+        assert given == [5.0, 1.0, None] and waits == [(pytest.approx(3.5), None), (0.0, None), (None, None)]
+    finally:
+        coordinator.close()
+
+
+def test_a_promotion_that_outlasted_the_primarys_lease_waits_for_its_record_only_what_is_left(monkeypatch):
+    """A PROMOTE asked while the primary's lease holds (a new arbiter hears leases for a whole window first)
+    waits that out, then is granted: its record's durable wait (no journal here: every record so far) gets what
+    is left of the caller's deadline, not all of it again."""
+    from torchps.ps_server.coordinator import Coordinator
+    from torchps.ps_server.store import VariableStore
+
+    coordinator = Coordinator(VariableStore(), owns_step=True, index=0, addresses=SPEC, failover_after=0.3)
+    waits = []
+    try:
+        coordinator.set_replica("in_sync", 1, "h:1", "b:1", timeout=5.0)
+        monkeypatch.setattr(coordinator.recorder, "durable_all", lambda timeout, released=None: waits.append(timeout))
+        entry = coordinator.set_replica("promote", 1, "h:1", "b:1", timeout=5.0)
+        assert entry["primary"] == "b:1"
+        assert len(waits) == 1 and waits[0] <= 5.0 - 0.2, "the lease's wait (what was left of 0.3 s) is counted"
     finally:
         coordinator.close()
 
