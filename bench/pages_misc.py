@@ -95,7 +95,8 @@ def calls_page(results: list[Result]) -> Page:
     page = Page.start(
         "calls.md", "Tiny calls",
         "`bench/calls.py`: a tiny push, pull and exchange, one at a time, CPU per call of client and shard, "
-        "beside a 100-byte echo on grpc.aio and on the synchronous gRPC server (gRPC's floor).")
+        "beside a 100-byte echo on grpc.aio and on the synchronous gRPC server (gRPC's floor); and a push of a "
+        "model of many small variables (`--variables`, 200 by default), what a shard spends per variable.")
     r = results[-1]
     rows = {f"torchps {call}": f for call, f in (r.get("torchps") or {}).items()}
     rows.update({"gRPC aio echo": r.get("grpc_aio_floor") or {}, "gRPC sync echo": r.get("grpc_sync_floor") or {}})
@@ -109,12 +110,15 @@ def calls_page(results: list[Result]) -> Page:
                           [[name, *(num(f.get(k), 3) for k in ("wall_ms", "client_cpu_ms", "server_cpu_ms"))]
                            for name, f in rows.items()]),
                    *table(["target", "met"], [[code(k), met(v)] for k, v in (r.get("targets") or {}).items()]),
-                   *section("How this was measured", [source(r, config={"calls": r.get("calls")})])]
+                   *section("How this was measured",
+                            [source(r, config={"calls": r.get("calls"), "variables": r.get("variables")})])]
     page.headline.append(("a tiny push: shard CPU ms per call (gRPC's echo floor)",
                           f"{num(r.get('torchps', 'push', 'server_cpu_ms'))} "
                           f"({num(r.get('grpc_aio_floor', 'server_cpu_ms'))})", r))
     page.lines += earlier(results[:-1], [("push shard CPU ms",
-                                          lambda r: num(r.get("torchps", "push", "server_cpu_ms")))])
+                                          lambda r: num(r.get("torchps", "push", "server_cpu_ms"))),
+                                         ("200-variable push shard CPU ms",
+                                          lambda r: num(r.get("torchps", "push_200_variables", "server_cpu_ms")))])
     return page
 
 
