@@ -90,7 +90,7 @@ from ..security import Security
 from . import journal_log
 from .checkpoint import fsync_dir
 from .journal import Journal
-from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED
+from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED, mark_replicated, written_this_boot
 
 __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of", "copy_kept",
            "FAILOVER_AFTER_SECONDS", "PROGRESS_SECONDS"]
@@ -354,9 +354,7 @@ class Mirror:
         self.journal.start_mirror(self._layout, number, head, data)
         # Started on it, a process asks the arbiter who serves the shard; a backup restarted on it trusts the copy
         # within this boot (copy_kept).
-        (self.folder / REPLICATED).write_text(boot_id())
-        if self.sync:
-            fsync_dir(self.folder)
+        mark_replicated(self.folder, self.sync)
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
 
     def written(self, timeout: float) -> int | None:
@@ -438,32 +436,46 @@ class Backup:
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
         # The folder holds a whole copy some stream began with a base: this run's, or, restarted on its disk, an
-        # earlier run's that holds what that run acknowledged (copy_kept; run() asks the arbiter about it first).
+        # earlier run's that holds what that run acknowledged (copy_kept), if the arbiter names it in sync (run()).
         self.holds_copy = copy_kept(self.folder, sync)
         self._refused = ""  # the last refusal logged
         self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
         self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter
+        self._asking = False  # run() asks the arbiter's record about the copy an earlier run left (until it answers)
         self.stop = threading.Event()
 
     def run(self) -> str:
         """Follows the primary until its arbiter promotes this backup ("promoted": serve) or stop is set (""). A
-        backup started on a copy an earlier run kept asks the arbiter's record first: one that names this
-        address serving the shard ("serves": an earlier run was promoted, and this process was started again
-        with its backup's command) serves it as a restarted primary does, once its arbiter confirmed it; one
-        that does not name this backup in sync makes the copy one to replace. Blocks."""
-        if self.holds_copy:
-            role = self._recorded_role()
-            if role in ("serves", None):
-                return role or ""
-            self.holds_copy = role == "in sync"
+        backup started on a folder an earlier run wrote (REPLICATED) asks the arbiter's record, between its
+        attempts to follow, until it answers or a new base replaces the copy: a record that names this address
+        serving the shard ("serves": an earlier run was promoted, and this process was started again with its
+        backup's command) has it serve as a restarted primary does, once its arbiter confirmed it (from its
+        folder, or, should that lack what it acknowledged, once its backup in sync took over: daemon.serve);
+        one naming this backup in sync lets it take over from the copy (if copy_kept); one naming another
+        primary than --replica-of's has it follow that one. Until the record answered, the copy is not one to
+        take over from. Blocks."""
+        kept, self.holds_copy = self.holds_copy, False
+        self._asking = (self.folder / REPLICATED).exists()
+        asked = said = time.monotonic()
         unreachable_since: float | None = None
         while not self.stop.is_set():
+            if self._asking:
+                role = self._recorded_role()
+                if role == "serves":
+                    return role
+                if role is not None:
+                    self._asking, self.holds_copy = False, kept and role == "in sync"
+                elif time.monotonic() - said >= PROGRESS_SECONDS:
+                    said = time.monotonic()
+                    _LOGGER.info("backup of ps:%d: its arbiter has not said for %.0f s whether the copy in %s is "
+                                 "the one in sync: it follows %s meanwhile", self.index, said - asked, self.folder,
+                                 self.primary)
             reason = self._follow_once()
             if reason != "refused":
                 self._refused = ""  # a later refusal is news again
             if reason == "finished":
                 _LOGGER.info("backup of ps:%d: the job finished (the chief's Shutdown): this backup stops", self.index)
-                return False
+                return ""
             if reason == "refused":  # the primary answers (it is dropping this backup first)
                 unreachable_since = None
             elif reason == "followed":
@@ -482,27 +494,23 @@ class Backup:
         return ""
 
     def _recorded_role(self) -> str | None:
-        """What the arbiter's record says of this process: "serves" (it names this address serving the shard),
-        "in sync" (this backup, in sync), "" (neither). Asks until it answers (saying so every
-        PROGRESS_SECONDS); None once stopped."""
-        started = said = time.monotonic()
-        while not self.stop.is_set():
-            try:
-                record = record_of(self._ps0, self.index)
-            except PSError as exc:
-                if time.monotonic() - said >= PROGRESS_SECONDS:
-                    said = time.monotonic()
-                    _LOGGER.info("backup of ps:%d waits for its arbiter to say whether the copy in %s is the one in "
-                                 "sync (%.0f s: %s)", self.index, self.folder, said - started, exc)
-                self.stop.wait(RETRY_SECONDS)
-                continue
-            if record is not None and record[0] == self.me:
-                _LOGGER.warning("ps:%d's arbiter records it served at %s, this backup's address: it serves ps:%d "
-                                "from its folder once its arbiter confirms it, as a restarted primary", self.index,
-                                self.me, self.index)
-                return "serves"
-            return "in sync" if record is not None and record[1] == self.me else ""
-        return None
+        """What the arbiter's record says of this process, asked once: "serves" (it names this address serving
+        the shard), "in sync" (this backup, in sync), "" (neither; the primary it names, if any, is the one to
+        follow from now on); None if the arbiter did not answer."""
+        try:
+            record = record_of(self._ps0, self.index)
+        except PSError:
+            return None
+        if record is not None and record[0] == self.me:
+            _LOGGER.warning("ps:%d's arbiter records it served at %s, this backup's address: it serves ps:%d from its "
+                            "folder once its arbiter confirms it, as a restarted primary", self.index, self.me,
+                            self.index)
+            return "serves"
+        if record is not None and record[0] != self.primary:
+            _LOGGER.info("backup of ps:%d: its arbiter records %s serving it: this backup follows that one",
+                         self.index, record[0])
+            self.primary = record[0]
+        return "in sync" if record is not None and record[1] == self.me else ""
 
     def _follow_once(self) -> str:
         """One stream: "followed" (frames came, then it ended), "silent" (frames came, then none, not even a
@@ -572,7 +580,7 @@ class Backup:
 
         def take(frame: ps_pb2.ReplicaFrame, on_lane: bool = False) -> None:  # (the stream's thread; after
             if frame.kind == _FRAME.BASE and mirror.journal is None:            # TO_LANE, the lane's)
-                self.holds_copy = False  # the stream's first base replaces the copy: none whole until it is written
+                self.holds_copy = self._asking = False  # the stream's first base replaces the copy: none whole
             ack = mirror.take(frame, on_lane)
             while mirror.replica_events:
                 self._follow_arbiter(mirror.replica_events.pop(0))
@@ -814,25 +822,11 @@ def serving(channels, index: int) -> str | None:
     return record[0] if record else None
 
 
-def boot_id() -> str:
-    """This boot of the host's kernel ("" where the kernel does not say)."""
-    try:
-        return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
 def copy_kept(folder: pathlib.Path, sync: bool) -> bool:
     """Whether `folder` holds a backup's copy that still has every record that backup acknowledged: its last
-    base written whole (REPLICATED written after it) and, unless every record was synced to the disk before
-    it was acknowledged (`sync`: --journal-sync), the host not restarted since (the marker names this boot:
-    what the page cache held is still there)."""
-    marker = folder / REPLICATED
-    try:
-        written_in = marker.read_text().strip()
-    except OSError:
-        return False
-    return sync or (written_in != "" and written_in == boot_id())
+    base came whole (the REPLICATED marker is written after it), and the host has not restarted since or every
+    record was synced first (replication.written_this_boot)."""
+    return written_this_boot(folder, sync)
 
 
 def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path, replicated: bool = False) -> bool:

@@ -85,13 +85,15 @@ from typing import Callable, Iterator, Sequence
 from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
 from ..wire import _key, _varint
+from .checkpoint import fsync_dir
 
 __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS",
-           "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED"]
+           "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED", "boot_id", "mark_replicated",
+           "written_this_boot"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
-REPLICATED = "replicated"   # a marker in a primary's journal folder: a backup of it held its base once
+REPLICATED = "replicated"   # a journal folder's marker: a backup held its base once (it names the host's boot then)
 ASK_AGAIN_SECONDS = 0.2     # between asks of the arbiter that could not reach it
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
 LEASE_EVERY_SECONDS = 0.05  # a primary with a backup in sync renews its lease at its arbiter this often
@@ -109,6 +111,33 @@ NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or
 OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
 ON_LOOP = object()      # Feed.pieces: the file was read (it blocks no more)
 Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout, changes]) -> the arbiter's record
+
+
+def boot_id() -> str:
+    """This boot of the host's kernel ("" where the kernel does not say)."""
+    try:
+        return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def mark_replicated(folder: pathlib.Path, sync: bool) -> None:
+    """Writes `folder`'s REPLICATED marker (a primary's journal whose backup is about to be in sync, or a backup's
+    copy whose base came whole), naming this boot (written_this_boot); synced with `sync`."""
+    (folder / REPLICATED).write_text(boot_id())
+    if sync:
+        fsync_dir(folder)
+
+
+def written_this_boot(folder: pathlib.Path, sync: bool) -> bool:
+    """Whether the journal in `folder` (a shard's, or a backup's copy) still holds every record it wrote since
+    its REPLICATED marker: the marker names this boot (the page cache still holds what was not on the disk), or
+    every record was synced before it counted (`sync`: --journal-sync). False without the marker."""
+    try:
+        written_in = (folder / REPLICATED).read_text().strip()
+    except OSError:
+        return False
+    return sync or (written_in != "" and written_in == boot_id())
 
 
 def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
@@ -670,7 +699,7 @@ class Replication:
             # restart drops whatever the record names first (the IN_SYNC asked next may be decided late).
             feed.read_changes = read["changes"]
             feed.in_sync_asked = True  # before gone(): released() either sees it or this sees the loss
-            (self._journal().directory / REPLICATED).touch()
+            mark_replicated(self._journal().directory, self._journal().sync)
             if gone():  # (a DROP decided before the read was asked after the loss: it is seen)
                 feed.in_sync_asked = False
                 return False

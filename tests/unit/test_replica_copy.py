@@ -13,7 +13,7 @@ import torch
 from torchps.errors import LaneBrokenError, MalformedStreamError, ServerUnavailableError, WaitTimeoutError
 from torchps.lanes import Lane
 from torchps.proto import ps_pb2
-from torchps.ps_server import backup, journal_log
+from torchps.ps_server import journal_log, replication
 from torchps.ps_server.backup import Mirror, copy_kept
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replication import (ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, REPLICATED,
@@ -170,7 +170,7 @@ def test_a_copy_is_kept_for_a_restart_within_the_boot_it_was_written_in_or_synce
     assert not copy_kept(tmp_path / "copy", sync=False), "no copy yet"
     _copy(feed, tmp_path / "copy")
     assert copy_kept(tmp_path / "copy", sync=False) and copy_kept(tmp_path / "copy", sync=True)
-    monkeypatch.setattr(backup, "boot_id", lambda: "another boot")  # the host restarted since
+    monkeypatch.setattr(replication, "boot_id", lambda: "another boot")  # the host restarted since
     assert not copy_kept(tmp_path / "copy", sync=False), "its unsynced records may be gone with the page cache"
     assert copy_kept(tmp_path / "copy", sync=True)
     (tmp_path / "primary" / REPLICATED).touch()  # a primary's: a backup of it held its base once
