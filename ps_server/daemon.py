@@ -84,9 +84,9 @@ def initial_state(args: argparse.Namespace, cluster: Cluster | None, index: int,
 
 def table_storage(args: argparse.Namespace, index: int, address: str, promoted: bool) -> TableStorage:
     """Where the shard keeps dynamic tables (--table-storage, --table-dir, --table-cache): the cache defaults to
-    half of --max-memory, else 256 MiB. A promoted backup keeps them in a folder of its own, named by the port
-    it serves at (DIR/ps-N-at-PORT; its process id for port 0): its old primary may still run beside it,
-    fenced."""
+    half of --max-memory, else 256 MiB. A `promoted` backup (or one serving at its own address again) keeps
+    them in a folder of its own, named by the port it serves at (DIR/ps-N-at-PORT; its process id for port 0):
+    its old primary may still run beside it, fenced."""
     cache = args.table_cache or (args.max_memory // 2 if args.max_memory else 256 << 20)
     port = address.rpartition(":")[2]
     name = (f"ps-{index}-at-{port}" if port != "0" else f"ps-{index}-pid-{os.getpid()}") if promoted else f"ps-{index}"
@@ -325,7 +325,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             keep_receive_bytes=args.keep_receive_buffers, lane_port=None if args.no_lanes else args.lane_port,
             pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout,
             failover_after=args.failover_after, fence=fence,
-            table_storage=table_storage(args, index, address, promoted or (cluster is not None and me != cluster.ps[index])))
+            table_storage=table_storage(args, index, address,
+                                        promoted or (cluster is not None and me != cluster.ps[index])))
         server.replication.hold_saving(folder_wait)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
