@@ -41,7 +41,7 @@ with them, so a client's retry of a push it got no answer for is applied
 once. Refused (the primary went on without it: DROP), it follows the
 primary the arbiter names again, from a new base; refused because the
 arbiter's layout epoch no longer has the shard (a live resize removed it),
-it stops (run returns False: ps-server exits 0). A copy is replaced only
+it stops (run returns "": ps-server exits 0). A copy is replaced only
 when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
 written. A backup restarted on its folder asks the same way, from that copy,

@@ -367,11 +367,11 @@ class Coordinator:
                     released: Callable[[bool, float | None], object] = lambda ask, timeout: None) -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
-        journal record, every step within `timeout` s of the call's start. ModeConflictError on another shard than the arbiter, for a
-        PROMOTE of a one-shard job's ps 0 (by hand only), and for an IN_SYNC of a shard past this shard's
-        layout epoch (asked again); ReplicaFencedError when the record names another primary or backup, or
-        for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for a malformed
-        request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
+        journal record, every step within `timeout` s of the call's start. ModeConflictError on another shard
+        than the arbiter, for a PROMOTE of a one-shard job's ps 0 (by hand only), and for an IN_SYNC of a shard
+        past this shard's layout epoch (asked again); ReplicaFencedError when the record names another primary
+        or backup, or for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for
+        a malformed request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
         (ReplicaRegistry.decide). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not journaled,
         never blocks); one with `changes` (any value) is a read of the record's count too: it waits until
         every change recorded so far is in the journal (written by ps 0's backup too). `released(ask)`, asked
