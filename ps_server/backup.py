@@ -46,8 +46,8 @@ when a new stream's base arrives, which the primary sends only once the
 arbiter dropped this backup, so a copy the arbiter may promote is never half
 written. A backup restarted on its folder asks the same way, from that copy,
 once its primary is unreachable for `failover_after` s, if the copy still
-holds every record it acknowledged (copy_kept: its base came whole, and the
-host has not restarted since or every record was synced) and the arbiter's
+holds every record it acknowledged (replication.copy_kept: its base came
+whole, and the host has not restarted since or every record was synced) and the arbiter's
 record names it in sync (asked first): the primary acknowledged nothing past
 the copy without dropping it, so a primary restarted on an empty folder
 meanwhile, waiting for this backup, is taken over as after a live failover.
@@ -90,9 +90,9 @@ from ..security import Security
 from . import journal_log
 from .checkpoint import fsync_dir
 from .journal import Journal
-from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED, mark_replicated, written_this_boot
+from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED, copy_kept, mark_replicated
 
-__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of", "copy_kept",
+__all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
            "FAILOVER_AFTER_SECONDS", "PROGRESS_SECONDS"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class Mirror:
         self.journal.start_mirror(self._layout, number, head, data)
         # Started on it, a process asks the arbiter who serves the shard; a backup restarted on it trusts the copy
         # within this boot (copy_kept).
-        mark_replicated(self.folder, self.sync)
+        mark_replicated(self.folder, self.sync, copy=True)
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
 
     def written(self, timeout: float) -> int | None:
@@ -437,7 +437,7 @@ class Backup:
         self._channels = ShardChannels
         # The folder holds a whole copy some stream began with a base: this run's, or, restarted on its disk, an
         # earlier run's that holds what that run acknowledged (copy_kept), if the arbiter names it in sync (run()).
-        self.holds_copy = copy_kept(self.folder, sync)
+        self.holds_copy = copy_kept(self.folder)
         self._refused = ""  # the last refusal logged
         self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
         self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter
@@ -820,13 +820,6 @@ def serving(channels, index: int) -> str | None:
     """The address the arbiter of shard `index` records it served at, None if it records none (record_of)."""
     record = record_of(channels, index)
     return record[0] if record else None
-
-
-def copy_kept(folder: pathlib.Path, sync: bool) -> bool:
-    """Whether `folder` holds a backup's copy that still has every record that backup acknowledged: its last
-    base came whole (the REPLICATED marker is written after it), and the host has not restarted since or every
-    record was synced first (replication.written_this_boot)."""
-    return written_this_boot(folder, sync)
 
 
 def needs_role_check(index: int, spec: tuple[str, ...], folder: pathlib.Path, replicated: bool = False) -> bool:

@@ -36,7 +36,7 @@ from .journal import Journal, Layout
 from .metrics import ShardMetrics
 from .quotas import Quotas
 from .replica_rpcs import RoleFence
-from .replication import Replication, written_this_boot
+from .replication import Replication
 from .server import create_server, serve_health, set_health
 from .signpost import Signpost
 from .ssd_tables import TableStorage
@@ -181,14 +181,14 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
 
 def _await_takeover(index: int, me: str, backup: str, cluster: Cluster, security: Security, stop: threading.Event,
                     failover_after: float) -> tuple[str, str] | None:
-    """(A primary started on a journal folder that may lack changes it acknowledged, empty or written before its
-    host restarted, whose arbiter records `backup` in sync.) That backup holds them: this process neither
-    serves nor drops it, and renews no lease, so the backup is promoted once it asks. Waits (saying so every
+    """(A primary started on an empty journal folder whose arbiter records `backup` in sync.) That backup holds
+    the changes this shard acknowledged since the last checkpoint, which this process lacks: it neither serves
+    nor drops it, and renews no lease, so the backup is promoted once it asks. Waits (saying so every
     PROGRESS_SECONDS) until the arbiter's record names another primary, or no backup in sync; that record, or
     None at `stop`."""
-    _LOGGER.warning("ps %d starts on a journal folder that may lack changes it acknowledged (empty, or written "
-                    "before its host restarted) while its arbiter records its backup %s in sync, which holds them: "
-                    "it waits for that backup to take over, and then follows it", index, backup)
+    _LOGGER.warning("ps %d starts on an empty journal folder while its arbiter records its backup %s in sync, which "
+                    "holds what this shard acknowledged since the last checkpoint: it waits for that backup to take "
+                    "over, and then follows it", index, backup)
     said = time.monotonic()
     while True:
         if stop.wait(failover_after):
@@ -304,9 +304,6 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
         journal = open_journal(args, cluster, index, failstop.fatal)
         empty = journal is not None and not journal.holds_state()  # a new disk's folder: no change it acknowledged
-        # A journal that may lack changes it acknowledged: empty, or written before the host restarted without
-        # --journal-sync since its backup was last in sync (its marker names another boot): its backup has them.
-        unsure = empty or (journal is not None and not written_this_boot(journal.directory, args.journal_sync))
         if args.checkpoint_dir and fence is None and folder_wait is None:  # else cleaned once it holds the folder
             checkpoint.clean_partial(args.checkpoint_dir, index)
         restore = initial_state(args, cluster, index, journaled=journal is not None) \
@@ -376,7 +373,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         def confirm() -> None:
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
                                   args.failover_after * 4)
-            if record is not None and unsure and record[0] == me and record[1]:
+            if record is not None and empty and record[0] == me and record[1]:
                 record = _await_takeover(index, me, record[1], cluster, security, stop, args.failover_after)
             if record is None:
                 return

@@ -77,6 +77,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import pathlib
@@ -88,8 +89,8 @@ from ..wire import _key, _varint
 from .checkpoint import fsync_dir
 
 __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS",
-           "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED", "boot_id", "mark_replicated",
-           "written_this_boot"]
+           "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED", "boot_id", "copy_kept",
+           "mark_replicated"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -121,23 +122,26 @@ def boot_id() -> str:
         return ""
 
 
-def mark_replicated(folder: pathlib.Path, sync: bool) -> None:
-    """Writes `folder`'s REPLICATED marker (a primary's journal whose backup is about to be in sync, or a backup's
-    copy whose base came whole), naming this boot (written_this_boot); synced with `sync`."""
-    (folder / REPLICATED).write_text(boot_id())
-    if sync:
-        fsync_dir(folder)
+def mark_replicated(folder: pathlib.Path, sync: bool, copy: bool) -> None:
+    """Writes `folder`'s REPLICATED marker: a primary's journal whose backup is about to be in sync, or (`copy`) a
+    backup's copy whose base came whole. It names this boot and whether every record is synced before it counts
+    (`sync`: --journal-sync), which copy_kept reads; written whole (a new file renamed over the old), synced."""
+    kept = folder / f".{REPLICATED}.new"
+    kept.write_text(f"{boot_id()}\n{'synced' if sync else 'cached'}\n{'copy' if copy else 'journal'}\n")
+    os.replace(kept, folder / REPLICATED)
+    fsync_dir(folder)
 
 
-def written_this_boot(folder: pathlib.Path, sync: bool) -> bool:
-    """Whether the journal in `folder` (a shard's, or a backup's copy) still holds every record it wrote since
-    its REPLICATED marker: the marker names this boot (the page cache still holds what was not on the disk), or
-    every record was synced before it counted (`sync`: --journal-sync). False without the marker."""
+def copy_kept(folder: pathlib.Path) -> bool:
+    """Whether `folder` holds a backup's copy that still has every record that backup acknowledged: its REPLICATED
+    marker says a copy's base came whole, written with every record synced before it was acknowledged, or in
+    this boot (the page cache still holds what was not on the disk). A primary's journal folder (its marker
+    says so) is never such a copy."""
     try:
-        written_in = (folder / REPLICATED).read_text().strip()
+        boot, synced, kind = ((folder / REPLICATED).read_text().split() + ["", "", ""])[:3]
     except OSError:
         return False
-    return sync or (written_in != "" and written_in == boot_id())
+    return kind == "copy" and (synced == "synced" or (boot != "" and boot == boot_id()))
 
 
 def frames_of(kind: int, number: int, written: int, head: bytes, views: list, chunk_bytes: int) -> list[bytes]:
@@ -699,7 +703,12 @@ class Replication:
             # restart drops whatever the record names first (the IN_SYNC asked next may be decided late).
             feed.read_changes = read["changes"]
             feed.in_sync_asked = True  # before gone(): released() either sees it or this sees the loss
-            mark_replicated(self._journal().directory, self._journal().sync)
+            try:
+                mark_replicated(self._journal().directory, self._journal().sync, copy=False)
+            except OSError as exc:  # (a full disk): no backup in sync, so none is promoted without it
+                feed.lose(f"this shard cannot write its {REPLICATED} marker ({exc})")
+                feed.in_sync_asked = False
+                return False
             if gone():  # (a DROP decided before the read was asked after the loss: it is seen)
                 feed.in_sync_asked = False
                 return False

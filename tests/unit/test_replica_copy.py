@@ -14,10 +14,10 @@ from torchps.errors import LaneBrokenError, MalformedStreamError, ServerUnavaila
 from torchps.lanes import Lane
 from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log, replication
-from torchps.ps_server.backup import Mirror, copy_kept
+from torchps.ps_server.backup import Mirror
 from torchps.ps_server.journal import Journal
-from torchps.ps_server.replication import (ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, REPLICATED,
-                                          Feed)
+from torchps.ps_server.replication import (ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed,
+                                          copy_kept, mark_replicated)
 
 ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
@@ -158,23 +158,26 @@ def test_a_copy_follows_rotations_and_later_bases(tmp_path):
 
 
 def test_a_copy_is_kept_for_a_restart_within_the_boot_it_was_written_in_or_synced(tmp_path, monkeypatch):
-    """backup.copy_kept, which lets a backup restarted on its folder ask to take over from the copy there: its
-    base came whole (the marker, written after it, names the boot), and either the host has not restarted since
-    (the page cache still holds what was acknowledged) or every record was synced first (--journal-sync). A
-    primary's folder (its marker names no boot) and a folder without a copy are not kept."""
+    """replication.copy_kept, which lets a backup restarted on its folder ask to take over from the copy there:
+    its base came whole (the marker, written after it, says it is a copy and names the boot), and either the
+    host has not restarted since (the page cache still holds what was acknowledged) or the copy's writer synced
+    every record first (--journal-sync then, whatever the reader's flags). A primary's journal folder, and a
+    folder without a copy, are not kept."""
     primary = Journal(tmp_path / "primary")
     primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
     feed, _ = _feed()
     _compact(primary, feed, {"step": 1, "variables": {"w": torch.full((3,), 2.0)}}, attach=True)
     primary.close()
-    assert not copy_kept(tmp_path / "copy", sync=False), "no copy yet"
-    _copy(feed, tmp_path / "copy")
-    assert copy_kept(tmp_path / "copy", sync=False) and copy_kept(tmp_path / "copy", sync=True)
+    assert not copy_kept(tmp_path / "copy"), "no copy yet"
+    _copy(feed, tmp_path / "copy")  # written without --journal-sync
+    assert copy_kept(tmp_path / "copy")
+    mark_replicated(tmp_path / "primary", sync=True, copy=False)  # a primary's, about to have a backup in sync
+    assert not copy_kept(tmp_path / "primary"), "a primary's journal is no backup's copy"
+    (tmp_path / "synced").mkdir()
+    mark_replicated(tmp_path / "synced", sync=True, copy=True)
     monkeypatch.setattr(replication, "boot_id", lambda: "another boot")  # the host restarted since
-    assert not copy_kept(tmp_path / "copy", sync=False), "its unsynced records may be gone with the page cache"
-    assert copy_kept(tmp_path / "copy", sync=True)
-    (tmp_path / "primary" / REPLICATED).touch()  # a primary's: a backup of it held its base once
-    assert not copy_kept(tmp_path / "primary", sync=False) and copy_kept(tmp_path / "primary", sync=True)
+    assert not copy_kept(tmp_path / "copy"), "its unsynced records may be gone with the page cache"
+    assert copy_kept(tmp_path / "synced")
 
 
 def test_compactions_go_on_after_a_backup_was_attached_from_a_thread_that_lives_on(tmp_path):
