@@ -77,7 +77,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 import pathlib
@@ -86,7 +85,7 @@ from typing import Callable, Iterator, Sequence
 from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, PSError, ReplicaFencedError
 from ..proto import ps_pb2
 from ..wire import _key, _varint
-from .checkpoint import fsync_dir
+from .checkpoint import write_atomic
 
 __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS",
            "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED", "boot_id", "copy_kept",
@@ -126,10 +125,8 @@ def mark_replicated(folder: pathlib.Path, sync: bool, copy: bool) -> None:
     """Writes `folder`'s REPLICATED marker: a primary's journal whose backup is about to be in sync, or (`copy`) a
     backup's copy whose base came whole. It names this boot and whether every record is synced before it counts
     (`sync`: --journal-sync), which copy_kept reads; written whole (a new file renamed over the old), synced."""
-    kept = folder / f".{REPLICATED}.new"
-    kept.write_text(f"{boot_id()}\n{'synced' if sync else 'cached'}\n{'copy' if copy else 'journal'}\n")
-    os.replace(kept, folder / REPLICATED)
-    fsync_dir(folder)
+    text = f"{boot_id()}\n{'synced' if sync else 'cached'}\n{'copy' if copy else 'journal'}\n"
+    write_atomic(folder / REPLICATED, lambda f: f.write(text.encode()))
 
 
 def copy_kept(folder: pathlib.Path) -> bool:

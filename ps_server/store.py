@@ -356,8 +356,8 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     """True if no element is NaN or Inf.
 
     A sum is finite only if every element is (NaN and Inf propagate), and it
-    takes one pass without allocating; torch.isfinite(t).all() measured 20x
-    slower on 25M floats here. The sum is looked at as a Python float: a
+    takes one pass without allocating, where torch.isfinite(t).all() makes a
+    mask of the whole tensor. The sum is looked at as a Python float: a
     second torch call costs a small gradient more than its sum. A non-finite
     sum can also be an overflow of finite values, so that case is settled
     element by element.
