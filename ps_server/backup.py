@@ -353,7 +353,7 @@ class Mirror:
         self._place_files()
         self.journal.start_mirror(self._layout, number, head, data)
         # Started on it, a process asks the arbiter who serves the shard; a backup restarted on it trusts the copy
-        # within this boot (copy_kept).
+        # within this boot, or always if every record was synced (copy_kept).
         mark_replicated(self.folder, self.sync, copy=True)
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
 
@@ -435,9 +435,9 @@ class Backup:
         self._security = security
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
-        # The folder holds a whole copy some stream began with a base: this run's, or, restarted on its disk, an
-        # earlier run's that holds what that run acknowledged (copy_kept), if the arbiter names it in sync (run()).
-        self.holds_copy = copy_kept(self.folder)
+        # The folder holds a whole copy to take over from: one some stream of this run began with a base, or an
+        # earlier run's that holds what that run acknowledged (copy_kept) and the arbiter names in sync (run()).
+        self.holds_copy = False
         self._refused = ""  # the last refusal logged
         self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
         self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter
@@ -454,7 +454,7 @@ class Backup:
         one naming this backup in sync lets it take over from the copy (if copy_kept); one naming another
         primary than --replica-of's has it follow that one. Until the record answered, the copy is not one to
         take over from. Blocks."""
-        kept, self.holds_copy = self.holds_copy, False
+        kept = copy_kept(self.folder)
         self._asking = (self.folder / REPLICATED).exists()
         asked = said = time.monotonic()
         unreachable_since: float | None = None
