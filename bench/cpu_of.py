@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The CPU a command and every process it starts use, by program: for figures about CPU rather than wall time.
 
-    python bench/cpu_of.py [--json F] [--every S] -- COMMAND [ARGS...]
+    python bench/cpu_of.py [--json F] [--every S] [--by-test N] -- COMMAND [ARGS...]
 
 Runs COMMAND and reads /proc every S seconds (default 0.2) until it exits: each process descended from it
 (children of a fork server included: they are the fork server's children) is counted at the last CPU time
@@ -9,6 +9,11 @@ Runs COMMAND and reads /proc every S seconds (default 0.2) until it exits: each 
 that lives less than S seconds may be missed, and one that outlives COMMAND stops being counted when it
 exits. Prints a table by program and the total; with --json, writes them too. Linux only. Exit code:
 COMMAND's.
+
+--by-test N (for a pytest-xdist run, `-- .venv/bin/python -m pytest -q tests`): also the N tests and test files
+that used the most CPU. What a process used between two reads goes to the test its xdist worker ran at the
+second read (the worker titles itself "[pytest-xdist running] TEST"): the worker, every process it started and
+their children, fork servers' included. A test shorter than S shares its CPU with the next.
 """
 
 from __future__ import annotations
@@ -35,13 +40,25 @@ def _stat(pid: str) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def _name(pid: str) -> str | None:
-    """The program `pid` runs now (see _program), or None if it is gone."""
+XDIST_RUNNING = "[pytest-xdist running] "
+
+
+def _words(pid: str) -> list[str] | None:
+    """The command line of `pid` now, or None if it is gone."""
     try:
         argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    return _program([w.decode(errors="replace") for w in argv if w])
+    return [w.decode(errors="replace") for w in argv if w]
+
+
+def _test_of(pid: int, parents: dict[int, int], titles: dict[int, str]) -> str:
+    """The test the xdist worker above `pid` (or `pid` itself) runs now: "(no test)" where there is none."""
+    while pid in parents:
+        if titles.get(pid, "").startswith(XDIST_RUNNING):
+            return titles[pid].removeprefix(XDIST_RUNNING)
+        pid = parents[pid]
+    return "(no test)"
 
 
 def _program(words: list[str]) -> str:
@@ -60,43 +77,74 @@ def _program(words: list[str]) -> str:
     return os.path.basename(words[0].split()[0])
 
 
-def measure(command: list[str], every: float) -> tuple[int, float, dict[int, tuple[str, float]]]:
-    """Runs `command`; (exit code, wall seconds, {pid: (program, CPU seconds)} of it and its descendants)."""
+def measure(command: list[str], every: float,
+            by_test: dict[str, float] | None = None) -> tuple[int, float, dict[int, tuple[str, float]]]:
+    """Runs `command`; (exit code, wall seconds, {pid: (program, CPU seconds)} of it and its descendants). With
+    `by_test`, adds to it each test's CPU seconds (see --by-test)."""
     started = time.monotonic()
     root = subprocess.Popen(command)
     seen: dict[int, tuple[str, float]] = {}
     ours = {root.pid}
     while True:
         done = root.poll() is not None
+        parents: dict[int, int] = {}
+        titles: dict[int, str] = {}
+        grown: dict[int, float] = {}
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
             info, pid = _stat(name), int(name)
             if info is None or (pid not in ours and info[0] not in ours):
                 continue  # another process's: its command line is never read
-            program = _name(name)
-            if program is None:
+            words = _words(name)
+            if words is None:
                 continue
+            program = _program(words)
             if program == "?" and pid in seen:  # a zombie's command line is empty: keep the name it ran under
                 program = seen[pid][0]
             ours.add(pid)
-            seen[pid] = (program, max(info[1], seen.get(pid, ("", 0.0))[1]))
+            parents[pid], titles[pid] = info[0], " ".join(words)
+            cpu = max(info[1], seen.get(pid, ("", 0.0))[1])
+            grown[pid] = cpu - seen.get(pid, ("", 0.0))[1]
+            seen[pid] = (program, cpu)
+        if by_test is not None:
+            for pid, cpu in grown.items():
+                test = _test_of(pid, parents, titles)
+                by_test[test] = by_test.get(test, 0.0) + cpu
         if done:
             break
         time.sleep(every)
     return root.returncode, time.monotonic() - started, seen
 
 
+def _by_test(tests: dict[str, float], count: int) -> dict[str, dict[str, float]]:
+    """The `count` tests and test files with the most CPU seconds, printed and returned for the JSON."""
+    files: dict[str, float] = collections.defaultdict(float)
+    for test, cpu in tests.items():
+        files[test.split("::")[0]] += cpu
+    result = {}
+    for key, table in (("by_test", tests), ("by_file", files)):
+        top = sorted(table.items(), key=lambda kv: -kv[1])[:count]
+        print(f"\n{'cpu_s':>9}  {key.removeprefix('by_')} (of {len(table)})", file=sys.stderr)
+        for name, cpu in top:
+            print(f"{cpu:>9.1f}  {name}", file=sys.stderr)
+        result[key] = {name: round(cpu, 2) for name, cpu in top}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
     parser.add_argument("--every", type=float, default=0.2, help="seconds between two reads of /proc")
+    parser.add_argument("--by-test", type=int, default=0, metavar="N",
+                        help="also the N tests and test files of a pytest-xdist run that used the most CPU")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command: python bench/cpu_of.py -- COMMAND [ARGS...]")
-    code, wall, seen = measure(command, args.every)
+    tests: dict[str, float] | None = {} if args.by_test else None
+    code, wall, seen = measure(command, args.every, tests)
     programs: dict[str, list[float]] = collections.defaultdict(list)
     for program, cpu in seen.values():
         programs[program].append(cpu)
@@ -107,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'total':<24} {len(seen):>9} {total:>9.1f}   wall {wall:.1f} s, exit code {code}", file=sys.stderr)
     result = {"command": command, "exit_code": code, "wall_s": round(wall, 2), "cpu_s": round(total, 2),
               "by_program": {p: {"processes": len(c), "cpu_s": round(sum(c), 2)} for p, c in programs.items()}}
+    if tests is not None:
+        result.update(_by_test(tests, args.by_test))
     print(json.dumps(result), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
