@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     for program, cpus in sorted(programs.items(), key=lambda kv: -sum(kv[1])):
         print(f"{program:<24} {len(cpus):>9} {sum(cpus):>9.1f}", file=sys.stderr)
     print(f"{'total':<24} {len(seen):>9} {total:>9.1f}   wall {wall:.1f} s, exit code {code}", file=sys.stderr)
-    result = {"command": command, "exit_code": code, "wall_s": round(wall, 2), "cpu_s": round(total, 2),
+    flags = ["--every", str(args.every), *(["--by-test", str(args.by_test)] if args.by_test else [])]
+    result = {"command": command, "flags": flags, "exit_code": code, "wall_s": round(wall, 2), "cpu_s": round(total, 2),
               "by_program": {p: {"processes": len(c), "cpu_s": round(sum(c), 2)} for p, c in programs.items()}}
     if tests is not None:
         result.update(_by_test(tests, args.by_test))

@@ -452,9 +452,22 @@ def scale_page(results: list[Result]) -> Page:
 def _cpu_of_source(r: Result):
     """cpu_of.py records the command it measured, not its own."""
     measured = shlex.join(str(part) for part in r.get("command") or [])
-    return source(r, command=f"{code(f'python bench/cpu_of.py --json {r.path} -- {measured}')} (derived: cpu_of.py "
+    flags = "".join(f"{part} " for part in r.get("flags") or [])
+    return source(r, command=f"{code(f'python bench/cpu_of.py {flags}--json {r.path} -- {measured}')} (derived: cpu_of.py "
                              "records the command it measured)", config={},
                   load=r.get("run") or "not recorded in the file")
+
+
+def _by_test_tables(r: Result) -> list[str]:
+    """The test files and tests that took the most CPU in a run measured with --by-test (none without)."""
+    lines = []
+    for key, what, count in (("by_file", "test file", 15), ("by_test", "test", 15)):
+        top = list((r.get(key) or {}).items())[:count]
+        if top:
+            lines += [f"The {count} {what}s that took the most CPU in {code(r.name)} (each process's CPU goes to "
+                      "the test its xdist worker ran):", "",
+                      *table([what, "CPU s"], [[code(name), num(cpu, 1)] for name, cpu in top])]
+    return lines
 
 
 def cpu_page(results: list[Result]) -> Page:
@@ -481,8 +494,9 @@ def cpu_page(results: list[Result]) -> Page:
                        f"The programs that took the most CPU in the newest run ({code(newest.name)}):", "",
                        *table(["program", "processes", "CPU s"],
                               [[code(p), f.get("processes"), num(f.get("cpu_s"), 1)] for p, f in top]),
+                       *_by_test_tables(newest),
                        *section("How these were measured", [_cpu_of_source(r) for r in reversed(suites)])]
-        page.headline.append(("the test suite as CI runs it (bash .ci/run): wall s, CPU s",
+        page.headline.append(("the test suite (bash .ci/run, or its pytest line alone): wall s, CPU s",
                               f"{num(newest.get('wall_s'), 0)}, {num(newest.get('cpu_s'), 0)}", newest))
     if others:
         page.lines += ["## Other commands", "",

@@ -22,6 +22,7 @@ at its own address (relocate), also while a call to it hangs
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -46,6 +47,8 @@ BACKOFF_FIRST_SECONDS = 0.05   # first pause after a failed attempt
 BACKOFF_MAX_SECONDS = 2.0      # pauses double up to this, each scaled by a random factor in [0.5, 1.5)
 MOVING_RETRY_SECONDS = 0.05  # pause before asking again for a variable on its way to its shard (live resize)
 DIAGNOSE_AFTER_SECONDS = 2.0   # a shard not connected by then is checked for a TLS mismatch
+DIAGNOSE_SECONDS = 3.0         # that look at what answers takes this long at most...
+DIAGNOSE_LEAST_SECONDS = 0.05  # ...or what is left of the wait's deadline, but this long at least
 PROGRESS_SECONDS = 5.0         # then every this often: a line saying what answers at its address
 RELOCATE_SECONDS = 0.25        # a shard not answering: its arbiter is asked where it is served this often
 RELOCATE_ASK_SECONDS = 1.0     # one such ask
@@ -256,27 +259,30 @@ class ShardChannels:
                 self.relocate(index)
         self.live = len(addresses)
 
-    def relocate(self, shard: int, wait: float = 0.0) -> bool:
+    def relocate(self, shard: int, wait: float = 0.0, deadline: float | None = None) -> bool:
         """Asks the shard's arbiter (cluster.arbiter_of: ps 0, ps 1 for ps 0) where it is served, then, unless the
         arbiter's record named it, the shard's own address (a backup there answers where its primary is:
         ps_server/signpost.py), twice (the arbiter's address may have been a backup's, which named where the
         arbiter is); if at another address than this client calls, calls it there from now on (True). `wait`:
         the arbiter's answer waits up to this long for a promotion of the shard's backup (a long poll). Blocks
-        for up to four calls of RELOCATE_ASK_SECONDS (plus `wait`); False if none says, if the arbiter names
-        the address this client calls (a stopped primary's own address is not asked), or while this thread is
-        relocating."""
+        for up to four calls of RELOCATE_ASK_SECONDS (plus `wait`), and not past `deadline` (monotonic) if
+        given; False if none says, if the arbiter names the address this client calls (a stopped primary's
+        own address is not asked), or while this thread is relocating."""
         arbiter = arbiter_of(shard, self._spec_shards)
         if getattr(self._relocating, "active", False):
             return False
         self._relocating.active = True
         try:
             for asked in [arbiter, shard] * 2 if arbiter != shard else [shard]:
+                left = math.inf if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
                 # The answer is compared with what this client called as it asked: another thread may move
                 # the shard meanwhile, and an answer older than that move must not move it back.
                 calling = {asked: self.addresses[asked], shard: self.addresses[shard]}
                 served = self._served_by(asked, ps_pb2.LayoutRequest(
-                    watch_primary=calling[shard], watch_shard=shard, watch_seconds=wait)
-                    if wait and asked == arbiter else ps_pb2.LayoutRequest())
+                    watch_primary=calling[shard], watch_shard=shard, watch_seconds=min(wait, left))
+                    if wait and asked == arbiter else ps_pb2.LayoutRequest(), left)
                 if asked != shard and served.get(asked, calling[asked]) != calling[asked]:
                     self._move(asked, served[asked], calling[asked])  # the arbiter's address was a backup's signpost
                 if served.get(shard, calling[shard]) != calling[shard]:
@@ -288,12 +294,13 @@ class ShardChannels:
         finally:
             self._relocating.active = False
 
-    def _served_by(self, shard: int, request: ps_pb2.LayoutRequest) -> dict[int, str]:
+    def _served_by(self, shard: int, request: ps_pb2.LayoutRequest, limit: float = math.inf) -> dict[int, str]:
         """{index: primary} of the replicated shards that `shard`'s address names (an arbiter's record, or a
         backup's signpost of its own shard); {} if nothing answers within RELOCATE_ASK_SECONDS (plus the
-        request's watch). One attempt."""
+        request's watch), or within `limit` seconds. One attempt."""
         try:
-            layout = self.stubs[shard].GetLayout(request, timeout=RELOCATE_ASK_SECONDS + request.watch_seconds)
+            layout = self.stubs[shard].GetLayout(
+                request, timeout=min(RELOCATE_ASK_SECONDS + request.watch_seconds, limit))
         except (grpc.RpcError, ValueError):  # ValueError: its channel closed (a redirect, or this client closed)
             return {}
         for entry in layout.replicas:
@@ -335,7 +342,8 @@ class ShardChannels:
 
     def wait_ready(self, shard: int, deadline: float) -> None:
         """Blocks until the shard's channel connects, logging every PROGRESS_SECONDS what it waits for;
-        ServerUnavailableError at `deadline` (monotonic), or at once, naming the cause, when what answers
+        ServerUnavailableError at `deadline` (monotonic: its looks at what answers and its asks where the shard
+        is served keep to it, within DIAGNOSE_LEAST_SECONDS), or at once, naming the cause, when what answers
         cannot work: TLS on one side only, a certificate refused, not a gRPC server (security.diagnose).
 
         The wait is a GetStatus call that waits for the connection (wait_for_ready): any answer, a refusal
@@ -348,11 +356,12 @@ class ShardChannels:
             slice_ = min(check, deadline) - time.monotonic()
             if self._probe(shard, max(0.0, min(slice_, RELOCATE_SECONDS) if relocatable else slice_)):
                 break
-            if relocatable and self.relocate(shard):
+            if relocatable and self.relocate(shard, deadline=deadline):
                 continue  # served elsewhere now: probe the new address
             if time.monotonic() < min(check, deadline):
                 continue
-            found, hopeless = diagnose(self.addresses[shard], self.security)
+            found, hopeless = diagnose(self.addresses[shard], self.security, timeout=min(
+                DIAGNOSE_SECONDS, max(DIAGNOSE_LEAST_SECONDS, deadline - time.monotonic())))
             if hopeless:
                 raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {found}")
             waited, limit = time.monotonic() - started, deadline - started

@@ -8,6 +8,7 @@ the way a hung host does) and always SIGCONTed in a finally.
 from __future__ import annotations
 
 import signal
+from contextlib import nullcontext
 import statistics
 import threading
 import time
@@ -17,7 +18,8 @@ import torch
 
 from torchps.client import (Optimizer, PSClient, ServerUnavailableError, ShardLostError, TaskSpec,
                             UnknownVariableError, WaitTimeoutError)
-from torchps.client.channels import Backoff
+from torchps.client.channels import Backoff, ShardChannels
+from torchps.proto import ps_pb2
 
 from helpers import stopped, wait_until
 
@@ -231,3 +233,23 @@ def test_an_upload_stream_that_stalls_is_ended_and_changes_nothing(local_cluster
         assert torch.equal(client.pull(["stall/w"])["stall/w"], torch.zeros(n)), "nothing was applied"
         wait_until(lambda: (lambda s: s.calls_done == s.calls_started - 1)(client.status(0)), 20,
                    "every handler on the shard to return (GetStatus calls_done)")
+
+
+@pytest.mark.parametrize("arbiter", ["answering", "stopped too"])
+def test_a_first_call_to_a_shard_that_answers_nothing_ends_at_its_deadline(local_cluster, arbiter):
+    """A channel that never connected, to a shard that answers nothing (SIGSTOPped: the kernel still accepts
+    its connections), following failovers as a shard's asks of its arbiter do: the call ends at its deadline,
+    its look at what answers there and its asks of the shard's arbiter where it is served included."""
+    local = local_cluster(2)
+    channels = ShardChannels(list(local.cluster.ps), connect_timeout=0.5)
+    channels.follows_failovers = True
+    try:
+        with stopped(local.procs[0]), (stopped(local.procs[1]) if arbiter == "stopped too" else nullcontext()):
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailableError):
+                channels.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t), 0.5,
+                              retry_for=0.5)
+            took = time.monotonic() - started
+        assert took < 0.5 + 0.5, f"took {took:.2f} s against a 0.5 s deadline"
+    finally:
+        channels.close()

@@ -10,7 +10,7 @@ OLD, NEW = "127.0.0.1:2", "127.0.0.1:3"
 def _channels(answer):
     """Channels to ps 0 and ps 1 (at OLD) whose every ask is answered by answer(channels, asked)."""
     channels = ShardChannels(["127.0.0.1:1", OLD], connect_timeout=1)
-    channels._served_by = lambda asked, request: answer(channels, asked)
+    channels._served_by = lambda asked, request, limit: answer(channels, asked)
     return channels
 
 
