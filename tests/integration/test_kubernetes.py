@@ -45,6 +45,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from torchps.cluster import arbiter_of
+
 from helpers import free_port, free_ports, mnist5k_installed
 from test_launch import environ
 
@@ -897,7 +899,8 @@ def test_plain_kubernetes_pods_derive_the_operators_tf_config_and_their_own_cred
 
 def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own_disk(tmp_path):
     """overlays/replicas: a backup pod per shard index, which never shares a node with that index's shard pod
-    (required anti-affinity on the node, narrowed to the index), keeps its copy on a volume of its own (a
+    (required anti-affinity on the node, narrowed to the index) and avoids those of ps 0 and ps 1 (preferred),
+    keeps its copy on a volume of its own (a
     generic ephemeral volume, not the shards' claim), has no probes (it serves nothing until promoted), is
     named by backups.json, and is run by the wrapper as `--replica-of` its shard's address `--bind` its own,
     with its shard's credentials, whose certificate (ps-certs --backups) names the backup's host too."""
@@ -917,6 +920,13 @@ def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own
     assert term["labelSelector"]["matchLabels"].items() <= shard_labels.items()
     assert not term["labelSelector"]["matchLabels"].items() <= own_labels.items(), "it would repel its own kind"
     assert term["matchLabelKeys"] == ["batch.kubernetes.io/job-completion-index"]  # the Job controller's pod label
+    (preferred,) = pod_spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    arbiters = preferred["podAffinityTerm"]  # off the nodes of ps 0 and ps 1 (each the other's arbiter) too
+    assert preferred["weight"] == 100 and arbiters["topologyKey"] == "kubernetes.io/hostname"
+    assert arbiters["labelSelector"]["matchLabels"].items() <= shard_labels.items()
+    assert arbiters["labelSelector"]["matchExpressions"] == [
+        {"key": "batch.kubernetes.io/job-completion-index", "operator": "In",
+         "values": [str(arbiter_of(1, len(cluster["ps"]))), str(arbiter_of(0, len(cluster["ps"])))]}]
     service = services[pod_spec["subdomain"]]
     assert service["spec"]["selector"].items() <= own_labels.items()
     assert not service["spec"]["selector"].items() <= shard_labels.items()
