@@ -250,6 +250,8 @@ def test_a_first_call_to_a_shard_that_answers_nothing_ends_at_its_deadline(local
                 channels.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t), 0.5,
                               retry_for=0.5)
             took = time.monotonic() - started
-        assert took < 0.5 + 0.5, f"took {took:.2f} s against a 0.5 s deadline"
+        # (Before, its look at what answers took 3 s more, and each ask of the arbiter up to 1 s; the margin is
+        # a loaded machine's.)
+        assert took < 0.5 + 2.0, f"took {took:.2f} s against a 0.5 s deadline"
     finally:
         channels.close()
