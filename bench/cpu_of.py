@@ -54,9 +54,11 @@ def _words(pid: str) -> list[str] | None:
 
 def _test_of(pid: int, parents: dict[int, int], titles: dict[int, str]) -> str:
     """The test the xdist worker above `pid` (or `pid` itself) runs now: "(no test)" where there is none."""
-    while pid in parents:
+    seen = set()  # (a pid reused while /proc was read can make a cycle)
+    while pid in parents and pid not in seen:
         if titles.get(pid, "").startswith(XDIST_RUNNING):
             return titles[pid].removeprefix(XDIST_RUNNING)
+        seen.add(pid)
         pid = parents[pid]
     return "(no test)"
 
