@@ -4,6 +4,7 @@
     python bench/against.py 5cb9bcd --rounds 3 --keys pullpush_seconds,pullpush_1ps_seconds -- \\
         bench/pullpush.py --only bandwidth --security plain --repeats 7
     python bench/against.py 5cb9bcd --rounds 1 --keys steady_ratio_sgd,peak_ratio -- bench/memory.py --quick
+    python bench/against.py 9f01fdc --rounds 3 --keys torchps.push.server_cpu_ms -- bench/calls.py --calls 2000
 
 The benchmark script is always this tree's; only the torchps package it
 imports (and the ps-server processes it starts) differ. The commit's package
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("commit", help="the earlier commit (anything git archive takes)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side, alternating (default 3)")
-    parser.add_argument("--keys", required=True, help="comma-separated JSON keys to compare")
+    parser.add_argument("--keys", required=True,
+                        help="comma-separated JSON keys to compare; a.b.c for a key nested in the JSON's objects")
     parser.add_argument("--json", type=pathlib.Path, help="write every run's results and the medians here")
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
@@ -96,8 +98,9 @@ def main(argv=None) -> int:
                 print(f"round {round_ + 1}/{args.rounds}: {side}", file=sys.stderr)
                 # cwd: a folder without a torchps/ in it, so `python -m torchps.ps_server` imports the side's
                 results[side].append(run(python, env, script, where / f"{len(results[side])}-{hash(side)}.json", where))
-    medians = {side: {k: statistics.median(r[k] for r in runs if k in r) for k in keys if any(k in r for r in runs)}
-               for side, runs in results.items()}
+    figures = {side: [{k: _figure(r, k) for k in keys} for r in runs] for side, runs in results.items()}
+    medians = {side: {k: statistics.median(f[k] for f in runs if f[k] is not None) for k in keys
+                      if any(f[k] is not None for f in runs)} for side, runs in figures.items()}
     print(f"| key | {args.commit} | this tree | this tree / {args.commit} |\n| --- | --- | --- | --- |")
     for key in keys:
         old, new = medians[args.commit].get(key), medians["this tree"].get(key)
@@ -109,6 +112,19 @@ def main(argv=None) -> int:
                                          "medians": medians, "runs": results}, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _figure(result: dict, key: str):
+    """The number at `key` in a run's JSON: a top-level key, or a dotted path through its objects (a key that
+    holds a dot itself is taken whole first); None where there is none, or where it holds no number."""
+    value = result.get(key)
+    if value is None:
+        value = result
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 if __name__ == "__main__":
