@@ -453,8 +453,8 @@ def _cpu_of_source(r: Result):
     """cpu_of.py records the command it measured, not its own."""
     measured = shlex.join(str(part) for part in r.get("command") or [])
     flags = "".join(f"{part} " for part in r.get("flags") or [])
-    return source(r, command=f"{code(f'python bench/cpu_of.py {flags}--json {r.path} -- {measured}')} (derived: cpu_of.py "
-                             "records the command it measured)", config={},
+    run = code(f"python bench/cpu_of.py {flags}--json {r.path} -- {measured}")
+    return source(r, command=f"{run} (derived: cpu_of.py records the command it measured)", config={},
                   load=r.get("run") or "not recorded in the file")
 
 
