@@ -342,10 +342,10 @@ class ShardChannels:
 
     def wait_ready(self, shard: int, deadline: float) -> None:
         """Blocks until the shard's channel connects, logging every PROGRESS_SECONDS what it waits for;
-        ServerUnavailableError at `deadline` (monotonic: its asks where the shard is served keep to it; each
-        step of a look at what answers, a connect or a read, gets what is left of it, at least
-        DIAGNOSE_LEAST_SECONDS), or at once, naming the cause, when what answers cannot work: TLS on one side
-        only, a certificate refused, not a gRPC server (security.diagnose).
+        ServerUnavailableError at `deadline` (monotonic: its looks at what answers and its asks where the shard
+        is served keep to it, a last look taking about DIAGNOSE_LEAST_SECONDS past it), or at once, naming the
+        cause, when what answers cannot work: TLS on one side only, a certificate refused, not a gRPC server
+        (security.diagnose).
 
         The wait is a GetStatus call that waits for the connection (wait_for_ready): any answer, a refusal
         included, means connected. Not grpc.channel_ready_future: its watcher thread outlives a cancel by

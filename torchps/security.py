@@ -50,6 +50,7 @@ import pathlib
 import socket
 import ssl
 import tempfile
+import time
 from typing import NamedTuple
 
 from .errors import ClusterConfigError
@@ -273,15 +274,17 @@ def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[st
     """What answers at `address`, in one phrase, and whether waiting cannot help (a TLS mismatch, a bad
     certificate, something that is not a gRPC server): used while a channel cannot connect, so that the
     wait says what it waits for, and a mismatch is named at once instead of reported as an unreachable
-    shard. Opens one or two short connections; never raises."""
+    shard. Opens one or two short connections, all within `timeout` s (each step at least STEP_LEAST_SECONDS);
+    never raises."""
     if security.tls:
         ended = _expired(security.cert)
         if ended:
             return f"this client's certificate expired on {ended}", True
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
+    end = time.monotonic() + timeout
     try:
-        raw = socket.create_connection((host, int(port)), timeout=timeout)
+        raw = socket.create_connection((host, int(port)), timeout=_left(end))
     except ConnectionRefusedError:
         return "nothing listens there yet (connection refused)", False
     except socket.gaierror:
@@ -289,7 +292,7 @@ def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[st
     except (OSError, ValueError) as exc:
         return f"it cannot be reached ({getattr(exc, 'strerror', None) or exc})", False
     try:
-        raw.settimeout(timeout)
+        raw.settimeout(_left(end))
         raw.sendall(_H2_PREFACE)
         reply = raw.recv(64)
     except (ConnectionResetError, BrokenPipeError):
@@ -308,14 +311,22 @@ def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[st
         return f"this is not a gRPC server (it answers HTTP/1: {status!r}): is the address right?", True
     if reply:
         return f"this is not a gRPC server (it answered {reply[:16]!r}): is the address right?", True
-    return _diagnose_tls(host, int(port), security, timeout)  # it hung up: a TLS server does, so does a proxy
+    return _diagnose_tls(host, int(port), security, end)  # it hung up: a TLS server does, so does a proxy
 
 
-def _diagnose_tls(host: str, port: int, security: Security, timeout: float) -> tuple[str, bool]:
+STEP_LEAST_SECONDS = 0.01  # a step of diagnose() (a connect, a handshake, a read) may take this long at least
+
+
+def _left(end: float) -> float:
+    """What a step of diagnose() may take: the time left until `end` (monotonic), at least STEP_LEAST_SECONDS."""
+    return max(STEP_LEAST_SECONDS, end - time.monotonic())
+
+
+def _diagnose_tls(host: str, port: int, security: Security, end: float) -> tuple[str, bool]:
     """diagnose() for a listener that hangs up on plaintext HTTP/2: a TLS handshake tells a TLS server (and
-    what it thinks of this client's certificate) from one that drops every connection."""
+    what it thinks of this client's certificate) from one that drops every connection; by `end` (monotonic)."""
     try:
-        raw = socket.create_connection((host, port), timeout=timeout)
+        raw = socket.create_connection((host, port), timeout=_left(end))
     except OSError as exc:
         return f"it cannot be reached ({exc.strerror or exc})", False
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -330,10 +341,11 @@ def _diagnose_tls(host: str, port: int, security: Security, timeout: float) -> t
         context.verify_mode = ssl.CERT_NONE
     context.set_alpn_protocols(["h2"])
     handshaken = False
+    raw.settimeout(_left(end))  # the handshake's
     try:
         with context.wrap_socket(raw, server_hostname=host) as tls:
             handshaken = True
-            tls.settimeout(timeout)
+            tls.settimeout(_left(end))
             try:  # a gRPC server answers HTTP/2's preface; one that refused our certificate closes instead
                 tls.sendall(_H2_PREFACE)
                 if tls.recv(1) == b"" and security.tls:
