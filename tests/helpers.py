@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -43,6 +44,15 @@ def forkserver_context() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)
     return context
+
+
+def load_script(path: str, name: str):
+    """The repository's script at `path` (relative to its root, e.g. "bench/against.py") imported as module `name`,
+    for tests of its functions."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).resolve().parents[1] / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

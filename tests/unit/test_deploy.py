@@ -1,7 +1,6 @@
 """deploy/cluster_commands.py: one TF_CONFIG and command per task."""
 
 import base64
-import importlib.util
 import json
 import pathlib
 import shlex
@@ -10,14 +9,13 @@ import sys
 
 from torchps.client import Cluster
 
+from helpers import load_script
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load_module():
-    spec = importlib.util.spec_from_file_location("cluster_commands", ROOT / "deploy" / "cluster_commands.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("deploy/cluster_commands.py", "cluster_commands")
 
 
 def test_every_task_gets_the_cluster_and_its_own_task():
