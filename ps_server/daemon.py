@@ -218,9 +218,9 @@ def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: flo
 
 def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, replication: Replication,
                        failstop: FailStop) -> None:
-    """(A promoted backup's thread.) Takes shard `index`'s part of `checkpoint_dir` (into `late`) once the
-    primary it replaced let go of it (that one stops once it hears it was replaced; one cut off may hold it for
-    long), trying again and again (pauses doubling from LOCK_RETRY_SECONDS), then cleans its partial
+    """(A thread of a promoted backup, or of a confirmed primary whose folder a replaced process of its shard
+    still holds.) Takes shard `index`'s part of `checkpoint_dir` (into `late`) once the process it replaced let
+    go of it (that one stops once it hears it was replaced; one cut off may hold it for long), trying again and again (pauses doubling from LOCK_RETRY_SECONDS), then cleans its partial
     checkpoint and lets `replication` save (hold_saving: Save, CommitCheckpoint); a clean that fails stops the
     shard (`failstop`), as at a start. Says every LOCK_PROGRESS_SECONDS what it waits for; ends at `stop`."""
     began = said = time.monotonic()
