@@ -365,7 +365,7 @@ class ShardChannels:
                 DIAGNOSE_SECONDS, max(DIAGNOSE_LEAST_SECONDS, deadline - time.monotonic())))
             if hopeless:
                 raise ServerUnavailableError(f"cannot connect to {self.target(shard)}: {found}")
-            waited, limit = time.monotonic() - started, deadline - started
+            waited, limit = time.monotonic() - started, max(0.0, deadline - started)  # (a deadline already past: 0)
             if waited >= limit:
                 raise ServerUnavailableError(
                     f"could not reach {self.target(shard)} within {limit:.0f} s: {found}; is ps-server running "

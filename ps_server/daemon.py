@@ -46,7 +46,6 @@ __all__ = ["serve", "initial_state", "open_journal"]
 
 _LOGGER = logging.getLogger("torchps.ps_server")
 STOP_GRACE_SECONDS = 2.0  # in-flight calls get this long after SIGTERM before they are cancelled
-PROMOTED_LOCK_SECONDS = 30.0  # a confirmed primary waits this long for a stopping process's lock on a shared folder
 LOCK_RETRY_SECONDS = 0.05     # a promoted backup's first pause between tries for its checkpoint folder's lock
 LOCK_PROGRESS_SECONDS = 5.0   # a promoted backup without that lock says so this often
 SIGNAL_CHECK_SECONDS = 0.2  # how often the main thread looks for a signal delivered to another thread
@@ -202,18 +201,22 @@ def _await_takeover(index: int, me: str, backup: str, cluster: Cluster, security
                             "arbiter)", index, record[1])
 
 
-def _hold(checkpoint_dir: str | None, journal: str | None, index: int, wait: float):
-    """The shard's locks (hold_shard), waited for up to `wait` s: a confirmed primary's, on a checkpoint folder it
-    shares with another process of its shard that is stopping (a replaced primary stops once its arbiter
-    refuses it; one that became a backup lets go of it)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            return hold_shard(checkpoint_dir, journal, index)
-        except ClusterConfigError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.1)
+def _try_checkpoint_part(checkpoint_dir: str | None, index: int, late: list, who: str) -> str | None:
+    """Takes shard `index`'s part of `checkpoint_dir` (into `late`) if it is free now: None if it did (or there
+    is no folder), else why the shard writes no checkpoint yet (for Replication.hold_saving; `who` begins it:
+    what this shard is). Never blocks. A promoted backup and a confirmed primary serve at once either way, and
+    take the part later (_checkpoints_later)."""
+    if not checkpoint_dir:
+        return None
+    try:
+        late.append(hold_shard(checkpoint_dir, None, index))
+        return None
+    except ClusterConfigError as exc:  # a process it replaced, or one replaced and not stopped yet
+        return (f"{who}, and another process of its shard still holds its part of the checkpoint folder ({exc}): "
+                f"it writes checkpoints once that one stopped; retry")
+    except OSError as exc:  # a shared folder that failed for a moment
+        return (f"{who}, and cannot hold its part of the checkpoint folder yet ({exc}): it writes checkpoints "
+                f"once it does; retry")
 
 
 def _checkpoints_later(checkpoint_dir: str, index: int, stop: threading.Event, late: list, replication: Replication,
@@ -283,18 +286,11 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         # A shard not yet confirmed serves no checkpoint: it takes that folder's lock once confirmed. A promoted
         # backup serves at once: a checkpoint folder the primary it replaced still holds (stopped or cut off, not
         # dead) it takes later (_checkpoints_later), refusing Save and CommitCheckpoint meanwhile.
-        held = _hold(None if fence or promoted else args.checkpoint_dir, args.journal_dir, index, 0.0)
+        held = hold_shard(None if fence or promoted else args.checkpoint_dir, args.journal_dir, index)
         late = []  # the checkpoint folder's lock, taken once the arbiter confirmed this shard, or once promoted
-        folder_wait = None  # why a promoted shard writes no checkpoint yet (Replication.hold_saving)
-        if promoted and args.checkpoint_dir:
-            try:
-                late.append(hold_shard(args.checkpoint_dir, None, index))
-            except ClusterConfigError:
-                folder_wait = (f"ps {index} was promoted just now, and the primary it replaced still holds its part "
-                               f"of the checkpoint folder: it writes checkpoints once that one stopped; retry")
-            except OSError as exc:  # a shared folder that failed for a moment
-                folder_wait = (f"ps {index} was promoted just now, and cannot hold its part of the checkpoint folder "
-                               f"yet ({exc}): it writes checkpoints once it does; retry")
+        # Why a promoted shard writes no checkpoint yet (Replication.hold_saving)
+        folder_wait = _try_checkpoint_part(args.checkpoint_dir, index, late, f"ps {index} was promoted just now") \
+            if promoted else None
         # A part of the shard that fails (a background thread, the journal) stops the whole process.
         failstop = FailStop(on_stop=lambda: set_health(health_servicer, serving=False), what=f"ps {index}")
         if args.health_port is not None:
@@ -391,13 +387,11 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
                 return
             if not stop.is_set():
                 _LOGGER.info("ps %d: its arbiter confirms it serves ps:%d", index, index)
-                try:
-                    late.append(_hold(args.checkpoint_dir, None, index, PROMOTED_LOCK_SECONDS))
+                waiting = _try_checkpoint_part(args.checkpoint_dir, index, late, f"ps {index} serves its shard")
+                if waiting is None:
                     _clean_checkpoint_part(args.checkpoint_dir, index, failstop)
-                except ClusterConfigError as exc:  # another process of this shard, replaced, has not stopped yet
-                    server.replication.hold_saving(f"ps {index} serves its shard, and another process of it still "
-                                                   f"holds its part of the checkpoint folder ({exc}): it writes "
-                                                   f"checkpoints once that one stopped; retry")
+                else:  # saving refused before the fence opens: no Save comes between
+                    server.replication.hold_saving(waiting)
                     failstop.thread(_checkpoints_later, args.checkpoint_dir, index, stop, late, server.replication,
                                     failstop, name="checkpoint-folder").start()
                 fence.open()
