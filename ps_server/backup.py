@@ -51,6 +51,10 @@ whole, and the host has not restarted since or every record was synced) and the 
 record names it in sync (asked first): the primary acknowledged nothing past
 the copy without dropping it, so a primary restarted on an empty folder
 meanwhile, waiting for this backup, is taken over as after a live failover.
+Each stream names the copy it makes (ReplicaHello.copy, a fresh random name,
+kept in the folder's marker); the arbiter records it with the IN_SYNC and
+promotes only a backup whose PROMOTE names it, so a backup started at the
+in-sync one's address on another folder (an older copy) is refused.
 A record that names this backup's address serving the shard (an earlier
 run was promoted, and this one was started with its backup's command) makes
 it serve as a restarted primary does, once its arbiter confirmed it and its
@@ -72,6 +76,7 @@ import os
 import pathlib
 import re
 import queue
+import secrets
 import shutil
 import threading
 import time
@@ -90,7 +95,7 @@ from ..security import Security
 from . import journal_log
 from .checkpoint import fsync_dir
 from .journal import Journal
-from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED, copy_kept, mark_replicated
+from .replication import ACK_BYTES, MAX_LANE_FRAME, REPLICATED, copy_kept, copy_name, mark_replicated
 
 __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
            "FAILOVER_AFTER_SECONDS", "PROGRESS_SECONDS"]
@@ -98,6 +103,7 @@ __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_lay
 _LOGGER = logging.getLogger(__name__)
 FAILOVER_AFTER_SECONDS = 0.5   # a primary unreachable this long after its stream broke is taken over
 RETRY_SECONDS = 0.1            # between attempts to open a stream, or to reach the arbiter
+COPY_NAME_BYTES = 8            # a copy's random name (ReplicaHello.copy): twice as many hex characters
 LEASE_ASK_SECONDS = 0.05       # between asks to be promoted while the primary's lease still holds
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 LANE_SECONDS = 30.0            # a pause in a record's or base's bytes on the lane, once its frame came
@@ -122,11 +128,12 @@ def _kind(frame: ps_pb2.ReplicaFrame) -> str:
 
 
 class Mirror:
-    """One stream's copy of the primary's journal, into `folder` (replaced at its base); its records' bytes read
-    from `lane` where the stream has one (ReplicaFrame.lane_bytes)."""
+    """One stream's copy of the primary's journal, into `folder` (replaced at its base), named `copy` (its
+    hello's ReplicaHello.copy, written in the folder's marker with the base); its records' bytes read from `lane`
+    where the stream has one (ReplicaFrame.lane_bytes)."""
 
-    def __init__(self, folder: pathlib.Path, sync: bool, lane=None):
-        self.folder, self.sync, self.lane = folder, sync, lane
+    def __init__(self, folder: pathlib.Path, sync: bool, lane=None, copy: str = ""):
+        self.folder, self.sync, self.lane, self.copy = folder, sync, lane, copy
         # A base's store copies (FILE frames) are written here first and moved beside the base as it comes.
         self.incoming = folder.parent / f".{folder.name}.incoming"
         shutil.rmtree(self.incoming, ignore_errors=True)
@@ -354,7 +361,7 @@ class Mirror:
         self.journal.start_mirror(self._layout, number, head, data)
         # Started on it, a process asks the arbiter who serves the shard; a backup restarted on it trusts the copy
         # within this boot, or always if every record was synced (copy_kept).
-        mark_replicated(self.folder, self.sync, copy=True)
+        mark_replicated(self.folder, self.sync, copy=True, name=self.copy)
         _LOGGER.info("backup copy in %s begins at log %d", self.folder, number)
 
     def written(self, timeout: float) -> int | None:
@@ -438,6 +445,7 @@ class Backup:
         # The folder holds a whole copy to take over from: one some stream of this run began with a base, or an
         # earlier run's that holds what that run acknowledged (copy_kept) and the arbiter names in sync (run()).
         self.holds_copy = False
+        self.copy = copy_name(self.folder)  # the name of the copy in the folder (its PROMOTE names it)
         self._refused = ""  # the last refusal logged
         self._arbiter_moved = 0.0  # when the latest move of its arbiter it knows of was granted (unix s; 0: none)
         self._arbiter_lock = threading.Lock()  # the stream's thread and the watch both redirect to the arbiter
@@ -525,12 +533,13 @@ class Backup:
             channels.close()
             return "unreachable"
         acks: queue.Queue = queue.Queue()
+        fresh = secrets.token_hex(COPY_NAME_BYTES)  # this stream's copy, once its first base came whole
         acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
                                                              lane=lane.key if lane is not None else b"",
                                                              acks_lane=acks_lane.key if acks_lane else b"",
                                                              frames_on_lane=lane is not None,
-                                                             keeps_stores=self.keeps_stores)))
-        mirror = Mirror(self.folder, self.sync, lane)
+                                                             keeps_stores=self.keeps_stores, copy=fresh)))
+        mirror = Mirror(self.folder, self.sync, lane, copy=fresh)
         call = channels.stubs[0].Replicate(iter(acks.get, None))
         last = [time.monotonic()]  # when this backup began to wait for the next frame; None while it takes one
         # (a record's bytes on the lane are waited for while it takes the record's frame: mirror.lane_since;
@@ -585,7 +594,7 @@ class Backup:
             while mirror.replica_events:
                 self._follow_arbiter(mirror.replica_events.pop(0))
             if ack is not None:
-                self.holds_copy = True  # (its first base is written)
+                self.holds_copy, self.copy = True, mirror.copy  # (its first base is written)
                 send_ack(ack)
 
         def take_lane() -> None:  # the frames after TO_LANE, until the lane ends: then the stream ends too
@@ -735,7 +744,7 @@ class Backup:
         again for up to failover_after (the lease's last renewal may follow the last frame this backup got),
         then follows the primary again; refused otherwise, it follows the primary the arbiter names."""
         request = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.PROMOTE, index=self.index, primary=self.primary,
-                                       backup=self.me)
+                                       backup=self.me, copy=self.copy)
         patience = time.monotonic() + self.failover_after
         try:
             while True:

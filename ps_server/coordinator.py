@@ -364,7 +364,8 @@ class Coordinator:
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
                     changes: int | None = None,
-                    released: Callable[[bool, float | None], object] = lambda ask, timeout: None) -> dict:
+                    released: Callable[[bool, float | None], object] = lambda ask, timeout: None,
+                    copy: str = "") -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
         journal record, every step within `timeout` s of the call's start. ModeConflictError on another shard
@@ -372,7 +373,8 @@ class Coordinator:
         past this shard's layout epoch (asked again); ReplicaFencedError when the record names another primary
         or backup, or for a PROMOTE of a shard past the layout (a resize removed it); InvalidArgumentError for
         a malformed request. A repeat changes nothing, nor does an IN_SYNC whose `changes` is not the record's count now
-        (ReplicaRegistry.decide). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not journaled,
+        (ReplicaRegistry.decide). `copy`: the name of the backup's copy (IN_SYNC records it, PROMOTE must name
+        it). A "lease" renews `primary`'s lease (ReplicaRegistry.renew: not journaled,
         never blocks); one with `changes` (any value) is a read of the record's count too: it waits until
         every change recorded so far is in the journal (written by ps 0's backup too). `released(ask)`, asked
         for a repeat only: this shard's lost backup that its own arbiter no longer records in sync, if any
@@ -397,10 +399,10 @@ class Coordinator:
             raise ModeConflictError(f"ps:{index}'s backup takes over by hand (start ps-server --index {index} on its "
                                     f"journal folder at its address): no shard but it can grant its failover")
         if action == "promote":
-            self._outlast_lease(index, primary, backup, left())
+            self._outlast_lease(index, primary, backup, copy, left())
         ticket = None
         with self.gate.change(), self.recorder.ordering:
-            event = self.replicas.decide(action, index, primary, backup, changes)
+            event = self.replicas.decide(action, index, primary, backup, changes, copy)
             if event is not None:
                 self.replicas.apply(event)
                 ticket = self.recorder.log("replica", event)
@@ -421,12 +423,12 @@ class Coordinator:
             _LOGGER.info("ps 0 records ps:%d: %s", index, event)
         return self.replicas.entry(index)
 
-    def _outlast_lease(self, index: int, primary: str, backup: str, timeout: float | None) -> None:
+    def _outlast_lease(self, index: int, primary: str, backup: str, copy: str, timeout: float | None) -> None:
         """A PROMOTE asked while the primary's lease still holds waits once for what is left of it, if that ends
         well within `timeout` (the lease's last renewal may have followed the backup's last frame by a renewal's
         period: the backup need not ask again); the decision is then made anew."""
         try:
-            self.replicas.decide("promote", index, primary, backup)
+            self.replicas.decide("promote", index, primary, backup, copy=copy)
         except LeaseHeldError as exc:
             if timeout is None or exc.left < timeout / 2:
                 time.sleep(exc.left)

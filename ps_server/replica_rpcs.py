@@ -98,7 +98,7 @@ class ReplicaRPCs:
                                              request.backup, timeout=timeout,
                                              changes=request.changes if request.HasField("changes") else None,
                                              released=self.replication.released if self.replication is not None
-                                             else lambda ask, timeout: None)
+                                             else lambda ask, timeout: None, copy=request.copy)
         return replicas_of(request.index, entry)
 
 
@@ -219,14 +219,14 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
     other than ps 0: it cannot reach an arbiter."""
     arbiter = arbiter_of(index, len(addresses))
     if arbiter == index:
-        return lambda action, shard, primary, backup, timeout=ARBITER_TIMEOUT_SECONDS, changes=None: \
-            coordinator.set_replica(action, shard, primary, backup, timeout, changes)
+        return lambda action, shard, primary, backup, timeout=ARBITER_TIMEOUT_SECONDS, changes=None, copy="": \
+            coordinator.set_replica(action, shard, primary, backup, timeout, changes, copy=copy)
     if not addresses:
         return None
     channels = []  # made at the first ask: a shard that never has a backup never calls its arbiter
 
     def ask(action: str, shard: int, primary: str, backup: str, timeout: float = ARBITER_TIMEOUT_SECONDS,
-            changes: int | None = None) -> dict:
+            changes: int | None = None, copy: str = "") -> dict:
         if not channels:
             from ..client.channels import ShardChannels  # a shard's calls to its arbiter are a client's
 
@@ -238,7 +238,7 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
             if served:                                               # of ps 0 cannot say where ps 1 went)
                 channels[0].redirect(arbiter, served)
         request = ps_pb2.ReplicaChange(action=WIRE_ACTIONS.index(action), index=shard, primary=primary,
-                                       backup=backup, changes=changes)
+                                       backup=backup, changes=changes, copy=copy)
         reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), timeout,
                                  retry_for=timeout)
         return {"primary": reply.primary, "backup": reply.backup, "failovers": reply.failovers,

@@ -11,9 +11,14 @@ request whose view of the record is current and refuses the other
 a change the promoted backup never saw. The same rule as chain replication's
 master: the members of a chain change only through one record.
 
-    shard i: primary P, backup ""  --IN_SYNC(P, B)--> primary P, backup B
-             primary P, backup B   --DROP(P, B)-----> primary P, backup ""
-             primary P, backup B   --PROMOTE(P?, B)-> primary B, backup "", failovers + 1
+    shard i: primary P, backup ""  --IN_SYNC(P, B, c)--> primary P, backup B (copy c)
+             primary P, backup B   --DROP(P, B)--------> primary P, backup ""
+             primary P, backup B   --PROMOTE(P?, B, c)-> primary B, backup "", failovers + 1
+
+A backup's copy has a name (c: a fresh random one each time a stream's first
+base replaces the backup's folder), recorded with it: a PROMOTE naming
+another is refused, so a backup started again at the address of the one in
+sync but on another folder (an older copy) never takes over.
 
 Each change is counted in the shard's record (`changes`). A primary reads
 the count once its backup holds the base, then asks IN_SYNC naming it: the
@@ -77,6 +82,7 @@ __all__ = ["ReplicaRegistry", "ACTIONS"]
 
 ACTIONS = ("in_sync", "drop", "promote")  # ps.proto's ReplicaChange.Action, in order (LEASE is renew())
 MAX_ADDRESS_CHARS = 1024
+MAX_COPY_CHARS = 64  # a copy's name (ReplicaHello.copy)
 LEFT_KEY = "left_changes"  # export()'s counts of the records a resize removed
 CLOCK_TICKS = 10  # run_clock looks at its own progress this often per lease
 
@@ -136,22 +142,22 @@ class ReplicaRegistry:
         return {"primary": shards[index], "backup": "", "failovers": 0, "last_failover": 0.0,
                 "changes": self._left_changes.get(index, 0)}
 
-    def decide(self, action: str, index: int, primary: str, backup: str, changes: int | None = None
-               ) -> dict | None:
+    def decide(self, action: str, index: int, primary: str, backup: str, changes: int | None = None,
+               copy: str = "") -> dict | None:
         """The event that makes `action` (ACTIONS) of shard `index`, None if the record says so already (a
         repeat, or a DROP of a shard past the layout's), or for an IN_SYNC whose `changes` (the record's count
         as its primary read it; None: not checked) is not the record's now. A DROP where no backup is in sync
         is an event (counted) only if its `changes` is the record's count now (an IN_SYNC naming it may be on
         its way; a retry then finds the count moved on and changes nothing). InvalidArgumentError for a
         malformed request; ReplicaFencedError when the record names another primary than `primary` (for
-        PROMOTE, another backup than `backup`, or none: a shard past the layout's): the caller must stop serving
-        shard `index`;
+        PROMOTE, another backup than `backup`, or none: a shard past the layout's, or another copy than `copy`,
+        the name of the backup's copy that IN_SYNC records): the caller must stop serving shard `index`;
         ModeConflictError for IN_SYNC of a shard past the layout's (asked again once an epoch names it).
         Changes nothing: apply() the event."""
-        return self._decide(action, index, primary, backup, changes, list(self._shards_now()))
+        return self._decide(action, index, primary, backup, changes, copy, list(self._shards_now()))
 
     @guarded
-    def _decide(self, action: str, index: int, primary: str, backup: str, changes: int | None,
+    def _decide(self, action: str, index: int, primary: str, backup: str, changes: int | None, copy: str,
                 shards: list[str]) -> dict | None:
         if action not in ACTIONS:
             raise InvalidArgumentError(f"a replica change is one of {', '.join(ACTIONS)}. Received: {action!r}")
@@ -162,6 +168,9 @@ class ReplicaRegistry:
             if len(address) > MAX_ADDRESS_CHARS or (what in needed and not address):
                 raise InvalidArgumentError(f"a replica change {action} of ps:{index} names its {what}'s address "
                                            f"(1 to {MAX_ADDRESS_CHARS} characters). Received: {address!r}")
+        if len(copy) > MAX_COPY_CHARS:
+            raise InvalidArgumentError(f"a replica change names a backup's copy in at most {MAX_COPY_CHARS} "
+                                       f"characters. Received: {len(copy)}")
         if index >= len(shards):
             return self._outside(action, index, backup, len(shards))
         entry = self._entry(index, shards)
@@ -172,15 +181,21 @@ class ReplicaRegistry:
                 why = f"its backup in sync is {entry['backup']}" if entry["backup"] else "it has no backup in sync"
                 raise ReplicaFencedError(f"ps:{index} is served by {entry['primary']} and {why}: {backup} may not "
                                          f"take it over (it holds no promise of every acknowledged change)")
+            if entry.get("copy", "") and entry["copy"] != copy:
+                raise ReplicaFencedError(f"ps:{index}'s backup in sync at {backup} holds the copy "
+                                         f"{entry['copy']}, and this process holds {copy or 'an unnamed one'}: "
+                                         f"it may not take ps:{index} over (started on another folder than the "
+                                         f"one in sync, it lacks what that copy holds)")
             self._check_lease(index, entry["primary"])
             return {"action": action, "index": index, "primary": backup, "when": time.time()}
         if entry["primary"] != primary:
             raise ReplicaFencedError(f"ps:{index} is served by {entry['primary']} now (failover "
                                      f"{entry['failovers']}), not by {primary}: {primary} must stop serving it")
         if action == "in_sync":
-            if entry["backup"] == backup or (changes is not None and changes != entry["changes"]):
+            if (entry["backup"] == backup and entry.get("copy", "") == copy) or (
+                    changes is not None and changes != entry["changes"]):
                 return None  # a repeat, or asked before a change it did not see (a DROP of that backup)
-            return {"action": action, "index": index, "backup": backup}
+            return {"action": action, "index": index, "backup": backup, **({"copy": copy} if copy else {})}
         if backup and entry["backup"] and entry["backup"] != backup:
             return None  # another backup is in sync: nothing of this one to drop
         if entry["backup"] or (changes is not None and changes == entry["changes"]):
@@ -267,11 +282,11 @@ class ReplicaRegistry:
         self._left_changes.pop(index, None)
         entry["changes"] += 1
         if event["action"] == "in_sync":
-            entry["backup"] = event["backup"]
+            entry.update(backup=event["backup"], copy=event.get("copy", ""))  # (none in a record made before copies)
         elif event["action"] == "drop":
-            entry["backup"] = ""
+            entry.update(backup="", copy="")
         else:
-            entry.update(primary=event["primary"], backup="", failovers=entry["failovers"] + 1,
+            entry.update(primary=event["primary"], backup="", copy="", failovers=entry["failovers"] + 1,
                          last_failover=float(event["when"]))
         self.changed.notify_all()
 

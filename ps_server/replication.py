@@ -86,10 +86,11 @@ from ..errors import InvalidArgumentError, LaneBrokenError, ModeConflictError, P
 from ..proto import ps_pb2
 from ..wire import _key, _varint
 from .checkpoint import write_atomic
+from .replicas import MAX_COPY_CHARS
 
 __all__ = ["Feed", "Replication", "Shipped", "Arbiter", "ACK_BYTES", "ACK_TIMEOUT_SECONDS", "IDLE_WAKE_SECONDS",
            "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP", "ON_LOOP", "REPLICATED", "boot_id", "copy_kept",
-           "mark_replicated"]
+           "copy_name", "mark_replicated"]
 
 _LOGGER = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0   # a record the backup leaves unacknowledged this long loses it
@@ -110,7 +111,7 @@ MAX_LANE_FRAME = 64 << 20  # the most bytes a frame on the lane may have (its he
 NOTHING_YET = object()  # Feed.pieces: nothing is queued (wait for on_queued, or IDLE_WAKE_SECONDS)
 OFF_LOOP = object()     # Feed.pieces: it reads a file next (resume it where blocking is allowed)
 ON_LOOP = object()      # Feed.pieces: the file was read (it blocks no more)
-Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout, changes]) -> the arbiter's record
+Arbiter = Callable[..., dict]  # (action, index, primary, backup[, timeout, changes, copy]) -> the arbiter's record
 
 
 def boot_id() -> str:
@@ -121,12 +122,21 @@ def boot_id() -> str:
         return ""
 
 
-def mark_replicated(folder: pathlib.Path, sync: bool, copy: bool) -> None:
+def mark_replicated(folder: pathlib.Path, sync: bool, copy: bool, name: str = "") -> None:
     """Writes `folder`'s REPLICATED marker: a primary's journal whose backup is about to be in sync, or (`copy`) a
-    backup's copy whose base came whole. It names this boot and whether every record is synced before it counts
-    (`sync`: --journal-sync), which copy_kept reads; written whole (a new file renamed over the old), synced."""
-    text = f"{boot_id()}\n{'synced' if sync else 'cached'}\n{'copy' if copy else 'journal'}\n"
+    backup's copy whose base came whole, named `name` (ReplicaHello.copy). It names this boot and whether every
+    record is synced before it counts (`sync`: --journal-sync), which copy_kept reads; written whole (a new file
+    renamed over the old), synced."""
+    text = f"{boot_id()}\n{'synced' if sync else 'cached'}\n{'copy' if copy else 'journal'}\n{name}\n"
     write_atomic(folder / REPLICATED, lambda f: f.write(text.encode()))
+
+
+def copy_name(folder: pathlib.Path) -> str:
+    """The name of the backup's copy in `folder` (its REPLICATED marker's), "" if none is named."""
+    try:
+        return ((folder / REPLICATED).read_text().split() + ["", "", "", ""])[3]
+    except OSError:
+        return ""
 
 
 def copy_kept(folder: pathlib.Path) -> bool:
@@ -230,6 +240,7 @@ class Feed:
                  on_lost: Callable[["Feed", str], None], on_based: Callable[["Feed"], None], lane=None,
                  shipped: Shipped | None = None, acks_lane=None, frames_on_lane: bool = False):
         self.address = address
+        self.copy = ""                   # the name of the backup's copy (ReplicaHello.copy) its IN_SYNC names
         self._shipped = shipped or Shipped()  # its store files sent and linked, counted
         self._lane = lane                # a bulk lane the records' bytes follow on, or None
         # Once the first base went out, the frames go on the lane too, ahead of their bytes (TO_LANE).
@@ -593,9 +604,10 @@ class Replication:
         InvalidArgumentError for another shard's backup; ModeConflictError without a journal, with tables on
         SSD (`stores`) for a backup that cannot keep their stores (hello.keeps_stores), or while
         another backup's feed is attached (a lost one is attached until its arbiter dropped it), or without an arbiter to ask."""
-        if hello.index != self.index or not hello.address:
-            raise InvalidArgumentError(f"this is ps:{self.index}: a backup of it names index {self.index} and "
-                                       f"its own address. Received: index {hello.index}, {hello.address!r}")
+        if hello.index != self.index or not hello.address or len(hello.copy) > MAX_COPY_CHARS:
+            raise InvalidArgumentError(f"this is ps:{self.index}: a backup of it names index {self.index}, its own "
+                                       f"address and its copy (at most {MAX_COPY_CHARS} characters). Received: "
+                                       f"index {hello.index}, {hello.address!r}, {hello.copy[:80]!r}")
         if self._stores and not hello.keeps_stores:
             raise ModeConflictError(f"ps:{self.index} may keep embedding tables on SSD (--table-dir): a backup of it "
                                     f"needs --table-dir too, to keep their stores")
@@ -607,6 +619,7 @@ class Replication:
                                     f"TF_CONFIG): it cannot reach the shard that decides its failovers")
         feed = Feed(hello.address, self._chunk, self._ack_timeout, self._lost, self._based, lane, self.shipped,
                     acks_lane, frames_on_lane=hello.frames_on_lane and not self._stores)
+        feed.copy = hello.copy
         try:
             self._compact_for(feed)
         except Exception as exc:
@@ -709,7 +722,7 @@ class Replication:
             if gone():  # (a DROP decided before the read was asked after the loss: it is seen)
                 feed.in_sync_asked = False
                 return False
-            record = self._ask("in_sync", feed.address, gone, changes=read["changes"])
+            record = self._ask("in_sync", feed.address, gone, changes=read["changes"], copy=feed.copy)
             if record is None:
                 return False
             if record["backup"] == feed.address:
@@ -802,14 +815,14 @@ class Replication:
         read = self._ask("lease", backup, changes=0)
         return read is not None and self._ask("drop", backup, changes=read["changes"]) is not None
 
-    def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False, changes: int | None = None
-             ) -> dict | None:
+    def _ask(self, action: str, backup: str, gone: Callable[[], bool] = lambda: False, changes: int | None = None,
+             copy: str = "") -> dict | None:
         """Asks the arbiter for `action` about `backup` until it answers (its record of this shard, once it
         decided), or, on no answer, until gone() (None); a refusal fails the journal (this shard is fenced: it
         stops; None)."""
         while True:
             try:
-                return self._arbiter(action, self.index, self.me, backup, changes=changes)
+                return self._arbiter(action, self.index, self.me, backup, changes=changes, copy=copy)
             except ReplicaFencedError as exc:
                 _LOGGER.error("ps %d is fenced: %s", self.index, exc)
                 self._journal().fail(f"the arbiter says this shard no longer serves ps:{self.index}: {exc}")

@@ -27,6 +27,7 @@ from torchps.proto import ps_pb2, ps_pb2_grpc
 from torchps.ps_server.backup import FAILOVER_AFTER_SECONDS, arbiter_channels, record_of
 from torchps.ps_server.failstop import EXIT_CODE
 from torchps.ps_server.journal import Journal
+from torchps.ps_server.replication import copy_name
 from torchps.security import INSECURE, Security
 from torchps.worker.local_cluster import LocalCluster
 
@@ -613,6 +614,52 @@ def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name
                             "--torch-threads", "1"], tmp_path / f"{name}.log")
 
 
+def test_a_backup_started_again_at_the_in_sync_address_on_an_older_folder_is_never_promoted(tmp_path):
+    """ps:1's backup is stopped (ps 0 drops it), and another is started at its address on a new folder: in sync,
+    it writes four more pushes. ps:1's primary (paused first, so it drops nothing) and that backup are then lost
+    together. A backup started at that address on the first, older folder holds a copy the record does not
+    name: its PROMOTE is refused (before, the record trusted the address, and it served without the later
+    pushes). Started there on the newer folder, the backup is promoted, and every push is there exactly."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    backups = [backup]
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = _ones()
+            for _ in range(3):
+                ps.push(grads)
+            backup.terminate()
+            backup.wait(timeout=30)
+            wait_until(lambda: _replicas(ps)[1].backup == "", 30, "ps 0 to drop the stopped backup")
+            backups.append(_backup_process(tmp_path, cluster, 1, cluster.ps[1], backup_address, "newer"))
+            wait_until(lambda: _replicas(ps)[1].backup == backup_address, 30, "the newer copy in sync")
+            for _ in range(4):
+                ps.push(grads)
+            local.procs[1].send_signal(signal.SIGSTOP)
+            wait_until(lambda: process_state(local.procs[1].pid) in ("T", "t"), 30, "ps:1 to stop")
+            backups[-1].kill()
+            backups[-1].wait(timeout=30)
+            local.kill_ps(1)
+            assert (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (cluster.ps[1], backup_address)
+            backups.append(_backup_process(tmp_path, cluster, 1, cluster.ps[1], backup_address, "backup-1"))
+            wait_until(lambda: "holds the copy" in (tmp_path / "backup-1.log").read_text(), 30,
+                       "the older copy's promotion to be refused")
+            assert _replicas(ps)[1].primary == cluster.ps[1], "the older copy serves"
+            backups[-1].terminate()
+            backups[-1].wait(timeout=30)
+            backups.append(_backup_process(tmp_path, cluster, 1, cluster.ps[1], backup_address, "newer"))
+            _assert_values(ps, -7.0)
+            assert _replicas(ps)[1].primary == backup_address
+            ps.push(grads)
+            _assert_values(ps, -8.0)
+    finally:
+        for process in backups:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+        local.stop()
+
+
 def _restarted_primary(tmp_path, spec: str, old: str, extra=()):
     """ps:1's old primary started again on its disk (the job's checkpoint folder) at its address `old`, with the
     cluster spec `spec` and `extra` flags; its log is restarted.log."""
@@ -806,8 +853,10 @@ def test_a_backup_is_never_promoted_over_a_primary_that_renews_its_lease(tmp_pat
             _create_in_sync(ps, backup_address)
             grads = _ones()
 
+            copy = copy_name(tmp_path / "backup-1")  # the backup's copy, as the record names it
+
             def ask(action, primary: str, backup: str):
-                change = ps_pb2.ReplicaChange(action=action, index=1, primary=primary, backup=backup)
+                change = ps_pb2.ReplicaChange(action=action, index=1, primary=primary, backup=backup, copy=copy)
                 return ps._fanout.call(0, lambda stub, t: stub.SetReplica(change, timeout=t), 10)
 
             started, refused, pushed = time.monotonic(), 0, 0

@@ -17,7 +17,7 @@ from torchps.ps_server import journal_log, replication
 from torchps.ps_server.backup import Mirror
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replication import (ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed,
-                                          copy_kept, mark_replicated)
+                                          copy_kept, copy_name, mark_replicated)
 
 ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}
@@ -174,7 +174,9 @@ def test_a_copy_is_kept_for_a_restart_within_the_boot_it_was_written_in_or_synce
     mark_replicated(tmp_path / "primary", sync=True, copy=False)  # a primary's, about to have a backup in sync
     assert not copy_kept(tmp_path / "primary"), "a primary's journal is no backup's copy"
     (tmp_path / "synced").mkdir()
-    mark_replicated(tmp_path / "synced", sync=True, copy=True)
+    mark_replicated(tmp_path / "synced", sync=True, copy=True, name="c0ffee")
+    assert copy_name(tmp_path / "synced") == "c0ffee" and copy_name(tmp_path / "primary") == ""
+    assert copy_name(tmp_path / "none") == ""
     monkeypatch.setattr(replication, "boot_id", lambda: "another boot")  # the host restarted since
     assert not copy_kept(tmp_path / "copy"), "its unsynced records may be gone with the page cache"
     assert copy_kept(tmp_path / "synced")
@@ -354,6 +356,28 @@ def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(
         replication.open(ps_pb2.ReplicaHello(index=1, address="b:2"))
     assert replication.feeds_lost == 0 and primary.following() is first and asked == []
     first.lose("test over")
+    primary.close()
+
+
+def test_a_hello_naming_a_copy_too_long_is_refused_and_attaches_nothing(tmp_path):
+    """Replication.open of a hello whose copy's name is over MAX_COPY_CHARS: InvalidArgumentError, nothing
+    attached, no arbiter asked; the same hello with a name of that length attaches, the feed carrying it."""
+    from torchps.errors import InvalidArgumentError
+    from torchps.ps_server.replicas import MAX_COPY_CHARS
+    from torchps.ps_server.replication import Replication
+
+    primary = Journal(tmp_path / "primary")
+    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
+    asked = []
+    replication = Replication(1, "p:1", lambda: primary, lambda feed: primary.rotate(follower=feed),
+                              lambda action, index, me, backup, **_: asked.append((action, backup)) or {},
+                              self_arbitrated=False, chunk_bytes=1 << 20)
+    with pytest.raises(InvalidArgumentError, match="copy"):
+        replication.open(ps_pb2.ReplicaHello(index=1, address="b:1", copy="c" * (MAX_COPY_CHARS + 1)))
+    assert primary.following() is None and asked == []
+    feed = replication.open(ps_pb2.ReplicaHello(index=1, address="b:1", copy="c" * MAX_COPY_CHARS))
+    assert primary.following() is feed and feed.copy == "c" * MAX_COPY_CHARS
+    feed.lose("test over")
     primary.close()
 
 

@@ -62,6 +62,37 @@ def test_only_a_backup_in_sync_is_promoted():
         ReplicaRegistry(SPEC).decide("promote", 1, "h:1", "b:1")
 
 
+def test_only_the_copy_recorded_in_sync_is_promoted_and_the_name_outlives_replay_and_restore():
+    """IN_SYNC records the backup's copy by name: a PROMOTE from that address naming another copy (a process
+    started there on an older folder), or none, is refused and changes nothing; the one named is promoted. A
+    new IN_SYNC of the same address with another copy is a change. The name comes back from the journal's
+    events and from export(); a record made before copies had names promotes any copy."""
+    registry = ReplicaRegistry(SPEC)
+    events = [registry.decide("in_sync", 1, "h:1", "b:1", copy="c1")]
+    registry.apply(events[-1])
+    assert registry.decide("in_sync", 1, "h:1", "b:1", copy="c1") is None  # a repeat
+    events.append(registry.decide("in_sync", 1, "h:1", "b:1", copy="c2"))  # the same address, a new copy
+    assert events[-1] is not None
+    registry.apply(events[-1])
+    before = registry.export()
+    for copy in ("c1", ""):
+        with pytest.raises(ReplicaFencedError, match="holds the copy c2"):
+            registry.decide("promote", 1, "h:1", "b:1", copy=copy)
+    assert registry.export() == before
+    replayed, restored = ReplicaRegistry(SPEC), ReplicaRegistry(SPEC)
+    for event in events:
+        replayed.apply(event)
+    restored.restore(before)
+    for again in (registry, replayed, restored):
+        again.apply(again.decide("promote", 1, "h:1", "b:1", copy="c2"))
+        assert (again.entry(1)["primary"], again.entry(1)["backup"], again.entry(1)["copy"]) == ("b:1", "", "")
+    unnamed = ReplicaRegistry(SPEC)
+    unnamed.apply({"action": "in_sync", "index": 1, "backup": "b:1"})  # a journal written before copies' names
+    assert unnamed.decide("promote", 1, "h:1", "b:1", copy="c3")["primary"] == "b:1"
+    with pytest.raises(InvalidArgumentError, match="copy"):
+        unnamed.decide("in_sync", 1, "h:1", "b:1", copy="x" * 65)
+
+
 @pytest.mark.parametrize("action, index, primary, backup, match", [
     ("elect", 1, "h:1", "b:1", "one of"), ("in_sync", -1, "h:1", "b:1", "names a shard"),
     ("in_sync", 1, "", "b:1", "primary"), ("in_sync", 1, "h:1", "", "backup"), ("promote", 1, "", "", "backup"),
@@ -452,11 +483,11 @@ def test_a_lost_backup_is_released_once_the_arbiter_records_it_no_more(tmp_path)
 def _arbiter(registry: ReplicaRegistry, staged):
     """Replication's arbiter as the coordinator makes it (decide, then apply), in process; staged(action) runs
     first in the thread asking."""
-    def ask(action, index, primary, backup, timeout=None, changes=None):
+    def ask(action, index, primary, backup, timeout=None, changes=None, copy=""):
         staged(action)
         if action == "lease":
             return registry.renew(index, primary)
-        event = registry.decide(action, index, primary, backup, changes)
+        event = registry.decide(action, index, primary, backup, changes, copy)
         if event is not None:
             registry.apply(event)
         return registry.entry(index)

@@ -547,7 +547,7 @@ class ShardReplicas(_message.Message):
     def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ..., changes: _Optional[int] = ...) -> None: ...
 
 class ReplicaChange(_message.Message):
-    __slots__ = ("action", "index", "primary", "backup", "changes")
+    __slots__ = ("action", "index", "primary", "backup", "changes", "copy")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IN_SYNC: _ClassVar[ReplicaChange.Action]
@@ -563,12 +563,14 @@ class ReplicaChange(_message.Message):
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     action: ReplicaChange.Action
     index: int
     primary: str
     backup: str
     changes: int
-    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ...) -> None: ...
+    copy: str
+    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("hello", "written")
@@ -579,20 +581,22 @@ class ReplicaAck(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., written: _Optional[int] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("index", "address", "lane", "keeps_stores", "acks_lane", "frames_on_lane")
+    __slots__ = ("index", "address", "lane", "keeps_stores", "acks_lane", "frames_on_lane", "copy")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     KEEPS_STORES_FIELD_NUMBER: _ClassVar[int]
     ACKS_LANE_FIELD_NUMBER: _ClassVar[int]
     FRAMES_ON_LANE_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     lane: bytes
     keeps_stores: bool
     acks_lane: bytes
     frames_on_lane: bool
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ..., acks_lane: _Optional[bytes] = ..., frames_on_lane: _Optional[bool] = ...) -> None: ...
+    copy: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., lane: _Optional[bytes] = ..., keeps_stores: _Optional[bool] = ..., acks_lane: _Optional[bytes] = ..., frames_on_lane: _Optional[bool] = ..., copy: _Optional[str] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("kind", "number", "written", "head", "data", "last", "lane_bytes", "path", "same_as", "acks_on_lane")
