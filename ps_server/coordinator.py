@@ -420,7 +420,7 @@ class Coordinator:
             lost = released(not own, left())
             self.recorder.durable_all(left(), lost)
         if event is not None:
-            _LOGGER.info("ps 0 records ps:%d: %s", index, event)
+            _LOGGER.info("ps %d records ps:%d: %s", self._index, index, event)
         return self.replicas.entry(index)
 
     def _outlast_lease(self, index: int, primary: str, backup: str, copy: str, timeout: float | None) -> None:
