@@ -338,11 +338,9 @@ def test_a_stream_ended_mid_file_lets_the_files_links_go(tmp_path):
     assert not (tmp_path / "primary" / ".shipping" / f"base-{number:06d}.stores").exists()
 
 
-def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(tmp_path):
-    """Replication.open while another backup's feed is attached: refused (ModeConflictError), and the refused
-    one is neither counted lost nor asked to be dropped at the arbiter (which would drop it later, once it
-    followed)."""
-    from torchps.errors import ModeConflictError
+def _primary_replication(tmp_path):
+    """(a primary's journal, started; its Replication of ps:1, whose arbiter only notes what it is asked; that
+    list of (action, backup))."""
     from torchps.ps_server.replication import Replication
 
     primary = Journal(tmp_path / "primary")
@@ -351,6 +349,16 @@ def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(
     replication = Replication(1, "p:1", lambda: primary, lambda feed: primary.rotate(follower=feed),
                               lambda action, index, me, backup, **_: asked.append((action, backup)) or {},
                               self_arbitrated=False, chunk_bytes=1 << 20)
+    return primary, replication, asked
+
+
+def test_a_backup_refused_while_another_follows_is_not_counted_lost_nor_dropped(tmp_path):
+    """Replication.open while another backup's feed is attached: refused (ModeConflictError), and the refused
+    one is neither counted lost nor asked to be dropped at the arbiter (which would drop it later, once it
+    followed)."""
+    from torchps.errors import ModeConflictError
+
+    primary, replication, asked = _primary_replication(tmp_path)
     first = replication.open(ps_pb2.ReplicaHello(index=1, address="b:1"))
     with pytest.raises(ModeConflictError, match="one at a time"):
         replication.open(ps_pb2.ReplicaHello(index=1, address="b:2"))
@@ -364,14 +372,8 @@ def test_a_hello_naming_a_copy_too_long_is_refused_and_attaches_nothing(tmp_path
     attached, no arbiter asked; the same hello with a name of that length attaches, the feed carrying it."""
     from torchps.errors import InvalidArgumentError
     from torchps.ps_server.replicas import MAX_COPY_CHARS
-    from torchps.ps_server.replication import Replication
 
-    primary = Journal(tmp_path / "primary")
-    primary.start({"step": 0, "variables": {"w": torch.ones(3)}})
-    asked = []
-    replication = Replication(1, "p:1", lambda: primary, lambda feed: primary.rotate(follower=feed),
-                              lambda action, index, me, backup, **_: asked.append((action, backup)) or {},
-                              self_arbitrated=False, chunk_bytes=1 << 20)
+    primary, replication, asked = _primary_replication(tmp_path)
     with pytest.raises(InvalidArgumentError, match="copy"):
         replication.open(ps_pb2.ReplicaHello(index=1, address="b:1", copy="c" * (MAX_COPY_CHARS + 1)))
     assert primary.following() is None and asked == []
