@@ -37,7 +37,7 @@ def replicas_of(index: int, entry: dict) -> ps_pb2.ShardReplicas:
     """ReplicaRegistry's record of shard `index` as its message."""
     return ps_pb2.ShardReplicas(index=index, primary=entry["primary"], backup=entry["backup"],
                                 failovers=entry["failovers"], last_failover_unix=entry["last_failover"],
-                                changes=entry.get("changes", 0))
+                                changes=entry.get("changes", 0), copy=entry.get("copy", ""))
 
 
 class RoleFence(grpc.aio.ServerInterceptor):
@@ -241,6 +241,6 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
                                        backup=backup, changes=changes, copy=copy)
         reply = channels[0].call(arbiter, lambda stub, t: stub.SetReplica(request, timeout=t), timeout,
                                  retry_for=timeout)
-        return {"primary": reply.primary, "backup": reply.backup, "failovers": reply.failovers,
+        return {"primary": reply.primary, "backup": reply.backup, "copy": reply.copy, "failovers": reply.failovers,
                 "last_failover": reply.last_failover_unix, "changes": reply.changes}
     return ask

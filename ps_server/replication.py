@@ -134,7 +134,7 @@ def mark_replicated(folder: pathlib.Path, sync: bool, copy: bool, name: str = ""
 def copy_name(folder: pathlib.Path) -> str:
     """The name of the backup's copy in `folder` (its REPLICATED marker's), "" if none is named."""
     try:
-        return ((folder / REPLICATED).read_text().split() + ["", "", "", ""])[3]
+        return ((folder / REPLICATED).read_text().splitlines() + ["", "", "", ""])[3]
     except OSError:
         return ""
 
@@ -145,7 +145,7 @@ def copy_kept(folder: pathlib.Path) -> bool:
     this boot (the page cache still holds what was not on the disk). A primary's journal folder (its marker
     says so) is never such a copy."""
     try:
-        boot, synced, kind = ((folder / REPLICATED).read_text().split() + ["", "", ""])[:3]
+        boot, synced, kind = ((folder / REPLICATED).read_text().splitlines() + ["", "", ""])[:3]  # (a boot may be "")
     except OSError:
         return False
     return kind == "copy" and (synced == "synced" or (boot != "" and boot == boot_id()))
@@ -725,8 +725,8 @@ class Replication:
             record = self._ask("in_sync", feed.address, gone, changes=read["changes"], copy=feed.copy)
             if record is None:
                 return False
-            if record["backup"] == feed.address:
-                return True
+            if record["backup"] == feed.address and record.get("copy", "") in ("", feed.copy):  # ("": an arbiter
+                return True                                                                  # that names none)
             time.sleep(ASK_AGAIN_SECONDS)
 
     def _renew_lease(self, feed: Feed) -> bool:

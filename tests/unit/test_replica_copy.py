@@ -180,6 +180,9 @@ def test_a_copy_is_kept_for_a_restart_within_the_boot_it_was_written_in_or_synce
     monkeypatch.setattr(replication, "boot_id", lambda: "another boot")  # the host restarted since
     assert not copy_kept(tmp_path / "copy"), "its unsynced records may be gone with the page cache"
     assert copy_kept(tmp_path / "synced")
+    monkeypatch.setattr(replication, "boot_id", lambda: "")  # a kernel that names no boot: its line is empty
+    mark_replicated(tmp_path / "synced", sync=True, copy=True, name="feed")
+    assert copy_kept(tmp_path / "synced") and copy_name(tmp_path / "synced") == "feed"
 
 
 def test_compactions_go_on_after_a_backup_was_attached_from_a_thread_that_lives_on(tmp_path):

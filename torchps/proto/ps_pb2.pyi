@@ -531,20 +531,22 @@ class Layout(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., placement: _Optional[_Mapping[str, int]] = ..., outbox: _Optional[_Iterable[_Union[MoveRequest, _Mapping]]] = ..., hold_from_step: _Optional[int] = ..., quiet: _Optional[bool] = ..., table_shards: _Optional[int] = ..., members: _Optional[_Iterable[_Union[JobMember, _Mapping]]] = ..., grace_left_seconds: _Optional[float] = ..., hold_lease_seconds: _Optional[float] = ..., hold_lease_left_seconds: _Optional[float] = ..., table_step: _Optional[_Union[Layout.TableStep, str]] = ..., replicas: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
-    __slots__ = ("index", "primary", "backup", "failovers", "last_failover_unix", "changes")
+    __slots__ = ("index", "primary", "backup", "failovers", "last_failover_unix", "changes", "copy")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILOVER_UNIX_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     index: int
     primary: str
     backup: str
     failovers: int
     last_failover_unix: float
     changes: int
-    def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ..., changes: _Optional[int] = ...) -> None: ...
+    copy: str
+    def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ...) -> None: ...
 
 class ReplicaChange(_message.Message):
     __slots__ = ("action", "index", "primary", "backup", "changes", "copy")
