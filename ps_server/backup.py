@@ -78,7 +78,8 @@ from ..errors import LaneBrokenError, LeaseHeldError, MalformedStreamError, PSEr
 from ..proto import ps_pb2
 from ..security import Security
 from .mirror import Mirror
-from .replication import ACK_BYTES, REPLICATED, copy_kept, copy_name
+from .feed import ACK_BYTES
+from .replication import REPLICATED, copy_kept, copy_name
 
 __all__ = ["Backup", "serving", "needs_role_check", "confirm_role", "arbiter_layout", "record_of",
            "FAILOVER_AFTER_SECONDS", "PROGRESS_SECONDS"]

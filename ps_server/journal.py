@@ -154,7 +154,7 @@ class Journal:
         self._offset = 0
         self._writer: threading.Thread | None = None
         self._busy = False              # the writer, or write_now()'s caller, writes to the log
-        self._follower = None           # a backup's feed (replication.Feed) every wait also waits for
+        self._follower = None           # a backup's feed (feed.Feed) every wait also waits for
         self._acked = 0                 # records the follower wrote, in order
         self._shipping = None           # the writer's: the feed it hands what it writes to (since its rotate)
 
@@ -407,7 +407,7 @@ class Journal:
     def rotate(self, follower=None) -> int:
         """Starts a new log for the records appended from now on; returns its number. Call with the state
         taken at the same moment, then write_base() and finish_compaction(). With `follower` (a backup's
-        replication.Feed, none attached: ModeConflictError otherwise), it is attached in the same instant:
+        feed.Feed, none attached: ModeConflictError otherwise), it is attached in the same instant:
         it is handed every record and rotation written after this one, and from now on every wait() waits
         until it acknowledged its record (Feed.floor: the last record the state holds)."""
         with self._cond:

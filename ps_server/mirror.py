@@ -34,7 +34,8 @@ from ..proto import ps_pb2
 from . import journal_log
 from .checkpoint import fsync_dir
 from .journal import Journal
-from .replication import MAX_LANE_FRAME, mark_replicated
+from .feed import MAX_LANE_FRAME
+from .replication import mark_replicated
 
 __all__ = ["Mirror", "LANE_SECONDS"]
 

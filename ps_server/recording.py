@@ -154,7 +154,7 @@ class Recorder:
             compactor.join(timeout)
 
     def compact_for(self, follower) -> None:
-        """Compacts now, attaching `follower` (a backup's replication.Feed) at the new log, whose base it is
+        """Compacts now, attaching `follower` (a backup's feed.Feed) at the new log, whose base it is
         handed first (Journal.rotate). Blocks while a compaction runs, then for this one; raises what it
         raised (ModeConflictError: another backup follows; nothing was attached)."""
         while True:

@@ -23,7 +23,8 @@ from .auth import aborting
 from .coordinator import Coordinator
 from .replicas import ACTIONS
 from .edge import CallContext
-from .replication import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Arbiter, Feed
+from .feed import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
+from .replication import Arbiter
 from .rpc_support import answering, decode_request, map_errors
 
 __all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "WIRE_ACTIONS"]

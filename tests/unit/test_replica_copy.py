@@ -1,4 +1,4 @@
-"""A backup's copy of its primary's journal (replication.Feed's frames, written by mirror.Mirror) recovers to the
+"""A backup's copy of its primary's journal (feed.Feed's frames, written by mirror.Mirror) recovers to the
 same records and state as the primary's own journal: tensors of any length (not multiples of 8 bytes), records
 cut into pieces, rotations and a later compaction's base. No gRPC, no processes."""
 
@@ -16,8 +16,8 @@ from torchps.proto import ps_pb2
 from torchps.ps_server import journal_log, replication
 from torchps.ps_server.mirror import Mirror
 from torchps.ps_server.journal import Journal
-from torchps.ps_server.replication import (ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed,
-                                          copy_kept, copy_name, mark_replicated)
+from torchps.ps_server.feed import ACK_BYTES, IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
+from torchps.ps_server.replication import copy_kept, copy_name, mark_replicated
 
 ODD = {"w": torch.arange(7, dtype=torch.float32), "b": torch.tensor([1.5], dtype=torch.float64),
        "ids": torch.arange(5, dtype=torch.int8), "empty": torch.zeros(0)}

@@ -13,7 +13,8 @@ from torchps.errors import (InvalidArgumentError, LeaseHeldError, ModeConflictEr
                             WaitTimeoutError, ServerUnavailableError)
 from torchps.ps_server.journal import Journal
 from torchps.ps_server.replicas import ReplicaRegistry
-from torchps.ps_server.replication import Feed, Replication
+from torchps.ps_server.feed import Feed
+from torchps.ps_server.replication import Replication
 
 from helpers import wait_until
 
