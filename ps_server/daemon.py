@@ -198,7 +198,8 @@ def _await_takeover(index: int, me: str, backup: str, cluster: Cluster, security
         if time.monotonic() - said >= PROGRESS_SECONDS:
             said = time.monotonic()
             _LOGGER.warning("ps %d still waits for its backup %s to take over (start it, or let it reach its "
-                            "arbiter)", index, record[1])
+                            "arbiter; lost with its copy, give it up: ps-admin drop-backup --shard %d, and this "
+                            "shard serves the newest checkpoint)", index, record[1], index)
 
 
 def _try_checkpoint_part(checkpoint_dir: str | None, index: int, late: list, who: str) -> str | None:

@@ -25,6 +25,7 @@ COMMANDS = [
     ("ps-certs", "a job's CA, certificates and tokens"),
     ("ps-admin layout", "a running job's layout"),
     ("ps-admin resize", "change a running job's shards"),
+    ("ps-admin drop-backup", "give up a replicated shard's backup lost with its copy"),
     ("ps-serve", "a serving replica that follows a training job"),
     ("ps-serve rollback", "switch a serving replica back to an earlier version"),
 ]

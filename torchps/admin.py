@@ -10,6 +10,11 @@
     ps-admin resize --cluster CLUSTER --resume | --abort
         takes over a resize that was cut off (its driver died: ps 0 says so once its lease ran out) and
         finishes it, or rolls it back (one past its point of no return is finished)
+    ps-admin drop-backup --cluster CLUSTER --shard N
+        gives up shard N's backup in sync, lost for good with its copy: the shard's arbiter drops it from its
+        record (SetReplica DROP), so a primary restarted on an empty folder, which waits for that backup,
+        serves the newest checkpoint instead (what only that backup held is lost); refused while anything
+        accepts a connection at the backup's address
 
 CLUSTER is the cluster JSON (or a file holding it) the job started with, else TF_CONFIG's: it names ps 0,
 and the job's current shards are those of ps 0's layout. The calls carry the chief's credentials, given as
@@ -17,13 +22,15 @@ ps-worker's are: --tls-cert/--tls-key/--tls-ca with the chief's certificate and/
 --token-file with the chief's token), else TORCHPS_TLS_CERT/KEY/CA, TORCHPS_TOKEN_FILE and
 TORCHPS_ADMIN_TOKEN_FILE (ps-certs writes them all); --insecure for shards started --insecure.
 Exit codes: 0 done, 1 a shard refused or could not be reached (the message says which; a resize that
-failed was rolled back, or is left cut off for --resume or --abort), 2 a usage error, answered before
+failed was rolled back, or is left cut off for --resume or --abort; a backup still reachable is not dropped),
+2 a usage error, answered before
 gRPC is imported. ps-admin never imports torch: it runs the client's channels, fan-out, layout follower
 and resize driver (client/fanout.py, layout.py, resize.py) without PSClient.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 
@@ -37,16 +44,21 @@ from .security import Security
 __all__ = ["main"]
 
 RESIZE_CALL_SECONDS = 300.0  # each attempt of a move's export or import (PSClient's default timeout)
+BACKUP_LOOK_SECONDS = 3.0    # drop-backup: how long a connection to the backup's address is tried
 
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="ps-admin", description="Administer a running torchps job (see torchps/admin.py). "
                             "Every command takes the chief's " + ENV_HELP + ": see ps-admin COMMAND --help.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("layout", "print the job's layout"), ("resize", "change the job's shards live")):
+    for name, text in (("layout", "print the job's layout"), ("resize", "change the job's shards live"),
+                       ("drop-backup", "give up a shard's backup in sync, lost for good")):
         command = commands.add_parser(name, help=text, description=f"{text}, with the chief's {ENV_HELP}.")
         command.add_argument("--cluster", help="the job's cluster JSON or a file holding it (default: TF_CONFIG)")
         command.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for a shard")
+        if name == "drop-backup":
+            command.add_argument("--shard", type=int, required=True, help="the shard whose backup is lost (its "
+                                 "primary, restarted on an empty folder, then serves the newest checkpoint)")
         if name == "resize":
             what = command.add_mutually_exclusive_group(required=True)
             what.add_argument("--ps", help="the job's shards after the resize, comma-separated, the current ones "
@@ -134,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                                              [a.strip() for a in args.ps.split(",") if a.strip()], driver=driver,
                                              **options)
                 print(report.line())
+            elif args.command == "drop-backup":
+                print(_drop_backup(job, cluster, args.shard))
             else:
                 print(_layout(job, live_resize.state(job.fanout)))
     except ClusterConfigError as exc:
@@ -174,6 +188,38 @@ def _layout(job: _Job, record) -> str:
         lines.append(f"resize {record.id}: {len(record.before)} -> {len(record.after)} shards, {phase}; driver "
                      f"{record.driver}; {counts}" + (f"; {record.ended_why}" if record.ended_why else ""))
     return "\n".join(lines)
+
+
+def _drop_backup(job: _Job, cluster: Cluster, shard: int) -> str:
+    """Asks shard `shard`'s arbiter to drop the backup its record names in sync, unless anything accepts a
+    connection at that backup's address within BACKUP_LOOK_SECONDS (a process there, even paused, may hold
+    every change and takes over by itself: ReplicaFencedError says so). ClusterConfigError for a shard the job
+    does not have; PSErrors as the arbiter answers."""
+    from .cluster import arbiter_of
+    from .errors import ReplicaFencedError
+    from .proto import ps_pb2
+
+    addresses, replicas = job.shards()
+    if not 0 <= shard < len(addresses):
+        raise ClusterConfigError(f"--shard must name one of the job's {len(addresses)} shards. Received: {shard}")
+    entry = next((entry for entry in replicas if entry.index == shard), None)
+    if entry is None or not entry.backup:
+        return f"ps:{shard} has no backup in sync: nothing to drop"
+    host, _, port = entry.backup.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=BACKUP_LOOK_SECONDS).close()
+    except (OSError, ValueError):
+        pass  # refused, unreachable, or no answer: nothing runs there
+    else:
+        raise ReplicaFencedError(f"ps:{shard}'s backup {entry.backup} accepts connections: a process there (even "
+                                 f"paused) may hold every change and takes over by itself; nothing dropped (stop "
+                                 f"it first if its copy is lost)")
+    arbiter = arbiter_of(shard, cluster.num_ps)
+    change = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.DROP, index=shard, primary=entry.primary,
+                                  backup=entry.backup)
+    record = job.call(arbiter, lambda stub, t: stub.SetReplica(change, timeout=t))
+    return (f"ps:{shard}: its arbiter ps:{arbiter} dropped the backup {entry.backup}: {record.primary} serves "
+            f"ps:{shard} without it (a primary waiting for it serves the newest checkpoint)")
 
 
 def _replica_line(entry, replication) -> str:

@@ -2,9 +2,12 @@
 push, and a primary cut off from its promoted backup never acknowledges again. Real processes."""
 
 import json
+import pathlib
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -31,6 +34,7 @@ from torchps.ps_server.replication import copy_name
 from torchps.security import INSECURE, Security
 from torchps.worker.local_cluster import LocalCluster
 
+PS_ADMIN = str(pathlib.Path(sys.executable).with_name("ps-admin"))  # the console script, as a user runs it
 SHAPES = {"rep/a": (64, 33), "rep/b": (1000,)}  # round robin: a on ps:0, b on ps:1 (the replicated one)
 
 
@@ -395,6 +399,58 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
         backup.wait(timeout=30)
         local.stop()
     assert "serving on" not in (tmp_path / "restarted.log").read_text()
+
+
+def test_a_primary_waiting_for_a_backup_lost_with_its_copy_serves_the_newest_checkpoint_once_ps_admin_drops_it(
+        tmp_path):
+    """ps:1 acknowledges a push past the last checkpoint with its backup in sync; ps:1 is killed with its journal
+    folder, and started again with --replicated on the empty folder: it waits for that backup. `ps-admin
+    drop-backup` refuses (exit 1, the record unchanged) while a process, paused, is at the backup's address;
+    that process killed and its copy deleted too, it has ps 0 drop the backup: ps:1 serves the newest
+    checkpoint (the push past it, held by the lost backup alone, is given up) and takes pushes again."""
+    local, backup, backup_address, cluster = _start(tmp_path)
+    old, spec = local.address(1), json.dumps(cluster.to_dict())
+    admin = [PS_ADMIN, "drop-backup", "--cluster", spec, "--shard", "1", "--insecure"]
+    restarted = None
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            _create_in_sync(ps, backup_address)
+            grads = _ones()
+            ps.push(grads)
+            ps.save_checkpoint(0)
+            ps.push(grads)  # past the checkpoint: on ps:1's disk and its backup's only
+            backup.send_signal(signal.SIGSTOP)  # (killed now, ps:1 would drop it)
+            local.kill_ps(1)
+            shutil.rmtree(journal_dir(tmp_path / "ck", 1))
+            restarted = _restarted_primary(tmp_path, spec, old, ["--replicated"])
+            wait_until(lambda: "waits for that backup to take over" in (tmp_path / "restarted.log").read_text(), 30,
+                       "the restarted ps:1 to wait for its backup")
+            refused = subprocess.run(admin, capture_output=True, text=True, timeout=120)
+            assert refused.returncode == 1 and "accepts connections" in refused.stderr, refused
+            assert _replicas(ps)[1].backup == backup_address, "dropped while its backup may come back"
+            backup.kill()
+            backup.wait(timeout=30)
+            shutil.rmtree(tmp_path / "backup-1")
+            dropped = subprocess.run(admin, capture_output=True, text=True, timeout=120)
+            assert dropped.returncode == 0 and f"dropped the backup {backup_address}" in dropped.stdout, dropped
+            assert (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (old, "")
+            values = ps.pull(SHAPES)  # answered once the restarted ps:1 serves
+            assert torch.equal(values["rep/a"], torch.full(SHAPES["rep/a"], -2.0))  # ps 0 lost nothing
+            assert torch.equal(values["rep/b"], torch.full(SHAPES["rep/b"], -1.0))  # the checkpoint's
+            ps.push(grads)
+            assert torch.equal(ps.pull(SHAPES)["rep/b"], torch.full(SHAPES["rep/b"], -2.0))
+        again = subprocess.run(admin, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and "no backup in sync: nothing to drop" in again.stdout, again
+        unknown = subprocess.run([*admin[:-2], "7", "--insecure"], capture_output=True, text=True, timeout=120)
+        assert unknown.returncode == 2 and "--shard must name one of the job's 2 shards" in unknown.stderr, unknown
+    finally:
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=30)
+        if backup.poll() is None:
+            backup.kill()
+            backup.wait(timeout=30)
+        local.stop()
 
 
 def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_and_ps_0_goes_on(tmp_path):
