@@ -56,13 +56,16 @@ def _start(tmp_path, extra=(), backed=1, credentials=None):
     return local, backup, backup_address, Cluster.from_json(spec)
 
 
-def _resume_and_stop(local, backup) -> None:
-    """Stops the job's shards and the backup, any of them paused (SIGSTOP) resumed first."""
-    for proc in [*local.procs, backup]:
+def _resume_and_stop(local, *others) -> None:
+    """Stops `others` (backups, shards started by hand; None: one never started) and the job's shards, any of them
+    paused (SIGSTOP) resumed first."""
+    for proc in [*local.procs, *others]:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
-    backup.terminate()
-    backup.wait(timeout=30)
+    for proc in others:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
     local.stop()
 
 
@@ -228,13 +231,7 @@ def test_an_old_primary_restarted_follows_the_new_one_and_takes_over_again(tmp_p
             assert (entry.primary, entry.failovers) == (old, 2)
             _assert_values(ps, -4.0)
     finally:
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(timeout=30)
-        if backup.poll() is None:
-            backup.terminate()
-            backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, restarted, backup)
     assert "becomes its backup" in (tmp_path / "restarted.log").read_text()
 
 
@@ -275,14 +272,7 @@ def test_a_promoted_backup_and_its_backup_restarted_with_their_own_commands_serv
             assert (entry.primary, entry.failovers) == (backup_address, 1)
             _assert_values(ps, -4.0)
     finally:
-        if restarted is not None:
-            restarted.send_signal(signal.SIGCONT)
-            restarted.terminate()
-            restarted.wait(timeout=30)
-        if backup.poll() is None:
-            backup.terminate()
-            backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, restarted, backup)
     log = (tmp_path / "backup-1.log").read_text()
     assert "as a restarted primary" in log and "this backup serves it" not in log, log[-3000:]
 
@@ -391,13 +381,7 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
             ps.push(grads)
             _assert_values(ps, -2.0)
     finally:
-        backup.send_signal(signal.SIGCONT)
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(timeout=30)
-        backup.terminate()
-        backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, restarted, backup)
     assert "serving on" not in (tmp_path / "restarted.log").read_text()
 
 
@@ -444,13 +428,7 @@ def test_a_primary_waiting_for_a_backup_lost_with_its_copy_serves_the_newest_che
         unknown = subprocess.run([*admin[:-2], "7", "--insecure"], capture_output=True, text=True, timeout=120)
         assert unknown.returncode == 2 and "--shard must name one of the job's 2 shards" in unknown.stderr, unknown
     finally:
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(timeout=30)
-        if backup.poll() is None:
-            backup.kill()
-            backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, restarted, backup)
 
 
 def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_and_ps_0_goes_on(tmp_path):
@@ -513,12 +491,7 @@ def test_a_client_refused_by_an_old_primary_waiting_for_its_arbiter_moves_to_the
             _assert_values(ps, -2.0)
             assert restarted.poll() is None, "the old primary waits for its arbiter"
     finally:
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(timeout=30)
-        backup.terminate()
-        backup.wait(timeout=30)
-        local.stop()
+        _resume_and_stop(local, restarted, backup)
 
 
 def test_a_primary_restarted_with_no_backup_in_sync_drops_none_before_serving_so_a_late_in_sync_changes_nothing(
