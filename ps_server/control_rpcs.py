@@ -71,6 +71,7 @@ class ControlRPCs:
             members=[ps_pb2.MemberStatus(worker=w, state=s, pushes=p, last_push_step=last, restarts=r)
                      for w, s, p, last, r in coordinator.standing(names)],
             awaited_step=awaited_step, awaited_pushes=awaited_pushes, awaited_pushers=awaited_pushers,
+            awaits_backup=self.replication.awaited_backup if self.replication is not None else "",
             replication=self.replication.status() if self.replication is not None else None,
             tables_on_disk=coordinator.tables.storage.on_disk, **coordinator.counters())
 

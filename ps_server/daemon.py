@@ -371,7 +371,11 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             record = confirm_role(index, me, tuple(cluster.ps), security.as_shard(index), stop,
                                   args.failover_after * 4)
             if record is not None and empty and record[0] == me and record[1]:
-                record = _await_takeover(index, me, record[1], cluster, security, stop, args.failover_after)
+                server.replication.awaited_backup = record[1]  # (GetStatus says so meanwhile)
+                try:
+                    record = _await_takeover(index, me, record[1], cluster, security, stop, args.failover_after)
+                finally:
+                    server.replication.awaited_backup = ""
             if record is None:
                 return
             if record[0] != me:

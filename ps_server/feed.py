@@ -1,12 +1,10 @@
 """A backup's feed: the stream of its primary's journal, as the journal's writer and compactions offer it
 (Feed). No gRPC.
 
-The feed is handed a new base first (the one the backup's stream begins
-with), then every record and rotation the journal's writer writes, in its
-order, and every later compaction's base; its backup's acknowledgements end
-the journal's waits (Journal.acked). A record the backup leaves
-unacknowledged for `ack_timeout` s, or the end of its stream or of a lane,
-loses the feed (replication.py then asks the arbiter to drop the backup).
+What a feed is handed, and what its loss means, is replication.py's. Its
+backup's acknowledgements end the journal's waits (Journal.acked); a record
+the backup leaves unacknowledged for `ack_timeout` s, or the end of its
+stream or of a lane, loses it.
 
 A stream with a bulk lane (torchps/lanes.py: the backup opened it, its key
 in the hello) carries each record's tensor bytes there: the journal's writer
@@ -58,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import logging
 import pathlib
 import threading
 import time
@@ -71,7 +68,6 @@ from ..wire import _key, _varint
 __all__ = ["Feed", "Shipped", "ACK_BYTES", "IDLE_WAKE_SECONDS", "MAX_LANE_FRAME", "NOTHING_YET", "OFF_LOOP",
            "ON_LOOP", "frames_of", "file_frames"]
 
-_LOGGER = logging.getLogger(__name__)
 IDLE_WAKE_SECONDS = 0.1     # a feed's sender looks at its oldest unacknowledged record (or sends a heartbeat) this often
 ACK_BYTES = 8               # an ack on an acks lane: the record number it stands for, little-endian
 _FRAME = ps_pb2.ReplicaFrame

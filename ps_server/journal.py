@@ -643,7 +643,7 @@ class Journal:
 
     def base_files(self, number: int) -> list[tuple[str, pathlib.Path]]:
         """[(path under this folder, file)] of every file of base `number`'s store copies (none without tables
-        on SSD), for a backup's copy (replication.py): hard links to them in a folder of the feed's
+        on SSD), for a backup's copy (feed.py): hard links to them in a folder of the feed's
         (SHIPPING/), so that a later compaction retiring the base leaves them to be read until sent; each is
         removed as it is sent, and what a lost feed left when the next one attaches (rotate)."""
         stores = self._stores_path(number)

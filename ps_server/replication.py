@@ -1,5 +1,5 @@
-"""A shard's backup as its primary sees it: the feed of its journal, and the arbiter's word on going on
-without it. No gRPC.
+"""A shard's backup as its primary sees it: when its journal's feed (feed.py) is attached, and the arbiter's
+word on going on without it. No gRPC.
 
 A backup (ps-server --replica-of, backup.py) opens a Replicate stream. The
 primary compacts its journal with the backup's Feed attached in the same
@@ -115,6 +115,9 @@ class Replication:
         self._lease: tuple[Feed, float | None] | None = None
         self._folder_wait: str | None = None  # why the checkpoint folder is not this shard's yet (hold_saving)
         self.feeds_opened = 0
+        # The backup this shard, started on an empty folder, waits for to take over (daemon._await_takeover: the
+        # record names it in sync, and it holds what this shard acknowledged); "" if none (GetStatus says it).
+        self.awaited_backup = ""
         self.feeds_lost = 0
         self.shipped = Shipped()
 

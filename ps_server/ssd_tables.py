@@ -53,7 +53,7 @@ store, keeping the rows the table's partition now gives it: no table is
 read whole into memory. A serving replica started from a checkpoint reads
 a store copy whole (stored_rows). A live resize streams the rows the same
 way from a frozen copy of the old store (table_moves.py). A replicated shard's backup copies the
-store copies of each journal base (replication.py), and once promoted opens
+store copies of each journal base (feed.py), and once promoted opens
 them as a restarted shard does.
 
 Thread safety: as EmbeddingTable (one lock per table, held for every public

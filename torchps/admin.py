@@ -10,11 +10,13 @@
     ps-admin resize --cluster CLUSTER --resume | --abort
         takes over a resize that was cut off (its driver died: ps 0 says so once its lease ran out) and
         finishes it, or rolls it back (one past its point of no return is finished)
-    ps-admin drop-backup --cluster CLUSTER --shard N
+    ps-admin drop-backup --cluster CLUSTER --shard N [--force]
         gives up shard N's backup in sync, lost for good with its copy: the shard's arbiter drops it from its
         record (SetReplica DROP), so a primary restarted on an empty folder, which waits for that backup,
-        serves the newest checkpoint instead (what only that backup held is lost); refused while anything
-        accepts a connection at the backup's address
+        serves the newest checkpoint instead (what only that backup held is lost); refused unless that
+        primary says it waits for that backup, while anything accepts a connection at the backup's address,
+        and, without --force, when that address cannot be reached at all (a refused connection shows nothing
+        runs there; a host that is gone, only that it cannot be told)
 
 CLUSTER is the cluster JSON (or a file holding it) the job started with, else TF_CONFIG's: it names ps 0,
 and the job's current shards are those of ps 0's layout. The calls carry the chief's credentials, given as
@@ -33,6 +35,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from typing import Callable
 
 from .cli import USAGE_ERROR, ArgumentParser
 from .cluster import Cluster
@@ -44,7 +47,7 @@ from .security import Security
 __all__ = ["main"]
 
 RESIZE_CALL_SECONDS = 300.0  # each attempt of a move's export or import (PSClient's default timeout)
-BACKUP_LOOK_SECONDS = 3.0    # drop-backup: how long a connection to the backup's address is tried
+BACKUP_LOOK_SECONDS = 3.0    # drop-backup: how long the primary's status and the backup's address are tried
 
 
 def _parser() -> ArgumentParser:
@@ -59,6 +62,8 @@ def _parser() -> ArgumentParser:
         if name == "drop-backup":
             command.add_argument("--shard", type=int, required=True, help="the shard whose backup is lost (its "
                                  "primary, restarted on an empty folder, then serves the newest checkpoint)")
+            command.add_argument("--force", action="store_true", help="drop it although its address cannot be "
+                                 "reached, so whether it runs cannot be told (its host is gone)")
         if name == "resize":
             what = command.add_mutually_exclusive_group(required=True)
             what.add_argument("--ps", help="the job's shards after the resize, comma-separated, the current ones "
@@ -127,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster.from_json(args.cluster) if args.cluster else Cluster.from_tf_config()[0]
         if not args.connect_timeout > 0:
             raise ClusterConfigError(f"--connect-timeout must be > 0. Received: {args.connect_timeout}")
+        if args.command == "drop-backup" and args.shard < 0:
+            raise ClusterConfigError(f"--shard must be >= 0. Received: {args.shard}")
         if args.command == "resize" and args.lease_seconds is not None and not 0 < args.lease_seconds <= 3600:
             raise ClusterConfigError(f"--lease-seconds must be in (0, 3600]. Received: {args.lease_seconds}")
         security = resolve_security(args)
@@ -147,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                                              **options)
                 print(report.line())
             elif args.command == "drop-backup":
-                print(_drop_backup(job, cluster, args.shard))
+                print(_drop_backup(job, cluster, security, args.shard, args.force))
             else:
-                print(_layout(job, live_resize.state(job.fanout)))
+                print(_layout(job, lambda: live_resize.state(job.fanout)))
     except ClusterConfigError as exc:
         print(f"ps-admin: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -159,21 +166,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _layout(job: _Job, record) -> str:
+def _layout(job: _Job, resize_record: Callable[[], object]) -> str:
     """The layout as text: the epoch, each shard's address, variables and bytes, each replicated shard's
-    primary, backup, lag (its primary's GetStatus) and failovers, and `record`, ps 0's record of the last
-    resize."""
+    primary, backup, lag (its primary's GetStatus), failovers and the backup it waits for, and ps 0's record
+    of the last resize (resize_record(), read unless ps 0 waits for its backup)."""
     from .proto import ps_pb2
 
     addresses, replicas = job.shards()
     lines = [f"layout epoch {job.follower.epoch}: {len(addresses)} shards"]
-    for shard, address in enumerate(addresses):
-        listed = job.call(shard, lambda stub, t: stub.ListVariables(ps_pb2.ListRequest(), timeout=t))
-        lines.append(f"  ps:{shard} {address}: {len(listed.variables)} variables, "
-                     f"{sum(v.nbytes for v in listed.variables):,} bytes")
+    # GetStatus: a shard restarted with a backup answers it before its arbiter confirmed it (replica_rpcs.RoleFence)
+    statuses = [job.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
+                for shard in range(len(addresses))]
+    for shard, (address, status) in enumerate(zip(addresses, statuses)):
+        lines.append(f"  ps:{shard} {address}: {status.num_variables} variables, {status.total_bytes:,} bytes")
     for entry in (entry for entry in replicas if entry.index < len(addresses)):
-        status = job.call(entry.index, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
-        lines.append(_replica_line(entry, status.replication))
+        status = statuses[entry.index]
+        lines.append(_replica_line(entry, status.replication, status.awaits_backup))
+    if statuses[0].awaits_backup:  # (its record of resizes is not read: it answers status and the layout only)
+        return "\n".join([*lines, "resize: ps 0 answers only its status and the layout while it waits for its backup"])
+    record = resize_record()
     if record.id:
         phase = ps_pb2.ResizeState.Phase.Name(record.phase).lower()
         if record.phase == ps_pb2.ResizeState.RUNNING:
@@ -190,47 +201,78 @@ def _layout(job: _Job, record) -> str:
     return "\n".join(lines)
 
 
-def _drop_backup(job: _Job, cluster: Cluster, shard: int) -> str:
-    """Asks shard `shard`'s arbiter to drop the backup its record names in sync, unless anything accepts a
-    connection at that backup's address within BACKUP_LOOK_SECONDS (a process there, even paused, may hold
-    every change and takes over by itself: ReplicaFencedError says so). ClusterConfigError for a shard the job
-    does not have; PSErrors as the arbiter answers."""
+def _drop_backup(job: _Job, cluster: Cluster, security: Security, shard: int, force: bool) -> str:
+    """Asks shard `shard`'s arbiter to drop the backup its record names in sync, once the primary it names says
+    it waits for that backup (StatusResponse.awaits_backup: restarted on an empty folder) and nothing accepts a
+    connection at the backup's address (refused: nothing listens there; a timeout or an unreachable host only
+    with `force`). ClusterConfigError for a shard the job does not have; ReplicaFencedError, naming why, when
+    it drops nothing; PSErrors as the shards answer."""
+    from .client.channels import ShardChannels
     from .cluster import arbiter_of
     from .errors import ReplicaFencedError
     from .proto import ps_pb2
 
-    addresses, replicas = job.shards()
-    if not 0 <= shard < len(addresses):
+    addresses, _ = job.shards()  # (each shard's channel where it is served now, its arbiter's included)
+    if shard >= len(addresses):
         raise ClusterConfigError(f"--shard must name one of the job's {len(addresses)} shards. Received: {shard}")
-    entry = next((entry for entry in replicas if entry.index == shard), None)
+    arbiter = arbiter_of(shard, cluster.num_ps)
+    if arbiter == shard:
+        raise ReplicaFencedError(f"ps:{shard} of a one-shard job is its own arbiter: it never waits for its backup "
+                                 f"(which takes over by hand only); nothing dropped")
+    layout = job.call(arbiter, lambda stub, t: stub.GetLayout(ps_pb2.LayoutRequest(), timeout=t))
+    entry = next((entry for entry in layout.replicas if entry.index == shard), None)
     if entry is None or not entry.backup:
         return f"ps:{shard} has no backup in sync: nothing to drop"
+    primary = ShardChannels([entry.primary], connect_timeout=BACKUP_LOOK_SECONDS, security=security)
+    try:
+        status = primary.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
+                              BACKUP_LOOK_SECONDS)  # (retried for the channels' connect_timeout)
+    except PSError as exc:
+        raise ReplicaFencedError(f"ps:{shard}'s primary {entry.primary} does not answer ({exc}): its backup "
+                                 f"{entry.backup} takes over by itself; nothing dropped") from None
+    finally:
+        primary.close()
+    if status.awaits_backup != entry.backup:
+        raise ReplicaFencedError(f"ps:{shard}'s primary {entry.primary} does not wait for its backup {entry.backup} "
+                                 f"(it waits only when started on an empty folder): nothing dropped")
     host, _, port = entry.backup.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=BACKUP_LOOK_SECONDS).close()
-    except (OSError, ValueError):
-        pass  # refused, unreachable, or no answer: nothing runs there
+    except ConnectionRefusedError:
+        pass  # its host answers, and nothing listens there: no backup runs
+    except (OSError, ValueError) as exc:
+        if not force:
+            raise ReplicaFencedError(f"ps:{shard}'s backup {entry.backup} cannot be reached ({exc}), so whether it "
+                                     f"runs cannot be told: if it is lost for good with its copy, add --force; "
+                                     f"nothing dropped") from None
     else:
         raise ReplicaFencedError(f"ps:{shard}'s backup {entry.backup} accepts connections: a process there (even "
                                  f"paused) may hold every change and takes over by itself; nothing dropped (stop "
                                  f"it first if its copy is lost)")
-    arbiter = arbiter_of(shard, cluster.num_ps)
     change = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.DROP, index=shard, primary=entry.primary,
                                   backup=entry.backup)
-    record = job.call(arbiter, lambda stub, t: stub.SetReplica(change, timeout=t))
+    try:
+        record = job.call(arbiter, lambda stub, t: stub.SetReplica(change, timeout=t))
+    except ReplicaFencedError as exc:
+        raise ReplicaFencedError(f"ps:{shard}'s record changed meanwhile ({exc}); nothing dropped") from None
+    if record.backup == entry.backup:
+        raise ReplicaFencedError(f"ps:{shard}'s record names {entry.backup} in sync again: nothing dropped")
     return (f"ps:{shard}: its arbiter ps:{arbiter} dropped the backup {entry.backup}: {record.primary} serves "
-            f"ps:{shard} without it (a primary waiting for it serves the newest checkpoint)")
+            f"ps:{shard} from the newest checkpoint (what only that backup held is lost)")
 
 
-def _replica_line(entry, replication) -> str:
-    """One replicated shard: ps 0's record of it (ShardReplicas) and its primary's ReplicationStatus."""
+def _replica_line(entry, replication, awaits: str) -> str:
+    """One replicated shard: ps 0's record of it (ShardReplicas), its primary's ReplicationStatus and the backup
+    that primary waits for to take over (StatusResponse.awaits_backup; "" if none)."""
     backup = entry.backup or "none"
     if replication.backup and replication.backup != entry.backup:
         backup += f" ({replication.backup} attached, not in sync)"
     last = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(entry.last_failover_unix))
     return (f"  ps:{entry.index} replicated: primary {entry.primary}, backup {backup}, lag "
             f"{replication.lag_records} records, {replication.lag_seconds:.2f} s; failovers {entry.failovers}"
-            + (f", the last at {last}" if entry.failovers else ""))
+            + (f", the last at {last}" if entry.failovers else "")
+            + (f"; the primary, started on an empty folder, waits for {awaits} to take over (lost with its copy: "
+               f"ps-admin drop-backup --shard {entry.index})" if awaits else ""))
 
 
 if __name__ == "__main__":  # as the console script: ends at once with main's code

@@ -21,7 +21,7 @@ Protocol (ps.proto names the fields; this module is the rest of it):
   then that many bytes: the concatenated `data` of one message's chunks, in
   their order in the message.
 - A backup's lanes to its primary serve its Replicate stream for as long
-  as it lasts (ps_server/replication.py): there, once the stream says so
+  as it lasts (ps_server/feed.py): there, once the stream says so
   (TO_LANE), each of the journal's frames is a lane frame of its own (a
   serialized ReplicaFrame), its tensors' bytes the next one.
 - A lane serves one call at a time. Anything out of step (a bad magic, a

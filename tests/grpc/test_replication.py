@@ -385,48 +385,64 @@ def test_a_primary_restarted_on_a_new_disk_while_its_backup_is_recorded_in_sync_
     assert "serving on" not in (tmp_path / "restarted.log").read_text()
 
 
+@pytest.mark.parametrize("shard", [1, 0])
 def test_a_primary_waiting_for_a_backup_lost_with_its_copy_serves_the_newest_checkpoint_once_ps_admin_drops_it(
-        tmp_path):
-    """ps:1 acknowledges a push past the last checkpoint with its backup in sync; ps:1 is killed with its journal
-    folder, and started again with --replicated on the empty folder: it waits for that backup. `ps-admin
-    drop-backup` refuses (exit 1, the record unchanged) while a process, paused, is at the backup's address;
-    that process killed and its copy deleted too, it has ps 0 drop the backup: ps:1 serves the newest
-    checkpoint (the push past it, held by the lost backup alone, is given up) and takes pushes again."""
-    local, backup, backup_address, cluster = _start(tmp_path)
-    old, spec = local.address(1), json.dumps(cluster.to_dict())
-    admin = [PS_ADMIN, "drop-backup", "--cluster", spec, "--shard", "1", "--insecure"]
+        tmp_path, shard):
+    """The shard (ps:1, whose arbiter is ps 0; or ps 0, whose arbiter is ps 1) acknowledges a push past the last
+    checkpoint with its backup in sync. `ps-admin drop-backup` refuses (exit 1) while its primary serves. The
+    primary is killed with its journal folder and started again with --replicated on the empty folder: it waits
+    for that backup, as GetStatus and `ps-admin layout` say. The command refuses while a process, paused, is at
+    the backup's address; that process killed and its copy deleted too, it has the arbiter drop the backup: the
+    shard serves the newest checkpoint (the push past it, held by the lost backup alone, is given up), the other
+    shard keeps every push, and pushes go on. A repeat drops nothing; a shard the job lacks is a usage error."""
+    local, backup, backup_address, cluster = _start(tmp_path, backed=shard)
+    old, spec = local.address(shard), json.dumps(cluster.to_dict())
+    admin = [PS_ADMIN, "drop-backup", "--cluster", spec, "--insecure", "--shard"]
+    mine, other = ("rep/a", "rep/b") if shard == 0 else ("rep/b", "rep/a")
     restarted = None
+
+    def drop(index: int = shard) -> subprocess.CompletedProcess:
+        return subprocess.run([*admin, str(index)], capture_output=True, text=True, timeout=120)
+
     try:
         with PSClient(cluster, connect_timeout=60) as ps:
-            _create_in_sync(ps, backup_address)
+            _create_in_sync(ps, backup_address, shard)
             grads = _ones()
             ps.push(grads)
             ps.save_checkpoint(0)
-            ps.push(grads)  # past the checkpoint: on ps:1's disk and its backup's only
-            backup.send_signal(signal.SIGSTOP)  # (killed now, ps:1 would drop it)
-            local.kill_ps(1)
-            shutil.rmtree(journal_dir(tmp_path / "ck", 1))
-            restarted = _restarted_primary(tmp_path, spec, old, ["--replicated"])
+            ps.push(grads)  # past the checkpoint: on the shard's disk and its backup's only
+            serving = drop()
+            assert serving.returncode == 1 and "does not wait for its backup" in serving.stderr, serving
+            backup.send_signal(signal.SIGSTOP)  # (killed now, the primary would drop it)
+            local.kill_ps(shard)
+            shutil.rmtree(journal_dir(tmp_path / "ck", shard))
+            restarted = _restarted_primary(tmp_path, spec, old, ["--replicated"], shard)
             wait_until(lambda: "waits for that backup to take over" in (tmp_path / "restarted.log").read_text(), 30,
-                       "the restarted ps:1 to wait for its backup")
-            refused = subprocess.run(admin, capture_output=True, text=True, timeout=120)
-            assert refused.returncode == 1 and "accepts connections" in refused.stderr, refused
-            assert _replicas(ps)[1].backup == backup_address, "dropped while its backup may come back"
+                       "the restarted primary to wait for its backup")
+            waits = f"waits for {backup_address} to take over"
+            wait_until(lambda: ps.status(shard).awaits_backup == backup_address, 30, "GetStatus to say it waits")
+            shown = subprocess.run([PS_ADMIN, "layout", "--cluster", spec, "--insecure"], capture_output=True,
+                                   text=True, timeout=120)
+            assert shown.returncode == 0 and waits in shown.stdout, shown
+            paused = drop()
+            assert paused.returncode == 1 and "accepts connections" in paused.stderr, paused
             backup.kill()
             backup.wait(timeout=30)
-            shutil.rmtree(tmp_path / "backup-1")
-            dropped = subprocess.run(admin, capture_output=True, text=True, timeout=120)
+            shutil.rmtree(tmp_path / f"backup-{shard}")
+            assert _backup(ps, shard) == backup_address and "serving on" not in (tmp_path / "restarted.log").read_text()
+            dropped = drop()
             assert dropped.returncode == 0 and f"dropped the backup {backup_address}" in dropped.stdout, dropped
-            assert (_replicas(ps)[1].primary, _replicas(ps)[1].backup) == (old, "")
-            values = ps.pull(SHAPES)  # answered once the restarted ps:1 serves
-            assert torch.equal(values["rep/a"], torch.full(SHAPES["rep/a"], -2.0))  # ps 0 lost nothing
-            assert torch.equal(values["rep/b"], torch.full(SHAPES["rep/b"], -1.0))  # the checkpoint's
+            assert _backup(ps, shard) == ""
+            values = ps.pull(SHAPES)  # answered once the restarted primary serves
+            assert torch.equal(values[mine], torch.full(SHAPES[mine], -1.0))  # the checkpoint's
+            assert torch.equal(values[other], torch.full(SHAPES[other], -2.0))  # every push
             ps.push(grads)
-            assert torch.equal(ps.pull(SHAPES)["rep/b"], torch.full(SHAPES["rep/b"], -2.0))
-        again = subprocess.run(admin, capture_output=True, text=True, timeout=120)
+            assert torch.equal(ps.pull(SHAPES)[mine], torch.full(SHAPES[mine], -2.0))
+        again = drop()
         assert again.returncode == 0 and "no backup in sync: nothing to drop" in again.stdout, again
-        unknown = subprocess.run([*admin[:-2], "7", "--insecure"], capture_output=True, text=True, timeout=120)
-        assert unknown.returncode == 2 and "--shard must name one of the job's 2 shards" in unknown.stderr, unknown
+        for unknown in (7, -1):
+            refused = drop(unknown)
+            assert refused.returncode == 2 and "--shard must" in refused.stderr, refused
     finally:
         _resume_and_stop(local, restarted, backup)
 
@@ -689,11 +705,12 @@ def test_a_backup_started_again_at_the_in_sync_address_on_an_older_folder_is_nev
         local.stop()
 
 
-def _restarted_primary(tmp_path, spec: str, old: str, extra=()):
-    """ps:1's old primary started again on its disk (the job's checkpoint folder) at its address `old`, with the
-    cluster spec `spec` and `extra` flags; its log is restarted.log."""
-    return start_ps_server(["--index", "1", "--cluster", spec, "--bind", old, "--checkpoint-dir", str(tmp_path / "ck"),
-                            "--insecure", "--torch-threads", "1", *extra], tmp_path / "restarted.log")
+def _restarted_primary(tmp_path, spec: str, old: str, extra=(), index: int = 1):
+    """ps `index`'s old primary started again on its disk (the job's checkpoint folder) at its address `old`, with
+    the cluster spec `spec` and `extra` flags; its log is restarted.log."""
+    return start_ps_server(["--index", str(index), "--cluster", spec, "--bind", old, "--checkpoint-dir",
+                            str(tmp_path / "ck"), "--insecure", "--torch-threads", "1", *extra],
+                           tmp_path / "restarted.log")
 
 
 def _backup(ps, shard: int) -> str:

@@ -282,7 +282,7 @@ class StatusRequest(_message.Message):
     def __init__(self, joined_of: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined", "lane_port", "awaited_step", "awaited_pushes", "awaited_pushers", "members", "replication", "tables_on_disk")
+    __slots__ = ("index", "step", "num_variables", "total_bytes", "pid", "config", "live_workers", "quorum", "stale_dropped", "quorum_changes", "workers_expired", "generation", "restored_step", "checkpoints", "calls_done", "push_bytes_received", "workers_stalled", "duplicates", "waiting_calls", "calls_started", "state_bytes", "memory", "metrics_port", "paces", "tables", "layout_epoch", "not_joined", "lane_port", "awaited_step", "awaited_pushes", "awaited_pushers", "members", "replication", "tables_on_disk", "awaits_backup")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class StatusResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
     TABLES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    AWAITS_BACKUP_FIELD_NUMBER: _ClassVar[int]
     index: int
     step: int
     num_variables: int
@@ -351,7 +352,8 @@ class StatusResponse(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     replication: ReplicationStatus
     tables_on_disk: bool
-    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ..., lane_port: _Optional[int] = ..., awaited_step: _Optional[int] = ..., awaited_pushes: _Optional[int] = ..., awaited_pushers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., tables_on_disk: _Optional[bool] = ...) -> None: ...
+    awaits_backup: str
+    def __init__(self, index: _Optional[int] = ..., step: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., config: _Optional[_Union[SyncConfig, _Mapping]] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., quorum_changes: _Optional[int] = ..., workers_expired: _Optional[int] = ..., generation: _Optional[int] = ..., restored_step: _Optional[int] = ..., checkpoints: _Optional[bool] = ..., calls_done: _Optional[int] = ..., push_bytes_received: _Optional[int] = ..., workers_stalled: _Optional[int] = ..., duplicates: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., calls_started: _Optional[int] = ..., state_bytes: _Optional[int] = ..., memory: _Optional[_Union[MemoryUsage, _Mapping]] = ..., metrics_port: _Optional[int] = ..., paces: _Optional[_Iterable[_Union[WorkerPace, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., layout_epoch: _Optional[int] = ..., not_joined: _Optional[_Iterable[str]] = ..., lane_port: _Optional[int] = ..., awaited_step: _Optional[int] = ..., awaited_pushes: _Optional[int] = ..., awaited_pushers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., replication: _Optional[_Union[ReplicationStatus, _Mapping]] = ..., tables_on_disk: _Optional[bool] = ..., awaits_backup: _Optional[str] = ...) -> None: ...
 
 class ReplicationStatus(_message.Message):
     __slots__ = ("backup", "in_sync", "lag_records", "lag_seconds", "feeds_opened", "feeds_lost", "store_bytes_sent", "store_files_sent", "store_files_linked")
