@@ -32,7 +32,6 @@ and resize driver (client/fanout.py, layout.py, resize.py) without PSClient.
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from typing import Callable
@@ -47,7 +46,7 @@ from .security import Security
 __all__ = ["main"]
 
 RESIZE_CALL_SECONDS = 300.0  # each attempt of a move's export or import (PSClient's default timeout)
-BACKUP_LOOK_SECONDS = 3.0    # drop-backup: how long the primary's status and the backup's address are tried
+BACKUP_LOOK_SECONDS = 3.0    # drop-backup: how long a connection to the backup's address is tried
 
 
 def _parser() -> ArgumentParser:
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                                              **options)
                 print(report.line())
             elif args.command == "drop-backup":
-                print(_drop_backup(job, cluster, security, args.shard, args.force))
+                print(_drop_backup(job, cluster, args.shard, args.force))
             else:
                 print(_layout(job, lambda: live_resize.state(job.fanout)))
     except ClusterConfigError as exc:
@@ -201,16 +200,16 @@ def _layout(job: _Job, resize_record: Callable[[], object]) -> str:
     return "\n".join(lines)
 
 
-def _drop_backup(job: _Job, cluster: Cluster, security: Security, shard: int, force: bool) -> str:
+def _drop_backup(job: _Job, cluster: Cluster, shard: int, force: bool) -> str:
     """Asks shard `shard`'s arbiter to drop the backup its record names in sync, once the primary it names says
     it waits for that backup (StatusResponse.awaits_backup: restarted on an empty folder) and nothing accepts a
     connection at the backup's address (refused: nothing listens there; a timeout or an unreachable host only
     with `force`). ClusterConfigError for a shard the job does not have; ReplicaFencedError, naming why, when
     it drops nothing; PSErrors as the shards answer."""
-    from .client.channels import ShardChannels
     from .cluster import arbiter_of
     from .errors import ReplicaFencedError
     from .proto import ps_pb2
+    from .security import tcp_connect
 
     addresses, _ = job.shards()  # (each shard's channel where it is served now, its arbiter's included)
     if shard >= len(addresses):
@@ -223,21 +222,16 @@ def _drop_backup(job: _Job, cluster: Cluster, security: Security, shard: int, fo
     entry = next((entry for entry in layout.replicas if entry.index == shard), None)
     if entry is None or not entry.backup:
         return f"ps:{shard} has no backup in sync: nothing to drop"
-    primary = ShardChannels([entry.primary], connect_timeout=BACKUP_LOOK_SECONDS, security=security)
-    try:
-        status = primary.call(0, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t),
-                              BACKUP_LOOK_SECONDS)  # (retried for the channels' connect_timeout)
+    try:  # (where the record says it is served: job.shards() moved the shard's channel there)
+        status = job.call(shard, lambda stub, t: stub.GetStatus(ps_pb2.StatusRequest(), timeout=t))
     except PSError as exc:
         raise ReplicaFencedError(f"ps:{shard}'s primary {entry.primary} does not answer ({exc}): its backup "
                                  f"{entry.backup} takes over by itself; nothing dropped") from None
-    finally:
-        primary.close()
     if status.awaits_backup != entry.backup:
         raise ReplicaFencedError(f"ps:{shard}'s primary {entry.primary} does not wait for its backup {entry.backup} "
                                  f"(it waits only when started on an empty folder): nothing dropped")
-    host, _, port = entry.backup.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=BACKUP_LOOK_SECONDS).close()
+        tcp_connect(entry.backup, BACKUP_LOOK_SECONDS).close()
     except ConnectionRefusedError:
         pass  # its host answers, and nothing listens there: no backup runs
     except (OSError, ValueError) as exc:

@@ -280,11 +280,10 @@ def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[st
         ended = _expired(security.cert)
         if ended:
             return f"this client's certificate expired on {ended}", True
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
+    host = address.rpartition(":")[0].strip("[]")
     end = time.monotonic() + timeout
     try:
-        raw = socket.create_connection((host, int(port)), timeout=_left(end))
+        raw = tcp_connect(address, _left(end))
     except ConnectionRefusedError:
         return "nothing listens there yet (connection refused)", False
     except socket.gaierror:
@@ -311,7 +310,16 @@ def diagnose(address: str, security: Security, timeout: float = 3.0) -> tuple[st
         return f"this is not a gRPC server (it answers HTTP/1: {status!r}): is the address right?", True
     if reply:
         return f"this is not a gRPC server (it answered {reply[:16]!r}): is the address right?", True
-    return _diagnose_tls(host, int(port), security, end)  # it hung up: a TLS server does, so does a proxy
+    return _diagnose_tls(host, int(address.rpartition(":")[2]), security, end)  # it hung up: a TLS server does,
+    # so does a proxy
+
+
+def tcp_connect(address: str, timeout: float) -> socket.socket:
+    """A TCP connection to `address` (HOST:PORT, an IPv6 host in brackets), within `timeout` s. Raises
+    ConnectionRefusedError (its host answers, nothing listens there), socket.gaierror (the name does not
+    resolve), another OSError (it cannot be reached: a timeout, no route) or ValueError (no port)."""
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
 
 
 STEP_LEAST_SECONDS = 0.01  # a step of diagnose() (a connect, a handshake, a read) may take this long at least
