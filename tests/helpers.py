@@ -181,6 +181,29 @@ def stopped(proc, timeout: float = 30.0):
         os.kill(proc.pid, signal.SIGCONT)
 
 
+@contextlib.contextmanager
+def unreachable(address: str):
+    """A listener at `address` (127.0.0.1:PORT) whose one-place accept queue a connection fills and nothing
+    accepts, for the block: the kernel drops every further connection's SYN, so a connect there times out as
+    one to a host that is gone does (checked before the block begins)."""
+    host, _, port = address.rpartition(":")
+    listener = socket.socket()
+    held = socket.socket()
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, int(port)))
+        listener.listen(0)
+        held.connect((host, int(port)))
+        with socket.socket() as probe:
+            probe.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                probe.connect((host, int(port)))
+        yield
+    finally:
+        held.close()
+        listener.close()
+
+
 def thread_named(pid: int, name: str, timeout: float = 30.0) -> int:
     """The id of the thread of process `pid` that the OS knows by `name` (/proc/PID/task/TID/comm)."""
     def find():

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import free_ports, process_state, start_ps_server, wait_until
+from helpers import free_ports, process_state, start_ps_server, unreachable, wait_until
 
 from torchps import lanes
 from torchps.certs import make_job_credentials
@@ -394,15 +394,17 @@ def test_a_primary_waiting_for_a_backup_lost_with_its_copy_serves_the_newest_che
     for that backup, as GetStatus and `ps-admin layout` say. The command refuses while a process, paused, is at
     the backup's address; that process killed and its copy deleted too, it has the arbiter drop the backup: the
     shard serves the newest checkpoint (the push past it, held by the lost backup alone, is given up), the other
-    shard keeps every push, and pushes go on. A repeat drops nothing; a shard the job lacks is a usage error."""
+    shard keeps every push, and pushes go on. For ps 0 the backup's address then cannot be reached (connects
+    time out): the command refuses until it is given --force. A repeat drops nothing; a shard the job lacks is a
+    usage error."""
     local, backup, backup_address, cluster = _start(tmp_path, backed=shard)
     old, spec = local.address(shard), json.dumps(cluster.to_dict())
     admin = [PS_ADMIN, "drop-backup", "--cluster", spec, "--insecure", "--shard"]
     mine, other = ("rep/a", "rep/b") if shard == 0 else ("rep/b", "rep/a")
     restarted = None
 
-    def drop(index: int = shard) -> subprocess.CompletedProcess:
-        return subprocess.run([*admin, str(index)], capture_output=True, text=True, timeout=120)
+    def drop(index: int = shard, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*admin, str(index), *extra], capture_output=True, text=True, timeout=120)
 
     try:
         with PSClient(cluster, connect_timeout=60) as ps:
@@ -430,7 +432,14 @@ def test_a_primary_waiting_for_a_backup_lost_with_its_copy_serves_the_newest_che
             backup.wait(timeout=30)
             shutil.rmtree(tmp_path / f"backup-{shard}")
             assert _backup(ps, shard) == backup_address and "serving on" not in (tmp_path / "restarted.log").read_text()
-            dropped = drop()
+            if shard == 0:
+                with unreachable(backup_address):
+                    unknown = drop()
+                    assert unknown.returncode == 1 and "cannot be reached" in unknown.stderr, unknown
+                    assert _backup(ps, shard) == backup_address
+                    dropped = drop(shard, "--force")
+            else:
+                dropped = drop()
             assert dropped.returncode == 0 and f"dropped the backup {backup_address}" in dropped.stdout, dropped
             assert _backup(ps, shard) == ""
             values = ps.pull(SHAPES)  # answered once the restarted primary serves
