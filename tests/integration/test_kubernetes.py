@@ -7,6 +7,8 @@ against Kubernetes' schemas and Kubeflow's TFJob rules, and the jobs they descri
   renderer below (the strategic merge the overlays use), which is compared with kubectl's where both are.
 - The TFJob is held to training-operator 1.9's CRD fields and admission rules; its pod templates are
   validated as Kubernetes PodTemplates.
+- The replicas overlay's required pod (anti-)affinity terms are played for every order the scheduler could
+  take its pods in, on two to four nodes (placements()).
 - The jobs are played here as the cluster would run them: each pod's command and args are taken from the
   manifests, with TF_CONFIG as the operator writes it (TFJob) or as the pods' own wrapper derives it from
   their index (Indexed Jobs); the Secrets `ps-certs --kubernetes-secret` prints are written where the pods
@@ -899,8 +901,8 @@ def test_plain_kubernetes_pods_derive_the_operators_tf_config_and_their_own_cred
 
 def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own_disk(tmp_path):
     """overlays/replicas: a backup pod per shard index, which never shares a node with that index's shard pod
-    (required anti-affinity on the node, narrowed to the index) and avoids those of ps 0 and ps 1 (preferred),
-    keeps its copy on a volume of its own (a
+    (required anti-affinity on the node, narrowed to the index) nor with ps 0 or ps 1, and shares one with every
+    other backup (required affinity: placements(), below), keeps its copy on a volume of its own (a
     generic ephemeral volume, not the shards' claim), has no probes (it serves nothing until promoted), is
     named by backups.json, and is run by the wrapper as `--replica-of` its shard's address `--bind` its own,
     with its shard's credentials, whose certificate (ps-certs --backups) names the backup's host too."""
@@ -915,18 +917,30 @@ def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own
     assert backup["completions"] == shards["completions"] == len(cluster["ps"]) == len(backups)
     pod_spec, shard_spec = backup["template"]["spec"], shards["template"]["spec"]
     shard_labels, own_labels = shards["template"]["metadata"]["labels"], backup["template"]["metadata"]["labels"]
-    (term,) = pod_spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    term, arbiters = pod_spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["labelSelector"]["matchLabels"].items() <= shard_labels.items()
     assert not term["labelSelector"]["matchLabels"].items() <= own_labels.items(), "it would repel its own kind"
     assert term["matchLabelKeys"] == ["batch.kubernetes.io/job-completion-index"]  # the Job controller's pod label
-    (preferred,) = pod_spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    arbiters = preferred["podAffinityTerm"]  # off the nodes of ps 0 and ps 1 (each the other's arbiter) too
-    assert preferred["weight"] == 100 and arbiters["topologyKey"] == "kubernetes.io/hostname"
-    assert arbiters["labelSelector"]["matchLabels"].items() <= shard_labels.items()
+    assert arbiters["topologyKey"] == "kubernetes.io/hostname"  # off the nodes of ps 0 and ps 1 (each the other's
+    assert arbiters["labelSelector"]["matchLabels"].items() <= shard_labels.items()  # arbiter) too
     assert arbiters["labelSelector"]["matchExpressions"] == [
         {"key": "batch.kubernetes.io/job-completion-index", "operator": "In",
          "values": [str(arbiter_of(1, len(cluster["ps"]))), str(arbiter_of(0, len(cluster["ps"])))]}]
+    (together,) = pod_spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert together["labelSelector"]["matchLabels"].items() <= own_labels.items()
+    assert not together["labelSelector"]["matchLabels"].items() <= shard_labels.items()
+    pods = [(labels, spec["affinity"] if "affinity" in spec else {}) for labels, spec, count in (
+        (shard_labels, shard_spec, shards["completions"]), (own_labels, pod_spec, backup["completions"]))
+        for _ in range(count)]
+    pods = [({**labels, INDEX: str(index % len(cluster["ps"]))}, affinity) for index, (labels, affinity)
+            in enumerate(pods)]
+    assert placements(pods, 2) == ([], True), "two nodes: a backup stays pending"
+    for count in (3, 4):
+        placed, pending = placements(pods, count)
+        assert placed and not pending, f"{count} nodes hold the job, whatever pod comes first"
+        for nodes in placed:  # ps 0, ps 1, backup 0, backup 1: the backups together, off both shards' nodes
+            assert nodes[0] != nodes[1] and nodes[2] == nodes[3] and nodes[2] not in nodes[:2], nodes
     service = services[pod_spec["subdomain"]]
     assert service["spec"]["selector"].items() <= own_labels.items()
     assert not service["spec"]["selector"].items() <= shard_labels.items()
@@ -952,6 +966,59 @@ def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own
             set(names.get_values_for_type(x509.DNSName)), pod.name
     for pod in [p for p in job_pods(docs) if p.name.startswith("torchps-ps-") and not p.name.startswith(BACKUP_JOB)]:
         assert wrapped_argv(node, pod)[-1:] == ["--replicated"], f"{pod.name}: asks its arbiter at every start"
+
+
+INDEX = "batch.kubernetes.io/job-completion-index"  # the Job controller's label of an Indexed Job's pods
+
+
+def _selects(term: dict, labels: dict, owner: dict) -> bool:
+    """Whether a pod (anti-)affinity term of a pod labelled `owner` selects a pod labelled `labels`: its
+    matchLabels, its matchExpressions (In), and its matchLabelKeys (each key: the owner's value)."""
+    selector = term["labelSelector"]
+    return (selector.get("matchLabels", {}).items() <= labels.items()
+            and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+                    if e["operator"] == "In")
+            and all(labels.get(key) == owner.get(key) for key in term.get("matchLabelKeys", [])))
+
+
+def _fits(pod: tuple[dict, dict], node: int, placed: list[tuple[tuple[dict, dict], int]]) -> bool:
+    """Whether the scheduler may put `pod` (labels, affinity) on `node` beside `placed`, by the required terms
+    with topologyKey hostname: its anti-affinity and every placed pod's (symmetric), its affinity (a pod its
+    own term selects may go anywhere while no placed pod matches it: the first of a group)."""
+    labels, affinity = pod
+    here = [(other, where) for other, where in placed if where == node]
+    for term in affinity.get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
+        if any(_selects(term, other[0], labels) for other, _ in here):
+            return False
+    for other, _ in here:
+        for term in other[1].get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
+            if _selects(term, labels, other[0]):
+                return False
+    for term in affinity.get("podAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
+        if not any(_selects(term, other[0], labels) for other, _ in here) and (
+                any(_selects(term, other[0], labels) for other, _ in placed) or not _selects(term, labels, labels)):
+            return False
+    return True
+
+
+def placements(pods: list[tuple[dict, dict]], nodes: int) -> tuple[list[tuple[int, ...]], bool]:
+    """Every node of each pod (in the order given) that the required terms allow on `nodes` nodes, the pods
+    scheduled in any order, and whether some order leaves a pod that fits nowhere as it comes (pending: that
+    placement is not among them)."""
+    found, pending = set(), []
+
+    def place(placed: list, left: list[int]) -> None:
+        if not left:
+            found.add(tuple(node for _, node in sorted(placed, key=lambda p: p[0][0])))
+            return
+        for i in left:
+            fits = [node for node in range(nodes) if _fits(pods[i], node, [(pod, at) for (_, pod), at in placed])]
+            pending.extend([i] if not fits else [])
+            for node in fits:
+                place([*placed, ((i, pods[i]), node)], [j for j in left if j != i])
+
+    place([], list(range(len(pods))))
+    return sorted(found), bool(pending)
 
 
 def test_dockerfile_installs_this_project_as_the_manifests_run_it():
