@@ -928,6 +928,8 @@ def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own
         {"key": "batch.kubernetes.io/job-completion-index", "operator": "In",
          "values": [str(arbiter_of(1, len(cluster["ps"]))), str(arbiter_of(0, len(cluster["ps"])))]}]
     (together,) = pod_spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (apart,) = shard_spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert apart["labelSelector"] == arbiters["labelSelector"], "ps 0 and ps 1 apart (the overlay's ps.yaml)"
     assert together["labelSelector"]["matchLabels"].items() <= own_labels.items()
     assert not together["labelSelector"]["matchLabels"].items() <= shard_labels.items()
     pods = [(labels, spec["affinity"] if "affinity" in spec else {}) for labels, spec, count in (
@@ -935,7 +937,7 @@ def test_replicas_overlay_gives_each_shard_a_backup_on_another_node_with_its_own
         for _ in range(count)]
     pods = [({**labels, INDEX: str(index % len(cluster["ps"]))}, affinity) for index, (labels, affinity)
             in enumerate(pods)]
-    assert placements(pods, 2) == ([], True), "two nodes: a backup stays pending"
+    assert placements(pods, 2) == ([], True), "two nodes: a pod (a backup, or ps 1) stays pending"
     for count in (3, 4):
         placed, pending = placements(pods, count)
         assert placed and not pending, f"{count} nodes hold the job, whatever pod comes first"
@@ -975,10 +977,11 @@ def _selects(term: dict, labels: dict, owner: dict) -> bool:
     """Whether a pod (anti-)affinity term of a pod labelled `owner` selects a pod labelled `labels`: its
     matchLabels, its matchExpressions (In), and its matchLabelKeys (each key: the owner's value)."""
     selector = term["labelSelector"]
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions), f"an operator this model does not know: {expressions}"
     return (selector.get("matchLabels", {}).items() <= labels.items()
-            and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
-                    if e["operator"] == "In")
-            and all(labels.get(key) == owner.get(key) for key in term.get("matchLabelKeys", [])))
+            and all(labels.get(e["key"]) in e["values"] for e in expressions)
+            and all(labels.get(key) == owner[key] for key in term.get("matchLabelKeys", []) if key in owner))
 
 
 def _fits(pod: tuple[dict, dict], node: int, placed: list[tuple[tuple[dict, dict], int]]) -> bool:
@@ -987,6 +990,9 @@ def _fits(pod: tuple[dict, dict], node: int, placed: list[tuple[tuple[dict, dict
     own term selects may go anywhere while no placed pod matches it: the first of a group)."""
     labels, affinity = pod
     here = [(other, where) for other, where in placed if where == node]
+    terms = [term for kind in ("podAntiAffinity", "podAffinity") for other in (pod, *(p for p, _ in placed))
+             for term in other[1].get(kind, {}).get("requiredDuringSchedulingIgnoredDuringExecution", [])]
+    assert all(term["topologyKey"] == "kubernetes.io/hostname" for term in terms), "this model knows nodes only"
     for term in affinity.get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
         if any(_selects(term, other[0], labels) for other, _ in here):
             return False
