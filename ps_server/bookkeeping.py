@@ -149,13 +149,17 @@ class Bookkeeping:
 
     def touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:
         """Renews `worker`'s lease (and progress if it pushed); a join, rejoin or restart is journaled and
-        moves the quorum (holds cond). WorkerReplacedError for a retired incarnation, PermissionDeniedError
-        for a name past the bound: nothing changed."""
+        moves the quorum (holds cond). In sync mode a gone worker is counted again only by a call naming a
+        step this shard has not applied (`start_step`, a push's or a join's): one naming an applied step (a
+        push or heartbeat of a worker resumed after its lease ran out) leaves it gone, since shard 0, maybe a
+        step ahead, tells it the step it pushes next (Membership.touch's `rejoin`). WorkerReplacedError for a
+        retired incarnation, PermissionDeniedError for a name past the bound: nothing changed."""
         now = self.clock.now()
+        step, sync = self.pending.open_step(self.store.step), self.clock.config.mode == "sync"
         event, _ = self.membership.touch(
-            worker, incarnation, now=now, step=self.pending.open_step(self.store.step), start_step=start_step,
-            progress=progress,
-            level=self.min_clock() if self.clock.config.mode != "sync" else 0)  # sync mode moves no clocks
+            worker, incarnation, now=now, step=step, start_step=start_step, progress=progress,
+            rejoin=not sync or start_step >= step,
+            level=self.min_clock() if not sync else 0)  # sync mode moves no clocks
         if event is not None:  # a restart's retired incarnation: its "member" record forgets its pushes
             _LOGGER.info("%s %s at step %d", worker, event, self.store.step)
             self.membership_changed(worker)

@@ -122,12 +122,15 @@ class Membership:
 
     @guarded
     def touch(self, worker: str, incarnation: int, *, now: float, step: int, start_step: int, level: int,
-              progress: bool) -> tuple[str | None, int | None]:
+              progress: bool, rejoin: bool = True) -> tuple[str | None, int | None]:
         """Renews `worker`'s lease (and progress if it pushed); returns (what changed, retired incarnation).
 
         What changed is None, "joined", "rejoined", "restarted" or "resumed"
         (back from a stall). `step` is the shard's open step, `start_step` the
         step the worker is at, `level` the ssp clock a newcomer starts at.
+        `rejoin` False (Bookkeeping.touch: a sync call naming a step already
+        applied here): a gone worker stays gone, to count again from the
+        step its next call names.
         Raises WorkerReplacedError for a retired incarnation.
         """
         self.check(worker, incarnation)
@@ -145,6 +148,8 @@ class Membership:
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
             event = "restarted"
+        elif member.gone and not rejoin:
+            return None, None
         elif member.gone:
             event = "rejoined"
         elif member.stalled and progress:

@@ -439,6 +439,38 @@ def test_sync_rejoin_seen_by_shards_at_different_times_does_not_hang_a_shard(coo
     assert torch.equal(w(shard1), -torch.ones(3)), "shard 1's step 0 is the average of workers 0 and 1"
 
 
+def test_sync_a_gone_workers_stale_push_does_not_count_it_back_from_this_shards_open_step(coordinators):
+    """Found by the replicated soak: a worker paused past its lease resumes with a heartbeat and a push naming
+    a step shard 1 has applied, while shard 0 is a step ahead of shard 1. Shard 1 used to count it back from its
+    own open step, which the worker never pushes for (shard 0 tells it the next one): shard 1's step waited
+    until a lease ran out (12 s in the soak, a failover of ps 1 in between). Calls naming an applied step leave
+    it gone; its next push, of the step shard 0 told it, counts it back from that step."""
+    clock = FakeClock()
+    shard1 = coordinators(sync(3, lease_seconds=1.0, startup_grace_seconds=0.0), owns_step=False, clock=clock)
+    for i in range(3):
+        shard1.join(f"worker:{i}", 1)
+    clock.advance(0.6)
+    shard1.heartbeat("worker:0", 1)
+    shard1.heartbeat("worker:1", 1)
+    expire_leases(shard1, clock, 0.6, expected_expired=1)  # worker 2 paused past its lease
+    assert shard1.quorum == 2
+    push(shard1, "worker:0", 0, g(1, 1, 1))
+    push(shard1, "worker:1", 0, g(1, 1, 1))
+    shard1.wait_for_step(1, timeout=30.0)  # shard 0 has applied step 1 too: it is at step 2
+    shard1.heartbeat("worker:2", 1, 0)  # resumed: its heartbeat names the step it was at
+    assert push(shard1, "worker:2", 0, g(5, 5, 5)).stale  # and it sends the push it was computing
+    assert shard1.quorum == 2 and shard1.live_workers() == 2, "still gone: it will never push for step 1"
+    push(shard1, "worker:0", 1, g(1, 1, 1))
+    push(shard1, "worker:2", 2, g(1, 1, 1))  # shard 0 told it step 2
+    push(shard1, "worker:1", 1, g(1, 1, 1))
+    try:
+        shard1.wait_for_step(2, timeout=2.0)  # workers 0 and 1 pull with min_step 2
+    except WaitTimeoutError as exc:
+        pytest.fail(f"shard 1 waits at step 1 for a gradient worker 2 will never send: {exc}")
+    assert shard1.live_workers() == 3 and shard1.quorum == 3, "back from the step of its next push"
+    assert torch.equal(w(shard1), -2 * torch.ones(3)), "steps 0 and 1 averaged over workers 0 and 1"
+
+
 # -- idempotent pushes ---------------------------------------------------------------------------------
 
 def test_sync_duplicate_push_is_not_applied_twice(coordinators):
