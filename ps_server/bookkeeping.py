@@ -54,7 +54,7 @@ class Bookkeeping:
     """
 
     def __init__(self, store: VariableStore, recorder: Recorder, clock: Callable[[], float],
-                 membership: Membership | None = None):
+                 membership: Membership | None = None, *, owns_step: bool = True):
         lock = checked(threading.RLock(), "bookkeeping", "the bookkeeping condition")
         self.cond = WatchedCondition(lock, lambda: store.step)  # waits of threads or of an event loop
         self.reaper_wake = threading.Condition(lock)
@@ -62,6 +62,7 @@ class Bookkeeping:
         self.recorder = recorder
         self.clock = StepClock(clock)
         self.membership = membership if membership is not None else Membership()
+        self.owns_step = owns_step  # shard 0: the step it is at is the one it tells workers to push next
         self.ledger = PushLedger()
         self.pending = PendingSteps()
         self.closed = False
@@ -149,16 +150,18 @@ class Bookkeeping:
 
     def touch(self, worker: str, incarnation: int, start_step: int, *, progress: bool) -> None:
         """Renews `worker`'s lease (and progress if it pushed); a join, rejoin or restart is journaled and
-        moves the quorum (holds cond). In sync mode a gone worker is counted again only by a call naming a
-        step this shard has not applied (`start_step`, a push's or a join's): one naming an applied step (a
-        push or heartbeat of a worker resumed after its lease ran out) leaves it gone, since shard 0, maybe a
-        step ahead, tells it the step it pushes next (Membership.touch's `rejoin`). WorkerReplacedError for a
-        retired incarnation, PermissionDeniedError for a name past the bound: nothing changed."""
+        moves the quorum (holds cond). In sync mode, on any shard but shard 0, a gone or stalled worker is
+        counted again only by a call naming a step this shard has not passed (`start_step`: a push's, a
+        join's, a heartbeat's): one naming an older step (a worker resumed after its lease or progress ran
+        out) leaves it as it is, since shard 0, maybe a step ahead, tells it the step it pushes next, and this
+        shard would wait for a push of its own open step that never comes (Membership.touch's `rejoin`).
+        Shard 0 counts it from its open step, the one it tells it. WorkerReplacedError for a retired
+        incarnation, PermissionDeniedError for a name past the bound: nothing changed."""
         now = self.clock.now()
         step, sync = self.pending.open_step(self.store.step), self.clock.config.mode == "sync"
         event, _ = self.membership.touch(
             worker, incarnation, now=now, step=step, start_step=start_step, progress=progress,
-            rejoin=not sync or start_step >= step,
+            rejoin=not sync or self.owns_step or start_step >= step,
             level=self.min_clock() if not sync else 0)  # sync mode moves no clocks
         if event is not None:  # a restart's retired incarnation: its "member" record forgets its pushes
             _LOGGER.info("%s %s at step %d", worker, event, self.store.step)

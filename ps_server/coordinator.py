@@ -114,7 +114,7 @@ class Coordinator:
                                                                   with_pending=True, then=then,
                                                                   layout=self.layout, resize=self.resizes,
                                                                   replicas=self.replicas))
-        self._book = book = Bookkeeping(store, self.recorder, clock, membership)
+        self._book = book = Bookkeeping(store, self.recorder, clock, membership, owns_step=owns_step)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, self._checkpoint_state)
         self.moves = Moves(book, store, self.tables, self.gate, self.recorder, self.layout, owns_step=owns_step,

@@ -20,8 +20,9 @@ given, and fences nothing). A known worker arriving with a new incarnation is a 
 call from it (a push, a heartbeat, a leave) is refused with
 WorkerReplacedError, so a dying old process can neither evict its successor
 nor have a retried push applied. A worker that left, or whose lease or
-progress ran out, and that comes back with the same incarnation simply
-rejoins: nothing about its pushes is forgotten.
+progress ran out, and that comes back with the same incarnation rejoins
+(in sync mode, on a shard but shard 0, once a call names a step the shard
+has not passed: Bookkeeping.touch): nothing about its pushes is forgotten.
 
 Members are bounded: the names of the cluster spec's workers (`known`) may
 always join, and at most `elastic` other names (None: no bound); a new name
@@ -128,9 +129,9 @@ class Membership:
         What changed is None, "joined", "rejoined", "restarted" or "resumed"
         (back from a stall). `step` is the shard's open step, `start_step` the
         step the worker is at, `level` the ssp clock a newcomer starts at.
-        `rejoin` False (Bookkeeping.touch: a sync call naming a step already
-        applied here): a gone worker stays gone, to count again from the
-        step its next call names.
+        `rejoin` False (Bookkeeping.touch: a sync call naming a step this
+        shard has passed): a gone or stalled worker stays so (a stalled one's
+        lease is renewed), to count again from the step a later call names.
         Raises WorkerReplacedError for a retired incarnation.
         """
         self.check(worker, incarnation)
@@ -148,7 +149,9 @@ class Membership:
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
             event = "restarted"
-        elif member.gone and not rejoin:
+        elif (member.gone or member.stalled and progress) and not rejoin:
+            if not member.gone:
+                member.last_seen = now
             return None, None
         elif member.gone:
             event = "rejoined"

@@ -469,6 +469,15 @@ def test_sync_a_gone_workers_stale_push_does_not_count_it_back_from_this_shards_
         pytest.fail(f"shard 1 waits at step 1 for a gradient worker 2 will never send: {exc}")
     assert shard1.live_workers() == 3 and shard1.quorum == 3, "back from the step of its next push"
     assert torch.equal(w(shard1), -2 * torch.ones(3)), "steps 0 and 1 averaged over workers 0 and 1"
+    clock0 = FakeClock()  # shard 0 tells the worker the step it pushes next: the heartbeat counts it back at once
+    shard0 = coordinators(sync(2, lease_seconds=1.0, startup_grace_seconds=0.0), clock=clock0)
+    shard0.join("worker:0", 1), shard0.join("worker:1", 1)
+    clock0.advance(0.6)
+    shard0.heartbeat("worker:0", 1)
+    expire_leases(shard0, clock0, 0.6, expected_expired=1)
+    assert push(shard0, "worker:0", 0, g(1, 1, 1)).next_step == 1
+    shard0.heartbeat("worker:1", 1, 0)
+    assert shard0.live_workers() == 2 and shard0.quorum == 2
 
 
 # -- idempotent pushes ---------------------------------------------------------------------------------

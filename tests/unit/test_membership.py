@@ -53,6 +53,29 @@ def test_a_heartbeating_worker_stalls_only_past_the_timeout_and_resumes_when_it_
     assert event == "resumed" and not members.members["worker:1"].stalled
 
 
+def test_a_call_that_may_not_rejoin_leaves_a_gone_or_stalled_worker_as_it_is():
+    """rejoin False (a sync shard behind shard 0, called with a step it has passed): a gone worker stays gone
+    and unrenewed, a stalled one stays stalled with its lease renewed; the next call that may counts it from
+    the step it names."""
+    for state in ("gone", "stalled"):
+        members = Membership()
+        touch(members, "worker:0", 0.0, progress=True)
+        if state == "gone":
+            assert members.expire(2.0, 1.0, 1e9) == (["worker:0"], [])
+        else:
+            touch(members, "worker:0", 1.5, progress=False)
+            assert members.expire(2.0, LEASE, 1.0) == ([], ["worker:0"])
+        member = members.members["worker:0"]
+        seen = member.last_seen
+        assert members.touch("worker:0", 1, now=3.0, step=7, start_step=6, level=0, progress=True,
+                             rejoin=False) == (None, None)
+        assert not member.live and getattr(member, state), state
+        assert member.last_seen == (seen if state == "gone" else 3.0), state
+        event, _ = members.touch("worker:0", 1, now=4.0, step=7, start_step=8, level=0, progress=True)
+        assert event == ("rejoined" if state == "gone" else "resumed") and member.live, state
+        assert member.counts_from == 8, state
+
+
 def test_a_worker_whose_push_is_held_never_stalls():
     members = Membership()
     pushing(members, "worker:0", 0.0, 1.0, 20)
