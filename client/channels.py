@@ -345,7 +345,7 @@ class ShardChannels:
         ServerUnavailableError at `deadline` (monotonic: its looks at what answers and its asks where the shard
         is served keep to it, a last look taking about DIAGNOSE_LEAST_SECONDS past it), or at once, naming the
         cause, when what answers cannot work: TLS on one side only, a certificate refused, not a gRPC server
-        (security.diagnose).
+        (security.diagnose); at once too once this client is closed (its probe cancelled).
 
         The wait is a GetStatus call that waits for the connection (wait_for_ready): any answer, a refusal
         included, means connected. Not grpc.channel_ready_future: its watcher thread outlives a cancel by
@@ -357,6 +357,8 @@ class ShardChannels:
             slice_ = min(check, deadline) - time.monotonic()
             if self._probe(shard, max(0.0, min(slice_, RELOCATE_SECONDS) if relocatable else slice_)):
                 break
+            if self._closed.is_set():  # closed meanwhile (its probe cancelled): no look at the address, no wait
+                raise ServerUnavailableError(f"this client is closed; {self.target(shard)} was not called")
             if relocatable and self.relocate(shard, deadline=deadline):
                 continue  # served elsewhere now: probe the new address
             if time.monotonic() < min(check, deadline):
@@ -380,6 +382,8 @@ class ShardChannels:
         signal (Ctrl-C, SIGTERM) interrupt cleanly on the main thread; a future's bookkeeping may not be."""
         try:
             self.stubs[shard].GetStatus(ps_pb2.StatusRequest(), timeout=max(0.0, timeout), wait_for_ready=True)
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed by this client or a redirect
+            return False
         except grpc.RpcError as exc:
             return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                                       grpc.StatusCode.CANCELLED)
