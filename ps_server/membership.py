@@ -149,14 +149,12 @@ class Membership:
             self.retire(worker, retired)
             member.incarnation, member.last_push, member.held = incarnation, None, 0
             event = "restarted"
-        elif (member.gone or member.stalled and progress) and not rejoin:
-            if not member.gone:
-                member.last_seen = now
-            return None, None
-        elif member.gone:
-            event = "rejoined"
-        elif member.stalled and progress:
-            event = "resumed"
+        elif member.gone or (member.stalled and progress):
+            if not rejoin:  # left as it is: a stalled one (still heartbeating) only has its lease renewed
+                if not member.gone:
+                    member.last_seen = now
+                return None, None
+            event = "rejoined" if member.gone else "resumed"
         else:
             member.last_seen = now
             if progress:
