@@ -5,6 +5,7 @@ Shards started by LocalCluster and ps-launch come from it, so what holds for a p
 same port, the environment, folder and output it was given, and `python -m`'s exit codes.
 """
 
+import json
 import logging
 import os
 import re
@@ -186,7 +187,7 @@ def test_a_child_asked_to_die_with_its_parent_dies_when_the_parent_is_killed(pro
     # The parent: a process that starts the probe through its own fork server and reports the probe's pid.
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from torchps.forkserver import ProcessStarter
+        from torchps.forkserver import STARTUP_ENV, ForkedChild, ProcessStarter
         child = ProcessStarter().start("forkserver_probe", ["wait"], cwd={str(probe)!r},
                                        stdout=os.open(os.devnull, os.O_WRONLY), parent_death_signal=signal.SIGKILL)
         print(child.pid, flush=True)
@@ -286,33 +287,61 @@ def _alive(pid: int) -> bool:
     return process_state(pid) not in ("", "Z")
 
 
-NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"  # the pid the kernel gave last: the next fork gets the one after
+# Run in a pid namespace of its own, where nothing else forks: on the shared machine other processes and threads take
+# pids all the time, and the path from the write of ns_last_pid (the pid the kernel gave last: the next fork gets the
+# one after) through the fork server to its fork is long enough for one of them to take the pid first.
+PID_REUSE = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from torchps.forkserver import STARTUP_ENV, ForkedChild, ProcessStarter
+
+    folder, timeout = sys.argv[1], float(sys.argv[2])
+    starter = ProcessStarter.shared()
+
+    def start(argv):
+        with open(os.path.join(folder, "out-" + "-".join(argv) + ".log"), "wb") as out:
+            startup = {key: os.environ[key] for key in STARTUP_ENV if key in os.environ}
+            return starter.start("forkserver_probe", argv, env={**startup, "PROBE_VALUE": "given"}, cwd=folder,
+                                 stdout=out.fileno())
+
+    def command_line(pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\\0", b" ").decode()
+
+    first = start(["exit", "0"])
+    seen = {"first_exit": first.wait(timeout)}
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(first.pid - 1))
+    second = start(["wait"])
+    seen["same_pid"] = second.pid == first.pid
+    seen["forked"] = isinstance(first, ForkedChild) and isinstance(second, ForkedChild)
+    seen["second_running"], seen["first_after"] = second.poll(), first.poll()
+    deadline = time.monotonic() + timeout
+    while not command_line(second.pid).startswith("forkserver_probe wait") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen["command_line"] = command_line(second.pid)
+    seen["second_still_running"] = second.poll()
+    second.terminate()
+    seen["second_exit"], seen["first_at_end"] = second.wait(timeout), first.poll()
+    print(json.dumps(seen))
+""")
 
 
 def test_a_child_given_the_pid_of_a_child_that_exited_runs_on(probe):
     """The kernel gives an exited child's pid to a later fork (made to happen here through ns_last_pid; over a
     long run it happens by itself once pid_max wraps): the later child runs on, and its own exit is its own.
     Before children were told apart by birth, it read as exited with the earlier child's code at once."""
-    starter = ProcessStarter.shared()
-    first, _ = run_probe(starter, probe, ["exit", "0"])
-    assert first.wait(TIMEOUT) == 0
-    if not os.access(NS_LAST_PID, os.W_OK):
-        pytest.skip(f"{NS_LAST_PID} is not writable here: a pid cannot be given again on purpose")
-    for _ in range(50):  # another process on the machine may take the pid between the write and the fork
-        with open(NS_LAST_PID, "w") as f:
-            f.write(str(first.pid - 1))
-        second, _ = run_probe(starter, probe, ["wait"])
-        if second.pid == first.pid:
-            break
-        second.kill()
-        second.wait(TIMEOUT)
-    else:
-        pytest.fail(f"50 forks did not get pid {first.pid} again")
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc"]
     try:
-        assert second.poll() is None and first.poll() == 0
-        wait_until(lambda: _command_line(second.pid).startswith("forkserver_probe wait"), TIMEOUT,
-                   "the child to name itself in ps")
-        assert second.poll() is None
-    finally:
-        second.terminate()
-    assert second.wait(TIMEOUT) == -signal.SIGTERM and first.poll() == 0
+        subprocess.run([*unshare, "true"], check=True, capture_output=True, timeout=TIMEOUT)
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"no pid namespace of its own here ({error}): a pid cannot be given again on purpose")
+    (probe / "pid_reuse.py").write_text(PID_REUSE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([*unshare, sys.executable, str(probe / "pid_reuse.py"), str(probe), str(TIMEOUT)],
+                          env=env, capture_output=True, text=True, timeout=4 * TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["first_exit"] == 0 and seen["same_pid"] and seen["forked"]
+    assert seen["second_running"] is None and seen["first_after"] == 0
+    assert seen["command_line"].startswith("forkserver_probe wait") and seen["second_still_running"] is None
+    assert seen["second_exit"] == -signal.SIGTERM and seen["first_at_end"] == 0
