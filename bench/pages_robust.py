@@ -402,5 +402,7 @@ def replication_page(results: list[Result]) -> Page:
             [f"{t['what']} ({code(k)})", num(t["value"], 0 if isinstance(t["value"], int) else 3), met(t.get("met"))]
             for k, t in targets.items()])]
     page.lines += earlier([r for r in results if not any(r is u for u in used)], [
+        *((f"{label} {training}", lambda r, key=f"{model}_{training}_ratio": num(r.get(key), 3))
+          for model, label in (("small", "seed MLP"), ("large", "25.3M MLP")) for training in ("async", "sync")),
         ("failover p99 s", lambda r: num(r.get("failover_p99_s"), 3))])
     return page
