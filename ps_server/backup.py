@@ -92,6 +92,7 @@ LEASE_ASK_SECONDS = 0.05       # between asks to be promoted while the primary's
 PROGRESS_SECONDS = 5.0         # a shard waiting for its arbiter says so this often
 WATCH_TICKS = 10               # a stream's silence is looked at this often per failover_after
 FIRST_FRAME_SECONDS = 60.0     # a stream's first frame waits for the primary's new base to be written
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _FRAME = ps_pb2.ReplicaFrame
 class Backup:
     """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted;
@@ -197,9 +198,9 @@ class Backup:
         channels = self._channels([self.primary], connect_timeout=self.failover_after, security=self._security)
         try:
             lane, acks_lane = self._open_lanes(channels)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
             channels.close()
-            return "unreachable"
+            return "unreachable" if exc.code() in UNREACHABLE else self._refused_by(exc)
         acks: queue.Queue = queue.Queue()
         fresh = secrets.token_hex(COPY_NAME_BYTES)  # this stream's copy, once its first base came whole
         acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
@@ -323,14 +324,7 @@ class Backup:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
                                 lane_failed[0] if lane_failed and not silent else exc.code().name)
                 return "followed"
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.CANCELLED):
-                return "unreachable"
-            if exc.details() != self._refused:  # said once, not at every try (a backup without --table-dir)
-                self._refused = exc.details()
-                _LOGGER.warning("backup of ps:%d: %s refused the stream (%s): trying again", self.index,
-                                self.primary, exc.details())
-            return "refused"
+            return "unreachable" if exc.code() in UNREACHABLE else self._refused_by(exc)
         except (MalformedStreamError, LaneBrokenError) as exc:
             if mirror.finished:  # the job's end is written here: whatever broke after it, nothing follows
                 return "finished"
@@ -386,6 +380,15 @@ class Backup:
                 self._arbiter_moved = entry.last_failover_unix
             _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
                          entry.primary)
+
+    def _refused_by(self, exc: grpc.RpcError) -> str:
+        """"refused": the primary answered this backup's status or stream with `exc`, logged once until another
+        refusal or an attempt that got further (a backup without --table-dir, credentials it does not take)."""
+        if exc.details() != self._refused:
+            self._refused = exc.details()
+            _LOGGER.warning("backup of ps:%d: %s refused it (%s: %s): trying again", self.index, self.primary,
+                            exc.code().name, exc.details())
+        return "refused"
 
     def _open_lanes(self, channels):
         """(a bulk lane to the primary for the records' bytes, one for this backup's acks), each None where it

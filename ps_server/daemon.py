@@ -143,6 +143,11 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     (0) or SIGINT (130), or the job's end; once its arbiter promotes it, serves the shard bound to `address`
     from its copy, known to the job as `me` (serve); started on a copy whose arbiter records `me` serving the
     shard already (Backup.run's "serves"), serves it as a restarted primary does, once its arbiter confirmed it."""
+    if security.lacks_line(f"ps:{index}"):
+        print(f"ps-server: error: the token table (--token-file) has no line for ps:{index}, whose token this backup "
+              f"calls its primary and arbiter with: give the shard one (ps-certs DIR --add ps:{index}, as for a shard "
+              f"a resize adds) and start the backup again", file=sys.stderr)
+        return USAGE_ERROR
     try:
         held = hold_shard(None, args.journal_dir, index)
     except PSError as exc:

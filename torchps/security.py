@@ -235,6 +235,11 @@ class Security:
         its own line (ps:INDEX; ps-certs writes one per shard), so it acts in the ps role."""
         return self.as_task(f"ps:{index}")
 
+    def lacks_line(self, name: str) -> bool:
+        """True for a server with a token table (per-task tokens) that has no line for task `name`: calls it
+        makes as `name` (as_task) carry no token of that task's, and are refused."""
+        return bool(self.task_tokens) and not any(task == name for task, _, _ in self.task_tokens)
+
     def as_task(self, name: str) -> "Security":
         """The credentials a server holding the token table calls the shards with as task `name` (a shard, a
         serving replica): its own certificate, and its line's token of the table, else the job token; no admin

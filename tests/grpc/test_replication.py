@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import free_ports, process_state, start_ps_server, unreachable, wait_until
+from helpers import free_ports, process_state, run_ps_server, start_ps_server, unreachable, wait_until
 
 from torchps import lanes
 from torchps.certs import make_job_credentials
@@ -171,6 +171,52 @@ def test_a_backup_follows_and_takes_over_with_the_jobs_credentials(tmp_path, tls
         backup.terminate()
         backup.wait(timeout=30)
         local.stop()
+
+
+def _table_without(table: pathlib.Path, folder: pathlib.Path, task: str, token: str | None) -> pathlib.Path:
+    """A copy of the token `table` in `folder` whose line for `task` holds `token` instead, or is left out."""
+    lines = table.read_text().splitlines(keepends=True)
+    other = folder / "other-tokens"
+    other.write_text("".join(line if not line.startswith(f"{task} ") else f"{task} ps {token}\n" if token else ""
+                             for line in lines))
+    return other
+
+
+def test_a_backup_its_primary_refuses_says_so_and_keeps_trying(tmp_path):
+    """Per-task tokens: ps:1's backup calls its primary with ps:1's line of its table, whose token ps:1's own table
+    does not hold (another job's table, say). Refused at its first call, it says why in its log, once, and keeps
+    trying; ps 0 records no backup of ps:1. A table with no line for ps:1 at all is refused as the backup starts
+    (exit 2, one line naming the fix: a shard a resize adds has none until ps-certs --add gives it one)."""
+    files = make_job_credentials(tmp_path / "job", Cluster(ps=("127.0.0.1:1", "127.0.0.1:2"), chief=("127.0.0.1:3",),
+                                                           worker=("127.0.0.1:4",)))
+    table, admin = files[TaskSpec("ps", 0)].token, files[TaskSpec("ps", 0)].admin_token
+    spec = json.dumps({"ps": ["127.0.0.1:1", "127.0.0.1:2"]})
+    code, printed = run_ps_server(["--index", "1", "--cluster", spec, "--replica-of", "127.0.0.1:2", "--bind",
+                                   f"127.0.0.1:{free_ports(1)[0]}", "--journal-dir",
+                                   str(tmp_path / "unused"), "--token-file",
+                                   str(_table_without(table, tmp_path, "ps:1", None)), "--admin-token-file",
+                                   str(admin)], tmp_path / "refused.log", 60)
+    assert code == 2 and "no line for ps:1" in printed and "ps-certs DIR --add ps:1" in printed, printed
+    other = _table_without(table, tmp_path, "ps:1", "x" * 32)  # the backup's: ps:1's line with a token of its own
+
+    def credentials(task: TaskSpec) -> list[str]:  # ps 0's flags are the shards', ps 1's the backup's
+        return ["--token-file", str(table if task.index == 0 else other), "--admin-token-file", str(admin)]
+
+    local, backup, _, cluster = _start(tmp_path, credentials=credentials)
+    chief = files[TaskSpec("chief", 0)]
+    security = Security.load(token_file=str(chief.token), admin_token_file=str(chief.admin_token), environ={})
+    log = tmp_path / "backup.log"
+    try:
+        wait_until(lambda: "refused it (UNAUTHENTICATED" in log.read_text(), 30, "the backup to say it is refused")
+        channels = arbiter_channels(tuple(cluster.ps), 10, security)
+        try:
+            assert record_of(channels, 1) is None, "no backup of ps:1 recorded"
+        finally:
+            channels.close()
+        assert backup.poll() is None, "it keeps trying"
+        assert log.read_text().count("refused it") == 1, log.read_text()[-2000:]
+    finally:
+        _resume_and_stop(local, backup)
 
 
 def test_ps_0s_backup_takes_over_the_step_and_its_variables(tmp_path):
