@@ -32,7 +32,7 @@ from ..security import Security
 from . import checkpoint
 from .backup import PROGRESS_SECONDS, Backup, confirm_role, needs_role_check
 from .failstop import FailStop
-from .journal import Journal, Layout
+from .journal import Journal, Layout, recorded_layout
 from .metrics import ShardMetrics
 from .quotas import Quotas
 from .replica_rpcs import RoleFence
@@ -98,11 +98,13 @@ def _spec_workers(cluster: Cluster | None) -> frozenset[str]:
 
 
 def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,
-                 on_failure: Callable[[str], None]) -> Journal | None:
+                 on_failure: Callable[[str], None], promoted: bool = False) -> Journal | None:
     """The shard's journal: --journal-dir, else CHECKPOINT_DIR/journal/ps-INDEX, unless --no-journal. One that
     holds another job's or layout's state is refused (ClusterConfigError), or with --replace-journal moved
     aside for --restore-from's checkpoint. Its messages name ps-launch's --replace-journal to a shard
-    ps-launch started (--launched-by), ps-server's flags otherwise."""
+    ps-launch started (--launched-by), ps-server's flags otherwise. `promoted`: a backup's copy, which its
+    primary's stream wrote: the job's shard count is the copy's (a live resize after the backup started leaves
+    its cluster spec behind)."""
     if args.replace_journal and not args.restore_from:
         raise ClusterConfigError("--replace-journal moves a journal aside for --restore-from's checkpoint: pass "
                                  "--restore-from too")
@@ -111,7 +113,9 @@ def open_journal(args: argparse.Namespace, cluster: Cluster | None, index: int,
     directory = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
     if not directory:
         return None
-    layout = Layout(index, cluster.num_ps if cluster is not None else args.num_ps,
+    num_ps = cluster.num_ps if cluster is not None else args.num_ps
+    copied = recorded_layout(directory) if promoted else None
+    layout = Layout(index, copied.num_ps if copied is not None and copied.index == index else num_ps,
                     os.path.abspath(args.restore_from) if args.restore_from else None)
     journal = Journal(directory, layout=layout, sync=args.journal_sync, on_failure=on_failure,
                       advice=LAUNCH_ADVICE if args.launched_by == "ps-launch" else None)
@@ -304,7 +308,7 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             if args.health_port_file:
                 _write_port(args.health_port_file, health_port)
         store = VariableStore(allow_nonfinite=args.allow_nonfinite)
-        journal = open_journal(args, cluster, index, failstop.fatal)
+        journal = open_journal(args, cluster, index, failstop.fatal, promoted)
         empty = journal is not None and not journal.holds_state()  # a new disk's folder: no change it acknowledged
         if args.checkpoint_dir and fence is None and folder_wait is None:  # else cleaned once it holds the folder
             checkpoint.clean_partial(args.checkpoint_dir, index)

@@ -69,7 +69,7 @@ from .locks import check_unlocked, checked
 from .disk_rows import link_tree
 from .ssd_tables import place_stores, resolve_stores
 
-__all__ = ["Journal", "Layout", "Record", "COMPACT_FACTOR", "MIN_COMPACT_BYTES", "MAX_COMPACT_BYTES",
+__all__ = ["Journal", "Layout", "Record", "recorded_layout", "COMPACT_FACTOR", "MIN_COMPACT_BYTES", "MAX_COMPACT_BYTES",
            "compaction_floor"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -111,6 +111,18 @@ class Layout:
     def describe(self) -> str:
         shards = f"shard {self.index} of {self.num_ps}" if self.num_ps else f"shard {self.index}"
         return f"job {self.job}, {shards}" + (f", from {self.origin}" if self.origin else "")
+
+
+def recorded_layout(directory: str | os.PathLike) -> Layout | None:
+    """The layout the journal in `directory` was begun with (the shard count as its last live resize set it:
+    note_shards), None if it has none (an older journal, or none). CheckpointError if it cannot be read."""
+    path = pathlib.Path(directory) / LAYOUT
+    if not path.exists():
+        return None
+    try:
+        return Layout(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"journal {directory}: {LAYOUT} cannot be read ({exc})") from None
 
 
 def compaction_floor(base_bytes: int) -> int:
@@ -169,13 +181,7 @@ class Journal:
 
     def recorded_layout(self) -> Layout | None:
         """The layout the journal in the folder was begun with, None if it has none (an older journal)."""
-        path = self.directory / LAYOUT
-        if not path.exists():
-            return None
-        try:
-            return Layout(**json.loads(path.read_text()))
-        except (ValueError, TypeError) as exc:
-            raise CheckpointError(f"journal {self.directory}: {LAYOUT} cannot be read ({exc})") from None
+        return recorded_layout(self.directory)
 
     def check_layout(self) -> None:
         """ClusterConfigError (one line) unless the journal in the folder may serve the shard this Journal was

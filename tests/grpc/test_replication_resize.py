@@ -159,6 +159,36 @@ def test_a_shard_a_resize_adds_gets_a_backup_that_takes_over(tmp_path):
     assert "this backup serves it" in (tmp_path / "backup-2.log").read_text()
 
 
+def test_a_backup_given_the_spec_before_a_resize_takes_over_after_it(tmp_path):
+    """A live resize adds ps:2; then ps:1's backup starts with the job's spec from before it (2 shards: a pod
+    started again with the spec it was first given), and its copy, from a base of its primary's, is of the
+    3-shard job. ps:1's primary is lost: the promoted backup serves from that copy, whatever its own spec says (a
+    shard started by hand must be given the job's new spec; a backup promoted cannot be), and no acknowledged
+    push is lost."""
+    ports = free_ports(4)
+    local = _job(tmp_path, ports[:2])
+    backup = None
+    try:
+        added = _add_shard(local, tmp_path, ports[:3])
+        with PSClient(local.cluster, connect_timeout=30, partitioner=None) as ps:
+            _create(ps)
+            _pushes(ps, 2)
+            ps.resize([*local.cluster.ps, added])
+            backup, backup_address = _backup(tmp_path, 1, _spec(ports[:2]), local.address(1), ports[3])
+            _in_sync(ps, 1, backup_address)
+            _pushes(ps, 2)
+            local.kill_ps(1)
+            shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
+            _pushes(ps, 2)
+            _assert_values(ps, 6)
+            assert _record(ps, 1).primary == backup_address and ps.shard_addresses()[1] == backup_address
+    finally:
+        if backup is not None:
+            _stopped(backup)
+        local.stop()
+    assert "this backup serves it" in (tmp_path / "backup-1.log").read_text()
+
+
 def test_a_resize_that_removes_a_backed_up_shard_stops_its_backup(tmp_path):
     """The job shrinks from 3 shards to 2, removing ps:2 while its backup is in sync: the resize stops ps:2, the
     backup exits 0 saying why, and ps 0 forgets ps:2's record and refuses its promotion; no push is lost."""
