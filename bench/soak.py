@@ -45,8 +45,8 @@ each kind above that strikes a shard then strikes one of its two processes, and 
 failover), with four more kinds: host-lost (a primary killed and its journal folder deleted, a fresh backup
 started in its place), backup-lost (a backup killed and started again), backup-disk-full (a backup's files
 may grow no further for a while: it must follow anew, not stop) and partition-primary (a primary
-paused until its backup took over, then resumed: it must stop by itself, fenced); the shard resizes and
-their failures are left out, the worker resizes drawn. Each primary struck is timed from the strike to
+paused until its backup took over, then resumed: it must stop by itself, fenced); every resize is drawn
+(a shard added runs with a backup of its own), their failures left out. Each primary struck is timed from the strike to
 the first push acknowledged by its successor (the "g=" of an "acked" line: each shard's generation).
 A fault kind is a `_fault_<kind>` method and an entry of FAULT_KINDS; a resize kind an entry of RESIZES. A shard that stops by itself (fail-stop: exit code
 70) is counted and started again by the loop, as a launcher or Kubernetes would. At the end of the chaos, with faults over,
@@ -148,8 +148,8 @@ START_SECONDS = 120.0        # a (re)started worker retries its start this long 
 FAULT_KINDS = ("kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connections", "hostile-evaluator",
                "toggle-optimizer", "disk-full")
 KINDS = FAULT_KINDS + tuple(RESIZES) + tuple(RESIZE_FAULTS)  # the default (--replicas 1)
-# With --replicas 2: the replica kinds too, and no shard resize (bench/soak_replicas.py)
-REPLICATED_KINDS = FAULT_KINDS + REPLICA_KINDS + ("worker-added", "worker-removed")
+# With --replicas 2: the replica kinds too, and no failed resize (bench/soak_replicas.py)
+REPLICATED_KINDS = FAULT_KINDS + REPLICA_KINDS + tuple(RESIZES)
 WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing this long while workers push: wedged
 HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
 FAR = 1 << 62                # the hostile evaluator's min_step
@@ -431,13 +431,14 @@ class Phase:
                 stdout=out.fileno(), parent_death_signal=signal.SIGTERM)  # a soak that dies leaves none pushing
         self.active.add(index)
 
-    def ensure_credentials(self, index: int) -> None:
-        """Mints worker `index`'s token into the job folder if it has none (a name past the starting spec)."""
+    def ensure_credentials(self, index: int, task_type: str = "worker") -> None:
+        """Mints task `index`'s credentials into the job folder if it has none (a name past the starting spec):
+        a worker's token, a shard's line of the token table (its backup calls its primary and arbiter with it)."""
         from torchps.certs import add_to_job
         from torchps.cluster import TaskSpec
 
-        if not (self.credentials / f"worker-{index}.token").exists():
-            add_to_job(self.credentials, [TaskSpec("worker", index)])
+        if not (self.credentials / f"{task_type}-{index}.crt").exists():
+            add_to_job(self.credentials, [TaskSpec(task_type, index)])
 
     def retire_worker(self, index: int) -> None:
         """Asks worker `index` to leave for good and waits for it (EXIT_SECONDS, else a hang)."""
@@ -574,14 +575,22 @@ class Phase:
         succeeded. A failure is recorded, and the shards taken from ps 0's layout."""
         from torchps.client import PSClient, PSError
 
+        asked = addresses
+        if self.replicated:  # the shards that stay, named as ps 0's layout names them (a failover moves none there)
+            named = self.shards.layout_names()[:len(addresses)]
+            asked = [*named, *addresses[len(named):]]
         with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as chief:
             try:
-                chief.resize(addresses)
+                chief.resize(asked)
             except PSError as exc:
                 self.failures.append(f"resize onto {len(addresses)} shards failed: {type(exc).__name__}: {exc}")
                 self.follow_layout()
                 return False
         self.live_shards = list(addresses)
+        if self.replicated:
+            while self.shards.num_shards > len(addresses):
+                self.shards.remove_pair(self.failures)
+            self.shards.set_job(self.live_shards)
         self.resize_succeeded()
         return True
 
@@ -591,7 +600,11 @@ class Phase:
             failure.recovered = True
 
     def add_shard(self, index: int, extra: list[str] | tuple[str, ...] = ()) -> str:
-        """Starts shard `index` for a resize to add, with the job's flags and `extra`; its address."""
+        """Starts shard `index` for a resize to add, with the job's flags and `extra`; its address. With --replicas
+        2 with a backup (ReplicatedShards.add_pair; the failures of a resize, which pass `extra`, are not drawn)."""
+        if self.replicated:
+            self.ensure_credentials(index, "ps")
+            return self.shards.add_pair(list(self.live_shards))
         return self.shards.add_ps(index, args=[*self.shards.server_args, *extra])
 
     def follow_layout(self) -> None:
@@ -601,6 +614,11 @@ class Phase:
 
         with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as chief:
             self.live_shards = chief.shard_addresses()
+        if self.replicated:  # (only a failed resize comes here: a failure already)
+            while self.shards.num_shards > len(self.live_shards):
+                self.shards.remove_pair(self.failures, stop=True)
+            self.shards.set_job(self.live_shards)
+            return
         for index in range(len(self.live_shards), len(self.shards.procs)):
             proc = self.shards.procs[index]
             if proc is None or proc.poll() is not None:

@@ -51,15 +51,20 @@ backup's stream (the backup follows the spec's address): the primary drops the b
 While host 1 serves ps 1 (after a failover, until the next), clients reach it at its own address and host 0,
 its backup, follows it there: nothing goes through the proxy, and a cut cuts nothing.
 
-The worker resizes (worker-added, worker-removed) are drawn: they start and stop workers only. The shard
-resizes and their failures (bench/resizes.py, bench/resize_faults.py) are left out: each shard a resize adds
-would need a backup of its own (`--replica-of` its address, the extended spec) in this table, and the faults
-that watch a resize call the shards at the ports they started on.
+The resizes of bench/resizes.py are drawn. A shard that shard-added starts (add_pair) is a pair too, on new
+ports and journal folders of its own (an index added again after a removal as well), both given the job's
+shard addresses with it as their spec: its primary starts empty (--join) and, started again, finds its role at
+its arbiter (ps 0) as any primary that had a backup does; its backup follows it from the start and is recorded
+in sync once the resize's epoch names the shard. The faults above then strike it as any other. shard-removed
+resizes the job off its last shard: the process serving it is stopped by the resize, and its other one must
+exit by itself (remove_pair). The failures of a resize (bench/resize_faults.py) are left out: they call the
+shards at the ports they started on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import resource
@@ -74,6 +79,7 @@ from resizes import percentile  # bench/ is on the path: soak.py put it there
 __all__ = ["ReplicatedShards", "REPLICA_FAULTS", "REPLICA_KINDS", "failover_figures"]
 
 IN_SYNC_SECONDS = 30.0   # a struck shard's backup must be in sync within this (else the kind waits for later)
+REMOVED_SECONDS = 30.0   # both processes of a shard a resize removed must have exited within this
 FAILOVER_SECONDS = 15.0  # a struck primary's arbiter must record its backup promoted within this
 FENCE_SECONDS = 30.0     # a partitioned primary, resumed after its failover, must stop by itself within this
 RECORD_SECONDS = 2.0     # one look at an arbiter's record, or at a shard's status
@@ -118,25 +124,32 @@ class Strike:
 
 
 class ReplicatedShards:
-    """`num_shards` shards, each a primary and a backup (see the module docstring), under `directory` (logs,
-    the picked addresses) with `flags` (every host's: the checkpoint folder, credentials)."""
+    """`num_shards` shards to start with, each a primary and a backup (see the module docstring), under
+    `directory` (logs, the picked addresses) with `flags` (every host's: the checkpoint folder, credentials)."""
 
     def __init__(self, directory: pathlib.Path, ckpt: pathlib.Path, num_shards: int, flags: list[str]):
         from torchps.forkserver import ProcessStarter
         from torchps.worker.launch_replicas import ReplicaPlan
         from torchps.worker.local_cluster import local_shard_threads
 
-        self.dir, self.ckpt, self.num_shards = directory, ckpt, num_shards
+        self.dir, self.ckpt, self._starting = directory, ckpt, num_shards
         self.flags = [*flags, *local_shard_threads(flags)]
         self.starter = ProcessStarter.shared()
         self.picked = ReplicaPlan.pick(directory, num_shards)  # the hosts' binds: primaries' and backups'
-        self.hosts: list[tuple[Host, Host]] = []
+        self.hosts: list[tuple[Host, Host]] = []  # the job's shards now, in index order
+        self.specs: list[str] = []   # each shard's cluster spec (--cluster): the job's, or the one it was added with
+        self._added = 0              # shards add_pair started
         self.strikes: list[Strike] = []
         self.fenced = 0          # partitioned primaries that stopped by themselves (exit 70)
         self.fresh = 0           # backups started on a new empty folder (host-lost)
         self._arbiters = None    # channels to the arbiters (ps 0 and ps 1), following their own failovers
         self._token = None
         self.spec = ""           # the cluster spec every host is given (--cluster)
+
+    @property
+    def num_shards(self) -> int:
+        """The job's shards now (resizes add and remove pairs)."""
+        return len(self.hosts)
 
     def port(self, index: int) -> int:
         """Shard `index`'s host 0's port (ps 1's proxy forwards there)."""
@@ -154,7 +167,7 @@ class ReplicatedShards:
         self.spec = plan.spec()
         self._token = security.call_token()
         self._arbiters = arbiter_channels(tuple(spec), RECORD_SECONDS, security)
-        for index in range(self.num_shards):
+        for index in range(self._starting):
             port_file = self.dir / f"ps{index}.port"
             primary = Host(index, 0, self.picked.primaries[index], spec[index],
                            ["--index", str(index), "--cluster", self.spec, "--bind", self.picked.primaries[index],
@@ -163,8 +176,9 @@ class ReplicatedShards:
             backup = Host(index, 1, plan.backups[index], plan.backups[index], [*plan.backup_flags(index), *self.flags],
                           pathlib.Path(f"{journal_dir(self.ckpt, index)}-backup"), self.dir / f"ps{index}-backup.log")
             self.hosts.append((primary, backup))
+            self.specs.append(self.spec)
             self._spawn(primary)
-        for index in range(self.num_shards):
+        for index in range(self._starting):
             deadline = time.monotonic() + START_TIMEOUT_SECONDS
             while not (self.dir / f"ps{index}.port").exists():
                 if self.hosts[index][0].proc.poll() is not None or time.monotonic() > deadline:
@@ -211,6 +225,18 @@ class ReplicatedShards:
         entry = next((e for e in layout.replicas if e.index == index), None)
         return (entry.primary, entry.backup, entry.last_failover_unix) if entry is not None \
             else (self.hosts[index][0].known_as, "", 0.0)
+
+    def layout_names(self) -> list[str]:
+        """The job's shards as ps 0's layout names them ([] before any resize: the cluster spec's; a resize names
+        each shard that stays where it was served then, and a later one must name it so, or where it is served
+        now); [] if ps 0 does not answer."""
+        from torchps.errors import PSError
+        from torchps.ps_server.backup import arbiter_layout
+
+        try:
+            return list(arbiter_layout(self._arbiters, 1).addresses)  # ps 0's, followed to where it is served
+        except PSError:
+            return []
 
     def _host(self, index: int, address: str) -> Host | None:
         return next((host for host in self.hosts[index] if host.known_as == address), None)
@@ -291,10 +317,75 @@ class ReplicatedShards:
         self.fresh += 1
         folder = pathlib.Path(f"{self.hosts[lost.index][0].folder}-fresh{self.fresh}")
         advertise = ["--advertise", lost.known_as] if lost.known_as != lost.bind else []
-        lost.argv = ["--index", str(lost.index), "--cluster", self.spec, "--replica-of",
+        lost.argv = ["--index", str(lost.index), "--cluster", self.specs[lost.index], "--replica-of",
                      primary.known_as, "--bind", lost.bind, *advertise, "--journal-dir", str(folder), *self.flags]
         lost.folder = folder
         self._spawn(lost)
+
+    # -- resizes -----------------------------------------------------------------------------------------------
+
+    def add_pair(self, shards: list[str]) -> str:
+        """Starts the next shard for a resize that adds it to the job's `shards` (their addresses, as the resize
+        names them), and its backup; its address, once it serves (a RuntimeError if it does not start)."""
+        from torchps.checkpoint_folder import journal_dir
+        from torchps.worker.launch_replicas import ReplicaPlan
+        from torchps.worker.local_cluster import START_TIMEOUT_SECONDS
+
+        index, self._added = len(self.hosts), self._added + 1
+        folder = self.dir / f"added{self._added}"
+        folder.mkdir()
+        plan = ReplicaPlan.pick(folder, 1)
+        address, backup_address = plan.primaries[0], plan.backups[0]
+        spec = json.dumps({"ps": [*shards, address]})
+        journal = pathlib.Path(f"{journal_dir(self.ckpt, index)}-added{self._added}")
+        primary = Host(index, 0, address, address,
+                       ["--index", str(index), "--cluster", spec, "--bind", address, "--journal-dir", str(journal),
+                        "--port-file", str(folder / "ps.port"), *self.flags], journal, folder / "ps.log")
+        backup = Host(index, 1, backup_address, backup_address,
+                      ["--index", str(index), "--cluster", spec, "--replica-of", address, "--bind", backup_address,
+                       "--journal-dir", f"{journal}-backup", *self.flags], pathlib.Path(f"{journal}-backup"),
+                      folder / "backup.log")
+        restart_argv, primary.argv = primary.argv, [*primary.argv, "--join"]  # empty this once only
+        self._spawn(primary)
+        primary.argv = restart_argv
+        self.hosts.append((primary, backup))
+        self.specs.append(spec)
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while not (folder / "ps.port").exists():
+            if primary.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ps {index}, added, did not start: {primary.tail()}")
+            time.sleep(POLL_SECONDS)
+        self._spawn(backup)
+        return address
+
+    def set_job(self, shards: list[str]) -> None:
+        """The job's shards are `shards` now (a resize succeeded): each host started again from now on is given
+        them as its cluster spec, as an operator would after `ps-admin resize` (one given the spec from before
+        a resize refuses its journal, which is of the job since: journal.Layout)."""
+        spec = json.dumps({"ps": list(shards)})
+        self.specs = [spec] * len(self.hosts)
+        for host in (host for pair in self.hosts for host in pair):
+            host.argv[host.argv.index("--cluster") + 1] = spec
+
+    def remove_pair(self, failures: list[str], stop: bool = False) -> None:
+        """Forgets the job's last shard, which a resize removed: the process serving it was stopped by the resize,
+        and its other one must exit by itself; each must exit with code 0 within REMOVED_SECONDS (a failure
+        otherwise, and it is killed). `stop`: past the shards a failed resize left, both are stopped (SIGTERM)."""
+        pair = self.hosts.pop()
+        self.specs.pop()
+        for host in pair:
+            if stop and host.proc.poll() is None:
+                host.proc.terminate()
+            try:
+                code = host.proc.wait(timeout=REMOVED_SECONDS)
+            except subprocess.TimeoutExpired:
+                failures.append(f"{host.name}, of the shard a resize removed, still ran {REMOVED_SECONDS:g} s "
+                                f"after it: {host.tail()}")
+                host.proc.kill()
+                host.proc.wait()
+                continue
+            if code != 0:
+                failures.append(f"{host.name}, of the shard a resize removed, exited with code {code}: {host.tail()}")
 
 
 # -- the fault kinds --------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ here (`--kinds`): each waits out a lease and a repair, which would lengthen ever
 
 The replicated variant (`--replicas 2`, bench/soak_replicas.py) runs one sync phase with the kinds that strike a
 shard's primary or backup: kill-shard, host-lost, backup-lost, backup-disk-full and partition-primary, each at
-least once. Every primary struck must be taken over by its backup (a push acknowledged by the successor), every
-partitioned primary must stop by itself, and the audit must hold as without backups. One phase, not two: the fork server's start and
+least once, and the shard resizes (a shard added with a backup of its own, then removed with it). Every primary
+struck must be taken over by its backup (a push acknowledged by the successor), every partitioned primary must stop
+by itself, and the audit must hold as without backups. One phase, not two: the fork server's start and
 each phase's own (shards, backups, the final checkpoint restored) would double its time.
 """
 
@@ -35,6 +36,7 @@ KINDS = {"kill-worker", "kill-shard", "pause-worker", "pause-shard", "cut-connec
          "toggle-optimizer", "disk-full"}
 RESIZE_KINDS = {"worker-added", "worker-removed", "shard-added", "shard-removed"}
 REPLICA_KINDS = {"kill-shard", "host-lost", "backup-lost", "backup-disk-full", "partition-primary"}
+SHARD_RESIZES = {"shard-added", "shard-removed"}
 STRIKES = {"kill-shard", "host-lost", "partition-primary"}  # the kinds that take a shard's primary away
 
 
@@ -78,7 +80,8 @@ def test_chaos_loses_nothing_duplicates_nothing_and_never_hangs(tmp_path):
 def test_replicated_shards_fail_over_under_chaos_and_lose_nothing(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--replicas", "2", "--modes", "sync",
-                          "--minutes", "0.2", "--fault-every", "0.5,1.25", "--kinds", ",".join(sorted(REPLICA_KINDS)),
+                          "--minutes", "0.2", "--fault-every", "0.5,1.25", "--kinds",
+                          ",".join(sorted(REPLICA_KINDS | SHARD_RESIZES)),
                           "--json", str(out), "--keep", str(tmp_path / "kept")],  # every log, for a failure's cause
                          capture_output=True, text=True, timeout=600)
     assert out.is_file(), f"no results (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
@@ -86,6 +89,7 @@ def test_replicated_shards_fail_over_under_chaos_and_lose_nothing(tmp_path):
     report = json.dumps({k: v for k, v in result.items() if k != "phases"}) + "\n" + run.stdout[-2000:]
     faults = result["faults_injected"]
     assert set(faults) == REPLICA_KINDS, f"every kind happened: {report}"
+    assert set(result["resizes_by_kind"]) == SHARD_RESIZES and result["resizes_failed"] == 0, report
     assert (result["lost"], result["duplicated"], result["hangs"], result["worker_failures"]) == (0, 0, 0, 0), report
     assert (result["wedged"], result["shard_crashes"], result["failstops"]) == (0, 0, 0), report
     assert result["pushes_acked"] > 100, f"the job trained: {report}"
