@@ -160,6 +160,8 @@ class Mirror:
             self.finished = self.finished or kind == "finish"  # stream's end that follows is the job's
             if kind == "replica":  # the primary arbitrates a shard (ps 0 and ps 1 arbitrate each other)
                 self.replica_events.append(journal_log.meta_of(head))
+            elif kind == "layout":  # a live resize's epoch: the copy is of the job's shard count now (moves.py)
+                self.journal.note_shards(len(journal_log.meta_of(head)["addresses"]))
             if now is None:
                 with self._cond:
                     self._pairs.append((local, written, buffer))

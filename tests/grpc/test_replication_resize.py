@@ -13,6 +13,7 @@ from torchps.client import Optimizer, PSClient
 from torchps.errors import ReplicaFencedError
 from torchps.proto import ps_pb2
 from torchps.ps_server.checkpoint import step_dir
+from torchps.ps_server.journal import recorded_layout
 from torchps.worker.local_cluster import LocalCluster
 
 SHAPES = {f"rr/v{i}": (256,) for i in range(6)}  # round robin: v0, v2, v4 on ps 0; v1, v3, v5 on ps 1
@@ -187,6 +188,38 @@ def test_a_backup_given_the_spec_before_a_resize_takes_over_after_it(tmp_path):
             _stopped(backup)
         local.stop()
     assert "this backup serves it" in (tmp_path / "backup-1.log").read_text()
+
+
+def test_a_backup_that_followed_across_a_resize_is_started_again_with_the_new_spec(tmp_path):
+    """ps:1's backup follows through a live resize that adds ps:2: its copy is then of the 3-shard job, as its
+    primary's journal is (the copy's layout.json). ps:1's primary is lost and the backup promoted; stopped and
+    started again with its command and the job's new spec, as an operator would after the resize, it serves
+    ps:1 from its copy once its arbiter confirms it, and no acknowledged push is lost."""
+    ports = free_ports(4)
+    local = _job(tmp_path, ports[:2])
+    backup, backup_address = _backup(tmp_path, 1, _spec(ports[:2]), local.address(1), ports[3])
+    try:
+        added = _add_shard(local, tmp_path, ports[:3])
+        with PSClient(local.cluster, connect_timeout=30, partitioner=None) as ps:
+            _create(ps)
+            _in_sync(ps, 1, backup_address)
+            _pushes(ps, 2)
+            ps.resize([*local.cluster.ps, added])
+            wait_until(lambda: recorded_layout(tmp_path / "backup-1").num_ps == 3, 30,
+                       "the copy to be of the 3-shard job")
+            _pushes(ps, 2)
+            local.kill_ps(1)
+            shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
+            _pushes(ps, 2)
+            assert _record(ps, 1).primary == backup_address
+            _stopped(backup)
+            backup, _ = _backup(tmp_path, 1, _spec(ports[:3]), local.address(1), ports[3])  # the new spec
+            _pushes(ps, 2)
+            _assert_values(ps, 8)
+            assert backup.poll() is None and _record(ps, 1).primary == backup_address
+    finally:
+        _stopped(backup)
+        local.stop()
 
 
 def test_a_resize_that_removes_a_backed_up_shard_stops_its_backup(tmp_path):
