@@ -148,7 +148,7 @@ class Backup:
                                  "the one in sync: it follows %s meanwhile", self.index, said - asked, self.folder,
                                  self.primary)
             reason = self._follow_once()
-            if reason != "refused":
+            if reason in ("followed", "silent"):
                 self._refused = ""  # a later refusal is news again
             if reason == "finished":
                 _LOGGER.info("backup of ps:%d: the job finished (the chief's Shutdown): this backup stops", self.index)
@@ -200,7 +200,9 @@ class Backup:
             lane, acks_lane = self._open_lanes(channels)
         except grpc.RpcError as exc:
             channels.close()
-            return "unreachable" if exc.code() in UNREACHABLE else self._refused_by(exc)
+            if exc.code() not in UNREACHABLE:  # said; yet another process may answer at a lost primary's address:
+                self._say_refused(exc)          # unreachable still, so this backup takes over once it is silent
+            return "unreachable"
         acks: queue.Queue = queue.Queue()
         fresh = secrets.token_hex(COPY_NAME_BYTES)  # this stream's copy, once its first base came whole
         acks.put(ps_pb2.ReplicaAck(hello=ps_pb2.ReplicaHello(index=self.index, address=self.me,
@@ -324,7 +326,10 @@ class Backup:
                 _LOGGER.warning("backup of ps:%d: the stream from %s ended (%s)", self.index, self.primary,
                                 lane_failed[0] if lane_failed and not silent else exc.code().name)
                 return "followed"
-            return "unreachable" if exc.code() in UNREACHABLE else self._refused_by(exc)
+            if exc.code() in UNREACHABLE:
+                return "unreachable"
+            self._say_refused(exc)
+            return "refused"
         except (MalformedStreamError, LaneBrokenError) as exc:
             if mirror.finished:  # the job's end is written here: whatever broke after it, nothing follows
                 return "finished"
@@ -381,14 +386,13 @@ class Backup:
             _LOGGER.info("backup of ps:%d: its arbiter ps:%d is served at %s now", self.index, self._arbiter,
                          entry.primary)
 
-    def _refused_by(self, exc: grpc.RpcError) -> str:
-        """"refused": the primary answered this backup's status or stream with `exc`, logged once until another
-        refusal or an attempt that got further (a backup without --table-dir, credentials it does not take)."""
+    def _say_refused(self, exc: grpc.RpcError) -> None:
+        """Logs that the primary's address answered this backup's status or stream with `exc` (a backup without
+        --table-dir, credentials it does not take), once until another refusal or a stream that got frames."""
         if exc.details() != self._refused:
             self._refused = exc.details()
             _LOGGER.warning("backup of ps:%d: %s refused it (%s: %s): trying again", self.index, self.primary,
                             exc.code().name, exc.details())
-        return "refused"
 
     def _open_lanes(self, channels):
         """(a bulk lane to the primary for the records' bytes, one for this backup's acks), each None where it

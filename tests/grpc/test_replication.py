@@ -184,8 +184,9 @@ def _table_without(table: pathlib.Path, folder: pathlib.Path, task: str, token: 
 
 def test_a_backup_its_primary_refuses_says_so_and_keeps_trying(tmp_path):
     """Per-task tokens: ps:1's backup calls its primary with ps:1's line of its table, whose token ps:1's own table
-    does not hold (another job's table, say). Refused at its first call, it says why in its log, once, and keeps
-    trying; ps 0 records no backup of ps:1. A table with no line for ps:1 at all is refused as the backup starts
+    does not hold (another job's table, say). Refused at its first call, it says why in its log, once, and runs
+    on (it tries again: an address a lost primary had may answer for another process); ps 0 records no backup
+    of ps:1. A table with no line for ps:1 at all is refused as the backup starts
     (exit 2, one line naming the fix: a shard a resize adds has none until ps-certs --add gives it one)."""
     files = make_job_credentials(tmp_path / "job", Cluster(ps=("127.0.0.1:1", "127.0.0.1:2"), chief=("127.0.0.1:3",),
                                                            worker=("127.0.0.1:4",)))
