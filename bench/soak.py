@@ -613,7 +613,10 @@ class Phase:
         from torchps.client import PSClient
 
         with PSClient(self.cluster, connect_timeout=30, security=self.security("worker")) as chief:
-            self.live_shards = chief.shard_addresses()
+            shards = chief.shard_addresses()
+        # The shards that stay keep the names the soak gave them (a replicated one's host is known by it: its spec)
+        self.live_shards = [*self.live_shards[:len(shards)], *shards[len(self.live_shards):]] if self.replicated \
+            else shards
         if self.replicated:  # (only a failed resize comes here: a failure already)
             while self.shards.num_shards > len(self.live_shards):
                 self.shards.remove_pair(self.failures, stop=True)

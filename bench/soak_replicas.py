@@ -53,8 +53,8 @@ its backup, follows it there: nothing goes through the proxy, and a cut cuts not
 
 The resizes of bench/resizes.py are drawn. A shard that shard-added starts (add_pair) is a pair too, on new
 ports and journal folders of its own (an index added again after a removal as well), both given the job's
-shard addresses with it as their spec: its primary starts empty (--join) and, started again, finds its role at
-its arbiter (ps 0) as any primary that had a backup does; its backup follows it from the start and is recorded
+shard addresses with it as their spec: its primary starts empty (--join) and, started again (--replicated),
+finds its role at its arbiter (ps 0) as the others do; its backup follows it from the start and is recorded
 in sync once the resize's epoch names the shard. The faults above then strike it as any other. shard-removed
 resizes the job off its last shard: the process serving it is stopped by the resize, and its other one must
 exit by itself (remove_pair). The failures of a resize (bench/resize_faults.py) are left out: they call the
@@ -345,7 +345,7 @@ class ReplicatedShards:
                       ["--index", str(index), "--cluster", spec, "--replica-of", address, "--bind", backup_address,
                        "--journal-dir", f"{journal}-backup", *self.flags], pathlib.Path(f"{journal}-backup"),
                       folder / "backup.log")
-        restart_argv, primary.argv = primary.argv, [*primary.argv, "--join"]  # empty this once only
+        restart_argv, primary.argv = [*primary.argv, "--replicated"], [*primary.argv, "--join"]  # empty once only
         self._spawn(primary)
         primary.argv = restart_argv
         self.hosts.append((primary, backup))
