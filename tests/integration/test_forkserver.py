@@ -187,7 +187,7 @@ def test_a_child_asked_to_die_with_its_parent_dies_when_the_parent_is_killed(pro
     # The parent: a process that starts the probe through its own fork server and reports the probe's pid.
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from torchps.forkserver import STARTUP_ENV, ForkedChild, ProcessStarter
+        from torchps.forkserver import ProcessStarter
         child = ProcessStarter().start("forkserver_probe", ["wait"], cwd={str(probe)!r},
                                        stdout=os.open(os.devnull, os.O_WRONLY), parent_death_signal=signal.SIGKILL)
         print(child.pid, flush=True)
