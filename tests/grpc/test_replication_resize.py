@@ -83,14 +83,19 @@ def _create(ps: PSClient) -> None:
     ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
 
 
+def _lose_host(local: LocalCluster, tmp_path, index: int) -> None:
+    """Kills ps:`index`'s primary and deletes its journal folder: its host is lost."""
+    local.kill_ps(index)
+    shutil.rmtree(tmp_path / "ck" / "journal" / f"ps-{index}")
+
+
 def _fail_over_ps_1(ps: PSClient, local: LocalCluster, tmp_path, backup_address: str) -> None:
     """Creates the variables, waits for ps:1's backup to be in sync and pushes twice; kills ps:1 and deletes its
     folder (its host is lost) and pushes twice more, served by the promoted backup."""
     _create(ps)
     _in_sync(ps, 1, backup_address)
     _pushes(ps, 2)
-    local.kill_ps(1)
-    shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
+    _lose_host(local, tmp_path, 1)
     _pushes(ps, 2)
     assert _record(ps, 1).primary == backup_address
 
@@ -147,8 +152,7 @@ def test_a_shard_a_resize_adds_gets_a_backup_that_takes_over(tmp_path):
             assert report.shards_after == 3 and report.moved == 2
             _in_sync(ps, 2, backup_address)
             _pushes(ps, 2)
-            local.kill_ps(2)
-            shutil.rmtree(tmp_path / "ck" / "journal" / "ps-2")
+            _lose_host(local, tmp_path, 2)
             _pushes(ps, 2)
             _assert_values(ps, 6)
             entry = _record(ps, 2)
@@ -178,8 +182,7 @@ def test_a_backup_given_the_spec_before_a_resize_takes_over_after_it(tmp_path):
             backup, backup_address = _backup(tmp_path, 1, _spec(ports[:2]), local.address(1), ports[3])
             _in_sync(ps, 1, backup_address)
             _pushes(ps, 2)
-            local.kill_ps(1)
-            shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
+            _lose_host(local, tmp_path, 1)
             _pushes(ps, 2)
             _assert_values(ps, 6)
             assert _record(ps, 1).primary == backup_address and ps.shard_addresses()[1] == backup_address
@@ -208,8 +211,7 @@ def test_a_backup_that_followed_across_a_resize_is_started_again_with_the_new_sp
             wait_until(lambda: recorded_layout(tmp_path / "backup-1").num_ps == 3, 30,
                        "the copy to be of the 3-shard job")
             _pushes(ps, 2)
-            local.kill_ps(1)
-            shutil.rmtree(tmp_path / "ck" / "journal" / "ps-1")
+            _lose_host(local, tmp_path, 1)
             _pushes(ps, 2)
             assert _record(ps, 1).primary == backup_address
             _stopped(backup)
