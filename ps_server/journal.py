@@ -69,8 +69,8 @@ from .locks import check_unlocked, checked
 from .disk_rows import link_tree
 from .ssd_tables import place_stores, resolve_stores
 
-__all__ = ["Journal", "Layout", "Record", "recorded_layout", "COMPACT_FACTOR", "MIN_COMPACT_BYTES", "MAX_COMPACT_BYTES",
-           "compaction_floor"]
+__all__ = ["Journal", "Layout", "Record", "recorded_layout", "COMPACT_FACTOR", "MIN_COMPACT_BYTES",
+           "MAX_COMPACT_BYTES", "compaction_floor"]
 
 _LOGGER = logging.getLogger(__name__)
 COMPACT_FACTOR = 4              # log bytes per base byte before a compaction: a base costs 1/4 of its log
