@@ -38,10 +38,12 @@ from typing import Callable, Mapping
 import torch
 
 from ..cluster import arbiter_of
-from ..errors import InvalidArgumentError, LeaseHeldError, ModeConflictError, PSError, WaitTimeoutError
+from ..errors import (InvalidArgumentError, LeaseHeldError, ModeConflictError, PSError, ServerUnavailableError,
+                      WaitTimeoutError)
 from ..proto import ps_pb2
 from . import table_state
 from .dataqueue import DataQueues
+from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER, Deposals, Tiebreaker
 from .queue_desk import QueueDesk
 from .background import apply_steps, reap, replay_step
 from .bookkeeping import Bookkeeping
@@ -109,11 +111,15 @@ class Coordinator:
         # its primary renewed no lease for failover_after s.
         self.replicas = ReplicaRegistry(lambda: self.layout.layout()[1], lease_seconds=failover_after, clock=clock) \
             if index <= 1 else None
+        # ps 2's record of the deposed primaries of ps 0 and ps 1, each the other's arbiter (deposals.py); one
+        # of them own-promotes (promotes its own arbiter's backup) one at a time, once ps 2 granted it.
+        self.deposals = Deposals() if index == TIE_BREAKER else None
+        self._promoting = threading.Lock()
         self._index, self._spec_shards = index, len(addresses)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
                                                                   layout=self.layout, resize=self.resizes,
-                                                                  replicas=self.replicas))
+                                                                  replicas=self.replicas, deposals=self.deposals))
         self._book = book = Bookkeeping(store, self.recorder, clock, membership, owns_step=owns_step)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, self._checkpoint_state)
@@ -127,7 +133,8 @@ class Coordinator:
         self._changes = changes(coordinator=self._replay, pushes=self._pushes.replay, book=book.replay,
                                 step=functools.partial(replay_step, book, self.gate, self.tables),
                                 queues=self.queue_desk.replay, moves=self.moves.replay,
-                                replicas=self._replay_replica)  # what replay() runs
+                                replicas=self._replay_replica,
+                                deposals=lambda kind, meta, tensors: self.deposals.apply(meta))  # what replay() runs
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
@@ -360,12 +367,15 @@ class Coordinator:
                 self.resizes.restore(state.get("resize"))
             if self.replicas is not None:
                 self.replicas.restore(state.get("replicas"))
+            if self.deposals is not None:
+                self.deposals.restore(state.get("deposed"))
             self._start_applier()
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
                     changes: int | None = None,
                     released: Callable[[bool, float | None], object] = lambda ask, timeout: None,
-                    copy: str = "") -> dict:
+                    copy: str = "", *, failovers: int = 0, asker: str = "",
+                    tiebreaker: Tiebreaker | None = None) -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
         journal record, every step within `timeout` s of the call's start. ModeConflictError on another shard
@@ -379,12 +389,22 @@ class Coordinator:
         every change recorded so far is in the journal (written by ps 0's backup too). `released(ask)`, asked
         for a repeat only: this shard's lost backup that its own arbiter no longer records in sync, if any
         (Replication.released; blocks for a call to that arbiter, within the seconds left it is given); with
-        `ask` False, the lost one unasked."""
+        `ask` False, the lost one unasked.
+
+        The PROMOTE of this arbiter's own arbiter's backup (ps 0 promoting ps 1's, or ps 1 ps 0's), in a layout
+        of three shards or more, is decided only once `tiebreaker` (ps 2: deposals.py) recorded the primary it
+        replaces deposed, and taken back there when the record then refuses it (one such promotion at a time;
+        ServerUnavailableError when another holds it past `timeout`); refused (ReplicaFencedError) when ps 2
+        records this arbiter deposed, and unanswered (PSError) while ps 2 cannot be reached. DEPOSE and
+        REINSTATE (ps 2's: ModeConflictError elsewhere) change the tie-breaker's record, `failovers` and
+        `asker` as Deposals.decide takes them, and return it (Deposals.deposed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:  # what is left of `timeout` (a lease's wait, the gate, an ask took their part)
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        if action in DEPOSAL_ACTIONS:
+            return self._change_deposal(action, index, primary, failovers, asker, left, released)
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
@@ -400,12 +420,26 @@ class Coordinator:
                                     f"journal folder at its address): no shard but it can grant its failover")
         if action == "promote":
             self._outlast_lease(index, primary, backup, copy, left())
-        ticket = None
+        own = action == "promote" and index == arbiter_of(self._index, self._spec_shards)
+        if own and tiebreaker is not None and TIE_BREAKER < len(self.layout.layout()[1]):
+            return self._own_promotion(index, primary, backup, copy, left, released, tiebreaker)
+        event, ticket = self._change_replica(action, index, primary, backup, changes, copy)
+        return self._answer(index, event, ticket, own, left, released)
+
+    def _change_replica(self, action: str, index: int, primary: str, backup: str, changes: int | None,
+                        copy: str) -> tuple[dict | None, object]:
+        """Decides, makes and logs one change of the arbiter's record: (its event, its journal ticket), (None,
+        None) for a repeat. Raises what ReplicaRegistry.decide raises, changing nothing."""
         with self.gate.change(), self.recorder.ordering:
             event = self.replicas.decide(action, index, primary, backup, changes, copy)
-            if event is not None:
-                self.replicas.apply(event)
-                ticket = self.recorder.log("replica", event)
+            if event is None:
+                return None, None
+            self.replicas.apply(event)
+            return event, self.recorder.log("replica", event)
+
+    def _answer(self, index: int, event: dict | None, ticket, own: bool, left: Callable[[], float | None],
+                released: Callable[[bool, float | None], object]) -> dict:
+        """The record of shard `index` once the change `event` made (None: a repeat) is durable."""
         # A repeat answers what was decided before once that is as durable as its own record would be: past a
         # backup of this arbiter's that was lost, once this arbiter's own arbiter no longer records it in sync,
         # so it is never promoted without the change (ps 0 and ps 1, each the other's arbiter, both losing
@@ -416,12 +450,64 @@ class Coordinator:
         if ticket is not None:
             self.recorder.durable(ticket, left())
         else:
-            own = action == "promote" and index == arbiter_of(self._index, self._spec_shards)
             lost = released(not own, left())
             self.recorder.durable_all(left(), lost)
         if event is not None:
             _LOGGER.info("ps %d records ps:%d: %s", self._index, index, event)
         return self.replicas.entry(index)
+
+    def _own_promotion(self, index: int, primary: str, backup: str, copy: str, left: Callable[[], float | None],
+                       released: Callable[[bool, float | None], object], tiebreaker: Tiebreaker) -> dict:
+        """The PROMOTE of this arbiter's own arbiter's backup, once the tie-breaker deposed the primary it
+        replaces (see set_replica)."""
+        wait = left()
+        if not self._promoting.acquire(timeout=-1 if wait is None else wait):
+            raise ServerUnavailableError(f"ps {self._index} decides another promotion of ps:{index}'s backup: ask "
+                                         f"again")
+        try:
+            replaced = self.replicas.entry(index)
+            if self.replicas.decide("promote", index, primary, backup, copy=copy) is not None:
+                tiebreaker("depose", index, replaced["primary"], replaced["failovers"], left())
+                try:
+                    event, ticket = self._change_replica("promote", index, primary, backup, None, copy)
+                except PSError:
+                    self._reinstate(tiebreaker, index, replaced, left)
+                    raise
+            else:
+                event, ticket = None, None  # granted already: a retry
+            return self._answer(index, event, ticket, True, left, released)
+        finally:
+            self._promoting.release()
+
+    def _reinstate(self, tiebreaker: Tiebreaker, index: int, replaced: dict, left: Callable[[], float | None]
+                   ) -> None:
+        """Takes back at the tie-breaker the deposal of shard `index`'s primary `replaced`, whose promotion this
+        arbiter's record then refused; logged if it cannot (that primary then cannot promote this arbiter's
+        backup until ps 2 is asked again: docs/roadmap.md)."""
+        try:
+            tiebreaker("reinstate", index, replaced["primary"], replaced["failovers"], max(left() or 0.0, 1.0))
+        except PSError as exc:
+            _LOGGER.warning("ps %d could not take back at ps:%d its deposal of ps:%d's primary %s, whose promotion "
+                            "it refused: %s", self._index, TIE_BREAKER, index, replaced["primary"], exc)
+
+    def _change_deposal(self, action: str, index: int, primary: str, failovers: int, asker: str,
+                        left: Callable[[], float | None], released: Callable[[bool, float | None], object]) -> dict:
+        """The tie-breaker's DEPOSE or REINSTATE (see set_replica), answered once journaled."""
+        if self.deposals is None:
+            raise ModeConflictError(f"ps:{TIE_BREAKER} breaks the ties between ps:0 and ps:1, not ps:{self._index}: "
+                                    f"ask it")
+        ticket = None
+        with self.gate.change(), self.recorder.ordering:
+            event = self.deposals.decide(action, index, primary, failovers, asker)
+            if event is not None:
+                self.deposals.apply(event)
+                ticket = self.recorder.log("deposal", event)
+        if event is not None:
+            self.recorder.durable(ticket, left())
+            _LOGGER.info("ps %d records ps:%d: %s", self._index, index, event)
+        else:  # a repeat: answered once what it repeats is durable (as a repeated replica change)
+            self.recorder.durable_all(left(), released(True, left()))
+        return self.deposals.deposed(index)
 
     def _outlast_lease(self, index: int, primary: str, backup: str, copy: str, timeout: float | None) -> None:
         """A PROMOTE asked while the primary's lease still holds waits once for what is left of it, if that ends
@@ -607,13 +693,13 @@ class Coordinator:
         kept on SSD are re-laid out (Moves.check_saveable)."""
         self.moves.check_saveable()
         return state_of(self._book, self.store, self.tables, self.queues, with_pending=False, layout=self.layout,
-                        resize=self.resizes, replicas=self.replicas)
+                        resize=self.resizes, replicas=self.replicas, deposals=self.deposals)
 
     def state(self, *, with_pending: bool) -> dict:
         """The whole state now (takes the apply gate alone while it copies)."""
         with self.gate.snapshot():
             return state_of(self._book, self.store, self.tables, self.queues, with_pending=with_pending,
-                            layout=self.layout, resize=self.resizes, replicas=self.replicas)
+                            layout=self.layout, resize=self.resizes, replicas=self.replicas, deposals=self.deposals)
 
     @staticmethod
     def _check_step(step: int, what: str) -> None:

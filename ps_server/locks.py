@@ -20,7 +20,8 @@ bookkeeping condition or the gate while holding one.
     owner        one owner's lock, inside its methods: membership.Membership, ledger.PushLedger,
                  aggregation.PendingSteps, step_clock.StepClock, waits.WaitLimit,
                  layout.ShardLayout, store.VariableStore and tables.TableStore (with their variables' and
-                 tables' locks), tokens.TokenFile (the token table, taken by the gRPC edge only)
+                 tables' locks), replicas.ReplicaRegistry, deposals.Deposals, tokens.TokenFile (the
+                 token table, taken by the gRPC edge only)
     sums         aggregation.StepBuffer.lock: a push's gradients added to a sync step's sums
     compaction   recording.Recorder's lock: whether a compaction runs
     journal      journal.Journal's queue: a record is queued (never written: the journal's thread writes)

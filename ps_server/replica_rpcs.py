@@ -21,17 +21,19 @@ from ..proto import ps_pb2
 from ..security import Security
 from .auth import aborting
 from .coordinator import Coordinator
+from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER, Tiebreaker
 from .replicas import ACTIONS
 from .edge import CallContext
 from .feed import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
 from .replication import Arbiter
 from .rpc_support import answering, decode_request, map_errors
 
-__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "WIRE_ACTIONS"]
+__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "tiebreaker_for",
+           "WIRE_ACTIONS"]
 
 ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
 MAX_ARBITRATION_SECONDS = 30.0  # a SetReplica call waits at most this long, with or without a deadline of its own
-WIRE_ACTIONS = (*ACTIONS, "lease")  # ReplicaChange.Action, in order
+WIRE_ACTIONS = (*ACTIONS, "lease", *DEPOSAL_ACTIONS)  # ReplicaChange.Action, in order
 
 
 def replicas_of(index: int, entry: dict) -> ps_pb2.ShardReplicas:
@@ -71,7 +73,10 @@ class RoleFence(grpc.aio.ServerInterceptor):
 
 
 class ReplicaRPCs:
-    """Replication RPCs of ParameterServerServicer."""
+    """Replication RPCs of ParameterServerServicer. `tiebreaker`: how this shard asks ps 2 before it promotes
+    its own arbiter's backup (tiebreaker_for; None: it never does)."""
+
+    tiebreaker: Tiebreaker | None = None
 
     def open_replica(self, raw: bytes, context: CallContext) -> tuple[Feed, bytes]:
         """(Replicate's first part, on the pool: replicate_handler.) The feed the backup's hello `raw` asks for,
@@ -99,7 +104,11 @@ class ReplicaRPCs:
                                              request.backup, timeout=timeout,
                                              changes=request.changes if request.HasField("changes") else None,
                                              released=self.replication.released if self.replication is not None
-                                             else lambda ask, timeout: None, copy=request.copy)
+                                             else lambda ask, timeout: None, copy=request.copy,
+                                             failovers=request.failovers, asker=request.asker,
+                                             tiebreaker=self.tiebreaker)
+        if request.action >= len(WIRE_ACTIONS) - len(DEPOSAL_ACTIONS):  # the tie-breaker's record of the shard
+            return ps_pb2.ShardReplicas(index=request.index, primary=entry["primary"], failovers=entry["failovers"])
         return replicas_of(request.index, entry)
 
 
@@ -244,4 +253,37 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
                                  retry_for=timeout)
         return {"primary": reply.primary, "backup": reply.backup, "copy": reply.copy, "failovers": reply.failovers,
                 "last_failover": reply.last_failover_unix, "changes": reply.changes}
+    return ask
+
+
+def tiebreaker_for(coordinator: Coordinator, me: str, security: Security) -> Tiebreaker | None:
+    """How ps 0 or ps 1 (the arbiters; None elsewhere), serving at `me`, asks the tie-breaker (ps 2 of its layout
+    epoch, followed to wherever it is served after a failover) for a DEPOSE or REINSTATE: a SetReplica call with
+    its own credentials, attempts of `timeout` s (ARBITER_TIMEOUT_SECONDS if None) retried for as long; returns
+    ps 2's record of the shard (Deposals.deposed). PSErrors as the client edge maps them: ReplicaFencedError when
+    ps 2 records this arbiter deposed."""
+    if coordinator.replicas is None:
+        return None
+    made: list = []  # [(the addresses they were made for, ShardChannels)], made at the first ask
+
+    def ask(action: str, index: int, primary: str, failovers: int, timeout: float | None) -> dict:
+        addresses = list(coordinator.layout.layout()[1][:TIE_BREAKER + 1])
+        if made and made[0][0] != addresses:  # a resize put another ps 2 (or ps 0, ps 1) there
+            made.pop()[1].close()
+        if not made:
+            from ..client.channels import ShardChannels  # an arbiter's calls to the tie-breaker are a client's
+
+            channels = ShardChannels(addresses, connect_timeout=ARBITER_TIMEOUT_SECONDS, security=security)
+            channels.follows_failovers = True
+            made.append((addresses, channels))
+        channels = made[0][1]
+        for shard, entry in coordinator.replicas.entries():  # where this arbiter's own record says they moved
+            if shard <= TIE_BREAKER and entry["primary"]:
+                channels.redirect(shard, entry["primary"])
+        request = ps_pb2.ReplicaChange(action=WIRE_ACTIONS.index(action), index=index, primary=primary,
+                                       failovers=failovers, asker=me)
+        limit = ARBITER_TIMEOUT_SECONDS if timeout is None else timeout
+        reply = channels.call(TIE_BREAKER, lambda stub, t: stub.SetReplica(request, timeout=t), limit,
+                              retry_for=limit)
+        return {"primary": reply.primary, "failovers": reply.failovers}
     return ask

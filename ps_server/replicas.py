@@ -9,7 +9,9 @@ or ps 1 for ps 0: `arbiter_of`), which grants the first
 request whose view of the record is current and refuses the other
 (ReplicaFencedError), so a primary cut off from its backup cannot acknowledge
 a change the promoted backup never saw. The same rule as chain replication's
-master: the members of a chain change only through one record.
+master: the members of a chain change only through one record. ps 0 and ps 1
+promote each other's backups only once ps 2 recorded the primary replaced
+deposed (deposals.py, through Coordinator.set_replica).
 
     shard i: primary P, backup ""  --IN_SYNC(P, B, c)--> primary P, backup B (copy c)
              primary P, backup B   --DROP(P, B)--------> primary P, backup ""

@@ -551,30 +551,38 @@ class ShardReplicas(_message.Message):
     def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ...) -> None: ...
 
 class ReplicaChange(_message.Message):
-    __slots__ = ("action", "index", "primary", "backup", "changes", "copy")
+    __slots__ = ("action", "index", "primary", "backup", "changes", "copy", "failovers", "asker")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IN_SYNC: _ClassVar[ReplicaChange.Action]
         DROP: _ClassVar[ReplicaChange.Action]
         PROMOTE: _ClassVar[ReplicaChange.Action]
         LEASE: _ClassVar[ReplicaChange.Action]
+        DEPOSE: _ClassVar[ReplicaChange.Action]
+        REINSTATE: _ClassVar[ReplicaChange.Action]
     IN_SYNC: ReplicaChange.Action
     DROP: ReplicaChange.Action
     PROMOTE: ReplicaChange.Action
     LEASE: ReplicaChange.Action
+    DEPOSE: ReplicaChange.Action
+    REINSTATE: ReplicaChange.Action
     ACTION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    ASKER_FIELD_NUMBER: _ClassVar[int]
     action: ReplicaChange.Action
     index: int
     primary: str
     backup: str
     changes: int
     copy: str
-    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ...) -> None: ...
+    failovers: int
+    asker: str
+    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ..., failovers: _Optional[int] = ..., asker: _Optional[str] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("hello", "written")

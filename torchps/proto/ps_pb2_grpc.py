@@ -714,7 +714,8 @@ class ParameterServerServicer:
     def SetReplica(self, request, context):
         """A shard's, on ps 0 (FAILED_PRECONDITION elsewhere; the ps role): a change
         to the record of which address serves a replicated shard (see
-        ReplicaChange). Never blocks on training (it waits for its journal record).
+        ReplicaChange); on ps 2, the tie-breaker's DEPOSE and REINSTATE. Never
+        blocks on training (it waits for its journal record).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,106 @@
+"""ps 2 breaks the tie between ps 0 and ps 1, each the other's arbiter (deposals.py): each promotes the other's
+backup only once ps 2 recorded the primary it replaces deposed, and one ps 2 records deposed promotes nothing.
+Real processes: a job of three shards, ps 0 and ps 1 each with a backup."""
+
+import json
+
+import grpc
+import torch
+from helpers import free_ports, start_ps_server, wait_until
+
+from torchps.client import Optimizer, PSClient
+from torchps.cluster import Cluster
+from torchps.proto import ps_pb2, ps_pb2_grpc
+from torchps.ps_server.backup import arbiter_channels, record_of
+from torchps.security import INSECURE
+from torchps.worker.local_cluster import LocalCluster
+
+SHAPES = {"tie/a": (64, 33), "tie/b": (1000,), "tie/c": (7,)}  # round robin: one on each shard
+
+
+def _start(tmp_path):
+    """Three shards and a backup of each of ps 0 and ps 1; (local, backups, their addresses, cluster)."""
+    *ports, b0, b1 = free_ports(5)
+    spec = {"ps": [f"127.0.0.1:{port}" for port in ports], "worker": ["127.0.0.1:1"]}
+    local = LocalCluster(3, ports=ports, server_args=["--cluster", json.dumps(spec), "--checkpoint-dir",
+                                                      str(tmp_path / "ck")], log_dir=tmp_path)
+    local.start()
+    addresses = [f"127.0.0.1:{b0}", f"127.0.0.1:{b1}"]
+    backups = [start_ps_server(["--index", str(index), "--cluster", json.dumps(spec), "--replica-of", spec["ps"][index],
+                                "--bind", addresses[index], "--journal-dir", str(tmp_path / f"backup-{index}"),
+                                "--insecure", "--torch-threads", "1"], tmp_path / f"backup-{index}.log")
+               for index in (0, 1)]
+    return local, backups, addresses, Cluster.from_json(json.dumps(spec))
+
+
+def _stop(local, backups) -> None:
+    for backup in backups:
+        if backup.poll() is None:
+            backup.terminate()
+            backup.wait(timeout=30)
+    local.stop()
+
+
+def _in_sync(cluster, addresses) -> None:
+    """Waits for ps 0 to record ps 1's backup in sync, and ps 1 ps 0's."""
+    arbiters = arbiter_channels(tuple(cluster.ps), 10, INSECURE)
+    try:
+        for shard in (0, 1):
+            wait_until(lambda: record_of(arbiters, shard) == (cluster.ps[shard], addresses[shard]), 30,
+                       f"ps:{shard}'s backup in sync")
+    finally:
+        arbiters.close()
+
+
+def _tie_breaker(cluster, action, index: int, primary: str, asker: str) -> ps_pb2.ShardReplicas:
+    """A raw DEPOSE or REINSTATE at ps 2 (failovers 0), as the arbiter serving at `asker` asks it."""
+    with grpc.insecure_channel(cluster.ps[2]) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).SetReplica(
+            ps_pb2.ReplicaChange(action=action, index=index, primary=primary, failovers=0, asker=asker), timeout=30)
+
+
+def test_ps_1_then_ps_0_fail_over_each_deposed_at_ps_2_first(tmp_path):
+    """ps 1's primary killed: ps 0 has ps 2 depose it, then promotes its backup; then ps 0's: the promoted ps 1,
+    at its own address, is no deposed primary, so ps 2 grants its deposal of ps 0. Every push counted once."""
+    local, backups, addresses, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            _in_sync(cluster, addresses)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(1)
+            ps.push(grads)
+            local.kill_ps(0)
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
+    finally:
+        _stop(local, backups)
+    log = local.log(2)
+    assert f"records ps:1: {{'action': 'depose', 'index': 1, 'primary': '{cluster.ps[1]}'" in log
+    assert f"'asker': '{addresses[1]}'" in log, "the promoted ps 1 deposed ps 0"
+
+
+def test_an_arbiter_ps_2_records_deposed_promotes_nothing(tmp_path):
+    """ps 1 deposed ps 0 at ps 2 first (the other side of a cut that parts ps 0 from ps 1): ps 1's primary
+    killed, ps 0 asks ps 2 to depose it and is refused, so ps 1's backup is not promoted (it goes on following
+    ps 1, which behind a cut still runs) and ps 0's record still names the old primary."""
+    local, backups, addresses, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            _in_sync(cluster, addresses)
+            staged = _tie_breaker(cluster, ps_pb2.ReplicaChange.DEPOSE, 0, cluster.ps[0], cluster.ps[1])
+            assert (staged.primary, staged.failovers) == (cluster.ps[0], 0)
+            local.kill_ps(1)
+            wait_until(lambda: "was deposed by ps:1" in (tmp_path / "backup-1.log").read_text(), 60,
+                       "ps 1's backup to be refused its promotion (ps 0 deposed)")
+            arbiters = arbiter_channels(tuple(cluster.ps), 10, INSECURE)
+            try:
+                assert record_of(arbiters, 1) == (cluster.ps[1], addresses[1]), "no promotion was recorded"
+            finally:
+                arbiters.close()
+    finally:
+        _stop(local, backups)
+    assert "'action': 'promote'" not in local.log(0)
