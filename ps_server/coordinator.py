@@ -38,12 +38,12 @@ from typing import Callable, Mapping
 import torch
 
 from ..cluster import arbiter_of
-from ..errors import (InvalidArgumentError, LeaseHeldError, ModeConflictError, PSError, ServerUnavailableError,
-                      WaitTimeoutError)
+from ..errors import InvalidArgumentError, LeaseHeldError, ModeConflictError, PSError, WaitTimeoutError
 from ..proto import ps_pb2
 from . import table_state
 from .dataqueue import DataQueues
-from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER, Deposals, Tiebreaker
+from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER, Deposals
+from .own_promotions import OwnPromotions
 from .queue_desk import QueueDesk
 from .background import apply_steps, reap, replay_step
 from .bookkeeping import Bookkeeping
@@ -111,10 +111,10 @@ class Coordinator:
         # its primary renewed no lease for failover_after s.
         self.replicas = ReplicaRegistry(lambda: self.layout.layout()[1], lease_seconds=failover_after, clock=clock) \
             if index <= 1 else None
-        # ps 2's record of the deposed primaries of ps 0 and ps 1, each the other's arbiter (deposals.py); one
-        # of them own-promotes (promotes its own arbiter's backup) one at a time, once ps 2 granted it.
+        # ps 2's record of the deposed primaries of ps 0 and ps 1, each the other's arbiter (deposals.py), and
+        # their promotions of each other's backups through it (own_promotions.py)
         self.deposals = Deposals() if index == TIE_BREAKER else None
-        self._promoting = threading.Lock()
+        self.own_promotions = OwnPromotions(index, self.replicas) if self.replicas is not None else None
         self._index, self._spec_shards = index, len(addresses)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
@@ -134,13 +134,15 @@ class Coordinator:
                                 step=functools.partial(replay_step, book, self.gate, self.tables),
                                 queues=self.queue_desk.replay, moves=self.moves.replay,
                                 replicas=self._replay_replica,
-                                deposals=lambda kind, meta, tensors: self.deposals.apply(meta))  # what replay() runs
+                                deposals=self._replay_deposal)  # what replay() runs
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
         self._hold_leases = self.failstop.thread(self.moves.run_hold_lease, name="hold-lease")
         self._lease_clock = self.failstop.thread(self.replicas.run_clock, name="lease-clock") \
             if self.replicas is not None and failover_after > 0 else None
+        self._take_backs = self.failstop.thread(self.own_promotions.run_take_backs, name="take-backs") \
+            if self.own_promotions is not None else None
         self._applier: threading.Thread | None = None
         if journal is not None:
             self.attach_journal(journal)
@@ -157,6 +159,8 @@ class Coordinator:
                 self._hold_leases.start()
                 if self._lease_clock is not None:
                     self._lease_clock.start()
+                if self._take_backs is not None:
+                    self._take_backs.start()
                 self._start_applier()
 
     def attach_journal(self, journal) -> None:
@@ -367,15 +371,14 @@ class Coordinator:
                 self.resizes.restore(state.get("resize"))
             if self.replicas is not None:
                 self.replicas.restore(state.get("replicas"))
-            if self.deposals is not None:
+            if self.deposals is not None and exact:  # its own journal's: a new job's processes were never deposed
                 self.deposals.restore(state.get("deposed"))
             self._start_applier()
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
                     changes: int | None = None,
                     released: Callable[[bool, float | None], object] = lambda ask, timeout: None,
-                    copy: str = "", *, failovers: int = 0, asker: str = "",
-                    tiebreaker: Tiebreaker | None = None) -> dict:
+                    copy: str = "", *, failovers: int = 0, asker: str = "", grant: str = "") -> dict:
         """The arbiter's (cluster.arbiter_of: ps 0, or ps 1 for ps 0): a change of its record of which address
         serves replicated shard `index` (replicas.py), journaled; returns the shard's record. Blocks for the
         journal record, every step within `timeout` s of the call's start. ModeConflictError on another shard
@@ -392,19 +395,18 @@ class Coordinator:
         `ask` False, the lost one unasked.
 
         The PROMOTE of this arbiter's own arbiter's backup (ps 0 promoting ps 1's, or ps 1 ps 0's), in a layout
-        of three shards or more, is decided only once `tiebreaker` (ps 2: deposals.py) recorded the primary it
-        replaces deposed, and taken back there when the record then refuses it (one such promotion at a time;
-        ServerUnavailableError when another holds it past `timeout`); refused (ReplicaFencedError) when ps 2
-        records this arbiter deposed, and unanswered (PSError) while ps 2 cannot be reached. DEPOSE and
-        REINSTATE (ps 2's: ModeConflictError elsewhere) change the tie-breaker's record, `failovers` and
-        `asker` as Deposals.decide takes them, and return it (Deposals.deposed)."""
+        of three shards or more, is decided only once ps 2 granted the deposal of the primary it replaces
+        (OwnPromotions.promote, when own_promotions has a tiebreaker: it raises what that raises). DEPOSE and
+        REINSTATE (ps 2's: ModeConflictError elsewhere) change the tie-breaker's record (`backup` the successor,
+        `failovers`, `asker` and `grant` as Deposals.decide takes them), answered once journaled, and return it
+        (Deposals.deposed); WaitTimeoutError, deciding nothing, once `timeout` ran out before the decision."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:  # what is left of `timeout` (a lease's wait, the gate, an ask took their part)
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         if action in DEPOSAL_ACTIONS:
-            return self._change_deposal(action, index, primary, failovers, asker, left, released)
+            return self._change_deposal(action, index, primary, failovers, backup, asker, grant, left, released)
         arbiter = arbiter_of(index, self._spec_shards)
         if self.replicas is None or arbiter != self._index:
             raise ModeConflictError(f"ps:{arbiter} records which address serves ps:{index}: ask it")
@@ -421,9 +423,12 @@ class Coordinator:
         if action == "promote":
             self._outlast_lease(index, primary, backup, copy, left())
         own = action == "promote" and index == arbiter_of(self._index, self._spec_shards)
-        if own and tiebreaker is not None and TIE_BREAKER < len(self.layout.layout()[1]):
-            return self._own_promotion(index, primary, backup, copy, left, released, tiebreaker)
-        event, ticket = self._change_replica(action, index, primary, backup, changes, copy)
+        if own and self.own_promotions.tiebreaker is not None and TIE_BREAKER < len(self.layout.layout()[1]):
+            event, ticket = self.own_promotions.promote(
+                index, primary, backup, copy, lambda: self._change_replica(action, index, primary, backup, None, copy),
+                left)
+        else:
+            event, ticket = self._change_replica(action, index, primary, backup, changes, copy)
         return self._answer(index, event, ticket, own, left, released)
 
     def _change_replica(self, action: str, index: int, primary: str, backup: str, changes: int | None,
@@ -456,49 +461,19 @@ class Coordinator:
             _LOGGER.info("ps %d records ps:%d: %s", self._index, index, event)
         return self.replicas.entry(index)
 
-    def _own_promotion(self, index: int, primary: str, backup: str, copy: str, left: Callable[[], float | None],
-                       released: Callable[[bool, float | None], object], tiebreaker: Tiebreaker) -> dict:
-        """The PROMOTE of this arbiter's own arbiter's backup, once the tie-breaker deposed the primary it
-        replaces (see set_replica)."""
-        wait = left()
-        if not self._promoting.acquire(timeout=-1 if wait is None else wait):
-            raise ServerUnavailableError(f"ps {self._index} decides another promotion of ps:{index}'s backup: ask "
-                                         f"again")
-        try:
-            replaced = self.replicas.entry(index)
-            if self.replicas.decide("promote", index, primary, backup, copy=copy) is not None:
-                tiebreaker("depose", index, replaced["primary"], replaced["failovers"], left())
-                try:
-                    event, ticket = self._change_replica("promote", index, primary, backup, None, copy)
-                except PSError:
-                    self._reinstate(tiebreaker, index, replaced, left)
-                    raise
-            else:
-                event, ticket = None, None  # granted already: a retry
-            return self._answer(index, event, ticket, True, left, released)
-        finally:
-            self._promoting.release()
-
-    def _reinstate(self, tiebreaker: Tiebreaker, index: int, replaced: dict, left: Callable[[], float | None]
-                   ) -> None:
-        """Takes back at the tie-breaker the deposal of shard `index`'s primary `replaced`, whose promotion this
-        arbiter's record then refused; logged if it cannot (that primary then cannot promote this arbiter's
-        backup until ps 2 is asked again: docs/roadmap.md)."""
-        try:
-            tiebreaker("reinstate", index, replaced["primary"], replaced["failovers"], max(left() or 0.0, 1.0))
-        except PSError as exc:
-            _LOGGER.warning("ps %d could not take back at ps:%d its deposal of ps:%d's primary %s, whose promotion "
-                            "it refused: %s", self._index, TIE_BREAKER, index, replaced["primary"], exc)
-
-    def _change_deposal(self, action: str, index: int, primary: str, failovers: int, asker: str,
-                        left: Callable[[], float | None], released: Callable[[bool, float | None], object]) -> dict:
+    def _change_deposal(self, action: str, index: int, primary: str, failovers: int, successor: str, asker: str,
+                        grant: str, left: Callable[[], float | None],
+                        released: Callable[[bool, float | None], object]) -> dict:
         """The tie-breaker's DEPOSE or REINSTATE (see set_replica), answered once journaled."""
         if self.deposals is None:
             raise ModeConflictError(f"ps:{TIE_BREAKER} breaks the ties between ps:0 and ps:1, not ps:{self._index}: "
                                     f"ask it")
         ticket = None
         with self.gate.change(), self.recorder.ordering:
-            event = self.deposals.decide(action, index, primary, failovers, asker)
+            if left() == 0.0:  # its asker stopped waiting: it may be taking it back
+                raise WaitTimeoutError(f"the {action} of ps:{index} reached ps {self._index} past its deadline: "
+                                       f"nothing was decided")
+            event = self.deposals.decide(action, index, grant, primary, failovers, successor, asker)
             if event is not None:
                 self.deposals.apply(event)
                 ticket = self.recorder.log("deposal", event)
@@ -523,6 +498,12 @@ class Coordinator:
 
     def _replay_replica(self, kind: str, meta: dict, tensors: dict) -> None:
         self.replicas.apply(meta)
+
+    def _replay_deposal(self, kind: str, meta: dict, tensors: dict) -> None:
+        if self.deposals is None:
+            raise ValueError(f"a tie-breaker's record in ps {self._index}'s journal: only ps {TIE_BREAKER} keeps one "
+                             f"(is this another shard's journal folder?)")
+        self.deposals.apply(meta)
 
     def replay(self, record) -> bool:
         """Makes the change of one journal record (journal.Record) again during recovery, before start(), with
@@ -586,6 +567,7 @@ class Coordinator:
         self.moves.close()
         if self.replicas is not None:
             self.replicas.close()
+            self.own_promotions.close()
         self.store.close()  # waits for variables end too
         self.tables.close()
         self.wait_for_compaction(MAX_WAIT_SECONDS)

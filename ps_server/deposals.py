@@ -6,27 +6,25 @@ network so that ps 1 and ps 0's backup are on one side and ps 0 and ps 1's
 backup on the other, and each arbiter sees the other fall silent: each
 would promote the other's backup, and each shard would have two primaries.
 In a job of three shards or more, an arbiter about to promote its own
-arbiter's backup first asks ps 2 to record that primary deposed (DEPOSE);
-ps 2 grants the first such ask and refuses every later one from a primary
-it records deposed, so only one side of a cut can promote. Nothing is
-decided before ps 2 granted it and journaled the grant.
+arbiter's backup first asks ps 2 to record that primary deposed and the
+backup put in its place (DEPOSE). From then on ps 2 refuses a DEPOSE from
+any process of that shard but the one it put in place, so only one side of
+a cut can promote, and a primary deposed twice while the cut lasts is still
+refused. Nothing is decided before ps 2 granted it and journaled the grant.
 
-A deposed primary is named by its shard, its address and its failover
-count (ShardReplicas.failovers when it was deposed); an asker by its shard
-(the other arbiter) and its address. Each shard keeps one record, replaced
-by every later deposal: every failover of ps 0 or ps 1 in such a job passes
-here, so a record names the shard's last deposed primary, and a process
-serving later at that same address (a Kubernetes pod moved back) is
-deposed again, under a higher count, before it could be asked about.
-REINSTATE takes a grant back when the promotion it was asked for was then
-refused by the asker's own record (the primary dropped its backup first, or
-renewed its lease): without it, that primary could never promote the other
-arbiter's backup.
+Each shard keeps one record, its last deposal (the deposed primary's address
+and failover count, the successor's address, the asker's, and the ask's
+name, `grant`), with the record it replaced. REINSTATE takes back the DEPOSE
+it names, if that is still the record, when the asker did not make the
+promotion (its own record refused it: the primary dropped its backup first,
+or renewed its lease; or the asker could not tell whether ps 2 granted it):
+the record before it comes back, so that primary can again promote the
+other arbiter's backup. A grant named afresh at every ask (a repeat too)
+means a late REINSTATE of an earlier ask never takes back a later grant.
 
 Each change is an event (a JSON-able dict) made by `apply`, live and when
 ps 2's journal is replayed; `export` and `restore` carry the record in
-journal bases and checkpoints. Thread-safe: its own lock (an "owner" in
-locks.LOCK_ORDER).
+journal bases. Thread-safe: its own lock (an "owner" in locks.LOCK_ORDER).
 """
 
 from __future__ import annotations
@@ -37,61 +35,75 @@ from typing import Callable, Mapping
 
 from ..errors import InvalidArgumentError, ReplicaFencedError
 from .locks import guarded
-from .replicas import MAX_ADDRESS_CHARS
+from .replicas import MAX_ADDRESS_CHARS, MAX_COPY_CHARS
 
 __all__ = ["ACTIONS", "ARBITERS", "Deposals", "TIE_BREAKER", "Tiebreaker"]
 
 ACTIONS = ("depose", "reinstate")  # ps.proto's ReplicaChange.Action DEPOSE and REINSTATE, in order
 ARBITERS = (0, 1)  # the shards that arbitrate each other: the only ones deposed here
 TIE_BREAKER = 2  # the shard that keeps this record, in a job of three shards or more
-# How an arbiter asks the tie-breaker: (action, index, primary, failovers, timeout) -> its record of `index`
-Tiebreaker = Callable[[str, int, str, int, "float | None"], dict]
+# How an arbiter asks the tie-breaker: (action, index, primary, failovers, successor, grant, timeout) -> its
+# record of `index` (Deposals.deposed)
+Tiebreaker = Callable[[str, int, str, int, str, str, "float | None"], dict]
+_DEPOSAL = ("primary", "failovers", "successor", "asker")  # what names one deposal, whatever its asks' names
 
 
 class Deposals:
-    """The tie-breaker's record: {shard: the primary deposed last} (see the module docstring)."""
+    """The tie-breaker's record: {shard: its last deposal} (see the module docstring)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._deposed: dict[int, dict] = {}
 
-    def decide(self, action: str, index: int, primary: str, failovers: int, asker: str) -> dict | None:
-        """The event that makes `action` (ACTIONS) about shard `index`'s primary at `primary` after `failovers`
-        failovers, asked by the other arbiter serving at `asker`; None if there is nothing to change (a
-        repeated DEPOSE, or a REINSTATE of what is not recorded). InvalidArgumentError for a malformed request;
-        ReplicaFencedError for a DEPOSE whose asker is recorded deposed at its address (the other side of a
-        cut deposed it first: it must not promote, and its own backup takes it over), or of a shard recorded
-        deposed after more failovers (an older view of it). Changes nothing: apply() the event."""
-        return self._decide(action, index, primary, failovers, asker)
+    def decide(self, action: str, index: int, grant: str, primary: str = "", failovers: int = 0,
+               successor: str = "", asker: str = "") -> dict | None:
+        """The event that makes `action` (ACTIONS) about shard `index`: DEPOSE of its primary at `primary` after
+        `failovers` failovers, `successor` to serve in its place, asked by the other arbiter serving at
+        `asker` under the name `grant`; REINSTATE of the DEPOSE named `grant`. None if there is nothing to
+        change (a DEPOSE repeated under the same name, a REINSTATE of what is not the record). Raises
+        InvalidArgumentError for a malformed request; ReplicaFencedError for a DEPOSE whose asker is not the
+        process the last deposal of its own shard put in place (the other side of a cut promoted first: it
+        must not promote), or of a shard recorded deposed after more failovers (an older view of it). Changes
+        nothing: apply() the event."""
+        return self._decide(action, index, grant, primary, failovers, successor, asker)
 
     @guarded
-    def _decide(self, action: str, index: int, primary: str, failovers: int, asker: str) -> dict | None:
+    def _decide(self, action: str, index: int, grant: str, primary: str, failovers: int, successor: str,
+                asker: str) -> dict | None:
         if action not in ACTIONS:
             raise InvalidArgumentError(f"a tie-breaker's change is one of {', '.join(ACTIONS)}. Received: {action!r}")
         if index not in ARBITERS:
             raise InvalidArgumentError(f"the tie-breaker records the primaries of ps:0 and ps:1 only. Received: "
                                        f"ps:{index}")
-        for what, address in (("deposed primary", primary), ("asker", asker)):
+        if not grant or len(grant) > MAX_COPY_CHARS:
+            raise InvalidArgumentError(f"a tie-breaker's {action} names its ask (1 to {MAX_COPY_CHARS} "
+                                       f"characters). Received: {len(grant)}")
+        found = self._deposed.get(index)
+        if action == "reinstate":
+            return {"action": action, "index": index, "grant": grant} if found and found["grant"] == grant else None
+        for what, address in (("deposed primary", primary), ("successor", successor), ("asker", asker)):
             if not address or len(address) > MAX_ADDRESS_CHARS:
                 raise InvalidArgumentError(f"a tie-breaker's {action} names the {what}'s address (1 to "
                                            f"{MAX_ADDRESS_CHARS} characters). Received: {address[:80]!r}")
-        other = 1 - index  # the asker: the arbiter of shard `index`
-        event = {"action": action, "index": index, "primary": primary, "failovers": failovers, "asker": asker}
-        found = self._deposed.get(index)
-        if action == "reinstate":
-            same = found is not None and all(found[key] == event[key] for key in ("primary", "failovers", "asker"))
-            return event if same else None
+        other = 1 - index  # the asker's shard: the arbiter of shard `index`
         own = self._deposed.get(other)
-        if own is not None and own["primary"] == asker:
-            raise ReplicaFencedError(f"ps:{other} at {asker} was deposed by ps:{index} (at failover "
-                                     f"{own['failovers']}): it may not promote ps:{index}'s backup (ps:{index} "
-                                     f"promoted ps:{other}'s backup first: a network cut parts them)")
+        if own is not None and own["successor"] != asker:
+            raise ReplicaFencedError(f"ps:{other} at {asker} may not promote ps:{index}'s backup: ps:{index} "
+                                     f"deposed ps:{other}'s primary {own['primary']} (at failover "
+                                     f"{own['failovers']}) and put {own['successor']} in its place (a network "
+                                     f"cut parts ps:0 from ps:1)")
         if found is not None and found["failovers"] > failovers:
             raise ReplicaFencedError(f"ps:{index} was deposed after {found['failovers']} failovers already: a "
                                      f"deposal of it after {failovers} comes from an older record")
-        if found is not None and found["primary"] == primary and found["failovers"] == failovers:
-            return None  # granted already: a retry
-        return {**event, "when": time.time()}
+        event = {"action": action, "index": index, "primary": primary, "failovers": failovers,
+                 "successor": successor, "asker": asker, "grant": grant}
+        same = found is not None and all(found[key] == event[key] for key in _DEPOSAL)
+        if same and found["grant"] == grant:
+            return None  # a retry of the same ask
+        # (a repeat under a new name keeps what the first ask replaced)
+        before = found["before"] if same else ({key: value for key, value in found.items() if key != "before"}
+                                              if found is not None else None)
+        return {**event, "before": before, "when": time.time()}
 
     def apply(self, event: Mapping) -> None:
         """Makes one decide()d event's change (live and on replay)."""
@@ -100,20 +112,23 @@ class Deposals:
     @guarded
     def _apply(self, event: Mapping) -> None:
         index = int(event["index"])
-        if event["action"] == "reinstate":
-            self._deposed.pop(index, None)
-        else:
-            self._deposed[index] = {key: event[key] for key in ("primary", "failovers", "asker", "when")}
+        if event["action"] == "depose":
+            self._deposed[index] = {key: value for key, value in event.items() if key not in ("action", "index")}
+            return
+        before = self._deposed.pop(index)["before"]
+        if before is not None:
+            self._deposed[index] = {**before, "before": None}
 
     @guarded
     def deposed(self, index: int) -> dict:
-        """The primary of shard `index` recorded deposed ({"primary": address, "failovers": count, ...}), or
-        {"primary": "", "failovers": 0} if none."""
-        return dict(self._deposed.get(index) or {"primary": "", "failovers": 0})
+        """Shard `index`'s last deposal ({"primary", "failovers", "successor", ...}), or {"primary": "",
+        "failovers": 0, "successor": ""} if none."""
+        found = self._deposed.get(index)
+        return dict(found) if found else {"primary": "", "failovers": 0, "successor": ""}
 
     @guarded
     def export(self) -> dict:
-        """The whole record, for a journal base or a checkpoint (restore() takes it): {str(index): record}."""
+        """The whole record, for a journal base (restore() takes it): {str(index): record}."""
         return {str(index): dict(entry) for index, entry in self._deposed.items()}
 
     @guarded

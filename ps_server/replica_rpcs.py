@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -21,14 +22,14 @@ from ..proto import ps_pb2
 from ..security import Security
 from .auth import aborting
 from .coordinator import Coordinator
-from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER, Tiebreaker
+from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER
 from .replicas import ACTIONS
 from .edge import CallContext
 from .feed import IDLE_WAKE_SECONDS, NOTHING_YET, OFF_LOOP, ON_LOOP, Feed
 from .replication import Arbiter
 from .rpc_support import answering, decode_request, map_errors
 
-__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "tiebreaker_for",
+__all__ = ["ReplicaRPCs", "RoleFence", "arbiter_for", "replicas_of", "replicate_handler", "TiebreakerLink",
            "WIRE_ACTIONS"]
 
 ARBITER_TIMEOUT_SECONDS = 5.0  # one ask of ps 0 (replication.Replication asks again while it cannot reach it)
@@ -73,10 +74,7 @@ class RoleFence(grpc.aio.ServerInterceptor):
 
 
 class ReplicaRPCs:
-    """Replication RPCs of ParameterServerServicer. `tiebreaker`: how this shard asks ps 2 before it promotes
-    its own arbiter's backup (tiebreaker_for; None: it never does)."""
-
-    tiebreaker: Tiebreaker | None = None
+    """Replication RPCs of ParameterServerServicer."""
 
     def open_replica(self, raw: bytes, context: CallContext) -> tuple[Feed, bytes]:
         """(Replicate's first part, on the pool: replicate_handler.) The feed the backup's hello `raw` asks for,
@@ -99,16 +97,17 @@ class ReplicaRPCs:
     def SetReplica(self, request, context):
         remaining = context.time_remaining()  # None: no deadline (its threads are few: every call ends)
         timeout = MAX_ARBITRATION_SECONDS if remaining is None else min(remaining, MAX_ARBITRATION_SECONDS)
-        entry = self.coordinator.set_replica(WIRE_ACTIONS[request.action] if request.action < len(WIRE_ACTIONS)
-                                             else str(request.action), request.index, request.primary,
+        action = WIRE_ACTIONS[request.action] if request.action < len(WIRE_ACTIONS) else str(request.action)
+        entry = self.coordinator.set_replica(action, request.index, request.primary,
                                              request.backup, timeout=timeout,
                                              changes=request.changes if request.HasField("changes") else None,
                                              released=self.replication.released if self.replication is not None
                                              else lambda ask, timeout: None, copy=request.copy,
                                              failovers=request.failovers, asker=request.asker,
-                                             tiebreaker=self.tiebreaker)
-        if request.action >= len(WIRE_ACTIONS) - len(DEPOSAL_ACTIONS):  # the tie-breaker's record of the shard
-            return ps_pb2.ShardReplicas(index=request.index, primary=entry["primary"], failovers=entry["failovers"])
+                                             grant=request.grant)
+        if action in DEPOSAL_ACTIONS:  # the tie-breaker's record of the shard
+            return ps_pb2.ShardReplicas(index=request.index, primary=entry["primary"], failovers=entry["failovers"],
+                                        backup=entry["successor"])
         return replicas_of(request.index, entry)
 
 
@@ -256,34 +255,48 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
     return ask
 
 
-def tiebreaker_for(coordinator: Coordinator, me: str, security: Security) -> Tiebreaker | None:
-    """How ps 0 or ps 1 (the arbiters; None elsewhere), serving at `me`, asks the tie-breaker (ps 2 of its layout
-    epoch, followed to wherever it is served after a failover) for a DEPOSE or REINSTATE: a SetReplica call with
-    its own credentials, attempts of `timeout` s (ARBITER_TIMEOUT_SECONDS if None) retried for as long; returns
-    ps 2's record of the shard (Deposals.deposed). PSErrors as the client edge maps them: ReplicaFencedError when
-    ps 2 records this arbiter deposed."""
-    if coordinator.replicas is None:
-        return None
-    made: list = []  # [(the addresses they were made for, ShardChannels)], made at the first ask
+class TiebreakerLink:
+    """How ps 0 or ps 1, serving at `me`, asks the tie-breaker (ps 2 of its layout epoch, followed to wherever it
+    is served after a failover) for a DEPOSE or REINSTATE (deposals.Tiebreaker): a SetReplica call with its own
+    credentials, attempts of `timeout` s (ARBITER_TIMEOUT_SECONDS if None) retried for as long; returns ps 2's
+    record of the shard (Deposals.deposed). PSErrors as the client edge maps them: ReplicaFencedError when ps 2
+    refuses the deposal. close() closes its channels."""
 
-    def ask(action: str, index: int, primary: str, failovers: int, timeout: float | None) -> dict:
-        addresses = list(coordinator.layout.layout()[1][:TIE_BREAKER + 1])
-        if made and made[0][0] != addresses:  # a resize put another ps 2 (or ps 0, ps 1) there
-            made.pop()[1].close()
-        if not made:
-            from ..client.channels import ShardChannels  # an arbiter's calls to the tie-breaker are a client's
+    def __init__(self, coordinator: Coordinator, me: str, security: Security):
+        self._coordinator, self._me, self._security = coordinator, me, security
+        self._made: list = []  # [(the addresses they were made for, ShardChannels)], made at the first ask
+        self._lock = threading.Lock()
 
-            channels = ShardChannels(addresses, connect_timeout=ARBITER_TIMEOUT_SECONDS, security=security)
-            channels.follows_failovers = True
-            made.append((addresses, channels))
-        channels = made[0][1]
-        for shard, entry in coordinator.replicas.entries():  # where this arbiter's own record says they moved
-            if shard <= TIE_BREAKER and entry["primary"]:
-                channels.redirect(shard, entry["primary"])
+    def __call__(self, action: str, index: int, primary: str, failovers: int, successor: str, grant: str,
+                 timeout: float | None) -> dict:
+        channels = self._channels()
         request = ps_pb2.ReplicaChange(action=WIRE_ACTIONS.index(action), index=index, primary=primary,
-                                       failovers=failovers, asker=me)
+                                       failovers=failovers, backup=successor, asker=self._me, grant=grant)
         limit = ARBITER_TIMEOUT_SECONDS if timeout is None else timeout
         reply = channels.call(TIE_BREAKER, lambda stub, t: stub.SetReplica(request, timeout=t), limit,
                               retry_for=limit)
-        return {"primary": reply.primary, "failovers": reply.failovers}
-    return ask
+        return {"primary": reply.primary, "failovers": reply.failovers, "successor": reply.backup}
+
+    def _channels(self):
+        """The channels to the layout's first three shards, each where this arbiter's own record says it is."""
+        addresses = list(self._coordinator.layout.layout()[1][:TIE_BREAKER + 1])
+        with self._lock:
+            if self._made and self._made[0][0] != addresses:  # a resize put another ps 2 (or ps 0, ps 1) there
+                self._made.pop()[1].close()
+            if not self._made:
+                from ..client.channels import ShardChannels  # an arbiter's calls to the tie-breaker are a client's
+
+                channels = ShardChannels(addresses, connect_timeout=ARBITER_TIMEOUT_SECONDS, security=self._security)
+                channels.follows_failovers = True
+                self._made.append((addresses, channels))
+            channels = self._made[0][1]
+        for shard, entry in self._coordinator.replicas.entries():  # where this arbiter's own record says they moved
+            if shard <= TIE_BREAKER and entry["primary"]:
+                channels.redirect(shard, entry["primary"])
+        return channels
+
+    def close(self) -> None:
+        with self._lock:
+            for _, channels in self._made:
+                channels.close()
+            self._made.clear()

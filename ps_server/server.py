@@ -27,7 +27,7 @@ from .membership import Membership
 from .metrics import ShardMetrics
 from .quotas import Quotas
 from ..cluster import arbiter_of
-from .replica_rpcs import RoleFence, arbiter_for, tiebreaker_for
+from .replica_rpcs import RoleFence, TiebreakerLink, arbiter_for
 from .backup import FAILOVER_AFTER_SECONDS
 from .replication import ACK_TIMEOUT_SECONDS, Replication
 from .edge import LoopServer
@@ -159,7 +159,9 @@ def create_server(
                                        stream_idle_seconds=stream_idle_seconds,
                                        keep_receive_bytes=keep_receive_bytes, lanes=lanes, pull_cache=pull_cache,
                                        replication=replication)
-    servicer.tiebreaker = tiebreaker_for(coordinator, me, security.as_shard(index))
+    if coordinator.own_promotions is not None:  # ps 0 and ps 1 ask ps 2 before they promote each other's backup
+        coordinator.own_promotions.tiebreaker = link = TiebreakerLink(coordinator, me, security.as_shard(index))
+        server.closers.append(link.close)
     server.call(add_to_server, servicer, server.server, pool, arbitration)
     server.call(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server.server)
     if reflection:

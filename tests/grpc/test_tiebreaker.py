@@ -52,11 +52,12 @@ def _in_sync(cluster, addresses) -> None:
         arbiters.close()
 
 
-def _tie_breaker(cluster, action, index: int, primary: str, asker: str) -> ps_pb2.ShardReplicas:
-    """A raw DEPOSE or REINSTATE at ps 2 (failovers 0), as the arbiter serving at `asker` asks it."""
+def _depose(cluster, index: int, primary: str, successor: str, asker: str) -> ps_pb2.ShardReplicas:
+    """A raw DEPOSE at ps 2 (failovers 0), as the arbiter serving at `asker` asks it."""
     with grpc.insecure_channel(cluster.ps[2]) as channel:
-        return ps_pb2_grpc.ParameterServerStub(channel).SetReplica(
-            ps_pb2.ReplicaChange(action=action, index=index, primary=primary, failovers=0, asker=asker), timeout=30)
+        return ps_pb2_grpc.ParameterServerStub(channel).SetReplica(ps_pb2.ReplicaChange(
+            action=ps_pb2.ReplicaChange.DEPOSE, index=index, primary=primary, failovers=0, backup=successor,
+            asker=asker, grant="staged"), timeout=30)
 
 
 def test_ps_1_then_ps_0_fail_over_each_deposed_at_ps_2_first(tmp_path):
@@ -91,10 +92,10 @@ def test_an_arbiter_ps_2_records_deposed_promotes_nothing(tmp_path):
         with PSClient(cluster, connect_timeout=60) as ps:
             ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
             _in_sync(cluster, addresses)
-            staged = _tie_breaker(cluster, ps_pb2.ReplicaChange.DEPOSE, 0, cluster.ps[0], cluster.ps[1])
-            assert (staged.primary, staged.failovers) == (cluster.ps[0], 0)
+            staged = _depose(cluster, 0, cluster.ps[0], addresses[0], cluster.ps[1])
+            assert (staged.primary, staged.failovers, staged.backup) == (cluster.ps[0], 0, addresses[0])
             local.kill_ps(1)
-            wait_until(lambda: "was deposed by ps:1" in (tmp_path / "backup-1.log").read_text(), 60,
+            wait_until(lambda: "may not promote ps:1's backup" in (tmp_path / "backup-1.log").read_text(), 60,
                        "ps 1's backup to be refused its promotion (ps 0 deposed)")
             arbiters = arbiter_channels(tuple(cluster.ps), 10, INSECURE)
             try:

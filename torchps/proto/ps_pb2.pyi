@@ -551,7 +551,7 @@ class ShardReplicas(_message.Message):
     def __init__(self, index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., failovers: _Optional[int] = ..., last_failover_unix: _Optional[float] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ...) -> None: ...
 
 class ReplicaChange(_message.Message):
-    __slots__ = ("action", "index", "primary", "backup", "changes", "copy", "failovers", "asker")
+    __slots__ = ("action", "index", "primary", "backup", "changes", "copy", "failovers", "asker", "grant")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IN_SYNC: _ClassVar[ReplicaChange.Action]
@@ -574,6 +574,7 @@ class ReplicaChange(_message.Message):
     COPY_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     ASKER_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     action: ReplicaChange.Action
     index: int
     primary: str
@@ -582,7 +583,8 @@ class ReplicaChange(_message.Message):
     copy: str
     failovers: int
     asker: str
-    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ..., failovers: _Optional[int] = ..., asker: _Optional[str] = ...) -> None: ...
+    grant: str
+    def __init__(self, action: _Optional[_Union[ReplicaChange.Action, str]] = ..., index: _Optional[int] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., changes: _Optional[int] = ..., copy: _Optional[str] = ..., failovers: _Optional[int] = ..., asker: _Optional[str] = ..., grant: _Optional[str] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("hello", "written")
