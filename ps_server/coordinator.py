@@ -429,22 +429,29 @@ class Coordinator:
                 left)
         else:
             event, ticket = self._change_replica(action, index, primary, backup, changes, copy)
-        return self._answer(index, event, ticket, own, left, released)
+        self._durable(index, event, ticket, not own, left, released)
+        return self.replicas.entry(index)
+
+    def _change(self, record, kind: str, decide: Callable[[], dict | None]) -> tuple[dict | None, object]:
+        """Decides (decide()), makes (record.apply) and logs (as `kind`) one change of `record`: (its event, its
+        journal ticket), (None, None) for a repeat. Raises what decide() raises, changing nothing."""
+        with self.gate.change(), self.recorder.ordering:
+            event = decide()
+            if event is None:
+                return None, None
+            record.apply(event)
+            return event, self.recorder.log(kind, event)
 
     def _change_replica(self, action: str, index: int, primary: str, backup: str, changes: int | None,
                         copy: str) -> tuple[dict | None, object]:
-        """Decides, makes and logs one change of the arbiter's record: (its event, its journal ticket), (None,
-        None) for a repeat. Raises what ReplicaRegistry.decide raises, changing nothing."""
-        with self.gate.change(), self.recorder.ordering:
-            event = self.replicas.decide(action, index, primary, backup, changes, copy)
-            if event is None:
-                return None, None
-            self.replicas.apply(event)
-            return event, self.recorder.log("replica", event)
+        """One change of the arbiter's record (_change)."""
+        return self._change(self.replicas, "replica", lambda: self.replicas.decide(action, index, primary, backup,
+                                                                                   changes, copy))
 
-    def _answer(self, index: int, event: dict | None, ticket, own: bool, left: Callable[[], float | None],
-                released: Callable[[bool, float | None], object]) -> dict:
-        """The record of shard `index` once the change `event` made (None: a repeat) is durable."""
+    def _durable(self, index: int, event: dict | None, ticket, ask: bool, left: Callable[[], float | None],
+                 released: Callable[[bool, float | None], object]) -> None:
+        """Returns once the change `event` of shard `index`'s record made is durable, or (None: a repeat) once
+        every record so far is, past this shard's lost backup that `released(ask, ...)` names."""
         # A repeat answers what was decided before once that is as durable as its own record would be: past a
         # backup of this arbiter's that was lost, once this arbiter's own arbiter no longer records it in sync,
         # so it is never promoted without the change (ps 0 and ps 1, each the other's arbiter, both losing
@@ -455,11 +462,10 @@ class Coordinator:
         if ticket is not None:
             self.recorder.durable(ticket, left())
         else:
-            lost = released(not own, left())
+            lost = released(ask, left())
             self.recorder.durable_all(left(), lost)
         if event is not None:
             _LOGGER.info("ps %d records ps:%d: %s", self._index, index, event)
-        return self.replicas.entry(index)
 
     def _change_deposal(self, action: str, index: int, primary: str, failovers: int, successor: str, asker: str,
                         grant: str, left: Callable[[], float | None],
@@ -468,20 +474,15 @@ class Coordinator:
         if self.deposals is None:
             raise ModeConflictError(f"ps:{TIE_BREAKER} breaks the ties between ps:0 and ps:1, not ps:{self._index}: "
                                     f"ask it")
-        ticket = None
-        with self.gate.change(), self.recorder.ordering:
+
+        def decide() -> dict | None:
             if left() == 0.0:  # its asker stopped waiting: it may be taking it back
                 raise WaitTimeoutError(f"the {action} of ps:{index} reached ps {self._index} past its deadline: "
                                        f"nothing was decided")
-            event = self.deposals.decide(action, index, grant, primary, failovers, successor, asker)
-            if event is not None:
-                self.deposals.apply(event)
-                ticket = self.recorder.log("deposal", event)
-        if event is not None:
-            self.recorder.durable(ticket, left())
-            _LOGGER.info("ps %d records ps:%d: %s", self._index, index, event)
-        else:  # a repeat: answered once what it repeats is durable (as a repeated replica change)
-            self.recorder.durable_all(left(), released(True, left()))
+            return self.deposals.decide(action, index, grant, primary, failovers, successor, asker)
+
+        event, ticket = self._change(self.deposals, "deposal", decide)
+        self._durable(index, event, ticket, True, left, released)
         return self.deposals.deposed(index)
 
     def _outlast_lease(self, index: int, primary: str, backup: str, copy: str, timeout: float | None) -> None:

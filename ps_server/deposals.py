@@ -14,13 +14,15 @@ refused. Nothing is decided before ps 2 granted it and journaled the grant.
 
 Each shard keeps one record, its last deposal (the deposed primary's address
 and failover count, the successor's address, the asker's, and the ask's
-name, `grant`), with the record it replaced. REINSTATE takes back the DEPOSE
-it names, if that is still the record, when the asker did not make the
-promotion (its own record refused it: the primary dropped its backup first,
-or renewed its lease; or the asker could not tell whether ps 2 granted it):
-the record before it comes back, so that primary can again promote the
-other arbiter's backup. A grant named afresh at every ask (a repeat too)
-means a late REINSTATE of an earlier ask never takes back a later grant.
+name, `grant`), with the deposal it replaced, if any. REINSTATE takes back
+the DEPOSE it names, if that is still the record, when the asker did not
+make the promotion (its own record refused it: the primary dropped its
+backup first, or renewed its lease; or the asker could not tell whether
+ps 2 granted it): the deposal before it comes back, so that primary can
+again promote the other arbiter's backup. A grant named afresh at every ask
+(a repeat too) means a late REINSTATE of an earlier ask never takes back a
+later grant; and the names of the last asks taken back are kept, so a
+DEPOSE that reaches ps 2 after its own REINSTATE is refused.
 
 Each change is an event (a JSON-able dict) made by `apply`, live and when
 ps 2's journal is replayed; `export` and `restore` carry the record in
@@ -35,7 +37,7 @@ from typing import Callable, Mapping
 
 from ..errors import InvalidArgumentError, ReplicaFencedError
 from .locks import guarded
-from .replicas import MAX_ADDRESS_CHARS, MAX_COPY_CHARS
+from .replicas import MAX_ADDRESS_CHARS
 
 __all__ = ["ACTIONS", "ARBITERS", "Deposals", "TIE_BREAKER", "Tiebreaker"]
 
@@ -46,6 +48,8 @@ TIE_BREAKER = 2  # the shard that keeps this record, in a job of three shards or
 # record of `index` (Deposals.deposed)
 Tiebreaker = Callable[[str, int, str, int, str, str, "float | None"], dict]
 _DEPOSAL = ("primary", "failovers", "successor", "asker")  # what names one deposal, whatever its asks' names
+MAX_GRANT_CHARS = 64  # an ask's name
+TAKEN_BACK_KEPT = 16  # the names of a shard's last asks taken back, kept
 
 
 class Deposals:
@@ -54,17 +58,19 @@ class Deposals:
     def __init__(self):
         self._lock = threading.Lock()
         self._deposed: dict[int, dict] = {}
+        self._taken_back: dict[int, list[str]] = {}  # shard -> the names of its last asks taken back
 
     def decide(self, action: str, index: int, grant: str, primary: str = "", failovers: int = 0,
                successor: str = "", asker: str = "") -> dict | None:
         """The event that makes `action` (ACTIONS) about shard `index`: DEPOSE of its primary at `primary` after
         `failovers` failovers, `successor` to serve in its place, asked by the other arbiter serving at
         `asker` under the name `grant`; REINSTATE of the DEPOSE named `grant`. None if there is nothing to
-        change (a DEPOSE repeated under the same name, a REINSTATE of what is not the record). Raises
+        change (a DEPOSE repeated under the same name, a REINSTATE repeated). A REINSTATE is an event even
+        where its DEPOSE is not the record (it keeps the name: that DEPOSE, come late, is refused). Raises
         InvalidArgumentError for a malformed request; ReplicaFencedError for a DEPOSE whose asker is not the
         process the last deposal of its own shard put in place (the other side of a cut promoted first: it
-        must not promote), or of a shard recorded deposed after more failovers (an older view of it). Changes
-        nothing: apply() the event."""
+        must not promote), of a shard recorded deposed after more failovers (an older view of it), or named
+        as an ask taken back. Changes nothing: apply() the event."""
         return self._decide(action, index, grant, primary, failovers, successor, asker)
 
     @guarded
@@ -75,12 +81,16 @@ class Deposals:
         if index not in ARBITERS:
             raise InvalidArgumentError(f"the tie-breaker records the primaries of ps:0 and ps:1 only. Received: "
                                        f"ps:{index}")
-        if not grant or len(grant) > MAX_COPY_CHARS:
-            raise InvalidArgumentError(f"a tie-breaker's {action} names its ask (1 to {MAX_COPY_CHARS} "
+        if not grant or len(grant) > MAX_GRANT_CHARS:
+            raise InvalidArgumentError(f"a tie-breaker's {action} names its ask (1 to {MAX_GRANT_CHARS} "
                                        f"characters). Received: {len(grant)}")
         found = self._deposed.get(index)
+        taken_back = grant in self._taken_back.get(index, ())
         if action == "reinstate":
-            return {"action": action, "index": index, "grant": grant} if found and found["grant"] == grant else None
+            return None if taken_back else {"action": action, "index": index, "grant": grant}
+        if taken_back:
+            raise ReplicaFencedError(f"the ask {grant} to depose ps:{index}'s primary was taken back already: it "
+                                     f"reached ps {TIE_BREAKER} late, and nothing was decided")
         for what, address in (("deposed primary", primary), ("successor", successor), ("asker", asker)):
             if not address or len(address) > MAX_ADDRESS_CHARS:
                 raise InvalidArgumentError(f"a tie-breaker's {action} names the {what}'s address (1 to "
@@ -115,9 +125,13 @@ class Deposals:
         if event["action"] == "depose":
             self._deposed[index] = {key: value for key, value in event.items() if key not in ("action", "index")}
             return
-        before = self._deposed.pop(index)["before"]
-        if before is not None:
-            self._deposed[index] = {**before, "before": None}
+        self._taken_back[index] = [*self._taken_back.get(index, ()), event["grant"]][-TAKEN_BACK_KEPT:]
+        found = self._deposed.get(index)
+        if found is None or found["grant"] != event["grant"]:
+            return  # not the record: its DEPOSE was decided no more, or has not come yet
+        del self._deposed[index]
+        if found["before"] is not None:
+            self._deposed[index] = {**found["before"], "before": None}
 
     @guarded
     def deposed(self, index: int) -> dict:
@@ -128,10 +142,14 @@ class Deposals:
 
     @guarded
     def export(self) -> dict:
-        """The whole record, for a journal base (restore() takes it): {str(index): record}."""
-        return {str(index): dict(entry) for index, entry in self._deposed.items()}
+        """The whole record, for a journal base (restore() takes it): {"deposed": {str(index): record},
+        "taken_back": {str(index): names}}."""
+        return {"deposed": {str(index): dict(entry) for index, entry in self._deposed.items()},
+                "taken_back": {str(index): list(names) for index, names in self._taken_back.items()}}
 
     @guarded
     def restore(self, state: Mapping | None) -> None:
         """Takes export()'s record (None: empty)."""
-        self._deposed = {int(index): dict(entry) for index, entry in (state or {}).items()}
+        state = state or {}
+        self._deposed = {int(index): dict(entry) for index, entry in state.get("deposed", {}).items()}
+        self._taken_back = {int(index): list(names) for index, names in state.get("taken_back", {}).items()}

@@ -5,6 +5,8 @@ owner's lock is a leaf: held inside that owner's own methods, which call no
 other owner, so no thread holds two owners' locks at once, and none takes the
 bookkeeping condition or the gate while holding one.
 
+    promotion    own_promotions.OwnPromotions's lock (ps 0 and ps 1): one promotion of the other's backup
+                 at a time, held across its call to ps 2, which ends within its timeout
     gate         gate.ApplyGate: shared while variables, tables or the step change; alone
                  while a whole state is copied in memory (a checkpoint, a journal compaction), and
                  while a live resize's export takes what leaves out of the store (moves.Moves.export:
@@ -59,7 +61,7 @@ from typing import Callable, TypeVar
 __all__ = ["LOCK_ORDER", "CHECK_ENV", "CHECKING", "LockOrderError", "guarded", "checked", "ranked",
            "check_unlocked"]
 
-LOCK_ORDER = ("gate", "ordering", "receiving", "bookkeeping", "owner", "sums", "compaction", "journal")
+LOCK_ORDER = ("promotion", "gate", "ordering", "receiving", "bookkeeping", "owner", "sums", "compaction", "journal")
 CHECK_ENV = "TORCHPS_LOCK_CHECK"
 CHECKING = os.environ.get(CHECK_ENV, "") not in ("", "0")  # read once: the decorators are applied at import
 _LOGGER = logging.getLogger(__name__)

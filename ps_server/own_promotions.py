@@ -3,18 +3,23 @@ once the tie-breaker (ps 2: deposals.py) granted the deposal of the primary it r
 
 One such promotion at a time. Before it asks ps 2, the arbiter notes the
 ask (the replaced primary's record and the ask's fresh name) as pending; a
-promotion made clears it. Any other outcome (its own record refused the
-promotion, ps 2 did not answer, the record could not be journaled before
-anything changed) leaves a grant ps 2 may hold while that primary still
-serves, unable to promote this arbiter's backup: the arbiter takes it back
-(REINSTATE) at once, and, while it cannot, every TAKE_BACK_SECONDS from a
-thread of its own, as long as its record still names that primary (a later
-ask replaces the pending one: ps 2 keeps the later grant). Pending asks are
-held in memory: an arbiter that stops before it took one back leaves it at
-ps 2 (docs/roadmap.md).
+promotion made clears it. Any other outcome but ps 2's refusal (its own
+record refused the promotion, or ps 2's answer did not come) leaves a grant
+ps 2 may hold while that primary still serves, unable to promote this
+arbiter's backup: the arbiter takes it back (REINSTATE, one attempt) at
+once, and while it cannot, again every TAKE_BACK_SECONDS from a thread of
+its own, as long as its record still names that primary. A new promotion
+of that shard takes back the pending ask first (ServerUnavailableError
+while it cannot: the backup asks again), so ps 2 never keeps one behind a
+later grant. Pending asks are held in memory: an arbiter that stops before
+it took one back leaves it at ps 2 (docs/roadmap.md).
 
-Thread-safe: one lock, held across an ask of ps 2 (each ask ends within its
-timeout), never while this shard's other locks are.
+The deposal gets at least DEPOSE_SECONDS whatever the backup's own deadline
+(its PROMOTE waits a fraction of a second): a promotion decided after the
+backup stopped waiting is answered to its next ask, a repeat.
+
+Thread-safe: one lock ("promotion" in locks.LOCK_ORDER, taken before the
+shard's others), held across a call to ps 2 (each ends within its timeout).
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ import threading
 import uuid
 from typing import Callable
 
-from ..errors import PSError, ServerUnavailableError
+from ..errors import PSError, ReplicaFencedError, ServerUnavailableError
 from .deposals import TIE_BREAKER, Tiebreaker
+from .locks import checked
 from .replicas import ReplicaRegistry
 
-__all__ = ["OwnPromotions", "TAKE_BACK_SECONDS"]
+__all__ = ["OwnPromotions", "TAKE_BACK_SECONDS", "DEPOSE_SECONDS"]
 
 TAKE_BACK_SECONDS = 1.0  # between attempts to take back a grant whose promotion was not made
-ASK_SECONDS = 5.0        # one REINSTATE call, when no caller's deadline bounds it
+DEPOSE_SECONDS = 5.0     # the least a DEPOSE is given, whatever is left of its PROMOTE's deadline
+REINSTATE_SECONDS = 2.0  # one REINSTATE attempt
 _LOGGER = logging.getLogger(__name__)
 Change = Callable[[], tuple]  # makes the promotion in the arbiter's record: (event, journal ticket)
 
@@ -43,40 +50,48 @@ class OwnPromotions:
     def __init__(self, index: int, replicas: ReplicaRegistry):
         self.index, self._replicas = index, replicas
         self.tiebreaker: Tiebreaker | None = None
-        self._lock = threading.Lock()
+        self._lock = checked(threading.Lock(), "promotion", "OwnPromotions._lock")
         self._pending: dict[int, tuple[dict, str]] = {}  # shard -> (the replaced primary's record, the ask's name)
-        self._warned: set[str] = set()  # the asks whose take-back failed once (logged once each)
+        self._warned: set[str] = set()  # the asks whose take-back failed (logged once each)
         self._closed = threading.Event()
 
     def promote(self, shard: int, primary: str, backup: str, copy: str, change: Change,
                 left: Callable[[], float | None]) -> tuple:
         """Promotes `backup` over shard `shard`'s `primary` (its copy `copy`) with `change`, once ps 2 deposed the
         primary replaced; returns change()'s (event, ticket), (None, None) if the record says so already (a
-        retry). Blocks for ps 2's answer within `left()` s. Raises what the record's decide raises, and PSError
-        when ps 2 refuses (ReplicaFencedError: ps 2 records this arbiter deposed) or does not answer; then the
-        record is as it was, and the grant is being taken back. ServerUnavailableError when another promotion
-        of this arbiter's holds the lock past `left()`."""
+        retry). Blocks for ps 2's answer, DEPOSE_SECONDS at least. Raises what the record's decide raises
+        (nothing changed), what change() raises, and PSError when ps 2 refuses (ReplicaFencedError: it put
+        another process of this arbiter's shard in place) or does not answer; a grant ps 2 may hold for a
+        promotion not made is being taken back then. ServerUnavailableError when another promotion of this
+        arbiter's holds the lock past `left()`, or an earlier ask of this shard's cannot be taken back yet."""
         wait = left()
         if not self._lock.acquire(timeout=-1 if wait is None else wait):
             raise ServerUnavailableError(f"ps {self.index} decides another promotion of ps:{shard}'s backup: ask "
                                          f"again")
         try:
+            if shard in self._pending and not self._take_back(shard):
+                raise ServerUnavailableError(f"ps {self.index} cannot take back at ps:{TIE_BREAKER} its earlier "
+                                             f"ask to depose ps:{shard}'s primary yet: ask again")
             replaced = self._replicas.entry(shard)
             if self._replicas.decide("promote", shard, primary, backup, copy=copy) is None:
                 return None, None  # granted already: a retry
             grant = uuid.uuid4().hex[:16]
             self._pending[shard] = (replaced, grant)
             try:
-                self.tiebreaker("depose", shard, replaced["primary"], replaced["failovers"], backup, grant, left())
+                self.tiebreaker("depose", shard, replaced["primary"], replaced["failovers"], backup, grant,
+                                max(left() or 0.0, DEPOSE_SECONDS))
+            except ReplicaFencedError:
+                del self._pending[shard]  # refused: nothing granted
+                raise
+            except PSError:
+                self._take_back(shard)
+                raise
+            try:
                 made = change()
             except PSError:
-                if self._promoted(shard, replaced):  # made, then its record not journaled: the grant holds
-                    self._pending.pop(shard, None)
-                else:
-                    remaining = left()
-                    self._take_back(shard, ASK_SECONDS if remaining is None else max(remaining, 1.0))
+                self._take_back(shard)  # (none if the record moved on: made, then not journaled)
                 raise
-            self._pending.pop(shard, None)
+            del self._pending[shard]
             return made
         finally:
             self._lock.release()
@@ -87,7 +102,7 @@ class OwnPromotions:
             if self._pending and self._lock.acquire(blocking=False):
                 try:
                     for shard in list(self._pending):
-                        self._take_back(shard, ASK_SECONDS)
+                        self._take_back(shard)
                 finally:
                     self._lock.release()
 
@@ -100,28 +115,23 @@ class OwnPromotions:
         """Ends run_take_backs."""
         self._closed.set()
 
-    def _promoted(self, shard: int, replaced: dict) -> bool:
-        """Whether the record moved past the primary `replaced` (holding the lock: only a promotion does)."""
-        now = self._replicas.entry(shard)
-        return (now["primary"], now["failovers"]) != (replaced["primary"], replaced["failovers"])
-
-    def _take_back(self, shard: int, timeout: float) -> None:
-        """(Holding the lock.) One REINSTATE of shard `shard`'s pending ask; it stays pending if ps 2 does not
-        answer."""
+    def _take_back(self, shard: int) -> bool:
+        """(Holding the lock.) One REINSTATE of shard `shard`'s pending ask, unless the record moved past the
+        primary it replaced (a promotion made: the grant holds); True once it is pending no more."""
         replaced, grant = self._pending[shard]
-        if self._promoted(shard, replaced):
-            self._pending.pop(shard)
-            return
-        try:
-            self.tiebreaker("reinstate", shard, "", 0, "", grant, timeout)
-        except PSError as exc:
-            if grant not in self._warned:
-                self._warned.add(grant)
-                _LOGGER.warning("ps %d could not take back at ps:%d its deposal of ps:%d's primary %s, whose "
-                                "promotion it did not make: %s; trying again", self.index, TIE_BREAKER, shard,
-                                replaced["primary"], exc)
-            return
-        self._pending.pop(shard)
+        now = self._replicas.entry(shard)
+        if (now["primary"], now["failovers"]) == (replaced["primary"], replaced["failovers"]):
+            try:
+                self.tiebreaker("reinstate", shard, "", 0, "", grant, REINSTATE_SECONDS)
+            except PSError as exc:
+                if grant not in self._warned:
+                    self._warned.add(grant)
+                    _LOGGER.warning("ps %d could not take back at ps:%d its deposal of ps:%d's primary %s, whose "
+                                    "promotion it did not make: %s; trying again", self.index, TIE_BREAKER, shard,
+                                    replaced["primary"], exc)
+                return False
+            _LOGGER.info("ps %d took back at ps:%d its deposal of ps:%d's primary %s", self.index, TIE_BREAKER,
+                         shard, replaced["primary"])
+        del self._pending[shard]
         self._warned.discard(grant)
-        _LOGGER.info("ps %d took back at ps:%d its deposal of ps:%d's primary %s", self.index, TIE_BREAKER, shard,
-                     replaced["primary"])
+        return True

@@ -264,7 +264,7 @@ class TiebreakerLink:
 
     def __init__(self, coordinator: Coordinator, me: str, security: Security):
         self._coordinator, self._me, self._security = coordinator, me, security
-        self._made: list = []  # [(the addresses they were made for, ShardChannels)], made at the first ask
+        self._made: tuple | None = None  # (the addresses they were made for, ShardChannels), made at the first ask
         self._lock = threading.Lock()
 
     def __call__(self, action: str, index: int, primary: str, failovers: int, successor: str, grant: str,
@@ -281,15 +281,16 @@ class TiebreakerLink:
         """The channels to the layout's first three shards, each where this arbiter's own record says it is."""
         addresses = list(self._coordinator.layout.layout()[1][:TIE_BREAKER + 1])
         with self._lock:
-            if self._made and self._made[0][0] != addresses:  # a resize put another ps 2 (or ps 0, ps 1) there
-                self._made.pop()[1].close()
-            if not self._made:
+            if self._made is not None and self._made[0] != addresses:  # a resize put another ps 2 (or ps 0, 1) there
+                self._made[1].close()
+                self._made = None
+            if self._made is None:
                 from ..client.channels import ShardChannels  # an arbiter's calls to the tie-breaker are a client's
 
                 channels = ShardChannels(addresses, connect_timeout=ARBITER_TIMEOUT_SECONDS, security=self._security)
                 channels.follows_failovers = True
-                self._made.append((addresses, channels))
-            channels = self._made[0][1]
+                self._made = (addresses, channels)
+            channels = self._made[1]
         for shard, entry in self._coordinator.replicas.entries():  # where this arbiter's own record says they moved
             if shard <= TIE_BREAKER and entry["primary"]:
                 channels.redirect(shard, entry["primary"])
@@ -297,6 +298,6 @@ class TiebreakerLink:
 
     def close(self) -> None:
         with self._lock:
-            for _, channels in self._made:
-                channels.close()
-            self._made.clear()
+            if self._made is not None:
+                self._made[1].close()
+            self._made = None

@@ -68,18 +68,26 @@ def test_an_older_deposal_is_refused_and_changes_nothing():
     assert record.deposed(1)["failovers"] == 2
 
 
-def test_a_reinstatement_takes_back_only_the_ask_it_names_and_brings_back_the_record_before():
+def test_a_reinstatement_takes_back_only_the_ask_it_names_and_brings_back_the_deposal_before():
     record = Deposals()
     deposed(record, 1, "h:1", 0, "b:1", "h:0", "first")
     deposed(record, 1, "b:1", 1, "c:1", "h:0", "second")
     deposed(record, 1, "b:1", 1, "c:1", "h:0", "again")                  # a repeat under a new name
-    assert record.decide("reinstate", 1, "second") is None               # a late take-back of an earlier ask
+    record.apply(record.decide("reinstate", 1, "second"))                # a late take-back of an earlier ask
     assert record.deposed(1)["successor"] == "c:1"
     record.apply(record.decide("reinstate", 1, "again"))
     assert (record.deposed(1)["primary"], record.deposed(1)["successor"]) == ("h:1", "b:1")
     record.apply(record.decide("reinstate", 1, "first"))
-    assert record.deposed(1)["primary"] == "" and record.decide("reinstate", 1, "first") is None
+    assert record.deposed(1)["primary"] == "" and record.decide("reinstate", 1, "first") is None  # a repeat
     assert deposed(record, 0, "h:0", 0, "b:0", "h:1") is not None        # ps 1 may depose ps 0 again
+
+
+def test_a_deposal_that_reaches_ps_2_after_its_take_back_is_refused():
+    record = Deposals()
+    record.apply(record.decide("reinstate", 1, "late"))                  # nothing to take back yet: noted
+    with pytest.raises(ReplicaFencedError, match="taken back already"):
+        record.decide("depose", 1, "late", "h:1", 0, "b:1", "h:0")
+    assert record.deposed(1)["primary"] == ""
 
 
 @pytest.mark.parametrize("action, index, grant, primary, successor, asker, match", [
@@ -95,7 +103,7 @@ def test_malformed_asks_are_refused_and_change_nothing(action, index, grant, pri
     record = Deposals()
     with pytest.raises(InvalidArgumentError, match=match):
         record.decide(action, index, grant, primary, 0, successor, asker)
-    assert record.export() == {}
+    assert record.export() == Deposals().export()
 
 
 def test_the_record_survives_export_restore_and_replay():
@@ -108,7 +116,9 @@ def test_the_record_survives_export_restore_and_replay():
     restored.restore(record.export())
     for event in events:
         replayed.apply(event)
-    assert restored.export() == replayed.export() == record.export() and set(record.export()) == {"0", "1"}
+    assert restored.export() == replayed.export() == record.export()
+    assert set(record.export()["deposed"]) == {"0", "1"}
+    assert record.export()["taken_back"] == {"1": [events[-1]["grant"]]}
 
 
 class Job:
@@ -215,6 +225,33 @@ def test_a_grant_whose_answer_was_lost_is_taken_back_once_ps_2_answers_again(job
     wait_until(lambda: job.shards[0].own_promotions.pending() == {}, 10, "ps 0 to take its grant back")
     assert ps2.deposals.deposed(1)["primary"] == ""
     assert job.promote(1)["primary"] == "b:0"
+
+
+def test_a_new_promotion_takes_back_the_ask_left_pending_before_it_deposes(job):
+    """ps 0's ask went unanswered (ps 2 granted it) and could not be taken back: before ps 0 asks again, it
+    takes that grant back, so ps 2 keeps no deposal behind the new one."""
+    ps2, answering = job.shards[2], threading.Event()
+    job.shards[0].own_promotions.close()  # no take-back from its thread: the next promotion's own
+    real = job.shards[0].own_promotions.tiebreaker
+
+    def tiebreaker(action, index, primary, failovers, successor, grant, timeout):
+        if action == "reinstate" and not answering.is_set():
+            raise ServerUnavailableError("ps 2 cannot be reached")
+        answer = real(action, index, primary, failovers, successor, grant, timeout)
+        if not answering.is_set():
+            raise ServerUnavailableError("ps 2's answer was lost")
+        return answer
+
+    job.shards[0].own_promotions.tiebreaker = tiebreaker
+    with pytest.raises(ServerUnavailableError):
+        job.promote(0)
+    (first,) = job.shards[0].own_promotions.pending().values()
+    assert ps2.deposals.deposed(1)["grant"] == first
+    answering.set()
+    assert job.promote(0)["primary"] == "b:1"
+    record = ps2.deposals.export()
+    assert record["taken_back"] == {"1": [first]} and record["deposed"]["1"]["before"] is None
+    assert job.shards[0].own_promotions.pending() == {}
 
 
 def test_a_retried_promotion_asks_the_tie_breaker_nothing_more(job):
