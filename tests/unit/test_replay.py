@@ -1,7 +1,7 @@
-"""Recovery runs the live code (ps_server/replay.py): two journaled shards go through every kind of record a
+"""Recovery runs the live code (ps_server/replay.py): three journaled shards go through every kind of record a
 journal holds, and fresh shards that replay their journals end in the state the live ones had: values,
 versions, optimizer state, step, hyperparameters, push ledger, pending sums, tables, data queues, members,
-quorum, layout and resize. No sockets."""
+quorum, layout, resize, the arbiters' record and the tie-breaker's. No sockets."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ from torchps.ps_server.tables import RowGradient
 
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]  # never called: the shards are driven directly
 PLACEMENT = {"a": 0, "b": 1, "c": 1}
-KINDS = set(changes(coordinator=None, pushes=None, step=None, book=None, queues=None, moves=None, replicas=None))
+KINDS = set(changes(coordinator=None, pushes=None, step=None, book=None, queues=None, moves=None, replicas=None,
+                    deposals=None))
 D = 3
 
 
 def shard(directory: pathlib.Path, index: int) -> Coordinator:
-    """Shard `index` of two, recovered from (or started with) the journal in `directory`."""
+    """Shard `index` of ADDRESSES' two (ps 2: their tie-breaker), recovered from (or started with) the journal in
+    `directory`."""
     c = Coordinator(VariableStore(), owns_step=index == 0, index=index, addresses=ADDRESSES, start=False)
     recover(c, Journal(directory, compact_factor=0, min_compact_bytes=1 << 30), None)
     return c
@@ -143,15 +145,18 @@ def sync_kinds(ps1: Coordinator) -> None:
 
 
 def test_every_kind_of_record_replays_to_the_state_the_live_shards_had(tmp_path):
-    folders = [tmp_path / "ps0", tmp_path / "ps1"]
-    ps0, ps1 = (shard(folder, index) for index, folder in enumerate(folders))
+    folders = [tmp_path / "ps0", tmp_path / "ps1", tmp_path / "ps2"]
+    shards = [shard(folder, index) for index, folder in enumerate(folders)]
+    ps0, ps1, ps2 = shards
     async_kinds(ps0, ps1)
     sync_kinds(ps1)
-    for each in (ps0, ps1):  # every record queued is written (the hold's end is queued as it ends in memory,
+    ps2.set_replica("depose", 1, ADDRESSES[1], "127.0.0.1:3", 10, failovers=0, asker=ADDRESSES[0], grant="first")
+    ps2.set_replica("reinstate", 0, "", "", 10, grant="late")  # a take-back ahead of its ask: noted
+    for each in shards:  # every record queued is written (the hold's end is queued as it ends in memory,
         each.recorder.durable_all(10)  # which is all the scenario waits for; a loaded machine writes it later)
-    expected = [observed(ps0), observed(ps1)]
-    ps0.close()
-    ps1.close()
+    expected = [observed(each) for each in shards]
+    for each in shards:
+        each.close()
     recorded = {record.kind for folder in folders for record in Journal(folder).recover()[1]}
     assert recorded == KINDS, "the scenario makes every kind of record replay.py knows"
 
