@@ -146,6 +146,11 @@ def _guard_line(status) -> str:
 
 
 def _serve(args: argparse.Namespace, security) -> int:
+    if security.lacks_line(args.task):
+        print(f"ps-serve: error: the token table (--token-file) has no line for {args.task}, whose token this "
+              f"replica reads the shards with: give it one (ps-certs DIR --add {args.task}=HOST:PORT) and start it "
+              f"again", file=sys.stderr)
+        return 2
     import torch
 
     from ..cluster import Cluster

@@ -236,6 +236,19 @@ def test_a_replica_refuses_bad_requests_and_what_a_callers_role_may_not_do(local
         _stop(proc)
 
 
+def test_a_replica_whose_line_the_token_table_lacks_says_so_and_exits_2(tmp_path):
+    """ps-serve with a token table that has no line for its --task would call the shards with no token of its
+    own: it refuses to start (exit 2), naming the line and how to add it."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("chief:0 chief chief-token\nworker:0 worker worker-token\n")
+    (port,) = free_ports(1)
+    done = subprocess.run([sys.executable, "-m", "torchps.serving.daemon", "--cluster",
+                           json.dumps({"ps": ["127.0.0.1:1"]}), "--bind", f"127.0.0.1:{port}", "--token-file",
+                           str(tokens)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "has no line for serving:0" in done.stderr and "ps-certs DIR --add serving:0=HOST:PORT" in done.stderr
+
+
 def test_a_replica_with_the_credentials_ps_certs_adds_serves_a_tls_job_and_may_only_read(local_cluster, tmp_path):
     """`ps-certs DIR --cluster ...`, then `ps-certs DIR --add serving:0=HOST:PORT` (docs/guide/serving.md): the
     replica's certificate (role serving) and the shards' token table; it serves mutual TLS, reads the shard,
