@@ -2,7 +2,7 @@
 
 Every line of the page's ```text blocks is one message as a program prints it, `<...>` standing for what
 varies (a path, a number, a part left out). Each fixed part between placeholders of at least MIN_CHARS
-characters must be made of the string literals of torchps/, ps_server/, client/ and worker/ (docstrings
+characters must be made of the string literals of torchps/, ps_server/, client/, worker/ and serving/ (docstrings
 aside): a substring of one literal, or pieces of literals joined where a literal or one of its format fields
 (f-string fields, %-style directives) ends, as "ps-server: error: " + "no shard index: ..." are; such pieces
 are MIN_PIECE characters long on average, and a whole literal between two others is a joint (". ") or a value
@@ -19,7 +19,7 @@ import re
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "troubleshooting.md"
-CODE = ("torchps", "ps_server", "client", "worker")
+CODE = ("torchps", "ps_server", "client", "worker", "serving")
 GENERATED = REPO / "torchps" / "proto"
 MIN_CHARS = 15  # shorter fixed parts (", ", " s (") are in any code: they prove nothing
 PLACEHOLDER = re.compile(r"<[^<>]*>")
