@@ -465,12 +465,12 @@ class Backup:
         self._ps0.close()
 
 
-def arbiter_channels(spec: tuple[str, ...], timeout: float, security: Security):
-    """Channels to the first two shards of the job's cluster spec `spec` (the arbiters), each followed to where
-    it is served after its own failover."""
+def arbiter_channels(spec: tuple[str, ...] | list[str], timeout: float, security: Security, shards: int = 2):
+    """Channels to the first `shards` shards of the job's cluster spec or layout `spec` (two: the arbiters; three:
+    ps 2, their tie-breaker, too), each followed to where it is served after its own failover."""
     from ..client.channels import ShardChannels
 
-    channels = ShardChannels(list(spec[:2]), connect_timeout=timeout, security=security)
+    channels = ShardChannels(list(spec[:shards]), connect_timeout=timeout, security=security)
     channels.follows_failovers = True
     return channels
 

@@ -21,6 +21,7 @@ from ..errors import MalformedStreamError, ServerUnavailableError
 from ..proto import ps_pb2
 from ..security import Security
 from .auth import aborting
+from .backup import arbiter_channels
 from .coordinator import Coordinator
 from .deposals import ACTIONS as DEPOSAL_ACTIONS, TIE_BREAKER
 from .replicas import ACTIONS
@@ -237,11 +238,7 @@ def arbiter_for(coordinator: Coordinator, index: int, addresses: tuple[str, ...]
     def ask(action: str, shard: int, primary: str, backup: str, timeout: float = ARBITER_TIMEOUT_SECONDS,
             changes: int | None = None, copy: str = "") -> dict:
         if not channels:
-            from ..client.channels import ShardChannels  # a shard's calls to its arbiter are a client's
-
-            channels.append(ShardChannels(list(addresses[:2]), connect_timeout=ARBITER_TIMEOUT_SECONDS,
-                                          security=security))
-            channels[0].follows_failovers = True
+            channels.append(arbiter_channels(addresses, ARBITER_TIMEOUT_SECONDS, security))
         if coordinator.replicas is not None:  # ps 0 and ps 1 record each other: the arbiter is where this one's
             served = coordinator.replicas.entry(arbiter)["primary"]  # record says (ps 0 moved, the spec's address
             if served:                                               # of ps 0 cannot say where ps 1 went)
@@ -285,11 +282,8 @@ class TiebreakerLink:
                 self._made[1].close()
                 self._made = None
             if self._made is None:
-                from ..client.channels import ShardChannels  # an arbiter's calls to the tie-breaker are a client's
-
-                channels = ShardChannels(addresses, connect_timeout=ARBITER_TIMEOUT_SECONDS, security=self._security)
-                channels.follows_failovers = True
-                self._made = (addresses, channels)
+                self._made = (addresses, arbiter_channels(addresses, ARBITER_TIMEOUT_SECONDS, self._security,
+                                                          TIE_BREAKER + 1))
             channels = self._made[1]
         for shard, entry in self._coordinator.replicas.entries():  # where this arbiter's own record says they moved
             if shard <= TIE_BREAKER and entry["primary"]:
