@@ -7,8 +7,9 @@ round left: a table without one, or one its shard can no longer answer from
 its log, comes whole), then the dense variables if due, then ps 0 its step.
 The version it publishes holds every change acknowledged before the round
 began (`fresh_at`: what the replica's staleness counts from) and is labelled
-with the step ps 0 had reached after the reads, so no change of a later
-step is in it (a rollback to a step goes back to before every later one). A round that fails (a shard unreachable, a failover under way) leaves
+with the step ps 0 had reached after the reads. A push in flight during the
+round (applied by some shards, not yet counted by ps 0) may be in it in
+part, under the step before its own. A round that fails (a shard unreachable, a failover under way) leaves
 the current version as it was, says why in `error`, and is tried again at
 the next tick; the cursors move only with a published round. While the
 replica is held (hold, rollback) nothing is read; after a rollback every
