@@ -114,12 +114,14 @@ class Coordinator:
         # ps 2's record of the deposed primaries of ps 0 and ps 1, each the other's arbiter (deposals.py), and
         # their promotions of each other's backups through it (own_promotions.py)
         self.deposals = Deposals() if index == TIE_BREAKER else None
-        self.own_promotions = OwnPromotions(index, self.replicas) if self.replicas is not None else None
+        self.own_promotions = OwnPromotions(index, self.replicas, self._log_ask) if self.replicas is not None \
+            else None
         self._index, self._spec_shards = index, len(addresses)
         self.recorder = Recorder(self.gate, lambda then: state_of(book, store, self.tables, self.queues,
                                                                   with_pending=True, then=then,
                                                                   layout=self.layout, resize=self.resizes,
-                                                                  replicas=self.replicas, deposals=self.deposals))
+                                                                  replicas=self.replicas, deposals=self.deposals,
+                                                                  asks=self.own_promotions))
         self._book = book = Bookkeeping(store, self.recorder, clock, membership, owns_step=owns_step)
         self.membership, self.ledger, self.pending = book.membership, book.ledger, book.pending
         self.saves = Saves(book, self.gate, self.waits, self._checkpoint_state)
@@ -134,7 +136,7 @@ class Coordinator:
                                 step=functools.partial(replay_step, book, self.gate, self.tables),
                                 queues=self.queue_desk.replay, moves=self.moves.replay,
                                 replicas=self._replay_replica,
-                                deposals=self._replay_deposal)  # what replay() runs
+                                deposals=self._replay_deposal, asks=self._replay_ask)  # what replay() runs
         self._started = False         # threads run; before that, restore() and replay() rebuild the state
         self.failstop = failstop or FailStop()
         self._reaper = self.failstop.thread(reap, book, name="lease-reaper")
@@ -373,6 +375,8 @@ class Coordinator:
                 self.replicas.restore(state.get("replicas"))
             if self.deposals is not None and exact:  # its own journal's: a new job's processes were never deposed
                 self.deposals.restore(state.get("deposed"))
+            if self.own_promotions is not None and exact:  # (nor asked for)
+                self.own_promotions.restore(state.get("asks"))
             self._start_applier()
 
     def set_replica(self, action: str, index: int, primary: str, backup: str, timeout: float | None = None,
@@ -485,6 +489,13 @@ class Coordinator:
         self._durable(index, event, ticket, True, left, released)
         return self.deposals.deposed(index)
 
+    def _log_ask(self, event: dict, timeout: float | None) -> None:
+        """OwnPromotions' log: applies and journals one ask's event; waits `timeout` s for its record (None:
+        does not wait)."""
+        _, ticket = self._change(self.own_promotions, "ask", lambda: event)
+        if timeout is not None:
+            self.recorder.durable(ticket, timeout)
+
     def _outlast_lease(self, index: int, primary: str, backup: str, copy: str, timeout: float | None) -> None:
         """A PROMOTE asked while the primary's lease still holds waits once for what is left of it, if that ends
         well within `timeout` (the lease's last renewal may have followed the backup's last frame by a renewal's
@@ -505,6 +516,12 @@ class Coordinator:
             raise ValueError(f"a tie-breaker's record in ps {self._index}'s journal: only ps {TIE_BREAKER} keeps one "
                              f"(is this another shard's journal folder?)")
         self.deposals.apply(meta)
+
+    def _replay_ask(self, kind: str, meta: dict, tensors: dict) -> None:
+        if self.own_promotions is None:
+            raise ValueError(f"an arbiter's ask of ps:{TIE_BREAKER} in ps {self._index}'s journal, which keeps no "
+                             f"record of replicas (is this another shard's journal folder?)")
+        self.own_promotions.apply(meta)
 
     def replay(self, record) -> bool:
         """Makes the change of one journal record (journal.Record) again during recovery, before start(), with
@@ -676,13 +693,15 @@ class Coordinator:
         kept on SSD are re-laid out (Moves.check_saveable)."""
         self.moves.check_saveable()
         return state_of(self._book, self.store, self.tables, self.queues, with_pending=False, layout=self.layout,
-                        resize=self.resizes, replicas=self.replicas, deposals=self.deposals)
+                        resize=self.resizes, replicas=self.replicas, deposals=self.deposals,
+                        asks=self.own_promotions)
 
     def state(self, *, with_pending: bool) -> dict:
         """The whole state now (takes the apply gate alone while it copies)."""
         with self.gate.snapshot():
             return state_of(self._book, self.store, self.tables, self.queues, with_pending=with_pending,
-                            layout=self.layout, resize=self.resizes, replicas=self.replicas, deposals=self.deposals)
+                            layout=self.layout, resize=self.resizes, replicas=self.replicas, deposals=self.deposals,
+                            asks=self.own_promotions)
 
     @staticmethod
     def _check_step(step: int, what: str) -> None:

@@ -6,7 +6,9 @@ other owner, so no thread holds two owners' locks at once, and none takes the
 bookkeeping condition or the gate while holding one.
 
     promotion    own_promotions.OwnPromotions's lock (ps 0 and ps 1): one promotion of the other's backup
-                 at a time, held across its call to ps 2, which ends within its timeout
+                 at a time, held across its ask's journal record and its call to ps 2, each of which ends
+                 within its timeout (the one lock held while waiting for the disk: it serializes
+                 promotions and take-backs only, and no other lock is taken waiting for it)
     gate         gate.ApplyGate: shared while variables, tables or the step change; alone
                  while a whole state is copied in memory (a checkpoint, a journal compaction), and
                  while a live resize's export takes what leaves out of the store (moves.Moves.export:
@@ -28,7 +30,7 @@ bookkeeping condition or the gate while holding one.
     compaction   recording.Recorder's lock: whether a compaction runs
     journal      journal.Journal's queue: a record is queued (never written: the journal's thread writes)
 
-No lock of these is held while the shard writes to disk: the journal's
+No lock of these but the promotion lock is held while the shard writes to disk: the journal's
 thread writes records holding none; a caller waits for its record
 (Recorder.durable) holding none; a compaction copies the state under the
 gate alone and writes the base after letting go of it, as a checkpoint does.
@@ -113,11 +115,13 @@ def ranked(rank: str, name: str) -> Callable[[F], F]:
 
 
 def check_unlocked(what: str) -> None:
-    """When checking: LockOrderError if this thread holds a lock of LOCK_ORDER while it does `what` (waits
-    for or writes to the disk)."""
-    if CHECKING and _stack():
-        raise _violation(f"thread {threading.current_thread().name!r} {what} holding {_names(_stack())}: no "
-                             f"lock of locks.LOCK_ORDER is held while waiting for or writing to the disk")
+    """When checking: LockOrderError if this thread holds a lock of LOCK_ORDER but the promotion lock while it
+    does `what` (waits for or writes to the disk)."""
+    held = [entry for entry in _stack() if entry.rank != "promotion"] if CHECKING else []
+    if held:
+        raise _violation(f"thread {threading.current_thread().name!r} {what} holding {_names(held)}: no "
+                             f"lock of locks.LOCK_ORDER but the promotion lock is held while waiting for or "
+                             f"writing to the disk")
 
 
 # -- the checker ---------------------------------------------------------------------------------------------

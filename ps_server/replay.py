@@ -16,6 +16,7 @@ the one function that made its change live, called as the live path calls it
     resize, table_export, table_import
     replica                                         replicas.ReplicaRegistry.apply (ps 0's and ps 1's)
     deposal                                         deposals.Deposals.apply (ps 2's)
+    ask                                             own_promotions.OwnPromotions.apply (ps 0's and ps 1's)
     finish                                          none: the job ended (server.recover begins a new one)
 
 This module only dispatches, after decoding again the compressed gradients
@@ -42,12 +43,12 @@ Change = Callable[[str, dict, dict], object]  # (kind, meta, tensors): one recor
 
 
 def changes(*, coordinator: Change, pushes: Change, step: Change, book: Change, queues: Change, moves: Change,
-            replicas: Change, deposals: Change) -> dict[str, Change]:
+            replicas: Change, deposals: Change, asks: Change) -> dict[str, Change]:
     """{kind of record: what makes it again}, from each owner's replay entry (see the module docstring)."""
     return {**dict.fromkeys(("configure", "create", "hyperparams", "tables", "admit"), coordinator),
             **dict.fromkeys(("apply", "add"), pushes), "step": step, **dict.fromkeys(("set_step", "member"), book),
             "queue": queues, **dict.fromkeys(MOVE_KINDS, moves), "replica": replicas,
-            "deposal": deposals}
+            "deposal": deposals, "ask": asks}
 
 
 def replay(record: Record, made_by: Mapping[str, Change], store: VariableStore) -> bool:

@@ -25,6 +25,7 @@ from . import table_state
 from .bookkeeping import Bookkeeping
 from .dataqueue import DataQueues
 from .deposals import Deposals
+from .own_promotions import OwnPromotions
 from .gate import ApplyGate
 from .layout import ShardLayout
 from .replicas import ReplicaRegistry
@@ -39,14 +40,16 @@ __all__ = ["state_of", "Saves"]
 def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues: DataQueues, *,
              with_pending: bool, then: Callable[[], object] | None = None,
              layout: ShardLayout | None = None, resize: ResizeOwner | None = None,
-             replicas: ReplicaRegistry | None = None, deposals: Deposals | None = None) -> dict:
+             replicas: ReplicaRegistry | None = None, deposals: Deposals | None = None,
+             asks: OwnPromotions | None = None) -> dict:
     """A copy of the shard's state (call under the apply gate taken alone; the copy is the caller's, to use
     after leaving it); `then()` runs at the same instant, under the bookkeeping condition (a journal
     rotation), its value under the key "then". The data queues (dynamic sharding: queue_desk.py) are taken
     at that instant too, consistent with the push ledger. `layout`: the shard's layout epoch and exports
     (live resize), kept with the state; `resize`: ps 0's record of the job's resizes (resizes.py);
     `replicas`: ps 0's record of which address serves each replicated shard (replicas.py); `deposals`: ps 2's
-    record of the deposed primaries of ps 0 and ps 1 (deposals.py)."""
+    record of the deposed primaries of ps 0 and ps 1 (deposals.py); `asks`: an arbiter's asks of ps 2 not yet
+    settled (own_promotions.py)."""
     variables = store.snapshot()
     table_section = table_state.section(tables)
     kept = book.export(with_pending=with_pending,
@@ -59,7 +62,8 @@ def state_of(book: Bookkeeping, store: VariableStore, tables: TableStore, queues
             **({"layout": layout.export()} if layout is not None and layout.epoch else {}),
             **({"resize": resize.export()} if resize is not None and resize.state()["id"] else {}),
             **({"replicas": record} if replicas is not None and (record := replicas.export()) else {}),
-            **({"deposed": deposed} if deposals is not None and (deposed := deposals.export()) else {}), **kept}
+            **({"deposed": deposed} if deposals is not None and (deposed := deposals.export()) else {}),
+            **({"asks": pending} if asks is not None and (pending := asks.export()) else {}), **kept}
 
 
 class Saves:

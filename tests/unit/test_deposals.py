@@ -10,6 +10,8 @@ import pytest
 from torchps.errors import InvalidArgumentError, ReplicaFencedError, ServerUnavailableError
 from torchps.ps_server.coordinator import Coordinator
 from torchps.ps_server.deposals import Deposals
+from torchps.ps_server.journal import Journal
+from torchps.ps_server.server import recover
 from torchps.ps_server.store import VariableStore
 
 from helpers import wait_until
@@ -121,12 +123,21 @@ def test_the_record_survives_export_restore_and_replay():
     assert record.export()["taken_back"] == {"1": [events[-1]["grant"]]}
 
 
-class Job:
-    """ps 0, ps 1 and ps 2's coordinators (no journals), ps 0 and ps 1 each with a backup in sync recorded by
-    the other, the arbiters reaching ps 2 through `answer` (ps 2 itself, unless a test stands in for it)."""
+def journaled(folder, index: int) -> Coordinator:
+    """Shard `index` of SPEC, recovered from (or started with) the journal in `folder`."""
+    shard = Coordinator(VariableStore(), owns_step=index == 0, index=index, addresses=SPEC, start=False)
+    recover(shard, Journal(folder, compact_factor=0, min_compact_bytes=1 << 30), None)
+    return shard
 
-    def __init__(self):
-        self.shards = [Coordinator(VariableStore(), owns_step=index == 0, index=index, addresses=SPEC)
+
+class Job:
+    """ps 0, ps 1 and ps 2's coordinators (no journals, but ps 0's in `folder` if given), ps 0 and ps 1 each
+    with a backup in sync recorded by the other, the arbiters reaching ps 2 through `answer` (ps 2 itself,
+    unless a test stands in for it)."""
+
+    def __init__(self, folder=None):
+        self.shards = [journaled(folder, 0) if folder is not None and index == 0 else
+                       Coordinator(VariableStore(), owns_step=index == 0, index=index, addresses=SPEC)
                        for index in range(3)]
         self.shards[0].set_replica("in_sync", 1, "h:1", "b:1")
         self.shards[1].set_replica("in_sync", 0, "h:0", "b:0")
@@ -259,3 +270,44 @@ def test_a_retried_promotion_asks_the_tie_breaker_nothing_more(job):
     job.before_answer = lambda asker, action: asked.append((asker, action))
     assert job.promote(0)["failovers"] == 1 and job.promote(0)["failovers"] == 1
     assert asked == [("h:0", "depose")]
+
+
+def test_an_arbiter_that_stops_with_an_ask_pending_takes_it_back_once_it_serves_again(tmp_path):
+    """ps 2 granted ps 0's deposal of ps 1's primary, its answer was lost, and ps 0 stopped before it could take
+    the grant back. ps 0 recovered from its journal (as its backup, promoted, does from its copy) finds the ask
+    and takes the grant back, so ps 1 can promote ps 0's backup (without the ask's record, never)."""
+    job = Job(tmp_path / "ps0")
+    try:
+        ps2 = job.shards[2]
+
+        def unanswered(action, index, primary, failovers, successor, grant, timeout):
+            if action == "depose":  # granted, its answer lost
+                ps2.set_replica(action, index, primary, successor, timeout, failovers=failovers, asker="h:0",
+                                grant=grant)
+            raise ServerUnavailableError("ps 2 cannot be reached")
+
+        job.shards[0].own_promotions.tiebreaker = unanswered
+        with pytest.raises(ServerUnavailableError):
+            job.promote(0)
+        (grant,) = job.shards[0].own_promotions.pending().values()
+        assert ps2.deposals.deposed(1)["grant"] == grant
+        job.shards[0].close()  # stops with its ask pending
+        job.shards[0] = back = journaled(tmp_path / "ps0", 0)
+        assert back.own_promotions.pending() == {1: grant} and back.replicas.entry(1)["primary"] == "h:1"
+        back.own_promotions.tiebreaker = job._link("h:0")
+        wait_until(lambda: back.own_promotions.pending() == {}, 10, "the recovered ps 0 to take its grant back")
+        assert ps2.deposals.deposed(1)["primary"] == "" and ps2.deposals.export()["taken_back"] == {"1": [grant]}
+        assert job.promote(1)["primary"] == "b:0"
+    finally:
+        job.close()
+
+
+def test_a_promotion_made_clears_its_ask_in_the_journal_too(tmp_path):
+    job = Job(tmp_path / "ps0")
+    try:
+        assert job.promote(0)["primary"] == "b:1"
+        job.shards[0].close()
+        job.shards[0] = back = journaled(tmp_path / "ps0", 0)
+        assert back.own_promotions.pending() == {} and back.replicas.entry(1)["primary"] == "b:1"
+    finally:
+        job.close()

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+import pytest
 import torch
 
 from helpers import wait_until
 from torchps import compression
+from torchps.errors import ServerUnavailableError
 from torchps.proto import ps_pb2
 from torchps.ps_server.coordinator import Coordinator
 from torchps.ps_server.dataqueue import QueueSpec
@@ -25,7 +27,7 @@ from torchps.ps_server.tables import RowGradient
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]  # never called: the shards are driven directly
 PLACEMENT = {"a": 0, "b": 1, "c": 1}
 KINDS = set(changes(coordinator=None, pushes=None, step=None, book=None, queues=None, moves=None, replicas=None,
-                    deposals=None))
+                    deposals=None, asks=None))
 D = 3
 
 
@@ -144,6 +146,23 @@ def sync_kinds(ps1: Coordinator) -> None:
     assert ps1.layout.export()["released"] == [step + 2, 4]  # held after the half-summed step, then ended
 
 
+def unanswered_ask(ps1: Coordinator, ps2: Coordinator) -> None:
+    """ps 1 promotes ps 0's backup through ps 2 (own_promotions.py), which grants it but is not heard from
+    again: ps 1 keeps the ask pending (an "ask" record), to take back."""
+    def tiebreaker(action, index, primary, failovers, successor, grant, timeout):
+        if action == "depose":
+            ps2.set_replica(action, index, primary, successor, timeout, failovers=failovers, asker="127.0.0.1:3",
+                            grant=grant)  # (the process ps 2 put in ps 1's place: ps 2 refuses ps 1's first)
+        raise ServerUnavailableError("ps 2 cannot be reached")
+
+    ps1.set_replica("in_sync", 0, ADDRESSES[0], "127.0.0.1:4")
+    ps1.own_promotions.tiebreaker = tiebreaker
+    with pytest.raises(ServerUnavailableError):
+        ps1.own_promotions.promote(0, ADDRESSES[0], "127.0.0.1:4", "", lambda: ps1._change_replica(
+            "promote", 0, ADDRESSES[0], "127.0.0.1:4", None, ""), lambda: 10.0)
+    assert ps1.own_promotions.pending() and ps1.replicas.entry(0)["primary"] == ADDRESSES[0]
+
+
 def test_every_kind_of_record_replays_to_the_state_the_live_shards_had(tmp_path):
     folders = [tmp_path / "ps0", tmp_path / "ps1", tmp_path / "ps2"]
     shards = [shard(folder, index) for index, folder in enumerate(folders)]
@@ -152,6 +171,7 @@ def test_every_kind_of_record_replays_to_the_state_the_live_shards_had(tmp_path)
     sync_kinds(ps1)
     ps2.set_replica("depose", 1, ADDRESSES[1], "127.0.0.1:3", 10, failovers=0, asker=ADDRESSES[0], grant="first")
     ps2.set_replica("reinstate", 0, "", "", 10, grant="late")  # a take-back ahead of its ask: noted
+    unanswered_ask(ps1, ps2)
     for each in shards:  # every record queued is written (the hold's end is queued as it ends in memory,
         each.recorder.durable_all(10)  # which is all the scenario waits for; a loaded machine writes it later)
     expected = [observed(each) for each in shards]
