@@ -49,7 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from torchps.cluster import arbiter_of
 
-from helpers import free_port, free_ports, mnist5k_installed
+from helpers import free_port, free_ports, mnist5k_installed, wait_until
 from test_launch import environ
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -531,6 +531,13 @@ def health(port: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def health_once_serving(port: int, what: str) -> str:
+    """health()'s answer once it is SERVING (AssertionError if it is not within 30 s): a shard logs that it
+    serves (what wait_for(SERVING) sees) just before it marks itself SERVING."""
+    return wait_until(lambda: (status := health(port)) == "SERVING" and status, 30, f"{what}'s probe to answer "
+                      f"SERVING")
+
+
 def scrape(port: int) -> set[str]:
     """The metric names a Prometheus scrape of 127.0.0.1:port/metrics finds: families and their samples."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
@@ -580,7 +587,8 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
             task.start()
         for task in shards:
             task.wait_for(SERVING)
-        statuses = {f"ps-{t.pod.index}": health(t.ports["--health-port"]) for t in shards}
+        statuses = {f"ps-{t.pod.index}": health_once_serving(t.ports["--health-port"], t.pod.name)
+                    for t in shards}
         for task in others:
             task.start()
         job_over = threading.Event()
@@ -600,7 +608,8 @@ def play(pods: list[Pod], node: Node, local: dict[str, list[str]], cwd: pathlib.
         victim.start()  # restartPolicy OnFailure: the same command, in the same pod
         recovered = int(victim.wait_for(RECOVERED)[1])
         victim.wait_for(SERVING)
-        statuses[f"ps-{victim.pod.index} restarted"] = health(victim.ports["--health-port"])
+        statuses[f"ps-{victim.pod.index} restarted"] = health_once_serving(victim.ports["--health-port"],
+                                                                                 victim.pod.name)
         scaled = scale(tasks, node, cwd) if scale is not None else {}
         while stopped:
             os.kill(stopped.pop().proc.pid, signal.SIGCONT)
