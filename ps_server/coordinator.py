@@ -491,10 +491,12 @@ class Coordinator:
 
     def _log_ask(self, event: dict, timeout: float | None) -> None:
         """OwnPromotions' log: applies and journals one ask's event; waits `timeout` s for its record (None:
-        does not wait)."""
+        does not wait), written by this shard's backup too unless that backup is lost: as the promotion it
+        asks for (_durable), past a lost backup unasked."""
         _, ticket = self._change(self.own_promotions, "ask", lambda: event)
         if timeout is not None:
-            self.recorder.durable(ticket, timeout)
+            journal = self.recorder.journal
+            self.recorder.durable(ticket, timeout, journal.following() if journal is not None else None)
 
     def _outlast_lease(self, index: int, primary: str, backup: str, copy: str, timeout: float | None) -> None:
         """A PROMOTE asked while the primary's lease still holds waits once for what is left of it, if that ends

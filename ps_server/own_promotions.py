@@ -3,8 +3,9 @@ once the tie-breaker (ps 2: deposals.py) granted the deposal of the primary it r
 
 One such promotion at a time. Before it asks ps 2, the arbiter notes the
 ask (the replaced primary and its failover count, and the ask's fresh name)
-as pending, in a journal record (kind "ask", written by its own backup too)
-that it waits for; a promotion made clears it. Any other outcome but ps 2's
+as pending, in a journal record (kind "ask") that it waits for, written by
+its own backup too unless that backup is lost (as the promotion itself is
+answered past a lost backup: coordinator.py); a promotion made clears it. Any other outcome but ps 2's
 refusal (its own record refused the promotion, or ps 2's answer did not
 come) leaves a grant ps 2 may hold while that primary still serves, unable
 to promote this arbiter's backup: the arbiter takes it back (REINSTATE, one
@@ -85,11 +86,17 @@ class OwnPromotions:
             if self._replicas.decide("promote", shard, primary, backup, copy=copy) is None:
                 return None, None  # granted already: a retry
             grant = uuid.uuid4().hex[:16]
-            wait = max(left() or 0.0, DEPOSE_SECONDS)
-            self._log({"shard": shard, "grant": grant, "replaced": {"primary": replaced["primary"],
-                                                                    "failovers": replaced["failovers"]}}, wait)
             try:
-                self.tiebreaker("depose", shard, replaced["primary"], replaced["failovers"], backup, grant, wait)
+                self._log({"shard": shard, "grant": grant, "replaced": {"primary": replaced["primary"],
+                                                                        "failovers": replaced["failovers"]}},
+                          max(left() or 0.0, DEPOSE_SECONDS))
+            except PSError:
+                if shard in self._pending:  # never sent: nothing to take back
+                    self._clear(shard)
+                raise
+            try:
+                self.tiebreaker("depose", shard, replaced["primary"], replaced["failovers"], backup, grant,
+                                max(left() or 0.0, DEPOSE_SECONDS))
             except ReplicaFencedError:
                 self._clear(shard)  # refused: nothing granted
                 raise

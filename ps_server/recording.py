@@ -124,12 +124,13 @@ class Recorder:
                 self._compactor.start()
         return ticket
 
-    def durable(self, ticket: int | None, timeout: float | None = None) -> None:
+    def durable(self, ticket: int | None, timeout: float | None = None, released=None) -> None:
         """Blocks (call it holding no lock) until record `ticket` is written; None: nothing to wait for.
-        ServerUnavailableError if the journal failed first, WaitTimeoutError after `timeout` s."""
+        `released`: a backup not waited for once it is lost (Journal.wait). ServerUnavailableError if the
+        journal failed first, WaitTimeoutError after `timeout` s."""
         if ticket is not None:
             check_unlocked("waits for its journal record")
-            self._wait(ticket, timeout)
+            self._wait(ticket, timeout, released)
 
     def durable_all(self, timeout: float | None, released=None) -> None:
         """Blocks (holding no lock) until every record queued so far is written (a retry's reply; `released`:

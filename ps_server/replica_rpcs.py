@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from ..cluster import arbiter_of
-from ..errors import MalformedStreamError, ServerUnavailableError
+from ..errors import MalformedStreamError, ModeConflictError, ServerUnavailableError
 from ..proto import ps_pb2
 from ..security import Security
 from .auth import aborting
@@ -275,8 +275,12 @@ class TiebreakerLink:
         return {"primary": reply.primary, "failovers": reply.failovers, "successor": reply.backup}
 
     def _channels(self):
-        """The channels to the layout's first three shards, each where this arbiter's own record says it is."""
+        """The channels to the layout's first three shards, each where this arbiter's own record says it is.
+        ModeConflictError when the layout has no ps 2 (a live resize removed it)."""
         addresses = list(self._coordinator.layout.layout()[1][:TIE_BREAKER + 1])
+        if len(addresses) <= TIE_BREAKER:
+            raise ModeConflictError(f"the job's layout has {len(addresses)} shards: no ps {TIE_BREAKER} breaks "
+                                    f"the tie between ps 0 and ps 1")
         with self._lock:
             if self._made is not None and self._made[0] != addresses:  # a resize put another ps 2 (or ps 0, 1) there
                 self._made[1].close()

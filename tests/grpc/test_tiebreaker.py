@@ -105,3 +105,25 @@ def test_an_arbiter_ps_2_records_deposed_promotes_nothing(tmp_path):
     finally:
         _stop(local, backups)
     assert "'action': 'promote'" not in local.log(0)
+
+
+def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_through_ps_2(tmp_path):
+    """A host that ran ps 1 and ps 0's backup lost: ps 0 journals its ask of ps 2 and decides the promotion of ps
+    1's backup, neither written by its own lost backup (only ps 1, its arbiter, could drop it): both go on past
+    it, as in a two-shard job, and every push counts once."""
+    local, backups, addresses, cluster = _start(tmp_path)
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            _in_sync(cluster, addresses)
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            backups[0].kill()
+            local.kill_ps(1)
+            backups[0].wait(timeout=30)
+            ps.push(grads)
+            values = ps.pull(SHAPES)
+            assert all(torch.equal(values[n], torch.full(s, -2.0)) for n, s in SHAPES.items())
+    finally:
+        _stop(local, backups)
+    assert f"records ps:1: {{'action': 'depose', 'index': 1, 'primary': '{cluster.ps[1]}'" in local.log(2)

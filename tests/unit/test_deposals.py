@@ -306,8 +306,24 @@ def test_a_promotion_made_clears_its_ask_in_the_journal_too(tmp_path):
     job = Job(tmp_path / "ps0")
     try:
         assert job.promote(0)["primary"] == "b:1"
+        job.shards[0].recorder.durable_all(10)
         job.shards[0].close()
+        asks = [record.meta for record in Journal(tmp_path / "ps0").recover()[1] if record.kind == "ask"]
+        assert [sorted(ask) for ask in asks] == [["grant", "replaced", "shard"], ["grant", "shard"]]
         job.shards[0] = back = journaled(tmp_path / "ps0", 0)
         assert back.own_promotions.pending() == {} and back.replicas.entry(1)["primary"] == "b:1"
     finally:
         job.close()
+
+
+def test_an_ask_the_arbiter_could_not_journal_is_never_sent_nor_left_pending(job):
+    """ps 0's journal refuses the ask's record (here: closed): ps 2 is never asked, nothing stays pending, and
+    the promotion is refused with the journal's error."""
+    asked = []
+    job.before_answer = lambda asker, action: asked.append(action)
+    job.shards[0].recorder.log = lambda kind, meta, tensors=None: (_ for _ in ()).throw(
+        ServerUnavailableError("the journal failed"))
+    with pytest.raises(ServerUnavailableError, match="the journal failed"):
+        job.promote(0)
+    assert asked == [] and job.shards[0].own_promotions.pending() == {}
+    assert job.shards[0].replicas.entry(1)["primary"] == "h:1"

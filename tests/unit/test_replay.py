@@ -175,6 +175,8 @@ def test_every_kind_of_record_replays_to_the_state_the_live_shards_had(tmp_path)
     for each in shards:  # every record queued is written (the hold's end is queued as it ends in memory,
         each.recorder.durable_all(10)  # which is all the scenario waits for; a loaded machine writes it later)
     expected = [observed(each) for each in shards]
+    bases = [each.state(with_pending=True) for each in shards]  # what a compaction writes as a journal's base
+    assert "replicas" in bases[0] and "asks" in bases[1] and "deposed" in bases[2]
     for each in shards:
         each.close()
     recorded = {record.kind for folder in folders for record in Journal(folder).recover()[1]}
@@ -186,3 +188,10 @@ def test_every_kind_of_record_replays_to_the_state_the_live_shards_had(tmp_path)
             assert_same(observed(back), expected[index], f"ps {index}")
         finally:
             back.close()
+        based = Coordinator(VariableStore(), owns_step=index == 0, index=index, addresses=ADDRESSES, start=False)
+        based.restore(bases[index], exact=True)  # a journal's base: what a shard recovers before its records
+        based.start()
+        try:
+            assert_same(observed(based), expected[index], f"ps {index} from its base")
+        finally:
+            based.close()
