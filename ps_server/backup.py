@@ -282,7 +282,9 @@ class Backup:
                     written = mirror.written(RETRY_SECONDS)
                     if written is not None:
                         send_ack(written)
-                except PSError:  # the copy's journal failed, or the acks lane broke
+                except PSError as exc:  # the copy's journal failed, or the acks lane broke
+                    _LOGGER.warning("backup of ps:%d: an acknowledgement to %s failed (%s): ending the stream",
+                                    self.index, self.primary, exc)
                     call.cancel()
                     return
 

@@ -257,7 +257,8 @@ class TiebreakerLink:
     is served after a failover) for a DEPOSE or REINSTATE (deposals.Tiebreaker): a SetReplica call with its own
     credentials, attempts of `timeout` s (ARBITER_TIMEOUT_SECONDS if None) retried for as long; returns ps 2's
     record of the shard (Deposals.deposed). PSErrors as the client edge maps them: ReplicaFencedError when ps 2
-    refuses the deposal. close() closes its channels."""
+    refuses the deposal; ModeConflictError when the layout has no ps 2; ServerUnavailableError once close()
+    closed its channels."""
 
     def __init__(self, coordinator: Coordinator, me: str, security: Security):
         self._coordinator, self._me, self._security = coordinator, me, security
@@ -270,8 +271,11 @@ class TiebreakerLink:
         request = ps_pb2.ReplicaChange(action=WIRE_ACTIONS.index(action), index=index, primary=primary,
                                        failovers=failovers, backup=successor, asker=self._me, grant=grant)
         limit = ARBITER_TIMEOUT_SECONDS if timeout is None else timeout
-        reply = channels.call(TIE_BREAKER, lambda stub, t: stub.SetReplica(request, timeout=t), limit,
-                              retry_for=limit)
+        try:
+            reply = channels.call(TIE_BREAKER, lambda stub, t: stub.SetReplica(request, timeout=t), limit,
+                                  retry_for=limit)
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": close() ran meanwhile (a stop)
+            raise ServerUnavailableError(f"ps {TIE_BREAKER} was not asked: this shard's link to it closed") from None
         return {"primary": reply.primary, "failovers": reply.failovers, "successor": reply.backup}
 
     def _channels(self):

@@ -96,7 +96,7 @@ class Follower:
         """Publishes a checkpoint's rows and dense variables (checkpoint_start.py) as the replica's version and
         keeps its cursors for the first round, if that round finds the checkpoint's layout (else every table is
         read whole, as without it). Raises ServingVersionError while the replica is held."""
-        self.replica.publish(start.step, start.batches, start.dense, self.replica.rewinds, now=start.written)
+        self.replica.publish(start.step, start.batches, start.dense, self.replica.freezes, now=start.written)
         self._cursors, self._start_epoch = [dict(c) for c in start.cursors], start.epoch
         if self.guard is not None:
             self.guard.forget()
@@ -121,7 +121,7 @@ class Follower:
         failed (nothing published)."""
         began = time.time()
         self.refusal = ""
-        rewinds = self.replica.rewinds
+        rewinds, freezes = self.replica.rewinds, self.replica.freezes
         if rewinds != self._rewinds:  # rolled back: what it undid is read again, every table whole
             self._cursors = [{} for _ in self._cursors]
             self._dense_versions, self._dense_read, self._rewinds = {}, -math.inf, rewinds
@@ -162,7 +162,7 @@ class Follower:
                     self.error = self.refusal  # said at once (status), not only once the round returns
                     _LOGGER.warning("ps-serve: %s: the replica keeps its version", self.refusal)
                     return False
-            self.replica.publish(status.step, batches, merged, rewinds, now=time.time())
+            self.replica.publish(status.step, batches, merged, freezes, now=time.time())
             self.rows_applied += sum(len(b.ids) for _, b in batches)
             self.resyncs += sum(b.whole for _, b in batches)
         if dense is not None:

@@ -9,9 +9,10 @@ log: the rows before, and which ids had none), so `rollback(step)` can go
 back to any of the last `keep` versions bit for bit; dense variables are kept
 by reference (a round that did not read them shares the previous ones).
 A rollback, or `hold`, freezes the replica: publish() is refused until
-`resume`. A rollback also counts in `rewinds`: the follower then reads every
-table whole again (what the rollback undid is read back from the shards),
-and a round read before it is refused.
+`resume`, and a round read before it is refused after it too (`freezes`: it
+may hold part of a push made meanwhile). A rollback also counts in
+`rewinds`: the follower then reads every table whole again (what the
+rollback undid is read back from the shards).
 
 Thread-safe: one change at a time (publish, rollback, hold, resume: `_writing`), and one lock for what
 lookups see, which a publish takes only to write rows it has found and copied before.
@@ -204,7 +205,8 @@ class Replica:
         self._versions: collections.deque[tuple[Version, list, dict]] = collections.deque()  # (v, undo, dense)
         self._current = Version(0, 0, 0.0)
         self.held = False
-        self.rewinds = 0  # rollbacks so far: a round read before one must not be published after it
+        self.rewinds = 0  # rollbacks so far: the follower reads every table whole after one
+        self.freezes = 0  # holds and rollbacks so far: a round read before one must not be published after it
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -264,14 +266,15 @@ class Replica:
     # -- writes -------------------------------------------------------------------------------
 
     def publish(self, step: int, batches: Sequence[tuple[str, TableBatch]],
-                dense: Mapping[str, torch.Tensor] | None, rewinds: int, now: float | None = None) -> Version:
+                dense: Mapping[str, torch.Tensor] | None, freezes: int, now: float | None = None) -> Version:
         """Makes one round (its (table, batch) pairs) visible as the next version, reflecting training step
-        `step`; `dense`: every dense variable after this round (None: unchanged); `rewinds`: the replica's count
-        of rollbacks when the round began. ServingVersionError while held, or after a rollback since the round
-        began (its reads follow what the rollback undid). Returns the new version. What lookups wait for is only
+        `step`; `dense`: every dense variable after this round (None: unchanged); `freezes`: the replica's count
+        of holds and rollbacks when the round began. ServingVersionError while held, or after a hold or a
+        rollback since the round began (its reads may hold part of a push made while held, or follow what the
+        rollback undid). Returns the new version. What lookups wait for is only
         the writing of the rows: the ids are found and the rows a rollback needs copied before."""
         with self._writing:
-            self._check(rewinds)
+            self._check(freezes)
             planned = []
             for name, parts in self._by_table(batches).items():
                 table = self._tables.get(name) or _table(parts[0])
@@ -280,7 +283,7 @@ class Replica:
                 before, had = table.read(ids, slots)
                 planned.append((name, table, ids, rows, held, slots, had, before[torch.from_numpy(had)]))
             with self._lock:
-                self._check(rewinds)
+                self._check(freezes)
                 for name, table, ids, rows, held, slots, _, _ in planned:
                     self._tables.setdefault(name, table).write(ids, rows, held, slots)
                 if dense is not None:
@@ -292,11 +295,11 @@ class Replica:
                     self._versions.popleft()
                 return self._current
 
-    def _check(self, rewinds: int) -> None:
+    def _check(self, freezes: int) -> None:
         if self.held:
             raise ServingVersionError("this replica is held on its version (hold or rollback): resume it first")
-        if rewinds != self.rewinds:
-            raise ServingVersionError("this replica was rolled back while the round was read: read again")
+        if freezes != self.freezes:
+            raise ServingVersionError("this replica was held or rolled back while the round was read: read again")
 
     @staticmethod
     def _by_table(batches: Sequence[tuple[str, TableBatch]]) -> dict[str, list[TableBatch]]:
@@ -323,6 +326,7 @@ class Replica:
     def hold(self) -> None:
         with self._writing, self._lock:
             self.held = True
+            self.freezes += 1
 
     def resume(self) -> None:
         """Follows the stream again."""
@@ -349,4 +353,5 @@ class Replica:
             self._current, _, self._dense = self._versions[-1]
             self.held = True
             self.rewinds += 1
+            self.freezes += 1
             return self._current

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from torchps.errors import InvalidArgumentError, ReplicaFencedError, ServerUnavailableError
+from torchps.errors import InvalidArgumentError, ReplicaFencedError, ServerUnavailableError, WaitTimeoutError
 from torchps.ps_server.coordinator import Coordinator
 from torchps.ps_server.deposals import Deposals
 from torchps.ps_server.journal import Journal
@@ -316,14 +316,15 @@ def test_a_promotion_made_clears_its_ask_in_the_journal_too(tmp_path):
         job.close()
 
 
-def test_an_ask_the_arbiter_could_not_journal_is_never_sent_nor_left_pending(job):
-    """ps 0's journal refuses the ask's record (here: closed): ps 2 is never asked, nothing stays pending, and
-    the promotion is refused with the journal's error."""
-    asked = []
+@pytest.mark.parametrize("failing", ["log", "durable"])
+def test_an_ask_the_arbiter_could_not_journal_is_never_sent_nor_left_pending(job, failing):
+    """ps 0's journal fails the ask's record (log: it cannot be queued; durable: queued, not written in time):
+    ps 2 is never asked, nothing stays pending, and the promotion is refused with the journal's error."""
+    asked, recorder = [], job.shards[0].recorder
     job.before_answer = lambda asker, action: asked.append(action)
-    job.shards[0].recorder.log = lambda kind, meta, tensors=None: (_ for _ in ()).throw(
-        ServerUnavailableError("the journal failed"))
-    with pytest.raises(ServerUnavailableError, match="the journal failed"):
+    error = ServerUnavailableError("the journal failed") if failing == "log" else WaitTimeoutError("not written")
+    setattr(recorder, failing, lambda *args, **kwargs: (_ for _ in ()).throw(error))  # (this coordinator's only)
+    with pytest.raises(type(error), match=str(error)):
         job.promote(0)
     assert asked == [] and job.shards[0].own_promotions.pending() == {}
     assert job.shards[0].replicas.entry(1)["primary"] == "h:1"

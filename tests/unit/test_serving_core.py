@@ -115,7 +115,7 @@ def batch(values: dict[int, float], whole: bool = False, owner=(0, 1, "modulo"),
 
 def test_a_guard_reads_a_rounds_version_before_anyone_sees_it_and_refuses_a_worse_one():
     replica = Replica(keep=4)
-    replica.publish(1, [("t", batch({1: 1.0, 2: 2.0}))], {"w": torch.zeros(1)}, replica.rewinds)
+    replica.publish(1, [("t", batch({1: 1.0, 2: 2.0}))], {"w": torch.zeros(1)}, replica.freezes)
     calls = []
 
     def loss(model):  # row 1's first value plus w
@@ -127,7 +127,7 @@ def test_a_guard_reads_a_rounds_version_before_anyone_sees_it_and_refuses_a_wors
     assert torch.equal(candidate.lookup("t", torch.tensor([1, 2, 3])), torch.tensor([[1.4] * D, [0.0] * D, [0.0] * D]))
     assert replica.lookup("t", ids(1))[1][0, 0] == 1.0, "a candidate is not visible to lookups"
     assert guard.refusal(replica.view(), candidate) == "" and guard.baseline == pytest.approx(1.4)
-    replica.publish(2, [("t", batch({1: 1.4}, drop=(2,)))], None, replica.rewinds)
+    replica.publish(2, [("t", batch({1: 1.4}, drop=(2,)))], None, replica.freezes)
     worse = replica.candidate([("t", batch({1: 1.0}))], {"w": torch.ones(1)})  # 1.0 + 1.0 > 1.4 + 0.5
     assert "refused" in guard.refusal(replica.view(), worse) and guard.refused == 1
     assert guard.baseline == pytest.approx(1.4), "a refused candidate is not the baseline"
@@ -143,7 +143,7 @@ def test_a_lookup_sees_one_whole_version_while_versions_are_published():
     """Each version sets every row to its own number: a lookup that mixed two versions would see two numbers."""
     replica = Replica(keep=3)
     every = ids(*range(2000))
-    replica.publish(1, [("t", batch({i: 1.0 for i in range(2000)}))], None, replica.rewinds)
+    replica.publish(1, [("t", batch({i: 1.0 for i in range(2000)}))], None, replica.freezes)
     stop, mixed = threading.Event(), []
 
     def read():
@@ -156,7 +156,7 @@ def test_a_lookup_sees_one_whole_version_while_versions_are_published():
     for thread in readers:
         thread.start()
     for step in range(2, 60):
-        replica.publish(step, [("t", batch({i: float(step) for i in range(2000)}))], None, replica.rewinds)
+        replica.publish(step, [("t", batch({i: float(step) for i in range(2000)}))], None, replica.freezes)
     stop.set()
     for thread in readers:
         thread.join()
@@ -166,33 +166,47 @@ def test_a_lookup_sees_one_whole_version_while_versions_are_published():
 @pytest.mark.parametrize("fixed", [0, 8], ids=["dynamic", "fixed-size"])
 def test_a_rollback_restores_a_kept_version_exactly_and_holds(fixed):
     replica = Replica(keep=3)
-    replica.publish(10, [("t", batch({1: 1.0, 2: 2.0}, fixed=fixed))], {"w": torch.zeros(2)}, replica.rewinds)
-    replica.publish(20, [("t", batch({2: 5.0, 3: 3.0}, fixed=fixed))], None, replica.rewinds)
-    replica.publish(30, [("t", batch({1: 9.0}, drop=(3,), fixed=fixed))], {"w": torch.ones(2)}, replica.rewinds)
+    replica.publish(10, [("t", batch({1: 1.0, 2: 2.0}, fixed=fixed))], {"w": torch.zeros(2)}, replica.freezes)
+    replica.publish(20, [("t", batch({2: 5.0, 3: 3.0}, fixed=fixed))], None, replica.freezes)
+    replica.publish(30, [("t", batch({1: 9.0}, drop=(3,), fixed=fixed))], {"w": torch.ones(2)}, replica.freezes)
     version = replica.rollback(25)
     assert version.step == 20 and replica.held and replica.rewinds == 1
     _, rows, held, _, _ = replica.lookup("t", ids(1, 2, 3, 4))
     assert rows[:, 0].tolist() == [1.0, 5.0, 3.0, 0.0] and held.tolist() == [True, True, True, False]
     assert torch.equal(replica.dense()[1]["w"], torch.zeros(2))
     with pytest.raises(ServingVersionError, match="held"):
-        replica.publish(40, [("t", batch({1: 7.0}))], None, replica.rewinds)
+        replica.publish(40, [("t", batch({1: 7.0}))], None, replica.freezes)
     with pytest.raises(ServingVersionError, match="no kept version"):
         replica.rollback(5)  # keep=3: steps 10, 20 were kept, 30 undone; 5 is older than all
     assert replica.lookup("t", ids(1))[1][0, 0] == 1.0, "a refused rollback changed the rows"
     replica.resume()
     with pytest.raises(ServingVersionError, match="rolled back"):
-        replica.publish(40, [("t", batch({1: 7.0}))], None, rewinds=0)  # read before the rollback
-    replica.publish(40, [("t", batch({1: 7.0}))], None, replica.rewinds)
+        replica.publish(40, [("t", batch({1: 7.0}))], None, freezes=0)  # read before the rollback
+    replica.publish(40, [("t", batch({1: 7.0}))], None, replica.freezes)
     assert replica.lookup("t", ids(1))[1][0, 0] == 7.0
+
+
+def test_a_round_read_before_a_hold_is_refused_after_the_resume():
+    """A round that began before a hold may hold part of a push made while held (its step label, read later,
+    would not tell): once resumed, it is refused, and the next round, begun after, is published."""
+    replica = Replica()
+    replica.publish(1, [("t", batch({1: 1.0}))], None, replica.freezes)
+    began = replica.freezes
+    replica.hold()
+    replica.resume()
+    with pytest.raises(ServingVersionError, match="held or rolled back while the round was read"):
+        replica.publish(2, [("t", batch({1: 2.0}))], None, began)
+    assert replica.current().version == 1 and replica.rewinds == 0  # (no whole read needed: nothing undone)
+    assert replica.publish(2, [("t", batch({1: 2.0}))], None, replica.freezes).version == 2
 
 
 @pytest.mark.parametrize("fixed", [0, 4], ids=["dynamic", "fixed-size"])
 def test_a_whole_read_drops_only_the_rows_its_shard_owns_that_it_no_longer_holds(fixed):
     replica = Replica()
     replica.publish(1, [("t", batch({0: 1.0, 2: 1.0}, owner=(0, 2, "modulo"), fixed=fixed)),
-                        ("t", batch({1: 1.0, 3: 1.0}, owner=(1, 2, "modulo"), fixed=fixed))], None, replica.rewinds)
+                        ("t", batch({1: 1.0, 3: 1.0}, owner=(1, 2, "modulo"), fixed=fixed))], None, replica.freezes)
     replica.publish(2, [("t", batch({2: 2.0}, whole=True, owner=(0, 2, "modulo"), fixed=fixed))], None,
-                    replica.rewinds)
+                    replica.freezes)
     _, rows, held, _, _ = replica.lookup("t", ids(0, 1, 2, 3, 9, -1))
     assert held.tolist() == [False, True, True, True, False, False]
     assert rows[:, 0].tolist() == [0.0, 1.0, 2.0, 1.0, 0.0, 0.0]
