@@ -52,6 +52,22 @@ def _in_sync(cluster, addresses) -> None:
         arbiters.close()
 
 
+def _pushed_once(ps, cluster, addresses) -> dict:
+    """Creates SHAPES' variables (zeros, SGD lr 1), waits for both backups in sync, and pushes ones once; the
+    ones, to push again."""
+    ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+    _in_sync(cluster, addresses)
+    grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+    ps.push(grads)
+    return grads
+
+
+def _assert_values(ps, value: float) -> None:
+    """Every variable of SHAPES is `value` throughout (minus the pushes of ones counted)."""
+    values = ps.pull(SHAPES)
+    assert all(torch.equal(values[n], torch.full(s, value)) for n, s in SHAPES.items())
+
+
 def _depose(cluster, index: int, primary: str, successor: str, asker: str) -> ps_pb2.ShardReplicas:
     """A raw DEPOSE at ps 2 (failovers 0), as the arbiter serving at `asker` asks it."""
     with grpc.insecure_channel(cluster.ps[2]) as channel:
@@ -66,16 +82,12 @@ def test_ps_1_then_ps_0_fail_over_each_deposed_at_ps_2_first(tmp_path):
     local, backups, addresses, cluster = _start(tmp_path)
     try:
         with PSClient(cluster, connect_timeout=60) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            _in_sync(cluster, addresses)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
-            ps.push(grads)
+            grads = _pushed_once(ps, cluster, addresses)
             local.kill_ps(1)
             ps.push(grads)
             local.kill_ps(0)
             ps.push(grads)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -3.0)) for n, s in SHAPES.items())
+            _assert_values(ps, -3.0)
     finally:
         _stop(local, backups)
     log = local.log(2)
@@ -114,16 +126,12 @@ def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_through_ps_2(tmp_p
     local, backups, addresses, cluster = _start(tmp_path)
     try:
         with PSClient(cluster, connect_timeout=60) as ps:
-            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
-            _in_sync(cluster, addresses)
-            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
-            ps.push(grads)
+            grads = _pushed_once(ps, cluster, addresses)
             backups[0].kill()
             local.kill_ps(1)
             backups[0].wait(timeout=30)
             ps.push(grads)
-            values = ps.pull(SHAPES)
-            assert all(torch.equal(values[n], torch.full(s, -2.0)) for n, s in SHAPES.items())
+            _assert_values(ps, -2.0)
     finally:
         _stop(local, backups)
     assert f"records ps:1: {{'action': 'depose', 'index': 1, 'primary': '{cluster.ps[1]}'" in local.log(2)
