@@ -993,6 +993,8 @@ def test_a_push_stuck_at_a_paused_primary_is_answered_by_its_promoted_backup_lon
             _create_in_sync(ps, backup_address)
             grads = _ones()
             ps.push(grads)
+            wait_until(lambda: _replicas(ps)[1].backup == backup_address, 30,
+                       "the backup in sync again")  # (a loaded machine may have ended its stream meanwhile)
             asked = time.monotonic()
             polled = ps_pb2_grpc.ParameterServerStub(channel).GetLayout.future(ps_pb2.LayoutRequest(
                 watch_primary=cluster.ps[1], watch_shard=1, watch_seconds=10.0), timeout=30)
