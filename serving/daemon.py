@@ -28,6 +28,8 @@ import signal
 import sys
 import threading
 
+from ..cli import USAGE_ERROR, ArgumentParser
+
 __all__ = ["main", "parse_args"]
 
 COMMANDS = ("status", "hold", "resume", "rollback")
@@ -40,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from .settings import DENSE_SECONDS, KEEP_VERSIONS, POLL_SECONDS
 
     if argv[:1] and argv[0] in COMMANDS:
-        parser = argparse.ArgumentParser(prog=f"ps-serve {argv[0]}", description=__doc__.split("\n\n")[0])
+        parser = ArgumentParser(prog=f"ps-serve {argv[0]}", description=__doc__.split("\n\n")[0])
         parser.add_argument("--at", required=True, metavar="HOST:PORT", help="the replica's address")
         if argv[0] == "rollback":
             parser.add_argument("--to", type=int, required=True, metavar="STEP", help="the training step to go back to: the newest "
@@ -50,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args = parser.parse_args(argv[1:])
         args.command = argv[0]
         return args
-    parser = argparse.ArgumentParser(prog="ps-serve", description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(prog="ps-serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--cluster", required=True, help="the training job's cluster as inline JSON or a JSON file "
                         "path (TF_CONFIG's 'cluster' shape): its ps addresses are read")
@@ -150,7 +152,7 @@ def _serve(args: argparse.Namespace, security) -> int:
         print(f"ps-serve: error: the token table (--token-file) has no line for {args.task}, whose token this "
               f"replica reads the shards with: give it one (ps-certs DIR --add {args.task}=HOST:PORT) and start it "
               f"again", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     import torch
 
     from ..cluster import Cluster
