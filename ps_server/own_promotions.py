@@ -161,12 +161,12 @@ class OwnPromotions:
             except PSError as exc:
                 if grant not in self._warned:
                     self._warned.add(grant)
-                    _LOGGER.warning("ps %d could not take back at ps:%d its deposal of ps:%d's primary %s, whose "
-                                    "promotion it did not make: %s; trying again", self.index, TIE_BREAKER, shard,
-                                    replaced["primary"], exc)
+                    _LOGGER.warning("ps %d could not take back at ps:%d its deposal of ps:%d's primary %s (ask %s), "
+                                    "whose promotion it did not make: %s; trying again", self.index, TIE_BREAKER,
+                                    shard, replaced["primary"], grant, exc)
                 return False
-            _LOGGER.info("ps %d took back at ps:%d its deposal of ps:%d's primary %s", self.index, TIE_BREAKER,
-                         shard, replaced["primary"])
+            _LOGGER.info("ps %d took back at ps:%d its deposal of ps:%d's primary %s (ask %s)", self.index,
+                         TIE_BREAKER, shard, replaced["primary"], grant)
         self._clear(shard)
         self._warned.discard(grant)
         return True

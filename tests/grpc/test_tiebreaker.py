@@ -3,10 +3,11 @@ backup only once ps 2 recorded the primary it replaces deposed, and one ps 2 rec
 Real processes: a job of three shards, ps 0 and ps 1 each with a backup."""
 
 import json
+import re
 
 import grpc
 import torch
-from helpers import free_ports, start_ps_server, wait_until
+from helpers import free_ports, start_ps_server, stopped, wait_until
 
 from torchps.client import Optimizer, PSClient
 from torchps.cluster import Cluster
@@ -18,19 +19,25 @@ from torchps.worker.local_cluster import LocalCluster
 SHAPES = {"tie/a": (64, 33), "tie/b": (1000,), "tie/c": (7,)}  # round robin: one on each shard
 
 
-def _start(tmp_path):
-    """Three shards and a backup of each of ps 0 and ps 1; (local, backups, their addresses, cluster)."""
+def _start(tmp_path, backed=(0, 1)):
+    """Three shards and a backup of each of ps 0 and ps 1 (those `backed`); (local, backups, their addresses,
+    cluster)."""
     *ports, b0, b1 = free_ports(5)
     spec = {"ps": [f"127.0.0.1:{port}" for port in ports], "worker": ["127.0.0.1:1"]}
     local = LocalCluster(3, ports=ports, server_args=["--cluster", json.dumps(spec), "--checkpoint-dir",
                                                       str(tmp_path / "ck")], log_dir=tmp_path)
     local.start()
+    cluster = Cluster.from_json(json.dumps(spec))
     addresses = [f"127.0.0.1:{b0}", f"127.0.0.1:{b1}"]
-    backups = [start_ps_server(["--index", str(index), "--cluster", json.dumps(spec), "--replica-of", spec["ps"][index],
-                                "--bind", addresses[index], "--journal-dir", str(tmp_path / f"backup-{index}"),
-                                "--insecure", "--torch-threads", "1"], tmp_path / f"backup-{index}.log")
-               for index in (0, 1)]
-    return local, backups, addresses, Cluster.from_json(json.dumps(spec))
+    return local, [_backup(tmp_path, cluster, addresses, index) for index in backed], addresses, cluster
+
+
+def _backup(tmp_path, cluster, addresses, index: int):
+    """Starts the backup of shard `index` (0 or 1), bound to addresses[index]."""
+    return start_ps_server(["--index", str(index), "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
+                            cluster.ps[index], "--bind", addresses[index], "--journal-dir",
+                            str(tmp_path / f"backup-{index}"), "--insecure", "--torch-threads", "1"],
+                           tmp_path / f"backup-{index}.log")
 
 
 def _stop(local, backups) -> None:
@@ -41,11 +48,11 @@ def _stop(local, backups) -> None:
     local.stop()
 
 
-def _in_sync(cluster, addresses) -> None:
-    """Waits for ps 0 to record ps 1's backup in sync, and ps 1 ps 0's."""
+def _in_sync(cluster, addresses, shards=(0, 1)) -> None:
+    """Waits for ps 0 to record ps 1's backup in sync, and ps 1 ps 0's (of `shards`)."""
     arbiters = arbiter_channels(tuple(cluster.ps), 10, INSECURE)
     try:
-        for shard in (0, 1):
+        for shard in shards:
             wait_until(lambda: record_of(arbiters, shard) == (cluster.ps[shard], addresses[shard]), 30,
                        f"ps:{shard}'s backup in sync")
     finally:
@@ -68,12 +75,13 @@ def _assert_values(ps, value: float) -> None:
     assert all(torch.equal(values[n], torch.full(s, value)) for n, s in SHAPES.items())
 
 
-def _depose(cluster, index: int, primary: str, successor: str, asker: str) -> ps_pb2.ShardReplicas:
-    """A raw DEPOSE at ps 2 (failovers 0), as the arbiter serving at `asker` asks it."""
+def _depose(cluster, index: int, primary: str, successor: str, asker: str, grant: str = "staged"
+            ) -> ps_pb2.ShardReplicas:
+    """A raw DEPOSE at ps 2 (failovers 0), as the arbiter serving at `asker` asks it under the name `grant`."""
     with grpc.insecure_channel(cluster.ps[2]) as channel:
         return ps_pb2_grpc.ParameterServerStub(channel).SetReplica(ps_pb2.ReplicaChange(
             action=ps_pb2.ReplicaChange.DEPOSE, index=index, primary=primary, failovers=0, backup=successor,
-            asker=asker, grant="staged"), timeout=30)
+            asker=asker, grant=grant), timeout=30)
 
 
 def test_ps_1_then_ps_0_fail_over_each_deposed_at_ps_2_first(tmp_path):
@@ -135,3 +143,39 @@ def test_losing_ps_1_and_ps_0s_backup_at_once_fails_ps_1_over_through_ps_2(tmp_p
     finally:
         _stop(local, backups)
     assert f"records ps:1: {{'action': 'depose', 'index': 1, 'primary': '{cluster.ps[1]}'" in local.log(2)
+
+
+def test_an_arbiter_killed_with_a_grant_pending_takes_it_back_once_restarted_so_its_own_backup_can_take_over(
+        tmp_path):
+    """ps 2 is down when ps 0 asks it to depose ps 1's paused primary: ps 0 cannot tell whether ps 2 granted
+    it, cannot take it back either, and is killed with the ask pending in its journal. ps 2, started again,
+    then holds the grant (ps 0's DEPOSE, delivered late, as when only its answer was lost), which names ps 1,
+    serving again, deposed. ps 0, started again on its folder, takes the grant back, so ps 1 promotes ps 0's
+    backup through ps 2 once ps 0 is killed again; every push counts once."""
+    local, backups, addresses, cluster = _start(tmp_path, backed=(1,))
+    try:
+        with PSClient(cluster, connect_timeout=60) as ps:
+            ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))
+            _in_sync(cluster, addresses, shards=(1,))
+            grads = {n: torch.ones(s) for n, s in SHAPES.items()}
+            ps.push(grads)
+            local.kill_ps(2)
+            with stopped(local.procs[1]):  # ps 1's backup asks ps 0 for its promotion
+                pending = r"ps 0 could not take back at ps:2 its deposal of ps:1's primary \S+ \(ask (\w+)\)"
+                wait_until(lambda: re.search(pending, local.log(0)), 60, "ps 0 to hold an ask it cannot take back")
+                grant = re.search(pending, local.log(0))[1]
+                local.kill_ps(0)
+            local.start_ps(2)
+            late = _depose(cluster, 1, cluster.ps[1], addresses[1], cluster.ps[0], grant)
+            assert (late.primary, late.backup) == (cluster.ps[1], addresses[1]), "ps 2 holds the grant"
+            local.start_ps(0)
+            wait_until(lambda: f"'action': 'reinstate', 'index': 1, 'grant': '{grant}'" in local.log(2), 60,
+                       "ps 0, started again, to take its grant back")
+            backups.append(_backup(tmp_path, cluster, addresses, 0))
+            _in_sync(cluster, addresses, shards=(0,))
+            local.kill_ps(0)
+            ps.push(grads)
+            _assert_values(ps, -2.0)
+    finally:
+        _stop(local, backups)
+    assert f"records ps:0: {{'action': 'depose', 'index': 0, 'primary': '{cluster.ps[0]}'" in local.log(2)
