@@ -154,6 +154,7 @@ WEDGE_SECONDS = 30.0         # a shard answering health that applies nothing thi
 HOSTILE_DEADLINE = 0.5       # seconds a hostile far-min_step pull waits before its deadline
 FAR = 1 << 62                # the hostile evaluator's min_step
 FAILSTOP_SECONDS = 60.0      # a shard whose disk is full must have stopped itself within this
+FULL_DISK_ROOM = 64 << 10    # bytes a full disk still lets a shard's files grow past its log's size
 FAILSTOP_CODE = 70           # ps_server.failstop.EXIT_CODE
 SLOTS = 1 << 15              # one per push of a worker; a 10-minute soak pushes ~4,000 per worker and phase
 EPS = 1e-4                   # the counters hold sums of ones (async) or of shares 1/c (sync): far above this
@@ -773,10 +774,11 @@ class Phase:
         self.check_shards()
 
     def fill_disk(self, proc, log: pathlib.Path, name: str) -> int | None:
-        """Lets a shard process's files grow no further than its log file plus 1 MiB (its log keeps room to say
-        why it stops; its journal, written at ~5 MB/s, soon does not), waits for it to stop itself; its exit
-        code, None if it went on (a hang: it is killed). A code but 70 is a failure."""
-        limit = log.stat().st_size + (1 << 20)
+        """Lets a shard process's files grow no further than its log file plus FULL_DISK_ROOM (its log keeps
+        room to say why it stops; its journal soon does not, even on a shard whose variables no running worker
+        pushes: the sync steps' records alone, ~9 KB/s, once took over a minute to pass 1 MiB), waits for it
+        to stop itself; its exit code, None if it went on (a hang: it is killed). A code but 70 is a failure."""
+        limit = log.stat().st_size + FULL_DISK_ROOM
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))
         code = self.await_exit(proc, FAILSTOP_SECONDS, f"{name} went on {FAILSTOP_SECONDS:g} s with a full disk "
                                                        f"instead of stopping")
