@@ -1,6 +1,6 @@
 """ps 2 breaks the tie between ps 0 and ps 1, each the other's arbiter (deposals.py): each promotes the other's
 backup only once ps 2 recorded the primary it replaces deposed, and one ps 2 records deposed promotes nothing.
-Real processes: a job of three shards, ps 0 and ps 1 each with a backup."""
+Real processes: a job of three shards, ps 0 and ps 1 each with a backup (one test starts ps 0's later)."""
 
 import json
 import re
