@@ -56,7 +56,7 @@ does not is wedged. Worker 0, the chief, checkpoints every CHECKPOINT_EVERY glob
 Every push of a worker has a number of its own, kept across its restarts, and
 adds 1 to that number's slot (SLOTS of them, more than a worker pushes in a
 phase) of the worker's counter variables (one on each shard, SGD with lr 1).
-The worker logs each push before sending it ("sent N") and once acknowledged
+The worker logs each push before sending it ("sent N t=TIME") and once acknowledged
 ("acked N STEP STALE... g=SHARD:GENERATION,... t=TIME"), so every slot of every counter is checked on its own: an
 acknowledged push must be there exactly once (not at all where the shard
 dropped it as stale), one that was sent but never acknowledged at most once.
@@ -241,7 +241,7 @@ def worker_main(args: argparse.Namespace) -> int:
             mine = {**{name: one_hot for name in counter_names(args.index)}, **shared}
             rows = {ROWS: (torch.tensor([args.index * SLOTS + number % SLOTS]), torch.ones(1, 1))} if args.rows \
                 else None
-            log.write(f"sent {number}\n")
+            log.write(f"sent {number} t={time.monotonic():.4f}\n")
             number += 1
             before = _holders(ps, args.index)
             try:
@@ -251,7 +251,7 @@ def worker_main(args: argparse.Namespace) -> int:
                     ps.push(mine, rows=rows)
                     ps.pull_into(targets, min_step=ps.step if args.mode == "sync" else 0)
             except PSError as exc:
-                log.write(f"error {type(exc).__name__}: {str(exc)[:200]}\n")
+                log.write(f"error {type(exc).__name__} t={time.monotonic():.4f}: {str(exc)[:200]}\n")
                 continue
             after = _holders(ps, args.index)
             stale = " ".join(_stale_flag(ps, b, a) if args.mode == "sync" else "0" for b, a in zip(before, after))
