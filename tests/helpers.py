@@ -127,6 +127,18 @@ def start_ps_server(argv: list[str], log: pathlib.Path) -> ForkedChild | subproc
                                              parent_death_signal=signal.SIGTERM)
 
 
+def start_backup(folder: pathlib.Path, index: int, spec: str, primary: str, bind: str, *flags: str,
+                 name: str | None = None, log: str | None = None) -> ForkedChild | subprocess.Popen:
+    """A backup of shard `index` of the cluster spec `spec` (JSON) following `primary` (ps-server --replica-of),
+    serving at `bind` once promoted, with `flags` (--insecure, or credentials) and one torch thread: its copy
+    in folder/`name` (default backup-INDEX), its log folder/`log` (default NAME.log); start_ps_server's
+    process."""
+    name = name or f"backup-{index}"
+    return start_ps_server(["--index", str(index), "--cluster", spec, "--replica-of", primary, "--bind", bind,
+                            "--journal-dir", str(folder / name), "--torch-threads", "1", *flags],
+                           folder / (log or f"{name}.log"))
+
+
 def run_ps_server(argv: list[str], log: pathlib.Path, timeout: float) -> tuple[int, str]:
     """ps-server with `argv`, started as start_ps_server does, run to its exit (a refusal, say): its exit code and
     what it printed (output and errors, in `log`); the test fails if it runs past `timeout` s."""

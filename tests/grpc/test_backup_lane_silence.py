@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from helpers import free_port, free_ports, process_state, start_ps_server, wait_until
+from helpers import free_port, free_ports, process_state, start_backup, wait_until
 
 from torchps.client import Optimizer, PSClient
 from torchps.cluster import Cluster
@@ -67,9 +67,7 @@ def _shards(tmp_path, flags: list[str]) -> tuple[LocalCluster, str]:
 def _start_backup(tmp_path, spec: str, primary: str, flags: list[str]):
     """A backup of ps:1 with `flags` following `primary`; (its process, its address)."""
     address = f"127.0.0.1:{free_port()}"
-    return start_ps_server(["--index", "1", "--cluster", spec, "--replica-of", primary, "--bind", address,
-                            "--journal-dir", str(tmp_path / "backup-1"), "--torch-threads", "1", "--insecure", *ARGS,
-                            *flags], tmp_path / "backup.log"), address
+    return start_backup(tmp_path, 1, spec, primary, address, "--insecure", *ARGS, *flags, log="backup.log"), address
 
 
 def _record(ps) -> ps_pb2.ShardReplicas:

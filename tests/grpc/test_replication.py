@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import free_ports, process_state, run_ps_server, start_ps_server, unreachable, wait_until
+from helpers import free_ports, process_state, run_ps_server, start_backup, start_ps_server, unreachable, wait_until
 
 from torchps import lanes
 from torchps.certs import make_job_credentials
@@ -49,10 +49,8 @@ def _start(tmp_path, extra=(), backed=1, credentials=None):
                                                           *extra], log_dir=tmp_path)
     local.start()
     backup_address = f"127.0.0.1:{pb}"
-    backup = start_ps_server(["--index", str(backed), "--cluster", spec, "--replica-of",
-                              f"127.0.0.1:{(p0, p1)[backed]}", "--bind", backup_address, "--journal-dir",
-                              str(tmp_path / f"backup-{backed}"), "--torch-threads", "1",
-                              *secured(TaskSpec("ps", backed)), *extra], tmp_path / "backup.log")
+    backup = start_backup(tmp_path, backed, spec, f"127.0.0.1:{(p0, p1)[backed]}", backup_address,
+                          *secured(TaskSpec("ps", backed)), *extra, log="backup.log")
     return local, backup, backup_address, Cluster.from_json(spec)
 
 
@@ -710,9 +708,7 @@ def test_a_backup_whose_disk_fills_follows_again_from_a_new_base_and_its_primary
 
 def _backup_process(tmp_path, cluster, index: int, primary: str, bind: str, name: str):
     """A backup of shard `index` following `primary`, bound at `bind`, its journal and log named `name`."""
-    return start_ps_server(["--index", str(index), "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
-                            primary, "--bind", bind, "--journal-dir", str(tmp_path / name), "--insecure",
-                            "--torch-threads", "1"], tmp_path / f"{name}.log")
+    return start_backup(tmp_path, index, json.dumps(cluster.to_dict()), primary, bind, "--insecure", name=name)
 
 
 def test_a_backup_started_again_at_the_in_sync_address_on_an_older_folder_is_never_promoted(tmp_path):

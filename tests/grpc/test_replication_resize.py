@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import free_ports, start_ps_server, wait_until
+from helpers import free_ports, start_backup, wait_until
 
 from torchps.client import Optimizer, PSClient
 from torchps.errors import ReplicaFencedError
@@ -27,9 +27,7 @@ def _spec(ports) -> str:
 def _backup(tmp_path, index: int, spec: str, primary: str, port: int, *extra: str) -> tuple:
     """ps-server --replica-of `primary` for shard `index`, serving at 127.0.0.1:`port` once promoted."""
     address = f"127.0.0.1:{port}"
-    process = start_ps_server(["--index", str(index), "--cluster", spec, "--replica-of", primary, "--bind", address,
-                               "--journal-dir", str(tmp_path / f"backup-{index}"), "--insecure", "--torch-threads", "1",
-                               *extra], tmp_path / f"backup-{index}.log")
+    process = start_backup(tmp_path, index, spec, primary, address, "--insecure", *extra)
     return process, address
 
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import torch
-from helpers import free_ports, start_ps_server, wait_until
+from helpers import free_ports, start_backup, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from torchps.client import Optimizer, PSClient
@@ -65,9 +65,7 @@ def test_status_metrics_and_ps_admin_show_the_backup_its_lag_and_the_failover(tm
                                                           *ARGS], log_dir=tmp_path)
     local.start()
     backup_address = f"127.0.0.1:{pb}"
-    backup = start_ps_server(["--index", "1", "--cluster", spec, "--replica-of", local.address(1), "--bind",
-                              backup_address, "--journal-dir", str(tmp_path / "backup-1"), "--insecure",
-                              "--torch-threads", "1", *ARGS], tmp_path / "backup.log")
+    backup = start_backup(tmp_path, 1, spec, local.address(1), backup_address, "--insecure", *ARGS, log="backup.log")
     try:
         with PSClient(Cluster.from_json(spec), connect_timeout=30) as ps:
             ps.create_variables({n: torch.zeros(s) for n, s in SHAPES.items()}, Optimizer("sgd", lr=1.0))

@@ -7,7 +7,7 @@ import re
 
 import grpc
 import torch
-from helpers import free_ports, start_ps_server, stopped, wait_until
+from helpers import free_ports, start_backup, stopped, wait_until
 
 from torchps.client import Optimizer, PSClient
 from torchps.cluster import Cluster
@@ -34,10 +34,8 @@ def _start(tmp_path, backed=(0, 1)):
 
 def _backup(tmp_path, cluster, addresses, index: int):
     """Starts the backup of shard `index` (0 or 1), bound to addresses[index]."""
-    return start_ps_server(["--index", str(index), "--cluster", json.dumps(cluster.to_dict()), "--replica-of",
-                            cluster.ps[index], "--bind", addresses[index], "--journal-dir",
-                            str(tmp_path / f"backup-{index}"), "--insecure", "--torch-threads", "1"],
-                           tmp_path / f"backup-{index}.log")
+    return start_backup(tmp_path, index, json.dumps(cluster.to_dict()), cluster.ps[index], addresses[index],
+                        "--insecure")
 
 
 def _stop(local, backups) -> None:
