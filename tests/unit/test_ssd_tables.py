@@ -372,7 +372,14 @@ def test_an_evict_whose_store_fails_changes_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         table.evict(100)
     monkeypatch.undo()
-    assert table._step == 10 and table.counters() == counters and torch.equal(every_row(table), before)
+    # disk_bytes is the size of the store's files, which RocksDB's own background compactions change meanwhile
+    # (a fresh clone's CI once saw it move); every counter of the table's own doings stays as it was.
+    assert table._step == 10 and _but_files(table.counters()) == _but_files(counters)  # (before the rows are read)
+    assert torch.equal(every_row(table), before)
+
+
+def _but_files(counters: dict) -> dict:
+    return {name: value for name, value in counters.items() if name != "disk_bytes"}
 
 
 def sharded(make, num_shards: int, **args) -> list[EmbeddingTable]:
