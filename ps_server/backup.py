@@ -69,6 +69,7 @@ import queue
 import secrets
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -97,10 +98,12 @@ _FRAME = ps_pb2.ReplicaFrame
 class Backup:
     """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted;
     `spec`: the job's shards as its cluster spec names them (where its arbiter is). `keeps_stores`: it was
-    started with --table-dir, so a primary keeping tables on SSD takes it (it copies their stores too)."""
+    started with --table-dir, so a primary keeping tables on SSD takes it (it copies their stores too).
+    `on_promoted()` runs as soon as the arbiter granted its promotion, before run() returns "promoted"."""
 
     def __init__(self, index: int, me: str, primary: str, spec: tuple[str, ...], folder: str, security: Security, *,
-                 sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS, keeps_stores: bool = False):
+                 sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS, keeps_stores: bool = False,
+                 on_promoted: Callable[[], object] = lambda: None):
         from ..client.channels import ShardChannels  # a backup's calls are a client's
 
         self.index, self.me, self.primary = index, me, primary
@@ -108,6 +111,7 @@ class Backup:
         self.folder = pathlib.Path(folder)
         self.sync, self.failover_after = sync, failover_after
         self.keeps_stores = keeps_stores  # it may be promoted with tables on SSD (--table-dir)
+        self._on_promoted = on_promoted
         self._security = security
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
@@ -444,6 +448,7 @@ class Backup:
         except PSError as exc:
             _LOGGER.warning("backup of ps:%d: the arbiter did not answer its promotion (%s); asking again", self.index, exc)
             return False
+        self._on_promoted()
         _LOGGER.warning("ps:%d's primary %s is gone: this backup serves it at %s from now on (failover %d)",
                         self.index, self.primary, reply.primary, reply.failovers)
         return True

@@ -157,9 +157,11 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     except PSError as exc:
         print(f"ps-server: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    # The signpost says where ps N is served until the promoted backup serves it there (signpost.py).
+    signpost = Signpost(index, address, security, lambda: backup.primary)
     backup = Backup(index, me, primary, tuple(cluster.ps), args.journal_dir, security.as_shard(index),
                     sync=args.journal_sync, failover_after=args.failover_after,
-                    keeps_stores=args.table_dir is not None)
+                    keeps_stores=args.table_dir is not None, on_promoted=lambda: signpost.hold(me))
     interrupted = []
 
     def on_signal(signum, _frame) -> None:
@@ -170,21 +172,22 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
         signal.signal(signum, on_signal)
     _LOGGER.info("ps %d backup of %s (pid %d): its copy in %s; serves at %s if promoted", index, primary,
                  os.getpid(), args.journal_dir, me)
-    signpost = Signpost(index, address, security, lambda: backup.primary)  # says where ps N is served until then
     signpost.start()
     try:
-        role = backup.run()
+        try:
+            role = backup.run()
+        finally:
+            backup.close()
+            held.release()
+        if not role:
+            return INTERRUPTED if interrupted and interrupted[0] else 0
+        args.replica_of, args.restore_from = None, None
+        # "serves": the record names this address serving the shard already (an earlier run of it was promoted):
+        # it serves as a restarted primary, once its arbiter confirmed it, its backup in sync dropped first.
+        args.replicated = args.replicated or role == "serves"
+        return serve(args, cluster, index, address, security, me=me, promoted=role == "promoted", signpost=signpost)
     finally:
-        signpost.stop()  # before the promoted backup binds the same address
-        backup.close()
-        held.release()
-    if not role:
-        return INTERRUPTED if interrupted and interrupted[0] else 0
-    args.replica_of, args.restore_from = None, None
-    # "serves": the record names this address serving the shard already (an earlier run of it was promoted):
-    # it serves as a restarted primary, once its arbiter confirmed it, its backup in sync dropped first.
-    args.replicated = args.replicated or role == "serves"
-    return serve(args, cluster, index, address, security, me=me, promoted=role == "promoted")
+        signpost.stop()
 
 
 def _await_takeover(index: int, me: str, backup: str, cluster: Cluster, security: Security, stop: threading.Event,
@@ -268,13 +271,14 @@ def _clean_checkpoint_part(checkpoint_dir: str | None, index: int, failstop: Fai
 
 
 def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address: str, security: Security,
-          me: str = "", promoted: bool = False) -> int:
+          me: str = "", promoted: bool = False, signpost: Signpost | None = None) -> int:
     """Runs the shard the checked flags describe until SIGTERM/SIGHUP (0), SIGINT (130) or a Shutdown call
     (0); a shard that cannot start (its journal, checkpoint, port) prints one line and returns 2. Blocks.
     `me`: the address the arbiter records this shard at (a promoted backup's; default: the cluster spec's). A
     shard whose journal says it had a backup serves status and the layout only until its arbiter confirmed it
     still serves its shard (backup.confirm_role); another address serving it, it becomes that one's backup
-    (serve_backup)."""
+    (serve_backup). `signpost`: the backup's, on `address`, which lets go of it as the shard binds it, and
+    ends once it is bound (or the shard cannot start)."""
     if args.replica_of:
         return serve_backup(args, cluster, index, address, security, args.replica_of, args.advertise or address)
     folder = args.journal_dir or (args.checkpoint_dir and journal_dir(args.checkpoint_dir, index))
@@ -329,7 +333,8 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
             pull_cache=not args.no_pull_cache, me=me, replica_ack_timeout=args.replica_ack_timeout,
             failover_after=args.failover_after, fence=fence,
             table_storage=table_storage(args, index, address,
-                                        promoted or (cluster is not None and me != cluster.ps[index])))
+                                        promoted or (cluster is not None and me != cluster.ps[index])),
+            before_bind=signpost.let_go if signpost is not None else None)
         server.replication.hold_saving(folder_wait)
     except (PSError, RuntimeError, OSError) as exc:
         _stop(health_server)
@@ -339,6 +344,9 @@ def serve(args: argparse.Namespace, cluster: Cluster | None, index: int, address
         _stop(health_server)
         print("ps-server: interrupted", file=sys.stderr)
         return INTERRUPTED
+    finally:
+        if signpost is not None:  # the calls it held call again: the address is this shard's now
+            signpost.stop()
     interrupted = []
 
     def on_signal(signum, _frame) -> None:  # SIGTERM, SIGHUP: a clean stop (0); SIGINT (Ctrl-C): 130

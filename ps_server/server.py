@@ -74,6 +74,7 @@ def create_server(
     failover_after: float = FAILOVER_AFTER_SECONDS,
     fence: RoleFence | None = None,
     table_storage: TableStorage | None = None,
+    before_bind: Callable[[], None] | None = None,
 ) -> tuple[LoopServer, int, Coordinator]:
     """A bound, not yet started, server for `store` bound to `address`; returns (server, port, coordinator).
     The server is a grpc.aio server on its own event loop thread (edge.LoopServer, with a grpc.Server's
@@ -102,9 +103,11 @@ def create_server(
     leaves a record unacknowledged for `replica_ack_timeout` s is lost (replication.py); as an arbiter, the
     shard promotes a backup only once its primary renewed no lease for `failover_after` s (replicas.py);
     `fence` (replica_rpcs.RoleFence) refuses calls until the caller opens it. `table_storage`: where
-    dynamic tables' rows live (ssd_tables.TableStorage; default: memory).
+    dynamic tables' rows live (ssd_tables.TableStorage; default: memory). `before_bind()` frees `address`,
+    which another server of this process holds (a promoted backup's signpost) until the state is back.
     """
-    _check_free(address)
+    if before_bind is None:
+        _check_free(address)
     limit = max_chunk_bytes + codec.ENVELOPE_BYTES
     if threads < 2:
         raise RuntimeError(f"--threads must be at least 2 (one always free for calls that never wait). "
@@ -169,6 +172,9 @@ def create_server(
                     (SERVICE_NAME, health.SERVICE_NAME, reflection_service.SERVICE_NAME), server.server)
     credentials = grpc.ssl_server_credentials([(security.key, security.cert)], root_certificates=security.ca,
                                               require_client_auth=True) if security.tls else None
+    if before_bind is not None:
+        before_bind()
+        _check_free(address)
     port = _add_port(server, address, credentials, address)
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     if metrics is not None:

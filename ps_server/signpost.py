@@ -14,15 +14,26 @@ binds, until it is promoted:
   here; the client's retries go on while it looks for the shard).
 
 Calls pass the shard's security policy (mutual TLS, the token table it
-follows) as every call to a shard does; GetLayout is open to every role. The
-promoted backup stops the signpost before it serves on the same address. A
+follows) as every call to a shard does; GetLayout is open to every role. A
 signpost that cannot bind (the address taken) is not started: the backup
 follows its primary without one, as before.
+
+Once its arbiter granted the promotion (hold), the signpost names the backup's
+own address as the primary, and every other call waits, rather than send a
+client that heard of the promotion back to ask where the shard is. The
+promoted backup brings its state back from its copy meanwhile; then it takes
+the address over (let_go: the signpost stops listening, the calls it holds
+stay), binds it, and ends the signpost (stop): the held calls answer
+UNAVAILABLE and their clients, calling again, connect to the shard served
+there. A client's connection attempt thus never finds the address closed
+during the promotion, which would put it in gRPC's reconnect backoff.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from concurrent import futures
 from typing import Callable
 
@@ -38,22 +49,31 @@ __all__ = ["Signpost"]
 
 _LOGGER = logging.getLogger(__name__)
 _SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+HOLD_SECONDS = 10.0  # a call held while the promoted backup starts serving answers UNAVAILABLE after this at most
+THREADS = 8  # calls held at once (more wait their turn); GetLayout answers at once on a free one
 _KINDS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
           (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
 
 
 class Signpost(grpc.GenericRpcHandler):
     """Shard `index`'s backup at `address`, answering as the module docstring says; `primary()` is the address
-    of the primary it follows now. start() binds and serves (False if it cannot bind); stop() ends it (blocks
-    until the port is free). Thread-safe (gRPC's threads call it; `primary` must be)."""
+    of the primary it follows now. start() binds and serves (False if it cannot bind); hold(), let_go() and
+    stop() hand the address over to the promoted backup as the module docstring says. Thread-safe (gRPC's
+    threads call it; `primary` must be)."""
 
     def __init__(self, index: int, address: str, security: Security, primary: Callable[[], str]):
         self.index, self.address, self._security, self._primary = index, address, security, primary
         self._tokens = TokenFile(security)
         self._server: grpc.Server | None = None
+        self._served_at = ""  # the promoted backup's address, once held
+        self._ended = threading.Event()  # set by stop(): held calls answer
+        self._stopped: threading.Event | None = None  # let_go()'s: set once every held call answered
+        self._lock = threading.Lock()
+        self.holding = 0  # calls held now
 
     def start(self) -> bool:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"ps{self.index}-signpost"),
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS,
+                                                        thread_name_prefix=f"ps{self.index}-signpost"),
                              handlers=[self], options=[("grpc.so_reuseport", 0)])
         security = self._security
         try:
@@ -75,9 +95,26 @@ class Signpost(grpc.GenericRpcHandler):
                      self.address, self.index)
         return True
 
+    def hold(self, served_at: str) -> None:
+        """The backup is promoted and will serve its shard at `served_at`: GetLayout names it the primary, and
+        every other call waits until stop() (at most its deadline, or HOLD_SECONDS). Does not block."""
+        self._served_at = served_at
+
+    def let_go(self) -> None:
+        """Stops listening, so that the promoted backup can bind the address; the calls held go on until stop().
+        Blocks until the listener is closed (about a millisecond)."""
+        if self._server is not None and self._stopped is None:
+            self._stopped = self._server.stop(HOLD_SECONDS)
+
     def stop(self) -> None:
+        """Ends the signpost: held calls answer UNAVAILABLE, then its server stops. Blocks until it has (at most
+        HOLD_SECONDS with calls held). Idempotent."""
+        self._ended.set()
+        if self.holding:
+            _LOGGER.info("ps %d: %d call(s) held while its backup was promoted are answered: they call again, at %s",
+                         self.index, self.holding, self.address)
         if self._server is not None:
-            self._server.stop(None).wait()
+            (self._stopped or self._server.stop(None)).wait()
             self._server = None
 
     def service(self, handler_call_details):
@@ -90,7 +127,7 @@ class Signpost(grpc.GenericRpcHandler):
         if name == "GetLayout":
             return kind(self._layout, request_deserializer=ps_pb2.LayoutRequest.FromString,
                         response_serializer=ps_pb2.Layout.SerializeToString)
-        return kind(self._elsewhere)
+        return kind(functools.partial(self._elsewhere, name))
 
     def _check(self, context: grpc.ServicerContext, method: str) -> None:
         token = token_of(context.invocation_metadata())
@@ -102,10 +139,25 @@ class Signpost(grpc.GenericRpcHandler):
 
     def _layout(self, request, context) -> ps_pb2.Layout:
         self._check(context, "GetLayout")
+        if self._served_at:
+            return ps_pb2.Layout(replicas=[ps_pb2.ShardReplicas(index=self.index, primary=self._served_at)])
         return ps_pb2.Layout(replicas=[ps_pb2.ShardReplicas(index=self.index, primary=self._primary(),
                                                             backup=self.address)])
 
-    def _elsewhere(self, request, context):
+    def _elsewhere(self, method: str, request, context):
+        if self._served_at:  # (held: only the job's callers)
+            self._check(context, method)
         context.set_trailing_metadata(((ERROR_METADATA_KEY, ServerUnavailableError.__name__),))
+        if self._served_at:
+            remaining = context.time_remaining()
+            with self._lock:
+                self.holding += 1
+            try:
+                self._ended.wait(HOLD_SECONDS if remaining is None else max(0.0, min(remaining, HOLD_SECONDS)))
+            finally:
+                with self._lock:
+                    self.holding -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"ps:{self.index}'s backup at {self.address} was promoted "
+                                                       f"and serves it here from now on: call again")
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.address} is ps:{self.index}'s backup, not serving it: "
                                                    f"ps:{self.index} is served at {self._primary()}")
