@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
 from concurrent import futures
 from typing import Callable
 
@@ -41,6 +42,7 @@ __all__ = ["create_server", "recover", "threaded_waits", "serve_health", "set_he
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+HANDOVER_SECONDS = 5.0  # how long an address let go of (before_bind) may take to close: gRPC closes it on its thread
 ARBITRATION_THREADS = 16  # SetReplica's threads: each call ends within its timeout, so a queue for them drains
 
 
@@ -104,7 +106,8 @@ def create_server(
     shard promotes a backup only once its primary renewed no lease for `failover_after` s (replicas.py);
     `fence` (replica_rpcs.RoleFence) refuses calls until the caller opens it. `table_storage`: where
     dynamic tables' rows live (ssd_tables.TableStorage; default: memory). `before_bind()` frees `address`,
-    which another server of this process holds (a promoted backup's signpost) until the state is back.
+    which another server of this process holds (a promoted backup's signpost) until the state is back; the
+    address is bound once it is free (HANDOVER_SECONDS at most).
     """
     if before_bind is None:
         _check_free(address)
@@ -174,7 +177,7 @@ def create_server(
                                               require_client_auth=True) if security.tls else None
     if before_bind is not None:
         before_bind()
-        _check_free(address)
+        _wait_free(address, HANDOVER_SECONDS)
     port = _add_port(server, address, credentials, address)
     _LOGGER.debug("shard %d bound to %s (port %d), message limit %d bytes", index, address, port, limit)
     if metrics is not None:
@@ -252,6 +255,18 @@ def _add_port(server: grpc.Server | LoopServer, address: str, credentials, what:
     if port == 0:
         raise RuntimeError(f"cannot bind {what}: the port is in use or the host is not local")
     return port
+
+
+def _wait_free(address: str, timeout: float) -> None:
+    """Returns once `address` can be bound; RuntimeError with the reason if it cannot within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _check_free(address)
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.002)
 
 
 def _check_free(address: str) -> None:

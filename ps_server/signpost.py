@@ -102,7 +102,7 @@ class Signpost(grpc.GenericRpcHandler):
 
     def let_go(self) -> None:
         """Stops listening, so that the promoted backup can bind the address; the calls held go on until stop().
-        Blocks until the listener is closed (about a millisecond)."""
+        Does not block: gRPC closes the listener on its own thread, soon after."""
         if self._server is not None and self._stopped is None:
             self._stopped = self._server.stop(HOLD_SECONDS)
 

@@ -5,6 +5,7 @@ server (create_server) and real channels, in this process."""
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import grpc
@@ -83,5 +84,21 @@ def test_a_client_redirected_to_a_promoted_backup_is_answered_by_the_shard_once_
         assert status.index == 1
     finally:
         channels.close()
+        if server is not None:
+            server.stop(None).wait(10)
+
+
+def test_a_shard_binds_an_address_whose_listener_closes_only_after_before_bind_returned():
+    """gRPC closes a stopped server's listener on its own thread: the shard waits for the address to be free."""
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    listener = socket.create_server(("127.0.0.1", int(address.rsplit(":", 1)[1])))
+    closing = threading.Timer(0.2, listener.close)  # closed 0.2 s after before_bind returned, as under load
+    server = None
+    try:
+        server, port, _ = create_server(VariableStore(), 1, address, before_bind=closing.start)
+        assert f"127.0.0.1:{port}" == address and listener.fileno() == -1
+    finally:
+        closing.join(10)
+        listener.close()
         if server is not None:
             server.stop(None).wait(10)
