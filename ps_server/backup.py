@@ -99,11 +99,13 @@ class Backup:
     """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted;
     `spec`: the job's shards as its cluster spec names them (where its arbiter is). `keeps_stores`: it was
     started with --table-dir, so a primary keeping tables on SSD takes it (it copies their stores too).
-    `on_promoted()` runs as soon as the arbiter granted its promotion, before run() returns "promoted"."""
+    `on_promotion(state)` runs as it asks the arbiter to promote it ("asking"), once the arbiter refused
+    ("refused": it follows a primary again) and as soon as the arbiter granted it ("granted", before run()
+    returns "promoted"); an ask the arbiter did not answer is asked again, still "asking"."""
 
     def __init__(self, index: int, me: str, primary: str, spec: tuple[str, ...], folder: str, security: Security, *,
                  sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS, keeps_stores: bool = False,
-                 on_promoted: Callable[[], object] = lambda: None):
+                 on_promotion: Callable[[str], object] = lambda state: None):
         from ..client.channels import ShardChannels  # a backup's calls are a client's
 
         self.index, self.me, self.primary = index, me, primary
@@ -111,7 +113,7 @@ class Backup:
         self.folder = pathlib.Path(folder)
         self.sync, self.failover_after = sync, failover_after
         self.keeps_stores = keeps_stores  # it may be promoted with tables on SSD (--table-dir)
-        self._on_promoted = on_promoted
+        self._on_promotion = on_promotion
         self._security = security
         self._ps0 = arbiter_channels(spec, failover_after, security)
         self._channels = ShardChannels
@@ -427,6 +429,7 @@ class Backup:
         request = ps_pb2.ReplicaChange(action=ps_pb2.ReplicaChange.PROMOTE, index=self.index, primary=self.primary,
                                        backup=self.me, copy=self.copy)
         patience = time.monotonic() + self.failover_after
+        self._on_promotion("asking")
         try:
             while True:
                 try:
@@ -436,9 +439,11 @@ class Backup:
                 except LeaseHeldError as exc:
                     if time.monotonic() >= patience or self.stop.wait(LEASE_ASK_SECONDS):
                         _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
+                        self._on_promotion("refused")
                         return False
         except ReplicaFencedError as exc:
             _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
+            self._on_promotion("refused")
             self.holds_copy = False
             if self._left():
                 self.stop.set()
@@ -448,7 +453,7 @@ class Backup:
         except PSError as exc:
             _LOGGER.warning("backup of ps:%d: the arbiter did not answer its promotion (%s); asking again", self.index, exc)
             return False
-        self._on_promoted()
+        self._on_promotion("granted")
         _LOGGER.warning("ps:%d's primary %s is gone: this backup serves it at %s from now on (failover %d)",
                         self.index, self.primary, reply.primary, reply.failovers)
         return True

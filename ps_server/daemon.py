@@ -161,7 +161,8 @@ def serve_backup(args: argparse.Namespace, cluster: Cluster, index: int, address
     signpost = Signpost(index, address, security, lambda: backup.primary)
     backup = Backup(index, me, primary, tuple(cluster.ps), args.journal_dir, security.as_shard(index),
                     sync=args.journal_sync, failover_after=args.failover_after,
-                    keeps_stores=args.table_dir is not None, on_promoted=lambda: signpost.hold(me))
+                    keeps_stores=args.table_dir is not None, on_promotion=lambda state: signpost.hold(me)
+                    if state == "granted" else signpost.asking(state == "asking"))
     interrupted = []
 
     def on_signal(signum, _frame) -> None:

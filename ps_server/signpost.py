@@ -18,9 +18,12 @@ follows) as every call to a shard does; GetLayout is open to every role. A
 signpost that cannot bind (the address taken) is not started: the backup
 follows its primary without one, as before.
 
-Once its arbiter granted the promotion (hold), the signpost names the backup's
-own address as the primary, and every other call waits, rather than send a
-client that heard of the promotion back to ask where the shard is. The
+While the backup asks its arbiter to promote it (asking), GetLayout names no
+primary: a client that heard of the promotion from the arbiter before the
+backup did must not be sent back to the old primary. Once its arbiter granted
+the promotion (hold), the signpost names the backup's own address as the
+primary, and every other call waits, rather than send a client that heard of
+the promotion back to ask where the shard is. The
 promoted backup brings its state back from its copy meanwhile; then it takes
 the address over (let_go: the signpost stops listening, the calls it holds
 stay), binds it, and ends the signpost (stop): the held calls answer
@@ -66,6 +69,7 @@ class Signpost(grpc.GenericRpcHandler):
         self._tokens = TokenFile(security)
         self._server: grpc.Server | None = None
         self._served_at = ""  # the promoted backup's address, once held
+        self._asking = False  # the backup asks its arbiter to promote it: the primary is being decided
         self._ended = threading.Event()  # set by stop(): held calls answer
         self._stopped: threading.Event | None = None  # let_go()'s: set once every held call answered
         self._lock = threading.Lock()
@@ -94,6 +98,11 @@ class Signpost(grpc.GenericRpcHandler):
         _LOGGER.info("ps %d backup: %s answers where ps:%d is served until this backup is promoted", self.index,
                      self.address, self.index)
         return True
+
+    def asking(self, asking: bool) -> None:
+        """The backup asks its arbiter to promote it (True), or was refused (False): meanwhile GetLayout names no
+        primary. Does not block."""
+        self._asking = asking
 
     def hold(self, served_at: str) -> None:
         """The backup is promoted and will serve its shard at `served_at`: GetLayout names it the primary, and
@@ -141,6 +150,8 @@ class Signpost(grpc.GenericRpcHandler):
         self._check(context, "GetLayout")
         if self._served_at:
             return ps_pb2.Layout(replicas=[ps_pb2.ShardReplicas(index=self.index, primary=self._served_at)])
+        if self._asking:
+            return ps_pb2.Layout(replicas=[ps_pb2.ShardReplicas(index=self.index, backup=self.address)])
         return ps_pb2.Layout(replicas=[ps_pb2.ShardReplicas(index=self.index, primary=self._primary(),
                                                             backup=self.address)])
 

@@ -102,3 +102,20 @@ def test_a_shard_binds_an_address_whose_listener_closes_only_after_before_bind_r
         listener.close()
         if server is not None:
             server.stop(None).wait(10)
+
+
+def test_a_signpost_names_no_primary_while_its_backup_asks_to_be_promoted():
+    """A client that heard of the promotion from the arbiter before the backup did is not sent back to the old
+    primary by the signpost; once the arbiter refused, the signpost names the primary again."""
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    post = Signpost(0, address, INSECURE, lambda: PRIMARY)
+    assert post.start()
+    channels = ShardChannels([address], connect_timeout=30)  # one shard: its own address says where it is
+    try:
+        post.asking(True)
+        assert not channels.relocate(0) and channels.addresses == [address]
+        post.asking(False)  # refused: the primary serves on
+        assert channels.relocate(0) and channels.addresses == [PRIMARY]
+    finally:
+        channels.close()
+        post.stop()
