@@ -99,9 +99,9 @@ class Backup:
     """The backup of shard `index` (see the module docstring). `me`: the address it serves at if promoted;
     `spec`: the job's shards as its cluster spec names them (where its arbiter is). `keeps_stores`: it was
     started with --table-dir, so a primary keeping tables on SSD takes it (it copies their stores too).
-    `on_promotion(state)` runs as it asks the arbiter to promote it ("asking"), once the arbiter refused
-    ("refused": it follows a primary again) and as soon as the arbiter granted it ("granted", before run()
-    returns "promoted"); an ask the arbiter did not answer is asked again, still "asking"."""
+    `on_promotion(state)` runs as it asks the arbiter to promote it ("asking"), once it was not promoted
+    ("following": refused, or the arbiter did not answer; it follows a primary again) and as soon as the
+    arbiter granted it ("granted", before run() returns "promoted")."""
 
     def __init__(self, index: int, me: str, primary: str, spec: tuple[str, ...], folder: str, security: Security, *,
                  sync: bool = False, failover_after: float = FAILOVER_AFTER_SECONDS, keeps_stores: bool = False,
@@ -439,11 +439,11 @@ class Backup:
                 except LeaseHeldError as exc:
                     if time.monotonic() >= patience or self.stop.wait(LEASE_ASK_SECONDS):
                         _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
-                        self._on_promotion("refused")
+                        self._on_promotion("following")
                         return False
         except ReplicaFencedError as exc:
             _LOGGER.warning("backup of ps:%d not promoted: %s", self.index, exc)
-            self._on_promotion("refused")
+            self._on_promotion("following")
             self.holds_copy = False
             if self._left():
                 self.stop.set()
@@ -452,6 +452,7 @@ class Backup:
             return False
         except PSError as exc:
             _LOGGER.warning("backup of ps:%d: the arbiter did not answer its promotion (%s); asking again", self.index, exc)
+            self._on_promotion("following")
             return False
         self._on_promotion("granted")
         _LOGGER.warning("ps:%d's primary %s is gone: this backup serves it at %s from now on (failover %d)",

@@ -100,8 +100,8 @@ class Signpost(grpc.GenericRpcHandler):
         return True
 
     def asking(self, asking: bool) -> None:
-        """The backup asks its arbiter to promote it (True), or was refused (False): meanwhile GetLayout names no
-        primary. Does not block."""
+        """The backup asks its arbiter to promote it (True: meanwhile GetLayout names no primary), or was not
+        promoted (False: refused, or its arbiter did not answer). Does not block."""
         self._asking = asking
 
     def hold(self, served_at: str) -> None:
